@@ -1,0 +1,32 @@
+# fxpipe: `make demo` and `make test` set up .venv on first use, then run.
+PYTHON ?= python3
+VENV ?= .venv
+# The torch build to install first. The default is the CPU wheel this project is
+# developed on; on a GPU machine use e.g. `make test TORCH_SPEC="torch==2.13.0"` with
+# your CUDA index, or TORCH_SPEC="torch" for whatever pip picks.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fxpipe-installed
+CONSTRAINTS := $(VENV)/constraints.txt
+DEMO_OUT ?= build/demo
+
+.PHONY: demo test setup clean bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip freeze | grep -i '^torch==' > $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m fxpipe trace examples/gpt.py --out $(DEMO_OUT)/profile.json
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

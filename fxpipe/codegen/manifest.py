@@ -1,0 +1,161 @@
+"""``Manifest``: the contract between a build directory and whoever loads it.
+
+A stage's ``forward`` takes ``StageManifest.inputs`` in order and returns a tuple in
+the order of ``StageManifest.outputs``. A boundary tensor is produced by one stage
+(``producer``; ``INPUT`` for a model input, which every rank reads itself) and consumed
+by any later stages (``consumers``) and/or returned by the model (``model_output`` is
+its position in the model's flattened output). Tensors may skip stages: they travel
+straight from producer to consumer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import BuildDirError
+
+__all__ = ["INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
+
+MANIFEST_SCHEMA_VERSION = 1
+INPUT = -1  # producer of a model input
+
+
+@dataclass(frozen=True)
+class BoundaryTensor:
+    """A tensor that crosses a stage boundary, with its shape at the traced microbatch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    batch_dim: int | None
+    producer: int
+    consumers: tuple[int, ...] = ()
+    requires_grad: bool = True
+    model_output: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "consumers", tuple(self.consumers))
+
+    def shape_at(self, microbatch: int, traced_microbatch: int) -> tuple[int, ...]:
+        """The shape at another microbatch size (scaled along ``batch_dim``)."""
+        if self.batch_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        per_sample, rem = divmod(shape[self.batch_dim], traced_microbatch)
+        if rem:
+            raise BuildDirError(f"tensor {self.name!r}: dim {self.batch_dim} of {self.shape} "
+                                f"is not a multiple of the traced microbatch {traced_microbatch}")
+        shape[self.batch_dim] = per_sample * microbatch
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class StageManifest:
+    """One stage: its files, hashes, the tensors it owns and its boundary."""
+
+    index: int
+    class_name: str
+    source: str
+    weights: str
+    source_sha256: str
+    weights_sha256: str
+    inputs: tuple[BoundaryTensor, ...]
+    outputs: tuple[BoundaryTensor, ...]
+    parameters: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("inputs", "outputs"):
+            object.__setattr__(self, name, tuple(
+                t if isinstance(t, BoundaryTensor) else BoundaryTensor(**t) for t in getattr(self, name)))
+        for name in ("parameters", "buffers", "units"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter held by several stages: ``keys[i]`` is its name on ``stages[i]``."""
+
+    stages: tuple[int, ...]
+    keys: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "keys", tuple(self.keys))
+        if len(self.stages) != len(self.keys) or len(self.stages) < 2:
+            raise BuildDirError(f"a tie needs one key per stage and at least two stages: {self}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a loader needs to know about a build directory."""
+
+    model_file: str
+    model_fn: str
+    model_sha256: str
+    stages: tuple[StageManifest, ...]
+    batch_size: int
+    microbatch_size: int
+    inputs: tuple[BoundaryTensor, ...] = ()
+    ties: tuple[Tie, ...] = ()
+    inputs_fn: str = "example_inputs"
+    frontend: str = "symbolic"
+    output_spec: str | None = None
+    schema_version: int = MANIFEST_SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(
+            s if isinstance(s, StageManifest) else StageManifest(**s) for s in self.stages))
+        object.__setattr__(self, "inputs", tuple(
+            t if isinstance(t, BoundaryTensor) else BoundaryTensor(**t) for t in self.inputs))
+        object.__setattr__(self, "ties", tuple(t if isinstance(t, Tie) else Tie(**t) for t in self.ties))
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage(self, index: int) -> StageManifest:
+        if not 0 <= index < self.num_stages:
+            raise BuildDirError(
+                f"stage index {index} is out of range: this build has {self.num_stages} stages (0..{self.num_stages - 1})"
+            )
+        return self.stages[index]
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(asdict(self), indent=1)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Manifest:
+        """Read ``DIR/manifest.json`` (or a manifest file path), refusing unknown schemas."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "manifest.json"
+        if not path.is_file():
+            raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by `fxpipe partition`?")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise BuildDirError(f"{path} is not valid JSON: {exc}") from None
+        version = data.get("schema_version")
+        if version != MANIFEST_SCHEMA_VERSION:
+            raise BuildDirError(
+                f"{path} has schema version {version!r}; this fxpipe reads version {MANIFEST_SCHEMA_VERSION}. "
+                "Rebuild it with this fxpipe's `fxpipe partition`."
+            )
+        known = set(cls.__dataclass_fields__)
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            raise BuildDirError(f"{path} is malformed: {exc}") from None

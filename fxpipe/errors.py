@@ -1,0 +1,72 @@
+"""User-facing errors: every failure a user can act on is an ``FxpipeError``.
+
+The CLI prints ``error: <message>`` on one line and exits 2 for these; anything
+else is a bug in fxpipe and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FxpipeError",
+    "ModelFileError",
+    "TraceError",
+    "ProfileError",
+    "PartitionError",
+    "InfeasibleError",
+    "PinError",
+    "CodegenError",
+    "BuildDirError",
+    "RuntimeSetupError",
+    "PeerError",
+    "ConfigError",
+]
+
+
+class FxpipeError(Exception):
+    """Base class of errors whose message tells the user what to change."""
+
+    exit_code: int = 2
+
+
+class ModelFileError(FxpipeError):
+    """The model file is missing, does not import, or lacks a required function."""
+
+
+class TraceError(FxpipeError):
+    """Neither front end could trace the model."""
+
+
+class ProfileError(FxpipeError):
+    """A profile JSON file is malformed or inconsistent."""
+
+
+class PartitionError(FxpipeError):
+    """The partitioning problem is ill-posed (e.g. more stages than units)."""
+
+
+class InfeasibleError(PartitionError):
+    """No assignment satisfies the memory limit or the pins."""
+
+
+class PinError(PartitionError):
+    """Manual ``fxpipe.partition(i)`` pins contradict each other or the graph order."""
+
+
+class CodegenError(FxpipeError):
+    """A stage could not be emitted as source."""
+
+
+class BuildDirError(FxpipeError):
+    """A build directory is missing files, tampered with, or of an unknown schema."""
+
+
+class RuntimeSetupError(FxpipeError):
+    """The distributed job is misconfigured (world size, backend, environment)."""
+
+
+class PeerError(FxpipeError):
+    """A peer rank failed or did not answer within the timeout."""
+
+
+class ConfigError(FxpipeError):
+    """An ``fxpipe.init`` configuration key or value is invalid."""

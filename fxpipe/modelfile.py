@@ -1,0 +1,138 @@
+"""Model files: the contract by which users hand fxpipe a model.
+
+A model file defines ``build_model() -> nn.Module`` and
+``example_inputs(batch_size: int) -> tuple[Tensor, ...]``, and optionally
+``loss_fn(output, target) -> Tensor`` and ``example_targets(batch_size: int)``.
+``path.py:name`` picks another model function inline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from fxpipe.errors import ModelFileError
+
+__all__ = ["ModelSource", "load_model_file", "import_model_module", "file_sha256"]
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def import_model_module(path: str | Path) -> ModuleType:
+    """Import a model file under a stable module name derived from its path.
+
+    The same file always maps to the same module, so classes defined in it are the
+    same objects whether the tracer, a generated stage file or a test imports them.
+    """
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    name = f"fxpipe_model_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"cannot import {str(path)!r}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ModelFileError(f"importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+@dataclass
+class ModelSource:
+    """A loaded model file and the functions it provides."""
+
+    path: Path
+    module: ModuleType
+    model_fn: str = "build_model"
+    inputs_fn: str = "example_inputs"
+    targets_fn: str = "example_targets"
+    loss_fn_name: str = "loss_fn"
+
+    @property
+    def sha256(self) -> str:
+        return file_sha256(self.path)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        fn = getattr(self.module, name, None)
+        if not callable(fn):
+            raise ModelFileError(f"{self.path.name} defines no function {name}()")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise ModelFileError(f"{self.path.name}:{name}() raised {type(exc).__name__}: {exc}") from exc
+
+    def build_model(self) -> Any:
+        import torch.nn as nn
+
+        model = self._call(self.model_fn)
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(
+                f"{self.path.name}:{self.model_fn}() returned {type(model).__name__}, expected a torch.nn.Module"
+            )
+        return model
+
+    def example_inputs(self, batch_size: int) -> tuple[Any, ...]:
+        import torch
+
+        inputs = self._call(self.inputs_fn, batch_size)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise ModelFileError(
+                f"{self.path.name}:{self.inputs_fn}({batch_size}) must return a tuple of tensors, "
+                f"got {type(inputs).__name__}"
+            )
+        return tuple(inputs)
+
+    def has(self, name: str) -> bool:
+        return callable(getattr(self.module, name, None))
+
+    def example_targets(self, batch_size: int) -> Any:
+        return self._call(self.targets_fn, batch_size)
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        fn = getattr(self.module, self.loss_fn_name, None)
+        if not callable(fn):
+            raise ModelFileError(f"{self.path.name} defines no {self.loss_fn_name}(output, target); training needs one")
+        return fn
+
+
+def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: str | None = None) -> ModelSource:
+    """Load ``path.py`` or ``path.py:model_fn`` and check that its functions exist."""
+    text = str(spec)
+    inline_fn = None
+    if ":" in text and not Path(text).is_file():
+        text, inline_fn = text.rsplit(":", 1)
+    path = Path(text)
+    if path.suffix != ".py":
+        raise ModelFileError(f"model file {text!r} must be a .py file")
+    source = ModelSource(
+        path=path.resolve(),
+        module=import_model_module(path),
+        model_fn=model_fn or inline_fn or "build_model",
+        inputs_fn=inputs_fn or "example_inputs",
+    )
+    for name in (source.model_fn, source.inputs_fn):
+        if not source.has(name):
+            raise ModelFileError(f"{path.name} defines no function {name}(); see the model-file contract in the README")
+    return source

@@ -1,0 +1,301 @@
+"""``ModelProfile``: what the tracer learned about a model, in plain data.
+
+The partitioner reads nothing else, so a profile written by another tool (or edited
+by hand for a what-if study) plans exactly like one traced here.
+
+Note [model inputs]: the model's own inputs are not units and travel on no edge.
+Every pipeline rank reads the batch itself (as with the seed API's ``smp.step``), so a
+unit that consumes a model input needs no transfer for it. ``ModelProfile.inputs``
+records their specs and ``Unit.reads_inputs`` which of them a unit reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fxpipe.errors import ProfileError
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+__all__ = ["TensorSpec", "Unit", "UnitEdge", "ModelProfile", "PROFILE_SCHEMA_VERSION"]
+
+PROFILE_SCHEMA_VERSION = 1
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "symint": 8,  # a symbolic size travelling as a Python int
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name such as ``"float32"``."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ProfileError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor at the traced batch size.
+
+    ``batch_dim`` is the dimension that scales with the batch (``None`` when the
+    tensor does not depend on it, e.g. a causal mask). ``requires_grad`` says whether a
+    gradient flows back through it (token ids and masks get none).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    batch_dim: int | None = 0
+    requires_grad: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        dtype_bytes(self.dtype)
+        if self.batch_dim is not None and not 0 <= self.batch_dim < max(len(self.shape), 1):
+            raise ProfileError(f"batch_dim {self.batch_dim} out of range for shape {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    def at_batch(self, batch_size: int, traced_batch: int) -> tuple[int, ...]:
+        """The shape this tensor has when the batch is ``batch_size`` instead of ``traced_batch``."""
+        if self.batch_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        per_sample, rem = divmod(shape[self.batch_dim], traced_batch)
+        if rem:
+            raise ProfileError(
+                f"dimension {self.batch_dim} of {self.shape} is not a multiple of the traced batch {traced_batch}"
+            )
+        shape[self.batch_dim] = per_sample * batch_size
+        return tuple(shape)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        return cls(
+            shape=tuple(d["shape"]),
+            dtype=d.get("dtype", "float32"),
+            batch_dim=d.get("batch_dim", 0),
+            requires_grad=d.get("requires_grad", True),
+        )
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The smallest piece the partitioner places: one leaf module call, or a run of
+    FX nodes that belong to the same module path.
+
+    Times are for ONE microbatch at the profiled batch size. ``param_bytes`` counts
+    each parameter once over the whole profile (a tied parameter is charged to its
+    first user and listed in every user's ``params``), so the units' sum is the
+    model's parameter size.
+    """
+
+    name: str
+    module_path: str
+    kind: str = "module"
+    module_type: str | None = None
+    outputs: tuple[TensorSpec, ...] = ()
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    fwd_flops: float = 0.0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    activation_bytes: int = 0
+    params: tuple[str, ...] = ()
+    reads_inputs: tuple[int, ...] = ()
+    pin: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(
+            o if isinstance(o, TensorSpec) else TensorSpec.from_dict(o) for o in self.outputs
+        ))
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "reads_inputs", tuple(self.reads_inputs))
+        if not self.name:
+            raise ProfileError("a unit needs a non-empty name")
+        for label, value in (("fwd_ms", self.fwd_ms), ("bwd_ms", self.bwd_ms),
+                             ("param_bytes", self.param_bytes), ("activation_bytes", self.activation_bytes)):
+            if value < 0:
+                raise ProfileError(f"unit {self.name!r}: {label} is negative ({value})")
+        if self.pin is not None and self.pin < 0:
+            raise ProfileError(f"unit {self.name!r}: pin must be a stage index >= 0, got {self.pin}")
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward plus backward time of one microbatch."""
+        return self.fwd_ms + self.bwd_ms
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Unit:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class UnitEdge:
+    """Data flowing from ``src`` to ``dst``: the listed outputs of ``src``.
+
+    ``bytes`` is their total size per microbatch. Two edges from one producer into the
+    same stage carry the same tensor once, which is why the edge names its outputs.
+    """
+
+    src: str
+    dst: str
+    bytes: int
+    outputs: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if self.bytes < 0:
+            raise ProfileError(f"edge {self.src}->{self.dst}: negative bytes")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> UnitEdge:
+        return cls(src=d["src"], dst=d["dst"], bytes=int(d["bytes"]), outputs=tuple(d.get("outputs", (0,))))
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Units in topological order, the edges between them, and how they were measured.
+
+    ``batch_size`` is the (micro)batch the units were profiled at. ``param_sizes`` maps
+    every parameter name to its bytes (tied parameters once, under the name in
+    ``ties[k][0]``); ``ties`` lists the groups of names that are one tensor.
+    """
+
+    units: tuple[Unit, ...]
+    edges: tuple[UnitEdge, ...]
+    batch_size: int
+    inputs: tuple[TensorSpec, ...] = ()
+    trace_device: str = "cpu"
+    frontend: str = "symbolic"
+    timing: str = "analytic"
+    module_order: tuple[str, ...] = ()
+    param_sizes: dict[str, int] = field(default_factory=dict)
+    ties: tuple[tuple[str, ...], ...] = ()
+    model: dict[str, str] = field(default_factory=dict)
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit.from_dict(u) for u in self.units))
+        object.__setattr__(self, "edges", tuple(e if isinstance(e, UnitEdge) else UnitEdge.from_dict(e) for e in self.edges))
+        object.__setattr__(self, "inputs", tuple(
+            i if isinstance(i, TensorSpec) else TensorSpec.from_dict(i) for i in self.inputs))
+        object.__setattr__(self, "module_order", tuple(self.module_order))
+        object.__setattr__(self, "ties", tuple(tuple(t) for t in self.ties))
+        if self.batch_size < 1:
+            raise ProfileError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.units:
+            raise ProfileError("a profile needs at least one unit")
+        index: dict[str, int] = {}
+        for i, u in enumerate(self.units):
+            if u.name in index:
+                raise ProfileError(f"duplicate unit name {u.name!r}")
+            index[u.name] = i
+        for e in self.edges:
+            if e.src not in index or e.dst not in index:
+                missing = e.src if e.src not in index else e.dst
+                raise ProfileError(f"edge {e.src}->{e.dst} names unknown unit {missing!r}")
+            if index[e.src] >= index[e.dst]:
+                raise ProfileError(
+                    f"edge {e.src}->{e.dst} goes backwards: units must be listed in topological order"
+                )
+
+    # -- views -----------------------------------------------------------------
+
+    @property
+    def unit_index(self) -> dict[str, int]:
+        """Position of each unit in the topological order."""
+        return {u.name: i for i, u in enumerate(self.units)}
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(u.param_bytes for u in self.units)
+
+    @property
+    def total_compute_ms(self) -> float:
+        return sum(u.compute_ms for u in self.units)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when every edge joins neighbours in the order (no branch or skip)."""
+        idx = self.unit_index
+        return all(idx[e.dst] == idx[e.src] + 1 for e in self.edges)
+
+    def graph(self) -> nx.DiGraph:
+        """The units as a networkx DiGraph (node attribute ``unit``, edge attribute ``bytes``)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for u in self.units:
+            g.add_node(u.name, unit=u)
+        for e in self.edges:
+            if g.has_edge(e.src, e.dst):
+                g[e.src][e.dst]["bytes"] += e.bytes
+            else:
+                g.add_edge(e.src, e.dst, bytes=e.bytes, outputs=e.outputs)
+        return g
+
+    # -- JSON ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for u in d["units"]:
+            u["outputs"] = [dict(o, shape=list(o["shape"])) for o in u["outputs"]]
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
+        version = d.get("schema_version", PROFILE_SCHEMA_VERSION)
+        if version > PROFILE_SCHEMA_VERSION:
+            raise ProfileError(
+                f"profile schema version {version} is newer than this fxpipe understands "
+                f"({PROFILE_SCHEMA_VERSION}); upgrade fxpipe"
+            )
+        for key in ("units", "edges", "batch_size"):
+            if key not in d:
+                raise ProfileError(f"profile is missing the field {key!r}")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ModelProfile:
+        """Load from a path or a JSON string."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            path = Path(source)
+            if not path.is_file():
+                raise ProfileError(f"profile file {str(path)!r} does not exist")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
