@@ -1,0 +1,5 @@
+"""``python -m fxpipe`` is the ``fxpipe`` command."""
+
+from fxpipe.cli import main
+
+raise SystemExit(main())

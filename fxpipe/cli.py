@@ -1,0 +1,277 @@
+"""The ``fxpipe`` command: a thin shell over the tracer, partitioner, codegen and runtime.
+
+Every verb maps to one public function; user errors (``FxpipeError``) print as a single
+``error: …`` line and exit 2 (``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from fxpipe.errors import FxpipeError
+
+__all__ = ["main", "build_parser"]
+
+
+# -- shared option groups ------------------------------------------------------
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_file", help="model file (path.py or path.py:build_fn)")
+    p.add_argument("--model-fn", help="model factory function (default build_model)")
+    p.add_argument("--inputs-fn", help="example inputs function (default example_inputs)")
+    p.add_argument("--frontend", choices=["auto", "symbolic", "export"], default="auto",
+                   help="tracing front end (default auto: symbolic when it exposes the structure)")
+    p.add_argument("--leaf", action="append", default=[], metavar="TYPE_OR_PATH",
+                   help="keep this module type (class name) or module path whole; repeatable")
+    p.add_argument("--trace-device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--measure-times", action="store_true",
+                   help="measure forward/backward per unit instead of the analytic estimate")
+    p.add_argument("--measure-memory", action="store_true",
+                   help="measure activation memory saved for backward per unit")
+
+
+def _add_cost_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default: the number of stages)")
+    p.add_argument("--solver", default="auto", choices=["auto", "dp", "cpsat", "greedy", "params", "uniform"])
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--memory-limit", help="memory per device, e.g. 512MiB or 16GiB")
+    p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds")
+    p.add_argument("--link", default="loopback", help="link preset: nvlink, pcie, infiniband, ethernet, loopback")
+    p.add_argument("--link-bandwidth", type=float, help="link bandwidth in GB/s (overrides the preset)")
+    p.add_argument("--link-latency", type=float, help="per-message latency in microseconds (overrides the preset)")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"],
+                   help="optimizer whose state the memory model counts")
+    p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
+    p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
+
+
+# -- verbs ---------------------------------------------------------------------
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Piped output (CI logs, files) gets room for the tables instead of rich's 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 132)
+
+
+def _load_source(args: argparse.Namespace) -> Any:
+    from fxpipe.modelfile import load_model_file
+
+    return load_model_file(args.model_file, model_fn=args.model_fn, inputs_fn=args.inputs_fn)
+
+
+def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
+    from fxpipe.tracer import trace_model_file
+
+    return trace_model_file(
+        source, batch_size,
+        frontend=args.frontend, leaves=tuple(args.leaf), measure_times=args.measure_times,
+        measure_memory=args.measure_memory, trace_device=args.trace_device,
+    )
+
+
+def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
+    from fxpipe.errors import ConfigError
+    from fxpipe.partitioner import CostModel, parse_size, plan_partition
+
+    overrides: dict[str, Any] = {"optimizer": args.optimizer}
+    if args.link_bandwidth is not None:
+        overrides["link_bandwidth"] = args.link_bandwidth * 1e9
+    if args.link_latency is not None:
+        overrides["link_latency"] = args.link_latency * 1e-6
+    if args.speed_factors:
+        try:
+            overrides["device_speed"] = tuple(float(s) for s in args.speed_factors.split(","))
+        except ValueError:
+            raise ConfigError(f"--speed-factors {args.speed_factors!r} must be numbers separated by commas") from None
+    cost = CostModel.preset(args.link, **overrides)
+    return plan_partition(
+        profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
+        cost=cost, memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
+        time_limit=args.time_limit, optimize=args.optimize,
+    )
+
+
+def _microbatching(batch_size: int | None, microbatches: int | None, stages: int) -> tuple[int, int]:
+    from fxpipe.errors import PartitionError
+
+    m = microbatches or stages
+    b = batch_size or 2 * m
+    if m < 1 or b < 1 or b % m:
+        raise PartitionError(
+            f"--batch-size {b} must be a positive multiple of --microbatches {m} "
+            f"(each microbatch has batch-size/microbatches samples)"
+        )
+    return b, m
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from fxpipe.tracer import print_profile_table
+
+    source = _load_source(args)
+    traced = _trace(args, source, args.batch_size)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    traced.profile.to_json(out)
+    console = _console()
+    print_profile_table(traced.profile, console=console)
+    console.print(f"[green]wrote[/] {out} ({len(traced.profile.units)} units, frontend {traced.frontend})")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fxpipe.partitioner import print_plan_report
+    from fxpipe.tracer.profile import ModelProfile
+
+    profile = ModelProfile.from_json(args.profile)
+    plan = _plan(args, profile, args.microbatches or args.stages)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plan.to_json(out)
+    console = _console()
+    print_plan_report(plan, profile, console=console)
+    console.print(f"[green]wrote[/] {out}")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from fxpipe.codegen import write_build_dir
+    from fxpipe.partitioner import print_plan_report, write_html_report
+
+    batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
+    source = _load_source(args)
+    traced = _trace(args, source, batch // micro)
+    plan = _plan(args, traced.profile, micro)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro)
+    traced.profile.to_json(out / "profile.json")
+    plan.to_json(out / "plan.json")
+    write_html_report(plan, traced.profile, out / "report.html")
+    console = _console()
+    print_plan_report(plan, traced.profile, console=console)
+    console.print(f"[green]wrote[/] build directory {out}/ ({plan.num_stages} stages; open {out}/report.html)")
+    return 0
+
+
+def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
+    from fxpipe.errors import BuildDirError
+    from fxpipe.partitioner import PartitionPlan
+    from fxpipe.tracer.profile import ModelProfile
+
+    d = Path(build_dir)
+    for name in ("plan.json", "profile.json"):
+        if not (d / name).is_file():
+            raise BuildDirError(f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first")
+    return PartitionPlan.from_json(d / "plan.json"), ModelProfile.from_json(d / "profile.json")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fxpipe.partitioner import print_plan_report, write_html_report
+
+    plan, profile = _load_plan_dir(args.build_dir)
+    console = _console()
+    print_plan_report(plan, profile, console=console)
+    if args.html:
+        path = Path(args.build_dir) / "report.html"
+        write_html_report(plan, profile, path)
+        console.print(f"[green]wrote[/] {path}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from fxpipe.codegen import print_verify_report, verify_build
+
+    report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
+    print_verify_report(report, console=_console())
+    return 0 if report.ok else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fxpipe.runtime.launch import run_build
+
+    result = run_build(
+        args.build_dir, steps=args.steps, schedule=args.schedule, microbatches=args.microbatches,
+        batch_size=args.batch_size, lr=args.lr, timeout_s=args.timeout,
+    )
+    return 0 if result.get("ok", True) else 1
+
+
+# -- entry point ---------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fxpipe",
+        description="Ahead-of-time pipeline-parallel compiler for PyTorch.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("trace", help="trace and profile a model file; write profile.json")
+    _add_model_options(p)
+    p.add_argument("--batch-size", type=int, default=2, help="batch size to trace at (default 2)")
+    p.add_argument("--out", default="profile.json")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("plan", help="plan stages from a saved profile.json; write plan.json")
+    p.add_argument("profile", help="profile.json written by `fxpipe trace`")
+    _add_cost_options(p)
+    p.add_argument("--out", default="plan.json")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("partition", help="trace + plan + emit the build directory")
+    _add_model_options(p)
+    _add_cost_options(p)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch of one pipeline replica per step (default 2 x microbatches)")
+    p.add_argument("--out", default="build")
+    p.set_defaults(func=cmd_partition)
+
+    p = sub.add_parser("report", help="print a build directory's plan again")
+    p.add_argument("build_dir")
+    p.add_argument("--html", action="store_true", help="(re)write report.html")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("verify", help="check the stages against the original model in one process")
+    p.add_argument("build_dir")
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("run", help="train the build with torchrun, one process per stage")
+    p.add_argument("build_dir")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--microbatches", type=int, default=None, help="default: the build's")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the build's")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent peer is an error")
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FxpipeError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

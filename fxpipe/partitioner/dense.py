@@ -1,0 +1,95 @@
+"""The chain DP in its O(S n^2) form, with the full memory model, for memory-limited problems.
+
+The windowed DP in ``dp.py`` needs stage memory to grow with the range, which holds
+for parameters and activations but not for boundary buffers (a wider stage may cut at
+a thinner tensor). Here every (start, end) pair gets its exact memory (distinct
+parameters, buffers, activations x in flight, received inputs x in flight, one send
+buffer; Note [stage cost]) as an n x n matrix, and the min-max recurrence
+``f_j[k] = min_i max(f_{j-1}[i], cost_j(i, k))`` runs once, vectorised over i.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fxpipe.partitioner.problem import PartitionProblem
+
+__all__ = ["DENSE_MAX_UNITS", "dense_split", "range_memory"]
+
+DENSE_MAX_UNITS = 2000  # n^2 matrices of float64: 32 MB each at this size
+
+
+def _cut_bytes(problem: PartitionProblem) -> np.ndarray:
+    """Bytes of the tensors live across each position (0 at both ends)."""
+    n = problem.num_units
+    diff = np.zeros(n + 2)
+    for t in problem.tensors:
+        diff[t.producer + 1] += t.nbytes
+        diff[max(t.consumers) + 1] -= t.nbytes
+    cut = np.cumsum(diff)[: n + 1]
+    cut[0] = cut[n] = 0.0
+    return cut
+
+
+def _distinct_params(problem: PartitionProblem) -> np.ndarray:
+    """``D[i, k]``: bytes of the distinct parameters used by units in ``[i, k)``.
+
+    A use of parameter q by unit u counts for start i iff the previous use of q lies
+    before i, so ``D[i, k] = sum_{u in [i, k)} V[i, u]`` with V built by range adds.
+    """
+    n = problem.num_units
+    V = np.zeros((n + 1, n))
+    last: dict[int, int] = {}
+    for u, ps in enumerate(problem.unit_params):
+        for q in ps:
+            prev = last.get(q, -1)
+            V[prev + 1, u] += problem.param_bytes[q]
+            V[u + 1, u] -= problem.param_bytes[q]
+            last[q] = u
+    V = np.cumsum(V, axis=0)[:n + 1]
+    D = np.zeros((n + 1, n + 1))
+    D[:, 1:] = np.cumsum(V, axis=1)   # V[i, u] == 0 for u < i, so this sums u in [i, k)
+    return D
+
+
+def range_memory(problem: PartitionProblem, stage: int) -> np.ndarray:
+    """``M[i, k]``: memory of stage ``stage`` if it held units ``[i, k)`` (valid for i < k)."""
+    k_in = problem.in_flight(stage)
+    own = np.asarray(problem.buffer_bytes, float) + k_in * np.asarray(problem.activation_bytes, float)
+    w = np.concatenate(([0.0], np.cumsum(own)))
+    cut = _cut_bytes(problem)
+    mem = problem.state_factor * _distinct_params(problem) + (w[None, :] - w[:, None])
+    return mem + k_in * cut[:, None] + cut[None, :]
+
+
+def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, pin_ok: list[np.ndarray],
+                limit: float | None) -> tuple[float, tuple[int, ...]] | None:
+    """Least DP bottleneck of a contiguous split with every stage's memory within ``limit``."""
+    n, S = problem.num_units, problem.num_stages
+    speeds = problem.speeds
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)    # i < k
+    f = np.full(n + 1, np.inf)
+    f[0] = 0.0
+    choice = []
+    mems: dict[int, np.ndarray] = {}
+    for j in range(S):
+        k_in = problem.in_flight(j)
+        if limit is not None and k_in not in mems:
+            mems[k_in] = range_memory(problem, j) <= limit
+        cost = (prefix[None, :] - prefix[:, None]) / speeds[j] + cut[:, None] + cut[None, :]
+        ok = upper if limit is None else upper & mems[k_in]
+        cand = np.where(ok, np.maximum(f[:, None], cost), np.inf)
+        arg = np.argmin(cand, axis=0)
+        f = cand[arg, np.arange(n + 1)]
+        f = np.where(pin_ok[j], f, np.inf)
+        choice.append(arg)
+    if not np.isfinite(f[n]):
+        return None
+    assignment = [0] * n
+    k = n
+    for j in reversed(range(S)):
+        i = int(choice[j][k])
+        assignment[i:k] = [j] * (k - i)
+        k = i
+    assert k == 0, "dense DP backtrack did not reach the first unit"
+    return float(f[n]), tuple(assignment)

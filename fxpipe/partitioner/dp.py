@@ -1,0 +1,330 @@
+"""Exact dynamic programme for contiguous splits of the topological order.
+
+Note [chain DP]: stage j takes the units in positions ``[i, k)``. Its time is
+``(P[k] - P[i]) / speed_j + cut[i] + cut[k]`` where ``P`` is the prefix sum of
+fwd + bwd compute and ``cut[c]`` the message time (both directions, both ends) of the
+tensors live across position ``c``. On a chain this is exactly Note [stage cost]; on a
+branching graph it is a proxy (a skip tensor is charged to the stages it passes, and
+sent once however many later stages read it), which is why ``auto`` follows up with
+CP-SAT there and every plan is re-evaluated exactly.
+
+For a candidate bottleneck ``T`` the question "can the first k units fill stages
+0..j?" is answered for all k at once: stage j can end at k from a reachable start
+``i`` iff ``cut[i] - P[i]/speed_j <= T - cut[k] - P[k]/speed_j`` for some reachable
+``i`` in the memory window ``[lo_j(k), k)`` (the window is monotone because memory
+grows with the range). That is a windowed minimum, done with numpy in O(n log n) per
+stage, so one test costs O(S n log n) and a binary search on ``T`` finds the optimum
+to a relative 1e-10. Pins restrict where stage j may end: all units pinned <= j before
+it, all pinned > j after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from fxpipe.errors import InfeasibleError
+from fxpipe.partitioner.cost import format_size
+from fxpipe.partitioner.dense import DENSE_MAX_UNITS, dense_split
+from fxpipe.partitioner.problem import PartitionProblem, evaluate
+from fxpipe.partitioner.solution import Solution
+
+__all__ = ["solve_chain_dp", "min_memory_limit", "chain_arrays"]
+
+_REL_TOL = 1e-10
+
+
+def chain_arrays(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix compute ``P`` (length n+1) and cut communication ``cut`` (length n+1, zero at both ends)."""
+    n = problem.num_units
+    compute = np.asarray(problem.fwd_ms) + np.asarray(problem.bwd_ms)
+    prefix = np.concatenate(([0.0], np.cumsum(compute)))
+    diff = np.zeros(n + 2)
+    for t in problem.tensors:
+        last = max(t.consumers)
+        ms = problem.cost.message_ms(t.nbytes) * (2.0 if t.requires_grad else 1.0)  # fwd + grad back
+        diff[t.producer + 1] += ms
+        diff[last + 1] -= ms
+    cut = np.cumsum(diff)[: n + 1]
+    cut[0] = cut[n] = 0.0
+    return prefix, cut
+
+
+def _pin_masks(problem: PartitionProblem) -> list[np.ndarray]:
+    """``ok[j][k]``: stage j may end at position k without breaking a pin."""
+    n, S = problem.num_units, problem.num_stages
+    pins = np.array([-1 if p is None else p for p in problem.pins])
+    before = np.concatenate(([-1], np.maximum.accumulate(pins)))           # max pin among units < k
+    pins_hi = np.where(pins < 0, S, pins)
+    after = np.concatenate((np.minimum.accumulate(pins_hi[::-1])[::-1], [S]))  # min pin among units >= k
+    return [(before <= j) & (after >= j + 1) for j in range(S)]
+
+
+def _windows(problem: PartitionProblem, limit: float | None) -> list[np.ndarray]:
+    """``lo[j][k]``: the first start i with stage memory of [i, k) within ``limit`` on stage j
+    (boundary buffers excluded, see ``solve_chain_dp``); ``k`` means no start fits."""
+    n, S = problem.num_units, problem.num_stages
+    if limit is None:
+        return [np.zeros(n + 1, dtype=np.int64)] * S
+    sf = problem.state_factor
+    users = [0] * len(problem.param_bytes)
+    for ps in problem.unit_params:
+        for p in ps:
+            users[p] += 1
+    shared = any(c > 1 for c in users)
+    cache: dict[int, np.ndarray] = {}
+    out = []
+    for j in range(S):
+        k_in = problem.in_flight(j)
+        if k_in not in cache:
+            cache[k_in] = (_window_shared if shared else _window_prefix)(problem, limit, sf, k_in)
+        out.append(cache[k_in])
+    return out
+
+
+def _window_prefix(problem: PartitionProblem, limit: float, sf: int, k_in: int) -> np.ndarray:
+    own = np.array([sf * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params], dtype=float)
+    own += np.asarray(problem.buffer_bytes, dtype=float) + k_in * np.asarray(problem.activation_bytes, dtype=float)
+    w = np.concatenate(([0.0], np.cumsum(own)))
+    lo = np.searchsorted(w, w - limit, side="left").astype(np.int64)
+    return np.minimum(lo, np.arange(len(w)))
+
+
+def _window_shared(problem: PartitionProblem, limit: float, sf: int, k_in: int) -> np.ndarray:
+    n = problem.num_units
+    count = [0] * len(problem.param_bytes)
+    lo = np.zeros(n + 1, dtype=np.int64)
+    mem = 0.0
+    i = 0
+    for k in range(1, n + 1):
+        u = k - 1
+        mem += problem.buffer_bytes[u] + k_in * problem.activation_bytes[u]
+        for p in problem.unit_params[u]:
+            if count[p] == 0:
+                mem += sf * problem.param_bytes[p]
+            count[p] += 1
+        while i < k and mem > limit:
+            mem -= problem.buffer_bytes[i] + k_in * problem.activation_bytes[i]
+            for p in problem.unit_params[i]:
+                count[p] -= 1
+                if count[p] == 0:
+                    mem -= sf * problem.param_bytes[p]
+            i += 1
+        lo[k] = i
+    return lo
+
+
+def _window_min(values: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """``out[k] = min(values[lo[k] : k])`` (inf when empty), for every k, via a sparse table."""
+    m = len(values)
+    if not lo.any():
+        return np.concatenate(([np.inf], np.minimum.accumulate(values)[:-1]))
+    levels = [values]
+    span = 1
+    while 2 * span <= m:
+        prev = levels[-1]
+        nxt = np.full(m, np.inf)
+        nxt[: m - span] = np.minimum(prev[: m - span], prev[span:])
+        levels.append(nxt)
+        span *= 2
+    table = np.vstack(levels)
+    k = np.arange(m)
+    length = k - lo
+    ok = length > 0
+    safe = np.where(ok, length, 1)
+    p = np.floor(np.log2(safe)).astype(np.int64)
+    right = np.maximum(k - (1 << p), 0)
+    out = np.minimum(table[p, np.minimum(lo, m - 1)], table[p, right])
+    return np.where(ok, out, np.inf)
+
+
+class _Chain:
+    """The arrays one DP run needs, built once and tested against many bottlenecks."""
+
+    def __init__(self, problem: PartitionProblem, limit: float | None) -> None:
+        self.problem = problem
+        self.prefix, self.cut = chain_arrays(problem)
+        self.speeds = np.asarray(problem.speeds)
+        self.pin_ok = _pin_masks(problem)
+        self.lo = _windows(problem, limit)
+
+    def reach(self, T: float) -> list[np.ndarray] | None:
+        """Reachable end positions per stage at bottleneck ``T``; None when position n is not."""
+        n, S = self.problem.num_units, self.problem.num_stages
+        reach = np.zeros(n + 1, dtype=bool)
+        reach[0] = True
+        layers = []
+        for j in range(S):
+            g = np.where(reach, self.cut - self.prefix / self.speeds[j], np.inf)
+            best = _window_min(g, self.lo[j])
+            h = T - self.cut - self.prefix / self.speeds[j]
+            tol = _REL_TOL * max(T, 1e-12) if np.isfinite(T) else 0.0
+            reach = np.isfinite(best) & (best <= h + tol) & self.pin_ok[j]
+            reach[0] = False
+            layers.append(reach)
+            if not reach.any():
+                return None
+        return layers if layers[-1][n] else None
+
+    def backtrack(self, T: float, layers: list[np.ndarray]) -> tuple[int, ...]:
+        n, S = self.problem.num_units, self.problem.num_stages
+        assignment = [0] * n
+        k = n
+        for j in reversed(range(S)):
+            starts = np.arange(self.lo[j][k], k)
+            prev_ok = (starts == 0) if j == 0 else layers[j - 1][starts]
+            cost = (self.prefix[k] - self.prefix[starts]) / self.speeds[j] + self.cut[starts] + self.cut[k]
+            cost = np.where(prev_ok, cost, np.inf)
+            i = int(starts[int(np.argmin(cost))])
+            assert np.isfinite(cost.min()) and cost.min() <= T * (1 + 1e-9) + 1e-12, "DP backtrack lost its path"
+            assignment[i:k] = [j] * (k - i)
+            k = i
+        assert k == 0
+        return tuple(assignment)
+
+    def upper(self) -> float:
+        return float(self.prefix[-1] / self.speeds.min() + 2 * self.cut.max() + 1.0)
+
+    def value(self, assignment: Sequence[int]) -> float:
+        """The DP's own (Note [chain DP]) bottleneck of a contiguous assignment."""
+        S = self.problem.num_stages
+        starts = [assignment.index(j) for j in range(S)] + [len(assignment)]
+        return max((self.prefix[starts[j + 1]] - self.prefix[starts[j]]) / self.speeds[j]
+                   + self.cut[starts[j]] + self.cut[starts[j + 1]] for j in range(S))
+
+
+def _min_bottleneck(chain: _Chain, lower: float = 0.0) -> tuple[float, list[np.ndarray]] | None:
+    hi = chain.upper()
+    layers = chain.reach(hi)
+    if layers is None:
+        return None
+    lo = max(0.0, min(lower, hi))
+    if lo > 0 and chain.reach(lo * (1 - 1e-12)) is not None:
+        lo = 0.0
+    while hi - lo > _REL_TOL * max(hi, 1e-9):
+        mid = (lo + hi) / 2
+        got = chain.reach(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, layers = mid, got
+    return hi, layers
+
+
+def _split(problem: PartitionProblem, limit: float | None, lower: float = 0.0) -> tuple[float, tuple[int, ...]] | None:
+    """Least DP bottleneck and its split with stage memory within ``limit`` (None: no split fits).
+
+    Memory-limited problems of up to ``DENSE_MAX_UNITS`` units use the dense DP, which
+    checks the full memory model; larger ones the windowed DP, which leaves boundary
+    buffers out and is rerun with a lower limit while the exact check finds a stage over.
+    """
+    if limit is not None and problem.num_units <= DENSE_MAX_UNITS:
+        prefix, cut = chain_arrays(problem)
+        return dense_split(problem, prefix, cut, _pin_masks(problem), limit)
+    window_limit = limit
+    for _ in range(6):
+        chain = _Chain(problem, window_limit)
+        found = _min_bottleneck(chain, lower)
+        if found is None:
+            return None
+        value, layers = found
+        assignment = chain.backtrack(value, layers)
+        if limit is None:
+            return value, assignment
+        over = evaluate(replace(problem, memory_limit=None), assignment).peak_memory_bytes - limit
+        if over <= 0:
+            return value, assignment
+        window_limit = (window_limit or 0) - over
+        if window_limit <= 0:
+            return None
+    return None
+
+
+def solve_chain_dp(problem: PartitionProblem, *, optimize: str = "speed", slack: float = 0.01,
+                   lower_bound_ms: float = 0.0) -> Solution:
+    """Best contiguous split of the topological order into ``problem.num_stages`` stages.
+
+    Minimises the bottleneck stage time (Note [chain DP]) subject to pins and the
+    memory limit; with ``optimize="memory"`` it then minimises peak stage memory among
+    splits within ``1 + slack`` of that bottleneck. ``optimal`` (and ``bound_ms``) hold
+    on chains, where the DP's cost is exact. Raises ``InfeasibleError`` naming the least
+    memory that would fit, and how many stages would fit the given limit.
+
+    >>> sol = solve_chain_dp(build_problem(profile, 4))   # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    found = _split(problem, problem.memory_limit, lower_bound_ms)
+    if found is None:
+        raise InfeasibleError(_infeasible_message(problem))
+    value, assignment = found
+    if optimize == "memory":
+        assignment = _min_memory_at(problem, value * (1 + slack), assignment)
+    exact = problem.is_chain
+    return Solution(
+        assignment=assignment, solver="dp", optimal=exact and optimize == "speed",
+        bound_ms=value if exact else None, seconds=time.perf_counter() - start,
+        status="exact on a chain" if exact else "contiguous split; communication approximated on a branching graph",
+    )
+
+
+def _min_memory_at(problem: PartitionProblem, T: float, fallback: tuple[int, ...]) -> tuple[int, ...]:
+    """Among contiguous splits with DP bottleneck <= T, one with the least peak memory."""
+    free = replace(problem, memory_limit=None)
+    best = fallback
+    hi = float(evaluate(free, fallback).peak_memory_bytes)
+    lo = 0.0
+    while hi - lo > max(1.0, 1e-4 * hi):
+        mid = (lo + hi) / 2
+        found = _split(problem, mid)
+        if found is None or found[0] > T:
+            lo = mid
+        else:
+            best = found[1]
+            hi = min(mid, float(evaluate(free, best).peak_memory_bytes))
+    return best
+
+
+def min_memory_limit(problem: PartitionProblem) -> int | None:
+    """The least per-device memory a contiguous split into ``num_stages`` stages needs
+    (ignoring time), or None when the pins alone rule every split out."""
+    free = replace(problem, memory_limit=None)
+    found = _split(free, None)
+    if found is None:
+        return None
+    hi = evaluate(free, found[1]).peak_memory_bytes
+    lo = 0
+    while hi - lo > max(1, hi // 10**6):
+        mid = (lo + hi) // 2
+        got = _split(free, mid)
+        if got is None:
+            lo = mid
+        else:
+            hi = min(mid, evaluate(free, got[1]).peak_memory_bytes)
+    return int(hi)
+
+
+def _infeasible_message(problem: PartitionProblem) -> str:
+    if problem.memory_limit is None:
+        return ("no contiguous split satisfies the pins; check that pinned stages increase "
+                "along the model's execution order")
+    need = min_memory_limit(problem)
+    more = _stages_needed(problem)
+    hint = f"use {more} stages or " if more else ""
+    need_text = (f"the least that fits {problem.num_stages} stages is {format_size(need)} ({need} bytes)"
+                 if need is not None else "the pins rule out every split")
+    return (f"no split into {problem.num_stages} stages fits the memory limit of "
+            f"{format_size(problem.memory_limit)} ({problem.memory_limit} bytes) per device: {need_text}; "
+            f"{hint}raise the limit (or use a lighter optimizer / fewer microbatches)")
+
+
+def _stages_needed(problem: PartitionProblem) -> int | None:
+    """The fewest stages (up to about 4x more) whose split fits the memory limit."""
+    for S in range(problem.num_stages + 1, min(problem.num_units, 4 * problem.num_stages + 8) + 1):
+        trial = replace(problem, num_stages=S, cost=replace(problem.cost, device_speed=()),
+                        pins=tuple(None for _ in problem.pins))
+        if _split(trial, problem.memory_limit) is not None:
+            return S
+    return None

@@ -1,0 +1,78 @@
+"""Terminal report of a plan (rich tables): stages, baselines beside the bound, prediction."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from fxpipe.partitioner.cost import format_size
+from fxpipe.partitioner.plan import PartitionPlan
+from fxpipe.tracer.profile import ModelProfile
+
+__all__ = ["print_plan_report", "module_range"]
+
+
+def module_range(paths: list[str]) -> str:
+    """``['blocks.3', 'blocks.4', 'blocks.6.mlp']`` -> ``'blocks.3 … blocks.6.mlp'``."""
+    named = [p for p in paths if p] or ["(root)"]
+    return named[0] if len(named) == 1 or named[0] == named[-1] else f"{named[0]} … {named[-1]}"
+
+
+def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Console | None = None) -> None:
+    """Print one row per stage, the baselines next to the lower bound, and the predicted
+    step time, bubble and throughput."""
+    console = console or Console()
+    paths = {u.name: u.module_path for u in profile.units}
+    limit = plan.memory_limit
+    title = (f"{plan.num_stages}-stage plan ({plan.solver}{', proven optimal' if plan.optimal else ''}), "
+             f"{plan.schedule}, {plan.microbatches} microbatches"
+             + (f", memory limit {format_size(limit)}" if limit else ""))
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("stage", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
+                         ("comm ms", "right"), ("stage ms", "right"), ("memory", "right"), ("share", "right")):
+        table.add_column(col, justify=justify, no_wrap=col != "modules",  # type: ignore[arg-type]
+                         min_width=18 if col == "modules" else None)
+    for s in plan.stages:
+        share = s.stage_ms / plan.bottleneck_ms if plan.bottleneck_ms > 0 else 1.0
+        mem = format_size(s.memory_bytes)
+        style = "bold" if share >= 1 - 1e-9 else ""
+        table.add_row(str(s.index), module_range([paths.get(u, u) for u in s.units]), str(len(s.units)),
+                      f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.stage_ms:.3f}", mem, f"{share:.0%}", style=style)
+    console.print(table)
+
+    cmp = Table(title="bottleneck vs baselines and the lower bound", title_justify="left")
+    for col in ("strategy", "bottleneck ms", "x bound", "x plan", "step ms", "peak memory", "note"):
+        cmp.add_column(col, justify="left" if col in ("strategy", "note") else "right",
+                       no_wrap=col != "note", min_width=11 if col == "note" else None)
+    lb = plan.lower_bound_ms
+    cmp.add_row(f"fxpipe ({plan.solver})", f"{plan.bottleneck_ms:.3f}", _ratio(plan.bottleneck_ms, lb), "1.00",
+                f"{plan.step_ms:.2f}", format_size(max(s.memory_bytes for s in plan.stages)),
+                "optimal" if plan.optimal else f"gap {plan.gap:.1%}", style="bold")
+    for name, b in plan.baselines.items():
+        note = _violation_note(b.get("violations", []))
+        cmp.add_row(name, f"{b['bottleneck_ms']:.3f}", _ratio(b["bottleneck_ms"], lb),
+                    _ratio(b["bottleneck_ms"], plan.bottleneck_ms), f"{b.get('step_ms', float('nan')):.2f}",
+                    format_size(max(b["memory_bytes"])), note)
+    cmp.add_row("lower bound", f"{lb:.3f}", "1.00", _ratio(lb, plan.bottleneck_ms), "", "",
+                max(plan.lower_bounds, key=plan.lower_bounds.__getitem__, default=""))
+    console.print(cmp)
+
+    pred = plan.prediction
+    steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred["step_ms"].items())
+    console.print(f"predicted step: {steps}; bubble {pred['bubble']:.1%} ({plan.schedule}); "
+                  f"throughput {pred['throughput_samples_per_s']:.1f} samples/s "
+                  f"({pred['samples_per_step']} samples per step); solved in {plan.solve_seconds:.2f} s"
+                  + (f"; {plan.status}" if plan.status else ""))
+
+
+def _violation_note(violations: list[str]) -> str:
+    kinds = []
+    if any("limit" in v for v in violations):
+        kinds.append("over memory")
+    if any("pinned" in v for v in violations):
+        kinds.append("breaks pins")
+    return ", ".join(kinds)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"

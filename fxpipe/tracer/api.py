@@ -1,0 +1,256 @@
+"""``trace_model``: model + example inputs -> normalized graph, units and a ``ModelProfile``.
+
+Steps: pick a front end (:mod:`fxpipe.tracer.frontends`), normalize the graph
+(:mod:`fxpipe.tracer.normalize`), check it reproduces the model's output, propagate
+shapes (:mod:`fxpipe.tracer.shapes`), group units (:mod:`fxpipe.tracer.units`) and cost
+them (:mod:`fxpipe.tracer.costs`). The model's buffers and the RNG state are restored
+afterwards, so tracing never changes the model (BatchNorm statistics included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import TraceError
+from fxpipe.modelfile import ModelSource
+from fxpipe.tracer.costs import (DEVICE_PRESETS, UnitCounts, UnitRunner, analytic_ms, count_unit, measure_memory_bytes,
+                                 measure_ms, progress_iter)
+from fxpipe.tracer.frontends import trace_graph
+from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
+from fxpipe.tracer.pins import module_pins, pin_for_path
+from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
+from fxpipe.tracer.record import BuildRecord, build_model_recorded
+from fxpipe.tracer.shapes import propagate
+from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
+from fxpipe.tracer.traced import PATH_KEY, SPEC_KEY, TracedModel
+from fxpipe.tracer.units import UnitGroup, group_units
+
+__all__ = ["trace_model", "trace_model_file"]
+
+_SYMINT_SPEC = TensorSpec(shape=(), dtype="symint", batch_dim=None, requires_grad=False)
+
+
+@contextlib.contextmanager
+def _preserved_state(model: nn.Module) -> Iterator[None]:
+    """Restore the model's buffers and the RNG state after the block."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+
+def _check_inputs(example_inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+    inputs = tuple(example_inputs)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        kinds = [type(t).__name__ for t in inputs]
+        raise TraceError(f"example_inputs must be a non-empty tuple of tensors, got {kinds}; "
+                         "pass the model's positional tensor inputs")
+    if inputs[0].dim() == 0:
+        raise TraceError("the first example input is a scalar; fxpipe needs a batch dimension (dim 0) on it")
+    return inputs
+
+
+def _spec_of_output(node: torch.fx.Node) -> TensorSpec:
+    spec = node.meta.get(SPEC_KEY)
+    if isinstance(spec, TensorSpec):
+        return spec
+    if spec is None:
+        return _SYMINT_SPEC
+    raise TraceError(f"node {node.name} passes a {type(spec).__name__} between units; expected a tensor or an int")
+
+
+def _ties(model: nn.Module) -> tuple[dict[str, int], tuple[tuple[str, ...], ...]]:
+    """``param_sizes`` (under the first name of each tensor) and the groups of tied names."""
+    names: dict[int, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in names:
+            names[id(p)] = []
+            sizes[name] = p.numel() * p.element_size()
+        names[id(p)].append(name)
+    ties = tuple(tuple(group) for group in names.values() if len(group) > 1)
+    return sizes, ties
+
+
+def _unit_param_names(gm: torch.fx.GraphModule, group: UnitGroup, param_names: set[str]) -> tuple[str, ...]:
+    """Names under which the unit reads parameters (a tied tensor may appear under several)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    names = [str(by_name[a].target) for a in group.get_attrs if str(by_name[a].target) in param_names]
+    for node in (by_name[n] for n in group.nodes):
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            names += [n for n, _ in module.named_parameters(prefix=str(node.target), remove_duplicate=False)]
+    return tuple(dict.fromkeys(names))
+
+
+def _module_order(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    order: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        path = node.meta.get(PATH_KEY, "")
+        if node.op in ("placeholder", "get_attr", "output") or not path:
+            continue
+        parts = path.split(".")
+        for depth in range(1, len(parts) + 1):
+            order.setdefault(".".join(parts[:depth]))
+    return tuple(order)
+
+
+def _module_type(model: nn.Module, path: str) -> str | None:
+    try:
+        return type(model.get_submodule(path)).__name__
+    except AttributeError:
+        return None
+
+
+def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[UnitGroup], runners: list[UnitRunner],
+                   times: list[tuple[float, float]], counts: list[UnitCounts], activations: list[int],
+                   pins: dict[str, int],
+                   batch: int, frontend: str, timing: str, trace_device: str) -> ModelProfile:
+    by_name = {n.name: n for n in gm.graph.nodes}
+    sizes, ties = _ties(model)
+    param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    charged: set[int] = set()
+    group_of = {node: g for g in groups for node in g.nodes}
+    units: dict[str, Unit] = {}
+    edges = []
+    for group, runner, (fwd_ms, bwd_ms), c, act in zip(groups, runners, times, counts, activations):
+        param_bytes = buffer_bytes = 0
+        for t in runner.tensors:
+            if id(t) in charged:
+                continue
+            charged.add(id(t))
+            if isinstance(t, nn.Parameter):
+                param_bytes += t.numel() * t.element_size()
+            else:
+                buffer_bytes += t.numel() * t.element_size()
+        units[group.name] = Unit(
+            name=group.name, module_path=group.path, kind=group.kind, module_type=_module_type(model, group.path),
+            outputs=tuple(_spec_of_output(by_name[o]) for o in group.outputs),
+            fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_flops=c.fwd_flops, param_bytes=param_bytes,
+            buffer_bytes=buffer_bytes, activation_bytes=act,
+            params=_unit_param_names(gm, group, param_names), reads_inputs=group.reads_inputs,
+            pin=pin_for_path(pins, group.path),
+        )
+        sources: dict[str, list[int]] = {}
+        for name in group.inputs:
+            if by_name[name].op == "placeholder":
+                continue
+            src_group = group_of[name]
+            sources.setdefault(src_group.name, []).append(src_group.outputs.index(name))
+        for src_name, outs in sources.items():
+            src = units[src_name]
+            outs = sorted(set(outs))
+            edges.append(UnitEdge(src=src_name, dst=group.name, bytes=sum(src.outputs[i].nbytes for i in outs),
+                                  outputs=tuple(outs)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return ModelProfile(
+        units=tuple(units.values()), edges=tuple(edges), batch_size=batch,
+        inputs=tuple(n.meta[SPEC_KEY] for n in placeholders), trace_device=trace_device, frontend=frontend,
+        timing=timing, module_order=_module_order(gm), param_sizes=sizes, ties=ties,
+        model={"class": f"{type(model).__module__}.{type(model).__qualname__}"},
+    )
+
+
+def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, frontend: str = "auto",
+                leaves: Sequence[LeafSpec] = (), measure_times: bool = False, measure_memory: bool = False,
+                trace_device: str = "cpu", build_record: BuildRecord | None = None,
+                progress: bool = True) -> TracedModel:
+    """Trace ``model`` on ``example_inputs`` (batch on dim 0) and profile its units.
+
+    ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes or
+    paths to keep whole. ``measure_times``: time each unit on ``trace_device`` instead of
+    the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
+    allocator instead of autograd's saved tensors. ``build_record``: from
+    :func:`build_model_recorded`, for pins and leaf constructor arguments.
+
+    Example::
+
+        traced = trace_model(GPT(), (torch.randint(0, 64, (4, 16)),))
+        traced.profile.units[0].name, traced.graph_module(idx)
+    """
+    inputs = _check_inputs(example_inputs)
+    if trace_device not in DEVICE_PRESETS:
+        raise TraceError(f"trace_device {trace_device!r} is not one of {sorted(DEVICE_PRESETS)}")
+    if trace_device == "cuda" and not torch.cuda.is_available():
+        raise TraceError("trace_device 'cuda' was asked for but CUDA is not available; use trace_device='cpu'")
+    if measure_memory and trace_device != "cuda":
+        raise TraceError("measure_memory needs the CUDA allocator; use trace_device='cuda' or leave it off "
+                         "(activation bytes then come from autograd's saved tensors)")
+    devices = {t.device for t in list(model.parameters()) + list(model.buffers())} or {torch.device("cpu")}
+    original_device = next(iter(devices))
+    model.to(trace_device)
+    inputs = tuple(t.to(trace_device) for t in inputs)
+    batch = int(inputs[0].shape[0])
+    try:
+        with _preserved_state(model):
+            result = trace_graph(model, inputs, frontend, tuple(leaves))
+            gm = result.graph_module
+            annotate_paths(gm)
+            drop_extra_placeholders(gm, len(inputs))
+            with torch.no_grad():
+                reference, output_spec = pytree.tree_flatten(model(*inputs))
+                values = run_collect(gm, inputs)
+            flatten_output(gm, values)  # export graphs are flat already: the model's own spec rebuilds them
+            group_getitems(gm)
+            _check_matches(gm, values, reference)
+            prop = propagate(gm, inputs, batch)
+            groups = group_units(gm, prop.flops)
+            runners = [UnitRunner(gm, g, prop.values) for g in groups]
+            counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
+            if measure_times:
+                times = [measure_ms(r, trace_device)
+                         for r in progress_iter(runners, "timing units", progress, len(runners))]
+            else:
+                times = [analytic_ms(c, DEVICE_PRESETS[trace_device]) for c in counts]
+            activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
+                           else [c.activation_bytes for c in counts])
+    finally:
+        model.to(original_device)
+    pins = {**module_pins(model), **(build_record.pins if build_record else {})}
+    profile = _build_profile(model, gm, groups, runners, times, counts, activations, pins, batch,
+                             result.frontend, "measured" if measure_times else "analytic", trace_device)
+    leaf_modules = {str(n.target): type(gm.get_submodule(str(n.target)))
+                    for n in gm.graph.nodes if n.op == "call_module"}
+    ctor_args = build_record.ctor_args if build_record else {}
+    user_leaf_args = {path: ctor_args[path] for path in leaf_modules
+                      if not is_torch_nn_leaf(model.get_submodule(path)) and path in ctor_args}
+    return TracedModel(
+        model=model, graph_module=gm, profile=profile,
+        unit_of_node={node: g.name for g in groups for node in g.nodes},
+        frontend=result.frontend, output_spec=output_spec, leaf_modules=leaf_modules,
+        user_leaf_args=user_leaf_args, example_inputs=tuple(t.to(original_device) for t in inputs),
+    )
+
+
+def _check_matches(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], reference: list[Any]) -> None:
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    got = [values[n] for n in out_node.args[0]]
+    if len(got) != len(reference):
+        raise TraceError(f"the traced graph returns {len(got)} tensors but the model returns {len(reference)}; "
+                         "return only tensors (in tuples, dicts or ModelOutputs) from forward")
+    if not all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True) for a, b in zip(got, reference)):
+        warnings.warn("fxpipe: the traced graph's outputs differ from the model's own; the model may be "
+                      "non-deterministic (dropout?) or depend on state the trace did not capture", stacklevel=3)
+
+
+def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> TracedModel:
+    """Build the model of a model file (recording pins and constructor args) and trace it at ``batch_size``."""
+    model, record = build_model_recorded(source.build_model)
+    traced = trace_model(model, source.example_inputs(batch_size), build_record=record, **options)
+    model_info = {**traced.profile.model, "file": str(source.path), "sha256": source.sha256,
+                  "factory": source.model_fn}
+    traced.profile = dataclasses.replace(traced.profile, model=model_info)
+    return traced

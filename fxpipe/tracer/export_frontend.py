@@ -1,0 +1,114 @@
+"""Export front end: ``torch.export`` (non-strict, dynamic batch) to the normalized graph.
+
+Lifted parameters, buffers and constants are mapped through ``ep.graph_signature``
+(never by position) back to ``get_attr`` nodes under their original names; tensors
+created in forward become ``_fxpipe_const_<i>`` attributes, and together with the
+model's non-persistent buffers they are listed in ``meta[CONSTANTS_KEY]``. Buffer
+mutations (BatchNorm running statistics) become explicit ``aten.copy_`` nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.export import Dim, export
+from torch.export.graph_signature import InputKind, OutputKind
+
+from fxpipe.tracer.traced import CONSTANTS_KEY
+
+__all__ = ["export_graph", "non_persistent_buffers"]
+
+
+def non_persistent_buffers(model: nn.Module) -> set[str]:
+    """Fully-qualified names of the buffers left out of ``model.state_dict()``."""
+    names = set()
+    for path, module in model.named_modules():
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            names.add(f"{path}.{name}" if path else name)
+    return names
+
+
+def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
+    """Export ``model`` with a dynamic batch dimension and return the normalized-form graph.
+
+    The output node still returns the exported (already flat) user outputs; the caller
+    finishes normalization (paths, output spec, getitems).
+    """
+    batch = Dim("batch", min=1)
+    dynamic = tuple({0: batch} if t.dim() > 0 else None for t in example_inputs)
+    ep = export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
+    sig = ep.graph_signature
+    kinds = {spec.arg.name: spec for spec in sig.input_specs}
+    graph = torch.fx.Graph()
+    root: dict[str, Any] = {}
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    constants: set[str] = set()
+    non_persistent = non_persistent_buffers(model)
+    const_names: dict[str, str] = {}
+
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            spec = kinds[node.name]
+            if spec.kind == InputKind.USER_INPUT:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+                continue
+            target = spec.target
+            assert target is not None
+            if spec.kind == InputKind.PARAMETER:
+                root[target] = model.get_parameter(target)
+            elif spec.kind == InputKind.BUFFER:
+                root[target] = _model_attr(model, target, ep.constants)
+                if not spec.persistent or target in non_persistent:
+                    constants.add(target)
+            else:  # lifted tensor constant (or custom object)
+                value = ep.constants[target]
+                if not _has_attr(model, target):
+                    target = const_names.setdefault(target, f"_fxpipe_const_{len(const_names)}")
+                root[target] = value
+                constants.add(target)
+            new = graph.get_attr(target)
+            new.meta.update(node.meta)
+            env[node] = new
+        elif node.op == "get_attr":
+            root[str(node.target)] = getattr(ep.graph_module, str(node.target))
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        elif node.op == "output":
+            _emit_outputs(graph, node, sig, env, root)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+
+    gm = torch.fx.GraphModule(root, graph, type(model).__name__)
+    gm.meta[CONSTANTS_KEY] = constants
+    return gm
+
+
+def _emit_outputs(graph: torch.fx.Graph, node: torch.fx.Node, sig: Any,
+                  env: dict[torch.fx.Node, torch.fx.Node], root: dict[str, Any]) -> None:
+    user_outputs = []
+    for spec, value in zip(sig.output_specs, node.args[0]):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            user_outputs.append(env[value])
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            buffer = graph.get_attr(spec.target)
+            graph.call_function(torch.ops.aten.copy_.default, (buffer, env[value]))
+        else:
+            raise NotImplementedError(f"fxpipe cannot yet handle exported output kind {spec.kind}")
+    graph.output(tuple(user_outputs))
+
+
+def _has_attr(model: nn.Module, target: str) -> bool:
+    try:
+        owner = model.get_submodule(target.rpartition(".")[0])
+    except AttributeError:
+        return False
+    return hasattr(owner, target.rpartition(".")[2])
+
+
+def _model_attr(model: nn.Module, target: str, constants: dict[str, Any]) -> Any:
+    if _has_attr(model, target):
+        owner = model.get_submodule(target.rpartition(".")[0])
+        return getattr(owner, target.rpartition(".")[2])
+    return constants[target]

@@ -1,0 +1,108 @@
+"""Choosing a front end: symbolic FX when it shows the model's structure, else ``torch.export``.
+
+``auto`` takes the symbolic graph unless tracing failed in the model's own forward or
+the submodules it had to keep whole as leaves hold more than ``MAX_FALLBACK_PARAM_SHARE``
+of the parameters (then the partitioner would see too little structure, e.g. HF GPT-2
+collapses to one ``transformer`` leaf). Only when both fail is a :class:`TraceError` raised.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from fxpipe.errors import TraceError
+from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
+from fxpipe.tracer.shapes import double_batch
+from fxpipe.tracer.symbolic import LeafSpec, SymbolicTraceFailure, symbolic_trace
+from fxpipe.tracer.traced import CONSTANTS_KEY
+
+__all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph"]
+
+FRONTENDS = ("auto", "symbolic", "export")
+MAX_FALLBACK_PARAM_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class FrontendResult:
+    graph_module: torch.fx.GraphModule
+    frontend: str
+    fallback_leaves: dict[str, str] = field(default_factory=dict)
+    messages: tuple[str, ...] = ()
+
+    def warn(self) -> FrontendResult:
+        """Issue the warnings collected while tracing (fallback leaves) and return self."""
+        for message in self.messages:
+            warnings.warn(message, stacklevel=4)
+        return self
+
+
+def _param_share(model: nn.Module, paths: Iterable[str]) -> float:
+    total = sum(p.numel() for p in model.parameters())
+    inside = {id(p): p.numel() for path in paths for p in model.get_submodule(path).parameters()}
+    return sum(inside.values()) / total if total else 0.0
+
+
+def _symbolic(model: nn.Module, n_inputs: int, leaves: tuple[LeafSpec, ...]) -> FrontendResult:
+    with warnings.catch_warnings(record=True) as caught:  # re-issued only if this graph is used
+        warnings.simplefilter("always")
+        result = symbolic_trace(model, n_inputs, leaves)
+    gm = result.graph_module
+    non_persistent = non_persistent_buffers(model)
+    gm.meta[CONSTANTS_KEY] = {str(n.target) for n in gm.graph.nodes
+                              if n.op == "get_attr" and str(n.target) in non_persistent}
+    return FrontendResult(gm, "symbolic", result.fallback_leaves, tuple(str(w.message) for w in caught))
+
+
+def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> FrontendResult:
+    # a batch of 1 would be specialised by export; the same samples twice are not
+    batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
+    return FrontendResult(export_graph(model, double_batch(inputs) if batch == 1 else inputs), "export")
+
+
+def _both_failed(model: nn.Module, symbolic: BaseException | None, exported: BaseException | None) -> TraceError:
+    lines = [f"could not trace {type(model).__name__} with either front end:"]
+    if symbolic is not None:
+        lines.append(f"  symbolic (torch.fx): {symbolic}")
+    if exported is not None:
+        first = str(exported).strip().splitlines()[0] if str(exported).strip() else type(exported).__name__
+        lines.append(f"  export (torch.export): {type(exported).__name__}: {first}")
+    lines.append("fix: make the failing call traceable (no data-dependent Python control flow on tensor values), "
+                 "or name the module that contains it as a leaf (trace_model(..., leaves=['path.to.module']) / "
+                 "--leaf path.to.module)")
+    return TraceError("\n".join(lines))
+
+
+def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: str,
+                leaves: tuple[LeafSpec, ...]) -> FrontendResult:
+    """Trace with the requested front end (see the module docstring for ``auto``)."""
+    if frontend not in FRONTENDS:
+        raise TraceError(f"unknown front end {frontend!r}; expected one of {', '.join(FRONTENDS)}")
+    symbolic_error: BaseException | None = None
+    symbolic: FrontendResult | None = None
+    if frontend in ("auto", "symbolic"):
+        try:
+            symbolic = _symbolic(model, len(inputs), leaves)
+        except SymbolicTraceFailure as exc:
+            if frontend == "symbolic":
+                raise _both_failed(model, exc, None) from exc
+            symbolic_error = exc
+        if symbolic is not None:
+            share = _param_share(model, symbolic.fallback_leaves)
+            if frontend == "symbolic" or share <= MAX_FALLBACK_PARAM_SHARE:
+                return symbolic.warn()
+            symbolic_error = SymbolicTraceFailure(
+                next(iter(symbolic.fallback_leaves)), RuntimeError(f"modules kept whole hold {share:.0%} of the parameters"))
+    try:
+        return _export(model, inputs)
+    except Exception as exc:  # noqa: BLE001 - the message goes to the user
+        if symbolic is not None:
+            warnings.warn(f"fxpipe: torch.export failed ({type(exc).__name__}); using the symbolic graph in which "
+                          f"{', '.join(symbolic.fallback_leaves)} are kept whole", stacklevel=3)
+            return symbolic.warn()
+        raise _both_failed(model, symbolic_error, exc) from exc

@@ -1,0 +1,52 @@
+"""Build a model while recording what its constructors got, for stage files to reuse.
+
+A stage file that keeps a user-defined leaf module (one the tracer could not look
+into) has to construct it again, so it needs the ``(args, kwargs)`` its ``__init__``
+received. :func:`build_model_recorded` watches every ``nn.Module`` constructed while the
+factory runs and maps the objects to their paths in the finished model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from fxpipe.tracer.pins import module_pins, observe_construction
+
+__all__ = ["BuildRecord", "build_model_recorded"]
+
+CtorArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """What happened while a model was built.
+
+    ``ctor_args``: module path -> ``(args, kwargs)`` of its constructor call.
+    ``pins``: module path -> stage index from :func:`fxpipe.partition`.
+    """
+
+    ctor_args: dict[str, CtorArgs] = field(default_factory=dict)
+    pins: dict[str, int] = field(default_factory=dict)
+
+
+def build_model_recorded(factory: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord]:
+    """Call ``factory()`` and return the model with its :class:`BuildRecord`.
+
+    Example::
+
+        model, record = build_model_recorded(lambda: GPT(layers=4))
+        record.ctor_args["blocks.0.attn"]  # ((32, 4, 16), {})
+    """
+    seen: weakref.WeakKeyDictionary[nn.Module, CtorArgs] = weakref.WeakKeyDictionary()
+
+    def remember(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen[module] = (tuple(args), dict(kwargs))
+
+    with observe_construction(remember):
+        model = factory()
+    ctor_args = {path: seen[m] for path, m in model.named_modules(remove_duplicate=False) if m in seen}
+    return model, BuildRecord(ctor_args=ctor_args, pins=module_pins(model))

@@ -1,0 +1,56 @@
+"""``TracedModel``: the in-memory result of tracing, handed from the tracer to codegen.
+
+See ``/work/shared`` ARCHITECTURE for the normalized-graph contract; in short: one
+placeholder per positional model input, ``get_attr`` nodes under ORIGINAL parameter and
+buffer names, ``call_module`` only for leaves, one ``output`` node returning a flat tuple
+of tensors, and on every node ``meta[SPEC_KEY]`` (``TensorSpec``/``None``/tuple) and
+``meta[PATH_KEY]`` (owning module path, ``""`` = top level).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxpipe.tracer.profile import ModelProfile
+
+__all__ = ["TracedModel", "SPEC_KEY", "PATH_KEY", "CONSTANTS_KEY"]
+
+SPEC_KEY = "fxpipe_spec"  # node.meta key: TensorSpec | None | tuple of those
+PATH_KEY = "fxpipe_path"  # node.meta key: owning module path
+CONSTANTS_KEY = "fxpipe_constants"  # graph_module.meta key: names to register as non-persistent buffers
+
+
+@dataclass
+class TracedModel:
+    """A model, its normalized FX graph, and its profile.
+
+    ``unit_of_node`` maps the name of every ``call_module`` / ``call_function`` /
+    ``call_method`` node to the name of the profile unit that contains it.
+    ``user_leaf_args`` holds, for leaf modules whose class is not from ``torch.nn``, the
+    ``(args, kwargs)`` their constructor got (when the model was built with
+    :func:`fxpipe.tracer.build_model_recorded`), so a stage file can rebuild them.
+    """
+
+    model: nn.Module
+    graph_module: torch.fx.GraphModule
+    profile: ModelProfile
+    unit_of_node: dict[str, str]
+    frontend: str
+    output_spec: pytree.TreeSpec
+    leaf_modules: dict[str, type] = field(default_factory=dict)
+    user_leaf_args: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+    example_inputs: tuple[torch.Tensor, ...] = ()
+
+    def unflatten_output(self, flat: tuple[Any, ...] | list[Any]) -> Any:
+        """Rebuild the model's output structure from the graph's flat output tuple."""
+        return pytree.tree_unflatten(list(flat), self.output_spec)
+
+    def nodes_of_unit(self, unit: str) -> list[torch.fx.Node]:
+        """The graph nodes of one unit, in graph order."""
+        return [n for n in self.graph_module.graph.nodes if self.unit_of_node.get(n.name) == unit]

@@ -1,0 +1,56 @@
+"""Terminal and HTML reports: content, self-containment, and a headless Chromium render."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from partition_fixtures import chain_profile, random_dag
+from rich.console import Console
+
+from fxpipe.partitioner import plan_partition, print_plan_report, write_html_report
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _plan_and_profile():
+    profile = chain_profile([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 4.0, 1.0], [10**6] * 7,
+                            params=[1000] * 8, activations=[500] * 8, prefix="blocks")
+    return plan_partition(profile, 3, microbatches=4, memory_limit=10**7), profile
+
+
+def test_terminal_report_lists_stages_baselines_and_prediction() -> None:
+    plan, profile = _plan_and_profile()
+    console = Console(record=True, width=160)
+    print_plan_report(plan, profile, console=console)
+    text = console.export_text()
+    first = plan.stages[0].units
+    assert f"blocks.{first[0][1:]} … blocks.{first[-1][1:]}" in text or len(first) == 1
+    for word in ("uniform", "params", "greedy", "lower bound", "bubble", "samples/s"):
+        assert word in text
+
+
+def test_html_is_self_contained(tmp_path: Path) -> None:
+    plan, profile = _plan_and_profile()
+    html = write_html_report(plan, profile, tmp_path / "report.html").read_text()
+    assert "<script" not in html and "http://" not in html and "https://" not in html
+    assert html.count("<svg") == 4
+    assert all(f"{op}" in html for op in ("F0", "B3"))  # the timeline labels every microbatch
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs it)")
+def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
+    profile = random_dag(random.Random(3), 40)
+    plan = plan_partition(profile, 4, microbatches=6, time_limit=2)
+    page = write_html_report(plan, profile, tmp_path / "report.html")
+    shot = tmp_path / "shot.png"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1400",
+           f"--screenshot={shot}", page.resolve().as_uri()]
+    subprocess.run(cmd, check=True, timeout=120, capture_output=True)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000   # a blank page compresses far smaller

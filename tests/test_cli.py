@@ -1,0 +1,82 @@
+"""The command line: each verb end to end, and bad input as one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxpipe.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _fxpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fxpipe", *args], capture_output=True, text=True, cwd=cwd, timeout=300,
+    )
+
+
+def test_trace_writes_profile_and_prints_table(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    proc = _fxpipe("trace", str(EXAMPLES / "mlp.py"), "--batch-size", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["batch_size"] == 4
+    assert len(data["units"]) >= 3
+    assert all({"name", "fwd_ms", "bwd_ms", "param_bytes", "activation_bytes", "outputs"} <= set(u) for u in data["units"])
+    assert "wrote" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["trace", "does/not/exist.py"], "does not exist"),
+        (["trace", "examples/mlp.py:no_such_fn"], "no function no_such_fn"),
+        (["trace", "examples/mlp.py", "--inputs-fn", "nope"], "no function nope"),
+        (["plan", "missing-profile.json", "--stages", "2"], "does not exist"),
+        (["verify", "no-such-build-dir"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        code = main(args)
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and fragment in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_model_that_raises_and_wrong_input_types(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\n"
+        "def build_model():\n    raise RuntimeError('boom in init')\n"
+        "def example_inputs(b):\n    return (torch.zeros(b, 3),)\n"
+        "def other_model():\n    return torch.nn.Linear(3, 3)\n"
+        "def bad_inputs(b):\n    return 'not a tensor'\n"
+    )
+    assert main(["trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "boom in init" in err and len(err.strip().splitlines()) == 1
+    assert main(["trace", f"{bad}:other_model", "--inputs-fn", "bad_inputs"]) == 2
+    err = capsys.readouterr().err
+    assert "tuple of tensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_debug_flag_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxpipe.errors import ModelFileError
+
+    with pytest.raises(ModelFileError):
+        main(["--debug", "trace", "does/not/exist.py"])
