@@ -26,7 +26,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m fxpipe trace examples/gpt.py --out $(DEMO_OUT)/profile.json
+	$(PY) -m fxpipe partition examples/gpt.py --stages 2 --microbatches 4 --batch-size 8 --out $(DEMO_OUT)
+	$(PY) -m fxpipe verify $(DEMO_OUT)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,18 @@
+"""Codegen: split a traced graph by a partition plan and emit one readable nn.Module file per stage.
+
+>>> from fxpipe.codegen import write_build_dir, load_stage, load_pipeline, verify_build
+>>> manifest = write_build_dir(traced, plan, "build", source, batch_size=8, microbatches=2)  # doctest: +SKIP
+>>> stage = load_stage("build", 1)  # doctest: +SKIP
+"""
+
+from fxpipe.codegen.build import emit_build, write_build_dir
+from fxpipe.codegen.load import Pipeline, load_pipeline, load_stage, read_manifest
+from fxpipe.codegen.manifest import INPUT, MANIFEST_SCHEMA_VERSION, BoundaryTensor, Manifest, StageManifest, Tie
+from fxpipe.codegen.split import SplitGraph, StageGraph, split_graph
+from fxpipe.codegen.verify import VerifyReport, print_verify_report, verify_build
+
+__all__ = [
+    "INPUT", "MANIFEST_SCHEMA_VERSION",
+    "BoundaryTensor", "Manifest", "Pipeline", "SplitGraph", "StageGraph", "StageManifest", "Tie", "VerifyReport",
+    "emit_build", "load_pipeline", "load_stage", "print_verify_report", "read_manifest", "split_graph", "verify_build", "write_build_dir",
+]

@@ -68,12 +68,13 @@ class StageManifest:
     parameters: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
     units: tuple[str, ...] = ()
+    constants: tuple[str, ...] = ()  # non-persistent buffers: in the weights file, not in state_dict()
 
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs"):
             object.__setattr__(self, name, tuple(
                 t if isinstance(t, BoundaryTensor) else BoundaryTensor(**t) for t in getattr(self, name)))
-        for name in ("parameters", "buffers", "units"):
+        for name in ("parameters", "buffers", "units", "constants"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
 

@@ -1,0 +1,107 @@
+"""Write a build directory: ``stage_<i>.py``, ``stage_<i>.safetensors`` and ``manifest.json``.
+
+``write_build_dir`` takes the tracer's ``TracedModel`` and the partitioner's plan;
+``emit_build`` is the same step on plain inputs (a normalized graph module, its
+model and a node -> stage map), which is what tests and other tools can call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from fxpipe.codegen.emit import emit_stage
+from fxpipe.codegen.manifest import Manifest, StageManifest
+from fxpipe.codegen.split import split_graph
+from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
+from fxpipe.errors import CodegenError
+from fxpipe.modelfile import ModelSource, file_sha256
+
+if TYPE_CHECKING:
+    from fxpipe.tracer.traced import TracedModel
+
+__all__ = ["write_build_dir", "emit_build"]
+
+
+def write_build_dir(traced: TracedModel, plan: Any, out_dir: str | Path, source: ModelSource | None, *,
+                    batch_size: int, microbatches: int) -> Manifest:
+    """Emit every stage of ``plan`` for ``traced`` into ``out_dir`` and return the manifest written.
+
+    ``batch_size`` is one pipeline replica's batch, cut into ``microbatches``; the model
+    was traced at the microbatch size ``batch_size // microbatches``.
+
+    Example::
+
+        manifest = write_build_dir(traced, plan, "build", source, batch_size=8, microbatches=2)
+    """
+    units_of_stage = [tuple(st.units) for st in plan.stages]
+    stage_of_unit = {u: s for s, units in enumerate(units_of_stage) for u in units}
+    missing = sorted({u for u in traced.unit_of_node.values() if u not in stage_of_unit})
+    if missing:
+        raise CodegenError(f"the plan places no stage for units {missing[:5]} of the traced model; "
+                           "was it planned from another profile?")
+    stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
+    return emit_build(traced.graph_module, traced.model, stage_of_node, plan.num_stages, out_dir, source=source,
+                      microbatch=traced.profile.batch_size, batch_size=batch_size, microbatches=microbatches,
+                      user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
+                      frontend=traced.frontend, units_of_stage=units_of_stage)
+
+
+def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
+               out_dir: str | Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
+               microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None = None,
+               output_spec: Any = None, frontend: str = "symbolic",
+               units_of_stage: list[tuple[str, ...]] | None = None) -> Manifest:
+    """Split ``gm`` by ``stage_of_node`` and write the build directory (see ``write_build_dir``)."""
+    if batch_size != microbatch * microbatches:
+        raise CodegenError(f"the model was traced at microbatch {microbatch}, but batch_size {batch_size} / "
+                           f"microbatches {microbatches} is not that; trace at batch_size // microbatches")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    split = split_graph(gm, stage_of_node, num_stages, alias_chooser(gm, model))
+    constants = set(gm.meta.get("fxpipe_constants", ()))
+    order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    label = f"{source.model_fn}() in {source.path.name}" if source else type(model).__name__
+    states, stages = [], []
+    for sg in split.stages:
+        state = stage_state(gm, model, sg.modules, sg.attrs, constants)
+        states.append(state)
+        src = emit_stage(sg, state, gm, split, num_stages=num_stages, microbatch=microbatch, model_label=label,
+                         user_leaf_args=user_leaf_args or {}, module_order=order)
+        py, st = out / f"stage_{sg.index}.py", out / f"stage_{sg.index}.safetensors"
+        py.write_text(src.text)
+        save_weights(state, st)
+        units = units_of_stage[sg.index] if units_of_stage else ()
+        stages.append(StageManifest(
+            index=sg.index, class_name=src.class_name, source=py.name, weights=st.name,
+            source_sha256=file_sha256(py), weights_sha256=file_sha256(st),
+            inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
+            parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
+            units=tuple(units)))
+    manifest = Manifest(
+        model_file=str(source.path) if source else "", model_fn=source.model_fn if source else "",
+        model_sha256=source.sha256 if source else "", stages=tuple(stages), batch_size=batch_size,
+        microbatch_size=microbatch, inputs=tuple(split.boundary[k] for k in split.model_inputs),
+        ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
+        frontend=frontend, output_spec=_dump_spec(output_spec),
+        extra={"microbatches": microbatches, "training": model.training, "torch": torch.__version__})
+    manifest.to_json(out / "manifest.json")
+    return manifest
+
+
+def _dump_spec(spec: Any) -> str | None:
+    if spec is None:
+        return None
+    from torch.utils._pytree import treespec_dumps
+
+    try:
+        return treespec_dumps(spec)
+    except Exception as exc:  # a container type pytree cannot serialize: outputs stay a flat tuple
+        warnings.warn(f"cannot serialize the model's output structure ({exc}); load_pipeline will return a flat "
+                      "tuple of tensors", stacklevel=3)
+        return None

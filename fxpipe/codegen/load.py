@@ -1,0 +1,189 @@
+"""Load stages from a build directory: one stage per rank, or all chained in one process.
+
+Note [loading safely and lightly]: ``load_stage`` checks the sha256 of the stage's
+source and weights against ``manifest.json`` before importing anything, and executes
+the very bytes it hashed (never re-reading the file). It builds the module on the
+meta device and then loads the weights file with ``load_state_dict(assign=True)``,
+so no memory is spent on initial values and a rank's peak is about its own stage's
+tensors. (The weights file is hashed, then read; a file swapped in between is not
+caught, which is acceptable for files the user controls.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxpipe.codegen.manifest import Manifest, StageManifest
+from fxpipe.errors import BuildDirError
+from fxpipe.modelfile import file_sha256
+
+__all__ = ["load_stage", "load_pipeline", "Pipeline", "read_manifest"]
+
+
+def read_manifest(build_dir: str | Path) -> Manifest:
+    """The manifest of ``build_dir`` (BuildDirError if missing, malformed or of another schema)."""
+    return Manifest.from_json(Path(build_dir))
+
+
+def _checked_bytes(path: Path, expected: str, what: str) -> bytes:
+    if not path.is_file():
+        raise BuildDirError(f"{what} {str(path)!r} is missing; rebuild the directory with `fxpipe partition`")
+    data = path.read_bytes()
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise BuildDirError(f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
+                            f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
+    return data
+
+
+def _check_file(path: Path, expected: str, what: str) -> None:
+    if not path.is_file():
+        raise BuildDirError(f"{what} {str(path)!r} is missing; rebuild the directory with `fxpipe partition`")
+    actual = file_sha256(path)
+    if actual != expected:
+        raise BuildDirError(f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
+                            f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
+
+
+def _stage_class(build_dir: Path, sm: StageManifest) -> type[nn.Module]:
+    path = build_dir / sm.source
+    code = _checked_bytes(path, sm.source_sha256, "stage source")
+    _check_file(build_dir / sm.weights, sm.weights_sha256, "stage weights")
+    name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = str(path)
+        exec(compile(code, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked generated code
+        sys.modules[name] = module
+    cls = getattr(module, sm.class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise BuildDirError(f"{sm.source} defines no nn.Module class {sm.class_name!r}; the build directory is broken")
+    return cls
+
+
+def _set_tensor(module: nn.Module, key: str, value: torch.Tensor) -> None:
+    owner_path, _, name = key.rpartition(".")
+    owner = module.get_submodule(owner_path)
+    if isinstance(value, nn.Parameter) or name in owner._parameters:
+        owner.register_parameter(name, value if isinstance(value, nn.Parameter) else nn.Parameter(value))
+    else:
+        owner._buffers[name] = value
+
+
+def load_stage(build_dir: str | Path, index: int, device: str | torch.device = "cpu") -> nn.Module:
+    """Build stage ``index`` of ``build_dir`` on ``device`` with its weights, and nothing else.
+
+    See Note [loading safely and lightly]. Raises BuildDirError for a missing or
+    tampered file, an unknown manifest schema or an index out of range.
+
+    Example::
+
+        stage = load_stage("build", 1, device="cuda:1")
+        outputs = stage(*inputs)   # inputs in manifest.stages[1].inputs order
+    """
+    from safetensors.torch import load_file
+
+    build_dir = Path(build_dir)
+    sm = read_manifest(build_dir).stage(index)
+    cls = _stage_class(build_dir, sm)
+    with torch.device("meta"):
+        module = cls()
+    tensors = load_file(str(build_dir / sm.weights), device=str(device))
+    persistent = set(module.state_dict(keep_vars=True))
+    result = module.load_state_dict({k: v for k, v in tensors.items() if k in persistent}, strict=False, assign=True)
+    for key in set(tensors) - persistent:
+        _set_tensor(module, key, tensors[key])
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    if result.unexpected_keys:
+        raise BuildDirError(f"{sm.weights} holds keys {result.unexpected_keys[:5]} that {sm.class_name} does not have")
+    left = [k for k, t in list(module.named_parameters(remove_duplicate=False))
+            + list(module.named_buffers(remove_duplicate=False)) if t.is_meta]
+    if left:
+        raise BuildDirError(f"{sm.weights} has no values for {left[:5]} of stage {index}; rebuild the directory")
+    return module
+
+
+class Pipeline(nn.Module):
+    """All stages chained in one process, with the original model's forward signature.
+
+    ``stages`` holds the stage modules; tied parameters are one Parameter object shared
+    by the stages that use them, so gradients equal the original model's.
+    """
+
+    def __init__(self, manifest: Manifest, stages: list[nn.Module]) -> None:
+        super().__init__()
+        self.manifest = manifest
+        self.stages = nn.ModuleList(stages)
+        self._spec = _load_spec(manifest)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        m = self.manifest
+        if len(inputs) != len(m.inputs):
+            raise TypeError(f"the model takes {len(m.inputs)} inputs ({', '.join(t.name for t in m.inputs)}), "
+                            f"got {len(inputs)}")
+        values: dict[tuple[int, str], Any] = {}
+        for t, x in zip(m.inputs, inputs):
+            values[(t.producer, t.name)] = x
+        flat: dict[int, Any] = {}
+        for sm, stage in zip(m.stages, self.stages):
+            outs = stage(*(values[(t.producer, t.name)] for t in sm.inputs))
+            for t, v in zip(sm.outputs, outs):
+                values[(t.producer, t.name)] = v
+                if t.model_output is not None:
+                    flat[t.model_output] = v
+        result = [flat[k] for k in range(len(flat))]
+        if self._spec is None:
+            return tuple(result)
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(result, self._spec)
+
+
+def _load_spec(manifest: Manifest) -> Any:
+    if manifest.output_spec is None:
+        return None
+    from torch.utils._pytree import treespec_loads
+
+    try:
+        return treespec_loads(manifest.output_spec)
+    except Exception:
+        # container types (e.g. a Hugging Face ModelOutput) register with pytree when their library is imported,
+        # which the model file does
+        if manifest.model_file:
+            from fxpipe.modelfile import import_model_module
+
+            import_model_module(manifest.model_file)
+        try:
+            return treespec_loads(manifest.output_spec)
+        except Exception as exc:
+            raise BuildDirError(f"cannot rebuild the model's output structure from manifest.json: {exc}") from exc
+
+
+def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> Pipeline:
+    """All stages of ``build_dir`` on one device, chained: ``load_pipeline(d)(*inputs)`` is the model.
+
+    Example::
+
+        model = load_pipeline("build")
+        logits = model(tokens)
+    """
+    manifest = read_manifest(build_dir)
+    stages = [load_stage(build_dir, i, device) for i in range(manifest.num_stages)]
+    for tie in manifest.ties:
+        shared = stages[tie.stages[0]].get_parameter(tie.keys[0])
+        for s, key in zip(tie.stages[1:], tie.keys[1:]):
+            _set_tensor(stages[s], key, shared)
+            if hasattr(stages[s], "tie_weights"):
+                stages[s].tie_weights()
+    return Pipeline(manifest, stages)

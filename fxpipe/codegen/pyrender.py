@@ -1,0 +1,140 @@
+"""Rendering Python values, imports and attribute paths as readable source text.
+
+Objects defined in a model file are reached through
+``fxpipe.modelfile.import_model_module(<model file>)`` (bound to ``_model`` in the
+generated file), so classes in generated stages are the very classes the tracer saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import keyword
+import math
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxpipe.errors import CodegenError
+
+__all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS"]
+
+MODEL_ALIAS = "_model"
+_MODEL_PREFIX = "fxpipe_model_"
+
+
+_MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module()))  # methods and instance attributes
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether ``obj.<name>`` is safe: an identifier that shadows nothing on ``nn.Module``."""
+    return name.isidentifier() and not keyword.iskeyword(name) and name not in _MODULE_NAMES
+
+
+def attr_expr(base: str, path: str) -> str:
+    """``attr_expr("self", "h.0.attn")`` -> ``getattr(self.h, "0").attn`` (as torch.fx writes it)."""
+    expr = base
+    for part in path.split(".") if path else ():
+        expr = f"{expr}.{part}" if is_plain_name(part) else f'getattr({expr}, "{part}")'
+    return expr
+
+
+class ImportTable:
+    """Collects the import lines a generated file needs, in a stable order."""
+
+    def __init__(self) -> None:
+        self.modules: set[str] = {"torch"}
+        self.names: dict[str, tuple[str, str]] = {}  # local name -> (module, attribute)
+        self.model_file: str | None = None
+        self.aliases: dict[str, str] = {}  # module-level `name = expression` lines
+
+    def ref(self, obj: Any) -> str:
+        """An expression that names ``obj`` (a class or function), adding the import it needs."""
+        module = getattr(obj, "__module__", None)
+        qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+        if not module or not qualname or "<locals>" in qualname:
+            raise CodegenError(f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
+                               f"name {qualname!r}); define it at the top level of the model file")
+        if module.startswith(_MODEL_PREFIX):
+            path = getattr(sys.modules.get(module), "__file__", None)
+            if path is None:
+                raise CodegenError(f"cannot find the model file that defines {qualname}")
+            if self.model_file not in (None, path):
+                raise CodegenError(f"a stage uses objects from two model files: {self.model_file} and {path}")
+            self.model_file = path
+            return f"{MODEL_ALIAS}.{qualname}"
+        if module == "builtins":
+            return qualname
+        if module.split(".")[0] == "torch":
+            for short in ("torch.nn", "torch.nn.functional", "torch"):  # the public spelling, if there is one
+                if _resolves(importlib.import_module(short), qualname.split("."), obj):
+                    return f"{short}.{qualname}"
+            if _resolves(torch, module.split(".")[1:] + qualname.split("."), obj):
+                return f"{module}.{qualname}"
+        if module == "__main__" or not _importable(module, qualname, obj):
+            raise CodegenError(f"{module}.{qualname} is not importable from a generated stage; "
+                               "define it in the model file or an installed package")
+        top = qualname.split(".")[0]
+        local = top if top not in self.names or self.names[top] == (module, top) else f"{module.replace('.', '_')}_{top}"
+        self.names[local] = (module, top)
+        return local + qualname[len(top):]
+
+    def lines(self) -> list[str]:
+        out = [f"import {m}" for m in sorted(self.modules)]
+        for local, (module, name) in sorted(self.names.items()):
+            out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
+        if self.model_file is not None:
+            out += ["", "from fxpipe.modelfile import import_model_module", "",
+                    f"{MODEL_ALIAS} = import_model_module({self.model_file!r})  # classes and functions of the model file"]
+        if self.aliases:
+            out += [""] + [f"{name} = {expr}" for name, expr in sorted(self.aliases.items())]
+        return out
+
+
+def _resolves(root: Any, parts: list[str], obj: Any) -> bool:
+    cur = root
+    for p in parts:
+        cur = getattr(cur, p, None)
+        if cur is None:
+            return False
+    return cur is obj
+
+
+def _importable(module: str, qualname: str, obj: Any) -> bool:
+    try:
+        return _resolves(importlib.import_module(module), qualname.split("."), obj)
+    except Exception:
+        return False
+
+
+def render_literal(value: Any, imports: ImportTable) -> str:
+    """Python source for a constructor argument; raises CodegenError for what has no literal form."""
+    if value is None or isinstance(value, (bool, int, str, bytes)):
+        return repr(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return repr(value)
+        return f'float("{value}")'
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.device):
+        return f"torch.device({str(value)!r})"
+    if isinstance(value, enum.Enum):
+        return f"{imports.ref(type(value))}.{value.name}"
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        items = [render_literal(v, imports) for v in value]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(render_literal(v, imports) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{render_literal(k, imports)}: {render_literal(v, imports)}"
+                               for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        args = ", ".join(f"{f.name}={render_literal(getattr(value, f.name), imports)}"
+                         for f in dataclasses.fields(value) if f.init)
+        return f"{imports.ref(type(value))}({args})"
+    raise CodegenError(f"cannot write the constructor argument {value!r} ({type(value).__name__}) as Python source; "
+                       "use ints, floats, strings, bools, None, tuples, lists, dicts or dataclasses")
