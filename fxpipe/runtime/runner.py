@@ -1,0 +1,173 @@
+"""``PipelineRunner``: the native training API, one instance per rank (one stage each).
+
+Usage, in a script started by ``torchrun --nproc-per-node N script.py``::
+
+    with PipelineRunner("build", loss_fn, schedule="1f1b", microbatches=4,
+                        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1)) as runner:
+        for _ in range(10):
+            loss = runner.step(inputs, targets)   # the same float on every rank
+
+Every rank passes the whole batch (each reads the model inputs it needs itself);
+only the last stage uses the targets.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.errors import RuntimeSetupError
+from fxpipe.runtime.executor import LossFn, StageExecutor
+from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, read_env
+from fxpipe.runtime.layout import RankLayout
+from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
+from fxpipe.runtime.p2p import P2P, peer_error
+from fxpipe.runtime.routes import routes_from_manifest
+from fxpipe.runtime.schedule import Schedule, make_schedule
+from fxpipe.runtime.ties import sync_tied_grads
+from fxpipe.runtime.validate import validate_schedule
+
+__all__ = ["PipelineRunner", "StageLoader", "OptimizerFactory"]
+
+StageLoader = Callable[[int, torch.device], nn.Module]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-2)
+
+
+class PipelineRunner:
+    """Trains this rank's stage of a build directory in a pipeline with the other ranks.
+
+    ``schedule`` is ``"gpipe"``, ``"1f1b"`` or a ``Schedule``. Gradients are averaged
+    over the ``microbatches`` (summed with ``average_microbatch_grads=False``). Each
+    rank's optimizer (``optimizer_factory(params)``, default SGD lr=0.01) updates only
+    its own stage's parameters. A peer that dies or hangs raises ``PeerError`` after at
+    most ``timeout_s`` seconds.
+    """
+
+    def __init__(self, build_dir: str | Path, loss_fn: LossFn, schedule: str | Schedule = "1f1b",
+                 microbatches: int = 1, optimizer_factory: OptimizerFactory | None = None,
+                 average_microbatch_grads: bool = True, device: str | torch.device | None = None,
+                 timeout_s: float = 300.0) -> None:
+        manifest = Manifest.from_json(build_dir)
+
+        def loader(index: int, dev: torch.device) -> nn.Module:
+            from fxpipe.codegen import load_stage
+
+            return load_stage(build_dir, index, device=dev)
+
+        self._setup(manifest, loader, loss_fn, schedule, microbatches, optimizer_factory,
+                    average_microbatch_grads, device, timeout_s)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn,
+                      schedule: str | Schedule = "1f1b", microbatches: int = 1,
+                      optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
+                      device: str | torch.device | None = None, timeout_s: float = 300.0) -> PipelineRunner:
+        """A runner over stages built by ``stage_loader(index, device)`` instead of a build directory."""
+        self = cls.__new__(cls)
+        self._setup(manifest, stage_loader, loss_fn, schedule, microbatches, optimizer_factory,
+                    average_microbatch_grads, device, timeout_s)
+        return self
+
+    def _setup(self, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn, schedule: str | Schedule,
+               microbatches: int, optimizer_factory: OptimizerFactory | None, average: bool,
+               device: str | torch.device | None, timeout_s: float) -> None:
+        self._owns_group = False
+        if dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        else:
+            env = read_env()
+            rank, world, local_rank = env.rank, env.world_size, env.local_rank
+        self.layout = RankLayout.for_world(world, manifest.num_stages)
+        if self.layout.replicas > 1:
+            raise RuntimeSetupError(
+                f"world size {world} is {self.layout.replicas} pipelines of {manifest.num_stages} stages, but data "
+                f"parallel replicas are not supported yet: launch exactly {manifest.num_stages} processes")
+        if microbatches < 1:
+            raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
+        self.manifest = manifest
+        self.rank, self.world_size = rank, world
+        self.stage_index = self.layout.stage_of(rank)
+        self.replica = self.layout.replica_of(rank)
+        self.loss_fn = loss_fn
+        self.timeout_s = timeout_s
+        self.microbatches = microbatches
+        self.routes = routes_from_manifest(manifest)
+        self.schedule = schedule if isinstance(schedule, Schedule) else make_schedule(
+            schedule, manifest.num_stages, microbatches)
+        if self.schedule.num_microbatches != microbatches or self.schedule.num_stages != manifest.num_stages:
+            raise RuntimeSetupError(
+                f"schedule {self.schedule.name!r} is for {self.schedule.num_stages} stages x "
+                f"{self.schedule.num_microbatches} microbatches, not {manifest.num_stages} x {microbatches}")
+        validate_schedule(self.schedule, self.routes.links())
+        self.device = pick_device(device, local_rank)
+        self._owns_group = init_process_group(self.device, timeout_s)
+        self.groups = build_groups(self.layout, manifest, rank)
+        self.stage = stage_loader(self.stage_index, self.device)
+        self.stage.train()
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        self.optimizer = (optimizer_factory or _default_optimizer)(params) if params else None
+        p2p = P2P(rank, self.layout.pipeline_ranks(self.replica), timeout_s, self.groups.pipeline)
+        self.executor = StageExecutor(manifest, self.routes, self.stage_index, self.stage, self.schedule, p2p,
+                                      self.device, average)
+
+    # -- training --------------------------------------------------------------
+
+    def forward_backward(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: Any) -> float:
+        """Forward and backward over all microbatches, without an optimizer step.
+
+        Gradients accumulate into ``.grad`` (tied copies summed across their stages).
+        Returns the loss averaged over microbatches, on every rank.
+        """
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        dims = [t.batch_dim for t in self.manifest.inputs]
+        batched = [t.shape[d] for t, d in zip(inputs, dims) if d is not None]
+        if batched:
+            check_divisible(batched[0], self.microbatches)
+        mb_inputs = split_inputs(inputs, dims, self.microbatches)
+        is_last = self.stage_index == self.routes.loss_stage
+        mb_targets = split_targets(targets, self.microbatches) if is_last else None
+        losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
+        sync_tied_grads(self.stage, self.groups.ties, self.rank, self.timeout_s)
+        loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
+        loss = loss.float()
+        try:
+            dist.broadcast(loss, src=self.layout.rank_of(self.routes.loss_stage, self.replica),
+                           group=self.groups.pipeline)
+        except RuntimeError as exc:
+            raise peer_error(exc, self.rank, "receiving the step's loss from the last stage", self.timeout_s) from exc
+        return float(loss.item())
+
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: Any) -> float:
+        """One training step: zero grads, forward/backward all microbatches, optimizer step."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward(inputs, targets)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss
+
+    # -- lifetime --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroy the process group if this runner created it."""
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    def __enter__(self) -> PipelineRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

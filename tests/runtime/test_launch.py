@@ -1,0 +1,46 @@
+"""``run_build`` / the worker entry point: torchrun end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from builds import EXAMPLES, make_build, original_model
+from fxpipe.errors import ConfigError
+from fxpipe.modelfile import load_model_file
+from fxpipe.runtime.launch import run_build, torchrun_command
+from reference import reference_train
+
+pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
+
+
+def test_torchrun_command_uses_pytorchs_launcher() -> None:
+    cmd = torchrun_command("build", 3, 29400, ["--steps", "2"])
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    joined = " ".join(cmd)
+    assert "--nproc-per-node 3" in joined and "--rdzv-backend c10d" in joined
+    assert "--rdzv-endpoint 127.0.0.1:29400" in joined and joined.endswith("-m fxpipe.runtime.worker build --steps 2")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_run_build_trains_gpt_on_three_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build = make_build("gpt", tmp_path / "gpt", stages=3, batch_size=8, microbatches=2)
+    result = run_build(build, steps=3, schedule="gpipe", microbatches=4, lr=0.1, timeout_s=60)
+    printed = capsys.readouterr().out
+    assert "step    3/3  loss" in printed and "samples/s" in printed
+    assert result == json.loads((build / "run.json").read_text())
+    assert result["world_size"] == 3 and result["schedule"] == "gpipe" and result["microbatches"] == 4
+    assert len(result["step_seconds"]) == 3 and all(s > 0 for s in result["step_seconds"])
+    assert len(result["peak_memory_bytes"]) == 3 and all(b > 1 << 20 for b in result["peak_memory_bytes"])
+    assert result["predicted_step_ms"] is None  # the plan was made for 2 microbatches, not 4
+    source = load_model_file(EXAMPLES / "gpt.py")
+    want, _ = reference_train(original_model(build, source, 3), source.example_inputs(8), source.example_targets(8),
+                              source.loss_fn, 3, 4, 0.1)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
+
+    with pytest.raises(ConfigError, match=r"rank \d: batch size 8 does not split into 3 equal microbatches"):
+        run_build(build, steps=1, microbatches=3, quiet=True)
