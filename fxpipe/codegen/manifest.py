@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import BuildDirError
+from fxpipe.jsonio import dump_json
 
 __all__ = ["INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
 
@@ -132,10 +133,7 @@ class Manifest:
         return self.stages[index]
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(asdict(self), indent=1)
-        if path is not None:
-            Path(path).write_text(text + "\n")
-        return text
+        return dump_json(asdict(self), path)
 
     @classmethod
     def from_json(cls, path: str | Path) -> Manifest:

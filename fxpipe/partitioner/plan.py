@@ -8,13 +8,13 @@ Times are milliseconds per microbatch unless named ``step``; sizes are bytes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import PartitionError
+from fxpipe.jsonio import check_schema_version, dump_json, load_json
 
 __all__ = ["StagePlan", "PartitionPlan", "PLAN_SCHEMA_VERSION"]
 
@@ -126,17 +126,11 @@ class PartitionPlan:
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text + "\n")
-        return text
+        return dump_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PartitionPlan:
-        version = d.get("schema_version", PLAN_SCHEMA_VERSION)
-        if version > PLAN_SCHEMA_VERSION:
-            raise PartitionError(f"plan schema version {version} is newer than this fxpipe understands "
-                                 f"({PLAN_SCHEMA_VERSION}); upgrade fxpipe")
+        check_schema_version(d, PLAN_SCHEMA_VERSION, "plan", PartitionError)
         missing = [k for k in ("stages", "bottleneck_ms", "num_stages") if k not in d]
         if missing:
             raise PartitionError(f"plan is missing the fields {missing}; regenerate it with `fxpipe plan`")
@@ -149,13 +143,4 @@ class PartitionPlan:
     @classmethod
     def from_json(cls, source: str | Path) -> PartitionPlan:
         """Load from a path or a JSON string."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            path = Path(source)
-            if not path.is_file():
-                raise PartitionError(f"plan file {str(path)!r} does not exist")
-            text = path.read_text()
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise PartitionError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(load_json(source, "plan", PartitionError))

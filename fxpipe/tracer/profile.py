@@ -11,12 +11,12 @@ records their specs and ``Unit.reads_inputs`` which of them a unit reads.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fxpipe.errors import ProfileError
+from fxpipe.jsonio import check_schema_version, dump_json, load_json
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -266,19 +266,11 @@ class ModelProfile:
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text + "\n")
-        return text
+        return dump_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
-        version = d.get("schema_version", PROFILE_SCHEMA_VERSION)
-        if version > PROFILE_SCHEMA_VERSION:
-            raise ProfileError(
-                f"profile schema version {version} is newer than this fxpipe understands "
-                f"({PROFILE_SCHEMA_VERSION}); upgrade fxpipe"
-            )
+        check_schema_version(d, PROFILE_SCHEMA_VERSION, "profile", ProfileError)
         for key in ("units", "edges", "batch_size"):
             if key not in d:
                 raise ProfileError(f"profile is missing the field {key!r}")
@@ -288,14 +280,4 @@ class ModelProfile:
     @classmethod
     def from_json(cls, source: str | Path) -> ModelProfile:
         """Load from a path or a JSON string."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            path = Path(source)
-            if not path.is_file():
-                raise ProfileError(f"profile file {str(path)!r} does not exist")
-            text = path.read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"profile is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(load_json(source, "profile", ProfileError))
