@@ -83,6 +83,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied input/output embeddings
+        nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's init: logits start near uniform
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.size(1)

@@ -1,0 +1,44 @@
+"""The seed-compatible training API: ``import fxpipe as smp`` for scripts written against it.
+
+``init(config)``, the rank functions, ``DistributedModel``, ``@step``,
+``DistributedOptimizer``, ``partition(i)``, ``save``/``load`` and ``amp.GradScaler``,
+running on fxpipe's compiler (partitioning at the first step) and runtime (torch.distributed
+point-to-point, runtime schedules). See docs/porting.md.
+"""
+
+from fxpipe.runtime.api.amp import GradScaler
+from fxpipe.runtime.api.build import apply_partition_policy
+from fxpipe.runtime.api.checkpoint import CheckpointError, load, save
+from fxpipe.runtime.api.config import Config
+from fxpipe.runtime.api.driver import StepError
+from fxpipe.runtime.api.model import PARTIAL_KEY, DDPOptions, DistributedModel
+from fxpipe.runtime.api.optimizer import DistributedOptimizer
+from fxpipe.runtime.api.state import (
+    barrier,
+    broadcast,
+    dp_rank,
+    dp_size,
+    get_dp_process_group,
+    get_mp_process_group,
+    get_world_process_group,
+    init,
+    is_initialized,
+    is_tracing,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    rank,
+    shutdown,
+    size,
+)
+from fxpipe.runtime.api.step import StepOutput, step
+from fxpipe.tracer.pins import partition
+
+__all__ = [
+    "PARTIAL_KEY", "CheckpointError", "Config", "DDPOptions", "DistributedModel", "DistributedOptimizer",
+    "GradScaler", "StepError", "StepOutput", "apply_partition_policy", "barrier", "broadcast", "dp_rank", "dp_size",
+    "get_dp_process_group", "get_mp_process_group", "get_world_process_group", "init", "is_initialized",
+    "is_tracing", "load", "local_rank", "local_size", "mp_rank", "mp_size", "partition", "rank", "save", "shutdown",
+    "size", "step",
+]

@@ -1,0 +1,187 @@
+"""Partitioning at the first step: the CLI's tracer -> partitioner -> codegen path, run in-process.
+
+Note [one plan for every rank]: global rank 0 traces the model on the first step's
+first microbatch, plans, and writes a build directory into a temporary folder; it then
+scatters to each rank the manifest and that rank's own stage files (source and
+weights), which the rank writes into its own temporary folder and loads with
+``load_stage`` (hash-checked, like any build directory). So every rank runs the same
+plan, even with measured (non-deterministic) unit times, and no rank holds another
+stage's weights. A failure on rank 0 (a contradictory pin, an untraceable op) is sent
+to every rank and raised there, so no rank hangs. With ``plan=DIR`` every rank loads
+its stage from ``DIR`` instead.
+
+Each stage's parameters and buffers are then set from the *local* wrapped module
+(the same keys: a stage keeps the original names), so a prebuilt ``plan`` trains the
+user's weights, and ``load_state_dict`` calls made before partitioning hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.codegen import Manifest, load_stage, write_build_dir
+from fxpipe.errors import ConfigError, FxpipeError
+from fxpipe.partitioner import plan_partition
+from fxpipe.runtime.api.config import Config
+from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
+
+__all__ = ["TraceOptions", "StageBuild", "build_stage", "apply_partition_policy", "copy_module_values",
+           "resolve_trace_device"]
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """How rank 0 traces the model (the seed's ``DistributedModel`` tracing arguments)."""
+
+    trace_device: str = "cpu"
+    measure_times: bool = False
+    measure_memory: bool = False
+
+
+@dataclass(frozen=True)
+class StageBuild:
+    """This rank's result of partitioning: the manifest, its stage module and where its files are."""
+
+    manifest: Manifest
+    stage: nn.Module
+    build_dir: Path
+
+
+def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfile:
+    """Pins as the seed defines them: ignored with ``auto_partition``; otherwise every unit
+    inside a module keeps its ``partition(i)`` pin or gets ``default_partition``. Top-level
+    glue ops (``module_path == ""``) stay free: the solver puts them where the pins allow."""
+    units = []
+    for u in profile.units:
+        if config.auto_partition:
+            pin = None
+        else:
+            pin = u.pin if u.pin is not None else (config.default_partition if u.module_path else None)
+        if pin is not None and pin >= config.partitions:
+            raise ConfigError(f"module {u.module_path!r} is in fxpipe.partition({pin}), but 'partitions' is "
+                              f"{config.partitions} (indices 0..{config.partitions - 1}); raise 'partitions' or "
+                              "change the partition index")
+        units.append(dataclasses.replace(u, pin=pin))
+    return dataclasses.replace(profile, units=tuple(units))
+
+
+def _plan_on_rank0(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions,
+                   batch_size: int, out_dir: Path, record: BuildRecord | None) -> dict[int, dict[str, bytes]]:
+    """Trace, plan and emit into ``out_dir``; the files each rank needs, by mp rank."""
+    traced = trace_model(module, tuple(inputs), build_record=record, trace_device=options.trace_device,
+                         measure_times=options.measure_times, measure_memory=options.measure_memory, progress=False)
+    traced.profile = apply_partition_policy(traced.profile, config)
+    plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
+                          microbatches=config.microbatches, optimize=config.optimize)
+    manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size, microbatches=config.microbatches)
+    plan.to_json(out_dir / "plan.json")
+    traced.profile.to_json(out_dir / "profile.json")
+    common = {name: (out_dir / name).read_bytes() for name in ("manifest.json", "plan.json", "profile.json")}
+    return {s.index: {**common, s.source: (out_dir / s.source).read_bytes(),
+                      s.weights: (out_dir / s.weights).read_bytes()} for s in manifest.stages}
+
+
+def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException | None, rank: int, world: int,
+                   stage_of: Any) -> dict[str, bytes]:
+    """Send each rank the files of its stage (or rank 0's error, raised everywhere)."""
+    if world == 1:
+        box: list[Any] = [files_by_stage]
+    else:
+        box = [None]
+        payload = None
+        if rank == 0:
+            payload = [files_by_stage if isinstance(files_by_stage, BaseException)
+                       else files_by_stage[stage_of(r)] for r in range(world)]  # type: ignore[index]
+        dist.scatter_object_list(box, payload, src=0)
+    got = box[0]
+    if isinstance(got, BaseException):
+        if rank == 0:
+            raise got
+        if isinstance(got, FxpipeError):
+            raise type(got)(f"{got} (raised while rank 0 partitioned the model)")
+        raise ConfigError(f"rank 0 failed to partition the model: {type(got).__name__}: {got}")
+    if world == 1:
+        return got[stage_of(0)]
+    return got
+
+
+def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
+    """Set every parameter and buffer of ``stage`` from ``module`` (same keys, same shapes)."""
+    source = dict(module.named_parameters(remove_duplicate=False))
+    source.update(module.named_buffers(remove_duplicate=False))
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for key, t in list(params.items()) + list(stage.named_buffers(remove_duplicate=False)):
+            src = source.get(key)
+            if src is None:
+                if key in params:
+                    raise ConfigError(f"{where} has parameter {key!r}, which the wrapped model does not have: the "
+                                      "plan was built from another model; rebuild it with `fxpipe partition` or "
+                                      "drop 'plan'")
+                continue  # a constant the stage computes itself
+            if tuple(src.shape) != tuple(t.shape):
+                raise ConfigError(f"{where}: {key!r} has shape {tuple(t.shape)} but the wrapped model's is "
+                                  f"{tuple(src.shape)}; rebuild the plan from this model")
+            t.copy_(src)
+            if key in params:
+                t.requires_grad_(src.requires_grad)
+
+
+def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions, *,
+                rank: int, world: int, mp_rank: int, device: torch.device, batch_size: int,
+                stage_of: Any, on_trace: Any = None, record: BuildRecord | None = None) -> StageBuild:
+    """Partition ``module`` (see Note [one plan for every rank]) and load this rank's stage on ``device``.
+
+    ``record``: constructor arguments and pins of ``module``'s submodules, for leaf modules
+    that a stage file must construct again.
+    """
+    if config.plan is not None:
+        build_dir = Path(config.plan)
+        manifest = Manifest.from_json(build_dir)
+        if manifest.num_stages != config.partitions:
+            raise ConfigError(f"the plan {str(build_dir)!r} has {manifest.num_stages} stages but 'partitions' is "
+                              f"{config.partitions}; set 'partitions': {manifest.num_stages} or rebuild with "
+                              f"`fxpipe partition --stages {config.partitions}`")
+    else:
+        build_dir = Path(tempfile.mkdtemp(prefix=f"fxpipe-build-r{rank}-"))
+        result: dict[int, dict[str, bytes]] | BaseException | None = None
+        if rank == 0:
+            scratch = Path(tempfile.mkdtemp(prefix="fxpipe-plan-"))
+            try:
+                if on_trace is not None:
+                    on_trace(True)
+                result = _plan_on_rank0(module, inputs, config, options, batch_size, scratch, record)
+            except Exception as exc:  # sent to every rank, raised on all
+                result = exc
+            finally:
+                if on_trace is not None:
+                    on_trace(False)
+        files = _scatter_build(result, rank, world, stage_of)
+        for name, data in files.items():
+            (build_dir / name).write_bytes(data)
+        manifest = Manifest.from_json(build_dir)
+    stage = load_stage(build_dir, mp_rank, device=device)
+    copy_module_values(stage, module, f"stage {mp_rank} of {build_dir}")
+    stage.train(module.training)
+    return StageBuild(manifest, stage, build_dir)
+
+
+def resolve_trace_device(trace_device: str) -> str:
+    """The seed's ``"gpu"``/``"cpu"`` as a torch device type; ``"gpu"`` without CUDA warns and uses the CPU."""
+    if trace_device in ("gpu", "cuda"):
+        if torch.cuda.is_available():
+            return "cuda"
+        warnings.warn("trace_device='gpu' but CUDA is not available; tracing on the CPU", stacklevel=3)
+        return "cpu"
+    if trace_device != "cpu":
+        raise ConfigError(f"trace_device must be 'gpu' or 'cpu', got {trace_device!r}")
+    return "cpu"

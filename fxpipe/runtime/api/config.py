@@ -1,0 +1,105 @@
+"""``Config``: the ``fxpipe.init`` configuration, with the seed library's keys plus ``plan``.
+
+The seed library takes a plain dict (``{"partitions": 2, "microbatches": 4, ...}``);
+``Config.from_dict`` validates it and refuses unknown keys and impossible values with a
+``ConfigError`` that names the key, the value given, what is expected and a remedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from fxpipe.errors import ConfigError
+
+__all__ = ["Config", "PIPELINES"]
+
+# the seed's pipeline names -> fxpipe's runtime schedules
+PIPELINES = {"simple": "gpipe", "interleaved": "1f1b"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated training configuration.
+
+    ``partitions``: pipeline stages (required); ``microbatches``: per step (the batch is
+    cut into this many equal parts); ``pipeline``: ``"simple"`` (GPipe: all forwards,
+    then all backwards) or ``"interleaved"`` (1F1B); ``auto_partition``: let the solver
+    place units (``False``: honour ``fxpipe.partition(i)`` blocks and put everything
+    else on ``default_partition``); ``optimize``: ``"speed"`` or ``"memory"``, passed
+    to the planner; ``ddp``: allow data-parallel replicas (stored; today one replica);
+    ``plan``: a build directory written by ``fxpipe partition`` to use instead of
+    partitioning at the first step.
+    """
+
+    partitions: int
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    auto_partition: bool = True
+    default_partition: int = 0
+    optimize: str = "speed"
+    ddp: bool = False
+    plan: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.partitions) or self.partitions < 1:
+            raise ConfigError(f"config 'partitions' must be an int >= 1, got {self.partitions!r}; "
+                              "set it to the number of pipeline stages, e.g. {'partitions': 2}")
+        if not _is_int(self.microbatches) or self.microbatches < 1:
+            raise ConfigError(f"config 'microbatches' must be an int >= 1, got {self.microbatches!r}; "
+                              "e.g. {'microbatches': 4} (the batch size must be a multiple of it)")
+        if self.pipeline not in PIPELINES:
+            raise ConfigError(f"config 'pipeline' must be one of {sorted(PIPELINES)}, got {self.pipeline!r}; "
+                              "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B")
+        for key in ("auto_partition", "ddp"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"config {key!r} must be True or False, got {getattr(self, key)!r}")
+        if not _is_int(self.default_partition) or not 0 <= self.default_partition < self.partitions:
+            raise ConfigError(f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
+                              f"got {self.default_partition!r}")
+        if self.optimize not in ("speed", "memory"):
+            raise ConfigError(f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}")
+        if self.plan is not None:
+            if not isinstance(self.plan, (str, Path)) or not (Path(self.plan) / "manifest.json").is_file():
+                raise ConfigError(f"config 'plan' must be a build directory written by `fxpipe partition`, but "
+                                  f"{str(self.plan)!r} has no manifest.json; run `fxpipe partition MODEL_FILE "
+                                  f"--stages {self.partitions} --out DIR` first or drop 'plan'")
+            object.__setattr__(self, "plan", str(self.plan))
+
+    @property
+    def schedule(self) -> str:
+        """The runtime schedule name (``"gpipe"`` or ``"1f1b"``)."""
+        return PIPELINES[self.pipeline]
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any] | None) -> Config:
+        """Validate a user's config dict (``None`` or ``{}`` is refused: ``partitions`` is required)."""
+        config = dict(config or {})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; fxpipe.init accepts {known}")
+        if "partitions" not in config:
+            raise ConfigError("config has no 'partitions': pass the number of pipeline stages, "
+                              "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})")
+        return cls(**config)
+
+    def check_world(self, world_size: int) -> int:
+        """The number of data-parallel replicas for ``world_size`` processes (1 today)."""
+        if world_size % self.partitions:
+            raise ConfigError(f"'partitions' {self.partitions} does not divide the world size {world_size}; "
+                              f"launch a multiple of {self.partitions} processes "
+                              f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'")
+        replicas = world_size // self.partitions
+        if replicas > 1 and not self.ddp:
+            raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
+                              f"needs 'ddp': True; or launch exactly {self.partitions} processes")
+        if replicas > 1:
+            raise ConfigError(f"world size {world_size} asks for {replicas} data-parallel replicas, which fxpipe "
+                              f"does not run yet; launch exactly {self.partitions} processes")
+        return replicas

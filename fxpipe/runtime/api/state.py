@@ -1,0 +1,235 @@
+"""Process-wide state of the seed-compatible API: ``init`` and the common functions.
+
+The seed library is a set of module-level functions (``smp.rank()``, ``smp.mp_rank()``
+...) over one global state, so this module keeps exactly one ``_State``. ``init``
+reads torchrun's environment, initialises the default process group with the
+runtime's code (``fxpipe.runtime.groups``), and fixes the rank layout
+(``fxpipe.runtime.layout.RankLayout``: ``mp_rank`` is the stage, ``dp_rank`` the
+replica), so data parallelism can extend it later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.errors import ConfigError, RuntimeSetupError
+from fxpipe.runtime.api.config import Config
+from fxpipe.runtime.groups import init_process_group, pick_device, read_env
+from fxpipe.runtime.layout import RankLayout
+from fxpipe.tracer.pins import module_pins, observe_construction
+from fxpipe.tracer.record import BuildRecord
+
+__all__ = [
+    "init", "is_initialized", "is_tracing", "rank", "size", "local_rank", "local_size", "mp_rank", "mp_size",
+    "dp_rank", "dp_size", "barrier", "broadcast", "get_world_process_group", "get_mp_process_group",
+    "get_dp_process_group", "current", "shutdown", "APIState",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class APIState:
+    """What ``init`` set up. Mutable on purpose: the one process-wide registry."""
+
+    config: Config
+    layout: RankLayout
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mp_group: Any
+    dp_group: Any
+    owns_group: bool
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    tracing: bool = False
+    model: Any = None                                  # the one DistributedModel
+    optimizers: list[Any] = field(default_factory=list)  # DistributedOptimizers to localize after partitioning
+    constructed: Any = field(default_factory=weakref.WeakKeyDictionary)  # module -> (args, kwargs) since init
+    recorder: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def build_record(self, model: nn.Module) -> BuildRecord:
+        """Constructor arguments of ``model``'s submodules built after ``init``, and its ``partition`` pins.
+
+        The tracer keeps modules it cannot look into as leaves, and a stage file has to
+        construct such a leaf again, with the arguments its ``__init__`` got.
+        """
+        ctor_args = {path: self.constructed[m] for path, m in model.named_modules(remove_duplicate=False)
+                     if m in self.constructed}
+        return BuildRecord(ctor_args=ctor_args, pins=module_pins(model))
+
+    def _remember(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.constructed[module] = (tuple(args), dict(kwargs))
+
+    @property
+    def mp_rank(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.replica_of(self.rank)
+
+
+_STATE: APIState | None = None
+
+
+def current() -> APIState:
+    """The state set by ``init``; a clear error before it."""
+    if _STATE is None:
+        raise ConfigError("fxpipe.init(config) has not been called: call it once at the top of the training script, "
+                          "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})")
+    return _STATE
+
+
+def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torch.device | None = None,
+         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Validate ``config``, join the torchrun job and fix the rank layout.
+
+    Example::
+
+        import fxpipe as smp
+        smp.init({"partitions": 2, "microbatches": 4, "pipeline": "interleaved"})
+    """
+    global _STATE
+    cfg = config if isinstance(config, Config) else Config.from_dict(config)
+    if _STATE is not None:
+        if _STATE.config != cfg:
+            raise ConfigError(f"fxpipe.init was already called with {_STATE.config}; it cannot be called again with "
+                              f"another config {cfg} in the same process")
+        return
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    else:
+        env = read_env()
+        rank, world, local = env.rank, env.world_size, env.local_rank
+    replicas = cfg.check_world(world)
+    layout = RankLayout(cfg.partitions, replicas)
+    dev = pick_device(device, local)
+    owns = init_process_group(dev, timeout_s)
+    mp_group, dp_group = _make_groups(layout, rank)
+    _STATE = APIState(cfg, layout, rank, world, local, dev, mp_group, dp_group, owns, timeout_s)
+    _STATE.recorder.enter_context(observe_construction(_STATE._remember))
+
+
+def _make_groups(layout: RankLayout, rank: int) -> tuple[Any, Any]:
+    """The pipeline (mp) and data-parallel groups of ``rank``, created on every rank in one order."""
+    mp_group = dp_group = None
+    for r in range(layout.replicas):
+        g = dist.new_group(list(layout.pipeline_ranks(r))) if layout.replicas > 1 else dist.group.WORLD
+        if r == layout.replica_of(rank):
+            mp_group = g
+    for s in range(layout.num_stages):
+        g = dist.new_group(list(layout.data_parallel_ranks(s)))
+        if s == layout.stage_of(rank):
+            dp_group = g
+    return mp_group, dp_group
+
+
+def shutdown(destroy_process_group: bool = True) -> None:
+    """Forget the state (model, optimizers, config), so ``init`` may be called again.
+
+    Destroys the default process group if ``init`` created it, unless
+    ``destroy_process_group=False`` (to run several trainings in one job).
+    """
+    global _STATE
+    if _STATE is not None:
+        _STATE.recorder.close()
+    if _STATE is not None and _STATE.owns_group and destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = None
+
+
+def is_initialized() -> bool:
+    """Whether ``init`` has been called in this process."""
+    return _STATE is not None
+
+
+def is_tracing() -> bool:
+    """Whether this process is tracing the model right now (during the first step's partitioning)."""
+    return _STATE is not None and _STATE.tracing
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return current().rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return current().world_size
+
+
+def local_rank() -> int:
+    """Rank of this process on its machine (torchrun's LOCAL_RANK)."""
+    return current().local_rank
+
+
+def local_size() -> int:
+    """Processes on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    current()
+    return int(os.environ.get("LOCAL_WORLD_SIZE", size()))
+
+
+def mp_rank() -> int:
+    """The pipeline stage (partition) this process runs."""
+    return current().mp_rank
+
+
+def mp_size() -> int:
+    """Number of pipeline stages (``partitions``)."""
+    return current().layout.num_stages
+
+
+def dp_rank() -> int:
+    """Which data-parallel replica this process belongs to (0 today)."""
+    return current().dp_rank
+
+
+def dp_size() -> int:
+    """Number of data-parallel replicas (1 today)."""
+    return current().layout.replicas
+
+
+def get_world_process_group() -> Any:
+    """The group of all processes."""
+    current()
+    return dist.group.WORLD
+
+
+def get_mp_process_group() -> Any:
+    """The group of this process's pipeline (the stages of one replica)."""
+    return current().mp_group
+
+
+def get_dp_process_group() -> Any:
+    """The group of the processes holding the same stage in every replica."""
+    return current().dp_group
+
+
+def barrier(group: Any = None) -> None:
+    """Wait for every process in ``group`` (default: all)."""
+    current()
+    dist.barrier(group=group)
+
+
+def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Every process gets ``obj`` of global rank ``src`` (a picklable object; call on all ranks of ``group``).
+
+    Unlike the seed library's sender-only ``broadcast``/``recv_from`` pair, this is one
+    symmetric collective, like ``torch.distributed.broadcast_object_list``.
+    """
+    st = current()
+    if not 0 <= src < st.world_size:
+        raise RuntimeSetupError(f"broadcast source rank {src} is outside the world of {st.world_size} processes")
+    box = [obj if st.rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -1,0 +1,132 @@
+"""``@step`` and ``StepOutput``: a training step written for one microbatch, run for all of them.
+
+The decorated function is called once per microbatch with its arguments cut along
+dim 0 (tensors without a batch dim and other objects are passed whole). Its return
+values come back as ``StepOutput``s holding the per-microbatch values of the *last*
+stage, which computes the real outputs and loss, broadcast to every rank of the
+pipeline (other stages only see placeholders; see ``fxpipe.runtime.api.driver``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.api.state import current
+from fxpipe.runtime.microbatch import split_targets
+
+__all__ = ["step", "StepOutput"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One returned value of a ``@step`` function, for every microbatch (``outputs[m]``)."""
+
+    outputs: tuple[Any, ...]
+
+    def __iter__(self) -> Iterator[Any]:
+        """The per-microbatch values (so ``sum(loss_mb)`` works on numbers, as in the seed's examples)."""
+        return iter(self.outputs)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __getitem__(self, microbatch: int) -> Any:
+        return self.outputs[microbatch]
+
+    def _tensors(self, what: str) -> list[torch.Tensor]:
+        if not all(isinstance(o, torch.Tensor) for o in self.outputs):
+            raise TypeError(f"StepOutput.{what}() needs tensors, but the step returned "
+                            f"{sorted({type(o).__name__ for o in self.outputs})}; use .outputs")
+        return list(self.outputs)
+
+    def stack(self) -> torch.Tensor:
+        """The microbatch values stacked on a new dim 0."""
+        return torch.stack(self._tensors("stack"))
+
+    def concat(self) -> torch.Tensor:
+        """The microbatch values concatenated on dim 0 (e.g. predictions for the whole batch)."""
+        return torch.cat(self._tensors("concat"))
+
+    def reduce_mean(self) -> torch.Tensor:
+        """The mean over microbatches (e.g. the batch loss of a mean-reduced loss)."""
+        return self.stack().mean(0)
+
+    def reduce_sum(self) -> torch.Tensor:
+        """The sum over microbatches."""
+        return self.stack().sum(0)
+
+
+def _detach(x: Any) -> Any:
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _share_results(results: list[Any]) -> list[Any]:
+    """The last stage's per-microbatch results, on every rank of the pipeline."""
+    st = current()
+    if st.layout.num_stages == 1:
+        return results
+    src = st.layout.rank_of(st.layout.num_stages - 1, st.dp_rank)
+    box = [[tree_map(_detach, r) for r in results] if st.rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=st.mp_group if st.layout.replicas > 1 else None)
+    device = st.device
+    return [tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, r) for r in box[0]]
+
+
+def _wrap(results: list[Any]) -> Any:
+    first = results[0]
+    if first is None:
+        return None
+    if isinstance(first, tuple):
+        return tuple(StepOutput(tuple(r[i] for r in results)) for i in range(len(first)))
+    return StepOutput(tuple(results))
+
+
+def step(fn: F) -> F:
+    """Decorate a function that runs the model and its backward on one microbatch.
+
+    Example::
+
+        @fxpipe.step
+        def train_step(model, data, target):
+            output = model(data)
+            loss = F.nll_loss(output, target)
+            model.backward(loss)
+            return output, loss
+
+        output_mb, loss_mb = train_step(model, data, target)
+        loss = loss_mb.reduce_mean()
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        st = current()
+        model = st.model
+        if model is None:
+            raise ConfigError("a @step function was called before any DistributedModel exists; wrap the model "
+                              "first: model = fxpipe.DistributedModel(model)")
+        M = st.config.microbatches
+        per_mb = split_targets((args, kwargs), M)
+        model._begin_step()
+        results = []
+        try:
+            for m, (a, k) in enumerate(per_mb):
+                model._set_microbatch(m)
+                results.append(fn(*a, **k))
+                model._set_microbatch(None)
+        except BaseException:
+            model._abort_step()
+            raise
+        model._end_step()
+        return _wrap(_share_results(results))
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,133 @@
+"""The seed API's pieces that need no process group: config, pin policy, StepOutput, checkpoint files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpipe.errors import ConfigError, FxpipeError
+from fxpipe.runtime.api import CheckpointError, Config, StepOutput, apply_partition_policy, load, partition
+from fxpipe.runtime.api.checkpoint import save
+from fxpipe.tracer import trace_model
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"partitions": 2, "microbatchs": 4}, "unknown config key(s) ['microbatchs']"),
+    ({"microbatches": 4}, "no 'partitions'"),
+    ({"partitions": 0}, "'partitions' must be an int >= 1, got 0"),
+    ({"partitions": 2, "microbatches": 0}, "'microbatches' must be an int >= 1, got 0"),
+    ({"partitions": 2, "pipeline": "1f1b"}, "'pipeline' must be one of ['interleaved', 'simple'], got '1f1b'"),
+    ({"partitions": 2, "default_partition": 2}, "'default_partition' must be a partition index in 0..1, got 2"),
+    ({"partitions": 2, "optimize": "fast"}, "'optimize' must be 'speed' or 'memory', got 'fast'"),
+    ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),
+    ({"partitions": 2, "plan": "/nonexistent/build"}, "has no manifest.json"),
+])
+def test_bad_configs_are_refused(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(config)
+    assert message in str(info.value)
+
+
+def test_config_defaults_and_world_check() -> None:
+    cfg = Config.from_dict({"partitions": 2, "pipeline": "simple"})
+    assert (cfg.microbatches, cfg.schedule, cfg.auto_partition, cfg.optimize) == (1, "gpipe", True, "speed")
+    assert Config.from_dict({"partitions": 2}).schedule == "1f1b"
+    assert cfg.check_world(2) == 1
+    with pytest.raises(ConfigError, match="'partitions' 2 does not divide the world size 3"):
+        cfg.check_world(3)
+    with pytest.raises(ConfigError, match="needs 'ddp': True"):
+        cfg.check_world(4)
+    with pytest.raises(ConfigError, match="does not run yet"):
+        Config.from_dict({"partitions": 2, "ddp": True}).check_world(4)
+
+
+class _Pinned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with partition(1):
+            self.a = nn.Linear(4, 4)
+            with partition(2):
+                self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)) + 1)
+
+
+def test_partition_policy() -> None:
+    profile = trace_model(_Pinned(), (torch.randn(2, 4),), progress=False).profile
+    pins = {u.module_path: u.pin for u in profile.units}
+    assert (pins["a"], pins["b"], pins["c"]) == (1, 2, None)
+    manual = apply_partition_policy(profile, Config(partitions=3, auto_partition=False, default_partition=2))
+    got = {u.module_path: u.pin for u in manual.units}
+    assert (got["a"], got["b"], got["c"]) == (1, 2, 2)   # nested block wins; c gets default_partition
+    glue = dataclasses.replace(profile, units=tuple(
+        dataclasses.replace(u, module_path="") if u.name == "c" else u for u in profile.units))
+    freed = apply_partition_policy(glue, Config(partitions=3, auto_partition=False, default_partition=2))
+    assert [u.pin for u in freed.units] == [1, 2, None]  # top-level glue ops stay free for the solver
+    auto = apply_partition_policy(profile, Config(partitions=3))
+    assert all(u.pin is None for u in auto.units)
+    with pytest.raises(ConfigError, match=r"fxpipe.partition\(2\), but 'partitions' is 2"):
+        apply_partition_policy(profile, Config(partitions=2, auto_partition=False))
+
+
+def test_step_output_reductions() -> None:
+    out = StepOutput((torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])))
+    torch.testing.assert_close(out.reduce_mean(), torch.tensor([2.0, 4.0]))
+    torch.testing.assert_close(out.reduce_sum(), torch.tensor([4.0, 8.0]))
+    torch.testing.assert_close(out.concat(), torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert out.stack().shape == (2, 2)
+    with pytest.raises(TypeError, match="use .outputs"):
+        StepOutput(("a", "b")).stack()
+
+
+class _Payload:
+    """Not plain data: loading it would need to import and build this class."""
+
+
+def test_load_refuses_pickled_code(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"x": _Payload()}, path)
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        load(str(path), partial=False)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load(str(tmp_path / "missing.pt"), partial=False)
+
+
+def test_save_is_atomic_and_round_trips(tmp_path, monkeypatch) -> None:
+    from fxpipe.runtime.api import state
+
+    class _Fake:  # the two fields save/load read, without a process group
+        rank = 0
+        mp_rank = 1
+
+    monkeypatch.setattr(state, "_STATE", _Fake())
+    obj = {"w": torch.arange(3.0), "step": 4, "_smp_is_partial": True}
+    save(obj, str(tmp_path / "ck.pt"), partial=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt_1"]   # no temporary file left behind
+    loaded = load(str(tmp_path / "ck.pt"), partial=True)
+    torch.testing.assert_close(loaded["w"], obj["w"])
+    assert loaded["step"] == 4 and loaded["_smp_is_partial"] is True
+
+
+def test_api_needs_init() -> None:
+    from fxpipe.runtime.api import DistributedModel, rank
+
+    for call in (rank, lambda: DistributedModel(nn.Linear(2, 2))):
+        with pytest.raises(FxpipeError, match=r"fxpipe.init\(config\) has not been called"):
+            call()
+
+
+def test_package_root_exposes_the_seed_surface() -> None:
+    """`import fxpipe as smp` must offer every name a seed script uses."""
+    import fxpipe
+    import fxpipe.runtime.api as api
+
+    seed_names = set(api.__all__) - {"PARTIAL_KEY", "Config", "DDPOptions", "GradScaler", "apply_partition_policy"}
+    missing = sorted(n for n in seed_names if not hasattr(fxpipe, n))
+    assert not missing, f"fxpipe does not re-export {missing}"
+    assert fxpipe.amp.GradScaler is api.GradScaler
+    assert fxpipe.partition is fxpipe.tracer.partition
