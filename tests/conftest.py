@@ -1,31 +1,20 @@
 """Shared test fixtures: a fixed seed for every test and one registry of example models.
 
 ``EXAMPLES`` maps a short name to a model file in ``examples/``; use it directly
-(``from conftest import EXAMPLES``) or through the ``load_example`` fixture, which
+(``from example_models import EXAMPLES``) or through the ``load_example`` fixture, which
 returns a loaded :class:`fxpipe.modelfile.ModelSource`.
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
+from example_models import EXAMPLES, HF_MODELS
 from fxpipe.modelfile import ModelSource, load_model_file
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES_DIR = ROOT / "examples"
-EXAMPLES: dict[str, Path] = {
-    "mlp": EXAMPLES_DIR / "mlp.py",
-    "gpt": EXAMPLES_DIR / "gpt.py",
-    "resnet": EXAMPLES_DIR / "resnet.py",
-    "branchy": EXAMPLES_DIR / "branchy.py",
-}
-HF_MODELS = EXAMPLES_DIR / "hf_models.py"  # GPT-2 by default; build_bert/bert_inputs for BERT
-
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

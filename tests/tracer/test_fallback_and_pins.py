@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import EXAMPLES
+from example_models import EXAMPLES
 from fxpipe.errors import PinError, TraceError
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import build_model_recorded, partition, trace_model, trace_model_file

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import HF_MODELS
+from example_models import HF_MODELS
 from fxpipe.tracer import trace_model
 from fxpipe.tracer.traced import SPEC_KEY
 

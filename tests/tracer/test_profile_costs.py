@@ -88,3 +88,66 @@ def test_print_profile_table(both_modes):
     print_profile_table(both_modes[0].profile, console=Console(file=buffer, width=160))
     text = buffer.getvalue()
     assert "big" in text and "Linear" in text and "total" in text and "1.0 MiB" in text
+
+
+# -- the analytic cost terms, on hand-made counts (Note [analytic unit time]) -----------------
+
+from fxpipe.tracer import api as _api  # noqa: E402
+from fxpipe.tracer.costs import (ACCUMULATE_OP, DEVICE_PRESETS, DevicePreset, OpCounter,  # noqa: E402
+                                 UnitCounts, analytic_ms)
+
+_PRESET = DevicePreset("test", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, bwd_op_overhead_s=2e-6,
+                       op_extra_s=(("convolution", 10e-6),), cold_factor=2.0)
+
+
+def test_analytic_ms_literal_roofline_plus_op_costs():
+    counts = UnitCounts(fwd_flops=2e6, bwd_flops=4e6, fwd_bytes=1_000_000, activation_bytes=0, n_ops=9,
+                        has_backward=True, fwd_ops=(("addmm", 3), ("convolution", 1)), bwd_ops=(("mm", 4),))
+    fwd, bwd = analytic_ms(counts, _PRESET)
+    # forward: max(2 ms flops, 1 ms bytes) + 2 x (3 x 1 us + 1 x (1 + 10) us)
+    assert fwd == pytest.approx(2.0 + 0.028)
+    # backward: max(4 ms flops, 2 x 1 ms bytes) + 2 x 4 x 2 us
+    assert bwd == pytest.approx(4.0 + 0.016)
+
+
+def test_analytic_ms_without_op_counts_and_without_backward():
+    counts = UnitCounts(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, activation_bytes=0, n_ops=5, has_backward=True)
+    assert analytic_ms(counts, _PRESET) == pytest.approx((5 * 1e-3 * 2, 2 * 5 * 2e-3 * 2))
+    frozen = UnitCounts(fwd_flops=1e6, bwd_flops=0.0, fwd_bytes=0, activation_bytes=0, n_ops=1, has_backward=False,
+                        fwd_ops=(("relu", 1),))
+    assert analytic_ms(frozen, _PRESET) == pytest.approx((1.0 + 0.002, 0.0))
+
+
+def test_cpu_preset_charges_convolutions_extra():
+    cpu = DEVICE_PRESETS["cpu"]
+    assert cpu.op_cost_s("convolution", backward=False) > 5 * cpu.op_cost_s("add", backward=False)
+    assert cpu.op_cost_s("add", backward=True) == cpu.bwd_op_overhead_s
+
+
+def test_op_counter_counts_aten_ops_by_name():
+    x = torch.randn(3)
+    with OpCounter() as counter:
+        torch.relu(x) + 1
+    assert counter.items() == (("add", 1), ("relu", 1))
+
+
+def test_unit_op_counts_and_compiled_unit(monkeypatch):
+    seen = []
+
+    def spy(runner):
+        counts = count_unit(runner)
+        seen.append((runner, counts))
+        return counts
+
+    count_unit = _api.count_unit
+    monkeypatch.setattr(_api, "count_unit", spy)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    x = torch.randn(2, 4)
+    trace_model(model, (x,), progress=False)
+    (lin_runner, lin), (_, relu) = seen
+    assert dict(lin.fwd_ops)["addmm"] == 1
+    assert dict(lin.bwd_ops)[ACCUMULATE_OP] == 2  # weight and bias
+    assert dict(relu.fwd_ops)["relu"] == 1 and ACCUMULATE_OP not in dict(relu.bwd_ops)
+    outputs, leaves = lin_runner.forward()  # the unit as one compiled GraphModule call
+    torch.testing.assert_close(outputs[0], model[0](x))
+    assert len(leaves) == 3  # the (float) input and both parameters

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from conftest import EXAMPLES
+from example_models import EXAMPLES
 from fxpipe.tracer import TensorSpec, trace_model, trace_model_file
 from fxpipe.tracer.traced import PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import COMPUTE_OPS
