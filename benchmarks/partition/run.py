@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -63,20 +62,16 @@ def unbalanced_chain(n: int = 48, seed: int = 0) -> ModelProfile:
 
 
 def traced_examples() -> dict[str, ModelProfile]:
-    """Profiles of the bundled examples, when the tracer can trace them here."""
-    out: dict[str, ModelProfile] = {}
-    try:
-        from fxpipe.modelfile import load_model_file
-        from fxpipe.tracer.api import trace_model_file
-    except Exception as exc:  # the tracer is optional for this benchmark
-        print(f"tracer unavailable ({exc}); using synthetic profiles only", file=sys.stderr)
-        return out
-    for name in EXAMPLES:
-        path = ROOT / "examples" / f"{name}.py"
-        try:
-            out[name] = trace_model_file(load_model_file(path), 4).profile
-        except Exception as exc:
-            print(f"could not trace {path.name}: {exc}", file=sys.stderr)
+    """Profiles of the bundled examples and of GPT-2 small (Hugging Face, traced with
+    torch.export at batch 1, sequence 128), as ``fxpipe trace`` makes them."""
+    from fxpipe.modelfile import load_model_file
+    from fxpipe.tracer.api import trace_model_file
+
+    out = {name: trace_model_file(load_model_file(ROOT / "examples" / f"{name}.py"), 4).profile
+           for name in EXAMPLES}
+    hf = load_model_file(ROOT / "examples" / "hf_models.py", model_fn="build_gpt2_small",
+                         inputs_fn="gpt2_small_inputs")
+    out["gpt2-small (traced)"] = trace_model_file(hf, 1).profile
     return out
 
 
@@ -156,7 +151,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, no tracing")
     args = parser.parse_args()
     start = time.perf_counter()
-    profiles = {"gpt2-small": gpt2_small_profile(), "unbalanced": unbalanced_chain()}
+    profiles = {"gpt2-small (synthetic)": gpt2_small_profile(), "unbalanced": unbalanced_chain()}
     if not args.quick:
         profiles.update(traced_examples())
     results = {

@@ -78,15 +78,19 @@ def stage_order(schedule: str, num_stages: int, microbatches: int, stage: int) -
 
 
 def simulate_schedule(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbatches: int,
-                      schedule: str = "1f1b", *, send_ms: Sequence[float] | None = None) -> Timeline:
+                      schedule: str = "1f1b", *, send_ms: Sequence[float] | None = None,
+                      grad_send_ms: Sequence[float] | None = None) -> Timeline:
     """Start and end time of every (stage, microbatch, F/B) op of one training step.
 
     ``fwd_ms[i]`` / ``bwd_ms[i]`` are stage i's time for one microbatch (communication
     included, as the cost model counts it); ``send_ms[i]`` is an extra delay on the link
-    from stage i to i+1 (default none).
+    from stage i to i+1 for activations (default none) and ``grad_send_ms[i]`` the delay
+    of gradients going back from stage i+1 to i (default: ``send_ms``).
 
     >>> simulate_schedule([1, 1], [2, 2], 2, "gpipe").step_ms
     9.0
+    >>> simulate_schedule([1, 1], [2, 2], 2, "gpipe", send_ms=[0.5, 0], grad_send_ms=[0.25, 0]).step_ms
+    9.75
     """
     S, M = len(fwd_ms), microbatches
     if S == 0 or len(bwd_ms) != S:
@@ -94,6 +98,10 @@ def simulate_schedule(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbat
     if M < 1:
         raise PartitionError(f"microbatches must be >= 1, got {M}")
     delay = list(send_ms) if send_ms is not None else [0.0] * S
+    grad_delay = list(grad_send_ms) if grad_send_ms is not None else delay
+    if len(delay) < S - 1 or len(grad_delay) < S - 1:
+        raise PartitionError(f"need a link delay for each of the {S - 1} links between {S} stages, "
+                             f"got {len(delay)} forward and {len(grad_delay)} backward")
     orders = [stage_order(schedule, S, M, i) for i in range(S)]
     end: dict[tuple[str, int, int], float] = {}
     free = [0.0] * S
@@ -110,7 +118,7 @@ def simulate_schedule(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbat
                     lag = delay[i - 1] if i > 0 else 0.0
                 else:
                     dep = ("B", i + 1, m) if i < S - 1 else ("F", i, m)
-                    lag = delay[i] if i < S - 1 else 0.0
+                    lag = grad_delay[i] if i < S - 1 else 0.0
                 if dep is not None and dep not in end:
                     break
                 ready = end[dep] + lag if dep is not None else 0.0
