@@ -16,7 +16,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip freeze | grep -i '^torch==' > $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
