@@ -6,13 +6,15 @@ memory (see ``fxpipe.partitioner.problem`` for the formulas, Note [stage cost]).
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fxpipe.errors import ConfigError, PartitionError
 
-__all__ = ["CostModel", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "parse_size", "format_size"]
+__all__ = ["CostModel", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "COMM_HOOKS", "parse_size", "format_size"]
 
 # (bandwidth in bytes/s, latency in seconds per message), one direction.
 LINK_PRESETS: dict[str, tuple[float, float]] = {
@@ -25,6 +27,9 @@ LINK_PRESETS: dict[str, tuple[float, float]] = {
 
 # Optimizer state kept per parameter byte (SGD none, momentum one buffer, Adam two moments).
 OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
+
+# Data-parallel gradient communication hooks (fxpipe.runtime.dataparallel) the cost model can price.
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -80,6 +85,9 @@ class CostModel:
     direction between neighbouring devices. ``device_speed[i]`` divides the compute time
     of stage i (2.0 = twice as fast as the profiled device); empty means all 1.0.
     ``optimizer`` picks the optimizer-state factor (sgd 0, momentum 1, adam 2 x params).
+    ``dp_replicas`` copies of the pipeline average each stage's gradients once per step
+    with a ring all-reduce over the same kind of link, compressed by ``comm_hook``
+    (``allreduce_ms``).
 
     >>> CostModel.preset("ethernet", optimizer="adam").link_bandwidth
     1250000000.0
@@ -90,6 +98,9 @@ class CostModel:
     link: str = "loopback"
     optimizer: str = "sgd"
     device_speed: tuple[float, ...] = field(default=())
+    dp_replicas: int = 1
+    comm_hook: str = "allreduce"
+    powersgd_rank: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_speed", tuple(float(s) for s in self.device_speed))
@@ -103,6 +114,12 @@ class CostModel:
             )
         if any(s <= 0 for s in self.device_speed):
             raise ConfigError(f"device_speed factors must be > 0, got {self.device_speed}")
+        if not isinstance(self.dp_replicas, int) or self.dp_replicas < 1:
+            raise ConfigError(f"dp_replicas must be an int >= 1, got {self.dp_replicas!r}; use 1 for no data parallelism")
+        if self.comm_hook not in COMM_HOOKS:
+            raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)}")
+        if not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
+            raise ConfigError(f"powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}")
 
     @classmethod
     def preset(cls, link: str, **overrides: Any) -> CostModel:
@@ -119,6 +136,37 @@ class CostModel:
     def message_ms(self, nbytes: float) -> float:
         """Time to move one tensor of ``nbytes`` over one link, in milliseconds."""
         return (nbytes / self.link_bandwidth + self.link_latency) * 1e3
+
+    def gradient_bytes(self, param_bytes: int) -> float:
+        """Bytes one parameter's fp32 gradient puts on the wire under ``comm_hook``.
+
+        fp16/bf16 halve it. PowerSGD sends ``(rows + cols) x rank`` numbers instead of
+        ``rows x cols``; the profile has parameter sizes but not shapes, so a parameter is
+        priced as a square matrix, and left uncompressed (as PowerSGD does) unless that
+        at least halves it.
+        """
+        if self.comm_hook in ("fp16", "bf16"):
+            return param_bytes / 2
+        if self.comm_hook in ("powersgd", "batched_powersgd"):
+            side = math.sqrt(param_bytes / 4)
+            compressed = 2 * side * self.powersgd_rank * 4
+            return compressed if 2 * compressed <= param_bytes else float(param_bytes)
+        return float(param_bytes)
+
+    def allreduce_ms(self, param_bytes: Sequence[int]) -> float:
+        """One step's data-parallel gradient all-reduce of parameters of these sizes, in ms.
+
+        Ring all-reduce over ``dp_replicas``: ``2(R-1)/R x bytes / link_bandwidth +
+        link_latency``; zero without replicas or parameters.
+
+        >>> CostModel(link_bandwidth=1e9, link_latency=0.0, dp_replicas=2).allreduce_ms([10**6])
+        1.0
+        """
+        R = self.dp_replicas
+        if R <= 1 or not param_bytes:
+            return 0.0
+        wire = sum(self.gradient_bytes(b) for b in param_bytes)
+        return (2 * (R - 1) / R * wire / self.link_bandwidth + self.link_latency) * 1e3
 
     def speeds(self, num_stages: int) -> tuple[float, ...]:
         """Per-stage speed factors, checked against the stage count."""

@@ -15,6 +15,11 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   + activation bytes x microbatches in flight + boundary buffers (received inputs x
   microbatches in flight, as they are kept for backward, plus one buffer of the sent
   outputs). In flight on stage i of S: GPipe all M, 1F1B ``min(M, S - i)``.
+* Data parallelism (``cost.dp_replicas`` > 1): each stage's distinct parameters are
+  all-reduced once per step (``CostModel.allreduce_ms``), reported as
+  ``StageCost.dp_allreduce_ms``. It is not part of the per-microbatch ``stage_ms`` the
+  solvers balance (it is paid once per step, not per microbatch); the predicted step
+  time adds the largest one (``planner.predict``).
 """
 
 from __future__ import annotations
@@ -211,6 +216,7 @@ class StageCost:
     activation_bytes: int
     boundary_bytes: int
     in_flight: int
+    dp_allreduce_ms: float = 0.0  # per step, not per microbatch
 
     @property
     def compute_ms(self) -> float:
@@ -288,6 +294,7 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
             param_bytes=pb, grad_bytes=pb, optimizer_bytes=pb * problem.cost.optimizer_factor,
             buffer_bytes=buf[s], activation_bytes=act[s] * k, boundary_bytes=recv[s] * k + sent[s],
             in_flight=k,
+            dp_allreduce_ms=problem.cost.allreduce_ms([problem.param_bytes[p] for p in sorted(params[s])]),
         ))
     return Evaluation(tuple(stages))
 

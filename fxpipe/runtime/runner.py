@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
+from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, shard_optimizer
 from fxpipe.runtime.executor import LossFn, StageExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, read_env
 from fxpipe.runtime.layout import RankLayout
@@ -57,7 +58,7 @@ class PipelineRunner:
     def __init__(self, build_dir: str | Path, loss_fn: LossFn, schedule: str | Schedule = "1f1b",
                  microbatches: int = 1, optimizer_factory: OptimizerFactory | None = None,
                  average_microbatch_grads: bool = True, device: str | torch.device | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, data_parallel: DataParallelOptions | None = None) -> None:
         manifest = Manifest.from_json(build_dir)
 
         def loader(index: int, dev: torch.device) -> nn.Module:
@@ -66,22 +67,24 @@ class PipelineRunner:
             return load_stage(build_dir, index, device=dev)
 
         self._setup(manifest, loader, loss_fn, schedule, microbatches, optimizer_factory,
-                    average_microbatch_grads, device, timeout_s)
+                    average_microbatch_grads, device, timeout_s, data_parallel)
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn,
                       schedule: str | Schedule = "1f1b", microbatches: int = 1,
                       optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
-                      device: str | torch.device | None = None, timeout_s: float = 300.0) -> PipelineRunner:
+                      device: str | torch.device | None = None, timeout_s: float = 300.0,
+                      data_parallel: DataParallelOptions | None = None) -> PipelineRunner:
         """A runner over stages built by ``stage_loader(index, device)`` instead of a build directory."""
         self = cls.__new__(cls)
         self._setup(manifest, stage_loader, loss_fn, schedule, microbatches, optimizer_factory,
-                    average_microbatch_grads, device, timeout_s)
+                    average_microbatch_grads, device, timeout_s, data_parallel)
         return self
 
     def _setup(self, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn, schedule: str | Schedule,
                microbatches: int, optimizer_factory: OptimizerFactory | None, average: bool,
-               device: str | torch.device | None, timeout_s: float) -> None:
+               device: str | torch.device | None, timeout_s: float,
+               data_parallel: DataParallelOptions | None = None) -> None:
         self._owns_group = False
         if dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,10 +93,6 @@ class PipelineRunner:
             env = read_env()
             rank, world, local_rank = env.rank, env.world_size, env.local_rank
         self.layout = RankLayout.for_world(world, manifest.num_stages)
-        if self.layout.replicas > 1:
-            raise RuntimeSetupError(
-                f"world size {world} is {self.layout.replicas} pipelines of {manifest.num_stages} stages, but data "
-                f"parallel replicas are not supported yet: launch exactly {manifest.num_stages} processes")
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
         self.manifest = manifest
@@ -117,7 +116,15 @@ class PipelineRunner:
         self.stage = stage_loader(self.stage_index, self.device)
         self.stage.train()
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        self.optimizer = (optimizer_factory or _default_optimizer)(params) if params else None
+        dp_options = data_parallel or DataParallelOptions()
+        # data parallelism over the replicas of this stage: fxpipe.runtime.dataparallel, Note [one all-reduce per step]
+        self.data_parallel = (DataParallelStage(self.stage, self.groups.data_parallel, dp_options, self.device)
+                              if self.layout.replicas > 1 else None)
+        factory = optimizer_factory or _default_optimizer
+        if params and self.data_parallel is not None and dp_options.shard_optimizer_state:
+            self.optimizer: torch.optim.Optimizer | None = shard_optimizer(params, factory, self.groups.data_parallel)
+        else:
+            self.optimizer = factory(params) if params else None
         p2p = P2P(rank, self.layout.pipeline_ranks(self.replica), timeout_s, self.groups.pipeline)
         self.executor = StageExecutor(manifest, self.routes, self.stage_index, self.stage, self.schedule, p2p,
                                       self.device, average)
@@ -139,7 +146,11 @@ class PipelineRunner:
         is_last = self.stage_index == self.routes.loss_stage
         mb_targets = split_targets(targets, self.microbatches) if is_last else None
         losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
-        sync_tied_grads(self.stage, self.groups.ties, self.rank, self.timeout_s)
+        dp = self.data_parallel
+        if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
+            sync_tied_grads(self.stage, self.groups.ties, self.rank, self.timeout_s)
+        if dp is not None:
+            dp.end_pass()
         loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
         loss = loss.float()
         try:
@@ -150,11 +161,16 @@ class PipelineRunner:
         return float(loss.item())
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: Any) -> float:
-        """One training step: zero grads, forward/backward all microbatches, optimizer step."""
-        if self.optimizer is not None:
+        """One training step: zero grads, forward/backward all microbatches, optimizer step.
+
+        With data-parallel ``backward_passes_per_step = k`` gradients accumulate over k
+        calls and only every k-th call all-reduces them and steps the optimizer.
+        """
+        dp = self.data_parallel
+        if self.optimizer is not None and (dp is None or dp.passes == 0):
             self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(inputs, targets)
-        if self.optimizer is not None:
+        if self.optimizer is not None and (dp is None or dp.passes == 0):
             self.optimizer.step()
         return loss
 

@@ -2,7 +2,7 @@
 
 Each stage sees only its own gradients, so a plain scaler on stage 0 could step while
 stage 1 skips on an inf, and their scales would drift apart. This one all-reduces
-(max) the found-inf flag over the pipeline group after unscaling, so an inf or NaN on
+(max) the found-inf flag over every rank (all stages of all replicas) after unscaling, so an inf or NaN on
 any stage skips the optimizer step on every stage and every stage backs off its scale
 identically.
 """
@@ -47,8 +47,8 @@ class GradScaler(torch.amp.GradScaler):
         found = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in state["found_inf_per_device"].values():
             found = torch.maximum(found, flag.to(found.device))
-        if st.layout.num_stages > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=st.mp_group if st.layout.replicas > 1 else None)
+        if st.layout.world_size > 1:  # every stage of every replica: an inf anywhere skips the step everywhere
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
         state["found_inf_per_device"] = {found.device: found}
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,85 @@
+"""``DataParallelOptions``: how each stage's data-parallel replicas are kept in sync.
+
+The fields are the seed API's DDP options (``overlapping_allreduce``,
+``backward_passes_per_step``, ``bucket_cap_mb``, ``broadcast_buffers``,
+``gradient_as_bucket_view``) plus fxpipe's ``comm_hook`` shorthand and
+``shard_optimizer_state`` (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from fxpipe.errors import ConfigError
+
+__all__ = ["DataParallelOptions", "COMM_HOOKS"]
+
+# torch >= 2.13 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers``
+_BUFFERS_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                else "broadcast_buffers")
+
+# The ``comm_hook`` shorthands, each a hook of torch.distributed.algorithms.ddp_comm_hooks.
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """Options of the ``DistributedDataParallel`` wrapper around every stage.
+
+    ``overlapping_allreduce``: all-reduce each gradient bucket as soon as it is ready
+    (``False``: one bucket, reduced when all gradients are ready). ``backward_passes_per_step``:
+    accumulate this many ``forward_backward`` passes locally before one all-reduce.
+    ``bucket_cap_mb``, ``broadcast_buffers``, ``gradient_as_bucket_view`` go to DDP as
+    they are. ``comm_hook`` names a built-in DDP communication hook; ``powersgd_rank``
+    and ``powersgd_start_iter`` configure PowerSGD. ``shard_optimizer_state`` shards the
+    optimizer state over the data-parallel group (ZeRO stage 1).
+
+    >>> DataParallelOptions(comm_hook="powersgd", powersgd_rank=2).comm_hook
+    'powersgd'
+    """
+
+    overlapping_allreduce: bool = True
+    backward_passes_per_step: int = 1
+    bucket_cap_mb: float = 25.0
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = False
+    comm_hook: str = "allreduce"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+    shard_optimizer_state: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("overlapping_allreduce", "broadcast_buffers", "gradient_as_bucket_view", "shard_optimizer_state"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"data-parallel option {key!r} must be True or False, got {getattr(self, key)!r}")
+        steps = self.backward_passes_per_step
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {steps!r}; "
+                              "use 1 to all-reduce after every step")
+        if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be a positive number of megabytes, got {self.bucket_cap_mb!r}; "
+                              "DDP's default is 25")
+        if self.comm_hook not in COMM_HOOKS:
+            raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)} "
+                              "(or register your own with register_comm_hook(state, hook))")
+        if not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
+            raise ConfigError(f"powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}; 1, 2 or 4 are usual")
+        if not isinstance(self.powersgd_start_iter, int) or self.powersgd_start_iter < 2:
+            raise ConfigError(f"powersgd_start_iter must be an int >= 2 (PowerSGD needs plain all-reduce steps "
+                              f"while DDP rebuilds its buckets), got {self.powersgd_start_iter!r}")
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``torch.nn.parallel.DistributedDataParallel``."""
+        return {
+            # without overlap all gradients go into one bucket, reduced once every gradient is ready
+            "bucket_cap_mb": self.bucket_cap_mb if self.overlapping_allreduce else 1e6,
+            _BUFFERS_KEY: self.broadcast_buffers,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

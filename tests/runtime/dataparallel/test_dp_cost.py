@@ -1,0 +1,68 @@
+"""The data-parallel terms of the cost model, and option validation (no processes)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fxpipe.errors import ConfigError
+from fxpipe.partitioner import CostModel, plan_partition
+from fxpipe.partitioner.problem import build_problem, evaluate
+from fxpipe.runtime import RankLayout
+from fxpipe.runtime.dataparallel import DataParallelOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "partitioner"))
+from partition_fixtures import chain_profile  # noqa: E402
+
+MB = 10**6
+
+
+def test_ring_allreduce_formula_and_hook_compression() -> None:
+    cost = CostModel(link_bandwidth=1e9, link_latency=1e-4, dp_replicas=4)
+    # 2(R-1)/R x bytes / bandwidth + latency = 1.5 x 4 MB / 1 GB/s + 0.1 ms
+    assert cost.allreduce_ms([4 * MB]) == pytest.approx(6.0 + 0.1)
+    assert replace(cost, dp_replicas=1).allreduce_ms([4 * MB]) == 0.0
+    assert cost.allreduce_ms([]) == 0.0
+    assert replace(cost, comm_hook="fp16").allreduce_ms([4 * MB]) == pytest.approx(3.0 + 0.1)
+    # PowerSGD rank r on a 1000 x 1000 fp32 matrix sends (1000 + 1000) x r floats
+    psgd = replace(cost, comm_hook="powersgd", powersgd_rank=4)
+    assert psgd.gradient_bytes(4 * MB) == pytest.approx(2000 * 4 * 4)
+    assert psgd.gradient_bytes(64) == 64  # a tiny tensor is not worth compressing (PowerSGD leaves it)
+    with pytest.raises(ConfigError, match="dp_replicas must be an int >= 1, got 0"):
+        CostModel(dp_replicas=0)
+    with pytest.raises(ConfigError, match="unknown comm_hook 'int8'"):
+        CostModel(comm_hook="int8")
+
+
+def test_stage_costs_and_prediction_include_the_allreduce() -> None:
+    profile = chain_profile([1.0, 1.0, 1.0, 1.0], params=[8 * MB, 0, 0, 2 * MB])
+    cost = CostModel(link_bandwidth=1e9, link_latency=0.0, dp_replicas=2)
+    problem = build_problem(profile, 2, microbatches=4, cost=cost)
+    stages = evaluate(problem, (0, 0, 1, 1)).stages
+    assert [s.dp_allreduce_ms for s in stages] == pytest.approx([8.0, 2.0])  # 2(1)/2 x bytes / 1 GB/s
+    single = plan_partition(profile, 2, microbatches=4, cost=replace(cost, dp_replicas=1))
+    dual = plan_partition(profile, 2, microbatches=4, cost=cost)
+    added = dual.prediction["step_ms"][dual.schedule] - single.prediction["step_ms"][single.schedule]
+    assignment = tuple(next(i for i, st in enumerate(dual.stages) if u.name in st.units) for u in profile.units)
+    slowest = max(s.dp_allreduce_ms for s in evaluate(problem, assignment).stages)
+    assert added == pytest.approx(slowest) and slowest > 0
+    assert dual.prediction["step_overhead_ms"]["dp_all_reduce_ms"] == pytest.approx(slowest)
+    assert dual.cost["dp_replicas"] == 2 and CostModel.from_dict(dual.cost) == cost
+
+
+def test_options_refuse_bad_values_with_the_remedy() -> None:
+    with pytest.raises(ConfigError, match="backward_passes_per_step must be an int >= 1, got 0"):
+        DataParallelOptions(backward_passes_per_step=0)
+    with pytest.raises(ConfigError, match=r"unknown comm_hook 'int8'.*register_comm_hook"):
+        DataParallelOptions(comm_hook="int8")
+    with pytest.raises(ConfigError, match="powersgd_start_iter must be an int >= 2"):
+        DataParallelOptions(powersgd_start_iter=1)
+    assert DataParallelOptions(overlapping_allreduce=False).ddp_kwargs()["bucket_cap_mb"] >= 1e6
+
+
+def test_data_parallel_peers_are_one_stage_of_every_replica() -> None:
+    layout = RankLayout(num_stages=2, replicas=2)
+    assert layout.pipeline_ranks(0) == (0, 1) and layout.data_parallel_ranks(1) == (1, 3)
