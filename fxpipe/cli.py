@@ -49,6 +49,18 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
                    help="optimizer whose state the memory model counts")
     p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
     p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
+    _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
+
+
+def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
+    # --comm-hook is checked where it is used (CostModel, DataParallelOptions: both name the valid hooks),
+    # so building the parser imports neither torch nor the partitioner
+    p.add_argument("--dp", type=int, default=1, metavar="R", help=dp_help)
+    p.add_argument("--comm-hook", default="allreduce", metavar="HOOK",
+                   help="DDP communication hook of the gradient all-reduce: allreduce (default), fp16, bf16, "
+                        "powersgd or batched_powersgd")
+    p.add_argument("--powersgd-rank", type=int, default=1, metavar="K",
+                   help="PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)")
 
 
 # -- verbs ---------------------------------------------------------------------
@@ -81,7 +93,8 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     from fxpipe.errors import ConfigError
     from fxpipe.partitioner import CostModel, parse_size, plan_partition
 
-    overrides: dict[str, Any] = {"optimizer": args.optimizer}
+    overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
+                                 "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank}
     if args.link_bandwidth is not None:
         overrides["link_bandwidth"] = args.link_bandwidth * 1e9
     if args.link_latency is not None:
@@ -199,7 +212,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     run_build(
         args.build_dir, steps=args.steps, schedule=args.schedule, microbatches=args.microbatches,
-        batch_size=args.batch_size, lr=args.lr, timeout_s=args.timeout, device=args.device,
+        batch_size=args.batch_size, lr=args.lr, timeout_s=args.timeout, device=args.device, dp=args.dp,
+        comm_hook=args.comm_hook, powersgd_rank=args.powersgd_rank,
+        shard_optimizer_state=args.shard_optimizer_state, backward_passes_per_step=args.backward_passes_per_step,
     )
     return 0
 
@@ -246,15 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=1e-5)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("run", help="train the build with torchrun, one process per stage")
+    p = sub.add_parser("run", help="train the build with torchrun, one process per stage and replica")
     p.add_argument("build_dir")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     p.add_argument("--microbatches", type=int, default=None, help="default: the build's")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the build's")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch of one pipeline replica per step (default: the build's)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent peer is an error")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    _add_dp_options(p, "train R data-parallel replicas of the pipeline: stages x R processes (default 1)")
+    p.add_argument("--shard-optimizer-state", action="store_true",
+                   help="shard the optimizer state over the replicas (ZeroRedundancyOptimizer)")
+    p.add_argument("--backward-passes-per-step", type=int, default=1, metavar="K",
+                   help="accumulate K steps' gradients locally before one all-reduce and optimizer step")
     p.set_defaults(func=cmd_run)
     return parser
 

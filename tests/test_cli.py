@@ -80,3 +80,36 @@ def test_debug_flag_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
 
     with pytest.raises(ModelFileError):
         main(["--debug", "trace", "does/not/exist.py"])
+
+
+def test_plan_with_dp_prices_the_gradient_all_reduce(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    plans = {}
+    for name, extra in {"single": [], "dp2": ["--dp", "2"], "dp2_fp16": ["--dp", "2", "--comm-hook", "fp16"],
+                        "dp2_powersgd": ["--dp", "2", "--comm-hook", "powersgd", "--powersgd-rank", "2"]}.items():
+        out = tmp_path / f"{name}.json"
+        assert main(["plan", str(profile), "--stages", "2", "--solver", "dp", "--out", str(out), *extra]) == 0
+        plans[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert plans["single"]["cost"]["dp_replicas"] == 1
+    assert plans["dp2_powersgd"]["cost"].items() >= {"dp_replicas": 2, "comm_hook": "powersgd",
+                                                     "powersgd_rank": 2}.items()
+    overhead = {k: p["prediction"]["step_overhead_ms"]["dp_all_reduce_ms"] for k, p in plans.items()}
+    step = {k: p["prediction"]["step_ms"]["1f1b"] for k, p in plans.items()}
+    assert overhead["single"] == 0 and overhead["dp2"] > overhead["dp2_fp16"] > 0
+    assert plans["single"]["stages"] == plans["dp2"]["stages"]  # the all-reduce is per step, not per microbatch
+    assert step["dp2"] == pytest.approx(step["single"] + overhead["dp2"])
+
+
+def test_bad_dp_options_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(profile), "--stages", "2", "--dp", "0", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "dp_replicas must be an int >= 1, got 0" in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", str(profile), "--stages", "2", "--dp", "2", "--comm-hook", "zip"]) == 2
+    assert "unknown comm_hook 'zip'" in capsys.readouterr().err
+    assert main(["run", "no-such-build", "--dp", "2"]) == 2
+    assert "does not exist" in capsys.readouterr().err

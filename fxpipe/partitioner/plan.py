@@ -29,7 +29,8 @@ class StagePlan:
     ``comm_ms`` = ``comm_fwd_ms + comm_bwd_ms`` is the time of its messages;
     ``stage_ms`` = ``compute_ms + comm_ms``. ``memory`` breaks ``memory_bytes`` down into
     params, grads, optimizer, buffers, activations and boundary (Note [stage cost] in
-    ``fxpipe.partitioner.problem``).
+    ``fxpipe.partitioner.problem``). ``dp_allreduce_ms`` is the once-per-step all-reduce
+    of its gradients across data-parallel replicas (0 with one replica).
     """
 
     index: int
@@ -48,6 +49,7 @@ class StagePlan:
     memory_bytes: int
     in_flight: int
     speed: float = 1.0
+    dp_allreduce_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))

@@ -28,16 +28,23 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
              f"{plan.schedule}, {plan.microbatches} microbatches"
              + (f", memory limit {format_size(limit)}" if limit else ""))
     table = Table(title=title, title_justify="left")
-    for col, justify in (("stage", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
-                         ("comm ms", "right"), ("stage ms", "right"), ("memory", "right"), ("share", "right")):
+    dp = any(s.dp_allreduce_ms > 0 for s in plan.stages)  # data-parallel replicas: show the per-step all-reduce
+    columns = [("stage", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
+               ("comm ms", "right"), ("stage ms", "right"), ("memory", "right"), ("share", "right")]
+    if dp:
+        columns.insert(6, ("dp all-reduce ms", "right"))
+    for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=col != "modules",  # type: ignore[arg-type]
                          min_width=18 if col == "modules" else None)
     for s in plan.stages:
         share = s.stage_ms / plan.bottleneck_ms if plan.bottleneck_ms > 0 else 1.0
         mem = format_size(s.memory_bytes)
         style = "bold" if share >= 1 - 1e-9 else ""
-        table.add_row(str(s.index), module_range([paths.get(u, u) for u in s.units]), str(len(s.units)),
-                      f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.stage_ms:.3f}", mem, f"{share:.0%}", style=style)
+        cells = [str(s.index), module_range([paths.get(u, u) for u in s.units]), str(len(s.units)),
+                 f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.stage_ms:.3f}", mem, f"{share:.0%}"]
+        if dp:
+            cells.insert(6, f"{s.dp_allreduce_ms:.3f}")
+        table.add_row(*cells, style=style)
     console.print(table)
 
     cmp = Table(title="bottleneck vs baselines and the lower bound", title_justify="left")

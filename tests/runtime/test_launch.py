@@ -44,3 +44,34 @@ def test_run_build_trains_gpt_on_three_ranks(tmp_path: Path, capsys: pytest.Capt
 
     with pytest.raises(ConfigError, match=r"rank \d: batch size 8 does not split into 3 equal microbatches"):
         run_build(build, steps=1, microbatches=3, quiet=True)
+
+
+def test_run_build_refuses_bad_data_parallel_options_before_launching(tmp_path: Path) -> None:
+    build = make_build("mlp", tmp_path / "mlp", stages=2, batch_size=4, microbatches=2)
+    with pytest.raises(ConfigError, match=r"--dp must be an int >= 1.*got 0"):
+        run_build(build, dp=0)
+    with pytest.raises(ConfigError, match=r"unknown comm_hook 'gzip'"):
+        run_build(build, dp=2, comm_hook="gzip")
+    with pytest.raises(ConfigError, match=r"--steps 3 is not a multiple of --backward-passes-per-step 2.*--steps 4"):
+        run_build(build, steps=3, dp=2, backward_passes_per_step=2)
+    assert not (build / "run.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_run_build_two_stages_two_replicas_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    """2 stages x 2 replicas: replica r trains on rows [rB, (r+1)B) of example_inputs(2B); the
+    replica-averaged losses equal one process training on all 2B rows in 2 x 2 microbatches."""
+    stages, replicas, batch, micro, steps, lr = 2, 2, 4, 2, 3, 0.1
+    build = make_build("mlp", tmp_path / "mlp", stages=stages, batch_size=batch, microbatches=micro)
+    result = run_build(build, steps=steps, schedule="1f1b", lr=lr, timeout_s=60, dp=replicas, quiet=True)
+    assert result["dp"] == replicas and result["world_size"] == stages * replicas
+    assert result["comm_hook"] == "allreduce" and result["batch_size"] == batch
+    assert result["global_batch_size"] == batch * replicas
+    assert len(result["peak_memory_bytes"]) == 4 and all(b > 1 << 20 for b in result["peak_memory_bytes"])
+    source = load_model_file(EXAMPLES / "mlp.py")
+    n = batch * replicas
+    want, _ = reference_train(original_model(build, source, stages), source.example_inputs(n),
+                              source.example_targets(n), source.loss_fn, steps, micro * replicas, lr)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
+    assert want[-1] < want[0]  # it trained

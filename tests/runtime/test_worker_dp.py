@@ -1,0 +1,35 @@
+"""The worker's data-parallel pieces that need no processes: each replica's rows, the plan's prediction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe.errors import ModelFileError
+from fxpipe.runtime.worker import predicted_step_ms, replica_batch
+
+
+def test_replica_batch_cuts_each_input_along_its_batch_dim_and_targets_along_dim_0() -> None:
+    x = torch.arange(24).view(2, 6, 2)  # batch dim 1
+    shared = torch.ones(3)
+    targets = {"y": torch.arange(6), "scale": torch.tensor(2.0)}
+    parts = [replica_batch((x, shared), targets, [1, None], r, 2) for r in range(3)]
+    torch.testing.assert_close(torch.cat([p[0][0] for p in parts], dim=1), x)
+    assert all(p[0][1] is shared for p in parts)
+    assert [p[1]["y"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert all(p[1]["scale"] is targets["scale"] for p in parts)
+    with pytest.raises(ModelFileError, match=r"has 6 rows along dim 1, but replica 3 needs rows \[6, 8\)"):
+        replica_batch((x,), targets, [1], 3, 2)
+
+
+def test_predicted_step_is_only_reported_for_the_plans_replicas_and_hook(tmp_path: Path) -> None:
+    plan = {"microbatches": 2, "cost": {"dp_replicas": 2, "comm_hook": "fp16"},
+            "prediction": {"step_ms": {"1f1b": 3.5}}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="fp16") == 3.5
+    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="allreduce") is None
+    assert predicted_step_ms(tmp_path, "1f1b", 2) is None  # priced for 2 replicas, run with 1
+    assert predicted_step_ms(tmp_path, "1f1b", 4, dp=2, comm_hook="fp16") is None
