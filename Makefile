@@ -27,7 +27,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m fxpipe partition examples/gpt.py --stages 2 --microbatches 4 --batch-size 8 --out $(DEMO_OUT)
 	$(PY) -m fxpipe verify $(DEMO_OUT)
-	$(PY) -m fxpipe run $(DEMO_OUT) --steps 5
+	$(PY) -m fxpipe run $(DEMO_OUT) --steps 5 --lr 0.5
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
