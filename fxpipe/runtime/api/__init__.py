@@ -3,7 +3,8 @@
 ``init(config)``, the rank functions, ``DistributedModel``, ``@step``,
 ``DistributedOptimizer``, ``partition(i)``, ``save``/``load`` and ``amp.GradScaler``,
 running on fxpipe's compiler (partitioning at the first step) and runtime (torch.distributed
-point-to-point, runtime schedules). See docs/porting.md.
+point-to-point, runtime schedules), with DDP over the data-parallel replicas when ``ddp: True``.
+See the porting section of README.md and docs/dataparallel.md.
 """
 
 from fxpipe.runtime.api.amp import GradScaler

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.dataparallel import DataParallelOptions
 
 __all__ = ["Config", "PIPELINES"]
 
@@ -32,9 +33,14 @@ class Config:
     then all backwards) or ``"interleaved"`` (1F1B); ``auto_partition``: let the solver
     place units (``False``: honour ``fxpipe.partition(i)`` blocks and put everything
     else on ``default_partition``); ``optimize``: ``"speed"`` or ``"memory"``, passed
-    to the planner; ``ddp``: allow data-parallel replicas (stored; today one replica);
-    ``plan``: a build directory written by ``fxpipe partition`` to use instead of
-    partitioning at the first step.
+    to the planner; ``ddp``: allow data-parallel replicas (world = partitions x
+    replicas, each stage wrapped in DDP over its data-parallel group; see
+    docs/dataparallel.md); ``comm_hook``: the DDP communication hook by name
+    (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``) and
+    ``powersgd_rank`` its PowerSGD rank; ``shard_optimizer_state``: shard the optimizer
+    state over the data-parallel group (``ZeroRedundancyOptimizer``); ``plan``: a build
+    directory written by ``fxpipe partition`` to use instead of partitioning at the
+    first step.
     """
 
     partitions: int
@@ -45,6 +51,9 @@ class Config:
     optimize: str = "speed"
     ddp: bool = False
     plan: str | None = None
+    comm_hook: str = "allreduce"
+    powersgd_rank: int = 1
+    shard_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.partitions) or self.partitions < 1:
@@ -62,6 +71,7 @@ class Config:
         if not _is_int(self.default_partition) or not 0 <= self.default_partition < self.partitions:
             raise ConfigError(f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
                               f"got {self.default_partition!r}")
+        self.data_parallel_options()  # validates comm_hook, powersgd_rank and shard_optimizer_state
         if self.optimize not in ("speed", "memory"):
             raise ConfigError(f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}")
         if self.plan is not None:
@@ -70,6 +80,11 @@ class Config:
                                   f"{str(self.plan)!r} has no manifest.json; run `fxpipe partition MODEL_FILE "
                                   f"--stages {self.partitions} --out DIR` first or drop 'plan'")
             object.__setattr__(self, "plan", str(self.plan))
+
+    def data_parallel_options(self, **ddp_options: Any) -> DataParallelOptions:
+        """The data-parallel options: this config's hook and sharding keys plus ``DistributedModel``'s DDP options."""
+        return DataParallelOptions(comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
+                                   shard_optimizer_state=self.shard_optimizer_state, **ddp_options)
 
     @property
     def schedule(self) -> str:
@@ -90,7 +105,7 @@ class Config:
         return cls(**config)
 
     def check_world(self, world_size: int) -> int:
-        """The number of data-parallel replicas for ``world_size`` processes (1 today)."""
+        """The number of data-parallel replicas for ``world_size`` processes (``ddp`` must allow more than one)."""
         if world_size % self.partitions:
             raise ConfigError(f"'partitions' {self.partitions} does not divide the world size {world_size}; "
                               f"launch a multiple of {self.partitions} processes "
@@ -99,7 +114,4 @@ class Config:
         if replicas > 1 and not self.ddp:
             raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
                               f"needs 'ddp': True; or launch exactly {self.partitions} processes")
-        if replicas > 1:
-            raise ConfigError(f"world size {world_size} asks for {replicas} data-parallel replicas, which fxpipe "
-                              f"does not run yet; launch exactly {self.partitions} processes")
         return replicas

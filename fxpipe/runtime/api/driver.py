@@ -202,7 +202,8 @@ class StepDriver:
             raise RuntimeSetupError(f"stage {self.stage} returned {len(state.outputs)} tensors but the manifest lists "
                                     f"{len(self.spec.outputs)}; the build directory is inconsistent, rebuild it")
         mine = dict(zip((o.name for o in self.spec.outputs), state.outputs))
-        sends = [Message(mine[t.spec.name].detach().contiguous(), t.dst, t.tag(m, T, False),
+        # under the user's autocast a stage may compute in a lower precision: send the manifest's dtype
+        sends = [Message(mine[t.spec.name].detach().to(_dtype(t.spec.dtype)).contiguous(), t.dst, t.tag(m, T, False),
                          f"microbatch {m} activation {t.spec.name!r}") for t in self._sends]
         self.sends += self.p2p.post(sends, [])
 
@@ -222,7 +223,8 @@ class StepDriver:
             g = [buf for name, buf in grads_in if name == o.name]
             if g and out.requires_grad:
                 tensors.append(out)
-                grads.append(torch.stack(g).sum(0) if len(g) > 1 else g[0])
+                grad = torch.stack(g).sum(0) if len(g) > 1 else g[0]
+                grads.append(grad.to(out.dtype))  # the output may be in autocast's dtype
         if state.user is not None:
             tensors += state.user[0]
             grads += state.user[1]

@@ -7,14 +7,16 @@ with that microbatch as the example inputs; from then on ``model.module`` is thi
 rank's stage, whose keys are the original model's, and the original module is
 released. ``model(...)`` and ``model.backward(...)`` then drive the pipeline through
 ``StepDriver`` (see Note [user-driven schedule] in ``fxpipe.runtime.api.driver``).
+With ``ddp: True`` and several replicas the stage is also wrapped in DDP over its
+data-parallel group (``fxpipe.runtime.api.replicas``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,10 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.api.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
 from fxpipe.runtime.api.driver import StepDriver, StepError
+from fxpipe.runtime.api.replicas import Replicas
 from fxpipe.runtime.api.state import current
+from fxpipe.runtime.dataparallel import DataParallelOptions
+from fxpipe.runtime.dataparallel.hooks import CommHook
 from fxpipe.runtime.groups import build_groups
 from fxpipe.runtime.p2p import P2P
 from fxpipe.runtime.routes import routes_from_manifest
@@ -38,15 +43,8 @@ __all__ = ["DistributedModel", "DDPOptions", "PARTIAL_KEY"]
 PARTIAL_KEY = "_smp_is_partial"  # the seed's marker of a partial (one-partition) state dict
 
 
-@dataclass(frozen=True)
-class DDPOptions:
-    """The seed's data-parallel options, stored now for the data-parallel runtime."""
-
-    overlapping_allreduce: bool = True
-    backward_passes_per_step: int = 1
-    bucket_cap_mb: float = 25
-    broadcast_buffers: bool = True
-    gradient_as_bucket_view: bool = False
+# the seed's DDP options (DistributedModel's arguments) and the config's comm_hook / shard_optimizer_state keys
+DDPOptions = DataParallelOptions
 
 
 class DistributedModel(nn.Module):
@@ -78,8 +76,11 @@ class DistributedModel(nn.Module):
         self.trace_options = TraceOptions(resolve_trace_device(trace_device), trace_execution_times,
                                           trace_memory_usage)
         self.average_grads_across_microbatches = average_grads_across_microbatches
-        self.ddp_options = DDPOptions(overlapping_allreduce, backward_passes_per_step, bucket_cap_mb,
-                                      broadcast_buffers, gradient_as_bucket_view)
+        self.ddp_options = st.config.data_parallel_options(
+            overlapping_allreduce=overlapping_allreduce, backward_passes_per_step=backward_passes_per_step,
+            bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view)
+        self.replicas = Replicas(self.ddp_options, st.layout.replicas)
         self._build: StageBuild | None = None
         self._pending_partial: tuple[dict[str, Any], bool] | None = None
         self._post_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = OrderedDict()
@@ -157,8 +158,10 @@ class DistributedModel(nn.Module):
             state, strict = self._pending_partial
             self._pending_partial = None
             self.load_state_dict({**state, PARTIAL_KEY: True}, strict=strict)
+        self.replicas.attach(self.module, st.dp_group, st.device)  # replicas start from replica 0's weights
         for opt in st.optimizers:
             opt._fxpipe_localize(self)
+        self.replicas.start_join(self._joinables())
         for hook in list(self._post_hooks.values()):
             hook(self)
 
@@ -184,11 +187,16 @@ class DistributedModel(nn.Module):
         self._microbatch = m
 
     def _end_step(self) -> None:
-        """Run the remaining backwards, wait for the sends and sum tied gradients."""
+        """Run the remaining backwards, wait for the sends, sum tied gradients and sync the replicas."""
         st = current()
-        try:
-            if self._driver is not None and self._driver.finish() and self._groups.ties:
+
+        def sum_tied_grads() -> None:
+            if self._groups.ties:
                 sync_tied_grads(self.module, self._groups.ties, st.rank, st.timeout_s)
+
+        try:
+            if self._driver is not None and self._driver.finish():
+                self.replicas.end_step(sum_tied_grads)
         finally:
             self._in_step, self._driver, self._microbatch = False, None, None
 
@@ -222,6 +230,46 @@ class DistributedModel(nn.Module):
         if isinstance(grad_tensors, torch.Tensor):
             grad_tensors = [grad_tensors]
         self._driver.backward(self._microbatch, tensors, grad_tensors)
+
+    # -- data parallelism --------------------------------------------------------
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """``DistributedDataParallel.register_comm_hook`` on this rank's stage (before or after partitioning).
+
+        Needs ``'comm_hook': 'allreduce'`` (DDP takes one hook). Example::
+
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(fxpipe.get_dp_process_group(), default_hooks.fp16_compress_hook)
+        """
+        self.replicas.register_comm_hook(state, hook)
+
+    def comm_hook_state_dict(self) -> dict[str, Any] | None:
+        """This rank's communication-hook state (PowerSGD's error feedback...), ``None`` for stateless hooks.
+
+        It differs per rank: save it on every rank, e.g. ``fxpipe.save(model.comm_hook_state_dict(),
+        f"hook.pt_{fxpipe.dp_rank()}")``, and load it with ``load_comm_hook_state_dict``.
+        """
+        return self.replicas.hook_state_dict()
+
+    def load_comm_hook_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore ``comm_hook_state_dict()`` (before or after partitioning), so training resumes exactly."""
+        self.replicas.load_hook_state_dict(state)
+
+    def _joinables(self) -> list[Any]:
+        return [zero for opt in current().optimizers if (zero := getattr(opt, "_fxpipe_zero", None)) is not None]
+
+    def join(self, enable: bool = True) -> contextlib.AbstractContextManager[None]:
+        """DDP's ``join`` for replicas with uneven numbers of steps (sharded optimizers join too).
+
+        Wrap the whole training loop; a replica that runs out of data shadows the others'
+        gradient all-reduces until all are done. Collectives outside DDP and ZeRO (a
+        GradScaler's, your own) are not shadowed. Example::
+
+            with model.join():
+                for data, target in my_replicas_batches:
+                    train_step(model, data, target)
+        """
+        return self.replicas.join(self._joinables, enable)
 
     def cpu(self) -> DistributedModel:
         """Move this rank's stage (or, before partitioning, the whole module) to the CPU.

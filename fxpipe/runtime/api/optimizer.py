@@ -14,16 +14,31 @@ State dicts: ``local_state_dict()`` is torch's own plus the seed's ``_smp_is_par
 marker and ``param_names`` (the original key of each local parameter, per group);
 ``state_dict()`` gathers every stage's and renumbers them as the one-process
 optimizer over the whole model would, so a full checkpoint loads in either world.
+
+Note [sharded optimizer state]: with ``shard_optimizer_state: True`` and several
+data-parallel replicas, localizing also builds a
+``torch.distributed.optim.ZeroRedundancyOptimizer`` over the same param groups (the
+same class and options) on the data-parallel group. The user's object stays the one
+everybody holds (schedulers, GradScaler): its param groups still list every local
+parameter, ``step()`` copies their options (lr...) into the ZeRO optimizer and steps
+that, which updates this replica's share and broadcasts it, and its own ``state``
+stays empty (the shard lives in ZeRO). ``local_state_dict()`` all-gathers the shards
+over the data-parallel group, so it and ``state_dict()`` return the unsharded format
+and are collective over the data-parallel group (call them on every rank, save on
+``dp_rank() == 0``); ``load_state_dict`` gives each replica its share.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.api.driver import StepError
 from fxpipe.runtime.api.model import PARTIAL_KEY
 from fxpipe.runtime.api.state import current
 
@@ -49,6 +64,14 @@ def _to_cpu(x: Any) -> Any:
     return x
 
 
+def _constructor_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The ``defaults`` that ``cls(params, ...)`` accepts (AdamW's defaults hold a key its constructor lacks)."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
+
+
 class DistributedOptimizer:
     """Make ``optimizer`` pipeline-aware (see Note [optimizer in place]); returns the same object.
 
@@ -59,6 +82,7 @@ class DistributedOptimizer:
 
     _fxpipe_keys: list[list[str]] | None
     _fxpipe_pending: dict[str, Any] | None
+    _fxpipe_zero: ZeroRedundancyOptimizer | None
 
     def __new__(cls, optimizer: torch.optim.Optimizer) -> Any:
         if isinstance(optimizer, DistributedOptimizer):
@@ -69,6 +93,7 @@ class DistributedOptimizer:
         optimizer.__class__ = _subclass(type(optimizer))
         optimizer._fxpipe_keys = None       # original keys per group, all parameters (after localizing)
         optimizer._fxpipe_pending = None    # a partial state dict loaded before partitioning
+        optimizer._fxpipe_zero = None       # the sharded optimizer (Note [sharded optimizer state])
         st.optimizers.append(optimizer)
         if st.model is not None and st.model.partitioned:
             optimizer._fxpipe_localize(st.model)  # type: ignore[attr-defined]
@@ -105,9 +130,42 @@ class DistributedOptimizer:
         opt.state.update(new_state)
         opt._fxpipe_keys = keys_per_group
         self._fxpipe_local_names = [[k for k in keys if k in local] for keys in keys_per_group]
+        dp = model.replicas
+        if dp.stage is not None and dp.options.shard_optimizer_state and any(g["params"] for g in opt.param_groups):
+            self._fxpipe_shard(current().dp_group)
         if opt._fxpipe_pending is not None:
             pending, opt._fxpipe_pending = opt._fxpipe_pending, None
             self.load_state_dict(pending)
+
+    def _fxpipe_shard(self, group: Any) -> None:
+        """Build the ZeRO optimizer over the local param groups and move any state into it."""
+        opt: Any = self
+        base = type(self).__bases__[1]  # the user's optimizer class (see _subclass)
+        state = super().state_dict() if opt.state else None  # type: ignore[misc]
+        groups = [dict(g) for g in opt.param_groups]
+        opt._fxpipe_zero = ZeroRedundancyOptimizer(groups, optimizer_class=base, process_group=group,
+                                                   **_constructor_defaults(base, opt.defaults))
+        if state is not None:
+            self._fxpipe_load_local(state)
+
+    def step(self, closure: Any = None) -> Any:
+        """The optimizer step (on this replica's shard when sharded); refused inside an accumulation window."""
+        st = current()
+        if st.model is not None and st.model.partitioned and not st.model.replicas.synced:
+            raise StepError(f"optimizer.step() was called after {st.model.replicas.stage.passes} of "
+                            f"backward_passes_per_step={st.model.ddp_options.backward_passes_per_step} steps, before "
+                            "the gradients were averaged over the replicas; call it (and zero_grad) only every "
+                            "backward_passes_per_step-th step")
+        zero = getattr(self, "_fxpipe_zero", None)
+        if zero is None:
+            return super().step(closure)  # type: ignore[misc]
+        for mine, theirs in zip(self.param_groups, zero.param_groups):  # type: ignore[attr-defined]
+            theirs.update({k: v for k, v in mine.items() if k != "params"})
+        return zero.step(closure)
+
+    # the base class's step is already wrapped with torch's step hooks and runs them; keep
+    # Optimizer._patch_step_function (on unpickling) from wrapping this one too
+    step.hooked = True  # type: ignore[attr-defined]
 
     @property
     def _fxpipe_localized(self) -> bool:
@@ -118,10 +176,38 @@ class DistributedOptimizer:
     def local_state_dict(self) -> dict[str, Any]:
         """This stage's optimizer state (torch's format), marked partial, with each parameter's key."""
         sd = super().state_dict()  # type: ignore[misc]
+        if getattr(self, "_fxpipe_zero", None) is not None:
+            sd["state"] = self._fxpipe_gather_shards()
         if self._fxpipe_localized:
             sd[_NAMES] = [list(names) for names in self._fxpipe_local_names]
         sd[PARTIAL_KEY] = True
         return sd
+
+    def _fxpipe_gather_shards(self) -> dict[int, Any]:
+        """Every replica's share of the state, numbered as ``state_dict`` numbers the local parameters (collective)."""
+        zero: Any = self._fxpipe_zero
+        params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+        index = {id(p): i for i, p in enumerate(params)}
+        mine = {index[id(p)]: _to_cpu(s) for p, s in zero.optim.state.items()}
+        parts: list[Any] = [None] * dist.get_world_size(zero.process_group)
+        dist.all_gather_object(parts, mine, group=zero.process_group)
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return dict(sorted(merged.items()))
+
+    def _fxpipe_load_local(self, sd: dict[str, Any]) -> None:
+        """Load a torch-format state dict of the local parameters (into the ZeRO shard when sharded)."""
+        zero = getattr(self, "_fxpipe_zero", None)
+        if zero is None:
+            super().load_state_dict(sd)  # type: ignore[misc]
+            return
+        # ZeRO looks state up by position among the local parameters: renumber the saved ids 0..n-1
+        renumber = {old: new for new, old in enumerate(i for g in sd["param_groups"] for i in g["params"])}
+        groups = [{**g, "params": [renumber[i] for i in g["params"]]} for g in sd["param_groups"]]
+        state = {renumber[i]: v for i, v in sd["state"].items() if i in renumber}
+        super().load_state_dict({"state": {}, "param_groups": groups})  # type: ignore[misc]  # the options
+        zero.load_state_dict({"state": state, "param_groups": [dict(g) for g in groups]})
 
     def state_dict(self) -> dict[str, Any]:
         """The whole model's optimizer state, numbered as a one-process optimizer's (collective)."""
@@ -161,7 +247,7 @@ class DistributedOptimizer:
                 raise ConfigError(f"the partial optimizer state is for parameters {sum(names, [])[:4]}..., but this "
                                   f"stage holds {sum(self._fxpipe_local_names, [])[:4]}...: the partitioning changed "
                                   "since it was saved; load a full checkpoint (saved with partial=False) instead")
-            super().load_state_dict(sd)  # type: ignore[misc]
+            self._fxpipe_load_local(sd)
             return
         keys = [k for group in (self._fxpipe_keys or []) for k in group]
         if len(sd["param_groups"]) != len(self._fxpipe_local_names) or \
@@ -174,5 +260,5 @@ class DistributedOptimizer:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [id_of[n] for n in names]}
                   for g, names in zip(sd["param_groups"], self._fxpipe_local_names)]
         wanted = {i for g in groups for i in g["params"]}
-        super().load_state_dict({"state": {i: s for i, s in sd["state"].items() if i in wanted},  # type: ignore[misc]
+        self._fxpipe_load_local({"state": {i: s for i, s in sd["state"].items() if i in wanted},
                                  "param_groups": groups})

@@ -5,7 +5,7 @@ The seed library is a set of module-level functions (``smp.rank()``, ``smp.mp_ra
 reads torchrun's environment, initialises the default process group with the
 runtime's code (``fxpipe.runtime.groups``), and fixes the rank layout
 (``fxpipe.runtime.layout.RankLayout``: ``mp_rank`` is the stage, ``dp_rank`` the
-replica), so data parallelism can extend it later.
+replica; ranks are replica-major, ``rank = dp_rank * partitions + mp_rank``).
 """
 
 from __future__ import annotations
@@ -190,12 +190,12 @@ def mp_size() -> int:
 
 
 def dp_rank() -> int:
-    """Which data-parallel replica this process belongs to (0 today)."""
+    """Which data-parallel replica this process belongs to (0 .. ``dp_size() - 1``)."""
     return current().dp_rank
 
 
 def dp_size() -> int:
-    """Number of data-parallel replicas (1 today)."""
+    """Number of data-parallel replicas (world size / ``partitions``; more than 1 needs ``ddp: True``)."""
     return current().layout.replicas
 
 

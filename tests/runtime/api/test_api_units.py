@@ -24,6 +24,9 @@ from fxpipe.tracer import trace_model
     ({"partitions": 2, "optimize": "fast"}, "'optimize' must be 'speed' or 'memory', got 'fast'"),
     ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),
     ({"partitions": 2, "plan": "/nonexistent/build"}, "has no manifest.json"),
+    ({"partitions": 2, "comm_hook": "int8"}, "unknown comm_hook 'int8'"),
+    ({"partitions": 2, "powersgd_rank": 0}, "powersgd_rank must be an int >= 1, got 0"),
+    ({"partitions": 2, "shard_optimizer_state": 1}, "'shard_optimizer_state' must be True or False"),
 ])
 def test_bad_configs_are_refused(config: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -40,8 +43,11 @@ def test_config_defaults_and_world_check() -> None:
         cfg.check_world(3)
     with pytest.raises(ConfigError, match="needs 'ddp': True"):
         cfg.check_world(4)
-    with pytest.raises(ConfigError, match="does not run yet"):
-        Config.from_dict({"partitions": 2, "ddp": True}).check_world(4)
+    assert Config.from_dict({"partitions": 2, "ddp": True}).check_world(6) == 3
+    dp = Config.from_dict({"partitions": 2, "ddp": True, "comm_hook": "powersgd", "powersgd_rank": 2,
+                           "shard_optimizer_state": True}).data_parallel_options(backward_passes_per_step=2)
+    assert (dp.comm_hook, dp.powersgd_rank, dp.shard_optimizer_state, dp.backward_passes_per_step) == (
+        "powersgd", 2, True, 2)
 
 
 class _Pinned(nn.Module):
