@@ -10,7 +10,7 @@ STAMP := $(VENV)/.fxpipe-installed
 CONSTRAINTS := $(VENV)/constraints.txt
 DEMO_OUT ?= build/demo
 
-.PHONY: demo test setup clean bench
+.PHONY: demo test setup clean bench typecheck
 
 setup: $(STAMP)
 
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+typecheck: $(STAMP)
+	$(PY) -m mypy fxpipe
 
 demo: $(STAMP)
 	$(PY) -m fxpipe partition examples/gpt.py --stages 2 --microbatches 4 --batch-size 8 --out $(DEMO_OUT)

@@ -80,6 +80,13 @@ def _set_tensor(module: nn.Module, key: str, value: torch.Tensor) -> None:
         owner._buffers[name] = value
 
 
+def _tie_weights(module: nn.Module) -> None:
+    """Re-tie shared weights inside an emitted stage that defines ``tie_weights()``."""
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie):
+        tie()
+
+
 def load_stage(build_dir: str | Path, index: int, device: str | torch.device = "cpu") -> nn.Module:
     """Build stage ``index`` of ``build_dir`` on ``device`` with its weights, and nothing else.
 
@@ -103,8 +110,7 @@ def load_stage(build_dir: str | Path, index: int, device: str | torch.device = "
     result = module.load_state_dict({k: v for k, v in tensors.items() if k in persistent}, strict=False, assign=True)
     for key in set(tensors) - persistent:
         _set_tensor(module, key, tensors[key])
-    if hasattr(module, "tie_weights"):
-        module.tie_weights()
+    _tie_weights(module)
     if result.unexpected_keys:
         raise BuildDirError(f"{sm.weights} holds keys {result.unexpected_keys[:5]} that {sm.class_name} does not have")
     left = [k for k, t in list(module.named_parameters(remove_duplicate=False))
@@ -184,6 +190,5 @@ def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> 
         shared = stages[tie.stages[0]].get_parameter(tie.keys[0])
         for s, key in zip(tie.stages[1:], tie.keys[1:]):
             _set_tensor(stages[s], key, shared)
-            if hasattr(stages[s], "tie_weights"):
-                stages[s].tie_weights()
+            _tie_weights(stages[s])
     return Pipeline(manifest, stages)

@@ -21,6 +21,7 @@ so a stage runs wherever its inputs and parameters live.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -225,7 +226,7 @@ class _Splitter:
                                                   and self.stage_of[a] != s)):
                         self.value(s, a)
             for n in owned:
-                copy = self.graphs[s].node_copy(n, lambda a, s=s: self.value(s, a))
+                copy = self.graphs[s].node_copy(n, functools.partial(self.value, s))
                 if n.op == "call_module":
                     self.modules[s][str(n.target)] = None
                 self.env[s][n] = copy
@@ -272,7 +273,7 @@ class _Splitter:
 
     def _sort_placeholders(self, s: int) -> None:
         g = self.graphs[s]
-        key = {ph: self.order[a] for a, ph in self.imports[s].items()}
+        key: dict[fx.Node, float] = {ph: self.order[a] for a, ph in self.imports[s].items()}
         key.update({ph: self.order[a] + 0.5 for a, ph in self.int_imports[s].items()})
         first = next((n for n in g.nodes if n.op != "placeholder"), None)
         for ph in sorted(key, key=key.__getitem__):
@@ -280,7 +281,7 @@ class _Splitter:
                 first.prepend(ph)
 
     def _input_names(self, s: int) -> list[str]:
-        entries = [(self.order[a], a.name) for a in self.imports[s]]
+        entries: list[tuple[float, str]] = [(self.order[a], a.name) for a in self.imports[s]]
         entries += [(self.order[a] + 0.5, int_tensor_name(a.name)) for a in self.int_imports[s]]
         return [name for _, name in sorted(entries)]
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.codegen.load import load_pipeline, read_manifest
-from fxpipe.errors import BuildDirError
+from fxpipe.errors import BuildDirError, ModelFileError
 from fxpipe.modelfile import load_model_file
 
 __all__ = ["VerifyReport", "TensorError", "verify_build", "print_verify_report"]
@@ -122,7 +122,11 @@ def _loss(output: Any, source: Any, batch_size: int) -> tuple[torch.Tensor, str]
             warnings.warn(f"{source.loss_fn_name}() failed on this model's output ({type(exc).__name__}: {exc}); "
                           "verifying gradients of the sum of the outputs instead", stacklevel=3)
     floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return sum(t.sum() for t in floats), "sum of outputs"
+    if not floats:
+        raise ModelFileError(
+            f"the model's outputs hold no floating-point tensor, so verify has nothing to differentiate; "
+            f"define {source.loss_fn_name}() and {source.targets_fn}() in {source.path.name} to verify gradients")
+    return sum((t.sum() for t in floats[1:]), floats[0].sum()), "sum of outputs"
 
 
 def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) -> VerifyReport:

@@ -187,4 +187,5 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: (tuple(v) if k == "device_speed" else v) for k, v in d.items() if k in known})
+        kwargs: dict[str, Any] = {k: (tuple(v) if k == "device_speed" else v) for k, v in d.items() if k in known}
+        return cls(**kwargs)

@@ -51,12 +51,12 @@ class _Model:
                 elif s > self.hi[u]:
                     row.append(0)
                 else:
-                    row.append(m.NewBoolVar(f"ge_{u}_{s}"))
+                    row.append(m.new_bool_var(f"ge_{u}_{s}"))
             row.append(0)
             self.ge.append(row)
             for s in range(2, S):
                 if not isinstance(row[s], int) and not isinstance(row[s - 1], int):
-                    m.AddImplication(row[s], row[s - 1])
+                    m.add_implication(row[s], row[s - 1])
         for t in problem.tensors:
             for c in t.consumers:
                 for s in range(1, S):
@@ -65,14 +65,14 @@ class _Model:
                         assert a <= b, "stage ranges break an edge"
                     elif isinstance(a, int):
                         if a == 1:
-                            m.Add(b == 1)
+                            m.add(b == 1)
                     elif isinstance(b, int):
                         if b == 0:
-                            m.Add(a == 0)
+                            m.add(a == 0)
                     else:
-                        m.AddImplication(a, b)
+                        m.add_implication(a, b)
         for s in range(S):
-            m.Add(sum(self.on(u, s) for u in range(n) if self.lo[u] <= s <= self.hi[u]) >= 1)
+            m.add(sum(self.on(u, s) for u in range(n) if self.lo[u] <= s <= self.hi[u]) >= 1)
         self._comm()
         speeds = problem.speeds
         self.time: list[Any] = []
@@ -101,10 +101,10 @@ class _Model:
             recv: dict[int, Any] = {}
             for s in range(1, S):
                 if self.lo[pr] < s and any(self.lo[c] <= s <= self.hi[c] for c in t.consumers):
-                    var = m.NewBoolVar(f"recv_{pr}_{s}")
+                    var = m.new_bool_var(f"recv_{pr}_{s}")
                     for c in t.consumers:
                         if self.lo[c] <= s <= self.hi[c]:
-                            m.Add(var >= self.on(c, s) - self.ge[pr][s])
+                            m.add(var >= self.on(c, s) - self.ge[pr][s])
                     recv[s] = var
             self.recv[id(t)] = recv
             big = min(len(t.consumers), len(recv))
@@ -113,8 +113,8 @@ class _Model:
                 count = sum(recv.values())
                 for a in range(self.lo[pr], self.hi[pr] + 1):
                     if any(s > a for s in recv):
-                        var = m.NewIntVar(0, big, f"send_{pr}_{a}")
-                        m.Add(var >= count - big * (1 - self.on(pr, a)))
+                        var = m.new_int_var(0, big, f"send_{pr}_{a}")
+                        m.add(var >= count - big * (1 - self.on(pr, a)))
                         sends[a] = var
             self.w[id(t)] = sends
 
@@ -132,9 +132,9 @@ class _Model:
             for q, us in users.items():
                 here = [u for u in us if self.lo[u] <= s <= self.hi[u]]
                 if here:
-                    var = m.NewBoolVar(f"param_{q}_{s}")
+                    var = m.new_bool_var(f"param_{q}_{s}")
                     for u in here:
-                        m.Add(var >= self.on(u, s))
+                        m.add(var >= self.on(u, s))
                     expr += p.state_factor * p.param_bytes[q] * var
             for t in p.tensors:
                 if s in self.recv[id(t)]:
@@ -149,17 +149,17 @@ class _Model:
         for u, row in enumerate(self.ge):
             for s, var in enumerate(row):
                 if not isinstance(var, int):
-                    self.m.AddHint(var, int(assignment[u] >= s))
+                    self.m.add_hint(var, int(assignment[u] >= s))
         for t in self.p.tensors:
             a = assignment[t.producer]
             dests = {assignment[c] for c in t.consumers} - {a}
             for s, var in self.recv[id(t)].items():
-                self.m.AddHint(var, int(s in dests))
+                self.m.add_hint(var, int(s in dests))
             for s, var in self.w[id(t)].items():
-                self.m.AddHint(var, len(dests) if s == a else 0)
+                self.m.add_hint(var, len(dests) if s == a else 0)
 
     def assignment(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        return tuple(sum(int(solver.Value(v)) if not isinstance(v, int) else v for v in row[1:-1])
+        return tuple(sum(int(solver.value(v)) if not isinstance(v, int) else v for v in row[1:-1])
                      for row in self.ge)
 
 
@@ -188,20 +188,20 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
     m = model.m
     horizon = sum(math.floor((f + b) / min(problem.speeds) * SCALE) for f, b in zip(problem.fwd_ms, problem.bwd_ms))
     horizon += 2 * sum(model.msg) * problem.num_stages + 1
-    T = m.NewIntVar(max(0, math.floor(lower_bound_ms * SCALE)), horizon, "bottleneck")
+    T = m.new_int_var(max(0, math.floor(lower_bound_ms * SCALE)), horizon, "bottleneck")
     for expr in model.time:
-        m.Add(expr <= T)
+        m.add(expr <= T)
     if problem.memory_limit is not None:
         for expr in model.memory:
-            m.Add(expr <= problem.memory_limit)
+            m.add(expr <= problem.memory_limit)
     if hint is not None:
         model.hint(hint)
         hint_ms = evaluate(problem, hint).bottleneck_ms
-        m.AddHint(T, min(horizon, math.floor(hint_ms * SCALE)))
-    m.Minimize(T)
+        m.add_hint(T, min(horizon, math.floor(hint_ms * SCALE)))
+    m.minimize(T)
     budget = time_limit if optimize == "speed" else time_limit / 2
     solver = _solver(budget, workers)
-    status = solver.Solve(m)
+    status = solver.solve(m)
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(
             f"CP-SAT proved that no assignment to {problem.num_stages} stages satisfies the pins and the "
@@ -214,20 +214,20 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
         return Solution(assignment=tuple(hint), solver="cpsat", seconds=time.perf_counter() - start,
                         status=f"no solution within {time_limit:g} s; kept the hint")
     optimal = status == cp_model.OPTIMAL
-    bound = solver.BestObjectiveBound() / SCALE
+    bound = solver.best_objective_bound / SCALE
     assignment = model.assignment(solver)
     note = "proven optimal" if optimal else f"time limit reached; bound {bound:.4g} ms"
     if optimize == "memory":
-        best = int(solver.Value(T))
-        m.Add(T <= math.floor(best * (1 + slack)))
-        peak = m.NewIntVar(0, problem.memory_limit or 1 << 60, "peak_memory")
+        best = int(solver.value(T))
+        m.add(T <= math.floor(best * (1 + slack)))
+        peak = m.new_int_var(0, problem.memory_limit or 1 << 60, "peak_memory")
         for expr in model.memory:
-            m.Add(expr <= peak)
-        m.ClearHints()
+            m.add(expr <= peak)
+        m.clear_hints()
         model.hint(assignment)
-        m.Minimize(peak)
+        m.minimize(peak)
         second = _solver(time_limit / 2, workers)
-        if second.Solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if second.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             assignment = model.assignment(second)
             note += f"; then least peak memory within {slack:.0%} of that bottleneck"
     return Solution(assignment=assignment, solver="cpsat", optimal=optimal, bound_ms=bound,

@@ -33,7 +33,8 @@ def stage_ranges(problem: PartitionProblem) -> tuple[list[int], list[int]]:
         pin = problem.pins[u]
         if pin is not None:
             if lo[u] > pin:
-                src = problem.names[lo_from[u]] if lo_from[u] is not None else "?"
+                origin = lo_from[u]
+                src = problem.names[origin] if origin is not None else "?"
                 raise PinError(
                     f"unit {src!r} is pinned to stage {lo[u]} but feeds unit {problem.names[u]!r}, "
                     f"pinned to the earlier stage {pin}; data only flows to later stages, so pin "

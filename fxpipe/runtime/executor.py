@@ -147,10 +147,10 @@ class StageExecutor:
     def _backward(self, state: _Microbatch, num_microbatches: int) -> dict[str, torch.Tensor]:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
-        for o, t in zip(self.spec.outputs, state.outputs):
+        for o, value in zip(self.spec.outputs, state.outputs):
             g = [buf for (name, _), buf in state.grads_in.items() if name == o.name]
-            if g and t.requires_grad:
-                tensors.append(t)
+            if g and value.requires_grad:
+                tensors.append(value)
                 grads.append(torch.stack(g).sum(0) if len(g) > 1 else g[0])
         if state.loss is not None:
             scale = 1.0 / num_microbatches if self.average_grads else 1.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device

@@ -88,7 +88,9 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> 
 def _emit_outputs(graph: torch.fx.Graph, node: torch.fx.Node, sig: Any,
                   env: dict[torch.fx.Node, torch.fx.Node], root: dict[str, Any]) -> None:
     user_outputs = []
-    for spec, value in zip(sig.output_specs, node.args[0]):
+    returned = node.args[0]
+    assert isinstance(returned, (tuple, list)), "an exported graph returns a flat sequence of values"
+    for spec, value in zip(sig.output_specs, returned):
         if spec.kind == OutputKind.USER_OUTPUT:
             user_outputs.append(env[value])
         elif spec.kind == OutputKind.BUFFER_MUTATION:

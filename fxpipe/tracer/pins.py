@@ -33,8 +33,8 @@ _observers: list[Observer] = []
 _pin_stack: list[int] = []
 
 
-def _observing_new(cls: type, *args: Any, **kwargs: Any) -> Any:
-    obj = object.__new__(cls)  # arguments go to __init__, as with object.__new__
+def _observing_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    obj: nn.Module = object.__new__(cls)  # arguments go to __init__, as with object.__new__
     for observer in list(_observers):
         observer(obj, args, kwargs)
     return obj

@@ -73,7 +73,9 @@ def hook_state_dict(state: Any) -> dict[str, Any] | None:
     data = dict(state.__getstate__())
     rng = data.get(_RNG_KEY)
     if isinstance(rng, np.random.RandomState):
-        kind, keys, pos, has_gauss, gauss = rng.get_state()
+        legacy = rng.get_state(legacy=True)
+        assert isinstance(legacy, tuple), "powerSGD seeds an MT19937 RandomState, whose legacy state is a tuple"
+        kind, keys, pos, has_gauss, gauss = legacy
         data[_RNG_KEY] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                           "has_gauss": int(has_gauss), "gauss": float(gauss)}
     return data
