@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxpipe.codegen.emit import emit_stage
-from fxpipe.codegen.manifest import Manifest, StageManifest
+from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.split import split_graph
 from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
@@ -72,7 +72,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
         state = stage_state(gm, model, sg.modules, sg.attrs, constants)
         states.append(state)
         src = emit_stage(sg, state, gm, split, num_stages=num_stages, microbatch=microbatch, model_label=label,
-                         user_leaf_args=user_leaf_args or {}, module_order=order)
+                         user_leaf_args=user_leaf_args or {}, module_order=order, build_dir=out)
         py, st = out / f"stage_{sg.index}.py", out / f"stage_{sg.index}.safetensors"
         py.write_text(src.text)
         save_weights(state, st)
@@ -84,7 +84,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
             parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
             units=tuple(units)))
     manifest = Manifest(
-        model_file=str(source.path) if source else "", model_fn=source.model_fn if source else "",
+        model_file=model_file_reference(source.path, out) if source else "", model_fn=source.model_fn if source else "",
         model_sha256=source.sha256 if source else "", stages=tuple(stages), batch_size=batch_size,
         microbatch_size=microbatch, inputs=tuple(split.boundary[k] for k in split.model_inputs),
         ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",

@@ -127,11 +127,11 @@ class Pipeline(nn.Module):
     by the stages that use them, so gradients equal the original model's.
     """
 
-    def __init__(self, manifest: Manifest, stages: list[nn.Module]) -> None:
+    def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".") -> None:
         super().__init__()
         self.manifest = manifest
         self.stages = nn.ModuleList(stages)
-        self._spec = _load_spec(manifest)
+        self._spec = _load_spec(manifest, Path(build_dir))
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         m = self.manifest
@@ -156,7 +156,7 @@ class Pipeline(nn.Module):
         return tree_unflatten(result, self._spec)
 
 
-def _load_spec(manifest: Manifest) -> Any:
+def _load_spec(manifest: Manifest, build_dir: Path) -> Any:
     if manifest.output_spec is None:
         return None
     from torch.utils._pytree import treespec_loads
@@ -169,7 +169,7 @@ def _load_spec(manifest: Manifest) -> Any:
         if manifest.model_file:
             from fxpipe.modelfile import import_model_module
 
-            import_model_module(manifest.model_file)
+            import_model_module(manifest.model_path(build_dir))
         try:
             return treespec_loads(manifest.output_spec)
         except Exception as exc:
@@ -191,4 +191,4 @@ def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> 
         for s, key in zip(tie.stages[1:], tie.keys[1:]):
             _set_tensor(stages[s], key, shared)
             _tie_weights(stages[s])
-    return Pipeline(manifest, stages)
+    return Pipeline(manifest, stages, build_dir)

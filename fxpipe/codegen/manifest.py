@@ -11,6 +11,7 @@ straight from producer to consumer.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,20 @@ from typing import Any
 from fxpipe.errors import BuildDirError
 from fxpipe.jsonio import dump_json
 
-__all__ = ["INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
+__all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
 
 MANIFEST_SCHEMA_VERSION = 1
 INPUT = -1  # producer of a model input
+
+
+def model_file_reference(model_file: str | Path, build_dir: str | Path) -> str:
+    """How a build directory names its model file: relative to the build directory when
+    both live under one project folder (so they can move together, to another checkout
+    or node), absolute when they share nothing but the filesystem root."""
+    model, build = Path(model_file).resolve(), Path(build_dir).resolve()
+    if len(Path(os.path.commonpath([model, build])).parts) <= 1:
+        return str(model)
+    return Path(os.path.relpath(model, build)).as_posix()
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,12 @@ class Manifest:
         for i, s in enumerate(self.stages):
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
+
+    def model_path(self, build_dir: str | Path) -> Path:
+        """The model file: ``model_file`` is stored relative to the build directory, so the
+        two can move together (an absolute path, from older builds, is used as it is)."""
+        path = Path(self.model_file)
+        return path if path.is_absolute() else (Path(build_dir) / path).resolve()
 
     @property
     def num_stages(self) -> int:

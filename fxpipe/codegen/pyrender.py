@@ -13,11 +13,13 @@ import importlib
 import keyword
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from fxpipe.codegen.manifest import model_file_reference
 from fxpipe.errors import CodegenError
 
 __all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS"]
@@ -82,13 +84,21 @@ class ImportTable:
         self.names[local] = (module, top)
         return local + qualname[len(top):]
 
-    def lines(self) -> list[str]:
-        out = [f"import {m}" for m in sorted(self.modules)]
+    def lines(self, build_dir: Path | None = None) -> list[str]:
+        """Import lines; the model file is found relative to the stage file when ``build_dir`` is given,
+        so a build directory and its model file can move together (another checkout, another node)."""
+        where = None if self.model_file is None else repr(self.model_file)
+        if self.model_file is not None and build_dir is not None:
+            ref = model_file_reference(self.model_file, build_dir)
+            if not Path(ref).is_absolute():
+                where = f"os.path.join(os.path.dirname(__file__), {ref!r})"
+        modules = set(self.modules) | ({"os"} if where and where.startswith("os.") else set())
+        out = [f"import {m}" for m in sorted(modules)]
         for local, (module, name) in sorted(self.names.items()):
             out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
         if self.model_file is not None:
             out += ["", "from fxpipe.modelfile import import_model_module", "",
-                    f"{MODEL_ALIAS} = import_model_module({self.model_file!r})  # classes and functions of the model file"]
+                    f"{MODEL_ALIAS} = import_model_module({where})  # classes and functions of the model file"]
         if self.aliases:
             out += [""] + [f"{name} = {expr}" for name, expr in sorted(self.aliases.items())]
         return out

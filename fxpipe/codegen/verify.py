@@ -141,9 +141,9 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     manifest = read_manifest(build_dir)
     if not manifest.model_file:
         raise BuildDirError(f"{build_dir} records no model file, so there is no original model to compare with")
-    source = load_model_file(manifest.model_file, model_fn=manifest.model_fn, inputs_fn=manifest.inputs_fn)
+    source = load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn, inputs_fn=manifest.inputs_fn)
     if manifest.model_sha256 and source.sha256 != manifest.model_sha256:
-        raise BuildDirError(f"{manifest.model_file} changed since {build_dir} was built (sha256 differs); "
+        raise BuildDirError(f"{manifest.model_path(build_dir)} changed since {build_dir} was built (sha256 differs); "
                             "rebuild with `fxpipe partition`")
     training = bool(manifest.extra.get("training", True))
     reference = _load_reference(manifest, build_dir, source).train(training)

@@ -127,12 +127,10 @@ def _mean_over_replicas(loss: float, runner: PipelineRunner) -> float:
 
 
 def _model_source(build_dir: Path, manifest: Manifest) -> Any:
-    path = Path(manifest.model_file)
-    if not path.is_absolute() and not path.is_file():
-        path = build_dir / path
     if not manifest.model_file:
         raise ModelFileError(f"{build_dir}/manifest.json names no model file, so there is no data to train on")
-    return load_model_file(path, model_fn=manifest.model_fn or None, inputs_fn=manifest.inputs_fn or None)
+    return load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn or None,
+                           inputs_fn=manifest.inputs_fn or None)
 
 
 def _train(args: argparse.Namespace) -> dict[str, Any]:
