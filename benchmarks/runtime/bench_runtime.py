@@ -68,7 +68,7 @@ def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest = Manifest.from_json(build_dir)
-    source = load_model_file(manifest.model_file, model_fn=manifest.model_fn)
+    source = load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn)
     inputs, targets = source.example_inputs(batch), source.example_targets(batch)
     last = rank == world - 1
 
@@ -91,6 +91,10 @@ def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
         sched = cls(stage, n_microbatches=microbatches, loss_fn=source.loss_fn)
         opt = torch.optim.SGD(module.parameters(), lr=LR)
 
+        # Tied parameters (GPT's wte/lm_head) live on both ranks: training them correctly needs their
+        # gradients summed, which fxpipe does for you; pipelining needs it written by hand, as here.
+        tied = [module.get_parameter(tie.keys[tie.stages.index(rank)]) for tie in manifest.ties if rank in tie.stages]
+
         def pp_step() -> float:
             opt.zero_grad()
             losses: list[torch.Tensor] = []
@@ -98,6 +102,8 @@ def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
                 sched.step(*inputs)
             else:
                 sched.step(target=targets, losses=losses)
+            for p in tied:
+                dist.all_reduce(p.grad)
             opt.step()
             return float(torch.stack(losses).mean()) if losses else float("nan")
 
@@ -128,7 +134,7 @@ def _single(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
     torch.set_num_threads(1)
     base = _rss_peak()
     manifest = Manifest.from_json(build_dir)
-    source = load_model_file(manifest.model_file, model_fn=manifest.model_fn)
+    source = load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn)
     model = source.build_model().train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     inputs, targets = source.example_inputs(batch), source.example_targets(batch)
