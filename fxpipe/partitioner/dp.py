@@ -55,7 +55,7 @@ def chain_arrays(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
 
 def _pin_masks(problem: PartitionProblem) -> list[np.ndarray]:
     """``ok[j][k]``: stage j may end at position k without breaking a pin."""
-    n, S = problem.num_units, problem.num_stages
+    S = problem.num_stages
     pins = np.array([-1 if p is None else p for p in problem.pins])
     before = np.concatenate(([-1], np.maximum.accumulate(pins)))           # max pin among units < k
     pins_hi = np.where(pins < 0, S, pins)

@@ -68,7 +68,7 @@ class RuntimeCosts:
 
 
 # "cpu": fxpipe.runtime on 2 CPU ranks, gloo on loopback, one thread each, torch 2.13, on
-# this project's 2-core machine. Timers around StageExecutor._forward/_backward (minus the
+# this project's 2-core machine. Timers around StageWorker.forward/backward (minus the
 # stage module and autograd calls), P2P.post, loss_fn and optimizer.step of a running
 # job (examples/gpt.py and mlp.py, 4 microbatches): bookkeeping ~40 us per action, posting
 # ~70-200 us per batch of messages, SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per

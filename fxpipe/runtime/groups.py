@@ -19,7 +19,7 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.layout import RankLayout
 
-__all__ = ["DistEnv", "read_env", "pick_device", "init_process_group", "Groups", "build_groups"]
+__all__ = ["DistEnv", "read_env", "this_rank", "pick_device", "init_process_group", "Groups", "build_groups"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,16 @@ def read_env() -> DistEnv:
                        values["MASTER_ADDR"], int(values["MASTER_PORT"]))
     except ValueError as exc:
         raise RuntimeSetupError(f"torchrun environment is malformed: {exc}") from None
+
+
+def this_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank): from the default process group when one exists
+    (a script may have initialised it itself), else from torchrun's environment."""
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        return rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank))
+    env = read_env()
+    return env.rank, env.world_size, env.local_rank
 
 
 def pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:

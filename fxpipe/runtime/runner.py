@@ -13,7 +13,6 @@ only the last stage uses the targets.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, shard_optimizer
 from fxpipe.runtime.executor import LossFn, StageExecutor
-from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, read_env
+from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
 from fxpipe.runtime.p2p import P2P, peer_error
@@ -86,12 +85,7 @@ class PipelineRunner:
                device: str | torch.device | None, timeout_s: float,
                data_parallel: DataParallelOptions | None = None) -> None:
         self._owns_group = False
-        if dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        else:
-            env = read_env()
-            rank, world, local_rank = env.rank, env.world_size, env.local_rank
+        rank, world, local_rank = this_rank()
         self.layout = RankLayout.for_world(world, manifest.num_stages)
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")

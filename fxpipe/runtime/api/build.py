@@ -116,7 +116,7 @@ def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException |
 
 def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
     """Set every parameter and buffer of ``stage`` from ``module`` (same keys, same shapes)."""
-    source = dict(module.named_parameters(remove_duplicate=False))
+    source: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     source.update(module.named_buffers(remove_duplicate=False))
     params = dict(stage.named_parameters(remove_duplicate=False))
     with torch.no_grad():

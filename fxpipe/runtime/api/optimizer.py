@@ -31,7 +31,7 @@ and are collective over the data-parallel group (call them on every rank, save o
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -91,12 +91,13 @@ class DistributedOptimizer:
             raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         st = current()
         optimizer.__class__ = _subclass(type(optimizer))
-        optimizer._fxpipe_keys = None       # original keys per group, all parameters (after localizing)
-        optimizer._fxpipe_pending = None    # a partial state dict loaded before partitioning
-        optimizer._fxpipe_zero = None       # the sharded optimizer (Note [sharded optimizer state])
+        opt = cast(DistributedOptimizer, optimizer)  # its class now derives from DistributedOptimizer too
+        opt._fxpipe_keys = None       # original keys per group, all parameters (after localizing)
+        opt._fxpipe_pending = None    # a partial state dict loaded before partitioning
+        opt._fxpipe_zero = None       # the sharded optimizer (Note [sharded optimizer state])
         st.optimizers.append(optimizer)
         if st.model is not None and st.model.partitioned:
-            optimizer._fxpipe_localize(st.model)  # type: ignore[attr-defined]
+            opt._fxpipe_localize(st.model)
         return optimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.api.config import Config
-from fxpipe.runtime.groups import init_process_group, pick_device, read_env
+from fxpipe.runtime.groups import init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.tracer.pins import module_pins, observe_construction
 from fxpipe.tracer.record import BuildRecord
@@ -105,12 +105,7 @@ def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torc
             raise ConfigError(f"fxpipe.init was already called with {_STATE.config}; it cannot be called again with "
                               f"another config {cfg} in the same process")
         return
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local = int(os.environ.get("LOCAL_RANK", rank))
-    else:
-        env = read_env()
-        rank, world, local = env.rank, env.world_size, env.local_rank
+    rank, world, local = this_rank()
     replicas = cfg.check_world(world)
     layout = RankLayout(cfg.partitions, replicas)
     dev = pick_device(device, local)

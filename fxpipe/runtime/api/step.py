@@ -76,7 +76,7 @@ def _share_results(results: list[Any]) -> list[Any]:
     if st.layout.num_stages == 1:
         return results
     src = st.layout.rank_of(st.layout.num_stages - 1, st.dp_rank)
-    box = [[tree_map(_detach, r) for r in results] if st.rank == src else None]
+    box: list[Any] = [[tree_map(_detach, r) for r in results] if st.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=st.mp_group if st.layout.replicas > 1 else None)
     device = st.device
     return [tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, r) for r in box[0]]
