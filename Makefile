@@ -1,9 +1,11 @@
 # fxpipe: `make demo` and `make test` set up .venv on first use, then run.
 PYTHON ?= python3
 VENV ?= .venv
-# The torch build to install first. The default is the CPU wheel this project is
-# developed on; on a GPU machine use e.g. `make test TORCH_SPEC="torch==2.13.0"` with
-# your CUDA index, or TORCH_SPEC="torch" for whatever pip picks.
+# The torch requirement installed first; pip resolves it with your pip configuration.
+# On this project's CPU machines pip finds the local CPU wheel of 2.13.0. On a GPU
+# machine point pip at your CUDA wheels, e.g.
+#   make test PIP_EXTRA_INDEX_URL=<your CUDA wheel index>    (same TORCH_SPEC)
+# or pick another release with TORCH_SPEC="torch==2.x.y".
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxpipe-installed

@@ -115,9 +115,11 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
 def _microbatching(batch_size: int | None, microbatches: int | None, stages: int) -> tuple[int, int]:
     from fxpipe.errors import PartitionError
 
-    m = microbatches or stages
-    b = batch_size or 2 * m
-    if m < 1 or b < 1 or b % m:
+    m = stages if microbatches is None else microbatches
+    if m < 1:
+        raise PartitionError(f"--microbatches must be >= 1, got {m}")
+    b = 2 * m if batch_size is None else batch_size
+    if b < 1 or b % m:
         raise PartitionError(
             f"--batch-size {b} must be a positive multiple of --microbatches {m} "
             f"(each microbatch has batch-size/microbatches samples)"
@@ -144,7 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fxpipe.tracer.profile import ModelProfile
 
     profile = ModelProfile.from_json(args.profile)
-    plan = _plan(args, profile, args.microbatches or args.stages)
+    plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plan.to_json(out)

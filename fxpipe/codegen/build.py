@@ -82,7 +82,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
             source_sha256=file_sha256(py), weights_sha256=file_sha256(st),
             inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
             parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
-            units=tuple(units)))
+            units=tuple(units), imports_model_file=src.imports_model_file))
     manifest = Manifest(
         model_file=model_file_reference(source.path, out) if source else "", model_fn=source.model_fn if source else "",
         model_sha256=source.sha256 if source else "", stages=tuple(stages), batch_size=batch_size,

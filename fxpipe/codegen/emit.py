@@ -38,10 +38,11 @@ def stage_class_name(index: int) -> str:
 
 @dataclass(frozen=True)
 class StageSource:
-    """A rendered stage file and the name of its class."""
+    """A rendered stage file, the name of its class, and whether it imports the model file."""
 
     class_name: str
     text: str
+    imports_model_file: bool = False
 
 
 def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: SplitGraph, *, num_stages: int, microbatch: int, model_label: str,
@@ -67,7 +68,8 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
               'Rebuild with `fxpipe partition` instead."""', "", *imports.lines(build_dir), "", ""]
     parts = header + [c + "\n\n" for c in classes] + body
     text = "\n".join(parts).rstrip() + "\n"
-    return StageSource(class_name=name, text=re.sub(r"\n{4,}", "\n\n\n", text))
+    return StageSource(class_name=name, text=re.sub(r"\n{4,}", "\n\n\n", text),
+                       imports_model_file=imports.model_file is not None)
 
 
 def _indent(lines: list[str], levels: int = 1) -> list[str]:

@@ -52,10 +52,12 @@ def _check_file(path: Path, expected: str, what: str) -> None:
                             f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
 
 
-def _stage_class(build_dir: Path, sm: StageManifest) -> type[nn.Module]:
+def _stage_class(build_dir: Path, manifest: Manifest, sm: StageManifest) -> type[nn.Module]:
     path = build_dir / sm.source
     code = _checked_bytes(path, sm.source_sha256, "stage source")
     _check_file(build_dir / sm.weights, sm.weights_sha256, "stage weights")
+    if sm.imports_model_file and manifest.model_sha256:  # the stage runs classes from the model file
+        _check_file(manifest.model_path(build_dir), manifest.model_sha256, "model file")
     name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
     module = sys.modules.get(name)
     if module is None:
@@ -101,8 +103,9 @@ def load_stage(build_dir: str | Path, index: int, device: str | torch.device = "
     from safetensors.torch import load_file
 
     build_dir = Path(build_dir)
-    sm = read_manifest(build_dir).stage(index)
-    cls = _stage_class(build_dir, sm)
+    manifest = read_manifest(build_dir)
+    sm = manifest.stage(index)
+    cls = _stage_class(build_dir, manifest, sm)
     with torch.device("meta"):
         module = cls()
     tensors = load_file(str(build_dir / sm.weights), device=str(device))

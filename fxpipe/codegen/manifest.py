@@ -81,6 +81,7 @@ class StageManifest:
     buffers: tuple[str, ...] = ()
     units: tuple[str, ...] = ()
     constants: tuple[str, ...] = ()  # non-persistent buffers: in the weights file, not in state_dict()
+    imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
 
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs"):

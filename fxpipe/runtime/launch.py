@@ -91,7 +91,7 @@ def run_build(build_dir: str | Path, steps: int = 10, schedule: str = "1f1b", mi
                           "use 1 for no data parallelism")
     # validated here so that a bad option fails before torchrun starts stages x dp processes
     DataParallelOptions(comm_hook=comm_hook, powersgd_rank=powersgd_rank, shard_optimizer_state=shard_optimizer_state,
-                        backward_passes_per_step=backward_passes_per_step)
+                        backward_passes_per_step=backward_passes_per_step).check_replicas(dp)
     if steps % backward_passes_per_step:
         raise ConfigError(f"--steps {steps} is not a multiple of --backward-passes-per-step "
                           f"{backward_passes_per_step}: the last {steps % backward_passes_per_step} passes would "

@@ -87,6 +87,8 @@ class PipelineRunner:
         self._owns_group = False
         rank, world, local_rank = this_rank()
         self.layout = RankLayout.for_world(world, manifest.num_stages)
+        if data_parallel is not None:
+            data_parallel.check_replicas(self.layout.replicas)  # before any communication
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
         self.manifest = manifest

@@ -40,3 +40,28 @@ def test_a_moved_checkout_still_loads_and_verifies(tmp_path: Path) -> None:
     assert leaves, "the GPT example's attention is a user leaf imported from the model file"
     for leaf in leaves:
         assert Path(sys.modules[type(leaf).__module__].__file__).is_relative_to(second)
+
+
+def test_an_edited_model_file_is_refused_before_a_stage_imports_it(tmp_path: Path) -> None:
+    import pytest
+
+    from fxpipe.codegen import load_stage
+    from fxpipe.errors import BuildDirError
+
+    project = tmp_path / "project"
+    (project / "examples").mkdir(parents=True)
+    model_file = project / "examples" / "gpt.py"
+    shutil.copy(ROOT / "examples" / "gpt.py", model_file)
+    source = load_model_file(model_file)
+    traced = trace_model_file(source, 2, progress=False)
+    plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
+    manifest = write_build_dir(traced, plan, project / "build", source, batch_size=4, microbatches=2)
+    importing = [s.index for s in manifest.stages if s.imports_model_file]
+    assert importing, "the GPT example's attention leaf is imported from the model file"
+
+    marker = tmp_path / "ran"
+    model_file.write_text(model_file.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
+    for index in importing:
+        with pytest.raises(BuildDirError, match=r"model file gpt.py has sha256 .* changed after it was built"):
+            load_stage(project / "build", index)
+    assert not marker.exists()

@@ -54,6 +54,10 @@ def test_run_build_refuses_bad_data_parallel_options_before_launching(tmp_path: 
         run_build(build, dp=2, comm_hook="gzip")
     with pytest.raises(ConfigError, match=r"--steps 3 is not a multiple of --backward-passes-per-step 2.*--steps 4"):
         run_build(build, steps=3, dp=2, backward_passes_per_step=2)
+    # with one replica there is no DDP: these options would be silently ignored, so they are refused
+    for option in ({"comm_hook": "powersgd"}, {"shard_optimizer_state": True}, {"backward_passes_per_step": 2}):
+        with pytest.raises(ConfigError, match=r"only apply with 2 or more pipeline replicas"):
+            run_build(build, steps=2, **option)  # type: ignore[arg-type]
     assert not (build / "run.json").exists()
 
 

@@ -17,7 +17,9 @@ user's weights, and ``load_state_dict`` calls made before partitioning hold.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -153,6 +155,7 @@ def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Confi
                               f"`fxpipe partition --stages {config.partitions}`")
     else:
         build_dir = Path(tempfile.mkdtemp(prefix=f"fxpipe-build-r{rank}-"))
+        atexit.register(shutil.rmtree, build_dir, ignore_errors=True)  # model.build_dir lives as long as the job
         result: dict[int, dict[str, bytes]] | BaseException | None = None
         if rank == 0:
             scratch = Path(tempfile.mkdtemp(prefix="fxpipe-plan-"))
@@ -163,6 +166,7 @@ def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Confi
             except Exception as exc:  # sent to every rank, raised on all
                 result = exc
             finally:
+                shutil.rmtree(scratch, ignore_errors=True)  # its files are in memory now: the whole model's weights
                 if on_trace is not None:
                     on_trace(False)
         files = _scatter_build(result, rank, world, stage_of)

@@ -9,7 +9,7 @@ The fields are the seed API's DDP options (``overlapping_allreduce``,
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -71,6 +71,17 @@ class DataParallelOptions:
         if not isinstance(self.powersgd_start_iter, int) or self.powersgd_start_iter < 2:
             raise ConfigError(f"powersgd_start_iter must be an int >= 2 (PowerSGD needs plain all-reduce steps "
                               f"while DDP rebuilds its buckets), got {self.powersgd_start_iter!r}")
+
+    def check_replicas(self, replicas: int) -> None:
+        """Refuse options that would silently do nothing: with one replica there is no DDP,
+        so no hook, no sharding and no accumulation across all-reduces."""
+        if replicas > 1:
+            return
+        changed = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        if changed:
+            shown = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+            raise ConfigError(f"data-parallel options {shown} only apply with 2 or more pipeline replicas "
+                              f"(--dp R, or a world of stages x R ranks), but this job has one; drop them or add replicas")
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.nn.parallel.DistributedDataParallel``."""
