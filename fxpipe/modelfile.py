@@ -96,11 +96,13 @@ class ModelSource:
         inputs = self._call(self.inputs_fn, batch_size)
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
-        if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise ModelFileError(
-                f"{self.path.name}:{self.inputs_fn}({batch_size}) must return a tuple of tensors, "
-                f"got {type(inputs).__name__}"
-            )
+        where = f"{self.path.name}:{self.inputs_fn}({batch_size})"
+        if not isinstance(inputs, (tuple, list)):
+            raise ModelFileError(f"{where} must return a tuple of tensors, got {type(inputs).__name__}")
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor):
+                raise ModelFileError(f"{where} must return a tuple of tensors, but element {i} is "
+                                     f"{type(t).__name__} ({t!r:.40}); pass non-tensor settings to build_model()")
         return tuple(inputs)
 
     def has(self, name: str) -> bool:

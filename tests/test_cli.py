@@ -117,3 +117,45 @@ def test_bad_dp_options_are_one_line_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert "unknown comm_hook 'zip'" in capsys.readouterr().err
     assert main(["run", "no-such-build", "--dp", "2"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_model_that_rejects_its_inputs_is_one_line_exit_2(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad_shape.py"
+    bad.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(4, 4)\n"
+        "def example_inputs(b):\n    return (torch.randn(b, 5),)\n"
+        "def text_inputs(b):\n    return ('hello',)\n"
+    )
+    assert main(["trace", str(bad), "--batch-size", "3", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "bad_shape.py" in err and "Linear raised on its example inputs (float32[3, 5])" in err
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x4)" in err
+    assert main(["trace", str(bad), "--inputs-fn", "text_inputs"]) == 2
+    err = capsys.readouterr().err
+    assert "element 0 is str" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sequence_first_model_partitions_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "seq_first.py"
+    model.write_text(
+        "import torch\nimport torch.nn as nn\n"
+        "class SeqFirst(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 8)\n"
+        "    def forward(self, x, mask):\n"
+        "        return self.out(torch.einsum('st,tbc->sbc', mask, torch.relu(self.inp(x))))\n"
+        "def build_model():\n    return SeqFirst()\n"
+        "def example_inputs(b):\n    return torch.randn(6, b, 8), torch.tril(torch.ones(6, 6))\n"
+        "def example_targets(b):\n    return torch.randn(6, b, 8)\n"
+        "def loss_fn(out, target):\n    return ((out - target) ** 2).mean()\n"
+    )
+    build = tmp_path / "build"
+    assert main(["partition", str(model), "--stages", "2", "--batch-size", "4", "--out", str(build)]) == 0
+    manifest = json.loads((build / "manifest.json").read_text())
+    assert [(t["shape"], t["batch_dim"]) for t in manifest["inputs"]] == [([6, 2, 8], 1), ([6, 6], None)]
+    assert main(["verify", str(build)]) == 0
+    assert "OK" in capsys.readouterr().out

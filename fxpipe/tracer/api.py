@@ -19,7 +19,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import TraceError
+from fxpipe.errors import ModelFileError, TraceError
 from fxpipe.modelfile import ModelSource
 from fxpipe.tracer.costs import (DEVICE_PRESETS, UnitCounts, UnitRunner, analytic_ms, count_unit, measure_memory_bytes,
                                  measure_ms, progress_iter)
@@ -28,7 +28,7 @@ from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, fla
 from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
-from fxpipe.tracer.shapes import propagate
+from fxpipe.tracer.shapes import BatchDims, batch_size_of, infer_batch_dims, propagate, resolve_batch_dims
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import PATH_KEY, SPEC_KEY, TracedModel
 from fxpipe.tracer.units import UnitGroup, group_units
@@ -51,15 +51,35 @@ def _preserved_state(model: nn.Module) -> Iterator[None]:
                     buffer.copy_(value)
 
 
-def _check_inputs(example_inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+def _check_inputs(example_inputs: Sequence[Any],
+                  batch_dims: Sequence[int | None] | None) -> tuple[tuple[torch.Tensor, ...], BatchDims]:
     inputs = tuple(example_inputs)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         kinds = [type(t).__name__ for t in inputs]
         raise TraceError(f"example_inputs must be a non-empty tuple of tensors, got {kinds}; "
                          "pass the model's positional tensor inputs")
-    if inputs[0].dim() == 0:
-        raise TraceError("the first example input is a scalar; fxpipe needs a batch dimension (dim 0) on it")
-    return inputs
+    try:
+        return inputs, resolve_batch_dims(inputs, batch_dims)
+    except ValueError as exc:
+        raise TraceError(f"{exc} (example input shapes: {_describe_inputs(inputs)})") from None
+
+
+def _describe_inputs(inputs: Sequence[torch.Tensor]) -> str:
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
+
+
+def _run_eagerly(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+    """The model's own output on the example inputs; a model that rejects them is the user's error."""
+    try:
+        with torch.no_grad():
+            return model(*inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure here comes from the model or its inputs
+        lines = str(exc).strip().splitlines()
+        raise ModelFileError(
+            f"{type(model).__name__} raised on its example inputs ({_describe_inputs(inputs)}): "
+            f"{type(exc).__name__}: {lines[0] if lines else ''}; make the example inputs match what forward() "
+            "expects (count, shapes, dtypes)"
+        ) from exc
 
 
 def _spec_of_output(node: torch.fx.Node) -> TensorSpec:
@@ -166,9 +186,15 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
 def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, frontend: str = "auto",
                 leaves: Sequence[LeafSpec] = (), measure_times: bool = False, measure_memory: bool = False,
                 trace_device: str = "cpu", build_record: BuildRecord | None = None,
-                progress: bool = True) -> TracedModel:
-    """Trace ``model`` on ``example_inputs`` (batch on dim 0) and profile its units.
+                progress: bool = True, batch_dims: Sequence[int | None] | None = None) -> TracedModel:
+    """Trace ``model`` on ``example_inputs`` and profile its units.
 
+    ``batch_dims``: each input's batch dimension, ``None`` for an input shared by all
+    samples (a ``[T, T]`` mask); by default dim 0 of every non-scalar input, which is
+    wrong for sequence-first inputs (see the Note in :mod:`fxpipe.tracer.shapes`;
+    :func:`trace_model_file` takes them from the model file instead).
+    The model first runs once on the inputs: if it raises, a :class:`ModelFileError`
+    names the inputs and the failing call.
     ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes or
     paths to keep whole. ``measure_times``: time each unit on ``trace_device`` instead of
     the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
@@ -180,7 +206,7 @@ def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, fro
         traced = trace_model(GPT(), (torch.randint(0, 64, (4, 16)),))
         traced.profile.units[0].name, traced.graph_module(idx)
     """
-    inputs = _check_inputs(example_inputs)
+    inputs, dims = _check_inputs(example_inputs, batch_dims)
     if trace_device not in DEVICE_PRESETS:
         raise TraceError(f"trace_device {trace_device!r} is not one of {sorted(DEVICE_PRESETS)}")
     if trace_device == "cuda" and not torch.cuda.is_available():
@@ -192,20 +218,20 @@ def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, fro
     original_device = next(iter(devices))
     model.to(trace_device)
     inputs = tuple(t.to(trace_device) for t in inputs)
-    batch = int(inputs[0].shape[0])
+    batch = batch_size_of(inputs, dims)
     try:
         with _preserved_state(model):
-            result = trace_graph(model, inputs, frontend, tuple(leaves))
+            reference, output_spec = pytree.tree_flatten(_run_eagerly(model, inputs))
+            result = trace_graph(model, inputs, frontend, tuple(leaves), dims)
             gm = result.graph_module
             annotate_paths(gm)
             drop_extra_placeholders(gm, len(inputs))
             with torch.no_grad():
-                reference, output_spec = pytree.tree_flatten(model(*inputs))
                 values = run_collect(gm, inputs)
             flatten_output(gm, values)  # export graphs are flat already: the model's own spec rebuilds them
             group_getitems(gm)
             _check_matches(gm, values, reference)
-            prop = propagate(gm, inputs, batch)
+            prop = propagate(gm, inputs, batch, dims)
             groups = group_units(gm, prop.flops)
             runners = [UnitRunner(gm, g, prop.values) for g in groups]
             counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
@@ -247,10 +273,36 @@ def _check_matches(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], r
 
 
 def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> TracedModel:
-    """Build the model of a model file (recording pins and constructor args) and trace it at ``batch_size``."""
+    """Build the model of a model file (recording pins and constructor args) and trace it at ``batch_size``.
+
+    The inputs' batch dimensions come from the model file: the dimension that doubles
+    from ``example_inputs(batch_size)`` to ``example_inputs(2 * batch_size)`` (none for an
+    input whose shape stays, such as a shared mask).
+    """
     model, record = build_model_recorded(source.build_model)
-    traced = trace_model(model, source.example_inputs(batch_size), build_record=record, **options)
+    inputs = source.example_inputs(batch_size)
+    if options.get("batch_dims") is None:
+        options["batch_dims"] = _model_file_batch_dims(source, batch_size, inputs)
+    try:
+        traced = trace_model(model, inputs, build_record=record, **options)
+    except ModelFileError as exc:  # the model rejected its inputs: say which file and functions
+        raise ModelFileError(f"in {source.path.name} ({source.model_fn}() on {source.inputs_fn}({batch_size})): "
+                             f"{exc}") from exc
     model_info = {**traced.profile.model, "file": str(source.path), "sha256": source.sha256,
                   "factory": source.model_fn}
     traced.profile = dataclasses.replace(traced.profile, model=model_info)
     return traced
+
+
+def _model_file_batch_dims(source: ModelSource, batch_size: int, inputs: tuple[torch.Tensor, ...]) -> BatchDims:
+    """Compare ``example_inputs(B)`` with ``example_inputs(2B)``: the dimension that doubles is the batch."""
+    fn = f"{source.path.name}:{source.inputs_fn}"
+    try:
+        dims = infer_batch_dims(inputs, source.example_inputs(2 * batch_size))
+    except ValueError as exc:
+        raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) disagree: {exc}; make the batch "
+                             "size scale one dimension of each batched input") from None
+    if all(d is None for d in dims):
+        raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) return the same shapes "
+                             f"({_describe_inputs(inputs)}); build the inputs with batch_size samples")
+    return dims

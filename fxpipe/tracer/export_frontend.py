@@ -9,7 +9,7 @@ mutations (BatchNorm running statistics) become explicit ``aten.copy_`` nodes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -31,14 +31,18 @@ def non_persistent_buffers(model: nn.Module) -> set[str]:
     return names
 
 
-def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
+def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
+                 batch_dims: Sequence[int | None] | None = None) -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dimension and return the normalized-form graph.
 
-    The output node still returns the exported (already flat) user outputs; the caller
-    finishes normalization (paths, output spec, getitems).
+    ``batch_dims`` names each input's batch dimension (``None``: static input); the
+    default is dim 0 of every non-scalar input. The output node still returns the
+    exported (already flat) user outputs; the caller finishes normalization (paths,
+    output spec, getitems).
     """
     batch = Dim("batch", min=1)
-    dynamic = tuple({0: batch} if t.dim() > 0 else None for t in example_inputs)
+    dims = tuple(0 if t.dim() > 0 else None for t in example_inputs) if batch_dims is None else batch_dims
+    dynamic = tuple(None if d is None else {d: batch} for d in dims)
     ep = export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
     sig = ep.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs}

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from fxpipe.errors import TraceError
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
-from fxpipe.tracer.shapes import double_batch
+from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import LeafSpec, SymbolicTraceFailure, symbolic_trace
 from fxpipe.tracer.traced import CONSTANTS_KEY
 
@@ -59,10 +59,11 @@ def _symbolic(model: nn.Module, n_inputs: int, leaves: tuple[LeafSpec, ...]) -> 
     return FrontendResult(gm, "symbolic", result.fallback_leaves, tuple(str(w.message) for w in caught))
 
 
-def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> FrontendResult:
+def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
-    batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
-    return FrontendResult(export_graph(model, double_batch(inputs) if batch == 1 else inputs), "export")
+    if batch_size_of(inputs, batch_dims) == 1:
+        inputs = double_batch(inputs, batch_dims)
+    return FrontendResult(export_graph(model, inputs, batch_dims), "export")
 
 
 def _both_failed(model: nn.Module, symbolic: BaseException | None, exported: BaseException | None) -> TraceError:
@@ -79,8 +80,11 @@ def _both_failed(model: nn.Module, symbolic: BaseException | None, exported: Bas
 
 
 def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: str,
-                leaves: tuple[LeafSpec, ...]) -> FrontendResult:
-    """Trace with the requested front end (see the module docstring for ``auto``)."""
+                leaves: tuple[LeafSpec, ...], batch_dims: BatchDims) -> FrontendResult:
+    """Trace with the requested front end (see the module docstring for ``auto``).
+
+    ``batch_dims`` (one per input, ``None`` = not batched) are the dimensions export keeps dynamic.
+    """
     if frontend not in FRONTENDS:
         raise TraceError(f"unknown front end {frontend!r}; expected one of {', '.join(FRONTENDS)}")
     symbolic_error: BaseException | None = None
@@ -99,7 +103,7 @@ def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: st
             symbolic_error = SymbolicTraceFailure(
                 next(iter(symbolic.fallback_leaves)), RuntimeError(f"modules kept whole hold {share:.0%} of the parameters"))
     try:
-        return _export(model, inputs)
+        return _export(model, inputs, batch_dims)
     except Exception as exc:  # noqa: BLE001 - the message goes to the user
         if symbolic is not None:
             warnings.warn(f"fxpipe: torch.export failed ({type(exc).__name__}); using the symbolic graph in which "

@@ -2,15 +2,26 @@
 
 The graph runs twice: at the traced batch ``B`` (with autograd on and floating inputs
 requiring grad, so ``requires_grad`` is exactly "depends on a parameter or a floating
-input"; with ``FlopCounterMode`` to charge FLOPs to each node) and at ``2B`` (inputs
-concatenated with themselves). A dimension whose size doubles is the batch dimension.
+input"; with ``FlopCounterMode`` to charge FLOPs to each node) and at ``2B`` (each input
+concatenated with itself along its batch dimension). A dimension whose size doubles is
+the batch dimension.
+
+Note (batch dimensions of the inputs): the graph cannot tell which dimension of an
+input is the batch, so the caller says it with ``batch_dims`` (one entry per input,
+``None`` for an input shared by all samples, such as a ``[T, T]`` mask). A model file
+knows its layout: :func:`fxpipe.tracer.trace_model_file` compares
+``example_inputs(B)`` with ``example_inputs(2B)`` (:func:`infer_batch_dims`). Without a
+model file or explicit ``batch_dims``, dim 0 of every non-scalar input is assumed
+(:func:`default_batch_dims`), which is wrong for sequence-first inputs and shared
+non-batched inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -19,7 +30,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.tracer.traced import SPEC_KEY
 
-__all__ = ["Propagation", "propagate", "double_batch", "dtype_name", "requiring_grad"]
+__all__ = ["BatchDims", "Propagation", "propagate", "double_batch", "default_batch_dims", "infer_batch_dims", "resolve_batch_dims",
+           "batch_size_of", "dtype_name", "requiring_grad"]
+
+BatchDims = tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -34,9 +48,75 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def double_batch(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """The same samples twice: each input concatenated with itself along dim 0."""
-    return tuple(torch.cat([t, t]) if t.dim() > 0 else t for t in inputs)
+def default_batch_dims(inputs: Sequence[torch.Tensor]) -> BatchDims:
+    """The guess without a model file: dim 0 of every non-scalar input (see the module Note)."""
+    return tuple(0 if t.dim() > 0 else None for t in inputs)
+
+
+def resolve_batch_dims(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None] | None) -> BatchDims:
+    """Check ``batch_dims`` against the inputs (negative dims count from the end), or default them.
+
+    Raises ``ValueError`` (the caller turns it into its own error) when the length or a
+    dimension does not fit, or when no input has a batch dimension.
+    """
+    if batch_dims is None:
+        dims: BatchDims = default_batch_dims(inputs)
+    else:
+        if len(batch_dims) != len(inputs):
+            raise ValueError(f"batch_dims has {len(batch_dims)} entries but there are {len(inputs)} inputs; "
+                             "give one entry per input (None for an input without a batch dimension)")
+        resolved = []
+        for i, (t, d) in enumerate(zip(inputs, batch_dims)):
+            if d is not None and not -t.dim() <= d < t.dim():
+                raise ValueError(f"batch_dims[{i}] is {d} but input {i} has shape {list(t.shape)}; "
+                                 f"use a dimension in {-t.dim()}..{t.dim() - 1} or None")
+            resolved.append(None if d is None else d % t.dim())
+        dims = tuple(resolved)
+    if all(d is None for d in dims):
+        raise ValueError("no input has a batch dimension; fxpipe splits microbatches along it, so at least "
+                         "one input needs one")
+    return dims
+
+
+def infer_batch_dims(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> BatchDims:
+    """Batch dimensions from the inputs at batch ``B`` (``first``) and ``2B`` (``second``).
+
+    An input whose shape is unchanged has no batch dimension; otherwise exactly one
+    dimension must have doubled. Raises ``ValueError`` naming the input that breaks this.
+    """
+    if len(first) != len(second):
+        raise ValueError(f"{len(first)} inputs at the traced batch but {len(second)} at twice that batch")
+    dims: list[int | None] = []
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a.dim() != b.dim() or a.dtype != b.dtype:
+            raise ValueError(f"input {i} is {_describe(a)} at the traced batch but {_describe(b)} at twice that "
+                             "batch; only the size of the batch dimension may change")
+        changed = [d for d, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(changed) > 1 or (changed and b.shape[changed[0]] != 2 * a.shape[changed[0]]):
+            raise ValueError(f"input {i} is {_describe(a)} at the traced batch but {_describe(b)} at twice that "
+                             "batch; exactly one dimension (the batch) may change, and it must double")
+        dims.append(changed[0] if changed else None)
+    return tuple(dims)
+
+
+def batch_size_of(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None]) -> int:
+    """The batch size: the batch dimension's size on the first batched input."""
+    return next(int(t.shape[d]) for t, d in zip(inputs, batch_dims) if d is not None)
+
+
+def double_batch(inputs: tuple[torch.Tensor, ...], batch_dims: Sequence[int | None] | None = None
+                 ) -> tuple[torch.Tensor, ...]:
+    """The same samples twice: each batched input concatenated with itself along its batch dimension.
+
+    Inputs without a batch dimension (``None``) are passed as they are; ``batch_dims``
+    defaults to :func:`default_batch_dims`.
+    """
+    dims = default_batch_dims(inputs) if batch_dims is None else batch_dims
+    return tuple(t if d is None else torch.cat([t, t], dim=d) for t, d in zip(inputs, dims))
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
 def requiring_grad(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -79,8 +159,13 @@ def _batch_dim(value: torch.Tensor, doubled: Any, batch: int) -> int | None:
     return 0 if value.dim() > 0 and value.shape[0] == batch else None
 
 
-def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_size: int) -> Propagation:
-    """Run ``gm`` at ``B`` and ``2B`` and set ``node.meta[SPEC_KEY]`` on every node."""
+def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_size: int,
+              batch_dims: Sequence[int | None] | None = None) -> Propagation:
+    """Run ``gm`` at ``B`` and ``2B`` and set ``node.meta[SPEC_KEY]`` on every node.
+
+    ``batch_dims`` says along which dimension each input grows for the ``2B`` run
+    (default: :func:`default_batch_dims`; see the module Note).
+    """
     counting = _Counting(gm, FlopCounterMode(display=False))
     with counting.counter:  # type: ignore[union-attr]
         counting.run(*requiring_grad(inputs))
@@ -88,13 +173,18 @@ def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_
     try:
         with torch.no_grad():
             second = _Counting(gm, None)
-            second.run(*double_batch(inputs))
+            second.run(*double_batch(inputs, batch_dims))
             doubled = second.env
     except Exception as exc:  # noqa: BLE001 - we can still guess, but say so
         warnings.warn(f"fxpipe: running the graph at batch {2 * batch_size} failed ({type(exc).__name__}: {exc}); "
                       "assuming dimension 0 is the batch dimension wherever its size equals the batch", stacklevel=2)
+    dims = default_batch_dims(inputs) if batch_dims is None else tuple(batch_dims)
+    placeholders = iter(dims)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        node.meta[SPEC_KEY] = _spec(counting.env[node], doubled.get(node), batch_size)
+        spec = _spec(counting.env[node], doubled.get(node), batch_size)
+        if node.op == "placeholder" and isinstance(spec, TensorSpec):
+            spec = dataclasses.replace(spec, batch_dim=next(placeholders))  # known, not guessed
+        node.meta[SPEC_KEY] = spec
     return Propagation(values=counting.env, flops=counting.flops)
