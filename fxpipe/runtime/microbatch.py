@@ -48,9 +48,14 @@ def split_inputs(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None
     return [tuple(col[m] for col in columns) for m in range(microbatches)]
 
 
-def split_targets(targets: Any, microbatches: int) -> list[Any]:
-    """Per microbatch, the targets: every tensor in the (nested) structure is cut along dim 0."""
+def split_targets(targets: Any, microbatches: int, batch_dims: Sequence[int | None] | None = None) -> list[Any]:
+    """Per microbatch, the targets. ``batch_dims[i]`` is the batch dim of the i-th leaf of
+    the (nested) targets, ``None`` for a leaf every microbatch shares; without it every
+    tensor leaf is cut along dim 0."""
     leaves, spec = tree_flatten(targets)
-    columns = [_split(x, 0, microbatches) if isinstance(x, torch.Tensor) and x.dim() > 0
-               else [x] * microbatches for x in leaves]
+    if batch_dims is None:
+        batch_dims = [0 if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in leaves]
+    if len(batch_dims) != len(leaves):
+        raise ConfigError(f"target_batch_dims lists {len(batch_dims)} dims but the targets have {len(leaves)} leaves")
+    columns = [_split(x, d, microbatches) if d is not None else [x] * microbatches for x, d in zip(leaves, batch_dims)]
     return [tree_unflatten([col[m] for col in columns], spec) for m in range(microbatches)]

@@ -51,13 +51,16 @@ class PipelineRunner:
     over the ``microbatches`` (summed with ``average_microbatch_grads=False``). Each
     rank's optimizer (``optimizer_factory(params)``, default SGD lr=0.01) updates only
     its own stage's parameters. A peer that dies or hangs raises ``PeerError`` after at
-    most ``timeout_s`` seconds.
+    most ``timeout_s`` seconds. Targets are cut into microbatches along dim 0 unless
+    ``target_batch_dims`` gives the batch dim of each leaf of the (nested) targets
+    (``None``: shared by every microbatch).
     """
 
     def __init__(self, build_dir: str | Path, loss_fn: LossFn, schedule: str | Schedule = "1f1b",
                  microbatches: int = 1, optimizer_factory: OptimizerFactory | None = None,
                  average_microbatch_grads: bool = True, device: str | torch.device | None = None,
-                 timeout_s: float = 300.0, data_parallel: DataParallelOptions | None = None) -> None:
+                 timeout_s: float = 300.0, data_parallel: DataParallelOptions | None = None,
+                 target_batch_dims: Sequence[int | None] | None = None) -> None:
         manifest = Manifest.from_json(build_dir)
 
         def loader(index: int, dev: torch.device) -> nn.Module:
@@ -66,25 +69,28 @@ class PipelineRunner:
             return load_stage(build_dir, index, device=dev)
 
         self._setup(manifest, loader, loss_fn, schedule, microbatches, optimizer_factory,
-                    average_microbatch_grads, device, timeout_s, data_parallel)
+                    average_microbatch_grads, device, timeout_s, data_parallel, target_batch_dims)
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn,
                       schedule: str | Schedule = "1f1b", microbatches: int = 1,
                       optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
                       device: str | torch.device | None = None, timeout_s: float = 300.0,
-                      data_parallel: DataParallelOptions | None = None) -> PipelineRunner:
+                      data_parallel: DataParallelOptions | None = None,
+                      target_batch_dims: Sequence[int | None] | None = None) -> PipelineRunner:
         """A runner over stages built by ``stage_loader(index, device)`` instead of a build directory."""
         self = cls.__new__(cls)
         self._setup(manifest, stage_loader, loss_fn, schedule, microbatches, optimizer_factory,
-                    average_microbatch_grads, device, timeout_s, data_parallel)
+                    average_microbatch_grads, device, timeout_s, data_parallel, target_batch_dims)
         return self
 
     def _setup(self, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn, schedule: str | Schedule,
                microbatches: int, optimizer_factory: OptimizerFactory | None, average: bool,
                device: str | torch.device | None, timeout_s: float,
-               data_parallel: DataParallelOptions | None = None) -> None:
+               data_parallel: DataParallelOptions | None = None,
+               target_batch_dims: Sequence[int | None] | None = None) -> None:
         self._owns_group = False
+        self.target_batch_dims = target_batch_dims
         rank, world, local_rank = this_rank()
         self.layout = RankLayout.for_world(world, manifest.num_stages)
         if data_parallel is not None:
@@ -140,7 +146,7 @@ class PipelineRunner:
             check_divisible(batched[0], self.microbatches)
         mb_inputs = split_inputs(inputs, dims, self.microbatches)
         is_last = self.stage_index == self.routes.loss_stage
-        mb_targets = split_targets(targets, self.microbatches) if is_last else None
+        mb_targets = split_targets(targets, self.microbatches, self.target_batch_dims) if is_last else None
         losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window

@@ -33,7 +33,7 @@ from fxpipe.runtime.microbatch import check_divisible
 from fxpipe.runtime.p2p import peer_error
 from fxpipe.runtime.runner import PipelineRunner
 
-__all__ = ["main", "parse_args", "peak_memory_bytes", "predicted_step_ms", "replica_batch"]
+__all__ = ["main", "parse_args", "peak_memory_bytes", "predicted_step_ms", "replica_batch", "target_batch_dims"]
 
 ERROR_PREFIX = "error: [rank "
 
@@ -86,11 +86,12 @@ def predicted_step_ms(build_dir: Path, schedule: str, microbatches: int, dp: int
 
 
 def replica_batch(inputs: tuple[torch.Tensor, ...], targets: Any, batch_dims: Sequence[int | None],
-                  replica: int, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+                  replica: int, batch_size: int, target_dims: Sequence[int | None] | None = None,
+                  ) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Rows ``[replica*batch_size, (replica+1)*batch_size)`` of a batch made for all replicas.
 
-    Inputs are cut along their batch dim (``None``: shared, passed whole); every tensor
-    in the (nested) targets along dim 0, as ``split_targets`` does.
+    Inputs are cut along their batch dim (``None``: shared, passed whole); the leaves of the
+    (nested) targets along ``target_dims`` (default: dim 0), as ``split_targets`` does.
 
     >>> x, y = replica_batch((torch.arange(6).view(6, 1),), torch.arange(6), [0], 1, 2)
     >>> x[0].flatten().tolist(), y.tolist()
@@ -110,8 +111,31 @@ def replica_batch(inputs: tuple[torch.Tensor, ...], targets: Any, batch_dims: Se
         return t.narrow(dim, start, batch_size)
 
     leaves, spec = tree_flatten(targets)
+    dims = [0] * len(leaves) if target_dims is None else target_dims
     return (tuple(cut(t, d) for t, d in zip(inputs, batch_dims)),
-            tree_unflatten([cut(x, 0) for x in leaves], spec))
+            tree_unflatten([cut(x, d) for x, d in zip(leaves, dims)], spec))
+
+
+def target_batch_dims(source: Any, batch_size: int) -> tuple[int | None, ...]:
+    """The batch dim of each leaf of the model file's targets, from ``example_targets`` at
+    ``batch_size`` and twice that (a leaf that does not grow is shared)."""
+    from torch.utils._pytree import tree_leaves
+
+    from fxpipe.tracer.shapes import infer_batch_dims
+
+    first, second = tree_leaves(source.example_targets(batch_size)), tree_leaves(source.example_targets(2 * batch_size))
+    tensors = [i for i, x in enumerate(first) if isinstance(x, torch.Tensor)]
+    if len(first) != len(second) or any(not isinstance(second[i], torch.Tensor) for i in tensors):
+        raise ModelFileError(f"{source.path.name}:{source.targets_fn}(n) returns differently structured targets "
+                             f"for n={batch_size} and n={2 * batch_size}")
+    try:
+        found = infer_batch_dims([first[i] for i in tensors], [second[i] for i in tensors])
+    except ValueError as exc:
+        raise ModelFileError(f"{source.path.name}:{source.targets_fn}(n): {exc}".replace("input", "target")) from None
+    dims: list[int | None] = [None] * len(first)
+    for i, d in zip(tensors, found):
+        dims[i] = d
+    return tuple(dims)
 
 
 def _mean_over_replicas(loss: float, runner: PipelineRunner) -> float:
@@ -154,11 +178,14 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                                   backward_passes_per_step=args.backward_passes_per_step)
     loss_fn = source.loss_fn
     every_replica = (source.example_inputs(batch * replicas), source.example_targets(batch * replicas))
+    target_dims = target_batch_dims(source, batch)
     lr = args.lr
     with PipelineRunner(args.build_dir, loss_fn, schedule=args.schedule, microbatches=microbatches,
                         optimizer_factory=lambda params: torch.optim.SGD(params, lr=lr),
-                        device=args.device, timeout_s=args.timeout, data_parallel=options) as runner:
-        inputs, targets = replica_batch(*every_replica, [t.batch_dim for t in manifest.inputs], runner.replica, batch)
+                        device=args.device, timeout_s=args.timeout, data_parallel=options,
+                        target_batch_dims=target_dims) as runner:
+        inputs, targets = replica_batch(*every_replica, [t.batch_dim for t in manifest.inputs], runner.replica, batch,
+                                        target_dims)
         lead = runner.rank == 0
         samples = batch * replicas
         if lead:

@@ -79,3 +79,59 @@ def test_run_build_two_stages_two_replicas_equals_one_process_on_the_whole_batch
                               source.example_targets(n), source.loss_fn, steps, micro * replicas, lr)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
     assert want[-1] < want[0]  # it trained
+
+
+SEQUENCE_FIRST = '''
+import torch
+import torch.nn as nn
+
+class SeqFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask):  # x: [T, B, C], mask: [T, T] shared by every sample
+        return self.out(torch.einsum("st,tbc->sbc", mask, torch.relu(self.inp(x))))
+
+def build_model():
+    torch.manual_seed(0)
+    return SeqFirst()
+
+def example_inputs(b):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, b, 8, generator=g), torch.tril(torch.ones(6, 6))
+
+def example_targets(b):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(6, b, 8, generator=g)
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+'''
+
+
+@pytest.mark.distributed
+def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(tmp_path: Path) -> None:
+    from fxpipe.codegen import write_build_dir
+    from fxpipe.partitioner import plan_partition
+    from fxpipe.tracer import trace_model_file
+
+    model_file = tmp_path / "seq_first.py"
+    model_file.write_text(SEQUENCE_FIRST)
+    source = load_model_file(model_file)
+    traced = trace_model_file(source, 2, progress=False)
+    plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
+    write_build_dir(traced, plan, tmp_path / "build", source, batch_size=4, microbatches=2)
+    result = run_build(tmp_path / "build", steps=2, lr=0.1, quiet=True, timeout_s=60)
+
+    model = source.build_model()  # the same weights: the build was traced from this seeded model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (x, mask), y = source.example_inputs(4), source.example_targets(4)
+    want = []
+    for _ in range(2):
+        opt.zero_grad()
+        losses = [source.loss_fn(model(x[:, i:i + 2], mask), y[:, i:i + 2]) for i in (0, 2)]  # batch on dim 1
+        (sum(losses) / 2).backward()
+        opt.step()
+        want.append(sum(float(v) for v in losses) / 2)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
