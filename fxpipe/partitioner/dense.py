@@ -1,11 +1,13 @@
-"""The chain DP in its O(S n^2) form, with the full memory model, for memory-limited problems.
+"""The chain DP in its O(S n^2) form, for memory limits with shared (tied) parameters.
 
-The windowed DP in ``dp.py`` needs stage memory to grow with the range, which holds
-for parameters and activations but not for boundary buffers (a wider stage may cut at
-a thinner tensor). Here every (start, end) pair gets its exact memory (distinct
-parameters, buffers, activations x in flight, received inputs x in flight, one send
-buffer; Note [stage cost]) as an n x n matrix, and the min-max recurrence
-``f_j[k] = min_i max(f_{j-1}[i], cost_j(i, k))`` runs once, vectorised over i.
+With tied parameters the memory of a stage ``[i, k)`` is not a difference ``a[k] -
+b[i]`` (a shared weight counts once however many of its users the stage holds), so
+the O(n log n) test in ``dp.py`` does not apply. Here every (start, end) pair gets
+its memory (distinct parameters, buffers, activations x in flight, received inputs x
+in flight, send buffers; Note [stage cost]; exact on a chain, an upper bound on a
+branching graph, see ``cut_bytes``) as an n x n matrix, and the min-max recurrence
+``f_j[k] = min_i max(f_{j-1}[i], cost_j(i, k))`` runs once, vectorised over i. It is
+also the oracle the tests hold the fast DP to.
 """
 
 from __future__ import annotations
@@ -14,21 +16,31 @@ import numpy as np
 
 from fxpipe.partitioner.problem import PartitionProblem
 
-__all__ = ["DENSE_MAX_UNITS", "dense_split", "range_memory"]
+__all__ = ["DENSE_MAX_UNITS", "cut_bytes", "dense_split", "range_memory"]
 
-DENSE_MAX_UNITS = 2000  # n^2 matrices of float64: 32 MB each at this size
+DENSE_MAX_UNITS = 2000  # n^2 matrices of float64: 32 MB each at this size; dp.py warns above it
 
 
-def _cut_bytes(problem: PartitionProblem) -> np.ndarray:
-    """Bytes of the tensors live across each position (0 at both ends)."""
+def cut_bytes(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
+    """Boundary bytes at each position (0 at both ends): ``recv[c]`` the tensors live across
+    c, and ``send[c]`` the same weighted by how many of their consumers lie at or after c.
+
+    A stage starting at i receives at most ``recv[i]`` and one ending at k sends at most
+    ``send[k]`` (one message per consuming stage, Note [stage cost]); on a chain both
+    are exact, on a branching graph they bound the true buffers from above.
+    """
     n = problem.num_units
-    diff = np.zeros(n + 2)
+    recv = np.zeros(n + 2)
+    send = np.zeros(n + 2)
     for t in problem.tensors:
-        diff[t.producer + 1] += t.nbytes
-        diff[max(t.consumers) + 1] -= t.nbytes
-    cut = np.cumsum(diff)[: n + 1]
-    cut[0] = cut[n] = 0.0
-    return cut
+        recv[t.producer + 1] += t.nbytes
+        recv[max(t.consumers) + 1] -= t.nbytes
+        for c in t.consumers:
+            send[t.producer + 1] += t.nbytes
+            send[c + 1] -= t.nbytes
+    recv, send = np.cumsum(recv)[: n + 1], np.cumsum(send)[: n + 1]
+    recv[0] = recv[n] = send[0] = send[n] = 0.0
+    return recv, send
 
 
 def _distinct_params(problem: PartitionProblem) -> np.ndarray:
@@ -53,13 +65,14 @@ def _distinct_params(problem: PartitionProblem) -> np.ndarray:
 
 
 def range_memory(problem: PartitionProblem, stage: int) -> np.ndarray:
-    """``M[i, k]``: memory of stage ``stage`` if it held units ``[i, k)`` (valid for i < k)."""
+    """``M[i, k]``: memory of stage ``stage`` if it held units ``[i, k)`` (valid for i < k);
+    exact on a chain, an upper bound on a branching graph (``cut_bytes``)."""
     k_in = problem.in_flight(stage)
     own = np.asarray(problem.buffer_bytes, float) + k_in * np.asarray(problem.activation_bytes, float)
     w = np.concatenate(([0.0], np.cumsum(own)))
-    cut = _cut_bytes(problem)
+    recv, send = cut_bytes(problem)
     mem = problem.state_factor * _distinct_params(problem) + (w[None, :] - w[:, None])
-    return mem + k_in * cut[:, None] + cut[None, :]
+    return mem + k_in * recv[:, None] + send[None, :]
 
 
 def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, pin_ok: list[np.ndarray],

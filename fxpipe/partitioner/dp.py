@@ -8,27 +8,35 @@ branching graph it is a proxy (a skip tensor is charged to the stages it passes,
 sent once however many later stages read it), which is why ``auto`` follows up with
 CP-SAT there and every plan is re-evaluated exactly.
 
+Stage memory (Note [stage cost]) of ``[i, k)`` on stage j is ``state x distinct
+params + buffers + activations x in flight + received bytes at i x in flight + sent
+bytes at k``; ``dense.range_memory`` gives it for every pair.
+
 For a candidate bottleneck ``T`` the question "can the first k units fill stages
 0..j?" is answered for all k at once: stage j can end at k from a reachable start
-``i`` iff ``cut[i] - P[i]/speed_j <= T - cut[k] - P[k]/speed_j`` for some reachable
-``i`` in the memory window ``[lo_j(k), k)`` (the window is monotone because memory
-grows with the range). That is a windowed minimum, done with numpy in O(n log n) per
-stage, so one test costs O(S n log n) and a binary search on ``T`` finds the optimum
-to a relative 1e-10. Pins restrict where stage j may end: all units pinned <= j before
-it, all pinned > j after it.
+``i`` iff ``cut[i] - P[i]/speed_j <= T - cut[k] - P[k]/speed_j`` and ``[i, k)`` fits
+the memory limit. Without a limit that is a prefix minimum. With one, and no
+parameter shared by two units, memory is ``a[k] - b[i]`` exactly (boundary buffers
+included), so "fits" is ``b[i] >= a[k] - limit`` and the test is a thresholded prefix
+minimum (``dominance.ThresholdMin``, O(n log n) per stage). One test costs
+O(S n log n) and a binary search on ``T`` finds the optimum to a relative 1e-10.
+Shared (tied) parameters make memory depend on (i, k) jointly; those problems use
+the O(S n^2) ``dense_split``, which evaluates every pair. Pins restrict where stage
+j may end: all units pinned <= j before it, all pinned > j after it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+import warnings
 from dataclasses import replace
 
 import numpy as np
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.partitioner.cost import format_size
-from fxpipe.partitioner.dense import DENSE_MAX_UNITS, dense_split
+from fxpipe.partitioner.dense import DENSE_MAX_UNITS, cut_bytes, dense_split
+from fxpipe.partitioner.dominance import ThresholdMin
 from fxpipe.partitioner.problem import PartitionProblem, evaluate
 from fxpipe.partitioner.solution import Solution
 
@@ -63,93 +71,58 @@ def _pin_masks(problem: PartitionProblem) -> list[np.ndarray]:
     return [(before <= j) & (after >= j + 1) for j in range(S)]
 
 
-def _windows(problem: PartitionProblem, limit: float | None) -> list[np.ndarray]:
-    """``lo[j][k]``: the first start i with stage memory of [i, k) within ``limit`` on stage j
-    (boundary buffers excluded, see ``solve_chain_dp``); ``k`` means no start fits."""
-    n, S = problem.num_units, problem.num_stages
-    if limit is None:
-        return [np.zeros(n + 1, dtype=np.int64)] * S
-    sf = problem.state_factor
-    users = [0] * len(problem.param_bytes)
+def _shares_params(problem: PartitionProblem) -> bool:
+    """True when some parameter is used by more than one unit (tied weights)."""
+    seen: set[int] = set()
     for ps in problem.unit_params:
         for p in ps:
-            users[p] += 1
-    shared = any(c > 1 for c in users)
-    cache: dict[int, np.ndarray] = {}
-    out = []
-    for j in range(S):
-        k_in = problem.in_flight(j)
-        if k_in not in cache:
-            cache[k_in] = (_window_shared if shared else _window_prefix)(problem, limit, sf, k_in)
-        out.append(cache[k_in])
-    return out
+            if p in seen:
+                return True
+            seen.add(p)
+    return False
 
 
-def _window_prefix(problem: PartitionProblem, limit: float, sf: int, k_in: int) -> np.ndarray:
-    own = np.array([sf * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params], dtype=float)
+def _memory_terms(problem: PartitionProblem, k_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """``a, b`` with ``range_memory(problem, j)[i, k] == a[k] - b[i]`` for a stage holding
+    ``k_in`` microbatches, when no parameter is shared (Note [chain DP])."""
+    own = np.array([problem.state_factor * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params],
+                   dtype=float)
     own += np.asarray(problem.buffer_bytes, dtype=float) + k_in * np.asarray(problem.activation_bytes, dtype=float)
     w = np.concatenate(([0.0], np.cumsum(own)))
-    lo = np.searchsorted(w, w - limit, side="left").astype(np.int64)
-    return np.minimum(lo, np.arange(len(w)))
-
-
-def _window_shared(problem: PartitionProblem, limit: float, sf: int, k_in: int) -> np.ndarray:
-    n = problem.num_units
-    count = [0] * len(problem.param_bytes)
-    lo = np.zeros(n + 1, dtype=np.int64)
-    mem = 0.0
-    i = 0
-    for k in range(1, n + 1):
-        u = k - 1
-        mem += problem.buffer_bytes[u] + k_in * problem.activation_bytes[u]
-        for p in problem.unit_params[u]:
-            if count[p] == 0:
-                mem += sf * problem.param_bytes[p]
-            count[p] += 1
-        while i < k and mem > limit:
-            mem -= problem.buffer_bytes[i] + k_in * problem.activation_bytes[i]
-            for p in problem.unit_params[i]:
-                count[p] -= 1
-                if count[p] == 0:
-                    mem -= sf * problem.param_bytes[p]
-            i += 1
-        lo[k] = i
-    return lo
-
-
-def _window_min(values: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """``out[k] = min(values[lo[k] : k])`` (inf when empty), for every k, via a sparse table."""
-    m = len(values)
-    if not lo.any():
-        return np.concatenate(([np.inf], np.minimum.accumulate(values)[:-1]))
-    levels = [values]
-    span = 1
-    while 2 * span <= m:
-        prev = levels[-1]
-        nxt = np.full(m, np.inf)
-        nxt[: m - span] = np.minimum(prev[: m - span], prev[span:])
-        levels.append(nxt)
-        span *= 2
-    table = np.vstack(levels)
-    k = np.arange(m)
-    length = k - lo
-    ok = length > 0
-    safe = np.where(ok, length, 1)
-    p = np.floor(np.log2(safe)).astype(np.int64)
-    right = np.maximum(k - (1 << p), 0)
-    out = np.minimum(table[p, np.minimum(lo, m - 1)], table[p, right])
-    return np.where(ok, out, np.inf)
+    recv, send = cut_bytes(problem)
+    return w + send, w - k_in * recv
 
 
 class _Chain:
-    """The arrays one DP run needs, built once and tested against many bottlenecks."""
+    """The arrays one DP run needs, built once and tested against many bottlenecks.
+
+    With a memory limit, ``fits[j]`` answers the exact memory test of stage j; this
+    class is only used when no parameter is shared (``_split``)."""
 
     def __init__(self, problem: PartitionProblem, limit: float | None) -> None:
         self.problem = problem
         self.prefix, self.cut = chain_arrays(problem)
         self.speeds = np.asarray(problem.speeds)
         self.pin_ok = _pin_masks(problem)
-        self.lo = _windows(problem, limit)
+        self.limit = limit
+        self.fits: list[ThresholdMin] = []
+        self.terms: list[tuple[np.ndarray, np.ndarray]] = []
+        if limit is not None:
+            assert not _shares_params(problem), "shared parameters need dense_split"
+            by_k: dict[int, tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]] = {}
+            for j in range(problem.num_stages):
+                k_in = problem.in_flight(j)
+                if k_in not in by_k:
+                    a, b = _memory_terms(problem, k_in)
+                    by_k[k_in] = (ThresholdMin(b, a - limit), (a, b))
+                self.fits.append(by_k[k_in][0])
+                self.terms.append(by_k[k_in][1])
+
+    def _best_start(self, j: int, g: np.ndarray) -> np.ndarray:
+        """``out[k]``: least ``g[i]`` over starts i < k whose stage [i, k) fits in memory."""
+        if self.limit is None:
+            return np.concatenate(([np.inf], np.minimum.accumulate(g)[:-1]))
+        return self.fits[j].query(g)
 
     def reach(self, T: float) -> list[np.ndarray] | None:
         """Reachable end positions per stage at bottleneck ``T``; None when position n is not."""
@@ -159,7 +132,7 @@ class _Chain:
         layers = []
         for j in range(S):
             g = np.where(reach, self.cut - self.prefix / self.speeds[j], np.inf)
-            best = _window_min(g, self.lo[j])
+            best = self._best_start(j, g)
             h = T - self.cut - self.prefix / self.speeds[j]
             tol = _REL_TOL * max(T, 1e-12) if np.isfinite(T) else 0.0
             reach = np.isfinite(best) & (best <= h + tol) & self.pin_ok[j]
@@ -174,8 +147,11 @@ class _Chain:
         assignment = [0] * n
         k = n
         for j in reversed(range(S)):
-            starts = np.arange(self.lo[j][k], k)
+            starts = np.arange(k)
             prev_ok = (starts == 0) if j == 0 else layers[j - 1][starts]
+            if self.limit is not None:
+                a, b = self.terms[j]
+                prev_ok = prev_ok & (b[:k] >= a[k] - self.limit)
             cost = (self.prefix[k] - self.prefix[starts]) / self.speeds[j] + self.cut[starts] + self.cut[k]
             cost = np.where(prev_ok, cost, np.inf)
             i = int(starts[int(np.argmin(cost))])
@@ -187,13 +163,6 @@ class _Chain:
 
     def upper(self) -> float:
         return float(self.prefix[-1] / self.speeds.min() + 2 * self.cut.max() + 1.0)
-
-    def value(self, assignment: Sequence[int]) -> float:
-        """The DP's own (Note [chain DP]) bottleneck of a contiguous assignment."""
-        S = self.problem.num_stages
-        starts = [assignment.index(j) for j in range(S)] + [len(assignment)]
-        return max((self.prefix[starts[j + 1]] - self.prefix[starts[j]]) / self.speeds[j]
-                   + self.cut[starts[j]] + self.cut[starts[j + 1]] for j in range(S))
 
 
 def _min_bottleneck(chain: _Chain, lower: float = 0.0) -> tuple[float, list[np.ndarray]] | None:
@@ -215,32 +184,24 @@ def _min_bottleneck(chain: _Chain, lower: float = 0.0) -> tuple[float, list[np.n
 
 
 def _split(problem: PartitionProblem, limit: float | None, lower: float = 0.0) -> tuple[float, tuple[int, ...]] | None:
-    """Least DP bottleneck and its split with stage memory within ``limit`` (None: no split fits).
+    """Least DP bottleneck and its split with every stage's memory (``dense.range_memory``,
+    boundary buffers included) within ``limit``; None when no split fits.
 
-    Memory-limited problems of up to ``DENSE_MAX_UNITS`` units use the dense DP, which
-    checks the full memory model; larger ones the windowed DP, which leaves boundary
-    buffers out and is rerun with a lower limit while the exact check finds a stage over.
+    Exact in both paths: the binary search over ``_Chain`` unless parameters are shared
+    under a limit, where ``dense_split`` checks every (start, end) pair.
     """
-    if limit is not None and problem.num_units <= DENSE_MAX_UNITS:
+    if limit is not None and _shares_params(problem):
+        if problem.num_units > DENSE_MAX_UNITS:
+            warnings.warn(f"{problem.num_units} units with shared parameters and a memory limit: the exact "
+                          f"split is O(n^2) in time and memory above {DENSE_MAX_UNITS} units", stacklevel=3)
         prefix, cut = chain_arrays(problem)
         return dense_split(problem, prefix, cut, _pin_masks(problem), limit)
-    window_limit = limit
-    for _ in range(6):
-        chain = _Chain(problem, window_limit)
-        found = _min_bottleneck(chain, lower)
-        if found is None:
-            return None
-        value, layers = found
-        assignment = chain.backtrack(value, layers)
-        if limit is None:
-            return value, assignment
-        over = evaluate(replace(problem, memory_limit=None), assignment).peak_memory_bytes - limit
-        if over <= 0:
-            return value, assignment
-        window_limit = (window_limit or 0) - over
-        if window_limit <= 0:
-            return None
-    return None
+    chain = _Chain(problem, limit)
+    found = _min_bottleneck(chain, lower)
+    if found is None:
+        return None
+    value, layers = found
+    return value, chain.backtrack(value, layers)
 
 
 def solve_chain_dp(problem: PartitionProblem, *, optimize: str = "speed", slack: float = 0.01,
@@ -250,8 +211,11 @@ def solve_chain_dp(problem: PartitionProblem, *, optimize: str = "speed", slack:
     Minimises the bottleneck stage time (Note [chain DP]) subject to pins and the
     memory limit; with ``optimize="memory"`` it then minimises peak stage memory among
     splits within ``1 + slack`` of that bottleneck. ``optimal`` (and ``bound_ms``) hold
-    on chains, where the DP's cost is exact. Raises ``InfeasibleError`` naming the least
-    memory that would fit, and how many stages would fit the given limit.
+    on chains, where the DP's time and memory are exact at any size. On a branching
+    graph stage memory is bounded from above (``dense.cut_bytes``), so a returned plan
+    always fits but a split may be missed; ``auto`` then tries CP-SAT. Raises
+    ``InfeasibleError`` naming the least memory that would fit, and how many stages
+    would fit the given limit.
 
     >>> sol = solve_chain_dp(build_problem(profile, 4))   # doctest: +SKIP
     """

@@ -20,6 +20,7 @@ The solver's stage costs (``evaluate``) are unchanged; only the prediction adds 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -48,6 +49,8 @@ __all__ = ["plan_partition", "plan_from_assignment", "predict", "step_overheads"
 SOLVERS = ("auto", "dp", "cpsat", *BASELINES)
 CPSAT_MAX_VARIABLES = 200_000  # auto skips CP-SAT above units x stages x (1 + tensors/unit)
 _MEMORY_SLACK = 0.01           # optimize="memory" may give up 1% of speed
+_TIE_REL = 1e-9                # bottlenecks this close (relative) are equal; the predicted step decides
+_BOUND_TOL = 1e-6              # a lower bound may exceed the plan's bottleneck by float noise only
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
 
@@ -107,6 +110,13 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
     chosen = _solve(problem, solver, baselines, bound, time_limit, optimize)
+    if solver not in BASELINES:
+        runtime = RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"])
+
+        def step_ms(assignment: tuple[int, ...]) -> float:
+            return float(predict(problem, assignment, profile.batch_size, runtime=runtime)["step_ms"][schedule])
+
+        chosen = _pick_best(problem, chosen, baselines, step_ms, optimize)
     proven = {f"{chosen.solver}_proven": chosen.bound_ms} if chosen.bound_ms is not None else {}
     bound, parts = lower_bound(problem, proven=proven)
     return plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
@@ -160,6 +170,45 @@ def _solve(problem: PartitionProblem, solver: str, baselines: dict[str, Solution
         return replace(dp, bound_ms=cp.bound_ms if dp.bound_ms is None else max(dp.bound_ms, cp.bound_ms or 0),
                        status=dp.status + "; CP-SAT found nothing better")
     return cp
+
+
+def _pick_best(problem: PartitionProblem, chosen: Solution, baselines: dict[str, Solution],
+               step_ms: Callable[[tuple[int, ...]], float], optimize: str) -> Solution:
+    """The solver's plan, or a feasible baseline's split where that is better by the exact cost.
+
+    The baselines are contiguous splits, inside the DP's search space, but the DP prices
+    skip connections approximately (Note [chain DP]), so on a branching graph a baseline
+    can win; the plan is never worse than any of them. Speed: least bottleneck, ties
+    (within ``_TIE_REL``) broken by the predicted step time, which adds the runtime's
+    overheads. Memory: least peak memory among plans within the memory slack of the best
+    bottleneck, ties broken the same way. A baseline that wins keeps the solver's name and
+    bound (a bound holds for every plan) and is named in the status.
+    """
+    pool = [chosen] + [b for b in baselines.values() if _feasible(problem, b)]
+    evals = [evaluate(problem, s.assignment) for s in pool]
+    best = min(ev.bottleneck_ms for ev in evals)
+    if optimize == "memory":
+        keep = [i for i, ev in enumerate(evals) if ev.bottleneck_ms <= best * (1 + _MEMORY_SLACK) + 1e-12]
+        least = min(evals[i].peak_memory_bytes for i in keep)
+        tied = [i for i in keep if evals[i].peak_memory_bytes == least]
+    else:
+        tied = [i for i, ev in enumerate(evals) if ev.bottleneck_ms <= best * (1 + _TIE_REL) + 1e-12]
+    if 0 in tied and len(tied) == 1:
+        return chosen
+    steps = {i: step_ms(pool[i].assignment) for i in tied}
+    win = min(tied, key=lambda i: (steps[i], i))   # the solver's own plan first on equal steps
+    if win == 0:
+        return chosen
+    mine, theirs = evals[0], evals[win]
+    if optimize == "memory" and theirs.peak_memory_bytes < mine.peak_memory_bytes:
+        reason = f"less peak memory: {format_size(theirs.peak_memory_bytes)} vs {format_size(mine.peak_memory_bytes)}"
+    elif theirs.bottleneck_ms < mine.bottleneck_ms * (1 - _TIE_REL):
+        reason = f"faster by the exact cost: {theirs.bottleneck_ms:.4g} ms vs {mine.bottleneck_ms:.4g} ms bottleneck"
+    else:
+        reason = f"same bottleneck, faster predicted step: {steps[win]:.4g} ms vs {step_ms(chosen.assignment):.4g} ms"
+    still_optimal = chosen.optimal and theirs.bottleneck_ms <= mine.bottleneck_ms * (1 + _TIE_REL) + 1e-12
+    return replace(chosen, assignment=pool[win].assignment, optimal=still_optimal,
+                   status=f"{chosen.status}; kept the {pool[win].solver} baseline's split ({reason})")
 
 
 def _wants_cpsat(problem: PartitionProblem, dp: Solution | None) -> bool:
@@ -308,7 +357,9 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
     assert not bad, f"solver {chosen.solver} returned an invalid plan: {bad}"
     ev = evaluate(problem, chosen.assignment)
     bottleneck = ev.bottleneck_ms
-    bound = min(bound, bottleneck)
+    assert bound <= bottleneck * (1 + _BOUND_TOL) + 1e-12, (
+        f"lower bound {bound} ms exceeds the {chosen.solver} plan's bottleneck {bottleneck} ms: {bound_parts}")
+    bound = min(bound, bottleneck)  # only float noise is left to clip after the assert
     gap = (bottleneck - bound) / bound if bound > 0 else 0.0
     optimal = chosen.optimal or gap <= 1e-9
     status = chosen.status

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from fxpipe.partitioner.schedule import stage_order
+
 __all__ = ["ActionKind", "Action", "Schedule", "gpipe", "one_f_one_b", "make_schedule", "SCHEDULES"]
 
 
@@ -90,6 +92,17 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"need >= 1 stage and >= 1 microbatch, got {num_stages} and {num_microbatches}")
 
 
+def _from_orders(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Rank i runs stage i in the order ``partitioner.schedule.stage_order`` gives: one
+    source of truth for the order the planner simulates and the runtime executes."""
+    _check_sizes(num_stages, num_microbatches)
+    actions = tuple(
+        tuple(Action(s, ActionKind(kind), m) for kind, m in stage_order(name, num_stages, num_microbatches, s))
+        for s in range(num_stages)
+    )
+    return Schedule(name, num_stages, num_microbatches, actions)
+
+
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards (in the same microbatch order).
 
@@ -103,13 +116,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     Backwards run in forward order so the gradient messages between two stages
     arrive in the same order as the activations did.
     """
-    _check_sizes(num_stages, num_microbatches)
-    m = range(num_microbatches)
-    actions = [
-        [Action(s, ActionKind.FORWARD, i) for i in m] + [Action(s, ActionKind.BACKWARD, i) for i in m]
-        for s in range(num_stages)
-    ]
-    return Schedule("gpipe", num_stages, num_microbatches, tuple(tuple(a) for a in actions))
+    return _from_orders("gpipe", num_stages, num_microbatches)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -125,17 +132,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         rank 1: .   1F0 1F1 .   1B0 1F2 1B1 1F3 1B2 .   1B3 .
         rank 2: .   .   2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 .   .
     """
-    _check_sizes(num_stages, num_microbatches)
-    actions = []
-    for s in range(num_stages):
-        warmup = min(num_stages - 1 - s, num_microbatches)
-        acts = [Action(s, ActionKind.FORWARD, i) for i in range(warmup)]
-        for k in range(warmup, num_microbatches):
-            acts.append(Action(s, ActionKind.FORWARD, k))
-            acts.append(Action(s, ActionKind.BACKWARD, k - warmup))
-        acts += [Action(s, ActionKind.BACKWARD, i) for i in range(num_microbatches - warmup, num_microbatches)]
-        actions.append(tuple(acts))
-    return Schedule("1f1b", num_stages, num_microbatches, tuple(actions))
+    return _from_orders("1f1b", num_stages, num_microbatches)
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -113,3 +113,13 @@ def test_make_schedule_refuses_unknown_names() -> None:
     assert make_schedule("GPipe", 2, 2) == gpipe(2, 2)
     with pytest.raises(ConfigError, match=r"unknown schedule 'zb'.*\['1f1b', 'gpipe'\]"):
         make_schedule("zb", 2, 2)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_runtime_order_is_the_planner_simulated_order(name: str) -> None:
+    from fxpipe.partitioner.schedule import stage_order
+
+    for S, M in [(1, 1), (3, 2), (4, 8), (5, 3)]:
+        sched = make_schedule(name, S, M)
+        for s in range(S):
+            assert [(a.kind.value, a.microbatch) for a in sched.rank_actions(s)] == stage_order(name, S, M, s)
