@@ -97,14 +97,14 @@ def build_model() -> nn.Module:
     return GPT()
 
 
-def example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(batch_size: int, vocab: int = VOCAB, block: int = BLOCK) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (batch_size, BLOCK), generator=g),)
+    return (torch.randint(0, vocab, (batch_size, block), generator=g),)
 
 
-def example_targets(batch_size: int) -> torch.Tensor:
+def example_targets(batch_size: int, vocab: int = VOCAB, block: int = BLOCK) -> torch.Tensor:
     g = torch.Generator().manual_seed(2)
-    return torch.randint(0, VOCAB, (batch_size, BLOCK), generator=g)
+    return torch.randint(0, vocab, (batch_size, block), generator=g)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

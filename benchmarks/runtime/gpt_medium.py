@@ -20,13 +20,11 @@ def build_model() -> nn.Module:
 
 
 def example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (batch_size, BLOCK), generator=g),)
+    return gpt.example_inputs(batch_size, VOCAB, BLOCK)
 
 
 def example_targets(batch_size: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(2)
-    return torch.randint(0, VOCAB, (batch_size, BLOCK), generator=g)
+    return gpt.example_targets(batch_size, VOCAB, BLOCK)
 
 
 loss_fn = gpt.loss_fn
