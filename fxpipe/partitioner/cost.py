@@ -2,6 +2,26 @@
 
 The numbers here turn a profile's per-unit measurements into stage times and stage
 memory (see ``fxpipe.partitioner.problem`` for the formulas, Note [stage cost]).
+
+Note [hook pricing]: the data-parallel gradient all-reduce is priced by what torch's DDP
+communication hooks (``torch.distributed.algorithms.ddp_comm_hooks``) really send, in the
+steady state (PowerSGD's first ``start_powerSGD_iter`` plain all-reduce steps are ignored).
+
+* DDP groups the gradients into buckets of ``dp_bucket_bytes`` (``bucket_cap_mb``), filled
+  in reverse parameter order, a bucket closing once it reaches the cap (``ddp_buckets``).
+  Each all-reduce costs ``2(R-1)/R x bytes / link_bandwidth + link_latency``.
+* ``allreduce``: the gradients, one all-reduce per bucket. ``fp16``/``bf16``: half the
+  bytes of the fp32 gradients.
+* ``powersgd`` (``powerSGD_hook``), per parameter: its gradient viewed as the matrix
+  ``shape[0] x rest`` (n x m) with rank ``r = min(n, m, powersgd_rank)`` is compressed when
+  ``(n + m) r x POWERSGD_MIN_COMPRESSION_RATE < n m`` and then sends P (n x r) and Q (m x r):
+  ``(n + m) r`` elements; every other tensor (1-D biases and norms, small matrices) is
+  all-reduced uncompressed at its full size. Per bucket it issues three all-reduces: the
+  uncompressed tensors, then P, then Q. A profile without shapes (older profiles) falls back
+  to pricing each parameter as a square fp32 matrix, the same compression test applied.
+* ``batched_powersgd`` (``batched_powerSGD_hook``): each bucket's flat gradient, zero-padded
+  to a square of side ``ceil(sqrt(numel))``, always compressed: ``2 x side x r`` fp32
+  numbers in two all-reduces (P, Q) per bucket.
 """
 
 from __future__ import annotations
@@ -14,7 +34,8 @@ from typing import Any
 
 from fxpipe.errors import ConfigError, PartitionError
 
-__all__ = ["CostModel", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "COMM_HOOKS", "parse_size", "format_size"]
+__all__ = ["CostModel", "AllReduceTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "COMM_HOOKS",
+           "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets", "parse_size", "format_size"]
 
 # (bandwidth in bytes/s, latency in seconds per message), one direction.
 LINK_PRESETS: dict[str, tuple[float, float]] = {
@@ -30,6 +51,15 @@ OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
 
 # Data-parallel gradient communication hooks (fxpipe.runtime.dataparallel) the cost model can price.
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
+
+# All-reduces each hook issues per DDP bucket (Note [hook pricing]).
+_ALLREDUCES_PER_BUCKET = {"allreduce": 1, "fp16": 1, "bf16": 1, "powersgd": 3, "batched_powersgd": 2}
+
+# PowerSGDState's default ``min_compression_rate``, which fxpipe's runtime keeps.
+POWERSGD_MIN_COMPRESSION_RATE = 2
+
+# DDP's bucket size for fxpipe's default ``bucket_cap_mb=25`` (MiB, as DDP reads it).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -78,6 +108,64 @@ def format_size(nbytes: float) -> str:
 
 
 @dataclass(frozen=True)
+class AllReduceTraffic:
+    """What one replica hands to the data-parallel all-reduces per step: ``wire_bytes`` in
+    ``allreduces`` calls (the ring moves ``2(R-1)/R`` of the bytes over the link)."""
+
+    wire_bytes: float
+    allreduces: int
+
+
+def ddp_buckets(param_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``param_bytes`` per DDP gradient bucket: reverse parameter order, a bucket
+    closing once it holds ``bucket_bytes`` (DDP's ``compute_bucket_assignment_by_size``).
+
+    >>> ddp_buckets([4, 4, 4], 8)
+    [[2, 1], [0]]
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i in reversed(range(len(param_bytes))):
+        current.append(i)
+        filled += param_bytes[i]
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _powersgd_bytes(param_bytes: int, shape: Sequence[int] | None, rank: int) -> float:
+    """Bytes ``powerSGD_hook`` sends for one gradient: P and Q when it compresses the
+    ``shape[0] x rest`` matrix, else the whole tensor. Without a shape the parameter is
+    taken as a square fp32 matrix (older profiles carry no shapes)."""
+    if shape is None:
+        numel = param_bytes / 4
+        rows = cols = math.sqrt(numel)
+    elif len(shape) == 0:
+        return float(param_bytes)  # a 0-d tensor has no matrix view
+    else:
+        numel = math.prod(shape)
+        if numel == 0:
+            return 0.0
+        rows, cols = shape[0], numel // shape[0]
+    r = min(rows, cols, rank)
+    compressed = (rows + cols) * r
+    if compressed * POWERSGD_MIN_COMPRESSION_RATE < rows * cols:
+        return compressed * param_bytes / numel
+    return float(param_bytes)
+
+
+def _batched_powersgd_bytes(bucket_bytes: int, rank: int) -> float:
+    """Bytes ``batched_powerSGD_hook`` sends for one bucket of fp32 gradients: P and Q of its
+    zero-padded square view, compressed whatever the saving."""
+    side = math.ceil(math.sqrt(bucket_bytes / 4))
+    return 2.0 * side * rank * 4
+
+
+@dataclass(frozen=True)
 class CostModel:
     """How long messages take and how much memory training state needs.
 
@@ -86,8 +174,8 @@ class CostModel:
     of stage i (2.0 = twice as fast as the profiled device); empty means all 1.0.
     ``optimizer`` picks the optimizer-state factor (sgd 0, momentum 1, adam 2 x params).
     ``dp_replicas`` copies of the pipeline average each stage's gradients once per step
-    with a ring all-reduce over the same kind of link, compressed by ``comm_hook``
-    (``allreduce_ms``).
+    with a ring all-reduce over the same kind of link, compressed by ``comm_hook`` and
+    grouped into DDP buckets of ``dp_bucket_bytes`` (``allreduce_ms``, Note [hook pricing]).
 
     >>> CostModel.preset("ethernet", optimizer="adam").link_bandwidth
     1250000000.0
@@ -101,6 +189,7 @@ class CostModel:
     dp_replicas: int = 1
     comm_hook: str = "allreduce"
     powersgd_rank: int = 1
+    dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_speed", tuple(float(s) for s in self.device_speed))
@@ -120,6 +209,9 @@ class CostModel:
             raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)}")
         if not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
             raise ConfigError(f"powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}")
+        if not isinstance(self.dp_bucket_bytes, int) or self.dp_bucket_bytes < 1:
+            raise ConfigError(f"dp_bucket_bytes must be an int >= 1, got {self.dp_bucket_bytes!r}; "
+                              f"DDP's default bucket_cap_mb=25 is {DEFAULT_BUCKET_BYTES}")
 
     @classmethod
     def preset(cls, link: str, **overrides: Any) -> CostModel:
@@ -137,27 +229,41 @@ class CostModel:
         """Time to move one tensor of ``nbytes`` over one link, in milliseconds."""
         return (nbytes / self.link_bandwidth + self.link_latency) * 1e3
 
-    def gradient_bytes(self, param_bytes: int) -> float:
-        """Bytes one parameter's fp32 gradient puts on the wire under ``comm_hook``.
-
-        fp16/bf16 halve it. PowerSGD sends ``(rows + cols) x rank`` numbers instead of
-        ``rows x cols``; the profile has parameter sizes but not shapes, so a parameter is
-        priced as a square matrix, and left uncompressed (as PowerSGD does) unless that
-        at least halves it.
-        """
+    def gradient_bytes(self, param_bytes: int, shape: Sequence[int] | None = None) -> float:
+        """Bytes one parameter's fp32 gradient hands to the all-reduce under ``comm_hook``
+        (Note [hook pricing]); ``shape`` is the parameter's shape when the profile has it."""
         if self.comm_hook in ("fp16", "bf16"):
             return param_bytes / 2
-        if self.comm_hook in ("powersgd", "batched_powersgd"):
-            side = math.sqrt(param_bytes / 4)
-            compressed = 2 * side * self.powersgd_rank * 4
-            return compressed if 2 * compressed <= param_bytes else float(param_bytes)
+        if self.comm_hook == "powersgd":
+            return _powersgd_bytes(param_bytes, shape, self.powersgd_rank)
+        if self.comm_hook == "batched_powersgd":
+            return _batched_powersgd_bytes(param_bytes, self.powersgd_rank)
         return float(param_bytes)
 
-    def allreduce_ms(self, param_bytes: Sequence[int]) -> float:
+    def dp_traffic(self, param_bytes: Sequence[int],
+                   shapes: Sequence[Sequence[int] | None] | None = None) -> AllReduceTraffic:
+        """What one replica of a stage with these parameters sends per step (Note [hook pricing]).
+
+        ``shapes[i]`` is the shape of parameter ``i`` (``None`` or no ``shapes``: unknown).
+        """
+        if shapes is not None and len(shapes) != len(param_bytes):
+            raise PartitionError(f"{len(shapes)} parameter shapes given for {len(param_bytes)} parameters; "
+                                 "give one shape (or None) per parameter")
+        buckets = ddp_buckets(param_bytes, self.dp_bucket_bytes)
+        if self.comm_hook == "batched_powersgd":
+            wire = sum(_batched_powersgd_bytes(sum(param_bytes[i] for i in b), self.powersgd_rank) for b in buckets)
+        else:
+            wire = sum(self.gradient_bytes(b, shapes[i] if shapes is not None else None)
+                       for i, b in enumerate(param_bytes))
+        return AllReduceTraffic(wire_bytes=wire, allreduces=len(buckets) * _ALLREDUCES_PER_BUCKET[self.comm_hook])
+
+    def allreduce_ms(self, param_bytes: Sequence[int],
+                     shapes: Sequence[Sequence[int] | None] | None = None) -> float:
         """One step's data-parallel gradient all-reduce of parameters of these sizes, in ms.
 
-        Ring all-reduce over ``dp_replicas``: ``2(R-1)/R x bytes / link_bandwidth +
-        link_latency``; zero without replicas or parameters.
+        Ring all-reduce over ``dp_replicas``: ``2(R-1)/R x wire bytes / link_bandwidth +
+        link_latency`` per all-reduce the hook issues (``dp_traffic``); zero without
+        replicas or parameters.
 
         >>> CostModel(link_bandwidth=1e9, link_latency=0.0, dp_replicas=2).allreduce_ms([10**6])
         1.0
@@ -165,8 +271,9 @@ class CostModel:
         R = self.dp_replicas
         if R <= 1 or not param_bytes:
             return 0.0
-        wire = sum(self.gradient_bytes(b) for b in param_bytes)
-        return (2 * (R - 1) / R * wire / self.link_bandwidth + self.link_latency) * 1e3
+        traffic = self.dp_traffic(param_bytes, shapes)
+        return (2 * (R - 1) / R * traffic.wire_bytes / self.link_bandwidth
+                + traffic.allreduces * self.link_latency) * 1e3
 
     def speeds(self, num_stages: int) -> tuple[float, ...]:
         """Per-stage speed factors, checked against the stage count."""

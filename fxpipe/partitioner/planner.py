@@ -285,7 +285,7 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...],
     optimizer = dp_all_reduce = 0.0
     for s in range(S):
         mine = [p for p, st in stages_of.items() if s in st]
-        dp_all_reduce = max(dp_all_reduce, problem.cost.allreduce_ms([problem.param_bytes[p] for p in mine]))
+        dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine))
         nbytes = sum(problem.param_bytes[p] for p in mine)
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
         if mine:

@@ -16,7 +16,8 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   microbatches in flight, as they are kept for backward, plus one buffer of the sent
   outputs). In flight on stage i of S: GPipe all M, 1F1B ``min(M, S - i)``.
 * Data parallelism (``cost.dp_replicas`` > 1): each stage's distinct parameters are
-  all-reduced once per step (``CostModel.allreduce_ms``), reported as
+  all-reduced once per step (``PartitionProblem.dp_allreduce_ms``: the cost model's
+  ``allreduce_ms`` with the parameters' shapes, Note [hook pricing]), reported as
   ``StageCost.dp_allreduce_ms``. It is not part of the per-microbatch ``stage_ms`` the
   solvers balance (it is paid once per step, not per microbatch); the predicted step
   time adds the largest one (``planner.predict``).
@@ -24,7 +25,7 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import PartitionError, PinError
@@ -67,6 +68,7 @@ class PartitionProblem:
     microbatches: int = 1
     cost: CostModel = CostModel()
     memory_limit: int | None = None
+    param_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per param_bytes entry; None: unknown
 
     @property
     def num_units(self) -> int:
@@ -87,6 +89,12 @@ class PartitionProblem:
 
     def in_flight(self, stage: int) -> int:
         return in_flight(self.schedule, self.microbatches, self.num_stages, stage)
+
+    def dp_allreduce_ms(self, params: Iterable[int]) -> float:
+        """Per-step data-parallel all-reduce of these parameters (indices into ``param_bytes``)."""
+        mine = sorted(set(params))
+        shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
+        return self.cost.allreduce_ms([self.param_bytes[p] for p in mine], shapes)
 
     @property
     def state_factor(self) -> int:
@@ -140,6 +148,7 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         tensors=_tensors(profile, index),
         pins=pins, num_stages=num_stages, schedule=schedule, microbatches=microbatches,
         cost=cost, memory_limit=memory_limit,
+        param_shapes=tuple(profile.param_shapes.get(name) for name in param_names),
     )
 
 
@@ -294,7 +303,7 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
             param_bytes=pb, grad_bytes=pb, optimizer_bytes=pb * problem.cost.optimizer_factor,
             buffer_bytes=buf[s], activation_bytes=act[s] * k, boundary_bytes=recv[s] * k + sent[s],
             in_flight=k,
-            dp_allreduce_ms=problem.cost.allreduce_ms([problem.param_bytes[p] for p in sorted(params[s])]),
+            dp_allreduce_ms=problem.dp_allreduce_ms(params[s]),
         ))
     return Evaluation(tuple(stages))
 

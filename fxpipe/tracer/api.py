@@ -91,17 +91,20 @@ def _spec_of_output(node: torch.fx.Node) -> TensorSpec:
     raise TraceError(f"node {node.name} passes a {type(spec).__name__} between units; expected a tensor or an int")
 
 
-def _ties(model: nn.Module) -> tuple[dict[str, int], tuple[tuple[str, ...], ...]]:
-    """``param_sizes`` (under the first name of each tensor) and the groups of tied names."""
+def _param_table(model: nn.Module) -> tuple[dict[str, int], dict[str, tuple[int, ...]], tuple[tuple[str, ...], ...]]:
+    """``param_sizes`` and ``param_shapes`` (under the first name of each tensor) and the
+    groups of tied names."""
     names: dict[int, list[str]] = {}
     sizes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in names:
             names[id(p)] = []
             sizes[name] = p.numel() * p.element_size()
+            shapes[name] = tuple(p.shape)
         names[id(p)].append(name)
     ties = tuple(tuple(group) for group in names.values() if len(group) > 1)
-    return sizes, ties
+    return sizes, shapes, ties
 
 
 def _unit_param_names(gm: torch.fx.GraphModule, group: UnitGroup, param_names: set[str]) -> tuple[str, ...]:
@@ -139,7 +142,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
                    pins: dict[str, int],
                    batch: int, frontend: str, timing: str, trace_device: str) -> ModelProfile:
     by_name = {n.name: n for n in gm.graph.nodes}
-    sizes, ties = _ties(model)
+    sizes, shapes, ties = _param_table(model)
     param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     charged: set[int] = set()
     group_of = {node: g for g in groups for node in g.nodes}
@@ -178,7 +181,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
     return ModelProfile(
         units=tuple(units.values()), edges=tuple(edges), batch_size=batch,
         inputs=tuple(n.meta[SPEC_KEY] for n in placeholders), trace_device=trace_device, frontend=frontend,
-        timing=timing, module_order=_module_order(gm), param_sizes=sizes, ties=ties,
+        timing=timing, module_order=_module_order(gm), param_sizes=sizes, param_shapes=shapes, ties=ties,
         model={"class": f"{type(model).__module__}.{type(model).__qualname__}"},
     )
 

@@ -182,6 +182,8 @@ class ModelProfile:
     ``batch_size`` is the (micro)batch the units were profiled at. ``param_sizes`` maps
     every parameter name to its bytes (tied parameters once, under the name in
     ``ties[k][0]``); ``ties`` lists the groups of names that are one tensor.
+    ``param_shapes`` gives their shapes under the same names (empty in profiles written
+    before it existed), so the cost model can price PowerSGD's matrix view of each gradient.
     """
 
     units: tuple[Unit, ...]
@@ -196,6 +198,7 @@ class ModelProfile:
     ties: tuple[tuple[str, ...], ...] = ()
     model: dict[str, str] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
+    param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit.from_dict(u) for u in self.units))
@@ -204,6 +207,8 @@ class ModelProfile:
             i if isinstance(i, TensorSpec) else TensorSpec.from_dict(i) for i in self.inputs))
         object.__setattr__(self, "module_order", tuple(self.module_order))
         object.__setattr__(self, "ties", tuple(tuple(t) for t in self.ties))
+        object.__setattr__(self, "param_shapes",
+                           {k: tuple(int(d) for d in v) for k, v in self.param_shapes.items()})
         if self.batch_size < 1:
             raise ProfileError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.units:
