@@ -8,7 +8,7 @@ microbatch size, plans 2 stages and writes a build directory; then for each sche
 (gpipe, 1f1b) it trains ``--steps`` SGD steps with ``fxpipe.runtime.launch.run_build``
 (2 torchrun ranks, gloo, CPU) and records the measured median step (first step
 excluded) against ``plan.prediction["step_ms"][schedule]``, and each rank's peak
-resident memory against the plan's per-stage memory. ``--repredict`` re-traces and
+tensor memory (and peak resident memory) against the plan's per-stage memory. ``--repredict`` re-traces and
 re-predicts for the SAME stage assignment (read from the saved build's plan) and keeps
 the measured figures, to iterate on the cost model without re-running the jobs.
 Writes results.json and results.md.
@@ -100,6 +100,7 @@ def _row(name: str, timing: str, schedule: str, pred: dict[str, Any], run: dict[
     measured = run["median_step_ms"]
     mem_pred = pred["peak_memory_bytes_by_schedule"][schedule]
     mem_meas = run.get("peak_memory_bytes") or []
+    tensors = run.get("peak_tensor_bytes") or []  # absent in runs made before the worker measured it
     return {
         "model": name, "timing": timing, "schedule": schedule,
         "measured_step_ms": measured, "predicted_step_ms": predicted, "ratio": measured / predicted,
@@ -112,6 +113,8 @@ def _row(name: str, timing: str, schedule: str, pred: dict[str, Any], run: dict[
         "predicted_stage_memory_bytes": mem_pred,
         "measured_peak_rss_bytes": mem_meas,
         "measured_rss_above_runtime_bytes": [m - base_rss for m in mem_meas],
+        "measured_peak_tensor_bytes": tensors,
+        "tensor_memory_ratio": [m / p if p else None for m, p in zip(tensors, mem_pred)] if tensors else None,
     }
 
 
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.repredict:
                     r = measured[(name, timing, schedule)]
                     run = {"median_step_ms": r["measured_step_ms"], "peak_memory_bytes": r["measured_peak_rss_bytes"],
-                           "step_seconds": r["step_seconds"]}
+                           "peak_tensor_bytes": r.get("measured_peak_tensor_bytes"), "step_seconds": r["step_seconds"]}
                     load = r.get("load_average_1min", float("nan"))
                 else:
                     runs = [run_build(build, steps=args.steps, schedule=schedule, microbatches=microbatches,
@@ -204,17 +207,22 @@ def _markdown(result: dict[str, Any]) -> str:
     inside = sum(r["within_goal"] for r in result["rows"])
     lines += ["", f"{inside} of {len(result['rows'])} ratios within the goal.", "",
               "Peak memory per rank (MiB). Predicted = the plan's stage memory (params, grads, optimizer state, "
-              "activations, boundary buffers); measured = peak resident set size, and that minus the RSS of a "
-              f"process that only loads torch + the runtime and joins gloo "
-              f"({result['runtime_rss_bytes'] / mib:.0f} MiB). On CPU the model state is far below the RSS noise, "
-              "so the comparison only bounds the prediction.", "",
-              "| model | timing | schedule | predicted rank 0, 1 | measured RSS rank 0, 1 | RSS above runtime rank 0, 1 |",
-              "|---|---|---|---|---|---|"]
+              "activations, boundary buffers); measured tensors = peak bytes of live tensor storages over one "
+              "extra step after the timed ones (fxpipe.runtime.memory), and ratio = measured / predicted; "
+              "RSS = peak resident set size, and that minus the RSS of a process that only loads torch + the "
+              f"runtime and joins gloo ({result['runtime_rss_bytes'] / mib:.0f} MiB), far above the model's "
+              "tensors on CPU.", "",
+              "| model | timing | schedule | predicted rank 0, 1 | measured tensors rank 0, 1 | ratio rank 0, 1 "
+              "| measured RSS rank 0, 1 | RSS above runtime rank 0, 1 |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         pred = ", ".join(f"{b / mib:.2f}" for b in r["predicted_stage_memory_bytes"])
+        tensors = ", ".join(f"{b / mib:.2f}" for b in r.get("measured_peak_tensor_bytes") or []) or "n/a"
+        ratio = ", ".join("n/a" if x is None else f"{x:.2f}" for x in r.get("tensor_memory_ratio") or []) or "n/a"
         meas = ", ".join(f"{b / mib:.0f}" for b in r["measured_peak_rss_bytes"])
         above = ", ".join(f"{b / mib:.0f}" for b in r["measured_rss_above_runtime_bytes"])
-        lines.append(f"| {r['model']} | {r['timing']} | {r['schedule']} | {pred} | {meas} | {above} |")
+        lines.append(f"| {r['model']} | {r['timing']} | {r['schedule']} | {pred} | {tensors} | {ratio} | {meas} "
+                     f"| {above} |")
     env = result["environment"]
     lines += ["", f"torch {env['torch']}, {env['cpus']} CPUs, load average at the end "
               f"{', '.join(f'{x:.2f}' for x in env['load_average'])}; "

@@ -6,8 +6,11 @@ and ``example_targets(B)`` (the same batch every step) and its ``loss_fn``. With
 the batch of ONE replica, and replica r trains on rows ``[r*B, (r+1)*B)`` of
 ``example_inputs(B*R)`` (so the replicas together see the batch that one process
 training on ``B*R`` samples would). Rank 0 prints the loss (averaged over replicas)
-and throughput of every step and writes ``DIR/run.json``. A user-facing failure
-prints one ``error: [rank R] Kind: message`` line and exits 2.
+and throughput of every step and writes ``DIR/run.json``; after the timed steps it
+trains one more (untimed, unreported) accumulation window to measure each rank's peak
+tensor memory (``fxpipe.runtime.memory``), written as ``peak_tensor_bytes`` next to the
+peak RSS ``peak_memory_bytes``. A user-facing failure prints one
+``error: [rank R] Kind: message`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -150,6 +153,23 @@ def _mean_over_replicas(loss: float, runner: PipelineRunner) -> float:
     return float(total.item()) / runner.layout.replicas
 
 
+def _measure_tensor_peak(runner: PipelineRunner, inputs: tuple[torch.Tensor, ...], targets: Any,
+                         steps: int) -> int:
+    """Peak tensor bytes of this rank over ``steps`` extra training steps after the timed ones
+    (one accumulation window), so the tracker's per-op cost never lands in a timed step."""
+    from torch.utils._pytree import tree_leaves
+
+    from fxpipe.runtime.memory import peak_tensor_bytes, state_tensors
+
+    data = [t for t in (*inputs, *tree_leaves(targets)) if isinstance(t, torch.Tensor)]
+
+    def run() -> None:
+        for _ in range(steps):
+            runner.step(inputs, targets)
+
+    return peak_tensor_bytes(runner.device, run, state_tensors(runner.stage, runner.optimizer) + data)
+
+
 def _model_source(build_dir: Path, manifest: Manifest) -> Any:
     if not manifest.model_file:
         raise ModelFileError(f"{build_dir}/manifest.json names no model file, so there is no data to train on")
@@ -203,9 +223,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             if lead:
                 print(f"step {k + 1:4d}/{args.steps}  loss {losses[-1]:.6f}  {seconds[-1] * 1e3:8.2f} ms  "
                       f"{samples / seconds[-1]:10.1f} samples/s", flush=True)
+        tensor_peak = _measure_tensor_peak(runner, inputs, targets, options.backward_passes_per_step)
         peaks: list[Any] = [None] * runner.world_size
         try:  # over the whole world: one figure per rank, every replica included
-            dist.all_gather_object(peaks, peak_memory_bytes(runner.device))
+            dist.all_gather_object(peaks, (peak_memory_bytes(runner.device), tensor_peak))
         except RuntimeError as exc:
             raise peer_error(exc, runner.rank, "gathering peak memory", args.timeout) from exc
         steady = seconds[1:] or seconds
@@ -224,7 +245,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             "backend": dist.get_backend(),
             "predicted_step_ms": predicted_step_ms(args.build_dir, args.schedule, microbatches, replicas,
                                                    options.comm_hook),
-            "peak_memory_bytes": peaks,
+            "peak_memory_bytes": [rss for rss, _ in peaks],
+            "peak_tensor_bytes": [tensors for _, tensors in peaks],
             "dp": replicas,
             "global_batch_size": samples,
             "comm_hook": options.comm_hook,

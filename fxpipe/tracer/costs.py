@@ -138,6 +138,7 @@ class UnitRunner:
         self.output_nodes = [by_name[n] for n in group.outputs]
         self.input_values = {by_name[n]: values[by_name[n]] for n in group.inputs}
         self.tensors = self._tensors()
+        self._values = values  # every node's recorded value, to rerun an input's producer (Note [saved once])
 
     def _tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers the unit reads (from get_attr nodes and leaf modules)."""
@@ -202,20 +203,63 @@ def _fetch(gm: torch.fx.GraphModule, target: str) -> Any:
     return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
-def count_unit(runner: UnitRunner) -> UnitCounts:
-    """Run the unit forward and backward once, counting FLOPs and saved activation bytes."""
-    state_ptrs = {t.untyped_storage().data_ptr() for t in runner.tensors}
+def _saved_storages(fn: Callable[[], Any], exclude: Iterable[int] = ()) -> tuple[Any, dict[int, int]]:
+    """``fn()`` and the storages (data pointer -> bytes) autograd saves for backward while it runs."""
     saved: dict[int, int] = {}
+    skip = set(exclude)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in state_ptrs:
+        if storage.data_ptr() not in skip:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
+    """Whether the node that made input ``node`` saves its own output for backward
+    (run alone on its recorded inputs; Note [saved once])."""
+    if node.op not in ("call_module", "call_function", "call_method"):
+        return False
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    args: list[Any] = []
+    for i, arg in enumerate(node.all_input_nodes):
+        env[arg] = graph.placeholder(f"in_{i}")
+        value = runner._values.get(arg)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().requires_grad_(value.is_floating_point())
+        args.append(value)
+    graph.output(graph.node_copy(node, lambda n: env[n]))
+    try:
+        out, saved = _saved_storages(lambda: torch.fx.GraphModule(runner.gm, graph)(*args))
+    except Exception:  # an op that cannot run alone: charge the input to the consumer as before
+        return False
+    return isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() in saved
+
+
+def count_unit(runner: UnitRunner) -> UnitCounts:
+    """Run the unit forward and backward once, counting FLOPs and saved activation bytes.
+
+    Note [saved once]: activation bytes are the storages autograd saves, each charged to
+    ONE unit: a saved input of the unit is charged to the unit that made it when that
+    unit's last op saves it too (ReLU saves its output, and the Linear after it saves
+    the same tensor as its input), else to this unit. Charging both doubled the
+    activations of every Linear/ReLU chain (measured in tests/runtime/test_memory.py).
+    """
+    state_ptrs = {t.untyped_storage().data_ptr() for t in runner.tensors}
+    input_ptrs = {v.untyped_storage().data_ptr(): node for node, v in runner.input_values.items()
+                  if isinstance(v, torch.Tensor)}
+
     fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
-    with fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outputs, leaves = runner.forward()
+    with fwd:
+        (outputs, leaves), saved = _saved_storages(runner.forward, state_ptrs)
+    for ptr in set(saved) & set(input_ptrs):
+        if _producer_saves_output(runner, input_ptrs[ptr]):
+            del saved[ptr]
     with bwd:
         has_backward = runner.backward(outputs, leaves)
     fwd_ops, bwd_ops = _count_ops(runner)

@@ -1,0 +1,122 @@
+"""Peak tensor memory: the CPU tracker itself, and the plan's stage memory against a real run."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpipe.codegen import write_build_dir
+from fxpipe.modelfile import load_model_file
+from fxpipe.partitioner import plan_partition
+from fxpipe.runtime.launch import run_build
+from fxpipe.runtime.memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
+from fxpipe.tracer import trace_model_file
+
+KIB = 1024
+
+
+def test_tracker_counts_each_storage_once_until_freed() -> None:
+    w = torch.zeros(256)  # 1 KiB
+    with TensorMemoryTracker([w, w.view(16, 16)]) as tracker:
+        assert tracker.live_bytes == KIB
+        y = w + 1
+        views = [y[:10], y.view(16, 16).t()]
+        assert tracker.live_bytes == 2 * KIB
+        del y, views
+        assert tracker.live_bytes == KIB
+        big = torch.ones(1024)  # 4 KiB
+        del big
+    assert tracker.peak_bytes == 5 * KIB and tracker.live_bytes == KIB
+
+
+def test_tracker_sees_backward_and_grads() -> None:
+    lin = nn.Linear(64, 64)
+    x = torch.randn(512, 64)
+    act = 512 * 64 * 4
+    with TensorMemoryTracker(state_tensors(lin) + [x]) as tracker:
+        h = lin(x).relu()
+        assert tracker.live_bytes == 64 * 65 * 4 + 2 * act  # params, x, h (addmm's output is freed by relu)
+        h.sum().backward()
+    assert tracker.live_bytes == 2 * 64 * 65 * 4 + 2 * act  # + grads
+    assert tracker.peak_bytes > tracker.live_bytes  # backward temporaries
+    with TensorMemoryTracker(state_tensors(lin)) as after:  # grads now exist at the start
+        lin.zero_grad(set_to_none=True)
+    assert after.peak_bytes == 2 * 64 * 65 * 4 and after.live_bytes == 64 * 65 * 4
+
+
+def test_peak_tensor_bytes_on_cpu_runs_the_function_once() -> None:
+    calls = []
+    got = peak_tensor_bytes(torch.device("cpu"), lambda: calls.append(torch.zeros(1000)))
+    assert calls and got == 4000
+
+
+WIDE_MLP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def build_model():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 64), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(64, 64), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(64, 4))
+
+def example_inputs(b):
+    return (torch.randn(b, 8, generator=torch.Generator().manual_seed(1)),)
+
+def example_targets(b):
+    return torch.randint(0, 4, (b,), generator=torch.Generator().manual_seed(2))
+
+def loss_fn(output, target):
+    return F.cross_entropy(output, target)
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, dict]]:
+    """An MLP whose activations (512 x 64 per tensor and microbatch) dwarf its weights,
+    2 stages x 4 microbatches, one short run per schedule."""
+    root = tmp_path_factory.mktemp("wide")
+    (root / "wide.py").write_text(textwrap.dedent(WIDE_MLP))
+    source = load_model_file(root / "wide.py")
+    batch, micro = 2048, 4
+    traced = trace_model_file(source, batch // micro)
+    plan = plan_partition(traced.profile, 2, microbatches=micro)
+    build = root / "build"
+    write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
+    plan.to_json(build / "plan.json")
+    runs = {s: run_build(build, steps=2, schedule=s, quiet=True, timeout_s=60) for s in ("gpipe", "1f1b")}
+    return json.loads((build / "plan.json").read_text()), runs
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpipe_holds_more_activations_than_1f1b_and_the_plan_is_a_lower_bound(wide_runs) -> None:
+    plan, runs = wide_runs
+    predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
+    for schedule, run in runs.items():
+        assert len(run["peak_tensor_bytes"]) == 2 and len(run["peak_memory_bytes"]) == 2
+        for stage, (meas, pred) in enumerate(zip(run["peak_tensor_bytes"], predicted[schedule])):
+            assert meas >= pred, f"{schedule} stage {stage}: measured {meas} < predicted {pred}"
+    # stage 0 keeps 4 microbatches' activations under GPipe, 2 under 1F1B
+    act = plan["stages"][0]["memory"]["activations"] // 2  # 1F1B in flight on stage 0 of 2: 2
+    gap = runs["gpipe"]["peak_tensor_bytes"][0] - runs["1f1b"]["peak_tensor_bytes"][0]
+    assert gap == pytest.approx(2 * act, rel=0.1)
+    assert gap == pytest.approx(predicted["gpipe"][0] - predicted["1f1b"][0], rel=0.1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the runtime keeps every sent tensor (activations forward, input gradients "
+                   "backward) until finish_step, M buffers where the plan counts 1, and backward temporaries are not "
+                   "modelled (stage 0 of this MLP measures ~1.6x the plan under GPipe, ~2.1x under 1F1B)")
+def test_measured_peak_within_30_percent_of_the_plan(wide_runs) -> None:
+    plan, runs = wide_runs
+    predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
+    for schedule, run in runs.items():
+        for meas, pred in zip(run["peak_tensor_bytes"], predicted[schedule]):
+            assert 0.7 <= meas / pred <= 1.3, f"{schedule}: measured {meas} vs predicted {pred}"
