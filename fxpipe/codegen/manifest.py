@@ -25,12 +25,25 @@ MANIFEST_SCHEMA_VERSION = 1
 INPUT = -1  # producer of a model input
 
 
+_PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+
+
+def _project_root(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that looks like a project (a git checkout or a
+    Python project)."""
+    for folder in (path, *path.parents):
+        if any((folder / marker).exists() for marker in _PROJECT_MARKERS):
+            return folder
+    return None
+
+
 def model_file_reference(model_file: str | Path, build_dir: str | Path) -> str:
-    """How a build directory names its model file: relative to the build directory when
-    both live under one project folder (so they can move together, to another checkout
-    or node), absolute when they share nothing but the filesystem root."""
+    """How a build directory names its model file: relative to the build directory when both
+    live in one project (a git checkout or Python project), so they move together to another
+    checkout or node; absolute otherwise, so the build directory can move on its own."""
     model, build = Path(model_file).resolve(), Path(build_dir).resolve()
-    if len(Path(os.path.commonpath([model, build])).parts) <= 1:
+    root = _project_root(build)
+    if root is None or not model.is_relative_to(root):
         return str(model)
     return Path(os.path.relpath(model, build)).as_posix()
 

@@ -72,9 +72,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def predicted_step_ms(build_dir: Path, schedule: str, microbatches: int, dp: int = 1,
-                      comm_hook: str = "allreduce") -> float | None:
+                      comm_hook: str = "allreduce", powersgd_rank: int = 1) -> float | None:
     """The plan's predicted step time for ``schedule``, if ``plan.json`` has one for these
-    microbatches and was priced for ``dp`` replicas with ``comm_hook`` (its all-reduce is in it)."""
+    microbatches and was priced for ``dp`` replicas with ``comm_hook`` (and PowerSGD's rank):
+    its all-reduce is in it."""
     path = build_dir / "plan.json"
     if not path.is_file():
         return None
@@ -83,6 +84,8 @@ def predicted_step_ms(build_dir: Path, schedule: str, microbatches: int, dp: int
         return None
     cost = plan.get("cost", {})
     if cost.get("dp_replicas", 1) != dp or (dp > 1 and cost.get("comm_hook", "allreduce") != comm_hook):
+        return None
+    if dp > 1 and "powersgd" in comm_hook and cost.get("powersgd_rank", 1) != powersgd_rank:
         return None
     value = plan.get("prediction", {}).get("step_ms", {}).get(schedule)
     return float(value) if value is not None else None
@@ -244,7 +247,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             "device": runner.device.type,
             "backend": dist.get_backend(),
             "predicted_step_ms": predicted_step_ms(args.build_dir, args.schedule, microbatches, replicas,
-                                                   options.comm_hook),
+                                                   options.comm_hook, options.powersgd_rank),
             "peak_memory_bytes": [rss for rss, _ in peaks],
             "peak_tensor_bytes": [tensors for _, tensors in peaks],
             "dp": replicas,

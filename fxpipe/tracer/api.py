@@ -69,16 +69,19 @@ def _describe_inputs(inputs: Sequence[torch.Tensor]) -> str:
 
 
 def _run_eagerly(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
-    """The model's own output on the example inputs; a model that rejects them is the user's error."""
+    """The model's own output on the example inputs; a model that fails on them is reported as
+    the user's error (out-of-memory is not: it says nothing about the model file)."""
     try:
         with torch.no_grad():
             return model(*inputs)
+    except torch.OutOfMemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure here comes from the model or its inputs
-        lines = str(exc).strip().splitlines()
+        message = " ".join(str(exc).split())
         raise ModelFileError(
             f"{type(model).__name__} raised on its example inputs ({_describe_inputs(inputs)}): "
-            f"{type(exc).__name__}: {lines[0] if lines else ''}; make the example inputs match what forward() "
-            "expects (count, shapes, dtypes)"
+            f"{type(exc).__name__}: {message}; check that the example inputs are what forward() expects "
+            "(count, shapes, dtypes) and that forward() runs on them in plain PyTorch"
         ) from exc
 
 

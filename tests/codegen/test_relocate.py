@@ -16,14 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_model_file_is_named_relative_to_the_build_inside_a_project(tmp_path: Path) -> None:
+    (tmp_path / "proj" / "build" / "gpt").mkdir(parents=True)
+    (tmp_path / "proj" / "pyproject.toml").write_text("")
     assert model_file_reference(tmp_path / "proj/examples/gpt.py", tmp_path / "proj/build/gpt") == "../../examples/gpt.py"
-    # sharing only the filesystem root, a relative path would say nothing useful
-    assert model_file_reference("/opt/models/gpt.py", "/srv/build") == "/opt/models/gpt.py"
+    # outside any project (or outside the build's project) the build may move on its own: absolute
+    (tmp_path / "loose" / "build").mkdir(parents=True)
+    model = str((tmp_path / "loose/gpt.py").resolve())
+    assert model_file_reference(model, tmp_path / "loose/build") == model
+    assert model_file_reference(tmp_path / "elsewhere/gpt.py", tmp_path / "proj/build/gpt") == \
+        str((tmp_path / "elsewhere/gpt.py").resolve())
 
 
 def test_a_moved_checkout_still_loads_and_verifies(tmp_path: Path) -> None:
     first, second = tmp_path / "checkout_a", tmp_path / "checkout_b"
     (first / "examples").mkdir(parents=True)
+    (first / ".git").mkdir()  # a checkout
     shutil.copy(ROOT / "examples" / "gpt.py", first / "examples" / "gpt.py")  # user leaf: imports the model file
     source = load_model_file(first / "examples" / "gpt.py")
     traced = trace_model_file(source, 2, progress=False)
@@ -50,6 +57,7 @@ def test_an_edited_model_file_is_refused_before_a_stage_imports_it(tmp_path: Pat
 
     project = tmp_path / "project"
     (project / "examples").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
     model_file = project / "examples" / "gpt.py"
     shutil.copy(ROOT / "examples" / "gpt.py", model_file)
     source = load_model_file(model_file)

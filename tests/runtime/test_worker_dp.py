@@ -33,3 +33,7 @@ def test_predicted_step_is_only_reported_for_the_plans_replicas_and_hook(tmp_pat
     assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="allreduce") is None
     assert predicted_step_ms(tmp_path, "1f1b", 2) is None  # priced for 2 replicas, run with 1
     assert predicted_step_ms(tmp_path, "1f1b", 4, dp=2, comm_hook="fp16") is None
+    plan["cost"] = {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 1}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="powersgd", powersgd_rank=1) == 3.5
+    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="powersgd", powersgd_rank=4) is None
