@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from fxpipe.codegen import Manifest, load_stage, write_build_dir
 from fxpipe.errors import ConfigError, FxpipeError
-from fxpipe.partitioner import plan_partition
+from fxpipe.partitioner import CostModel, plan_partition
 from fxpipe.runtime.api.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
 
@@ -77,13 +77,14 @@ def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfil
 
 
 def _plan_on_rank0(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions,
-                   batch_size: int, out_dir: Path, record: BuildRecord | None) -> dict[int, dict[str, bytes]]:
+                   batch_size: int, out_dir: Path, record: BuildRecord | None,
+                   cost: CostModel | None) -> dict[int, dict[str, bytes]]:
     """Trace, plan and emit into ``out_dir``; the files each rank needs, by mp rank."""
     traced = trace_model(module, tuple(inputs), build_record=record, trace_device=options.trace_device,
                          measure_times=options.measure_times, measure_memory=options.measure_memory, progress=False)
     traced.profile = apply_partition_policy(traced.profile, config)
     plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
-                          microbatches=config.microbatches, optimize=config.optimize)
+                          microbatches=config.microbatches, optimize=config.optimize, cost=cost)
     manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size, microbatches=config.microbatches)
     plan.to_json(out_dir / "plan.json")
     traced.profile.to_json(out_dir / "profile.json")
@@ -140,11 +141,13 @@ def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
 
 def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions, *,
                 rank: int, world: int, mp_rank: int, device: torch.device, batch_size: int,
-                stage_of: Any, on_trace: Any = None, record: BuildRecord | None = None) -> StageBuild:
+                stage_of: Any, on_trace: Any = None, record: BuildRecord | None = None,
+                cost: CostModel | None = None) -> StageBuild:
     """Partition ``module`` (see Note [one plan for every rank]) and load this rank's stage on ``device``.
 
     ``record``: constructor arguments and pins of ``module``'s submodules, for leaf modules
-    that a stage file must construct again.
+    that a stage file must construct again. ``cost``: the cost model to plan with (it prices
+    the data-parallel all-reduce of the run's replicas, hook and buckets).
     """
     if config.plan is not None:
         build_dir = Path(config.plan)
@@ -162,7 +165,7 @@ def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Confi
             try:
                 if on_trace is not None:
                     on_trace(True)
-                result = _plan_on_rank0(module, inputs, config, options, batch_size, scratch, record)
+                result = _plan_on_rank0(module, inputs, config, options, batch_size, scratch, record, cost)
             except Exception as exc:  # sent to every rank, raised on all
                 result = exc
             finally:

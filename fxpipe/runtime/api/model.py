@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
+from fxpipe.partitioner import CostModel
 from fxpipe.runtime.api.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
 from fxpipe.runtime.api.driver import StepDriver, StepError
 from fxpipe.runtime.api.replicas import Replicas
@@ -147,7 +148,8 @@ class DistributedModel(nn.Module):
 
         build = build_stage(module, inputs, st.config, self.trace_options, rank=st.rank, world=st.world_size,
                             mp_rank=st.mp_rank, device=st.device, batch_size=batch,
-                            stage_of=st.layout.stage_of, on_trace=tracing, record=st.build_record(module))
+                            stage_of=st.layout.stage_of, on_trace=tracing, record=st.build_record(module),
+                            cost=CostModel(**self.ddp_options.cost_fields(st.layout.replicas)))
         self.module = build.stage
         self._build = build
         self._routes = routes_from_manifest(build.manifest)

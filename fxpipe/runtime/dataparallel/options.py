@@ -83,6 +83,13 @@ class DataParallelOptions:
             raise ConfigError(f"data-parallel options {shown} only apply with 2 or more pipeline replicas "
                               f"(--dp R, or a world of stages x R ranks), but this job has one; drop them or add replicas")
 
+    def cost_fields(self, replicas: int) -> dict[str, Any]:
+        """The ``CostModel`` fields that price this data parallelism (``CostModel(**fields)``):
+        replicas, hook, PowerSGD rank and the DDP bucket size the reducer really uses."""
+        bucket_mb = self.ddp_kwargs()["bucket_cap_mb"]
+        return {"dp_replicas": replicas, "comm_hook": self.comm_hook, "powersgd_rank": self.powersgd_rank,
+                "dp_bucket_bytes": int(bucket_mb * 2**20)}
+
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.nn.parallel.DistributedDataParallel``."""
         return {

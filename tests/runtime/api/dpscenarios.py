@@ -8,6 +8,8 @@ another (``shutdown(destroy_process_group=False)`` between them).
 
 from __future__ import annotations
 
+import json
+
 import copy
 from contextlib import nullcontext
 from pathlib import Path
@@ -131,6 +133,7 @@ def allreduce_and_zero(out: dict[str, Any], rank: int) -> None:
                      "state_bytes": optimizer_state_bytes(opt._fxpipe_zero or opt)}
         if name == "allreduce":
             out["ranks"] = _ranks()
+            out["plan_cost"] = json.loads((model.build_dir / "plan.json").read_text())["cost"]
         # drop the (sharded) momentum, load the full state dict back, and take a 4th step
         full = opt.state_dict()
         (opt._fxpipe_zero.optim if opt._fxpipe_zero is not None else opt).state.clear()

@@ -40,6 +40,9 @@ def test_rank_functions_and_groups(results: list[dict[str, Any]]) -> None:
         assert res["ranks"] == {"rank": r, "size": WORLD, "mp_rank": r % PARTITIONS, "mp_size": PARTITIONS,
                                 "dp_rank": r // PARTITIONS, "dp_size": REPLICAS, "group_sizes": [WORLD, 2, 2],
                                 "dp_peers": [r % PARTITIONS, r % PARTITIONS + PARTITIONS]}
+        # the plan made at the first step prices this run's data parallelism (DDP's 25 MiB buckets)
+        cost = res["plan_cost"]
+        assert (cost["dp_replicas"], cost["comm_hook"], cost["dp_bucket_bytes"]) == (REPLICAS, "allreduce", 25 * 2**20)
 
 
 @pytest.mark.distributed

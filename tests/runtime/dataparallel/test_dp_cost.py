@@ -107,3 +107,12 @@ def test_powersgd_pricing_matches_what_torch_hook_all_reduces(monkeypatch: pytes
     traffic = cost.dp_traffic([p.numel() * p.element_size() for p in params], [tuple(p.shape) for p in params])
     assert sent == [211 * 4, (32 + 64) * 4, (54 + 1152) * 4]  # uncompressed, P, Q
     assert (traffic.wire_bytes, traffic.allreduces) == (sum(sent), len(sent))
+
+
+def test_options_price_the_buckets_ddp_really_uses() -> None:
+    fields = DataParallelOptions(comm_hook="powersgd", powersgd_rank=2, bucket_cap_mb=5).cost_fields(2)
+    assert fields == {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 2, "dp_bucket_bytes": 5 * 2**20}
+    assert CostModel(**fields).dp_bucket_bytes == 5 * 2**20
+    # without overlapping all-reduce DDP gets one huge bucket, and so does the cost model
+    one = DataParallelOptions(overlapping_allreduce=False).cost_fields(4)["dp_bucket_bytes"]
+    assert one >= 10**6 * 2**20
