@@ -188,7 +188,11 @@ def _pick_best(problem: PartitionProblem, chosen: Solution, baselines: dict[str,
     evals = [evaluate(problem, s.assignment) for s in pool]
     best = min(ev.bottleneck_ms for ev in evals)
     if optimize == "memory":
-        keep = [i for i, ev in enumerate(evals) if ev.bottleneck_ms <= best * (1 + _MEMORY_SLACK) + 1e-12]
+        # the slack is measured from the speed optimum (the chain DP proves it as its bound), not
+        # from the solver's memory plan, which may itself already use the slack
+        speed_opt = min(best, chosen.bound_ms) if chosen.bound_ms is not None and problem.is_chain else best
+        keep = [0] + [i for i, ev in enumerate(evals)
+                      if i and ev.bottleneck_ms <= speed_opt * (1 + _MEMORY_SLACK) + 1e-12]
         least = min(evals[i].peak_memory_bytes for i in keep)
         tied = [i for i in keep if evals[i].peak_memory_bytes == least]
     else:
