@@ -136,11 +136,12 @@ class _Model:
                     for u in here:
                         m.add(var >= self.on(u, s))
                     expr += p.state_factor * p.param_bytes[q] * var
-            for t in p.tensors:
+            held = p.grads_held(s)
+            for t in p.tensors:  # received x in flight, its gradient sent back x held, sent x M
                 if s in self.recv[id(t)]:
-                    expr += k * t.nbytes * self.recv[id(t)][s]
+                    expr += (k + (held if t.requires_grad else 0)) * t.nbytes * self.recv[id(t)][s]
                 if s in self.w[id(t)]:
-                    expr += t.nbytes * self.w[id(t)][s]
+                    expr += p.microbatches * t.nbytes * self.w[id(t)][s]
             out.append(expr)
         return out
 

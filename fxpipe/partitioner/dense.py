@@ -4,10 +4,10 @@ With tied parameters the memory of a stage ``[i, k)`` is not a difference ``a[k]
 b[i]`` (a shared weight counts once however many of its users the stage holds), so
 the O(n log n) test in ``dp.py`` does not apply. Here every (start, end) pair gets
 its memory (distinct parameters, buffers, activations x in flight, received inputs x
-in flight, send buffers; Note [stage cost]; exact on a chain, an upper bound on a
-branching graph, see ``cut_bytes``) as an n x n matrix, and the min-max recurrence
-``f_j[k] = min_i max(f_{j-1}[i], cost_j(i, k))`` runs once, vectorised over i. It is
-also the oracle the tests hold the fast DP to.
+in flight, sent outputs x M, input gradients x (M - in flight + 1); Note [stage cost]; exact on a chain,
+an upper bound on a branching graph, see ``cut_bytes``) as an n x n matrix, and the
+min-max recurrence ``f_j[k] = min_i max(f_{j-1}[i], cost_j(i, k))`` runs once,
+vectorised over i. It is also the oracle the tests hold the fast DP to.
 """
 
 from __future__ import annotations
@@ -21,26 +21,33 @@ __all__ = ["DENSE_MAX_UNITS", "cut_bytes", "dense_split", "range_memory"]
 DENSE_MAX_UNITS = 2000  # n^2 matrices of float64: 32 MB each at this size; dp.py warns above it
 
 
-def cut_bytes(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
+def cut_bytes(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Boundary bytes at each position (0 at both ends): ``recv[c]`` the tensors live across
-    c, and ``send[c]`` the same weighted by how many of their consumers lie at or after c.
+    c, ``recv_grad[c]`` those of them that require grad (their gradient is sent back), and
+    ``send[c]`` the live tensors weighted by how many of their consumers lie at or after c.
 
-    A stage starting at i receives at most ``recv[i]`` and one ending at k sends at most
-    ``send[k]`` (one message per consuming stage, Note [stage cost]); on a chain both
-    are exact, on a branching graph they bound the true buffers from above.
+    A stage starting at i receives at most ``recv[i]``, sends back at most
+    ``recv_grad[i]`` of gradients, and one ending at k sends at most ``send[k]`` (one
+    message per consuming stage, Note [stage cost]); on a chain all three are exact, on
+    a branching graph they bound the true buffers from above.
     """
     n = problem.num_units
     recv = np.zeros(n + 2)
+    recv_grad = np.zeros(n + 2)
     send = np.zeros(n + 2)
     for t in problem.tensors:
         recv[t.producer + 1] += t.nbytes
         recv[max(t.consumers) + 1] -= t.nbytes
+        if t.requires_grad:
+            recv_grad[t.producer + 1] += t.nbytes
+            recv_grad[max(t.consumers) + 1] -= t.nbytes
         for c in t.consumers:
             send[t.producer + 1] += t.nbytes
             send[c + 1] -= t.nbytes
-    recv, send = np.cumsum(recv)[: n + 1], np.cumsum(send)[: n + 1]
-    recv[0] = recv[n] = send[0] = send[n] = 0.0
-    return recv, send
+    out = tuple(np.cumsum(a)[: n + 1] for a in (recv, recv_grad, send))
+    for a in out:
+        a[0] = a[n] = 0.0
+    return out[0], out[1], out[2]
 
 
 def _distinct_params(problem: PartitionProblem) -> np.ndarray:
@@ -70,9 +77,10 @@ def range_memory(problem: PartitionProblem, stage: int) -> np.ndarray:
     k_in = problem.in_flight(stage)
     own = np.asarray(problem.buffer_bytes, float) + k_in * np.asarray(problem.activation_bytes, float)
     w = np.concatenate(([0.0], np.cumsum(own)))
-    recv, send = cut_bytes(problem)
+    recv, recv_grad, send = cut_bytes(problem)
     mem = problem.state_factor * _distinct_params(problem) + (w[None, :] - w[:, None])
-    return mem + k_in * recv[:, None] + send[None, :]
+    held = problem.grads_held(stage)
+    return mem + (k_in * recv + held * recv_grad)[:, None] + problem.microbatches * send[None, :]
 
 
 def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, pin_ok: list[np.ndarray],

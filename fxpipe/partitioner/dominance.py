@@ -2,8 +2,8 @@
 
 The windowed chain DP (``dp.py``) asks, for each end position k of a stage, for the
 cheapest reachable start i < k whose stage ``[i, k)`` fits the memory limit. Without
-boundary buffers the fitting starts form a window, but the received-input buffer
-(``in_flight x`` the bytes cut at i) makes memory non-monotone in i. With parameters
+boundary buffers the fitting starts form a window, but the received-input buffers
+(the bytes cut at i x in flight, their gradients sent back) make memory non-monotone in i. With parameters
 counted once per unit (no parameter shared by two units) the exact stage memory
 splits into ``a[k] - b[i]`` (Note [chain DP]), so the test becomes the 2-D dominance
 query above with ``key = b`` and ``need = a - limit``.

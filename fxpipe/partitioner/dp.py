@@ -9,8 +9,10 @@ sent once however many later stages read it), which is why ``auto`` follows up w
 CP-SAT there and every plan is re-evaluated exactly.
 
 Stage memory (Note [stage cost]) of ``[i, k)`` on stage j is ``state x distinct
-params + buffers + activations x in flight + received bytes at i x in flight + sent
-bytes at k``; ``dense.range_memory`` gives it for every pair.
+params + buffers + activations x in flight + received bytes at i x in flight +
+grad-requiring received bytes at i x (M - in flight + 1) + sent bytes at k x M``; ``dense.range_memory``
+gives it for every pair. Each boundary term depends on one end only, so the split
+into ``a[k] - b[i]`` below survives.
 
 For a candidate bottleneck ``T`` the question "can the first k units fill stages
 0..j?" is answered for all k at once: stage j can end at k from a reachable start
@@ -82,15 +84,16 @@ def _shares_params(problem: PartitionProblem) -> bool:
     return False
 
 
-def _memory_terms(problem: PartitionProblem, k_in: int) -> tuple[np.ndarray, np.ndarray]:
+def _memory_terms(problem: PartitionProblem, stage: int) -> tuple[np.ndarray, np.ndarray]:
     """``a, b`` with ``range_memory(problem, j)[i, k] == a[k] - b[i]`` for a stage holding
-    ``k_in`` microbatches, when no parameter is shared (Note [chain DP])."""
+    ``in_flight(stage)`` microbatches, when no parameter is shared (Note [chain DP])."""
+    k_in = problem.in_flight(stage)
     own = np.array([problem.state_factor * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params],
                    dtype=float)
     own += np.asarray(problem.buffer_bytes, dtype=float) + k_in * np.asarray(problem.activation_bytes, dtype=float)
     w = np.concatenate(([0.0], np.cumsum(own)))
-    recv, send = cut_bytes(problem)
-    return w + send, w - k_in * recv
+    recv, recv_grad, send = cut_bytes(problem)
+    return w + problem.microbatches * send, w - k_in * recv - problem.grads_held(stage) * recv_grad
 
 
 class _Chain:
@@ -113,7 +116,7 @@ class _Chain:
             for j in range(problem.num_stages):
                 k_in = problem.in_flight(j)
                 if k_in not in by_k:
-                    a, b = _memory_terms(problem, k_in)
+                    a, b = _memory_terms(problem, j)
                     by_k[k_in] = (ThresholdMin(b, a - limit), (a, b))
                 self.fits.append(by_k[k_in][0])
                 self.terms.append(by_k[k_in][1])

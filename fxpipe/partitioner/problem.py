@@ -12,9 +12,15 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
 * Stage time = (fwd + bwd compute of its units) / device speed + its message times.
 * Stage memory = distinct parameters used by its units (a tied parameter on every
   stage that uses it) x (1 + 1 for gradients + optimizer factor) + buffers
-  + activation bytes x microbatches in flight + boundary buffers (received inputs x
-  microbatches in flight, as they are kept for backward, plus one buffer of the sent
-  outputs). In flight on stage i of S: GPipe all M, 1F1B ``min(M, S - i)``.
+  + activation bytes x microbatches in flight + boundary buffers: received inputs x
+  microbatches in flight k (kept for backward), plus sent outputs x M and the input
+  gradients sent back (received tensors that require grad) x (M - k + 1), because the
+  runtime keeps every posted send alive until the step ends (``runtime.stage_io``;
+  measured with ``runtime.memory.TensorMemoryTracker``). Gradients: at the peak, while
+  k inputs are still held, both schedules have posted the gradients of M - k
+  microbatches and are making one more (1F1B last stage: all M; GPipe: 1). In flight
+  on stage i of S: GPipe all M, 1F1B ``min(M, S - i)``; M is
+  ``PartitionProblem.microbatches``.
 * Data parallelism (``cost.dp_replicas`` > 1): each stage's distinct parameters are
   all-reduced once per step (``PartitionProblem.dp_allreduce_ms``: the cost model's
   ``allreduce_ms`` with the parameters' shapes, Note [hook pricing]), reported as
@@ -89,6 +95,10 @@ class PartitionProblem:
 
     def in_flight(self, stage: int) -> int:
         return in_flight(self.schedule, self.microbatches, self.num_stages, stage)
+
+    def grads_held(self, stage: int) -> int:
+        """Input-gradient sends stage ``stage`` holds at its peak: ``M - in_flight + 1`` (Note [stage cost])."""
+        return self.microbatches - self.in_flight(stage) + 1
 
     def dp_allreduce_ms(self, params: Iterable[int]) -> float:
         """Per-step data-parallel all-reduce of these parameters (indices into ``param_bytes``)."""
@@ -280,6 +290,7 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
     cb = [0.0] * S
     sent = [0] * S
     recv = [0] * S
+    recv_grad = [0] * S  # received bytes whose gradient this stage sends back
     msgs = [0] * S
     for t in problem.tensors:
         a = assignment[t.producer]
@@ -293,6 +304,8 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
                     msgs[s] += 1
             sent[a] += t.nbytes
             recv[d] += t.nbytes
+            if t.requires_grad:
+                recv_grad[d] += t.nbytes
     stages = []
     for s in range(S):
         pb = sum(problem.param_bytes[p] for p in params[s])
@@ -301,7 +314,8 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
             fwd_ms=fwd[s] / speeds[s], bwd_ms=bwd[s] / speeds[s], comm_fwd_ms=cf[s], comm_bwd_ms=cb[s],
             send_bytes=sent[s], recv_bytes=recv[s], messages=msgs[s],
             param_bytes=pb, grad_bytes=pb, optimizer_bytes=pb * problem.cost.optimizer_factor,
-            buffer_bytes=buf[s], activation_bytes=act[s] * k, boundary_bytes=recv[s] * k + sent[s],
+            buffer_bytes=buf[s], activation_bytes=act[s] * k,
+            boundary_bytes=recv[s] * k + sent[s] * problem.microbatches + recv_grad[s] * problem.grads_held(s),
             in_flight=k,
             dp_allreduce_ms=problem.dp_allreduce_ms(params[s]),
         ))

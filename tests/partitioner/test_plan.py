@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from partition_fixtures import chain_profile
 
@@ -52,8 +54,11 @@ def test_memory_breakdown_with_tied_parameter_and_adam() -> None:
     problem = build_problem(profile, 2, schedule="gpipe", microbatches=3, cost=CostModel(optimizer="adam"))
     first, second = evaluate(problem, (0, 1)).stages
     assert first.param_bytes == second.param_bytes == 1000        # the tied weight lives on both
-    assert first.memory_bytes == 1000 * 4 + 10 * 3 + 100          # params+grads+2 moments, acts x M, send buf
-    assert second.memory_bytes == 1000 * 4 + 20 * 3 + 100 * 3     # received input kept for each microbatch
+    assert first.memory_bytes == 1000 * 4 + 10 * 3 + 100 * 3      # params+grads+2 moments, acts x M, sends x M
+    # received input kept for each microbatch in flight, plus its gradients sent back while
+    # they are held: M - in flight + 1 = 1 under GPipe
+    assert second.memory_bytes == 1000 * 4 + 20 * 3 + 100 * 3 + 100 * 1
+    assert replace(problem, schedule="1f1b").grads_held(1) == 3   # last 1F1B stage: all M
     one = evaluate(problem, (0, 0)).stages[0]
     assert one.param_bytes == 1000
 

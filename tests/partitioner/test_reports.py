@@ -19,7 +19,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def _plan_and_profile():
     profile = chain_profile([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 4.0, 1.0], [10**6] * 7,
                             params=[1000] * 8, activations=[500] * 8, prefix="blocks")
-    return plan_partition(profile, 3, microbatches=4, memory_limit=10**7), profile
+    return plan_partition(profile, 3, microbatches=4, memory_limit=2 * 10**7), profile
 
 
 def test_terminal_report_lists_stages_baselines_and_prediction() -> None:
