@@ -51,11 +51,20 @@ def _child(fn: Callable[..., Any], rank: int, nprocs: int, port: int, args: tupl
                                             f"{traceback.format_exc()}", time.perf_counter() - start)))
         results.close()
         results.join_thread()
-        sys.exit(1)
+        _leave(1)
     # plain pickle: tensors travel as bytes, not as shared memory that dies with this process
     results.put(pickle.dumps(RankResult(rank, True, value, "", time.perf_counter() - start)))
     results.close()
     results.join_thread()
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit without interpreter teardown: the result is reported, and destroying gloo groups
+    still held by DDP reducers can hang in their thread joins (seen with torch 2.13)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,

@@ -7,10 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner import CostModel, plan_partition
@@ -75,36 +71,51 @@ def test_data_parallel_peers_are_one_stage_of_every_replica() -> None:
     assert layout.pipeline_ranks(0) == (0, 1) and layout.data_parallel_ranks(1) == (1, 3)
 
 
-def test_powersgd_pricing_matches_what_torch_hook_all_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One DDP replica (1-process gloo group) with torch's powerSGD_hook: after its plain
-    start steps, the bytes and the number of all-reduces it issues are what the cost model prices."""
-    torch.manual_seed(0)
-    # conv 16 x 27 and linear 32 x 576 are compressed; biases, LayerNorm and the 3 x 32 head are not
-    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 32), nn.LayerNorm(32),
-                          nn.Linear(32, 3))
-    sent: list[int] = []
-    all_reduce = dist.all_reduce
+_POWERSGD_PROBE = """
+import json, os
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    def counting(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sent.append(tensor.numel() * tensor.element_size())
-        return all_reduce(tensor, *args, **kwargs)
+torch.manual_seed(0)
+# conv 16 x 27 and linear 32 x 576 are compressed; biases, LayerNorm and the 3 x 32 head are not
+model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 32), nn.LayerNorm(32), nn.Linear(32, 3))
+sent = []
+all_reduce = dist.all_reduce
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                            random_seed=0)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        monkeypatch.setattr(dist, "all_reduce", counting)
-        x = torch.randn(4, 3, 8, 8)
-        for _ in range(3):  # two plain steps, then PowerSGD
-            sent.clear()
-            ddp(x).sum().backward()
-    finally:
-        dist.destroy_process_group()
-    params = list(model.parameters())
+def counting(tensor, *args, **kwargs):
+    sent.append(tensor.numel() * tensor.element_size())
+    return all_reduce(tensor, *args, **kwargs)
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                    random_seed=0)
+ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+dist.all_reduce = counting
+x = torch.randn(4, 3, 8, 8)
+for _ in range(3):  # two plain steps, then PowerSGD
+    sent.clear()
+    ddp(x).sum().backward()
+params = [[p.numel() * p.element_size(), list(p.shape)] for p in model.parameters()]
+print(json.dumps({"sent": sent, "params": params}), flush=True)
+os._exit(0)  # skip tearing down gloo under DDP's reducer, which can hang in its thread join
+"""
+
+
+def test_powersgd_pricing_matches_what_torch_hook_all_reduces() -> None:
+    """One DDP replica (1-process gloo group, in a subprocess) with torch's powerSGD_hook: after
+    its plain start steps, the bytes and the number of all-reduces it issues are what the cost
+    model prices."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _POWERSGD_PROBE], capture_output=True, text=True, timeout=120,
+                         check=True)
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    sent = probe["sent"]
     cost = CostModel(dp_replicas=2, comm_hook="powersgd", powersgd_rank=2, dp_bucket_bytes=25 * 2**20)
-    traffic = cost.dp_traffic([p.numel() * p.element_size() for p in params], [tuple(p.shape) for p in params])
+    traffic = cost.dp_traffic([b for b, _ in probe["params"]], [tuple(shape) for _, shape in probe["params"]])
     assert sent == [211 * 4, (32 + 64) * 4, (54 + 1152) * 4]  # uncompressed, P, Q
     assert (traffic.wire_bytes, traffic.allreduces) == (sum(sent), len(sent))
 
