@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,47 +66,15 @@ def test_missing_files_schema_and_index(mlp_build, tmp_path: Path) -> None:
         load_stage(tmp_path / "nowhere", 0)
 
 
-BIG_MLP = '''
-import torch
-import torch.nn as nn
-
-WIDTH, LAYERS = 2048, 16   # 16 x 16.8 MB = 268 MB of fp32 weights
-
-
-def build_model():
-    return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)))
-
-
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, WIDTH),)
-'''
-
-# Peak RSS growth in KiB. VmHWM is the peak RSS of this process image; getrusage's ru_maxrss would
-# also carry the (large) pytest parent's peak across fork+exec on Linux.
-MEASURE = '''
-import sys
-import torch
-from fxpipe.codegen import load_stage
-from fxpipe.modelfile import load_model_file
-
-def status_kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-
-before = status_kib("VmRSS")
-if sys.argv[1] == "model":
-    model = load_model_file(sys.argv[2]).build_model()
-else:
-    stage = load_stage(sys.argv[2], int(sys.argv[3]))
-    sum(float(t.sum()) for t in stage.state_dict().values())  # safetensors maps lazily: really read the weights
-print(status_kib("VmHWM") - before)
-'''
-
-
-def _peak_kib(*args: str) -> int:
-    out = subprocess.run([sys.executable, "-c", MEASURE, *args], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+def _load_benchmark() -> Any:
+    """``benchmarks/load/run.py``: its big-MLP model file and its peak-RSS measurement, so the
+    test checks exactly what the benchmark reports."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "load" / "run.py"
+    spec = importlib.util.spec_from_file_location("fxpipe_benchmark_load", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
@@ -117,14 +84,15 @@ def test_last_stage_loads_in_well_under_half_the_memory(tmp_path: Path) -> None:
     from fxpipe.partitioner import plan_partition
     from fxpipe.tracer import trace_model_file
 
+    bench = _load_benchmark()
     path = tmp_path / "big_mlp.py"
-    path.write_text(textwrap.dedent(BIG_MLP))
+    path.write_text(bench.MODEL.format(width=2048, layers=16))  # 16 x 16.8 MB = 268 MB of fp32 weights
     source = load_model_file(path)
     traced = trace_model_file(source, 1, progress=False)
     plan = plan_partition(traced.profile, 4, solver="uniform")
     write_build_dir(traced, plan, tmp_path / "build", source, batch_size=1, microbatches=1)
     del traced
-    whole = _peak_kib("model", str(path))
-    last = _peak_kib("stage", str(tmp_path / "build"), "3")
-    assert whole > 200 * 1024, whole  # sanity: the model really is hundreds of MB
+    whole, _ = bench.measure("model", str(path))  # peak RSS growth in MiB, in a fresh process
+    last, _ = bench.measure("stage", str(tmp_path / "build"), "3")
+    assert whole > 200, whole  # sanity: the model really is hundreds of MB
     assert last < 0.4 * whole, (last, whole)
