@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions, optimizer_state_bytes
+from fxpipe.runtime.launch import free_port
 
 HERE = Path(__file__).resolve().parent
 WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS = 512, 4, 32, 2, 12
@@ -93,9 +93,7 @@ def _worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
 
 
 def main() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 4, port, queue)) for r in range(4)]

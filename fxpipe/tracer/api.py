@@ -28,7 +28,7 @@ from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, fla
 from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
-from fxpipe.tracer.shapes import BatchDims, batch_size_of, infer_batch_dims, propagate, resolve_batch_dims
+from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infer_batch_dims, propagate, resolve_batch_dims
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import PATH_KEY, SPEC_KEY, TracedModel
 from fxpipe.tracer.units import UnitGroup, group_units
@@ -65,7 +65,7 @@ def _check_inputs(example_inputs: Sequence[Any],
 
 
 def _describe_inputs(inputs: Sequence[torch.Tensor]) -> str:
-    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
+    return ", ".join(describe_tensor(t) for t in inputs)
 
 
 def _run_eagerly(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:

@@ -30,8 +30,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.tracer.traced import SPEC_KEY
 
-__all__ = ["BatchDims", "Propagation", "propagate", "double_batch", "default_batch_dims", "infer_batch_dims", "resolve_batch_dims",
-           "batch_size_of", "dtype_name", "requiring_grad"]
+__all__ = ["BatchDims", "Propagation", "propagate", "double_batch", "default_batch_dims", "infer_batch_dims",
+           "resolve_batch_dims", "describe_tensor", "batch_size_of", "dtype_name", "requiring_grad"]
 
 BatchDims = tuple[int | None, ...]
 
@@ -89,11 +89,11 @@ def infer_batch_dims(first: Sequence[torch.Tensor], second: Sequence[torch.Tenso
     dims: list[int | None] = []
     for i, (a, b) in enumerate(zip(first, second)):
         if a.dim() != b.dim() or a.dtype != b.dtype:
-            raise ValueError(f"input {i} is {_describe(a)} at the traced batch but {_describe(b)} at twice that "
+            raise ValueError(f"input {i} is {describe_tensor(a)} at the traced batch but {describe_tensor(b)} at twice that "
                              "batch; only the size of the batch dimension may change")
         changed = [d for d, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
         if len(changed) > 1 or (changed and b.shape[changed[0]] != 2 * a.shape[changed[0]]):
-            raise ValueError(f"input {i} is {_describe(a)} at the traced batch but {_describe(b)} at twice that "
+            raise ValueError(f"input {i} is {describe_tensor(a)} at the traced batch but {describe_tensor(b)} at twice that "
                              "batch; exactly one dimension (the batch) may change, and it must double")
         dims.append(changed[0] if changed else None)
     return tuple(dims)
@@ -115,7 +115,8 @@ def double_batch(inputs: tuple[torch.Tensor, ...], batch_dims: Sequence[int | No
     return tuple(t if d is None else torch.cat([t, t], dim=d) for t, d in zip(inputs, dims))
 
 
-def _describe(t: torch.Tensor) -> str:
+def describe_tensor(t: torch.Tensor) -> str:
+    """``float32[2, 5]``: a tensor's dtype and shape, for messages."""
     return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 

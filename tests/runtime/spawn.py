@@ -13,19 +13,13 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fxpipe.runtime.launch import free_port
 
 
 @dataclass(frozen=True)
