@@ -33,20 +33,23 @@ def read_manifest(build_dir: str | Path) -> Manifest:
 
 
 def _checked_bytes(path: Path, expected: str, what: str) -> bytes:
+    """The file's bytes, refused unless their sha256 is the manifest's (the bytes that were
+    checked are the bytes used, so the file cannot change in between)."""
     if not path.is_file():
         raise BuildDirError(f"{what} {str(path)!r} is missing; rebuild the directory with `fxpipe partition`")
     data = path.read_bytes()
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != expected:
-        raise BuildDirError(f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
-                            f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
+    _require_hash(path, hashlib.sha256(data).hexdigest(), expected, what)
     return data
 
 
 def _check_file(path: Path, expected: str, what: str) -> None:
+    """Refuse a file whose sha256 is not the manifest's (hashed as a stream: weights are large)."""
     if not path.is_file():
         raise BuildDirError(f"{what} {str(path)!r} is missing; rebuild the directory with `fxpipe partition`")
-    actual = file_sha256(path)
+    _require_hash(path, file_sha256(path), expected, what)
+
+
+def _require_hash(path: Path, actual: str, expected: str, what: str) -> None:
     if actual != expected:
         raise BuildDirError(f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
                             f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
