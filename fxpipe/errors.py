@@ -1,7 +1,8 @@
 """User-facing errors: every failure a user can act on is an ``FxpipeError``.
 
 The CLI prints ``error: <message>`` on one line and exits 2 for these; anything
-else is a bug in fxpipe and keeps its traceback.
+else is a bug in fxpipe and keeps its traceback. Every error class lives here, so the
+launcher can re-raise a worker's error line under its own class.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ __all__ = [
     "BuildDirError",
     "RuntimeSetupError",
     "PeerError",
+    "ScheduleError",
+    "StepError",
+    "CheckpointError",
     "ConfigError",
 ]
 
@@ -66,6 +70,18 @@ class RuntimeSetupError(FxpipeError):
 
 class PeerError(FxpipeError):
     """A peer rank failed or did not answer within the timeout."""
+
+
+class ScheduleError(RuntimeSetupError):
+    """A schedule would compute the wrong thing or deadlock."""
+
+
+class StepError(FxpipeError):
+    """The model or its backward was used outside a ``@step`` function, or out of order."""
+
+
+class CheckpointError(FxpipeError):
+    """A checkpoint is missing, unreadable, torn across ranks or holds more than plain data."""
 
 
 class ConfigError(FxpipeError):

@@ -13,16 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from fxpipe.errors import RuntimeSetupError
+from fxpipe.errors import ScheduleError
 from fxpipe.runtime.schedule import Action, ActionKind, Schedule
 
 __all__ = ["ScheduleError", "Link", "chain_links", "simulate", "format_grid", "validate_schedule", "max_in_flight"]
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-
-
-class ScheduleError(RuntimeSetupError):
-    """A schedule would compute the wrong thing or deadlock."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Steps: pick a front end (:mod:`fxpipe.tracer.frontends`), normalize the graph
 (:mod:`fxpipe.tracer.normalize`), check it reproduces the model's output, propagate
 shapes (:mod:`fxpipe.tracer.shapes`), group units (:mod:`fxpipe.tracer.units`) and cost
-them (:mod:`fxpipe.tracer.costs`). The model's buffers and the RNG state are restored
+them (:mod:`fxpipe.tracer.counting`, :mod:`fxpipe.tracer.timing`). The model's buffers and the RNG state are restored
 afterwards, so tracing never changes the model (BatchNorm statistics included).
 """
 
@@ -21,8 +21,12 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import ModelFileError, TraceError
 from fxpipe.modelfile import ModelSource
-from fxpipe.tracer.costs import (DEVICE_PRESETS, UnitCounts, UnitRunner, analytic_ms, count_unit, measure_memory_bytes,
-                                 measure_ms, progress_iter)
+from fxpipe.tracer.calibration import DEVICE_PRESETS
+from fxpipe.tracer.counting import UnitCounts, count_unit
+from fxpipe.tracer.device_memory import measure_memory_bytes
+from fxpipe.tracer.progress import progress_iter
+from fxpipe.tracer.timing import analytic_ms, measure_ms
+from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.frontends import trace_graph
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path

@@ -9,7 +9,7 @@ collapses to one ``transformer`` leaf). Only when both fail is a :class:`TraceEr
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -19,7 +19,7 @@ import torch.nn as nn
 from fxpipe.errors import TraceError
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
-from fxpipe.tracer.symbolic import LeafSpec, SymbolicTraceFailure, symbolic_trace
+from fxpipe.tracer.symbolic import FallbackLeaf, LeafSpec, SymbolicTraceFailure, symbolic_trace, warn_fallbacks
 from fxpipe.tracer.traced import CONSTANTS_KEY
 
 __all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph"]
@@ -32,13 +32,16 @@ MAX_FALLBACK_PARAM_SHARE = 0.5
 class FrontendResult:
     graph_module: torch.fx.GraphModule
     frontend: str
-    fallback_leaves: dict[str, str] = field(default_factory=dict)
-    messages: tuple[str, ...] = ()
+    fallbacks: tuple[FallbackLeaf, ...] = ()
+
+    @property
+    def fallback_leaves(self) -> dict[str, str]:
+        """Module path -> why the symbolic front end kept it whole."""
+        return {f.path: f.reason for f in self.fallbacks}
 
     def warn(self) -> FrontendResult:
-        """Issue the warnings collected while tracing (fallback leaves) and return self."""
-        for message in self.messages:
-            warnings.warn(message, stacklevel=4)
+        """Warn about the modules kept whole (once per class and cause) and return self."""
+        warn_fallbacks(self.fallbacks)
         return self
 
 
@@ -49,14 +52,12 @@ def _param_share(model: nn.Module, paths: Iterable[str]) -> float:
 
 
 def _symbolic(model: nn.Module, n_inputs: int, leaves: tuple[LeafSpec, ...]) -> FrontendResult:
-    with warnings.catch_warnings(record=True) as caught:  # re-issued only if this graph is used
-        warnings.simplefilter("always")
-        result = symbolic_trace(model, n_inputs, leaves)
+    result = symbolic_trace(model, n_inputs, leaves)  # its fallbacks are warned only if this graph is used
     gm = result.graph_module
     non_persistent = non_persistent_buffers(model)
     gm.meta[CONSTANTS_KEY] = {str(n.target) for n in gm.graph.nodes
                               if n.op == "get_attr" and str(n.target) in non_persistent}
-    return FrontendResult(gm, "symbolic", result.fallback_leaves, tuple(str(w.message) for w in caught))
+    return FrontendResult(gm, "symbolic", result.fallbacks)
 
 
 def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims) -> FrontendResult:

@@ -3,13 +3,15 @@
 Leaf policy: modules whose class lives in ``torch.nn`` (except ``Sequential``, as in
 FX's default) are leaves, plus the types and paths a user names. When tracing fails
 inside a submodule (data-dependent control flow, shape arithmetic, unsupported
-calls), that submodule is made a leaf, a warning names it, and tracing starts over.
+calls), that submodule is made a leaf and tracing starts over; the result lists each
+such :class:`FallbackLeaf` (the caller warns once per cause, :func:`warn_fallbacks`).
 A failure outside every submodule raises :class:`SymbolicTraceFailure`.
 """
 
 from __future__ import annotations
 
 import inspect
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -18,7 +20,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-__all__ = ["LeafSpec", "SymbolicTraceFailure", "SymbolicResult", "symbolic_trace", "is_torch_nn_leaf"]
+__all__ = ["LeafSpec", "SymbolicTraceFailure", "SymbolicResult", "FallbackLeaf", "symbolic_trace", "is_torch_nn_leaf",
+           "warn_fallbacks"]
 
 LeafSpec = type | str  # a module class, or a module path
 
@@ -34,11 +37,62 @@ class SymbolicTraceFailure(Exception):
 
 
 @dataclass(frozen=True)
+class FallbackLeaf:
+    """A submodule kept whole because tracing into it failed, and where in the user's code it failed."""
+
+    path: str
+    module_type: str
+    reason: str
+    filename: str
+    lineno: int
+
+
+@dataclass(frozen=True)
 class SymbolicResult:
     """A traced graph and which leaves were added because tracing into them failed."""
 
     graph_module: torch.fx.GraphModule
-    fallback_leaves: dict[str, str]  # path -> reason
+    fallbacks: tuple[FallbackLeaf, ...] = ()
+
+    @property
+    def fallback_leaves(self) -> dict[str, str]:
+        """Module path -> why it was kept whole."""
+        return {f.path: f.reason for f in self.fallbacks}
+
+
+def _failure_site(module: nn.Module, cause: BaseException) -> tuple[str, int]:
+    """The line of the module's own source where tracing failed (its class definition when the
+    traceback never reaches that file), so a warning points at the user's code."""
+    cls = type(module)
+    try:
+        filename = inspect.getsourcefile(cls) or "<unknown>"
+    except TypeError:
+        return "<unknown>", 0
+    site = None
+    for frame, lineno in traceback.walk_tb(cause.__traceback__):
+        if frame.f_code.co_filename == filename:
+            site = (filename, lineno)
+    if site is None:
+        try:
+            site = (filename, inspect.getsourcelines(cls)[1])
+        except (OSError, TypeError):
+            site = (filename, 0)
+    return site
+
+
+def warn_fallbacks(fallbacks: Iterable[FallbackLeaf]) -> None:
+    """One ``UserWarning`` per module class and cause, listing every path kept whole, attributed to
+    the line of the user's code where tracing failed (not to fxpipe)."""
+    groups: dict[tuple[str, str, str, int], list[str]] = {}
+    for f in fallbacks:
+        groups.setdefault((f.module_type, f.reason, f.filename, f.lineno), []).append(f.path)
+    for (module_type, reason, filename, lineno), paths in groups.items():
+        shown = ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        them = "them" if len(paths) > 1 else "it"
+        warnings.warn_explicit(
+            f"fxpipe: symbolic tracing failed inside {shown} ({module_type}): {reason}; keeping {them} whole as "
+            f"leaf module{'s' if len(paths) > 1 else ''} (--frontend export traces into {them})",
+            UserWarning, filename, lineno, module=module_type)
 
 
 def is_torch_nn_leaf(module: nn.Module) -> bool:
@@ -87,31 +141,28 @@ def _concrete_defaults(model: nn.Module, n_inputs: int) -> dict[str, Any] | None
 
 
 def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] = ()) -> SymbolicResult:
-    """Trace ``model`` with FX, making failing submodules leaves (each with a warning).
+    """Trace ``model`` with FX, making failing submodules leaves (listed in the result, not warned here).
 
     Raises :class:`SymbolicTraceFailure` when the failure is in the model's own forward.
     """
     leaves = tuple(leaves)
     leaf_types = tuple(x for x in leaves if isinstance(x, type))
     leaf_paths = {x for x in leaves if isinstance(x, str)}
-    fallback: dict[str, str] = {}
+    fallbacks: list[FallbackLeaf] = []
     concrete = _concrete_defaults(model, n_inputs)
     for _ in range(sum(1 for _ in model.modules()) + 1):
         tracer = _LeafTracer(leaf_types, frozenset(leaf_paths))
         try:
             graph = tracer.trace(model, concrete_args=concrete)
         except _SubmoduleFailure as failure:
+            module = model.get_submodule(failure.path)
             reason = f"{type(failure.cause).__name__}: {failure.cause}"
-            warnings.warn(
-                f"fxpipe: symbolic tracing failed inside {failure.path!r} "
-                f"({type(model.get_submodule(failure.path)).__name__}): {reason}; keeping it whole as a leaf module",
-                stacklevel=3,
-            )
-            fallback[failure.path] = reason
+            fallbacks.append(FallbackLeaf(failure.path, type(module).__name__, reason,
+                                          *_failure_site(module, failure.cause)))
             leaf_paths.add(failure.path)
             continue
         except Exception as exc:  # noqa: BLE001 - reported to the caller with the cause
             raise SymbolicTraceFailure("", exc) from exc
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-        return SymbolicResult(gm, fallback)
+        return SymbolicResult(gm, tuple(fallbacks))
     raise SymbolicTraceFailure("", RuntimeError("fallback to leaves did not converge"))

@@ -1,6 +1,6 @@
 """``TracedModel``: the in-memory result of tracing, handed from the tracer to codegen.
 
-See ``/work/shared`` ARCHITECTURE for the normalized-graph contract; in short: one
+Note [normalized graph]: both front ends hand codegen the same form: one
 placeholder per positional model input, ``get_attr`` nodes under ORIGINAL parameter and
 buffer names, ``call_module`` only for leaves, one ``output`` node returning a flat tuple
 of tensors, and on every node ``meta[SPEC_KEY]`` (``TensorSpec``/``None``/tuple) and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,8 +16,12 @@ from fxpipe.tracer import build_model_recorded, partition, trace_model, trace_mo
 
 def test_gpt_attention_falls_back_to_leaf_with_warning():
     source = load_model_file(EXAMPLES["gpt"])
-    with pytest.warns(UserWarning, match=r"'blocks\.0\.attn' \(CausalSelfAttention\).*leaf"):
+    with pytest.warns(UserWarning, match=r"'blocks\.0\.attn', .*'blocks\.3\.attn' \(CausalSelfAttention\).*leaf") as caught:
         traced = trace_model_file(source, batch_size=2, progress=False)
+    # one warning for the four blocks (one cause), pointing at the failing line of the user's model file
+    fallback = [w for w in caught if "symbolic tracing failed" in str(w.message)]
+    assert len(fallback) == 1 and fallback[0].filename == str(EXAMPLES["gpt"])
+    assert "self.mask[:, :, :t, :t]" in Path(fallback[0].filename).read_text().splitlines()[fallback[0].lineno - 1]
     assert traced.frontend == "symbolic"
     attn = [p for p in traced.leaf_modules if p.endswith(".attn")]
     assert attn == [f"blocks.{i}.attn" for i in range(4)]

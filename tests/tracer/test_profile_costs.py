@@ -95,8 +95,9 @@ def test_print_profile_table(both_modes):
 # -- the analytic cost terms, on hand-made counts (Note [analytic unit time]) -----------------
 
 from fxpipe.tracer import api as _api  # noqa: E402
-from fxpipe.tracer.costs import (ACCUMULATE_OP, DEVICE_PRESETS, DevicePreset, OpCounter,  # noqa: E402
-                                 UnitCounts, analytic_ms)
+from fxpipe.tracer.calibration import ACCUMULATE_OP, DEVICE_PRESETS, DevicePreset  # noqa: E402
+from fxpipe.tracer.counting import OpCounter, UnitCounts  # noqa: E402
+from fxpipe.tracer.timing import analytic_ms  # noqa: E402
 
 _PRESET = DevicePreset("test", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, bwd_op_overhead_s=2e-6,
                        op_extra_s=(("convolution", 10e-6),), cold_factor=2.0)

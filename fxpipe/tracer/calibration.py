@@ -1,0 +1,63 @@
+"""Device calibration for the analytic unit time: one :class:`DevicePreset` per trace device.
+
+Note [analytic unit time]: ``max(flops / peak, bytes / bandwidth)`` plus a fixed cost
+per dispatched aten op (forward and backward counted separately while the unit runs
+under a dispatch mode, with an extra cost for op kinds that are slow at small sizes,
+such as convolutions), with one :class:`DevicePreset` per trace device. Backward reads
+roughly twice the forward's bytes and also pays one gradient accumulation per
+parameter (microbatches after the first add into ``.grad``). On small models the op
+costs dominate: a 4-layer width-32 GPT block runs ~110 aten ops per forward for only
+~2 MFLOP, which is why a flops-only roofline predicted a third of the real step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DevicePreset", "DEVICE_PRESETS", "ACCUMULATE_OP"]
+
+ACCUMULATE_OP = "accumulate_grad"  # pseudo-op: one gradient accumulation per parameter in backward
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """Roofline parameters of a device class (fp32), Note [analytic unit time].
+
+    ``op_overhead_s`` is the fixed cost of one forward aten op in a warm loop,
+    ``bwd_op_overhead_s`` that of one backward op (``None``: the same); ``op_extra_s``
+    adds, per op name (the aten overload packet, e.g. ``"convolution_backward"``), a cost
+    on top. ``cold_factor`` scales these fixed costs to what they are inside a running
+    pipeline, where each action starts with cold caches after waiting on its peers.
+    """
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+    bwd_op_overhead_s: float | None = None
+    op_extra_s: tuple[tuple[str, float], ...] = ()
+    cold_factor: float = 1.0
+
+    def op_cost_s(self, op: str, backward: bool) -> float:
+        """Seconds of fixed cost for one call of aten op ``op`` in a warm loop."""
+        base = self.bwd_op_overhead_s if backward and self.bwd_op_overhead_s is not None else self.op_overhead_s
+        return base + dict(self.op_extra_s).get(op, 0.0)
+
+
+# "cpu": calibrated on this project's 2-core machine with one intra-op thread (as torchrun
+# workers run), torch 2.13 eager. A 512^3 fp32 matmul sustains ~88 GFLOP/s and the 128-wide
+# GPT of benchmarks/runtime ~70-77 GFLOP/s end to end; a 16 MB add ~50 GB/s (set lower: a
+# unit's bytes also miss in cache). Per-op costs in a warm single-process loop are the
+# slope of eager time over dispatched aten ops (GPT width 32: 3.1 us forward, 2.9 backward;
+# MLP 3.4 / 1.7; chains of tiny relu / mul-add: 1.5-2.2 / 2.6-3.2); torch.profiler on
+# examples/resnet.py (8-32 channels, 16x16) put a small mkldnn convolution at ~52 us forward
+# and ~110 us backward, batch norm at ~15 us. Timers around the stage module inside a
+# running 2-rank pipeline measured ~1.45x the warm-loop time on the GPT and the ResNet
+# (cold_factor). Scratch scripts and numbers: benchmarks/prediction/README.md.
+DEVICE_PRESETS: dict[str, DevicePreset] = {
+    "cpu": DevicePreset("cpu", flops_per_s=75e9, bytes_per_s=20e9, op_overhead_s=3.0e-6, bwd_op_overhead_s=2.8e-6,
+                        op_extra_s=(("convolution", 40e-6), ("convolution_backward", 90e-6),
+                                    ("native_batch_norm", 10e-6), ("native_batch_norm_backward", 3e-6)),
+                        cold_factor=1.45),
+    "cuda": DevicePreset("cuda", flops_per_s=19.5e12, bytes_per_s=1.5e12, op_overhead_s=5e-6),
+}

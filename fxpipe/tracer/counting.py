@@ -1,0 +1,142 @@
+"""Counting what a unit does: FLOPs, dispatched aten ops and the bytes it saves for backward.
+
+The unit runs forward under ``FlopCounterMode`` and ``saved_tensors_hooks`` (activation
+bytes = storages autograd saves for backward, deduplicated, parameters and buffers
+excluded), then backward under ``FlopCounterMode``; a second pass counts the aten ops
+(Note [analytic unit time] in :mod:`fxpipe.tracer.calibration`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpipe.tracer.calibration import ACCUMULATE_OP
+from fxpipe.tracer.unit_runner import UnitRunner, nbytes
+
+__all__ = ["UnitCounts", "OpCounter", "count_unit", "count_ops"]
+
+
+@dataclass(frozen=True)
+class UnitCounts:
+    """What one forward/backward of a unit does, independent of timing."""
+
+    fwd_flops: float
+    bwd_flops: float
+    fwd_bytes: int  # inputs + outputs + parameters and buffers read
+    activation_bytes: int
+    n_ops: int  # FX nodes of the unit
+    has_backward: bool
+    fwd_ops: tuple[tuple[str, int], ...] = ()  # dispatched aten ops (name, calls); empty: use n_ops
+    bwd_ops: tuple[tuple[str, int], ...] = ()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, by overload packet name (``"addmm"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def items(self) -> tuple[tuple[str, int], ...]:
+        return tuple(sorted(self.counts.items()))
+
+
+def _saved_storages(fn: Callable[[], Any], exclude: Iterable[int] = ()) -> tuple[Any, dict[int, int]]:
+    """``fn()`` and the storages (data pointer -> bytes) autograd saves for backward while it runs."""
+    saved: dict[int, int] = {}
+    skip = set(exclude)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
+    """Whether the node that made input ``node`` saves its own output for backward
+    (run alone on its recorded inputs; Note [saved once])."""
+    if node.op not in ("call_module", "call_function", "call_method"):
+        return False
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    args: list[Any] = []
+    for i, arg in enumerate(node.all_input_nodes):
+        env[arg] = graph.placeholder(f"in_{i}")
+        value = runner._values.get(arg)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().requires_grad_(value.is_floating_point())
+        args.append(value)
+    graph.output(graph.node_copy(node, lambda n: env[n]))
+    try:
+        out, saved = _saved_storages(lambda: torch.fx.GraphModule(runner.gm, graph)(*args))
+    except Exception:  # an op that cannot run alone: charge the input to the consumer as before
+        return False
+    return isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() in saved
+
+
+def count_unit(runner: UnitRunner) -> UnitCounts:
+    """Run the unit forward and backward once, counting FLOPs and saved activation bytes.
+
+    Note [saved once]: activation bytes are the storages autograd saves, each charged to
+    ONE unit: a saved input of the unit is charged to the unit that made it when that
+    unit's last op saves it too (ReLU saves its output, and the Linear after it saves
+    the same tensor as its input), else to this unit. Charging both doubled the
+    activations of every Linear/ReLU chain (measured in tests/runtime/test_memory.py).
+    """
+    state_ptrs = {t.untyped_storage().data_ptr() for t in runner.tensors}
+    input_ptrs = {v.untyped_storage().data_ptr(): node for node, v in runner.input_values.items()
+                  if isinstance(v, torch.Tensor)}
+
+    fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    with fwd:
+        (outputs, leaves), saved = _saved_storages(runner.forward, state_ptrs)
+    for ptr in set(saved) & set(input_ptrs):
+        if _producer_saves_output(runner, input_ptrs[ptr]):
+            del saved[ptr]
+    with bwd:
+        has_backward = runner.backward(outputs, leaves)
+    fwd_ops, bwd_ops = count_ops(runner)
+    io_bytes = sum(nbytes(v) for v in runner.input_values.values()) + sum(nbytes(o) for o in outputs)
+    return UnitCounts(
+        fwd_flops=float(fwd.get_total_flops()),
+        bwd_flops=float(bwd.get_total_flops()),
+        fwd_bytes=io_bytes + sum(nbytes(t) for t in runner.tensors),
+        activation_bytes=sum(saved.values()),
+        n_ops=len(runner.nodes),
+        has_backward=has_backward,
+        fwd_ops=fwd_ops.items(),
+        bwd_ops=bwd_ops.items(),
+    )
+
+
+def count_ops(runner: UnitRunner) -> tuple[OpCounter, OpCounter]:
+    """Aten ops of one forward and one backward, in a pass of their own: FlopCounterMode's
+    module tracking dispatches views and detaches of its own that a real step does not."""
+    args, leaves = runner.fresh_inputs()
+    fwd_ops, bwd_ops = OpCounter(), OpCounter()
+    with fwd_ops:
+        outputs = list(runner.module(*args))
+    grads = [torch.ones_like(o) for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    with bwd_ops:
+        has_backward = runner.backward(outputs, leaves, grads)
+    if not has_backward:
+        bwd_ops.counts.clear()
+    elif runner.params:
+        bwd_ops.counts[ACCUMULATE_OP] += len(runner.params)
+    return fwd_ops, bwd_ops
