@@ -7,6 +7,7 @@ Every verb maps to one public function; user errors (``FxpipeError``) print as a
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -95,6 +96,10 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
 
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
                                  "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank}
+    for option, value in (("--link-bandwidth", args.link_bandwidth), ("--link-latency", args.link_latency),
+                          ("--time-limit", args.time_limit)):
+        if value is not None and not math.isfinite(value):  # nan/inf would end up in plan.json
+            raise ConfigError(f"{option} must be a finite number, got {value}")
     if args.link_bandwidth is not None:
         overrides["link_bandwidth"] = args.link_bandwidth * 1e9
     if args.link_latency is not None:
@@ -104,11 +109,16 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
             overrides["device_speed"] = tuple(float(s) for s in args.speed_factors.split(","))
         except ValueError:
             raise ConfigError(f"--speed-factors {args.speed_factors!r} must be numbers separated by commas") from None
+        if not all(math.isfinite(s) and s > 0 for s in overrides["device_speed"]):
+            raise ConfigError(f"--speed-factors {args.speed_factors!r} must be finite numbers > 0, e.g. 1,1,0.5")
     cost = CostModel.preset(args.link, **overrides)
+    try:
+        memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
+    except ConfigError as exc:
+        raise ConfigError(f"--memory-limit: {exc}") from None
     return plan_partition(
         profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
-        cost=cost, memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
-        time_limit=args.time_limit, optimize=args.optimize,
+        cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
     )
 
 

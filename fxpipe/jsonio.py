@@ -1,7 +1,9 @@
 """Reading and writing the JSON artifacts (profile, plan, manifest) in one way.
 
-Each artifact carries a ``schema_version``; a newer one than this fxpipe knows is
-refused with a message that says to upgrade, never half-read.
+Each artifact carries an integer ``schema_version``; a newer one than this fxpipe knows
+is refused with a message that says to upgrade, never half-read. Writing refuses
+``NaN`` and infinities (JSON has no such numbers; Python would write ``NaN``/``Infinity``,
+which other readers reject), naming the field that holds one.
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import FxpipeError
+from fxpipe.schema import find_non_finite
 
 __all__ = ["dump_json", "load_json", "check_schema_version"]
 
 
-def dump_json(data: dict[str, Any], path: str | Path | None = None) -> str:
-    """``data`` as indented JSON text, also written to ``path`` when given."""
-    text = json.dumps(data, indent=1)
+def dump_json(data: dict[str, Any], path: str | Path | None = None, *, what: str = "data",
+              error: type[FxpipeError] = FxpipeError) -> str:
+    """``data`` as indented JSON text, also written to ``path`` when given.
+
+    A ``NaN`` or infinite number anywhere in ``data`` raises ``error`` naming its field.
+    """
+    bad = find_non_finite(data)
+    if bad is not None:
+        raise error(f"{what} {bad} is not a finite number; refusing to write it as JSON")
+    text = json.dumps(data, indent=1, allow_nan=False)
     if path is not None:
         Path(path).write_text(text + "\n")
     return text
@@ -40,9 +50,20 @@ def load_json(source: str | Path, what: str, error: type[FxpipeError]) -> dict[s
     return data
 
 
-def check_schema_version(data: dict[str, Any], supported: int, what: str, error: type[FxpipeError]) -> None:
-    """Refuse an artifact written by a newer fxpipe."""
+def check_schema_version(data: dict[str, Any], supported: int, what: str, error: type[FxpipeError], *,
+                         oldest: int | None = None, remedy: str = "") -> int:
+    """The artifact's schema version (``supported`` when it has none), refusing one that is
+    not an integer, newer than ``supported`` or older than ``oldest`` (default: ``supported``);
+    ``remedy`` says how to write a current one."""
     version = data.get("schema_version", supported)
-    if not isinstance(version, int) or version > supported:
-        raise error(f"{what} schema version {version!r} is newer than this fxpipe understands "
-                    f"({supported}); upgrade fxpipe")
+    oldest = supported if oldest is None else oldest
+    hint = f"; {remedy}" if remedy else ""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise error(f"{what} schema_version must be an integer such as {supported}, got {json.dumps(version)}{hint}")
+    if version > supported:
+        raise error(f"{what} schema version {version} is newer than this fxpipe understands "
+                    f"({supported}); upgrade fxpipe" + (f", or {remedy}" if remedy else ""))
+    if version < oldest:
+        readable = f"version {supported}" if oldest == supported else f"versions {oldest} to {supported}"
+        raise error(f"{what} schema version {version} is older than this fxpipe reads ({readable}){hint}")
+    return version

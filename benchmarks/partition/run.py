@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from fxpipe.partitioner import build_problem, plan_partition, solve_chain_dp
-from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
+from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -47,7 +47,7 @@ def gpt2_small_profile(seq: int = 1024, microbatch: int = 1) -> ModelProfile:
     add("lm_head", "lm_head", 2 * tokens * d * vocab, ("lm_head.weight",), tokens * vocab * 4, tokens * vocab * 4)
     edges = tuple(UnitEdge(units[i].name, units[i + 1].name, act) for i in range(len(units) - 1))
     return ModelProfile(units=tuple(units), edges=edges, batch_size=microbatch, param_sizes=sizes,
-                        ties=(("wte.weight", "lm_head.weight"),), model={"name": "gpt2-small (synthetic)"})
+                        ties=(("wte.weight", "lm_head.weight"),), model=ModelInfo(name="gpt2-small (synthetic)"))
 
 
 def unbalanced_chain(n: int = 48, seed: int = 0) -> ModelProfile:
@@ -58,7 +58,7 @@ def unbalanced_chain(n: int = 48, seed: int = 0) -> ModelProfile:
                        bwd_ms=(rng.uniform(8, 18) if i % 11 == 3 else rng.uniform(0.4, 3.0)),
                        param_bytes=rng.randint(1, 40) * 2**20, activation_bytes=2**20) for i in range(n))
     edges = tuple(UnitEdge(f"u{i}", f"u{i + 1}", rng.choice([2**16, 2**20, 2**24])) for i in range(n - 1))
-    return ModelProfile(units=units, edges=edges, batch_size=1, model={"name": "unbalanced chain"})
+    return ModelProfile(units=units, edges=edges, batch_size=1, model=ModelInfo(name="unbalanced chain"))
 
 
 def traced_examples() -> dict[str, ModelProfile]:
@@ -89,7 +89,7 @@ def quality(profiles: dict[str, ModelProfile], stages: tuple[int, ...], time_lim
                        v for k, v in plan.lower_bounds.items() if not k.endswith("_proven")),
                    "solve_seconds": plan.solve_seconds}
             for base, b in plan.baselines.items():
-                row[f"{base}_over_plan"] = b["bottleneck_ms"] / plan.bottleneck_ms if plan.bottleneck_ms else 1.0
+                row[f"{base}_over_plan"] = b.bottleneck_ms / plan.bottleneck_ms if plan.bottleneck_ms else 1.0
             rows.append(row)
     return rows
 

@@ -7,7 +7,7 @@ For each model x timing mode (analytic roofline, ``measure_times``) it traces at
 microbatch size, plans 2 stages and writes a build directory; then for each schedule
 (gpipe, 1f1b) it trains ``--steps`` SGD steps with ``fxpipe.runtime.launch.run_build``
 (2 torchrun ranks, gloo, CPU) and records the measured median step (first step
-excluded) against ``plan.prediction["step_ms"][schedule]``, and each rank's peak
+excluded) against ``plan.prediction.step_ms[schedule]``, and each rank's peak
 tensor memory (and peak resident memory) against the plan's per-stage memory. ``--repredict`` re-traces and
 re-predicts for the SAME stage assignment (read from the saved build's plan) and keeps
 the measured figures, to iterate on the cost model without re-running the jobs.
@@ -27,10 +27,14 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fxpipe.partitioner import Prediction
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS: dict[str, tuple[Path, int, int]] = {  # name: (model file, batch size, microbatches)
@@ -57,7 +61,7 @@ def _trace(model_file: Path, batch: int, microbatches: int, timing: str) -> Any:
     return source, traced
 
 
-def _build(model_file: Path, out: Path, batch: int, microbatches: int, timing: str) -> dict[str, Any]:
+def _build(model_file: Path, out: Path, batch: int, microbatches: int, timing: str) -> Prediction:
     from fxpipe.codegen import write_build_dir
     from fxpipe.partitioner import plan_partition
 
@@ -65,13 +69,14 @@ def _build(model_file: Path, out: Path, batch: int, microbatches: int, timing: s
     plan = plan_partition(traced.profile, STAGES, microbatches=microbatches)
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=microbatches)
     plan.to_json(out / "plan.json")
+    assert plan.prediction is not None
     return plan.prediction
 
 
-def _repredict(model_file: Path, build: Path, batch: int, microbatches: int, timing: str) -> dict[str, Any]:
+def _repredict(model_file: Path, build: Path, batch: int, microbatches: int, timing: str) -> Prediction:
     """A new prediction for the assignment of ``build``'s plan (same split as the measurement)."""
     from fxpipe.partitioner import PartitionPlan, build_problem
-    from fxpipe.partitioner.planner import RUNTIME_COSTS, predict
+    from fxpipe.partitioner.prediction import RUNTIME_COSTS, predict
 
     _, traced = _trace(model_file, batch, microbatches, timing)
     plan = PartitionPlan.from_json(build / "plan.json")
@@ -94,19 +99,19 @@ def _baseline_rss() -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def _row(name: str, timing: str, schedule: str, pred: dict[str, Any], run: dict[str, Any],
+def _row(name: str, timing: str, schedule: str, pred: Prediction, run: dict[str, Any],
          base_rss: int, load: float) -> dict[str, Any]:
-    predicted = pred["step_ms"][schedule]
+    predicted = pred.step_ms[schedule]
     measured = run["median_step_ms"]
-    mem_pred = pred["peak_memory_bytes_by_schedule"][schedule]
+    mem_pred = list(pred.peak_memory_bytes_by_schedule[schedule])
     mem_meas = run.get("peak_memory_bytes") or []
     tensors = run.get("peak_tensor_bytes") or []  # absent in runs made before the worker measured it
     return {
         "model": name, "timing": timing, "schedule": schedule,
         "measured_step_ms": measured, "predicted_step_ms": predicted, "ratio": measured / predicted,
         "within_goal": GOAL[0] <= measured / predicted <= GOAL[1],
-        "predicted_pipeline_ms": pred.get("pipeline_ms", {}).get(schedule),
-        "predicted_step_overhead_ms": pred.get("step_overhead_ms"),
+        "predicted_pipeline_ms": pred.pipeline_ms[schedule],
+        "predicted_step_overhead_ms": {**asdict(pred.step_overhead_ms), "total_ms": pred.step_overhead_ms.total_ms},
         "step_seconds": run.get("step_seconds"),
         "run_medians_ms": run.get("run_medians_ms"),
         "load_average_1min": load,

@@ -89,7 +89,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
         microbatch_size=microbatch, inputs=tuple(split.boundary[k] for k in split.model_inputs),
         ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
         frontend=frontend, output_spec=_dump_spec(output_spec),
-        extra={"microbatches": microbatches, "training": model.training, "torch": torch.__version__})
+        microbatches=microbatches, training=model.training, torch_version=torch.__version__)
     manifest.to_json(out / "manifest.json")
     return manifest
 

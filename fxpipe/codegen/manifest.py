@@ -6,22 +6,27 @@ the order of ``StageManifest.outputs``. A boundary tensor is produced by one sta
 by any later stages (``consumers``) and/or returned by the model (``model_output`` is
 its position in the model's flattened output). Tensors may skip stages: they travel
 straight from producer to consumer.
+
+Reading a manifest checks every field against its type hint (``fxpipe.schema``): a
+malformed one is refused with one ``BuildDirError`` naming the field, before anything
+of the build is used. Only the current schema version is read; an older build
+directory must be rebuilt.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import BuildDirError
-from fxpipe.jsonio import dump_json
+from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
 
 __all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
 
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2  # 2: microbatches, training and torch_version are fields (were ``extra``)
 INPUT = -1  # producer of a model input
 
 
@@ -53,17 +58,20 @@ class BoundaryTensor:
     """A tensor that crosses a stage boundary, with its shape at the traced microbatch."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[NonNegInt, ...]
     dtype: str
-    batch_dim: int | None
+    batch_dim: NonNegInt | None
     producer: int
-    consumers: tuple[int, ...] = ()
+    consumers: tuple[NonNegInt, ...] = ()
     requires_grad: bool = True
-    model_output: int | None = None
+    model_output: NonNegInt | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
         object.__setattr__(self, "consumers", tuple(self.consumers))
+        if self.producer < INPUT:
+            raise BuildDirError(f"tensor {self.name!r}: producer {self.producer} is neither a stage index nor "
+                                f"{INPUT} (a model input)")
 
     def shape_at(self, microbatch: int, traced_microbatch: int) -> tuple[int, ...]:
         """The shape at another microbatch size (scaled along ``batch_dim``)."""
@@ -82,7 +90,7 @@ class BoundaryTensor:
 class StageManifest:
     """One stage: its files, hashes, the tensors it owns and its boundary."""
 
-    index: int
+    index: NonNegInt
     class_name: str
     source: str
     weights: str
@@ -97,10 +105,7 @@ class StageManifest:
     imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
 
     def __post_init__(self) -> None:
-        for name in ("inputs", "outputs"):
-            object.__setattr__(self, name, tuple(
-                t if isinstance(t, BoundaryTensor) else BoundaryTensor(**t) for t in getattr(self, name)))
-        for name in ("parameters", "buffers", "units", "constants"):
+        for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
@@ -108,7 +113,7 @@ class StageManifest:
 class Tie:
     """One parameter held by several stages: ``keys[i]`` is its name on ``stages[i]``."""
 
-    stages: tuple[int, ...]
+    stages: tuple[NonNegInt, ...]
     keys: tuple[str, ...]
 
     def __post_init__(self) -> None:
@@ -120,31 +125,44 @@ class Tie:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Everything a loader needs to know about a build directory."""
+    """Everything a loader needs to know about a build directory.
+
+    ``microbatches`` is the number of microbatches per step the build was planned for
+    (0 when constructed without one: ``batch_size // microbatch_size`` is filled in),
+    ``training`` the mode the model was traced in, ``torch_version`` the torch that built it.
+    """
 
     model_file: str
     model_fn: str
     model_sha256: str
     stages: tuple[StageManifest, ...]
-    batch_size: int
-    microbatch_size: int
+    batch_size: PositiveInt
+    microbatch_size: PositiveInt
     inputs: tuple[BoundaryTensor, ...] = ()
     ties: tuple[Tie, ...] = ()
     inputs_fn: str = "example_inputs"
     frontend: str = "symbolic"
     output_spec: str | None = None
     schema_version: int = MANIFEST_SCHEMA_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
+    microbatches: NonNegInt = 0
+    training: bool = True
+    torch_version: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", tuple(
-            s if isinstance(s, StageManifest) else StageManifest(**s) for s in self.stages))
-        object.__setattr__(self, "inputs", tuple(
-            t if isinstance(t, BoundaryTensor) else BoundaryTensor(**t) for t in self.inputs))
-        object.__setattr__(self, "ties", tuple(t if isinstance(t, Tie) else Tie(**t) for t in self.ties))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "ties", tuple(self.ties))
+        if not self.microbatches:
+            object.__setattr__(self, "microbatches", max(self.batch_size // self.microbatch_size, 1))
         for i, s in enumerate(self.stages):
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Deprecated view of ``microbatches``, ``training`` and ``torch_version`` as the dict that
+        schema version 1 stored (``{"microbatches", "training", "torch"}``); read the fields."""
+        return {"microbatches": self.microbatches, "training": self.training, "torch": self.torch_version}
 
     def model_path(self, build_dir: str | Path) -> Path:
         """The model file: ``model_file`` is stored relative to the build directory, so the
@@ -164,28 +182,21 @@ class Manifest:
         return self.stages[index]
 
     def to_json(self, path: str | Path | None = None) -> str:
-        return dump_json(asdict(self), path)
+        return dump_json(asdict(self), path, what="manifest", error=BuildDirError)
 
     @classmethod
     def from_json(cls, path: str | Path) -> Manifest:
-        """Read ``DIR/manifest.json`` (or a manifest file path), refusing unknown schemas."""
+        """Read ``DIR/manifest.json`` (or a manifest file path), refusing other schema versions
+        and malformed fields with one ``BuildDirError``."""
         path = Path(path)
         if path.is_dir():
             path = path / "manifest.json"
         if not path.is_file():
             raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by `fxpipe partition`?")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise BuildDirError(f"{path} is not valid JSON: {exc}") from None
-        version = data.get("schema_version")
-        if version != MANIFEST_SCHEMA_VERSION:
-            raise BuildDirError(
-                f"{path} has schema version {version!r}; this fxpipe reads version {MANIFEST_SCHEMA_VERSION}. "
-                "Rebuild it with this fxpipe's `fxpipe partition`."
-            )
-        known = set(cls.__dataclass_fields__)
-        try:
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as exc:
-            raise BuildDirError(f"{path} is malformed: {exc}") from None
+        what = f"manifest {path}"
+        data = load_json(path, what, BuildDirError)
+        if "schema_version" not in data:
+            raise BuildDirError(f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`")
+        check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError,
+                             remedy="rebuild it with this fxpipe's `fxpipe partition`")
+        return read_dataclass(cls, data, what, BuildDirError)

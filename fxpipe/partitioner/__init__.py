@@ -12,8 +12,9 @@ from fxpipe.partitioner.cost import LINK_PRESETS, OPTIMIZER_STATE_FACTOR, CostMo
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import min_memory_limit, solve_chain_dp
 from fxpipe.partitioner.html import render_html_report, write_html_report
-from fxpipe.partitioner.plan import PartitionPlan, StagePlan
-from fxpipe.partitioner.planner import SOLVERS, plan_partition, predict
+from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
+from fxpipe.partitioner.planner import SOLVERS, plan_partition
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, Prediction, RuntimeCosts, StepOverheads, predict, step_overheads
 from fxpipe.partitioner.problem import (
     Evaluation,
     PartitionProblem,
@@ -27,11 +28,11 @@ from fxpipe.partitioner.schedule import ScheduleOp, Timeline, simulate_schedule,
 from fxpipe.partitioner.solution import Solution
 
 __all__ = [
-    "BASELINES", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "SOLVERS",
-    "CostModel", "Evaluation", "PartitionPlan", "PartitionProblem", "ScheduleOp", "Solution",
-    "StageCost", "StagePlan", "Timeline",
+    "BASELINES", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "RUNTIME_COSTS", "SOLVERS",
+    "BaselineReport", "CostModel", "Evaluation", "PartitionPlan", "PartitionProblem", "Prediction", "RuntimeCosts",
+    "ScheduleOp", "Solution", "StageCost", "StageMemory", "StagePlan", "StepOverheads", "Timeline",
     "assignment_violations", "build_problem", "evaluate", "format_size", "greedy_split",
     "lower_bound", "min_memory_limit", "params_split", "parse_size", "plan_partition", "predict",
     "print_plan_report", "render_html_report", "run_baseline", "simulate_schedule", "solve_chain_dp",
-    "solve_dag_cpsat", "stage_order", "uniform_split", "write_html_report",
+    "solve_dag_cpsat", "stage_order", "step_overheads", "uniform_split", "write_html_report",
 ]

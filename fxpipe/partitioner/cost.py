@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fxpipe.errors import ConfigError, PartitionError
+from fxpipe.schema import read_dataclass
 
 __all__ = ["CostModel", "AllReduceTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "COMM_HOOKS",
            "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets", "parse_size", "format_size"]
@@ -92,6 +93,8 @@ def parse_size(text: str | int | float) -> int:
             )
         value, unit = float(match.group(1)), match.group(2).lower()
     size = value * _SIZE_UNITS[unit]
+    if not math.isfinite(size):
+        raise ConfigError(f"size {text!r} is not a finite number of bytes; use e.g. '16GiB'")
     if size <= 0:
         raise ConfigError(f"size {text!r} must be positive")
     return int(round(size))
@@ -192,10 +195,10 @@ class CostModel:
     dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "device_speed", tuple(float(s) for s in self.device_speed))
-        if self.link_bandwidth <= 0:
+        object.__setattr__(self, "device_speed", tuple(_number("device_speed factor", s) for s in self.device_speed))
+        if not _number("link_bandwidth", self.link_bandwidth) > 0:
             raise ConfigError(f"link_bandwidth must be > 0 bytes/s, got {self.link_bandwidth}")
-        if self.link_latency < 0:
+        if not _number("link_latency", self.link_latency) >= 0:
             raise ConfigError(f"link_latency must be >= 0 s, got {self.link_latency}")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise ConfigError(
@@ -293,6 +296,15 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
-        known = set(cls.__dataclass_fields__)
-        kwargs: dict[str, Any] = {k: (tuple(v) if k == "device_speed" else v) for k, v in d.items() if k in known}
-        return cls(**kwargs)
+        """A cost model from JSON data, every field checked (``ConfigError`` naming the field)."""
+        return read_dataclass(cls, d, "cost model", ConfigError)
+
+
+def _number(name: str, value: Any) -> float:
+    """``value`` as a finite float, or a ``ConfigError`` naming ``name`` (NaN and infinities
+    would become ``NaN``/``Infinity`` in plan.json and poison every comparison)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    return float(value)

@@ -131,33 +131,34 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile) -> str:
         for s in plan.stages)
     lb = plan.lower_bound_ms
     base_rows = [f'<tr class="best"><td class="l">fxpipe ({escape(plan.solver)})</td><td>{plan.bottleneck_ms:.3f}</td>'
-                 f"<td>{plan.bottleneck_ms / lb if lb else 1:.3f}</td><td>1.000</td><td>{plan.step_ms:.2f}</td>"
+                 f"<td>{plan.bottleneck_ms / lb if lb else 1:.3f}</td><td>1.000</td>"
+                 f"<td>{f'{plan.step_ms:.2f}' if pred else ''}</td>"
                  f'<td class="l">{"optimal" if plan.optimal else f"gap {plan.gap:.1%}"}</td></tr>']
     for name, b in plan.baselines.items():
-        ok = "" if b.get("feasible", True) else "breaks constraints"
-        base_rows.append(f'<tr><td class="l">{escape(name)}</td><td>{b["bottleneck_ms"]:.3f}</td>'
-                         f'<td>{b["bottleneck_ms"] / lb if lb else 1:.3f}</td>'
-                         f'<td>{b["bottleneck_ms"] / plan.bottleneck_ms if plan.bottleneck_ms else 1:.3f}</td>'
-                         f'<td>{b.get("step_ms", 0):.2f}</td><td class="l">{ok}</td></tr>')
+        ok = "" if b.feasible else "breaks constraints"
+        base_rows.append(f'<tr><td class="l">{escape(name)}</td><td>{b.bottleneck_ms:.3f}</td>'
+                         f'<td>{b.bottleneck_ms / lb if lb else 1:.3f}</td>'
+                         f'<td>{b.bottleneck_ms / plan.bottleneck_ms if plan.bottleneck_ms else 1:.3f}</td>'
+                         f'<td>{f"{b.step_ms:.2f}" if b.step_ms is not None else ""}</td><td class="l">{ok}</td></tr>')
     base_rows.append(f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.000</td><td></td><td></td>'
                      f'<td class="l">{escape(", ".join(f"{k} {v:.3f}" for k, v in plan.lower_bounds.items()))}</td></tr>')
     times = [s.stage_ms for s in plan.stages]
     mems = [float(s.memory_bytes) for s in plan.stages]
     mem_ref = float(plan.memory_limit) if plan.memory_limit else max(mems)
     mem_label = f"limit {format_size(plan.memory_limit)}" if plan.memory_limit else "no limit (peak shown)"
-    title = escape(profile.model.get("name") or profile.model.get("file") or "model")
+    title = escape(profile.model.title)
+    kpis = (f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>\n'
+            f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span>\n'
+            f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s</span>\n') if pred else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fxpipe plan: {title}</title><style>{_CSS}</style></head>
 <body>
 <h1>fxpipe pipeline plan: {title}</h1>
 <div class="sub">{plan.num_stages} stages, {len(profile.units)} units, solver {escape(plan.solver)}
 {"(proven optimal)" if plan.optimal else f"(gap to lower bound {plan.gap:.2%})"}, schedule {plan.schedule},
-{plan.microbatches} microbatches of {plan.microbatch_size}, link {escape(str(plan.cost.get("link", "")))}</div>
+{plan.microbatches} microbatches of {plan.microbatch_size}, link {escape(plan.cost.link)}</div>
 <div><span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
-<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>
-<span class="kpi"><b>{pred["bubble"]:.1%}</b>bubble</span>
-<span class="kpi"><b>{pred["throughput_samples_per_s"]:.1f}</b>samples/s</span>
-<span class="kpi"><b>{format_size(max(mems))}</b>peak stage memory</span></div>
+{kpis}<span class="kpi"><b>{format_size(max(mems))}</b>peak stage memory</span></div>
 <h2>Units by stage (execution order)</h2>
 {_graph_svg(plan, profile)}
 <h2>Stages</h2>

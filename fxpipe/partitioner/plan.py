@@ -4,6 +4,11 @@ It is the contract between the partitioner and codegen (``stages[i].units``,
 ``stage_of``) and carries every prediction (stage times, memory, step time, bubble,
 throughput) so the runtime and benchmarks can check them against measurements.
 Times are milliseconds per microbatch unless named ``step``; sizes are bytes.
+
+Reading a plan checks every field against its type hint (``fxpipe.schema``). Schema
+version 1 (the same fields, with a prediction that did not name its schedule) is read
+as it is; the documented minimal plan (stages with their ``units``, ``bottleneck_ms``,
+``lower_bound_ms``, ``optimal``, ``solver``, ``baselines``) is completed with defaults.
 """
 
 from __future__ import annotations
@@ -15,10 +20,27 @@ from typing import Any
 
 from fxpipe.errors import PartitionError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.partitioner.cost import CostModel
+from fxpipe.partitioner.prediction import Prediction
+from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 
-__all__ = ["StagePlan", "PartitionPlan", "PLAN_SCHEMA_VERSION"]
+__all__ = ["StageMemory", "StagePlan", "BaselineReport", "PartitionPlan", "PLAN_SCHEMA_VERSION"]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2  # 2: typed prediction (names its schedule; derived figures are properties)
+_OLDEST_READABLE = 1
+_REMEDY = "re-plan with `fxpipe plan` or `fxpipe partition`"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """A stage's peak memory by kind, in bytes (Note [stage cost] in ``fxpipe.partitioner.problem``)."""
+
+    params: NonNegInt = 0
+    grads: NonNegInt = 0
+    optimizer: NonNegInt = 0
+    buffers: NonNegInt = 0
+    activations: NonNegInt = 0
+    boundary: NonNegInt = 0
 
 
 @dataclass(frozen=True)
@@ -28,28 +50,27 @@ class StagePlan:
     ``fwd_ms``/``bwd_ms`` are compute only (already divided by the device speed);
     ``comm_ms`` = ``comm_fwd_ms + comm_bwd_ms`` is the time of its messages;
     ``stage_ms`` = ``compute_ms + comm_ms``. ``memory`` breaks ``memory_bytes`` down into
-    params, grads, optimizer, buffers, activations and boundary (Note [stage cost] in
-    ``fxpipe.partitioner.problem``). ``dp_allreduce_ms`` is the once-per-step all-reduce
-    of its gradients across data-parallel replicas (0 with one replica).
+    params, grads, optimizer, buffers, activations and boundary. ``dp_allreduce_ms`` is the
+    once-per-step all-reduce of its gradients across data-parallel replicas (0 with one replica).
     """
 
-    index: int
+    index: NonNegInt
     units: tuple[str, ...]
-    fwd_ms: float
-    bwd_ms: float
-    compute_ms: float
-    comm_fwd_ms: float
-    comm_bwd_ms: float
-    comm_ms: float
-    stage_ms: float
-    send_bytes: int
-    recv_bytes: int
-    messages: int
-    memory: dict[str, int]
-    memory_bytes: int
-    in_flight: int
-    speed: float = 1.0
-    dp_allreduce_ms: float = 0.0
+    fwd_ms: NonNegFloat = 0.0
+    bwd_ms: NonNegFloat = 0.0
+    compute_ms: NonNegFloat = 0.0
+    comm_fwd_ms: NonNegFloat = 0.0
+    comm_bwd_ms: NonNegFloat = 0.0
+    comm_ms: NonNegFloat = 0.0
+    stage_ms: NonNegFloat = 0.0
+    send_bytes: NonNegInt = 0
+    recv_bytes: NonNegInt = 0
+    messages: NonNegInt = 0
+    memory: StageMemory = field(default_factory=StageMemory)
+    memory_bytes: NonNegInt = 0
+    in_flight: NonNegInt = 1
+    speed: NonNegFloat = 1.0
+    dp_allreduce_ms: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -58,45 +79,70 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class BaselineReport:
+    """A baseline strategy's split priced by the same cost model as the plan.
+
+    Only ``bottleneck_ms`` is required (the documented minimal plan); fxpipe writes all.
+    ``violations`` are the first constraints it breaks (memory limit, pins), if any.
+    """
+
+    bottleneck_ms: NonNegFloat
+    ratio_to_plan: NonNegFloat | None = None
+    stage_ms: tuple[NonNegFloat, ...] = ()
+    memory_bytes: tuple[NonNegInt, ...] = ()
+    units_per_stage: tuple[NonNegInt, ...] = ()
+    step_ms: NonNegFloat | None = None
+    feasible: bool = True
+    violations: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class PartitionPlan:
     """A stage assignment with its predicted costs, bound, solver facts and baselines.
+
+    ``cost`` is the cost model the plan was priced with; ``prediction`` the predicted step
+    (``None`` only in a hand-written plan).
 
     >>> plan.stage_of("blocks.3.mlp")   # doctest: +SKIP
     1
     """
 
     stages: tuple[StagePlan, ...]
-    bottleneck_ms: float
-    lower_bound_ms: float
-    gap: float
+    bottleneck_ms: NonNegFloat
+    lower_bound_ms: NonNegFloat
+    gap: NonNegFloat
     optimal: bool
     solver: str
-    solver_bound_ms: float | None
-    solve_seconds: float
+    solver_bound_ms: NonNegFloat | None
+    solve_seconds: NonNegFloat
     schedule: str
-    microbatches: int
-    num_stages: int
-    microbatch_size: int = 1
-    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
-    prediction: dict[str, Any] = field(default_factory=dict)
-    cost: dict[str, Any] = field(default_factory=dict)
-    memory_limit: int | None = None
+    microbatches: PositiveInt
+    num_stages: PositiveInt
+    microbatch_size: PositiveInt = 1
+    baselines: dict[str, BaselineReport] = field(default_factory=dict)
+    prediction: Prediction | None = None
+    cost: CostModel = field(default_factory=CostModel)
+    memory_limit: PositiveInt | None = None
     optimize: str = "speed"
-    lower_bounds: dict[str, float] = field(default_factory=dict)
+    lower_bounds: dict[str, NonNegFloat] = field(default_factory=dict)
     status: str = ""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", tuple(
-            s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages))
+        object.__setattr__(self, "stages", tuple(self.stages))
         if len(self.stages) != self.num_stages:
             raise PartitionError(f"plan lists {len(self.stages)} stages but num_stages is {self.num_stages}")
         seen: set[str] = set()
-        for s in self.stages:
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise PartitionError(f"plan stage {i} says it is stage {s.index}")
             dup = seen.intersection(s.units)
             if dup:
                 raise PartitionError(f"units {sorted(dup)} are on more than one stage")
             seen.update(s.units)
+        if self.prediction is not None and self.prediction.schedule != self.schedule:
+            raise PartitionError(f"the plan's schedule is {self.schedule!r} but its prediction is for "
+                                 f"{self.prediction.schedule!r}")
 
     @cached_property
     def _stage_index(self) -> dict[str, int]:
@@ -117,32 +163,70 @@ class PartitionPlan:
     @property
     def step_ms(self) -> float:
         """Predicted time of one training step under the plan's schedule."""
-        return float(self.prediction["step_ms"][self.schedule])
+        if self.prediction is None:
+            raise PartitionError("this plan carries no prediction; re-plan it with `fxpipe plan`")
+        return float(self.prediction.step_ms[self.schedule])
+
+    def predicted_step_ms(self, schedule: str, *, microbatches: int, dp_replicas: int = 1,
+                          comm_hook: str = "allreduce", powersgd_rank: int = 1) -> float | None:
+        """The predicted step time under ``schedule`` if this plan was priced for a run like
+        this one (``microbatches``; ``dp_replicas`` replicas whose all-reduce uses
+        ``comm_hook`` with PowerSGD rank ``powersgd_rank``), else ``None``: a prediction
+        for another configuration says nothing about this run.
+
+        >>> plan.predicted_step_ms("1f1b", microbatches=4, dp_replicas=2, comm_hook="fp16")  # doctest: +SKIP
+        """
+        if self.prediction is None or self.microbatches != microbatches:
+            return None
+        cost = self.cost
+        if cost.dp_replicas != dp_replicas or (dp_replicas > 1 and cost.comm_hook != comm_hook):
+            return None
+        if dp_replicas > 1 and "powersgd" in comm_hook and cost.powersgd_rank != powersgd_rank:
+            return None
+        value = self.prediction.step_ms.get(schedule)
+        return float(value) if value is not None else None
 
     # -- JSON ------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for s in d["stages"]:
-            s["units"] = list(s["units"])
-        return d
+        return asdict(self)
 
     def to_json(self, path: str | Path | None = None) -> str:
-        return dump_json(self.to_dict(), path)
+        return dump_json(self.to_dict(), path, what="plan", error=PartitionError)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PartitionPlan:
-        check_schema_version(d, PLAN_SCHEMA_VERSION, "plan", PartitionError)
-        missing = [k for k in ("stages", "bottleneck_ms", "num_stages") if k not in d]
-        if missing:
-            raise PartitionError(f"plan is missing the fields {missing}; regenerate it with `fxpipe plan`")
-        known = set(cls.__dataclass_fields__)
-        stage_known = set(StagePlan.__dataclass_fields__)
-        data = {k: v for k, v in d.items() if k in known}
-        data["stages"] = tuple(StagePlan(**{k: v for k, v in s.items() if k in stage_known}) for s in d["stages"])
-        return cls(**data)
+        """A plan from JSON data, every field checked (one ``PartitionError`` naming the field).
+
+        Reads schema versions 1 and 2 and the documented minimal plan.
+        """
+        check_schema_version(d, PLAN_SCHEMA_VERSION, "plan", PartitionError, oldest=_OLDEST_READABLE, remedy=_REMEDY)
+        return read_dataclass(cls, _completed(d), "plan", PartitionError)
 
     @classmethod
     def from_json(cls, source: str | Path) -> PartitionPlan:
         """Load from a path or a JSON string."""
         return cls.from_dict(load_json(source, "plan", PartitionError))
+
+
+def _completed(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with what a version-1 or minimal plan leaves out filled in: each stage's index,
+    the stage count, gap, solver bound and time, schedule and microbatches, the prediction's
+    schedule. Values of the wrong type are left for the schema check to name."""
+    data = dict(d, schema_version=PLAN_SCHEMA_VERSION)
+    stages = data.get("stages")
+    if isinstance(stages, list):
+        data["stages"] = [dict(s, index=s.get("index", i)) if isinstance(s, dict) else s for i, s in enumerate(stages)]
+        data.setdefault("num_stages", len(stages))
+    bottleneck, bound = data.get("bottleneck_ms"), data.get("lower_bound_ms")
+    if "gap" not in data and isinstance(bottleneck, (int, float)) and isinstance(bound, (int, float)):
+        data["gap"] = max(bottleneck - bound, 0.0) / bound if bound > 0 else 0.0
+    data.setdefault("solver_bound_ms", None)
+    data.setdefault("solve_seconds", 0.0)
+    data.setdefault("schedule", "1f1b")
+    data.setdefault("microbatches", 1)
+    prediction = data.get("prediction")
+    if isinstance(prediction, dict):
+        data["prediction"] = dict(prediction, schedule=prediction.get("schedule", data["schedule"])) \
+            if prediction else None
+    return data

@@ -1,28 +1,15 @@
 """``plan_partition``: profile in, ``PartitionPlan`` out (solver choice, bound, baselines, prediction).
 
-Note [step prediction]: ``predict`` simulates the schedule (``simulate_schedule``) with
-what the runtime really does per action and per step, which on small models is most of
-a step (measured on 2 CPU ranks with gloo, see benchmarks/prediction):
-
-* every F or B action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
-  per message it sends or receives, the CPU cost of posting and completing it
-  (``message_ms``); the message itself delays the consumer by the link time
-  ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time);
-* once per step, after the pipeline drains: one all-reduce per tied parameter shared by
-  several stages (two link messages of its bytes), the loss broadcast (one small
-  message), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
-  parameter tensor plus streaming its bytes, weight + gradient + optimizer state), plus
-  a fixed ``step_ms`` of Python around the step.
-
-The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
+Orchestration only: build the problem, run the solvers, keep the best split, and price
+it (``fxpipe.partitioner.prediction`` predicts the step, Note [step prediction]).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from fxpipe.errors import InfeasibleError, PartitionError
 from fxpipe.partitioner.baselines import BASELINES, run_baseline
@@ -31,7 +18,8 @@ from fxpipe.partitioner.cost import CostModel, format_size
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
 from fxpipe.partitioner.pins import stage_ranges
-from fxpipe.partitioner.plan import PartitionPlan, StagePlan
+from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, predict
 from fxpipe.partitioner.problem import (
     Evaluation,
     PartitionProblem,
@@ -39,50 +27,16 @@ from fxpipe.partitioner.problem import (
     build_problem,
     evaluate,
 )
-from fxpipe.partitioner.schedule import simulate_schedule
 from fxpipe.partitioner.solution import Solution
 from fxpipe.tracer.profile import ModelProfile
 
-__all__ = ["plan_partition", "plan_from_assignment", "predict", "step_overheads", "RuntimeCosts", "RUNTIME_COSTS",
-           "SOLVERS", "CPSAT_MAX_VARIABLES"]
+__all__ = ["plan_partition", "plan_from_assignment", "SOLVERS", "CPSAT_MAX_VARIABLES"]
 
 SOLVERS = ("auto", "dp", "cpsat", *BASELINES)
 CPSAT_MAX_VARIABLES = 200_000  # auto skips CP-SAT above units x stages x (1 + tensors/unit)
 _MEMORY_SLACK = 0.01           # optimize="memory" may give up 1% of speed
 _TIE_REL = 1e-9                # bottlenecks this close (relative) are equal; the predicted step decides
 _BOUND_TOL = 1e-6              # a lower bound may exceed the plan's bottleneck by float noise only
-_LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
-
-
-@dataclass(frozen=True)
-class RuntimeCosts:
-    """Fixed costs of fxpipe's runtime beyond unit compute and link time (Note [step prediction])."""
-
-    action_ms: float = 0.0             # executor bookkeeping per F or B action (buffers, dicts, checks)
-    message_ms: float = 0.0            # CPU time per message to post and complete it, on each end
-    loss_ms: float = 0.0               # loss forward + backward per microbatch, on the last stage
-    step_ms: float = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
-    optimizer_step_ms: float = 0.0     # fixed cost of one optimizer.step() call
-    optimizer_tensor_ms: float = 0.0   # ... plus this per parameter tensor
-    optimizer_bytes_per_s: float = 0.0  # ... plus streaming weight, gradient and state; 0: free
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-
-# "cpu": fxpipe.runtime on 2 CPU ranks, gloo on loopback, one thread each, torch 2.13, on
-# this project's 2-core machine. Timers around StageWorker.forward/backward (minus the
-# stage module and autograd calls), P2P.post, loss_fn and optimizer.step of a running
-# job (examples/gpt.py and mlp.py, 4 microbatches): bookkeeping ~40 us per action, posting
-# ~70-200 us per batch of messages, SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
-# step around the executor. Link times come from the CostModel (loopback: ~50 us one way
-# measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
-RUNTIME_COSTS: dict[str, RuntimeCosts] = {
-    "cpu": RuntimeCosts(action_ms=0.04, message_ms=0.15, loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12,
-                        optimizer_tensor_ms=0.006, optimizer_bytes_per_s=10e9),
-    "cuda": RuntimeCosts(action_ms=0.04, message_ms=0.03, loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12,
-                         optimizer_tensor_ms=0.006, optimizer_bytes_per_s=1e12),
-}
 
 
 def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "auto", schedule: str = "1f1b",
@@ -103,6 +57,8 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         raise PartitionError(f"unknown solver {solver!r}; expected one of {list(SOLVERS)}")
     if optimize not in ("speed", "memory"):
         raise PartitionError(f"optimize must be 'speed' or 'memory', got {optimize!r}")
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     start = time.perf_counter()
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit)
@@ -114,7 +70,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         runtime = RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"])
 
         def step_ms(assignment: tuple[int, ...]) -> float:
-            return float(predict(problem, assignment, profile.batch_size, runtime=runtime)["step_ms"][schedule])
+            return float(predict(problem, assignment, profile.batch_size, runtime=runtime).step_ms[schedule])
 
         chosen = _pick_best(problem, chosen, baselines, step_ms, optimize)
     proven = {f"{chosen.solver}_proven": chosen.bound_ms} if chosen.bound_ms is not None else {}
@@ -234,8 +190,8 @@ def _stage_plans(problem: PartitionProblem, assignment: tuple[int, ...], ev: Eva
             index=i, units=tuple(members[i]), fwd_ms=st.fwd_ms, bwd_ms=st.bwd_ms, compute_ms=st.compute_ms,
             comm_fwd_ms=st.comm_fwd_ms, comm_bwd_ms=st.comm_bwd_ms, comm_ms=st.comm_ms, stage_ms=st.stage_ms,
             send_bytes=st.send_bytes, recv_bytes=st.recv_bytes, messages=st.messages,
-            memory={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
-                    "buffers": st.buffer_bytes, "activations": st.activation_bytes, "boundary": st.boundary_bytes},
+            memory=StageMemory(params=st.param_bytes, grads=st.grad_bytes, optimizer=st.optimizer_bytes,
+                               buffers=st.buffer_bytes, activations=st.activation_bytes, boundary=st.boundary_bytes),
             memory_bytes=st.memory_bytes, in_flight=st.in_flight, speed=problem.speeds[i],
             dp_allreduce_ms=st.dp_allreduce_ms,
         )
@@ -243,114 +199,21 @@ def _stage_plans(problem: PartitionProblem, assignment: tuple[int, ...], ev: Eva
     )
 
 
-def _messages(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[list[int], list[int], list[float],
-                                                                                list[float]]:
-    """Per microbatch: messages each stage handles in forward and in backward, and the link
-    time of activations into stage i+1 and of gradients back into stage i (index i)."""
-    S = problem.num_stages
-    n_fwd, n_bwd = [0] * S, [0] * S
-    fwd_bytes, bwd_bytes = [0] * S, [0] * S  # received by stage (activations) / by stage (gradients)
-    fwd_msgs, bwd_msgs = [0] * S, [0] * S
-    for t in problem.tensors:
-        a = assignment[t.producer]
-        for d in {assignment[c] for c in t.consumers} - {a}:
-            n_fwd[a] += 1
-            n_fwd[d] += 1
-            fwd_bytes[d] += t.nbytes
-            fwd_msgs[d] += 1
-            if t.requires_grad:
-                n_bwd[a] += 1
-                n_bwd[d] += 1
-                bwd_bytes[a] += t.nbytes
-                bwd_msgs[a] += 1
-    cost = problem.cost
-
-    def link(nbytes: int, count: int) -> float:
-        return cost.message_ms(nbytes) if count else 0.0
-
-    send = [link(fwd_bytes[i + 1], fwd_msgs[i + 1]) for i in range(S - 1)] + [0.0]
-    grad = [link(bwd_bytes[i], bwd_msgs[i]) for i in range(S - 1)] + [0.0]
-    return n_fwd, n_bwd, send, grad
-
-
-def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...],
-                   runtime: RuntimeCosts) -> dict[str, float]:
-    """Milliseconds a step spends after the pipeline drains (Note [step prediction]):
-    tied-parameter all-reduces, the loss broadcast, the slowest optimizer step, the slowest
-    stage's data-parallel gradient all-reduce (``CostModel.allreduce_ms``), fixed Python."""
-    S = problem.num_stages
-    stages_of: dict[int, set[int]] = {}
-    for u, s in enumerate(assignment):
-        for p in problem.unit_params[u]:
-            stages_of.setdefault(p, set()).add(s)
-    tied = sum(2 * problem.cost.message_ms(problem.param_bytes[p]) for p, st in stages_of.items() if len(st) > 1)
-    broadcast = problem.cost.message_ms(_LOSS_BYTES) if S > 1 else 0.0
-    touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
-    optimizer = dp_all_reduce = 0.0
-    for s in range(S):
-        mine = [p for p, st in stages_of.items() if s in st]
-        dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine))
-        nbytes = sum(problem.param_bytes[p] for p in mine)
-        stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
-        if mine:
-            optimizer = max(optimizer, runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream)
-    total = tied + broadcast + optimizer + dp_all_reduce + runtime.step_ms
-    return {"tied_all_reduce_ms": tied, "loss_broadcast_ms": broadcast, "optimizer_ms": optimizer,
-            "dp_all_reduce_ms": dp_all_reduce,
-            "fixed_ms": runtime.step_ms, "total_ms": total}
-
-
-def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_size: int, *,
-            runtime: RuntimeCosts | None = None) -> dict[str, Any]:
-    """Step time under both schedules (simulated, plus per-step overheads), bubble,
-    throughput and per-stage peak memory (Note [step prediction]).
-
-    ``step_ms`` is the whole step, ``pipeline_ms`` the simulated forward/backward part,
-    ``step_overhead_ms`` what follows it; ``runtime`` defaults to ``RUNTIME_COSTS["cpu"]``.
-    """
-    rt = runtime if runtime is not None else RUNTIME_COSTS["cpu"]
-    n_fwd, n_bwd, send, grad = _messages(problem, assignment)
-    overhead = step_overheads(problem, assignment, rt)
-    out: dict[str, Any] = {"step_ms": {}, "pipeline_ms": {}, "bubble_by_schedule": {},
-                           "peak_memory_bytes_by_schedule": {}, "step_overhead_ms": overhead,
-                           "runtime_costs": rt.to_dict()}
-    for schedule in ("gpipe", "1f1b"):
-        ev = evaluate(replace(problem, schedule=schedule), assignment)
-        last = problem.num_stages - 1
-        fwd = [s.fwd_ms + rt.action_ms + n_fwd[i] * rt.message_ms + (rt.loss_ms / 2 if i == last else 0.0)
-               for i, s in enumerate(ev.stages)]
-        bwd = [s.bwd_ms + rt.action_ms + n_bwd[i] * rt.message_ms + (rt.loss_ms / 2 if i == last else 0.0)
-               for i, s in enumerate(ev.stages)]
-        line = simulate_schedule(fwd, bwd, problem.microbatches, schedule, send_ms=send, grad_send_ms=grad)
-        out["pipeline_ms"][schedule] = line.step_ms
-        out["step_ms"][schedule] = line.step_ms + overhead["total_ms"]
-        out["bubble_by_schedule"][schedule] = line.bubble
-        out["peak_memory_bytes_by_schedule"][schedule] = [s.memory_bytes for s in ev.stages]
-    step = out["step_ms"][problem.schedule]
-    samples = problem.microbatches * microbatch_size
-    out["bubble"] = out["bubble_by_schedule"][problem.schedule]
-    out["samples_per_step"] = samples
-    out["throughput_samples_per_s"] = samples / (step / 1e3) if step > 0 else float("inf")
-    out["peak_memory_bytes"] = out["peak_memory_bytes_by_schedule"][problem.schedule]
-    return out
-
-
 def _baseline_report(problem: PartitionProblem, sol: Solution, plan_bottleneck: float,
-                     microbatch_size: int, runtime: RuntimeCosts) -> dict[str, Any]:
+                     microbatch_size: int, runtime: RuntimeCosts) -> BaselineReport:
     ev = evaluate(problem, sol.assignment)
     bad = assignment_violations(problem, sol.assignment, ev)
     pred = predict(problem, sol.assignment, microbatch_size, runtime=runtime)
-    sizes = [sol.assignment.count(s) for s in range(problem.num_stages)]
-    return {
-        "bottleneck_ms": ev.bottleneck_ms,
-        "ratio_to_plan": ev.bottleneck_ms / plan_bottleneck if plan_bottleneck > 0 else 1.0,
-        "stage_ms": [s.stage_ms for s in ev.stages],
-        "memory_bytes": [s.memory_bytes for s in ev.stages],
-        "units_per_stage": sizes,
-        "step_ms": pred["step_ms"][problem.schedule],
-        "feasible": not bad,
-        "violations": bad[:5],
-    }
+    return BaselineReport(
+        bottleneck_ms=ev.bottleneck_ms,
+        ratio_to_plan=ev.bottleneck_ms / plan_bottleneck if plan_bottleneck > 0 else 1.0,
+        stage_ms=tuple(s.stage_ms for s in ev.stages),
+        memory_bytes=tuple(s.memory_bytes for s in ev.stages),
+        units_per_stage=tuple(sol.assignment.count(s) for s in range(problem.num_stages)),
+        step_ms=pred.step_ms[problem.schedule],
+        feasible=not bad,
+        violations=tuple(bad[:5]),
+    )
 
 
 def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chosen: Solution,
@@ -379,6 +242,6 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
         baselines={name: _baseline_report(problem, sol, bottleneck, profile.batch_size, runtime)
                    for name, sol in baselines.items()},
         prediction=predict(problem, chosen.assignment, profile.batch_size, runtime=runtime),
-        cost=problem.cost.to_dict(), memory_limit=problem.memory_limit, optimize=optimize,
+        cost=problem.cost, memory_limit=problem.memory_limit, optimize=optimize,
         lower_bounds=dict(bound_parts), status=status.strip("; "),
     )

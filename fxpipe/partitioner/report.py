@@ -52,27 +52,30 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
         cmp.add_column(col, justify="left" if col in ("strategy", "note") else "right",
                        no_wrap=col != "note", min_width=11 if col == "note" else None)
     lb = plan.lower_bound_ms
+    pred = plan.prediction
     cmp.add_row(f"fxpipe ({plan.solver})", f"{plan.bottleneck_ms:.3f}", _ratio(plan.bottleneck_ms, lb), "1.00",
-                f"{plan.step_ms:.2f}", format_size(max(s.memory_bytes for s in plan.stages)),
+                f"{plan.step_ms:.2f}" if pred else "", format_size(max(s.memory_bytes for s in plan.stages)),
                 "optimal" if plan.optimal else f"gap {plan.gap:.1%}", style="bold")
     for name, b in plan.baselines.items():
-        note = _violation_note(b.get("violations", []))
-        cmp.add_row(name, f"{b['bottleneck_ms']:.3f}", _ratio(b["bottleneck_ms"], lb),
-                    _ratio(b["bottleneck_ms"], plan.bottleneck_ms), f"{b.get('step_ms', float('nan')):.2f}",
-                    format_size(max(b["memory_bytes"])), note)
+        cmp.add_row(name, f"{b.bottleneck_ms:.3f}", _ratio(b.bottleneck_ms, lb),
+                    _ratio(b.bottleneck_ms, plan.bottleneck_ms), f"{b.step_ms:.2f}" if b.step_ms is not None else "",
+                    format_size(max(b.memory_bytes)) if b.memory_bytes else "", _violation_note(b.violations))
     cmp.add_row("lower bound", f"{lb:.3f}", "1.00", _ratio(lb, plan.bottleneck_ms), "", "",
                 max(plan.lower_bounds, key=plan.lower_bounds.__getitem__, default=""))
     console.print(cmp)
 
-    pred = plan.prediction
-    steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred["step_ms"].items())
-    console.print(f"predicted step: {steps}; bubble {pred['bubble']:.1%} ({plan.schedule}); "
-                  f"throughput {pred['throughput_samples_per_s']:.1f} samples/s "
-                  f"({pred['samples_per_step']} samples per step); solved in {plan.solve_seconds:.2f} s"
+    if pred is None:
+        console.print(f"no predicted step (a hand-written plan); solved in {plan.solve_seconds:.2f} s"
+                      + (f"; {plan.status}" if plan.status else ""))
+        return
+    steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred.step_ms.items())
+    console.print(f"predicted step: {steps}; bubble {pred.bubble:.1%} ({plan.schedule}); "
+                  f"throughput {pred.throughput_samples_per_s:.1f} samples/s "
+                  f"({pred.samples_per_step} samples per step); solved in {plan.solve_seconds:.2f} s"
                   + (f"; {plan.status}" if plan.status else ""))
 
 
-def _violation_note(violations: list[str]) -> str:
+def _violation_note(violations: tuple[str, ...]) -> str:
     kinds = []
     if any("limit" in v for v in violations):
         kinds.append("over memory")

@@ -30,7 +30,7 @@ from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.frontends import trace_graph
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path
-from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
+from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infer_batch_dims, propagate, resolve_batch_dims
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
@@ -189,7 +189,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
         units=tuple(units.values()), edges=tuple(edges), batch_size=batch,
         inputs=tuple(n.meta[SPEC_KEY] for n in placeholders), trace_device=trace_device, frontend=frontend,
         timing=timing, module_order=_module_order(gm), param_sizes=sizes, param_shapes=shapes, ties=ties,
-        model={"class": f"{type(model).__module__}.{type(model).__qualname__}"},
+        model=ModelInfo(class_name=f"{type(model).__module__}.{type(model).__qualname__}"),
     )
 
 
@@ -298,8 +298,8 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     except ModelFileError as exc:  # the model rejected its inputs: say which file and functions
         raise ModelFileError(f"in {source.path.name} ({source.model_fn}() on {source.inputs_fn}({batch_size})): "
                              f"{exc}") from exc
-    model_info = {**traced.profile.model, "file": str(source.path), "sha256": source.sha256,
-                  "factory": source.model_fn}
+    model_info = dataclasses.replace(traced.profile.model, file=str(source.path), sha256=source.sha256,
+                                     factory=source.model_fn)
     traced.profile = dataclasses.replace(traced.profile, model=model_info)
     return traced
 

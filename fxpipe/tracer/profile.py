@@ -3,6 +3,12 @@
 The partitioner reads nothing else, so a profile written by another tool (or edited
 by hand for a what-if study) plans exactly like one traced here.
 
+Reading a profile checks every field against its type hint (``fxpipe.schema``); the
+documented minimal profile (units with ``name``, ``fwd_ms``, ``bwd_ms``, ``param_bytes``,
+``activation_bytes``, ``outputs``; edges with ``src``, ``dst``, ``bytes``; ``batch_size``)
+is complete enough: a unit without ``module_path`` takes its name as the path. Schema
+version 1 (a ``model`` object with a ``class`` key) is read by renaming that key.
+
 Note [model inputs]: the model's own inputs are not units and travel on no edge.
 Every pipeline rank reads the batch itself (as with the seed API's ``smp.step``), so a
 unit that consumes a model input needs no transfer for it. ``ModelProfile.inputs``
@@ -11,19 +17,23 @@ records their specs and ``Unit.reads_inputs`` which of them a unit reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fxpipe.errors import ProfileError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["TensorSpec", "Unit", "UnitEdge", "ModelProfile", "PROFILE_SCHEMA_VERSION"]
+__all__ = ["TensorSpec", "Unit", "UnitEdge", "ModelInfo", "ModelProfile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2  # 2: ``model`` is a ModelInfo (``class_name`` instead of ``class``)
+_OLDEST_READABLE = 1
+_REMEDY = "re-trace the model with `fxpipe trace`"
 
 _DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -51,7 +61,7 @@ class TensorSpec:
     gradient flows back through it (token ids and masks get none).
     """
 
-    shape: tuple[int, ...]
+    shape: tuple[NonNegInt, ...]
     dtype: str = "float32"
     batch_dim: int | None = 0
     requires_grad: bool = True
@@ -88,12 +98,7 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
-        return cls(
-            shape=tuple(d["shape"]),
-            dtype=d.get("dtype", "float32"),
-            batch_dim=d.get("batch_dim", 0),
-            requires_grad=d.get("requires_grad", True),
-        )
+        return read_dataclass(cls, d, "tensor spec", ProfileError)
 
 
 @dataclass(frozen=True)
@@ -112,15 +117,15 @@ class Unit:
     kind: str = "module"
     module_type: str | None = None
     outputs: tuple[TensorSpec, ...] = ()
-    fwd_ms: float = 0.0
-    bwd_ms: float = 0.0
-    fwd_flops: float = 0.0
-    param_bytes: int = 0
-    buffer_bytes: int = 0
-    activation_bytes: int = 0
+    fwd_ms: NonNegFloat = 0.0
+    bwd_ms: NonNegFloat = 0.0
+    fwd_flops: NonNegFloat = 0.0
+    param_bytes: NonNegInt = 0
+    buffer_bytes: NonNegInt = 0
+    activation_bytes: NonNegInt = 0
     params: tuple[str, ...] = ()
-    reads_inputs: tuple[int, ...] = ()
-    pin: int | None = None
+    reads_inputs: tuple[NonNegInt, ...] = ()
+    pin: NonNegInt | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(
@@ -132,8 +137,8 @@ class Unit:
             raise ProfileError("a unit needs a non-empty name")
         for label, value in (("fwd_ms", self.fwd_ms), ("bwd_ms", self.bwd_ms),
                              ("param_bytes", self.param_bytes), ("activation_bytes", self.activation_bytes)):
-            if value < 0:
-                raise ProfileError(f"unit {self.name!r}: {label} is negative ({value})")
+            if not value >= 0 or not math.isfinite(value):
+                raise ProfileError(f"unit {self.name!r}: {label} must be a finite number >= 0, got {value}")
         if self.pin is not None and self.pin < 0:
             raise ProfileError(f"unit {self.name!r}: pin must be a stage index >= 0, got {self.pin}")
 
@@ -148,8 +153,8 @@ class Unit:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Unit:
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """A unit from JSON; without ``module_path`` its name stands for the path (minimal profiles)."""
+        return read_dataclass(cls, _with_module_path(d), "unit", ProfileError)
 
 
 @dataclass(frozen=True)
@@ -162,8 +167,8 @@ class UnitEdge:
 
     src: str
     dst: str
-    bytes: int
-    outputs: tuple[int, ...] = (0,)
+    bytes: NonNegInt
+    outputs: tuple[NonNegInt, ...] = (0,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(self.outputs))
@@ -172,7 +177,28 @@ class UnitEdge:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> UnitEdge:
-        return cls(src=d["src"], dst=d["dst"], bytes=int(d["bytes"]), outputs=tuple(d.get("outputs", (0,))))
+        return read_dataclass(cls, d, "edge", ProfileError)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Where a profile's model came from, as far as it is known (every field optional).
+
+    ``name`` is a label for reports (a profile written by hand or by a benchmark),
+    ``class_name`` the model's ``module.QualName``, ``file``/``sha256``/``factory`` the model
+    file, its hash and the function that builds the model.
+    """
+
+    name: str | None = None
+    class_name: str | None = None
+    file: str | None = None
+    sha256: str | None = None
+    factory: str | None = None
+
+    @property
+    def title(self) -> str:
+        """What reports call the model: its name, else its file, else ``"model"``."""
+        return self.name or self.file or "model"
 
 
 @dataclass(frozen=True)
@@ -188,23 +214,22 @@ class ModelProfile:
 
     units: tuple[Unit, ...]
     edges: tuple[UnitEdge, ...]
-    batch_size: int
+    batch_size: PositiveInt
     inputs: tuple[TensorSpec, ...] = ()
     trace_device: str = "cpu"
     frontend: str = "symbolic"
     timing: str = "analytic"
     module_order: tuple[str, ...] = ()
-    param_sizes: dict[str, int] = field(default_factory=dict)
+    param_sizes: dict[str, NonNegInt] = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()
-    model: dict[str, str] = field(default_factory=dict)
+    model: ModelInfo = field(default_factory=ModelInfo)
     schema_version: int = PROFILE_SCHEMA_VERSION
-    param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    param_shapes: dict[str, tuple[NonNegInt, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit.from_dict(u) for u in self.units))
-        object.__setattr__(self, "edges", tuple(e if isinstance(e, UnitEdge) else UnitEdge.from_dict(e) for e in self.edges))
-        object.__setattr__(self, "inputs", tuple(
-            i if isinstance(i, TensorSpec) else TensorSpec.from_dict(i) for i in self.inputs))
+        object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "module_order", tuple(self.module_order))
         object.__setattr__(self, "ties", tuple(tuple(t) for t in self.ties))
         object.__setattr__(self, "param_shapes",
@@ -271,18 +296,31 @@ class ModelProfile:
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
-        return dump_json(self.to_dict(), path)
+        return dump_json(self.to_dict(), path, what="profile", error=ProfileError)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
-        check_schema_version(d, PROFILE_SCHEMA_VERSION, "profile", ProfileError)
-        for key in ("units", "edges", "batch_size"):
-            if key not in d:
-                raise ProfileError(f"profile is missing the field {key!r}")
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """A profile from JSON data, every field checked (one ``ProfileError`` naming the field).
+
+        Reads schema versions 1 and 2; fills what the minimal profile leaves out.
+        """
+        version = check_schema_version(d, PROFILE_SCHEMA_VERSION, "profile", ProfileError,
+                                       oldest=_OLDEST_READABLE, remedy=_REMEDY)
+        data = dict(d, schema_version=PROFILE_SCHEMA_VERSION)
+        if version == 1 and isinstance(data.get("model"), dict) and "class" in data["model"]:
+            data["model"] = {**data["model"], "class_name": data["model"]["class"]}
+        if isinstance(data.get("units"), list):
+            data["units"] = [_with_module_path(u) for u in data["units"]]
+        return read_dataclass(cls, data, "profile", ProfileError)
 
     @classmethod
     def from_json(cls, source: str | Path) -> ModelProfile:
         """Load from a path or a JSON string."""
         return cls.from_dict(load_json(source, "profile", ProfileError))
+
+
+def _with_module_path(unit: Any) -> Any:
+    """A unit's JSON object with ``module_path`` defaulting to its name (minimal profiles)."""
+    if isinstance(unit, dict) and "module_path" not in unit and isinstance(unit.get("name"), str):
+        return {**unit, "module_path": unit["name"]}
+    return unit

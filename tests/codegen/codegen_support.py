@@ -43,7 +43,7 @@ def reference_with_build_weights(source: ModelSource, manifest: Manifest, build_
             for key, value in load_file(str(build_dir / sm.weights)).items():
                 if key in state:
                     state[key].copy_(value)
-    return model.train(bool(manifest.extra["training"]))
+    return model.train(manifest.training)
 
 
 def assert_same_outputs_and_grads(reference: nn.Module, pipeline: Any, inputs: tuple[torch.Tensor, ...]) -> None:

@@ -19,9 +19,9 @@ def test_plan_is_never_worse_than_a_baseline_on_a_branching_graph(solver: str,
     plan = plan_partition(branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0])
     assert plan.solver == "dp"
     for name, base in plan.baselines.items():
-        assert base["feasible"]
-        assert plan.bottleneck_ms <= base["bottleneck_ms"] * (1 + 1e-9), name
-    assert plan.bottleneck_ms == pytest.approx(plan.baselines["greedy"]["bottleneck_ms"])
+        assert base.feasible
+        assert plan.bottleneck_ms <= base.bottleneck_ms * (1 + 1e-9), name
+    assert plan.bottleneck_ms == pytest.approx(plan.baselines["greedy"].bottleneck_ms)
     assert "kept the greedy baseline's split (faster by the exact cost" in plan.status
     assert not plan.optimal
 
@@ -35,10 +35,10 @@ def test_equal_bottlenecks_are_broken_by_the_predicted_step() -> None:
     assert run_baseline("params", problem).assignment == (0, 1, 2, 2)
     plan = plan_partition(profile, 3, microbatches=4)
     assert [s.units for s in plan.stages] == [("u0",), ("u1",), ("u2", "u3")]
-    step = plan.prediction["step_ms"]["1f1b"]
+    step = plan.step_ms
     for name, base in plan.baselines.items():
-        if base["bottleneck_ms"] == pytest.approx(plan.bottleneck_ms, rel=1e-9):
-            assert step <= base["step_ms"], name
+        if base.bottleneck_ms == pytest.approx(plan.bottleneck_ms, rel=1e-9):
+            assert base.step_ms is not None and step <= base.step_ms, name
     assert plan.optimal and "same bottleneck, faster predicted step" in plan.status
 
 

@@ -50,7 +50,7 @@ def test_auto_never_worse_than_dp_or_baselines_on_dags(seed: int) -> None:
     dp = evaluate(problem, solve_chain_dp(problem).assignment).bottleneck_ms
     assert plan.bottleneck_ms <= dp + 1e-9
     for name, base in plan.baselines.items():
-        assert plan.bottleneck_ms <= base["bottleneck_ms"] + 1e-9, name
+        assert plan.bottleneck_ms <= base.bottleneck_ms + 1e-9, name
 
 
 def test_skip_connection_is_sent_once_to_each_later_stage() -> None:

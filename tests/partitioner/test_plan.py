@@ -80,8 +80,8 @@ def test_plan_json_round_trip_and_stage_of(tmp_path) -> None:
     with pytest.raises(PartitionError, match="not in this plan"):
         plan.stage_of("nope")
     assert set(plan.baselines) == {"uniform", "params", "greedy"}
-    assert set(plan.prediction["step_ms"]) == {"gpipe", "1f1b"}
-    assert 0.0 <= plan.prediction["bubble"] < 1.0
+    assert plan.prediction is not None and set(plan.prediction.step_ms) == {"gpipe", "1f1b"}
+    assert 0.0 <= plan.prediction.bubble < 1.0
     assert plan.lower_bound_ms <= plan.bottleneck_ms and plan.gap == pytest.approx(0.0, abs=1e-9)
 
 
@@ -91,7 +91,7 @@ def test_chosen_plan_beats_baselines_on_an_unbalanced_model() -> None:
     plan = plan_partition(profile, 2)
     assert plan.bottleneck_ms < 8.5
     for name, base in plan.baselines.items():
-        assert plan.bottleneck_ms < base["bottleneck_ms"], name
+        assert plan.bottleneck_ms < base.bottleneck_ms, name
 
 
 def test_baselines_literal() -> None:
@@ -120,6 +120,7 @@ def test_prediction_matches_formula_for_balanced_stages() -> None:
     # The plan's step adds the runtime's per-action and per-step costs on top, and no less.
     plan = plan_partition(chain_profile([3.0] * 4), 4, microbatches=8, schedule="gpipe")
     pred = plan.prediction
-    assert pred["pipeline_ms"]["gpipe"] >= (8 + 4 - 1) * 3.0
-    assert pred["step_ms"]["gpipe"] == pytest.approx(pred["pipeline_ms"]["gpipe"] + pred["step_overhead_ms"]["total_ms"])
-    assert pred["throughput_samples_per_s"] == pytest.approx(pred["samples_per_step"] / (pred["step_ms"]["gpipe"] * 1e-3))
+    assert pred is not None
+    assert pred.pipeline_ms["gpipe"] >= (8 + 4 - 1) * 3.0
+    assert pred.step_ms["gpipe"] == pytest.approx(pred.pipeline_ms["gpipe"] + pred.step_overhead_ms.total_ms)
+    assert pred.throughput_samples_per_s == pytest.approx(pred.samples_per_step / (pred.step_ms["gpipe"] * 1e-3))

@@ -7,7 +7,7 @@ from partition_fixtures import chain_profile
 
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner import CostModel, build_problem, plan_partition, predict, simulate_schedule
-from fxpipe.partitioner.planner import RUNTIME_COSTS, RuntimeCosts, step_overheads
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, step_overheads
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 
 FREE = RuntimeCosts()  # every runtime cost zero: the bare simulation
@@ -28,24 +28,24 @@ def _two_units(edge_bytes: int = 1000, tied: bool = False) -> ModelProfile:
 def test_free_runtime_matches_the_bare_simulation() -> None:
     problem = build_problem(chain_profile([3.0] * 4), 4, microbatches=8, schedule="gpipe", cost=LINK)
     pred = predict(problem, (0, 1, 2, 3), 1, runtime=FREE)
-    assert pred["pipeline_ms"]["gpipe"] == pytest.approx((8 + 4 - 1) * 3.0)
-    assert pred["step_overhead_ms"]["total_ms"] == pytest.approx(0.004)  # only the loss broadcast: 4 B at 1 MB/s
-    assert pred["step_ms"]["gpipe"] == pytest.approx(33.004)
+    assert pred.pipeline_ms["gpipe"] == pytest.approx((8 + 4 - 1) * 3.0)
+    assert pred.step_overhead_ms.total_ms == pytest.approx(0.004)  # only the loss broadcast: 4 B at 1 MB/s
+    assert pred.step_ms["gpipe"] == pytest.approx(33.004)
 
 
 def test_action_cost_is_paid_by_every_forward_and_backward() -> None:
     problem = build_problem(chain_profile([3.0, 3.0]), 2, microbatches=2, schedule="gpipe")
     pred = predict(problem, (0, 1), 1, runtime=RuntimeCosts(action_ms=0.5))
-    assert pred["pipeline_ms"]["gpipe"] == pytest.approx((2 + 2 - 1) * (1.5 + 2.5))
+    assert pred.pipeline_ms["gpipe"] == pytest.approx((2 + 2 - 1) * (1.5 + 2.5))
 
 
 def test_messages_cost_cpu_on_both_ends_and_delay_the_consumer() -> None:
     problem = build_problem(_two_units(), 2, microbatches=1, schedule="gpipe", cost=LINK)
     pred = predict(problem, (0, 1), 2, runtime=RuntimeCosts(message_ms=0.25))
     # F0 1.25 | link 1 | F1 1.25, B1 2.25 | link 1 | B0 2.25  -> 9.0
-    assert pred["pipeline_ms"]["gpipe"] == pytest.approx(9.0)
-    assert pred["step_overhead_ms"]["loss_broadcast_ms"] == pytest.approx(0.004)  # 4 bytes over 1 MB/s
-    assert pred["step_ms"]["gpipe"] == pytest.approx(9.004)
+    assert pred.pipeline_ms["gpipe"] == pytest.approx(9.0)
+    assert pred.step_overhead_ms.loss_broadcast_ms == pytest.approx(0.004)  # 4 bytes over 1 MB/s
+    assert pred.step_ms["gpipe"] == pytest.approx(9.004)
 
 
 def test_step_overheads_literal() -> None:
@@ -53,28 +53,28 @@ def test_step_overheads_literal() -> None:
     cost = CostModel(link_bandwidth=1e6, link_latency=1e-3, optimizer="momentum")
     problem = build_problem(_two_units(tied=True), 2, cost=cost)
     got = step_overheads(problem, (0, 1), runtime)
-    assert got["tied_all_reduce_ms"] == pytest.approx(2 * (1.0 + 1.0))   # two link messages of 1000 B
-    assert got["loss_broadcast_ms"] == pytest.approx(1.004)
-    assert got["optimizer_ms"] == pytest.approx(0.1 + 0.01 + 5 * 1000 / 1e6 * 1e3)  # momentum: 5 passes
-    assert got["total_ms"] == pytest.approx(4.0 + 1.004 + 5.11 + 0.5)
+    assert got.tied_all_reduce_ms == pytest.approx(2 * (1.0 + 1.0))   # two link messages of 1000 B
+    assert got.loss_broadcast_ms == pytest.approx(1.004)
+    assert got.optimizer_ms == pytest.approx(0.1 + 0.01 + 5 * 1000 / 1e6 * 1e3)  # momentum: 5 passes
+    assert got.total_ms == pytest.approx(4.0 + 1.004 + 5.11 + 0.5)
     alone = step_overheads(build_problem(_two_units(tied=True), 1, cost=cost), (0, 0), runtime)
-    assert alone["tied_all_reduce_ms"] == 0.0 and alone["loss_broadcast_ms"] == 0.0
+    assert alone.tied_all_reduce_ms == 0.0 and alone.loss_broadcast_ms == 0.0
 
 
 def test_slowest_optimizer_counts() -> None:
     runtime = RuntimeCosts(optimizer_tensor_ms=1.0, optimizer_bytes_per_s=1e6)
     problem = build_problem(_two_units(), 2, cost=LINK)  # stage 0 holds 1000 B, stage 1 500 B
-    assert step_overheads(problem, (0, 1), runtime)["optimizer_ms"] == pytest.approx(1.0 + 3 * 1000 / 1e3)
+    assert step_overheads(problem, (0, 1), runtime).optimizer_ms == pytest.approx(1.0 + 3 * 1000 / 1e3)
 
 
 def test_plan_carries_the_cpu_runtime_costs_and_more_fields() -> None:
     plan = plan_partition(_two_units(), 2, microbatches=2)
     pred = plan.prediction
-    assert pred["runtime_costs"] == RUNTIME_COSTS["cpu"].to_dict()
+    assert pred.runtime_costs == RUNTIME_COSTS["cpu"]
     for schedule in ("gpipe", "1f1b"):
-        assert pred["step_ms"][schedule] == pytest.approx(pred["pipeline_ms"][schedule]
-                                                          + pred["step_overhead_ms"]["total_ms"])
-    assert pred["step_overhead_ms"]["optimizer_ms"] > 0 and pred["step_overhead_ms"]["loss_broadcast_ms"] > 0
+        assert pred.step_ms[schedule] == pytest.approx(pred.pipeline_ms[schedule]
+                                                          + pred.step_overhead_ms.total_ms)
+    assert pred.step_overhead_ms.optimizer_ms > 0 and pred.step_overhead_ms.loss_broadcast_ms > 0
 
 
 def test_simulator_gradient_link_delay_literal() -> None:

@@ -55,5 +55,5 @@ def test_plans_are_valid(case: tuple[ModelProfile, int], solver: str, limit: int
     assert plan.lower_bound_ms <= plan.bottleneck_ms + 1e-9
     if solver == "auto":
         for name, base in plan.baselines.items():
-            if base["feasible"]:
-                assert plan.bottleneck_ms <= base["bottleneck_ms"] + 1e-9, name
+            if base.feasible:
+                assert plan.bottleneck_ms <= base.bottleneck_ms + 1e-9, name

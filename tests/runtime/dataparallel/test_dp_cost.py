@@ -45,15 +45,15 @@ def test_stage_costs_and_prediction_include_the_allreduce() -> None:
     assert [s.dp_allreduce_ms for s in stages] == pytest.approx([8.0, 2.0])  # 2(1)/2 x bytes / 1 GB/s
     single = plan_partition(profile, 2, microbatches=4, cost=replace(cost, dp_replicas=1))
     dual = plan_partition(profile, 2, microbatches=4, cost=cost)
-    added = dual.prediction["step_ms"][dual.schedule] - single.prediction["step_ms"][single.schedule]
+    added = dual.step_ms - single.step_ms
     assignment = tuple(next(i for i, st in enumerate(dual.stages) if u.name in st.units) for u in profile.units)
     per_stage = [s.dp_allreduce_ms for s in evaluate(problem, assignment).stages]
     slowest = max(per_stage)
     assert added == pytest.approx(slowest) and slowest > 0
     assert [s.dp_allreduce_ms for s in dual.stages] == pytest.approx(per_stage)  # plan.json carries it per stage
     assert all(s.dp_allreduce_ms == 0.0 for s in single.stages)
-    assert dual.prediction["step_overhead_ms"]["dp_all_reduce_ms"] == pytest.approx(slowest)
-    assert dual.cost["dp_replicas"] == 2 and CostModel.from_dict(dual.cost) == cost
+    assert dual.prediction.step_overhead_ms.dp_all_reduce_ms == pytest.approx(slowest)
+    assert dual.cost.dp_replicas == 2 and dual.cost == cost == CostModel.from_dict(dual.cost.to_dict())
 
 
 def test_options_refuse_bad_values_with_the_remedy() -> None:

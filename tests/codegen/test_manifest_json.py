@@ -1,0 +1,41 @@
+"""manifest.json: typed build facts (microbatches, training, torch version), round trip, old versions refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from codegen_support import example_build  # noqa: F401 (fixture)
+
+from fxpipe.codegen import Manifest
+from fxpipe.codegen.manifest import MANIFEST_SCHEMA_VERSION
+from fxpipe.errors import BuildDirError
+
+
+def test_build_records_typed_fields_and_round_trips(example_build) -> None:
+    manifest, _, out = example_build("mlp", 2, microbatch=2, microbatches=3)
+    assert (manifest.microbatches, manifest.training, manifest.torch_version) == (3, True, torch.__version__)
+    data = json.loads((out / "manifest.json").read_text())
+    assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 2 and "extra" not in data
+    assert (data["microbatches"], data["training"], data["torch_version"]) == (3, True, torch.__version__)
+    assert Manifest.from_json(out) == manifest
+    assert manifest.extra == {"microbatches": 3, "training": True, "torch": torch.__version__}  # deprecated view
+
+
+def test_microbatches_default_to_the_batch_over_the_microbatch(example_build) -> None:
+    manifest, _, _ = example_build("mlp", 2, microbatch=2, microbatches=2)
+    bare = Manifest(**{**manifest.__dict__, "microbatches": 0, "batch_size": 8})
+    assert bare.microbatches == 4
+
+
+def test_a_version_1_manifest_is_refused_with_the_remedy(example_build) -> None:
+    manifest, _, out = example_build("mlp", 2)
+    data = json.loads(manifest.to_json())
+    for key in ("microbatches", "training", "torch_version"):
+        data.pop(key)
+    data.update(schema_version=1, extra={"microbatches": 2, "training": True, "torch": torch.__version__})
+    (out / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(BuildDirError, match=r"schema version 1 is older than this fxpipe reads \(version 2\); "
+                                            r"rebuild it with this fxpipe's `fxpipe partition`"):
+        Manifest.from_json(out)
