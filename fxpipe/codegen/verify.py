@@ -145,7 +145,7 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     if manifest.model_sha256 and source.sha256 != manifest.model_sha256:
         raise BuildDirError(f"{manifest.model_path(build_dir)} changed since {build_dir} was built (sha256 differs); "
                             "rebuild with `fxpipe partition`")
-    training = bool(manifest.extra.get("training", True))
+    training = manifest.training
     reference = _load_reference(manifest, build_dir, source).train(training)
     pipeline = load_pipeline(build_dir).train(training)
     inputs = source.example_inputs(manifest.batch_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
+from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 
 _LAZY = {
     "trace_model": "fxpipe.tracer.api",
@@ -30,6 +30,7 @@ __all__ = [
     "build_model_recorded",
     "BuildRecord",
     "TracedModel",
+    "ModelInfo",
     "ModelProfile",
     "TensorSpec",
     "Unit",
