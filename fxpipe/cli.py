@@ -55,7 +55,7 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
 
 def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
     # --comm-hook is checked where it is used (CostModel, DataParallelOptions: both name the valid hooks),
-    # so building the parser imports neither torch nor the partitioner
+    # so building the parser imports no torch
     p.add_argument("--dp", type=int, default=1, metavar="R", help=dp_help)
     p.add_argument("--comm-hook", default="allreduce", metavar="HOOK",
                    help="DDP communication hook of the gradient all-reduce: allreduce (default), fp16, bf16, "
@@ -221,13 +221,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fxpipe.runtime.launch import run_build
+    from fxpipe.runtime.options import run_options_from_args
 
-    run_build(
-        args.build_dir, steps=args.steps, schedule=args.schedule, microbatches=args.microbatches,
-        batch_size=args.batch_size, lr=args.lr, timeout_s=args.timeout, device=args.device, dp=args.dp,
-        comm_hook=args.comm_hook, powersgd_rank=args.powersgd_rank,
-        shard_optimizer_state=args.shard_optimizer_state, backward_passes_per_step=args.backward_passes_per_step,
-    )
+    run_build(args.build_dir, run_options_from_args(args))
     return 0
 
 
@@ -275,19 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train the build with torchrun, one process per stage and replica")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-    p.add_argument("--microbatches", type=int, default=None, help="default: the build's")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="batch of one pipeline replica per step (default: the build's)")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent peer is an error")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    _add_dp_options(p, "train R data-parallel replicas of the pipeline: stages x R processes (default 1)")
-    p.add_argument("--shard-optimizer-state", action="store_true",
-                   help="shard the optimizer state over the replicas (ZeroRedundancyOptimizer)")
-    p.add_argument("--backward-passes-per-step", type=int, default=1, metavar="K",
-                   help="accumulate K steps' gradients locally before one all-reduce and optimizer step")
+    from fxpipe.runtime.options import add_run_arguments  # the flags the worker entry point reads too
+
+    add_run_arguments(p)
     p.set_defaults(func=cmd_run)
     return parser
 

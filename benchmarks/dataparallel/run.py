@@ -71,9 +71,8 @@ def _worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
     for name, extra in HOOKS.items():
         hook = "powersgd" if name.startswith("powersgd") else name
         options = DataParallelOptions(comm_hook=hook, powersgd_start_iter=2, **extra)
-        runner = PipelineRunner.from_manifest(_manifest(), lambda i, d: _stage(i), F.mse_loss, microbatches=MICROBATCHES,
-                                              optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3),
-                                              data_parallel=options)
+        runner = PipelineRunner(_manifest(), F.mse_loss, stage_loader=lambda i, d: _stage(i), microbatches=MICROBATCHES,
+                                optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3), data_parallel=options)
         seconds = []
         for _ in range(STEPS):
             dist.barrier()
@@ -83,9 +82,9 @@ def _worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
         out["hooks"][name] = {"median_step_ms": statistics.median(seconds[3:]) * 1e3,
                               "payload_bytes": _payload_bytes(runner, hook)}
     for shard in (False, True):
-        runner = PipelineRunner.from_manifest(_manifest(), lambda i, d: _stage(i), F.mse_loss, microbatches=MICROBATCHES,
-                                              optimizer_factory=lambda p: torch.optim.Adam(p, lr=1e-3),
-                                              data_parallel=DataParallelOptions(shard_optimizer_state=shard))
+        runner = PipelineRunner(_manifest(), F.mse_loss, stage_loader=lambda i, d: _stage(i), microbatches=MICROBATCHES,
+                                optimizer_factory=lambda p: torch.optim.Adam(p, lr=1e-3),
+                                data_parallel=DataParallelOptions(shard_optimizer_state=shard))
         runner.step((x,), target)
         out["zero"]["sharded" if shard else "unsharded"] = optimizer_state_bytes(runner.optimizer)
     dist.destroy_process_group()

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="re-predict for the saved builds' splits; keep results.json's measurements")
     args = p.parse_args(argv)
     from fxpipe.runtime.launch import run_build
+    from fxpipe.runtime.options import RunOptions
 
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS))
@@ -161,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                            "peak_tensor_bytes": r.get("measured_peak_tensor_bytes"), "step_seconds": r["step_seconds"]}
                     load = r.get("load_average_1min", float("nan"))
                 else:
-                    runs = [run_build(build, steps=args.steps, schedule=schedule, microbatches=microbatches,
-                                      batch_size=batch, quiet=True) for _ in range(args.repeats)]
-                    medians = sorted(r["median_step_ms"] for r in runs)
-                    run = {**runs[0], "median_step_ms": statistics.median(medians), "run_medians_ms": medians}
+                    options = RunOptions(steps=args.steps, schedule=schedule, microbatches=microbatches,
+                                         batch_size=batch)
+                    runs = [run_build(build, options, quiet=True) for _ in range(args.repeats)]
+                    medians = sorted(r.median_step_ms for r in runs)
+                    run = {**runs[0].to_dict(), "median_step_ms": statistics.median(medians), "run_medians_ms": medians}
                     load = os.getloadavg()[0]
                 row = _row(name, timing, schedule, pred, run, base_rss, load)
                 rows.append(row)

@@ -153,6 +153,7 @@ def _single(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
 
 def _bench(name: str, model_file: Path, batch: int, microbatches: int, steps: int, tmp: Path) -> dict:
     from fxpipe.runtime.launch import free_port, run_build
+    from fxpipe.runtime.options import RunOptions
 
     build_dir = tmp / name.split()[0]
     py = sys.executable
@@ -169,16 +170,17 @@ def _bench(name: str, model_file: Path, batch: int, microbatches: int, steps: in
               "one_process": {"step_ms": single["step_ms"], "peak_rss_bytes": single["peak_rss"],
                               "rss_after_import_bytes": single["base_rss"]}}
     for sched in SCHEDULES:
-        run = run_build(build_dir, steps=steps, schedule=sched, microbatches=microbatches, lr=LR, quiet=True)
+        options = RunOptions(steps=steps, schedule=sched, microbatches=microbatches, lr=LR)
+        run = run_build(build_dir, options, quiet=True)
         fx = statistics.median(side[sched]["times"]["fxpipe"]) * 1e3
         pp = statistics.median(side[sched]["times"]["pipelining"]) * 1e3
-        pred = run["predicted_step_ms"]
+        pred = run.predicted_step_ms
         result["schedules"][sched] = {
             "fxpipe_step_ms": fx, "pipelining_step_ms": pp, "fxpipe_over_pipelining": fx / pp,
             "first_loss": side[sched]["first_loss"],
-            "run_build_median_step_ms": run["median_step_ms"], "predicted_step_ms": pred,
-            "measured_over_predicted": run["median_step_ms"] / pred if pred else None,
-            "peak_rss_bytes_per_rank": run["peak_memory_bytes"],
+            "run_build_median_step_ms": run.median_step_ms, "predicted_step_ms": pred,
+            "measured_over_predicted": run.median_step_ms / pred if pred else None,
+            "peak_rss_bytes_per_rank": list(run.peak_memory_bytes),
         }
     return result
 

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from fxpipe.errors import PartitionError
 
-__all__ = ["ScheduleOp", "Timeline", "stage_order", "simulate_schedule"]
+__all__ = ["SCHEDULE_NAMES", "ScheduleOp", "Timeline", "stage_order", "simulate_schedule"]
+
+# The schedules fxpipe plans and runs: the one list the CLI, RunOptions and the runtime check names against.
+SCHEDULE_NAMES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def stage_order(schedule: str, num_stages: int, microbatches: int, stage: int) -
     if schedule == "gpipe":
         return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
     if schedule != "1f1b":
-        raise PartitionError(f"unknown schedule {schedule!r}; expected 'gpipe' or '1f1b'")
+        raise PartitionError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
     warmup = min(num_stages - 1 - stage, M)
     order = [("F", m) for m in range(warmup)]
     f, b = warmup, 0

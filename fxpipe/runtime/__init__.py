@@ -1,16 +1,39 @@
 """The runtime: runs a build directory's stages as a pipeline with torch.distributed.
 
 ``PipelineRunner`` is the native training API; ``launch.run_build`` starts a local
-``torchrun`` job (``fxpipe run``); ``python -m fxpipe.runtime.worker DIR`` is the entry
-point each rank runs. Schedules are data (``gpipe``, ``one_f_one_b``) checked by
-``validate_schedule``.
+``torchrun`` job (``fxpipe run``) with ``RunOptions``; ``python -m fxpipe.runtime.worker
+DIR`` is the entry point each rank runs and writes a ``RunRecord`` (``run.json``).
+Schedules are data (``gpipe``, ``one_f_one_b``) checked by ``validate_schedule``.
+
+Names load on first use, so that ``fxpipe.runtime.options`` (which the CLI's parser
+reads) imports no torch.
 """
 
-from fxpipe.runtime.launch import run_build
-from fxpipe.runtime.layout import RankLayout
-from fxpipe.runtime.runner import PipelineRunner
-from fxpipe.runtime.schedule import Action, ActionKind, Schedule, gpipe, make_schedule, one_f_one_b
-from fxpipe.runtime.validate import Link, ScheduleError, format_grid, max_in_flight, simulate, validate_schedule
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fxpipe.runtime._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from fxpipe.runtime.launch import run_build
+    from fxpipe.runtime.layout import RankLayout
+    from fxpipe.runtime.options import RunOptions
+    from fxpipe.runtime.record import RunRecord
+    from fxpipe.runtime.runner import PipelineRunner
+    from fxpipe.runtime.schedule import Action, ActionKind, Schedule, gpipe, make_schedule, one_f_one_b
+    from fxpipe.runtime.validate import Link, ScheduleError, format_grid, max_in_flight, simulate, validate_schedule
+
+_LAZY = {
+    "run_build": "launch",
+    "RankLayout": "layout",
+    "RunOptions": "options",
+    "RunRecord": "record",
+    "PipelineRunner": "runner",
+    **{name: "schedule" for name in ("Action", "ActionKind", "Schedule", "gpipe", "make_schedule", "one_f_one_b")},
+    **{name: "validate" for name in ("Link", "ScheduleError", "format_grid", "max_in_flight", "simulate",
+                                     "validate_schedule")},
+}
 
 __all__ = [
     "Action",
@@ -18,6 +41,8 @@ __all__ = [
     "Link",
     "PipelineRunner",
     "RankLayout",
+    "RunOptions",
+    "RunRecord",
     "Schedule",
     "ScheduleError",
     "format_grid",
@@ -29,3 +54,6 @@ __all__ = [
     "simulate",
     "validate_schedule",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

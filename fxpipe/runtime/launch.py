@@ -1,29 +1,32 @@
 """``run_build``: train a build directory on this machine with one torchrun process per stage and replica.
 
 It runs PyTorch's own launcher, ``python -m torch.distributed.run`` (torchrun), with a
-c10d rendezvous on a free local port and ``-m fxpipe.runtime.worker DIR`` as each
-rank's entry point (``stages x dp`` ranks), then returns the ``run.json`` that rank 0
-wrote. Jobs spanning several machines call torchrun themselves with the same entry point.
+c10d rendezvous on a free local port and ``-m fxpipe.runtime.worker DIR --options
+FILE`` as each rank's entry point (``stages x dp`` ranks; FILE holds the ``RunOptions``
+as JSON), then returns the ``RunRecord`` that rank 0 wrote to ``run.json``. Jobs
+spanning several machines call torchrun themselves with the same entry point.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from fxpipe import errors
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.errors import ConfigError, FxpipeError, RuntimeSetupError
+from fxpipe.errors import FxpipeError
+from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.record import RunRecord
+from fxpipe.runtime.worker import ERROR_PREFIX
 
 __all__ = ["run_build", "torchrun_command", "free_port"]
-
-_PREFIX = "error: [rank "
 
 
 def free_port() -> int:
@@ -44,7 +47,7 @@ def _tee(stream: IO[str], sink: IO[str], keep: list[str]) -> None:
     for line in stream:
         sink.write(line)
         sink.flush()
-        if line.startswith(_PREFIX):
+        if line.startswith(ERROR_PREFIX):
             keep.append(line.strip())
 
 
@@ -52,7 +55,7 @@ def _raise_worker_error(lines: list[str], returncode: int) -> None:
     """Re-raise the root cause: the first error that is not a peer's reaction to it."""
     parsed = []
     for line in lines:
-        head, _, message = line[len(_PREFIX):].partition(" ")  # "R]" and "Kind: message"
+        head, _, message = line[len(ERROR_PREFIX):].partition(" ")  # "R]" and "Kind: message"
         kind, _, text = message.partition(": ")
         cls = getattr(errors, kind, None)
         cls = cls if isinstance(cls, type) and issubclass(cls, FxpipeError) else FxpipeError
@@ -65,52 +68,36 @@ def _raise_worker_error(lines: list[str], returncode: int) -> None:
                            "crashed; see the output above for its traceback")
 
 
-def run_build(build_dir: str | Path, steps: int = 10, schedule: str = "1f1b", microbatches: int | None = None,
-              batch_size: int | None = None, lr: float = 0.01, timeout_s: float = 300.0,
-              device: str | None = None, quiet: bool = False, dp: int = 1, comm_hook: str = "allreduce",
-              powersgd_rank: int = 1, shard_optimizer_state: bool = False,
-              backward_passes_per_step: int = 1) -> dict[str, Any]:
-    """Launch torchrun with one worker per stage and replica, train ``steps`` SGD steps, return ``DIR/run.json``.
+def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: bool = False) -> RunRecord:
+    """Launch torchrun with one worker per stage and replica, train as ``options`` say, return ``DIR/run.json``.
 
-    ``dp`` replicas of the pipeline (``stages x dp`` processes) each train on their own
-    ``batch_size`` rows of the model file's ``example_inputs(batch_size x dp)`` and average
-    gradients with DDP (``comm_hook``, ``powersgd_rank``, ``shard_optimizer_state``,
-    ``backward_passes_per_step``: see ``DataParallelOptions``).
+    ``options.dp`` replicas of the pipeline (``stages x dp`` processes; ``None``: 1) each
+    train on their own ``batch_size`` rows of the model file's ``example_inputs(batch_size x
+    dp)`` and average gradients with DDP (``options.data_parallel``). The options are
+    checked here, before any process starts, and handed to the workers as a JSON file.
 
-    >>> result = run_build("build/gpt", steps=5, schedule="gpipe", microbatches=4)  # doctest: +SKIP
-    >>> result["losses"], result["step_seconds"]  # doctest: +SKIP
+    >>> result = run_build("build/gpt", RunOptions(steps=5, schedule="gpipe", microbatches=4))  # doctest: +SKIP
+    >>> result.losses, result.step_seconds  # doctest: +SKIP
     """
-    from fxpipe.runtime.dataparallel import DataParallelOptions
-
     build_dir = Path(build_dir)
     manifest = Manifest.from_json(build_dir)
-    if steps < 1:
-        raise RuntimeSetupError(f"--steps must be >= 1, got {steps}")
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ConfigError(f"--dp must be an int >= 1 (the number of pipeline replicas), got {dp!r}; "
-                          "use 1 for no data parallelism")
-    # validated here so that a bad option fails before torchrun starts stages x dp processes
-    DataParallelOptions(comm_hook=comm_hook, powersgd_rank=powersgd_rank, shard_optimizer_state=shard_optimizer_state,
-                        backward_passes_per_step=backward_passes_per_step).check_replicas(dp)
-    if steps % backward_passes_per_step:
-        raise ConfigError(f"--steps {steps} is not a multiple of --backward-passes-per-step "
-                          f"{backward_passes_per_step}: the last {steps % backward_passes_per_step} passes would "
-                          f"accumulate gradients that are never applied; use --steps "
-                          f"{steps - steps % backward_passes_per_step + backward_passes_per_step}")
+    options = options or RunOptions()
+    replicas = options.dp if options.dp is not None else 1
+    options = replace(options, dp=replicas)  # checks the options that need 2+ replicas before any process starts
     out = build_dir / "run.json"
     out.unlink(missing_ok=True)
-    args = ["--steps", str(steps), "--schedule", schedule, "--lr", repr(lr), "--timeout", repr(timeout_s)]
-    if microbatches is not None:
-        args += ["--microbatches", str(microbatches)]
-    if batch_size is not None:
-        args += ["--batch-size", str(batch_size)]
-    if device is not None:
-        args += ["--device", device]
-    args += ["--dp", str(dp), "--comm-hook", comm_hook, "--powersgd-rank", str(powersgd_rank),
-             "--backward-passes-per-step", str(backward_passes_per_step)]
-    if shard_optimizer_state:
-        args += ["--shard-optimizer-state"]
-    cmd = torchrun_command(build_dir, manifest.num_stages * dp, free_port(), args)
+    with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:
+        options_file = Path(tmp) / "run_options.json"
+        options.to_json(options_file)
+        cmd = torchrun_command(build_dir, manifest.num_stages * replicas, free_port(), ["--options", str(options_file)])
+        returncode, errors_seen = _run(cmd, quiet)
+    if returncode != 0 or not out.is_file():
+        _raise_worker_error(errors_seen, returncode)
+    return RunRecord.from_json(out)
+
+
+def _run(cmd: list[str], quiet: bool) -> tuple[int, list[str]]:
+    """Run ``cmd``, passing its output on (unless ``quiet``); its exit code and the workers' error lines."""
     sink = open("/dev/null", "w") if quiet else sys.stdout  # noqa: SIM115 - closed below
     errors_seen: list[str] = []
     try:
@@ -127,6 +114,4 @@ def run_build(build_dir: str | Path, steps: int = 10, schedule: str = "1f1b", mi
     finally:
         if quiet:
             sink.close()
-    if returncode != 0 or not out.is_file():
-        _raise_worker_error(errors_seen, returncode)
-    return json.loads(out.read_text())
+    return returncode, errors_seen

@@ -13,7 +13,8 @@ a tensor) does not. On CUDA ``torch.cuda.max_memory_allocated`` already counts t
 and ``peak_tensor_bytes`` uses it there.
 
 The dispatch mode costs a Python call per aten op, so the worker measures one extra
-step after the timed ones, never a timed step.
+step after the timed ones, never a timed step (``training_peak_tensor_bytes``).
+``peak_memory_bytes`` is the coarser figure next to it: peak resident set size.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["TensorMemoryTracker", "peak_tensor_bytes", "state_tensors"]
+if TYPE_CHECKING:
+    from fxpipe.runtime.runner import PipelineRunner
+
+__all__ = ["TensorMemoryTracker", "peak_tensor_bytes", "state_tensors", "training_peak_tensor_bytes",
+           "peak_memory_bytes"]
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -107,3 +112,26 @@ def peak_tensor_bytes(device: torch.device, fn: Callable[[], Any], tensors: Iter
     with TensorMemoryTracker(tensors) as tracker:
         fn()
     return tracker.peak_bytes
+
+
+def training_peak_tensor_bytes(runner: PipelineRunner, inputs: tuple[torch.Tensor, ...], targets: Any,
+                               steps: int) -> int:
+    """Peak tensor bytes of this rank over ``steps`` more training steps of ``runner`` (one
+    accumulation window, after the timed ones, so the tracker's per-op cost never lands in a
+    timed step): the stage's state, the step's data and everything the steps create."""
+    data = [t for t in (*inputs, *tree_leaves(targets)) if isinstance(t, torch.Tensor)]
+
+    def run() -> None:
+        for _ in range(steps):
+            runner.step(inputs, targets)
+
+    return peak_tensor_bytes(runner.device, run, state_tensors(runner.stage, runner.optimizer) + data)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA peak allocated on a GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux

@@ -22,12 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.errors import RuntimeSetupError
+from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, shard_optimizer
 from fxpipe.runtime.executor import LossFn, StageExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
+from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
 from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.schedule import Schedule, make_schedule
@@ -44,11 +45,33 @@ def _default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-2)
 
 
+def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader | None,
+                         ) -> tuple[Manifest, StageLoader]:
+    """The build's manifest, and how to build a stage: ``stage_loader``, else ``fxpipe.load_stage``
+    from the build directory's own files."""
+    if isinstance(build, Manifest):
+        if stage_loader is None:
+            raise ConfigError("PipelineRunner(manifest, ...) needs stage_loader=(index, device) -> stage: a "
+                              "manifest does not say where its stage files are; or pass the build directory")
+        return build, stage_loader
+    build_dir = Path(build)
+
+    def load(index: int, device: torch.device) -> nn.Module:
+        from fxpipe.codegen import load_stage
+
+        return load_stage(build_dir, index, device=device)
+
+    return Manifest.from_json(build_dir), stage_loader or load
+
+
 class PipelineRunner:
     """Trains this rank's stage of a build directory in a pipeline with the other ranks.
 
-    ``schedule`` is ``"gpipe"``, ``"1f1b"`` or a ``Schedule``. Gradients are averaged
-    over the ``microbatches`` (summed with ``average_microbatch_grads=False``). Each
+    ``build`` is the build directory, or a ``Manifest`` together with
+    ``stage_loader(index, device)`` that builds stage ``index`` (stages made another way:
+    tests, benchmarks). ``schedule`` is ``"gpipe"``, ``"1f1b"`` or a ``Schedule``.
+    Gradients are averaged over the ``microbatches`` (summed with
+    ``average_microbatch_grads=False``). Each
     rank's optimizer (``optimizer_factory(params)``, default SGD lr=0.01) updates only
     its own stage's parameters. A peer that dies or hangs raises ``PeerError`` after at
     most ``timeout_s`` seconds. Targets are cut into microbatches along dim 0 unless
@@ -56,45 +79,19 @@ class PipelineRunner:
     (``None``: shared by every microbatch).
     """
 
-    def __init__(self, build_dir: str | Path, loss_fn: LossFn, schedule: str | Schedule = "1f1b",
-                 microbatches: int = 1, optimizer_factory: OptimizerFactory | None = None,
-                 average_microbatch_grads: bool = True, device: str | torch.device | None = None,
-                 timeout_s: float = 300.0, data_parallel: DataParallelOptions | None = None,
+    def __init__(self, build: str | Path | Manifest, loss_fn: LossFn, *, stage_loader: StageLoader | None = None,
+                 schedule: str | Schedule = DEFAULT_SCHEDULE, microbatches: int = 1,
+                 optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
+                 device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 data_parallel: DataParallelOptions | None = None,
                  target_batch_dims: Sequence[int | None] | None = None) -> None:
-        manifest = Manifest.from_json(build_dir)
-
-        def loader(index: int, dev: torch.device) -> nn.Module:
-            from fxpipe.codegen import load_stage
-
-            return load_stage(build_dir, index, device=dev)
-
-        self._setup(manifest, loader, loss_fn, schedule, microbatches, optimizer_factory,
-                    average_microbatch_grads, device, timeout_s, data_parallel, target_batch_dims)
-
-    @classmethod
-    def from_manifest(cls, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn,
-                      schedule: str | Schedule = "1f1b", microbatches: int = 1,
-                      optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
-                      device: str | torch.device | None = None, timeout_s: float = 300.0,
-                      data_parallel: DataParallelOptions | None = None,
-                      target_batch_dims: Sequence[int | None] | None = None) -> PipelineRunner:
-        """A runner over stages built by ``stage_loader(index, device)`` instead of a build directory."""
-        self = cls.__new__(cls)
-        self._setup(manifest, stage_loader, loss_fn, schedule, microbatches, optimizer_factory,
-                    average_microbatch_grads, device, timeout_s, data_parallel, target_batch_dims)
-        return self
-
-    def _setup(self, manifest: Manifest, stage_loader: StageLoader, loss_fn: LossFn, schedule: str | Schedule,
-               microbatches: int, optimizer_factory: OptimizerFactory | None, average: bool,
-               device: str | torch.device | None, timeout_s: float,
-               data_parallel: DataParallelOptions | None = None,
-               target_batch_dims: Sequence[int | None] | None = None) -> None:
         self._owns_group = False
+        manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
         rank, world, local_rank = this_rank()
         self.layout = RankLayout.for_world(world, manifest.num_stages)
-        if data_parallel is not None:
-            data_parallel.check_replicas(self.layout.replicas)  # before any communication
+        dp_options = data_parallel or DataParallelOptions()
+        dp_options.check_replicas(self.layout.replicas)  # before any communication
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
         self.manifest = manifest
@@ -115,10 +112,9 @@ class PipelineRunner:
         self.device = pick_device(device, local_rank)
         self._owns_group = init_process_group(self.device, timeout_s)
         self.groups = build_groups(self.layout, manifest, rank)
-        self.stage = stage_loader(self.stage_index, self.device)
+        self.stage = load(self.stage_index, self.device)
         self.stage.train()
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        dp_options = data_parallel or DataParallelOptions()
         # data parallelism over the replicas of this stage: fxpipe.runtime.dataparallel, Note [one all-reduce per step]
         self.data_parallel = (DataParallelStage(self.stage, self.groups.data_parallel, dp_options, self.device)
                               if self.layout.replicas > 1 else None)
@@ -129,7 +125,7 @@ class PipelineRunner:
             self.optimizer = factory(params) if params else None
         p2p = P2P(rank, self.layout.pipeline_ranks(self.replica), timeout_s, self.groups.pipeline)
         self.executor = StageExecutor(manifest, self.routes, self.stage_index, self.stage, self.schedule, p2p,
-                                      self.device, average)
+                                      self.device, average_microbatch_grads)
 
     # -- training --------------------------------------------------------------
 

@@ -45,8 +45,8 @@ def _fault_job(rank: int, world: int, mode: str) -> None:
         stage = load(index, device)
         return _Faulty(stage, mode, at=3) if index == 1 else stage
 
-    runner = PipelineRunner.from_manifest(handmade.manifest(), loader, handmade.loss_fn, microbatches=2,
-                                          timeout_s=TIMEOUT_S)
+    runner = PipelineRunner(handmade.manifest(), handmade.loss_fn, stage_loader=loader, microbatches=2,
+                            timeout_s=TIMEOUT_S)
     inputs, target = handmade.example_batch(4)
     for _ in range(3):
         runner.step(inputs, target)
@@ -77,7 +77,7 @@ def test_world_size_mismatch_is_refused_before_any_communication(monkeypatch: py
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: any communication would fail differently
     with pytest.raises(RuntimeSetupError, match=r"world size 2 does not match the build directory's 3 stages"):
-        PipelineRunner.from_manifest(handmade.manifest(), handmade.stage_loader(), handmade.loss_fn)
+        PipelineRunner(handmade.manifest(), handmade.loss_fn, stage_loader=handmade.stage_loader())
     assert not dist.is_initialized()
 
 
@@ -85,4 +85,4 @@ def test_missing_torchrun_environment_is_explained(monkeypatch: pytest.MonkeyPat
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeSetupError, match="RANK is not set: start the workers with torchrun"):
-        PipelineRunner.from_manifest(handmade.manifest(), handmade.stage_loader(), handmade.loss_fn)
+        PipelineRunner(handmade.manifest(), handmade.loss_fn, stage_loader=handmade.stage_loader())

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from builds import EXAMPLES, make_build, original_model
+from fxpipe.cli import main
 from fxpipe.errors import ConfigError
 from fxpipe.modelfile import load_model_file
-from fxpipe.runtime.launch import run_build, torchrun_command
+from fxpipe.runtime.dataparallel import DataParallelOptions
+from fxpipe.runtime.launch import free_port, run_build, torchrun_command
+from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.record import RunRecord
 from reference import reference_train
+from test_record import RUN_JSON_FIELDS
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 
@@ -29,35 +35,48 @@ def test_torchrun_command_uses_pytorchs_launcher() -> None:
 @pytest.mark.slow
 def test_run_build_trains_gpt_on_three_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     build = make_build("gpt", tmp_path / "gpt", stages=3, batch_size=8, microbatches=2)
-    result = run_build(build, steps=3, schedule="gpipe", microbatches=4, lr=0.1, timeout_s=60)
+    result = run_build(build, RunOptions(steps=3, schedule="gpipe", microbatches=4, lr=0.1, timeout_s=60))
     printed = capsys.readouterr().out
     assert "step    3/3  loss" in printed and "samples/s" in printed
-    assert result == json.loads((build / "run.json").read_text())
-    assert result["world_size"] == 3 and result["schedule"] == "gpipe" and result["microbatches"] == 4
-    assert len(result["step_seconds"]) == 3 and all(s > 0 for s in result["step_seconds"])
-    assert len(result["peak_memory_bytes"]) == 3 and all(b > 1 << 20 for b in result["peak_memory_bytes"])
-    assert result["predicted_step_ms"] is None  # the plan was made for 2 microbatches, not 4
+    assert result.to_dict() == json.loads((build / "run.json").read_text())
+    assert result.world_size == 3 and result.schedule == "gpipe" and result.microbatches == 4
+    assert len(result.step_seconds) == 3 and all(s > 0 for s in result.step_seconds)
+    assert len(result.peak_memory_bytes) == 3 and all(b > 1 << 20 for b in result.peak_memory_bytes)
+    assert result.predicted_step_ms is None  # the plan was made for 2 microbatches, not 4
     source = load_model_file(EXAMPLES / "gpt.py")
     want, _ = reference_train(original_model(build, source, 3), source.example_inputs(8), source.example_targets(8),
                               source.loss_fn, 3, 4, 0.1)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))
 
     with pytest.raises(ConfigError, match=r"rank \d: batch size 8 does not split into 3 equal microbatches"):
-        run_build(build, steps=1, microbatches=3, quiet=True)
+        run_build(build, RunOptions(steps=1, microbatches=3), quiet=True)
 
 
 def test_run_build_refuses_bad_data_parallel_options_before_launching(tmp_path: Path) -> None:
     build = make_build("mlp", tmp_path / "mlp", stages=2, batch_size=4, microbatches=2)
     with pytest.raises(ConfigError, match=r"--dp must be an int >= 1.*got 0"):
-        run_build(build, dp=0)
+        run_build(build, RunOptions(dp=0))
     with pytest.raises(ConfigError, match=r"unknown comm_hook 'gzip'"):
-        run_build(build, dp=2, comm_hook="gzip")
+        run_build(build, RunOptions(dp=2, data_parallel=DataParallelOptions(comm_hook="gzip")))
     with pytest.raises(ConfigError, match=r"--steps 3 is not a multiple of --backward-passes-per-step 2.*--steps 4"):
-        run_build(build, steps=3, dp=2, backward_passes_per_step=2)
+        run_build(build, RunOptions(steps=3, dp=2, data_parallel=DataParallelOptions(backward_passes_per_step=2)))
     # with one replica there is no DDP: these options would be silently ignored, so they are refused
     for option in ({"comm_hook": "powersgd"}, {"shard_optimizer_state": True}, {"backward_passes_per_step": 2}):
         with pytest.raises(ConfigError, match=r"only apply with 2 or more pipeline replicas"):
-            run_build(build, steps=2, **option)  # type: ignore[arg-type]
+            run_build(build, RunOptions(steps=2, data_parallel=DataParallelOptions(**option)))  # type: ignore[arg-type]
+    assert not (build / "run.json").exists()
+
+
+@pytest.mark.distributed
+def test_worker_under_your_own_torchrun_reads_flags_and_infers_the_replicas(tmp_path: Path) -> None:
+    """README "fxpipe run and torchrun": the worker module with flags, no --dp, no --options."""
+    build = make_build("mlp", tmp_path / "mlp", stages=2, batch_size=4, microbatches=2)
+    out = tmp_path / "elsewhere.json"
+    cmd = torchrun_command(build, 2, free_port(), ["--steps", "2", "--schedule", "gpipe", "--out", str(out)])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = RunRecord.from_json(out)
+    assert len(result.losses) == 2 and result.schedule == "gpipe" and result.dp == 1 and result.world_size == 2
     assert not (build / "run.json").exists()
 
 
@@ -68,16 +87,16 @@ def test_run_build_two_stages_two_replicas_equals_one_process_on_the_whole_batch
     replica-averaged losses equal one process training on all 2B rows in 2 x 2 microbatches."""
     stages, replicas, batch, micro, steps, lr = 2, 2, 4, 2, 3, 0.1
     build = make_build("mlp", tmp_path / "mlp", stages=stages, batch_size=batch, microbatches=micro)
-    result = run_build(build, steps=steps, schedule="1f1b", lr=lr, timeout_s=60, dp=replicas, quiet=True)
-    assert result["dp"] == replicas and result["world_size"] == stages * replicas
-    assert result["comm_hook"] == "allreduce" and result["batch_size"] == batch
-    assert result["global_batch_size"] == batch * replicas
-    assert len(result["peak_memory_bytes"]) == 4 and all(b > 1 << 20 for b in result["peak_memory_bytes"])
+    result = run_build(build, RunOptions(steps=steps, schedule="1f1b", lr=lr, timeout_s=60, dp=replicas), quiet=True)
+    assert result.dp == replicas and result.world_size == stages * replicas
+    assert result.comm_hook == "allreduce" and result.batch_size == batch
+    assert result.global_batch_size == batch * replicas
+    assert len(result.peak_memory_bytes) == 4 and all(b > 1 << 20 for b in result.peak_memory_bytes)
     source = load_model_file(EXAMPLES / "mlp.py")
     n = batch * replicas
     want, _ = reference_train(original_model(build, source, stages), source.example_inputs(n),
                               source.example_targets(n), source.loss_fn, steps, micro * replicas, lr)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))
     assert want[-1] < want[0]  # it trained
 
 
@@ -112,6 +131,7 @@ def loss_fn(out, target):
 
 @pytest.mark.distributed
 def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(tmp_path: Path) -> None:
+    """Through the command line: `fxpipe run` hands its flags to the workers as RunOptions JSON."""
     from fxpipe.codegen import write_build_dir
     from fxpipe.partitioner import plan_partition
     from fxpipe.tracer import trace_model_file
@@ -122,7 +142,11 @@ def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(t
     traced = trace_model_file(source, 2, progress=False)
     plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
     write_build_dir(traced, plan, tmp_path / "build", source, batch_size=4, microbatches=2)
-    result = run_build(tmp_path / "build", steps=2, lr=0.1, quiet=True, timeout_s=60)
+    assert main(["run", str(tmp_path / "build"), "--steps", "2", "--lr", "0.1", "--timeout", "60"]) == 0
+    run_json = json.loads((tmp_path / "build" / "run.json").read_text())
+    assert set(run_json) == RUN_JSON_FIELDS | {"schema_version"}
+    result = RunRecord.from_dict(run_json)
+    assert (len(result.losses), result.lr, result.dp, result.batch_size, result.microbatches) == (2, 0.1, 1, 4, 2)
 
     model = source.build_model()  # the same weights: the build was traced from this seeded model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -134,4 +158,4 @@ def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(t
         (sum(losses) / 2).backward()
         opt.step()
         want.append(sum(float(v) for v in losses) / 2)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))

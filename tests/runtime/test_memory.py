@@ -13,6 +13,7 @@ from fxpipe.codegen import write_build_dir
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition
 from fxpipe.runtime.launch import run_build
+from fxpipe.runtime.options import RunOptions
 from fxpipe.runtime.memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
 from fxpipe.tracer import trace_model_file
 
@@ -88,7 +89,7 @@ def wide_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str,
     build = root / "build"
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
     plan.to_json(build / "plan.json")
-    runs = {s: run_build(build, steps=2, schedule=s, quiet=True, timeout_s=60) for s in ("gpipe", "1f1b")}
+    runs = {s: run_build(build, RunOptions(steps=2, schedule=s, timeout_s=60), quiet=True) for s in ("gpipe", "1f1b")}
     return json.loads((build / "plan.json").read_text()), runs
 
 
@@ -98,12 +99,12 @@ def test_gpipe_holds_more_activations_than_1f1b_and_the_plan_is_a_lower_bound(wi
     plan, runs = wide_runs
     predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
     for schedule, run in runs.items():
-        assert len(run["peak_tensor_bytes"]) == 2 and len(run["peak_memory_bytes"]) == 2
-        for stage, (meas, pred) in enumerate(zip(run["peak_tensor_bytes"], predicted[schedule])):
+        assert len(run.peak_tensor_bytes) == 2 and len(run.peak_memory_bytes) == 2
+        for stage, (meas, pred) in enumerate(zip(run.peak_tensor_bytes, predicted[schedule])):
             assert meas >= pred, f"{schedule} stage {stage}: measured {meas} < predicted {pred}"
     # stage 0 keeps 4 microbatches' activations under GPipe, 2 under 1F1B
     act = plan["stages"][0]["memory"]["activations"] // 2  # 1F1B in flight on stage 0 of 2: 2
-    gap = runs["gpipe"]["peak_tensor_bytes"][0] - runs["1f1b"]["peak_tensor_bytes"][0]
+    gap = runs["gpipe"].peak_tensor_bytes[0] - runs["1f1b"].peak_tensor_bytes[0]
     assert gap == pytest.approx(2 * act, rel=0.1)
     assert gap == pytest.approx(predicted["gpipe"][0] - predicted["1f1b"][0], rel=0.1)
 
@@ -117,5 +118,5 @@ def test_measured_peak_within_30_percent_of_the_plan(wide_runs) -> None:
     plan, runs = wide_runs
     predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
     for schedule, run in runs.items():
-        for meas, pred in zip(run["peak_tensor_bytes"], predicted[schedule]):
+        for meas, pred in zip(run.peak_tensor_bytes, predicted[schedule]):
             assert 0.7 <= meas / pred <= 1.3, f"{schedule}: measured {meas} vs predicted {pred}"

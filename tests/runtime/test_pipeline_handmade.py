@@ -22,9 +22,10 @@ def _train_job(rank: int, world: int) -> dict:
     out: dict = {}
     runners = {}
     for schedule, m, average in CONFIGS:
-        runner = PipelineRunner.from_manifest(
-            handmade.manifest(), handmade.stage_loader(), handmade.loss_fn, schedule=schedule, microbatches=m,
-            optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR), average_microbatch_grads=average, timeout_s=60)
+        runner = PipelineRunner(
+            handmade.manifest(), handmade.loss_fn, stage_loader=handmade.stage_loader(), schedule=schedule,
+            microbatches=m, optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR), average_microbatch_grads=average,
+            timeout_s=60)
         runners[m] = runner
         losses = [runner.step(inputs, target) for _ in range(STEPS)]
         out[(schedule, m, average)] = (losses, {k: v.clone() for k, v in runner.stage.state_dict().items()})

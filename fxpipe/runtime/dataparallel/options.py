@@ -8,19 +8,24 @@ The fields are the seed API's DDP options (``overlapping_allreduce``,
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import asdict, dataclass, fields
 from typing import Any
-
-from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.errors import ConfigError
 
 __all__ = ["DataParallelOptions", "COMM_HOOKS"]
 
-# torch >= 2.13 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers``
-_BUFFERS_KEY = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                else "broadcast_buffers")
+
+@functools.cache
+def _buffers_key() -> str:
+    """DDP's name for ``broadcast_buffers``: torch >= 2.13 renamed it ``forward_sync_buffers``.
+    Looked up on first use, so that the options (and the CLI that builds them) import no torch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            else "broadcast_buffers")
 
 # The ``comm_hook`` shorthands, each a hook of torch.distributed.algorithms.ddp_comm_hooks.
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
@@ -95,9 +100,18 @@ class DataParallelOptions:
         return {
             # without overlap all gradients go into one bucket, reduced once every gradient is ready
             "bucket_cap_mb": self.bucket_cap_mb if self.overlapping_allreduce else 1e6,
-            _BUFFERS_KEY: self.broadcast_buffers,
+            _buffers_key(): self.broadcast_buffers,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
         }
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataParallelOptions:
+        """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown data-parallel options {unknown}; expected some of {known}")
+        return cls(**data)

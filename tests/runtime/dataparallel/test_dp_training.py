@@ -56,10 +56,9 @@ def _optimizer(momentum: bool):
 
 def _runner(options: DataParallelOptions, schedule: str = "1f1b", microbatches: int = 2,
             momentum: bool = False) -> PipelineRunner:
-    return PipelineRunner.from_manifest(twostage.manifest(), twostage.stage_loader(), twostage.loss_fn,
-                                        schedule=schedule, microbatches=microbatches,
-                                        optimizer_factory=_optimizer(momentum), timeout_s=120,
-                                        data_parallel=options)
+    return PipelineRunner(twostage.manifest(), twostage.loss_fn, stage_loader=twostage.stage_loader(),
+                          schedule=schedule, microbatches=microbatches, optimizer_factory=_optimizer(momentum),
+                          timeout_s=120, data_parallel=options)
 
 
 def _train(runner: PipelineRunner, passes: range) -> list[float]:

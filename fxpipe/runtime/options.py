@@ -1,0 +1,239 @@
+"""``RunOptions``: everything a training run of a build directory is told, as one validated value.
+
+``fxpipe run`` builds it from its flags, validates it before torchrun starts and writes it
+as JSON for the workers (``--options PATH``); ``python -m fxpipe.runtime.worker DIR``
+reads the same flags, or that file, or both (flags win). ``add_run_arguments`` and
+``run_options_from_args`` are the one command-line form of the options, so the two entry
+points cannot drift apart, and the defaults live only in the dataclass.
+
+Note [None is resolved where it is known]: ``microbatches`` and ``batch_size`` left
+``None`` are the build's; ``dp`` is 1 for ``fxpipe run`` and ``WORLD_SIZE / stages``
+under a torchrun that someone else started; ``device`` is ``cuda:LOCAL_RANK`` when CUDA
+is available, else ``cpu``.
+
+A new option is a field here (or in a nested group such as ``DataParallelOptions``,
+registered in ``_GROUPS``), its check in ``__post_init__`` and one row of ``_FLAGS``.
+Building a parser with these flags imports no torch and no partitioner (whose package
+imports OR-Tools): the CLI builds every verb's parser at start-up.
+
+>>> options = RunOptions(steps=4, schedule="gpipe", dp=2, data_parallel=DataParallelOptions(comm_hook="fp16"))
+>>> RunOptions.from_json(options.to_json()) == options
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import ConfigError
+from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.runtime.dataparallel.options import COMM_HOOKS, DataParallelOptions
+
+__all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
+           "add_run_arguments", "run_options_from_args", "schedule_names"]
+
+RUN_OPTIONS_SCHEMA_VERSION = 1
+DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_TIMEOUT_S = 300.0
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The schedules fxpipe runs: ``fxpipe.partitioner.schedule.SCHEDULE_NAMES``, imported on first use."""
+    from fxpipe.partitioner.schedule import SCHEDULE_NAMES
+
+    return SCHEDULE_NAMES
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How to train a build directory: steps, schedule, batch, SGD, timeout, device, data parallelism.
+
+    ``steps`` SGD steps with learning rate ``lr`` under ``schedule``, the batch of ONE
+    pipeline replica (``batch_size``) cut into ``microbatches``; ``dp`` replicas of the
+    pipeline kept in sync as ``data_parallel`` says; a peer silent for ``timeout_s``
+    seconds is an error. ``None`` fields are resolved later (see the module's Note).
+    """
+
+    steps: int = 10
+    schedule: str = DEFAULT_SCHEDULE
+    microbatches: int | None = None
+    batch_size: int | None = None
+    lr: float = 0.01
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    device: str | None = None
+    dp: int | None = None
+    data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.steps) or self.steps < 1:
+            raise ConfigError(f"--steps must be an int >= 1 (training steps), got {self.steps!r}")
+        if self.schedule not in schedule_names():
+            raise ConfigError(f"unknown schedule {self.schedule!r}; expected one of {list(schedule_names())}")
+        for flag, value in (("--microbatches", self.microbatches), ("--batch-size", self.batch_size)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ConfigError(f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's")
+        if not _is_number(self.lr) or self.lr < 0:
+            raise ConfigError(f"--lr must be a number >= 0 (the SGD learning rate), got {self.lr!r}")
+        if not _is_number(self.timeout_s) or self.timeout_s <= 0:
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.device is not None and not (isinstance(self.device, str) and _DEVICE.fullmatch(self.device)):
+            raise ConfigError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}; "
+                              "leave it out to use cuda when available, else cpu")
+        if self.dp is not None and (not _is_int(self.dp) or self.dp < 1):
+            raise ConfigError(f"--dp must be an int >= 1 (the number of pipeline replicas), got {self.dp!r}; "
+                              "use 1 for no data parallelism")
+        if not isinstance(self.data_parallel, DataParallelOptions):
+            raise ConfigError(f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}")
+        if self.dp is not None:  # else the runner checks against the world's replicas, before any communication
+            self.data_parallel.check_replicas(self.dp)
+        passes = self.data_parallel.backward_passes_per_step
+        if self.steps % passes:
+            raise ConfigError(f"--steps {self.steps} is not a multiple of --backward-passes-per-step {passes}: "
+                              f"the last {self.steps % passes} passes would accumulate gradients that are never "
+                              f"applied; use --steps {self.steps - self.steps % passes + passes}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data, nested groups as objects, with a ``schema_version``."""
+        out: dict[str, Any] = {"schema_version": RUN_OPTIONS_SCHEMA_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if f.name in _GROUPS else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunOptions:
+        """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
+        check_schema_version(data, RUN_OPTIONS_SCHEMA_VERSION, "run options", ConfigError)
+        values = {k: v for k, v in data.items() if k != "schema_version"}
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown run options {unknown}; expected some of {known}")
+        for name, group in _GROUPS.items():
+            if isinstance(values.get(name), dict):
+                values[name] = group.from_dict(values[name])
+        return cls(**values)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> RunOptions:
+        """Read options from a JSON file or JSON text."""
+        return cls.from_dict(load_json(source, "run options", ConfigError))
+
+
+# The nested option groups: field name -> its class (with to_dict / from_dict).
+_GROUPS: dict[str, Any] = {"data_parallel": DataParallelOptions}
+
+
+# -- the command-line form -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Flag:
+    """One command-line flag and the (dotted, for a nested group) field it sets."""
+
+    flag: str
+    path: str
+    help: str
+    type: Callable[[str], Any] = str
+    metavar: str | None = None
+    choices: _ScheduleChoices | None = None
+    none_means: str = ""
+
+    def default(self) -> Any:
+        """The field's default, read from the dataclasses (without building one: that would validate)."""
+        value: Any = None
+        owner: type = RunOptions
+        for part in self.path.split("."):
+            f = next(f for f in fields(owner) if f.name == part)
+            factory = f.default_factory
+            value = factory() if callable(factory) else f.default
+            owner = type(value)
+        return value
+
+
+class _ScheduleChoices:
+    """``schedule_names()`` as argparse ``choices``, read only when a ``--schedule`` value is
+    checked or the help is shown, so that building the parser does not import the partitioner."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(schedule_names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in schedule_names()
+
+_FLAGS = (
+    _Flag("--steps", "steps", "training steps", int, "K"),
+    _Flag("--schedule", "schedule", "pipeline schedule: %(choices)s", str, "NAME", choices=_ScheduleChoices()),
+    _Flag("--microbatches", "microbatches", "microbatches per step", int, "M", none_means="the build's"),
+    _Flag("--batch-size", "batch_size", "batch of one pipeline replica per step", int, "B",
+          none_means="the build's"),
+    _Flag("--lr", "lr", "SGD learning rate", float, "LR"),
+    _Flag("--timeout", "timeout_s", "seconds before a silent peer is an error", float, "S"),
+    _Flag("--device", "device", "cpu, cuda or cuda:N", str, "DEVICE",
+          none_means="cuda:LOCAL_RANK when CUDA is available, else cpu"),
+    _Flag("--dp", "dp", "data-parallel replicas of the pipeline: stages x R processes", int, "R",
+          none_means="1 with `fxpipe run`, WORLD_SIZE / stages under your own torchrun"),
+    _Flag("--comm-hook", "data_parallel.comm_hook",
+          f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}", str, "HOOK"),
+    _Flag("--powersgd-rank", "data_parallel.powersgd_rank",
+          "PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)", int, "K"),
+    _Flag("--shard-optimizer-state", "data_parallel.shard_optimizer_state",
+          "shard the optimizer state over the replicas (ZeroRedundancyOptimizer)"),
+    _Flag("--backward-passes-per-step", "data_parallel.backward_passes_per_step",
+          "accumulate K steps' gradients locally before one all-reduce and optimizer step", int, "K"),
+)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the run flags (and ``--options JSON``) to ``parser``; ``run_options_from_args`` reads them back.
+
+    A flag left out is absent from the namespace (its default lives in ``RunOptions``), so
+    flags given together with ``--options`` override only what they name.
+    """
+    group = parser.add_argument_group("run options")
+    group.add_argument("--options", metavar="JSON", default=argparse.SUPPRESS,
+                       help="RunOptions as a JSON file (or JSON text), as fxpipe run writes for its workers; "
+                            "flags given too override it")
+    for f in _FLAGS:
+        default = f.default()
+        if isinstance(default, bool):  # a switch: its default is off
+            group.add_argument(f.flag, dest=f.path, action="store_true", default=argparse.SUPPRESS, help=f.help)
+            continue
+        shown = f.none_means if default is None else (f"{default:g}" if isinstance(default, float) else default)
+        group.add_argument(f.flag, dest=f.path, type=f.type, metavar=f.metavar, choices=f.choices,
+                           default=argparse.SUPPRESS, help=f"{f.help} (default: {shown})")
+
+
+def run_options_from_args(args: argparse.Namespace) -> RunOptions:
+    """The ``RunOptions`` that ``add_run_arguments``' flags describe: the ``--options`` file
+    (if any), overridden by the flags given, validated."""
+    given = vars(args)
+    path = given.get("options")
+    data = load_json(path, "--options", ConfigError) if path is not None else {}
+    for f in _FLAGS:
+        if f.path in given:
+            *groups, name = f.path.split(".")
+            target = data
+            for part in groups:
+                target = target.setdefault(part, {})
+            target[name] = given[f.path]
+    return RunOptions.from_dict(data)
