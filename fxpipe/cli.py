@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 
 __all__ = ["main", "build_parser"]
 
@@ -40,7 +41,7 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "cpsat", "greedy", "params", "uniform"])
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule: %(choices)s")
     p.add_argument("--memory-limit", help="memory per device, e.g. 512MiB or 16GiB")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds")
     p.add_argument("--link", default="loopback", help="link preset: nvlink, pcie, infiniband, ethernet, loopback")

@@ -158,12 +158,6 @@ class Manifest:
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
 
-    @property
-    def extra(self) -> dict[str, Any]:
-        """Deprecated view of ``microbatches``, ``training`` and ``torch_version`` as the dict that
-        schema version 1 stored (``{"microbatches", "training", "torch"}``); read the fields."""
-        return {"microbatches": self.microbatches, "training": self.training, "torch": self.torch_version}
-
     def model_path(self, build_dir: str | Path) -> Path:
         """The model file: ``model_file`` is stored relative to the build directory, so the
         two can move together (an absolute path, from older builds, is used as it is)."""

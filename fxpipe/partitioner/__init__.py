@@ -1,38 +1,54 @@
 """Partitioner: cost model, solvers (exact DP, CP-SAT, baselines), plan, reports, schedule simulator.
 
 Pure Python (numpy, networkx, OR-Tools); it reads a ``ModelProfile`` and never imports torch.
+Names load on first use, so reading ``fxpipe.partitioner.schedule.SCHEDULE_NAMES`` (the CLI's
+parser does) does not import OR-Tools.
 
 >>> from fxpipe.partitioner import plan_partition, parse_size
 >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
 """
 
-from fxpipe.partitioner.baselines import BASELINES, greedy_split, params_split, run_baseline, uniform_split
-from fxpipe.partitioner.bounds import lower_bound
-from fxpipe.partitioner.cost import LINK_PRESETS, OPTIMIZER_STATE_FACTOR, CostModel, format_size, parse_size
-from fxpipe.partitioner.cpsat import solve_dag_cpsat
-from fxpipe.partitioner.dp import min_memory_limit, solve_chain_dp
-from fxpipe.partitioner.html import render_html_report, write_html_report
-from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
-from fxpipe.partitioner.planner import SOLVERS, plan_partition
-from fxpipe.partitioner.prediction import RUNTIME_COSTS, Prediction, RuntimeCosts, StepOverheads, predict, step_overheads
-from fxpipe.partitioner.problem import (
-    Evaluation,
-    PartitionProblem,
-    StageCost,
-    assignment_violations,
-    build_problem,
-    evaluate,
-)
-from fxpipe.partitioner.report import print_plan_report
-from fxpipe.partitioner.schedule import ScheduleOp, Timeline, simulate_schedule, stage_order
-from fxpipe.partitioner.solution import Solution
+from __future__ import annotations
 
-__all__ = [
-    "BASELINES", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "RUNTIME_COSTS", "SOLVERS",
-    "BaselineReport", "CostModel", "Evaluation", "PartitionPlan", "PartitionProblem", "Prediction", "RuntimeCosts",
-    "ScheduleOp", "Solution", "StageCost", "StageMemory", "StagePlan", "StepOverheads", "Timeline",
-    "assignment_violations", "build_problem", "evaluate", "format_size", "greedy_split",
-    "lower_bound", "min_memory_limit", "params_split", "parse_size", "plan_partition", "predict",
-    "print_plan_report", "render_html_report", "run_baseline", "simulate_schedule", "solve_chain_dp",
-    "solve_dag_cpsat", "stage_order", "step_overheads", "uniform_split", "write_html_report",
-]
+from typing import TYPE_CHECKING
+
+from fxpipe._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from fxpipe.partitioner.baselines import BASELINES, greedy_split, params_split, run_baseline, uniform_split
+    from fxpipe.partitioner.bounds import lower_bound
+    from fxpipe.partitioner.cost import LINK_PRESETS, OPTIMIZER_STATE_FACTOR, CostModel, format_size, parse_size
+    from fxpipe.partitioner.cpsat import solve_dag_cpsat
+    from fxpipe.partitioner.dp import min_memory_limit, solve_chain_dp
+    from fxpipe.partitioner.html import render_html_report, write_html_report
+    from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
+    from fxpipe.partitioner.planner import SOLVERS, plan_partition
+    from fxpipe.partitioner.prediction import (RUNTIME_COSTS, Prediction, RuntimeCosts, StepOverheads, predict,
+                                               step_overheads)
+    from fxpipe.partitioner.problem import (Evaluation, PartitionProblem, StageCost, assignment_violations,
+                                            build_problem, evaluate)
+    from fxpipe.partitioner.report import print_plan_report
+    from fxpipe.partitioner.schedule import SCHEDULE_NAMES, ScheduleOp, Timeline, simulate_schedule, stage_order
+    from fxpipe.partitioner.solution import Solution
+
+_LAZY = {
+    **dict.fromkeys(("BASELINES", "greedy_split", "params_split", "run_baseline", "uniform_split"), "baselines"),
+    "lower_bound": "bounds",
+    **dict.fromkeys(("LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "CostModel", "format_size", "parse_size"), "cost"),
+    "solve_dag_cpsat": "cpsat",
+    **dict.fromkeys(("min_memory_limit", "solve_chain_dp"), "dp"),
+    **dict.fromkeys(("render_html_report", "write_html_report"), "html"),
+    **dict.fromkeys(("BaselineReport", "PartitionPlan", "StageMemory", "StagePlan"), "plan"),
+    **dict.fromkeys(("SOLVERS", "plan_partition"), "planner"),
+    **dict.fromkeys(("RUNTIME_COSTS", "Prediction", "RuntimeCosts", "StepOverheads", "predict", "step_overheads"),
+                    "prediction"),
+    **dict.fromkeys(("Evaluation", "PartitionProblem", "StageCost", "assignment_violations", "build_problem",
+                     "evaluate"), "problem"),
+    "print_plan_report": "report",
+    **dict.fromkeys(("SCHEDULE_NAMES", "ScheduleOp", "Timeline", "simulate_schedule", "stage_order"), "schedule"),
+    "Solution": "solution",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -23,13 +23,13 @@ from dataclasses import asdict, dataclass, replace
 
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import PartitionProblem, evaluate
-from fxpipe.partitioner.schedule import simulate_schedule
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES, simulate_schedule
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
            "PREDICTED_SCHEDULES"]
 
-PREDICTED_SCHEDULES = ("gpipe", "1f1b")
+PREDICTED_SCHEDULES = SCHEDULE_NAMES  # every schedule the runtime runs is predicted
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 from fxpipe.errors import PartitionError, PinError
 from fxpipe.partitioner.cost import CostModel
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["Tensor", "PartitionProblem", "StageCost", "Evaluation", "build_problem", "evaluate",
            "assignment_violations", "in_flight"]
 
-SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,8 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
     """Flatten ``profile`` for ``num_stages`` stages, checking the request is well posed."""
     cost = cost or CostModel()
     n = len(profile.units)
-    if schedule not in SCHEDULES:
-        raise PartitionError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+    if schedule not in SCHEDULE_NAMES:
+        raise PartitionError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
     if microbatches < 1:
         raise PartitionError(f"microbatches must be >= 1, got {microbatches}")
     if num_stages < 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe.runtime._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from fxpipe.runtime.launch import run_build

@@ -13,8 +13,8 @@ is available, else ``cpu``.
 
 A new option is a field here (or in a nested group such as ``DataParallelOptions``,
 registered in ``_GROUPS``), its check in ``__post_init__`` and one row of ``_FLAGS``.
-Building a parser with these flags imports no torch and no partitioner (whose package
-imports OR-Tools): the CLI builds every verb's parser at start-up.
+Building a parser with these flags imports neither torch nor OR-Tools: the CLI builds
+every verb's parser at start-up.
 
 >>> options = RunOptions(steps=4, schedule="gpipe", dp=2, data_parallel=DataParallelOptions(comm_hook="fp16"))
 >>> RunOptions.from_json(options.to_json()) == options
@@ -26,30 +26,24 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel.options import COMM_HOOKS, DataParallelOptions
 
 __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
-           "add_run_arguments", "run_options_from_args", "schedule_names"]
+           "add_run_arguments", "run_options_from_args"]
 
 RUN_OPTIONS_SCHEMA_VERSION = 1
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_TIMEOUT_S = 300.0
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-
-
-def schedule_names() -> tuple[str, ...]:
-    """The schedules fxpipe runs: ``fxpipe.partitioner.schedule.SCHEDULE_NAMES``, imported on first use."""
-    from fxpipe.partitioner.schedule import SCHEDULE_NAMES
-
-    return SCHEDULE_NAMES
 
 
 def _is_int(value: Any) -> bool:
@@ -83,8 +77,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         if not _is_int(self.steps) or self.steps < 1:
             raise ConfigError(f"--steps must be an int >= 1 (training steps), got {self.steps!r}")
-        if self.schedule not in schedule_names():
-            raise ConfigError(f"unknown schedule {self.schedule!r}; expected one of {list(schedule_names())}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
         for flag, value in (("--microbatches", self.microbatches), ("--batch-size", self.batch_size)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's")
@@ -155,7 +149,7 @@ class _Flag:
     help: str
     type: Callable[[str], Any] = str
     metavar: str | None = None
-    choices: _ScheduleChoices | None = None
+    choices: tuple[str, ...] | None = None
     none_means: str = ""
 
     def default(self) -> Any:
@@ -170,19 +164,9 @@ class _Flag:
         return value
 
 
-class _ScheduleChoices:
-    """``schedule_names()`` as argparse ``choices``, read only when a ``--schedule`` value is
-    checked or the help is shown, so that building the parser does not import the partitioner."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(schedule_names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in schedule_names()
-
 _FLAGS = (
     _Flag("--steps", "steps", "training steps", int, "K"),
-    _Flag("--schedule", "schedule", "pipeline schedule: %(choices)s", str, "NAME", choices=_ScheduleChoices()),
+    _Flag("--schedule", "schedule", "pipeline schedule: %(choices)s", str, "NAME", choices=SCHEDULE_NAMES),
     _Flag("--microbatches", "microbatches", "microbatches per step", int, "M", none_means="the build's"),
     _Flag("--batch-size", "batch_size", "batch of one pipeline replica per step", int, "B",
           none_means="the build's"),

@@ -1,4 +1,4 @@
-"""``RunRecord``: what one training run measured, as ``DIR/run.json``; and the plan's prediction to compare.
+"""``RunRecord``: what one training run measured, as ``DIR/run.json``; and the plan whose prediction it reports.
 
 Rank 0 of ``python -m fxpipe.runtime.worker`` writes it; ``run_build`` returns it;
 ``benchmarks/prediction/`` compares ``median_step_ms`` and ``peak_tensor_bytes`` with
@@ -7,15 +7,18 @@ the plan's figures.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fxpipe.errors import BuildDirError
+from fxpipe.errors import BuildDirError, PartitionError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.schema import read_dataclass
 
-__all__ = ["RunRecord", "RUN_RECORD_SCHEMA_VERSION", "predicted_step_ms"]
+if TYPE_CHECKING:
+    from fxpipe.partitioner import PartitionPlan
+
+__all__ = ["RunRecord", "RUN_RECORD_SCHEMA_VERSION", "read_build_plan"]
 
 RUN_RECORD_SCHEMA_VERSION = 1
 
@@ -51,11 +54,6 @@ class RunRecord:
     backward_passes_per_step: int
     schema_version: int = RUN_RECORD_SCHEMA_VERSION
 
-    def __post_init__(self) -> None:
-        for f in fields(self):  # JSON lists in, tuples kept: the record is a value
-            if isinstance(getattr(self, f.name), list):
-                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data (sequences as lists)."""
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
@@ -63,11 +61,7 @@ class RunRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
         check_schema_version(data, RUN_RECORD_SCHEMA_VERSION, "run.json", BuildDirError)
-        known = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as exc:
-            raise BuildDirError(f"run.json is malformed: {exc}") from None
+        return read_dataclass(cls, data, "run.json", BuildDirError)
 
     def to_json(self, path: str | Path | None = None) -> str:
         return dump_json(self.to_dict(), path)
@@ -78,21 +72,15 @@ class RunRecord:
         return cls.from_dict(load_json(source, "run.json", BuildDirError))
 
 
-def predicted_step_ms(build_dir: Path, schedule: str, microbatches: int, dp: int = 1,
-                      comm_hook: str = "allreduce", powersgd_rank: int = 1) -> float | None:
-    """The plan's predicted step time for ``schedule``, if ``plan.json`` has one for these
-    microbatches and was priced for ``dp`` replicas with ``comm_hook`` (and PowerSGD's rank):
-    its all-reduce is in it."""
+def read_build_plan(build_dir: Path) -> PartitionPlan | None:
+    """The build's ``plan.json`` (``None`` when it has none), read and validated BEFORE training
+    starts, so a malformed plan is one error up front and not a crash after the last step."""
+    from fxpipe.partitioner import PartitionPlan
+
     path = build_dir / "plan.json"
     if not path.is_file():
         return None
-    plan = json.loads(path.read_text())
-    if plan.get("microbatches") not in (None, microbatches):
-        return None
-    cost = plan.get("cost", {})
-    if cost.get("dp_replicas", 1) != dp or (dp > 1 and cost.get("comm_hook", "allreduce") != comm_hook):
-        return None
-    if dp > 1 and "powersgd" in comm_hook and cost.get("powersgd_rank", 1) != powersgd_rank:
-        return None
-    value = plan.get("prediction", {}).get("step_ms", {}).get(schedule)
-    return float(value) if value is not None else None
+    try:
+        return PartitionPlan.from_json(path)
+    except PartitionError as exc:
+        raise BuildDirError(f"{path}: {exc}; rebuild with `fxpipe partition`") from None

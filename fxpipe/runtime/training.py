@@ -27,7 +27,7 @@ from fxpipe.runtime.memory import peak_memory_bytes, training_peak_tensor_bytes
 from fxpipe.runtime.microbatch import check_divisible
 from fxpipe.runtime.options import RunOptions
 from fxpipe.runtime.p2p import peer_error
-from fxpipe.runtime.record import RunRecord, predicted_step_ms
+from fxpipe.runtime.record import RunRecord, read_build_plan
 from fxpipe.runtime.runner import PipelineRunner
 
 __all__ = ["train", "resolve_sizes"]
@@ -37,8 +37,7 @@ def resolve_sizes(options: RunOptions, manifest: Manifest, world_size: int) -> t
     """(batch of one replica, microbatches, replicas): the options' values, else the build's
     and ``world_size / stages`` (Note [None is resolved where it is known] in ``fxpipe.runtime.options``)."""
     batch = options.batch_size or manifest.batch_size
-    microbatches = options.microbatches or int(manifest.extra.get("microbatches") or
-                                               max(manifest.batch_size // manifest.microbatch_size, 1))
+    microbatches = options.microbatches or manifest.microbatches
     check_divisible(batch, microbatches)
     stages = manifest.num_stages
     replicas = options.dp if options.dp is not None else max(world_size // stages, 1)
@@ -65,6 +64,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     """Train ``options.steps`` steps on this rank; rank 0 writes the record to ``out``
     (default ``build_dir/run.json``). Every rank returns the record."""
     manifest = Manifest.from_json(build_dir)
+    plan = read_build_plan(build_dir)
     source = model_source(build_dir, manifest)
     world = int(os.environ.get("WORLD_SIZE", manifest.num_stages))
     batch, microbatches, replicas = resolve_sizes(options, manifest, world)
@@ -107,8 +107,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             samples_per_second=samples / steady, schedule=options.schedule, microbatches=microbatches,
             batch_size=batch, lr=lr, world_size=runner.world_size, num_stages=manifest.num_stages,
             device=runner.device.type, backend=dist.get_backend(),
-            predicted_step_ms=predicted_step_ms(build_dir, options.schedule, microbatches, replicas, dp.comm_hook,
-                                                dp.powersgd_rank),
+            predicted_step_ms=None if plan is None else plan.predicted_step_ms(
+                options.schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
+                powersgd_rank=dp.powersgd_rank),
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
             dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
             shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,

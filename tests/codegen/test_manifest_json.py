@@ -20,7 +20,6 @@ def test_build_records_typed_fields_and_round_trips(example_build) -> None:
     assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 2 and "extra" not in data
     assert (data["microbatches"], data["training"], data["torch_version"]) == (3, True, torch.__version__)
     assert Manifest.from_json(out) == manifest
-    assert manifest.extra == {"microbatches": 3, "training": True, "torch": torch.__version__}  # deprecated view
 
 
 def test_microbatches_default_to_the_batch_over_the_microbatch(example_build) -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from fxpipe.errors import BuildDirError
-from fxpipe.runtime.record import RunRecord, predicted_step_ms
+from fxpipe.partitioner import plan_partition
+from fxpipe.runtime.record import RunRecord, read_build_plan
+from fxpipe.tracer import ModelProfile, Unit, UnitEdge
 
 # the fields run.json has always had (the record adds schema_version)
 RUN_JSON_FIELDS = {"losses", "step_seconds", "median_step_ms", "samples_per_second", "schedule", "microbatches",
@@ -37,19 +39,21 @@ def test_run_json_round_trip_keeps_every_field(tmp_path: Path) -> None:
 def test_bad_run_json_is_refused() -> None:
     with pytest.raises(BuildDirError, match="run.json schema version 2 is newer"):
         RunRecord.from_dict({**RECORD.to_dict(), "schema_version": 2})
-    with pytest.raises(BuildDirError, match="run.json is malformed: .*losses"):
+    with pytest.raises(BuildDirError, match="run.json: missing the field .losses."):
         RunRecord.from_dict({k: v for k, v in RECORD.to_dict().items() if k != "losses"})
 
 
-def test_predicted_step_is_only_reported_for_the_plans_replicas_and_hook(tmp_path: Path) -> None:
-    plan = {"microbatches": 2, "cost": {"dp_replicas": 2, "comm_hook": "fp16"},
-            "prediction": {"step_ms": {"1f1b": 3.5}}}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="fp16") == 3.5
-    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="allreduce") is None
-    assert predicted_step_ms(tmp_path, "1f1b", 2) is None  # priced for 2 replicas, run with 1
-    assert predicted_step_ms(tmp_path, "1f1b", 4, dp=2, comm_hook="fp16") is None
-    plan["cost"] = {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 1}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="powersgd", powersgd_rank=1) == 3.5
-    assert predicted_step_ms(tmp_path, "1f1b", 2, dp=2, comm_hook="powersgd", powersgd_rank=4) is None
+def test_the_build_plan_is_read_and_checked_before_training(tmp_path: Path) -> None:
+    # which configurations the prediction applies to: tests/partitioner/test_plan_json.py
+    assert read_build_plan(tmp_path) is None  # a build without plan.json trains, with no prediction
+    profile = ModelProfile(units=(Unit("a", "a", fwd_ms=1.0, bwd_ms=2.0), Unit("b", "b", fwd_ms=1.0, bwd_ms=2.0)),
+                           edges=(UnitEdge("a", "b", 64),), batch_size=2)
+    plan = plan_partition(profile, 2, microbatches=2)
+    plan.to_json(tmp_path / "plan.json")
+    loaded = read_build_plan(tmp_path)
+    assert loaded == plan and loaded.predicted_step_ms("1f1b", microbatches=2) == plan.step_ms
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["prediction"]["step_ms"]["1f1b"] = "fast"
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(BuildDirError, match=r"plan.json: plan prediction.step_ms\['1f1b'\]: expected a number"):
+        read_build_plan(tmp_path)

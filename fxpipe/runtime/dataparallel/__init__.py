@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe.runtime._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from fxpipe.runtime.dataparallel.hooks import hook_state_dict, load_hook_state_dict, make_comm_hook
