@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-import fxpipe.runtime.api as api
+import fxpipe.smp as api
 from fxpipe.errors import ConfigError
 from seedscripts import load_script
 
@@ -80,7 +80,7 @@ def _train_from_plan(plan_dir: str) -> dict[str, Any]:
     """``plan=DIR``: stages from a build made ahead of time, weights from the wrapped model."""
     from fxpipe.modelfile import load_model_file
 
-    source = load_model_file(Path(__file__).resolve().parents[3] / "examples" / "mlp.py")
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
     api.init({"partitions": 2, "microbatches": 2, "plan": plan_dir})
     torch.manual_seed(7)
     model = api.DistributedModel(source.build_model())
@@ -125,7 +125,7 @@ def tied_gpt_scenario() -> dict[str, Any]:
     """examples/gpt.py: a user-defined leaf (attention) and input/output embeddings tied across stages."""
     from fxpipe.modelfile import load_model_file
 
-    source = load_model_file(Path(__file__).resolve().parents[3] / "examples" / "gpt.py")
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
     api.init({"partitions": 2, "microbatches": 2})
     torch.manual_seed(0)
     model = source.build_model()            # built after init: leaf constructor arguments are recorded

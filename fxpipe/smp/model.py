@@ -2,13 +2,13 @@
 
 Before partitioning it holds the user's whole module (so ``model.parameters()`` can
 feed an optimizer, and a full ``load_state_dict`` goes straight into it). The first
-``model(...)`` inside a ``@step`` function partitions it (``fxpipe.runtime.api.build``)
+``model(...)`` inside a ``@step`` function partitions it (``fxpipe.smp.build``)
 with that microbatch as the example inputs; from then on ``model.module`` is this
 rank's stage, whose keys are the original model's, and the original module is
 released. ``model(...)`` and ``model.backward(...)`` then drive the pipeline through
-``StepDriver`` (see Note [user-driven schedule] in ``fxpipe.runtime.api.driver``).
+``StepDriver`` (see Note [user-driven schedule] in ``fxpipe.smp.driver``).
 With ``ddp: True`` and several replicas the stage is also wrapped in DDP over its
-data-parallel group (``fxpipe.runtime.api.replicas``).
+data-parallel group (``fxpipe.smp.replicas``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch.utils.hooks import RemovableHandle
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner import CostModel
-from fxpipe.runtime.api.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
-from fxpipe.runtime.api.driver import StepDriver, StepError
-from fxpipe.runtime.api.replicas import Replicas
-from fxpipe.runtime.api.state import current
+from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
+from fxpipe.smp.driver import StepDriver, StepError
+from fxpipe.smp.replicas import Replicas
+from fxpipe.smp.state import current
 from fxpipe.runtime.dataparallel import DataParallelOptions
 from fxpipe.runtime.dataparallel.hooks import CommHook
 from fxpipe.runtime.groups import build_groups
@@ -176,7 +176,7 @@ class DistributedModel(nn.Module):
         entry = self._param_names.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else None
 
-    # -- the step protocol (used by fxpipe.runtime.api.step) --------------------
+    # -- the step protocol (used by fxpipe.smp.step) --------------------
 
     def _begin_step(self) -> None:
         if self._in_step:

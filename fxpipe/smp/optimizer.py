@@ -38,9 +38,9 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.api.driver import StepError
-from fxpipe.runtime.api.model import PARTIAL_KEY
-from fxpipe.runtime.api.state import current
+from fxpipe.smp.driver import StepError
+from fxpipe.smp.model import PARTIAL_KEY
+from fxpipe.smp.state import current
 
 __all__ = ["DistributedOptimizer"]
 

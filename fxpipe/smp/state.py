@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
-from fxpipe.runtime.api.config import Config
+from fxpipe.smp.config import Config
 from fxpipe.runtime.groups import init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.tracer.pins import module_pins, observe_construction

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.api.state import current
+from fxpipe.smp.state import current
 
 __all__ = ["CheckpointError", "save", "load", "checkpoint_path"]
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpipe.runtime.api as api
-from fxpipe.runtime.api.amp import GradScaler
+import fxpipe.smp as api
+from fxpipe.smp.amp import GradScaler
 from fxpipe.runtime.dataparallel import optimizer_state_bytes
 
 VOCAB, WIDTH, SEQ = 11, 8, 4

@@ -33,7 +33,7 @@ import torch.nn as nn
 from fxpipe.codegen import Manifest, load_stage, write_build_dir
 from fxpipe.errors import ConfigError, FxpipeError
 from fxpipe.partitioner import CostModel, plan_partition
-from fxpipe.runtime.api.config import Config
+from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
 
 __all__ = ["TraceOptions", "StageBuild", "build_stage", "apply_partition_policy", "copy_module_values",
