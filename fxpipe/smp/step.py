@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from fxpipe.errors import ConfigError
-from fxpipe.smp.state import current
 from fxpipe.runtime.microbatch import split_targets
+from fxpipe.smp.state import current
 
 __all__ = ["step", "StepOutput"]
 

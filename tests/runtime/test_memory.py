@@ -87,7 +87,6 @@ def wide_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str,
     plan = plan_partition(traced.profile, 2, microbatches=micro)
     build = root / "build"
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
-    plan.to_json(build / "plan.json")
     runs = {s: run_build(build, steps=2, schedule=s, quiet=True, timeout_s=60) for s in ("gpipe", "1f1b")}
     return json.loads((build / "plan.json").read_text()), runs
 
