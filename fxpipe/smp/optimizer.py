@@ -83,11 +83,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
 
         optimizer = fxpipe.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     st = current()
     if st.optimizers.get(optimizer) is not None:
         return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     wrapped = WrappedOptimizer(optimizer)
     st.optimizers.add(wrapped)
     wrapped.install()

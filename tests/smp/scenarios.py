@@ -112,6 +112,7 @@ def _train_from_plan(plan_dir: str) -> dict[str, Any]:
 
 def footprint_job(rank: int, world: int) -> dict[str, Any]:
     """A first-step build and training; what it leaves in the temp folder and on ``nn.Module``, as it goes."""
+    import inspect
     import os
     import tempfile
 
@@ -146,6 +147,7 @@ def footprint_job(rank: int, world: int) -> dict[str, Any]:
     out.update(files_after_partitioning=fxpipe_files(), patched_after_partitioning=module_patched(),
                build_dir=model.build_dir, optimizer_methods=sorted(k for k in vars(opt) if callable(vars(opt)[k])),
                same_object=opt is sgd, optimizer_class=type(opt).__name__, lrs=lrs,
+               stage_source=inspect.getsource(type(model.module)).splitlines()[0],  # for tracebacks
                scheduler_warnings=[str(w.message) for w in caught if "lr_scheduler" in str(w.message)])
     api.shutdown(destroy_process_group=False)
     opt.step()  # a plain torch optimizer again (through the scheduler's own wrapper of step)
