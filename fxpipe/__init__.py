@@ -4,8 +4,8 @@ The package root re-exports the public API and nothing else:
 
 * the compiler: ``trace_model``, ``plan_partition``, ``write_build_dir``, ``load_stage``,
   ``load_pipeline``, ``verify_build``, ``PipelineRunner``;
-* the training API of the seed documents, so that ``import fxpipe as smp`` ports a
-  script written for ``smdistributed.modelparallel.torch``: ``init``, ``step``,
+* the training API of the seed documents (``fxpipe.smp``), so that ``import fxpipe as smp``
+  ports a script written for ``smdistributed.modelparallel.torch``: ``init``, ``step``,
   ``DistributedModel``, ``DistributedOptimizer``, ``partition``, ``save``, ``load``,
   ``rank``, ``size``, … and ``fxpipe.amp.GradScaler``.
 
@@ -22,7 +22,7 @@ from fxpipe.errors import FxpipeError
 
 __version__ = "0.1.0"
 
-_API = "fxpipe.runtime.api"
+_API = "fxpipe.smp"
 _LAZY: dict[str, str] = {
     # compiler
     "trace_model": "fxpipe.tracer",
@@ -48,7 +48,7 @@ _LAZY: dict[str, str] = {
         "StepError", "CheckpointError",
     )},
 }
-_SUBMODULES = {"amp", "tracer", "partitioner", "codegen", "runtime", "errors", "modelfile"}
+_SUBMODULES = {"amp", "smp", "tracer", "partitioner", "codegen", "runtime", "errors", "modelfile"}
 
 __all__ = ["FxpipeError", "__version__", "amp", *_LAZY]
 

@@ -168,19 +168,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from fxpipe.codegen import write_build_dir
-    from fxpipe.partitioner import print_plan_report, write_html_report
+    from fxpipe.codegen import check_build_target, write_build_dir
+    from fxpipe.partitioner import print_plan_report
 
     batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
+    out = Path(args.out)
+    check_build_target(out)  # before minutes of tracing; write_build_dir checks again
     source = _load_source(args)
     traced = _trace(args, source, batch // micro)
     plan = _plan(args, traced.profile, micro)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro)
-    traced.profile.to_json(out / "profile.json")
-    plan.to_json(out / "plan.json")
-    write_html_report(plan, traced.profile, out / "report.html")
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
     console.print(f"[green]wrote[/] build directory {out}/ ({plan.num_stages} stages; open {out}/report.html)")
@@ -200,14 +197,14 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fxpipe.partitioner import print_plan_report, write_html_report
+    from fxpipe.codegen import write_report
+    from fxpipe.partitioner import print_plan_report
 
     plan, profile = _load_plan_dir(args.build_dir)
     console = _console()
     print_plan_report(plan, profile, console=console)
     if args.html:
-        path = Path(args.build_dir) / "report.html"
-        write_html_report(plan, profile, path)
+        path = write_report(args.build_dir, plan, profile)
         console.print(f"[green]wrote[/] {path}")
     return 0
 

@@ -68,7 +68,6 @@ def _build(model_file: Path, out: Path, batch: int, microbatches: int, timing: s
     source, traced = _trace(model_file, batch, microbatches, timing)
     plan = plan_partition(traced.profile, STAGES, microbatches=microbatches)
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=microbatches)
-    plan.to_json(out / "plan.json")
     assert plan.prediction is not None
     return plan.prediction
 

@@ -51,7 +51,6 @@ def _build(model_file: Path, out: Path, batch: int, microbatches: int) -> None:
     traced = trace_model_file(source, batch // microbatches, measure_times=True)
     plan = plan_partition(traced.profile, 2, microbatches=microbatches)
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=microbatches)
-    plan.to_json(out / "plan.json")
 
 
 def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:

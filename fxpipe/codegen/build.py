@@ -1,8 +1,12 @@
-"""Write a build directory: ``stage_<i>.py``, ``stage_<i>.safetensors`` and ``manifest.json``.
+"""Write a whole build directory, atomically: stages, weights, manifest, plan, profile and report.
 
-``write_build_dir`` takes the tracer's ``TracedModel`` and the partitioner's plan;
-``emit_build`` is the same step on plain inputs (a normalized graph module, its
-model and a node -> stage map), which is what tests and other tools can call.
+``write_build_dir`` takes the tracer's ``TracedModel`` and the partitioner's plan and
+writes every file of a build (the layout in ARCHITECTURE.md); ``emit_build`` is the
+same step on plain inputs (a normalized graph module, its model and a node -> stage
+map) and writes the stages and the manifest, which is what tests and other tools can
+call. Both write into a sibling folder and swap it in only when complete (Note [build
+directory swap] in ``fxpipe.codegen.builddir``): a failure leaves the previous build
+as it was, and a new build leaves no stale file of the old one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.codegen.builddir import replace_file, staged_build_dir
 from fxpipe.codegen.emit import emit_stage
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.split import split_graph
@@ -23,15 +28,21 @@ from fxpipe.errors import CodegenError
 from fxpipe.modelfile import ModelSource, file_sha256
 
 if TYPE_CHECKING:
+    from fxpipe.partitioner.plan import PartitionPlan
+    from fxpipe.tracer.profile import ModelProfile
     from fxpipe.tracer.traced import TracedModel
 
-__all__ = ["write_build_dir", "emit_build"]
+__all__ = ["write_build_dir", "emit_build", "write_report"]
 
 
-def write_build_dir(traced: TracedModel, plan: Any, out_dir: str | Path, source: ModelSource | None, *,
+def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Path, source: ModelSource | None, *,
                     batch_size: int, microbatches: int) -> Manifest:
-    """Emit every stage of ``plan`` for ``traced`` into ``out_dir`` and return the manifest written.
+    """Write the whole build directory of ``plan`` for ``traced`` to ``out_dir``; return its manifest.
 
+    ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors``, ``manifest.json``,
+    ``plan.json``, ``profile.json`` and ``report.html``, and nothing else: it is replaced
+    as a whole once every file is written (a failure leaves it as it was). An ``out_dir``
+    that is a file, is not writable, or holds files of its own is a BuildDirError.
     ``batch_size`` is one pipeline replica's batch, cut into ``microbatches``; the model
     was traced at the microbatch size ``batch_size // microbatches``.
 
@@ -39,6 +50,8 @@ def write_build_dir(traced: TracedModel, plan: Any, out_dir: str | Path, source:
 
         manifest = write_build_dir(traced, plan, "build", source, batch_size=8, microbatches=2)
     """
+    from fxpipe.partitioner.html import render_html_report
+
     units_of_stage = [tuple(st.units) for st in plan.stages]
     stage_of_unit = {u: s for s, units in enumerate(units_of_stage) for u in units}
     missing = sorted({u for u in traced.unit_of_node.values() if u not in stage_of_unit})
@@ -46,10 +59,25 @@ def write_build_dir(traced: TracedModel, plan: Any, out_dir: str | Path, source:
         raise CodegenError(f"the plan places no stage for units {missing[:5]} of the traced model; "
                            "was it planned from another profile?")
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
-    return emit_build(traced.graph_module, traced.model, stage_of_node, plan.num_stages, out_dir, source=source,
-                      microbatch=traced.profile.batch_size, batch_size=batch_size, microbatches=microbatches,
-                      user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
-                      frontend=traced.frontend, units_of_stage=units_of_stage)
+    with staged_build_dir(out_dir) as staging:
+        manifest = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages, Path(out_dir),
+                               staging, source=source, microbatch=traced.profile.batch_size, batch_size=batch_size,
+                               microbatches=microbatches, user_leaf_args=traced.user_leaf_args,
+                               output_spec=traced.output_spec, frontend=traced.frontend,
+                               units_of_stage=units_of_stage)
+        plan.to_json(staging / "plan.json")
+        traced.profile.to_json(staging / "profile.json")
+        (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
+    return manifest
+
+
+def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfile) -> Path:
+    """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``); return its path."""
+    from fxpipe.partitioner.html import render_html_report
+
+    path = Path(build_dir) / "report.html"
+    replace_file(path, render_html_report(plan, profile))
+    return path
 
 
 def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
@@ -57,12 +85,24 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
                microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None = None,
                output_spec: Any = None, frontend: str = "symbolic",
                units_of_stage: list[tuple[str, ...]] | None = None) -> Manifest:
-    """Split ``gm`` by ``stage_of_node`` and write the build directory (see ``write_build_dir``)."""
+    """Split ``gm`` by ``stage_of_node`` and write the stages and the manifest to ``out_dir``,
+    replacing it as a whole (see ``write_build_dir``)."""
+    with staged_build_dir(out_dir) as staging:
+        return _emit_files(gm, model, stage_of_node, num_stages, Path(out_dir), staging, source=source,
+                           microbatch=microbatch, batch_size=batch_size, microbatches=microbatches,
+                           user_leaf_args=user_leaf_args, output_spec=output_spec, frontend=frontend,
+                           units_of_stage=units_of_stage)
+
+
+def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
+                out: Path, staging: Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
+                microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
+                output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None) -> Manifest:
+    """Write the stage files and the manifest into ``staging``; paths in them are relative to
+    ``out``, the directory ``staging`` becomes."""
     if batch_size != microbatch * microbatches:
         raise CodegenError(f"the model was traced at microbatch {microbatch}, but batch_size {batch_size} / "
                            f"microbatches {microbatches} is not that; trace at batch_size // microbatches")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     split = split_graph(gm, stage_of_node, num_stages, alias_chooser(gm, model))
     constants = set(gm.meta.get("fxpipe_constants", ()))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
@@ -73,7 +113,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
         states.append(state)
         src = emit_stage(sg, state, gm, split, num_stages=num_stages, microbatch=microbatch, model_label=label,
                          user_leaf_args=user_leaf_args or {}, module_order=order, build_dir=out)
-        py, st = out / f"stage_{sg.index}.py", out / f"stage_{sg.index}.safetensors"
+        py, st = staging / f"stage_{sg.index}.py", staging / f"stage_{sg.index}.safetensors"
         py.write_text(src.text)
         save_weights(state, st)
         units = units_of_stage[sg.index] if units_of_stage else ()
@@ -90,7 +130,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
         ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
         frontend=frontend, output_spec=_dump_spec(output_spec),
         microbatches=microbatches, training=model.training, torch_version=torch.__version__)
-    manifest.to_json(out / "manifest.json")
+    manifest.to_json(staging / "manifest.json")
     return manifest
 
 
@@ -103,5 +143,5 @@ def _dump_spec(spec: Any) -> str | None:
         return treespec_dumps(spec)
     except Exception as exc:  # a container type pytree cannot serialize: outputs stay a flat tuple
         warnings.warn(f"cannot serialize the model's output structure ({exc}); load_pipeline will return a flat "
-                      "tuple of tensors", stacklevel=3)
+                      "tuple of tensors", stacklevel=4)
         return None

@@ -20,7 +20,7 @@ actions (``StepDriver``) posts each action's sends right away, since the user's 
 may block on something the peers can only reach after receiving them.
 
 Used by ``fxpipe.runtime.executor`` (a schedule's actions, ``loss_fn`` on the last
-stage) and ``fxpipe.runtime.api.driver`` (the user's ``@step`` function).
+stage) and ``fxpipe.smp.driver`` (the user's ``@step`` function).
 """
 
 from __future__ import annotations

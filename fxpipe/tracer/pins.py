@@ -3,58 +3,28 @@
 Modules *constructed* inside the block are pinned to stage ``i``; nested blocks win
 (innermost is on top of the stack). Pins live in a ``WeakKeyDictionary`` keyed by the
 module object, so they follow the module wherever it is attached and vanish with it.
-
-Construction is observed by temporarily giving ``nn.Module`` a ``__new__`` that reports
-each new instance (and its constructor arguments) to the active observers; the same
-mechanism records constructor arguments in :mod:`fxpipe.tracer.record`. The ``__new__``
-is installed on first use and then stays (a no-op without observers): CPython cannot
-cleanly take a ``__new__`` off a class again; after ``del`` subclasses called with
-arguments fail with "object.__new__() takes exactly one argument".
+Construction is observed only while a block is open (Note [observing construction] in
+:mod:`fxpipe.tracer.construction`): outside, ``nn.Module`` is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch.nn as nn
 
 from fxpipe.errors import PinError
+from fxpipe.tracer.construction import observe_construction
 
-__all__ = ["partition", "pin_of", "module_pins", "pin_for_path", "observe_construction"]
-
-Observer = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]
+__all__ = ["partition", "pin_of", "module_pins", "pin_for_path"]
 
 _PINS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-_lock = threading.RLock()
-_observers: list[Observer] = []
 _pin_stack: list[int] = []
 
 
-def _observing_new(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
-    obj: nn.Module = object.__new__(cls)  # arguments go to __init__, as with object.__new__
-    for observer in list(_observers):
-        observer(obj, args, kwargs)
-    return obj
-
-
-@contextlib.contextmanager
-def observe_construction(observer: Observer) -> Iterator[None]:
-    """Call ``observer(module, args, kwargs)`` for every ``nn.Module`` created inside the block."""
-    with _lock:
-        if nn.Module.__dict__.get("__new__") is not _observing_new:
-            nn.Module.__new__ = _observing_new  # type: ignore[method-assign,assignment]
-        _observers.append(observer)
-    try:
-        yield
-    finally:
-        with _lock:
-            _observers.remove(observer)
-
-
-def _pin_new_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _pin_new_module(module: nn.Module, _: Any) -> None:
     if _pin_stack:
         _PINS[module] = _pin_stack[-1]
 

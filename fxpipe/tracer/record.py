@@ -3,22 +3,23 @@
 A stage file that keeps a user-defined leaf module (one the tracer could not look
 into) has to construct it again, so it needs the ``(args, kwargs)`` its ``__init__``
 received. :func:`build_model_recorded` watches every ``nn.Module`` constructed while the
-factory runs and maps the objects to their paths in the finished model.
+factory runs (Note [observing construction] in :mod:`fxpipe.tracer.construction`) and
+maps the objects to their paths in the finished model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Iterator
 
 import torch.nn as nn
 
-from fxpipe.tracer.pins import module_pins, observe_construction
+from fxpipe.tracer.construction import CtorArgs, observe_construction
+from fxpipe.tracer.pins import module_pins
 
-__all__ = ["BuildRecord", "build_model_recorded"]
-
-CtorArgs = tuple[tuple[Any, ...], dict[str, Any]]
+__all__ = ["BuildRecord", "build_model_recorded", "record_constructors"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,18 @@ class BuildRecord:
     pins: dict[str, int] = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def record_constructors(into: weakref.WeakKeyDictionary[nn.Module, CtorArgs]) -> Iterator[None]:
+    """Put ``module -> (args, kwargs)`` into ``into`` for every module constructed inside the block."""
+
+    def remember(module: nn.Module, ctor: CtorArgs | None) -> None:
+        if ctor is not None:
+            into[module] = ctor
+
+    with observe_construction(remember, arguments=True):
+        yield
+
+
 def build_model_recorded(factory: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord]:
     """Call ``factory()`` and return the model with its :class:`BuildRecord`.
 
@@ -42,11 +55,7 @@ def build_model_recorded(factory: Callable[[], nn.Module]) -> tuple[nn.Module, B
         record.ctor_args["blocks.0.attn"]  # ((32, 4, 16), {})
     """
     seen: weakref.WeakKeyDictionary[nn.Module, CtorArgs] = weakref.WeakKeyDictionary()
-
-    def remember(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen[module] = (tuple(args), dict(kwargs))
-
-    with observe_construction(remember):
+    with record_constructors(seen):
         model = factory()
     ctor_args = {path: seen[m] for path, m in model.named_modules(remove_duplicate=False) if m in seen}
     return model, BuildRecord(ctor_args=ctor_args, pins=module_pins(model))

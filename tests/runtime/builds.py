@@ -20,7 +20,6 @@ def make_build(name: str, out_dir: Path, stages: int, batch_size: int, microbatc
     traced = trace_model_file(source, batch_size // microbatches)
     plan = plan_partition(traced.profile, stages, microbatches=microbatches)
     write_build_dir(traced, plan, out_dir, source, batch_size=batch_size, microbatches=microbatches)
-    plan.to_json(out_dir / "plan.json")
     return out_dir
 
 

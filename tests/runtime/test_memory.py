@@ -88,7 +88,6 @@ def wide_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str,
     plan = plan_partition(traced.profile, 2, microbatches=micro)
     build = root / "build"
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
-    plan.to_json(build / "plan.json")
     runs = {s: run_build(build, RunOptions(steps=2, schedule=s, timeout_s=60), quiet=True) for s in ("gpipe", "1f1b")}
     return json.loads((build / "plan.json").read_text()), runs
 

@@ -98,7 +98,7 @@ def test_prebuilt_plan_trains_the_wrapped_model(training: Any) -> None:
     values, _ = training
     from fxpipe.modelfile import load_model_file
 
-    source = load_model_file(Path(__file__).resolve().parents[3] / "examples" / "mlp.py")
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
     torch.manual_seed(7)
     model = source.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
@@ -151,7 +151,7 @@ def test_tied_weights_across_stages(checkpoints: Any) -> None:
     values, _ = checkpoints
     from fxpipe.modelfile import load_model_file
 
-    source = load_model_file(Path(__file__).resolve().parents[3] / "examples" / "gpt.py")
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
     torch.manual_seed(0)
     model = source.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

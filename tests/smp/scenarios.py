@@ -7,14 +7,13 @@ spawned jobs small.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import fxpipe.runtime.api as api
+import fxpipe.smp as api
 from fxpipe.errors import ConfigError
 from seedscripts import load_script
 
@@ -64,8 +63,7 @@ def training_job(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
 
     adam_cfg = {"partitions": 2, "microbatches": 2, "pipeline": "simple", "optimize": "memory"}
     out["adam"] = script.main(adam_cfg, "adam")
-    build_dir = api.state.current().model.build_dir
-    out["adam_plan_optimize"] = json.loads((build_dir / "plan.json").read_text())["optimize"]
+    out["adam_plan_optimize"] = api.state.current().model.plan.optimize
     api.shutdown(destroy_process_group=False)
 
     out["manual"] = load_script("manual_partition").main()
@@ -76,11 +74,23 @@ def training_job(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
     return out
 
 
+def _step_function(source: Any) -> Any:
+    """The model file's training step (forward, loss, backward) as a ``@step`` function."""
+
+    @api.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = source.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def _train_from_plan(plan_dir: str) -> dict[str, Any]:
     """``plan=DIR``: stages from a build made ahead of time, weights from the wrapped model."""
     from fxpipe.modelfile import load_model_file
 
-    source = load_model_file(Path(__file__).resolve().parents[3] / "examples" / "mlp.py")
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
     api.init({"partitions": 2, "microbatches": 2, "plan": plan_dir})
     torch.manual_seed(7)
     model = api.DistributedModel(source.build_model())
@@ -90,12 +100,7 @@ def _train_from_plan(plan_dir: str) -> dict[str, Any]:
     handle_removed = model.register_post_partition_hook(lambda m: hook_calls.append("removed"))
     handle_removed.remove()
 
-    @api.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = source.loss_fn(model(x), y)
-        model.backward(loss)
-        return loss
-
+    train_step = _step_function(source)
     losses = []
     for _ in range(3):
         opt.zero_grad()
@@ -103,6 +108,52 @@ def _train_from_plan(plan_dir: str) -> dict[str, Any]:
         opt.step()
     handle.remove()
     return {"losses": losses, "hook_calls": hook_calls, "state_dict": model.state_dict()}
+
+
+def footprint_job(rank: int, world: int) -> dict[str, Any]:
+    """A first-step build and training; what it leaves in the temp folder and on ``nn.Module``, as it goes."""
+    import inspect
+    import os
+    import tempfile
+
+    from fxpipe.modelfile import load_model_file
+
+    def fxpipe_files() -> list[str]:
+        return sorted(name for name in os.listdir(tempfile.gettempdir()) if "fxpipe" in name)
+
+    def module_patched() -> bool:
+        return "__new__" in torch.nn.Module.__dict__ or torch.nn.Module.__dict__["__init__"] is not original
+
+    original = torch.nn.Module.__dict__["__init__"]
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
+    api.init({"partitions": 2, "microbatches": 2})
+    out: dict[str, Any] = {"patched_after_init": module_patched()}  # constructor arguments are being recorded
+    model = api.DistributedModel(source.build_model())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = api.DistributedOptimizer(sgd)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    train_step = _step_function(source)
+    lrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            train_step(model, source.example_inputs(8)[0], source.example_targets(8))
+            opt.step()
+            scheduler.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    api.barrier()
+    out.update(files_after_partitioning=fxpipe_files(), patched_after_partitioning=module_patched(),
+               build_dir=model.build_dir, optimizer_methods=sorted(k for k in vars(opt) if callable(vars(opt)[k])),
+               same_object=opt is sgd, optimizer_class=type(opt).__name__, lrs=lrs,
+               stage_source=inspect.getsource(type(model.module)).splitlines()[0],  # for tracebacks
+               scheduler_warnings=[str(w.message) for w in caught if "lr_scheduler" in str(w.message)])
+    api.shutdown(destroy_process_group=False)
+    opt.step()  # a plain torch optimizer again (through the scheduler's own wrapper of step)
+    out.update(patched_after_shutdown=module_patched(),
+               optimizer_methods_after_shutdown=sorted(k for k in vars(opt) if callable(vars(opt)[k])))
+    return out
 
 
 def checkpoint_job(rank: int, world: int, directory: str) -> dict[str, Any]:
@@ -125,7 +176,7 @@ def tied_gpt_scenario() -> dict[str, Any]:
     """examples/gpt.py: a user-defined leaf (attention) and input/output embeddings tied across stages."""
     from fxpipe.modelfile import load_model_file
 
-    source = load_model_file(Path(__file__).resolve().parents[3] / "examples" / "gpt.py")
+    source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
     api.init({"partitions": 2, "microbatches": 2})
     torch.manual_seed(0)
     model = source.build_model()            # built after init: leaf constructor arguments are recorded
@@ -133,12 +184,7 @@ def tied_gpt_scenario() -> dict[str, Any]:
     model = api.DistributedModel(model)
     opt = api.DistributedOptimizer(opt)
 
-    @api.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = source.loss_fn(model(x), y)
-        model.backward(loss)
-        return loss
-
+    train_step = _step_function(source)
     x, y = source.example_inputs(4)[0], source.example_targets(4)
     losses = []
     for _ in range(3):

@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpipe.runtime.api as api
-from fxpipe.runtime.api.amp import GradScaler
+import fxpipe.smp as api
+from fxpipe.smp.amp import GradScaler
+from fxpipe.smp.optimizer import sharded_optimizer
 from fxpipe.runtime.dataparallel import optimizer_state_bytes
 
 VOCAB, WIDTH, SEQ = 11, 8, 4
@@ -130,13 +131,14 @@ def allreduce_and_zero(out: dict[str, Any], rank: int) -> None:
         model, opt = session(config, seed=rank // PARTITIONS)  # DDP starts every replica from replica 0's
         out[name] = {"losses": train(model, opt, range(3)), "state": model.state_dict(),
                      "optimizer": opt.state_dict(), "local": _local_state(model),
-                     "state_bytes": optimizer_state_bytes(opt._fxpipe_zero or opt)}
+                     "state_bytes": optimizer_state_bytes(sharded_optimizer(opt) or opt)}
         if name == "allreduce":
             out["ranks"] = _ranks()
-            out["plan_cost"] = json.loads((model.build_dir / "plan.json").read_text())["cost"]
+            out["plan_cost"] = json.loads(model.plan.to_json())["cost"]
         # drop the (sharded) momentum, load the full state dict back, and take a 4th step
         full = opt.state_dict()
-        (opt._fxpipe_zero.optim if opt._fxpipe_zero is not None else opt).state.clear()
+        zero = sharded_optimizer(opt)
+        (zero.optim if zero is not None else opt).state.clear()
         opt.load_state_dict(full)
         train(model, opt, range(3, 4))
         out[name]["reloaded"] = _local_state(model)

@@ -7,14 +7,14 @@ point-to-point, runtime schedules), with DDP over the data-parallel replicas whe
 See the porting section of README.md and docs/dataparallel.md.
 """
 
-from fxpipe.runtime.api.amp import GradScaler
-from fxpipe.runtime.api.build import apply_partition_policy
-from fxpipe.runtime.api.checkpoint import CheckpointError, load, save
-from fxpipe.runtime.api.config import Config
-from fxpipe.runtime.api.driver import StepError
-from fxpipe.runtime.api.model import PARTIAL_KEY, DDPOptions, DistributedModel
-from fxpipe.runtime.api.optimizer import DistributedOptimizer
-from fxpipe.runtime.api.state import (
+from fxpipe.smp.amp import GradScaler
+from fxpipe.smp.build import apply_partition_policy
+from fxpipe.smp.checkpoint import CheckpointError, load, save
+from fxpipe.smp.config import Config
+from fxpipe.smp.driver import StepError
+from fxpipe.smp.model import PARTIAL_KEY, DDPOptions, DistributedModel
+from fxpipe.smp.optimizer import DistributedOptimizer
+from fxpipe.smp.state import (
     barrier,
     broadcast,
     dp_rank,
@@ -33,7 +33,7 @@ from fxpipe.runtime.api.state import (
     shutdown,
     size,
 )
-from fxpipe.runtime.api.step import StepOutput, step
+from fxpipe.smp.step import StepOutput, step
 from fxpipe.tracer.pins import partition
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.api.state import current, is_initialized
+from fxpipe.smp.state import current, is_initialized
 
 __all__ = ["GradScaler"]
 

@@ -18,14 +18,10 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import FxpipeError
-from fxpipe.runtime.api.state import current
+from fxpipe.errors import CheckpointError
+from fxpipe.smp.state import current
 
 __all__ = ["CheckpointError", "save", "load", "checkpoint_path"]
-
-
-class CheckpointError(FxpipeError):
-    """A checkpoint is missing, unreadable or holds more than plain data."""
 
 
 def checkpoint_path(f: str | os.PathLike[str], partial: bool) -> Path:

@@ -2,13 +2,13 @@
 
 Before partitioning it holds the user's whole module (so ``model.parameters()`` can
 feed an optimizer, and a full ``load_state_dict`` goes straight into it). The first
-``model(...)`` inside a ``@step`` function partitions it (``fxpipe.runtime.api.build``)
+``model(...)`` inside a ``@step`` function partitions it (``fxpipe.smp.build``)
 with that microbatch as the example inputs; from then on ``model.module`` is this
 rank's stage, whose keys are the original model's, and the original module is
 released. ``model(...)`` and ``model.backward(...)`` then drive the pipeline through
-``StepDriver`` (see Note [user-driven schedule] in ``fxpipe.runtime.api.driver``).
+``StepDriver`` (see Note [user-driven schedule] in ``fxpipe.smp.driver``).
 With ``ddp: True`` and several replicas the stage is also wrapped in DDP over its
-data-parallel group (``fxpipe.runtime.api.replicas``).
+data-parallel group (``fxpipe.smp.replicas``).
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
-from fxpipe.partitioner import CostModel
-from fxpipe.runtime.api.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
-from fxpipe.runtime.api.driver import StepDriver, StepError
-from fxpipe.runtime.api.replicas import Replicas
-from fxpipe.runtime.api.state import current
+from fxpipe.partitioner import CostModel, PartitionPlan
 from fxpipe.runtime.dataparallel import DataParallelOptions
 from fxpipe.runtime.dataparallel.hooks import CommHook
 from fxpipe.runtime.groups import build_groups
 from fxpipe.runtime.p2p import P2P
 from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.ties import sync_tied_grads
+from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
+from fxpipe.smp.driver import StepDriver, StepError
+from fxpipe.smp.replicas import Replicas
+from fxpipe.smp.state import current
 
 __all__ = ["DistributedModel", "DDPOptions", "PARTIAL_KEY"]
 
@@ -106,8 +106,15 @@ class DistributedModel(nn.Module):
         return self._require_partitioned("manifest").manifest
 
     @property
-    def build_dir(self) -> Path:
-        """This rank's build directory (manifest, plan, its stage's files), after partitioning."""
+    def plan(self) -> PartitionPlan | None:
+        """The partition plan (after partitioning; ``None`` for a ``plan`` directory without plan.json)."""
+        return self._require_partitioned("plan").plan
+
+    @property
+    def build_dir(self) -> Path | None:
+        """The build directory this rank's stage was loaded from: the config's ``plan``, after
+        partitioning. ``None`` for a build made at the first step, which is not kept on disk
+        (Note [one plan for every rank] in ``fxpipe.smp.build``): see ``manifest`` and ``plan``."""
         return self._require_partitioned("build_dir").build_dir
 
     def _require_partitioned(self, what: str) -> StageBuild:
@@ -161,8 +168,8 @@ class DistributedModel(nn.Module):
             self._pending_partial = None
             self.load_state_dict({**state, PARTIAL_KEY: True}, strict=strict)
         self.replicas.attach(self.module, st.dp_group, st.device)  # replicas start from replica 0's weights
-        for opt in st.optimizers:
-            opt._fxpipe_localize(self)
+        for wrapped in st.optimizers:
+            wrapped.localize(self)
         self.replicas.start_join(self._joinables())
         for hook in list(self._post_hooks.values()):
             hook(self)
@@ -176,7 +183,7 @@ class DistributedModel(nn.Module):
         entry = self._param_names.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else None
 
-    # -- the step protocol (used by fxpipe.runtime.api.step) --------------------
+    # -- the step protocol (used by fxpipe.smp.step) --------------------
 
     def _begin_step(self) -> None:
         if self._in_step:
@@ -258,7 +265,7 @@ class DistributedModel(nn.Module):
         self.replicas.load_hook_state_dict(state)
 
     def _joinables(self) -> list[Any]:
-        return [zero for opt in current().optimizers if (zero := getattr(opt, "_fxpipe_zero", None)) is not None]
+        return [wrapped.zero for wrapped in current().optimizers if wrapped.zero is not None]
 
     def join(self, enable: bool = True) -> contextlib.AbstractContextManager[None]:
         """DDP's ``join`` for replicas with uneven numbers of steps (sharded optimizers join too).

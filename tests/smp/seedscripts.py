@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SCRIPTS = Path(__file__).resolve().parents[3] / "examples" / "seed_scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "seed_scripts"
 
 
 def load_script(name: str) -> ModuleType:

@@ -13,27 +13,56 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
-from fxpipe.runtime.api.config import Config
 from fxpipe.runtime.groups import init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
-from fxpipe.tracer.pins import module_pins, observe_construction
-from fxpipe.tracer.record import BuildRecord
+from fxpipe.smp.config import Config
+from fxpipe.tracer.pins import module_pins
+from fxpipe.tracer.record import BuildRecord, record_constructors
+
+if TYPE_CHECKING:
+    from fxpipe.smp.optimizer import WrappedOptimizer
 
 __all__ = [
     "init", "is_initialized", "is_tracing", "rank", "size", "local_rank", "local_size", "mp_rank", "mp_size",
     "dp_rank", "dp_size", "barrier", "broadcast", "get_world_process_group", "get_mp_process_group",
-    "get_dp_process_group", "current", "shutdown", "APIState",
+    "get_dp_process_group", "current", "shutdown", "APIState", "OptimizerRegistry",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+class OptimizerRegistry:
+    """The optimizers given to ``DistributedOptimizer``, each with its fxpipe bookkeeping
+    (Note [optimizer in place] in ``fxpipe.smp.optimizer``), by identity, in the order wrapped."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[int, WrappedOptimizer] = {}
+
+    def add(self, wrapped: WrappedOptimizer) -> None:
+        self._wrapped[id(wrapped.optimizer)] = wrapped
+
+    def get(self, optimizer: Any) -> WrappedOptimizer | None:
+        """The bookkeeping of ``optimizer``, or ``None`` if it was not wrapped."""
+        wrapped = self._wrapped.get(id(optimizer))
+        return wrapped if wrapped is not None and wrapped.optimizer is optimizer else None
+
+    def __iter__(self) -> Iterator[WrappedOptimizer]:
+        return iter(list(self._wrapped.values()))
+
+    def clear(self) -> None:
+        """Forget every optimizer, taking fxpipe's methods off each."""
+        for wrapped in self:
+            wrapped.uninstall()
+        self._wrapped.clear()
 
 
 @dataclass
@@ -52,7 +81,7 @@ class APIState:
     timeout_s: float = DEFAULT_TIMEOUT_S
     tracing: bool = False
     model: Any = None                                  # the one DistributedModel
-    optimizers: list[Any] = field(default_factory=list)  # DistributedOptimizers to localize after partitioning
+    optimizers: OptimizerRegistry = field(default_factory=OptimizerRegistry)  # localized after partitioning
     constructed: Any = field(default_factory=weakref.WeakKeyDictionary)  # module -> (args, kwargs) since init
     recorder: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -60,14 +89,13 @@ class APIState:
         """Constructor arguments of ``model``'s submodules built after ``init``, and its ``partition`` pins.
 
         The tracer keeps modules it cannot look into as leaves, and a stage file has to
-        construct such a leaf again, with the arguments its ``__init__`` got.
+        construct such a leaf again, with the arguments its ``__init__`` got. Recording
+        stops here: the model is built, and ``nn.Module`` is left as it was.
         """
+        self.recorder.close()
         ctor_args = {path: self.constructed[m] for path, m in model.named_modules(remove_duplicate=False)
                      if m in self.constructed}
         return BuildRecord(ctor_args=ctor_args, pins=module_pins(model))
-
-    def _remember(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.constructed[module] = (tuple(args), dict(kwargs))
 
     @property
     def mp_rank(self) -> int:
@@ -112,7 +140,7 @@ def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torc
     owns = init_process_group(dev, timeout_s)
     mp_group, dp_group = _make_groups(layout, rank)
     _STATE = APIState(cfg, layout, rank, world, local, dev, mp_group, dp_group, owns, timeout_s)
-    _STATE.recorder.enter_context(observe_construction(_STATE._remember))
+    _STATE.recorder.enter_context(record_constructors(_STATE.constructed))  # until partitioning or shutdown
 
 
 def _make_groups(layout: RankLayout, rank: int) -> tuple[Any, Any]:
@@ -138,6 +166,7 @@ def shutdown(destroy_process_group: bool = True) -> None:
     global _STATE
     if _STATE is not None:
         _STATE.recorder.close()
+        _STATE.optimizers.clear()
     if _STATE is not None and _STATE.owns_group and destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE = None

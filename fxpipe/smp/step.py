@@ -4,7 +4,7 @@ The decorated function is called once per microbatch with its arguments cut alon
 dim 0 (tensors without a batch dim and other objects are passed whole). Its return
 values come back as ``StepOutput``s holding the per-microbatch values of the *last*
 stage, which computes the real outputs and loss, broadcast to every rank of the
-pipeline (other stages only see placeholders; see ``fxpipe.runtime.api.driver``).
+pipeline (other stages only see placeholders; see ``fxpipe.smp.driver``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.api.state import current
 from fxpipe.runtime.microbatch import split_targets
+from fxpipe.smp.state import current
 
 __all__ = ["step", "StepOutput"]
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError, FxpipeError
-from fxpipe.runtime.api import CheckpointError, Config, StepOutput, apply_partition_policy, load, partition
-from fxpipe.runtime.api.checkpoint import save
+from fxpipe.smp import CheckpointError, Config, StepOutput, apply_partition_policy, load, partition
+from fxpipe.smp.checkpoint import save
 from fxpipe.tracer import trace_model
 
 
@@ -104,7 +104,7 @@ def test_load_refuses_pickled_code(tmp_path, monkeypatch) -> None:
 
 
 def test_save_is_atomic_and_round_trips(tmp_path, monkeypatch) -> None:
-    from fxpipe.runtime.api import state
+    from fxpipe.smp import state
 
     class _Fake:  # the two fields save/load read, without a process group
         rank = 0
@@ -120,7 +120,7 @@ def test_save_is_atomic_and_round_trips(tmp_path, monkeypatch) -> None:
 
 
 def test_api_needs_init() -> None:
-    from fxpipe.runtime.api import DistributedModel, rank
+    from fxpipe.smp import DistributedModel, rank
 
     for call in (rank, lambda: DistributedModel(nn.Linear(2, 2))):
         with pytest.raises(FxpipeError, match=r"fxpipe.init\(config\) has not been called"):
@@ -130,7 +130,7 @@ def test_api_needs_init() -> None:
 def test_package_root_exposes_the_seed_surface() -> None:
     """`import fxpipe as smp` must offer every name a seed script uses."""
     import fxpipe
-    import fxpipe.runtime.api as api
+    import fxpipe.smp as api
 
     seed_names = set(api.__all__) - {"PARTIAL_KEY", "Config", "DDPOptions", "GradScaler", "apply_partition_policy"}
     missing = sorted(n for n in seed_names if not hasattr(fxpipe, n))

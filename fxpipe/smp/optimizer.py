@@ -4,11 +4,20 @@ Note [optimizer in place]: in the seed's scripts the optimizer is built over
 ``model.parameters()`` *before* the first step partitions the model. Rather than
 returning a new object (which LR schedulers and GradScalers built over the old one
 would not see), ``DistributedOptimizer(opt)`` returns ``opt`` itself, with its class
-switched to a subclass that adds the seed's methods: it stays an instance of its
-own optimizer class (``isinstance(opt, torch.optim.SGD)`` holds). Right after
-partitioning each param group's ``params`` is replaced by the stage's parameters
-with the same original keys, and the group's options (lr, momentum, ...) and any
-state are kept: the same class and defaults, rebuilt over the local parameters.
+untouched (``type(opt)`` is still ``torch.optim.SGD``). What fxpipe keeps for it (the
+original key of every parameter per group, a partial state loaded before
+partitioning, the ZeRO shard) is a ``WrappedOptimizer`` in the API state's
+``OptimizerRegistry``, not attributes on the user's object. Right after partitioning
+each param group's ``params`` is replaced by the stage's parameters with the same
+original keys, and the group's options (lr, momentum, ...) and any state are kept.
+
+The seed API's methods must work on that very object, and torch's optimizer hooks
+cannot give them: a step hook cannot replace the step by the ZeRO optimizer's, a
+``load_state_dict`` pre-hook cannot put a partial state aside until partitioning, and
+there is no ``local_state_dict``. So ``step``, ``state_dict``, ``local_state_dict`` and
+``load_state_dict`` are bound on the instance (as torch's LR schedulers bind
+``optimizer.step``); each looks its ``WrappedOptimizer`` up in the registry, and
+``fxpipe.shutdown()`` removes them again.
 
 State dicts: ``local_state_dict()`` is torch's own plus the seed's ``_smp_is_partial``
 marker and ``param_names`` (the original key of each local parameter, per group);
@@ -31,27 +40,22 @@ and are collective over the data-parallel group (call them on every rank, save o
 from __future__ import annotations
 
 import inspect
-from typing import Any, cast
+import types
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.api.driver import StepError
-from fxpipe.runtime.api.model import PARTIAL_KEY
-from fxpipe.runtime.api.state import current
+from fxpipe.smp.driver import StepError
+from fxpipe.smp.model import PARTIAL_KEY
+from fxpipe.smp.state import current, is_initialized
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "WrappedOptimizer", "sharded_optimizer"]
 
-_CLASSES: dict[type, type] = {}
 _NAMES = "param_names"
-
-
-def _subclass(base: type) -> type:
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"Distributed{base.__name__}", (DistributedOptimizer, base), {})
-    return _CLASSES[base]
+_SEED_METHODS = ("step", "state_dict", "local_state_dict", "load_state_dict")
 
 
 def _to_cpu(x: Any) -> Any:
@@ -72,47 +76,95 @@ def _constructor_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in defaults.items() if k in params}
 
 
-class DistributedOptimizer:
+def DistributedOptimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:  # noqa: N802 - the seed's name
     """Make ``optimizer`` pipeline-aware (see Note [optimizer in place]); returns the same object.
 
     Example::
 
         optimizer = fxpipe.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
     """
-
-    _fxpipe_keys: list[list[str]] | None
-    _fxpipe_pending: dict[str, Any] | None
-    _fxpipe_zero: ZeroRedundancyOptimizer | None
-
-    def __new__(cls, optimizer: torch.optim.Optimizer) -> Any:
-        if isinstance(optimizer, DistributedOptimizer):
-            return optimizer
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        st = current()
-        optimizer.__class__ = _subclass(type(optimizer))
-        opt = cast(DistributedOptimizer, optimizer)  # its class now derives from DistributedOptimizer too
-        opt._fxpipe_keys = None       # original keys per group, all parameters (after localizing)
-        opt._fxpipe_pending = None    # a partial state dict loaded before partitioning
-        opt._fxpipe_zero = None       # the sharded optimizer (Note [sharded optimizer state])
-        st.optimizers.append(optimizer)
-        if st.model is not None and st.model.partitioned:
-            opt._fxpipe_localize(st.model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    st = current()
+    if st.optimizers.get(optimizer) is not None:
         return optimizer
+    wrapped = WrappedOptimizer(optimizer)
+    st.optimizers.add(wrapped)
+    wrapped.install()
+    if st.model is not None and st.model.partitioned:
+        wrapped.localize(st.model)
+    return optimizer
+
+
+def sharded_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer | None:
+    """The ZeRO optimizer that holds ``optimizer``'s state shard (Note [sharded optimizer state]), if any."""
+    wrapped = current().optimizers.get(optimizer)
+    return wrapped.zero if wrapped is not None else None
+
+
+def _seed_method(name: str) -> Callable[..., Any]:
+    """``optimizer.<name>(...)`` -> the same method of its ``WrappedOptimizer``, bound on the optimizer so
+    that an LR scheduler's re-binding of ``optimizer.step`` (``step.__func__.__get__(optimizer)``) still works."""
+
+    def method(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        wrapped = current().optimizers.get(optimizer) if is_initialized() else None
+        if wrapped is not None:
+            return getattr(wrapped, name)(*args, **kwargs)
+        if hasattr(type(optimizer), name):  # after shutdown (through an LR scheduler's wrapper): plain torch
+            return getattr(type(optimizer), name)(optimizer, *args, **kwargs)
+        raise ConfigError(f"optimizer.{name}() of a DistributedOptimizer after fxpipe.shutdown(): wrap the "
+                          "optimizer again after fxpipe.init")
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = getattr(WrappedOptimizer, name).__doc__
+    return method
+
+
+class WrappedOptimizer:
+    """fxpipe's bookkeeping for one optimizer given to ``DistributedOptimizer``, and the seed's methods.
+
+    ``keys``: the original key of every parameter, per group (``None`` until partitioning);
+    ``local_names``: those of this stage's parameters; ``pending``: a partial state dict
+    loaded before partitioning; ``zero``: the ZeRO optimizer holding the state shard.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        """Everything happens in ``__new__``, which returns the optimizer itself."""
+        self.optimizer = optimizer
+        self.keys: list[list[str]] | None = None
+        self.local_names: list[list[str]] = []
+        self.pending: dict[str, Any] | None = None
+        self.zero: ZeroRedundancyOptimizer | None = None
+        self._own_step = optimizer.__dict__.get("step")  # an LR scheduler's step wrapper made before us, if any
+
+    def install(self) -> None:
+        """Bind the seed's methods on the optimizer object (see Note [optimizer in place])."""
+        for name in _SEED_METHODS:
+            setattr(self.optimizer, name, types.MethodType(_SEED_FUNCTIONS[name], self.optimizer))
+
+    def uninstall(self) -> None:
+        """Take the seed's methods off the optimizer object again (``fxpipe.shutdown``)."""
+        for name in _SEED_METHODS:
+            bound = self.optimizer.__dict__.get(name)
+            if isinstance(bound, types.MethodType) and bound.__func__ is _SEED_FUNCTIONS[name]:
+                delattr(self.optimizer, name)
+        if self._own_step is not None and "step" not in self.optimizer.__dict__:
+            self.optimizer.step = self._own_step  # type: ignore[method-assign]
+
+    @property
+    def localized(self) -> bool:
+        return self.keys is not None
 
     # -- partitioning ----------------------------------------------------------
 
-    def _fxpipe_localize(self, model: Any) -> None:
+    def localize(self, model: Any) -> None:
         """Point every param group at this stage's parameters (same original keys)."""
-        opt: Any = self
+        opt = self.optimizer
         local: dict[str, torch.nn.Parameter] = {}
         for key, p in model.module.named_parameters(remove_duplicate=False):
             local.setdefault(model.primary_key(key), p)
         stage_ids = {id(p): k for k, p in local.items()}
-        keys_per_group, new_state = [], {}
+        keys_per_group: list[list[str]] = []
+        new_state: dict[torch.Tensor, Any] = {}
         for group in opt.param_groups:
             keys, params = [], []
             for p in group["params"]:
@@ -129,25 +181,25 @@ class DistributedOptimizer:
             keys_per_group.append(keys)
         opt.state.clear()
         opt.state.update(new_state)
-        opt._fxpipe_keys = keys_per_group
-        self._fxpipe_local_names = [[k for k in keys if k in local] for keys in keys_per_group]
+        self.keys = keys_per_group
+        self.local_names = [[k for k in keys if k in local] for keys in keys_per_group]
         dp = model.replicas
         if dp.stage is not None and dp.options.shard_optimizer_state and any(g["params"] for g in opt.param_groups):
-            self._fxpipe_shard(current().dp_group)
-        if opt._fxpipe_pending is not None:
-            pending, opt._fxpipe_pending = opt._fxpipe_pending, None
+            self._shard(current().dp_group)
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
             self.load_state_dict(pending)
 
-    def _fxpipe_shard(self, group: Any) -> None:
+    def _shard(self, group: Any) -> None:
         """Build the ZeRO optimizer over the local param groups and move any state into it."""
-        opt: Any = self
-        base = type(self).__bases__[1]  # the user's optimizer class (see _subclass)
-        state = super().state_dict() if opt.state else None  # type: ignore[misc]
+        opt = self.optimizer
+        base = type(opt)
+        state = base.state_dict(opt) if opt.state else None
         groups = [dict(g) for g in opt.param_groups]
-        opt._fxpipe_zero = ZeroRedundancyOptimizer(groups, optimizer_class=base, process_group=group,
-                                                   **_constructor_defaults(base, opt.defaults))
+        self.zero = ZeroRedundancyOptimizer(groups, optimizer_class=base, process_group=group,
+                                            **_constructor_defaults(base, opt.defaults))
         if state is not None:
-            self._fxpipe_load_local(state)
+            self._load_local(state)
 
     def step(self, closure: Any = None) -> Any:
         """The optimizer step (on this replica's shard when sharded); refused inside an accumulation window."""
@@ -157,37 +209,30 @@ class DistributedOptimizer:
                             f"backward_passes_per_step={st.model.ddp_options.backward_passes_per_step} steps, before "
                             "the gradients were averaged over the replicas; call it (and zero_grad) only every "
                             "backward_passes_per_step-th step")
-        zero = getattr(self, "_fxpipe_zero", None)
-        if zero is None:
-            return super().step(closure)  # type: ignore[misc]
-        for mine, theirs in zip(self.param_groups, zero.param_groups):  # type: ignore[attr-defined]
+        if self.zero is None:
+            if self._own_step is not None:
+                return self._own_step(closure)
+            return type(self.optimizer).step(self.optimizer, closure)
+        for mine, theirs in zip(self.optimizer.param_groups, self.zero.param_groups):
             theirs.update({k: v for k, v in mine.items() if k != "params"})
-        return zero.step(closure)
-
-    # the base class's step is already wrapped with torch's step hooks and runs them; keep
-    # Optimizer._patch_step_function (on unpickling) from wrapping this one too
-    step.hooked = True  # type: ignore[attr-defined]
-
-    @property
-    def _fxpipe_localized(self) -> bool:
-        return getattr(self, "_fxpipe_keys", None) is not None
+        return self.zero.step(closure)
 
     # -- state dicts -----------------------------------------------------------
 
     def local_state_dict(self) -> dict[str, Any]:
         """This stage's optimizer state (torch's format), marked partial, with each parameter's key."""
-        sd = super().state_dict()  # type: ignore[misc]
-        if getattr(self, "_fxpipe_zero", None) is not None:
-            sd["state"] = self._fxpipe_gather_shards()
-        if self._fxpipe_localized:
-            sd[_NAMES] = [list(names) for names in self._fxpipe_local_names]
+        sd = type(self.optimizer).state_dict(self.optimizer)
+        if self.zero is not None:
+            sd["state"] = self._gather_shards()
+        if self.localized:
+            sd[_NAMES] = [list(names) for names in self.local_names]
         sd[PARTIAL_KEY] = True
         return sd
 
-    def _fxpipe_gather_shards(self) -> dict[int, Any]:
+    def _gather_shards(self) -> dict[int, Any]:
         """Every replica's share of the state, numbered as ``state_dict`` numbers the local parameters (collective)."""
-        zero: Any = self._fxpipe_zero
-        params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+        zero: Any = self.zero
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         mine = {index[id(p)]: _to_cpu(s) for p, s in zero.optim.state.items()}
         parts: list[Any] = [None] * dist.get_world_size(zero.process_group)
@@ -197,28 +242,28 @@ class DistributedOptimizer:
             merged.update(part)
         return dict(sorted(merged.items()))
 
-    def _fxpipe_load_local(self, sd: dict[str, Any]) -> None:
+    def _load_local(self, sd: dict[str, Any]) -> None:
         """Load a torch-format state dict of the local parameters (into the ZeRO shard when sharded)."""
-        zero = getattr(self, "_fxpipe_zero", None)
-        if zero is None:
-            super().load_state_dict(sd)  # type: ignore[misc]
+        base = type(self.optimizer)
+        if self.zero is None:
+            base.load_state_dict(self.optimizer, sd)
             return
         # ZeRO looks state up by position among the local parameters: renumber the saved ids 0..n-1
         renumber = {old: new for new, old in enumerate(i for g in sd["param_groups"] for i in g["params"])}
         groups = [{**g, "params": [renumber[i] for i in g["params"]]} for g in sd["param_groups"]]
         state = {renumber[i]: v for i, v in sd["state"].items() if i in renumber}
-        super().load_state_dict({"state": {}, "param_groups": groups})  # type: ignore[misc]  # the options
-        zero.load_state_dict({"state": state, "param_groups": [dict(g) for g in groups]})
+        base.load_state_dict(self.optimizer, {"state": {}, "param_groups": groups})  # the options
+        self.zero.load_state_dict({"state": state, "param_groups": [dict(g) for g in groups]})
 
     def state_dict(self) -> dict[str, Any]:
         """The whole model's optimizer state, numbered as a one-process optimizer's (collective)."""
-        if not self._fxpipe_localized:
-            return super().state_dict()  # type: ignore[misc]
+        if not self.localized:
+            return type(self.optimizer).state_dict(self.optimizer)
         st = current()
         mine = _to_cpu(self.local_state_dict())
         parts: list[Any] = [None] * st.layout.num_stages
         dist.all_gather_object(parts, mine, group=st.mp_group if st.layout.replicas > 1 else None)
-        keys = self._fxpipe_keys or []
+        keys = self.keys or []
         index = {k: i for i, k in enumerate(k for group in keys for k in group)}
         state: dict[int, Any] = {}
         for part in parts:
@@ -237,29 +282,32 @@ class DistributedOptimizer:
         sd = dict(state_dict)
         partial = bool(sd.pop(PARTIAL_KEY, False))
         names = sd.pop(_NAMES, None)
-        if not self._fxpipe_localized:
+        if not self.localized:
             if partial:
-                self._fxpipe_pending = {**sd, PARTIAL_KEY: True, _NAMES: names}
+                self.pending = {**sd, PARTIAL_KEY: True, _NAMES: names}
                 return
-            super().load_state_dict(sd)  # type: ignore[misc]
+            type(self.optimizer).load_state_dict(self.optimizer, sd)
             return
         if partial:
-            if names is not None and names != self._fxpipe_local_names:
+            if names is not None and names != self.local_names:
                 raise ConfigError(f"the partial optimizer state is for parameters {sum(names, [])[:4]}..., but this "
-                                  f"stage holds {sum(self._fxpipe_local_names, [])[:4]}...: the partitioning changed "
+                                  f"stage holds {sum(self.local_names, [])[:4]}...: the partitioning changed "
                                   "since it was saved; load a full checkpoint (saved with partial=False) instead")
-            self._fxpipe_load_local(sd)
+            self._load_local(sd)
             return
-        keys = [k for group in (self._fxpipe_keys or []) for k in group]
-        if len(sd["param_groups"]) != len(self._fxpipe_local_names) or \
+        keys = [k for group in (self.keys or []) for k in group]
+        if len(sd["param_groups"]) != len(self.local_names) or \
                 sum(len(g["params"]) for g in sd["param_groups"]) != len(keys):
             raise ConfigError(f"the optimizer state has {sum(len(g['params']) for g in sd['param_groups'])} "
                               f"parameters in {len(sd['param_groups'])} groups, but this optimizer was built over "
-                              f"{len(keys)} in {len(self._fxpipe_local_names)}; build it as when it was saved")
+                              f"{len(keys)} in {len(self.local_names)}; build it as when it was saved")
         full_ids = [i for g in sd["param_groups"] for i in g["params"]]
         id_of = dict(zip(keys, full_ids))
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [id_of[n] for n in names]}
-                  for g, names in zip(sd["param_groups"], self._fxpipe_local_names)]
+                  for g, names in zip(sd["param_groups"], self.local_names)]
         wanted = {i for g in groups for i in g["params"]}
-        self._fxpipe_load_local({"state": {i: s for i, s in sd["state"].items() if i in wanted},
-                                 "param_groups": groups})
+        self._load_local({"state": {i: s for i, s in sd["state"].items() if i in wanted},
+                          "param_groups": groups})
+
+
+_SEED_FUNCTIONS = {name: _seed_method(name) for name in _SEED_METHODS}

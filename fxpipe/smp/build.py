@@ -1,14 +1,17 @@
 """Partitioning at the first step: the CLI's tracer -> partitioner -> codegen path, run in-process.
 
 Note [one plan for every rank]: global rank 0 traces the model on the first step's
-first microbatch, plans, and writes a build directory into a temporary folder; it then
-scatters to each rank the manifest and that rank's own stage files (source and
-weights), which the rank writes into its own temporary folder and loads with
-``load_stage`` (hash-checked, like any build directory). So every rank runs the same
-plan, even with measured (non-deterministic) unit times, and no rank holds another
-stage's weights. A failure on rank 0 (a contradictory pin, an untraceable op) is sent
-to every rank and raised there, so no rank hangs. With ``plan=DIR`` every rank loads
-its stage from ``DIR`` instead.
+first microbatch, plans, and writes a build directory (``write_build_dir``) into a
+temporary folder, which it reads into memory and removes at once; it then scatters to
+each rank the manifest, the plan and that rank's own stage files (source and weights).
+A rank writes them into a temporary folder only while it loads its stage with
+``load_stage`` (hash-checked, like any build directory) and removes the folder right
+after, so a build made at the first step leaves nothing on disk, even when the
+process is killed later (``SIGKILL``, ``os._exit``). So every rank runs the same plan,
+even with measured (non-deterministic) unit times, and no rank holds another stage's
+weights. A failure on rank 0 (a contradictory pin, an untraceable op) is sent to every
+rank and raised there, so no rank hangs. With ``plan=DIR`` every rank loads its stage
+from ``DIR`` instead.
 
 Each stage's parameters and buffers are then set from the *local* wrapped module
 (the same keys: a stage keeps the original names), so a prebuilt ``plan`` trains the
@@ -17,9 +20,8 @@ user's weights, and ``load_state_dict`` calls made before partitioning hold.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import shutil
+import linecache
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -32,8 +34,8 @@ import torch.nn as nn
 
 from fxpipe.codegen import Manifest, load_stage, write_build_dir
 from fxpipe.errors import ConfigError, FxpipeError
-from fxpipe.partitioner import CostModel, plan_partition
-from fxpipe.runtime.api.config import Config
+from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
+from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
 
 __all__ = ["TraceOptions", "StageBuild", "build_stage", "apply_partition_policy", "copy_module_values",
@@ -51,11 +53,14 @@ class TraceOptions:
 
 @dataclass(frozen=True)
 class StageBuild:
-    """This rank's result of partitioning: the manifest, its stage module and where its files are."""
+    """This rank's result of partitioning: the manifest, the plan, its stage module, and the build
+    directory it was loaded from when that outlives the load (``plan=DIR``; ``None`` for a build
+    made at the first step, see Note [one plan for every rank])."""
 
     manifest: Manifest
+    plan: PartitionPlan | None
     stage: nn.Module
-    build_dir: Path
+    build_dir: Path | None
 
 
 def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfile:
@@ -76,21 +81,24 @@ def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfil
     return dataclasses.replace(profile, units=tuple(units))
 
 
+_SHARED_FILES = ("manifest.json", "plan.json")  # what every rank gets besides its own stage's files
+
+
 def _plan_on_rank0(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions,
-                   batch_size: int, out_dir: Path, record: BuildRecord | None,
-                   cost: CostModel | None) -> dict[int, dict[str, bytes]]:
-    """Trace, plan and emit into ``out_dir``; the files each rank needs, by mp rank."""
+                   batch_size: int, record: BuildRecord | None, cost: CostModel | None) -> dict[int, dict[str, bytes]]:
+    """Trace, plan and emit; the files each rank needs, by mp rank (read into memory, the folder removed)."""
     traced = trace_model(module, tuple(inputs), build_record=record, trace_device=options.trace_device,
                          measure_times=options.measure_times, measure_memory=options.measure_memory, progress=False)
     traced.profile = apply_partition_policy(traced.profile, config)
     plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
                           microbatches=config.microbatches, optimize=config.optimize, cost=cost)
-    manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size, microbatches=config.microbatches)
-    plan.to_json(out_dir / "plan.json")
-    traced.profile.to_json(out_dir / "profile.json")
-    common = {name: (out_dir / name).read_bytes() for name in ("manifest.json", "plan.json", "profile.json")}
-    return {s.index: {**common, s.source: (out_dir / s.source).read_bytes(),
-                      s.weights: (out_dir / s.weights).read_bytes()} for s in manifest.stages}
+    with tempfile.TemporaryDirectory(prefix="fxpipe-plan-") as scratch:
+        out_dir = Path(scratch) / "build"
+        manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size,
+                                   microbatches=config.microbatches)
+        common = {name: (out_dir / name).read_bytes() for name in _SHARED_FILES}
+        return {s.index: {**common, s.source: (out_dir / s.source).read_bytes(),
+                          s.weights: (out_dir / s.weights).read_bytes()} for s in manifest.stages}
 
 
 def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException | None, rank: int, world: int,
@@ -156,30 +164,49 @@ def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Confi
             raise ConfigError(f"the plan {str(build_dir)!r} has {manifest.num_stages} stages but 'partitions' is "
                               f"{config.partitions}; set 'partitions': {manifest.num_stages} or rebuild with "
                               f"`fxpipe partition --stages {config.partitions}`")
+        plan = PartitionPlan.from_json(build_dir / "plan.json") if (build_dir / "plan.json").is_file() else None
+        stage = load_stage(build_dir, mp_rank, device=device)
+        where = f"stage {mp_rank} of {build_dir}"
     else:
-        build_dir = Path(tempfile.mkdtemp(prefix=f"fxpipe-build-r{rank}-"))
-        atexit.register(shutil.rmtree, build_dir, ignore_errors=True)  # model.build_dir lives as long as the job
         result: dict[int, dict[str, bytes]] | BaseException | None = None
         if rank == 0:
-            scratch = Path(tempfile.mkdtemp(prefix="fxpipe-plan-"))
             try:
                 if on_trace is not None:
                     on_trace(True)
-                result = _plan_on_rank0(module, inputs, config, options, batch_size, scratch, record, cost)
+                result = _plan_on_rank0(module, inputs, config, options, batch_size, record, cost)
             except Exception as exc:  # sent to every rank, raised on all
                 result = exc
             finally:
-                shutil.rmtree(scratch, ignore_errors=True)  # its files are in memory now: the whole model's weights
                 if on_trace is not None:
                     on_trace(False)
         files = _scatter_build(result, rank, world, stage_of)
+        plan = PartitionPlan.from_json(files["plan.json"].decode())
+        manifest, stage = _load_stage_from_files(files, mp_rank, device, rank)
+        build_dir, where = None, f"stage {mp_rank} of the plan made at the first step"
+    copy_module_values(stage, module, where)
+    stage.train(module.training)
+    return StageBuild(manifest, plan, stage, build_dir)
+
+
+def _load_stage_from_files(files: dict[str, bytes], mp_rank: int, device: torch.device,
+                           rank: int) -> tuple[Manifest, nn.Module]:
+    """``load_stage`` on ``files`` written into a temporary folder that is removed right after the load.
+
+    The stage's source stays readable for tracebacks and ``inspect``: ``linecache`` keeps
+    it under the file name its code was compiled with.
+    """
+    with tempfile.TemporaryDirectory(prefix=f"fxpipe-build-r{rank}-") as tmp:
+        build_dir = Path(tmp)
         for name, data in files.items():
             (build_dir / name).write_bytes(data)
         manifest = Manifest.from_json(build_dir)
-    stage = load_stage(build_dir, mp_rank, device=device)
-    copy_module_values(stage, module, f"stage {mp_rank} of {build_dir}")
-    stage.train(module.training)
-    return StageBuild(manifest, stage, build_dir)
+        stage = load_stage(build_dir, mp_rank, device=device)
+        source = manifest.stage(mp_rank).source
+        text = files[source].decode()
+        # mtime None: linecache.checkcache keeps the entry although the file is gone
+        linecache.cache[str(build_dir / source)] = (len(text), None, text.splitlines(keepends=True),
+                                                    str(build_dir / source))
+    return manifest, stage
 
 
 def resolve_trace_device(trace_device: str) -> str:

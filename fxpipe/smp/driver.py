@@ -33,17 +33,13 @@ import torch
 import torch.nn as nn
 
 from fxpipe.codegen.manifest import BoundaryTensor, Manifest
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import StepError
 from fxpipe.runtime.p2p import P2P
 from fxpipe.runtime.routes import Routes
 from fxpipe.runtime.schedule import Action, ActionKind, make_schedule
 from fxpipe.runtime.stage_io import StageWorker, assemble_output, boundary_dtype, microbatch_size
 
 __all__ = ["StepError", "StepDriver", "microbatch_size"]
-
-
-class StepError(FxpipeError):
-    """The model or its backward was used outside a ``@step`` function, or out of order."""
 
 
 class StepDriver:

@@ -1,0 +1,124 @@
+"""The build directory is written whole or not at all (Note [build directory swap])."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fxpipe.cli import main
+from fxpipe.codegen import build as codegen_build
+from fxpipe.codegen import check_build_target, write_build_dir
+from fxpipe.errors import BuildDirError
+from fxpipe.modelfile import load_model_file
+from fxpipe.partitioner import plan_partition
+from fxpipe.tracer import trace_model_file
+
+MLP = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+
+
+@pytest.fixture(scope="module")
+def traced() -> tuple[Any, Any]:
+    source = load_model_file(MLP)
+    return source, trace_model_file(source, 2, progress=False)
+
+
+def _write(traced: tuple[Any, Any], out: Path, stages: int) -> Any:
+    source, tr = traced
+    plan = plan_partition(tr.profile, stages, solver="uniform", microbatches=2)
+    return write_build_dir(tr, plan, out, source, batch_size=4, microbatches=2)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_one_writer_writes_every_file_of_the_build(traced: Any, tmp_path: Path) -> None:
+    manifest = _write(traced, tmp_path / "build", 2)
+    names = sorted(p.name for p in (tmp_path / "build").iterdir())
+    assert names == ["manifest.json", "plan.json", "profile.json", "report.html", "stage_0.py",
+                     "stage_0.safetensors", "stage_1.py", "stage_1.safetensors"]
+    assert manifest.num_stages == 2
+    assert os.listdir(tmp_path) == ["build"]  # no temporary sibling left
+
+
+def test_a_smaller_build_leaves_no_stale_stage_files(traced: Any, tmp_path: Path) -> None:
+    out = tmp_path / "build"
+    _write(traced, out, 4)
+    (out / "run.json").write_text("{}")  # written by `fxpipe run`: part of the old build
+    assert (out / "stage_3.py").is_file()
+    _write(traced, out, 2)
+    assert not (out / "stage_3.py").exists() and not (out / "stage_2.safetensors").exists()
+    assert not (out / "run.json").exists()
+    assert sorted(os.listdir(tmp_path)) == ["build"]
+
+
+def test_a_failed_partition_leaves_the_previous_build_byte_identical(traced: Any, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "build"
+    _write(traced, out, 2)
+    before = _snapshot(out)
+    emit = codegen_build.emit_stage
+
+    def failing_emit(stage: Any, *args: Any, **kwargs: Any) -> Any:
+        if stage.index == 2:  # stages 0 and 1 are already written by then
+            raise RuntimeError("injected failure in emit")
+        return emit(stage, *args, **kwargs)
+
+    monkeypatch.setattr(codegen_build, "emit_stage", failing_emit)
+    with pytest.raises(RuntimeError, match="injected"):
+        _write(traced, out, 4)
+    assert _snapshot(out) == before
+    assert os.listdir(tmp_path) == ["build"]
+
+
+def test_a_full_disk_is_one_error_and_keeps_the_previous_build(traced: Any, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "build"
+    _write(traced, out, 2)
+    before = _snapshot(out)
+
+    def full(state: Any, path: Path) -> None:
+        path.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(codegen_build, "save_weights", full)
+    with pytest.raises(BuildDirError, match="No space left on device.*previous build|previous build.*No space"):
+        _write(traced, out, 2)
+    assert _snapshot(out) == before
+    assert os.listdir(tmp_path) == ["build"]
+
+
+def test_out_that_is_a_file_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "build"
+    target.write_text("not a directory")
+    code = main(["partition", str(MLP), "--stages", "2", "--out", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and "is a file" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert target.read_text() == "not a directory"
+
+
+def test_out_below_a_file_and_foreign_folders_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(BuildDirError, match="not a directory"):
+        check_build_target(tmp_path / "notes.txt" / "build")
+    with pytest.raises(BuildDirError, match=r"not part of an fxpipe build \(notes\.txt\)"):
+        check_build_target(tmp_path)  # `--out .` must never replace a folder of the user's files
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_parent_is_refused(tmp_path: Path) -> None:
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        with pytest.raises(BuildDirError, match="not writable"):
+            check_build_target(parent / "build")
+    finally:
+        parent.chmod(0o755)
