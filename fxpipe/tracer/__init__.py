@@ -7,19 +7,17 @@ importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from fxpipe._lazy import lazy_exports
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 
 _LAZY = {
-    "trace_model": "fxpipe.tracer.api",
-    "trace_model_file": "fxpipe.tracer.api",
-    "partition": "fxpipe.tracer.pins",
-    "BuildRecord": "fxpipe.tracer.record",
-    "build_model_recorded": "fxpipe.tracer.record",
-    "print_profile_table": "fxpipe.tracer.table",
-    "TracedModel": "fxpipe.tracer.traced",
+    "trace_model": "api",
+    "trace_model_file": "api",
+    "partition": "pins",
+    "BuildRecord": "record",
+    "build_model_recorded": "record",
+    "print_profile_table": "table",
+    "TracedModel": "traced",
 }
 
 __all__ = [
@@ -37,8 +35,4 @@ __all__ = [
     "UnitEdge",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fxpipe.tracer' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
