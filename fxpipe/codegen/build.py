@@ -72,7 +72,7 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
         state = stage_state(gm, model, sg.modules, sg.attrs, constants)
         states.append(state)
         src = emit_stage(sg, state, gm, split, num_stages=num_stages, microbatch=microbatch, model_label=label,
-                         user_leaf_args=user_leaf_args or {}, module_order=order, build_dir=out)
+                         user_leaf_args=user_leaf_args or {}, module_order=order, model=model, build_dir=out)
         py, st = out / f"stage_{sg.index}.py", out / f"stage_{sg.index}.safetensors"
         py.write_text(src.text)
         save_weights(state, st)

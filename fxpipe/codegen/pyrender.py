@@ -22,10 +22,10 @@ import torch.nn as nn
 from fxpipe.codegen.manifest import model_file_reference
 from fxpipe.errors import CodegenError
 
-__all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS"]
+__all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS", "MODEL_MODULE_PREFIX"]
 
 MODEL_ALIAS = "_model"
-_MODEL_PREFIX = "fxpipe_model_"
+MODEL_MODULE_PREFIX = "fxpipe_model_"  # module names under which fxpipe.modelfile imports model files
 
 
 _MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module()))  # methods and instance attributes
@@ -52,6 +52,7 @@ class ImportTable:
         self.names: dict[str, tuple[str, str]] = {}  # local name -> (module, attribute)
         self.model_file: str | None = None
         self.aliases: dict[str, str] = {}  # module-level `name = expression` lines
+        self.functional = False  # whether `import torch.nn.functional as F` is needed
 
     def ref(self, obj: Any) -> str:
         """An expression that names ``obj`` (a class or function), adding the import it needs."""
@@ -60,7 +61,7 @@ class ImportTable:
         if not module or not qualname or "<locals>" in qualname:
             raise CodegenError(f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
                                f"name {qualname!r}); define it at the top level of the model file")
-        if module.startswith(_MODEL_PREFIX):
+        if module.startswith(MODEL_MODULE_PREFIX):
             path = getattr(sys.modules.get(module), "__file__", None)
             if path is None:
                 raise CodegenError(f"cannot find the model file that defines {qualname}")
@@ -72,8 +73,9 @@ class ImportTable:
             return qualname
         if module.split(".")[0] == "torch":
             for short in ("torch.nn", "torch.nn.functional", "torch"):  # the public spelling, if there is one
-                if _resolves(importlib.import_module(short), qualname.split("."), obj):
-                    return f"{short}.{qualname}"
+                for name in (qualname, getattr(obj, "__name__", qualname)):  # builtins: torch.addmm's qualname
+                    if _resolves(importlib.import_module(short), name.split("."), obj):  # is _VariableFunctionsClass.addmm
+                        return f"{short}.{name}"
             if _resolves(torch, module.split(".")[1:] + qualname.split("."), obj):
                 return f"{module}.{qualname}"
         if module == "__main__" or not _importable(module, qualname, obj):
@@ -94,6 +96,8 @@ class ImportTable:
                 where = f"os.path.join(os.path.dirname(__file__), {ref!r})"
         modules = set(self.modules) | ({"os"} if where and where.startswith("os.") else set())
         out = [f"import {m}" for m in sorted(modules)]
+        if self.functional:
+            out.append("import torch.nn.functional as F")
         for local, (module, name) in sorted(self.names.items()):
             out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
         if self.model_file is not None:
