@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.codegen.forward import render_forward
-from fxpipe.codegen.naming import module_ranges
+from fxpipe.codegen.naming import module_ranges, unique_name
 from fxpipe.codegen.outline import Body, stack_runs
 from fxpipe.codegen.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
 from fxpipe.codegen.state import BUFFER, PARAMETER, TensorEntry
@@ -250,12 +250,7 @@ class ClassWriter:
         self.tree.dict_paths.add(container)
 
     def _fresh(self, wanted: str) -> str:
-        name, i = wanted, 2
-        while name in self.taken:
-            name = f"{wanted}_{i}"
-            i += 1
-        self.taken.add(name)
-        return name
+        return unique_name(wanted, self.taken)
 
     def source(self) -> list[str]:
         """Every class, dependencies first, each followed by two blank lines."""

@@ -22,10 +22,11 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from fxpipe.codegen.naming import unique_name
 from fxpipe.codegen.pyrender import ImportTable, render_literal
 from fxpipe.errors import CodegenError
 
-__all__ = ["render_forward", "NAME_KEY", "ARITY_KEY", "base_name"]
+__all__ = ["render_forward", "run_blocks", "NAME_KEY", "ARITY_KEY", "base_name"]
 
 NAME_KEY = "fxpipe_name"  # node.meta: the preferred variable name of the node's value
 ARITY_KEY = "fxpipe_arity"  # node.meta: length of the tuple a node returns, when known
@@ -35,8 +36,16 @@ _BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.tru
            operator.xor: "^", operator.lshift: "<<", operator.rshift: ">>", operator.eq: "==", operator.ne: "!=",
            operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">="}
 _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~", operator.not_: "not "}
-_RESERVED = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | {"self", "torch", "F", "math", "operator", "os"}
+_RESERVED = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | {"self", "torch", "F", "math", "operator", "os", "i"}
 _SIMPLE = re.compile(r"^[\w.]+$|^\w[\w.]*\[[^\[\]]*\]$")
+
+
+def run_blocks(container: Any, start: int, stop: int, x: Any, *args: Any) -> Any:
+    """``x`` through ``container[str(i)](x, *args)`` for ``i`` in ``range(start, stop)``: a node target the
+    renderer writes as that ``for`` loop (``outline.stack_runs``)."""
+    for i in range(start, stop):
+        x = container[str(i)](x, *args)
+    return x
 
 
 def base_name(name: str) -> str:
@@ -52,14 +61,7 @@ class _Names:
 
     def take(self, wanted: str) -> str:
         name = re.sub(r"\W", "_", wanted) or "v"
-        if name[0].isdigit():
-            name = f"v_{name}"
-        candidate, i = name, 1
-        while candidate in self.used:
-            candidate = f"{name}_{i}"
-            i += 1
-        self.used.add(candidate)
-        return candidate
+        return unique_name(f"v_{name}" if name[0].isdigit() else name, self.used, first=1)
 
 
 def _arity(node: fx.Node) -> int | None:
@@ -215,6 +217,9 @@ class _Renderer:
             if node.op == "output":
                 lines.append(self._return(node, lines, nodes[i - 1] if i else None))
                 continue
+            if node.op == "call_function" and node.target is run_blocks:
+                lines += self._loop(node, freed.get(node, []))
+                continue
             slots = _unpacked(node)
             if slots is not None:
                 skipped.update(s for s in slots if s is not None)
@@ -232,6 +237,17 @@ class _Renderer:
                 line += f";  {' = '.join(frees)} = None"
             lines.append(line)
         return params, lines
+
+    def _loop(self, node: fx.Node, frees: list[str]) -> list[str]:
+        """``run_blocks`` as the loop it stands for; what it frees is freed after the loop."""
+        container, start, stop, x, *rest = node.args
+        name, first = self.names[node], self.value(x)
+        call = ", ".join([name] + [self.value(a) for a in rest])
+        lines = [f"{name} = {first}" + (f";  {first} = None" if first in frees else ""),
+                 f"for i in range({start}, {stop}):",
+                 f"    {name} = {self.attr(str(container))}[str(i)]({call})"]
+        after = [f for f in frees if f != first]
+        return lines + ([f"{' = '.join(after)} = None"] if after else [])
 
     def _return(self, node: fx.Node, lines: list[str], previous: fx.Node | None) -> str:
         out = node.args[0]

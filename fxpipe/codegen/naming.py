@@ -19,9 +19,19 @@ import torch.fx as fx
 from fxpipe.codegen.scopes import Scope, is_indexer, scope_members, scope_stack
 from fxpipe.tracer.traced import PATH_KEY
 
-__all__ = ["short_paths", "boundary_names", "describe_modules", "module_ranges"]
+__all__ = ["short_paths", "boundary_names", "describe_modules", "module_ranges", "unique_name"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
+
+
+def unique_name(wanted: str, used: set[str], first: int = 2) -> str:
+    """``wanted``, or ``wanted_<n>`` with the least ``n >= first`` not in ``used``; the name is added to ``used``."""
+    candidate, n = wanted, first
+    while candidate in used:
+        candidate = f"{wanted}_{n}"
+        n += 1
+    used.add(candidate)
+    return candidate
 
 
 def _short(path: str) -> str:
@@ -61,22 +71,13 @@ def boundary_names(gm: fx.GraphModule, crossing: Iterable[str] | None = None) ->
     outputs = {scope: _outputs(ms) for scope, ms in members.items()}
     result: dict[str, str] = {}
     used: set[str] = set()
-
-    def take(name: str) -> str:
-        candidate, i = name, 2
-        while candidate in used:
-            candidate = f"{name}_{i}"
-            i += 1
-        used.add(candidate)
-        return candidate
-
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            result[node.name] = take(node.name)
+            result[node.name] = unique_name(node.name, used)
     wanted = None if crossing is None else set(crossing)
     for node in nodes:
         if wanted is None or node.name in wanted:
-            result[node.name] = take(_name_of(node, outputs, shorts))
+            result[node.name] = unique_name(_identifier(_name_of(node, outputs, shorts)), used)
     return result
 
 

@@ -19,7 +19,8 @@ after it is exact whatever the nodes are, so correctness never rests on the call
   its weight and bias) becomes that layer (:mod:`fxpipe.codegen.layers`); a one-node call that is not
   stays flat (``F.dropout(x, 0.0, True)`` reads better than a class around it);
 - ``stack_runs`` turns consecutive calls of identical blocks ``h.2``, ``h.3``, ... chained
-  output to input into one call of their container, which loops over them.
+  output to input into one call of their container, which loops over them, or, where the
+  container also holds a block split across stages, into a loop over the run's keys.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
-from fxpipe.codegen.forward import ARITY_KEY, NAME_KEY, base_name
+from fxpipe.codegen.forward import ARITY_KEY, NAME_KEY, base_name, run_blocks
 from fxpipe.codegen.layers import torch_layer_input
 from fxpipe.codegen.naming import short_paths
 from fxpipe.codegen.scopes import ORIGIN_KEY, Scope, scope_stack
@@ -362,10 +362,13 @@ def outline_stage(graph: fx.Graph, model: nn.Module, *, owned: set[str], origina
 
 
 def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str], list[str]]) -> dict[str, list[str]]:
-    """Replace runs of chained calls ``P.i(x, *rest)``, ``P.(i+1)(that, *rest)``, ... of one class by ``P(x, *rest)``.
+    """Replace runs of chained calls ``P.i(x, *rest)``, ``P.(i+1)(that, *rest)``, ... of one class by one call.
 
     ``class_of``: the class name of each outlined path; ``held(P)``: the module paths directly
-    under ``P`` that the stage holds (a run must be all of them). Returns ``{P: run paths}``.
+    under ``P`` that the stage holds. When the run is all of them it becomes ``P(x, *rest)``
+    (``P`` is then a container that runs its blocks in order: returned as ``{P: run paths}``);
+    a run of three or more inside a container that holds more becomes a loop over their keys
+    (``forward.run_blocks``).
     """
     runs: dict[str, list[str]] = {}
     nodes = _compute(graph)
@@ -379,16 +382,22 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
             continue
         container = str(run[0].target).rpartition(".")[0]
         paths = [str(n.target) for n in run]
-        if sorted(held(container)) != sorted(paths):
+        whole = sorted(held(container)) == sorted(paths)
+        if not whole and len(run) < 3:
             continue
         with graph.inserting_before(run[0]):
-            call = graph.call_module(container, run[0].args)
+            if whole:
+                call = graph.call_module(container, run[0].args)
+            else:  # the container holds more (a block split across stages): loop over the run's keys
+                first, last = (int(str(n.target).rpartition(".")[2]) for n in (run[0], run[-1]))
+                call = graph.call_function(run_blocks, (container, first, last + 1, *run[0].args))
         call.meta.update({k: v for k, v in run[-1].meta.items() if k in ("val", "fxpipe_spec")})
         call.meta[NAME_KEY] = container.rpartition(".")[2] or "layers"
         run[-1].replace_all_uses_with(call)
         for n in reversed(run):
             graph.erase_node(n)
-        runs[container] = paths
+        if whole:
+            runs[container] = paths
     return runs
 
 

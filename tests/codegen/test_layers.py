@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from codegen_support import assert_same_outputs_and_grads
 
 from fxpipe.codegen import emit_build, load_pipeline

@@ -147,6 +147,17 @@ def test_a_block_split_across_stages_stays_flat_and_correct(tmp_path: Path, fron
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
+def test_blocks_beside_a_split_block_run_in_a_loop(tmp_path: Path, frontend: str) -> None:
+    manifest, source, out = _build_split_at(tmp_path, frontend, "blocks.3.out")
+    first = (out / manifest.stages[0].source).read_text()
+    assert "self.blocks = torch.nn.ModuleDict({str(i): Block() for i in range(0, 3)})" in first
+    assert "for i in range(0, 3):\n            blocks_2_out = self.blocks[str(i)](blocks_2_out)" in first
+    assert 'self.blocks["3"].fc(' in first
+    pipeline = load_pipeline(out)
+    assert_same_outputs_and_grads(source.build_model(), pipeline, source.example_inputs(3))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_tied_and_reused_blocks_round_trip(tmp_path: Path, frontend: str, stages: int) -> None:
     source = _source(tmp_path, "build_shared", "token_inputs")
