@@ -97,7 +97,8 @@ class _Renderer:
         self.names: dict[fx.Node, str] = {}
         self.inline: dict[fx.Node, str] = {}
         self.functions = {n: self.function(n.target) for n in graph.nodes if n.op == "call_function"
-                          and n.target not in _BINARY and n.target not in _UNARY and n.target not in (operator.getitem, getattr)}
+                          and n.target not in _BINARY and n.target not in _UNARY
+                          and n.target not in (operator.getitem, getattr, run_blocks)}
         namer = _Names(reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()})
         given = iter(arg_names or ())
         for node in graph.nodes:

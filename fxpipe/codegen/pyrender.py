@@ -58,6 +58,10 @@ class ImportTable:
         """An expression that names ``obj`` (a class or function), adding the import it needs."""
         module = getattr(obj, "__module__", None)
         qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+        if module and module.split(".")[0] == "torch":
+            public = _torch_spelling(obj, module, qualname)
+            if public is not None:
+                return public
         if not module or not qualname or "<locals>" in qualname:
             raise CodegenError(f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
                                f"name {qualname!r}); define it at the top level of the model file")
@@ -71,13 +75,6 @@ class ImportTable:
             return f"{MODEL_ALIAS}.{qualname}"
         if module == "builtins":
             return qualname
-        if module.split(".")[0] == "torch":
-            for short in ("torch.nn", "torch.nn.functional", "torch"):  # the public spelling, if there is one
-                for name in (qualname, getattr(obj, "__name__", qualname)):  # builtins: torch.addmm's qualname
-                    if _resolves(importlib.import_module(short), name.split("."), obj):  # is _VariableFunctionsClass.addmm
-                        return f"{short}.{name}"
-            if _resolves(torch, module.split(".")[1:] + qualname.split("."), obj):
-                return f"{module}.{qualname}"
         if module == "__main__" or not _importable(module, qualname, obj):
             raise CodegenError(f"{module}.{qualname} is not importable from a generated stage; "
                                "define it in the model file or an installed package")
@@ -106,6 +103,19 @@ class ImportTable:
         if self.aliases:
             out += [""] + [f"{name} = {expr}" for name, expr in sorted(self.aliases.items())]
         return out
+
+
+def _torch_spelling(obj: Any, module: str, qualname: str | None) -> str | None:
+    """The public ``torch...`` name of a torch object, if it has one. ``__name__`` counts too: a builtin's
+    qualname is ``_VariableFunctionsClass.addmm`` and ``F.max_pool2d``'s is ``boolean_dispatch.<locals>.fn``."""
+    names = [n for n in (qualname, getattr(obj, "__name__", None)) if n and "<locals>" not in n]
+    # the public spelling first: torch.nn.Linear, torch.Tensor; F.conv2d (is torch.conv2d), torch.addmm
+    order = ("torch.nn", "torch") if isinstance(obj, type) else ("torch.nn.functional", "torch")
+    for short in order + ("torch.nn", "torch.nn.functional", module):
+        for name in names:
+            if _resolves(importlib.import_module(short), name.split("."), obj):
+                return f"{short}.{name}"
+    return None
 
 
 def _resolves(root: Any, parts: list[str], obj: Any) -> bool:
