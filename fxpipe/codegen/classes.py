@@ -70,10 +70,10 @@ class ModuleTree:
 
     def held(self, container: str) -> list[str]:
         """Paths directly under ``container`` that the stage builds something at."""
-        found = set()
-        for path in list(self.ctors) + [_parent(e.key) for e in self.tensors]:
-            if path.startswith(container + ".") if container else path:
-                found.add(f"{container}.{path[len(container) + 1:].split('.')[0]}" if container else path.split(".")[0])
+        prefix = f"{container}." if container else ""
+        found = {prefix + path[len(prefix):].split(".")[0]
+                 for path in list(self.ctors) + [_parent(e.key) for e in self.tensors]
+                 if path.startswith(prefix) and path != container}
         return sorted(found)
 
     def mark_indexed_containers(self) -> None:
@@ -100,11 +100,11 @@ class ModuleTree:
 
         At the stage level (``stage``), aliases of tied tensors are left to ``tie_weights()``.
         """
-        tensors = [e for e in self.tensors if _under(e.key, base) and not self._covered(e.key, base)
-                   and not (e.leaf or (stage and e.key in self.aliases))]
+        mine = [e for e in self.tensors if _under(e.key, base) and not self._covered(e.key, base) and not e.leaf]
+        tensors = [e for e in mine if not (stage and e.key in self.aliases)]
         needed: set[str] = set()
         for path in [p for p in self.ctors if _under(p, base) and p != base and not self._covered(p, base)] \
-                + [_parent(e.key) for e in tensors]:
+                + [_parent(e.key) for e in mine]:  # an alias's owner too: tie_weights() sets it there
             while path and path != base:
                 needed.add(path)
                 path = _parent(path)
@@ -250,7 +250,9 @@ class ClassWriter:
         self.tree.dict_paths.add(container)
 
     def _fresh(self, wanted: str) -> str:
-        return unique_name(wanted, self.taken)
+        name = unique_name(wanted, self.taken)
+        self.imports.reserved.add(name)  # an import added later must not take this name
+        return name
 
     def source(self) -> list[str]:
         """Every class, dependencies first, each followed by two blank lines."""

@@ -62,19 +62,22 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
     name = stage_class_name(stage.index)
     graph = _copy(stage.graph)
     rewrite_aten(graph)
+    layers: dict[str, str | None] = {}
     outline = outline_stage(graph, model, owned=set(stage.nodes), original=_original_scopes(gm),
-                            leaves=set(stage.modules), is_subgraph=lambda t: isinstance(_get(gm, t), nn.Module))
+                            leaves=set(stage.modules), is_subgraph=lambda t: isinstance(_get(gm, t), nn.Module),
+                            buildable=lambda path: _layer_constructor(path, model, imports, layers) is not None)
     tree = ModuleTree(model, list(state.entries), state.aliases, module_order, classes=set(outline.bodies))
     for path in stage.modules:
         tree.ctors[path] = leaf_constructor(path, gm.get_submodule(path), imports, user_leaf_args.get(path))
     for path in sorted(outline.torch_layers):
-        tree.ctors[path] = leaf_constructor(path, model.get_submodule(path), imports)
+        tree.ctors[path] = str(layers[path])
     subgraph_classes: list[str] = []
     for target in stage.attrs:
         sub = _get(gm, target)
         if isinstance(sub, nn.Module):
             tree.ctors[target] = f"{_subgraph_class(target, sub, imports, subgraph_classes)}()"
-    writer = ClassWriter(tree, imports, {name, "torch", "F", "os", "math", MODEL_ALIAS, "import_model_module"})
+    writer = ClassWriter(tree, imports, {name, "torch", "F", "os", "math", MODEL_ALIAS, "import_model_module"}
+                         | set(imports.names))
     for outlined in outline.bodies.values():
         writer.add(outlined)
     for container, paths in stack_runs(graph, writer.class_of, tree.held).items():
@@ -100,6 +103,17 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
     text = "\n".join(parts).rstrip() + "\n"
     return StageSource(class_name=name, text=re.sub(r"\n{4,}", "\n\n\n", text),
                        imports_model_file=imports.model_file is not None)
+
+
+def _layer_constructor(path: str, model: nn.Module, imports: ImportTable, found: dict[str, str | None]) -> str | None:
+    """``torch.nn.Linear(32, 64)`` for the layer at ``path``, or None when it cannot be rebuilt from its
+    hyperparameters (its traced body is emitted instead)."""
+    if path not in found:
+        try:
+            found[path] = leaf_constructor(path, model.get_submodule(path), imports)
+        except CodegenError:
+            found[path] = None
+    return found[path]
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:

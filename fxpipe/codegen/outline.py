@@ -84,9 +84,11 @@ def _compute(graph: fx.Graph) -> list[fx.Node]:
 
 class _Outliner:
     def __init__(self, graph: fx.Graph, model: nn.Module, owned: set[str],
-                 original: Mapping[Scope, set[str]], leaves: set[str], is_subgraph: Callable[[str], bool]) -> None:
+                 original: Mapping[Scope, set[str]], leaves: set[str], is_subgraph: Callable[[str], bool],
+                 buildable: Callable[[str], bool]) -> None:
         self.graph = graph
         self.model = model
+        self.buildable = buildable
         self.stack: dict[fx.Node, tuple[Scope, ...]] = {}
         self.result = Outline(graph)
         self._hoist_attrs()
@@ -189,7 +191,7 @@ class _Outliner:
         inputs = [a for a in _inputs(members) if a not in attrs_inside]
         outputs = [m for m in members if any(u not in inside for u in m.users)]
         torch_input = torch_layer_input(members, module, path, set(attrs_inside))
-        if torch_input is not None and len(outputs) == 1:
+        if torch_input is not None and len(outputs) == 1 and self.buildable(path):
             self._replace(members, outputs, path, (torch_input,), parent, inputs + attrs_inside)
             self.result.torch_layers.add(path)
             return
@@ -350,15 +352,16 @@ def _size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
 
 
 def outline_stage(graph: fx.Graph, model: nn.Module, *, owned: set[str], original: Mapping[Scope, set[str]],
-                  leaves: set[str], is_subgraph: Callable[[str], bool]) -> Outline:
+                  leaves: set[str], is_subgraph: Callable[[str], bool], buildable: Callable[[str], bool]) -> Outline:
     """Outline every whole module call of ``graph`` (changed in place); see Note [outlining module calls].
 
     ``owned``: names of the original nodes this stage holds; ``original``: every scope of the
     traced graph and its node names (a call is whole when all of them are owned);
     ``leaves``: module paths called as leaves (``call_module``); ``is_subgraph(target)``: whether
-    a ``get_attr`` reads a higher-order op's subgraph (calls reading one stay flat).
+    a ``get_attr`` reads a higher-order op's subgraph (calls reading one stay flat); ``buildable(path)``:
+    whether the ``torch.nn`` layer at ``path`` can be rebuilt from its hyperparameters.
     """
-    return _Outliner(graph, model, owned, original, leaves, is_subgraph).run()
+    return _Outliner(graph, model, owned, original, leaves, is_subgraph, buildable).run()
 
 
 def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str], list[str]]) -> dict[str, list[str]]:

@@ -53,6 +53,7 @@ class ImportTable:
         self.model_file: str | None = None
         self.aliases: dict[str, str] = {}  # module-level `name = expression` lines
         self.functional = False  # whether `import torch.nn.functional as F` is needed
+        self.reserved: set[str] = set()  # names defined in the generated file itself (its classes)
 
     def ref(self, obj: Any) -> str:
         """An expression that names ``obj`` (a class or function), adding the import it needs."""
@@ -79,7 +80,8 @@ class ImportTable:
             raise CodegenError(f"{module}.{qualname} is not importable from a generated stage; "
                                "define it in the model file or an installed package")
         top = qualname.split(".")[0]
-        local = top if top not in self.names or self.names[top] == (module, top) else f"{module.replace('.', '_')}_{top}"
+        taken = top in self.reserved or (top in self.names and self.names[top] != (module, top))
+        local = f"{module.replace('.', '_')}_{top}" if taken else top
         self.names[local] = (module, top)
         return local + qualname[len(top):]
 

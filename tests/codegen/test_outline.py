@@ -63,13 +63,15 @@ class Shared(nn.Module):
         self.blocks = nn.ModuleList(Block(8) for _ in range(3))
         self.blocks[1].fc.weight = self.blocks[0].fc.weight
         self.again = Block(8)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight  # read below as a tensor, not through the layer
 
     def forward(self, idx):
         h = self.emb(idx)
         for block in self.blocks:
             h = block(h)
         h = self.blocks[0](self.again(h))
-        return F.linear(h, self.emb.weight)
+        return F.linear(h, self.out.weight)
 
 
 def build_model():
