@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.graphmeta import CONSTANTS_KEY
 from fxpipe.codegen.builddir import replace_file, staged_build_dir
 from fxpipe.codegen.emit import emit_stage
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
@@ -104,7 +105,7 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         raise CodegenError(f"the model was traced at microbatch {microbatch}, but batch_size {batch_size} / "
                            f"microbatches {microbatches} is not that; trace at batch_size // microbatches")
     split = split_graph(gm, stage_of_node, num_stages, alias_chooser(gm, model))
-    constants = set(gm.meta.get("fxpipe_constants", ()))
+    constants = set(gm.meta.get(CONSTANTS_KEY, ()))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     label = f"{source.model_fn}() in {source.path.name}" if source else type(model).__name__
     states, stages = [], []
@@ -112,7 +113,7 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         state = stage_state(gm, model, sg.modules, sg.attrs, constants)
         states.append(state)
         src = emit_stage(sg, state, gm, split, num_stages=num_stages, microbatch=microbatch, model_label=label,
-                         user_leaf_args=user_leaf_args or {}, module_order=order, build_dir=out)
+                         user_leaf_args=user_leaf_args or {}, module_order=order, model=model, build_dir=out)
         py, st = staging / f"stage_{sg.index}.py", staging / f"stage_{sg.index}.safetensors"
         py.write_text(src.text)
         save_weights(state, st)

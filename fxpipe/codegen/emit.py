@@ -1,35 +1,41 @@
-"""Render one stage as a readable Python file holding a single ``nn.Module`` class.
+"""Render one stage as a readable Python file: generated module classes, then the stage's ``nn.Module``.
 
-``__init__`` builds exactly what the stage owns under the original module paths
-(plain ``torch.nn.Module()`` containers for intermediate path components), so its
-``state_dict()`` keys are the original model's keys. ``forward`` is torch.fx's own
-code generation for the stage graph, which already drops each value after its last
-use (``x = None``).
+The stage graph is first written the way people write PyTorch (Note [exact operator
+rewrites] in :mod:`fxpipe.codegen.operators`), then given its module structure back
+(Note [outlining module calls] in :mod:`fxpipe.codegen.outline`): each whole module call
+becomes a submodule call, identical blocks share one generated class (Note [one class per
+distinct body] in :mod:`fxpipe.codegen.classes`), and ``torch.nn`` layers appear as
+themselves. ``__init__`` builds exactly what the stage owns under the original module
+paths, so its ``state_dict()`` keys are the original model's. ``forward`` drops each
+value after its last use (``x = None``), as torch.fx does.
 """
 
 from __future__ import annotations
 
-import math
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Mapping
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.codegen.classes import INDENT, ClassWriter, ModuleTree
+from fxpipe.codegen.forward import render_forward
+from fxpipe.graphmeta import NAME_KEY
 from fxpipe.codegen.leaves import leaf_constructor
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
-from fxpipe.codegen.pyrender import ImportTable, attr_expr, is_plain_name
+from fxpipe.codegen.naming import describe_modules
+from fxpipe.codegen.operators import rewrite_aten
+from fxpipe.codegen.outline import outline_stage, stack_runs
+from fxpipe.codegen.pyrender import MODEL_ALIAS, ImportTable, attr_expr, is_plain_name
+from fxpipe.codegen.scopes import Scope, scope_members
 from fxpipe.codegen.split import SplitGraph, StageGraph
-from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, StageState
+from fxpipe.codegen.state import StageState
 from fxpipe.errors import CodegenError
 
 __all__ = ["StageSource", "emit_stage", "stage_class_name"]
-
-_INDENT = "    "
 
 
 def stage_class_name(index: int) -> str:
@@ -45,35 +51,96 @@ class StageSource:
     imports_model_file: bool = False
 
 
-def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: SplitGraph, *, num_stages: int, microbatch: int, model_label: str,
-               user_leaf_args: Mapping[str, tuple[tuple, dict]], module_order: Mapping[str, int],
-               build_dir: Path | None = None) -> StageSource:
-    """Source text of ``stage_<index>.py`` for one stage graph and the tensors it owns."""
+def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: SplitGraph, *, num_stages: int,
+               microbatch: int, model_label: str, user_leaf_args: Mapping[str, tuple[tuple, dict]],
+               module_order: Mapping[str, int], model: nn.Module, build_dir: Path | None = None) -> StageSource:
+    """Source text of ``stage_<index>.py`` for one stage graph and the tensors it owns.
+
+    ``gm`` is the traced graph the stage was split from and ``model`` the original model
+    (for module classes and ``torch.nn`` layer hyperparameters).
+    """
     imports = ImportTable()
-    classes: list[str] = []
-    init = _init_lines(stage, state, gm, imports, classes, user_leaf_args, module_order)
-    forward = _forward_source(stage.graph, imports)
     name = stage_class_name(stage.index)
-    doc = _class_doc(stage, split, num_stages, microbatch)
+    graph = _copy(stage.graph)
+    rewrite_aten(graph)
+    layers: dict[str, str | None] = {}
+    outline = outline_stage(graph, model, owned=set(stage.nodes), original=_original_scopes(gm),
+                            leaves=set(stage.modules), is_subgraph=lambda t: isinstance(_get(gm, t), nn.Module),
+                            buildable=lambda path: _layer_constructor(path, model, imports, layers) is not None)
+    tree = ModuleTree(model, list(state.entries), state.aliases, module_order, classes=set(outline.bodies))
+    for path in stage.modules:
+        tree.ctors[path] = leaf_constructor(path, gm.get_submodule(path), imports, user_leaf_args.get(path))
+    for path in sorted(outline.torch_layers):
+        tree.ctors[path] = str(layers[path])
+    subgraph_classes: list[str] = []
+    for target in stage.attrs:
+        sub = _get(gm, target)
+        if isinstance(sub, nn.Module):
+            tree.ctors[target] = f"{_subgraph_class(target, sub, imports, subgraph_classes)}()"
+    writer = ClassWriter(tree, imports, {name, "torch", "F", "os", "math", MODEL_ALIAS, "import_model_module"}
+                         | set(imports.names))
+    for outlined in outline.bodies.values():
+        writer.add(outlined)
+    for container, paths in stack_runs(graph, writer.class_of, tree.held).items():
+        writer.stack(container, paths)
+    tree.mark_indexed_containers()
+    init = tree.init_lines("", stage=True)
+    _name_outputs(graph, stage, split)
+    forward = render_forward(graph, imports, lambda target: tree.expr("", target),
+                             reserved=set(imports.names) | writer.taken)
+    doc = _class_doc(stage, split, num_stages, microbatch, describe_modules(gm, set(stage.nodes), module_order))
     body = [f"class {name}(torch.nn.Module):", *_indent(doc), "",
-            f"{_INDENT}def __init__(self) -> None:", f"{_INDENT * 2}super().__init__()", *_indent(init, 2)]
+            f"{INDENT}def __init__(self) -> None:", f"{INDENT * 2}super().__init__()", *_indent(init, 2)]
     if state.aliases:
-        body += [f"{_INDENT * 2}self.tie_weights()", "", f"{_INDENT}def tie_weights(self) -> None:",
-                 f'{_INDENT * 2}"""Make every alias of a tied tensor the same object (called again after loading)."""']
+        body += [f"{INDENT * 2}self.tie_weights()", "", f"{INDENT}def tie_weights(self) -> None:",
+                 f'{INDENT * 2}"""Make every alias of a tied tensor the same object (called again after loading)."""']
         for alias, key in state.aliases.items():
-            body.append(f"{_INDENT * 2}{attr_expr('self', alias)} = {attr_expr('self', key)}")
+            body.append(f"{INDENT * 2}{tree.expr('', alias)} = {tree.expr('', key)}")
     body += ["", *_indent(forward)]
     header = [f'"""Stage {stage.index} of {num_stages} of {model_label}, generated by fxpipe.', "",
               "Do not edit: fxpipe.codegen.load_stage checks this file against the sha256 in manifest.json.",
               'Rebuild with `fxpipe partition` instead."""', "", *imports.lines(build_dir), "", ""]
-    parts = header + [c + "\n\n" for c in classes] + body
+    parts = header + [c + "\n\n" for c in subgraph_classes] + writer.source() + body
     text = "\n".join(parts).rstrip() + "\n"
     return StageSource(class_name=name, text=re.sub(r"\n{4,}", "\n\n\n", text),
                        imports_model_file=imports.model_file is not None)
 
 
+def _layer_constructor(path: str, model: nn.Module, imports: ImportTable, found: dict[str, str | None]) -> str | None:
+    """``torch.nn.Linear(32, 64)`` for the layer at ``path``, or None when it cannot be rebuilt from its
+    hyperparameters (its traced body is emitted instead)."""
+    if path not in found:
+        try:
+            found[path] = leaf_constructor(path, model.get_submodule(path), imports)
+        except CodegenError:
+            found[path] = None
+    return found[path]
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _original_scopes(gm: fx.GraphModule) -> dict[Scope, set[str]]:
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return {scope: {n.name for n in members} for scope, members in scope_members(nodes).items()}
+
+
+def _name_outputs(graph: fx.Graph, stage: StageGraph, split: SplitGraph) -> None:
+    """A value the stage returns is named as its boundary tensor (as the docstring and manifest name it)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    named: set[fx.Node] = set()
+    for value, key in zip(out.args[0], stage.outputs):
+        if isinstance(value, fx.Node) and value.op not in ("placeholder", "get_attr") and value not in named:
+            value.meta[NAME_KEY] = split.boundary[key].name
+            named.add(value)
+
+
 def _indent(lines: list[str], levels: int = 1) -> list[str]:
-    return [(_INDENT * levels + line) if line else "" for line in lines]
+    return [(INDENT * levels + line) if line else "" for line in lines]
 
 
 def _describe(t: BoundaryTensor) -> str:
@@ -81,76 +148,36 @@ def _describe(t: BoundaryTensor) -> str:
     return f"{t.dtype}[{', '.join(map(str, t.shape))}], {batch}"
 
 
-def _class_doc(stage: StageGraph, split: SplitGraph, num_stages: int, microbatch: int) -> list[str]:
+def _class_doc(stage: StageGraph, split: SplitGraph, num_stages: int, microbatch: int,
+               modules: tuple[list[str], list[str]]) -> list[str]:
     boundary = split.boundary
-    lines = [f'"""Stage {stage.index} of {num_stages}: {len(stage.nodes)} graph nodes.', "",
-             f"Inputs, in order (shapes at the traced microbatch {microbatch}; the batch dim may take any size):"]
+    whole, partial = modules
+    lines = [f'"""Stage {stage.index} of {num_stages}: {len(stage.nodes)} graph nodes.', ""]
+    if whole:
+        lines += textwrap.wrap(", ".join(whole), 100, initial_indent="Modules: ", subsequent_indent=INDENT,
+                               break_on_hyphens=False)
+    if partial:
+        lines += textwrap.wrap(", ".join(partial), 100, initial_indent="Part of: ", subsequent_indent=INDENT,
+                               break_on_hyphens=False)
+    if whole or partial:
+        lines.append("")
+    lines.append(f"Inputs, in order (shapes at the traced microbatch {microbatch}; the batch dim may take any size):")
     for key in stage.inputs:
         t = boundary[key]
         source = f"model input {split.model_inputs.index(key)}" if t.producer == INPUT else f"from stage {t.producer}"
         if t.dtype == "int64" and t.shape == () and key.endswith("_tensor") and t.producer != INPUT:
             source += " (a size, sent as a 0-d tensor)"
-        lines.append(f"{_INDENT}{t.name}: {_describe(t)}, {source}")
+        lines.append(f"{INDENT}{t.name}: {_describe(t)}, {source}")
     if not stage.inputs:
-        lines.append(f"{_INDENT}(none)")
+        lines.append(f"{INDENT}(none)")
     lines.append("Outputs, in order:")
     for key in stage.outputs:
         t = boundary[key]
         where = [f"to stage{'s' if len(t.consumers) > 1 else ''} {', '.join(map(str, t.consumers))}"] if t.consumers else []
         if t.model_output is not None:
             where.append(f"model output {t.model_output}")
-        lines.append(f"{_INDENT}{t.name}: {_describe(t)}, {' and '.join(where)}")
+        lines.append(f"{INDENT}{t.name}: {_describe(t)}, {' and '.join(where)}")
     return lines + ['"""']
-
-
-def _empty(t: torch.Tensor) -> str:
-    shape = ", ".join(str(s) for s in t.shape) if t.dim() else "()"
-    dtype = "" if t.dtype == torch.float32 else f", dtype={t.dtype}"
-    return f"torch.empty({shape}{dtype})"
-
-
-def _set_child(parent: str, name: str, value: str) -> str:
-    if is_plain_name(name):
-        return f"{parent}.{name} = {value}"
-    return f'{parent}.add_module("{name}", {value})'
-
-
-def _init_lines(stage: StageGraph, state: StageState, gm: fx.GraphModule, imports: ImportTable, classes: list[str],
-                user_leaf_args: Mapping[str, tuple[tuple, dict]], module_order: Mapping[str, int]) -> list[str]:
-    leaves = set(stage.modules)
-    subgraphs = {a: gm.get_submodule(a) for a in stage.attrs if isinstance(_get(gm, a), nn.Module)}
-    owners = {e.key.rpartition(".")[0] for e in state.entries if not e.leaf}
-    needed = set(leaves) | set(subgraphs)
-    for path in owners | needed:
-        parts = path.split(".") if path else []
-        needed.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    needed.discard("")
-    inside_leaf = {p for p in needed if any(p.startswith(leaf + ".") for leaf in leaves)}
-    lines: list[str] = []
-    for path in sorted(needed - inside_leaf, key=lambda p: (module_order.get(p, math.inf), p)):
-        parent, _, name = path.rpartition(".")
-        if path in leaves:
-            value = leaf_constructor(path, gm.get_submodule(path), imports, user_leaf_args.get(path))
-        elif path in subgraphs:
-            value = f"{_subgraph_class(path, subgraphs[path], imports, classes)}()"
-        else:
-            value = "torch.nn.Module()"
-        lines.append(_set_child(attr_expr("self", parent), name, value))
-    for e in state.entries:
-        if e.leaf or e.key in state.aliases:
-            continue
-        parent, _, name = e.key.rpartition(".")
-        owner = attr_expr("self", parent)
-        if e.kind == PARAMETER:
-            grad = "" if e.tensor.requires_grad else ", requires_grad=False"
-            value = f"torch.nn.Parameter({_empty(e.tensor)}{grad})"
-            lines.append(f"{owner}.{name} = {value}" if is_plain_name(name)
-                         else f'{owner}.register_parameter("{name}", {value})')
-        else:
-            persistent = "" if e.kind == BUFFER else ", persistent=False"
-            lines.append(f'{owner}.register_buffer("{name}", {_empty(e.tensor)}{persistent})')
-    assert all(e.kind in (PARAMETER, BUFFER, CONSTANT) for e in state.entries)
-    return lines
 
 
 def _get(root: nn.Module, target: str) -> Any:
@@ -165,52 +192,22 @@ def _subgraph_class(path: str, sub: nn.Module, imports: ImportTable, classes: li
     if not isinstance(sub, fx.GraphModule):
         raise CodegenError(f"get_attr {path!r} reads a {type(sub).__name__}; only tensors and fx subgraphs are supported")
     name = "_" + "".join(p.capitalize() for p in re.split(r"[._]", path) if p)
-    lines = [f"class {name}(torch.nn.Module):", f'{_INDENT}"""The subgraph `{path}` of a higher-order op."""', ""]
+    lines = [f"class {name}(torch.nn.Module):", f'{INDENT}"""The subgraph `{path}` of a higher-order op."""', ""]
     children = []
     for node in sub.graph.nodes:
         if node.op == "get_attr":
             child = _get(sub, str(node.target))
             if not isinstance(child, fx.GraphModule):
                 raise CodegenError(f"subgraph {path!r} reads the tensor {node.target!r}; expected lifted inputs")
-            children.append(_set_child("self", str(node.target),
-                                       f"{_subgraph_class(f'{path}.{node.target}', child, imports, classes)}()"))
+            value = f"{_subgraph_class(f'{path}.{node.target}', child, imports, classes)}()"
+            target = str(node.target)
+            children.append(f"self.{target} = {value}" if is_plain_name(target)
+                            else f'self.add_module("{target}", {value})')
     if children:
-        lines += [f"{_INDENT}def __init__(self) -> None:", f"{_INDENT * 2}super().__init__()",
+        lines += [f"{INDENT}def __init__(self) -> None:", f"{INDENT * 2}super().__init__()",
                   *_indent(children, 2), ""]
-    lines += _indent(_forward_source(sub.graph, imports))
+    graph = _copy(sub.graph)
+    rewrite_aten(graph)
+    lines += _indent(render_forward(graph, imports, lambda target: attr_expr("self", target)))
     classes.append("\n".join(lines))
     return name
-
-
-def _forward_source(graph: fx.Graph, imports: ImportTable) -> list[str]:
-    """``def forward`` from torch.fx, with the globals it refers to turned into imports."""
-    code = graph.python_code(root_module="self")
-    lines = [ln for ln in code.src.splitlines() if not ln.startswith("torch.fx._symbolic_trace.wrap(")]
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    body = "\n".join(lines).rstrip()
-    literals: list[Any] = []
-    for node in graph.nodes:
-        fx.node.map_aggregate((node.args, node.kwargs), literals.append)
-    literal_types = {type(x) for x in literals}
-    for name, obj in code.globals.items():
-        if isinstance(obj, type) and obj not in literal_types and not any(
-                n.target is obj for n in graph.nodes):
-            continue  # e.g. FX's `device` global when no device literal is left
-        if not re.search(rf"(?<![\w.]){re.escape(name)}\b", body):
-            continue
-        _bind_global(name, obj, imports)
-    return body.splitlines()
-
-
-def _bind_global(name: str, obj: Any, imports: ImportTable) -> None:
-    if isinstance(obj, ModuleType):
-        imports.modules.add(obj.__name__)
-        if obj.__name__ != name:
-            imports.aliases[name] = obj.__name__
-    elif isinstance(obj, float):
-        imports.aliases[name] = f'float("{obj}")'
-    else:
-        ref = imports.ref(obj)
-        if ref != name:
-            imports.aliases[name] = ref

@@ -22,10 +22,10 @@ import torch.nn as nn
 from fxpipe.codegen.manifest import model_file_reference
 from fxpipe.errors import CodegenError
 
-__all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS"]
+__all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS", "MODEL_MODULE_PREFIX"]
 
 MODEL_ALIAS = "_model"
-_MODEL_PREFIX = "fxpipe_model_"
+MODEL_MODULE_PREFIX = "fxpipe_model_"  # module names under which fxpipe.modelfile imports model files
 
 
 _MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module()))  # methods and instance attributes
@@ -52,15 +52,21 @@ class ImportTable:
         self.names: dict[str, tuple[str, str]] = {}  # local name -> (module, attribute)
         self.model_file: str | None = None
         self.aliases: dict[str, str] = {}  # module-level `name = expression` lines
+        self.functional = False  # whether `import torch.nn.functional as F` is needed
+        self.reserved: set[str] = set()  # names defined in the generated file itself (its classes)
 
     def ref(self, obj: Any) -> str:
         """An expression that names ``obj`` (a class or function), adding the import it needs."""
         module = getattr(obj, "__module__", None)
         qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+        if module and module.split(".")[0] == "torch":
+            public = _torch_spelling(obj, module, qualname)
+            if public is not None:
+                return public
         if not module or not qualname or "<locals>" in qualname:
             raise CodegenError(f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
                                f"name {qualname!r}); define it at the top level of the model file")
-        if module.startswith(_MODEL_PREFIX):
+        if module.startswith(MODEL_MODULE_PREFIX):
             path = getattr(sys.modules.get(module), "__file__", None)
             if path is None:
                 raise CodegenError(f"cannot find the model file that defines {qualname}")
@@ -70,17 +76,12 @@ class ImportTable:
             return f"{MODEL_ALIAS}.{qualname}"
         if module == "builtins":
             return qualname
-        if module.split(".")[0] == "torch":
-            for short in ("torch.nn", "torch.nn.functional", "torch"):  # the public spelling, if there is one
-                if _resolves(importlib.import_module(short), qualname.split("."), obj):
-                    return f"{short}.{qualname}"
-            if _resolves(torch, module.split(".")[1:] + qualname.split("."), obj):
-                return f"{module}.{qualname}"
         if module == "__main__" or not _importable(module, qualname, obj):
             raise CodegenError(f"{module}.{qualname} is not importable from a generated stage; "
                                "define it in the model file or an installed package")
         top = qualname.split(".")[0]
-        local = top if top not in self.names or self.names[top] == (module, top) else f"{module.replace('.', '_')}_{top}"
+        taken = top in self.reserved or (top in self.names and self.names[top] != (module, top))
+        local = f"{module.replace('.', '_')}_{top}" if taken else top
         self.names[local] = (module, top)
         return local + qualname[len(top):]
 
@@ -94,6 +95,8 @@ class ImportTable:
                 where = f"os.path.join(os.path.dirname(__file__), {ref!r})"
         modules = set(self.modules) | ({"os"} if where and where.startswith("os.") else set())
         out = [f"import {m}" for m in sorted(modules)]
+        if self.functional:
+            out.append("import torch.nn.functional as F")
         for local, (module, name) in sorted(self.names.items()):
             out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
         if self.model_file is not None:
@@ -102,6 +105,19 @@ class ImportTable:
         if self.aliases:
             out += [""] + [f"{name} = {expr}" for name, expr in sorted(self.aliases.items())]
         return out
+
+
+def _torch_spelling(obj: Any, module: str, qualname: str | None) -> str | None:
+    """The public ``torch...`` name of a torch object, if it has one. ``__name__`` counts too: a builtin's
+    qualname is ``_VariableFunctionsClass.addmm`` and ``F.max_pool2d``'s is ``boolean_dispatch.<locals>.fn``."""
+    names = [n for n in (qualname, getattr(obj, "__name__", None)) if n and "<locals>" not in n]
+    # the public spelling first: torch.nn.Linear, torch.Tensor; F.conv2d (is torch.conv2d), torch.addmm
+    order = ("torch.nn", "torch") if isinstance(obj, type) else ("torch.nn.functional", "torch")
+    for short in order + ("torch.nn", "torch.nn.functional", module):
+        for name in names:
+            if _resolves(importlib.import_module(short), name.split("."), obj):
+                return f"{short}.{name}"
+    return None
 
 
 def _resolves(root: Any, parts: list[str], obj: Any) -> bool:

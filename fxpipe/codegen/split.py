@@ -17,6 +17,9 @@ Note [device literals]: export bakes the trace device into calls such as
 ``arange(..., device=device(type='cpu'))``. The splitter rewrites every
 ``torch.device`` argument into ``<tensor>.device`` of a tensor the stage already has,
 so a stage runs wherever its inputs and parameters live.
+
+Boundary tensors are named after the module call they come from (``h_3_out``; see
+:mod:`fxpipe.codegen.naming`), the same in every stage and in the manifest.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.fx as fx
 
+from fxpipe.graphmeta import SPEC_KEY, PATH_KEY
+from fxpipe.graphmeta import NAME_KEY
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
+from fxpipe.codegen.naming import boundary_names
+from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.errors import CodegenError
 from fxpipe.tracer.profile import TensorSpec
 
@@ -47,7 +54,7 @@ def int_tensor_name(node_name: str) -> str:
 class StageGraph:
     """One stage's graph and what it needs from outside.
 
-    ``inputs`` / ``outputs`` are boundary names (original node names) in the order of the
+    ``inputs`` / ``outputs`` are boundary names (see ``naming.boundary_names``) in the order of the
     stage graph's placeholders / output tuple. ``modules`` are the leaf module paths it
     calls, ``attrs`` the ``get_attr`` targets it reads (parameters, buffers, constants,
     higher-order-op subgraphs), ``nodes`` the original call nodes it owns.
@@ -72,7 +79,7 @@ class SplitGraph:
 
 
 def _spec(node: fx.Node) -> Any:
-    return node.meta.get("fxpipe_spec")
+    return node.meta.get(SPEC_KEY)
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -134,6 +141,9 @@ class _Splitter:
                 if not 0 <= s < num_stages:
                     raise CodegenError(f"node {n.name!r} is placed on stage {s}, expected 0..{num_stages - 1}")
                 self.stage_of[n] = s
+        crossing = {a.name for n, s in self.stage_of.items() for a in n.all_input_nodes if self.stage_of.get(a, s) != s}
+        crossing.update(a.name for a in self.output.all_input_nodes)
+        self.names = boundary_names(gm, crossing)
         self.graphs = [fx.Graph() for _ in range(num_stages)]
         self.env: list[dict[fx.Node, Any]] = [{} for _ in range(num_stages)]
         self.imports: list[dict[fx.Node, fx.Node]] = [{} for _ in range(num_stages)]
@@ -143,10 +153,15 @@ class _Splitter:
 
     # -- values a stage reads ------------------------------------------------------
 
+    def bname(self, a: fx.Node) -> str:
+        """The boundary name of original node ``a``."""
+        return self.names.get(a.name, a.name)
+
     def _placeholder(self, s: int, name: str, like: fx.Node | None) -> fx.Node:
         ph = self.graphs[s].placeholder(name)
+        ph.meta[NAME_KEY] = name
         if like is not None:
-            ph.meta.update({k: v for k, v in like.meta.items() if k in ("fxpipe_spec", "fxpipe_path", "val")})
+            ph.meta.update({k: v for k, v in like.meta.items() if k in (SPEC_KEY, PATH_KEY, "val")})
         return ph
 
     def value(self, s: int, a: fx.Node) -> Any:
@@ -158,13 +173,13 @@ class _Splitter:
         if a.op == "get_attr":
             target = str(a.target)
             if self.attr_name is not None:
-                paths = [u.meta.get("fxpipe_path", "") for u in a.users if self.stage_of.get(u) == s]
+                paths = [u.meta.get(PATH_KEY, "") for u in a.users if self.stage_of.get(u) == s]
                 target = self.attr_name(target, paths)
             env[a] = g.get_attr(target)
             env[a].meta.update(a.meta)
             self.attrs[s][target] = None
         elif a.op == "placeholder" or _is_tensor(a):
-            env[a] = self._placeholder(s, a.name, a)
+            env[a] = self._placeholder(s, self.bname(a), a)
             self.imports[s][a] = env[a]
         else:
             env[a] = self._recompute_int(s, a)
@@ -199,7 +214,7 @@ class _Splitter:
         elif all(not isinstance(x, fx.Node) or not _is_tensor(x) or self._available(s, x)
                  for x in a.all_input_nodes):
             return self.graphs[s].node_copy(a, lambda x: self.value(s, x))
-        ph = self._placeholder(s, int_tensor_name(a.name), None)
+        ph = self._placeholder(s, int_tensor_name(self.bname(a)), None)
         self.int_imports[s][a] = ph
         return g.create_node("call_method", "item", (ph,), name=a.name)
 
@@ -227,6 +242,7 @@ class _Splitter:
                         self.value(s, a)
             for n in owned:
                 copy = self.graphs[s].node_copy(n, functools.partial(self.value, s))
+                copy.meta[ORIGIN_KEY] = n.name
                 if n.op == "call_module":
                     self.modules[s][str(n.target)] = None
                 self.env[s][n] = copy
@@ -263,7 +279,7 @@ class _Splitter:
                     values.extend([self.env[s][a]] * max(1, len(outputs[s][a])))
                 if any(a in self.int_imports[c] for c in range(self.num_stages)):
                     values.append(g.call_function(torch.tensor, (self.env[s][a],), {"dtype": torch.int64},
-                                                  name=int_tensor_name(a.name)))
+                                                  name=int_tensor_name(self.bname(a))))
             g.output(tuple(values))
             self._sort_placeholders(s)
             _rewrite_devices(g)
@@ -281,8 +297,8 @@ class _Splitter:
                 first.prepend(ph)
 
     def _input_names(self, s: int) -> list[str]:
-        entries: list[tuple[float, str]] = [(self.order[a], a.name) for a in self.imports[s]]
-        entries += [(self.order[a] + 0.5, int_tensor_name(a.name)) for a in self.int_imports[s]]
+        entries: list[tuple[float, str]] = [(self.order[a], self.bname(a)) for a in self.imports[s]]
+        entries += [(self.order[a] + 0.5, int_tensor_name(self.bname(a))) for a in self.int_imports[s]]
         return [name for _, name in sorted(entries)]
 
     def _result(self, outputs: list[dict[fx.Node, list[int]]]) -> SplitGraph:
@@ -295,27 +311,28 @@ class _Splitter:
                 indices = outputs[s][a]
                 if consumers or indices or a not in self.stage_of:
                     # a model input or attribute returned as is is keyed apart from the input itself
-                    key = a.name if a in self.stage_of else f"{a.name}@{indices[0]}"
-                    boundary[key] = _boundary(a.name, spec, s, consumers, indices[0] if indices else None)
+                    name = self.bname(a)
+                    key = name if a in self.stage_of else f"{name}@{indices[0]}"
+                    boundary[key] = _boundary(name, spec, s, consumers, indices[0] if indices else None)
                     stage_outputs[s].append(key)
                     for k in indices[1:]:
-                        stage_outputs[s].append(f"{a.name}@{k}")
-                        boundary[f"{a.name}@{k}"] = _boundary(a.name, spec, s, (), k)
+                        stage_outputs[s].append(f"{name}@{k}")
+                        boundary[f"{name}@{k}"] = _boundary(name, spec, s, (), k)
                 int_consumers = tuple(c for c in range(self.num_stages) if a in self.int_imports[c])
                 if int_consumers:
-                    name = int_tensor_name(a.name)
+                    name = int_tensor_name(self.bname(a))
                     boundary[name] = BoundaryTensor(name=name, shape=(), dtype="int64", batch_dim=None, producer=s,
                                                     consumers=int_consumers, requires_grad=False)
                     stage_outputs[s].append(name)
         for ph in self.placeholders:
             consumers = tuple(c for c in range(self.num_stages) if ph in self.imports[c])
-            boundary[ph.name] = _boundary(ph.name, _spec(ph), INPUT, consumers, None)
+            boundary[self.bname(ph)] = _boundary(self.bname(ph), _spec(ph), INPUT, consumers, None)
         stages = tuple(
             StageGraph(index=s, graph=self.graphs[s], inputs=tuple(self._input_names(s)),
                        outputs=tuple(stage_outputs[s]), modules=tuple(self.modules[s]), attrs=tuple(self.attrs[s]),
                        nodes=tuple(n.name for n in self.nodes if self.stage_of.get(n) == s))
             for s in range(self.num_stages))
-        return SplitGraph(stages=stages, boundary=boundary, model_inputs=tuple(p.name for p in self.placeholders))
+        return SplitGraph(stages=stages, boundary=boundary, model_inputs=tuple(self.bname(p) for p in self.placeholders))
 
 
 def _boundary(name: str, spec: Any, producer: int, consumers: tuple[int, ...],

@@ -34,7 +34,8 @@ from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, Uni
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infer_batch_dims, propagate, resolve_batch_dims
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
-from fxpipe.tracer.traced import PATH_KEY, SPEC_KEY, TracedModel
+from fxpipe.tracer.traced import TracedModel
+from fxpipe.graphmeta import PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import UnitGroup, group_units
 
 __all__ = ["trace_model", "trace_model_file"]

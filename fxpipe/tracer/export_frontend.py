@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
 
-from fxpipe.tracer.traced import CONSTANTS_KEY
+from fxpipe.graphmeta import CONSTANTS_KEY
 
 __all__ = ["export_graph", "non_persistent_buffers"]
 

@@ -20,7 +20,7 @@ from fxpipe.errors import TraceError
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import FallbackLeaf, LeafSpec, SymbolicTraceFailure, symbolic_trace, warn_fallbacks
-from fxpipe.tracer.traced import CONSTANTS_KEY
+from fxpipe.graphmeta import CONSTANTS_KEY
 
 __all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph"]
 

@@ -17,7 +17,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import TraceError
-from fxpipe.tracer.traced import PATH_KEY
+from fxpipe.graphmeta import PATH_KEY
 
 __all__ = ["run_collect", "annotate_paths", "flatten_output", "group_getitems", "drop_extra_placeholders"]
 

@@ -28,7 +28,7 @@ import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.tracer.profile import TensorSpec
-from fxpipe.tracer.traced import SPEC_KEY
+from fxpipe.graphmeta import SPEC_KEY
 
 __all__ = ["BatchDims", "Propagation", "propagate", "double_batch", "default_batch_dims", "infer_batch_dims",
            "resolve_batch_dims", "describe_tensor", "batch_size_of", "dtype_name", "requiring_grad"]

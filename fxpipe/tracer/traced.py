@@ -17,13 +17,11 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxpipe.graphmeta import CONSTANTS_KEY, PATH_KEY, SPEC_KEY
 from fxpipe.tracer.profile import ModelProfile
 
-__all__ = ["TracedModel", "SPEC_KEY", "PATH_KEY", "CONSTANTS_KEY"]
+__all__ = ["TracedModel"]
 
-SPEC_KEY = "fxpipe_spec"  # node.meta key: TensorSpec | None | tuple of those
-PATH_KEY = "fxpipe_path"  # node.meta key: owning module path
-CONSTANTS_KEY = "fxpipe_constants"  # graph_module.meta key: names to register as non-persistent buffers
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from fxpipe.tracer.traced import PATH_KEY
+from fxpipe.graphmeta import PATH_KEY
 
 __all__ = ["UnitGroup", "group_units", "COMPUTE_OPS", "ROOT_UNIT"]
 

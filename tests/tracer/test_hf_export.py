@@ -9,7 +9,7 @@ import torch
 
 from example_models import HF_MODELS
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.traced import SPEC_KEY
+from fxpipe.graphmeta import SPEC_KEY
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(HF_MODELS.parent))

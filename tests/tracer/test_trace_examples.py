@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from example_models import EXAMPLES
 from fxpipe.tracer import TensorSpec, trace_model, trace_model_file
-from fxpipe.tracer.traced import PATH_KEY, SPEC_KEY
+from fxpipe.graphmeta import PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import COMPUTE_OPS
 
 

@@ -9,26 +9,22 @@ import torch
 class Stage0(torch.nn.Module):
     """Stage 0 of 3: 4 graph nodes.
 
+    Modules: enc_x, enc_y
+
     Inputs, in order (shapes at the traced microbatch 2; the batch dim may take any size):
         x: float32[2, 16], batch dim 0, model input 0
         y: float32[2, 8], batch dim 0, model input 1
     Outputs, in order:
-        enc_x_1: float32[2, 32], batch dim 0, to stages 1, 2
-        enc_y_1: float32[2, 32], batch dim 0, to stage 2
+        enc_x_out: float32[2, 32], batch dim 0, to stages 1, 2
+        enc_y_out: float32[2, 32], batch dim 0, to stage 2
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.enc_x = torch.nn.Module()
-        self.enc_x.add_module("0", torch.nn.Linear(16, 32))
-        self.enc_x.add_module("1", torch.nn.Tanh())
-        self.enc_y = torch.nn.Module()
-        self.enc_y.add_module("0", torch.nn.Linear(8, 32))
-        self.enc_y.add_module("1", torch.nn.ReLU())
+        self.enc_x = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh())
+        self.enc_y = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU())
 
     def forward(self, x, y):
-        enc_x_0 = getattr(self.enc_x, "0")(x);  x = None
-        enc_x_1 = getattr(self.enc_x, "1")(enc_x_0);  enc_x_0 = None
-        enc_y_0 = getattr(self.enc_y, "0")(y);  y = None
-        enc_y_1 = getattr(self.enc_y, "1")(enc_y_0);  enc_y_0 = None
-        return (enc_x_1, enc_y_1)
+        enc_x_out = self.enc_x(x);  x = None
+        enc_y_out = self.enc_y(y);  y = None
+        return (enc_x_out, enc_y_out)

@@ -9,25 +9,21 @@ import torch
 class Stage1(torch.nn.Module):
     """Stage 1 of 3: 4 graph nodes.
 
+    Modules: left, right.0
+
     Inputs, in order (shapes at the traced microbatch 2; the batch dim may take any size):
-        enc_x_1: float32[2, 32], batch dim 0, from stage 0
+        enc_x_out: float32[2, 32], batch dim 0, from stage 0
     Outputs, in order:
-        left_2: float32[2, 32], batch dim 0, to stage 2
-        right_0: float32[2, 64], batch dim 0, to stage 2
+        left_out: float32[2, 32], batch dim 0, to stage 2
+        right_0_out: float32[2, 64], batch dim 0, to stage 2
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.left = torch.nn.Module()
-        self.left.add_module("0", torch.nn.Linear(32, 32))
-        self.left.add_module("1", torch.nn.ReLU())
-        self.left.add_module("2", torch.nn.Linear(32, 32))
-        self.right = torch.nn.Module()
-        self.right.add_module("0", torch.nn.Linear(32, 64))
+        self.left = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+        self.right = torch.nn.ModuleDict({"0": torch.nn.Linear(32, 64)})
 
-    def forward(self, enc_x_1):
-        left_0 = getattr(self.left, "0")(enc_x_1)
-        left_1 = getattr(self.left, "1")(left_0);  left_0 = None
-        left_2 = getattr(self.left, "2")(left_1);  left_1 = None
-        right_0 = getattr(self.right, "0")(enc_x_1);  enc_x_1 = None
-        return (left_2, right_0)
+    def forward(self, enc_x_out):
+        left_out = self.left(enc_x_out)
+        right_0_out = self.right["0"](enc_x_out);  enc_x_out = None
+        return (left_out, right_0_out)

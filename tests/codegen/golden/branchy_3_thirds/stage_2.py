@@ -9,29 +9,29 @@ import torch
 class Stage2(torch.nn.Module):
     """Stage 2 of 3: 7 graph nodes.
 
+    Modules: right.1-2, merge, head
+
     Inputs, in order (shapes at the traced microbatch 2; the batch dim may take any size):
-        enc_x_1: float32[2, 32], batch dim 0, from stage 0
-        enc_y_1: float32[2, 32], batch dim 0, from stage 0
-        left_2: float32[2, 32], batch dim 0, from stage 1
-        right_0: float32[2, 64], batch dim 0, from stage 1
+        enc_x_out: float32[2, 32], batch dim 0, from stage 0
+        enc_y_out: float32[2, 32], batch dim 0, from stage 0
+        left_out: float32[2, 32], batch dim 0, from stage 1
+        right_0_out: float32[2, 64], batch dim 0, from stage 1
     Outputs, in order:
-        head: float32[2, 4], batch dim 0, model output 0
+        head_out: float32[2, 4], batch dim 0, model output 0
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.right = torch.nn.Module()
-        self.right.add_module("1", torch.nn.GELU())
-        self.right.add_module("2", torch.nn.Linear(64, 32))
+        self.right = torch.nn.ModuleDict({"1": torch.nn.GELU(), "2": torch.nn.Linear(64, 32)})
         self.merge = torch.nn.Linear(64, 32)
         self.head = torch.nn.Linear(32, 4)
 
-    def forward(self, enc_x_1, enc_y_1, left_2, right_0):
-        right_1 = getattr(self.right, "1")(right_0);  right_0 = None
-        right_2 = getattr(self.right, "2")(right_1);  right_1 = None
-        cat = torch.cat([left_2, right_2], dim = -1);  left_2 = right_2 = None
+    def forward(self, enc_x_out, enc_y_out, left_out, right_0_out):
+        right_1 = self.right["1"](right_0_out);  right_0_out = None
+        right_2 = self.right["2"](right_1);  right_1 = None
+        cat = torch.cat([left_out, right_2], dim=-1);  left_out = right_2 = None
         merge = self.merge(cat);  cat = None
-        mul = merge * enc_y_1;  merge = enc_y_1 = None
-        add = mul + enc_x_1;  mul = enc_x_1 = None
-        head = self.head(add);  add = None
-        return (head,)
+        mul = merge * enc_y_out;  merge = enc_y_out = None
+        add = mul + enc_x_out;  mul = enc_x_out = None
+        head_out = self.head(add);  add = None
+        return (head_out,)

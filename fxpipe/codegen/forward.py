@@ -1,0 +1,276 @@
+"""Render a ``torch.fx.Graph`` as the body of a ``forward`` method that reads like hand-written PyTorch.
+
+torch.fx's own code generation spells functions by their C binding (``torch._C._nn.linear``),
+indexes with ``slice(None, None, None)`` and binds every parameter to a local first. This
+renderer writes operators infix (``a + b``), indexing with slice syntax (``x[:, :t]``),
+``torch.nn.functional`` as ``F``, parameters where they are used (``self.ln.weight``),
+unpacks tuples (``q, k, v = x.split(32, 2)``) and, as FX does, drops each value after
+its last use (``x = None``) so a stage holds no activation longer than needed.
+
+Variable names come from ``node.meta[NAME_KEY]`` when set, else the node's name.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import keyword
+import operator
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fxpipe.graphmeta import SPEC_KEY
+from fxpipe.graphmeta import ARITY_KEY, NAME_KEY
+from fxpipe.codegen.naming import unique_name
+from fxpipe.codegen.pyrender import ImportTable, render_literal
+from fxpipe.errors import CodegenError
+
+__all__ = ["render_forward", "run_blocks", "base_name"]
+
+
+_BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/", operator.floordiv: "//",
+           operator.mod: "%", operator.pow: "**", operator.matmul: "@", operator.and_: "&", operator.or_: "|",
+           operator.xor: "^", operator.lshift: "<<", operator.rshift: ">>", operator.eq: "==", operator.ne: "!=",
+           operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">="}
+_UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~", operator.not_: "not "}
+_RESERVED = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | {"self", "torch", "F", "math", "operator", "os", "i"}
+_SIMPLE = re.compile(r"^[\w.]+$|^\w[\w.]*\[[^\[\]]*\]$")
+
+
+def run_blocks(container: Any, start: int, stop: int, x: Any, *args: Any) -> Any:
+    """``x`` through ``container[str(i)](x, *args)`` for ``i`` in ``range(start, stop)``: a node target the
+    renderer writes as that ``for`` loop (``outline.stack_runs``)."""
+    for i in range(start, stop):
+        x = container[str(i)](x, *args)
+    return x
+
+
+def base_name(name: str) -> str:
+    """``view_12`` -> ``view``: a node name without FX's numeric suffix."""
+    return re.sub(r"(_\d+)+$", "", name) or name
+
+
+class _Names:
+    """Unique, valid, non-shadowing variable names."""
+
+    def __init__(self, reserved: set[str]) -> None:
+        self.used = set(_RESERVED) | reserved
+
+    def take(self, wanted: str) -> str:
+        name = re.sub(r"\W", "_", wanted) or "v"
+        return unique_name(f"v_{name}" if name[0].isdigit() else name, self.used, first=1)
+
+
+def _arity(node: fx.Node) -> int | None:
+    if ARITY_KEY in node.meta:
+        return int(node.meta[ARITY_KEY])
+    for key in ("val", SPEC_KEY):
+        value = node.meta.get(key)
+        if isinstance(value, (tuple, list)):
+            return len(value)
+    return None
+
+
+def _unpacked(node: fx.Node) -> list[fx.Node | None] | None:
+    """The getitem users of ``node`` by position, when its value can be written as ``a, b = ...``."""
+    n = _arity(node)
+    if n is None or not node.users:
+        return None
+    slots: list[fx.Node | None] = [None] * n
+    for user in node.users:
+        if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node
+                and isinstance(user.args[1], int) and 0 <= user.args[1] < n and slots[user.args[1]] is None):
+            return None
+        slots[user.args[1]] = user
+    return slots
+
+
+class _Renderer:
+    def __init__(self, graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str],
+                 reserved: set[str], arg_names: list[str] | None) -> None:
+        self.graph = graph
+        self.imports = imports
+        self.attr = attr
+        self.names: dict[fx.Node, str] = {}
+        self.inline: dict[fx.Node, str] = {}
+        self.functions = {n: self.function(n.target) for n in graph.nodes if n.op == "call_function"
+                          and n.target not in _BINARY and n.target not in _UNARY
+                          and n.target not in (operator.getitem, getattr, run_blocks)}
+        namer = _Names(reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()})
+        given = iter(arg_names or ())
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                self.inline[node] = attr(str(node.target))
+            elif node.op == "placeholder" and arg_names is not None:
+                self.names[node] = namer.take(next(given))
+            elif node.op != "output":
+                self.names[node] = namer.take(self._wanted(node))
+
+    def _wanted(self, node: fx.Node) -> str:
+        if NAME_KEY in node.meta:
+            return str(node.meta[NAME_KEY])
+        source = node.args[0] if node.args else None
+        if (node.op == "call_function" and node.target is operator.getitem and isinstance(source, fx.Node)
+                and source in self.names and isinstance(node.args[1], int)):
+            return f"{self.names[source]}_{node.args[1]}"
+        return base_name(node.name)
+
+    # -- expressions ----------------------------------------------------------------
+
+    def value(self, a: Any) -> str:
+        if isinstance(a, fx.Node):
+            return self.inline.get(a) or self.names[a]
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            items = [self.value(x) for x in a]
+            if isinstance(a, list):
+                return "[" + ", ".join(items) + "]"
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{self.value(k)}: {self.value(v)}" for k, v in a.items()) + "}"
+        if isinstance(a, slice):
+            return f"slice({self.value(a.start)}, {self.value(a.stop)}, {self.value(a.step)})"
+        return self.literal(a)
+
+    def literal(self, a: Any) -> str:
+        if a is Ellipsis:
+            return "..."
+        if isinstance(a, (torch.layout, torch.memory_format)):
+            return f"torch.{str(a).removeprefix('torch.')}"
+        if isinstance(a, enum.Enum) and type(a).__module__.startswith("torch"):
+            return f"{self.imports.ref(type(a))}.{a.name}"
+        return render_literal(a, self.imports)
+
+    def index(self, idx: Any) -> str:
+        def one(i: Any) -> str:
+            if isinstance(i, slice):
+                parts = ["" if p is None else self.value(p) for p in (i.start, i.stop)]
+                return ":".join(parts) + ("" if i.step is None else f":{self.value(i.step)}")
+            return self.value(i)
+
+        if isinstance(idx, tuple) and len(idx) == 1 and (isinstance(idx[0], (slice, int)) or idx[0] in (None, ...)):
+            return one(idx[0])  # x[(slice(a, b),)] is x[a:b]
+        if isinstance(idx, tuple):
+            return ", ".join(one(i) for i in idx) + ("," if len(idx) == 1 else "") if idx else "()"
+        return one(idx)
+
+    def operand(self, a: Any) -> str:
+        text = self.value(a)
+        return text if _SIMPLE.match(text) or (isinstance(a, (int, float)) and a >= 0) else f"({text})"
+
+    def call_args(self, args: tuple, kwargs: dict) -> str:
+        parts = [self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()]
+        return ", ".join(parts)
+
+    def function(self, fn: Any) -> str:
+        if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+            return f"torch.ops.{fn.namespace}.{_op_name(fn)}"
+        ref = self.imports.ref(fn)
+        if ref.startswith("torch.nn.functional."):
+            self.imports.functional = True
+            return "F." + ref.removeprefix("torch.nn.functional.")
+        return ref
+
+    def expr(self, node: fx.Node) -> str:
+        args, kwargs = node.args, node.kwargs
+        if node.op == "call_module":
+            return f"{self.attr(str(node.target))}({self.call_args(args, kwargs)})"
+        if node.op == "call_method":
+            return f"{self.operand(args[0])}.{node.target}({self.call_args(args[1:], kwargs)})"
+        if node.op != "call_function":
+            raise CodegenError(f"cannot render node {node.format_node()}")
+        fn = node.target
+        if fn in _BINARY and len(args) == 2 and not kwargs:
+            return f"{self.operand(args[0])} {_BINARY[fn]} {self.operand(args[1])}"
+        if fn in _UNARY and len(args) == 1 and not kwargs:
+            return f"{_UNARY[fn]}{self.operand(args[0])}"
+        if fn is operator.getitem and len(args) == 2 and not kwargs:
+            return f"{self.operand(args[0])}[{self.index(args[1])}]"
+        if fn is getattr and len(args) == 2 and isinstance(args[1], str) and args[1].isidentifier():
+            return f"{self.operand(args[0])}.{args[1]}"
+        return f"{self.functions.get(node) or self.function(fn)}({self.call_args(args, kwargs)})"
+
+    # -- statements -----------------------------------------------------------------
+
+    def body(self) -> tuple[list[str], list[str]]:
+        """(argument names, lines of the body)."""
+        nodes = list(self.graph.nodes)
+        last_use: dict[fx.Node, fx.Node] = {}
+        for node in nodes:
+            for a in node.all_input_nodes:
+                if a in self.names:
+                    last_use[a] = node
+        freed: dict[fx.Node, list[str]] = {}
+        for value, user in last_use.items():
+            if user.op != "output":
+                freed.setdefault(user, []).append(self.names[value])
+        params: list[str] = []
+        lines: list[str] = []
+        skipped: set[fx.Node] = set()
+        for i, node in enumerate(nodes):
+            if node.op == "placeholder":
+                params.append(self.names[node])
+                continue
+            if node.op == "get_attr" or node in skipped:
+                continue
+            if node.op == "output":
+                lines.append(self._return(node, lines, nodes[i - 1] if i else None))
+                continue
+            if node.op == "call_function" and node.target is run_blocks:
+                lines += self._loop(node, freed.get(node, []))
+                continue
+            slots = _unpacked(node)
+            if slots is not None:
+                skipped.update(s for s in slots if s is not None)
+                targets = ", ".join("_" if s is None else self.names[s] for s in slots)
+                line = f"{targets}{',' if len(slots) == 1 else ''} = {self.expr(node)}"
+                frees = [n for n in freed.get(node, []) + [n for s in slots if s is not None for n in freed.get(s, [])]
+                         if n != self.names[node]]
+            elif node.users:
+                line = f"{self.names[node]} = {self.expr(node)}"
+                frees = freed.get(node, [])
+            else:
+                line = self.expr(node)
+                frees = freed.get(node, [])
+            if frees:
+                line += f";  {' = '.join(frees)} = None"
+            lines.append(line)
+        return params, lines
+
+    def _loop(self, node: fx.Node, frees: list[str]) -> list[str]:
+        """``run_blocks`` as the loop it stands for; what it frees is freed after the loop."""
+        container, start, stop, x, *rest = node.args
+        name, first = self.names[node], self.value(x)
+        call = ", ".join([name] + [self.value(a) for a in rest])
+        lines = [f"{name} = {first}" + (f";  {first} = None" if first in frees else ""),
+                 f"for i in range({start}, {stop}):",
+                 f"    {name} = {self.attr(str(container))}[str(i)]({call})"]
+        after = [f for f in frees if f != first]
+        return lines + ([f"{' = '.join(after)} = None"] if after else [])
+
+    def _return(self, node: fx.Node, lines: list[str], previous: fx.Node | None) -> str:
+        out = node.args[0]
+        if isinstance(out, fx.Node) and out is previous and len(out.users) == 1 and out in self.names \
+                and lines and lines[-1].startswith(f"{self.names[out]} = ") and ";" not in lines[-1]:
+            return "return " + lines.pop()[len(self.names[out]) + 3:]
+        return f"return {self.value(out)}"
+
+
+def _op_name(op: Any) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op._opname}.{op._overloadname}"
+    return str(getattr(op, "__name__", op)).split(".")[-1]
+
+
+def render_forward(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,
+                   reserved: set[str] | None = None, arg_names: list[str] | None = None) -> list[str]:
+    """``def forward(self, ...):`` and its body, one source line per list item (indented 4 within the def).
+
+    ``attr(target)`` writes a ``get_attr`` / ``call_module`` target as an expression
+    (e.g. ``self.h["3"].attn``); ``arg_names`` overrides the names of the arguments.
+    """
+    renderer = _Renderer(graph, imports, attr, reserved or set(), arg_names)
+    params, lines = renderer.body()
+    return [f"def forward(self{''.join(', ' + p for p in params)}):", *("    " + ln for ln in lines)]

@@ -1,0 +1,64 @@
+"""How much of a transformers GPT-2's stage source is raw aten, and how it grows with depth.
+
+Issue 11 measured, for a GPT-2 from transformers split into 2 stages (export front end),
+51% of the non-blank stage lines calling ``torch.ops.aten`` and 1.74x more lines at 8
+layers than at 4. Run this file as a script to print both figures:
+
+    PYTHONPATH=. python tests/codegen/test_readability.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe.codegen import write_build_dir
+from fxpipe.partitioner import plan_partition
+from fxpipe.tracer import trace_model
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MAX_ATEN_SHARE = 0.10
+MAX_GROWTH_4_TO_8 = 1.3
+
+
+def stage_lines(layers: int, out: Path) -> list[str]:
+    """Non-blank lines of the 2 stage files of a ``layers``-deep transformers GPT-2."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import hf_models
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    torch.manual_seed(0)
+    traced = trace_model(hf_models.build_gpt2(layers=layers), hf_models.example_inputs(2), progress=False)
+    plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
+    manifest = write_build_dir(traced, plan, out, None, batch_size=4, microbatches=2)
+    assert manifest.frontend == "export"
+    return [ln for sm in manifest.stages for ln in (out / sm.source).read_text().splitlines() if ln.strip()]
+
+
+def measure(root: Path) -> tuple[float, float]:
+    """(share of lines calling torch.ops.aten at 4 layers, lines at 8 layers / lines at 4 layers)."""
+    four, eight = stage_lines(4, root / "four"), stage_lines(8, root / "eight")
+    aten = sum("torch.ops.aten" in ln for ln in four) / len(four)
+    return aten, len(eight) / len(four)
+
+
+@pytest.mark.slow
+def test_gpt2_stages_read_like_pytorch_and_do_not_grow_with_depth(tmp_path: Path) -> None:
+    aten, growth = measure(tmp_path)
+    assert aten < MAX_ATEN_SHARE, f"{aten:.1%} of the stage lines call torch.ops.aten"
+    assert growth < MAX_GROWTH_4_TO_8, f"8 layers give {growth:.2f}x the lines of 4"
+
+
+if __name__ == "__main__":
+    import tempfile
+    import warnings
+
+    warnings.simplefilter("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        share, growth = measure(Path(tmp))
+    print(f"aten lines: {share:.1%} of the non-blank stage lines (4 layers, 2 stages); "
+          f"8 layers / 4 layers: {growth:.2f}x")
