@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError, RuntimeSetupError
@@ -62,6 +63,11 @@ def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader
         return load_stage(build_dir, index, device=device)
 
     return Manifest.from_json(build_dir), stage_loader or load
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with its tensors on ``device`` (the loss runs where the last stage's outputs are)."""
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
 class PipelineRunner:
@@ -142,7 +148,8 @@ class PipelineRunner:
             check_divisible(batched[0], self.microbatches)
         mb_inputs = split_inputs(inputs, dims, self.microbatches)
         is_last = self.stage_index == self.routes.loss_stage
-        mb_targets = split_targets(targets, self.microbatches, self.target_batch_dims) if is_last else None
+        mb_targets = (split_targets(_to_device(targets, self.device), self.microbatches, self.target_batch_dims)
+                      if is_last else None)
         losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
