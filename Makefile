@@ -33,6 +33,10 @@ demo: $(STAMP)
 	$(PY) -m fxpipe partition examples/gpt.py --stages 2 --microbatches 4 --batch-size 8 --out $(DEMO_OUT)
 	$(PY) -m fxpipe verify $(DEMO_OUT)
 	$(PY) -m fxpipe run $(DEMO_OUT) --steps 5 --lr 0.5
+	@echo
+	@echo "fxpipe is installed in $(VENV): run $(VENV)/bin/fxpipe --help, or source $(VENV)/bin/activate first."
+	@echo "Next: open $(DEMO_OUT)/report.html; try fxpipe partition examples/resnet.py --stages 2 --out build/resnet,"
+	@echo "      fxpipe verify build/resnet, fxpipe run build/resnet --steps 20 (README: Using fxpipe)."
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
