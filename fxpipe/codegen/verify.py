@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from fxpipe.codegen.load import load_pipeline, read_manifest
+from fxpipe.codegen.load import read_manifest
+from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.errors import BuildDirError, ModelFileError
 from fxpipe.modelfile import load_model_file
 
