@@ -130,7 +130,7 @@ def group_getitems(gm: torch.fx.GraphModule) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
         indexers = [u for u in node.users if u.op == "call_function" and u.target in (operator.getitem, getattr)
-                    and u.args[0] is node and not any(isinstance(a, torch.fx.Node) for a in u.args[1:])]
+                    and u.args[0] is node and all(n is node for n in u.all_input_nodes)]
         anchor = node
         for user in sorted(indexers, key=_position(graph)):
             anchor.append(user)
