@@ -12,32 +12,36 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_unflatten
 
 from fxpipe.codegen.load import _set_tensor, _tie_weights, load_stage, read_manifest
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.errors import BuildDirError
+from fxpipe.codegen.outputs import load_output_spec
 
 __all__ = ["Pipeline", "load_pipeline"]
 
 
 class Pipeline(nn.Module):
-    """All stages chained in one process, with the original model's forward signature.
+    """All stages chained in one process, called like the original model.
 
-    ``stages`` holds the stage modules; tied parameters are one Parameter object shared
-    by the stages that use them, so gradients equal the original model's.
+    ``pipeline(*args, **kwargs)`` binds the call as the original forward would (Note [the
+    traced call] in ``fxpipe.tracer.call``): tensors may be passed by position or by name,
+    and an argument that was a constant of the trace must be left at that value (else a
+    ``CallError``). The output has the model's own structure (Note [output structure] in
+    ``fxpipe.codegen.outputs``). ``stages`` holds the stage modules; tied parameters are one
+    Parameter object shared by the stages that use them, so gradients equal the original model's.
     """
 
     def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".") -> None:
         super().__init__()
         self.manifest = manifest
         self.stages = nn.ModuleList(stages)
-        self._spec = _load_spec(manifest, Path(build_dir))
+        self.call = manifest.call_spec
+        self._spec = load_output_spec(manifest, Path(build_dir))
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         m = self.manifest
-        if len(inputs) != len(m.inputs):
-            raise TypeError(f"the model takes {len(m.inputs)} inputs ({', '.join(t.name for t in m.inputs)}), "
-                            f"got {len(inputs)}")
+        inputs = self.call.bind(args, kwargs)
         values: dict[tuple[int, str], Any] = {}
         for t, x in zip(m.inputs, inputs):
             values[(t.producer, t.name)] = x
@@ -51,38 +55,17 @@ class Pipeline(nn.Module):
         result = [flat[k] for k in range(len(flat))]
         if self._spec is None:
             return tuple(result)
-        from torch.utils._pytree import tree_unflatten
-
         return tree_unflatten(result, self._spec)
 
 
-def _load_spec(manifest: Manifest, build_dir: Path) -> Any:
-    if manifest.output_spec is None:
-        return None
-    from torch.utils._pytree import treespec_loads
-
-    try:
-        return treespec_loads(manifest.output_spec)
-    except Exception:
-        # container types (e.g. a Hugging Face ModelOutput) register with pytree when their library is imported,
-        # which the model file does
-        if manifest.model_file:
-            from fxpipe.modelfile import import_model_module
-
-            import_model_module(manifest.model_path(build_dir))
-        try:
-            return treespec_loads(manifest.output_spec)
-        except Exception as exc:
-            raise BuildDirError(f"cannot rebuild the model's output structure from manifest.json: {exc}") from exc
-
-
 def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> Pipeline:
-    """All stages of ``build_dir`` on one device, chained: ``load_pipeline(d)(*inputs)`` is the model.
+    """All stages of ``build_dir`` on one device, chained: ``load_pipeline(d)(*args, **kwargs)`` is the model.
 
     Example::
 
         model = load_pipeline("build")
         logits = model(tokens)
+        loss = load_pipeline("hf_build")(input_ids=ids, attention_mask=mask, labels=ids).loss
     """
     manifest = read_manifest(build_dir)
     stages = [load_stage(build_dir, i, device) for i in range(manifest.num_stages)]
