@@ -128,8 +128,10 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _jsonable(value: Any) -> Any:
-    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
+def _plain(value: Any) -> Any:
+    """A constant in the form a manifest keeps it: lists and tuples as tuples (hashable, and a JSON
+    list read back compares equal)."""
+    return tuple(_plain(v) for v in value) if isinstance(value, (tuple, list)) else value
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ class Constant:
     default: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "value", _jsonable(self.value))
+        object.__setattr__(self, "value", _plain(self.value))
         if self.literal and not _is_literal(self.value):
             raise ValueError(f"constant {self.name!r}: {self.value!r} is not a plain constant")
 
@@ -157,7 +159,7 @@ class Constant:
     def matches(self, value: Any) -> bool:
         if not self.literal:
             return repr(value) == self.value
-        return _is_literal(value) and _jsonable(value) == self.value and _same_types(_jsonable(value), self.value)
+        return _is_literal(value) and _plain(value) == self.value and _same_types(_plain(value), self.value)
 
     def shown(self) -> str:
         return repr(self.value) if self.literal else self.value
@@ -165,7 +167,7 @@ class Constant:
 
 def _same_types(a: Any, b: Any) -> bool:
     """``True == 1`` in Python, but a flag and a number are different constants."""
-    if isinstance(a, list) and isinstance(b, list):
+    if isinstance(a, tuple) and isinstance(b, tuple):
         return all(_same_types(x, y) for x, y in zip(a, b))
     return isinstance(a, bool) == isinstance(b, bool)
 

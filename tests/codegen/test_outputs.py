@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
-from codegen_support import ROOT, build_example
+from codegen_support import ROOT, build_example, build_model_file
 
 from fxpipe.codegen.outputs import dump_output_spec
 
@@ -75,17 +75,9 @@ def test_a_transformers_output_is_rebuilt_where_transformers_was_never_imported(
 
 
 def test_a_container_of_the_model_file_is_rebuilt_by_load_pipeline_in_a_new_process(tmp_path: Path) -> None:
-    from fxpipe.codegen import write_build_dir
-    from fxpipe.modelfile import load_model_file
-    from fxpipe.partitioner import plan_partition
-    from fxpipe.tracer import trace_model_file
-
     model_file = tmp_path / "dataclass_out.py"
     model_file.write_text(CONTAINER_IN_MODEL_FILE)
-    source = load_model_file(model_file)
-    traced = trace_model_file(source, 2, progress=False)
-    plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=1)
-    manifest = write_build_dir(traced, plan, tmp_path / "b", source, batch_size=2, microbatches=1)
+    manifest, _ = build_model_file(tmp_path / "b", model_file, 2, microbatches=1)
     assert manifest.output_modules == ()  # the model file registers it: imported by load_pipeline
     printed = _fresh_python(
         "import torch, fxpipe\n"
