@@ -17,6 +17,7 @@ __all__ = [
     "PinError",
     "CodegenError",
     "BuildDirError",
+    "CallError",
     "RuntimeSetupError",
     "PeerError",
     "ScheduleError",
@@ -62,6 +63,10 @@ class CodegenError(FxpipeError):
 
 class BuildDirError(FxpipeError):
     """A build directory is missing files, tampered with, or of an unknown schema."""
+
+
+class CallError(FxpipeError, TypeError):
+    """A built model was called with arguments that differ from the call it was traced with."""
 
 
 class RuntimeSetupError(FxpipeError):

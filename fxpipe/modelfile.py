@@ -1,8 +1,13 @@
 """Model files: the contract by which users hand fxpipe a model.
 
-A model file defines ``build_model() -> nn.Module`` and
-``example_inputs(batch_size: int) -> tuple[Tensor, ...]``, and optionally
-``loss_fn(output, target) -> Tensor`` and ``example_targets(batch_size: int)``.
+A model file defines ``build_model() -> nn.Module`` and ``example_inputs(batch_size: int)``,
+which returns the model's call on ``batch_size`` samples: a tuple (positional arguments),
+a dict (keyword arguments, e.g. a Hugging Face ``input_ids=, attention_mask=, labels=``
+call) or an ``(args, kwargs)`` pair. Tensors are the model's inputs; ``None`` and other
+plain constants are constants of the trace (Note [the traced call] in
+``fxpipe.tracer.call``). Optionally ``loss_fn(output, target) -> Tensor`` and
+``example_targets(batch_size: int)`` for training; without a ``loss_fn`` training uses
+the loss the model computes itself (``output.loss``, e.g. when it is given ``labels=``).
 ``path.py:name`` picks another model function inline.
 """
 
@@ -14,9 +19,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fxpipe.errors import ModelFileError
+
+if TYPE_CHECKING:
+    from fxpipe.tracer.call import ModelInputs
 
 __all__ = ["ModelSource", "load_model_file", "import_model_module", "file_sha256"]
 
@@ -90,26 +98,34 @@ class ModelSource:
             )
         return model
 
-    def example_inputs(self, batch_size: int) -> tuple[Any, ...]:
-        import torch
+    def example_call(self, batch_size: int) -> ModelInputs:
+        """The example inputs function's call on ``batch_size`` samples (see the module docstring)."""
+        from fxpipe.tracer.call import parse_model_inputs
 
-        inputs = self._call(self.inputs_fn, batch_size)
-        if isinstance(inputs, torch.Tensor):
-            inputs = (inputs,)
-        where = f"{self.path.name}:{self.inputs_fn}({batch_size})"
-        if not isinstance(inputs, (tuple, list)):
-            raise ModelFileError(f"{where} must return a tuple of tensors, got {type(inputs).__name__}")
-        for i, t in enumerate(inputs):
-            if not isinstance(t, torch.Tensor):
-                raise ModelFileError(f"{where} must return a tuple of tensors, but element {i} is "
-                                     f"{type(t).__name__} ({t!r:.40}); pass non-tensor settings to build_model()")
-        return tuple(inputs)
+        value = self._call(self.inputs_fn, batch_size)
+        try:
+            return parse_model_inputs(value)
+        except ValueError as exc:
+            raise ModelFileError(f"{self.path.name}:{self.inputs_fn}({batch_size}): {exc}") from None
+
+    def example_inputs(self, batch_size: int) -> tuple[Any, ...]:
+        """The positional arguments of ``example_call``, for model files that pass no keyword arguments."""
+        call = self.example_call(batch_size)
+        if call.kwargs:
+            raise ModelFileError(f"{self.path.name}:{self.inputs_fn}({batch_size}) passes keyword arguments "
+                                 f"({', '.join(call.kwargs)}); use ModelSource.example_call for the whole call")
+        return call.args
 
     def has(self, name: str) -> bool:
         return callable(getattr(self.module, name, None))
 
     def example_targets(self, batch_size: int) -> Any:
         return self._call(self.targets_fn, batch_size)
+
+    @property
+    def has_loss_fn(self) -> bool:
+        """Whether the file defines a loss function (else training uses the model's own ``output.loss``)."""
+        return self.has(self.loss_fn_name)
 
     @property
     def loss_fn(self) -> Callable[..., Any]:

@@ -7,7 +7,8 @@
 
 from fxpipe.codegen.build import emit_build, write_build_dir, write_report
 from fxpipe.codegen.builddir import check_build_target
-from fxpipe.codegen.load import Pipeline, load_pipeline, load_stage, read_manifest
+from fxpipe.codegen.load import load_stage, read_manifest
+from fxpipe.codegen.pipeline import Pipeline, load_pipeline
 from fxpipe.codegen.manifest import INPUT, MANIFEST_SCHEMA_VERSION, BoundaryTensor, Manifest, StageManifest, Tie
 from fxpipe.codegen.split import SplitGraph, StageGraph, split_graph
 from fxpipe.codegen.verify import VerifyReport, print_verify_report, verify_build

@@ -11,7 +11,6 @@ as it was, and a new build leaves no stale file of the old one.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -23,6 +22,7 @@ from fxpipe.graphmeta import CONSTANTS_KEY
 from fxpipe.codegen.builddir import replace_file, staged_build_dir
 from fxpipe.codegen.emit import emit_stage
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
+from fxpipe.codegen.outputs import dump_output_spec
 from fxpipe.codegen.split import split_graph
 from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
@@ -30,6 +30,7 @@ from fxpipe.modelfile import ModelSource, file_sha256
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
+    from fxpipe.tracer.call import CallSpec
     from fxpipe.tracer.profile import ModelProfile
     from fxpipe.tracer.traced import TracedModel
 
@@ -65,7 +66,7 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                                staging, source=source, microbatch=traced.profile.batch_size, batch_size=batch_size,
                                microbatches=microbatches, user_leaf_args=traced.user_leaf_args,
                                output_spec=traced.output_spec, frontend=traced.frontend,
-                               units_of_stage=units_of_stage)
+                               units_of_stage=units_of_stage, call=traced.call)
         plan.to_json(staging / "plan.json")
         traced.profile.to_json(staging / "profile.json")
         (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
@@ -85,20 +86,22 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
                out_dir: str | Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
                microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None = None,
                output_spec: Any = None, frontend: str = "symbolic",
-               units_of_stage: list[tuple[str, ...]] | None = None) -> Manifest:
+               units_of_stage: list[tuple[str, ...]] | None = None, call: CallSpec | None = None) -> Manifest:
     """Split ``gm`` by ``stage_of_node`` and write the stages and the manifest to ``out_dir``,
-    replacing it as a whole (see ``write_build_dir``)."""
+    replacing it as a whole (see ``write_build_dir``). ``call``: how the model's call binds to
+    the graph's placeholders (``TracedModel.call``; ``None``: positionally)."""
     with staged_build_dir(out_dir) as staging:
         return _emit_files(gm, model, stage_of_node, num_stages, Path(out_dir), staging, source=source,
                            microbatch=microbatch, batch_size=batch_size, microbatches=microbatches,
                            user_leaf_args=user_leaf_args, output_spec=output_spec, frontend=frontend,
-                           units_of_stage=units_of_stage)
+                           units_of_stage=units_of_stage, call=call)
 
 
 def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
                 out: Path, staging: Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
                 microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
-                output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None) -> Manifest:
+                output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None,
+                call: CallSpec | None) -> Manifest:
     """Write the stage files and the manifest into ``staging``; paths in them are relative to
     ``out``, the directory ``staging`` becomes."""
     if batch_size != microbatch * microbatches:
@@ -124,25 +127,14 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
             inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
             parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
             units=tuple(units), imports_model_file=src.imports_model_file))
+    spec_json, output_modules = dump_output_spec(output_spec)
     manifest = Manifest(
         model_file=model_file_reference(source.path, out) if source else "", model_fn=source.model_fn if source else "",
         model_sha256=source.sha256 if source else "", stages=tuple(stages), batch_size=batch_size,
         microbatch_size=microbatch, inputs=tuple(split.boundary[k] for k in split.model_inputs),
         ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
-        frontend=frontend, output_spec=_dump_spec(output_spec),
+        frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
         microbatches=microbatches, training=model.training, torch_version=torch.__version__)
     manifest.to_json(staging / "manifest.json")
     return manifest
 
-
-def _dump_spec(spec: Any) -> str | None:
-    if spec is None:
-        return None
-    from torch.utils._pytree import treespec_dumps
-
-    try:
-        return treespec_dumps(spec)
-    except Exception as exc:  # a container type pytree cannot serialize: outputs stay a flat tuple
-        warnings.warn(f"cannot serialize the model's output structure ({exc}); load_pipeline will return a flat "
-                      "tuple of tensors", stacklevel=4)
-        return None

@@ -23,6 +23,7 @@ from typing import Any
 from fxpipe.errors import BuildDirError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
+from fxpipe.tracer.call import CallSpec
 
 __all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
 
@@ -130,6 +131,10 @@ class Manifest:
     ``microbatches`` is the number of microbatches per step the build was planned for
     (0 when constructed without one: ``batch_size // microbatch_size`` is filled in),
     ``training`` the mode the model was traced in, ``torch_version`` the torch that built it.
+    ``call`` says how a call of the model binds to ``inputs`` (Note [the traced call] in
+    ``fxpipe.tracer.call``; ``None``: positionally, in order: see ``call_spec``);
+    ``output_modules`` are the modules to import before reading ``output_spec`` (Note
+    [output structure] in ``fxpipe.codegen.outputs``).
     """
 
     model_file: str
@@ -147,11 +152,17 @@ class Manifest:
     microbatches: NonNegInt = 0
     training: bool = True
     torch_version: str = ""
+    call: CallSpec | None = None
+    output_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "ties", tuple(self.ties))
+        object.__setattr__(self, "output_modules", tuple(self.output_modules))
+        if self.call is not None and len(self.call.inputs) != len(self.inputs):
+            raise BuildDirError(f"the manifest's call names {len(self.call.inputs)} tensor inputs but it lists "
+                                f"{len(self.inputs)} model inputs")
         if not self.microbatches:
             object.__setattr__(self, "microbatches", max(self.batch_size // self.microbatch_size, 1))
         for i, s in enumerate(self.stages):
@@ -163,6 +174,11 @@ class Manifest:
         two can move together (an absolute path, from older builds, is used as it is)."""
         path = Path(self.model_file)
         return path if path.is_absolute() else (Path(build_dir) / path).resolve()
+
+    @property
+    def call_spec(self) -> CallSpec:
+        """How a call binds to the model inputs (``call``, else positionally in the inputs' order)."""
+        return self.call if self.call is not None else CallSpec.positional([t.name for t in self.inputs])
 
     @property
     def num_stages(self) -> int:

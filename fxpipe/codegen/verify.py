@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from fxpipe.codegen.load import load_pipeline, read_manifest
+from fxpipe.codegen.load import read_manifest
+from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.errors import BuildDirError, ModelFileError
 from fxpipe.modelfile import load_model_file
 
@@ -148,13 +149,13 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     training = manifest.training
     reference = _load_reference(manifest, build_dir, source).train(training)
     pipeline = load_pipeline(build_dir).train(training)
-    inputs = source.example_inputs(manifest.batch_size)
+    inputs = source.example_call(manifest.batch_size)
 
     results = []
     for model in (reference, pipeline):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            output = model(*inputs)
+            output = inputs(model)
             loss, loss_name = _loss(output, source, manifest.batch_size)
             loss.backward()
         results.append(output)

@@ -3,7 +3,8 @@
 With R data-parallel replicas of batch ``B`` each, every rank builds
 ``example_inputs(B*R)`` / ``example_targets(B*R)`` and keeps replica r's rows
 ``[r*B, (r+1)*B)`` along each tensor's batch dim, so the replicas together see the batch
-that one process training on ``B*R`` samples would.
+that one process training on ``B*R`` samples would. A model file without ``loss_fn``
+trains on the model's own loss (``fxpipe.runtime.loss``) and needs no targets.
 """
 
 from __future__ import annotations
@@ -19,19 +20,27 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ModelFileError
 from fxpipe.modelfile import ModelSource, load_model_file
 
-__all__ = ["model_source", "replica_batch", "target_batch_dims"]
+__all__ = ["model_source", "example_batch", "replica_batch", "target_batch_dims"]
 
 
 def model_source(build_dir: Path, manifest: Manifest) -> ModelSource:
-    """The build's model file, which must define the targets to train on."""
+    """The build's model file, which must define the targets to train on when it defines a loss function."""
     if not manifest.model_file:
         raise ModelFileError(f"{build_dir}/manifest.json names no model file, so there is no data to train on")
     source = load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn or None,
                              inputs_fn=manifest.inputs_fn or None)
-    if not source.has(source.targets_fn):
-        raise ModelFileError(f"{source.path.name} defines no {source.targets_fn}(batch_size); `fxpipe run` needs "
-                             "targets to train on")
+    if source.has_loss_fn and not source.has(source.targets_fn):
+        raise ModelFileError(f"{source.path.name} defines {source.loss_fn_name}() but no "
+                             f"{source.targets_fn}(batch_size); `fxpipe run` needs targets for it (or drop "
+                             f"{source.loss_fn_name}() to train on the loss the model computes itself)")
     return source
+
+
+def example_batch(source: ModelSource, manifest: Manifest, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """The build's tensor inputs (the model file's example call bound to the build, Note [the traced
+    call] in ``fxpipe.tracer.call``) and targets (``None`` without a loss function) for ``batch_size`` samples."""
+    inputs = manifest.call_spec.bind_any(source.example_call(batch_size))
+    return inputs, source.example_targets(batch_size) if source.has_loss_fn else None
 
 
 def replica_batch(inputs: tuple[torch.Tensor, ...], targets: Any, batch_dims: Sequence[int | None],

@@ -13,7 +13,7 @@ only the last stage uses the targets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, 
 from fxpipe.runtime.executor import LossFn, StageExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
+from fxpipe.runtime.loss import model_loss
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
 from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
@@ -35,6 +36,7 @@ from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.schedule import Schedule, make_schedule
 from fxpipe.runtime.ties import sync_tied_grads
 from fxpipe.runtime.validate import validate_schedule
+from fxpipe.tracer.call import ModelInputs
 
 __all__ = ["PipelineRunner", "StageLoader", "OptimizerFactory"]
 
@@ -82,10 +84,12 @@ class PipelineRunner:
     its own stage's parameters. A peer that dies or hangs raises ``PeerError`` after at
     most ``timeout_s`` seconds. Targets are cut into microbatches along dim 0 unless
     ``target_batch_dims`` gives the batch dim of each leaf of the (nested) targets
-    (``None``: shared by every microbatch).
+    (``None``: shared by every microbatch). With ``loss_fn=None`` the loss is the one the
+    model computes itself (``output.loss``, e.g. of a model given ``labels=``;
+    ``fxpipe.runtime.loss``), and the targets are unused.
     """
 
-    def __init__(self, build: str | Path | Manifest, loss_fn: LossFn, *, stage_loader: StageLoader | None = None,
+    def __init__(self, build: str | Path | Manifest, loss_fn: LossFn | None, *, stage_loader: StageLoader | None = None,
                  schedule: str | Schedule = DEFAULT_SCHEDULE, microbatches: int = 1,
                  optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
                  device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -104,7 +108,7 @@ class PipelineRunner:
         self.rank, self.world_size = rank, world
         self.stage_index = self.layout.stage_of(rank)
         self.replica = self.layout.replica_of(rank)
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn if loss_fn is not None else model_loss
         self.timeout_s = timeout_s
         self.microbatches = microbatches
         self.routes = routes_from_manifest(manifest)
@@ -135,12 +139,18 @@ class PipelineRunner:
 
     # -- training --------------------------------------------------------------
 
-    def forward_backward(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: Any) -> float:
+    def forward_backward(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+                         targets: Any = None) -> float:
         """Forward and backward over all microbatches, without an optimizer step.
 
+        ``inputs``: the build's tensor inputs in the manifest's order (a tensor or a
+        sequence), or the model's call (a dict of keyword arguments or a ``ModelInputs``,
+        bound as the original forward would: Note [the traced call] in ``fxpipe.tracer.call``).
         Gradients accumulate into ``.grad`` (tied copies summed across their stages).
         Returns the loss averaged over microbatches, on every rank.
         """
+        if isinstance(inputs, (ModelInputs, Mapping)):
+            inputs = self.manifest.call_spec.bind_any(inputs)
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         dims = [t.batch_dim for t in self.manifest.inputs]
         batched = [t.shape[d] for t, d in zip(inputs, dims) if d is not None]
@@ -165,7 +175,8 @@ class PipelineRunner:
             raise peer_error(exc, self.rank, "receiving the step's loss from the last stage", self.timeout_s) from exc
         return float(loss.item())
 
-    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: Any) -> float:
+    def step(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+             targets: Any = None) -> float:
         """One training step: zero grads, forward/backward all microbatches, optimizer step.
 
         With data-parallel ``backward_passes_per_step = k`` gradients accumulate over k

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
+from fxpipe.codegen.outputs import rebuild_output
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.p2p import P2P, Message
 from fxpipe.runtime.routes import Routes
@@ -61,10 +61,9 @@ def microbatch_size(manifest: Manifest, inputs: Sequence[torch.Tensor]) -> int:
 
 
 def assemble_output(manifest: Manifest, flat: Sequence[torch.Tensor]) -> Any:
-    """The model's output structure from its flattened outputs (what a loss function expects)."""
-    if manifest.output_spec:
-        return tree_unflatten(list(flat), treespec_loads(manifest.output_spec))
-    return flat[0] if len(flat) == 1 else tuple(flat)
+    """The model's output structure from its flattened outputs (what a loss function expects;
+    Note [output structure] in ``fxpipe.codegen.outputs``)."""
+    return rebuild_output(manifest, list(flat))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The training loop of one rank under ``fxpipe run``: SGD on the model file's example batch, measured.
 
 Trains the build directory's model with SGD on ``example_inputs(B)`` and
-``example_targets(B)`` (the same batch every step) and the model file's ``loss_fn``. With
+``example_targets(B)`` (the same batch every step) and the model file's ``loss_fn``, or
+without one on the loss the model computes itself (``fxpipe.runtime.loss``). With
 ``N = stages x R`` ranks there are R data-parallel replicas of the pipeline, each on its
 own rows of the batch (``fxpipe.runtime.data``). Rank 0 prints the loss (averaged over
 replicas) and throughput of every step and writes ``DIR/run.json`` (a ``RunRecord``);
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
-from fxpipe.runtime.data import model_source, replica_batch, target_batch_dims
+from fxpipe.runtime.data import example_batch, model_source, replica_batch, target_batch_dims
 from fxpipe.runtime.memory import peak_memory_bytes, training_peak_tensor_bytes
 from fxpipe.runtime.microbatch import check_divisible
 from fxpipe.runtime.options import RunOptions
@@ -69,10 +70,10 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     world = int(os.environ.get("WORLD_SIZE", manifest.num_stages))
     batch, microbatches, replicas = resolve_sizes(options, manifest, world)
     dp = options.data_parallel
-    every_replica = (source.example_inputs(batch * replicas), source.example_targets(batch * replicas))
-    target_dims = target_batch_dims(source, batch)
+    every_replica = example_batch(source, manifest, batch * replicas)
+    target_dims = target_batch_dims(source, batch) if source.has_loss_fn else None
     lr = options.lr
-    with PipelineRunner(build_dir, source.loss_fn, schedule=options.schedule, microbatches=microbatches,
+    with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule, microbatches=microbatches,
                         optimizer_factory=lambda params: torch.optim.SGD(params, lr=lr),
                         device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
                         target_batch_dims=target_dims) as runner:

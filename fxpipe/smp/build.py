@@ -26,7 +26,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from fxpipe.errors import ConfigError, FxpipeError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
 from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
+from fxpipe.tracer.call import ModelInputs
 
 __all__ = ["TraceOptions", "StageBuild", "build_stage", "apply_partition_policy", "copy_module_values",
            "resolve_trace_device"]
@@ -84,10 +85,10 @@ def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfil
 _SHARED_FILES = ("manifest.json", "plan.json")  # what every rank gets besides its own stage's files
 
 
-def _plan_on_rank0(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions,
+def _plan_on_rank0(module: nn.Module, inputs: ModelInputs, config: Config, options: TraceOptions,
                    batch_size: int, record: BuildRecord | None, cost: CostModel | None) -> dict[int, dict[str, bytes]]:
     """Trace, plan and emit; the files each rank needs, by mp rank (read into memory, the folder removed)."""
-    traced = trace_model(module, tuple(inputs), build_record=record, trace_device=options.trace_device,
+    traced = trace_model(module, inputs, build_record=record, trace_device=options.trace_device,
                          measure_times=options.measure_times, measure_memory=options.measure_memory, progress=False)
     traced.profile = apply_partition_policy(traced.profile, config)
     plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
@@ -147,7 +148,7 @@ def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
                 t.requires_grad_(src.requires_grad)
 
 
-def build_stage(module: nn.Module, inputs: Sequence[torch.Tensor], config: Config, options: TraceOptions, *,
+def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options: TraceOptions, *,
                 rank: int, world: int, mp_rank: int, device: torch.device, batch_size: int,
                 stage_of: Any, on_trace: Any = None, record: BuildRecord | None = None,
                 cost: CostModel | None = None) -> StageBuild:

@@ -38,6 +38,7 @@ from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trac
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
 from fxpipe.smp.state import current
+from fxpipe.tracer.call import ModelInputs
 
 __all__ = ["DistributedModel", "DDPOptions", "PARTIAL_KEY"]
 
@@ -141,14 +142,15 @@ class DistributedModel(nn.Module):
         self._primary = {key: keys[0] for keys in groups.values() for key in keys}
         self._state_keys = tuple(module.state_dict().keys())
 
-    def _partition(self, inputs: Sequence[Any]) -> None:
+    def _partition(self, inputs: ModelInputs) -> None:
         st = current()
-        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise StepError(f"the model must be called with positional tensors, got "
-                            f"{[type(t).__name__ for t in inputs]}")
+        tensors = [t for t in (*inputs.args, *inputs.kwargs.values()) if isinstance(t, torch.Tensor)]
+        if not tensors or tensors[0].dim() == 0:
+            raise StepError(f"the model must be called with tensors that have a batch dimension (dim 0), got "
+                            f"({inputs.describe()})")
         module = self.module
         self._record_names(module)
-        batch = int(inputs[0].shape[0]) * st.config.microbatches
+        batch = int(tensors[0].shape[0]) * st.config.microbatches
 
         def tracing(flag: bool) -> None:
             st.tracing = flag
@@ -213,21 +215,24 @@ class DistributedModel(nn.Module):
         self._in_step, self._driver, self._microbatch = False, None, None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run this rank's stage on one microbatch (only inside a ``@step`` function)."""
+        """Run this rank's stage on one microbatch (only inside a ``@step`` function).
+
+        Called like the original model, with positional and/or keyword arguments (``model(**batch)``);
+        the first call is traced (Note [the traced call] in ``fxpipe.tracer.call``) and every later call
+        must pass the same arguments (tensors may change, constants may not: ``CallError``).
+        """
         if self._microbatch is None:
             raise StepError("the DistributedModel was called outside a @step function; put model(...) and "
                             "model.backward(loss) in a function decorated with @fxpipe.step")
-        if kwargs:
-            raise StepError(f"keyword arguments {sorted(kwargs)} to the model are not supported; pass the model's "
-                            "tensor inputs positionally")
         if self._build is None:
-            self._partition(args)
+            self._partition(ModelInputs(args, kwargs))
+        inputs = self.manifest.call_spec.bind(args, kwargs)
         if self._driver is None:
             st = current()
             self._driver = StepDriver(self.manifest, self._routes, st.mp_rank, self.module, self._p2p, st.device,
                                       st.config.schedule, st.config.microbatches,
                                       self.average_grads_across_microbatches)
-        return self._driver.forward(self._microbatch, args)
+        return self._driver.forward(self._microbatch, inputs)
 
     def backward(self, tensors: torch.Tensor | Sequence[torch.Tensor],
                  grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None) -> None:

@@ -1,7 +1,8 @@
 """``@step`` and ``StepOutput``: a training step written for one microbatch, run for all of them.
 
 The decorated function is called once per microbatch with its arguments cut along
-dim 0 (tensors without a batch dim and other objects are passed whole). Its return
+dim 0, tensors inside lists and dicts included (a batch dict for ``model(**batch)``);
+tensors without a batch dim and other objects are passed whole. Its return
 values come back as ``StepOutput``s holding the per-microbatch values of the *last*
 stage, which computes the real outputs and loss, broadcast to every rank of the
 pipeline (other stages only see placeholders; see ``fxpipe.smp.driver``).
@@ -105,6 +106,12 @@ def step(fn: F) -> F:
 
         output_mb, loss_mb = train_step(model, data, target)
         loss = loss_mb.reduce_mean()
+
+        @fxpipe.step
+        def hf_step(model, batch):          # batch = {"input_ids": ..., "attention_mask": ..., "labels": ...}
+            out = model(**batch)            # the model computes its loss from labels=
+            model.backward(out.loss)
+            return out.loss
     """
 
     @functools.wraps(fn)

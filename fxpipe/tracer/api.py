@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import ModelFileError, TraceError
 from fxpipe.modelfile import ModelSource
+from fxpipe.tracer.call import BoundCall, ModelInputs, bind_example, parse_model_inputs, tracing_call
 from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.counting import UnitCounts, count_unit
 from fxpipe.tracer.device_memory import measure_memory_bytes
@@ -56,35 +57,36 @@ def _preserved_state(model: nn.Module) -> Iterator[None]:
                     buffer.copy_(value)
 
 
-def _check_inputs(example_inputs: Sequence[Any],
-                  batch_dims: Sequence[int | None] | None) -> tuple[tuple[torch.Tensor, ...], BatchDims]:
-    inputs = tuple(example_inputs)
-    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        kinds = [type(t).__name__ for t in inputs]
-        raise TraceError(f"example_inputs must be a non-empty tuple of tensors, got {kinds}; "
-                         "pass the model's positional tensor inputs")
+def _bind_inputs(model: nn.Module, example_inputs: Any,
+                 batch_dims: Sequence[int | None] | None) -> tuple[BoundCall, BatchDims]:
+    """The example call bound to ``model.forward`` (Note [the traced call] in ``fxpipe.tracer.call``)
+    and the batch dimension of each tensor input."""
     try:
-        return inputs, resolve_batch_dims(inputs, batch_dims)
+        call = bind_example(model, parse_model_inputs(example_inputs))
     except ValueError as exc:
-        raise TraceError(f"{exc} (example input shapes: {_describe_inputs(inputs)})") from None
+        raise TraceError(f"example inputs of {type(model).__name__}: {exc}") from None
+    try:
+        return call, resolve_batch_dims(call.tensors, batch_dims)
+    except ValueError as exc:
+        raise TraceError(f"{exc} (example inputs: {call.example.describe()})") from None
 
 
 def _describe_inputs(inputs: Sequence[torch.Tensor]) -> str:
     return ", ".join(describe_tensor(t) for t in inputs)
 
 
-def _run_eagerly(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+def _run_eagerly(model: nn.Module, call: ModelInputs) -> Any:
     """The model's own output on the example inputs; a model that fails on them is reported as
     the user's error (out-of-memory is not: it says nothing about the model file)."""
     try:
         with torch.no_grad():
-            return model(*inputs)
+            return call(model)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here comes from the model or its inputs
         message = " ".join(str(exc).split())
         raise ModelFileError(
-            f"{type(model).__name__} raised on its example inputs ({_describe_inputs(inputs)}): "
+            f"{type(model).__name__} raised on its example inputs ({call.describe()}): "
             f"{type(exc).__name__}: {message}; check that the example inputs are what forward() expects "
             "(count, shapes, dtypes) and that forward() runs on them in plain PyTorch"
         ) from exc
@@ -194,13 +196,19 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
     )
 
 
-def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, frontend: str = "auto",
+def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto",
                 leaves: Sequence[LeafSpec] = (), measure_times: bool = False, measure_memory: bool = False,
                 trace_device: str = "cpu", build_record: BuildRecord | None = None,
                 progress: bool = True, batch_dims: Sequence[int | None] | None = None) -> TracedModel:
     """Trace ``model`` on ``example_inputs`` and profile its units.
 
-    ``batch_dims``: each input's batch dimension, ``None`` for an input shared by all
+    ``example_inputs``: the model's positional arguments (a tuple, or one tensor), its
+    keyword arguments (a dict), an ``(args, kwargs)`` pair, or a ``ModelInputs``. Tensors
+    become the graph's inputs, named after the forward's parameters; every other
+    argument, and every parameter left at its default, is a constant of the trace (Note
+    [the traced call] in :mod:`fxpipe.tracer.call`; ``TracedModel.call`` records them).
+    ``batch_dims``: each tensor input's batch dimension (in the forward's parameter
+    order), ``None`` for an input shared by all
     samples (a ``[T, T]`` mask); by default dim 0 of every non-scalar input, which is
     wrong for sequence-first inputs (see the Note in :mod:`fxpipe.tracer.shapes`;
     :func:`trace_model_file` takes them from the model file instead).
@@ -216,8 +224,9 @@ def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, fro
 
         traced = trace_model(GPT(), (torch.randint(0, 64, (4, 16)),))
         traced.profile.units[0].name, traced.graph_module(idx)
+        trace_model(hf_gpt2, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
-    inputs, dims = _check_inputs(example_inputs, batch_dims)
+    call, dims = _bind_inputs(model, example_inputs, batch_dims)
     if trace_device not in DEVICE_PRESETS:
         raise TraceError(f"trace_device {trace_device!r} is not one of {sorted(DEVICE_PRESETS)}")
     if trace_device == "cuda" and not torch.cuda.is_available():
@@ -228,12 +237,14 @@ def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, fro
     devices = {t.device for t in list(model.parameters()) + list(model.buffers())} or {torch.device("cpu")}
     original_device = next(iter(devices))
     model.to(trace_device)
-    inputs = tuple(t.to(trace_device) for t in inputs)
+    call = call.with_tensors([t.to(trace_device) for t in call.tensors])
+    inputs = call.tensors
     batch = batch_size_of(inputs, dims)
     try:
         with _preserved_state(model):
-            reference, output_spec = pytree.tree_flatten(_run_eagerly(model, inputs))
-            result = trace_graph(model, inputs, frontend, tuple(leaves), dims)
+            reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
+            with tracing_call(call):
+                result = trace_graph(model, inputs, frontend, tuple(leaves), dims)
             gm = result.graph_module
             annotate_paths(gm)
             drop_extra_placeholders(gm, len(inputs))
@@ -267,7 +278,7 @@ def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, fro
         model=model, graph_module=gm, profile=profile,
         unit_of_node={node: g.name for g in groups for node in g.nodes},
         frontend=result.frontend, output_spec=output_spec, leaf_modules=leaf_modules,
-        user_leaf_args=user_leaf_args, example_inputs=tuple(t.to(original_device) for t in inputs),
+        user_leaf_args=user_leaf_args, example_inputs=tuple(t.to(original_device) for t in inputs), call=call.spec,
     )
 
 
@@ -291,9 +302,9 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     input whose shape stays, such as a shared mask).
     """
     model, record = build_model_recorded(source.build_model)
-    inputs = source.example_inputs(batch_size)
+    inputs = source.example_call(batch_size)
     if options.get("batch_dims") is None:
-        options["batch_dims"] = _model_file_batch_dims(source, batch_size, inputs)
+        options["batch_dims"] = _model_file_batch_dims(source, model, batch_size, inputs)
     try:
         traced = trace_model(model, inputs, build_record=record, **options)
     except ModelFileError as exc:  # the model rejected its inputs: say which file and functions
@@ -305,15 +316,24 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     return traced
 
 
-def _model_file_batch_dims(source: ModelSource, batch_size: int, inputs: tuple[torch.Tensor, ...]) -> BatchDims:
-    """Compare ``example_inputs(B)`` with ``example_inputs(2B)``: the dimension that doubles is the batch."""
+def _model_file_batch_dims(source: ModelSource, model: nn.Module, batch_size: int,
+                           inputs: ModelInputs) -> BatchDims:
+    """Compare ``example_inputs(B)`` with ``example_inputs(2B)``: the dimension that doubles is the batch
+    (of each tensor input, in the forward's parameter order)."""
     fn = f"{source.path.name}:{source.inputs_fn}"
     try:
-        dims = infer_batch_dims(inputs, source.example_inputs(2 * batch_size))
+        first, second = bind_example(model, inputs), bind_example(model, source.example_call(2 * batch_size))
+    except ValueError as exc:
+        raise ModelFileError(f"{fn}({batch_size}) for {type(model).__name__}: {exc}") from None
+    if first.spec != second.spec:
+        raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) pass different arguments "
+                             f"({inputs.describe()} vs {second.example.describe()}); only the batch may change")
+    try:
+        dims = infer_batch_dims(first.tensors, second.tensors)
     except ValueError as exc:
         raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) disagree: {exc}; make the batch "
                              "size scale one dimension of each batched input") from None
     if all(d is None for d in dims):
         raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) return the same shapes "
-                             f"({_describe_inputs(inputs)}); build the inputs with batch_size samples")
+                             f"({_describe_inputs(first.tensors)}); build the inputs with batch_size samples")
     return dims

@@ -9,15 +9,18 @@ mutations (BatchNorm running statistics) become explicit ``aten.copy_`` nodes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 import torch.nn as nn
 from torch.export import Dim, export
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
+from fxpipe.errors import TraceError
 from fxpipe.graphmeta import CONSTANTS_KEY
+from fxpipe.tracer.call import active_call
 
 __all__ = ["export_graph", "non_persistent_buffers"]
 
@@ -35,15 +38,26 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
                  batch_dims: Sequence[int | None] | None = None) -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dimension and return the normalized-form graph.
 
-    ``batch_dims`` names each input's batch dimension (``None``: static input); the
-    default is dim 0 of every non-scalar input. The output node still returns the
+    ``example_inputs`` are the tensor inputs: of the call being traced (``active_call``,
+    Note [the traced call] in ``fxpipe.tracer.call``: keyword arguments and constants go to
+    ``torch.export`` as they were given), else positional arguments. ``batch_dims`` names
+    each input's batch dimension (``None``: static input); the default is dim 0 of every
+    non-scalar input. The graph's placeholders are the tensor inputs only (export's
+    placeholders of constant arguments are dropped). The output node still returns the
     exported (already flat) user outputs; the caller finishes normalization (paths,
     output spec, getitems).
     """
     batch = Dim("batch", min=1)
     dims = tuple(0 if t.dim() > 0 else None for t in example_inputs) if batch_dims is None else batch_dims
-    dynamic = tuple(None if d is None else {d: batch} for d in dims)
-    ep = export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
+    call = active_call(len(example_inputs))
+    bound: dict[str, Any] = {}
+    if call is None:
+        args: tuple[Any, ...] = tuple(example_inputs)
+        kwargs: dict[str, Any] = {}
+        dynamic: Any = tuple(None if d is None else {d: batch} for d in dims)
+    else:
+        args, kwargs, dynamic, bound = call.with_tensors(example_inputs).export_arguments(dims, batch)
+    ep = _export(model, args, kwargs, dynamic, bound)
     sig = ep.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs}
     graph = torch.fx.Graph()
@@ -57,6 +71,10 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
         if node.op == "placeholder":
             spec = kinds[node.name]
             if spec.kind == InputKind.USER_INPUT:
+                if isinstance(spec.arg, ConstantArgument):  # specialized: checked against the CallSpec instead
+                    if node.users:
+                        raise TraceError(f"torch.export kept the constant argument {spec.arg.name!r} as a graph input")
+                    continue
                 env[node] = graph.node_copy(node, lambda n: env[n])
                 continue
             target = spec.target
@@ -87,6 +105,19 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
     gm = torch.fx.GraphModule(root, graph, type(model).__name__)
     gm.meta[CONSTANTS_KEY] = constants
     return gm
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
+            bound: dict[str, Any]) -> Any:
+    """``torch.export`` (non-strict), with ``bound`` given to ``forward`` through a ``functools.partial``
+    for the duration (see ``BoundCall.export_arguments``)."""
+    if not bound:
+        return export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    model.forward = functools.partial(model.forward, **bound)
+    try:
+        return export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    finally:
+        del model.forward
 
 
 def _emit_outputs(graph: torch.fx.Graph, node: torch.fx.Node, sig: Any,

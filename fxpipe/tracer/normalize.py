@@ -62,14 +62,14 @@ def annotate_paths(gm: torch.fx.GraphModule) -> None:
 
 
 def drop_extra_placeholders(gm: torch.fx.GraphModule, n_inputs: int) -> None:
-    """Remove placeholders past the model's positional inputs (bound to defaults, unused)."""
+    """Check that the graph's inputs are the traced call's ``n_inputs`` tensor inputs, dropping unused
+    extra placeholders. The front ends make constants and used defaults part of the graph (Note [the
+    traced call] in ``fxpipe.tracer.call``), so an extra placeholder that the graph uses is fxpipe's bug."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in placeholders[n_inputs:]:
         if node.users:
-            raise TraceError(
-                f"forward argument {node.target!r} is used by the graph but example_inputs gives only "
-                f"{n_inputs} tensors; pass it in example_inputs or give it a default that is not used"
-            )
+            raise TraceError(f"the traced graph reads the forward argument {node.target!r}, which is not one of "
+                             f"the call's {n_inputs} tensor inputs; please report this with the model")
         gm.graph.erase_node(node)
     gm.recompile()
 
@@ -130,7 +130,7 @@ def group_getitems(gm: torch.fx.GraphModule) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
         indexers = [u for u in node.users if u.op == "call_function" and u.target in (operator.getitem, getattr)
-                    and u.args[0] is node and not any(isinstance(a, torch.fx.Node) for a in u.args[1:])]
+                    and u.args[0] is node and all(n is node for n in u.all_input_nodes)]
         anchor = node
         for user in sorted(indexers, key=_position(graph)):
             anchor.append(user)

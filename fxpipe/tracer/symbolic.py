@@ -11,6 +11,7 @@ A failure outside every submodule raises :class:`SymbolicTraceFailure`.
 from __future__ import annotations
 
 import inspect
+import operator
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any, Iterable
 import torch
 import torch.fx
 import torch.nn as nn
+
+from fxpipe.tracer.call import active_call
 
 __all__ = ["LeafSpec", "SymbolicTraceFailure", "SymbolicResult", "FallbackLeaf", "symbolic_trace", "is_torch_nn_leaf",
            "warn_fallbacks"]
@@ -132,12 +135,42 @@ class _LeafTracer(torch.fx.Tracer):
             raise _SubmoduleFailure(path, exc) from exc
 
 
-def _concrete_defaults(model: nn.Module, n_inputs: int) -> dict[str, Any] | None:
-    """Bind forward parameters beyond the positional inputs to their defaults."""
-    params = list(inspect.signature(model.forward).parameters.values())
-    extra = {p.name: p.default for p in params[n_inputs:]
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
-    return extra or None
+def _concrete_args(model: nn.Module, n_inputs: int) -> tuple[dict[str, Any], frozenset[str]]:
+    """FX's ``concrete_args`` for the call being traced (Note [the traced call] in
+    ``fxpipe.tracer.call``) and the names of the tensor inputs; outside ``trace_model``, the
+    first ``n_inputs`` parameters are the inputs and the others keep their defaults."""
+    call = active_call(n_inputs)
+    if call is not None:
+        if not call.symbolic:
+            raise SymbolicTraceFailure("", TypeError("arguments passed through *args or **kwargs cannot be traced "
+                                                     "symbolically"))
+        return dict(call.concrete), frozenset(call.spec.inputs)
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    extra = {p.name: p.default for p in params[n_inputs:] if p.default is not p.empty}
+    return extra, frozenset(p.name for p in params[:n_inputs])
+
+
+_CHECKS = (torch.fx._symbolic_trace._assert_is_none, torch._assert, operator.eq)
+
+
+def _drop_concrete_placeholders(gm: torch.fx.GraphModule, inputs: frozenset[str]) -> None:
+    """Remove the placeholders FX makes for ``concrete_args`` and the checks it attaches to them
+    (the call is checked against the build's ``CallSpec`` instead)."""
+    graph = gm.graph
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.target not in inputs]:
+        users, frontier = [], list(node.users)
+        while frontier:
+            user = frontier.pop()
+            if user.op != "call_function" or user.target not in _CHECKS:
+                raise SymbolicTraceFailure("", TypeError(f"the graph uses the constant argument {node.target!r}"))
+            users.append(user)
+            frontier += user.users
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for user in sorted(set(users), key=order.__getitem__, reverse=True):
+            graph.erase_node(user)
+        graph.erase_node(node)
+    gm.recompile()
 
 
 def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] = ()) -> SymbolicResult:
@@ -149,11 +182,13 @@ def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] =
     leaf_types = tuple(x for x in leaves if isinstance(x, type))
     leaf_paths = {x for x in leaves if isinstance(x, str)}
     fallbacks: list[FallbackLeaf] = []
-    concrete = _concrete_defaults(model, n_inputs)
+    concrete, inputs = _concrete_args(model, n_inputs)
     for _ in range(sum(1 for _ in model.modules()) + 1):
         tracer = _LeafTracer(leaf_types, frozenset(leaf_paths))
         try:
-            graph = tracer.trace(model, concrete_args=concrete)
+            with warnings.catch_warnings():  # FX cannot check object constants; the CallSpec does
+                warnings.filterwarnings("ignore", "Was not able to add assertion")
+                graph = tracer.trace(model, concrete_args=concrete or None)
         except _SubmoduleFailure as failure:
             module = model.get_submodule(failure.path)
             reason = f"{type(failure.cause).__name__}: {failure.cause}"
@@ -164,5 +199,6 @@ def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] =
         except Exception as exc:  # noqa: BLE001 - reported to the caller with the cause
             raise SymbolicTraceFailure("", exc) from exc
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+        _drop_concrete_placeholders(gm, inputs)
         return SymbolicResult(gm, tuple(fallbacks))
     raise SymbolicTraceFailure("", RuntimeError("fallback to leaves did not converge"))

@@ -1,7 +1,8 @@
 """``TracedModel``: the in-memory result of tracing, handed from the tracer to codegen.
 
 Note [normalized graph]: both front ends hand codegen the same form: one
-placeholder per positional model input, ``get_attr`` nodes under ORIGINAL parameter and
+placeholder per tensor input of the traced call (in the forward's parameter order; Note
+[the traced call] in ``fxpipe.tracer.call``), ``get_attr`` nodes under ORIGINAL parameter and
 buffer names, ``call_module`` only for leaves, one ``output`` node returning a flat tuple
 of tensors, and on every node ``meta[SPEC_KEY]`` (``TensorSpec``/``None``/tuple) and
 ``meta[PATH_KEY]`` (owning module path, ``""`` = top level).
@@ -17,7 +18,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxpipe.graphmeta import CONSTANTS_KEY, PATH_KEY, SPEC_KEY
+from fxpipe.tracer.call import CallSpec
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["TracedModel"]
@@ -33,6 +34,8 @@ class TracedModel:
     ``user_leaf_args`` holds, for leaf modules whose class is not from ``torch.nn``, the
     ``(args, kwargs)`` their constructor got (when the model was built with
     :func:`fxpipe.tracer.build_model_recorded`), so a stage file can rebuild them.
+    ``example_inputs`` are the tensor inputs of the traced call, and ``call`` says how a
+    later call binds to them (``None``: positionally, one tensor per placeholder).
     """
 
     model: nn.Module
@@ -44,6 +47,7 @@ class TracedModel:
     leaf_modules: dict[str, type] = field(default_factory=dict)
     user_leaf_args: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
     example_inputs: tuple[torch.Tensor, ...] = ()
+    call: CallSpec | None = None
 
     def unflatten_output(self, flat: tuple[Any, ...] | list[Any]) -> Any:
         """Rebuild the model's output structure from the graph's flat output tuple."""

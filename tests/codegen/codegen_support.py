@@ -24,7 +24,15 @@ def build_example(out: Path, spec: str, stages: int, *, solver: str = "uniform",
                   microbatches: int = 2, inputs_fn: str | None = None) -> tuple[Manifest, ModelSource]:
     """``spec`` is ``name`` or ``name:model_fn`` of a file in examples/."""
     name, _, fn = spec.partition(":")
-    source = load_model_file(EXAMPLES / f"{name}.py", model_fn=fn or None, inputs_fn=inputs_fn)
+    return build_model_file(out, EXAMPLES / f"{name}.py", stages, model_fn=fn or None, solver=solver,
+                            microbatch=microbatch, microbatches=microbatches, inputs_fn=inputs_fn)
+
+
+def build_model_file(out: Path, path: Path, stages: int, *, model_fn: str | None = None, solver: str = "uniform",
+                     microbatch: int = 2, microbatches: int = 2,
+                     inputs_fn: str | None = None) -> tuple[Manifest, ModelSource]:
+    """Trace the model file ``path`` at ``microbatch``, plan ``stages`` stages and write the build to ``out``."""
+    source = load_model_file(path, model_fn=model_fn, inputs_fn=inputs_fn)
     traced = trace_model_file(source, microbatch, progress=False)
     plan = plan_partition(traced.profile, stages, solver=solver, microbatches=microbatches, time_limit=5.0)
     manifest = write_build_dir(traced, plan, out, source, batch_size=microbatch * microbatches,
