@@ -12,7 +12,7 @@ STAMP := $(VENV)/.fxpipe-installed
 CONSTRAINTS := $(VENV)/constraints.txt
 DEMO_OUT ?= build/demo
 
-.PHONY: demo test setup clean bench typecheck
+.PHONY: demo test setup clean bench typecheck zoo
 
 setup: $(STAMP)
 
@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+zoo: $(STAMP)
+	FXPIPE_ZOO=full $(PY) -m pytest -q tests/zoo
 
 typecheck: $(STAMP)
 	$(PY) -m mypy fxpipe

@@ -195,12 +195,12 @@ class ClassWriter:
 
     def add(self, body: Body) -> str:
         """The class for ``body`` (new or an identical earlier one); registers its constructor in the tree."""
-        for container, paths in stack_runs(body.graph, self.class_of, self.tree.held).items():
-            self.stack(container, paths)
         sequential = self._sequential(body)
         if sequential is not None:
             self.tree.ctors[body.path] = sequential
             return "torch.nn.Sequential"
+        for container, paths in stack_runs(body.graph, self.class_of, self.tree.held, within=body.path).items():
+            self.stack(container, paths)
         self.tree.mark_indexed_containers()
         init = self.tree.init_lines(body.path, stage=False)
         attr: Callable[[str], str] = lambda target: self.tree.expr(body.path, target)  # noqa: E731

@@ -166,7 +166,7 @@ class _Renderer:
 
     def function(self, fn: Any) -> str:
         if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
-            return f"torch.ops.{fn.namespace}.{_op_name(fn)}"
+            return self.imports.op(fn)
         ref = self.imports.ref(fn)
         if ref.startswith("torch.nn.functional."):
             self.imports.functional = True
@@ -256,12 +256,6 @@ class _Renderer:
                 and lines and lines[-1].startswith(f"{self.names[out]} = ") and ";" not in lines[-1]:
             return "return " + lines.pop()[len(self.names[out]) + 3:]
         return f"return {self.value(out)}"
-
-
-def _op_name(op: Any) -> str:
-    if isinstance(op, torch._ops.OpOverload):
-        return f"{op._opname}.{op._overloadname}"
-    return str(getattr(op, "__name__", op)).split(".")[-1]
 
 
 def render_forward(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,

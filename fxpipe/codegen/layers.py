@@ -5,8 +5,11 @@ call of a ``torch.nn`` layer is exactly that layer's ``forward`` (the one operat
 runs, on its own parameters, with its own hyperparameters), the stage builds the layer
 and calls it. Only layers whose ``forward`` does not depend on ``training`` are listed
 (``Dropout`` and ``BatchNorm`` bake the mode in at export time, so their traced body is
-kept). ``tests/codegen/test_layers.py`` exports each listed layer and checks that its
-graph matches here.
+kept). The layer must also be one a stage can rebuild equal to the original in its whole
+configuration (Note [rebuilt modules equal the original] in :mod:`fxpipe.tracer.rebuild`): a
+call can match while an attribute the traced body does not show differs (an instance
+``forward`` put in place, a hook). ``tests/codegen/test_layers.py`` exports each listed layer
+and checks that its graph matches here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fxpipe.tracer.rebuild import rebuild_problem
 
 __all__ = ["TORCH_LAYERS", "torch_layer_input"]
 
@@ -97,7 +102,7 @@ TORCH_LAYERS: dict[type, Matcher] = {
 def torch_layer_input(members: list[fx.Node], module: nn.Module, path: str, attrs: set[fx.Node]) -> Any:
     """The input ``x`` when the call is exactly ``module(x)`` of a layer in ``TORCH_LAYERS``, else None."""
     match = TORCH_LAYERS.get(type(module))
-    if match is None or len(members) != 1 or module._forward_hooks or module._forward_pre_hooks:
+    if match is None or len(members) != 1 or rebuild_problem(module) is not None:
         return None
     by_key = {str(a.target): a for a in attrs}
     own = [f"{path}.{k}" for k, _ in list(module.named_parameters()) + list(module.named_buffers())]

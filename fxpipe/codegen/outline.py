@@ -367,8 +367,12 @@ def outline_stage(graph: fx.Graph, model: nn.Module, *, owned: set[str], origina
     return _Outliner(graph, model, owned, original, leaves, is_subgraph, buildable).run()
 
 
-def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str], list[str]]) -> dict[str, list[str]]:
+def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str], list[str]],
+               within: str | None = None) -> dict[str, list[str]]:
     """Replace runs of chained calls ``P.i(x, *rest)``, ``P.(i+1)(that, *rest)``, ... of one class by one call.
+
+    ``within``: the module path whose forward ``graph`` is; its own children are never replaced by a
+    call of itself (that module's class runs them).
 
     ``class_of``: the class name of each outlined path; ``held(P)``: the module paths directly
     under ``P`` that the stage holds. When the run is all of them it becomes ``P(x, *rest)``
@@ -387,9 +391,11 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
         if len(run) < 2:
             continue
         container = str(run[0].target).rpartition(".")[0]
+        if container == within:
+            continue
         paths = [str(n.target) for n in run]
         whole = sorted(held(container)) == sorted(paths)
-        if not whole and len(run) < 3:
+        if (not whole and len(run) < 3) or (whole and not container):  # the root calling itself: no
             continue
         with graph.inserting_before(run[0]):
             if whole:

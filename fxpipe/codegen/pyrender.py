@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fxpipe.codegen.custom_ops import import_for, op_qualname
 from fxpipe.codegen.manifest import model_file_reference
 from fxpipe.errors import CodegenError
 
@@ -67,12 +68,7 @@ class ImportTable:
             raise CodegenError(f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
                                f"name {qualname!r}); define it at the top level of the model file")
         if module.startswith(MODEL_MODULE_PREFIX):
-            path = getattr(sys.modules.get(module), "__file__", None)
-            if path is None:
-                raise CodegenError(f"cannot find the model file that defines {qualname}")
-            if self.model_file not in (None, path):
-                raise CodegenError(f"a stage uses objects from two model files: {self.model_file} and {path}")
-            self.model_file = path
+            self._use_model_file(module, qualname)
             return f"{MODEL_ALIAS}.{qualname}"
         if module == "builtins":
             return qualname
@@ -84,6 +80,29 @@ class ImportTable:
         local = f"{module.replace('.', '_')}_{top}" if taken else top
         self.names[local] = (module, top)
         return local + qualname[len(top):]
+
+    def op(self, op: Any) -> str:
+        """``torch.ops.<namespace>.<name>[.<overload>]`` for a dispatcher or higher-order operator, adding the
+        import of the module that registers it when plain ``import torch`` does not
+        (:mod:`fxpipe.codegen.custom_ops`)."""
+        if isinstance(op, torch._ops.HigherOrderOperator):
+            return f"torch.ops.{op.namespace}.{op.__name__}"
+        qualname, overload = op_qualname(op)
+        text = "torch.ops." + qualname.replace("::", ".") + (f".{overload}" if overload else "")
+        module = import_for(op)
+        if module is not None and module.startswith(MODEL_MODULE_PREFIX):
+            self._use_model_file(module, text)
+        elif module is not None:
+            self.modules.add(module)
+        return text
+
+    def _use_model_file(self, module: str, what: str) -> None:
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path is None:
+            raise CodegenError(f"cannot find the model file that defines {what}")
+        if self.model_file not in (None, path):
+            raise CodegenError(f"a stage uses objects from two model files: {self.model_file} and {path}")
+        self.model_file = path
 
     def lines(self, build_dir: Path | None = None) -> list[str]:
         """Import lines; the model file is found relative to the stage file when ``build_dir`` is given,

@@ -242,13 +242,15 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     batch = batch_size_of(inputs, dims)
     try:
         with _preserved_state(model):
-            reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
+            with _seeded(trace_device):
+                reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
             with tracing_call(call):
-                result = trace_graph(model, inputs, frontend, tuple(leaves), dims)
+                result = trace_graph(model, inputs, frontend, tuple(leaves), dims,
+                                     build_record.ctor_args if build_record else None)
             gm = result.graph_module
             annotate_paths(gm)
             drop_extra_placeholders(gm, len(inputs))
-            with torch.no_grad():
+            with torch.no_grad(), _seeded(trace_device):
                 values = run_collect(gm, inputs)
             flatten_output(gm, values)  # export graphs are flat already: the model's own spec rebuilds them
             group_getitems(gm)
@@ -282,7 +284,19 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     )
 
 
+@contextlib.contextmanager
+def _seeded(device: str, seed: int = 0) -> Iterator[None]:
+    """Run the block from a fixed RNG state and restore the state afterwards: the model's own run and the
+    traced graph's run draw the same dropout masks, so :func:`_check_matches` compares like with like."""
+    cuda = [torch.cuda.current_device()] if device == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
+
+
 def _check_matches(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], reference: list[Any]) -> None:
+    """Warn when the traced graph's outputs differ from the model's own (both run from the same seed,
+    :func:`_seeded`, so random ops agree; a difference means the trace lost something)."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     got = [values[n] for n in out_node.args[0]]
     if len(got) != len(reference):
@@ -290,8 +304,9 @@ def _check_matches(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], r
                          "return only tensors (in tuples, dicts or ModelOutputs) from forward")
     if not all(
             torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True) for a, b in zip(got, reference)):
-        warnings.warn("fxpipe: the traced graph's outputs differ from the model's own; the model may be "
-                      "non-deterministic (dropout?) or depend on state the trace did not capture", stacklevel=3)
+        warnings.warn("fxpipe: the traced graph's outputs differ from the model's own (both run from the same "
+                      "seed); the model may depend on state the trace did not capture, or draw random numbers "
+                      "in another order", stacklevel=3)
 
 
 def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> TracedModel:

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.tracer.calibration import ACCUMULATE_OP
-from fxpipe.tracer.unit_runner import UnitRunner, nbytes
+from fxpipe.tracer.unit_runner import UnitRunner, fresh_copies, nbytes
 
 __all__ = ["UnitCounts", "OpCounter", "count_unit", "count_ops"]
 
@@ -75,14 +75,11 @@ def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
         return False
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    args: list[Any] = []
     for i, arg in enumerate(node.all_input_nodes):
         env[arg] = graph.placeholder(f"in_{i}")
-        value = runner._values.get(arg)
-        if isinstance(value, torch.Tensor):
-            value = value.detach().requires_grad_(value.is_floating_point())
-        args.append(value)
     graph.output(graph.node_copy(node, lambda n: env[n]))
+    values = [runner._values.get(arg) for arg in node.all_input_nodes]
+    args, _ = fresh_copies(values, [True] * len(values))  # Note [fresh unit inputs]
     try:
         out, saved = _saved_storages(lambda: torch.fx.GraphModule(runner.gm, graph)(*args))
     except Exception:  # an op that cannot run alone: charge the input to the consumer as before
@@ -100,17 +97,17 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
     activations of every Linear/ReLU chain (measured in tests/runtime/test_memory.py).
     """
     state_ptrs = {t.untyped_storage().data_ptr() for t in runner.tensors}
-    input_ptrs = {v.untyped_storage().data_ptr(): node for node, v in runner.input_values.items()
-                  if isinstance(v, torch.Tensor)}
+    inputs = runner.fresh_inputs()  # outside the counting modes (Note [fresh unit inputs])
+    input_ptrs = inputs.node_of_storage()
 
     fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with fwd:
-        (outputs, leaves), saved = _saved_storages(runner.forward, state_ptrs)
+        outputs, saved = _saved_storages(lambda: runner.run(inputs), state_ptrs)
     for ptr in set(saved) & set(input_ptrs):
         if _producer_saves_output(runner, input_ptrs[ptr]):
             del saved[ptr]
     with bwd:
-        has_backward = runner.backward(outputs, leaves)
+        has_backward = runner.backward(outputs, inputs.leaves)
     fwd_ops, bwd_ops = count_ops(runner)
     io_bytes = sum(nbytes(v) for v in runner.input_values.values()) + sum(nbytes(o) for o in outputs)
     return UnitCounts(
@@ -128,13 +125,13 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
 def count_ops(runner: UnitRunner) -> tuple[OpCounter, OpCounter]:
     """Aten ops of one forward and one backward, in a pass of their own: FlopCounterMode's
     module tracking dispatches views and detaches of its own that a real step does not."""
-    args, leaves = runner.fresh_inputs()
+    inputs = runner.fresh_inputs()
     fwd_ops, bwd_ops = OpCounter(), OpCounter()
     with fwd_ops:
-        outputs = list(runner.module(*args))
+        outputs = runner.run(inputs)
     grads = [torch.ones_like(o) for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     with bwd_ops:
-        has_backward = runner.backward(outputs, leaves, grads)
+        has_backward = runner.backward(outputs, inputs.leaves, grads)
     if not has_backward:
         bwd_ops.counts.clear()
     elif runner.params:

@@ -11,10 +11,11 @@ __all__ = ["measure_memory_bytes"]
 
 def measure_memory_bytes(runner: UnitRunner) -> int:
     """Device memory (CUDA allocator) that one forward keeps alive for backward, outputs included."""
+    inputs = runner.fresh_inputs()  # allocated before the measurement, as a real stage's inputs are
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    outputs, leaves = runner.forward()
+    outputs = runner.run(inputs)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    del outputs, leaves
+    del outputs, inputs
     return max(held, 0)

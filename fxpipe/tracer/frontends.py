@@ -1,28 +1,34 @@
 """Choosing a front end: symbolic FX when it shows the model's structure, else ``torch.export``.
 
-``auto`` takes the symbolic graph unless tracing failed in the model's own forward or
-the submodules it had to keep whole as leaves hold more than ``MAX_FALLBACK_PARAM_SHARE``
-of the parameters (then the partitioner would see too little structure, e.g. HF GPT-2
-collapses to one ``transformer`` leaf). Only when both fail is a :class:`TraceError` raised.
+``auto`` takes the symbolic graph unless tracing failed in the model's own forward, the
+submodules it had to keep whole as leaves hold more than ``MAX_FALLBACK_PARAM_SHARE`` of the
+parameters (then the partitioner would see too little structure, e.g. HF GPT-2 collapses to
+one ``transformer`` leaf), or a module it keeps whole cannot be rebuilt in a stage file
+(Note [rebuilt modules equal the original] in :mod:`fxpipe.tracer.rebuild`: a ``torch.nn``
+layer from its hyperparameters, a user class from its recorded constructor arguments; e.g.
+``nn.TransformerEncoder``, whose layers fail symbolic tracing and whose ``__init__`` takes a
+module). Only when both fail is a :class:`TraceError` raised.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 import torch.fx
 import torch.nn as nn
 
 from fxpipe.errors import TraceError
+from fxpipe.tracer.construction import CtorArgs
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
+from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import FallbackLeaf, LeafSpec, SymbolicTraceFailure, symbolic_trace, warn_fallbacks
 from fxpipe.graphmeta import CONSTANTS_KEY
 
-__all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph"]
+__all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph", "unrebuildable_leaves"]
 
 FRONTENDS = ("auto", "symbolic", "export")
 MAX_FALLBACK_PARAM_SHARE = 0.5
@@ -60,6 +66,21 @@ def _symbolic(model: nn.Module, n_inputs: int, leaves: tuple[LeafSpec, ...]) -> 
     return FrontendResult(gm, "symbolic", result.fallbacks)
 
 
+def unrebuildable_leaves(model: nn.Module, gm: torch.fx.GraphModule,
+                         ctor_args: Mapping[str, CtorArgs] | None) -> dict[str, str]:
+    """Module path -> why a stage file could not rebuild it, for each module the graph keeps whole.
+    User classes are judged only when ``ctor_args`` (the recorded constructor arguments) is given."""
+    problems: dict[str, str] = {}
+    for path in dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module"):
+        module = model.get_submodule(path)
+        if not is_torch_nn(module) and ctor_args is None:
+            continue
+        problem = rebuild_problem(module, (ctor_args or {}).get(path))
+        if problem is not None:
+            problems[path] = f"{type(module).__name__}: {problem}"
+    return problems
+
+
 def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
     if batch_size_of(inputs, batch_dims) == 1:
@@ -67,13 +88,17 @@ def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: Batc
     return FrontendResult(export_graph(model, inputs, batch_dims), "export")
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _both_failed(model: nn.Module, symbolic: BaseException | None, exported: BaseException | None) -> TraceError:
     lines = [f"could not trace {type(model).__name__} with either front end:"]
     if symbolic is not None:
         lines.append(f"  symbolic (torch.fx): {symbolic}")
     if exported is not None:
-        first = str(exported).strip().splitlines()[0] if str(exported).strip() else type(exported).__name__
-        lines.append(f"  export (torch.export): {type(exported).__name__}: {first}")
+        lines.append(f"  export (torch.export): {type(exported).__name__}: {_first_line(exported)}")
     lines.append("fix: make the failing call traceable (no data-dependent Python control flow on tensor values), "
                  "or name the module that contains it as a leaf (trace_model(..., leaves=['path.to.module']) / "
                  "--leaf path.to.module)")
@@ -81,10 +106,13 @@ def _both_failed(model: nn.Module, symbolic: BaseException | None, exported: Bas
 
 
 def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: str,
-                leaves: tuple[LeafSpec, ...], batch_dims: BatchDims) -> FrontendResult:
+                leaves: tuple[LeafSpec, ...], batch_dims: BatchDims,
+                ctor_args: Mapping[str, CtorArgs] | None = None) -> FrontendResult:
     """Trace with the requested front end (see the module docstring for ``auto``).
 
-    ``batch_dims`` (one per input, ``None`` = not batched) are the dimensions export keeps dynamic.
+    ``batch_dims`` (one per input, ``None`` = not batched) are the dimensions export keeps dynamic;
+    ``ctor_args``: the recorded constructor arguments (module path -> ``(args, kwargs)``), None when
+    the model was not built under :func:`~fxpipe.tracer.record.build_model_recorded`.
     """
     if frontend not in FRONTENDS:
         raise TraceError(f"unknown front end {frontend!r}; expected one of {', '.join(FRONTENDS)}")
@@ -97,17 +125,27 @@ def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: st
             if frontend == "symbolic":
                 raise _both_failed(model, exc, None) from exc
             symbolic_error = exc
+        unbuildable: dict[str, str] = {}
         if symbolic is not None:
-            share = _param_share(model, symbolic.fallback_leaves)
-            if frontend == "symbolic" or share <= MAX_FALLBACK_PARAM_SHARE:
+            if frontend == "symbolic":
                 return symbolic.warn()
-            symbolic_error = SymbolicTraceFailure(
-                next(iter(symbolic.fallback_leaves)), RuntimeError(f"modules kept whole hold {share:.0%} of the parameters"))
+            share = _param_share(model, symbolic.fallback_leaves)
+            unbuildable = unrebuildable_leaves(model, symbolic.graph_module, ctor_args)
+            if share <= MAX_FALLBACK_PARAM_SHARE and not unbuildable:
+                return symbolic.warn()
+            reason = (f"modules kept whole hold {share:.0%} of the parameters" if share > MAX_FALLBACK_PARAM_SHARE
+                      else "a module kept whole cannot be rebuilt in a stage file: "
+                      + "; ".join(f"{p!r} ({why})" for p, why in unbuildable.items()))
+            symbolic_error = SymbolicTraceFailure(next(iter(unbuildable or symbolic.fallback_leaves)),
+                                                  RuntimeError(reason))
     try:
         return _export(model, inputs, batch_dims)
     except Exception as exc:  # noqa: BLE001 - the message goes to the user
         if symbolic is not None:
-            warnings.warn(f"fxpipe: torch.export failed ({type(exc).__name__}); using the symbolic graph in which "
-                          f"{', '.join(symbolic.fallback_leaves)} are kept whole", stacklevel=3)
+            kept = ", ".join(repr(p) for p in unbuildable or symbolic.fallback_leaves)
+            warnings.warn(f"fxpipe: torch.export failed ({type(exc).__name__}: {_first_line(exc)}); using the "
+                          f"symbolic graph, in which {kept} are kept whole"
+                          + (" and cannot be rebuilt in a stage file, so partitioning will fail" if unbuildable
+                             else ""), stacklevel=3)
             return symbolic.warn()
         raise _both_failed(model, symbolic_error, exc) from exc

@@ -1,9 +1,13 @@
 """Symbolic front end: ``torch.fx`` tracing under a leaf policy with fallback to leaves.
 
 Leaf policy: modules whose class lives in ``torch.nn`` (except ``Sequential``, as in
-FX's default) are leaves, plus the types and paths a user names. When tracing fails
-inside a submodule (data-dependent control flow, shape arithmetic, unsupported
-calls), that submodule is made a leaf and tracing starts over; the result lists each
+FX's default) are leaves when a stage file can rebuild them from their hyperparameters
+(Note [rebuilt modules equal the original] in :mod:`fxpipe.tracer.rebuild`; the others,
+such as ``nn.TransformerEncoder``, are traced into), plus the types and paths a user
+names. ``torch._assert`` messages get back what the user wrote
+(:mod:`fxpipe.tracer.assert_messages`). When tracing fails inside a submodule
+(data-dependent control flow, shape arithmetic, unsupported calls), that submodule is
+made a leaf and tracing starts over; the result lists each
 such :class:`FallbackLeaf` (the caller warns once per cause, :func:`warn_fallbacks`).
 A failure outside every submodule raises :class:`SymbolicTraceFailure`.
 """
@@ -21,7 +25,9 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from fxpipe.tracer.assert_messages import note_assert_site, restore_assert_messages
 from fxpipe.tracer.call import active_call
+from fxpipe.tracer.rebuild import rebuild_problem
 
 __all__ = ["LeafSpec", "SymbolicTraceFailure", "SymbolicResult", "FallbackLeaf", "symbolic_trace", "is_torch_nn_leaf",
            "warn_fallbacks"]
@@ -114,14 +120,22 @@ class _SubmoduleFailure(Exception):
 class _LeafTracer(torch.fx.Tracer):
     """A Tracer that keeps the chosen modules whole and reports the innermost failing one."""
 
-    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str]) -> None:
+    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str], rebuildable: dict[int, bool]) -> None:
         super().__init__()
         self.leaf_types = leaf_types
         self.leaf_paths = leaf_paths
+        self.rebuildable = rebuildable  # id(module) -> whether it is a torch.nn layer a stage can rebuild
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return (module_qualified_name in self.leaf_paths or isinstance(m, self.leaf_types)
-                or is_torch_nn_leaf(m))
+        if module_qualified_name in self.leaf_paths or isinstance(m, self.leaf_types):
+            return True
+        return self.rebuildable.get(id(m), False)
+
+    def create_node(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    name: str | None = None, type_expr: Any = None) -> torch.fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        note_assert_site(node)
+        return node
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         path = self.path_of_module(m)
@@ -183,8 +197,10 @@ def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] =
     leaf_paths = {x for x in leaves if isinstance(x, str)}
     fallbacks: list[FallbackLeaf] = []
     concrete, inputs = _concrete_args(model, n_inputs)
+    # decided before tracing: while the tracer runs, a module's parameters read as Proxies
+    rebuildable = {id(m): rebuild_problem(m) is None for m in model.modules() if is_torch_nn_leaf(m)}
     for _ in range(sum(1 for _ in model.modules()) + 1):
-        tracer = _LeafTracer(leaf_types, frozenset(leaf_paths))
+        tracer = _LeafTracer(leaf_types, frozenset(leaf_paths), rebuildable)
         try:
             with warnings.catch_warnings():  # FX cannot check object constants; the CallSpec does
                 warnings.filterwarnings("ignore", "Was not able to add assertion")
@@ -198,6 +214,7 @@ def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] =
             continue
         except Exception as exc:  # noqa: BLE001 - reported to the caller with the cause
             raise SymbolicTraceFailure("", exc) from exc
+        restore_assert_messages(graph)
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
         _drop_concrete_placeholders(gm, inputs)
         return SymbolicResult(gm, tuple(fallbacks))

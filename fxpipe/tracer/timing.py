@@ -90,15 +90,16 @@ def _measure_warm_ms(runner: UnitRunner, device: str, warmup: int, repeats: int,
     fwd_times, bwd_times = [], []
     with _threads(cpu_threads if device == "cpu" else None):
         for i in range(warmup + repeats):
+            inputs = runner.fresh_inputs()  # copies are not charged (Note [fresh unit inputs])
             sync()
             t0 = time.perf_counter()
-            outputs, leaves = runner.forward()
+            outputs = runner.run(inputs)
             sync()
             t1 = time.perf_counter()
             grads = [torch.ones_like(o) for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             sync()
             t2 = time.perf_counter()
-            has_backward = runner.backward(outputs, leaves, grads)
+            has_backward = runner.backward(outputs, inputs.leaves, grads)
             sync()
             t3 = time.perf_counter()
             if i >= warmup:

@@ -1,14 +1,26 @@
 """``UnitRunner``: one profile unit's nodes as a standalone module, run on its recorded inputs.
 
-Each unit runs on its own, with the values it received in the shape-propagation run as
-(detached) inputs. The unit's nodes are compiled into ONE ``GraphModule`` call (not run
-node by node through an ``Interpreter``, whose per-node Python cost inflated tiny units
-several-fold when timed).
+Each unit runs on its own, on fresh copies of the values it received in the
+shape-propagation run (Note [fresh unit inputs]). The unit's nodes are compiled into ONE
+``GraphModule`` call (not run node by node through an ``Interpreter``, whose per-node
+Python cost inflated tiny units several-fold when timed).
+
+Note [fresh unit inputs]: a unit may change its inputs in place (``nn.ReLU(inplace=True)``,
+``out += identity``, export's ``add_``), and other units read the same recorded values.
+So each run gets, per tensor input, a grad leaf that shares the recorded storage
+(``value.detach()``, only ever read) and, as the argument, ``leaf.clone()``: a non-leaf
+(in-place ops on a leaf that requires grad are refused) in storage of its own (recorded
+values never change). Gradients are taken for the leaves; the clone's backward dispatches
+no op. Copies are made by :meth:`UnitRunner.fresh_inputs`, which callers run OUTSIDE their
+counting modes and timers, then :meth:`UnitRunner.run` is what they count. Note [saved
+once] in :mod:`fxpipe.tracer.counting` maps saved storages to input nodes through the
+arguments' storages (:meth:`UnitInputs.node_of_storage`), not the recorded values'.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +29,7 @@ import torch.nn as nn
 
 from fxpipe.tracer.units import UnitGroup
 
-__all__ = ["UnitRunner", "nbytes"]
+__all__ = ["UnitRunner", "UnitInputs", "fresh_copies", "nbytes"]
 
 
 def nbytes(value: Any) -> int:
@@ -26,6 +38,42 @@ def nbytes(value: Any) -> int:
     if isinstance(value, (tuple, list)):
         return sum(nbytes(v) for v in value)
     return 0
+
+
+@dataclass(frozen=True)
+class UnitInputs:
+    """Fresh arguments for one run of a unit (Note [fresh unit inputs]).
+
+    ``args``: one per input, tensors copied; ``leaves``: what gradients are taken for (the
+    inputs' grad leaves, then the unit's parameters); ``nodes``: the input node of each argument.
+    """
+
+    args: tuple[Any, ...]
+    leaves: tuple[torch.Tensor, ...]
+    nodes: tuple[torch.fx.Node, ...]
+
+    def node_of_storage(self) -> dict[int, torch.fx.Node]:
+        """Data pointer of each tensor argument's storage -> the input node it stands for."""
+        return {a.untyped_storage().data_ptr(): node for node, a in zip(self.nodes, self.args)
+                if isinstance(a, torch.Tensor)}
+
+
+def fresh_copies(values: list[Any], requires_grad: list[bool]) -> tuple[list[Any], list[torch.Tensor]]:
+    """Arguments that stand for recorded ``values`` without ever changing them, and their grad leaves:
+    a tensor whose ``requires_grad`` entry is true (and is floating) becomes ``leaf.clone()`` of a
+    leaf sharing its storage, any other tensor a plain clone (Note [fresh unit inputs])."""
+    args: list[Any] = []
+    leaves: list[torch.Tensor] = []
+    for value, grad in zip(values, requires_grad):
+        if isinstance(value, torch.Tensor):
+            if grad and value.is_floating_point():
+                leaf = value.detach().requires_grad_(True)
+                leaves.append(leaf)
+                value = leaf.clone()
+            else:
+                value = value.detach().clone()
+        args.append(value)
+    return args, leaves
 
 
 class UnitRunner:
@@ -72,23 +120,25 @@ class UnitRunner:
         graph.output(tuple(env[n] for n in self.output_nodes))
         return torch.fx.GraphModule(self.gm, graph)
 
-    def fresh_inputs(self) -> tuple[list[Any], list[torch.Tensor]]:
-        """Detached copies of the recorded inputs (floating ones require grad), and the grad leaves."""
-        leaves, args = [], []
-        for value in self.input_values.values():
-            if isinstance(value, torch.Tensor):
-                value = value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
-                if value.requires_grad:
-                    leaves.append(value)
-            args.append(value)
-        return args, leaves + self.params
+    def fresh_inputs(self) -> UnitInputs:
+        """Copies of the recorded inputs to run the unit on; make them outside any counting mode or
+        timer (Note [fresh unit inputs]). Inputs that required grad when recorded get grad leaves."""
+        values = list(self.input_values.values())
+        grads = [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
+        args, leaves = fresh_copies(values, grads)
+        return UnitInputs(tuple(args), tuple(leaves) + tuple(self.params), tuple(self.input_values))
 
-    def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        args, leaves = self.fresh_inputs()
-        return list(self.module(*args)), leaves
+    def run(self, inputs: UnitInputs) -> list[Any]:
+        """The unit's outputs on ``inputs`` (from :meth:`fresh_inputs`; use each only once)."""
+        return list(self.module(*inputs.args))
+
+    def forward(self) -> tuple[list[Any], list[torch.Tensor]]:
+        """Fresh inputs and one run: (outputs, grad leaves)."""
+        inputs = self.fresh_inputs()
+        return self.run(inputs), list(inputs.leaves)
 
     @staticmethod
-    def backward(outputs: list[Any], leaves: list[torch.Tensor],
+    def backward(outputs: list[Any], leaves: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  grad_outputs: list[torch.Tensor] | None = None) -> bool:
         """Backpropagate ``grad_outputs`` (default ones) from the differentiable outputs;
         False when there is nothing to do."""

@@ -15,7 +15,7 @@ from codegen_support import assert_same_outputs_and_grads
 
 from fxpipe.codegen import emit_build, load_pipeline
 from fxpipe.codegen.layers import TORCH_LAYERS
-from fxpipe.modelfile import load_model_file
+from fxpipe.modelfile import ModelSource, load_model_file
 from fxpipe.tracer import trace_model_file
 
 MODEL = '''
@@ -69,6 +69,18 @@ CASES = [  # layer, inputs, written as the layer itself
 ]
 
 
+def _one_stage(tmp_path: Path, model_source: str) -> tuple[ModelSource, str]:
+    """Export the model file ``model_source`` and emit it as one stage into ``tmp_path / "build"``."""
+    path = tmp_path / "model.py"
+    path.write_text(model_source)
+    source = load_model_file(path)
+    traced = trace_model_file(source, 2, frontend="export", progress=False)
+    stage_of = {n: 0 for n in traced.unit_of_node}
+    emit_build(traced.graph_module, traced.model, stage_of, 1, tmp_path / "build", source=source, microbatch=2,
+               batch_size=2, microbatches=1, output_spec=traced.output_spec)
+    return source, (tmp_path / "build" / "stage_0.py").read_text()
+
+
 def test_every_listed_layer_is_exercised() -> None:
     listed = {c.__name__ for c in TORCH_LAYERS}
     exercised = {layer.split("(")[0].removeprefix("nn.") for layer, _, replaced in CASES if replaced}
@@ -77,17 +89,49 @@ def test_every_listed_layer_is_exercised() -> None:
 
 @pytest.mark.parametrize("layer,inputs,replaced", CASES)
 def test_layer_written_as_itself_only_when_exact(tmp_path: Path, layer: str, inputs: str, replaced: bool) -> None:
-    path = tmp_path / "wrap.py"
-    path.write_text(textwrap.dedent(MODEL.format(layer=layer, inputs=inputs)))
-    source = load_model_file(path)
-    traced = trace_model_file(source, 2, frontend="export", progress=False)
-    stage_of = {n: 0 for n in traced.unit_of_node}
-    emit_build(traced.graph_module, traced.model, stage_of, 1, tmp_path / "build", source=source, microbatch=2,
-               batch_size=2, microbatches=1, output_spec=traced.output_spec)
-    text = (tmp_path / "build" / "stage_0.py").read_text()
+    source, text = _one_stage(tmp_path, textwrap.dedent(MODEL.format(layer=layer, inputs=inputs)))
     cls = layer.split("(")[0].removeprefix("nn.")
     assert (f"self.layer = torch.nn.{cls}(" in text) == replaced, text
     if replaced:
         assert "self.layer(x)" in text
     pipeline = load_pipeline(tmp_path / "build")
     assert_same_outputs_and_grads(source.build_model(), pipeline, source.example_inputs(3))
+
+
+
+OTHER_CONFIGURATION = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Wrap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 4)
+        {change}
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Wrap()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 3, generator=torch.Generator().manual_seed(1)),)
+'''
+
+
+@pytest.mark.parametrize("change", [
+    "self.layer.register_forward_hook(lambda module, args, out: out * 3)",
+    # an instance forward whose traced call is exactly nn.Linear's: the layer rebuilt without it is
+    # still not the original module (Note [rebuilt modules equal the original])
+    "self.layer.forward = lambda x: F.linear(x, self.layer.weight, self.layer.bias)",
+])
+def test_a_layer_with_other_configuration_keeps_its_traced_body(tmp_path: Path, change: str) -> None:
+    source, text = _one_stage(tmp_path, OTHER_CONFIGURATION.format(change=change))
+    assert "torch.nn.Linear(" not in text and "F.linear(" in text, text
+    assert_same_outputs_and_grads(source.build_model(), load_pipeline(tmp_path / "build"), source.example_inputs(3))

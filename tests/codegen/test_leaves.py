@@ -28,8 +28,27 @@ def test_torch_nn_layers_are_rebuilt_from_hyperparameters(module: nn.Module, exp
 
 def test_unreproducible_layer_names_the_module() -> None:
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16)
-    with pytest.raises(CodegenError, match="'blocks.0'.*TransformerEncoderLayer"):
+    with pytest.raises(CodegenError, match="'blocks.0'.*TransformerEncoderLayer.*d_model.*--frontend export"):
         leaf_constructor("blocks.0", layer, ImportTable())
+
+
+def test_every_configuration_value_is_kept() -> None:
+    # MultiheadAttention's repr and parameters do not show batch_first or dropout
+    mha = nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True)
+    assert leaf_constructor("attn", mha, ImportTable()) == \
+        "torch.nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True)"
+    mha_kv = nn.MultiheadAttention(8, 2, kdim=4, vdim=6)
+    assert leaf_constructor("attn", mha_kv, ImportTable()) == "torch.nn.MultiheadAttention(8, 2, kdim=4, vdim=6)"
+
+
+def test_a_layer_that_rebuilds_differently_is_refused() -> None:
+    mha = nn.MultiheadAttention(8, 2, bias=False)  # `bias` is not stored: the default rebuilds it with biases
+    with pytest.raises(CodegenError, match="'attn'.*parameters or buffers differ"):
+        leaf_constructor("attn", mha, ImportTable())
+    norm = nn.LayerNorm(4)
+    norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    with pytest.raises(CodegenError, match="'norm'.*hooks"):
+        leaf_constructor("norm", norm, ImportTable())
 
 
 def test_user_leaf_without_recorded_arguments_is_an_error() -> None:
@@ -61,3 +80,18 @@ def test_literals() -> None:
 def test_attr_expr_uses_getattr_for_non_identifiers() -> None:
     assert attr_expr("self", "layers.0.fc") == 'getattr(self.layers, "0").fc'
     assert attr_expr("self", "training") == 'getattr(self, "training")'
+
+
+@pytest.mark.parametrize("value", [None, True, 3, 2.5, float("nan"), "s", b"b", torch.float16, torch.device("cpu"),
+                                   (1, [2, {"a": 3}]), Config(4), object(), nn.Linear(2, 2), (1, object()),
+                                   {"k": lambda: 0}, torch.ones(2)])
+def test_the_tracer_knows_what_a_stage_can_write(value: object) -> None:
+    # fxpipe.tracer.rebuild.literal_problem decides at trace time what render_literal can write later
+    from fxpipe.tracer.rebuild import literal_problem
+
+    try:
+        render_literal(value, ImportTable())
+        writable = True
+    except CodegenError:
+        writable = False
+    assert (literal_problem(value) is None) == writable

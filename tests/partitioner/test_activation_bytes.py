@@ -30,3 +30,14 @@ def test_a_tensor_saved_by_its_producer_and_its_consumer_counts_once() -> None:
     assert sum(u.activation_bytes for u in profile.units) == held
     per_tensor = 64 * 32 * 4
     assert held == 64 * 8 * 4 + 3 * per_tensor  # x, relu out, tanh out, last relu out
+
+
+def test_activation_bytes_of_in_place_relus_match_a_measurement() -> None:
+    # Note [saved once] maps saved storages to input nodes through the copies a unit runs on: each
+    # in-place ReLU saves its output (the Linear's output storage) and the next Linear saves it again
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.ReLU(inplace=True),
+                          nn.Linear(32, 32), nn.ReLU(inplace=True))
+    x = torch.randn(64, 8)
+    profile = trace_model(model, (x,), progress=False).profile
+    held = _saved_by_one_forward(model, x)
+    assert sum(u.activation_bytes for u in profile.units) == held == 64 * 8 * 4 + 3 * 64 * 32 * 4
