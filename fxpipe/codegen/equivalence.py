@@ -23,11 +23,12 @@ from torch.utils._pytree import tree_leaves
 from fxpipe.tracer.modes import modes_restored
 
 __all__ = ["TensorError", "ModeComparison", "compare_tensor", "compare_in_mode", "probe_loss", "mode_name",
-           "rows_by_error", "state_kept", "RTOL", "ATOL"]
+           "rows_by_error", "state_kept", "Run", "RTOL", "ATOL"]
 
 RTOL = 1e-4
 ATOL = 1e-5
 Loss = Callable[[Any], "torch.Tensor | None"]
+Run = Callable[[nn.Module], Any]  # calls a model (or pipeline) on the example inputs, returns its output
 
 
 @dataclass(frozen=True)
@@ -155,12 +156,12 @@ def _named_tensors(modules: Sequence[nn.Module]) -> tuple[dict[str, nn.Parameter
     return params, buffers
 
 
-def _run(model: nn.Module, parts: Sequence[nn.Module], inputs: Sequence[Any], loss: Loss, seed: int,
+def _run(model: nn.Module, parts: Sequence[nn.Module], run: Run, loss: Loss, seed: int,
          devices: list[torch.device]) -> _Run:
     params, buffers = _named_tensors(parts)
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         torch.manual_seed(seed)
-        output = model(*inputs)
+        output = run(model)
         value = loss(output)
         unique = list({id(p): p for p in params.values() if p.requires_grad}.values())
         grads_by_id: dict[int, torch.Tensor | None] = {}
@@ -171,18 +172,19 @@ def _run(model: nn.Module, parts: Sequence[nn.Module], inputs: Sequence[Any], lo
                 buffers={k: b.detach().clone() for k, b in buffers.items()})
 
 
-def compare_in_mode(reference: nn.Module, pipeline: nn.Module, stages: Sequence[nn.Module], inputs: Sequence[Any], *,
+def compare_in_mode(reference: nn.Module, pipeline: nn.Module, stages: Sequence[nn.Module], run: Run, *,
                     training: bool, loss: Loss = probe_loss, rtol: float = RTOL, atol: float = ATOL,
                     seed: int = 0) -> ModeComparison:
     """Run ``reference`` and ``pipeline`` (whose parameters live in ``stages``, under the reference's keys) in
-    one mode from the same seed; compare outputs, parameter gradients and buffers (see the module docstring)."""
+    one mode from the same seed, each as ``run(model)`` does (the example call); compare outputs, parameter
+    gradients and buffers (see the module docstring)."""
     devices = sorted({t.device for t in list(reference.parameters()) + list(reference.buffers())
                       if t.device.type == "cuda"}, key=str)
     with state_kept(reference), state_kept(pipeline):
         reference.train(training)
         pipeline.train(training)
-        want = _run(reference, [reference], inputs, loss, seed, devices)
-        got = _run(pipeline, stages, inputs, loss, seed, devices)
+        want = _run(reference, [reference], run, loss, seed, devices)
+        got = _run(pipeline, stages, run, loss, seed, devices)
     outputs = [compare_tensor(f"output[{i}]", g, w, rtol, atol) for i, (g, w) in enumerate(zip(got.outputs, want.outputs))]
     if len(got.outputs) != len(want.outputs):
         outputs.append(TensorError(f"output count ({len(got.outputs)} vs {len(want.outputs)})", math.inf, math.inf,

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from fxpipe.codegen.equivalence import (ModeComparison, compare_in_mode, compare_tensor, mode_name, probe_loss,
+from fxpipe.codegen.equivalence import (ModeComparison, Run, compare_in_mode, compare_tensor, mode_name, probe_loss,
                                        state_kept)
 from fxpipe.codegen.load import load_pipeline
 from fxpipe.codegen.manifest import Manifest
@@ -49,12 +49,18 @@ def check_build(build_dir: Path, manifest: Manifest, traced: TracedModel, source
     try:
         pipeline = load_pipeline(build_dir, device=device)
         for training in (True, False):
-            result = compare_in_mode(model, pipeline, list(pipeline.stages), traced.example_inputs,
+            result = compare_in_mode(model, pipeline, list(pipeline.stages), _example_call(traced),
                                      training=training, loss=probe_loss, seed=_SEED)
             if not result.ok:
                 raise EquivalenceError(_explain(result, traced, pipeline, manifest, sources))
     finally:
         _forget_stage_modules(build_dir)
+
+
+def _example_call(traced: TracedModel) -> Run:
+    """Calls a model (the original, or the chained stages) the way it was traced."""
+    inputs = traced.example_inputs
+    return lambda model: model(*inputs)
 
 
 def _explain(result: ModeComparison, traced: TracedModel, pipeline: nn.Module, manifest: Manifest,
@@ -83,9 +89,10 @@ def _explain(result: ModeComparison, traced: TracedModel, pipeline: nn.Module, m
 
 
 def _values(traced: TracedModel, pipeline: nn.Module, training: bool) -> tuple[dict[str, Any], list[Sequence[Any]]]:
-    """The traced graph's value at every node and every stage's outputs, in one mode, from the check's seed."""
+    """The traced graph's value at every node and every stage's outputs, in one mode, from the check's seed
+    (with autograd on, as in the comparison: without it, eval-mode attention layers take a fused fast path)."""
     model, inputs = traced.model, traced.example_inputs
-    with state_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+    with state_kept(model), torch.random.fork_rng(devices=[]), torch.enable_grad():
         model.train(training)
         torch.manual_seed(_SEED)
         env = run_in_mode(traced.graph_module, inputs, training)
@@ -93,10 +100,10 @@ def _values(traced: TracedModel, pipeline: nn.Module, training: bool) -> tuple[d
     hooks = [stage.register_forward_hook(lambda _m, _a, out: captured.append(tuple(out)))
              for stage in pipeline.stages]  # type: ignore[union-attr]
     try:
-        with modes_restored(pipeline), torch.random.fork_rng(devices=[]), torch.no_grad():
+        with modes_restored(pipeline), torch.random.fork_rng(devices=[]), torch.enable_grad():
             pipeline.train(training)
             torch.manual_seed(_SEED)
-            pipeline(*inputs)
+            _example_call(traced)(pipeline)
     finally:
         for hook in hooks:
             hook.remove()
@@ -105,10 +112,10 @@ def _values(traced: TracedModel, pipeline: nn.Module, training: bool) -> tuple[d
 
 def _graph_matches_model(traced: TracedModel, graph_values: Mapping[str, Any], training: bool) -> bool:
     model = traced.model
-    with state_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+    with state_kept(model), torch.random.fork_rng(devices=[]), torch.enable_grad():
         model.train(training)
         torch.manual_seed(_SEED)
-        want = tree_leaves(model(*traced.example_inputs))
+        want = tree_leaves(_example_call(traced)(model))
     out = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
     got = [graph_values.get(n.name) for n in out.args[0]]
     return len(got) == len(want) and all(compare_tensor("", g, w).ok for g, w in zip(got, want))

@@ -116,8 +116,8 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     pipeline = load_pipeline(build_dir)
     inputs = source.example_inputs(manifest.batch_size)
     loss, loss_name = _loss(source, manifest.batch_size)
-    modes = tuple(compare_in_mode(reference, pipeline, list(pipeline.stages), inputs, training=training, loss=loss,
-                                  rtol=rtol, atol=atol) for training in (True, False))
+    modes = tuple(compare_in_mode(reference, pipeline, list(pipeline.stages), lambda m: m(*inputs), training=training,
+                                  loss=loss, rtol=rtol, atol=atol) for training in (True, False))
     return VerifyReport(modes=modes, rtol=rtol, atol=atol, loss=loss_name)
 
 

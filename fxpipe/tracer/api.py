@@ -244,7 +244,13 @@ def trace_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, fro
             gm = result.graph_module
             values = _normalize(gm, inputs)
             _check_matches(gm, values, reference)
-            merge_eval_mode(model, gm, inputs, result, leaves, dims, lambda g: _normalize(g, inputs))
+
+            def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+                again = trace_graph(model, inputs, result.frontend, (*leaves, *result.fallback_leaves), dims)
+                _normalize(again.graph_module, inputs)
+                return again.graph_module
+
+            merge_eval_mode(model, gm, inputs, trace=trace_again, run=lambda: model(*inputs))
             prop = propagate(gm, inputs, batch, dims)
             regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
             groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole

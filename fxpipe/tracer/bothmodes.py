@@ -8,7 +8,7 @@ it); the eval-mode graph only adds guards and mode switches.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -16,33 +16,29 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import TraceError
-from fxpipe.tracer.frontends import FrontendResult, trace_graph
 from fxpipe.tracer.merge import MergeSummary, merge_modes
 from fxpipe.tracer.modes import run_in_mode
 
 __all__ = ["merge_eval_mode"]
 
 
-def merge_eval_mode(model: nn.Module, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...],
-                    result: FrontendResult, leaves: Sequence[Any], batch_dims: Sequence[int | None],
-                    normalize: Callable[[torch.fx.GraphModule], Any]) -> MergeSummary:
-    """Trace ``model`` in eval mode as ``result`` traced it in train mode, merge that graph into ``gm``.
+def merge_eval_mode(model: nn.Module, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], *,
+                    trace: Callable[[], torch.fx.GraphModule], run: Callable[[], Any]) -> MergeSummary:
+    """Trace ``model`` in eval mode and merge that graph into the train-mode graph ``gm`` (in place).
 
-    ``normalize(graph_module)`` brings a front end's graph into the normalized form (as for ``gm``).
-    The model is left in train mode. Warns when the merged graph, run in eval mode, does not give
-    the model's own eval-mode outputs.
+    ``trace()`` traces the model in its current mode as ``gm`` was traced (same front end, same
+    leaves, the fallback leaves included) and returns the normalized graph; ``run()`` calls the
+    model on the example inputs, whose tensors are ``inputs``. The model is left in train mode.
+    Warns when the merged graph, run in eval mode, does not give the model's own eval-mode outputs.
     """
     model.eval()
     try:
         with torch.enable_grad():  # as in training: no_grad would take nn.MultiheadAttention's fast path, not traced
-            expected = [t.detach() if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(model(*inputs))]
+            expected = [t.detach() if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(run())]
         try:
-            traced = trace_graph(model, inputs, result.frontend, tuple(leaves) + tuple(result.fallback_leaves),
-                                 tuple(batch_dims))
+            eval_gm = trace()
         except TraceError as exc:
             raise TraceError(f"{type(model).__name__} traces in train mode but not in eval mode: {exc}") from exc
-        eval_gm = traced.graph_module
-        normalize(eval_gm)
         summary = merge_modes(gm, eval_gm)
         with torch.no_grad():
             env = run_in_mode(gm, inputs, training=False)
