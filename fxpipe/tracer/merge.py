@@ -405,7 +405,6 @@ class _Merger:
         self.gm.recompile()
         return MergeSummary(train_only=len(self.train_only), eval_only=len(self.eval_only), switched=self.switched)
 
-
     def _outputs(self, train: Any, eval_: Any, out: fx.Node) -> Any:
         """The returned structure, switched where the modes return different values."""
         if isinstance(train, (list, tuple)) and isinstance(eval_, (list, tuple)):
