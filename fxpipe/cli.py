@@ -177,7 +177,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     source = _load_source(args)
     traced = _trace(args, source, batch // micro)
     plan = _plan(args, traced.profile, micro)
-    write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro)
+    write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro, check=not args.no_check)
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
     console.print(f"[green]wrote[/] build directory {out}/ ({plan.num_stages} stages; open {out}/report.html)")
@@ -213,7 +213,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from fxpipe.codegen import print_verify_report, verify_build
 
     report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
-    print_verify_report(report, console=_console())
+    print_verify_report(report, console=_console(), all_rows=args.all)
     return 0 if report.ok else 1
 
 
@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None,
                    help="batch of one pipeline replica per step (default 2 x microbatches)")
     p.add_argument("--out", default="build", help="the build directory to write (default build)")
+    p.add_argument("--no-check", action="store_true",
+                   help="write the build without first checking, in this process, that the stages equal the model "
+                        "in train and eval mode (the check holds the model's weights twice)")
     p.set_defaults(func=cmd_partition)
 
     p = sub.add_parser("report", help="print a build directory's plan again")
@@ -261,10 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", action="store_true", help="(re)write report.html")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("verify", help="check the stages against the original model in one process")
+    p = sub.add_parser("verify", help="check the stages against the original model in one process, in train and "
+                                      "eval mode")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--all", action="store_true", help="list every output, gradient and buffer (default: the worst)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("run", help="train the build with torchrun, one process per stage and replica")

@@ -16,6 +16,7 @@ __all__ = [
     "InfeasibleError",
     "PinError",
     "CodegenError",
+    "EquivalenceError",
     "BuildDirError",
     "CallError",
     "RuntimeSetupError",
@@ -59,6 +60,10 @@ class PinError(PartitionError):
 
 class CodegenError(FxpipeError):
     """A stage could not be emitted as source."""
+
+
+class EquivalenceError(CodegenError):
+    """The emitted stages, chained, do not compute what the model computes (the build is refused)."""
 
 
 class BuildDirError(FxpipeError):

@@ -23,7 +23,8 @@ from fxpipe.codegen.builddir import replace_file, staged_build_dir
 from fxpipe.codegen.emit import emit_stage
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.outputs import dump_output_spec
-from fxpipe.codegen.split import split_graph
+from fxpipe.codegen.safety import check_build
+from fxpipe.codegen.split import SplitGraph, split_graph
 from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
 from fxpipe.modelfile import ModelSource, file_sha256
@@ -38,7 +39,7 @@ __all__ = ["write_build_dir", "emit_build", "write_report"]
 
 
 def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Path, source: ModelSource | None, *,
-                    batch_size: int, microbatches: int) -> Manifest:
+                    batch_size: int, microbatches: int, check: bool = True) -> Manifest:
     """Write the whole build directory of ``plan`` for ``traced`` to ``out_dir``; return its manifest.
 
     ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors``, ``manifest.json``,
@@ -46,7 +47,9 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
     as a whole once every file is written (a failure leaves it as it was). An ``out_dir``
     that is a file, is not writable, or holds files of its own is a BuildDirError.
     ``batch_size`` is one pipeline replica's batch, cut into ``microbatches``; the model
-    was traced at the microbatch size ``batch_size // microbatches``.
+    was traced at the microbatch size ``batch_size // microbatches``. With ``check`` (the
+    default) the staged stages must equal the model in train and eval mode before the build
+    replaces ``out_dir`` (Note [safety net] in ``fxpipe.codegen.safety``; ``EquivalenceError``).
 
     Example::
 
@@ -62,14 +65,17 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                            "was it planned from another profile?")
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
     with staged_build_dir(out_dir) as staging:
-        manifest = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages, Path(out_dir),
-                               staging, source=source, microbatch=traced.profile.batch_size, batch_size=batch_size,
-                               microbatches=microbatches, user_leaf_args=traced.user_leaf_args,
-                               output_spec=traced.output_spec, frontend=traced.frontend,
-                               units_of_stage=units_of_stage, call=traced.call)
+        manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages, Path(out_dir),
+                                      staging, source=source, microbatch=traced.profile.batch_size,
+                                      batch_size=batch_size, microbatches=microbatches,
+                                      user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
+                                      frontend=traced.frontend, units_of_stage=units_of_stage,
+                                      call=traced.call)
         plan.to_json(staging / "plan.json")
         traced.profile.to_json(staging / "profile.json")
         (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
+        if check:  # before the swap: a refused build leaves the previous one in place
+            check_build(staging, manifest, traced, split.sources)
     return manifest
 
 
@@ -94,16 +100,16 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
         return _emit_files(gm, model, stage_of_node, num_stages, Path(out_dir), staging, source=source,
                            microbatch=microbatch, batch_size=batch_size, microbatches=microbatches,
                            user_leaf_args=user_leaf_args, output_spec=output_spec, frontend=frontend,
-                           units_of_stage=units_of_stage, call=call)
+                           units_of_stage=units_of_stage, call=call)[0]
 
 
 def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
                 out: Path, staging: Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
                 microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
                 output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None,
-                call: CallSpec | None) -> Manifest:
+                call: CallSpec | None) -> tuple[Manifest, SplitGraph]:
     """Write the stage files and the manifest into ``staging``; paths in them are relative to
-    ``out``, the directory ``staging`` becomes."""
+    ``out``, the directory ``staging`` becomes. Returns the manifest and the split it was written from."""
     if batch_size != microbatch * microbatches:
         raise CodegenError(f"the model was traced at microbatch {microbatch}, but batch_size {batch_size} / "
                            f"microbatches {microbatches} is not that; trace at batch_size // microbatches")
@@ -136,5 +142,5 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
         microbatches=microbatches, training=model.training, torch_version=torch.__version__)
     manifest.to_json(staging / "manifest.json")
-    return manifest
+    return manifest, split
 

@@ -8,6 +8,11 @@ unpacks tuples (``q, k, v = x.split(32, 2)``) and, as FX does, drops each value 
 its last use (``x = None``) so a stage holds no activation longer than needed.
 
 Variable names come from ``node.meta[NAME_KEY]`` when set, else the node's name.
+
+Where train and eval mode differ (Note [both modes in one graph] in :mod:`fxpipe.tracer.modes`)
+the graph reads ``self.training``; nodes guarded for one mode are written under
+``if self.training:`` / ``if not self.training:`` (consecutive ones in one block), and a value
+that differs is ``a if self.training else b``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from fxpipe.graphmeta import ARITY_KEY, NAME_KEY
 from fxpipe.codegen.naming import unique_name
 from fxpipe.codegen.pyrender import ImportTable, render_literal
 from fxpipe.errors import CodegenError
+from fxpipe.tracer.modes import guard_of, is_training_flag, train_or_eval
 
 __all__ = ["render_forward", "run_blocks", "base_name"]
 
@@ -98,12 +104,16 @@ class _Renderer:
         self.inline: dict[fx.Node, str] = {}
         self.functions = {n: self.function(n.target) for n in graph.nodes if n.op == "call_function"
                           and n.target not in _BINARY and n.target not in _UNARY
-                          and n.target not in (operator.getitem, getattr, run_blocks)}
+                          and n.target not in (operator.getitem, getattr, run_blocks, train_or_eval)}
         namer = _Names(reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()})
         given = iter(arg_names or ())
         for node in graph.nodes:
-            if node.op == "get_attr":
+            if is_training_flag(node):
+                self.inline[node] = "self.training"
+            elif node.op == "get_attr":
                 self.inline[node] = attr(str(node.target))
+            elif _mode_literal(node):
+                self.inline[node] = self.expr(node)
             elif node.op == "placeholder" and arg_names is not None:
                 self.names[node] = namer.take(next(given))
             elif node.op != "output":
@@ -190,6 +200,8 @@ class _Renderer:
             return f"{self.operand(args[0])}[{self.index(args[1])}]"
         if fn is getattr and len(args) == 2 and isinstance(args[1], str) and args[1].isidentifier():
             return f"{self.operand(args[0])}.{args[1]}"
+        if fn is train_or_eval and len(args) == 3 and not kwargs:
+            return f"{self.operand(args[1])} if {self.value(args[0])} else {self.operand(args[2])}"
         return f"{self.functions.get(node) or self.function(fn)}({self.call_args(args, kwargs)})"
 
     # -- statements -----------------------------------------------------------------
@@ -208,18 +220,24 @@ class _Renderer:
                 freed.setdefault(user, []).append(self.names[value])
         params: list[str] = []
         lines: list[str] = []
+        guards: list[bool | None] = []  # per line: the mode it runs in (Note [both modes in one graph])
         skipped: set[fx.Node] = set()
         for i, node in enumerate(nodes):
             if node.op == "placeholder":
                 params.append(self.names[node])
                 continue
-            if node.op == "get_attr" or node in skipped:
+            if node.op == "get_attr" or node in skipped or node in self.inline:
                 continue
             if node.op == "output":
-                lines.append(self._return(node, lines, nodes[i - 1] if i else None))
+                ret = self._return(node, lines, nodes[i - 1] if i else None, guards)
+                guards = guards[:len(lines)]
+                lines.append(ret)
+                guards.append(None)
                 continue
+            guard = guard_of(node)
             if node.op == "call_function" and node.target is run_blocks:
                 lines += self._loop(node, freed.get(node, []))
+                guards += [guard] * (len(lines) - len(guards))
                 continue
             slots = _unpacked(node)
             if slots is not None:
@@ -237,7 +255,8 @@ class _Renderer:
             if frees:
                 line += f";  {' = '.join(frees)} = None"
             lines.append(line)
-        return params, lines
+            guards.append(guard)
+        return params, _guarded(lines, guards)
 
     def _loop(self, node: fx.Node, frees: list[str]) -> list[str]:
         """``run_blocks`` as the loop it stands for; what it frees is freed after the loop."""
@@ -250,12 +269,34 @@ class _Renderer:
         after = [f for f in frees if f != first]
         return lines + ([f"{' = '.join(after)} = None"] if after else [])
 
-    def _return(self, node: fx.Node, lines: list[str], previous: fx.Node | None) -> str:
+    def _return(self, node: fx.Node, lines: list[str], previous: fx.Node | None, guards: list[bool | None]) -> str:
         out = node.args[0]
         if isinstance(out, fx.Node) and out is previous and len(out.users) == 1 and out in self.names \
-                and lines and lines[-1].startswith(f"{self.names[out]} = ") and ";" not in lines[-1]:
+                and lines and guards[-1] is None and lines[-1].startswith(f"{self.names[out]} = ") \
+                and ";" not in lines[-1]:
             return "return " + lines.pop()[len(self.names[out]) + 3:]
         return f"return {self.value(out)}"
+
+
+def _mode_literal(node: fx.Node) -> bool:
+    """``not self.training`` or ``a if self.training else b`` of literals: written where it is used."""
+    if node.op != "call_function" or not any(is_training_flag(a) for a in node.args[:1]):
+        return False
+    if node.target is operator.not_:
+        return len(node.args) == 1
+    return node.target is train_or_eval and not any(isinstance(a, fx.Node) for a in node.args[1:])
+
+
+def _guarded(lines: list[str], guards: list[bool | None]) -> list[str]:
+    """Lines of one mode under ``if self.training:`` / ``if not self.training:``, consecutive ones in one block."""
+    out: list[str] = []
+    current: bool | None = None
+    for line, guard in zip(lines, guards):
+        if guard is not None and guard != current:
+            out.append("if self.training:" if guard else "if not self.training:")
+        current = guard
+        out.append(line if guard is None else "    " + line)
+    return out
 
 
 def render_forward(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,

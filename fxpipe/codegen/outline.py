@@ -35,11 +35,12 @@ import torch.nn as nn
 
 from fxpipe.graphmeta import SPEC_KEY
 from fxpipe.codegen.forward import base_name, run_blocks
-from fxpipe.graphmeta import ARITY_KEY, NAME_KEY
+from fxpipe.graphmeta import ARITY_KEY, GUARD_KEY, NAME_KEY
 from fxpipe.codegen.layers import torch_layer_input
 from fxpipe.codegen.naming import short_paths
 from fxpipe.codegen.scopes import Scope, scope_stack
 from fxpipe.graphmeta import ORIGIN_KEY
+from fxpipe.tracer.modes import guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
 
 __all__ = ["Body", "Outline", "outline_stage", "stack_runs"]
@@ -190,10 +191,15 @@ class _Outliner:
         inside = set(members)
         stack = self.stack[members[0]]
         parent = stack[:stack.index(scope)]
-        attrs_inside = [a for a in _inputs(members) if a.op == "get_attr" and str(a.target).startswith(path + ".")]
+        attrs_inside = [a for a in _inputs(members) if is_training_flag(a)
+                        or (a.op == "get_attr" and str(a.target).startswith(path + "."))]
         inputs = [a for a in _inputs(members) if a not in attrs_inside]
         outputs = [m for m in members if any(u not in inside for u in m.users)]
-        torch_input = torch_layer_input(members, module, path, set(attrs_inside))
+        guards = {guard_of(m) for m in members}
+        if any(guard_of(o) is not None for o in outputs) and len(guards) > 1:
+            self.drop(scope)  # a value of one mode leaves the call: it stays flat where its guard is written
+            return
+        torch_input = torch_layer_input(members, module, path, {a for a in attrs_inside if not is_training_flag(a)})
         if torch_input is not None and len(outputs) == 1 and self.buildable(path):
             self._replace(members, outputs, path, (torch_input,), parent, inputs + attrs_inside)
             self.result.torch_layers.add(path)
@@ -215,7 +221,7 @@ class _Outliner:
             env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
             env[a].meta[NAME_KEY] = "size"
         for a in attrs_inside:
-            env[a] = body.get_attr(str(a.target))
+            env[a] = body.get_attr(str(a.target))  # a parameter, or the module's own training flag
             env[a].meta.update(a.meta)
         for m in members:
             env[m] = body.node_copy(m, lambda x: env[x])
@@ -236,6 +242,9 @@ class _Outliner:
         inside = set(members)
         with self.graph.inserting_before(members[0]):
             call = self.graph.call_module(path, args)
+        guards = {guard_of(m) for m in members}
+        if len(guards) == 1 and None not in guards:  # a call made in one mode only
+            call.meta[GUARD_KEY] = guards.pop()
         parent_path = parent[-1][1] if parent else ""
         call.meta[NAME_KEY] = (path[len(parent_path) + 1:] if parent_path else short_paths([path])[path]).replace(".", "_")
         self.stack[call] = parent
@@ -248,7 +257,7 @@ class _Outliner:
             for i, out in enumerate(outputs):
                 with self.graph.inserting_after(anchor):
                     item = self.graph.call_function(operator.getitem, (call, i))
-                item.meta.update({k: v for k, v in out.meta.items() if k in ("val", SPEC_KEY)})
+                item.meta.update({k: v for k, v in out.meta.items() if k in ("val", SPEC_KEY, GUARD_KEY)})
                 self.stack[item] = parent
                 out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
                 anchor = item

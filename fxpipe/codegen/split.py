@@ -18,6 +18,12 @@ Note [device literals]: export bakes the trace device into calls such as
 ``torch.device`` argument into ``<tensor>.device`` of a tensor the stage already has,
 so a stage runs wherever its inputs and parameters live.
 
+Note [modes across stages]: the ``training`` flag of a merged graph (Note [both modes in
+one graph] in :mod:`fxpipe.tracer.modes`) is each stage's own ``self.training``, copied into
+every stage that reads it. A value guarded for one mode exists only in that mode, so it may
+not cross a stage boundary (the tracer keeps each guarded region in one unit; a plan that
+splits one is refused here).
+
 Boundary tensors are named after the module call they come from (``h_3_out``; see
 :mod:`fxpipe.codegen.naming`), the same in every stage and in the manifest.
 """
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -38,6 +44,7 @@ from fxpipe.codegen.manifest import INPUT, BoundaryTensor
 from fxpipe.codegen.naming import boundary_names
 from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.errors import CodegenError
+from fxpipe.tracer.modes import TRAINING_ATTR, guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
 
 __all__ = ["StageGraph", "SplitGraph", "split_graph", "int_tensor_name"]
@@ -71,11 +78,13 @@ class StageGraph:
 
 @dataclass(frozen=True)
 class SplitGraph:
-    """All stage graphs plus the boundary tensors between them (by name)."""
+    """All stage graphs plus the boundary tensors between them (by name); ``sources`` maps the name of each
+    tensor a stage sends to the traced node that computes it (to say which unit made a tensor that is off)."""
 
     stages: tuple[StageGraph, ...]
     boundary: Mapping[str, BoundaryTensor]
     model_inputs: tuple[str, ...]
+    sources: Mapping[str, str] = field(default_factory=dict)
 
 
 def _spec(node: fx.Node) -> Any:
@@ -170,7 +179,10 @@ class _Splitter:
         if a in env:
             return env[a]
         g = self.graphs[s]
-        if a.op == "get_attr":
+        if is_training_flag(a):  # the stage's own flag: no tensor to own (Note [modes across stages])
+            env[a] = g.create_node("get_attr", TRAINING_ATTR)
+            env[a].meta.update(a.meta)
+        elif a.op == "get_attr":
             target = str(a.target)
             if self.attr_name is not None:
                 paths = [u.meta.get(PATH_KEY, "") for u in a.users if self.stage_of.get(u) == s]
@@ -233,6 +245,11 @@ class _Splitter:
                     raise CodegenError(
                         f"the plan is not in dependency order: {a.name!r} on stage {self.stage_of[a]} feeds "
                         f"{n.name!r} on stage {s}; a partition must send values only to later stages")
+                if a in self.stage_of and self.stage_of[a] != s and guard_of(a) is not None:
+                    mode = "train" if guard_of(a) else "eval"
+                    raise CodegenError(
+                        f"{a.name!r} runs in {mode} mode only, so it cannot be sent from stage {self.stage_of[a]} "
+                        f"to {n.name!r} on stage {s}; the plan must keep a mode-guarded region on one stage")
         for s in range(self.num_stages):
             owned = [n for n in self.nodes if self.stage_of.get(n) == s]
             for n in owned:  # declare the tensor inputs first so sizes can be read from them
@@ -303,9 +320,12 @@ class _Splitter:
 
     def _result(self, outputs: list[dict[fx.Node, list[int]]]) -> SplitGraph:
         boundary: dict[str, BoundaryTensor] = {}
+        sources: dict[str, str] = {}
         stage_outputs: list[list[str]] = [[] for _ in range(self.num_stages)]
         for s in range(self.num_stages):
             for a in sorted(outputs[s], key=self.order.__getitem__):
+                if a in self.stage_of:
+                    sources[self.bname(a)] = sources[int_tensor_name(self.bname(a))] = a.name
                 consumers = tuple(c for c in range(self.num_stages) if a in self.imports[c])
                 spec = _spec(a)
                 indices = outputs[s][a]
@@ -332,7 +352,8 @@ class _Splitter:
                        outputs=tuple(stage_outputs[s]), modules=tuple(self.modules[s]), attrs=tuple(self.attrs[s]),
                        nodes=tuple(n.name for n in self.nodes if self.stage_of.get(n) == s))
             for s in range(self.num_stages))
-        return SplitGraph(stages=stages, boundary=boundary, model_inputs=tuple(self.bname(p) for p in self.placeholders))
+        return SplitGraph(stages=stages, boundary=boundary, model_inputs=tuple(self.bname(p) for p in self.placeholders),
+                          sources=sources)
 
 
 def _boundary(name: str, spec: Any, producer: int, consumers: tuple[int, ...],

@@ -2,9 +2,10 @@
 
 The original model is rebuilt from the model file and given the build directory's
 weights, so both sides start from identical values. Both run the model file's example
-inputs at the manifest's batch size in the mode the model was traced in; the loss is
-the model file's ``loss_fn`` on ``example_targets`` when it has both, else the sum of
-the floating outputs. Outputs and every parameter's gradient are compared.
+inputs at the manifest's batch size, in train mode and in eval mode, from the same seed
+(:func:`fxpipe.codegen.equivalence.compare_in_mode`); the loss is the model file's
+``loss_fn`` on ``example_targets`` when it has both, else a weighted sum of the floating
+outputs. Outputs, every parameter's gradient and every buffer are compared.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
+from fxpipe.codegen.equivalence import ModeComparison, TensorError, compare_in_mode, probe_loss, rows_by_error
 from fxpipe.codegen.load import read_manifest
 from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.errors import BuildDirError, ModelFileError
@@ -27,70 +28,35 @@ __all__ = ["VerifyReport", "TensorError", "verify_build", "print_verify_report"]
 
 
 @dataclass(frozen=True)
-class TensorError:
-    """How far one pipeline tensor is from the original: max abs and relative error, and whether it is within tolerance."""
-
-    name: str
-    max_abs: float
-    max_rel: float
-    ok: bool
-
-
-@dataclass(frozen=True)
 class VerifyReport:
-    """Errors of the chained stages against the original model (outputs, then parameter gradients)."""
+    """The chained stages against the original model, in each mode checked (train, then eval)."""
 
-    outputs: tuple[TensorError, ...]
-    grads: tuple[TensorError, ...]
+    modes: tuple[ModeComparison, ...]
     rtol: float
     atol: float
     loss: str
 
     @property
     def ok(self) -> bool:
-        return all(e.ok for e in self.outputs + self.grads)
+        return all(m.ok for m in self.modes)
 
-    @property
-    def max_abs_output(self) -> float:
-        return max((e.max_abs for e in self.outputs), default=0.0)
-
-    @property
-    def max_rel_output(self) -> float:
-        return max((e.max_rel for e in self.outputs), default=0.0)
-
-    @property
-    def max_abs_grad(self) -> float:
-        return max((e.max_abs for e in self.grads), default=0.0)
-
-    @property
-    def max_rel_grad(self) -> float:
-        return max((e.max_rel for e in self.grads), default=0.0)
+    def mode(self, training: bool) -> ModeComparison:
+        return next(m for m in self.modes if m.training == training)
 
     @property
     def worst(self) -> TensorError | None:
-        """The tensor furthest outside (or closest to) its tolerance."""
-        bad = [e for e in self.outputs + self.grads if not e.ok]
-        return max(bad or list(self.outputs + self.grads), key=lambda e: e.max_abs, default=None)
+        """The tensor furthest outside its tolerance (or, when all pass, furthest off)."""
+        rows = rows_by_error([e for m in self.modes for e in m.rows])
+        return rows[0] if rows else None
 
     def summary(self) -> str:
-        status = "OK" if self.ok else "MISMATCH"
-        return (f"{status}: outputs max abs {self.max_abs_output:.3g} rel {self.max_rel_output:.3g}; "
-                f"{len(self.grads)} parameter gradients max abs {self.max_abs_grad:.3g} rel {self.max_rel_grad:.3g} "
-                f"(rtol {self.rtol:g}, atol {self.atol:g}, loss {self.loss})")
-
-
-def _compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None, rtol: float, atol: float) -> TensorError:
-    if got is None or want is None:
-        same = got is None and want is None
-        return TensorError(name, 0.0 if same else float("inf"), 0.0 if same else float("inf"), same)
-    if got.shape != want.shape:
-        return TensorError(name, float("inf"), float("inf"), False)
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    diff = (g - w).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    scale = float(w.abs().max()) if w.numel() else 0.0
-    ok = bool(torch.all(diff <= atol + rtol * w.abs())) if diff.numel() else True
-    return TensorError(name, max_abs, max_abs / scale if scale > 0 else max_abs, ok)
+        """One line per mode, then the verdict."""
+        lines = [m.summary() for m in self.modes]
+        verdict = "OK" if self.ok else "MISMATCH"
+        lines.append(f"{verdict}: the stages {'equal' if self.ok else 'differ from'} the model in "
+                     f"{' and '.join(m.mode for m in self.modes)} mode (rtol {self.rtol:g}, atol {self.atol:g}, "
+                     f"loss {self.loss})")
+        return "\n".join(lines)
 
 
 def _load_reference(manifest: Any, build_dir: Path, source: Any) -> nn.Module:
@@ -115,19 +81,20 @@ def _load_reference(manifest: Any, build_dir: Path, source: Any) -> nn.Module:
     return model
 
 
-def _loss(output: Any, source: Any, batch_size: int) -> tuple[torch.Tensor, str]:
-    if source.has(source.loss_fn_name) and source.has(source.targets_fn):
+def _loss(source: Any, batch_size: int) -> tuple[Callable[[Any], torch.Tensor | None], str]:
+    """The model file's ``loss_fn`` on its ``example_targets`` when it has both, else the probe loss."""
+    if not (source.has(source.loss_fn_name) and source.has(source.targets_fn)):
+        return probe_loss, "weighted sum of the outputs"
+    targets = source.example_targets(batch_size)
+
+    def loss(output: Any) -> torch.Tensor | None:
         try:
-            return source.loss_fn(output, source.example_targets(batch_size)), f"{source.loss_fn_name}()"
+            return source.loss_fn(output, targets)
         except Exception as exc:  # e.g. a model file whose loss_fn is for another of its models
             warnings.warn(f"{source.loss_fn_name}() failed on this model's output ({type(exc).__name__}: {exc}); "
-                          "verifying gradients of the sum of the outputs instead", stacklevel=3)
-    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats:
-        raise ModelFileError(
-            f"the model's outputs hold no floating-point tensor, so verify has nothing to differentiate; "
-            f"define {source.loss_fn_name}() and {source.targets_fn}() in {source.path.name} to verify gradients")
-    return sum((t.sum() for t in floats[1:]), floats[0].sum()), "sum of outputs"
+                          "verifying gradients of a weighted sum of the outputs instead", stacklevel=2)
+            return probe_loss(output)
+    return loss, f"{source.loss_fn_name}()"
 
 
 def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) -> VerifyReport:
@@ -146,50 +113,31 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     if manifest.model_sha256 and source.sha256 != manifest.model_sha256:
         raise BuildDirError(f"{manifest.model_path(build_dir)} changed since {build_dir} was built (sha256 differs); "
                             "rebuild with `fxpipe partition`")
-    training = manifest.training
-    reference = _load_reference(manifest, build_dir, source).train(training)
-    pipeline = load_pipeline(build_dir).train(training)
-    inputs = source.example_call(manifest.batch_size)
-
-    results = []
-    for model in (reference, pipeline):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            output = inputs(model)
-            loss, loss_name = _loss(output, source, manifest.batch_size)
-            loss.backward()
-        results.append(output)
-    want, got = (tree_leaves(r) for r in results)
-    outputs = tuple(_compare(f"output[{i}]", g, w, rtol, atol) for i, (g, w) in enumerate(zip(got, want)))
-    if len(got) != len(want):
-        outputs += (TensorError("output count", float("inf"), float("inf"), False),)
-
-    pipe_params: dict[str, nn.Parameter] = {}
-    for stage in pipeline.stages:
-        pipe_params.update(stage.named_parameters(remove_duplicate=False))
-    by_id: dict[int, list[str]] = {}
-    for key, p in reference.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(key)
-    grads = []
-    for key, p in reference.named_parameters():
-        held = next((pipe_params[k] for k in by_id[id(p)] if k in pipe_params), None)
-        if held is None:  # not used by the traced graph: the original gets no gradient either
-            grads.append(_compare(f"grad {key}", None, p.grad, rtol, atol))
-        else:
-            grads.append(_compare(f"grad {key}", held.grad, p.grad, rtol, atol))
-    return VerifyReport(outputs=outputs, grads=tuple(grads), rtol=rtol, atol=atol, loss=loss_name)
+    reference = _load_reference(manifest, build_dir, source)
+    pipeline = load_pipeline(build_dir)
+    call = source.example_call(manifest.batch_size)
+    loss, loss_name = _loss(source, manifest.batch_size)
+    modes = tuple(compare_in_mode(reference, pipeline, list(pipeline.stages), call, training=training,
+                                  loss=loss, rtol=rtol, atol=atol) for training in (True, False))
+    return VerifyReport(modes=modes, rtol=rtol, atol=atol, loss=loss_name)
 
 
-def print_verify_report(report: VerifyReport, console: Any = None) -> None:
-    """Print every output and parameter gradient with its error, then the verdict."""
+def print_verify_report(report: VerifyReport, console: Any = None, *, all_rows: bool = False,
+                        shown: int = 8) -> None:
+    """Print, per mode, the ``shown`` tensors furthest off (failing first; every tensor with ``all_rows``),
+    then one summary line per mode and the verdict."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"pipeline vs original model (loss: {report.loss})", title_justify="left")
-    for column in ("tensor", "max abs error", "max rel error", ""):
-        table.add_column(column, justify="left" if column == "tensor" else "right")
-    for e in report.outputs + report.grads:
-        table.add_row(e.name, f"{e.max_abs:.3g}", f"{e.max_rel:.3g}", "[green]ok[/]" if e.ok else "[red]MISMATCH[/]")
-    console.print(table)
-    console.print(("[green]" if report.ok else "[red]") + report.summary() + "[/]")
+    for m in report.modes:
+        rows = m.rows if all_rows else rows_by_error(m.rows)[:shown]
+        what = "every tensor" if all_rows else f"the {len(rows)} of {len(m.rows)} tensors furthest off"
+        table = Table(title=f"{m.mode} mode: {what} (loss: {report.loss})", title_justify="left")
+        for column in ("tensor", "max abs error", "max rel error", ""):
+            table.add_column(column, justify="left" if column == "tensor" else "right")
+        for e in rows:
+            table.add_row(e.name, f"{e.max_abs:.3g}", f"{e.max_rel:.3g}", "[green]ok[/]" if e.ok else "[red]MISMATCH[/]")
+        console.print(table)
+    for line in report.summary().splitlines():
+        console.print(("[green]" if report.ok else "[red]") + line + "[/]")

@@ -2,7 +2,8 @@
 
 Note [CP-SAT encoding]: the stage of unit u is order-encoded, ``ge[u][s]`` <=> stage(u)
 >= s, so "data flows forward" is one implication per edge and stage, ``ge[u][s] =>
-ge[v][s]``, and "u is on stage s" is the linear term ``ge[u][s] - ge[u][s+1]``. Pins
+ge[v][s]`` (so is the order of random units, Note [random order] in problem.py), and
+"u is on stage s" is the linear term ``ge[u][s] - ge[u][s+1]``. Pins
 and the stage ranges they imply fix variables up front. For each tensor t and stage s,
 ``recv[t][s] >= on(c, s) - ge[p][s]`` for every consumer c (s receives t when it holds
 a consumer but not the producer p); the producer's stage sends ``n_t = sum_s
@@ -59,18 +60,9 @@ class _Model:
                     m.add_implication(row[s], row[s - 1])
         for t in problem.tensors:
             for c in t.consumers:
-                for s in range(1, S):
-                    a, b = self.ge[t.producer][s], self.ge[c][s]
-                    if isinstance(a, int) and isinstance(b, int):
-                        assert a <= b, "stage ranges break an edge"
-                    elif isinstance(a, int):
-                        if a == 1:
-                            m.add(b == 1)
-                    elif isinstance(b, int):
-                        if b == 0:
-                            m.add(a == 0)
-                    else:
-                        m.add_implication(a, b)
+                self._not_later(t.producer, c)
+        for a, b in zip(problem.random_units, problem.random_units[1:]):  # Note [random order] in problem.py
+            self._not_later(a, b)
         for s in range(S):
             m.add(sum(self.on(u, s) for u in range(n) if self.lo[u] <= s <= self.hi[u]) >= 1)
         self._comm()
@@ -86,6 +78,22 @@ class _Model:
                     expr += ms * self.w[id(t)][s]
             self.time.append(expr)
         self.memory: list[Any] = self._memory() if with_memory else []
+
+    def _not_later(self, u: int, v: int) -> None:
+        """stage(u) <= stage(v): ``ge[u][s] => ge[v][s]`` for every stage s (constants folded)."""
+        for s in range(1, self.p.num_stages):
+            a, b = self.ge[u][s], self.ge[v][s]
+            if isinstance(a, int) and isinstance(b, int):
+                if a > b:
+                    self.m.add_bool_or([])  # the pins put v before u: infeasible
+            elif isinstance(a, int):
+                if a == 1:
+                    self.m.add(b == 1)
+            elif isinstance(b, int):
+                if b == 0:
+                    self.m.add(a == 0)
+            else:
+                self.m.add_implication(a, b)
 
     def on(self, u: int, s: int) -> Any:
         return self.ge[u][s] - self.ge[u][s + 1]

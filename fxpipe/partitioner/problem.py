@@ -27,6 +27,12 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   ``StageCost.dp_allreduce_ms``. It is not part of the per-microbatch ``stage_ms`` the
   solvers balance (it is paid once per step, not per microbatch); the predicted step
   time adds the largest one (``planner.predict``).
+
+Note [random order]: a unit that draws random numbers (dropout; ``Unit.random``) must not
+run on an earlier stage than one that draws them before it in the program: the chained
+stages then consume the random stream in the original order, so a pipeline and the model
+give the same values from the same seed. Contiguous splits keep it by construction; CP-SAT
+gets it as a constraint, and ``assignment_violations`` checks it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class PartitionProblem:
     cost: CostModel = CostModel()
     memory_limit: int | None = None
     param_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per param_bytes entry; None: unknown
+    random_units: tuple[int, ...] = ()  # units that draw random numbers, in program order (Note [random order])
 
     @property
     def num_units(self) -> int:
@@ -159,6 +166,7 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         pins=pins, num_stages=num_stages, schedule=schedule, microbatches=microbatches,
         cost=cost, memory_limit=memory_limit,
         param_shapes=tuple(profile.param_shapes.get(name) for name in param_names),
+        random_units=tuple(i for i, u in enumerate(profile.units) if u.random),
     )
 
 
@@ -343,6 +351,12 @@ def assignment_violations(problem: PartitionProblem, assignment: Sequence[int],
             if assignment[c] < assignment[t.producer]:
                 out.append(f"{problem.names[t.producer]!r} (stage {assignment[t.producer]}) feeds "
                            f"{problem.names[c]!r} on earlier stage {assignment[c]}")
+    last = None
+    for u in problem.random_units:  # Note [random order]
+        if last is not None and assignment[u] < assignment[last]:
+            out.append(f"{problem.names[u]!r} draws random numbers on stage {assignment[u]}, before "
+                       f"{problem.names[last]!r} on stage {assignment[last]} that draws them earlier in the program")
+        last = u if last is None or assignment[u] >= assignment[last] else last
     empty = sorted(set(range(S)) - set(assignment))
     if empty:
         out.append(f"stages {empty} hold no unit")

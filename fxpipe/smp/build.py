@@ -1,8 +1,8 @@
 """Partitioning at the first step: the CLI's tracer -> partitioner -> codegen path, run in-process.
 
 Note [one plan for every rank]: global rank 0 traces the model on the first step's
-first microbatch, plans, and writes a build directory (``write_build_dir``) into a
-temporary folder, which it reads into memory and removes at once; it then scatters to
+first microbatch, plans, and writes a build directory (``write_build_dir``, which first
+checks the stages against the model in train and eval mode) into a temporary folder, which it reads into memory and removes at once; it then scatters to
 each rank the manifest, the plan and that rank's own stage files (source and weights).
 A rank writes them into a temporary folder only while it loads its stage with
 ``load_stage`` (hash-checked, like any build directory) and removes the folder right
@@ -50,6 +50,7 @@ class TraceOptions:
     trace_device: str = "cpu"
     measure_times: bool = False
     measure_memory: bool = False
+    check: bool = True  # the compiler's safety net (Note [safety net] in fxpipe.codegen.safety)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _plan_on_rank0(module: nn.Module, inputs: ModelInputs, config: Config, optio
     with tempfile.TemporaryDirectory(prefix="fxpipe-plan-") as scratch:
         out_dir = Path(scratch) / "build"
         manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size,
-                                   microbatches=config.microbatches)
+                                   microbatches=config.microbatches, check=options.check)
         common = {name: (out_dir / name).read_bytes() for name in _SHARED_FILES}
         return {s.index: {**common, s.source: (out_dir / s.source).read_bytes(),
                           s.weights: (out_dir / s.weights).read_bytes()} for s in manifest.stages}

@@ -5,6 +5,10 @@ Steps: pick a front end (:mod:`fxpipe.tracer.frontends`), normalize the graph
 shapes (:mod:`fxpipe.tracer.shapes`), group units (:mod:`fxpipe.tracer.units`) and cost
 them (:mod:`fxpipe.tracer.counting`, :mod:`fxpipe.tracer.timing`). The model's buffers and the RNG state are restored
 afterwards, so tracing never changes the model (BatchNorm statistics included).
+
+The model is traced in train mode (the profile is of training) and again in eval mode, and the
+two graphs are merged into one that reads ``self.training`` where they differ
+(:mod:`fxpipe.tracer.bothmodes`); every submodule's mode is restored afterwards.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from fxpipe.tracer.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import progress_iter
 from fxpipe.tracer.timing import analytic_ms, measure_ms
 from fxpipe.tracer.unit_runner import UnitRunner
+from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
+from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
@@ -37,7 +43,7 @@ from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infe
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
 from fxpipe.graphmeta import PATH_KEY, SPEC_KEY
-from fxpipe.tracer.units import UnitGroup, group_units
+from fxpipe.tracer.units import UnitGroup, group_units, join_units
 
 __all__ = ["trace_model", "trace_model_file"]
 
@@ -174,7 +180,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_flops=c.fwd_flops, param_bytes=param_bytes,
             buffer_bytes=buffer_bytes, activation_bytes=act,
             params=_unit_param_names(gm, group, param_names), reads_inputs=group.reads_inputs,
-            pin=pin_for_path(pins, group.path),
+            pin=pin_for_path(pins, group.path), random=any(is_random_op_name(op) for op, _ in c.fwd_ops),
         )
         sources: dict[str, list[int]] = {}
         for name in group.inputs:
@@ -241,22 +247,28 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     inputs = call.tensors
     batch = batch_size_of(inputs, dims)
     try:
-        with _preserved_state(model):
+        with _preserved_state(model), modes_restored(model):
+            model.train()  # the profile is of train mode; eval mode is merged in (Note [both modes in one graph])
+            ctor_args = build_record.ctor_args if build_record else None
             with _seeded(trace_device):
                 reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
             with tracing_call(call):
-                result = trace_graph(model, inputs, frontend, tuple(leaves), dims,
-                                     build_record.ctor_args if build_record else None)
+                result = trace_graph(model, inputs, frontend, tuple(leaves), dims, ctor_args)
             gm = result.graph_module
-            annotate_paths(gm)
-            drop_extra_placeholders(gm, len(inputs))
-            with torch.no_grad(), _seeded(trace_device):
-                values = run_collect(gm, inputs)
-            flatten_output(gm, values)  # export graphs are flat already: the model's own spec rebuilds them
-            group_getitems(gm)
+            values = _normalize(gm, inputs, trace_device)
             _check_matches(gm, values, reference)
+
+            def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+                with tracing_call(call):
+                    again = trace_graph(model, inputs, result.frontend, (*leaves, *result.fallback_leaves), dims,
+                                        ctor_args)
+                _normalize(again.graph_module, inputs, trace_device)
+                return again.graph_module
+
+            merge_eval_mode(model, gm, inputs, trace=trace_again, run=lambda: call.example(model))
             prop = propagate(gm, inputs, batch, dims)
-            groups = group_units(gm, prop.flops)
+            regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
+            groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
             runners = [UnitRunner(gm, g, prop.values) for g in groups]
             counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
             if measure_times:
@@ -292,6 +304,18 @@ def _seeded(device: str, seed: int = 0) -> Iterator[None]:
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
+
+
+def _normalize(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: str) -> dict[torch.fx.Node, Any]:
+    """Bring a front end's graph into the normalized form (Note [normalized graph]); its values on ``inputs``
+    (from the seed of :func:`_seeded`)."""
+    annotate_paths(gm)
+    drop_extra_placeholders(gm, len(inputs))
+    with torch.no_grad(), _seeded(device):
+        values = run_collect(gm, inputs)
+    flatten_output(gm, values)  # export graphs are flat already: the model's own spec rebuilds them
+    group_getitems(gm)
+    return values
 
 
 def _check_matches(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], reference: list[Any]) -> None:

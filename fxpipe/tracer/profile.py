@@ -126,6 +126,7 @@ class Unit:
     params: tuple[str, ...] = ()
     reads_inputs: tuple[NonNegInt, ...] = ()
     pin: NonNegInt | None = None
+    random: bool = False  # draws random numbers (dropout): such units keep their program order across stages
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(

@@ -5,7 +5,9 @@ placeholder per tensor input of the traced call (in the forward's parameter orde
 [the traced call] in ``fxpipe.tracer.call``), ``get_attr`` nodes under ORIGINAL parameter and
 buffer names, ``call_module`` only for leaves, one ``output`` node returning a flat tuple
 of tensors, and on every node ``meta[SPEC_KEY]`` (``TensorSpec``/``None``/tuple) and
-``meta[PATH_KEY]`` (owning module path, ``""`` = top level).
+``meta[PATH_KEY]`` (owning module path, ``""`` = top level). Where train and eval mode differ,
+a ``get_attr`` of ``"training"`` and ``meta[GUARD_KEY]`` say how (Note [both modes in one graph]
+in :mod:`fxpipe.tracer.modes`).
 """
 
 from __future__ import annotations

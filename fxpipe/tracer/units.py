@@ -22,7 +22,7 @@ import torch.fx
 
 from fxpipe.graphmeta import PATH_KEY
 
-__all__ = ["UnitGroup", "group_units", "COMPUTE_OPS", "ROOT_UNIT"]
+__all__ = ["UnitGroup", "group_units", "join_units", "COMPUTE_OPS", "ROOT_UNIT"]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 ROOT_UNIT = "<root>"  # name of units at the top level of the model
@@ -73,6 +73,35 @@ def group_units(gm: torch.fx.GraphModule, flops: dict[str, float]) -> list[UnitG
             pending = []
     if pending:  # a model that is nothing but glue
         runs.append((("ops", ""), pending))
+    return _describe(gm, runs)
+
+
+def join_units(gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list[set[str]]) -> list[UnitGroup]:
+    """Merge consecutive units so that the nodes of each set in ``together`` share one unit (a merged
+    unit is still a run of consecutive nodes, under the modules' common path)."""
+    unit_of = {name: i for i, g in enumerate(groups) for name in g.nodes}
+    end = list(range(len(groups)))  # end[i]: last unit merged into the run that starts at i
+    for names in together:
+        hit = sorted({unit_of[n] for n in names if n in unit_of})
+        if len(hit) > 1:
+            end[hit[0]] = max(end[hit[0]], hit[-1])
+    if end == list(range(len(groups))):
+        return groups
+    by_name = {n.name: n for n in gm.graph.nodes}
+    runs: list[tuple[tuple[str, str], list[torch.fx.Node]]] = []
+    i = 0
+    while i < len(groups):
+        j = i
+        while j < len(groups) and j <= max(end[i:j + 1]):
+            j += 1
+        members = groups[i:j]
+        paths = [g.path.split(".") if g.path else [] for g in members]
+        common = paths[0][:min(len(p) for p in paths)]
+        while any(p[:len(common)] != common for p in paths):
+            common = common[:-1]
+        key = (members[0].kind, members[0].path) if len(members) == 1 else ("ops", ".".join(common))
+        runs.append((key, [by_name[n] for g in members for n in g.nodes]))
+        i = j
     return _describe(gm, runs)
 
 

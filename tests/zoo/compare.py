@@ -1,6 +1,6 @@
 """Chained stages vs the original model, in train mode or in eval mode, outputs + gradients + buffers.
 
-This is the zoo's own check, independent of ``fxpipe verify`` (which checks train mode only):
+This is the zoo's own check, independent of ``fxpipe verify`` (which uses fxpipe's own comparison):
 the original model is rebuilt with ``build_model()`` and given the build's weights, both it and
 ``fxpipe.load_pipeline(build_dir)`` are put in the same mode (``.train()`` or ``.eval()``), and
 both run the model file's ``example_inputs`` at the build's batch size from the same RNG seed,

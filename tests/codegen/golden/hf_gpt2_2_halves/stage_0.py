@@ -109,7 +109,7 @@ class GPT2Attention(torch.nn.Module):
         transpose_3 = reshape.transpose(1, 2);  reshape = None
         reshape_1 = transpose_3.reshape([size, 16, -1]);  size = transpose_3 = None
         c_proj = self.c_proj(reshape_1);  reshape_1 = None
-        dropout = F.dropout(c_proj, 0.0, True);  c_proj = None
+        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
         return dropout
 
 
@@ -126,7 +126,7 @@ class GPT2MLP(torch.nn.Module):
         c_fc = self.c_fc(x);  x = None
         act = self.act(c_fc);  c_fc = None
         c_proj = self.c_proj(act);  act = None
-        dropout = F.dropout(c_proj, 0.0, True);  c_proj = None
+        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
         return dropout
 
 
@@ -212,7 +212,7 @@ class Stage0(torch.nn.Module):
         to_2 = le.to(device=device, dtype=torch.bool);  device = le = None
         and__1 = and_ & to_2;  and_ = to_2 = None
         transformer_expand = and__1.expand([size, -1, 16, 16]);  size = and__1 = None
-        dropout = F.dropout(add_1, 0.0, True);  add_1 = None
+        dropout = F.dropout(add_1, 0.0, self.training);  add_1 = None
         h_0_ln_1 = self.model.transformer.h["0"].ln_1(dropout)
         h_0_attn = self.model.transformer.h["0"].attn(h_0_ln_1, transformer_expand);  h_0_ln_1 = None
         h_0_add = h_0_attn + dropout;  dropout = h_0_attn = None

@@ -109,7 +109,7 @@ class GPT2Attention(torch.nn.Module):
         transpose_3 = reshape.transpose(1, 2);  reshape = None
         reshape_1 = transpose_3.reshape([size, 16, -1]);  size = transpose_3 = None
         c_proj = self.c_proj(reshape_1);  reshape_1 = None
-        dropout = F.dropout(c_proj, 0.0, True);  c_proj = None
+        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
         return dropout
 
 
@@ -126,7 +126,7 @@ class GPT2MLP(torch.nn.Module):
         c_fc = self.c_fc(x);  x = None
         act = self.act(c_fc);  c_fc = None
         c_proj = self.c_proj(act);  act = None
-        dropout = F.dropout(c_proj, 0.0, True);  c_proj = None
+        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
         return dropout
 
 
