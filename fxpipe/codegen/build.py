@@ -12,6 +12,7 @@ as it was, and a new build leaves no stale file of the old one.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -66,6 +67,8 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                                output_spec=traced.output_spec, frontend=traced.frontend,
                                units_of_stage=units_of_stage)
         plan.to_json(staging / "plan.json")
+        manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
+        manifest.to_json(staging / "manifest.json")
         traced.profile.to_json(staging / "profile.json")
         (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
     return manifest

@@ -129,7 +129,8 @@ class Manifest:
 
     ``microbatches`` is the number of microbatches per step the build was planned for
     (0 when constructed without one: ``batch_size // microbatch_size`` is filled in),
-    ``training`` the mode the model was traced in, ``torch_version`` the torch that built it.
+    ``training`` the mode the model was traced in, ``torch_version`` the torch that built it,
+    ``plan_sha256`` the hash of ``plan.json`` (Note [check before use] in ``fxpipe.codegen.integrity``).
     """
 
     model_file: str
@@ -147,6 +148,7 @@ class Manifest:
     microbatches: NonNegInt = 0
     training: bool = True
     torch_version: str = ""
+    plan_sha256: str = ""  # of plan.json ("" in builds without one, and in builds written before it was recorded)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
