@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -151,6 +151,34 @@ class CheckedBuild:
         checked = self.weights[index]
         return _load_safetensors(checked, str(device))
 
+    @classmethod
+    def from_memory(cls, files: Mapping[str, bytes], stages: Iterable[int], where: str | Path) -> CheckedBuild:
+        """A build held in memory (file name -> bytes: ``manifest.json``, ``plan.json`` and the given
+        stages' files), checked against its manifest like a directory; ``where`` is the folder the
+        files are said to be in (tracebacks name the stage sources there). Nothing touches the disk."""
+        where = Path(where)
+        if "manifest.json" not in files:
+            raise BuildDirError("a build in memory without manifest.json")
+        manifest = Manifest.from_json(files["manifest.json"].decode("utf-8", errors="replace"))
+
+        def check(name: str, expected: str, what: str) -> CheckedFile:
+            if name not in files:
+                raise BuildDirError(f"{what} {name} is missing from the build")
+            data = files[name]
+            actual = hashlib.sha256(data).hexdigest()
+            if expected and actual != expected:
+                raise BuildDirError(f"{what} {name} has sha256 {actual[:12]}…, but manifest.json expects "
+                                    f"{expected[:12]}…")
+            return CheckedFile(where / name, actual, data, (0, 0, len(data), 0))
+
+        plan = check("plan.json", manifest.plan_sha256, "plan") if "plan.json" in files else None
+        sources, tensors = {}, {}
+        for i in stages:
+            sm = manifest.stage(i)
+            sources[i] = check(sm.source, sm.source_sha256, "stage source")
+            tensors[i] = check(sm.weights, sm.weights_sha256, "stage weights")
+        return cls(where, manifest, None, plan, sources, tensors)
+
     def _model(self) -> CheckedFile:
         if self.model is None:
             raise BuildDirError(f"{self.build_dir}/manifest.json names no model file")
@@ -202,6 +230,8 @@ def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tens
     from safetensors.torch import load, load_file
 
     what = f"stage weights {checked.path.name}"
+    if checked.data is not None:  # held in memory (CheckedBuild.from_memory)
+        return _load_safetensors_bytes(checked.data, device, what)
     fd = _open_regular(checked.path, "stage weights")
     try:
         if _identity(os.fstat(fd)) != checked.identity:
@@ -222,17 +252,30 @@ def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tens
         os.close(fd)
 
 
+def _load_safetensors_bytes(data: bytes, device: str, what: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    _check_header_bytes(data[:8], lambda n: data[8:8 + n], len(data), what)
+    try:
+        return {k: v.to(device) for k, v in load(data).items()}
+    except Exception as exc:
+        raise BuildDirError(f"cannot read {what}: {type(exc).__name__}: {exc}; {_REBUILD}") from None
+
+
 def _check_header(fd: int, size: int, what: str) -> None:
+    _check_header_bytes(os.pread(fd, 8, 0), lambda n: os.pread(fd, n, 8), size, what)
+
+
+def _check_header_bytes(head: bytes, read: Callable[[int], bytes], size: int, what: str) -> None:
     """Refuse a safetensors file whose header is missing, larger than the file (or than 100 MiB), or not a JSON
     object of tensors lying inside the file."""
-    head = os.pread(fd, 8, 0)
     if len(head) < 8:
         raise BuildDirError(f"{what} has no safetensors header ({size} bytes); {_REBUILD}")
     n = int.from_bytes(head, "little")
     if n > min(size - 8, _MAX_HEADER):
         raise BuildDirError(f"{what}: its safetensors header claims {n} bytes, but the file has {size}; {_REBUILD}")
     try:
-        header = json.loads(os.pread(fd, n, 8))
+        header = json.loads(read(n))
     except (ValueError, UnicodeDecodeError) as exc:
         raise BuildDirError(f"{what}: its safetensors header is not valid JSON ({exc}); {_REBUILD}") from None
     if not isinstance(header, dict):
@@ -249,6 +292,7 @@ def _check_header(fd: int, size: int, what: str) -> None:
 
 
 def model_import_needed(manifest: Manifest, stages: Iterable[int]) -> bool:
-    """Whether any of ``stages`` imports user classes from the model file."""
-    return any(manifest.stage(i).imports_model_file for i in stages)
+    """Whether any of ``stages`` imports user classes from the build's model file (a build made
+    in-process from a module, with no model file, imports them from modules already loaded)."""
+    return bool(manifest.model_file) and any(manifest.stage(i).imports_model_file for i in stages)
 

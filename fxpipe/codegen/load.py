@@ -36,7 +36,7 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
     sm = build.manifest.stage(index)
     checked = build.source(index)
     assert checked.data is not None
-    if sm.imports_model_file:  # the stage runs classes from the model file: imported from its checked bytes
+    if model_import_needed(build.manifest, [index]):  # classes from the model file: imported from its checked bytes
         build.model_module()
     name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
     module = sys.modules.get(name)

@@ -182,15 +182,19 @@ class Manifest:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Manifest:
-        """Read ``DIR/manifest.json`` (or a manifest file path), refusing other schema versions
-        and malformed fields with one ``BuildDirError``."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "manifest.json"
-        if not path.is_file():
-            raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by `fxpipe partition`?")
-        what = f"manifest {path}"
-        data = load_json(path, what, BuildDirError)
+        """Read ``DIR/manifest.json`` (or a manifest file path, or its JSON text), refusing other
+        schema versions and malformed fields with one ``BuildDirError``."""
+        if isinstance(path, str) and path.lstrip().startswith("{"):
+            what, data = "manifest", load_json(path, "manifest", BuildDirError)
+        else:
+            path = Path(path)
+            if path.is_dir():
+                path = path / "manifest.json"
+            if not path.is_file():
+                raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by "
+                                    "`fxpipe partition`?")
+            what = f"manifest {path}"
+            data = load_json(path, what, BuildDirError)
         if "schema_version" not in data:
             raise BuildDirError(f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`")
         check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError,
