@@ -162,15 +162,29 @@ def _microbatching(batch_size: int | None, microbatches: int | None, stages: int
     return b, m
 
 
+def _write_artifact(out_arg: str, text: str) -> Path:
+    """Write ``text`` to ``--out`` whole or not at all; an unwritable path is one error line."""
+    from fxpipe.codegen.builddir import replace_file
+    from fxpipe.errors import ConfigError
+
+    out = Path(out_arg)
+    if out.is_dir():
+        raise ConfigError(f"--out {out_arg!r} is a directory; name a file, e.g. {str(out / 'out.json')!r}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_arg!r}: cannot create its folder: {exc.strerror or exc}") from None
+    replace_file(out, text + "\n")
+    return out
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from fxpipe.tracer import print_profile_table
 
     source = _load_source(args)
     traced = _trace(args, source, args.batch_size)
     _enter("writing the profile")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    traced.profile.to_json(out)
+    out = _write_artifact(args.out, traced.profile.to_json())
     _enter("printing the profile")
     console = _console()
     print_profile_table(traced.profile, console=console)
@@ -187,9 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = ModelProfile.from_json(args.profile)
     plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
     _enter("writing the plan")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plan.to_json(out)
+    out = _write_artifact(args.out, plan.to_json())
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, profile, console=console)
@@ -223,6 +235,8 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
 
     d = Path(build_dir)
     for name in ("plan.json", "profile.json"):
+        if (d / name).exists() and not (d / name).is_file():
+            raise BuildDirError(f"{d / name} is not a regular file; rebuild with `fxpipe partition`")
         if not (d / name).is_file():
             raise BuildDirError(f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first")
     return PartitionPlan.from_json(d / "plan.json"), ModelProfile.from_json(d / "profile.json")
@@ -246,6 +260,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from fxpipe.codegen import print_verify_report, verify_build
 
+    for option, value in (("--rtol", args.rtol), ("--atol", args.atol)):
+        if not (math.isfinite(value) and value >= 0):
+            from fxpipe.errors import ConfigError
+
+            raise ConfigError(f"{option} must be a finite number >= 0, got {value}")
     _enter("verifying")
     report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
     print_verify_report(report, console=_console())

@@ -43,7 +43,8 @@ def import_model_module(path: str | Path) -> ModuleType:
     """
     path = Path(path).resolve()
     if not path.is_file():
-        raise ModelFileError(f"model file {str(path)!r} does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ModelFileError(f"model file {str(path)!r} {what}")
     name = _module_name(path)
     if name in sys.modules:
         return sys.modules[name]

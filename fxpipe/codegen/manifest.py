@@ -107,6 +107,11 @@ class StageManifest:
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("source", "weights"):  # files of the build directory itself, never a path out of it
+            value = getattr(self, name)
+            if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
+                raise BuildDirError(f"stage {self.index}: {name} {value!r} is not a file name inside the build "
+                                    "directory")
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,8 @@ class Manifest:
             path = Path(path)
             if path.is_dir():
                 path = path / "manifest.json"
+            if path.exists() and not path.is_file():  # a FIFO or a device: never read (it could block)
+                raise BuildDirError(f"{str(path)!r} is not a regular file; rebuild with `fxpipe partition`")
             if not path.is_file():
                 raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by "
                                     "`fxpipe partition`?")
@@ -199,4 +206,7 @@ class Manifest:
             raise BuildDirError(f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`")
         check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError,
                              remedy="rebuild it with this fxpipe's `fxpipe partition`")
-        return read_dataclass(cls, data, what, BuildDirError)
+        manifest = read_dataclass(cls, data, what, BuildDirError)
+        if not manifest.stages:
+            raise BuildDirError(f"{what} lists no stages; rebuild it with `fxpipe partition`")
+        return manifest

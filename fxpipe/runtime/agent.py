@@ -6,7 +6,7 @@ This is PyTorch's own launcher (``torch.distributed.run``: its argument parser a
 - it dies with the ``fxpipe run`` process that started it, and its workers die with it
   (``fxpipe.runtime.lifeline``), so no rank outlives a killed launcher or agent;
 - a failed worker does not print torchrun's ``ChildFailedError`` traceback and summary:
-  each failure is one line ``fxpipe-agent: {"rank": R, "exitcode": C, "signal": NAME}``
+  each failure is one line ``fxpipe-agent: {"rank": R, "exitcode": C, "signal": NAME, "time": T}``
   on stderr, which the launcher reads back to say which rank died and how;
 - a termination signal (the launcher stopping the job) ends it quietly, and a worker that
   does not stop on ``SIGTERM`` is killed after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds
@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as exc:
         for rank, failure in sorted(exc.failures.items()):
             signal_name = failure.signal_name() if failure.exitcode < 0 else None
-            print(AGENT_PREFIX + json.dumps({"rank": rank, "exitcode": failure.exitcode, "signal": signal_name}),
-                  file=sys.stderr, flush=True)
+            print(AGENT_PREFIX + json.dumps({"rank": rank, "exitcode": failure.exitcode, "signal": signal_name,
+                                             "time": failure.timestamp}), file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:  # stopped by the launcher (or a user's signal): the workers are gone
         return 128 + int(exc.sigval)

@@ -40,6 +40,7 @@ from fxpipe.codegen.integrity import check_build
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.agent import AGENT_PREFIX
+from fxpipe.runtime.groups import pick_device
 from fxpipe.runtime.lifeline import PARENT_PID_ENV
 from fxpipe.runtime.options import RunOptions
 from fxpipe.runtime.record import RunRecord
@@ -128,6 +129,7 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     options = options or RunOptions()
     replicas = options.dp if options.dp is not None else 1
     options = replace(options, dp=replicas)  # checks the options that need 2+ replicas before any process starts
+    pick_device(options.device, 0)  # a device this machine does not have is refused here, not on every rank
     check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
     out = build_dir / "run.json"
     out.unlink(missing_ok=True)
@@ -225,7 +227,9 @@ def root_cause(lines: list[str], failures: list[dict[str, Any]], returncode: int
         rank, cls, text = real[0]
         return cls(_with_rank(rank, text))
     explained = {rank for rank, _, _ in parsed}
-    silent = [f for f in failures if f.get("rank") not in explained and f.get("signal") != "SIGTERM"]
+    # the first to fail; on a tie, not one that the agent's own SIGTERM may have ended
+    silent = sorted((f for f in failures if f.get("rank") not in explained),
+                    key=lambda f: (f.get("time") or 0, f.get("signal") == "SIGTERM"))
     if silent:
         return errors.PeerError(_death(silent[0]))
     if parsed:

@@ -29,7 +29,7 @@ import re
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -114,13 +114,38 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class _Writer:
+    """A file for ``torch.save`` that keeps the first ``OSError`` of a write (ENOSPC), which torch's
+    writer would otherwise turn into an unhelpful RuntimeError."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.out.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def write_pending(obj: Any, path: Path, token: str, pickle_protocol: int) -> Part:
     """``torch.save`` ``obj`` into the hidden temporary file of ``path``, on disk and hashed;
     an error removes it and propagates (``OSError`` for a full disk)."""
     tmp = _tmp(path, token)
     try:
         with open(tmp, "wb") as out:
-            torch.save(obj, out, pickle_protocol=pickle_protocol)
+            writer = _Writer(out)
+            try:
+                torch.save(obj, cast(BinaryIO, writer), pickle_protocol=pickle_protocol)
+            except RuntimeError:
+                if writer.error is not None:  # torch reports a failed write as "unexpected pos ..."
+                    raise writer.error from None
+                raise
             out.flush()
             os.fsync(out.fileno())
         sha, size = _sha256(tmp)

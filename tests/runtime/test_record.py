@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.codegen.manifest import Manifest
+from fxpipe.codegen.manifest import Manifest, StageManifest
 from fxpipe.errors import BuildDirError
 from fxpipe.modelfile import file_sha256
 from fxpipe.partitioner import plan_partition
@@ -48,7 +48,8 @@ def test_bad_run_json_is_refused() -> None:
 
 def test_the_build_plan_is_read_and_checked_before_training(tmp_path: Path) -> None:
     # which configurations the prediction applies to: tests/partitioner/test_plan_json.py
-    manifest = Manifest(model_file="", model_fn="", model_sha256="", stages=(), batch_size=2, microbatch_size=1)
+    stage = StageManifest(0, "Stage0", "stage_0.py", "stage_0.safetensors", "", "", (), ())
+    manifest = Manifest(model_file="", model_fn="", model_sha256="", stages=(stage,), batch_size=2, microbatch_size=1)
     manifest.to_json(tmp_path / "manifest.json")
     assert read_build_plan(tmp_path) is None  # a build without plan.json trains, with no prediction
     profile = ModelProfile(units=(Unit("a", "a", fwd_ms=1.0, bwd_ms=2.0), Unit("b", "b", fwd_ms=1.0, bwd_ms=2.0)),
