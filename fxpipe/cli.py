@@ -80,7 +80,6 @@ def _enter(phase: str) -> None:
     _PHASE[0] = phase
 
 
-
 def _console() -> Any:
     from rich.console import Console
 

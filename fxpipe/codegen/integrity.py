@@ -166,7 +166,7 @@ class CheckedBuild:
                 raise BuildDirError(f"{what} {name} is missing from the build")
             data = files[name]
             actual = hashlib.sha256(data).hexdigest()
-            if expected and actual != expected:
+            if actual != expected and (expected or what != "plan"):  # an older build records no plan hash
                 raise BuildDirError(f"{what} {name} has sha256 {actual[:12]}…, but manifest.json expects "
                                     f"{expected[:12]}…")
             return CheckedFile(where / name, actual, data, (0, 0, len(data), 0))
