@@ -1,19 +1,25 @@
 """The ``fxpipe`` command: a thin shell over the tracer, partitioner, codegen and runtime.
 
-Every verb maps to one public function; user errors (``FxpipeError``) print as a single
-``error: …`` line and exit 2 (``--debug`` shows the traceback).
+Every verb maps to one public function. Nothing a verb raises becomes a traceback
+(``--debug`` shows it): a user error (``FxpipeError``) prints as one ``error: …`` line and
+exits 2; anything else (a bug, ``sys.exit()`` in a model file) prints ``error: internal
+error while <phase>: <Type>: <message> (…)`` and exits 2, where the phase says what was
+running; Ctrl-C exits 130; a closed standard output (``fxpipe … | head``) ends the verb
+quietly with 141, as a process killed by ``SIGPIPE`` would.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
+from fxpipe.unexpected import internal_error_line, print_safely
 
 __all__ = ["main", "build_parser"]
 
@@ -67,6 +73,12 @@ def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
 
 # -- verbs ---------------------------------------------------------------------
 
+_PHASE = ["starting"]  # what the running verb is doing, for the one-line report of an unexpected error
+
+
+def _enter(phase: str) -> None:
+    _PHASE[0] = phase
+
 
 def _console() -> Any:
     from rich.console import Console
@@ -78,12 +90,14 @@ def _console() -> Any:
 def _load_source(args: argparse.Namespace) -> Any:
     from fxpipe.modelfile import load_model_file
 
+    _enter("loading the model file")
     return load_model_file(args.model_file, model_fn=args.model_fn, inputs_fn=args.inputs_fn)
 
 
 def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
     from fxpipe.tracer import trace_model_file
 
+    _enter("tracing")
     return trace_model_file(
         source, batch_size,
         frontend=args.frontend, leaves=tuple(args.leaf), measure_times=args.measure_times,
@@ -95,6 +109,7 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     from fxpipe.errors import ConfigError
     from fxpipe.partitioner import CostModel, parse_size, plan_partition
 
+    _enter("planning")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
                                  "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank}
     for option, value in (("--link-bandwidth", args.link_bandwidth), ("--link-latency", args.link_latency),
@@ -123,9 +138,17 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     )
 
 
+def _check_stages(stages: int) -> None:
+    from fxpipe.errors import PartitionError
+
+    if stages < 1:
+        raise PartitionError(f"--stages must be >= 1, got {stages}")
+
+
 def _microbatching(batch_size: int | None, microbatches: int | None, stages: int) -> tuple[int, int]:
     from fxpipe.errors import PartitionError
 
+    _check_stages(stages)
     m = stages if microbatches is None else microbatches
     if m < 1:
         raise PartitionError(f"--microbatches must be >= 1, got {m}")
@@ -138,14 +161,30 @@ def _microbatching(batch_size: int | None, microbatches: int | None, stages: int
     return b, m
 
 
+def _write_artifact(out_arg: str, text: str) -> Path:
+    """Write ``text`` to ``--out`` whole or not at all; an unwritable path is one error line."""
+    from fxpipe.codegen.builddir import replace_file
+    from fxpipe.errors import ConfigError
+
+    out = Path(out_arg)
+    if out.is_dir():
+        raise ConfigError(f"--out {out_arg!r} is a directory; name a file, e.g. {str(out / 'out.json')!r}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_arg!r}: cannot create its folder: {exc.strerror or exc}") from None
+    replace_file(out, text + "\n")
+    return out
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from fxpipe.tracer import print_profile_table
 
     source = _load_source(args)
     traced = _trace(args, source, args.batch_size)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    traced.profile.to_json(out)
+    _enter("writing the profile")
+    out = _write_artifact(args.out, traced.profile.to_json())
+    _enter("printing the profile")
     console = _console()
     print_profile_table(traced.profile, console=console)
     console.print(f"[green]wrote[/] {out} ({len(traced.profile.units)} units, frontend {traced.frontend})")
@@ -156,11 +195,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fxpipe.partitioner import print_plan_report
     from fxpipe.tracer.profile import ModelProfile
 
+    _check_stages(args.stages)
+    _enter("reading the profile")
     profile = ModelProfile.from_json(args.profile)
     plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plan.to_json(out)
+    _enter("writing the plan")
+    out = _write_artifact(args.out, plan.to_json())
+    _enter("printing the plan")
     console = _console()
     print_plan_report(plan, profile, console=console)
     console.print(f"[green]wrote[/] {out}")
@@ -177,7 +218,9 @@ def cmd_partition(args: argparse.Namespace) -> int:
     source = _load_source(args)
     traced = _trace(args, source, batch // micro)
     plan = _plan(args, traced.profile, micro)
+    _enter("emitting the build directory")
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro, check=not args.no_check)
+    _enter("printing the plan")
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
     console.print(f"[green]wrote[/] build directory {out}/ ({plan.num_stages} stages; open {out}/report.html)")
@@ -191,6 +234,8 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
 
     d = Path(build_dir)
     for name in ("plan.json", "profile.json"):
+        if (d / name).exists() and not (d / name).is_file():
+            raise BuildDirError(f"{d / name} is not a regular file; rebuild with `fxpipe partition`")
         if not (d / name).is_file():
             raise BuildDirError(f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first")
     return PartitionPlan.from_json(d / "plan.json"), ModelProfile.from_json(d / "profile.json")
@@ -200,7 +245,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     from fxpipe.codegen import write_report
     from fxpipe.partitioner import print_plan_report
 
+    _enter("reading the build directory")
     plan, profile = _load_plan_dir(args.build_dir)
+    _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
     if args.html:
@@ -212,6 +259,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from fxpipe.codegen import print_verify_report, verify_build
 
+    for option, value in (("--rtol", args.rtol), ("--atol", args.atol)):
+        if not (math.isfinite(value) and value >= 0):
+            from fxpipe.errors import ConfigError
+
+            raise ConfigError(f"{option} must be a finite number >= 0, got {value}")
+    _enter("verifying")
     report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
     print_verify_report(report, console=_console(), all_rows=args.all)
     return 0 if report.ok else 1
@@ -221,7 +274,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fxpipe.runtime.launch import run_build
     from fxpipe.runtime.options import run_options_from_args
 
-    run_build(args.build_dir, run_options_from_args(args))
+    _enter("launching")
+    run_build(args.build_dir, run_options_from_args(args), debug=args.debug)
     return 0
 
 
@@ -284,16 +338,36 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _enter(f"running `fxpipe {args.verb}`")
     try:
         return int(args.func(args) or 0)
     except FxpipeError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print_safely(f"error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print_safely("error: interrupted")
         return 130
+    except BrokenPipeError:
+        return _output_closed()
+    except BaseException as exc:  # a bug, or SystemExit from a model file: one line, never a traceback
+        if args.debug:
+            raise
+        print_safely(f"error: {internal_error_line(exc, _PHASE[0])}")
+        return 2
+
+
+def _output_closed() -> int:
+    """Standard output was closed by its reader (``fxpipe … | head``): stop without a word, and point
+    stdout at /dev/null so the interpreter's final flush cannot complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file (e.g. captured by a test)
+        pass
+    return 128 + 13  # as if killed by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from fxpipe.errors import ModelFileError
 if TYPE_CHECKING:
     from fxpipe.tracer.call import ModelInputs
 
-__all__ = ["ModelSource", "load_model_file", "import_model_module", "file_sha256"]
+__all__ = ["ModelSource", "load_model_file", "import_model_module", "import_model_bytes", "file_sha256"]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -38,6 +38,11 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def _module_name(path: Path) -> str:
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    return f"fxpipe_model_{path.stem}_{digest}"
+
+
 def import_model_module(path: str | Path) -> ModuleType:
     """Import a model file under a stable module name derived from its path.
 
@@ -46,22 +51,58 @@ def import_model_module(path: str | Path) -> ModuleType:
     """
     path = Path(path).resolve()
     if not path.is_file():
-        raise ModelFileError(f"model file {str(path)!r} does not exist")
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    name = f"fxpipe_model_{path.stem}_{digest}"
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ModelFileError(f"model file {str(path)!r} {what}")
+    name = _module_name(path)
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
+    if path.suffix != ".py":
         raise ModelFileError(f"cannot import {str(path)!r}: not a Python file")
+    return _execute(path, name, path.read_bytes())
+
+
+def import_model_bytes(path: str | Path, data: bytes) -> ModuleType:
+    """The model file ``path`` imported from ``data``, bytes already checked against a build's
+    manifest, under the name ``import_model_module`` gives it (so a stage file's import finds it).
+
+    A module of that name imported from other bytes (the file changed since) is replaced:
+    what runs is exactly what was checked, and the file is never read again.
+    """
+    path = Path(path).resolve()
+    name = _module_name(path)
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest():
+        return module
+    return _execute(path, name, data)
+
+
+def _execute(path: Path, name: str, data: bytes) -> ModuleType:
+    """Run ``data`` (the source of ``path``) as module ``name``; failures, ``sys.exit()`` included,
+    are one ModelFileError."""
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+    assert spec is not None
     module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(path)
+    module.__fxpipe_sha256__ = hashlib.sha256(data).hexdigest()  # type: ignore[attr-defined]
+    previous = sys.modules.get(name)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ModelFileError(f"importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
+        exec(compile(data, str(path), "exec"), module.__dict__)  # noqa: S102 - the user's own model file
+    except BaseException as exc:
+        if previous is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = previous
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ModelFileError(f"importing {path.name} failed: {_describe(exc)}") from exc
     return module
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}); a model file must define functions, not end the program"
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -77,7 +118,8 @@ class ModelSource:
 
     @property
     def sha256(self) -> str:
-        return file_sha256(self.path)
+        """The sha256 of the bytes the module was imported from (of the file now, if unknown)."""
+        return getattr(self.module, "__fxpipe_sha256__", None) or file_sha256(self.path)
 
     def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self.module, name, None)
@@ -85,8 +127,8 @@ class ModelSource:
             raise ModelFileError(f"{self.path.name} defines no function {name}()")
         try:
             return fn(*args)
-        except Exception as exc:
-            raise ModelFileError(f"{self.path.name}:{name}() raised {type(exc).__name__}: {exc}") from exc
+        except (Exception, SystemExit) as exc:
+            raise ModelFileError(f"{self.path.name}:{name}() raised {_describe(exc)}") from exc
 
     def build_model(self) -> Any:
         import torch.nn as nn
@@ -135,8 +177,12 @@ class ModelSource:
         return fn
 
 
-def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: str | None = None) -> ModelSource:
-    """Load ``path.py`` or ``path.py:model_fn`` and check that its functions exist."""
+def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: str | None = None, *,
+                    data: bytes | None = None) -> ModelSource:
+    """Load ``path.py`` or ``path.py:model_fn`` and check that its functions exist.
+
+    ``data``: the file's bytes, already checked (``import_model_bytes``); the file is not read.
+    """
     text = str(spec)
     inline_fn = None
     if ":" in text and not Path(text).is_file():
@@ -146,7 +192,7 @@ def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: st
         raise ModelFileError(f"model file {text!r} must be a .py file")
     source = ModelSource(
         path=path.resolve(),
-        module=import_model_module(path),
+        module=import_model_module(path) if data is None else import_model_bytes(path, data),
         model_fn=model_fn or inline_fn or "build_model",
         inputs_fn=inputs_fn or "example_inputs",
     )

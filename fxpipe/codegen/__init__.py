@@ -7,6 +7,7 @@
 
 from fxpipe.codegen.build import emit_build, write_build_dir, write_report
 from fxpipe.codegen.builddir import check_build_target
+from fxpipe.codegen.integrity import CheckedBuild, check_build
 from fxpipe.codegen.load import load_stage, read_manifest
 from fxpipe.codegen.pipeline import Pipeline, load_pipeline
 from fxpipe.codegen.manifest import INPUT, MANIFEST_SCHEMA_VERSION, BoundaryTensor, Manifest, StageManifest, Tie
@@ -15,7 +16,7 @@ from fxpipe.codegen.verify import VerifyReport, print_verify_report, verify_buil
 
 __all__ = [
     "INPUT", "MANIFEST_SCHEMA_VERSION",
-    "BoundaryTensor", "Manifest", "Pipeline", "SplitGraph", "StageGraph", "StageManifest", "Tie", "VerifyReport",
-    "check_build_target", "emit_build", "load_pipeline", "load_stage", "print_verify_report", "read_manifest",
+    "BoundaryTensor", "CheckedBuild", "Manifest", "Pipeline", "SplitGraph", "StageGraph", "StageManifest", "Tie", "VerifyReport",
+    "check_build", "check_build_target", "emit_build", "load_pipeline", "load_stage", "print_verify_report", "read_manifest",
     "split_graph", "verify_build", "write_build_dir", "write_report",
 ]

@@ -11,6 +11,7 @@ as it was, and a new build leaves no stale file of the old one.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -23,7 +24,7 @@ from fxpipe.codegen.builddir import replace_file, staged_build_dir
 from fxpipe.codegen.emit import emit_stage
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.outputs import dump_output_spec
-from fxpipe.codegen.safety import check_build
+from fxpipe.codegen.safety import check_equivalence
 from fxpipe.codegen.split import SplitGraph, split_graph
 from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
@@ -72,10 +73,12 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                                       frontend=traced.frontend, units_of_stage=units_of_stage,
                                       call=traced.call)
         plan.to_json(staging / "plan.json")
+        manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
+        manifest.to_json(staging / "manifest.json")
         traced.profile.to_json(staging / "profile.json")
         (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
         if check:  # before the swap: a refused build leaves the previous one in place
-            check_build(staging, manifest, traced, split.sources)
+            check_equivalence(staging, manifest, traced, split.sources)
     return manifest
 
 

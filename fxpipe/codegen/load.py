@@ -1,17 +1,17 @@
 """Load one stage of a build directory (``load_stage``); ``fxpipe.codegen.pipeline`` chains them all.
 
-Note [loading safely and lightly]: ``load_stage`` checks the sha256 of the stage's
-source and weights against ``manifest.json`` before importing anything, and executes
-the very bytes it hashed (never re-reading the file). It builds the module on the
-meta device and then loads the weights file with ``load_state_dict(assign=True)``,
-so no memory is spent on initial values and a rank's peak is about its own stage's
-tensors. (The weights file is hashed, then read; a file swapped in between is not
-caught, which is acceptable for files the user controls.)
+Note [loading safely and lightly]: ``load_stage`` checks the sha256 of every file the
+stage needs (its source and weights, and the model file when the stage imports classes
+from it) against ``manifest.json`` before importing or reading any of them (Note [check
+before use] in ``fxpipe.codegen.integrity``), and executes the very bytes it hashed
+(never re-reading the file); the model file is imported from its checked bytes too. It
+builds the module on the meta device and then loads the weights file with
+``load_state_dict(assign=True)``, so no memory is spent on initial values and a rank's
+peak is about its own stage's tensors.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxpipe.codegen.manifest import Manifest, StageManifest
+from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
+from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import BuildDirError
-from fxpipe.modelfile import file_sha256
 
-__all__ = ["load_stage", "read_manifest"]
+__all__ = ["load_stage", "load_checked_stage", "read_manifest"]
 
 
 def read_manifest(build_dir: str | Path) -> Manifest:
@@ -32,43 +32,21 @@ def read_manifest(build_dir: str | Path) -> Manifest:
     return Manifest.from_json(Path(build_dir))
 
 
-def _checked_bytes(path: Path, expected: str, what: str) -> bytes:
-    """The file's bytes, refused unless their sha256 is the manifest's (the bytes that were
-    checked are the bytes used, so the file cannot change in between)."""
-    if not path.is_file():
-        raise BuildDirError(f"{what} {str(path)!r} is missing; rebuild the directory with `fxpipe partition`")
-    data = path.read_bytes()
-    _require_hash(path, hashlib.sha256(data).hexdigest(), expected, what)
-    return data
-
-
-def _check_file(path: Path, expected: str, what: str) -> None:
-    """Refuse a file whose sha256 is not the manifest's (hashed as a stream: weights are large)."""
-    if not path.is_file():
-        raise BuildDirError(f"{what} {str(path)!r} is missing; rebuild the directory with `fxpipe partition`")
-    _require_hash(path, file_sha256(path), expected, what)
-
-
-def _require_hash(path: Path, actual: str, expected: str, what: str) -> None:
-    if actual != expected:
-        raise BuildDirError(f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
-                            f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
-
-
-def _stage_class(build_dir: Path, manifest: Manifest, sm: StageManifest) -> type[nn.Module]:
-    path = build_dir / sm.source
-    code = _checked_bytes(path, sm.source_sha256, "stage source")
-    _check_file(build_dir / sm.weights, sm.weights_sha256, "stage weights")
-    if sm.imports_model_file and manifest.model_sha256:  # the stage runs classes from the model file
-        _check_file(manifest.model_path(build_dir), manifest.model_sha256, "model file")
+def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
+    sm = build.manifest.stage(index)
+    checked = build.source(index)
+    assert checked.data is not None
+    if model_import_needed(build.manifest, [index]):  # classes from the model file: imported from its checked bytes
+        build.model_module()
     name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
     module = sys.modules.get(name)
     if module is None:
+        path = checked.path
         spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         module.__file__ = str(path)
-        exec(compile(code, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked generated code
+        exec(compile(checked.data, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked generated code
         sys.modules[name] = module
     cls = getattr(module, sm.class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
@@ -103,15 +81,20 @@ def load_stage(build_dir: str | Path, index: int, device: str | torch.device = "
         stage = load_stage("build", 1, device="cuda:1")
         outputs = stage(*inputs)   # inputs in manifest.stages[1].inputs order
     """
-    from safetensors.torch import load_file
-
-    build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
-    sm = manifest.stage(index)
-    cls = _stage_class(build_dir, manifest, sm)
+    manifest.stage(index)
+    build = check_build(build_dir, [index], model=model_import_needed(manifest, [index]), plan=False,
+                        manifest=manifest)
+    return load_checked_stage(build, index, device)
+
+
+def load_checked_stage(build: CheckedBuild, index: int, device: str | torch.device = "cpu") -> nn.Module:
+    """``load_stage`` on files ``check_build`` has checked (stage ``index``'s source and weights among them)."""
+    sm = build.manifest.stage(index)
+    cls = _stage_class(build, index)
     with torch.device("meta"):
         module = cls()
-    tensors = load_file(str(build_dir / sm.weights), device=str(device))
+    tensors = build.load_weights(index, device)
     persistent = set(module.state_dict(keep_vars=True))
     result = module.load_state_dict({k: v for k, v in tensors.items() if k in persistent}, strict=False, assign=True)
     for key in set(tensors) - persistent:

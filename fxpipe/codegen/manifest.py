@@ -108,6 +108,11 @@ class StageManifest:
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("source", "weights"):  # files of the build directory itself, never a path out of it
+            value = getattr(self, name)
+            if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
+                raise BuildDirError(f"stage {self.index}: {name} {value!r} is not a file name inside the build "
+                                    "directory")
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,8 @@ class Manifest:
 
     ``microbatches`` is the number of microbatches per step the build was planned for
     (0 when constructed without one: ``batch_size // microbatch_size`` is filled in),
-    ``training`` the mode the model was traced in, ``torch_version`` the torch that built it.
+    ``training`` the mode the model was traced in, ``torch_version`` the torch that built it,
+    ``plan_sha256`` the hash of ``plan.json`` (Note [check before use] in ``fxpipe.codegen.integrity``).
     ``call`` says how a call of the model binds to ``inputs`` (Note [the traced call] in
     ``fxpipe.tracer.call``; ``None``: positionally, in order: see ``call_spec``);
     ``output_modules`` are the modules to import before reading ``output_spec`` (Note
@@ -154,6 +160,7 @@ class Manifest:
     torch_version: str = ""
     call: CallSpec | None = None
     output_modules: tuple[str, ...] = ()
+    plan_sha256: str = ""  # of plan.json ("" in builds without one, and in builds written before it was recorded)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -196,17 +203,26 @@ class Manifest:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Manifest:
-        """Read ``DIR/manifest.json`` (or a manifest file path), refusing other schema versions
-        and malformed fields with one ``BuildDirError``."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "manifest.json"
-        if not path.is_file():
-            raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by `fxpipe partition`?")
-        what = f"manifest {path}"
-        data = load_json(path, what, BuildDirError)
+        """Read ``DIR/manifest.json`` (or a manifest file path, or its JSON text), refusing other
+        schema versions and malformed fields with one ``BuildDirError``."""
+        if isinstance(path, str) and path.lstrip().startswith("{"):
+            what, data = "manifest", load_json(path, "manifest", BuildDirError)
+        else:
+            path = Path(path)
+            if path.is_dir():
+                path = path / "manifest.json"
+            if path.exists() and not path.is_file():  # a FIFO or a device: never read (it could block)
+                raise BuildDirError(f"{str(path)!r} is not a regular file; rebuild with `fxpipe partition`")
+            if not path.is_file():
+                raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by "
+                                    "`fxpipe partition`?")
+            what = f"manifest {path}"
+            data = load_json(path, what, BuildDirError)
         if "schema_version" not in data:
             raise BuildDirError(f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`")
         check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError,
                              remedy="rebuild it with this fxpipe's `fxpipe partition`")
-        return read_dataclass(cls, data, what, BuildDirError)
+        manifest = read_dataclass(cls, data, what, BuildDirError)
+        if not manifest.stages:
+            raise BuildDirError(f"{what} lists no stages; rebuild it with `fxpipe partition`")
+        return manifest

@@ -17,12 +17,15 @@ import functools
 import importlib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.utils._pytree as pytree
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import BuildDirError
+
+if TYPE_CHECKING:
+    from fxpipe.codegen.integrity import CheckedBuild
 
 __all__ = ["dump_output_spec", "load_output_spec", "rebuild_output"]
 
@@ -66,10 +69,12 @@ def _loads(text: str, modules: tuple[str, ...]) -> pytree.TreeSpec:
     return pytree.treespec_loads(text)
 
 
-def load_output_spec(manifest: Manifest, build_dir: str | Path | None = None) -> pytree.TreeSpec | None:
+def load_output_spec(manifest: Manifest, build_dir: str | Path | None = None,
+                     build: CheckedBuild | None = None) -> pytree.TreeSpec | None:
     """The manifest's output spec (``None``: the build returns a flat tuple), after importing the
-    modules that register its containers (see the Note); with ``build_dir``, the model file too
-    when that is still needed."""
+    modules that register its containers (see the Note); with ``build_dir`` (or an already
+    checked ``build``), the model file too when that is still needed, imported from its checked
+    bytes (Note [check before use] in ``fxpipe.codegen.integrity``)."""
     if manifest.output_spec is None:
         return None
     try:
@@ -77,12 +82,15 @@ def load_output_spec(manifest: Manifest, build_dir: str | Path | None = None) ->
     except BuildDirError:
         raise
     except Exception as first:  # noqa: BLE001 - a container registered by the model file itself
-        if build_dir is None or not manifest.model_file:
+        if (build is None and build_dir is None) or not manifest.model_file:
             raise BuildDirError(f"cannot rebuild the model's output structure from manifest.json: {first}; import "
                                 "the module that defines its container type first") from first
-        from fxpipe.modelfile import import_model_module
+        if build is None or build.model is None:
+            from fxpipe.codegen.integrity import check_build
 
-        import_model_module(manifest.model_path(build_dir))
+            where = build_dir if build_dir is not None else build.build_dir  # type: ignore[union-attr]
+            build = check_build(where, [], plan=False, weights=False, manifest=manifest)
+        build.model_module()
         try:
             return _loads(manifest.output_spec, manifest.output_modules)
         except Exception as exc:  # noqa: BLE001 - reported with the build's context

@@ -1,7 +1,8 @@
 """``load_pipeline``: every stage of a build directory chained in one process, called like the original model.
 
-The stages come from ``fxpipe.codegen.load.load_stage`` (hash-checked, meta-device
-construction); tied parameters are made one Parameter shared by the stages that use
+Every file the stages need is checked against the manifest first (Note [check before
+use] in ``fxpipe.codegen.integrity``); the stages are built as ``load_stage`` builds them
+(meta-device construction); tied parameters are made one Parameter shared by the stages that use
 them, so gradients equal the original model's.
 """
 
@@ -14,11 +15,12 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
-from fxpipe.codegen.load import _set_tensor, _tie_weights, load_stage, read_manifest
+from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
+from fxpipe.codegen.load import _set_tensor, _tie_weights, load_checked_stage, read_manifest
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.codegen.outputs import load_output_spec
 
-__all__ = ["Pipeline", "load_pipeline"]
+__all__ = ["Pipeline", "load_pipeline", "load_checked_pipeline"]
 
 
 class Pipeline(nn.Module):
@@ -32,12 +34,13 @@ class Pipeline(nn.Module):
     Parameter object shared by the stages that use them, so gradients equal the original model's.
     """
 
-    def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".") -> None:
+    def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".",
+                 build: CheckedBuild | None = None) -> None:
         super().__init__()
         self.manifest = manifest
         self.stages = nn.ModuleList(stages)
         self.call = manifest.call_spec
-        self._spec = load_output_spec(manifest, Path(build_dir))
+        self._spec = load_output_spec(manifest, Path(build_dir), build)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         m = self.manifest
@@ -68,10 +71,18 @@ def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> 
         loss = load_pipeline("hf_build")(input_ids=ids, attention_mask=mask, labels=ids).loss
     """
     manifest = read_manifest(build_dir)
-    stages = [load_stage(build_dir, i, device) for i in range(manifest.num_stages)]
+    build = check_build(build_dir, plan=False, model=model_import_needed(manifest, range(manifest.num_stages)),
+                        manifest=manifest)
+    return load_checked_pipeline(build, device)
+
+
+def load_checked_pipeline(build: CheckedBuild, device: str | torch.device = "cpu") -> Pipeline:
+    """``load_pipeline`` on files ``check_build`` has checked (every stage's)."""
+    manifest = build.manifest
+    stages = [load_checked_stage(build, i, device) for i in range(manifest.num_stages)]
     for tie in manifest.ties:
         shared = stages[tie.stages[0]].get_parameter(tie.keys[0])
         for s, key in zip(tie.stages[1:], tie.keys[1:]):
             _set_tensor(stages[s], key, shared)
             _tie_weights(stages[s])
-    return Pipeline(manifest, stages, build_dir)
+    return Pipeline(manifest, stages, build.build_dir, build)

@@ -32,13 +32,13 @@ from fxpipe.errors import EquivalenceError
 from fxpipe.tracer.modes import modes_restored, run_in_mode
 from fxpipe.tracer.traced import TracedModel
 
-__all__ = ["check_build"]
+__all__ = ["check_equivalence"]
 
 _SEED = 0
 _SKIP = "the build was not written (--no-check / check=False writes it unchecked)"
 
 
-def check_build(build_dir: Path, manifest: Manifest, traced: TracedModel, sources: Mapping[str, str]) -> None:
+def check_equivalence(build_dir: Path, manifest: Manifest, traced: TracedModel, sources: Mapping[str, str]) -> None:
     """Refuse the build in ``build_dir`` unless its stages equal ``traced.model`` in both modes (Note [safety net]).
 
     ``sources`` maps each boundary tensor's name to the traced node that computes it

@@ -19,10 +19,11 @@ import torch
 import torch.nn as nn
 
 from fxpipe.codegen.equivalence import ModeComparison, TensorError, compare_in_mode, probe_loss, rows_by_error
+from fxpipe.codegen.integrity import CheckedBuild, check_build
 from fxpipe.codegen.load import read_manifest
-from fxpipe.codegen.pipeline import load_pipeline
+from fxpipe.codegen.pipeline import load_checked_pipeline
 from fxpipe.errors import BuildDirError, ModelFileError
-from fxpipe.modelfile import load_model_file
+from fxpipe.modelfile import ModelSource
 
 __all__ = ["VerifyReport", "TensorError", "verify_build", "print_verify_report"]
 
@@ -59,13 +60,21 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _load_reference(manifest: Any, build_dir: Path, source: Any) -> nn.Module:
-    from safetensors.torch import load_file
+def _checked_build(build_dir: Path) -> tuple[CheckedBuild, ModelSource]:
+    """Every file of the build checked against its manifest (Note [check before use] in
+    ``fxpipe.codegen.integrity``), and the model file imported from its checked bytes."""
+    manifest = read_manifest(build_dir)
+    if not manifest.model_file:
+        raise BuildDirError(f"{build_dir} records no model file, so there is no original model to compare with")
+    build = check_build(build_dir, plan=False, manifest=manifest)
+    return build, build.model_source()
 
+
+def _load_reference(build: CheckedBuild, source: ModelSource) -> nn.Module:
     model = source.build_model()
     state = model.state_dict(keep_vars=True)
-    for sm in manifest.stages:
-        for key, value in load_file(str(build_dir / sm.weights)).items():
+    for sm in build.manifest.stages:
+        for key, value in build.load_weights(sm.index).items():
             if key in state:
                 with torch.no_grad():
                     state[key].copy_(value)
@@ -105,16 +114,10 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
         report = verify_build("build")
         print(report.summary()); assert report.ok
     """
-    build_dir = Path(build_dir)
-    manifest = read_manifest(build_dir)
-    if not manifest.model_file:
-        raise BuildDirError(f"{build_dir} records no model file, so there is no original model to compare with")
-    source = load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn, inputs_fn=manifest.inputs_fn)
-    if manifest.model_sha256 and source.sha256 != manifest.model_sha256:
-        raise BuildDirError(f"{manifest.model_path(build_dir)} changed since {build_dir} was built (sha256 differs); "
-                            "rebuild with `fxpipe partition`")
-    reference = _load_reference(manifest, build_dir, source)
-    pipeline = load_pipeline(build_dir)
+    build, source = _checked_build(Path(build_dir))
+    manifest = build.manifest
+    reference = _load_reference(build, source)
+    pipeline = load_checked_pipeline(build)
     call = source.example_call(manifest.batch_size)
     loss, loss_name = _loss(source, manifest.batch_size)
     modes = tuple(compare_in_mode(reference, pipeline, list(pipeline.stages), call, training=training,

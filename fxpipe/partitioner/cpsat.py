@@ -12,6 +12,14 @@ only bounds these from below, which is exact at the optimum since they only add 
 Times are floored to integers of 10 ns, so the proven bound is a valid
 lower bound for the float cost model; memory is in bytes. The bottleneck ``T`` bounds
 every stage's time and is minimised; the DP (or best heuristic) answer is the hint.
+
+Note [CP-SAT time budget]: ``time_limit`` bounds the whole call, model building included:
+building a large model in Python takes seconds, so it checks the clock per unit, tensor
+and stage and gives up (keeping the hint) once the budget is spent; the solver gets what
+is left. CP-SAT checks its own limit in deterministic time during parts of its presolve,
+which can run several times longer in wall time than their deterministic estimate on a
+busy machine; the costliest of them on these models (turning clauses into exactly-one
+constraints, seconds on a 1000-unit model) is switched off.
 """
 
 from __future__ import annotations
@@ -33,11 +41,16 @@ __all__ = ["solve_dag_cpsat", "SCALE"]
 SCALE = 100_000  # integer time units per millisecond (10 ns)
 
 
+class _OutOfTime(Exception):
+    """Building the model used up the time budget (Note [CP-SAT time budget])."""
+
+
 class _Model:
     """The CP-SAT variables and per-stage time/memory expressions of one problem."""
 
-    def __init__(self, problem: PartitionProblem, with_memory: bool) -> None:
+    def __init__(self, problem: PartitionProblem, with_memory: bool, deadline: float = math.inf) -> None:
         self.p = problem
+        self.deadline = deadline
         self.m = cp_model.CpModel()
         n, S = problem.num_units, problem.num_stages
         self.lo, self.hi = stage_ranges(problem)
@@ -45,6 +58,7 @@ class _Model:
         # ge[u][s] for s in 0..S; ge[u][0] == 1 and ge[u][S] == 0 are constants.
         self.ge: list[list[Any]] = []
         for u in range(n):
+            self._tick()
             row: list[Any] = [1]
             for s in range(1, S):
                 if s <= self.lo[u]:
@@ -59,6 +73,7 @@ class _Model:
                 if not isinstance(row[s], int) and not isinstance(row[s - 1], int):
                     m.add_implication(row[s], row[s - 1])
         for t in problem.tensors:
+            self._tick()
             for c in t.consumers:
                 self._not_later(t.producer, c)
         for a, b in zip(problem.random_units, problem.random_units[1:]):  # Note [random order] in problem.py
@@ -69,6 +84,7 @@ class _Model:
         speeds = problem.speeds
         self.time: list[Any] = []
         for s in range(S):
+            self._tick()
             expr = sum(math.floor((problem.fwd_ms[u] + problem.bwd_ms[u]) / speeds[s] * SCALE) * self.on(u, s)
                        for u in range(n) if self.lo[u] <= s <= self.hi[u])
             for t, ms in zip(problem.tensors, self.msg):
@@ -78,6 +94,10 @@ class _Model:
                     expr += ms * self.w[id(t)][s]
             self.time.append(expr)
         self.memory: list[Any] = self._memory() if with_memory else []
+
+    def _tick(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise _OutOfTime
 
     def _not_later(self, u: int, v: int) -> None:
         """stage(u) <= stage(v): ``ge[u][s] => ge[v][s]`` for every stage s (constants folded)."""
@@ -105,6 +125,7 @@ class _Model:
         self.recv: dict[int, dict[int, Any]] = {}
         self.w: dict[int, dict[int, Any]] = {}
         for t in p.tensors:
+            self._tick()
             pr = t.producer
             recv: dict[int, Any] = {}
             for s in range(1, S):
@@ -134,6 +155,7 @@ class _Model:
                 users.setdefault(q, []).append(u)
         out = []
         for s in range(S):
+            self._tick()
             k = p.in_flight(s)
             expr = sum((p.buffer_bytes[u] + k * p.activation_bytes[u]) * self.on(u, s)
                        for u in range(p.num_units) if self.lo[u] <= s <= self.hi[u])
@@ -177,7 +199,17 @@ def _solver(time_limit: float, workers: int) -> cp_model.CpSolver:
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
     solver.parameters.num_workers = max(1, int(workers))
     solver.parameters.random_seed = 0
+    solver.parameters.find_clauses_that_are_exactly_one = False  # Note [CP-SAT time budget]
     return solver
+
+
+def _kept_hint(problem: PartitionProblem, hint: Sequence[int] | None, time_limit: float, start: float,
+               why: str) -> Solution:
+    if hint is None:
+        raise PartitionError(f"CP-SAT found no assignment within {time_limit:.3g} s ({why}); raise the time limit "
+                             "or use solver='dp'")
+    return Solution(assignment=tuple(hint), solver="cpsat", seconds=time.perf_counter() - start,
+                    status=f"{why} within {time_limit:.3g} s; kept the hint")
 
 
 def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = None, time_limit: float = 10.0,
@@ -187,13 +219,18 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
 
     Honours pins and ``problem.memory_limit``; ``hint`` (e.g. the DP's answer) warm-starts
     the search. With ``optimize="memory"`` a second solve minimises peak stage memory
-    among assignments within ``1 + slack`` of the best bottleneck found. Raises
-    ``InfeasibleError`` when CP-SAT proves no assignment fits, ``PartitionError`` when it
-    finds none in ``time_limit`` seconds and no hint was given.
+    among assignments within ``1 + slack`` of the best bottleneck found. ``time_limit``
+    bounds the whole call (Note [CP-SAT time budget]). Raises ``InfeasibleError`` when
+    CP-SAT proves no assignment fits, ``PartitionError`` when it finds none in
+    ``time_limit`` seconds and no hint was given.
     """
     start = time.perf_counter()
+    deadline = start + time_limit
     with_memory = problem.memory_limit is not None or optimize == "memory"
-    model = _Model(problem, with_memory)
+    try:
+        model = _Model(problem, with_memory, deadline)
+    except _OutOfTime:
+        return _kept_hint(problem, hint, time_limit, start, "the CP-SAT model was not built")
     m = model.m
     horizon = sum(math.floor((f + b) / min(problem.speeds) * SCALE) for f, b in zip(problem.fwd_ms, problem.bwd_ms))
     horizon += 2 * sum(model.msg) * problem.num_stages + 1
@@ -208,8 +245,10 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
         hint_ms = evaluate(problem, hint).bottleneck_ms
         m.add_hint(T, min(horizon, math.floor(hint_ms * SCALE)))
     m.minimize(T)
-    budget = time_limit if optimize == "speed" else time_limit / 2
-    solver = _solver(budget, workers)
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return _kept_hint(problem, hint, time_limit, start, "no time was left to solve")
+    solver = _solver(left if optimize == "speed" else left / 2, workers)
     status = solver.solve(m)
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(
@@ -217,16 +256,12 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
             f"memory limit of {problem.memory_limit} bytes; raise the limit, add stages or drop pins"
         )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if hint is None:
-            raise PartitionError(
-                f"CP-SAT found no assignment within {time_limit:g} s; raise the time limit or use solver='dp'")
-        return Solution(assignment=tuple(hint), solver="cpsat", seconds=time.perf_counter() - start,
-                        status=f"no solution within {time_limit:g} s; kept the hint")
+        return _kept_hint(problem, hint, time_limit, start, "no solution")
     optimal = status == cp_model.OPTIMAL
     bound = solver.best_objective_bound / SCALE
     assignment = model.assignment(solver)
     note = "proven optimal" if optimal else f"time limit reached; bound {bound:.4g} ms"
-    if optimize == "memory":
+    if optimize == "memory" and deadline - time.perf_counter() > 0.05:
         best = int(solver.value(T))
         m.add(T <= math.floor(best * (1 + slack)))
         peak = m.new_int_var(0, problem.memory_limit or 1 << 60, "peak_memory")
@@ -235,7 +270,7 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
         m.clear_hints()
         model.hint(assignment)
         m.minimize(peak)
-        second = _solver(time_limit / 2, workers)
+        second = _solver(deadline - time.perf_counter(), workers)
         if second.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             assignment = model.assignment(second)
             note += f"; then least peak memory within {slack:.0%} of that bottleneck"

@@ -37,6 +37,8 @@ CPSAT_MAX_VARIABLES = 200_000  # auto skips CP-SAT above units x stages x (1 + t
 _MEMORY_SLACK = 0.01           # optimize="memory" may give up 1% of speed
 _TIE_REL = 1e-9                # bottlenecks this close (relative) are equal; the predicted step decides
 _BOUND_TOL = 1e-6              # a lower bound may exceed the plan's bottleneck by float noise only
+_PRICING_SHARE = 0.1           # of the time limit, kept for pricing the plan after CP-SAT
+_MIN_CPSAT_S = 0.05            # less than this left: auto skips CP-SAT
 
 
 def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "auto", schedule: str = "1f1b",
@@ -45,10 +47,12 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     """Split ``profile``'s units into ``num_stages`` pipeline stages.
 
     ``solver``: ``auto`` (exact DP on contiguous splits, then CP-SAT over the DAG when the
-    graph branches or the memory limit binds, within ``time_limit`` seconds; the better
-    plan wins), ``dp``, ``cpsat``, or a baseline (``uniform``, ``params``, ``greedy``).
+    graph branches or the memory limit binds; the better plan wins), ``dp``, ``cpsat``, or a baseline (``uniform``, ``params``, ``greedy``).
     ``optimize="memory"`` minimises peak stage memory among plans within 1% of the best
     bottleneck. The baselines are always evaluated and reported beside the plan.
+    ``time_limit`` bounds the whole call: CP-SAT gets what the steps before it left (Note
+    [CP-SAT time budget] in ``fxpipe.partitioner.cpsat``); the exact DP and the baselines,
+    which every plan needs, always run to the end.
 
     >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
     >>> plan.stage_of("blocks.3"), plan.bottleneck_ms, plan.gap                             # doctest: +SKIP
@@ -65,7 +69,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     stage_ranges(problem)  # contradictory pins fail here, before any solver runs
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
-    chosen = _solve(problem, solver, baselines, bound, time_limit, optimize)
+    chosen = _solve(problem, solver, baselines, bound, start + time_limit, time_limit, optimize)
     if solver not in BASELINES:
         runtime = RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"])
 
@@ -89,7 +93,9 @@ def _feasible(problem: PartitionProblem, sol: Solution) -> bool:
 
 
 def _solve(problem: PartitionProblem, solver: str, baselines: dict[str, Solution], bound: float,
-           time_limit: float, optimize: str) -> Solution:
+           deadline: float, time_limit: float, optimize: str) -> Solution:
+    """The solver's plan; CP-SAT gets what is left of ``time_limit`` (which started at ``deadline -
+    time_limit``) after the DP, less a tenth kept for pricing the plan (Note [CP-SAT time budget])."""
     if solver in BASELINES:
         sol = baselines[solver]
         bad = assignment_violations(problem, sol.assignment)
@@ -110,9 +116,12 @@ def _solve(problem: PartitionProblem, solver: str, baselines: dict[str, Solution
         return dp
     hints = [s for s in [dp, *baselines.values()] if s is not None and _feasible(problem, s)]
     hint = min(hints, key=lambda s: _key(problem, s)) if hints else None
-    remaining = max(0.5, time_limit - (dp.seconds if dp else 0.0))
+    remaining = deadline - time.perf_counter() - _PRICING_SHARE * time_limit
+    if remaining < _MIN_CPSAT_S and hint is not None and solver == "auto":
+        best = dp if dp is not None else hint
+        return replace(best, status=f"{best.status}; no time left for CP-SAT within the {time_limit:g} s limit")
     try:
-        cp = solve_dag_cpsat(problem, hint=hint.assignment if hint else None, time_limit=remaining,
+        cp = solve_dag_cpsat(problem, hint=hint.assignment if hint else None, time_limit=max(remaining, _MIN_CPSAT_S),
                              optimize=optimize, slack=_MEMORY_SLACK, lower_bound_ms=bound)
     except InfeasibleError:
         if dp_error is not None:

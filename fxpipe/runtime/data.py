@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from fxpipe.codegen.integrity import check_build
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ModelFileError
-from fxpipe.modelfile import ModelSource, load_model_file
+from fxpipe.modelfile import ModelSource
 
 __all__ = ["model_source", "example_batch", "replica_batch", "target_batch_dims"]
 
@@ -27,8 +28,8 @@ def model_source(build_dir: Path, manifest: Manifest) -> ModelSource:
     """The build's model file, which must define the targets to train on when it defines a loss function."""
     if not manifest.model_file:
         raise ModelFileError(f"{build_dir}/manifest.json names no model file, so there is no data to train on")
-    source = load_model_file(manifest.model_path(build_dir), model_fn=manifest.model_fn or None,
-                             inputs_fn=manifest.inputs_fn or None)
+    # checked against the manifest, then imported from the checked bytes (Note [check before use])
+    source = check_build(build_dir, [], plan=False, weights=False, manifest=manifest).model_source()
     if source.has_loss_fn and not source.has(source.targets_fn):
         raise ModelFileError(f"{source.path.name} defines {source.loss_fn_name}() but no "
                              f"{source.targets_fn}(batch_size); `fxpipe run` needs targets for it (or drop "

@@ -63,6 +63,9 @@ def pick_device(device: str | torch.device | None, local_rank: int) -> torch.dev
     """``device`` if given, else ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
     if device is not None:
         dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeSetupError(f"device {str(device)!r} was asked for, but this torch sees no CUDA device; "
+                                    "leave the device out to use the CPU")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", local_rank)
         return dev

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.errors import BuildDirError, PartitionError
+from fxpipe.errors import BuildDirError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import read_dataclass
 
@@ -73,14 +73,9 @@ class RunRecord:
 
 
 def read_build_plan(build_dir: Path) -> PartitionPlan | None:
-    """The build's ``plan.json`` (``None`` when it has none), read and validated BEFORE training
-    starts, so a malformed plan is one error up front and not a crash after the last step."""
-    from fxpipe.partitioner import PartitionPlan
+    """The build's ``plan.json`` (``None`` when it has none), checked against the manifest's sha256
+    and validated BEFORE training starts, so a malformed plan is one error up front and not a
+    crash after the last step."""
+    from fxpipe.codegen.integrity import check_build
 
-    path = build_dir / "plan.json"
-    if not path.is_file():
-        return None
-    try:
-        return PartitionPlan.from_json(path)
-    except PartitionError as exc:
-        raise BuildDirError(f"{path}: {exc}; rebuild with `fxpipe partition`") from None
+    return check_build(build_dir, [], model=False, weights=False).read_plan()

@@ -4,10 +4,11 @@ Note [one plan for every rank]: global rank 0 traces the model on the first step
 first microbatch, plans, and writes a build directory (``write_build_dir``, which first
 checks the stages against the model in train and eval mode) into a temporary folder, which it reads into memory and removes at once; it then scatters to
 each rank the manifest, the plan and that rank's own stage files (source and weights).
-A rank writes them into a temporary folder only while it loads its stage with
-``load_stage`` (hash-checked, like any build directory) and removes the folder right
-after, so a build made at the first step leaves nothing on disk, even when the
-process is killed later (``SIGKILL``, ``os._exit``). So every rank runs the same plan,
+A rank loads its stage from those bytes in memory (``CheckedBuild.from_memory``,
+hash-checked like any build directory), so a build made at the first step leaves nothing
+on disk, even when the process is killed later (``SIGKILL``, ``os._exit``); only rank 0's
+folder exists while it is written, named with its pid, and a later first step removes
+such folders of processes that are gone. So every rank runs the same plan,
 even with measured (non-deterministic) unit times, and no rank holds another stage's
 weights. A failure on rank 0 (a contradictory pin, an untraceable op) is sent to every
 rank and raised there, so no rank hangs. With ``plan=DIR`` every rank loads its stage
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import os
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -32,7 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.codegen import Manifest, load_stage, write_build_dir
+from fxpipe.codegen import CheckedBuild, Manifest, load_stage, write_build_dir
+from fxpipe.codegen.load import load_checked_stage
 from fxpipe.errors import ConfigError, FxpipeError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
 from fxpipe.smp.config import Config
@@ -94,13 +98,36 @@ def _plan_on_rank0(module: nn.Module, inputs: ModelInputs, config: Config, optio
     traced.profile = apply_partition_policy(traced.profile, config)
     plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
                           microbatches=config.microbatches, optimize=config.optimize, cost=cost)
-    with tempfile.TemporaryDirectory(prefix="fxpipe-plan-") as scratch:
+    _remove_orphaned_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{_SCRATCH}{os.getpid()}-") as scratch:
         out_dir = Path(scratch) / "build"
         manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size,
                                    microbatches=config.microbatches, check=options.check)
         common = {name: (out_dir / name).read_bytes() for name in _SHARED_FILES}
         return {s.index: {**common, s.source: (out_dir / s.source).read_bytes(),
                           s.weights: (out_dir / s.weights).read_bytes()} for s in manifest.stages}
+
+
+_SCRATCH = "fxpipe-plan-"  # rank 0's folder while it writes the build: fxpipe-plan-<pid>-<random>
+
+
+def _remove_orphaned_scratch() -> None:
+    """Remove the build folders of first steps whose process was killed while writing one."""
+    root = Path(tempfile.gettempdir())
+    for folder in root.glob(f"{_SCRATCH}*-*"):
+        pid = folder.name[len(_SCRATCH):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process
+        return True
+    return True
 
 
 def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException | None, rank: int, world: int,
@@ -192,23 +219,19 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
 
 def _load_stage_from_files(files: dict[str, bytes], mp_rank: int, device: torch.device,
                            rank: int) -> tuple[Manifest, nn.Module]:
-    """``load_stage`` on ``files`` written into a temporary folder that is removed right after the load.
+    """``load_stage`` on ``files`` held in memory (hash-checked all the same): nothing is written, so
+    a rank killed at any moment leaves nothing behind.
 
     The stage's source stays readable for tracebacks and ``inspect``: ``linecache`` keeps
     it under the file name its code was compiled with.
     """
-    with tempfile.TemporaryDirectory(prefix=f"fxpipe-build-r{rank}-") as tmp:
-        build_dir = Path(tmp)
-        for name, data in files.items():
-            (build_dir / name).write_bytes(data)
-        manifest = Manifest.from_json(build_dir)
-        stage = load_stage(build_dir, mp_rank, device=device)
-        source = manifest.stage(mp_rank).source
-        text = files[source].decode()
-        # mtime None: linecache.checkcache keeps the entry although the file is gone
-        linecache.cache[str(build_dir / source)] = (len(text), None, text.splitlines(keepends=True),
-                                                    str(build_dir / source))
-    return manifest, stage
+    build = CheckedBuild.from_memory(files, [mp_rank], Path(tempfile.gettempdir()) / f"fxpipe-first-step-r{rank}")
+    stage = load_checked_stage(build, mp_rank, device=device)
+    source = build.source(mp_rank)
+    text = (source.data or b"").decode()
+    # mtime None: linecache.checkcache keeps the entry although there is no such file
+    linecache.cache[str(source.path)] = (len(text), None, text.splitlines(keepends=True), str(source.path))
+    return build.manifest, stage
 
 
 def resolve_trace_device(trace_device: str) -> str:

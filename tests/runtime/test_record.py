@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from fxpipe.codegen.manifest import Manifest, StageManifest
 from fxpipe.errors import BuildDirError
+from fxpipe.modelfile import file_sha256
 from fxpipe.partitioner import plan_partition
 from fxpipe.runtime.record import RunRecord, read_build_plan
 from fxpipe.tracer import ModelProfile, Unit, UnitEdge
@@ -45,15 +48,22 @@ def test_bad_run_json_is_refused() -> None:
 
 def test_the_build_plan_is_read_and_checked_before_training(tmp_path: Path) -> None:
     # which configurations the prediction applies to: tests/partitioner/test_plan_json.py
+    stage = StageManifest(0, "Stage0", "stage_0.py", "stage_0.safetensors", "", "", (), ())
+    manifest = Manifest(model_file="", model_fn="", model_sha256="", stages=(stage,), batch_size=2, microbatch_size=1)
+    manifest.to_json(tmp_path / "manifest.json")
     assert read_build_plan(tmp_path) is None  # a build without plan.json trains, with no prediction
     profile = ModelProfile(units=(Unit("a", "a", fwd_ms=1.0, bwd_ms=2.0), Unit("b", "b", fwd_ms=1.0, bwd_ms=2.0)),
                            edges=(UnitEdge("a", "b", 64),), batch_size=2)
     plan = plan_partition(profile, 2, microbatches=2)
     plan.to_json(tmp_path / "plan.json")
+    replace(manifest, plan_sha256=file_sha256(tmp_path / "plan.json")).to_json(tmp_path / "manifest.json")
     loaded = read_build_plan(tmp_path)
     assert loaded == plan and loaded.predicted_step_ms("1f1b", microbatches=2) == plan.step_ms
     data = json.loads((tmp_path / "plan.json").read_text())
     data["prediction"]["step_ms"]["1f1b"] = "fast"
     (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(BuildDirError, match=r"plan plan.json has sha256 .* changed after it was built"):
+        read_build_plan(tmp_path)
+    manifest.to_json(tmp_path / "manifest.json")  # a build written before plan.json was hashed: still validated
     with pytest.raises(BuildDirError, match=r"plan.json: plan prediction.step_ms\['1f1b'\]: expected a number"):
         read_build_plan(tmp_path)

@@ -130,8 +130,10 @@ def test_rank_functions(training: Any) -> None:
 
 def test_checkpoints_resume_like_a_run_that_never_stopped(checkpoints: Any) -> None:
     values, directory = checkpoints
-    # one file per mp_rank for the partial save, one file for the full save, no temporary files left
-    assert sorted(p.name for p in directory.iterdir()) == ["full.pt", "partial.pt_0", "partial.pt_1"]
+    # one file per mp_rank for the partial save, one file for the full save, a commit record for each
+    # (fxpipe.smp.commit), no temporary files left
+    assert sorted(p.name for p in directory.iterdir()) == ["full.pt", "full.pt.full.json", "partial.pt.partial.json",
+                                                           "partial.pt_0", "partial.pt_1"]
     for rank in values:
         rest = rank["uninterrupted"][2:]
         torch.testing.assert_close(rank["partial"], rest, **TIGHT)

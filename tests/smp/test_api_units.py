@@ -106,14 +106,17 @@ def test_load_refuses_pickled_code(tmp_path, monkeypatch) -> None:
 def test_save_is_atomic_and_round_trips(tmp_path, monkeypatch) -> None:
     from fxpipe.smp import state
 
-    class _Fake:  # the two fields save/load read, without a process group
+    class _Fake:  # the fields save/load read, without a process group
         rank = 0
         mp_rank = 1
+        mp_group = None
+        layout = type("Layout", (), {"num_stages": 2})
 
     monkeypatch.setattr(state, "_STATE", _Fake())
     obj = {"w": torch.arange(3.0), "step": 4, "_smp_is_partial": True}
     save(obj, str(tmp_path / "ck.pt"), partial=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt_1"]   # no temporary file left behind
+    # the part and its commit record; no temporary file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt.partial.json", "ck.pt_1"]
     loaded = load(str(tmp_path / "ck.pt"), partial=True)
     torch.testing.assert_close(loaded["w"], obj["w"])
     assert loaded["step"] == 4 and loaded["_smp_is_partial"] is True

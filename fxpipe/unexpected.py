@@ -1,0 +1,73 @@
+"""One line for an exception nobody expected: what the CLI and each worker print instead of a traceback.
+
+``internal_error_line(exc, "tracing")`` gives ``internal error while tracing: ValueError: msg
+(at model.py:12 in forward; rerun with --debug)``: the phase that was running, the
+exception's type and the first line of its message, and, when it was raised in the
+user's code (a model file, a generated stage file: anything outside fxpipe, the standard
+library and installed packages), the place it was raised. ``sys.exit()`` called by such
+code reads as what it is.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["internal_error_line", "user_frame", "print_safely"]
+
+_MAX_MESSAGE = 300
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {str(Path(__file__).resolve().parent)}  # fxpipe itself
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        if key in paths:
+            roots.add(str(Path(paths[key]).resolve()))
+    return tuple(sorted(roots))
+
+
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc``'s traceback in the user's code (see the module docstring)."""
+    roots = _library_roots()
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        name = frame.filename
+        if name.startswith("<"):
+            continue
+        try:
+            resolved = str(Path(name).resolve())
+        except (OSError, RuntimeError):
+            resolved = name
+        if not resolved.startswith(roots):
+            found = frame
+    return found
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"sys.exit({exc.code!r}) was called"
+    lines = str(exc).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if len(lines) > 1 or len(text) > _MAX_MESSAGE:
+        text = text[:_MAX_MESSAGE].rstrip() + " …"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def internal_error_line(exc: BaseException, phase: str) -> str:
+    """The one line (no ``error:`` prefix) that stands for ``exc``, raised while ``phase`` ran."""
+    frame = user_frame(exc)
+    where = f"at {Path(frame.filename).name}:{frame.lineno} in {frame.name}; " if frame is not None else ""
+    return f"internal error while {phase}: {_message(exc)} ({where}rerun with --debug)"
+
+
+def print_safely(line: str, stream: TextIO | None = None) -> None:
+    """Print ``line`` to ``stream`` (default stderr), ignoring a closed or broken stream."""
+    out = stream if stream is not None else sys.stderr
+    try:
+        print(line, file=out, flush=True)
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,120 @@
+"""Fixtures of the reliability probes: small builds made once, and a private copy per probe to break.
+
+A probe is one attempt to make fxpipe misbehave (a bad file, a bad value, a tampered build,
+a fault in a running job, a torn checkpoint); it holds when fxpipe answers with one clear
+error line (or a clean result), runs nothing it did not check, and leaves nothing behind.
+Each test here is one probe; README.md ("Reliability") counts them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+for folder in (HERE, HERE.parent / "runtime"):  # this folder's helpers, and the one spawn helper
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+ROOT = HERE.parents[1]
+
+# A chain Linear -> Scale -> Linear -> Scale -> Linear. ``Scale`` cannot be traced into, so it is kept
+# whole (a leaf) and every stage imports it from the model file; ``FXPIPE_PROBE_LOSS`` makes loss_fn misbehave in a worker.
+LEAF_MODEL = '''
+import os
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Scale(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        if bool((x != x).any()):  # control flow on a value: symbolic tracing keeps Scale whole (a leaf)
+            raise ValueError("NaN input")
+        return x * self.gain
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Scale(16), nn.Linear(16, 16), Scale(16), nn.Linear(16, 4))
+
+
+def example_inputs(b):
+    return (torch.randn(b, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+def example_targets(b):
+    return torch.randint(0, 4, (b,), generator=torch.Generator().manual_seed(2))
+
+
+def loss_fn(out, target):
+    how = os.environ.get("FXPIPE_PROBE_LOSS", "")
+    if how == "raise":
+        raise ValueError("bad loss on purpose")
+    if how == "exit":
+        import sys
+        sys.exit(3)
+    if how == "_exit":
+        os._exit(7)
+    if how == "slow":
+        import time
+        time.sleep(0.05)
+    return F.cross_entropy(out, target)
+'''
+
+
+def make_build(folder: Path, model_text: str, stages: int = 2) -> Path:
+    """``folder/model.py`` and its build ``folder/build`` (batch 4, 2 microbatches), inside a project
+    folder so the manifest names the model file relative to the build and a copy moves both."""
+    from fxpipe.codegen import write_build_dir
+    from fxpipe.modelfile import load_model_file
+    from fxpipe.partitioner import plan_partition
+    from fxpipe.tracer import trace_model_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text("")
+    (folder / "model.py").write_text(model_text)
+    source = load_model_file(folder / "model.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "symbolic tracing failed inside 'Scale': keeping it whole"
+        traced = trace_model_file(source, 2, progress=False)
+    plan = plan_partition(traced.profile, stages, microbatches=2)
+    write_build_dir(traced, plan, folder / "build", source, batch_size=4, microbatches=2)
+    return folder / "build"
+
+
+@pytest.fixture(scope="session")
+def leaf_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project whose every stage imports ``Scale`` from the model file."""
+    folder = tmp_path_factory.mktemp("leaf") / "project"
+    make_build(folder, LEAF_MODEL)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def mlp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project whose stages import nothing from the model file (examples/mlp.py)."""
+    folder = tmp_path_factory.mktemp("mlp") / "project"
+    make_build(folder, (ROOT / "examples" / "mlp.py").read_text())
+    return folder
+
+
+@pytest.fixture
+def leaf_copy(leaf_project: Path, tmp_path: Path) -> Path:
+    """A private copy of ``leaf_project`` (model file and build) to tamper with; returns its build."""
+    shutil.copytree(leaf_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path / "project" / "build"
+
+
+@pytest.fixture
+def mlp_copy(mlp_project: Path, tmp_path: Path) -> Path:
+    shutil.copytree(mlp_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path / "project" / "build"
