@@ -103,10 +103,16 @@ class StageManifest:
     units: tuple[str, ...] = ()
     constants: tuple[str, ...] = ()  # non-persistent buffers: in the weights file, not in state_dict()
     imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
+    rank: NonNegInt | None = None  # the pipeline rank that runs this stage (chunk); None: its index
 
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def pipeline_rank(self) -> int:
+        """The pipeline rank that runs this stage: ``rank``, or its index in a build of one stage per rank."""
+        return self.index if self.rank is None else self.rank
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,9 @@ class Manifest:
     ``microbatches`` is the number of microbatches per step the build was planned for
     (0 when constructed without one: ``batch_size // microbatch_size`` is filled in),
     ``training`` the mode the model was traced in, ``torch_version`` the torch that built it.
+    Its ``stages`` are the build's chunks: with ``--virtual-stages V`` each pipeline rank
+    runs V of them (``StageManifest.rank``, placed loop- or V-style; ``stage_ranks``), and
+    ``schedule`` names the schedule the build was planned for.
     """
 
     model_file: str
@@ -147,6 +156,7 @@ class Manifest:
     microbatches: NonNegInt = 0
     training: bool = True
     torch_version: str = ""
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -157,6 +167,26 @@ class Manifest:
         for i, s in enumerate(self.stages):
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
+        ranks = self.stage_ranks
+        if ranks and (set(ranks) != set(range(max(ranks) + 1)) or len(ranks) % (max(ranks) + 1)
+                      or any(ranks.count(r) != len(ranks) // (max(ranks) + 1) for r in set(ranks))):
+            raise BuildDirError(f"manifest stage ranks {list(ranks)} do not give every rank 0..{max(ranks)} the same "
+                                "number of stages; rebuild the directory")
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of every stage (chunk)."""
+        return tuple(s.pipeline_rank for s in self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks (processes per pipeline replica): the stages over ``virtual_stages``."""
+        return 1 + max(self.stage_ranks, default=0)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages (chunks) each pipeline rank runs."""
+        return max(1, self.num_stages // self.num_ranks)
 
     def model_path(self, build_dir: str | Path) -> Path:
         """The model file: ``model_file`` is stored relative to the build directory, so the
