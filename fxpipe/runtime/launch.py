@@ -89,7 +89,7 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:
         options_file = Path(tmp) / "run_options.json"
         options.to_json(options_file)
-        cmd = torchrun_command(build_dir, manifest.num_stages * replicas, free_port(), ["--options", str(options_file)])
+        cmd = torchrun_command(build_dir, manifest.num_ranks * replicas, free_port(), ["--options", str(options_file)])
         returncode, errors_seen = _run(cmd, quiet)
     if returncode != 0 or not out.is_file():
         _raise_worker_error(errors_seen, returncode)

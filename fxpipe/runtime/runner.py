@@ -71,10 +71,16 @@ def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader
     return Manifest.from_json(build_dir), stage_loader or load
 
 
-def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microbatches: int) -> Schedule:
+def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microbatches: int,
+                     virtual_stages: int | None = None) -> Schedule:
     """The schedule to run: ``schedule`` (a name or a ``Schedule``), else the build's own, and it
-    must place the stages on the ranks as the build does."""
+    must place the stages on the ranks as the build does (``virtual_stages``, if given, must be
+    the build's: a build's chunks are fixed when it is partitioned)."""
     ranks, v, placement = placement_of(manifest.stage_ranks)
+    if virtual_stages is not None and virtual_stages != v:
+        raise ConfigError(f"--virtual-stages {virtual_stages} does not match the build, which has {v} stages per "
+                          f"rank ({manifest.num_stages} stages on {ranks} ranks); leave it out, or repartition "
+                          f"with `fxpipe partition --virtual-stages {virtual_stages}`")
     if schedule is None:
         schedule = manifest.schedule or ("1f1b" if v == 1 else runnable_schedules(v, placement)[0])
     if not isinstance(schedule, Schedule):
@@ -115,14 +121,14 @@ class PipelineRunner:
                  optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
                  device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  data_parallel: DataParallelOptions | None = None,
-                 target_batch_dims: Sequence[int | None] | None = None) -> None:
+                 target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None) -> None:
         self._owns_group = False
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
         rank, world, local_rank = this_rank()
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
-        self.schedule = resolve_schedule(schedule, manifest, microbatches)
+        self.schedule = resolve_schedule(schedule, manifest, microbatches, virtual_stages)
         self.layout = RankLayout.for_world(world, manifest.num_ranks, manifest.virtual_stages)
         dp_options = data_parallel or DataParallelOptions()
         dp_options.check_replicas(self.layout.replicas)  # before any communication

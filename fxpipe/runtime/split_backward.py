@@ -18,7 +18,8 @@ the graph the forward recorded (no recomputation, no second forward):
    token ids) are backpropagated to the parameters whole in ``W``. When one boundary node
    of a group lies upstream of another, the engine would also reach the downstream one
    through the input path: a pre-hook then replaces what arrives there by the kept
-   gradient, so nothing is counted twice. The gradients are added to ``.grad``.
+   gradient, so nothing is counted twice. The gradients are added to ``.grad`` by the
+   parameters' own ``AccumulateGrad`` nodes (``torch.autograd.backward(..., inputs=)``).
 
 Each parameter's gradient is the same sum of the same products as the fused backward,
 so the split and fused paths give equal gradients (tests/runtime/test_split_backward.py).
@@ -186,18 +187,11 @@ def backward_weights(work: WeightWork) -> None:
                 saved = work.kept.get(node)
                 if saved is not None:
                     clamps.append(node.register_prehook(lambda _, saved=saved: saved))
-        try:
-            got = torch.autograd.grad(outputs, params, grads, retain_graph=True, allow_unused=True)
+        try:  # accumulates into .grad through the parameters' own AccumulateGrad nodes, as the fused backward
+            torch.autograd.backward(outputs, grads, retain_graph=True, inputs=params)
         finally:
             for h in clamps:
                 h.remove()
-        for p, g in zip(params, got):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
     work.kept.clear()
     work.roots.clear()
     work.root_grads.clear()

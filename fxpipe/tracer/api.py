@@ -171,7 +171,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_flops=c.fwd_flops, param_bytes=param_bytes,
             buffer_bytes=buffer_bytes, activation_bytes=act,
             params=_unit_param_names(gm, group, param_names), reads_inputs=group.reads_inputs,
-            pin=pin_for_path(pins, group.path),
+            pin=pin_for_path(pins, group.path), weight_grad_fraction=c.weight_grad_fraction,
         )
         sources: dict[str, list[int]] = {}
         for name in group.inputs:
