@@ -294,9 +294,11 @@ def _infeasible_message(problem: PartitionProblem) -> str:
     need = min_memory_limit(problem)
     more = _stages_needed(problem)
     hint = f"use {more} stages or " if more else ""
-    need_text = (f"the least that fits {problem.num_stages} stages is {format_size(need)} ({need} bytes)"
+    what = f"{problem.num_stages} stages" + (f" ({problem.num_ranks} ranks x {problem.virtual_stages})"
+                                             if problem.virtual_stages > 1 else "")
+    need_text = (f"the least that fits {what} is {format_size(need)} ({need} bytes)"
                  if need is not None else "the pins rule out every split")
-    return (f"no split into {problem.num_stages} stages fits the memory limit of "
+    return (f"no split into {what} fits the memory limit of "
             f"{format_size(problem.memory_limit)} ({problem.memory_limit} bytes) per device: {need_text}; "
             f"{hint}raise the limit (or use a lighter optimizer / fewer microbatches)")
 
