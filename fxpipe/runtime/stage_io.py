@@ -36,7 +36,7 @@ from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.comm import Posted, RankComm
 from fxpipe.runtime.p2p import P2P, Message
 from fxpipe.runtime.routes import Routes, Transfer
-from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
+from fxpipe.runtime.split_backward import SplitBackward, WeightWork
 
 __all__ = ["StageWorker", "Pending", "assemble_output", "boundary_dtype", "microbatch_size"]
 
@@ -115,7 +115,7 @@ class StageWorker:
         self._local = local
         self._dtypes = {t.tensor_id: boundary_dtype(t.spec.dtype) for t in self._recvs + self._sends}
         self._output_names = [o.name for o in self.spec.outputs]
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._split = SplitBackward([p for p in module.parameters() if p.requires_grad])
         self._states: dict[int, _Microbatch] = {}
 
     def __contains__(self, m: int) -> bool:
@@ -229,7 +229,7 @@ class StageWorker:
         root_grads += grads
         leaves = [state.received[t.spec.name] for t in self._recvs if t.grad]
         if split:
-            got, state.weight = backward_inputs(roots, root_grads, leaves, self._params)
+            got, state.weight = self._split.inputs(roots, root_grads, leaves)
             input_grads = dict(zip((t.spec.name for t in self._recvs if t.grad), got))
         else:
             if roots:
@@ -257,7 +257,7 @@ class StageWorker:
         if state.weight is None:
             raise RuntimeSetupError(f"W of stage {self.stage} microbatch {m} runs before its split B; the schedule "
                                     "must run B before W")
-        backward_weights(state.weight)
+        self._split.weights(state.weight)
         self._done(m)
 
     def discard(self, m: int) -> None:
