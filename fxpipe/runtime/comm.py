@@ -28,7 +28,7 @@ from fxpipe.runtime.p2p import P2P, Message
 
 __all__ = ["RankComm", "Posted"]
 
-Posted = list[tuple[dist.Work, str]]
+Posted = list[tuple[dist.Work, Message, bool]]
 
 
 class RankComm:

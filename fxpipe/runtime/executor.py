@@ -87,6 +87,7 @@ class RankExecutor:
             if self._steps[i].receives:
                 following = i
         self.last_step: list[ActionTime] = []
+        self._want: dict[tuple[int, int], list[tuple[int, ...]]] = {}   # (stage, microbatch size) -> output shapes
 
     @property
     def holds_loss(self) -> bool:
@@ -155,8 +156,11 @@ class RankExecutor:
 
     def _check_shapes(self, worker: StageWorker, outputs: Sequence[torch.Tensor], mb_size: int) -> None:
         """Refuse stage outputs whose shapes differ from the manifest's (a stale build directory)."""
-        for o, t in zip(worker.spec.outputs, outputs):
-            want = o.shape_at(mb_size, self.manifest.microbatch_size)
-            if tuple(t.shape) != want:
+        key = (worker.stage, mb_size)
+        wants = self._want.get(key)
+        if wants is None:
+            wants = self._want[key] = [o.shape_at(mb_size, self.manifest.microbatch_size) for o in worker.spec.outputs]
+        for o, t, want in zip(worker.spec.outputs, outputs, wants):
+            if t.shape != want:
                 raise RuntimeSetupError(f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
                                         f"manifest says {want} at microbatch size {mb_size}; rebuild the directory")

@@ -43,13 +43,13 @@ def share_tied_parameters(modules: Mapping[int, nn.Module], manifest: Manifest) 
         for s, key in here[1:]:
             owner_path, _, name = key.rpartition(".")
             owner = modules[s].get_submodule(owner_path) if owner_path else modules[s]
-            if name not in owner._parameters:
+            mine = owner._parameters.get(name)
+            if mine is None:
                 raise BuildDirError(f"the manifest ties {key!r} on stage {s}, which has no such parameter; "
                                     "rebuild the directory")
-            with torch.no_grad():
-                if owner._parameters[name].shape != shared.shape:
-                    raise BuildDirError(f"tied parameter {key!r} has shape {tuple(owner._parameters[name].shape)} "
-                                        f"on stage {s} but {tuple(shared.shape)} on stage {first_stage}")
+            if mine.shape != shared.shape:
+                raise BuildDirError(f"tied parameter {key!r} has shape {tuple(mine.shape)} on stage {s} but "
+                                    f"{tuple(shared.shape)} on stage {first_stage}; rebuild the directory")
             owner._parameters[name] = shared
 
 

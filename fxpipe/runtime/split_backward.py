@@ -193,7 +193,7 @@ class SplitBackward:
                     if saved is not None:
                         clamps.append(node.register_prehook(lambda _, saved=saved: saved))
             try:
-                torch.autograd.backward(outputs, grads, retain_graph=True, inputs=params)
+                torch.autograd.backward(outputs, grads, retain_graph=True, inputs=params)  # type: ignore[arg-type]
             finally:
                 for h in clamps:
                     h.remove()

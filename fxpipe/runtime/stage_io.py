@@ -115,6 +115,9 @@ class StageWorker:
         self._local = local
         self._dtypes = {t.tensor_id: boundary_dtype(t.spec.dtype) for t in self._recvs + self._sends}
         self._output_names = [o.name for o in self.spec.outputs]
+        self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._what = {g: {t.tensor_id: f"{'gradient of' if g else 'activation'} {t.spec.name!r}"
+                          for t in self._recvs + self._sends} for g in (False, True)}
         self._split = SplitBackward([p for p in module.parameters() if p.requires_grad])
         self._states: dict[int, _Microbatch] = {}
 
@@ -129,15 +132,21 @@ class StageWorker:
 
     # -- receives, posted ahead ------------------------------------------------
 
+    def _shape(self, t: Transfer, mb_size: int) -> tuple[int, ...]:
+        key = (t.tensor_id, mb_size)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = t.spec.shape_at(mb_size, self.manifest.microbatch_size)
+        return shape
+
     def _post(self, transfers: list[Transfer], m: int, mb_size: int, gradient: bool) -> Pending:
         T = self.routes.num_tensors
         msgs, buffers = [], {}
         for t in transfers:
-            shape = t.spec.shape_at(mb_size, self.manifest.microbatch_size)
-            buf = self.comm.buffer((t.tensor_id, gradient), shape, self._dtypes[t.tensor_id])
+            buf = self.comm.buffer((t.tensor_id, gradient), self._shape(t, mb_size), self._dtypes[t.tensor_id])
             buffers[t.tensor_id] = buf
-            what = f"microbatch {m} {'gradient of' if gradient else 'activation'} {t.spec.name!r}"
-            msgs.append(Message(buf, t.dst if gradient else t.src, t.tag(m, T, gradient), what))
+            msgs.append(Message(buf, t.dst if gradient else t.src, t.tag(m, T, gradient), self._what[gradient][t.tensor_id],
+                                m))
         return Pending(self.comm.post_recvs(msgs), buffers)
 
     def post_forward(self, m: int, mb_size: int) -> Pending:
@@ -188,7 +197,7 @@ class StageWorker:
             if t.dst in self._local:
                 self.comm.put_local(t.tensor_id, m, False, value)
             else:
-                sends.append(Message(value, t.dst, t.tag(m, T, False), f"microbatch {m} activation {t.spec.name!r}"))
+                sends.append(Message(value, t.dst, t.tag(m, T, False), self._what[False][t.tensor_id], m))
         _keep_sent(state, sends)
         self.comm.send(sends)
         return state.outputs
@@ -245,7 +254,7 @@ class StageWorker:
             if t.src in self._local:
                 self.comm.put_local(t.tensor_id, m, True, grad)
             else:
-                sends.append(Message(grad, t.src, t.tag(m, T, True), f"microbatch {m} gradient of {t.spec.name!r}"))
+                sends.append(Message(grad, t.src, t.tag(m, T, True), self._what[True][t.tensor_id], m))
         _keep_sent(state, sends)
         self.comm.send(sends)
         if not split:
