@@ -191,16 +191,21 @@ class StageWorker:
                                     f"{len(self._output_names)} outputs; the stage file and manifest disagree, "
                                     "rebuild the directory")
         mine = dict(zip(self._output_names, state.outputs))
-        T, sends = self.routes.num_tensors, []
+        sends: list[Message] = []
         for t in self._sends:
-            value = mine[t.spec.name].detach().to(self._dtypes[t.tensor_id]).contiguous()
-            if t.dst in self._local:
-                self.comm.put_local(t.tensor_id, m, False, value)
-            else:
-                sends.append(Message(value, t.dst, t.tag(m, T, False), self._what[False][t.tensor_id], m))
+            self._deliver(t, m, False, mine[t.spec.name].detach().to(self._dtypes[t.tensor_id]).contiguous(), sends)
         _keep_sent(state, sends)
         self.comm.send(sends)
         return state.outputs
+
+    def _deliver(self, t: Transfer, m: int, gradient: bool, tensor: torch.Tensor, sends: list[Message]) -> None:
+        """Hand ``tensor`` to a stage of this rank, or add its message to ``sends``."""
+        peer = t.src if gradient else t.dst
+        if peer in self._local:
+            self.comm.put_local(t.tensor_id, m, gradient, tensor)
+        else:
+            sends.append(Message(tensor, peer, t.tag(m, self.routes.num_tensors, gradient),
+                                 self._what[gradient][t.tensor_id], m))
 
     def model_outputs(self, m: int) -> list[torch.Tensor]:
         """The flat model outputs of microbatch ``m``: this stage's and those received (on the last stage)."""
@@ -244,17 +249,12 @@ class StageWorker:
             if roots:
                 torch.autograd.backward(roots, root_grads)
             input_grads = {t.spec.name: state.received[t.spec.name].grad for t in self._recvs if t.grad}
-        T, sends = self.routes.num_tensors, []
+        sends: list[Message] = []
         for t in self._recvs:
-            if not t.grad:
-                continue
-            grad = input_grads.get(t.spec.name)
-            if grad is None:
-                grad = torch.zeros_like(state.received[t.spec.name])
-            if t.src in self._local:
-                self.comm.put_local(t.tensor_id, m, True, grad)
-            else:
-                sends.append(Message(grad, t.src, t.tag(m, T, True), self._what[True][t.tensor_id], m))
+            if t.grad:
+                grad = input_grads.get(t.spec.name)
+                self._deliver(t, m, True, grad if grad is not None else torch.zeros_like(state.received[t.spec.name]),
+                              sends)
         _keep_sent(state, sends)
         self.comm.send(sends)
         if not split:

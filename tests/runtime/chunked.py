@@ -14,10 +14,12 @@ import copy
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest, Tie
 from fxpipe.partitioner.schedule import stage_ranks
+from handmade import loss_fn, token_batch
+
+__all__ = ["ChainLM", "Chunk", "build_reference", "stage_loader", "manifest", "example_batch", "loss_fn"]
 
 VOCAB, WIDTH, SEQ, TRACED_MB = 13, 8, 4, 2
 
@@ -100,12 +102,4 @@ def manifest(ranks: int, virtual_stages: int, placement: str = "loop", schedule:
 
 
 def example_batch(batch_size: int, seed: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-    scale = torch.rand(batch_size, 1, 1, generator=g)
-    target = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-    return (idx, scale), target
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
+    return token_batch(batch_size, seed, VOCAB, SEQ)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
 
-__all__ = ["Link", "chain_links", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step", "dependencies"]
+__all__ = ["Link", "chain_links", "link_index", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
+           "dependencies"]
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
@@ -44,6 +45,16 @@ class Link:
 def chain_links(num_stages: int) -> tuple[Link, ...]:
     """Links of a plain chain: stage i feeds stage i + 1."""
     return tuple(Link(i, i + 1) for i in range(num_stages - 1))
+
+
+def link_index(links: Sequence[Link]) -> tuple[dict[int, list[Link]], dict[int, list[Link]]]:
+    """The links into each stage (from its producers) and out of it (to its consumers)."""
+    producers: dict[int, list[Link]] = {}
+    consumers: dict[int, list[Link]] = {}
+    for ln in links:
+        producers.setdefault(ln.dst, []).append(ln)
+        consumers.setdefault(ln.src, []).append(ln)
+    return producers, consumers
 
 
 @dataclass(frozen=True)
@@ -140,11 +151,7 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     9.0
     """
     links = tuple(chain_links(schedule.num_stages) if links is None else links)
-    producers: dict[int, list[Link]] = {}
-    consumers: dict[int, list[Link]] = {}
-    for ln in links:
-        producers.setdefault(ln.dst, []).append(ln)
-        consumers.setdefault(ln.src, []).append(ln)
+    producers, consumers = link_index(links)
     split = schedule.split_backward()
     ranks: list[_Prepared] = []
     for acts in schedule.actions:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from fxpipe.errors import ScheduleError
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
-from fxpipe.partitioner.schedule.simulator import (Link, SimulationStuck, chain_links, dependencies,
+from fxpipe.partitioner.schedule.simulator import (Link, SimulationStuck, chain_links, dependencies, link_index,
                                                    simulate_step)
 
 __all__ = ["format_grid", "simulate", "validate_schedule", "max_in_flight"]
@@ -67,11 +67,7 @@ def _rows(schedule: Schedule, done: dict[Action, float]) -> list[list[Action | N
 
 def _deadlock(schedule: Schedule, links: Sequence[Link], stuck: SimulationStuck) -> ScheduleError:
     """Follow "waits for" from rank to rank until a rank repeats: that is the cycle to report."""
-    producers: dict[int, list[Link]] = {}
-    consumers: dict[int, list[Link]] = {}
-    for ln in links:
-        producers.setdefault(ln.dst, []).append(ln)
-        consumers.setdefault(ln.src, []).append(ln)
+    producers, consumers = link_index(links)
     split = schedule.split_backward()
     done = stuck.done
     waiting = {r: acts[stuck.positions[r]] for r, acts in enumerate(schedule.actions)
