@@ -57,7 +57,7 @@ def step_time_of(problem: PartitionProblem, runtime: RuntimeCosts) -> Callable[[
 def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "auto", schedule: str = "1f1b",
                    microbatches: int = 1, cost: CostModel | None = None, memory_limit: int | None = None,
                    time_limit: float = 10.0, optimize: str = "speed",
-                   virtual_stages: int | None = None) -> PartitionPlan:
+                   virtual_stages: int | None = None, objective: str = "step") -> PartitionPlan:
     """Split ``profile``'s units into ``num_stages`` pipeline ranks of ``virtual_stages`` stages each.
 
     The objective is the predicted step time of ``schedule`` (Note [planning for step
@@ -70,7 +70,9 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     is then the split with the least predicted step among the solver's, the baselines'
     and a local search from the best of them, so it is never slower than a baseline.
     ``optimize="memory"`` minimises peak memory among plans within 1% of the best
-    bottleneck. The baselines are always evaluated and reported beside the plan.
+    bottleneck. ``objective="bottleneck"`` keeps the least bottleneck instead of the least
+    predicted step (equal bottlenecks still go to the faster predicted step). The baselines
+    are always evaluated and reported beside the plan.
 
     >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
     >>> plan.stage_of("blocks.3"), plan.step_ms, plan.gap                                    # doctest: +SKIP
@@ -80,11 +82,13 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
 
         return plan_auto(profile, num_stages, solver=solver, microbatches=microbatches, cost=cost,
                          memory_limit=memory_limit, time_limit=time_limit, optimize=optimize,
-                         virtual_stages=virtual_stages)
+                         virtual_stages=virtual_stages, objective=objective)
     if solver not in SOLVERS:
         raise PartitionError(f"unknown solver {solver!r}; expected one of {list(SOLVERS)}")
     if optimize not in ("speed", "memory"):
         raise PartitionError(f"optimize must be 'speed' or 'memory', got {optimize!r}")
+    if objective not in ("step", "bottleneck"):
+        raise PartitionError(f"objective must be 'step' or 'bottleneck', got {objective!r}")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     start = time.perf_counter()
@@ -97,7 +101,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     chosen = _solve(problem, solver, baselines, bound, time_limit, optimize, runners_up)
     if solver not in BASELINES:
         step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
-        if optimize == "memory":
+        if optimize == "memory" or objective == "bottleneck":
             chosen = _pick_best(problem, chosen, baselines, step_ms, optimize)
         else:
             budget = min(2.0, _REFINE_SHARE * time_limit)
@@ -105,8 +109,10 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
                                    budget)
     proven = {f"{chosen.solver}_proven": chosen.bound_ms} if chosen.bound_ms is not None else {}
     bound, parts = lower_bound(problem, proven=proven)
+    for_step = optimize == "speed" and objective == "step" and solver not in BASELINES
     return plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
-                                seconds=time.perf_counter() - start, optimize=optimize)
+                                seconds=time.perf_counter() - start, optimize=optimize,
+                                objective="step" if for_step else "bottleneck")
 
 
 def _key(problem: PartitionProblem, sol: Solution) -> tuple[float, int]:
@@ -295,7 +301,7 @@ def _baseline_report(problem: PartitionProblem, sol: Solution, plan_bottleneck: 
 
 def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chosen: Solution,
                          baselines: dict[str, Solution], bound: float, bound_parts: dict[str, float], *,
-                         seconds: float, optimize: str = "speed") -> PartitionPlan:
+                         seconds: float, optimize: str = "speed", objective: str = "bottleneck") -> PartitionPlan:
     """Assemble the plan for ``chosen``: exact costs, prediction, bound, gap and baselines."""
     bad = assignment_violations(problem, chosen.assignment)
     assert not bad, f"solver {chosen.solver} returned an invalid plan: {bad}"
@@ -322,6 +328,6 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
         cost=problem.cost, memory_limit=problem.memory_limit, optimize=optimize,
         lower_bounds=dict(bound_parts), status=status.strip("; "),
         virtual_stages=problem.virtual_stages, placement=problem.placement,
-        objective="step" if optimize == "speed" and chosen.solver not in BASELINES else "bottleneck",
+        objective=objective,
         rank_memory_bytes=ev.rank_memory_bytes,
     )

@@ -12,8 +12,9 @@ with gloo, see benchmarks/prediction):
   on one rank exchange no message;
 * a split backward (zero-bubble schedules) runs the input-gradient part of the stage's
   backward in ``B`` (``bwd_ms - bwd_weight_ms``, from the profile's per-unit FLOP split)
-  plus ``RuntimeCosts.split_ms`` for walking the saved graph, and the weight-gradient
-  part in ``W``;
+  plus the walk of the saved graph (``split_ms`` + ``split_unit_ms`` per unit of the
+  stage), and the weight-gradient part in ``W`` plus one engine call per group of
+  parameters (``weight_call_ms`` per unit with parameters);
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
   several stages (two link messages of its bytes), the loss broadcast (one small
   message), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
@@ -47,7 +48,9 @@ class RuntimeCosts:
     """Fixed costs of fxpipe's runtime beyond unit compute and link time (Note [step prediction])."""
 
     action_ms: NonNegFloat = 0.0             # executor bookkeeping per F, B or W action (buffers, dicts, checks)
-    split_ms: NonNegFloat = 0.0              # a split B's walk of the saved graph, and W's second engine call
+    split_ms: NonNegFloat = 0.0              # a split B: finding the boundary nodes, keeping their gradients
+    split_unit_ms: NonNegFloat = 0.0         # ... plus this per unit of the stage (the graph walk)
+    weight_call_ms: NonNegFloat = 0.0        # W: one engine call per unit with parameters
     message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
     loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
     step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
@@ -66,11 +69,15 @@ class RuntimeCosts:
 # ~70-200 us per batch of messages, SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
 # step around the executor. Link times come from the CostModel (loopback: ~50 us one way
 # measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
+# Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
+# 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
-    "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, message_ms=0.15, loss_ms=0.05, step_ms=0.25,
-                        optimizer_step_ms=0.12, optimizer_tensor_ms=0.006, optimizer_bytes_per_s=10e9),
-    "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, message_ms=0.03, loss_ms=0.05, step_ms=0.25,
-                         optimizer_step_ms=0.12, optimizer_tensor_ms=0.006, optimizer_bytes_per_s=1e12),
+    "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.15,
+                        loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
+                        optimizer_bytes_per_s=10e9),
+    "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
+                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
+                         optimizer_bytes_per_s=1e12),
 }
 
 
@@ -212,8 +219,13 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     loss = [rt.loss_ms / 2 if s == last else 0.0 for s in range(problem.num_stages)]
     fwd = [st.fwd_ms + rt.action_ms + n_fwd[s] * rt.message_ms + loss[s] for s, st in enumerate(ev.stages)]
     bwd = [st.bwd_ms + rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] for s, st in enumerate(ev.stages)]
-    b_in = [b - st.bwd_weight_ms + rt.split_ms for b, st in zip(bwd, ev.stages)]
-    w = [st.bwd_weight_ms + rt.action_ms for st in ev.stages]
+    units, weighted = [0] * problem.num_stages, [0] * problem.num_stages
+    for u, s in enumerate(assignment):
+        units[s] += 1
+        weighted[s] += bool(problem.unit_params[u])
+    b_in = [b - st.bwd_weight_ms + rt.split_ms + units[s] * rt.split_unit_ms
+            for s, (b, st) in enumerate(zip(bwd, ev.stages))]
+    w = [st.bwd_weight_ms + rt.action_ms + weighted[s] * rt.weight_call_ms for s, st in enumerate(ev.stages)]
 
     def duration(a: Action) -> float:
         if a.kind is ActionKind.FORWARD:
