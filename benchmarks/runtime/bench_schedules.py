@@ -13,6 +13,12 @@ peer loop by hand) and both start from the same weights. Reported: median step o
 ratio fxpipe / peer; fxpipe's measured bubble (1 - the ranks' compute time / (ranks x step)),
 from the executor's per-action times) and step against fxpipe's 1F1B at the same M; and the
 plan's predicted step against the measured one. Writes ``schedules.json`` and ``schedules.md``.
+
+The phases can run apart, e.g. the timing on a quieter machine with the same checkout:
+``--build-to DIR`` only writes the build directories; ``--from-builds DIR --raw-out FILE``
+only times them (and ``--profile-out DIR`` traces the model there again, measuring unit
+times on that machine); ``--from-builds DIR --raw FILE [--profiles DIR]`` writes the tables
+from those, re-pricing each plan's split with the profiles measured where it ran.
 """
 
 from __future__ import annotations
@@ -54,21 +60,43 @@ def _build(model_file: Path, root: Path, microbatches: int) -> None:
 
 
 class _PeerStage(torch.nn.Module):
-    """An fxpipe stage as the peer needs it: the last stage's 1-tuple unwrapped (pipelining hands the
-    raw output to loss_fn), and, for its split backward, the outputs copied (``clone``): it calls
-    ``detach_`` on every output, which fails on a view and breaks the backward of any op inside the
-    stage that saved that tensor (GPT's residual stream). fxpipe's runtime needs neither."""
+    """An fxpipe stage as the peer needs it. The peer passes each stage's whole output to the next
+    stage only, so a tensor that skips stages (fxpipe sends it straight to its consumer) is relayed:
+    every stage takes the tensors that stages from it on still need, in a fixed order, and returns
+    those that later stages need. The last stage returns its model output bare (pipelining hands
+    it to loss_fn as it is), and for the peer's split backward every output is a copy (``clone``):
+    it calls ``detach_()`` on the outputs, which fails on views and breaks the backward of any op
+    that saved that tensor (GPT's residual stream). fxpipe's runtime needs none of this."""
 
-    def __init__(self, inner: torch.nn.Module, unwrap: bool, copy_outputs: bool) -> None:
+    def __init__(self, inner: torch.nn.Module, manifest, index: int, copy_outputs: bool) -> None:
         super().__init__()
-        self.inner, self.unwrap, self.copy_outputs = inner, unwrap, copy_outputs
+        self.inner, self.index, self.copy_outputs = inner, index, copy_outputs
+        spec = manifest.stage(index)
+        self.inputs = [t.name for t in spec.inputs]
+        self.outputs = [t.name for t in spec.outputs]
+        self.last = index == manifest.num_stages - 1
+        self.carried_in = _carried(manifest, index)
+        self.carried_out = [] if self.last else _carried(manifest, index + 1)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        out = self.inner(*args)
+        have = dict(zip(self.carried_in, args))
+        out = self.inner(*(have[n] for n in self.inputs))
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        have.update(zip(self.outputs, outs))
+        result = outs if self.last else tuple(have[n] for n in self.carried_out)
         if self.copy_outputs:
-            outs = tuple(o.clone() for o in outs)
-        return outs[0] if self.unwrap and len(outs) == 1 else outs
+            result = tuple(o.clone() for o in result)
+        return result[0] if self.last and len(result) == 1 else result
+
+
+def _carried(manifest, index: int) -> list[str]:
+    """Names of the tensors stage ``index`` receives in the relay: model inputs (stage 0) or what
+    earlier stages made (or the model fed in) and stages from ``index`` on read."""
+    if index == 0:
+        return [t.name for t in manifest.inputs]
+    later = {t.name for s in manifest.stages[index:] for t in s.inputs}
+    made = [t.name for t in manifest.inputs] + [o.name for s in manifest.stages[:index] for o in s.outputs]
+    return [n for n in dict.fromkeys(made) if n in later]
 
 
 def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
@@ -84,7 +112,7 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
     modules = {s: load_stage(build_dir, s) for s in mine}
     last = manifest.num_stages - 1
     split = name in ("zb-h1", "zbv")
-    stages = [pp.PipelineStage(_PeerStage(modules[s], s == last, split), s, manifest.num_stages, torch.device("cpu"))
+    stages = [pp.PipelineStage(_PeerStage(modules[s], manifest, s, split), s, manifest.num_stages, torch.device("cpu"))
               for s in mine]
     cls = getattr(pp, PEERS[name])
     sched = cls(stages[0] if len(stages) == 1 and name == "1f1b" else stages, n_microbatches=microbatches,
@@ -118,7 +146,7 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
     return step
 
 
-def _worker(root: Path, steps: int, model_file: Path) -> None:
+def _worker(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
     """Run under torchrun: every build, fxpipe and the peer alternating steps."""
     import torch.distributed as dist
 
@@ -131,7 +159,7 @@ def _worker(root: Path, steps: int, model_file: Path) -> None:
     source = load_model_file(model_file)
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     out = {}
-    for build_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+    for build_dir in sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()):
         name, m = build_dir.name.rsplit("-m", 1)
         M = int(m)
         fx = PipelineRunner(build_dir, source.loss_fn, microbatches=M,
@@ -156,18 +184,46 @@ def _worker(root: Path, steps: int, model_file: Path) -> None:
         out[build_dir.name] = gathered
         fx.close()
     if rank == 0:
-        (root / "schedules_raw.json").write_text(json.dumps(out))
+        raw_out.write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
-def _summary(root: Path) -> list[dict]:
+def _profiles(model_file: Path, out: Path) -> None:
+    """Trace the model at each benchmark microbatch size with measured unit times (this machine's)."""
+    from fxpipe.modelfile import load_model_file
+    from fxpipe.tracer import trace_model_file
+
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    source = load_model_file(model_file)
+    for m in (RANKS, 2 * RANKS):
+        trace_model_file(source, BATCH // m, measure_times=True).profile.to_json(out / f"profile-m{m}.json")
+
+
+def _repriced(plan, profile_path: Path):
+    """``plan``'s split priced again with another profile of the same model (unit times measured elsewhere)."""
+    from dataclasses import replace
+
+    from fxpipe.partitioner import build_problem, predict
+    from fxpipe.tracer.profile import ModelProfile
+
+    profile = ModelProfile.from_json(profile_path)
+    problem = build_problem(profile, plan.num_ranks, schedule=plan.schedule, microbatches=plan.microbatches,
+                            cost=plan.cost, virtual_stages=plan.virtual_stages)
+    assignment = tuple(plan.stage_of(u.name) for u in profile.units)
+    return replace(plan, prediction=predict(problem, assignment, profile.batch_size))
+
+
+def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[dict]:
     from fxpipe.partitioner import PartitionPlan
 
-    raw = json.loads((root / "schedules_raw.json").read_text())
+    raw = json.loads(raw_path.read_text())
     rows = []
     for key, per_rank in sorted(raw.items()):
         name, m = key.rsplit("-m", 1)
         plan = PartitionPlan.from_json(root / key / "plan.json")
+        if profiles is not None:
+            plan = _repriced(plan, profiles / f"profile-m{m}.json")
         fx = [statistics.median(r["times"]["fxpipe"]) * 1e3 for r in per_rank]
         pp = [statistics.median(r["times"]["peer"]) * 1e3 for r in per_rank]
         step_ms, peer_ms = max(fx), max(pp)
@@ -206,31 +262,53 @@ def _markdown(rows: list[dict], model: str, steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _time(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
+    from fxpipe.runtime.launch import free_port
+
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--rdzv-backend",
+                    "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker", str(root),
+                    str(steps), str(model_file), str(raw_out)], check=True)
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("--build", "--worker"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("--build", "--worker", "--trace"):
         mode, rest = sys.argv[1], sys.argv[2:]
         if mode == "--build":
             _build(Path(rest[0]), Path(rest[1]), int(rest[2]))
+        elif mode == "--trace":
+            _profiles(Path(rest[0]), Path(rest[1]))
         else:
-            _worker(Path(rest[0]), int(rest[1]), Path(rest[2]))
+            _worker(Path(rest[0]), int(rest[1]), Path(rest[2]), Path(rest[3]))
         return
-    from fxpipe.runtime.launch import free_port
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt_medium")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    p.add_argument("--build-to", type=Path, help="only write the build directories into this folder")
+    p.add_argument("--from-builds", type=Path, help="use the build directories in this folder")
+    p.add_argument("--raw-out", type=Path, help="with --from-builds: only time them, writing the raw times here")
+    p.add_argument("--profile-out", type=Path, help="also trace the model here, unit times measured, into this folder")
+    p.add_argument("--raw", type=Path, help="with --from-builds: the raw times of a --raw-out run to tabulate")
+    p.add_argument("--profiles", type=Path, help="profiles from --profile-out to price the plans with")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    py, model_file = sys.executable, MODELS[args.model]
+    model_file = MODELS[args.model]
+    if args.profile_out:
+        subprocess.run([sys.executable, __file__, "--trace", str(model_file), str(args.profile_out)], check=True)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for m in (RANKS, 2 * RANKS):
-            subprocess.run([py, __file__, "--build", str(model_file), str(root), str(m)], check=True)
-        subprocess.run([py, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker", str(root),
-                        str(args.steps), str(model_file)], check=True)
-        rows = _summary(root)
+        root = args.from_builds or args.build_to or Path(tmp)
+        if args.from_builds is None:
+            for m in (RANKS, 2 * RANKS):
+                subprocess.run([sys.executable, __file__, "--build", str(model_file), str(root), str(m)], check=True)
+            if args.build_to is not None:
+                return
+        if args.raw_out is not None:
+            _time(root, args.steps, model_file, args.raw_out)
+            return
+        raw = args.raw or Path(tmp) / "raw.json"
+        if args.raw is None:
+            _time(root, args.steps, model_file, raw)
+        rows = _summary(root, raw, args.profiles)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "steps": args.steps, "model": args.model,
             "load_average": os.getloadavg(), "note": "shared 2-core machine; other jobs may have been running"}
     (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
