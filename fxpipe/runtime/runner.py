@@ -34,7 +34,7 @@ from fxpipe.runtime.executor import LossFn, RankExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
-from fxpipe.runtime.options import DEFAULT_TIMEOUT_S
+from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
 from fxpipe.runtime.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.routes import routes_from_manifest
@@ -82,7 +82,7 @@ def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microb
                           f"rank ({manifest.num_stages} stages on {ranks} ranks); leave it out, or repartition "
                           f"with `fxpipe partition --virtual-stages {virtual_stages}`")
     if schedule is None:
-        schedule = manifest.schedule or ("1f1b" if v == 1 else runnable_schedules(v, placement)[0])
+        schedule = manifest.schedule or (DEFAULT_SCHEDULE if v == 1 else runnable_schedules(v, placement)[0])
     if not isinstance(schedule, Schedule):
         fits = runnable_schedules(v, placement)
         if schedule not in fits:
