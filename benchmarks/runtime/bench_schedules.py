@@ -222,6 +222,7 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
     for key, per_rank in sorted(raw.items()):
         name, m = key.rsplit("-m", 1)
         plan = PartitionPlan.from_json(root / key / "plan.json")
+        planned = plan.predicted_step_ms(name, microbatches=int(m))
         if profiles is not None:
             plan = _repriced(plan, profiles / f"profile-m{m}.json")
         fx = [statistics.median(r["times"]["fxpipe"]) * 1e3 for r in per_rank]
@@ -238,6 +239,7 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
                      "fxpipe_over_peer": step_ms / peer_ms, "measured_bubble": statistics.median(bubbles),
                      "predicted_bubble": plan.prediction.bubble if plan.prediction else None,
                      "predicted_step_ms": pred, "measured_over_predicted": step_ms / pred if pred else None,
+                     "predicted_at_build_ms": planned,
                      "stage_ranks": list(plan.stage_ranks)})
     base = {r["microbatches"]: r["fxpipe_step_ms"] for r in rows if r["schedule"] == "1f1b"}
     for r in rows:
@@ -246,9 +248,11 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
 
 
 def _markdown(rows: list[dict], model: str, steps: int) -> str:
+    """The results table."""
     lines = [f"# Schedules benchmark ({model}, batch {BATCH}, {RANKS} ranks)", "",
              f"gloo on 127.0.0.1, CPU, one thread per rank, SGD; medians over {steps} timed steps, fxpipe and "
-             "the peer alternating, each step between barriers. See README.md for the method.", "",
+             "the peer alternating, each step between barriers. Predicted: each plan's split priced with unit "
+             "times measured right before the timing (see README.md for the method).", "",
              "| schedule | M | V | fxpipe ms | peer | peer ms | fxpipe / peer | bubble (measured) | "
              "bubble (predicted) | step / fxpipe 1f1b | predicted ms | measured / predicted |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
