@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
-from fxpipe.partitioner.schedule import SCHEDULE_NAMES
+from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
 from fxpipe.unexpected import internal_error_line, print_safely
 
 __all__ = ["main", "build_parser"]
@@ -47,7 +47,12 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "cpsat", "greedy", "params", "uniform"])
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="pipeline schedule: %(choices)s")
+    p.add_argument("--schedule", default="1f1b", choices=(*SCHEDULE_NAMES, AUTO),
+                   help="pipeline schedule to plan for: %(choices)s (auto: plan each, keep the fastest that fits; "
+                        "default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="stages per rank: --stages N gives N x V stages, placed loop-style (interleaved-1f1b) or "
+                        "V-shaped (zbv); default: the schedule's least (1, or 2 for interleaved-1f1b and zbv)")
     p.add_argument("--memory-limit", help="memory per device, e.g. 512MiB or 16GiB")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds")
     p.add_argument("--link", default="loopback", help="link preset: nvlink, pcie, infiniband, ethernet, loopback")
@@ -135,6 +140,7 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     return plan_partition(
         profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
         cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
+        virtual_stages=args.virtual_stages,
     )
 
 
@@ -223,7 +229,9 @@ def cmd_partition(args: argparse.Namespace) -> int:
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
-    console.print(f"[green]wrote[/] build directory {out}/ ({plan.num_stages} stages; open {out}/report.html)")
+    placed = (f"{plan.num_stages} stages" if plan.virtual_stages == 1 else
+              f"{plan.num_stages} stages, {plan.virtual_stages} per rank on {plan.num_ranks} ranks")
+    console.print(f"[green]wrote[/] build directory {out}/ ({placed}; open {out}/report.html)")
     return 0
 
 

@@ -106,6 +106,25 @@ def test_plan_with_dp_prices_the_gradient_all_reduce(tmp_path: Path, capsys: pyt
     assert step["dp2"] == pytest.approx(step["single"] + overhead["dp2"])
 
 
+def test_plan_for_a_schedule_with_virtual_stages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    out = tmp_path / "zbv.json"
+    assert main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert (plan["virtual_stages"], plan["placement"], plan["num_stages"]) == (2, "v", 4)
+    assert [s["rank"] for s in plan["stages"]] == [0, 1, 1, 0] and set(plan["prediction"]["step_ms"]) == {"zbv"}
+    assert "optimal for: planned for the predicted step time of zbv" in " ".join(capsys.readouterr().out.split())
+    auto = tmp_path / "auto.json"
+    assert main(["plan", str(profile), "--stages", "2", "--schedule", "auto", "--virtual-stages", "2",
+                 "--out", str(auto)]) == 0
+    assert {o["schedule"] for o in json.loads(auto.read_text())["alternatives"]} == {"interleaved-1f1b", "zbv"}
+    assert "schedules planned by --schedule auto" in capsys.readouterr().out
+    assert main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--virtual-stages", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "'zbv' runs 2 stages per rank, not --virtual-stages 3" in err and len(err.strip().splitlines()) == 1
+
+
 def test_bad_dp_options_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "profile.json"
     assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0

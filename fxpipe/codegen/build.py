@@ -43,7 +43,9 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                     batch_size: int, microbatches: int, check: bool = True) -> Manifest:
     """Write the whole build directory of ``plan`` for ``traced`` to ``out_dir``; return its manifest.
 
-    ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors``, ``manifest.json``,
+    ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors`` (one pair per stage: with
+    ``plan.virtual_stages`` V > 1 the stages are chunks, V per rank, and the manifest records
+    each one's rank and the plan's schedule), ``manifest.json``,
     ``plan.json``, ``profile.json`` and ``report.html``, and nothing else: it is replaced
     as a whole once every file is written (a failure leaves it as it was). An ``out_dir``
     that is a file, is not writable, or holds files of its own is a BuildDirError.
@@ -71,7 +73,8 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                                       batch_size=batch_size, microbatches=microbatches,
                                       user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
                                       frontend=traced.frontend, units_of_stage=units_of_stage,
-                                      call=traced.call)
+                                      call=traced.call, stage_ranks=plan.stage_ranks,
+                                      schedule=plan.schedule)
         plan.to_json(staging / "plan.json")
         manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
         manifest.to_json(staging / "manifest.json")
@@ -95,22 +98,26 @@ def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str,
                out_dir: str | Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
                microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None = None,
                output_spec: Any = None, frontend: str = "symbolic",
-               units_of_stage: list[tuple[str, ...]] | None = None, call: CallSpec | None = None) -> Manifest:
+               units_of_stage: list[tuple[str, ...]] | None = None, call: CallSpec | None = None,
+               stage_ranks: tuple[int, ...] | None = None, schedule: str | None = None) -> Manifest:
     """Split ``gm`` by ``stage_of_node`` and write the stages and the manifest to ``out_dir``,
     replacing it as a whole (see ``write_build_dir``). ``call``: how the model's call binds to
-    the graph's placeholders (``TracedModel.call``; ``None``: positionally)."""
+    the graph's placeholders (``TracedModel.call``; ``None``: positionally). ``stage_ranks``: the
+    pipeline rank of each stage (default: stage i on rank i)."""
     with staged_build_dir(out_dir) as staging:
         return _emit_files(gm, model, stage_of_node, num_stages, Path(out_dir), staging, source=source,
                            microbatch=microbatch, batch_size=batch_size, microbatches=microbatches,
                            user_leaf_args=user_leaf_args, output_spec=output_spec, frontend=frontend,
-                           units_of_stage=units_of_stage, call=call)[0]
+                           units_of_stage=units_of_stage, call=call, stage_ranks=stage_ranks,
+                           schedule=schedule)[0]
 
 
 def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
                 out: Path, staging: Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
                 microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
                 output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None,
-                call: CallSpec | None) -> tuple[Manifest, SplitGraph]:
+                call: CallSpec | None, stage_ranks: tuple[int, ...] | None = None,
+                schedule: str | None = None) -> tuple[Manifest, SplitGraph]:
     """Write the stage files and the manifest into ``staging``; paths in them are relative to
     ``out``, the directory ``staging`` becomes. Returns the manifest and the split it was written from."""
     if batch_size != microbatch * microbatches:
@@ -135,7 +142,8 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
             source_sha256=file_sha256(py), weights_sha256=file_sha256(st),
             inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
             parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
-            units=tuple(units), imports_model_file=src.imports_model_file))
+            units=tuple(units), imports_model_file=src.imports_model_file,
+            rank=stage_ranks[sg.index] if stage_ranks and stage_ranks[sg.index] != sg.index else None))
     spec_json, output_modules = dump_output_spec(output_spec)
     manifest = Manifest(
         model_file=model_file_reference(source.path, out) if source else "", model_fn=source.model_fn if source else "",
@@ -143,7 +151,8 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         microbatch_size=microbatch, inputs=tuple(split.boundary[k] for k in split.model_inputs),
         ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
         frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
-        microbatches=microbatches, training=model.training, torch_version=torch.__version__)
+        microbatches=microbatches, training=model.training, torch_version=torch.__version__,
+        schedule=schedule)
     manifest.to_json(staging / "manifest.json")
     return manifest, split
 

@@ -104,6 +104,7 @@ class StageManifest:
     units: tuple[str, ...] = ()
     constants: tuple[str, ...] = ()  # non-persistent buffers: in the weights file, not in state_dict()
     imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
+    rank: NonNegInt | None = None  # the pipeline rank that runs this stage (chunk); None: its index
 
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants"):
@@ -113,6 +114,11 @@ class StageManifest:
             if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
                 raise BuildDirError(f"stage {self.index}: {name} {value!r} is not a file name inside the build "
                                     "directory")
+
+    @property
+    def pipeline_rank(self) -> int:
+        """The pipeline rank that runs this stage: ``rank``, or its index in a build of one stage per rank."""
+        return self.index if self.rank is None else self.rank
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,9 @@ class Manifest:
     ``fxpipe.tracer.call``; ``None``: positionally, in order: see ``call_spec``);
     ``output_modules`` are the modules to import before reading ``output_spec`` (Note
     [output structure] in ``fxpipe.codegen.outputs``).
+    Its ``stages`` are the build's chunks: with ``--virtual-stages V`` each pipeline rank
+    runs V of them (``StageManifest.rank``, placed loop- or V-style; ``stage_ranks``), and
+    ``schedule`` names the schedule the build was planned for.
     """
 
     model_file: str
@@ -161,6 +170,7 @@ class Manifest:
     call: CallSpec | None = None
     output_modules: tuple[str, ...] = ()
     plan_sha256: str = ""  # of plan.json ("" in builds without one, and in builds written before it was recorded)
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -175,6 +185,26 @@ class Manifest:
         for i, s in enumerate(self.stages):
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
+        ranks = self.stage_ranks
+        if ranks and (set(ranks) != set(range(max(ranks) + 1)) or len(ranks) % (max(ranks) + 1)
+                      or any(ranks.count(r) != len(ranks) // (max(ranks) + 1) for r in set(ranks))):
+            raise BuildDirError(f"manifest stage ranks {list(ranks)} do not give every rank 0..{max(ranks)} the same "
+                                "number of stages; rebuild the directory")
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of every stage (chunk)."""
+        return tuple(s.pipeline_rank for s in self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks (processes per pipeline replica): the stages over ``virtual_stages``."""
+        return 1 + max(self.stage_ranks, default=0)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages (chunks) each pipeline rank runs."""
+        return max(1, self.num_stages // self.num_ranks)
 
     def model_path(self, build_dir: str | Path) -> Path:
         """The model file: ``model_file`` is stored relative to the build directory, so the

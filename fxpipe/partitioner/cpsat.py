@@ -7,7 +7,10 @@ ge[v][s]`` (so is the order of random units, Note [random order] in problem.py),
 and the stage ranges they imply fix variables up front. For each tensor t and stage s,
 ``recv[t][s] >= on(c, s) - ge[p][s]`` for every consumer c (s receives t when it holds
 a consumer but not the producer p); the producer's stage sends ``n_t = sum_s
-recv[t][s]`` messages, linearised as ``w[t][a] >= n_t - M (1 - on(p, a))``. The model
+recv[t][s]`` messages, linearised as ``w[t][a] >= n_t - M (1 - on(p, a))``. With several
+stages per rank, a receive is a message only when no stage of s's rank holds p:
+``remote[t][s] >= recv[t][s] - sum on(p, q)`` over those stages q, which replaces
+``recv[t][s]`` in time and memory (Note [stage cost]: such tensors are handed over). The model
 only bounds these from below, which is exact at the optimum since they only add cost.
 Times are floored to integers of 10 ns, so the proven bound is a valid
 lower bound for the float cost model; memory is in bytes. The bottleneck ``T`` bounds
@@ -123,7 +126,9 @@ class _Model:
         self.msg = [math.floor(p.cost.message_ms(t.nbytes) * (2 if t.requires_grad else 1) * SCALE)
                     for t in p.tensors]
         self.recv: dict[int, dict[int, Any]] = {}
+        self.held: dict[int, dict[int, Any]] = {}   # stages whose rank-mate may hold the producer: any receive
         self.w: dict[int, dict[int, Any]] = {}
+        ranks = p.stage_ranks
         for t in p.tensors:
             self._tick()
             pr = t.producer
@@ -135,7 +140,15 @@ class _Model:
                         if self.lo[c] <= s <= self.hi[c]:
                             m.add(var >= self.on(c, s) - self.ge[pr][s])
                     recv[s] = var
+            held: dict[int, Any] = {}
+            for s, var in list(recv.items()):  # a producer on a stage of the same rank sends no message
+                mates = [q for q in range(self.lo[pr], min(s, self.hi[pr] + 1)) if ranks[q] == ranks[s]]
+                if mates:
+                    remote = m.new_bool_var(f"remote_{pr}_{s}")
+                    m.add(remote >= var - sum(self.on(pr, q) for q in mates))
+                    held[s], recv[s] = var, remote
             self.recv[id(t)] = recv
+            self.held[id(t)] = held
             big = min(len(t.consumers), len(recv))
             sends: dict[int, Any] = {}
             if recv:
@@ -148,32 +161,42 @@ class _Model:
             self.w[id(t)] = sends
 
     def _memory(self) -> list[Any]:
+        """Per rank (per stage with one stage per rank): its memory (Note [stage cost])."""
         p, m, S = self.p, self.m, self.p.num_stages
         users: dict[int, list[int]] = {}
         for u, ps in enumerate(p.unit_params):
             for q in ps:
                 users.setdefault(q, []).append(u)
         out = []
-        for s in range(S):
+        for r in range(p.num_ranks):
+            mine = [s for s in range(S) if p.stage_ranks[s] == r]
             self._tick()
-            k = p.in_flight(s)
-            expr = sum((p.buffer_bytes[u] + k * p.activation_bytes[u]) * self.on(u, s)
-                       for u in range(p.num_units) if self.lo[u] <= s <= self.hi[u])
+            expr: Any = 0
             for q, us in users.items():
-                here = [u for u in us if self.lo[u] <= s <= self.hi[u]]
+                here = [(u, s) for s in mine for u in us if self.lo[u] <= s <= self.hi[u]]
                 if here:
-                    var = m.new_bool_var(f"param_{q}_{s}")
-                    for u in here:
+                    var = m.new_bool_var(f"param_{q}_{r}")
+                    for u, s in here:
                         m.add(var >= self.on(u, s))
                     expr += p.state_factor * p.param_bytes[q] * var
-            held = p.grads_held(s)
-            for t in p.tensors:  # received x in flight, its gradient sent back x held, sent x M
-                if s in self.recv[id(t)]:
-                    expr += (k + (held if t.requires_grad else 0)) * t.nbytes * self.recv[id(t)][s]
-                if s in self.w[id(t)]:
-                    expr += p.microbatches * t.nbytes * self.w[id(t)][s]
+            for s in mine:
+                expr += self._stage_buffers(s)
             out.append(expr)
         return out
+
+    def _stage_buffers(self, s: int) -> Any:
+        """Buffers, activations and boundary buffers of stage ``s``."""
+        p = self.p
+        k = p.in_flight(s)
+        expr = sum((p.buffer_bytes[u] + k * p.activation_bytes[u]) * self.on(u, s)
+                   for u in range(p.num_units) if self.lo[u] <= s <= self.hi[u])
+        held = p.grads_held(s)
+        for t in p.tensors:  # received x in flight, its gradient sent back x held, sent x M
+            if s in self.recv[id(t)]:
+                expr += (k + (held if t.requires_grad else 0)) * t.nbytes * self.recv[id(t)][s]
+            if s in self.w[id(t)]:
+                expr += p.microbatches * t.nbytes * self.w[id(t)][s]
+        return expr
 
     def hint(self, assignment: Sequence[int]) -> None:
         """Tell CP-SAT where the given assignment puts every variable."""
@@ -181,13 +204,17 @@ class _Model:
             for s, var in enumerate(row):
                 if not isinstance(var, int):
                     self.m.add_hint(var, int(assignment[u] >= s))
+        ranks = self.p.stage_ranks
         for t in self.p.tensors:
             a = assignment[t.producer]
             dests = {assignment[c] for c in t.consumers} - {a}
-            for s, var in self.recv[id(t)].items():
+            for s, var in self.held[id(t)].items():
                 self.m.add_hint(var, int(s in dests))
+            remote = {d for d in dests if ranks[d] != ranks[a]}
+            for s, var in self.recv[id(t)].items():
+                self.m.add_hint(var, int(s in remote))
             for s, var in self.w[id(t)].items():
-                self.m.add_hint(var, len(dests) if s == a else 0)
+                self.m.add_hint(var, len(remote) if s == a else 0)
 
     def assignment(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         return tuple(sum(int(solver.value(v)) if not isinstance(v, int) else v for v in row[1:-1])

@@ -75,12 +75,13 @@ def range_memory(problem: PartitionProblem, stage: int) -> np.ndarray:
     """``M[i, k]``: memory of stage ``stage`` if it held units ``[i, k)`` (valid for i < k);
     exact on a chain, an upper bound on a branching graph (``cut_bytes``)."""
     k_in = problem.in_flight(stage)
+    start, end = problem.cut_factors(stage)
     own = np.asarray(problem.buffer_bytes, float) + k_in * np.asarray(problem.activation_bytes, float)
     w = np.concatenate(([0.0], np.cumsum(own)))
     recv, recv_grad, send = cut_bytes(problem)
     mem = problem.state_factor * _distinct_params(problem) + (w[None, :] - w[:, None])
     held = problem.grads_held(stage)
-    return mem + (k_in * recv + held * recv_grad)[:, None] + problem.microbatches * send[None, :]
+    return mem + start * (k_in * recv + held * recv_grad)[:, None] + end * problem.microbatches * send[None, :]
 
 
 def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, pin_ok: list[np.ndarray],
@@ -92,13 +93,14 @@ def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, 
     f = np.full(n + 1, np.inf)
     f[0] = 0.0
     choice = []
-    mems: dict[int, np.ndarray] = {}
+    mems: dict[tuple[int, float, float], np.ndarray] = {}
     for j in range(S):
-        k_in = problem.in_flight(j)
-        if limit is not None and k_in not in mems:
-            mems[k_in] = range_memory(problem, j) <= limit
-        cost = (prefix[None, :] - prefix[:, None]) / speeds[j] + cut[:, None] + cut[None, :]
-        ok = upper if limit is None else upper & mems[k_in]
+        key = (problem.in_flight(j), *problem.cut_factors(j))
+        if limit is not None and key not in mems:
+            mems[key] = range_memory(problem, j) <= limit
+        a_j, b_j = problem.cut_factors(j)
+        cost = (prefix[None, :] - prefix[:, None]) / speeds[j] + a_j * cut[:, None] + b_j * cut[None, :]
+        ok = upper if limit is None else upper & mems[key]
         cand = np.where(ok, np.maximum(f[:, None], cost), np.inf)
         arg = np.argmin(cand, axis=0)
         f = cand[arg, np.arange(n + 1)]

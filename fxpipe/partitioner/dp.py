@@ -35,7 +35,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fxpipe.errors import InfeasibleError
+from fxpipe.errors import InfeasibleError, ScheduleError
 from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.dense import DENSE_MAX_UNITS, cut_bytes, dense_split
 from fxpipe.partitioner.dominance import ThresholdMin
@@ -88,12 +88,14 @@ def _memory_terms(problem: PartitionProblem, stage: int) -> tuple[np.ndarray, np
     """``a, b`` with ``range_memory(problem, j)[i, k] == a[k] - b[i]`` for a stage holding
     ``in_flight(stage)`` microbatches, when no parameter is shared (Note [chain DP])."""
     k_in = problem.in_flight(stage)
+    start, end = problem.cut_factors(stage)
     own = np.array([problem.state_factor * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params],
                    dtype=float)
     own += np.asarray(problem.buffer_bytes, dtype=float) + k_in * np.asarray(problem.activation_bytes, dtype=float)
     w = np.concatenate(([0.0], np.cumsum(own)))
     recv, recv_grad, send = cut_bytes(problem)
-    return w + problem.microbatches * send, w - k_in * recv - problem.grads_held(stage) * recv_grad
+    return (w + end * problem.microbatches * send,
+            w - start * (k_in * recv + problem.grads_held(stage) * recv_grad))
 
 
 class _Chain:
@@ -112,14 +114,14 @@ class _Chain:
         self.terms: list[tuple[np.ndarray, np.ndarray]] = []
         if limit is not None:
             assert not _shares_params(problem), "shared parameters need dense_split"
-            by_k: dict[int, tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]] = {}
+            by_k: dict[tuple[int, float, float], tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]] = {}
             for j in range(problem.num_stages):
-                k_in = problem.in_flight(j)
-                if k_in not in by_k:
+                key = (problem.in_flight(j), *problem.cut_factors(j))
+                if key not in by_k:
                     a, b = _memory_terms(problem, j)
-                    by_k[k_in] = (ThresholdMin(b, a - limit), (a, b))
-                self.fits.append(by_k[k_in][0])
-                self.terms.append(by_k[k_in][1])
+                    by_k[key] = (ThresholdMin(b, a - limit), (a, b))
+                self.fits.append(by_k[key][0])
+                self.terms.append(by_k[key][1])
 
     def _best_start(self, j: int, g: np.ndarray) -> np.ndarray:
         """``out[k]``: least ``g[i]`` over starts i < k whose stage [i, k) fits in memory."""
@@ -134,9 +136,10 @@ class _Chain:
         reach[0] = True
         layers = []
         for j in range(S):
-            g = np.where(reach, self.cut - self.prefix / self.speeds[j], np.inf)
+            start, end = self.problem.cut_factors(j)
+            g = np.where(reach, start * self.cut - self.prefix / self.speeds[j], np.inf)
             best = self._best_start(j, g)
-            h = T - self.cut - self.prefix / self.speeds[j]
+            h = T - end * self.cut - self.prefix / self.speeds[j]
             tol = _REL_TOL * max(T, 1e-12) if np.isfinite(T) else 0.0
             reach = np.isfinite(best) & (best <= h + tol) & self.pin_ok[j]
             reach[0] = False
@@ -155,7 +158,8 @@ class _Chain:
             if self.limit is not None:
                 a, b = self.terms[j]
                 prev_ok = prev_ok & (b[:k] >= a[k] - self.limit)
-            cost = (self.prefix[k] - self.prefix[starts]) / self.speeds[j] + self.cut[starts] + self.cut[k]
+            a_j, b_j = self.problem.cut_factors(j)
+            cost = (self.prefix[k] - self.prefix[starts]) / self.speeds[j] + a_j * self.cut[starts] + b_j * self.cut[k]
             cost = np.where(prev_ok, cost, np.inf)
             i = int(starts[int(np.argmin(cost))])
             assert np.isfinite(cost.min()) and cost.min() <= T * (1 + 1e-9) + 1e-12, "DP backtrack lost its path"
@@ -223,17 +227,21 @@ def solve_chain_dp(problem: PartitionProblem, *, optimize: str = "speed", slack:
     >>> sol = solve_chain_dp(build_problem(profile, 4))   # doctest: +SKIP
     """
     start = time.perf_counter()
-    found = _split(problem, problem.memory_limit, lower_bound_ms)
+    found = _split(problem, problem.stage_memory_limit, lower_bound_ms)
     if found is None:
         raise InfeasibleError(_infeasible_message(problem))
     value, assignment = found
     if optimize == "memory":
         assignment = _min_memory_at(problem, value * (1 + slack), assignment)
-    exact = problem.is_chain
+    # with several stages per rank under a memory limit, each stage was held to an even share of
+    # it (a sufficient condition), so the optimum found is not a bound for every valid split
+    exact = problem.is_chain and (problem.virtual_stages == 1 or problem.memory_limit is None)
     return Solution(
         assignment=assignment, solver="dp", optimal=exact and optimize == "speed",
         bound_ms=value if exact else None, seconds=time.perf_counter() - start,
-        status="exact on a chain" if exact else "contiguous split; communication approximated on a branching graph",
+        status=("exact on a chain" if exact else
+                "contiguous split; communication approximated on a branching graph" if not problem.is_chain else
+                f"contiguous split; each stage held to 1/{problem.virtual_stages} of the memory limit"),
     )
 
 
@@ -261,7 +269,12 @@ def min_memory_limit(problem: PartitionProblem) -> int | None:
     found = _split(free, None)
     if found is None:
         return None
-    hi = evaluate(free, found[1]).peak_memory_bytes
+
+    def stage_peak(assignment: tuple[int, ...]) -> int:
+        return max(s.memory_bytes for s in evaluate(free, assignment).stages)
+
+    best = found[1]
+    hi = stage_peak(best)
     lo = 0
     while hi - lo > max(1, hi // 10**6):
         mid = (lo + hi) // 2
@@ -269,8 +282,9 @@ def min_memory_limit(problem: PartitionProblem) -> int | None:
         if got is None:
             lo = mid
         else:
-            hi = min(mid, evaluate(free, got[1]).peak_memory_bytes)
-    return int(hi)
+            best = got[1]
+            hi = min(mid, stage_peak(best))
+    return int(hi) if problem.virtual_stages == 1 else evaluate(free, best).peak_memory_bytes
 
 
 def _infeasible_message(problem: PartitionProblem) -> str:
@@ -280,18 +294,24 @@ def _infeasible_message(problem: PartitionProblem) -> str:
     need = min_memory_limit(problem)
     more = _stages_needed(problem)
     hint = f"use {more} stages or " if more else ""
-    need_text = (f"the least that fits {problem.num_stages} stages is {format_size(need)} ({need} bytes)"
+    what = f"{problem.num_stages} stages" + (f" ({problem.num_ranks} ranks x {problem.virtual_stages})"
+                                             if problem.virtual_stages > 1 else "")
+    need_text = (f"the least that fits {what} is {format_size(need)} ({need} bytes)"
                  if need is not None else "the pins rule out every split")
-    return (f"no split into {problem.num_stages} stages fits the memory limit of "
+    return (f"no split into {what} fits the memory limit of "
             f"{format_size(problem.memory_limit)} ({problem.memory_limit} bytes) per device: {need_text}; "
             f"{hint}raise the limit (or use a lighter optimizer / fewer microbatches)")
 
 
 def _stages_needed(problem: PartitionProblem) -> int | None:
-    """The fewest stages (up to about 4x more) whose split fits the memory limit."""
-    for S in range(problem.num_stages + 1, min(problem.num_units, 4 * problem.num_stages + 8) + 1):
-        trial = replace(problem, num_stages=S, cost=replace(problem.cost, device_speed=()),
+    """The fewest pipeline ranks (up to about 4x more) whose split fits the memory limit."""
+    V, ranks = problem.virtual_stages, problem.num_ranks
+    for S in range(ranks + 1, min(problem.num_units // V, 4 * ranks + 8) + 1):
+        trial = replace(problem, num_stages=S * V, cost=replace(problem.cost, device_speed=()),
                         pins=tuple(None for _ in problem.pins))
-        if _split(trial, problem.memory_limit) is not None:
-            return S
+        try:
+            if _split(trial, problem.stage_memory_limit) is not None:
+                return S
+        except ScheduleError:  # the schedule does not exist for S ranks (interleaved rounds)
+            continue
     return None

@@ -13,7 +13,7 @@ from pathlib import Path
 from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.report import module_range
-from fxpipe.partitioner.schedule import Timeline, simulate_schedule
+from fxpipe.partitioner.schedule import Timeline
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["write_html_report", "render_html_report"]
@@ -94,24 +94,24 @@ def _bars_svg(values: list[float], reference: float, labels: list[str], unit: st
 
 
 def _timeline_svg(line: Timeline, width: int = 1100) -> str:
-    """Stages x time; F boxes solid, B boxes lighter, labelled with the microbatch."""
-    S = line.num_stages
+    """Ranks x time, coloured by stage; F boxes solid, B lighter, W lightest, labelled with the microbatch."""
+    R = line.num_ranks
     lane, left = 26, 60
     scale = (width - left - 10) / (line.step_ms or 1.0)
     parts = []
-    for i in range(S):
-        parts.append(f'<text x="4" y="{i * lane + 17}">stage {i}</text>')
+    for i in range(R):
+        parts.append(f'<text x="4" y="{i * lane + 17}">rank {i}</text>')
     for op in line.ops:
         x = left + op.start_ms * scale
         w = max((op.end_ms - op.start_ms) * scale, 0.5)
-        y = op.stage * lane + 2
-        opacity = "1" if op.kind == "F" else "0.55"
+        y = (op.rank if op.rank >= 0 else op.stage) * lane + 2
+        opacity = {"F": "1", "B": "0.6", "W": "0.3"}.get(op.kind, "1")
         parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane - 4}" fill="{_color(op.stage)}" '
                      f'opacity="{opacity}" stroke="#fff" stroke-width="0.5"><title>{op} {op.start_ms:.2f}-'
                      f'{op.end_ms:.2f} ms</title></rect>')
         if w > 18:
             parts.append(f'<text x="{x + 3:.1f}" y="{y + 15}" style="fill:#fff">{op.kind}{op.microbatch}</text>')
-    height = S * lane + 22
+    height = R * lane + 22
     parts.append(f'<text x="{left}" y="{height - 4}">0 ms</text>')
     parts.append(f'<text x="{width - 80}" y="{height - 4}">{line.step_ms:.2f} ms</text>')
     return f'<svg width="{width}" height="{height}" role="img" aria-label="schedule timeline">{"".join(parts)}</svg>'
@@ -121,10 +121,11 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile) -> str:
     """The report page as a string (see ``write_html_report``)."""
     pred = plan.prediction
     paths = {u.name: u.module_path for u in profile.units}
-    line = simulate_schedule([s.fwd_ms + s.comm_fwd_ms for s in plan.stages],
-                             [s.bwd_ms + s.comm_bwd_ms for s in plan.stages], plan.microbatches, plan.schedule)
+    line = plan.timeline()
+    ranks = plan.stage_ranks
     stage_rows = "".join(
         f'<tr><td class="l"><span class="swatch" style="background:{_color(s.index)}"></span>{s.index}</td>'
+        f"<td>{ranks[s.index]}</td>"
         f'<td class="l">{escape(module_range([paths.get(u, u) for u in s.units]))}</td><td>{len(s.units)}</td>'
         f"<td>{s.compute_ms:.3f}</td><td>{s.comm_ms:.3f}</td><td>{s.stage_ms:.3f}</td>"
         f"<td>{format_size(s.memory_bytes)}</td></tr>"
@@ -143,7 +144,7 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile) -> str:
     base_rows.append(f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.000</td><td></td><td></td>'
                      f'<td class="l">{escape(", ".join(f"{k} {v:.3f}" for k, v in plan.lower_bounds.items()))}</td></tr>')
     times = [s.stage_ms for s in plan.stages]
-    mems = [float(s.memory_bytes) for s in plan.stages]
+    mems = [float(m) for m in plan.rank_memory_bytes] or [float(s.memory_bytes) for s in plan.stages]
     mem_ref = float(plan.memory_limit) if plan.memory_limit else max(mems)
     mem_label = f"limit {format_size(plan.memory_limit)}" if plan.memory_limit else "no limit (peak shown)"
     title = escape(profile.model.title)
@@ -154,28 +155,51 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>fxpipe plan: {title}</title><style>{_CSS}</style></head>
 <body>
 <h1>fxpipe pipeline plan: {title}</h1>
-<div class="sub">{plan.num_stages} stages, {len(profile.units)} units, solver {escape(plan.solver)}
-{"(proven optimal)" if plan.optimal else f"(gap to lower bound {plan.gap:.2%})"}, schedule {plan.schedule},
-{plan.microbatches} microbatches of {plan.microbatch_size}, link {escape(plan.cost.link)}</div>
+<div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
+{escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size},
+link {escape(plan.cost.link)}. {escape(plan.optimal_for)}.</div>
 <div><span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
-{kpis}<span class="kpi"><b>{format_size(max(mems))}</b>peak stage memory</span></div>
+{kpis}<span class="kpi"><b>{format_size(max(mems))}</b>peak rank memory</span></div>
 <h2>Units by stage (execution order)</h2>
 {_graph_svg(plan, profile)}
 <h2>Stages</h2>
-<table><tr><th class="l">stage</th><th class="l">modules</th><th>units</th><th>compute ms</th><th>comm ms</th>
+<table><tr><th class="l">stage</th><th>rank</th><th class="l">modules</th><th>units</th><th>compute ms</th><th>comm ms</th>
 <th>stage ms</th><th>memory</th></tr>{stage_rows}</table>
 <h2>Stage time (compute solid, communication light) vs the bottleneck</h2>
 {_bars_svg(times, plan.bottleneck_ms, [f"{t:.3f} ms" for t in times], "time", f"bottleneck {plan.bottleneck_ms:.3f} ms",
            split=[s.compute_ms for s in plan.stages])}
-<h2>Stage memory vs the limit</h2>
+<h2>Rank memory vs the limit</h2>
 {_bars_svg(mems, mem_ref, [format_size(m) for m in mems], "memory", mem_label)}
 <h2>Baselines (same cost model)</h2>
 <table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x lower bound</th><th>x plan</th>
 <th>step ms</th><th class="l">note</th></tr>{"".join(base_rows)}</table>
-<h2>Schedule timeline ({plan.schedule}, one step; F solid, B light)</h2>
+<h2>Schedule timeline ({plan.schedule}, one step; F solid, B light, W lightest)</h2>
 {_timeline_svg(line)}
+{_alternatives_html(plan)}
 </body></html>
 """
+
+
+def _alternatives_html(plan: PartitionPlan) -> str:
+    """``--schedule auto``: every schedule it planned, with its own split's timeline."""
+    if not plan.alternatives:
+        return ""
+    rows, lines = [], []
+    for o in plan.alternatives:
+        step = f"{o.step_ms:.2f}" if o.step_ms is not None else ""
+        bubble = f"{o.bubble:.1%}" if o.bubble is not None else ""
+        mem = format_size(o.peak_memory_bytes) if o.peak_memory_bytes is not None else ""
+        best = ' class="best"' if o.chosen else ""
+        rows.append(f'<tr{best}><td class="l">{escape(o.schedule)}</td>'
+                    f"<td>{o.virtual_stages}</td><td>{step}</td><td>{bubble}</td><td>{mem}</td>"
+                    f'<td class="l">{escape(o.note)}</td></tr>')
+        line = o.timeline(plan.microbatches)
+        if line is not None:
+            lines.append(f"<h3>{escape(o.schedule)} (V={o.virtual_stages}){' — chosen' if o.chosen else ''}</h3>"
+                         + _timeline_svg(line))
+    return ("<h2>Schedules planned by --schedule auto (the least predicted step wins)</h2>"
+            '<table><tr><th class="l">schedule</th><th>V</th><th>step ms</th><th>bubble</th><th>peak memory</th>'
+            f'<th class="l">note</th></tr>{"".join(rows)}</table>' + "".join(lines))
 
 
 def write_html_report(plan: PartitionPlan, profile: ModelProfile, path: str | Path) -> Path:

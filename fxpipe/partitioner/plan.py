@@ -1,9 +1,15 @@
 """``PartitionPlan``: which stage runs each unit, and what that is predicted to cost.
 
 It is the contract between the partitioner and codegen (``stages[i].units``,
-``stage_of``) and carries every prediction (stage times, memory, step time, bubble,
-throughput) so the runtime and benchmarks can check them against measurements.
-Times are milliseconds per microbatch unless named ``step``; sizes are bytes.
+``stage_of``, ``stages[i].rank``) and carries every prediction (stage times, memory,
+step time, bubble, throughput) so the runtime and benchmarks can check them against
+measurements. Times are milliseconds per microbatch unless named ``step``; sizes are
+bytes. With ``virtual_stages`` V > 1 the stages are the build's chunks, V per rank.
+
+What is optimal: the plan's objective (``objective == "step"``) is the predicted step
+time of its schedule, the best of several candidate splits (Note [planning for step
+time] in ``fxpipe.partitioner.refine``), not a proven optimum; ``optimal`` and ``gap``
+speak of the bottleneck stage time, which the exact solvers prove.
 
 Reading a plan checks every field against its type hint (``fxpipe.schema``). Schema
 version 1 (the same fields, with a prediction that did not name its schedule) is read
@@ -22,9 +28,11 @@ from fxpipe.errors import PartitionError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.partitioner.prediction import Prediction
+from fxpipe.partitioner.schedule import ActionKind, Timeline, make_schedule, simulate_step
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 
-__all__ = ["StageMemory", "StagePlan", "BaselineReport", "PartitionPlan", "PLAN_SCHEMA_VERSION"]
+__all__ = ["StageMemory", "StagePlan", "BaselineReport", "ScheduleOption", "PartitionPlan", "PLAN_SCHEMA_VERSION",
+           "stage_timeline"]
 
 PLAN_SCHEMA_VERSION = 2  # 2: typed prediction (names its schedule; derived figures are properties)
 _OLDEST_READABLE = 1
@@ -71,6 +79,8 @@ class StagePlan:
     in_flight: NonNegInt = 1
     speed: NonNegFloat = 1.0
     dp_allreduce_ms: NonNegFloat = 0.0
+    bwd_weight_ms: NonNegFloat = 0.0   # of bwd_ms, the weight gradients (a zero-bubble schedule's W)
+    rank: NonNegInt | None = None      # the pipeline rank that runs it; None: its index
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -95,6 +105,27 @@ class BaselineReport:
     feasible: bool = True
     violations: tuple[str, ...] = ()
 
+
+@dataclass(frozen=True)
+class ScheduleOption:
+    """One schedule that ``--schedule auto`` planned: its own split's predicted step, bubble and
+    peak rank memory, and whether it fits (``note`` says why not, or what limits it)."""
+
+    schedule: str
+    virtual_stages: PositiveInt = 1
+    step_ms: NonNegFloat | None = None
+    bubble: NonNegFloat | None = None
+    peak_memory_bytes: NonNegInt | None = None
+    feasible: bool = True
+    chosen: bool = False
+    note: str = ""
+    stage_times: tuple[tuple[NonNegFloat, NonNegFloat, NonNegFloat], ...] = ()  # per stage: F, B, W-part ms
+
+    def timeline(self, microbatches: int) -> Timeline | None:
+        """Its split's step timeline (communication in the stage times), for the report."""
+        if not self.stage_times:
+            return None
+        return stage_timeline(self.schedule, self.virtual_stages, microbatches, self.stage_times)
 
 @dataclass(frozen=True)
 class PartitionPlan:
@@ -127,6 +158,11 @@ class PartitionPlan:
     lower_bounds: dict[str, NonNegFloat] = field(default_factory=dict)
     status: str = ""
     schema_version: int = PLAN_SCHEMA_VERSION
+    virtual_stages: PositiveInt = 1
+    placement: str = "loop"
+    objective: str = "bottleneck"   # "step": the predicted step time of the schedule; older plans: the bottleneck
+    rank_memory_bytes: tuple[NonNegInt, ...] = ()
+    alternatives: tuple[ScheduleOption, ...] = ()   # --schedule auto: every schedule it planned
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -143,6 +179,39 @@ class PartitionPlan:
         if self.prediction is not None and self.prediction.schedule != self.schedule:
             raise PartitionError(f"the plan's schedule is {self.schedule!r} but its prediction is for "
                                  f"{self.prediction.schedule!r}")
+        if self.num_stages % self.virtual_stages:
+            raise PartitionError(f"the plan has {self.num_stages} stages, not a multiple of its "
+                                 f"{self.virtual_stages} virtual stages per rank")
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks (processes per replica): the stages over ``virtual_stages``."""
+        return self.num_stages // self.virtual_stages
+
+    @property
+    def stage_times(self) -> tuple[tuple[float, float, float], ...]:
+        """Per stage: forward, backward (each with its messages) and the weight-gradient part, ms."""
+        return tuple((s.fwd_ms + s.comm_fwd_ms, s.bwd_ms + s.comm_bwd_ms, s.bwd_weight_ms) for s in self.stages)
+
+    def timeline(self, schedule: str | None = None) -> Timeline:
+        """The simulated step of this split under ``schedule`` (default the plan's), from the stage
+        times alone (no runtime overheads): what the report draws."""
+        return stage_timeline(schedule or self.schedule, self.virtual_stages, self.microbatches, self.stage_times)
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of every stage."""
+        return tuple(s.index if s.rank is None else s.rank for s in self.stages)
+
+    @property
+    def optimal_for(self) -> str:
+        """What the plan is optimal for, in words (reports print it)."""
+        proven = "the bottleneck stage time is proven minimal" if self.optimal else \
+            f"the bottleneck stage time is within {self.gap:.1%} of its lower bound"
+        if self.objective != "step":
+            return f"planned for the bottleneck stage time: {proven}"
+        return (f"planned for the predicted step time of {self.schedule} (the best of the candidate splits, "
+                f"not a proven optimum); {proven}")
 
     @cached_property
     def _stage_index(self) -> dict[str, int]:
@@ -207,6 +276,25 @@ class PartitionPlan:
     def from_json(cls, source: str | Path) -> PartitionPlan:
         """Load from a path or a JSON string."""
         return cls.from_dict(load_json(source, "plan", PartitionError))
+
+
+def stage_timeline(schedule: str, virtual_stages: int, microbatches: int,
+                   stage_times: tuple[tuple[float, float, float], ...]) -> Timeline:
+    """The step simulator (Note [step simulation]) on per-stage F, B and W-part times: a split
+    backward runs ``B - W`` in ``B`` and ``W`` in ``W``."""
+    ranks = len(stage_times) // virtual_stages
+    plan = make_schedule(schedule, ranks, microbatches, virtual_stages)
+    split = plan.split_backward()
+
+    def duration(a: Any) -> float:
+        fwd, bwd, w = stage_times[a.stage]
+        if a.kind is ActionKind.FORWARD:
+            return fwd
+        if a.kind is ActionKind.WEIGHT:
+            return w
+        return bwd - w if (a.stage, a.microbatch) in split else bwd
+
+    return simulate_step(plan, duration)
 
 
 def _completed(d: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """``plan_partition``: profile in, ``PartitionPlan`` out (solver choice, bound, baselines, prediction).
 
-Orchestration only: build the problem, run the solvers, keep the best split, and price
-it (``fxpipe.partitioner.prediction`` predicts the step, Note [step prediction]).
+Orchestration only: build the problem, run the solvers, keep the split with the least
+predicted step time of the schedule (Note [planning for step time] in
+``fxpipe.partitioner.refine``), and price it (``fxpipe.partitioner.prediction``, Note
+[step prediction]). ``schedule="auto"`` plans every schedule and keeps the fastest
+(``fxpipe.partitioner.auto``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
 from fxpipe.partitioner.pins import stage_ranges
 from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
-from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, predict
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, predict, simulate_plan, step_overheads
 from fxpipe.partitioner.problem import (
     Evaluation,
     PartitionProblem,
@@ -27,10 +30,12 @@ from fxpipe.partitioner.problem import (
     build_problem,
     evaluate,
 )
+from fxpipe.partitioner.refine import is_contiguous, refine_split
+from fxpipe.partitioner.schedule import AUTO
 from fxpipe.partitioner.solution import Solution
 from fxpipe.tracer.profile import ModelProfile
 
-__all__ = ["plan_partition", "plan_from_assignment", "SOLVERS", "CPSAT_MAX_VARIABLES"]
+__all__ = ["plan_partition", "plan_from_assignment", "SOLVERS", "CPSAT_MAX_VARIABLES", "step_time_of"]
 
 SOLVERS = ("auto", "dp", "cpsat", *BASELINES)
 CPSAT_MAX_VARIABLES = 200_000  # auto skips CP-SAT above units x stages x (1 + tensors/unit)
@@ -39,48 +44,87 @@ _TIE_REL = 1e-9                # bottlenecks this close (relative) are equal; th
 _BOUND_TOL = 1e-6              # a lower bound may exceed the plan's bottleneck by float noise only
 _PRICING_SHARE = 0.1           # of the time limit, kept for pricing the plan after CP-SAT
 _MIN_CPSAT_S = 0.05            # less than this left: auto skips CP-SAT
+_REFINE_SHARE = 0.25           # of the time limit, kept for the local search for step time (at most 2 s)
+
+
+def step_time_of(problem: PartitionProblem, runtime: RuntimeCosts) -> Callable[[tuple[int, ...]], float]:
+    """The planner's objective: a split's predicted step time under ``problem.schedule``."""
+    def step_ms(assignment: tuple[int, ...]) -> float:
+        ev = evaluate(problem, assignment)
+        line = simulate_plan(problem, assignment, runtime, evaluation=ev)
+        return line.step_ms + step_overheads(problem, assignment, runtime).total_ms
+    return step_ms
 
 
 def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "auto", schedule: str = "1f1b",
                    microbatches: int = 1, cost: CostModel | None = None, memory_limit: int | None = None,
-                   time_limit: float = 10.0, optimize: str = "speed") -> PartitionPlan:
-    """Split ``profile``'s units into ``num_stages`` pipeline stages.
+                   time_limit: float = 10.0, optimize: str = "speed",
+                   virtual_stages: int | None = None, objective: str = "step") -> PartitionPlan:
+    """Split ``profile``'s units into ``num_stages`` pipeline ranks of ``virtual_stages`` stages each.
 
-    ``solver``: ``auto`` (exact DP on contiguous splits, then CP-SAT over the DAG when the
-    graph branches or the memory limit binds; the better plan wins), ``dp``, ``cpsat``, or a baseline (``uniform``, ``params``, ``greedy``).
-    ``optimize="memory"`` minimises peak stage memory among plans within 1% of the best
-    bottleneck. The baselines are always evaluated and reported beside the plan.
-    ``time_limit`` bounds the whole call: CP-SAT gets what the steps before it left (Note
-    [CP-SAT time budget] in ``fxpipe.partitioner.cpsat``); the exact DP and the baselines,
-    which every plan needs, always run to the end.
+    The objective is the predicted step time of ``schedule`` (Note [planning for step
+    time]); ``schedule="auto"`` plans every schedule (and stages per rank) that fits and
+    keeps the fastest, listing the others in ``plan.alternatives``. ``solver``: ``auto``
+    (exact DP on contiguous splits, then CP-SAT over the DAG when the graph branches or
+    the memory limit binds, within ``time_limit`` seconds; the better plan wins), ``dp``,
+    ``cpsat``, or a baseline (``uniform``, ``params``, ``greedy``). The solvers minimise
+    the bottleneck stage time (``plan.optimal`` says whether that is proven); the plan
+    is then the split with the least predicted step among the solver's, the baselines'
+    and a local search from the best of them, so it is never slower than a baseline.
+    ``optimize="memory"`` minimises peak memory among plans within 1% of the best
+    bottleneck. ``objective="bottleneck"`` keeps the least bottleneck instead of the least
+    predicted step (equal bottlenecks still go to the faster predicted step). The baselines
+    are always evaluated and reported beside the plan.
+    ``time_limit`` bounds the whole call: CP-SAT gets what the steps before it left, less
+    what the local search and the pricing keep (Note [CP-SAT time budget] in
+    ``fxpipe.partitioner.cpsat``); the exact DP and the baselines, which every plan needs,
+    always run to the end.
 
     >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
-    >>> plan.stage_of("blocks.3"), plan.bottleneck_ms, plan.gap                             # doctest: +SKIP
+    >>> plan.stage_of("blocks.3"), plan.step_ms, plan.gap                                    # doctest: +SKIP
     """
+    if schedule == AUTO:
+        from fxpipe.partitioner.auto import plan_auto
+
+        return plan_auto(profile, num_stages, solver=solver, microbatches=microbatches, cost=cost,
+                         memory_limit=memory_limit, time_limit=time_limit, optimize=optimize,
+                         virtual_stages=virtual_stages, objective=objective)
     if solver not in SOLVERS:
         raise PartitionError(f"unknown solver {solver!r}; expected one of {list(SOLVERS)}")
     if optimize not in ("speed", "memory"):
         raise PartitionError(f"optimize must be 'speed' or 'memory', got {optimize!r}")
+    if objective not in ("step", "bottleneck"):
+        raise PartitionError(f"objective must be 'step' or 'bottleneck', got {objective!r}")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     start = time.perf_counter()
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
-                            cost=cost, memory_limit=memory_limit)
+                            cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
     stage_ranges(problem)  # contradictory pins fail here, before any solver runs
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
-    chosen = _solve(problem, solver, baselines, bound, start + time_limit, time_limit, optimize)
+    runners_up: list[Solution] = []
+    chosen = _solve(problem, solver, baselines, bound, start + time_limit, time_limit, optimize, runners_up)
     if solver not in BASELINES:
-        runtime = RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"])
-
-        def step_ms(assignment: tuple[int, ...]) -> float:
-            return float(predict(problem, assignment, profile.batch_size, runtime=runtime).step_ms[schedule])
-
-        chosen = _pick_best(problem, chosen, baselines, step_ms, optimize)
+        step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
+        if optimize == "memory" or objective == "bottleneck":
+            chosen = _pick_best(problem, chosen, baselines, step_ms, optimize)
+        else:
+            left = start + time_limit - time.perf_counter() - _PRICING_SHARE * time_limit
+            budget = max(0.0, min(_refine_budget(time_limit), left))
+            chosen = _pick_fastest(problem, chosen, {**baselines, **{s.solver: s for s in runners_up}}, step_ms,
+                                   budget)
     proven = {f"{chosen.solver}_proven": chosen.bound_ms} if chosen.bound_ms is not None else {}
     bound, parts = lower_bound(problem, proven=proven)
+    for_step = optimize == "speed" and objective == "step" and solver not in BASELINES
     return plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
-                                seconds=time.perf_counter() - start, optimize=optimize)
+                                seconds=time.perf_counter() - start, optimize=optimize,
+                                objective="step" if for_step else "bottleneck")
+
+
+def _refine_budget(time_limit: float) -> float:
+    """Seconds of ``time_limit`` the local search for step time may use."""
+    return min(2.0, _REFINE_SHARE * time_limit)
 
 
 def _key(problem: PartitionProblem, sol: Solution) -> tuple[float, int]:
@@ -93,9 +137,10 @@ def _feasible(problem: PartitionProblem, sol: Solution) -> bool:
 
 
 def _solve(problem: PartitionProblem, solver: str, baselines: dict[str, Solution], bound: float,
-           deadline: float, time_limit: float, optimize: str) -> Solution:
-    """The solver's plan; CP-SAT gets what is left of ``time_limit`` (which started at ``deadline -
-    time_limit``) after the DP, less a tenth kept for pricing the plan (Note [CP-SAT time budget])."""
+           deadline: float, time_limit: float, optimize: str, runners_up: list[Solution]) -> Solution:
+    """The solver's split (least bottleneck); another solver's split it beat goes to ``runners_up``.
+    CP-SAT gets what is left of ``time_limit`` (which started at ``deadline - time_limit``)
+    after the DP, less the shares kept for the local search and the pricing (Note [CP-SAT time budget])."""
     if solver in BASELINES:
         sol = baselines[solver]
         bad = assignment_violations(problem, sol.assignment)
@@ -116,7 +161,7 @@ def _solve(problem: PartitionProblem, solver: str, baselines: dict[str, Solution
         return dp
     hints = [s for s in [dp, *baselines.values()] if s is not None and _feasible(problem, s)]
     hint = min(hints, key=lambda s: _key(problem, s)) if hints else None
-    remaining = deadline - time.perf_counter() - _PRICING_SHARE * time_limit
+    remaining = deadline - time.perf_counter() - _PRICING_SHARE * time_limit - _refine_budget(time_limit)
     if remaining < _MIN_CPSAT_S and hint is not None and solver == "auto":
         best = dp if dp is not None else hint
         return replace(best, status=f"{best.status}; no time left for CP-SAT within the {time_limit:g} s limit")
@@ -132,8 +177,11 @@ def _solve(problem: PartitionProblem, solver: str, baselines: dict[str, Solution
             return dp
         raise
     if dp is not None and _key(problem, dp) < _key(problem, cp) and solver == "auto":
+        runners_up.append(cp)
         return replace(dp, bound_ms=cp.bound_ms if dp.bound_ms is None else max(dp.bound_ms, cp.bound_ms or 0),
                        status=dp.status + "; CP-SAT found nothing better")
+    if dp is not None:
+        runners_up.append(dp)
     return cp
 
 
@@ -180,6 +228,49 @@ def _pick_best(problem: PartitionProblem, chosen: Solution, baselines: dict[str,
                    status=f"{chosen.status}; kept the {pool[win].solver} baseline's split ({reason})")
 
 
+def _pick_fastest(problem: PartitionProblem, chosen: Solution, baselines: dict[str, Solution],
+                  step_ms: Callable[[tuple[int, ...]], float], budget_s: float) -> Solution:
+    """The split with the least predicted step (Note [planning for step time]) among the
+    solver's, the feasible baselines' and a local search from the best contiguous one; equal
+    steps (within ``_TIE_REL``) go to the smaller bottleneck, then to the solver's own. A
+    winner other than the solver's keeps its name and bound (a bound holds for every plan)
+    and is named in the status."""
+    pool = [chosen] + [b for b in baselines.values() if _feasible(problem, b)]
+    steps = [step_ms(s.assignment) for s in pool]
+    contiguous = [i for i in sorted(range(len(pool)), key=lambda i: (steps[i], i)) if is_contiguous(pool[i].assignment)]
+    if contiguous and problem.num_stages > 1:
+        seed = contiguous[0]
+        refined, value, _ = refine_split(problem, pool[seed].assignment, step_ms, budget_s=budget_s)
+        if value < steps[seed] * (1 - _TIE_REL):
+            pool.append(replace(pool[seed], assignment=refined, solver="refined"))
+            steps.append(value)
+    evals = [evaluate(problem, s.assignment) for s in pool]
+    best = min(steps)
+    tied = [i for i, v in enumerate(steps) if v <= best * (1 + _TIE_REL) + 1e-12]
+    win = min(tied, key=lambda i: (evals[i].bottleneck_ms, i))
+    count = f"best predicted step of {len(pool)} candidate splits"
+    if win == 0:
+        return replace(chosen, status=f"{chosen.status}; {count}")
+    mine, theirs = evals[0], evals[win]
+    step_text = f"{steps[win]:.4g} ms vs {steps[0]:.4g} ms predicted step"
+    if pool[win].solver == "refined":
+        source = f"a local search for step time from the {pool[seed].solver} split"
+        reason = f"{step_text}; bottleneck {theirs.bottleneck_ms:.4g} ms vs {mine.bottleneck_ms:.4g} ms"
+    else:
+        what = "baseline's split" if pool[win].solver in BASELINES else "split"
+        source = f"the {pool[win].solver} {what}"
+        if theirs.bottleneck_ms < mine.bottleneck_ms * (1 - _TIE_REL):
+            reason = f"faster by the exact cost: {theirs.bottleneck_ms:.4g} ms vs {mine.bottleneck_ms:.4g} ms " \
+                     f"bottleneck, {step_text}"
+        elif theirs.bottleneck_ms <= mine.bottleneck_ms * (1 + _TIE_REL) + 1e-12:
+            reason = f"same bottleneck, faster predicted step: {steps[win]:.4g} ms vs {steps[0]:.4g} ms"
+        else:
+            reason = f"faster predicted step: {step_text}, though its bottleneck is {theirs.bottleneck_ms:.4g} ms"
+    still_optimal = chosen.optimal and theirs.bottleneck_ms <= mine.bottleneck_ms * (1 + _TIE_REL) + 1e-12
+    return replace(chosen, assignment=pool[win].assignment, optimal=still_optimal,
+                   status=f"{chosen.status}; kept {source} ({reason}); {count}")
+
+
 def _wants_cpsat(problem: PartitionProblem, dp: Solution | None) -> bool:
     """Auto runs CP-SAT when the DP is not exact (a branching graph) or could not fit the memory."""
     if dp is None:
@@ -202,7 +293,7 @@ def _stage_plans(problem: PartitionProblem, assignment: tuple[int, ...], ev: Eva
             memory=StageMemory(params=st.param_bytes, grads=st.grad_bytes, optimizer=st.optimizer_bytes,
                                buffers=st.buffer_bytes, activations=st.activation_bytes, boundary=st.boundary_bytes),
             memory_bytes=st.memory_bytes, in_flight=st.in_flight, speed=problem.speeds[i],
-            dp_allreduce_ms=st.dp_allreduce_ms,
+            dp_allreduce_ms=st.dp_allreduce_ms, bwd_weight_ms=st.bwd_weight_ms, rank=st.rank,
         )
         for i, st in enumerate(ev.stages)
     )
@@ -217,7 +308,7 @@ def _baseline_report(problem: PartitionProblem, sol: Solution, plan_bottleneck: 
         bottleneck_ms=ev.bottleneck_ms,
         ratio_to_plan=ev.bottleneck_ms / plan_bottleneck if plan_bottleneck > 0 else 1.0,
         stage_ms=tuple(s.stage_ms for s in ev.stages),
-        memory_bytes=tuple(s.memory_bytes for s in ev.stages),
+        memory_bytes=ev.rank_memory_bytes,
         units_per_stage=tuple(sol.assignment.count(s) for s in range(problem.num_stages)),
         step_ms=pred.step_ms[problem.schedule],
         feasible=not bad,
@@ -227,7 +318,7 @@ def _baseline_report(problem: PartitionProblem, sol: Solution, plan_bottleneck: 
 
 def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chosen: Solution,
                          baselines: dict[str, Solution], bound: float, bound_parts: dict[str, float], *,
-                         seconds: float, optimize: str = "speed") -> PartitionPlan:
+                         seconds: float, optimize: str = "speed", objective: str = "bottleneck") -> PartitionPlan:
     """Assemble the plan for ``chosen``: exact costs, prediction, bound, gap and baselines."""
     bad = assignment_violations(problem, chosen.assignment)
     assert not bad, f"solver {chosen.solver} returned an invalid plan: {bad}"
@@ -253,4 +344,7 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
         prediction=predict(problem, chosen.assignment, profile.batch_size, runtime=runtime),
         cost=problem.cost, memory_limit=problem.memory_limit, optimize=optimize,
         lower_bounds=dict(bound_parts), status=status.strip("; "),
+        virtual_stages=problem.virtual_stages, placement=problem.placement,
+        objective=objective,
+        rank_memory_bytes=ev.rank_memory_bytes,
     )

@@ -1,13 +1,20 @@
-"""Step prediction: a split's step time under each schedule, its bubble and per-stage memory.
+"""Step prediction: a split's step time under each schedule it can run, its bubble and per-rank memory.
 
-Note [step prediction]: ``predict`` simulates the schedule (``simulate_schedule``) with
-what the runtime really does per action and per step, which on small models is most of
-a step (measured on 2 CPU ranks with gloo, see benchmarks/prediction):
+Note [step prediction]: ``predict`` runs the step simulator (``simulate_step``, Note [step
+simulation]) on the schedule's own action lists, with what the runtime really does per
+action and per step, which on small models is most of a step (measured on 2 CPU ranks
+with gloo, see benchmarks/prediction):
 
-* every F or B action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
+* every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
   per message it sends or receives, the CPU cost of posting and completing it
   (``message_ms``); the message itself delays the consumer by the link time
-  ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time);
+  ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time); stages
+  on one rank exchange no message;
+* a split backward (zero-bubble schedules) runs the input-gradient part of the stage's
+  backward in ``B`` (``bwd_ms - bwd_weight_ms``, from the profile's per-unit FLOP split)
+  plus the walk of the saved graph (``split_ms`` + ``split_unit_ms`` per unit of the
+  stage), and the weight-gradient part in ``W`` plus one engine call per group of
+  parameters (``weight_call_ms`` per unit with parameters);
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
   several stages (two link messages of its bytes), the loss broadcast (one small
   message), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
@@ -15,6 +22,9 @@ a step (measured on 2 CPU ranks with gloo, see benchmarks/prediction):
   a fixed ``step_ms`` of Python around the step.
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
+Predicted: every schedule that runs on the split's placement (``runnable_schedules``):
+with one stage per rank GPipe, 1F1B and ZB-H1; loop-placed chunks interleaved 1F1B;
+V-placed chunks ZBV.
 """
 
 from __future__ import annotations
@@ -22,14 +32,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from fxpipe.errors import PartitionError
-from fxpipe.partitioner.problem import PartitionProblem, evaluate
-from fxpipe.partitioner.schedule import SCHEDULE_NAMES, simulate_schedule
+from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
+from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
+                                         simulate_step)
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "PREDICTED_SCHEDULES"]
+           "simulate_plan", "predicted_schedules"]
 
-PREDICTED_SCHEDULES = SCHEDULE_NAMES  # every schedule the runtime runs is predicted
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
 
@@ -37,7 +47,10 @@ _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage 
 class RuntimeCosts:
     """Fixed costs of fxpipe's runtime beyond unit compute and link time (Note [step prediction])."""
 
-    action_ms: NonNegFloat = 0.0             # executor bookkeeping per F or B action (buffers, dicts, checks)
+    action_ms: NonNegFloat = 0.0             # executor bookkeeping per F, B or W action (buffers, dicts, checks)
+    split_ms: NonNegFloat = 0.0              # a split B: finding the boundary nodes, keeping their gradients
+    split_unit_ms: NonNegFloat = 0.0         # ... plus this per unit of the stage (the graph walk)
+    weight_call_ms: NonNegFloat = 0.0        # W: one engine call per unit with parameters
     message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
     loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
     step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
@@ -56,11 +69,15 @@ class RuntimeCosts:
 # ~70-200 us per batch of messages, SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
 # step around the executor. Link times come from the CostModel (loopback: ~50 us one way
 # measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
+# Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
+# 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
-    "cpu": RuntimeCosts(action_ms=0.04, message_ms=0.15, loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12,
-                        optimizer_tensor_ms=0.006, optimizer_bytes_per_s=10e9),
-    "cuda": RuntimeCosts(action_ms=0.04, message_ms=0.03, loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12,
-                         optimizer_tensor_ms=0.006, optimizer_bytes_per_s=1e12),
+    "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.15,
+                        loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
+                        optimizer_bytes_per_s=10e9),
+    "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
+                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
+                         optimizer_bytes_per_s=1e12),
 }
 
 
@@ -82,11 +99,11 @@ class StepOverheads:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A split's predicted step under every schedule in ``PREDICTED_SCHEDULES``.
+    """A split's predicted step under every schedule it can run (``predicted_schedules``).
 
     Per schedule: ``step_ms`` (the whole step) = ``pipeline_ms`` (the simulated forward and
     backward part) + ``step_overhead_ms.total_ms``; ``bubble_by_schedule`` the idle share of
-    the pipeline part; ``peak_memory_bytes_by_schedule`` each stage's peak memory. The
+    the pipeline part; ``peak_memory_bytes_by_schedule`` each rank's peak memory. The
     properties answer for ``schedule``, the plan's own. ``runtime_costs`` are the fixed
     runtime costs the prediction assumed.
     """
@@ -119,17 +136,29 @@ class Prediction:
         return self.samples_per_step / (step / 1e3) if step > 0 else float("inf")
 
 
-def _messages(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[list[int], list[int], list[float],
-                                                                                list[float]]:
-    """Per microbatch: messages each stage handles in forward and in backward, and the link
-    time of activations into stage i+1 and of gradients back into stage i (index i)."""
-    S = problem.num_stages
+def predicted_schedules(problem: PartitionProblem) -> tuple[str, ...]:
+    """The schedules a split of ``problem`` can run (its placement's), the problem's own first."""
+    names = runnable_schedules(problem.virtual_stages, problem.placement)
+    return (problem.schedule,) + tuple(n for n in names if n != problem.schedule)
+
+
+def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
+              ) -> tuple[list[int], list[int], dict[tuple[int, int], tuple[bool, float, float]]]:
+    """Per microbatch: messages each stage handles in forward and in backward; per link (a, d)
+    between stages of different ranks: whether gradients come back, the link time of the
+    activations stage d receives (from all its producers) and of the gradients stage a
+    receives (Note [step prediction]; summed per receiver, as the runtime waits for them all)."""
+    S, ranks = problem.num_stages, problem.stage_ranks
     n_fwd, n_bwd = [0] * S, [0] * S
     fwd_bytes, bwd_bytes = [0] * S, [0] * S  # received by stage (activations) / by stage (gradients)
     fwd_msgs, bwd_msgs = [0] * S, [0] * S
+    pairs: dict[tuple[int, int], bool] = {}
     for t in problem.tensors:
         a = assignment[t.producer]
         for d in {assignment[c] for c in t.consumers} - {a}:
+            pairs[(a, d)] = pairs.get((a, d), False) or t.requires_grad
+            if ranks[a] == ranks[d]:
+                continue
             n_fwd[a] += 1
             n_fwd[d] += 1
             fwd_bytes[d] += t.nbytes
@@ -144,26 +173,29 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[l
     def link(nbytes: int, count: int) -> float:
         return cost.message_ms(nbytes) if count else 0.0
 
-    send = [link(fwd_bytes[i + 1], fwd_msgs[i + 1]) for i in range(S - 1)] + [0.0]
-    grad = [link(bwd_bytes[i], bwd_msgs[i]) for i in range(S - 1)] + [0.0]
-    return n_fwd, n_bwd, send, grad
+    for s in range(S - 1):  # a pipeline: each stage follows the one before (also when no tensor is profiled)
+        pairs.setdefault((s, s + 1), True)
+    links = {(a, d): (grad, 0.0, 0.0) if ranks[a] == ranks[d] else
+             (grad, link(fwd_bytes[d], fwd_msgs[d]), link(bwd_bytes[a], bwd_msgs[a]))
+             for (a, d), grad in pairs.items()}
+    return n_fwd, n_bwd, links
 
 
 def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts) -> StepOverheads:
     """What a step spends after the pipeline drains (Note [step prediction]):
-    tied-parameter all-reduces, the loss broadcast, the slowest optimizer step, the slowest
-    stage's data-parallel gradient all-reduce (``CostModel.allreduce_ms``), fixed Python."""
-    S = problem.num_stages
-    stages_of: dict[int, set[int]] = {}
+    all-reduces of parameters tied across ranks, the loss broadcast, the slowest rank's
+    optimizer step, the slowest rank's data-parallel gradient all-reduce
+    (``CostModel.allreduce_ms``), fixed Python."""
+    ranks_of: dict[int, set[int]] = {}
     for u, s in enumerate(assignment):
         for p in problem.unit_params[u]:
-            stages_of.setdefault(p, set()).add(s)
-    tied = sum(2 * problem.cost.message_ms(problem.param_bytes[p]) for p, st in stages_of.items() if len(st) > 1)
-    broadcast = problem.cost.message_ms(_LOSS_BYTES) if S > 1 else 0.0
+            ranks_of.setdefault(p, set()).add(problem.stage_ranks[s])
+    tied = sum(2 * problem.cost.message_ms(problem.param_bytes[p]) for p, rs in ranks_of.items() if len(rs) > 1)
+    broadcast = problem.cost.message_ms(_LOSS_BYTES) if problem.num_ranks > 1 else 0.0
     touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
     optimizer = dp_all_reduce = 0.0
-    for s in range(S):
-        mine = [p for p, st in stages_of.items() if s in st]
+    for r in range(problem.num_ranks):
+        mine = [p for p, rs in ranks_of.items() if r in rs]
         dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine))
         nbytes = sum(problem.param_bytes[p] for p in mine)
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
@@ -173,32 +205,63 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
                          dp_all_reduce_ms=dp_all_reduce, fixed_ms=runtime.step_ms)
 
 
+def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts,
+                  schedule: str | None = None, evaluation: Evaluation | None = None) -> Timeline:
+    """The simulated pipeline part of one step of ``assignment`` under ``schedule`` (default the
+    problem's), with the runtime's per-action and per-message costs (Note [step prediction])."""
+    name = schedule or problem.schedule
+    ev = evaluation if evaluation is not None else evaluate(problem, assignment)  # times do not depend on it
+    n_fwd, n_bwd, links = _messages(problem, assignment)
+    last = problem.num_stages - 1
+    rt = runtime
+    plan = make_schedule(name, problem.num_ranks, problem.microbatches, problem.virtual_stages)
+    split = plan.split_backward()
+    loss = [rt.loss_ms / 2 if s == last else 0.0 for s in range(problem.num_stages)]
+    fwd = [st.fwd_ms + rt.action_ms + n_fwd[s] * rt.message_ms + loss[s] for s, st in enumerate(ev.stages)]
+    bwd = [st.bwd_ms + rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] for s, st in enumerate(ev.stages)]
+    units, weighted = [0] * problem.num_stages, [0] * problem.num_stages
+    for u, s in enumerate(assignment):
+        units[s] += 1
+        weighted[s] += bool(problem.unit_params[u])
+    b_in = [b - st.bwd_weight_ms + rt.split_ms + units[s] * rt.split_unit_ms
+            for s, (b, st) in enumerate(zip(bwd, ev.stages))]
+    w = [st.bwd_weight_ms + rt.action_ms + weighted[s] * rt.weight_call_ms for s, st in enumerate(ev.stages)]
+
+    def duration(a: Action) -> float:
+        if a.kind is ActionKind.FORWARD:
+            return fwd[a.stage]
+        if a.kind is ActionKind.WEIGHT:
+            return w[a.stage]
+        return b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]
+
+    def delay(link: Link, kind: ActionKind) -> float:
+        _, act, grad = links[(link.src, link.dst)]
+        return act if kind is ActionKind.FORWARD else grad
+
+    return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
+                         delay=delay)
+
+
 def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_size: int, *,
             runtime: RuntimeCosts | None = None) -> Prediction:
-    """Step time under both schedules (simulated, plus per-step overheads), bubble,
-    throughput and per-stage peak memory (Note [step prediction]).
+    """Step time under every schedule the split can run (simulated, plus per-step overheads),
+    bubble, throughput and per-rank peak memory (Note [step prediction]).
 
     ``runtime`` defaults to ``RUNTIME_COSTS["cpu"]``.
     """
     rt = runtime if runtime is not None else RUNTIME_COSTS["cpu"]
-    n_fwd, n_bwd, send, grad = _messages(problem, assignment)
     overhead = step_overheads(problem, assignment, rt)
     step_ms: dict[str, float] = {}
     pipeline_ms: dict[str, float] = {}
     bubble: dict[str, float] = {}
     memory: dict[str, tuple[int, ...]] = {}
-    last = problem.num_stages - 1
-    for schedule in PREDICTED_SCHEDULES:
+    for schedule in predicted_schedules(problem):
         ev = evaluate(replace(problem, schedule=schedule), assignment)
-        fwd = [s.fwd_ms + rt.action_ms + n_fwd[i] * rt.message_ms + (rt.loss_ms / 2 if i == last else 0.0)
-               for i, s in enumerate(ev.stages)]
-        bwd = [s.bwd_ms + rt.action_ms + n_bwd[i] * rt.message_ms + (rt.loss_ms / 2 if i == last else 0.0)
-               for i, s in enumerate(ev.stages)]
-        line = simulate_schedule(fwd, bwd, problem.microbatches, schedule, send_ms=send, grad_send_ms=grad)
+        line = simulate_plan(problem, assignment, rt, schedule, ev)
         pipeline_ms[schedule] = line.step_ms
         step_ms[schedule] = line.step_ms + overhead.total_ms
         bubble[schedule] = line.bubble
-        memory[schedule] = tuple(s.memory_bytes for s in ev.stages)
+        memory[schedule] = ev.rank_memory_bytes
     return Prediction(schedule=problem.schedule, step_ms=step_ms, pipeline_ms=pipeline_ms, bubble_by_schedule=bubble,
                       peak_memory_bytes_by_schedule=memory, step_overhead_ms=overhead, runtime_costs=rt,
                       samples_per_step=problem.microbatches * microbatch_size)

@@ -9,6 +9,9 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   link_latency`` on the sender AND on the receiver. In backward the gradient goes the
   other way, for tensors whose ``TensorSpec.requires_grad``. Model inputs travel on no
   edge (Note [model inputs] in ``fxpipe.tracer.profile``).
+* Stages are the build's chunks: ``num_stages`` = ranks x ``virtual_stages``, placed on
+  the ranks ``loop``- or ``v``-style (``stage_ranks``). Stages on the same rank hand
+  tensors over in memory: no message, no time, no buffer.
 * Stage time = (fwd + bwd compute of its units) / device speed + its message times.
 * Stage memory = distinct parameters used by its units (a tied parameter on every
   stage that uses it) x (1 + 1 for gradients + optimizer factor) + buffers
@@ -19,8 +22,13 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   measured with ``runtime.memory.TensorMemoryTracker``). Gradients: at the peak, while
   k inputs are still held, both schedules have posted the gradients of M - k
   microbatches and are making one more (1F1B last stage: all M; GPipe: 1). In flight
-  on stage i of S: GPipe all M, 1F1B ``min(M, S - i)``; M is
-  ``PartitionProblem.microbatches``.
+  k: the most microbatches the stage holds between its ``F`` and its last backward
+  action under the schedule's action lists (``schedule.in_flight_per_stage``: GPipe all
+  M, 1F1B ``min(M, S - i)``, ZB-H1 ``min(M, S)``); M is ``PartitionProblem.microbatches``.
+* Rank memory (what a memory limit bounds) = the distinct parameters of its stages
+  (a tied parameter shared by two stages of one rank counts once) x state + the sum of
+  its stages' buffers, activations and boundary buffers (each at its own peak: an
+  upper bound when a rank's stages peak at different times).
 * Data parallelism (``cost.dp_replicas`` > 1): each stage's distinct parameters are
   all-reduced once per step (``PartitionProblem.dp_allreduce_ms``: the cost model's
   ``allreduce_ms`` with the parameters' shapes, Note [hook pricing]), reported as
@@ -37,12 +45,15 @@ gets it as a constraint, and ``assignment_violations`` checks it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import PartitionError, PinError
+from fxpipe.errors import ScheduleError
 from fxpipe.partitioner.cost import CostModel
-from fxpipe.partitioner.schedule import SCHEDULE_NAMES
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES, compatible, schedule_kind, stage_ranks
+from fxpipe.partitioner.schedule.occupancy import schedule_in_flight
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["Tensor", "PartitionProblem", "StageCost", "Evaluation", "build_problem", "evaluate",
@@ -82,10 +93,41 @@ class PartitionProblem:
     memory_limit: int | None = None
     param_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per param_bytes entry; None: unknown
     random_units: tuple[int, ...] = ()  # units that draw random numbers, in program order (Note [random order])
+    bwd_weight_ms: tuple[float, ...] = ()     # of bwd_ms, the weight gradients (a split W); () = none
+    virtual_stages: int = 1                   # stages (chunks) per rank
+    placement: str = "loop"                   # how the chunks sit on the ranks (schedule.placement)
 
     @property
     def num_units(self) -> int:
         return len(self.names)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages // self.virtual_stages
+
+    @functools.cached_property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The rank of every stage (chunk)."""
+        return stage_ranks(self.num_ranks, self.virtual_stages, self.placement)
+
+    def cut_factors(self, stage: int) -> tuple[float, float]:
+        """(1 or 0, 1 or 0): whether ``stage``'s first and last boundary in the topological
+        order are crossed by messages (0 where the neighbouring stage shares its rank)."""
+        ranks = self.stage_ranks
+        start = 0.0 if stage > 0 and ranks[stage - 1] == ranks[stage] else 1.0
+        end = 0.0 if stage + 1 < self.num_stages and ranks[stage + 1] == ranks[stage] else 1.0
+        return start, end
+
+    @property
+    def stage_memory_limit(self) -> float | None:
+        """What one stage may use so that its rank fits ``memory_limit``: all of it with one stage per
+        rank, else an even share (a sufficient condition the chain DP checks per stage)."""
+        return None if self.memory_limit is None else self.memory_limit / self.virtual_stages
+
+    def same_rank(self, a: int, b: int) -> bool:
+        """Whether stages ``a`` and ``b`` run on one rank (they exchange no message)."""
+        ranks = self.stage_ranks
+        return ranks[a] == ranks[b]
 
     @property
     def speeds(self) -> tuple[float, ...]:
@@ -101,7 +143,8 @@ class PartitionProblem:
         return any(p is not None for p in self.pins)
 
     def in_flight(self, stage: int) -> int:
-        return in_flight(self.schedule, self.microbatches, self.num_stages, stage)
+        """Microbatches ``stage`` holds at its peak under the schedule's action lists (Note [stage cost])."""
+        return schedule_in_flight(self.schedule, self.num_ranks, self.virtual_stages, self.microbatches)[stage]
 
     def grads_held(self, stage: int) -> int:
         """Input-gradient sends stage ``stage`` holds at its peak: ``M - in_flight + 1`` (Note [stage cost])."""
@@ -119,16 +162,16 @@ class PartitionProblem:
         return 2 + self.cost.optimizer_factor
 
 
-def in_flight(schedule: str, microbatches: int, num_stages: int, stage: int) -> int:
-    """Microbatches whose activations stage ``stage`` holds at its peak under ``schedule``."""
-    if schedule == "gpipe":
-        return microbatches
-    return min(microbatches, num_stages - stage)
+def in_flight(schedule: str, microbatches: int, num_stages: int, stage: int, virtual_stages: int = 1) -> int:
+    """Microbatches whose activations stage ``stage`` (of ``num_stages`` chunks) holds at its peak under ``schedule``."""
+    return schedule_in_flight(schedule, num_stages // virtual_stages, virtual_stages, microbatches)[stage]
 
 
 def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f1b", microbatches: int = 1,
-                  cost: CostModel | None = None, memory_limit: int | None = None) -> PartitionProblem:
-    """Flatten ``profile`` for ``num_stages`` stages, checking the request is well posed."""
+                  cost: CostModel | None = None, memory_limit: int | None = None,
+                  virtual_stages: int | None = None) -> PartitionProblem:
+    """Flatten ``profile`` for ``num_stages`` ranks of ``virtual_stages`` stages each (default: the
+    schedule's least), checking the request is well posed. The problem's stages are the chunks."""
     cost = cost or CostModel()
     n = len(profile.units)
     if schedule not in SCHEDULE_NAMES:
@@ -137,10 +180,19 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         raise PartitionError(f"microbatches must be >= 1, got {microbatches}")
     if num_stages < 1:
         raise PartitionError(f"num_stages must be >= 1, got {num_stages}")
+    kind = schedule_kind(schedule)
+    v = kind.default_virtual if virtual_stages is None else virtual_stages
+    try:
+        kind.check_virtual(v)
+        schedule_in_flight(schedule, num_stages, v, microbatches)   # the schedule exists for these sizes
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None
+    ranks, num_stages = num_stages, num_stages * v
     if num_stages > n:
         raise PartitionError(
-            f"cannot split {n} units into {num_stages} stages: every stage needs at least one unit; "
-            f"use at most {n} stages or trace with finer units"
+            f"cannot split {n} units into {num_stages} stages"
+            + (f" ({ranks} ranks x {v} virtual stages)" if v > 1 else "")
+            + f": every stage needs at least one unit; use at most {n} stages or trace with finer units"
         )
     if memory_limit is not None and memory_limit <= 0:
         raise PartitionError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
@@ -167,6 +219,8 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         cost=cost, memory_limit=memory_limit,
         param_shapes=tuple(profile.param_shapes.get(name) for name in param_names),
         random_units=tuple(i for i, u in enumerate(profile.units) if u.random),
+        bwd_weight_ms=tuple(float(u.bwd_weight_ms) for u in profile.units),
+        virtual_stages=v, placement=kind.placement,
     )
 
 
@@ -244,6 +298,8 @@ class StageCost:
     boundary_bytes: int
     in_flight: int
     dp_allreduce_ms: float = 0.0  # per step, not per microbatch
+    bwd_weight_ms: float = 0.0    # of bwd_ms, the weight gradients (what a split W computes)
+    rank: int = 0                 # the pipeline rank that runs this stage
 
     @property
     def compute_ms(self) -> float:
@@ -265,17 +321,34 @@ class StageCost:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The exact cost of one assignment: every stage, the bottleneck and the peak memory."""
+    """The exact cost of one assignment: every stage, the bottleneck and the peak rank memory.
+
+    ``rank_memory_bytes[r]``: rank r's memory (Note [stage cost]); with one stage per rank,
+    each stage's ``memory_bytes``.
+    """
 
     stages: tuple[StageCost, ...]
+    rank_memory_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rank_memory_bytes:
+            object.__setattr__(self, "rank_memory_bytes", tuple(s.memory_bytes for s in self.stages))
 
     @property
     def bottleneck_ms(self) -> float:
         return max(s.stage_ms for s in self.stages)
 
     @property
+    def rank_ms(self) -> tuple[float, ...]:
+        """Each rank's time per microbatch: the sum of its stages'."""
+        out = [0.0] * len(self.rank_memory_bytes)
+        for s in self.stages:
+            out[s.rank] += s.stage_ms
+        return tuple(out)
+
+    @property
     def peak_memory_bytes(self) -> int:
-        return max(s.memory_bytes for s in self.stages)
+        return max(self.rank_memory_bytes)
 
 
 def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation:
@@ -288,9 +361,13 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
     act = [0] * S
     buf = [0] * S
     params: list[set[int]] = [set() for _ in range(S)]
+    wgt = [0.0] * S
+    split_w = problem.bwd_weight_ms or (0.0,) * problem.num_units
+    ranks = problem.stage_ranks
     for u, s in enumerate(assignment):
         fwd[s] += problem.fwd_ms[u]
         bwd[s] += problem.bwd_ms[u]
+        wgt[s] += split_w[u]
         act[s] += problem.activation_bytes[u]
         buf[s] += problem.buffer_bytes[u]
         params[s].update(problem.unit_params[u])
@@ -304,6 +381,8 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
         a = assignment[t.producer]
         ms = problem.cost.message_ms(t.nbytes)
         for d in {assignment[c] for c in t.consumers} - {a}:
+            if ranks[d] == ranks[a]:
+                continue  # handed over in memory on one rank
             for s in (a, d):
                 cf[s] += ms
                 msgs[s] += 1
@@ -326,8 +405,18 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
             boundary_bytes=recv[s] * k + sent[s] * problem.microbatches + recv_grad[s] * problem.grads_held(s),
             in_flight=k,
             dp_allreduce_ms=problem.dp_allreduce_ms(params[s]),
+            bwd_weight_ms=wgt[s] / speeds[s], rank=ranks[s],
         ))
-    return Evaluation(tuple(stages))
+    if problem.virtual_stages == 1:
+        return Evaluation(tuple(stages))
+    rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
+    rank_memory = [0] * problem.num_ranks
+    for s, st in enumerate(stages):
+        rank_params[ranks[s]].update(params[s])
+        rank_memory[ranks[s]] += st.buffer_bytes + st.activation_bytes + st.boundary_bytes
+    for r, ps in enumerate(rank_params):
+        rank_memory[r] += problem.state_factor * sum(problem.param_bytes[p] for p in ps)
+    return Evaluation(tuple(stages), tuple(rank_memory))
 
 
 def assignment_violations(problem: PartitionProblem, assignment: Sequence[int],
@@ -362,7 +451,8 @@ def assignment_violations(problem: PartitionProblem, assignment: Sequence[int],
         out.append(f"stages {empty} hold no unit")
     if problem.memory_limit is not None:
         ev = evaluation or evaluate(problem, assignment)
-        for s, st in enumerate(ev.stages):
-            if st.memory_bytes > problem.memory_limit:
-                out.append(f"stage {s} needs {st.memory_bytes} bytes > limit {problem.memory_limit}")
+        what = "stage" if problem.virtual_stages == 1 else "rank"
+        for r, need in enumerate(ev.rank_memory_bytes):
+            if need > problem.memory_limit:
+                out.append(f"{what} {r} needs {need} bytes > limit {problem.memory_limit}")
     return out

@@ -24,15 +24,16 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
     console = console or Console()
     paths = {u.name: u.module_path for u in profile.units}
     limit = plan.memory_limit
-    title = (f"{plan.num_stages}-stage plan ({plan.solver}{', proven optimal' if plan.optimal else ''}), "
+    placed = "" if plan.virtual_stages == 1 else f" on {plan.num_ranks} ranks ({plan.placement} placement)"
+    title = (f"{plan.num_stages}-stage plan{placed} ({plan.solver}), "
              f"{plan.schedule}, {plan.microbatches} microbatches"
              + (f", memory limit {format_size(limit)}" if limit else ""))
     table = Table(title=title, title_justify="left")
     dp = any(s.dp_allreduce_ms > 0 for s in plan.stages)  # data-parallel replicas: show the per-step all-reduce
-    columns = [("stage", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
+    columns = [("stage", "right"), ("rank", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
                ("comm ms", "right"), ("stage ms", "right"), ("memory", "right"), ("share", "right")]
     if dp:
-        columns.insert(6, ("dp all-reduce ms", "right"))
+        columns.insert(7, ("dp all-reduce ms", "right"))
     for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=col != "modules",  # type: ignore[arg-type]
                          min_width=18 if col == "modules" else None)
@@ -40,10 +41,11 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
         share = s.stage_ms / plan.bottleneck_ms if plan.bottleneck_ms > 0 else 1.0
         mem = format_size(s.memory_bytes)
         style = "bold" if share >= 1 - 1e-9 else ""
-        cells = [str(s.index), module_range([paths.get(u, u) for u in s.units]), str(len(s.units)),
-                 f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.stage_ms:.3f}", mem, f"{share:.0%}"]
+        cells = [str(s.index), str(plan.stage_ranks[s.index]), module_range([paths.get(u, u) for u in s.units]),
+                 str(len(s.units)), f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.stage_ms:.3f}", mem,
+                 f"{share:.0%}"]
         if dp:
-            cells.insert(6, f"{s.dp_allreduce_ms:.3f}")
+            cells.insert(7, f"{s.dp_allreduce_ms:.3f}")
         table.add_row(*cells, style=style)
     console.print(table)
 
@@ -53,8 +55,9 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
                        no_wrap=col != "note", min_width=11 if col == "note" else None)
     lb = plan.lower_bound_ms
     pred = plan.prediction
+    peak = max(plan.rank_memory_bytes or tuple(s.memory_bytes for s in plan.stages))
     cmp.add_row(f"fxpipe ({plan.solver})", f"{plan.bottleneck_ms:.3f}", _ratio(plan.bottleneck_ms, lb), "1.00",
-                f"{plan.step_ms:.2f}" if pred else "", format_size(max(s.memory_bytes for s in plan.stages)),
+                f"{plan.step_ms:.2f}" if pred else "", format_size(peak),
                 "optimal" if plan.optimal else f"gap {plan.gap:.1%}", style="bold")
     for name, b in plan.baselines.items():
         cmp.add_row(name, f"{b.bottleneck_ms:.3f}", _ratio(b.bottleneck_ms, lb),
@@ -68,11 +71,29 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
         console.print(f"no predicted step (a hand-written plan); solved in {plan.solve_seconds:.2f} s"
                       + (f"; {plan.status}" if plan.status else ""))
         return
+    _print_alternatives(plan, console)
+    console.print(f"optimal for: {plan.optimal_for}")
     steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred.step_ms.items())
     console.print(f"predicted step: {steps}; bubble {pred.bubble:.1%} ({plan.schedule}); "
                   f"throughput {pred.throughput_samples_per_s:.1f} samples/s "
                   f"({pred.samples_per_step} samples per step); solved in {plan.solve_seconds:.2f} s"
                   + (f"; {plan.status}" if plan.status else ""))
+
+
+def _print_alternatives(plan: PartitionPlan, console: Console) -> None:
+    """``--schedule auto``: one row per schedule it planned (each on its own split)."""
+    if not plan.alternatives:
+        return
+    table = Table(title="schedules planned by --schedule auto (least predicted step wins)", title_justify="left")
+    for col in ("schedule", "V", "step ms", "bubble", "peak memory", "note"):
+        table.add_column(col, justify="left" if col in ("schedule", "note") else "right")
+    for o in plan.alternatives:
+        table.add_row(o.schedule + (" (chosen)" if o.chosen else ""), str(o.virtual_stages),
+                      f"{o.step_ms:.2f}" if o.step_ms is not None else "",
+                      f"{o.bubble:.1%}" if o.bubble is not None else "",
+                      format_size(o.peak_memory_bytes) if o.peak_memory_bytes is not None else "", o.note,
+                      style="bold" if o.chosen else "")
+    console.print(table)
 
 
 def _violation_note(violations: tuple[str, ...]) -> str:

@@ -3,7 +3,8 @@
 ``PipelineRunner`` is the native training API; ``launch.run_build`` starts a local
 ``torchrun`` job (``fxpipe run``) with ``RunOptions``; ``python -m fxpipe.runtime.worker
 DIR`` is the entry point each rank runs and writes a ``RunRecord`` (``run.json``).
-Schedules are data (``gpipe``, ``one_f_one_b``) checked by ``validate_schedule``.
+Schedules are data (``make_schedule(name, ranks, microbatches, virtual_stages)``: GPipe, 1F1B,
+interleaved 1F1B, ZB-H1, ZBV; or a ``Schedule`` of your own) checked by ``validate_schedule``.
 
 Names load on first use, so that ``fxpipe.runtime.options`` (which the CLI's parser
 reads) imports no torch.

@@ -1,16 +1,24 @@
-"""``StageExecutor``: runs one stage's schedule actions for one training step.
+"""``RankExecutor``: runs one rank's schedule actions for one training step.
 
-The messages of each action follow from the routes (Note [implied communication] in
-``fxpipe.runtime.stage_io``); this module only walks the schedule and computes the
-loss on the last stage. The actions run back to back, so the sends of one action are
-posted together with the receives of the next (``StageWorker(pair_sends=True)``). With
-non-blocking sends a schedule is deadlock-free exactly when ``validate.simulate``
-finishes it, which ``PipelineRunner`` checks up front.
+The rank holds one stage, or several (interleaved and V-shaped schedules); each has a
+``StageWorker``, and all share the rank's ``RankComm``. The messages of each action
+follow from the routes (Note [implied communication] in ``fxpipe.runtime.stage_io``);
+this module walks the action list, computes the loss on the loss stage, and decides
+when receives are posted (Note [posting messages] in ``fxpipe.runtime.comm``): on
+gloo the receives of the next action that has any are posted before the current
+action computes, so its data arrives meanwhile; on NCCL (``pair_sends``) an action's
+sends go out with the next action's receives. Sends are waited for once, at the end of
+the step. ``B`` is split where the schedule has a ``W`` for it (Note [split backward] in
+``fxpipe.partitioner.schedule.actions``). With non-blocking sends a schedule is
+deadlock-free exactly when ``validate.simulate`` finishes it, which ``PipelineRunner``
+checks up front, so any valid action list runs, a user's own included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,68 +26,141 @@ import torch.nn as nn
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
+from fxpipe.runtime.comm import RankComm
 from fxpipe.runtime.p2p import P2P
 from fxpipe.runtime.routes import Routes
-from fxpipe.runtime.schedule import ActionKind, Schedule
-from fxpipe.runtime.stage_io import StageWorker, assemble_output, microbatch_size
+from fxpipe.runtime.schedule import Action, ActionKind, Schedule
+from fxpipe.runtime.stage_io import Pending, StageWorker, assemble_output, microbatch_size
 
-__all__ = ["StageExecutor", "assemble_output", "LossFn"]
+__all__ = ["RankExecutor", "assemble_output", "LossFn", "ActionTime"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
 
-class StageExecutor:
-    """Executes ``schedule``'s actions for ``stage`` with ``module`` as that stage."""
+@dataclass(frozen=True)
+class ActionTime:
+    """When one action of the last step computed (``time.perf_counter`` seconds), after its receives arrived."""
 
-    def __init__(self, manifest: Manifest, routes: Routes, stage: int, module: nn.Module,
-                 schedule: Schedule, p2p: P2P, device: torch.device, average_grads: bool = True) -> None:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One action, resolved once: its worker, whether its backward is split, whether it receives."""
+
+    action: Action
+    worker: StageWorker
+    split: bool
+    receives: bool
+
+
+class RankExecutor:
+    """Executes ``schedule``'s actions of pipeline rank ``rank``, whose stages are ``modules``."""
+
+    def __init__(self, manifest: Manifest, routes: Routes, rank: int, modules: Mapping[int, nn.Module],
+                 schedule: Schedule, p2p: P2P, device: torch.device, average_grads: bool = True,
+                 pair_sends: bool = False) -> None:
         self.manifest = manifest
-        self.stage = stage
-        self.spec = manifest.stage(stage)
         self.schedule = schedule
-        self.actions = schedule.rank_actions(schedule.stage_ranks[stage])
+        self.rank = rank
         self.average_grads = average_grads
-        self.is_loss_stage = stage == routes.loss_stage
-        self.worker = StageWorker(manifest, routes, stage, module, p2p, device, pair_sends=True)
-        if any(a.kind is ActionKind.WEIGHT for a in self.actions):
-            raise RuntimeSetupError(f"schedule {schedule.name!r} has W (weight-gradient) actions, which this "
-                                    "executor does not split from B yet; use 'gpipe' or '1f1b'")
+        self.loss_stage = routes.loss_stage
+        self.comm = RankComm(p2p, device, pair_sends)
+        self.workers = {s: StageWorker(manifest, routes, s, m, p2p, device, pair_sends, comm=self.comm,
+                                       local_stages=tuple(modules)) for s, m in modules.items()}
+        split = schedule.split_backward()
+        self._steps = []
+        for a in schedule.rank_actions(rank):
+            worker = self.workers.get(a.stage)
+            if worker is None:
+                raise RuntimeSetupError(f"schedule {schedule.name!r} gives rank {rank} action {a}, but this rank "
+                                        f"holds stages {sorted(modules)}")
+            receives = worker.receives(a.kind.value)
+            self._steps.append(_Step(a, worker, (a.stage, a.microbatch) in split, receives))
+        self._next_receiving: list[int | None] = [None] * len(self._steps)
+        following = None
+        for i in reversed(range(len(self._steps))):
+            self._next_receiving[i] = following
+            if self._steps[i].receives:
+                following = i
+        self.last_step: list[ActionTime] = []
+        self._want: dict[tuple[int, int], list[tuple[int, ...]]] = {}   # (stage, microbatch size) -> output shapes
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.loss_stage in self.workers
+
+    def _post(self, step: _Step, mb_size: int) -> Pending:
+        a = step.action
+        if a.kind is F:
+            return step.worker.post_forward(a.microbatch, mb_size)
+        return step.worker.post_backward(a.microbatch, mb_size)
 
     def run(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any] | None,
             loss_fn: LossFn | None) -> list[torch.Tensor]:
-        """Run this stage's actions on the microbatches; return the per-microbatch losses
-        (detached) on the last stage and ``[]`` elsewhere. Gradients accumulate in ``.grad``."""
+        """Run this rank's actions on the microbatches; return the per-microbatch losses
+        (detached) on the rank of the loss stage and ``[]`` elsewhere. Gradients accumulate in ``.grad``."""
         M = len(inputs)
         if M != self.schedule.num_microbatches:
             raise RuntimeSetupError(f"got {M} microbatches but the schedule was made for "
                                     f"{self.schedule.num_microbatches}")
-        if self.is_loss_stage and loss_fn is None:
+        if self.holds_loss and loss_fn is None:
             raise RuntimeSetupError("the last stage needs a loss_fn to train")
         mb_size = microbatch_size(self.manifest, inputs[0])
         scale = 1.0 / M if self.average_grads else 1.0
         live: dict[int, torch.Tensor] = {}   # losses between their microbatch's F and B
         losses: list[torch.Tensor] = [torch.zeros(())] * M
-        for action in self.actions:
-            m = action.microbatch
-            if action.kind is ActionKind.FORWARD:
-                outputs = self.worker.forward(m, inputs[m], mb_size)
-                self._check_shapes(outputs, mb_size)
-                if loss_fn is not None and self.is_loss_stage:
+        steps, early = self._steps, not self.comm.pair_sends
+        posted: dict[int, Pending] = {}
+        timeline: list[ActionTime] = []
+        for i, step in enumerate(steps):
+            if early:  # this action's receives, and those of the next action that receives, before computing
+                for j in (i, self._next_receiving[i]):
+                    if j is not None and steps[j].receives and j not in posted:
+                        posted[j] = self._post(steps[j], mb_size)
+            pending = posted.pop(i, None)
+            a, worker = step.action, step.worker
+            m = a.microbatch
+            if a.kind is F:
+                if pending is None:
+                    pending = worker.post_forward(m, mb_size)
+                self.comm.wait(pending.posted)
+                start = time.perf_counter()
+                outputs = worker.forward(m, inputs[m], mb_size, Pending([], pending.buffers))
+                self._check_shapes(worker, outputs, mb_size)
+                if loss_fn is not None and a.stage == self.loss_stage:
                     target = targets[m] if targets is not None else None
-                    live[m] = loss_fn(assemble_output(self.manifest, self.worker.model_outputs(m)), target)
+                    live[m] = loss_fn(assemble_output(self.manifest, worker.model_outputs(m)), target)
                     losses[m] = live[m].detach()
-            elif m in live:
-                loss = live.pop(m)
-                self.worker.backward(m, [loss * scale], [torch.ones_like(loss)])
+            elif a.kind is B:
+                if pending is None:
+                    pending = self._post(step, mb_size)
+                self.comm.wait(pending.posted)
+                start = time.perf_counter()
+                done = Pending([], pending.buffers)
+                if m in live:
+                    loss = live.pop(m)
+                    worker.backward(m, [loss * scale], [torch.ones_like(loss)], pending=done, split=step.split)
+                else:
+                    worker.backward(m, pending=done, split=step.split)
             else:
-                self.worker.backward(m)
-        self.worker.finish_step()
-        return losses if self.is_loss_stage else []
+                start = time.perf_counter()
+                worker.weight(m)
+            timeline.append(ActionTime(a, start, time.perf_counter()))
+        self.comm.finish()
+        self.last_step = timeline
+        return losses if self.holds_loss else []
 
-    def _check_shapes(self, outputs: Sequence[torch.Tensor], mb_size: int) -> None:
+    def _check_shapes(self, worker: StageWorker, outputs: Sequence[torch.Tensor], mb_size: int) -> None:
         """Refuse stage outputs whose shapes differ from the manifest's (a stale build directory)."""
-        for o, t in zip(self.spec.outputs, outputs):
-            want = o.shape_at(mb_size, self.manifest.microbatch_size)
-            if tuple(t.shape) != want:
-                raise RuntimeSetupError(f"stage {self.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
+        key = (worker.stage, mb_size)
+        wants = self._want.get(key)
+        if wants is None:
+            wants = self._want[key] = [o.shape_at(mb_size, self.manifest.microbatch_size) for o in worker.spec.outputs]
+        for o, t, want in zip(worker.spec.outputs, outputs, wants):
+            if t.shape != want:
+                raise RuntimeSetupError(f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
                                         f"manifest says {want} at microbatch size {mb_size}; rebuild the directory")

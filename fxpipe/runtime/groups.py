@@ -99,19 +99,24 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
 class Groups:
     """This rank's groups: its pipeline, its data-parallel peers and its tied parameters.
 
-    ``ties`` holds, for each tie this rank's stage takes part in, the parameter key on
-    this stage and the group of the stages that share it (same replica).
+    ``ties`` holds, for each tie this rank takes part in, the parameter key on this rank's
+    copy and the group of the ranks that hold a copy (same replica); ``tie_stages[i]`` is
+    the stage whose module holds the copy of ``ties[i]``. Stages of one rank share a tied
+    parameter in memory (``share_tied_parameters``), so a tie held by one rank only needs
+    no group.
     """
 
     layout: RankLayout
     pipeline: dist.ProcessGroup | None
     data_parallel: dist.ProcessGroup | None
     ties: tuple[tuple[str, dist.ProcessGroup], ...]
+    tie_stages: tuple[int, ...] = ()
 
 
 def build_groups(layout: RankLayout, manifest: Manifest, rank: int) -> Groups:
     """Create all groups on all ranks in one fixed order and keep this rank's."""
     stage, replica = layout.stage_of(rank), layout.replica_of(rank)
+    stage_ranks = manifest.stage_ranks
     pipeline = data_parallel = None
     if layout.replicas > 1:
         for r in range(layout.replicas):
@@ -122,10 +127,15 @@ def build_groups(layout: RankLayout, manifest: Manifest, rank: int) -> Groups:
             g = dist.new_group(list(layout.data_parallel_ranks(s)))
             if s == stage:
                 data_parallel = g
-    ties = []
+    ties, tie_stages = [], []
     for tie in manifest.ties:
+        holders = sorted({stage_ranks[s] for s in tie.stages})
+        if len(holders) < 2:
+            continue
         for r in range(layout.replicas):
-            g = dist.new_group([layout.rank_of(s, r) for s in tie.stages])
-            if r == replica and stage in tie.stages:
-                ties.append((tie.keys[tie.stages.index(stage)], g))
-    return Groups(layout, pipeline, data_parallel, tuple(ties))
+            g = dist.new_group([layout.rank_of(p, r) for p in holders])
+            if r == replica and stage in holders:
+                first = next(i for i, s in enumerate(tie.stages) if stage_ranks[s] == stage)
+                ties.append((tie.keys[first], g))
+                tie_stages.append(tie.stages[first])
+    return Groups(layout, pipeline, data_parallel, tuple(ties), tuple(tie_stages))

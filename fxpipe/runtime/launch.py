@@ -136,7 +136,7 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:
         options_file = Path(tmp) / "run_options.json"
         options.to_json(options_file)
-        args = _torchrun_args(build_dir, manifest.num_stages * replicas, free_port(), ["--options", str(options_file)])
+        args = _torchrun_args(build_dir, manifest.num_ranks * replicas, free_port(), ["--options", str(options_file)])
         job = _start([sys.executable, "-m", "fxpipe.runtime.agent", *args], quiet, debug)
         returncode = _wait(job)
     if returncode == 0 and out.is_file():

@@ -1,7 +1,7 @@
 """``RankLayout``: which global rank runs which stage of which pipeline replica.
 
 Ranks are numbered replica-major: ``rank = replica * num_stages + stage``, so one
-pipeline's stages have neighbouring ranks (the same node when a node has at least
+pipeline's ranks are neighbours (the same node when a node has at least
 ``num_stages`` devices, keeping the frequent activation traffic on the fast local
 links), and a data-parallel group holds the same stage of every replica.
 """
@@ -17,7 +17,10 @@ __all__ = ["RankLayout"]
 
 @dataclass(frozen=True)
 class RankLayout:
-    """``replicas`` copies of a ``num_stages``-stage pipeline over ``num_stages * replicas`` ranks.
+    """``replicas`` copies of a ``num_stages``-rank pipeline over ``num_stages * replicas`` ranks.
+
+    ``num_stages`` counts pipeline ranks: a build with V stages (chunks) per rank has
+    ``num_stages = chunks / V`` here, and ``stage_of(rank)`` is the rank's position in its pipeline.
 
     >>> layout = RankLayout(num_stages=2, replicas=2)
     >>> layout.stage_of(3), layout.replica_of(3), layout.pipeline_ranks(1), layout.data_parallel_ranks(0)
@@ -34,12 +37,15 @@ class RankLayout:
                 f"and {self.replicas} replicas")
 
     @classmethod
-    def for_world(cls, world_size: int, num_stages: int) -> RankLayout:
-        """The layout for ``world_size`` ranks; refuses a size that is not a multiple of the stages."""
+    def for_world(cls, world_size: int, num_stages: int, virtual_stages: int = 1) -> RankLayout:
+        """The layout for ``world_size`` ranks of a pipeline of ``num_stages`` ranks (each running
+        ``virtual_stages`` stages); refuses a size that is not a multiple of the pipeline's ranks."""
         if world_size < num_stages or world_size % num_stages:
+            what = (f"{num_stages} stages" if virtual_stages == 1 else
+                    f"{num_stages * virtual_stages} stages, {virtual_stages} per rank, on {num_stages} ranks")
             raise RuntimeSetupError(
-                f"world size {world_size} does not match the build directory's {num_stages} stages: "
-                f"launch {num_stages} processes (one per stage), e.g. "
+                f"world size {world_size} does not match the build directory's {what}: "
+                f"launch {num_stages} processes (one per pipeline rank), e.g. "
                 f"`torchrun --nproc-per-node {num_stages} -m fxpipe.runtime.worker DIR`, "
                 f"or repartition with `fxpipe partition --stages {world_size}`")
         return cls(num_stages, world_size // num_stages)

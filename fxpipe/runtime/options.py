@@ -6,8 +6,8 @@ reads the same flags, or that file, or both (flags win). ``add_run_arguments`` a
 ``run_options_from_args`` are the one command-line form of the options, so the two entry
 points cannot drift apart, and the defaults live only in the dataclass.
 
-Note [None is resolved where it is known]: ``microbatches`` and ``batch_size`` left
-``None`` are the build's; ``dp`` is 1 for ``fxpipe run`` and ``WORLD_SIZE / stages``
+Note [None is resolved where it is known]: ``schedule``, ``virtual_stages``,
+``microbatches`` and ``batch_size`` left ``None`` are the build's; ``dp`` is 1 for ``fxpipe run`` and ``WORLD_SIZE / stages``
 under a torchrun that someone else started; ``device`` is ``cuda:LOCAL_RANK`` when CUDA
 is available, else ``cpu``.
 
@@ -40,7 +40,7 @@ __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFA
            "add_run_arguments", "run_options_from_args"]
 
 RUN_OPTIONS_SCHEMA_VERSION = 1
-DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_SCHEDULE = "1f1b"  # what a build that names no schedule runs (one stage per rank)
 DEFAULT_TIMEOUT_S = 300.0
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -58,14 +58,16 @@ def _is_number(value: Any) -> bool:
 class RunOptions:
     """How to train a build directory: steps, schedule, batch, SGD, timeout, device, data parallelism.
 
-    ``steps`` SGD steps with learning rate ``lr`` under ``schedule``, the batch of ONE
+    ``steps`` SGD steps with learning rate ``lr`` under ``schedule`` (one that runs on the
+    build's ``virtual_stages`` stages per rank; both default to the build's), the batch of ONE
     pipeline replica (``batch_size``) cut into ``microbatches``; ``dp`` replicas of the
     pipeline kept in sync as ``data_parallel`` says; a peer silent for ``timeout_s``
     seconds is an error. ``None`` fields are resolved later (see the module's Note).
     """
 
     steps: int = 10
-    schedule: str = DEFAULT_SCHEDULE
+    schedule: str | None = None
+    virtual_stages: int | None = None
     microbatches: int | None = None
     batch_size: int | None = None
     lr: float = 0.01
@@ -77,8 +79,11 @@ class RunOptions:
     def __post_init__(self) -> None:
         if not _is_int(self.steps) or self.steps < 1:
             raise ConfigError(f"--steps must be an int >= 1 (training steps), got {self.steps!r}")
-        if self.schedule not in SCHEDULE_NAMES:
+        if self.schedule is not None and self.schedule not in SCHEDULE_NAMES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
+        if self.virtual_stages is not None and (not _is_int(self.virtual_stages) or self.virtual_stages < 1):
+            raise ConfigError(f"--virtual-stages must be an int >= 1 (stages per rank), got {self.virtual_stages!r}; "
+                              "leave it out to use the build's")
         for flag, value in (("--microbatches", self.microbatches), ("--batch-size", self.batch_size)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's")
@@ -166,7 +171,10 @@ class _Flag:
 
 _FLAGS = (
     _Flag("--steps", "steps", "training steps", int, "K"),
-    _Flag("--schedule", "schedule", "pipeline schedule: %(choices)s", str, "NAME", choices=SCHEDULE_NAMES),
+    _Flag("--schedule", "schedule", "pipeline schedule: %(choices)s", str, "NAME", choices=SCHEDULE_NAMES,
+          none_means="the build's"),
+    _Flag("--virtual-stages", "virtual_stages", "stages per rank; must be the build's (partition with "
+          "--virtual-stages V to change it)", int, "V", none_means="the build's"),
     _Flag("--microbatches", "microbatches", "microbatches per step", int, "M", none_means="the build's"),
     _Flag("--batch-size", "batch_size", "batch of one pipeline replica per step", int, "B",
           none_means="the build's"),

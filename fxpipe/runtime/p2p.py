@@ -1,8 +1,9 @@
 """Point-to-point transfers between stages with ``dist.batch_isend_irecv``.
 
-Every message has a tag unique per (microbatch, tensor, direction), so gloo can never
+Every message has a tag unique per (microbatch, transfer, direction), so gloo can never
 match a message with the wrong receive. A failed or timed-out wait becomes a
-``PeerError`` that names this rank, the peer and what was being waited for.
+``PeerError`` that names this rank, the peer and what was being waited for; those words
+are only put together on failure, so a step formats no text.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ __all__ = ["Message", "P2P", "peer_error"]
 
 @dataclass(frozen=True)
 class Message:
-    """One tensor to send to, or receive from, stage ``peer_stage``."""
+    """One tensor to send to, or receive from, stage ``peer_stage``; ``what`` names it for errors
+    (``microbatch`` >= 0 is put in front: "microbatch 3 activation 'h1'")."""
 
     tensor: torch.Tensor
     peer_stage: int
     tag: int
     what: str
+    microbatch: int = -1
+
+    def describe(self) -> str:
+        return self.what if self.microbatch < 0 else f"microbatch {self.microbatch} {self.what}"
 
 
 def peer_error(exc: BaseException, rank: int, doing: str, timeout_s: float) -> PeerError:
@@ -54,27 +60,28 @@ class P2P:
         self.timeout_s = timeout_s
         self.group = group
 
-    def _describe(self, m: Message, direction: str) -> str:
-        return f"{direction} {m.what} {'to' if direction == 'sending' else 'from'} stage {m.peer_stage} " \
-               f"(rank {self.stage_ranks[m.peer_stage]})"
+    def _describe(self, m: Message, sending: bool) -> str:
+        return f"{'sending' if sending else 'receiving'} {m.describe()} {'to' if sending else 'from'} stage " \
+               f"{m.peer_stage} (rank {self.stage_ranks[m.peer_stage]})"
 
-    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> list[tuple[dist.Work, str]]:
-        """Post all sends and receives as one batch; returns (work, description) pairs."""
+    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> list[tuple[dist.Work, Message, bool]]:
+        """Post all sends and receives as one batch; returns (work, message, is a send) triples."""
         ops = [dist.P2POp(dist.isend, m.tensor, self.stage_ranks[m.peer_stage], self.group, m.tag) for m in sends]
         ops += [dist.P2POp(dist.irecv, m.tensor, self.stage_ranks[m.peer_stage], self.group, m.tag) for m in recvs]
         if not ops:
             return []
-        labels = [self._describe(m, "sending") for m in sends] + [self._describe(m, "receiving") for m in recvs]
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
-            raise peer_error(exc, self.rank, labels[0], self.timeout_s) from exc
-        return list(zip(works, labels))
+            first = sends[0] if sends else recvs[0]
+            raise peer_error(exc, self.rank, self._describe(first, bool(sends)), self.timeout_s) from exc
+        flags = [True] * len(sends) + [False] * len(recvs)
+        return list(zip(works, [*sends, *recvs], flags))
 
-    def wait(self, pending: Sequence[tuple[dist.Work, str]]) -> None:
+    def wait(self, pending: Sequence[tuple[dist.Work, Message, bool]]) -> None:
         """Wait for posted operations, turning failures into ``PeerError``."""
-        for work, label in pending:
+        for work, message, sending in pending:
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise peer_error(exc, self.rank, label, self.timeout_s) from exc
+                raise peer_error(exc, self.rank, self._describe(message, sending), self.timeout_s) from exc

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
 from fxpipe.errors import BuildDirError
-from fxpipe.runtime.validate import Link
+from fxpipe.partitioner.schedule import Link
 
 __all__ = ["Transfer", "Routes", "routes_from_manifest", "needs_grad"]
 
@@ -27,7 +27,8 @@ def needs_grad(spec: BoundaryTensor) -> bool:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Tensor ``spec`` (number ``tensor_id``) moves from stage ``src`` to stage ``dst``."""
+    """Tensor ``spec`` moves from stage ``src`` to stage ``dst``; ``tensor_id`` numbers the transfer
+    (a tensor read by two stages is two transfers, so their messages never share a tag)."""
 
     spec: BoundaryTensor
     src: int
@@ -51,7 +52,7 @@ class Routes:
     transfers: tuple[Transfer, ...]
     model_outputs: tuple[str, ...]
     input_names: tuple[str, ...]
-    num_tensors: int
+    num_tensors: int  # transfers, for message tags
 
     @property
     def loss_stage(self) -> int:
@@ -106,17 +107,12 @@ def routes_from_manifest(manifest: Manifest) -> Routes:
     if not outputs:
         raise BuildDirError("manifest: no stage output is marked as a model output (model_output), "
                             "so there is nothing to compute the loss on; rebuild the directory")
-    ids = {name: i for i, name in enumerate(sorted({spec.name for spec, _ in pairs}))}
-    seen: set[tuple[str, int]] = set()
-    transfers = []
-    for spec, dst in pairs:
-        if (spec.name, dst) not in seen:
-            seen.add((spec.name, dst))
-            transfers.append(Transfer(spec, spec.producer, dst, ids[spec.name]))
+    unique = sorted({(spec.name, dst): spec for spec, dst in pairs}.items())
+    transfers = tuple(Transfer(spec, spec.producer, dst, i) for i, ((_, dst), spec) in enumerate(unique))
     return Routes(
         num_stages=manifest.num_stages,
-        transfers=tuple(transfers),
+        transfers=transfers,
         model_outputs=tuple(outputs[i] for i in range(len(outputs))),
         input_names=input_names,
-        num_tensors=max(len(ids), 1),
+        num_tensors=max(len(transfers), 1),
     )

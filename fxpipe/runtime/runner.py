@@ -1,4 +1,8 @@
-"""``PipelineRunner``: the native training API, one instance per rank (one stage each).
+"""``PipelineRunner``: the native training API, one instance per rank.
+
+Each rank runs one stage of the build, or V of them for a build made with
+``--virtual-stages V`` (interleaved and V-shaped schedules): ``torchrun`` starts one
+process per pipeline rank, ``Manifest.num_ranks`` of them per replica.
 
 Usage, in a script started by ``torchrun --nproc-per-node N script.py``::
 
@@ -25,13 +29,16 @@ from torch.utils._pytree import tree_map
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, shard_optimizer
-from fxpipe.runtime.executor import LossFn, StageExecutor
+from fxpipe.partitioner.schedule import runnable_schedules
+from fxpipe.partitioner.schedule.placement import placement_of
+from fxpipe.runtime.executor import LossFn, RankExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.runtime.loss import model_loss
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
 from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
+from fxpipe.runtime.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.schedule import Schedule, make_schedule
 from fxpipe.runtime.ties import sync_tied_grads
@@ -72,12 +79,42 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
+def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microbatches: int,
+                     virtual_stages: int | None = None) -> Schedule:
+    """The schedule to run: ``schedule`` (a name or a ``Schedule``), else the build's own, and it
+    must place the stages on the ranks as the build does (``virtual_stages``, if given, must be
+    the build's: a build's chunks are fixed when it is partitioned)."""
+    ranks, v, placement = placement_of(manifest.stage_ranks)
+    if virtual_stages is not None and virtual_stages != v:
+        raise ConfigError(f"--virtual-stages {virtual_stages} does not match the build, which has {v} stages per "
+                          f"rank ({manifest.num_stages} stages on {ranks} ranks); leave it out, or repartition "
+                          f"with `fxpipe partition --virtual-stages {virtual_stages}`")
+    if schedule is None:
+        schedule = manifest.schedule or (DEFAULT_SCHEDULE if v == 1 else runnable_schedules(v, placement)[0])
+    if not isinstance(schedule, Schedule):
+        fits = runnable_schedules(v, placement)
+        if schedule not in fits:
+            raise ConfigError(f"schedule {schedule!r} cannot run this build: it has {manifest.num_stages} stages, "
+                              f"{v} per rank placed {placement!r}, which runs {list(fits)}; use one of them or "
+                              f"rebuild with `fxpipe partition --schedule {schedule}`")
+        schedule = make_schedule(schedule, ranks, microbatches, v)
+    if schedule.num_microbatches != microbatches or schedule.num_stages != manifest.num_stages:
+        raise RuntimeSetupError(
+            f"schedule {schedule.name!r} is for {schedule.num_stages} stages x "
+            f"{schedule.num_microbatches} microbatches, not {manifest.num_stages} x {microbatches}")
+    if schedule.stage_ranks != manifest.stage_ranks:
+        raise RuntimeSetupError(f"schedule {schedule.name!r} places the stages on ranks {list(schedule.stage_ranks)} "
+                                f"but the build on {list(manifest.stage_ranks)}; use a schedule made for this build")
+    return schedule
+
+
 class PipelineRunner:
     """Trains this rank's stage of a build directory in a pipeline with the other ranks.
 
     ``build`` is the build directory, or a ``Manifest`` together with
     ``stage_loader(index, device)`` that builds stage ``index`` (stages made another way:
-    tests, benchmarks). ``schedule`` is ``"gpipe"``, ``"1f1b"`` or a ``Schedule``.
+    tests, benchmarks). ``schedule`` is a name in ``SCHEDULE_NAMES`` that fits the build's
+    placement, a ``Schedule`` of your own (validated first), or ``None``: the build's.
     Gradients are averaged over the ``microbatches`` (summed with
     ``average_microbatch_grads=False``). Each
     rank's optimizer (``optimizer_factory(params)``, default SGD lr=0.01) updates only
@@ -90,42 +127,39 @@ class PipelineRunner:
     """
 
     def __init__(self, build: str | Path | Manifest, loss_fn: LossFn | None, *, stage_loader: StageLoader | None = None,
-                 schedule: str | Schedule = DEFAULT_SCHEDULE, microbatches: int = 1,
+                 schedule: str | Schedule | None = None, microbatches: int = 1,
                  optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
                  device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  data_parallel: DataParallelOptions | None = None,
-                 target_batch_dims: Sequence[int | None] | None = None) -> None:
+                 target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None) -> None:
         self._owns_group = False
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
         rank, world, local_rank = this_rank()
-        self.layout = RankLayout.for_world(world, manifest.num_stages)
-        dp_options = data_parallel or DataParallelOptions()
-        dp_options.check_replicas(self.layout.replicas)  # before any communication
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
+        self.schedule = resolve_schedule(schedule, manifest, microbatches, virtual_stages)
+        self.layout = RankLayout.for_world(world, manifest.num_ranks, manifest.virtual_stages)
+        dp_options = data_parallel or DataParallelOptions()
+        dp_options.check_replicas(self.layout.replicas)  # before any communication
         self.manifest = manifest
         self.rank, self.world_size = rank, world
-        self.stage_index = self.layout.stage_of(rank)
+        self.pipeline_rank = self.layout.stage_of(rank)
         self.replica = self.layout.replica_of(rank)
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
         self.timeout_s = timeout_s
         self.microbatches = microbatches
         self.routes = routes_from_manifest(manifest)
-        self.schedule = schedule if isinstance(schedule, Schedule) else make_schedule(
-            schedule, manifest.num_stages, microbatches)
-        if self.schedule.num_microbatches != microbatches or self.schedule.num_stages != manifest.num_stages:
-            raise RuntimeSetupError(
-                f"schedule {self.schedule.name!r} is for {self.schedule.num_stages} stages x "
-                f"{self.schedule.num_microbatches} microbatches, not {manifest.num_stages} x {microbatches}")
         validate_schedule(self.schedule, self.routes.links())
         self.device = pick_device(device, local_rank)
         self._owns_group = init_process_group(self.device, timeout_s)
         self.groups = build_groups(self.layout, manifest, rank)
-        self.stage = load(self.stage_index, self.device)
+        self.stages = load_rank_stages(manifest, self.pipeline_rank, load, self.device)
+        self.stage_index = min(self.stages)
+        self.stage = rank_module(self.stages)  # the rank's stages as one module (the stage itself if one)
         self.stage.train()
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        # data parallelism over the replicas of this stage: fxpipe.runtime.dataparallel, Note [one all-reduce per step]
+        # data parallelism over the replicas of this rank: fxpipe.runtime.dataparallel, Note [one all-reduce per step]
         self.data_parallel = (DataParallelStage(self.stage, self.groups.data_parallel, dp_options, self.device)
                               if self.layout.replicas > 1 else None)
         factory = optimizer_factory or _default_optimizer
@@ -133,9 +167,11 @@ class PipelineRunner:
             self.optimizer: torch.optim.Optimizer | None = shard_optimizer(params, factory, self.groups.data_parallel)
         else:
             self.optimizer = factory(params) if params else None
-        p2p = P2P(rank, self.layout.pipeline_ranks(self.replica), timeout_s, self.groups.pipeline)
-        self.executor = StageExecutor(manifest, self.routes, self.stage_index, self.stage, self.schedule, p2p,
-                                      self.device, average_microbatch_grads)
+        p2p = P2P(rank, [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks], timeout_s,
+                  self.groups.pipeline)
+        self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
+                                     self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda")
+        self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
 
     # -- training --------------------------------------------------------------
 
@@ -157,20 +193,20 @@ class PipelineRunner:
         if batched:
             check_divisible(batched[0], self.microbatches)
         mb_inputs = split_inputs(inputs, dims, self.microbatches)
-        is_last = self.stage_index == self.routes.loss_stage
+        is_last = self.executor.holds_loss
         mb_targets = (split_targets(_to_device(targets, self.device), self.microbatches, self.target_batch_dims)
                       if is_last else None)
         losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
-            sync_tied_grads(self.stage, self.groups.ties, self.rank, self.timeout_s)
+            for stage, tie in zip(self.groups.tie_stages, self.groups.ties):
+                sync_tied_grads(self.stages[stage], (tie,), self.rank, self.timeout_s)
         if dp is not None:
-            dp.end_pass()
+            dp.end_pass()  # after the step's last W: every gradient is complete
         loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
         loss = loss.float()
         try:
-            dist.broadcast(loss, src=self.layout.rank_of(self.routes.loss_stage, self.replica),
-                           group=self.groups.pipeline)
+            dist.broadcast(loss, src=self.loss_rank, group=self.groups.pipeline)
         except RuntimeError as exc:
             raise peer_error(exc, self.rank, "receiving the step's loss from the last stage", self.timeout_s) from exc
         return float(loss.item())
@@ -189,6 +225,10 @@ class PipelineRunner:
         if self.optimizer is not None and (dp is None or dp.passes == 0):
             self.optimizer.step()
         return loss
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the original model's keys (all its stages)."""
+        return rank_state_dict(self.stages)
 
     # -- lifetime --------------------------------------------------------------
 

@@ -40,7 +40,7 @@ def resolve_sizes(options: RunOptions, manifest: Manifest, world_size: int) -> t
     batch = options.batch_size or manifest.batch_size
     microbatches = options.microbatches or manifest.microbatches
     check_divisible(batch, microbatches)
-    stages = manifest.num_stages
+    stages = manifest.num_ranks  # processes per pipeline: V stages (chunks) each
     replicas = options.dp if options.dp is not None else max(world_size // stages, 1)
     if world_size != stages * replicas:
         raise RuntimeSetupError(f"--dp {replicas} needs {stages} stages x {replicas} = {stages * replicas} ranks, "
@@ -67,7 +67,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     manifest = Manifest.from_json(build_dir)
     plan = read_build_plan(build_dir)
     source = model_source(build_dir, manifest)
-    world = int(os.environ.get("WORLD_SIZE", manifest.num_stages))
+    world = int(os.environ.get("WORLD_SIZE", manifest.num_ranks))
     batch, microbatches, replicas = resolve_sizes(options, manifest, world)
     dp = options.data_parallel
     every_replica = example_batch(source, manifest, batch * replicas)
@@ -76,7 +76,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule, microbatches=microbatches,
                         optimizer_factory=lambda params: torch.optim.SGD(params, lr=lr),
                         device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
-                        target_batch_dims=target_dims) as runner:
+                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages) as runner:
+        schedule = runner.schedule.name
         inputs, targets = replica_batch(*every_replica, [t.batch_dim for t in manifest.inputs], runner.replica, batch,
                                         target_dims)
         lead = runner.rank == 0
@@ -85,7 +86,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             dp_note = (f" x {replicas} replicas (comm hook {dp.comm_hook})" if replicas > 1 else "")
             per_replica = " per replica" if replicas > 1 else ""
             print(f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
-                  f"({runner.device.type}), schedule {options.schedule}, batch {batch}{per_replica} = "
+                  f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
                   f"{microbatches} x {batch // microbatches}", flush=True)
         losses, seconds = [], []
         for k in range(options.steps):
@@ -105,11 +106,11 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         steady = statistics.median(seconds[1:] or seconds)
         record = RunRecord(
             losses=tuple(losses), step_seconds=tuple(seconds), median_step_ms=steady * 1e3,
-            samples_per_second=samples / steady, schedule=options.schedule, microbatches=microbatches,
+            samples_per_second=samples / steady, schedule=schedule, microbatches=microbatches,
             batch_size=batch, lr=lr, world_size=runner.world_size, num_stages=manifest.num_stages,
             device=runner.device.type, backend=dist.get_backend(),
             predicted_step_ms=None if plan is None else plan.predicted_step_ms(
-                options.schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
+                schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
                 powersgd_rank=dp.powersgd_rank),
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
             dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fxpipe.errors import ConfigError
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES, runnable_schedules
 from fxpipe.runtime.dataparallel import DataParallelOptions
 
 __all__ = ["Config", "PIPELINES"]
 
-# the seed's pipeline names -> fxpipe's runtime schedules
-PIPELINES = {"simple": "gpipe", "interleaved": "1f1b"}
+# the seed's pipeline names -> fxpipe's runtime schedules; fxpipe's own names of the schedules that run
+# one stage per process (the wrapped model is one module per process) are accepted as they are
+PIPELINES = {"simple": "gpipe", "interleaved": "1f1b", **{n: n for n in runnable_schedules(1, "loop")}}
 
 
 def _is_int(value: Any) -> bool:
@@ -30,7 +32,9 @@ class Config:
 
     ``partitions``: pipeline stages (required); ``microbatches``: per step (the batch is
     cut into this many equal parts); ``pipeline``: ``"simple"`` (GPipe: all forwards,
-    then all backwards) or ``"interleaved"`` (1F1B); ``auto_partition``: let the solver
+    then all backwards), ``"interleaved"`` (1F1B), or an fxpipe schedule with one stage
+    per process (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``: zero bubble, the backward split into
+    input and weight gradients); ``auto_partition``: let the solver
     place units (``False``: honour ``fxpipe.partition(i)`` blocks and put everything
     else on ``default_partition``); ``optimize``: ``"speed"`` or ``"memory"``, passed
     to the planner; ``ddp``: allow data-parallel replicas (world = partitions x
@@ -62,9 +66,15 @@ class Config:
         if not _is_int(self.microbatches) or self.microbatches < 1:
             raise ConfigError(f"config 'microbatches' must be an int >= 1, got {self.microbatches!r}; "
                               "e.g. {'microbatches': 4} (the batch size must be a multiple of it)")
+        if self.pipeline in SCHEDULE_NAMES and self.pipeline not in PIPELINES:
+            raise ConfigError(f"config 'pipeline' {self.pipeline!r} runs several stages per process, but the seed "
+                              "API wraps one module per process; use one of "
+                              f"{sorted(PIPELINES)}, or partition with `fxpipe partition --schedule {self.pipeline}` "
+                              "and train with fxpipe.runtime.PipelineRunner")
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"config 'pipeline' must be one of {sorted(PIPELINES)}, got {self.pipeline!r}; "
-                              "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B")
+                              "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B, "
+                              "'zb-h1' is zero bubble")
         for key in ("auto_partition", "ddp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config {key!r} must be True or False, got {getattr(self, key)!r}")
@@ -88,7 +98,7 @@ class Config:
 
     @property
     def schedule(self) -> str:
-        """The runtime schedule name (``"gpipe"`` or ``"1f1b"``)."""
+        """The runtime schedule name (``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``)."""
         return PIPELINES[self.pipeline]
 
     @classmethod

@@ -52,8 +52,9 @@ class StepDriver:
         self.microbatches = microbatches
         self.scale = 1.0 / microbatches if average else 1.0
         self.is_last = stage == routes.loss_stage
-        self.actions: tuple[Action, ...] = make_schedule(schedule, manifest.num_stages, microbatches).rank_actions(
-            stage)
+        plan = make_schedule(schedule, manifest.num_stages, microbatches)
+        self.actions: tuple[Action, ...] = plan.rank_actions(stage)
+        self.split = plan.split_backward()
         self.worker = StageWorker(manifest, routes, stage, module, p2p, device, pair_sends=False)
         self.pos = 0
         self.user: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # last stage: what to backprop
@@ -89,9 +90,14 @@ class StepDriver:
         if self.is_last:
             self.user[m] = self._user_grads(tensors, grads)
         self.requested.add(m)
-        while self.pos < len(self.actions) and self.actions[self.pos].kind is ActionKind.BACKWARD \
-                and self.actions[self.pos].microbatch in self.requested:
-            self._backward(self.actions[self.pos].microbatch)
+        while self.pos < len(self.actions):
+            action = self.actions[self.pos]
+            if action.kind is ActionKind.BACKWARD and action.microbatch in self.requested:
+                self._backward(action.microbatch)
+            elif action.kind is ActionKind.WEIGHT and self.worker.has_pending_weight(action.microbatch):
+                self.worker.weight(action.microbatch)
+            else:
+                break
             self.pos += 1
 
     def microbatch_done(self, m: int) -> None:
@@ -112,6 +118,11 @@ class StepDriver:
             if action == target:
                 return
             m = action.microbatch
+            if action.kind is ActionKind.WEIGHT:
+                if self.worker.has_pending_weight(m):
+                    self.worker.weight(m)
+                self.pos += 1      # else the microbatch ran forward only: nothing to do
+                continue
             if action.kind is ActionKind.FORWARD:
                 what = "the step ended" if target is None else f"the model was called in microbatch {target.microbatch}"
                 raise StepError(f"{what}, but microbatch {m} never called the model on stage {self.stage}; call "
@@ -129,7 +140,7 @@ class StepDriver:
 
     def _backward(self, m: int) -> None:
         tensors, grads = self.user.pop(m, ([], []))
-        self.worker.backward(m, tensors, grads)
+        self.worker.backward(m, tensors, grads, split=(self.stage, m) in self.split)
         self.backward_ran = True
 
     # -- the user's tensors ----------------------------------------------------

@@ -35,6 +35,18 @@ class UnitCounts:
     has_backward: bool
     fwd_ops: tuple[tuple[str, int], ...] = ()  # dispatched aten ops (name, calls); empty: use n_ops
     bwd_ops: tuple[tuple[str, int], ...] = ()
+    bwd_input_flops: float | None = None  # of bwd_flops, those of the input gradients (the rest: weights)
+    input_grads: bool = True  # some input of the unit needs a gradient
+
+    @property
+    def weight_grad_fraction(self) -> float | None:
+        """Share of the backward FLOPs that compute weight gradients (what a split ``W`` runs);
+        all of it when no input needs a gradient (an embedding of token ids)."""
+        if not self.input_grads and self.has_backward:
+            return 1.0
+        if self.bwd_input_flops is None or self.bwd_flops <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.bwd_input_flops / self.bwd_flops))
 
 
 class OpCounter(TorchDispatchMode):
@@ -109,6 +121,11 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
     with bwd:
         has_backward = runner.backward(outputs, inputs.leaves)
     fwd_ops, bwd_ops = count_ops(runner)
+    fresh = runner.fresh_inputs()   # again, differentiating the inputs only: the input-gradient FLOPs
+    input_leaves = [x for x in fresh.leaves if not any(x is p for p in runner.params)]
+    again = runner.run(fresh)
+    with FlopCounterMode(display=False) as bwd_in:
+        runner.backward(again, input_leaves)
     io_bytes = sum(nbytes(v) for v in runner.input_values.values()) + sum(nbytes(o) for o in outputs)
     return UnitCounts(
         fwd_flops=float(fwd.get_total_flops()),
@@ -119,6 +136,8 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
         has_backward=has_backward,
         fwd_ops=fwd_ops.items(),
         bwd_ops=bwd_ops.items(),
+        bwd_input_flops=float(bwd_in.get_total_flops()),
+        input_grads=bool(input_leaves),
     )
 
 

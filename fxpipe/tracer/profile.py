@@ -29,8 +29,10 @@ from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["TensorSpec", "Unit", "UnitEdge", "ModelInfo", "ModelProfile", "PROFILE_SCHEMA_VERSION"]
+__all__ = ["TensorSpec", "Unit", "UnitEdge", "ModelInfo", "ModelProfile", "PROFILE_SCHEMA_VERSION",
+           "WEIGHT_GRAD_FALLBACK"]
 
+WEIGHT_GRAD_FALLBACK = 0.5  # weight-gradient share of bwd_ms for units of profiles that do not record it
 PROFILE_SCHEMA_VERSION = 2  # 2: ``model`` is a ModelInfo (``class_name`` instead of ``class``)
 _OLDEST_READABLE = 1
 _REMEDY = "re-trace the model with `fxpipe trace`"
@@ -127,6 +129,7 @@ class Unit:
     reads_inputs: tuple[NonNegInt, ...] = ()
     pin: NonNegInt | None = None
     random: bool = False  # draws random numbers (dropout): such units keep their program order across stages
+    weight_grad_fraction: NonNegFloat | None = None  # of bwd_ms, the weight gradients' share (from FLOPs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(
@@ -147,6 +150,16 @@ class Unit:
     def compute_ms(self) -> float:
         """Forward plus backward time of one microbatch."""
         return self.fwd_ms + self.bwd_ms
+
+    @property
+    def bwd_weight_ms(self) -> float:
+        """The part of ``bwd_ms`` that computes weight gradients (a zero-bubble schedule's ``W``):
+        ``weight_grad_fraction`` from the unit's FLOPs, or for profiles without it a fixed
+        ``WEIGHT_GRAD_FALLBACK`` of units with parameters (input and weight gradients of a
+        matmul cost the same)."""
+        if self.weight_grad_fraction is not None:
+            return self.bwd_ms * min(self.weight_grad_fraction, 1.0)
+        return self.bwd_ms * WEIGHT_GRAD_FALLBACK if (self.param_bytes or self.params) else 0.0
 
     @property
     def output_bytes(self) -> int:

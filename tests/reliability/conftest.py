@@ -22,7 +22,7 @@ for folder in (HERE, HERE.parent / "runtime"):  # this folder's helpers, and the
 
 ROOT = HERE.parents[1]
 
-# A chain Linear -> Scale -> Linear -> Scale -> Linear. ``Scale`` cannot be traced into, so it is kept
+# Four blocks of Linear -> Scale. ``Scale`` cannot be traced into, so it is kept
 # whole (a leaf) and every stage imports it from the model file; ``FXPIPE_PROBE_LOSS`` makes loss_fn misbehave in a worker.
 LEAF_MODEL = '''
 import os
@@ -42,9 +42,19 @@ class Scale(nn.Module):
         return x * self.gain
 
 
+class Block(nn.Module):  # every unit holds a Scale, so every stage imports it whatever the split
+    def __init__(self, width_in, width):
+        super().__init__()
+        self.linear = nn.Linear(width_in, width)
+        self.scale = Scale(width)
+
+    def forward(self, x):
+        return self.scale(self.linear(x))
+
+
 def build_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), Scale(16), nn.Linear(16, 16), Scale(16), nn.Linear(16, 4))
+    return nn.Sequential(Block(8, 16), Block(16, 16), Block(16, 16), Block(16, 4))
 
 
 def example_inputs(b):

@@ -14,11 +14,13 @@ from fxpipe.tracer import trace_model_file
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def make_build(name: str, out_dir: Path, stages: int, batch_size: int, microbatches: int) -> Path:
-    """Trace ``examples/<name>.py`` at the microbatch size, plan ``stages`` stages, emit into ``out_dir``."""
+def make_build(name: str, out_dir: Path, stages: int, batch_size: int, microbatches: int,
+               schedule: str = "1f1b") -> Path:
+    """Trace ``examples/<name>.py`` at the microbatch size, plan ``stages`` ranks for ``schedule``
+    (its least stages per rank), emit into ``out_dir``."""
     source = load_model_file(EXAMPLES / f"{name}.py")
     traced = trace_model_file(source, batch_size // microbatches)
-    plan = plan_partition(traced.profile, stages, microbatches=microbatches)
+    plan = plan_partition(traced.profile, stages, microbatches=microbatches, schedule=schedule)
     write_build_dir(traced, plan, out_dir, source, batch_size=batch_size, microbatches=microbatches)
     return out_dir
 

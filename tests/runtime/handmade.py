@@ -103,12 +103,18 @@ def manifest() -> Manifest:
         ties=(Tie((0, 2), ("emb.weight", "emb.weight")),))
 
 
-def example_batch(batch_size: int, seed: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def token_batch(batch_size: int, seed: int, vocab: int, seq: int,
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Token ids, a float scale per sample and target ids: a language model's batch."""
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+    idx = torch.randint(0, vocab, (batch_size, seq), generator=g)
     scale = torch.rand(batch_size, 1, 1, generator=g)
-    target = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+    target = torch.randint(0, vocab, (batch_size, seq), generator=g)
     return (idx, scale), target
+
+
+def example_batch(batch_size: int, seed: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return token_batch(batch_size, seed, VOCAB, SEQ)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_routes_of_the_handmade_manifest() -> None:
     assert routes.links() == (Link(0, 1, True), Link(0, 2, True), Link(1, 2, True))
     assert routes.model_outputs == ("logits",) and routes.input_names == ("idx", "scale")
     tags = {t.tag(m, routes.num_tensors, g) for t in routes.transfers for m in range(4) for g in (False, True)}
-    assert len(tags) == 3 * 4 * 2  # unique per tensor, microbatch and direction
+    assert len(tags) == 4 * 4 * 2  # unique per transfer (h0 goes to two stages), microbatch and direction
 
 
 def test_model_output_from_an_earlier_stage_is_routed_to_the_last() -> None:

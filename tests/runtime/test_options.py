@@ -37,7 +37,7 @@ def _worker(*flags: str) -> RunOptions:
 
 
 def test_one_set_of_defaults_for_the_cli_the_worker_and_the_runner() -> None:
-    assert RunOptions().steps == 10 and RunOptions().timeout_s == 300.0 and RunOptions().schedule == "1f1b"
+    assert RunOptions().steps == 10 and RunOptions().timeout_s == 300.0 and RunOptions().schedule is None
     assert _cli() == _worker() == RunOptions()
     runner = inspect.signature(PipelineRunner).parameters
     assert runner["schedule"].default == RunOptions().schedule
@@ -83,7 +83,8 @@ def test_bad_json_is_refused_by_name(data: dict, message: str) -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"steps": 0}, r"--steps must be an int >= 1 \(training steps\), got 0"),
     ({"steps": 2.5}, r"--steps must be an int >= 1"),
-    ({"schedule": "zb"}, r"unknown schedule 'zb'; expected one of \['gpipe', '1f1b'\]"),
+    ({"schedule": "zb"}, r"unknown schedule 'zb'; expected one of \['gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'"),
+    ({"virtual_stages": 0}, r"--virtual-stages must be an int >= 1 \(stages per rank\), got 0"),
     ({"microbatches": 0}, r"--microbatches must be an int >= 1, got 0; leave it out to use the build's"),
     ({"batch_size": -4}, r"--batch-size must be an int >= 1, got -4"),
     ({"lr": float("nan")}, r"--lr must be a number >= 0"),
@@ -114,7 +115,8 @@ def test_schedule_names_have_one_source() -> None:
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     assert tuple(next(a.choices for a in parser._actions if "--schedule" in a.option_strings)) == SCHEDULE_NAMES
-    assert "pipeline schedule: gpipe, 1f1b (default: 1f1b)" in " ".join(parser.format_help().split())
+    assert ("pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (default: the build's)"
+            in " ".join(parser.format_help().split()))
 
 
 def test_building_the_cli_parser_imports_neither_torch_nor_or_tools() -> None:

@@ -51,6 +51,8 @@ def training_job(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
 
     script = load_script("train_loop")
     out["sgd"] = script.main({"partitions": 2, "microbatches": 4, "pipeline": "interleaved"}, "sgd")
+    api.shutdown(destroy_process_group=False)
+    out["zb-h1"] = script.main({"partitions": 2, "microbatches": 4, "pipeline": "zb-h1"}, "sgd")
     out["ranks"] = {"rank": api.rank(), "size": api.size(), "local_rank": api.local_rank(),
                     "local_size": api.local_size(), "mp_rank": api.mp_rank(), "mp_size": api.mp_size(),
                     "dp_rank": api.dp_rank(), "dp_size": api.dp_size(), "tracing": api.is_tracing(),

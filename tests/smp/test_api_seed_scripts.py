@@ -1,7 +1,7 @@
 """The seed document's examples (``examples/seed_scripts``) on 2 ranks, against one-process PyTorch.
 
 Two spawned jobs, each running several trainings: the training loop (SGD with
-momentum under 1F1B, Adam under GPipe), manual partitioning with nested blocks, a
+momentum under 1F1B and under zero-bubble ZB-H1, Adam under GPipe), manual partitioning with nested blocks, a
 prebuilt ``plan``, checkpoints (partial and full, resumed by a fresh model), the
 pipeline-aware GradScaler skipping a step on an injected inf, and a GPT whose
 embeddings are tied across the two stages.
@@ -53,7 +53,8 @@ def _reference(optimizer: str, steps: int, microbatches: int) -> tuple[list[floa
     return losses, model, opt, (test_loss, correct)
 
 
-@pytest.mark.parametrize("case, optimizer, microbatches", [("sgd", "sgd", 4), ("adam", "adam", 2)])
+@pytest.mark.parametrize("case, optimizer, microbatches", [("sgd", "sgd", 4), ("adam", "adam", 2),
+                                                          ("zb-h1", "sgd", 4)])
 def test_training_loop_matches_one_process(training: Any, case: str, optimizer: str, microbatches: int) -> None:
     values, _ = training
     losses, model, opt, evaluation = _reference(optimizer, 4, microbatches)

@@ -19,7 +19,9 @@ from fxpipe.tracer import trace_model
     ({"microbatches": 4}, "no 'partitions'"),
     ({"partitions": 0}, "'partitions' must be an int >= 1, got 0"),
     ({"partitions": 2, "microbatches": 0}, "'microbatches' must be an int >= 1, got 0"),
-    ({"partitions": 2, "pipeline": "1f1b"}, "'pipeline' must be one of ['interleaved', 'simple'], got '1f1b'"),
+    ({"partitions": 2, "pipeline": "1F1B"}, "'pipeline' must be one of ['1f1b', 'gpipe', 'interleaved', 'simple', "
+                                            "'zb-h1'], got '1F1B'"),
+    ({"partitions": 2, "pipeline": "zbv"}, "'pipeline' 'zbv' runs several stages per process"),
     ({"partitions": 2, "default_partition": 2}, "'default_partition' must be a partition index in 0..1, got 2"),
     ({"partitions": 2, "optimize": "fast"}, "'optimize' must be 'speed' or 'memory', got 'fast'"),
     ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),
@@ -38,6 +40,7 @@ def test_config_defaults_and_world_check() -> None:
     cfg = Config.from_dict({"partitions": 2, "pipeline": "simple"})
     assert (cfg.microbatches, cfg.schedule, cfg.auto_partition, cfg.optimize) == (1, "gpipe", True, "speed")
     assert Config.from_dict({"partitions": 2}).schedule == "1f1b"
+    assert Config.from_dict({"partitions": 2, "pipeline": "zb-h1"}).schedule == "zb-h1"
     assert cfg.check_world(2) == 1
     with pytest.raises(ConfigError, match="'partitions' 2 does not divide the world size 3"):
         cfg.check_world(3)

@@ -1,0 +1,202 @@
+"""The discrete-event simulator of one pipeline step: per-rank action lists, action times, link delays.
+
+Note [step simulation]: every rank runs its action list in order, one action at a time.
+An action starts when its rank is free and its inputs have arrived:
+
+* ``F(s, m)`` needs ``F(p, m)`` of every producer p of stage s, plus the delay of the
+  activation message on that link;
+* ``B(s, m)`` needs ``F(s, m)`` and ``B(c, m)`` of every consumer c whose link carries
+  gradients, plus that gradient message's delay (the last stage's ``B`` only needs its
+  own ``F``: the loss);
+* ``W(s, m)`` needs ``B(s, m)`` (Note [split backward] in ``actions``).
+
+That is how the runtime executes a schedule (non-blocking sends, receives waited for
+right before the computation that needs them), so a schedule the simulator finishes is
+deadlock-free, and one it cannot finish deadlocks (``SimulationStuck``). With every
+action lasting 1 and no delays it is the unit-step simulation the validator prints; with
+the cost model's times it is the planner's predicted step (``prediction.predict``), the
+report's timeline, and the cluster search's inner loop. Messages are delays on their
+link, not busy time of either rank (the runtime overlaps them with compute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
+
+__all__ = ["Link", "chain_links", "link_index", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
+           "dependencies"]
+
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+
+
+@dataclass(frozen=True)
+class Link:
+    """Stage ``src`` sends activations to ``dst``; ``grad`` says gradients come back."""
+
+    src: int
+    dst: int
+    grad: bool = True
+
+
+def chain_links(num_stages: int) -> tuple[Link, ...]:
+    """Links of a plain chain: stage i feeds stage i + 1."""
+    return tuple(Link(i, i + 1) for i in range(num_stages - 1))
+
+
+def link_index(links: Sequence[Link]) -> tuple[dict[int, list[Link]], dict[int, list[Link]]]:
+    """The links into each stage (from its producers) and out of it (to its consumers)."""
+    producers: dict[int, list[Link]] = {}
+    consumers: dict[int, list[Link]] = {}
+    for ln in links:
+        producers.setdefault(ln.dst, []).append(ln)
+        consumers.setdefault(ln.src, []).append(ln)
+    return producers, consumers
+
+
+@dataclass(frozen=True)
+class ScheduleOp:
+    """One simulated action: ``kind`` of ``stage`` on ``microbatch``, on ``rank``, from start to end."""
+
+    stage: int
+    microbatch: int
+    kind: str
+    start_ms: float
+    end_ms: float
+    rank: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every action of one simulated step, and what it adds up to."""
+
+    schedule: str
+    microbatches: int
+    ops: tuple[ScheduleOp, ...]
+    num_ranks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_ranks:
+            object.__setattr__(self, "num_ranks", 1 + max((op.rank if op.rank >= 0 else op.stage)
+                                                          for op in self.ops) if self.ops else 1)
+
+    @property
+    def num_stages(self) -> int:
+        return 1 + max(op.stage for op in self.ops)
+
+    @property
+    def step_ms(self) -> float:
+        return max((op.end_ms for op in self.ops), default=0.0)
+
+    def busy_ms(self) -> list[float]:
+        """Compute time of each rank."""
+        busy = [0.0] * self.num_ranks
+        for op in self.ops:
+            busy[op.rank if op.rank >= 0 else op.stage] += op.end_ms - op.start_ms
+        return busy
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the ranks x step-time rectangle."""
+        total = self.step_ms * self.num_ranks
+        return 1.0 - sum(self.busy_ms()) / total if total > 0 else 0.0
+
+
+class SimulationStuck(Exception):
+    """No rank can run its next action: ``positions[r]`` is rank r's next action, ``done`` what finished."""
+
+    def __init__(self, positions: list[int], done: dict[Action, float]) -> None:
+        super().__init__("schedule deadlocked")
+        self.positions = positions
+        self.done = done
+
+
+def dependencies(action: Action, producers: Mapping[int, Sequence[Link]], consumers: Mapping[int, Sequence[Link]],
+                 split: bool) -> list[tuple[Action, Link | None]]:
+    """What ``action`` waits for (Note [step simulation]), each with the link its message crosses."""
+    s, m = action.stage, action.microbatch
+    if action.kind is F:
+        return [(Action(ln.src, F, m), ln) for ln in producers.get(s, ())]
+    if action.kind is B:
+        return [(Action(s, F, m), None)] + [(Action(ln.dst, B, m), ln) for ln in consumers.get(s, ()) if ln.grad]
+    return [(Action(s, B, m), None)] if split else []
+
+
+@dataclass
+class _Prepared:
+    """One rank's actions with their durations and what they wait for (delays included)."""
+
+    actions: list[Action] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+    waits: list[list[tuple[Action, float]]] = field(default_factory=list)
+
+
+def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
+                  links: Sequence[Link] | None = None,
+                  delay: Callable[[Link, ActionKind], float] | None = None) -> Timeline:
+    """Start and end of every action of ``schedule`` (Note [step simulation]).
+
+    ``duration(action)`` is its compute time; ``delay(link, F or B)`` the time an
+    activation (``F``) or gradient (``B``) message spends on ``link`` (default 0);
+    ``links`` default to a chain. Raises ``SimulationStuck`` on a deadlock.
+
+    >>> from fxpipe.partitioner.schedule.registry import make_schedule
+    >>> simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0).step_ms
+    9.0
+    """
+    links = tuple(chain_links(schedule.num_stages) if links is None else links)
+    producers, consumers = link_index(links)
+    split = schedule.split_backward()
+    ranks: list[_Prepared] = []
+    for acts in schedule.actions:
+        prep = _Prepared()
+        for a in acts:
+            deps = dependencies(a, producers, consumers, (a.stage, a.microbatch) in split)
+            prep.actions.append(a)
+            prep.durations.append(float(duration(a)))
+            prep.waits.append([(d, delay(ln, d.kind) if delay is not None and ln is not None else 0.0)
+                               for d, ln in deps])
+        ranks.append(prep)
+    return _run(schedule, ranks)
+
+
+def _run(schedule: Schedule, ranks: list[_Prepared]) -> Timeline:
+    end: dict[Action, float] = {}
+    free = [0.0] * len(ranks)
+    pos = [0] * len(ranks)
+    waiting: dict[Action, list[int]] = {}
+    todo = deque(range(len(ranks)))
+    ops: list[ScheduleOp] = []
+    while todo:
+        r = todo.popleft()
+        prep = ranks[r]
+        while pos[r] < len(prep.actions):
+            i = pos[r]
+            ready = free[r]
+            missing = None
+            for dep, lag in prep.waits[i]:
+                t = end.get(dep)
+                if t is None:
+                    missing = dep
+                    break
+                ready = max(ready, t + lag)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            a = prep.actions[i]
+            finish = ready + prep.durations[i]
+            end[a] = free[r] = finish
+            ops.append(ScheduleOp(a.stage, a.microbatch, a.kind.value, ready, finish, r))
+            pos[r] += 1
+            todo.extend(waiting.pop(a, ()))
+    if any(p < len(prep.actions) for p, prep in zip(pos, ranks)):
+        raise SimulationStuck(pos, end)
+    ops.sort(key=lambda op: (op.start_ms, op.rank))
+    return Timeline(schedule=schedule.name, microbatches=schedule.num_microbatches, ops=tuple(ops),
+                    num_ranks=schedule.num_ranks)

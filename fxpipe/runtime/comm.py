@@ -1,0 +1,94 @@
+"""``RankComm``: one rank's messages of a step: remote receives and sends, local hand-offs, reused buffers.
+
+Note [posting messages]: a rank's stages exchange tensors three ways.
+
+* Stages on the same rank (interleaved and V-shaped schedules) hand tensors over in
+  memory (``put_local`` / ``take_local``): no copy and no message.
+* Receives from other ranks land in buffers taken from a pool per (transfer,
+  direction, shape) and given back when the microbatch no longer needs them
+  (``release``), so a step allocates no receive buffer once the pools are warm.
+* Sends are posted and never waited for until ``finish`` at the end of the step.
+  With ``pair_sends`` (NCCL) an action's sends are held back and posted in one batch
+  with the next receives, so every pair of neighbours posts matching groups and no
+  stream blocks on a receive whose send sits behind it. Without it (gloo, whose
+  transfers progress on their own threads), sends go out at once and the executor
+  posts the next action's receives before it computes the current one
+  (``fxpipe.runtime.executor``), so data moves while the rank computes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.runtime.p2p import P2P, Message
+
+__all__ = ["RankComm", "Posted"]
+
+Posted = list[tuple[dist.Work, Message, bool]]
+
+
+class RankComm:
+    """Messages, local hand-offs and receive buffers of one rank (Note [posting messages])."""
+
+    def __init__(self, p2p: P2P, device: torch.device, pair_sends: bool) -> None:
+        self.p2p = p2p
+        self.device = device
+        self.pair_sends = pair_sends
+        self._pending: list[Message] = []           # sends held back to go out with the next receives
+        self._in_flight: Posted = []                # posted sends, waited for in finish()
+        self._local: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._pools: dict[Any, list[torch.Tensor]] = defaultdict(list)
+
+    # -- buffers ---------------------------------------------------------------
+
+    def buffer(self, key: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer for ``key`` (a transfer and direction) of this shape, reused when one is free."""
+        pool = self._pools[(key, shape, dtype)]
+        return pool.pop() if pool else torch.empty(shape, dtype=dtype, device=self.device)
+
+    def release(self, key: Any, buf: torch.Tensor) -> None:
+        """Give ``buf`` back to its pool: the microbatch that used it is done with it."""
+        self._pools[(key, tuple(buf.shape), buf.dtype)].append(buf)
+
+    # -- local hand-offs -------------------------------------------------------
+
+    def put_local(self, transfer: int, microbatch: int, gradient: bool, tensor: torch.Tensor) -> None:
+        self._local[(transfer, microbatch, gradient)] = tensor
+
+    def take_local(self, transfer: int, microbatch: int, gradient: bool) -> torch.Tensor:
+        return self._local.pop((transfer, microbatch, gradient))
+
+    # -- messages --------------------------------------------------------------
+
+    def post_recvs(self, recvs: list[Message]) -> Posted:
+        """Post ``recvs`` (with any held-back sends); the receives' handles, to ``wait`` on."""
+        sends, self._pending = self._pending, []
+        if not sends and not recvs:
+            return []
+        posted = self.p2p.post(sends, recvs)
+        self._in_flight += posted[:len(sends)]
+        return posted[len(sends):]
+
+    def wait(self, posted: Posted) -> None:
+        if posted:
+            self.p2p.wait(posted)
+
+    def send(self, sends: list[Message]) -> None:
+        """Send without waiting: now, or with the next receives under ``pair_sends``."""
+        if not sends:
+            return
+        if self.pair_sends:
+            self._pending += sends
+        else:
+            self._in_flight += self.p2p.post(sends, [])
+
+    def finish(self) -> None:
+        """Post the held-back sends and wait for every send of the step."""
+        in_flight = self._in_flight + (self.p2p.post(self._pending, []) if self._pending else [])
+        self._pending, self._in_flight = [], []
+        self.p2p.wait(in_flight)
+        self._local.clear()

@@ -1,0 +1,214 @@
+"""Split backward: ``B`` computes a stage's input gradients now, ``W`` its weight gradients later.
+
+Note [split backward through the saved graph]: both halves run autograd's own engine on
+the graph the forward recorded (no recomputation, no second forward):
+
+1. Walk the graph from the roots (the stage outputs, or the loss) once, in post-order,
+   and mark the nodes that lead to a stage input ("the input path"). An input-path node
+   with an edge leaving the input path towards a parameter (a matmul's weight branch, a
+   bias) is a *boundary node*: its incoming gradient is all ``W`` needs to continue. The
+   same pass collects, for every node off the input path, the parameters it reaches.
+2. ``B``: ``torch.autograd.grad(roots, inputs, retain_graph=True)`` runs only the input
+   path; a pre-hook on each boundary node keeps the gradient that arrives there.
+3. ``W``: the boundary nodes are grouped by the parameters they reach (groups that share
+   a parameter, such as a weight tied inside the stage, merge); per group, one
+   ``torch.autograd.backward`` from the boundary edges (``GradientEdge``) with the kept
+   gradients into the group's parameters. The engine runs only what leads to those
+   parameters, so each boundary node computes just its weight branch, and the input
+   path is not run again. Roots that do not depend on any input (a first stage fed by
+   token ids) are backpropagated whole in ``W``. When one boundary node of a group lies
+   upstream of another, the engine would also reach the downstream one through the
+   input path: a pre-hook then replaces what arrives there by the kept gradient, so
+   nothing is counted twice. The gradients reach ``.grad`` through the parameters' own
+   ``AccumulateGrad`` nodes, as in the fused backward.
+
+Each parameter's gradient is the same sum of the same products as the fused backward,
+so the split and fused paths give bitwise equal gradients (tests/runtime/test_split_backward.py).
+The parameters' ``AccumulateGrad`` nodes are looked up once and held, which keeps them
+the ones every later graph uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["SplitBackward", "WeightWork", "backward_inputs", "backward_weights"]
+
+
+@dataclass
+class _Group:
+    """One ``W`` call: where it starts (boundary nodes, or whole roots) and its parameters."""
+
+    starts: list[Node] = field(default_factory=list)
+    roots: list[int] = field(default_factory=list)   # indices into WeightWork.roots
+    params: list[int] = field(default_factory=list)  # indices into the parameters
+
+
+@dataclass
+class WeightWork:
+    """What ``B`` leaves for ``W``: the kept boundary gradients and the parameter groups."""
+
+    roots: list[torch.Tensor]
+    root_grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+    kept: dict[Node, tuple[torch.Tensor | None, ...]]
+    groups: list[_Group]
+
+
+def _node(t: torch.Tensor) -> Node:
+    return get_gradient_edge(t).node
+
+
+def _analyse(roots: Sequence[Node], inputs: set[Node], params: dict[Node, int]
+             ) -> tuple[dict[Node, bool], dict[Node, frozenset[int]], dict[Node, frozenset[int]]]:
+    """One post-order walk: whether each node leads to an input; the boundary nodes with the
+    parameters they reach off the input path; and, off the input path, what each node reaches."""
+    leads: dict[Node, bool] = {}
+    reach: dict[Node, frozenset[int]] = {}        # nodes off the input path -> parameters they reach
+    starts: dict[Node, frozenset[int]] = {}
+    empty: frozenset[int] = frozenset()
+    stack: list[tuple[Node, list[Node] | None]] = [(n, None) for n in roots]
+    while stack:
+        node, kids = stack.pop()
+        if kids is None:
+            if node in leads:
+                continue
+            kids = [c for c, _ in node.next_functions if c is not None]
+            stack.append((node, kids))
+            stack.extend((c, None) for c in kids if c not in leads)
+            leads[node] = False   # visiting; set for real below (a DAG never comes back to it)
+            continue
+        on_path = node in inputs or any(leads[c] for c in kids)
+        leads[node] = on_path
+        if on_path:
+            found = empty.union(*(reach[c] for c in kids if not leads[c]))
+            if found and node not in inputs:
+                starts[node] = found
+        else:
+            own = frozenset((params[node],)) if node in params else empty
+            reach[node] = own.union(*(reach[c] for c in kids))
+    return leads, starts, reach
+
+
+def _groups(starts: dict[Node, frozenset[int]], whole: list[tuple[int, frozenset[int]]]) -> list[_Group]:
+    """Merge the starts (boundary nodes, then whole roots) that share a parameter into groups."""
+    items: list[tuple[Node | int, frozenset[int]]] = [*starts.items(), *whole]
+    parent = list(range(len(items)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, (_, ps) in enumerate(items):
+        for p in ps:
+            if p in owner:
+                parent[find(i)] = find(owner[p])
+            else:
+                owner[p] = i
+    groups: dict[int, _Group] = {}
+    for i, (start, ps) in enumerate(items):
+        if not ps:
+            continue
+        g = groups.setdefault(find(i), _Group())
+        if isinstance(start, int):
+            g.roots.append(start)
+        else:
+            g.starts.append(start)
+        g.params.extend(p for p in sorted(ps) if p not in g.params)
+    return list(groups.values())
+
+
+class SplitBackward:
+    """Split backward of one stage's parameters (Note [split backward through the saved graph])."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self._param_nodes: dict[Node, int] | None = None
+
+    def _params_by_node(self) -> dict[Node, int]:
+        if self._param_nodes is None:   # held from now on: later graphs reuse these accumulators
+            self._param_nodes = {_node(p): i for i, p in enumerate(self.params)}
+        return self._param_nodes
+
+    def inputs(self, roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor],
+               inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightWork]:
+        """``B``: the gradients of ``inputs`` (None where unused) and what ``W`` needs later."""
+        every = frozenset(range(len(self.params)))
+        if not inputs:   # nothing to send back: all of the backward is W's, in one call
+            work = WeightWork(list(roots), list(root_grads), self.params, {},
+                              [_Group(roots=list(range(len(roots))), params=sorted(every))] if roots else [])
+            return [], work
+        root_nodes = [_node(r) for r in roots]
+        leads, starts, reach = _analyse(root_nodes, {_node(x) for x in inputs}, self._params_by_node())
+        whole = [(i, reach.get(n, frozenset())) for i, n in enumerate(root_nodes) if not leads[n]]
+        groups = _groups(starts, whole)
+        kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+
+        def keeper(node: Node):  # noqa: ANN202 - a hook factory
+            def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+                kept[node] = tuple(grad_outputs)
+            return hook
+
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        live = [i for i, n in enumerate(root_nodes) if leads[n]]
+        if live:
+            handles = [n.register_prehook(keeper(n)) for n in starts]
+            try:
+                got = torch.autograd.grad([roots[i] for i in live], list(inputs), [root_grads[i] for i in live],
+                                          retain_graph=True, allow_unused=True)
+            finally:
+                for h in handles:
+                    h.remove()
+            grads = list(got)
+        return grads, WeightWork(list(roots), list(root_grads), self.params, kept, groups)
+
+    @staticmethod
+    def weights(work: WeightWork) -> None:
+        """``W``: add the parameters' gradients to their ``.grad``."""
+        for group in work.groups:
+            outputs: list[torch.Tensor | GradientEdge] = []
+            grads: list[torch.Tensor] = []
+            for node in group.starts:
+                for slot, g in enumerate(work.kept.get(node, ())):
+                    if g is not None:
+                        outputs.append(GradientEdge(node, slot))
+                        grads.append(g)
+            for i in group.roots:
+                outputs.append(work.roots[i])
+                grads.append(work.root_grads[i])
+            if not outputs:
+                continue
+            params = [work.params[i] for i in group.params]
+            clamps = []
+            if len(group.starts) > 1:   # a kept gradient is the whole gradient: nothing may add to it
+                for node in group.starts:
+                    saved = work.kept.get(node)
+                    if saved is not None:
+                        clamps.append(node.register_prehook(lambda _, saved=saved: saved))
+            try:
+                torch.autograd.backward(outputs, grads, retain_graph=True, inputs=params)  # type: ignore[arg-type]
+            finally:
+                for h in clamps:
+                    h.remove()
+        work.kept.clear()
+        work.roots.clear()
+        work.root_grads.clear()
+
+
+def backward_inputs(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor],
+                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                    ) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """``SplitBackward(params).inputs(...)`` for one call."""
+    return SplitBackward(params).inputs(roots, root_grads, inputs)
+
+
+def backward_weights(work: WeightWork) -> None:
+    """``SplitBackward.weights(work)``."""
+    SplitBackward.weights(work)
