@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError, RuntimeSetupError
-from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, shard_optimizer
+from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
 from fxpipe.runtime.executor import LossFn, StageExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
@@ -120,15 +120,10 @@ class PipelineRunner:
         self.groups = build_groups(self.layout, manifest, rank)
         self.stage = load(self.stage_index, self.device)
         self.stage.train()
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        # data parallelism over the replicas of this stage: fxpipe.runtime.dataparallel, Note [one all-reduce per step]
-        self.data_parallel = (DataParallelStage(self.stage, self.groups.data_parallel, dp_options, self.device)
-                              if self.layout.replicas > 1 else None)
-        factory = optimizer_factory or _default_optimizer
-        if params and self.data_parallel is not None and dp_options.shard_optimizer_state:
-            self.optimizer: torch.optim.Optimizer | None = shard_optimizer(params, factory, self.groups.data_parallel)
-        else:
-            self.optimizer = factory(params) if params else None
+        # data parallelism over the replicas of this stage (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
+        self.data_parallel = (data_parallel_stage(self.stage, self.groups.data_parallel, dp_options, self.device,
+                                                  microbatches) if self.layout.replicas > 1 else None)
+        self.optimizer = stage_optimizer(self.stage, optimizer_factory or _default_optimizer, self.data_parallel)
         p2p = P2P(rank, self.layout.pipeline_ranks(self.replica), timeout_s, self.groups.pipeline)
         self.executor = StageExecutor(manifest, self.routes, self.stage_index, self.stage, self.schedule, p2p,
                                       self.device, average_microbatch_grads)
