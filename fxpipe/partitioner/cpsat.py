@@ -135,7 +135,7 @@ class _Model:
                     var = m.new_bool_var(f"param_{q}_{s}")
                     for u in here:
                         m.add(var >= self.on(u, s))
-                    expr += p.state_factor * p.param_bytes[q] * var
+                    expr += int(round(p.state_factor * p.param_bytes[q])) * var  # sharding: a fraction
             held = p.grads_held(s)
             for t in p.tensors:  # received x in flight, its gradient sent back x held, sent x M
                 if s in self.recv[id(t)]:

@@ -193,7 +193,7 @@ def _stage_plans(problem: PartitionProblem, assignment: tuple[int, ...], ev: Eva
             memory=StageMemory(params=st.param_bytes, grads=st.grad_bytes, optimizer=st.optimizer_bytes,
                                buffers=st.buffer_bytes, activations=st.activation_bytes, boundary=st.boundary_bytes),
             memory_bytes=st.memory_bytes, in_flight=st.in_flight, speed=problem.speeds[i],
-            dp_allreduce_ms=st.dp_allreduce_ms,
+            dp_allreduce_ms=st.dp_allreduce_ms, dp_bytes=st.dp_bytes,
         )
         for i, st in enumerate(ev.stages)
     )

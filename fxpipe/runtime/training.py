@@ -109,7 +109,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             device=runner.device.type, backend=dist.get_backend(),
             predicted_step_ms=None if plan is None else plan.predicted_step_ms(
                 options.schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
-                powersgd_rank=dp.powersgd_rank),
+                powersgd_rank=dp.powersgd_rank, shard=dp.shard),
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
             dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
             shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,

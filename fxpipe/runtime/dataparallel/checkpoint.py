@@ -39,12 +39,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map
 
 from fxpipe.errors import CheckpointError
 
 __all__ = ["full_state_dicts", "load_full_state_dicts", "save_stage_checkpoint", "load_stage_checkpoint",
-           "checkpoint_paths"]
+           "checkpoint_paths", "gather_full", "shard_like", "shard_optimizer_state", "is_sharded"]
 
 _FULL = StateDictOptions(full_state_dict=True)
 # Loading: a parameter that never had a gradient has no optimizer state in the checkpoint
@@ -70,6 +71,40 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
 
 def _cpu(tree: Any) -> Any:
     return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, tree)
+
+
+# -- DTensors to whole tensors and back (torch's int-keyed optimizer format, the seed API's) ---------------
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds FSDP2 shards (DTensor parameters)."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def gather_full(tree: Any) -> Any:
+    """``tree`` with every DTensor gathered into a whole CPU tensor (collective over its mesh, in
+    the tree's order, which is the same on every rank), other tensors detached to the CPU."""
+    return tree_map(lambda x: x.full_tensor().cpu() if isinstance(x, DTensor) else
+                    (x.detach().cpu() if isinstance(x, torch.Tensor) else x), tree)
+
+
+def shard_like(value: Any, like: torch.Tensor) -> Any:
+    """``value`` cut to this rank's shard of DTensor ``like`` when it is a whole tensor of its shape."""
+    if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+            and tuple(value.shape) == tuple(like.shape):
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return value
+
+
+def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A whole torch-format optimizer state dict (int keys) with each parameter's state cut to
+    the shards ``optimizer`` steps (no communication: every rank keeps its own cut)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    by_id = dict(zip(ids, params))
+    state = {i: {k: shard_like(v, by_id[i]) for k, v in s.items()} if i in by_id else s
+             for i, s in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 # -- ZeRO (level "optimizer"): its state by parameter name ------------------------------------------

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
@@ -61,10 +62,12 @@ def mixed_precision(options: DataParallelOptions, root: bool) -> MixedPrecisionP
 
 
 def broadcast_state(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Give every rank of ``group`` the parameters and buffers of its first rank (collective)."""
+    """Give every rank of ``group`` the parameters and buffers of its first rank (collective);
+    parameters already sharded (a unit wrapped before its parent) were synced when they were."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, group=group, group_src=0)
+            if not isinstance(t, DTensor):
+                dist.broadcast(t.data, group=group, group_src=0)
 
 
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions) -> list[nn.Module]:
