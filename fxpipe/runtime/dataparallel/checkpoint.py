@@ -70,7 +70,8 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
 
 
 def _cpu(tree: Any) -> Any:
-    return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, tree)
+    """``tree`` with its tensors copied to the CPU (copies: a snapshot, not the live state)."""
+    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, tree)
 
 
 # -- DTensors to whole tensors and back (torch's int-keyed optimizer format, the seed API's) ---------------
@@ -83,9 +84,8 @@ def is_sharded(module: nn.Module) -> bool:
 
 def gather_full(tree: Any) -> Any:
     """``tree`` with every DTensor gathered into a whole CPU tensor (collective over its mesh, in
-    the tree's order, which is the same on every rank), other tensors detached to the CPU."""
-    return tree_map(lambda x: x.full_tensor().cpu() if isinstance(x, DTensor) else
-                    (x.detach().cpu() if isinstance(x, torch.Tensor) else x), tree)
+    the tree's order, which is the same on every rank), other tensors copied to the CPU."""
+    return _cpu(tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree))
 
 
 def shard_like(value: Any, like: torch.Tensor) -> Any:
