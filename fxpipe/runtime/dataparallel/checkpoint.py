@@ -40,12 +40,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fxpipe.errors import CheckpointError
 
 __all__ = ["full_state_dicts", "load_full_state_dicts", "save_stage_checkpoint", "load_stage_checkpoint",
-           "checkpoint_paths", "gather_full", "shard_like", "shard_optimizer_state", "is_sharded"]
+           "checkpoint_paths", "gather_full", "gather_if_sharded", "shard_like", "shard_optimizer_state", "is_sharded",
+           "stage_state_dict", "load_stage_state_dict"]
 
 _FULL = StateDictOptions(full_state_dict=True)
 # Loading: a parameter that never had a gradient has no optimizer state in the checkpoint
@@ -105,6 +106,25 @@ def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Opt
     state = {i: {k: shard_like(v, by_id[i]) for k, v in s.items()} if i in by_id else s
              for i, s in state_dict["state"].items()}
     return {**state_dict, "state": state}
+
+
+def gather_if_sharded(tree: Any) -> Any:
+    """``gather_full(tree)`` when it holds DTensors (collective), else ``tree`` as it is."""
+    return gather_full(tree) if any(isinstance(x, DTensor) for x in tree_leaves(tree)) else tree
+
+
+def stage_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with FSDP shards gathered into whole tensors (collective when sharded)."""
+    return gather_if_sharded(module.state_dict())
+
+
+def load_stage_state_dict(module: nn.Module, state: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    """``module.load_state_dict`` of whole tensors, each cut to this rank's shard when ``module`` is sharded."""
+    if not is_sharded(module):
+        return module.load_state_dict(state, strict=strict, assign=assign)
+    local = module.state_dict()
+    return module.load_state_dict({k: shard_like(v, local[k]) if k in local else v for k, v in state.items()},
+                                  strict=strict, assign=assign)
 
 
 # -- ZeRO (level "optimizer"): its state by parameter name ------------------------------------------
