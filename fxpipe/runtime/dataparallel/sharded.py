@@ -17,13 +17,18 @@ stages:
   soon as that unit's last backward is done (overlapping the rest of the backward);
   ``shard_reduce="microbatch"`` instead reduces after every backward (the gradients
   never exist whole for longer than one unit's backward; M reduce-scatters per step);
-* ``grad-op`` (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``
-  until the last backward): the parameters are gathered by the step's first forward and
-  stay whole until the step's last backward: one all-gather per unit per step;
+* ``grad-op`` (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``):
+  the parameters are gathered by the step's first forward and stay whole until the
+  step's last backward is done, when ``sync_gradients`` reshards every unit (``reshard()``):
+  one all-gather per unit per step. (Resharding inside the last backward instead would
+  cost an all-gather: FSDP's implicit backward prefetch pops the index of the *latest*
+  forward, so when forwards and backwards alternate the first unit's last backward
+  prefetches a unit of an earlier microbatch, already resharded.);
 * ``full`` (``reshard_after_forward=True``, the root unit included, and resharding
   after every backward): a unit is whole only during its own forward or backward, and
   is gathered again for each: 2M all-gathers per unit per step, the price of ZeRO-3's
-  memory.
+  memory (plus the one stale prefetch above on stages whose forwards and backwards
+  alternate, e.g. the last stage under 1F1B: one all-gather of one unit per step).
 
 Gradients are averaged over the replicas (FSDP divides by R) and over the microbatches
 (the executor scales the loss), so the trajectory is DDP's. Replicas start from replica
@@ -136,10 +141,11 @@ class ShardedStage:
         self.fsdp.set_is_last_backward(False)
 
     def _last(self) -> None:
-        """FSDP's switches for the window's last backward: reduce-scatter and reshard."""
+        """FSDP's switches for the window's last backward: reduce-scatter (and, for ``full``, reshard;
+        ``grad-op`` reshards after it, in ``sync_gradients``)."""
         assert self.fsdp is not None
         self.fsdp.set_requires_gradient_sync(True)
-        self.fsdp.set_reshard_after_backward(True)
+        self.fsdp.set_reshard_after_backward(self.options.shard == "full")
         self.fsdp.set_is_last_backward(True)
 
     def _arm(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -176,6 +182,10 @@ class ShardedStage:
             return
         done, self.backwards = self.backwards, 0
         self._accumulate()
+        if self.options.shard == "grad-op":
+            for unit in self.units:
+                assert isinstance(unit, FSDPModule)
+                unit.reshard()
         if done != self.window:
             raise RuntimeSetupError(
                 f"the sharded stage ran {done} backward passes in this accumulation window but expected "
