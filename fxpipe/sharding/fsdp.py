@@ -47,7 +47,13 @@ __all__ = ["FullyShardedDataParallel", "ShardedDataParallel"]
 def _mesh(group: dist.ProcessGroup | None, module: nn.Module) -> DeviceMesh:
     param = next(module.parameters(), None)
     device = param.device.type if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device)
+    return DeviceMesh.from_group(_or_world(group), device)
+
+
+def _or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    world = group if group is not None else dist.group.WORLD
+    assert world is not None, "the default process group is initialised"
+    return world
 
 
 def _extend_class(module: nn.Module, wrapper: type) -> None:
@@ -71,7 +77,7 @@ class _ShardedModule(nn.Module, metaclass=_WrapInPlace):
 
     process_group: dist.ProcessGroup | None
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> Any:
         """The full state dict: whole tensors under the original keys (collective over the group, as
         FairScale's). Called by an enclosing module's ``state_dict`` it adds its shards, as FSDP2 does."""

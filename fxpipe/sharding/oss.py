@@ -59,16 +59,16 @@ class OSS(torch.optim.Optimizer):
         """This rank's optimizer (FairScale's ``OSS.optim``): ZeRO's local one, or the shards' one."""
         return self.inner.optim if isinstance(self.inner, ZeroRedundancyOptimizer) else self.inner
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.inner.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.optim.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.inner.defaults
 
     def _rebind(self, params: list[torch.nn.Parameter]) -> None:
@@ -104,7 +104,7 @@ class OSS(torch.optim.Optimizer):
 
         self._consolidated = gather_full(self.inner.state_dict())
 
-    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The whole state, after ``consolidate_state_dict`` (on its recipient rank; with
         ``ShardedDataParallel``, on every rank)."""
         refuse_unsupported("OSS.state_dict", {"all_ranks": (all_ranks, False)},

@@ -224,18 +224,18 @@ def save_stage_checkpoint(directory: str | os.PathLike[str], stage_index: int, m
                 raise
         _barrier(group)
         return full
-    tmp = shards.with_name(f".{shards.name}.tmp")
+    staging = shards.with_name(f".{shards.name}.tmp")
     if _group_rank(group) == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
     _barrier(group)
-    dcp.save(_sharded_state(module, optimizer), checkpoint_id=tmp, process_group=group, no_dist=group is None)
+    dcp.save(_sharded_state(module, optimizer), checkpoint_id=staging, process_group=group, no_dist=group is None)
     _barrier(group)
     if _group_rank(group) == 0:
         old = shards.with_name(f"{shards.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         if shards.exists():
             os.replace(shards, old)
-        os.replace(tmp, shards)
+        os.replace(staging, shards)
         shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
     return shards

@@ -119,7 +119,9 @@ class ShardedStage:
         self.fsdp: FSDPModule | None = None
         if not any(p.requires_grad for p in stage.parameters()):
             return  # nothing to shard or reduce (DataParallelStage has no DDP either)
-        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+        world = group if group is not None else dist.group.WORLD
+        assert world is not None, "the default process group is initialised"
+        mesh = DeviceMesh.from_group(world, device.type)
         self.units = shard_stage(stage, mesh, options)
         assert isinstance(stage, FSDPModule), "fully_shard changes the stage's class in place"
         self.fsdp = stage
