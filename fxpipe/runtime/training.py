@@ -81,7 +81,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         lead = runner.rank == 0
         samples = batch * replicas
         if lead:
-            dp_note = (f" x {replicas} replicas (comm hook {dp.comm_hook})" if replicas > 1 else "")
+            sync = f"shard {dp.shard}" if dp.shard != "none" else f"comm hook {dp.comm_hook}"
+            dp_note = (f" x {replicas} replicas ({sync})" if replicas > 1 else "")
             per_replica = " per replica" if replicas > 1 else ""
             print(f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
                   f"({runner.device.type}), schedule {options.schedule}, batch {batch}{per_replica} = "
