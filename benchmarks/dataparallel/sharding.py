@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -39,13 +38,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest
+from fxpipe.codegen.manifest import Manifest
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
 from fxpipe.runtime.launch import free_port
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_common  # noqa: E402
+
 WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS, REPLICAS = 256, 16, 8, 4, 12, 2
 ONLY = os.environ.get("SHARDING_LEVELS")  # comma-separated subset, for a quick look
 LEVELS = {
@@ -63,20 +65,11 @@ if ONLY:
 
 
 def _stage(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    return bench_common.stage(seed, WIDTH, LAYERS)
 
 
 def _manifest() -> Manifest:
-    mb = BATCH // MICROBATCHES
-    x = BoundaryTensor("x", (mb, WIDTH), "float32", 0, INPUT, (0,), False)
-    h = BoundaryTensor("h", (mb, WIDTH), "float32", 0, 0, (1,), True)
-    y = BoundaryTensor("y", (mb, WIDTH), "float32", 0, 1, (), True, 0)
-    keys = tuple(k for i in range(LAYERS) for k in (f"{2 * i}.weight", f"{2 * i}.bias"))
-    stages = tuple(StageManifest(i, "Sequential", "", "", "", "", ins, outs, keys)
-                   for i, (ins, outs) in enumerate((((x,), (h,)), ((h,), (y,)))))
-    return Manifest(model_file="", model_fn="", model_sha256="", stages=stages, batch_size=BATCH,
-                    microbatch_size=mb, inputs=(x,))
+    return bench_common.manifest(WIDTH, LAYERS, BATCH, MICROBATCHES)
 
 
 class PeakSampler(TorchDispatchMode):
@@ -149,12 +142,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for name, options in LEVELS.items():
         runner = PipelineRunner(_manifest(), F.mse_loss, stage_loader=lambda i, d: _stage(i), microbatches=MICROBATCHES,
                                 optimizer_factory=lambda p: torch.optim.Adam(p, lr=1e-4), data_parallel=options)
-        seconds = []
-        for _ in range(STEPS):
-            dist.barrier()
-            start = time.perf_counter()
-            runner.step((x,), target)
-            seconds.append(time.perf_counter() - start)
+        seconds = bench_common.timed_steps(runner, (x,), target, STEPS)
         with CollectiveCounter(runner.groups.data_parallel) as counter:
             runner.step((x,), target)
         at_rest = _state_bytes(runner)

@@ -10,7 +10,6 @@ on ``dp_rank() == 0`` resumes onto the uninterrupted trajectory.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import fxpipe.smp as api
+from concat_reference import train_on_concatenated_batches
 from dpscenarios import BASE, MICROBATCHES, REPLICAS, PARTITIONS, batch, build, loss_fn, train_step
 from spawn import spawn
 
@@ -69,21 +69,8 @@ def _job(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 
 def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = copy.deepcopy(build(0)).train()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    chunks, losses = REPLICAS * MICROBATCHES, []
-    for k in range(steps):
-        opt.zero_grad()
-        parts = [batch(k, r) for r in range(REPLICAS)]
-        idx, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        total = 0.0
-        for x, y in zip(idx.chunk(chunks), target.chunk(chunks)):
-            loss = loss_fn(model(x), y)
-            (loss / chunks).backward()
-            total += loss.item()
-        losses.append(total / chunks)
-        opt.step()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_on_concatenated_batches(copy.deepcopy(build(0)), batch, steps, REPLICAS, MICROBATCHES, loss_fn,
+                                         lambda p: torch.optim.Adam(p, lr=LR))
 
 
 @pytest.fixture(scope="module")

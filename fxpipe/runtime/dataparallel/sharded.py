@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
+from fxpipe.runtime.dataparallel.replica import AccumulationWindow
 from fxpipe.runtime.dataparallel.units import block_units, min_params_units
 
 __all__ = ["ShardedStage", "shard_stage", "mixed_precision", "broadcast_state"]
@@ -92,7 +93,7 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
     return [*units, stage]
 
 
-class ShardedStage:
+class ShardedStage(AccumulationWindow):
     """Keeps ``stage``'s replicas in ``group`` in step with FSDP2 (Note [sharding in a pipeline]).
 
     ``backwards_per_step`` is the number of backward passes the stage runs per step (the
@@ -163,23 +164,11 @@ class ShardedStage:
         if self.backwards == self.window:
             self._last()
 
-    # -- the DataParallelStage interface -----------------------------------------------
-
-    def should_sync(self) -> bool:
-        """Whether the pass that is about to end completes an accumulation window."""
-        return (self.passes + 1) % self.options.backward_passes_per_step == 0
-
-    def end_pass(self) -> bool:
-        """Call after each step's backwards; at the end of a window check that FSDP reduced
-        (the window's last backward did it) and start the next window. Whether it synced."""
-        sync = self.should_sync()
-        self.passes = 0 if sync else self.passes + 1
-        if sync:
-            self.sync_gradients()
-        return sync
+    # -- the end of an accumulation window (``end_pass``: AccumulationWindow) ------------
 
     def sync_gradients(self) -> None:
-        """End the accumulation window (the reduce-scatter already ran inside its last backward)."""
+        """End the accumulation window: check that FSDP reduced (the reduce-scatter already ran
+        inside the window's last backward), reshard ``grad-op``'s units, start the next window."""
         if self.fsdp is None:
             return
         done, self.backwards = self.backwards, 0

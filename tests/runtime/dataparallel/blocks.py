@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+import twostage
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest, Tie
 
-VOCAB, WIDTH, SEQ, TRACED_MB = 13, 16, 4, 2
+VOCAB, WIDTH, TRACED_MB = 13, 16, 2
+SEQ = twostage.SEQ
 
 
 class Block(nn.Module):
@@ -102,11 +103,7 @@ def manifest() -> Manifest:
 
 
 def batch(batch_size: int, seed: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-    target = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-    return (idx,), target
+    return twostage.batch(batch_size, seed, VOCAB)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
+loss_fn = twostage.loss_fn

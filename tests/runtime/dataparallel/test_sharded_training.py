@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import blocks
+from concat_reference import train_on_concatenated_batches
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
@@ -107,21 +108,8 @@ def _job(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
 def reference(steps: int, microbatches: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, Adam, the replicas' batches concatenated: the mean loss over R x M microbatches."""
-    model = blocks.build_reference().train()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses, chunks = [], REPLICAS * microbatches
-    for k in range(steps):
-        opt.zero_grad()
-        batches = [_batch(k, r) for r in range(REPLICAS)]
-        idx, target = torch.cat([b[0][0] for b in batches]), torch.cat([b[1] for b in batches])
-        total = 0.0
-        for x, y in zip(idx.chunk(chunks), target.chunk(chunks)):
-            loss = blocks.loss_fn(model(x), y)
-            (loss / chunks).backward()
-            total += loss.item()
-        losses.append(total / chunks)
-        opt.step()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_on_concatenated_batches(blocks.build_reference(), _batch, steps, REPLICAS, microbatches,
+                                         blocks.loss_fn, lambda p: torch.optim.Adam(p, lr=LR))
 
 
 @pytest.fixture(scope="module")
