@@ -74,6 +74,14 @@ def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
                         "powersgd or batched_powersgd")
     p.add_argument("--powersgd-rank", type=int, default=1, metavar="K",
                    help="PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)")
+    p.add_argument("--shard", default="none", metavar="LEVEL",
+                   help="shard training state over the R replicas: none (default), optimizer (ZeRO-1), grad-op "
+                        "(gradients too, ZeRO-2), full (parameters too, ZeRO-3); prices memory per rank and traffic")
+    p.add_argument("--shard-reduce", default="step", metavar="WHEN",
+                   help="with --shard grad-op/full: reduce-scatter the gradients once per step (default) or per "
+                        "microbatch")
+    p.add_argument("--shard-param-dtype", default=None, metavar="DTYPE",
+                   help="with --shard grad-op/full: gather and compute in this dtype (bfloat16, float16)")
 
 
 # -- verbs ---------------------------------------------------------------------
@@ -116,7 +124,12 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
 
     _enter("planning")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
-                                 "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank}
+                                 "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank,
+                                 "shard": args.shard, "shard_reduce": args.shard_reduce,
+                                 "shard_param_dtype": args.shard_param_dtype}
+    if args.dp == 1 and (args.shard != "none" or args.shard_reduce != "step" or args.shard_param_dtype):
+        raise ConfigError("--shard, --shard-reduce and --shard-param-dtype divide state over data-parallel "
+                          "replicas, but --dp is 1; add --dp R (R >= 2) or drop them")
     for option, value in (("--link-bandwidth", args.link_bandwidth), ("--link-latency", args.link_latency),
                           ("--time-limit", args.time_limit)):
         if value is not None and not math.isfinite(value):  # nan/inf would end up in plan.json

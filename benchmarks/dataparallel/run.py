@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,32 +20,26 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest
+from fxpipe.codegen.manifest import Manifest
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions, optimizer_state_bytes
 from fxpipe.runtime.launch import free_port
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_common  # noqa: E402
+
 WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS = 512, 4, 32, 2, 12
 HOOKS = {"allreduce": {}, "fp16": {}, "powersgd_r1": {"powersgd_rank": 1}, "powersgd_r2": {"powersgd_rank": 2},
          "powersgd_r4": {"powersgd_rank": 4}}
 
 
 def _stage(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    return bench_common.stage(seed, WIDTH, LAYERS)
 
 
 def _manifest() -> Manifest:
-    mb = BATCH // MICROBATCHES
-    x = BoundaryTensor("x", (mb, WIDTH), "float32", 0, INPUT, (0,), False)
-    h = BoundaryTensor("h", (mb, WIDTH), "float32", 0, 0, (1,), True)
-    y = BoundaryTensor("y", (mb, WIDTH), "float32", 0, 1, (), True, 0)
-    keys = tuple(k for i in range(LAYERS) for k in (f"{2 * i}.weight", f"{2 * i}.bias"))
-    stages = tuple(StageManifest(i, "Sequential", "", "", "", "", ins, outs, keys)
-                   for i, (ins, outs) in enumerate((((x,), (h,)), ((h,), (y,)))))
-    return Manifest(model_file="", model_fn="", model_sha256="", stages=stages, batch_size=BATCH,
-                    microbatch_size=mb, inputs=(x,))
+    return bench_common.manifest(WIDTH, LAYERS, BATCH, MICROBATCHES)
 
 
 def _payload_bytes(runner: PipelineRunner, hook: str) -> float:
@@ -73,12 +66,7 @@ def _worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
         options = DataParallelOptions(comm_hook=hook, powersgd_start_iter=2, **extra)
         runner = PipelineRunner(_manifest(), F.mse_loss, stage_loader=lambda i, d: _stage(i), microbatches=MICROBATCHES,
                                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3), data_parallel=options)
-        seconds = []
-        for _ in range(STEPS):
-            dist.barrier()
-            start = time.perf_counter()
-            runner.step((x,), target)
-            seconds.append(time.perf_counter() - start)
+        seconds = bench_common.timed_steps(runner, (x,), target, STEPS)
         out["hooks"][name] = {"median_step_ms": statistics.median(seconds[3:]) * 1e3,
                               "payload_bytes": _payload_bytes(runner, hook)}
     for shard in (False, True):

@@ -22,6 +22,31 @@ steady state (PowerSGD's first ``start_powerSGD_iter`` plain all-reduce steps ar
 * ``batched_powersgd`` (``batched_powerSGD_hook``): each bucket's flat gradient, zero-padded
   to a square of side ``ceil(sqrt(numel))``, always compressed: ``2 x side x r`` fp32
   numbers in two all-reduces (P, Q) per bucket.
+
+Note [sharding pricing]: ``shard`` spreads a stage's training state over its R
+data-parallel replicas (``fxpipe.runtime.dataparallel``, Note [sharding in a pipeline]).
+Per step, with M microbatches and P the stage's parameter bytes (fp32; each parameter's
+first dimension padded to a multiple of R, as FSDP2 pads its shards):
+
+==========  =====================================  ==================================
+level       collectives per step                   memory per rank (params, grads, optimizer state)
+==========  =====================================  ==================================
+none        all-reduce of the gradients (DDP)      P, P, f P
+optimizer   all-reduce, then ZeRO's broadcast of   P, P, f P / R
+            the updated parameters (P)
+grad-op     1 all-gather (P), reduce-scatter (P)   P/R + P (gathered through the step), G, f P / R
+full        2M all-gathers, reduce-scatter         P/R, G, f P / R
+==========  =====================================  ==================================
+
+The reduce-scatter runs once per step (``shard_reduce="step"``; the gradients of the
+step accumulate unsharded: G = P) or once per microbatch (``"microbatch"``: M times,
+G = P/R). ``shard_param_dtype`` scales the all-gathers and the gathered copy by its
+size over fp32's, ``shard_reduce_dtype`` (default: the parameter dtype) the
+reduce-scatters. Each collective of N bytes (the gathered result, the scattered input,
+the broadcast tensor) sends ``(R-1)/R x N`` per rank on a ring, an all-reduce twice
+that (``DataParallelTraffic.wire_bytes``); each is priced as one message (its latency
+once), as if the stage were one FSDP unit. A unit's transient whole parameters and
+gradients (one or two units at a time) are not in the memory figures.
 """
 
 from __future__ import annotations
@@ -35,8 +60,9 @@ from typing import Any
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.schema import read_dataclass
 
-__all__ = ["CostModel", "AllReduceTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "COMM_HOOKS",
-           "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets", "parse_size", "format_size"]
+__all__ = ["CostModel", "AllReduceTraffic", "DataParallelTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR",
+           "COMM_HOOKS", "SHARD_LEVELS", "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
+           "parse_size", "format_size"]
 
 # (bandwidth in bytes/s, latency in seconds per message), one direction.
 LINK_PRESETS: dict[str, tuple[float, float]] = {
@@ -52,6 +78,11 @@ OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
 
 # Data-parallel gradient communication hooks (fxpipe.runtime.dataparallel) the cost model can price.
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
+
+# Sharding levels over the data-parallel replicas (Note [sharding pricing]), as fxpipe.runtime.dataparallel names them.
+SHARD_LEVELS = ("none", "optimizer", "grad-op", "full")
+_SHARD_REDUCE = ("step", "microbatch")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # All-reduces each hook issues per DDP bucket (Note [hook pricing]).
 _ALLREDUCES_PER_BUCKET = {"allreduce": 1, "fp16": 1, "bf16": 1, "powersgd": 3, "batched_powersgd": 2}
@@ -117,6 +148,27 @@ class AllReduceTraffic:
 
     wire_bytes: float
     allreduces: int
+
+
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """What one replica of a stage hands to its data-parallel collectives per step (Note
+    [sharding pricing]): bytes per kind (the gathered result of an all-gather, the input of
+    a reduce-scatter or all-reduce, the broadcast tensor) and the number of collectives."""
+
+    all_reduce_bytes: float = 0.0
+    all_gather_bytes: float = 0.0
+    reduce_scatter_bytes: float = 0.0
+    broadcast_bytes: float = 0.0
+    collectives: int = 0
+
+    def wire_bytes(self, replicas: int) -> float:
+        """Bytes one rank sends on a ring of ``replicas``: ``(R-1)/R`` of each collective, twice for all-reduces."""
+        if replicas <= 1:
+            return 0.0
+        share = (replicas - 1) / replicas
+        return share * (2 * self.all_reduce_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
+                        + self.broadcast_bytes)
 
 
 def ddp_buckets(param_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -193,6 +245,10 @@ class CostModel:
     comm_hook: str = "allreduce"
     powersgd_rank: int = 1
     dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    shard: str = "none"
+    shard_reduce: str = "step"
+    shard_param_dtype: str | None = None
+    shard_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_speed", tuple(_number("device_speed factor", s) for s in self.device_speed))
@@ -215,6 +271,13 @@ class CostModel:
         if not isinstance(self.dp_bucket_bytes, int) or self.dp_bucket_bytes < 1:
             raise ConfigError(f"dp_bucket_bytes must be an int >= 1, got {self.dp_bucket_bytes!r}; "
                               f"DDP's default bucket_cap_mb=25 is {DEFAULT_BUCKET_BYTES}")
+        if self.shard not in SHARD_LEVELS:
+            raise ConfigError(f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}")
+        if self.shard_reduce not in _SHARD_REDUCE:
+            raise ConfigError(f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(_SHARD_REDUCE)}")
+        for key in ("shard_param_dtype", "shard_reduce_dtype"):
+            if getattr(self, key) not in (None, *_DTYPE_BYTES):
+                raise ConfigError(f"{key} must be one of {sorted(_DTYPE_BYTES)} or None, got {getattr(self, key)!r}")
 
     @classmethod
     def preset(cls, link: str, **overrides: Any) -> CostModel:
@@ -277,6 +340,83 @@ class CostModel:
         traffic = self.dp_traffic(param_bytes, shapes)
         return (2 * (R - 1) / R * traffic.wire_bytes / self.link_bandwidth
                 + traffic.allreduces * self.link_latency) * 1e3
+
+    # -- sharding (Note [sharding pricing]) ----------------------------------------
+
+    @property
+    def _sharded(self) -> bool:
+        return self.dp_replicas > 1 and self.shard != "none"
+
+    def _scale(self, dtype: str | None) -> float:
+        return _DTYPE_BYTES[dtype] / 4 if dtype is not None else 1.0
+
+    def state_shares(self) -> tuple[float, float, float]:
+        """Bytes of (parameters, gradients, optimizer state) per rank per parameter byte."""
+        f = float(self.optimizer_factor)
+        if not self._sharded:
+            return 1.0, 1.0, f
+        R = self.dp_replicas
+        if self.shard == "optimizer":
+            return 1.0, 1.0, f / R
+        grads = 1.0 if self.shard_reduce == "step" else 1.0 / R
+        params = 1.0 / R + (self._scale(self.shard_param_dtype) if self.shard == "grad-op" else 0.0)
+        return params, grads, f / R
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Over how many ranks each stage's optimizer step is divided (R when sharded, else 1)."""
+        return self.dp_replicas if self._sharded else 1
+
+    @property
+    def state_factor(self) -> float:
+        """Bytes of training state per rank per parameter byte (weights, gradients, optimizer state)."""
+        params, grads, optimizer = self.state_shares()
+        return params + grads + optimizer
+
+    def stage_state_bytes(self, param_bytes: int) -> tuple[int, int, int]:
+        """(parameters, gradients, optimizer state) bytes per rank of a stage with ``param_bytes``."""
+        return tuple(int(round(share * param_bytes)) for share in self.state_shares())  # type: ignore[return-value]
+
+    def _padded(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None) -> float:
+        """Bytes of the parameters with each first dimension padded to a multiple of R (FSDP2's shards)."""
+        R, total = self.dp_replicas, 0.0
+        for i, b in enumerate(param_bytes):
+            shape = shapes[i] if shapes is not None else None
+            if shape and shape[0] > 0:
+                total += b * (math.ceil(shape[0] / R) * R) / shape[0]
+            else:
+                total += b
+        return total
+
+    def shard_traffic(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
+                      microbatches: int = 1) -> DataParallelTraffic:
+        """What one replica of a stage sends per step at this sharding level (Note [sharding pricing])."""
+        if self.dp_replicas <= 1 or not param_bytes:
+            return DataParallelTraffic()
+        ddp = self.dp_traffic(param_bytes, shapes)
+        if self.shard == "none":
+            return DataParallelTraffic(all_reduce_bytes=ddp.wire_bytes, collectives=ddp.allreduces)
+        if self.shard == "optimizer":
+            return DataParallelTraffic(all_reduce_bytes=ddp.wire_bytes, broadcast_bytes=float(sum(param_bytes)),
+                                       collectives=ddp.allreduces + len(param_bytes))
+        M = microbatches
+        gathers = 1 if self.shard == "grad-op" else 2 * M
+        scatters = 1 if self.shard_reduce == "step" else M
+        padded = self._padded(param_bytes, shapes)
+        reduce_dtype = self.shard_reduce_dtype or self.shard_param_dtype
+        return DataParallelTraffic(all_gather_bytes=gathers * padded * self._scale(self.shard_param_dtype),
+                                   reduce_scatter_bytes=scatters * padded * self._scale(reduce_dtype),
+                                   collectives=gathers + scatters)
+
+    def dp_comm_ms(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
+                   microbatches: int = 1) -> float:
+        """One step's data-parallel communication of a stage, in ms: the all-reduce
+        (``allreduce_ms``) without sharding, else the level's collectives on the dp link."""
+        if not self._sharded:
+            return self.allreduce_ms(param_bytes, shapes)
+        traffic = self.shard_traffic(param_bytes, shapes, microbatches)
+        return (traffic.wire_bytes(self.dp_replicas) / self.link_bandwidth
+                + traffic.collectives * self.link_latency) * 1e3
 
     def speeds(self, num_stages: int) -> tuple[float, ...]:
         """Per-stage speed factors, checked against the stage count."""

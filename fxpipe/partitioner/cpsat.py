@@ -178,7 +178,7 @@ class _Model:
                     var = m.new_bool_var(f"param_{q}_{r}")
                     for u, s in here:
                         m.add(var >= self.on(u, s))
-                    expr += p.state_factor * p.param_bytes[q] * var
+                    expr += int(round(p.state_factor * p.param_bytes[q])) * var  # sharding: a fraction
             for s in mine:
                 expr += self._stage_buffers(s)
             out.append(expr)

@@ -170,6 +170,7 @@ link {escape(plan.cost.link)}. {escape(plan.optimal_for)}.</div>
            split=[s.compute_ms for s in plan.stages])}
 <h2>Rank memory vs the limit</h2>
 {_bars_svg(mems, mem_ref, [format_size(m) for m in mems], "memory", mem_label)}
+{_data_parallel_html(plan)}
 <h2>Baselines (same cost model)</h2>
 <table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x lower bound</th><th>x plan</th>
 <th>step ms</th><th class="l">note</th></tr>{"".join(base_rows)}</table>
@@ -200,6 +201,20 @@ def _alternatives_html(plan: PartitionPlan) -> str:
     return ("<h2>Schedules planned by --schedule auto (the least predicted step wins)</h2>"
             '<table><tr><th class="l">schedule</th><th>V</th><th>step ms</th><th>bubble</th><th>peak memory</th>'
             f'<th class="l">note</th></tr>{"".join(rows)}</table>' + "".join(lines))
+
+
+def _data_parallel_html(plan: PartitionPlan) -> str:
+    """Per stage and rank: the data-parallel traffic per step and the sharded training state (empty without replicas)."""
+    cost = plan.cost
+    if cost.dp_replicas <= 1:
+        return ""
+    rows = "".join(f"<tr><td class=\"l\">{s.index}</td><td>{s.dp_allreduce_ms:.3f}</td><td>{format_size(s.dp_bytes)}</td>"
+                   f"<td>{format_size(s.memory.params)}</td><td>{format_size(s.memory.grads)}</td>"
+                   f"<td>{format_size(s.memory.optimizer)}</td></tr>" for s in plan.stages)
+    return (f"<h2>Data parallelism: {cost.dp_replicas} replicas, shard {escape(cost.shard)}"
+            f"{f', reduce per {escape(cost.shard_reduce)}' if cost.shard in ('grad-op', 'full') else ''}</h2>\n"
+            "<table><tr><th class=\"l\">stage</th><th>dp comm ms/step</th><th>sent per rank/step</th>"
+            f"<th>params per rank</th><th>grads per rank</th><th>optimizer per rank</th></tr>{rows}</table>")
 
 
 def write_html_report(plan: PartitionPlan, profile: ModelProfile, path: str | Path) -> Path:

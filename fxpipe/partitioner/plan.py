@@ -58,8 +58,10 @@ class StagePlan:
     ``fwd_ms``/``bwd_ms`` are compute only (already divided by the device speed);
     ``comm_ms`` = ``comm_fwd_ms + comm_bwd_ms`` is the time of its messages;
     ``stage_ms`` = ``compute_ms + comm_ms``. ``memory`` breaks ``memory_bytes`` down into
-    params, grads, optimizer, buffers, activations and boundary. ``dp_allreduce_ms`` is the
-    once-per-step all-reduce of its gradients across data-parallel replicas (0 with one replica).
+    params, grads, optimizer, buffers, activations and boundary (per rank: sharding divides
+    the first three). ``dp_allreduce_ms`` is the once-per-step data-parallel communication
+    (the gradient all-reduce, or the sharding level's all-gathers and reduce-scatters) and
+    ``dp_bytes`` what one rank sends for it (0 with one replica).
     """
 
     index: NonNegInt
@@ -81,6 +83,7 @@ class StagePlan:
     dp_allreduce_ms: NonNegFloat = 0.0
     bwd_weight_ms: NonNegFloat = 0.0   # of bwd_ms, the weight gradients (a zero-bubble schedule's W)
     rank: NonNegInt | None = None      # the pipeline rank that runs it; None: its index
+    dp_bytes: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -237,10 +240,10 @@ class PartitionPlan:
         return float(self.prediction.step_ms[self.schedule])
 
     def predicted_step_ms(self, schedule: str, *, microbatches: int, dp_replicas: int = 1,
-                          comm_hook: str = "allreduce", powersgd_rank: int = 1) -> float | None:
+                          comm_hook: str = "allreduce", powersgd_rank: int = 1, shard: str = "none") -> float | None:
         """The predicted step time under ``schedule`` if this plan was priced for a run like
         this one (``microbatches``; ``dp_replicas`` replicas whose all-reduce uses
-        ``comm_hook`` with PowerSGD rank ``powersgd_rank``), else ``None``: a prediction
+        ``comm_hook`` with PowerSGD rank ``powersgd_rank``, sharded as ``shard``), else ``None``: a prediction
         for another configuration says nothing about this run.
 
         >>> plan.predicted_step_ms("1f1b", microbatches=4, dp_replicas=2, comm_hook="fp16")  # doctest: +SKIP
@@ -251,6 +254,8 @@ class PartitionPlan:
         if cost.dp_replicas != dp_replicas or (dp_replicas > 1 and cost.comm_hook != comm_hook):
             return None
         if dp_replicas > 1 and "powersgd" in comm_hook and cost.powersgd_rank != powersgd_rank:
+            return None
+        if dp_replicas > 1 and cost.shard != shard:
             return None
         value = self.prediction.step_ms.get(schedule)
         return float(value) if value is not None else None

@@ -293,7 +293,7 @@ def _stage_plans(problem: PartitionProblem, assignment: tuple[int, ...], ev: Eva
             memory=StageMemory(params=st.param_bytes, grads=st.grad_bytes, optimizer=st.optimizer_bytes,
                                buffers=st.buffer_bytes, activations=st.activation_bytes, boundary=st.boundary_bytes),
             memory_bytes=st.memory_bytes, in_flight=st.in_flight, speed=problem.speeds[i],
-            dp_allreduce_ms=st.dp_allreduce_ms, bwd_weight_ms=st.bwd_weight_ms, rank=st.rank,
+            dp_allreduce_ms=st.dp_allreduce_ms, dp_bytes=st.dp_bytes, bwd_weight_ms=st.bwd_weight_ms, rank=st.rank,
         )
         for i, st in enumerate(ev.stages)
     )

@@ -88,7 +88,7 @@ class StepOverheads:
     tied_all_reduce_ms: NonNegFloat = 0.0   # all-reduces of parameters held by several stages
     loss_broadcast_ms: NonNegFloat = 0.0    # the loss, from the last stage to the others
     optimizer_ms: NonNegFloat = 0.0         # the slowest stage's zero_grad + optimizer step
-    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel gradient all-reduce
+    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel all-reduce (or sharded collectives)
     fixed_ms: NonNegFloat = 0.0             # RuntimeCosts.step_ms
 
     @property
@@ -197,7 +197,7 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     for r in range(problem.num_ranks):
         mine = [p for p, rs in ranks_of.items() if r in rs]
         dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine))
-        nbytes = sum(problem.param_bytes[p] for p in mine)
+        nbytes = sum(problem.param_bytes[p] for p in mine) / problem.cost.optimizer_shards  # sharded: its share
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
         if mine:
             optimizer = max(optimizer, runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream)

@@ -31,8 +31,10 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   upper bound when a rank's stages peak at different times).
 * Data parallelism (``cost.dp_replicas`` > 1): each stage's distinct parameters are
   all-reduced once per step (``PartitionProblem.dp_allreduce_ms``: the cost model's
-  ``allreduce_ms`` with the parameters' shapes, Note [hook pricing]), reported as
-  ``StageCost.dp_allreduce_ms``. It is not part of the per-microbatch ``stage_ms`` the
+  ``allreduce_ms`` with the parameters' shapes, Note [hook pricing]), or gathered and
+  reduce-scattered as ``cost.shard`` says (Note [sharding pricing], which also divides
+  the parameter, gradient and optimizer bytes per rank), reported as
+  ``StageCost.dp_allreduce_ms`` and ``dp_bytes``. It is not part of the per-microbatch ``stage_ms`` the
   solvers balance (it is paid once per step, not per microbatch); the predicted step
   time adds the largest one (``planner.predict``).
 
@@ -151,15 +153,24 @@ class PartitionProblem:
         return self.microbatches - self.in_flight(stage) + 1
 
     def dp_allreduce_ms(self, params: Iterable[int]) -> float:
-        """Per-step data-parallel all-reduce of these parameters (indices into ``param_bytes``)."""
+        """Per-step data-parallel communication of these parameters (indices into ``param_bytes``):
+        the gradient all-reduce, or the sharding level's collectives (Note [sharding pricing])."""
         mine = sorted(set(params))
         shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
-        return self.cost.allreduce_ms([self.param_bytes[p] for p in mine], shapes)
+        return self.cost.dp_comm_ms([self.param_bytes[p] for p in mine], shapes, self.microbatches)
+
+    def dp_wire_bytes(self, params: Iterable[int]) -> float:
+        """Bytes one rank sends per step on the data-parallel link for these parameters."""
+        mine = sorted(set(params))
+        shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
+        traffic = self.cost.shard_traffic([self.param_bytes[p] for p in mine], shapes, self.microbatches)
+        return traffic.wire_bytes(self.cost.dp_replicas)
 
     @property
-    def state_factor(self) -> int:
-        """Bytes of training state per parameter byte: the weight, its gradient, optimizer state."""
-        return 2 + self.cost.optimizer_factor
+    def state_factor(self) -> float:
+        """Bytes of training state per rank per parameter byte: the weight, its gradient, optimizer
+        state (2 + optimizer factor, divided over the replicas as ``cost.shard`` says)."""
+        return self.cost.state_factor
 
 
 def in_flight(schedule: str, microbatches: int, num_stages: int, stage: int, virtual_stages: int = 1) -> int:
@@ -300,6 +311,7 @@ class StageCost:
     dp_allreduce_ms: float = 0.0  # per step, not per microbatch
     bwd_weight_ms: float = 0.0    # of bwd_ms, the weight gradients (what a split W computes)
     rank: int = 0                 # the pipeline rank that runs this stage
+    dp_bytes: float = 0.0         # bytes one rank sends per step on the data-parallel link
 
     @property
     def compute_ms(self) -> float:
@@ -396,15 +408,16 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
     stages = []
     for s in range(S):
         pb = sum(problem.param_bytes[p] for p in params[s])
+        state = problem.cost.stage_state_bytes(pb)  # per rank: sharding divides it (Note [sharding pricing])
         k = problem.in_flight(s)
         stages.append(StageCost(
             fwd_ms=fwd[s] / speeds[s], bwd_ms=bwd[s] / speeds[s], comm_fwd_ms=cf[s], comm_bwd_ms=cb[s],
             send_bytes=sent[s], recv_bytes=recv[s], messages=msgs[s],
-            param_bytes=pb, grad_bytes=pb, optimizer_bytes=pb * problem.cost.optimizer_factor,
+            param_bytes=state[0], grad_bytes=state[1], optimizer_bytes=state[2],
             buffer_bytes=buf[s], activation_bytes=act[s] * k,
             boundary_bytes=recv[s] * k + sent[s] * problem.microbatches + recv_grad[s] * problem.grads_held(s),
             in_flight=k,
-            dp_allreduce_ms=problem.dp_allreduce_ms(params[s]),
+            dp_allreduce_ms=problem.dp_allreduce_ms(params[s]), dp_bytes=problem.dp_wire_bytes(params[s]),
             bwd_weight_ms=wgt[s] / speeds[s], rank=ranks[s],
         ))
     if problem.virtual_stages == 1:
@@ -415,7 +428,7 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
         rank_params[ranks[s]].update(params[s])
         rank_memory[ranks[s]] += st.buffer_bytes + st.activation_bytes + st.boundary_bytes
     for r, ps in enumerate(rank_params):
-        rank_memory[r] += problem.state_factor * sum(problem.param_bytes[p] for p in ps)
+        rank_memory[r] += int(round(sum(problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in ps)))))
     return Evaluation(tuple(stages), tuple(rank_memory))
 
 

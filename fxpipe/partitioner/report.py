@@ -27,13 +27,16 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
     placed = "" if plan.virtual_stages == 1 else f" on {plan.num_ranks} ranks ({plan.placement} placement)"
     title = (f"{plan.num_stages}-stage plan{placed} ({plan.solver}), "
              f"{plan.schedule}, {plan.microbatches} microbatches"
-             + (f", memory limit {format_size(limit)}" if limit else ""))
+             + (f", memory limit {format_size(limit)}" if limit else "")
+             + (f", {plan.cost.dp_replicas} replicas (shard {plan.cost.shard}; memory per rank)"
+                if plan.cost.dp_replicas > 1 else ""))
     table = Table(title=title, title_justify="left")
     dp = any(s.dp_allreduce_ms > 0 for s in plan.stages)  # data-parallel replicas: show the per-step all-reduce
     columns = [("stage", "right"), ("rank", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
                ("comm ms", "right"), ("stage ms", "right"), ("memory", "right"), ("share", "right")]
     if dp:
-        columns.insert(7, ("dp all-reduce ms", "right"))
+        columns.insert(7, ("dp all-reduce ms" if plan.cost.shard == "none" else "dp comm ms", "right"))
+        columns.insert(8, ("dp sent/step", "right"))
     for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=col != "modules",  # type: ignore[arg-type]
                          min_width=18 if col == "modules" else None)
@@ -46,6 +49,7 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
                  f"{share:.0%}"]
         if dp:
             cells.insert(7, f"{s.dp_allreduce_ms:.3f}")
+            cells.insert(8, format_size(s.dp_bytes))
         table.add_row(*cells, style=style)
     console.print(table)
 

@@ -34,7 +34,8 @@ from typing import Any
 from fxpipe.errors import ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
-from fxpipe.runtime.dataparallel.options import COMM_HOOKS, DataParallelOptions
+from fxpipe.runtime.dataparallel.options import (COMM_HOOKS, SHARD_DTYPES, SHARD_LEVELS, SHARD_REDUCE, SHARD_WRAP,
+                                                DataParallelOptions)
 
 __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
            "add_run_arguments", "run_options_from_args"]
@@ -156,6 +157,7 @@ class _Flag:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     none_means: str = ""
+    switch: Any = None  # a flag without a value that sets the field to this (e.g. an alias of a choice)
 
     def default(self) -> Any:
         """The field's default, read from the dataclasses (without building one: that would validate)."""
@@ -188,8 +190,25 @@ _FLAGS = (
           f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}", str, "HOOK"),
     _Flag("--powersgd-rank", "data_parallel.powersgd_rank",
           "PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)", int, "K"),
-    _Flag("--shard-optimizer-state", "data_parallel.shard_optimizer_state",
-          "shard the optimizer state over the replicas (ZeroRedundancyOptimizer)"),
+    _Flag("--shard", "data_parallel.shard",
+          "shard training state over the replicas: none, optimizer (ZeRO-1: ZeroRedundancyOptimizer), grad-op "
+          "(gradients too: FSDP2, ZeRO-2), full (parameters too: FSDP2, ZeRO-3)", str, "LEVEL", choices=SHARD_LEVELS),
+    _Flag("--shard-optimizer-state", "data_parallel.shard",
+          "the older spelling of --shard optimizer", switch="optimizer"),
+    _Flag("--shard-reduce", "data_parallel.shard_reduce",
+          "with --shard grad-op/full: reduce-scatter the gradients once per step or after every microbatch", str,
+          "WHEN", choices=SHARD_REDUCE),
+    _Flag("--shard-wrap", "data_parallel.shard_wrap",
+          "with --shard grad-op/full: FSDP units: each block of the stage's module stacks, by --shard-min-params, "
+          "or the whole stage", str, "POLICY", choices=SHARD_WRAP),
+    _Flag("--shard-min-params", "data_parallel.shard_min_params",
+          "with --shard-wrap params: parameters per FSDP unit (FairScale's auto_wrap)", int, "N", none_means="none"),
+    _Flag("--shard-param-dtype", "data_parallel.shard_param_dtype",
+          "with --shard grad-op/full: gather and compute in this dtype (MixedPrecisionPolicy)", str, "DTYPE",
+          choices=SHARD_DTYPES, none_means="the parameters'"),
+    _Flag("--shard-reduce-dtype", "data_parallel.shard_reduce_dtype",
+          "with --shard grad-op/full: reduce-scatter the gradients in this dtype", str, "DTYPE",
+          choices=SHARD_DTYPES, none_means="--shard-param-dtype's"),
     _Flag("--backward-passes-per-step", "data_parallel.backward_passes_per_step",
           "accumulate K steps' gradients locally before one all-reduce and optimizer step", int, "K"),
 )
@@ -207,8 +226,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             "flags given too override it")
     for f in _FLAGS:
         default = f.default()
-        if isinstance(default, bool):  # a switch: its default is off
-            group.add_argument(f.flag, dest=f.path, action="store_true", default=argparse.SUPPRESS, help=f.help)
+        if isinstance(default, bool) or f.switch is not None:  # a switch: its default is off
+            group.add_argument(f.flag, dest=f.path, action="store_const", const=True if f.switch is None else f.switch,
+                               default=argparse.SUPPRESS, help=f.help)
             continue
         shown = f.none_means if default is None else (f"{default:g}" if isinstance(default, float) else default)
         group.add_argument(f.flag, dest=f.path, type=f.type, metavar=f.metavar, choices=f.choices,

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError, RuntimeSetupError
-from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage, shard_optimizer
+from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
 from fxpipe.partitioner.schedule import runnable_schedules
 from fxpipe.partitioner.schedule.placement import placement_of
 from fxpipe.runtime.executor import LossFn, RankExecutor
@@ -77,6 +77,20 @@ def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader
 def _to_device(tree: Any, device: torch.device) -> Any:
     """``tree`` with its tensors on ``device`` (the loss runs where the last stage's outputs are)."""
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _check_sharding_fits(options: DataParallelOptions, schedule: Schedule, manifest: Manifest) -> None:
+    """FSDP steers its reduce-scatter by counting backwards through the rank's one stage
+    (Note [sharding in a pipeline]): chunks and a split backward are refused until sharded per chunk."""
+    if not options.fsdp:
+        return
+    if manifest.virtual_stages > 1:
+        raise ConfigError(f"shard={options.shard!r} runs one stage per rank, but this build has "
+                          f"{manifest.virtual_stages} stages per rank; use shard 'none' or 'optimizer', or "
+                          "repartition without --virtual-stages")
+    if schedule.split_backward():
+        raise ConfigError(f"shard={options.shard!r} cannot follow schedule {schedule.name!r}, which splits the "
+                          "backward into input and weight gradients; use gpipe or 1f1b, or shard 'none' / 'optimizer'")
 
 
 def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microbatches: int,
@@ -142,6 +156,7 @@ class PipelineRunner:
         self.layout = RankLayout.for_world(world, manifest.num_ranks, manifest.virtual_stages)
         dp_options = data_parallel or DataParallelOptions()
         dp_options.check_replicas(self.layout.replicas)  # before any communication
+        _check_sharding_fits(dp_options, self.schedule, manifest)
         self.manifest = manifest
         self.rank, self.world_size = rank, world
         self.pipeline_rank = self.layout.stage_of(rank)
@@ -158,15 +173,10 @@ class PipelineRunner:
         self.stage_index = min(self.stages)
         self.stage = rank_module(self.stages)  # the rank's stages as one module (the stage itself if one)
         self.stage.train()
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        # data parallelism over the replicas of this rank: fxpipe.runtime.dataparallel, Note [one all-reduce per step]
-        self.data_parallel = (DataParallelStage(self.stage, self.groups.data_parallel, dp_options, self.device)
-                              if self.layout.replicas > 1 else None)
-        factory = optimizer_factory or _default_optimizer
-        if params and self.data_parallel is not None and dp_options.shard_optimizer_state:
-            self.optimizer: torch.optim.Optimizer | None = shard_optimizer(params, factory, self.groups.data_parallel)
-        else:
-            self.optimizer = factory(params) if params else None
+        # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
+        self.data_parallel = (data_parallel_stage(self.stage, self.groups.data_parallel, dp_options, self.device,
+                                                  microbatches) if self.layout.replicas > 1 else None)
+        self.optimizer = stage_optimizer(self.stage, optimizer_factory or _default_optimizer, self.data_parallel)
         p2p = P2P(rank, [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks], timeout_s,
                   self.groups.pipeline)
         self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import BuildDirError
 from fxpipe.runtime.p2p import peer_error
@@ -30,7 +31,8 @@ def sync_tied_grads(module: nn.Module, ties: Sequence[tuple[str, dist.ProcessGro
                                 f"parameter of that name (it has {sorted(params)[:8]}...); rebuild the directory")
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # FSDP: every copy's shard r is alike
         try:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         except RuntimeError as exc:
             raise peer_error(exc, rank, f"summing the gradient of tied parameter {key!r}", timeout_s) from exc

@@ -83,7 +83,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         lead = runner.rank == 0
         samples = batch * replicas
         if lead:
-            dp_note = (f" x {replicas} replicas (comm hook {dp.comm_hook})" if replicas > 1 else "")
+            sync = f"shard {dp.shard}" if dp.shard != "none" else f"comm hook {dp.comm_hook}"
+            dp_note = (f" x {replicas} replicas ({sync})" if replicas > 1 else "")
             per_replica = " per replica" if replicas > 1 else ""
             print(f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
                   f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
@@ -111,7 +112,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             device=runner.device.type, backend=dist.get_backend(),
             predicted_step_ms=None if plan is None else plan.predicted_step_ms(
                 schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
-                powersgd_rank=dp.powersgd_rank),
+                powersgd_rank=dp.powersgd_rank, shard=dp.shard),
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
             dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
             shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,

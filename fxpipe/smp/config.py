@@ -41,8 +41,11 @@ class Config:
     replicas, each stage wrapped in DDP over its data-parallel group; see
     docs/dataparallel.md); ``comm_hook``: the DDP communication hook by name
     (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``) and
-    ``powersgd_rank`` its PowerSGD rank; ``shard_optimizer_state``: shard the optimizer
-    state over the data-parallel group (``ZeroRedundancyOptimizer``); ``plan``: a build
+    ``powersgd_rank`` its PowerSGD rank; ``shard``: shard training state over the
+    data-parallel group (``"optimizer"``: ``ZeroRedundancyOptimizer``; ``"grad-op"``,
+    ``"full"``: FSDP2), with ``shard_reduce``, ``shard_wrap``, ``shard_min_params``,
+    ``shard_param_dtype`` and ``shard_reduce_dtype`` as in ``DataParallelOptions``;
+    ``shard_optimizer_state``: the older spelling of ``"shard": "optimizer"``; ``plan``: a build
     directory written by ``fxpipe partition`` to use instead of partitioning at the
     first step.
     """
@@ -58,6 +61,12 @@ class Config:
     comm_hook: str = "allreduce"
     powersgd_rank: int = 1
     shard_optimizer_state: bool = False
+    shard: str = "none"
+    shard_reduce: str = "step"
+    shard_wrap: str = "block"
+    shard_min_params: int | None = None
+    shard_param_dtype: str | None = None
+    shard_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.partitions) or self.partitions < 1:
@@ -81,7 +90,7 @@ class Config:
         if not _is_int(self.default_partition) or not 0 <= self.default_partition < self.partitions:
             raise ConfigError(f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
                               f"got {self.default_partition!r}")
-        self.data_parallel_options()  # validates comm_hook, powersgd_rank and shard_optimizer_state
+        self.data_parallel_options()  # validates comm_hook, powersgd_rank and the shard keys
         if self.optimize not in ("speed", "memory"):
             raise ConfigError(f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}")
         if self.plan is not None:
@@ -94,7 +103,10 @@ class Config:
     def data_parallel_options(self, **ddp_options: Any) -> DataParallelOptions:
         """The data-parallel options: this config's hook and sharding keys plus ``DistributedModel``'s DDP options."""
         return DataParallelOptions(comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
-                                   shard_optimizer_state=self.shard_optimizer_state, **ddp_options)
+                                   shard_optimizer_state=self.shard_optimizer_state, shard=self.shard,
+                                   shard_reduce=self.shard_reduce, shard_wrap=self.shard_wrap,
+                                   shard_min_params=self.shard_min_params, shard_param_dtype=self.shard_param_dtype,
+                                   shard_reduce_dtype=self.shard_reduce_dtype, **ddp_options)
 
     @property
     def schedule(self) -> str:
@@ -121,6 +133,11 @@ class Config:
                               f"launch a multiple of {self.partitions} processes "
                               f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'")
         replicas = world_size // self.partitions
+        shard = self.data_parallel_options().shard
+        if replicas == 1 and shard != "none":
+            raise ConfigError(f"config shards training state ('shard': {shard!r}) over the data-parallel replicas, but "
+                              f"{world_size} processes for {self.partitions} partitions is one data-parallel replica; "
+                              f"launch a multiple of {self.partitions} processes with 'ddp': True, or drop the key")
         if replicas > 1 and not self.ddp:
             raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
                               f"needs 'ddp': True; or launch exactly {self.partitions} processes")

@@ -29,6 +29,7 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner import CostModel, PartitionPlan
 from fxpipe.runtime.dataparallel import DataParallelOptions
+from fxpipe.runtime.dataparallel.checkpoint import load_stage_state_dict, stage_state_dict
 from fxpipe.runtime.dataparallel.hooks import CommHook
 from fxpipe.runtime.groups import build_groups
 from fxpipe.runtime.p2p import P2P
@@ -82,7 +83,7 @@ class DistributedModel(nn.Module):
             overlapping_allreduce=overlapping_allreduce, backward_passes_per_step=backward_passes_per_step,
             bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view)
-        self.replicas = Replicas(self.ddp_options, st.layout.replicas)
+        self.replicas = Replicas(self.ddp_options, st.layout.replicas, st.config.microbatches)
         self._build: StageBuild | None = None
         self._pending_partial: tuple[dict[str, Any], bool] | None = None
         self._post_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = OrderedDict()
@@ -328,7 +329,7 @@ class DistributedModel(nn.Module):
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's part of the state dict, marked partial (``_smp_is_partial``)."""
         self._require_partitioned("local_state_dict()")
-        return {**self.module.state_dict(), PARTIAL_KEY: True}
+        return {**stage_state_dict(self.module), PARTIAL_KEY: True}  # FSDP shards gathered (collective)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The full model's state dict with its original keys, gathered from every stage (on the CPU).
@@ -338,7 +339,7 @@ class DistributedModel(nn.Module):
         if self._build is None:
             return self.module.state_dict(*args, **kwargs)
         st = current()
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        local = {k: v.detach().cpu() for k, v in stage_state_dict(self.module).items()}
         parts: list[Any] = [None] * st.layout.num_stages
         dist.all_gather_object(parts, local, group=st.mp_group if st.layout.replicas > 1 else None)
         merged: dict[str, Any] = {}
@@ -372,10 +373,10 @@ class DistributedModel(nn.Module):
                                   f"{(extra or missing)[:4]} are {'extra' if extra else 'missing'}. The partitioning "
                                   "changed since it was saved; load a full checkpoint (saved with partial=False) "
                                   "instead")
-            return self.module.load_state_dict(state, strict=strict, assign=assign)
+            return load_stage_state_dict(self.module, state, strict=strict, assign=assign)
         missing = sorted(mine - set(state))
         if strict and missing:
             raise ConfigError(f"the state dict lacks keys {missing[:4]} of this model; pass strict=False to load "
                               "it anyway")
-        return self.module.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=strict,
-                                           assign=assign)
+        return load_stage_state_dict(self.module, {k: v for k, v in state.items() if k in mine}, strict=strict,
+                                     assign=assign)

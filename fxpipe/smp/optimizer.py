@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.dataparallel.checkpoint import gather_if_sharded, shard_optimizer_state
 from fxpipe.smp.driver import StepError
 from fxpipe.smp.model import PARTIAL_KEY
 from fxpipe.smp.state import current, is_initialized
@@ -221,7 +222,7 @@ class WrappedOptimizer:
 
     def local_state_dict(self) -> dict[str, Any]:
         """This stage's optimizer state (torch's format), marked partial, with each parameter's key."""
-        sd = type(self.optimizer).state_dict(self.optimizer)
+        sd = gather_if_sharded(type(self.optimizer).state_dict(self.optimizer))  # FSDP shards: whole (collective)
         if self.zero is not None:
             sd["state"] = self._gather_shards()
         if self.localized:
@@ -246,7 +247,7 @@ class WrappedOptimizer:
         """Load a torch-format state dict of the local parameters (into the ZeRO shard when sharded)."""
         base = type(self.optimizer)
         if self.zero is None:
-            base.load_state_dict(self.optimizer, sd)
+            base.load_state_dict(self.optimizer, shard_optimizer_state(sd, self.optimizer))  # FSDP: this rank's cut
             return
         # ZeRO looks state up by position among the local parameters: renumber the saved ids 0..n-1
         renumber = {old: new for new, old in enumerate(i for g in sd["param_groups"] for i in g["params"])}

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel import DataParallelOptions, DataParallelStage
+from fxpipe.runtime.dataparallel import DataParallelOptions, ReplicatedStage, data_parallel_stage
 from fxpipe.runtime.dataparallel.hooks import CommHook
 
 __all__ = ["Replicas"]
@@ -34,10 +34,11 @@ __all__ = ["Replicas"]
 class Replicas:
     """One model's data-parallel state: options, the DDP-wrapped stage, and what waits for partitioning."""
 
-    def __init__(self, options: DataParallelOptions, replicas: int) -> None:
+    def __init__(self, options: DataParallelOptions, replicas: int, microbatches: int = 1) -> None:
         self.options = options
         self.replicas = replicas
-        self.stage: DataParallelStage | None = None
+        self.microbatches = microbatches  # backward passes through the stage per step
+        self.stage: ReplicatedStage | None = None
         self._hook: tuple[Any, CommHook] | None = None
         self._hook_state: dict[str, Any] | None = None
         self._join: contextlib.ExitStack | None = None
@@ -46,10 +47,10 @@ class Replicas:
     # -- lifecycle (called by DistributedModel) ----------------------------------
 
     def attach(self, module: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        """Wrap the freshly partitioned stage in DDP (collective over ``group``) and apply pending calls."""
+        """Wrap the freshly partitioned stage in DDP or FSDP (collective over ``group``) and apply pending calls."""
         if self.replicas == 1:
             return
-        self.stage = DataParallelStage(module, group, self.options, device)
+        self.stage = data_parallel_stage(module, group, self.options, device, self.microbatches)
         if self._hook is not None:
             self.stage.register_comm_hook(*self._hook)
         if self._hook_state is not None:

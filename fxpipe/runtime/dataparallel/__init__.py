@@ -1,9 +1,13 @@
-"""Hybrid data parallelism: R replicas of the pipeline, each stage wrapped in DDP over its data-parallel group.
+"""Hybrid data parallelism: R replicas of the pipeline, each stage kept in sync over its data-parallel group.
 
-``DataParallelOptions`` (the seed's DDP options, ``comm_hook``, ``shard_optimizer_state``),
-``DataParallelStage`` (DDP around one stage, one all-reduce per step, comm hooks,
-``join``), ``make_comm_hook`` and the hook-state checkpoint helpers, and
-``shard_optimizer`` (``ZeroRedundancyOptimizer``). ``PipelineRunner(...,
+``DataParallelOptions`` (the seed's DDP options, ``comm_hook``, the sharding level
+``shard``), ``DataParallelStage`` (DDP around one stage, one all-reduce per step, comm
+hooks, ``join``), ``ShardedStage`` (FSDP2 around one stage: ``shard='grad-op'`` or
+``'full'``), ``data_parallel_stage`` / ``stage_optimizer`` (which of them a stage gets,
+and its optimizer), ``make_comm_hook`` and the hook-state checkpoint helpers,
+``shard_optimizer`` (``ZeroRedundancyOptimizer``), the wrap policies (``block_units``,
+``min_params_units``), the checkpoints of sharded stages (``checkpoint``) and
+``CollectiveCounter`` (the bytes a rank hands to collectives). ``PipelineRunner(...,
 data_parallel=DataParallelOptions(...))`` uses them when the world holds more than one
 pipeline. See docs/dataparallel.md.
 
@@ -18,8 +22,12 @@ from fxpipe._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from fxpipe.runtime.dataparallel.hooks import hook_state_dict, load_hook_state_dict, make_comm_hook
-    from fxpipe.runtime.dataparallel.options import COMM_HOOKS, DataParallelOptions
+    from fxpipe.runtime.dataparallel.options import COMM_HOOKS, SHARD_LEVELS, DataParallelOptions
     from fxpipe.runtime.dataparallel.replica import DataParallelStage
+    from fxpipe.runtime.dataparallel.sharded import ShardedStage
+    from fxpipe.runtime.dataparallel.stage import ReplicatedStage, data_parallel_stage, stage_optimizer
+    from fxpipe.runtime.dataparallel.traffic import CollectiveCounter
+    from fxpipe.runtime.dataparallel.units import block_units, min_params_units
     from fxpipe.runtime.dataparallel.zero import optimizer_state_bytes, shard_optimizer
 
 _LAZY = {
@@ -27,16 +35,32 @@ _LAZY = {
     "load_hook_state_dict": "hooks",
     "make_comm_hook": "hooks",
     "COMM_HOOKS": "options",
+    "SHARD_LEVELS": "options",
     "DataParallelOptions": "options",
     "DataParallelStage": "replica",
+    "ShardedStage": "sharded",
+    "ReplicatedStage": "stage",
+    "data_parallel_stage": "stage",
+    "stage_optimizer": "stage",
+    "CollectiveCounter": "traffic",
+    "block_units": "units",
+    "min_params_units": "units",
     "optimizer_state_bytes": "zero",
     "shard_optimizer": "zero",
 }
 
 __all__ = [
     "COMM_HOOKS",
+    "SHARD_LEVELS",
+    "CollectiveCounter",
     "DataParallelOptions",
     "DataParallelStage",
+    "ReplicatedStage",
+    "ShardedStage",
+    "block_units",
+    "data_parallel_stage",
+    "min_params_units",
+    "stage_optimizer",
     "hook_state_dict",
     "load_hook_state_dict",
     "make_comm_hook",

@@ -2,8 +2,10 @@
 
 The fields are the seed API's DDP options (``overlapping_allreduce``,
 ``backward_passes_per_step``, ``bucket_cap_mb``, ``broadcast_buffers``,
-``gradient_as_bucket_view``) plus fxpipe's ``comm_hook`` shorthand and
-``shard_optimizer_state`` (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+``gradient_as_bucket_view``) plus fxpipe's ``comm_hook`` shorthand and the sharding
+level ``shard`` (``none``, ``optimizer``: ``ZeroRedundancyOptimizer``; ``grad-op`` and
+``full``: FSDP2's ``fully_shard``) with the ``shard_*`` options of the sharded levels.
+``shard_optimizer_state=True`` is kept as the older spelling of ``shard="optimizer"``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["DataParallelOptions", "COMM_HOOKS"]
+__all__ = ["DataParallelOptions", "COMM_HOOKS", "SHARD_LEVELS", "SHARD_REDUCE", "SHARD_WRAP", "SHARD_DTYPES",
+           "FSDP_LEVELS"]
 
 
 @functools.cache
@@ -30,6 +33,16 @@ def _buffers_key() -> str:
 # The ``comm_hook`` shorthands, each a hook of torch.distributed.algorithms.ddp_comm_hooks.
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
 
+# Sharding levels over a stage's data-parallel group (ZeRO 0-3), the mode of the sharded
+# levels' gradient reduction, their wrap policies and mixed-precision dtypes.
+SHARD_LEVELS = ("none", "optimizer", "grad-op", "full")
+SHARD_REDUCE = ("step", "microbatch")
+SHARD_WRAP = ("block", "params", "stage")
+SHARD_DTYPES = ("float32", "bfloat16", "float16")
+FSDP_LEVELS = ("grad-op", "full")
+_DDP_ONLY = ("overlapping_allreduce", "bucket_cap_mb", "gradient_as_bucket_view", "comm_hook", "powersgd_rank",
+             "powersgd_start_iter")
+
 
 @dataclass(frozen=True)
 class DataParallelOptions:
@@ -40,11 +53,26 @@ class DataParallelOptions:
     accumulate this many ``forward_backward`` passes locally before one all-reduce.
     ``bucket_cap_mb``, ``broadcast_buffers``, ``gradient_as_bucket_view`` go to DDP as
     they are. ``comm_hook`` names a built-in DDP communication hook; ``powersgd_rank``
-    and ``powersgd_start_iter`` configure PowerSGD. ``shard_optimizer_state`` shards the
-    optimizer state over the data-parallel group (ZeRO stage 1).
+    and ``powersgd_start_iter`` configure PowerSGD.
+
+    ``shard`` shards training state over the data-parallel group: ``"optimizer"`` the
+    optimizer state (ZeRO-1, ``ZeroRedundancyOptimizer`` behind DDP); ``"grad-op"``
+    gradients and optimizer state, the parameters gathered once per step (ZeRO-2,
+    ``fully_shard(reshard_after_forward=False)``); ``"full"`` parameters too, gathered
+    for every microbatch's forward and backward (ZeRO-3). The sharded levels (Note
+    [sharding in a pipeline] in ``fxpipe.runtime.dataparallel.sharded``) reduce-scatter
+    the gradients once per step after the stage's last backward (``shard_reduce="step"``)
+    or after every microbatch's backward (``"microbatch"``: the gradients stay sharded,
+    M times the reduce-scatter traffic); ``shard_wrap`` picks the FSDP units (``"block"``:
+    each block of the stage's module stacks, ``"params"``: FairScale's ``auto_wrap`` by
+    ``shard_min_params``, ``"stage"``: one unit); ``shard_param_dtype`` /
+    ``shard_reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``. ``shard_optimizer_state``
+    is the older spelling of ``shard="optimizer"`` and always equals it.
 
     >>> DataParallelOptions(comm_hook="powersgd", powersgd_rank=2).comm_hook
     'powersgd'
+    >>> DataParallelOptions(shard_optimizer_state=True).shard
+    'optimizer'
     """
 
     overlapping_allreduce: bool = True
@@ -56,6 +84,12 @@ class DataParallelOptions:
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
     shard_optimizer_state: bool = False
+    shard: str = "none"
+    shard_reduce: str = "step"
+    shard_wrap: str = "block"
+    shard_min_params: int | None = None
+    shard_param_dtype: str | None = None
+    shard_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("overlapping_allreduce", "broadcast_buffers", "gradient_as_bucket_view", "shard_optimizer_state"):
@@ -76,13 +110,60 @@ class DataParallelOptions:
         if not isinstance(self.powersgd_start_iter, int) or self.powersgd_start_iter < 2:
             raise ConfigError(f"powersgd_start_iter must be an int >= 2 (PowerSGD needs plain all-reduce steps "
                               f"while DDP rebuilds its buckets), got {self.powersgd_start_iter!r}")
+        self._check_shard()
+
+    def _check_shard(self) -> None:
+        """Validate the sharding fields, resolve the ``shard_optimizer_state`` alias, and refuse
+        options that the chosen level would ignore."""
+        if self.shard not in SHARD_LEVELS:
+            raise ConfigError(f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}")
+        if self.shard_optimizer_state:
+            if self.shard not in ("none", "optimizer"):
+                raise ConfigError(f"shard_optimizer_state=True (= shard 'optimizer') contradicts shard={self.shard!r}; "
+                                  f"drop shard_optimizer_state: shard={self.shard!r} shards the optimizer state too")
+            object.__setattr__(self, "shard", "optimizer")
+        object.__setattr__(self, "shard_optimizer_state", self.shard == "optimizer")
+        if self.shard_reduce not in SHARD_REDUCE:
+            raise ConfigError(f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(SHARD_REDUCE)}")
+        if self.shard_wrap not in SHARD_WRAP:
+            raise ConfigError(f"unknown shard_wrap {self.shard_wrap!r}; expected one of {list(SHARD_WRAP)}")
+        size = self.shard_min_params
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ConfigError(f"shard_min_params must be an int >= 1 (parameters per FSDP unit), got {size!r}")
+        if (self.shard_wrap == "params") != (size is not None):
+            raise ConfigError("shard_wrap='params' and shard_min_params go together: give both (FairScale's "
+                              f"auto_wrap(min_num_params=N)), got shard_wrap={self.shard_wrap!r}, "
+                              f"shard_min_params={size!r}")
+        for key in ("shard_param_dtype", "shard_reduce_dtype"):
+            if getattr(self, key) not in (None, *SHARD_DTYPES):
+                raise ConfigError(f"{key} must be one of {list(SHARD_DTYPES)} (or None: the parameters' own), "
+                                  f"got {getattr(self, key)!r}")
+        if self.shard in FSDP_LEVELS:
+            ddp = [f"{k}={getattr(self, k)!r}" for k in _DDP_ONLY if getattr(self, k) != _DEFAULTS[k]]
+            if ddp:
+                raise ConfigError(f"shard={self.shard!r} reduces gradients with FSDP's reduce-scatter, which has no "
+                                  f"counterpart of the DDP options {', '.join(ddp)}; drop them (FSDP2's "
+                                  "MixedPrecisionPolicy is shard_reduce_dtype, e.g. 'bfloat16')")
+            return
+        fsdp = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                if f.name.startswith("shard_") and f.name != "shard_optimizer_state" and
+                getattr(self, f.name) != f.default]
+        if fsdp:
+            raise ConfigError(f"{', '.join(fsdp)} only apply to shard='grad-op' or 'full' (FSDP), but shard is "
+                              f"{self.shard!r}; drop them or pick a sharded level")
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the stage is sharded with FSDP2 (levels ``grad-op`` and ``full``) rather than DDP."""
+        return self.shard in FSDP_LEVELS
 
     def check_replicas(self, replicas: int) -> None:
         """Refuse options that would silently do nothing: with one replica there is no DDP,
         so no hook, no sharding and no accumulation across all-reduces."""
         if replicas > 1:
             return
-        changed = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        changed = {f.name: getattr(self, f.name) for f in fields(self)
+                   if getattr(self, f.name) != f.default and f.name != "shard_optimizer_state"}  # shown as shard
         if changed:
             shown = ", ".join(f"{k}={v!r}" for k, v in changed.items())
             raise ConfigError(f"data-parallel options {shown} only apply with 2 or more pipeline replicas "
@@ -93,7 +174,8 @@ class DataParallelOptions:
         replicas, hook, PowerSGD rank and the DDP bucket size the reducer really uses."""
         bucket_mb = self.ddp_kwargs()["bucket_cap_mb"]
         return {"dp_replicas": replicas, "comm_hook": self.comm_hook, "powersgd_rank": self.powersgd_rank,
-                "dp_bucket_bytes": int(bucket_mb * 2**20)}
+                "dp_bucket_bytes": int(bucket_mb * 2**20), "shard": self.shard, "shard_reduce": self.shard_reduce,
+                "shard_param_dtype": self.shard_param_dtype, "shard_reduce_dtype": self.shard_reduce_dtype}
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.nn.parallel.DistributedDataParallel``."""
@@ -115,3 +197,6 @@ class DataParallelOptions:
         if unknown:
             raise ConfigError(f"unknown data-parallel options {unknown}; expected some of {known}")
         return cls(**data)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(DataParallelOptions)}

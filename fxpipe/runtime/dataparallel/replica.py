@@ -31,7 +31,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.runtime.dataparallel.hooks import CommHook, hook_state_dict, load_hook_state_dict, make_comm_hook
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 
-__all__ = ["DataParallelStage"]
+__all__ = ["DataParallelStage", "AccumulationWindow"]
 
 
 class _SyncPass(nn.Module):
@@ -46,7 +46,30 @@ class _SyncPass(nn.Module):
         return torch.stack([p.sum() * 0 for p in params]).sum()
 
 
-class DataParallelStage:
+class AccumulationWindow:
+    """``backward_passes_per_step`` bookkeeping shared by the DDP and the FSDP stage: the replicas
+    synchronise (``sync_gradients``) at the end of every k-th pass."""
+
+    options: DataParallelOptions
+    passes: int  # forward_backward passes since the last synchronisation
+
+    def should_sync(self) -> bool:
+        """Whether the pass that is about to end completes an accumulation window."""
+        return (self.passes + 1) % self.options.backward_passes_per_step == 0
+
+    def end_pass(self) -> bool:
+        """Call after each step's backwards: synchronise if the window is complete; whether it did."""
+        sync = self.should_sync()
+        self.passes = 0 if sync else self.passes + 1
+        if sync:
+            self.sync_gradients()
+        return sync
+
+    def sync_gradients(self) -> None:
+        raise NotImplementedError
+
+
+class DataParallelStage(AccumulationWindow):
     """Keeps ``stage``'s replicas in ``group`` identical: same start, averaged gradients.
 
     Building it broadcasts the stage's parameters and buffers from the group's first
@@ -80,18 +103,6 @@ class DataParallelStage:
         return dist.get_world_size(self.group)
 
     # -- gradients -------------------------------------------------------------
-
-    def should_sync(self) -> bool:
-        """Whether the pass that is about to end completes an accumulation window."""
-        return (self.passes + 1) % self.options.backward_passes_per_step == 0
-
-    def end_pass(self) -> bool:
-        """Call after each step's backwards: synchronise if the window is complete; whether it did."""
-        sync = self.should_sync()
-        self.passes = 0 if sync else self.passes + 1
-        if sync:
-            self.sync_gradients()
-        return sync
 
     def sync_gradients(self) -> None:
         """Average the accumulated gradients over the replicas through DDP (collective in the group)."""

@@ -122,7 +122,8 @@ def test_powersgd_pricing_matches_what_torch_hook_all_reduces() -> None:
 
 def test_options_price_the_buckets_ddp_really_uses() -> None:
     fields = DataParallelOptions(comm_hook="powersgd", powersgd_rank=2, bucket_cap_mb=5).cost_fields(2)
-    assert fields == {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 2, "dp_bucket_bytes": 5 * 2**20}
+    assert fields == {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 2, "dp_bucket_bytes": 5 * 2**20,
+                      "shard": "none", "shard_reduce": "step", "shard_param_dtype": None, "shard_reduce_dtype": None}
     assert CostModel(**fields).dp_bucket_bytes == 5 * 2**20
     # without overlapping all-reduce DDP gets one huge bucket, and so does the cost model
     one = DataParallelOptions(overlapping_allreduce=False).cost_fields(4)["dp_bucket_bytes"]

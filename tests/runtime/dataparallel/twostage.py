@@ -82,10 +82,10 @@ def manifest() -> Manifest:
         ties=(Tie((0, 1), ("emb.weight", "emb.weight")),))
 
 
-def batch(batch_size: int, seed: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+def batch(batch_size: int, seed: int, vocab: int = VOCAB) -> tuple[tuple[torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-    target = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+    idx = torch.randint(0, vocab, (batch_size, SEQ), generator=g)
+    target = torch.randint(0, vocab, (batch_size, SEQ), generator=g)
     return (idx,), target
 
 
