@@ -8,6 +8,8 @@ on the same microbatches (losses and every parameter, fp32).
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,10 @@ def _partition_and_verify(name: str, out: Path, capsys: pytest.CaptureFixture[st
     assert main(["partition", f"{EXAMPLE}:{model_fn}", "--inputs-fn", inputs_fn, "--stages", "2", "--batch-size",
                  str(BATCH), "--microbatches", str(MICROBATCHES), "--solver", "params", "--out", str(out)]) == 0
     assert main(["verify", str(out)]) == 0
-    assert "OK: outputs max abs 0" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "OK: the stages equal the model in train and eval mode" in out_text
+    for mode in ("train", "eval"):  # the chained stages compute the very same outputs
+        assert re.search(rf"{mode} mode OK: \d+ outputs max abs 0;", out_text), out_text
     return out
 
 
