@@ -24,6 +24,7 @@ from fxpipe.sharding import (OSS, FullyShardedDataParallel, ShardedDataParallel,
 from spawn import spawn
 
 WORLD, EPOCHS = common.WORLD_SIZE, common.EPOCHS
+TIMEOUT = 300  # several trainings per job (bf16 autocast on CPU is slow): room for a loaded machine
 
 
 def _values(results: list[Any]) -> list[dict[str, Any]]:
@@ -57,7 +58,7 @@ def _amp_and_overflow(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_sharded_grad_scaler_under_autocast_and_an_overflow_on_one_rank() -> None:
-    results = _values(spawn(_amp_and_overflow, WORLD))
+    results = _values(spawn(_amp_and_overflow, WORLD, timeout=TIMEOUT))
     common.check_against_ddp("ShardedGradScaler", [r["amp"] for r in results], [r["ddp_amp"] for r in results],
                              rtol=1e-3, atol=1e-4)
     # rank 1 alone overflowed in the first step: both ranks skipped it and halved the scale
@@ -79,7 +80,7 @@ def _auto_wrap_job(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_auto_wrapped_transformer_keeps_fairscales_assertions_and_trains_like_ddp() -> None:
-    results = _values(spawn(_auto_wrap_job, WORLD))
+    results = _values(spawn(_auto_wrap_job, WORLD, timeout=TIMEOUT))
     wrapped = results[0]["wrapping"]["wrapped"]
     assert "encoder.layers.0" in wrapped and "encoder.layers.0.linear1" in wrapped
     assert "encoder.layers.0.self_attn" not in wrapped and "" not in wrapped

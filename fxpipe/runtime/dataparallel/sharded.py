@@ -17,13 +17,13 @@ stages:
   soon as that unit's last backward is done (overlapping the rest of the backward);
   ``shard_reduce="microbatch"`` instead reduces after every backward (the gradients
   never exist whole for longer than one unit's backward; M reduce-scatters per step);
-* ``grad-op`` (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``):
-  the parameters are gathered by the step's first forward and stay whole until the
-  step's last backward is done, when ``sync_gradients`` reshards every unit (``reshard()``):
-  one all-gather per unit per step. (Resharding inside the last backward instead would
-  cost an all-gather: FSDP's implicit backward prefetch pops the index of the *latest*
-  forward, so when forwards and backwards alternate the first unit's last backward
-  prefetches a unit of an earlier microbatch, already resharded.);
+* ``grad-op`` (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``
+  until the last backward): the parameters are gathered by the step's first forward and
+  stay whole until the step's last backward: one all-gather per unit per step, plus one
+  where FSDP's implicit backward prefetch (which follows the *latest* forward) gathers a
+  unit again when forwards and backwards alternate. (Resharding in ``sync_gradients``
+  instead, to save that all-gather, trained off the one-process trajectory from the
+  second step: tests/runtime/dataparallel/test_sharded_training.py.);
 * ``full`` (``reshard_after_forward=True``, the root unit included, and resharding
   after every backward): a unit is whole only during its own forward or backward, and
   is gathered again for each: 2M all-gathers per unit per step, the price of ZeRO-3's
@@ -144,11 +144,10 @@ class ShardedStage(AccumulationWindow):
         self.fsdp.set_is_last_backward(False)
 
     def _last(self) -> None:
-        """FSDP's switches for the window's last backward: reduce-scatter (and, for ``full``, reshard;
-        ``grad-op`` reshards after it, in ``sync_gradients``)."""
+        """FSDP's switches for the window's last backward: reduce-scatter and reshard."""
         assert self.fsdp is not None
         self.fsdp.set_requires_gradient_sync(True)
-        self.fsdp.set_reshard_after_backward(self.options.shard == "full")
+        self.fsdp.set_reshard_after_backward(True)
         self.fsdp.set_is_last_backward(True)
 
     def _arm(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -167,16 +166,12 @@ class ShardedStage(AccumulationWindow):
     # -- the end of an accumulation window (``end_pass``: AccumulationWindow) ------------
 
     def sync_gradients(self) -> None:
-        """End the accumulation window: check that FSDP reduced (the reduce-scatter already ran
-        inside the window's last backward), reshard ``grad-op``'s units, start the next window."""
+        """End the accumulation window: check that FSDP reduced and resharded (both already ran
+        inside the window's last backward), start the next window."""
         if self.fsdp is None:
             return
         done, self.backwards = self.backwards, 0
         self._accumulate()
-        if self.options.shard == "grad-op":
-            for unit in self.units:
-                assert isinstance(unit, FSDPModule)
-                unit.reshard()
         if done != self.window:
             raise RuntimeSetupError(
                 f"the sharded stage ran {done} backward passes in this accumulation window but expected "
