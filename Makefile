@@ -12,7 +12,7 @@ STAMP := $(VENV)/.fxpipe-installed
 CONSTRAINTS := $(VENV)/constraints.txt
 DEMO_OUT ?= build/demo
 
-.PHONY: demo test setup clean bench typecheck zoo
+.PHONY: demo test test-heavy setup clean bench typecheck zoo
 
 setup: $(STAMP)
 
@@ -24,7 +24,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not heavy"
+
+# the longest multi-process families (fault injection, FairScale ports): CI runs them after `make test`
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -m heavy
 
 zoo: $(STAMP)
 	FXPIPE_ZOO=full $(PY) -m pytest -q tests/zoo

@@ -16,6 +16,28 @@ import torch
 from example_models import EXAMPLES, HF_MODELS
 from fxpipe.modelfile import ModelSource, load_model_file
 
+# The longest multi-process families, run by `make test-heavy` (CI runs it after `make test`, which must stay
+# under 10 minutes on 2 cores): fault injection into real jobs, the FairScale ports, and a few long builds.
+# Each entry is a test file or a test id prefix; everything else runs in `make test`.
+HEAVY = (
+    "tests/reliability/test_job_faults.py",
+    "tests/reliability/test_leaks.py",
+    "tests/reliability/test_checkpoints.py::test_sigkill_mid_save_in_a_real_job",
+    "tests/runtime/test_faults.py",
+    "tests/sharding/test_fairscale_api.py::test_ported_script",
+    "tests/sharding/test_fairscale_api.py::test_sharded_grad_scaler",
+    "tests/sharding/test_fairscale_api.py::test_auto_wrapped",
+    "tests/codegen/test_readability.py::test_gpt2_stages_read_like_pytorch",
+    "tests/runtime/test_own_loss.py::test_bart",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(HEAVY):
+            item.add_marker(pytest.mark.heavy)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     """Every test starts from the same random state."""
