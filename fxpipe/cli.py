@@ -43,7 +43,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cost_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("--stages", type=int, default=None,
+                   help="number of pipeline stages (or --devices N to search the stages, replicas and the rest)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "cpsat", "greedy", "params", "uniform"])
@@ -63,6 +64,49 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
     p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
     _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster search (fxpipe.partitioner.search): choose S x R x M x schedule x shard x "
+                             "recompute for N devices, instead of --stages")
+    g.add_argument("--devices", type=int, default=None, metavar="N", help="devices in the cluster")
+    g.add_argument("--device-memory", default=None, metavar="SIZE", help="memory per device, e.g. 80GiB")
+    g.add_argument("--node-size", type=int, default=8, metavar="K", help="devices per node (default 8)")
+    g.add_argument("--intra-link", default="nvlink", help="link inside a node: a preset (default nvlink)")
+    g.add_argument("--inter-link", default="infiniband", help="link between nodes: a preset (default infiniband)")
+    for side in ("intra", "inter"):
+        g.add_argument(f"--{side}-bandwidth", type=float, default=None, metavar="GB/S",
+                       help=f"{side}-node bandwidth in GB/s (overrides the preset)")
+        g.add_argument(f"--{side}-latency", type=float, default=None, metavar="US",
+                       help=f"{side}-node latency per message in microseconds (overrides the preset)")
+    g.add_argument("--global-batch", type=int, default=None, metavar="G",
+                   help="samples per step over all replicas (with --devices; required)")
+    g.add_argument("--top", type=int, default=5, metavar="K", help="configurations to list (default 5)")
+    g.add_argument("--explain", action="store_true", help="say why the other depths, schedules and shardings lose")
+
+
+def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
+    """The cluster search of ``--devices`` (Note [cluster search]), printed; returns its result."""
+    from fxpipe.errors import ConfigError
+    from fxpipe.partitioner.cluster import ClusterSpec
+    from fxpipe.partitioner.search import search_configurations
+    from fxpipe.partitioner.search_report import print_search_report
+
+    if args.global_batch is None:
+        raise ConfigError("--devices searches a cluster at a fixed global batch; add --global-batch G")
+    if args.stages is not None or args.dp != 1 or args.shard != "none":
+        raise ConfigError("--devices chooses the stages, replicas and sharding itself; drop --stages, --dp and --shard")
+    cluster = ClusterSpec.from_options(
+        args.devices, device_memory=args.device_memory or args.memory_limit, node_size=args.node_size,
+        intra_link=args.intra_link, inter_link=args.inter_link, intra_bandwidth_gbs=args.intra_bandwidth,
+        intra_latency_us=args.intra_latency, inter_bandwidth_gbs=args.inter_bandwidth,
+        inter_latency_us=args.inter_latency)
+    schedules = None if args.schedule in (AUTO, "1f1b") else (args.schedule,)  # 1f1b is the flag's default
+    _enter("searching configurations")
+    result = search_configurations(profile, cluster, args.global_batch, optimizer=args.optimizer,
+                                   schedules=schedules, top=args.top)
+    print_search_report(result, _console(), explain=args.explain)
+    return result
 
 
 def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
@@ -157,9 +201,11 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     )
 
 
-def _check_stages(stages: int) -> None:
+def _check_stages(stages: int | None) -> None:
     from fxpipe.errors import PartitionError
 
+    if stages is None:
+        raise PartitionError("give --stages N, or --devices N --global-batch G to search a cluster")
     if stages < 1:
         raise PartitionError(f"--stages must be >= 1, got {stages}")
 
@@ -214,10 +260,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fxpipe.partitioner import print_plan_report
     from fxpipe.tracer.profile import ModelProfile
 
-    _check_stages(args.stages)
+    if args.devices is None:
+        _check_stages(args.stages)
     _enter("reading the profile")
     profile = ModelProfile.from_json(args.profile)
-    plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
+    if args.devices is not None:
+        from fxpipe.partitioner.search import plan_configuration
+
+        result = _cluster_search(args, profile)
+        _enter("planning the best configuration")
+        plan = plan_configuration(profile, result.cluster, result.best.config, optimizer=args.optimizer,
+                                  time_limit=args.time_limit)
+        _write_artifact(str(Path(args.out).with_suffix(".search.json")), _json_text(result.to_dict()))
+    else:
+        plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
     _enter("writing the plan")
     out = _write_artifact(args.out, plan.to_json())
     _enter("printing the plan")
@@ -227,16 +283,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_text(data: Any) -> str:
+    import json
+
+    return json.dumps(data, indent=2)
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
     from fxpipe.codegen import check_build_target, write_build_dir
     from fxpipe.partitioner import print_plan_report
 
-    batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
     out = Path(args.out)
-    check_build_target(out)  # before minutes of tracing; write_build_dir checks again
-    source = _load_source(args)
-    traced = _trace(args, source, batch // micro)
-    plan = _plan(args, traced.profile, micro)
+    if args.devices is not None:  # search, then trace again at the chosen microbatch size
+        from fxpipe.partitioner.search import plan_configuration
+
+        check_build_target(out)
+        source = _load_source(args)
+        traced = _trace(args, source, args.batch_size or 1)
+        result = _cluster_search(args, traced.profile)
+        best = result.best.config
+        batch, micro = best.microbatch_size * best.microbatches, best.microbatches
+        if best.microbatch_size != traced.profile.batch_size:
+            traced = _trace(args, source, best.microbatch_size)
+        _enter("planning the best configuration")
+        plan = plan_configuration(traced.profile, result.cluster, best, optimizer=args.optimizer,
+                                  time_limit=args.time_limit)
+    else:
+        batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
+        check_build_target(out)  # before minutes of tracing; write_build_dir checks again
+        source = _load_source(args)
+        traced = _trace(args, source, batch // micro)
+        plan = _plan(args, traced.profile, micro)
     _enter("emitting the build directory")
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro, check=not args.no_check)
     _enter("printing the plan")
@@ -320,12 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan stages from a saved profile.json; write plan.json")
     p.add_argument("profile", help="profile.json written by `fxpipe trace`")
     _add_cost_options(p)
+    _add_cluster_options(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")
     _add_model_options(p)
     _add_cost_options(p)
+    _add_cluster_options(p)
     p.add_argument("--batch-size", type=int, default=None,
                    help="batch of one pipeline replica per step (default 2 x microbatches)")
     p.add_argument("--out", default="build", help="the build directory to write (default build)")

@@ -38,14 +38,15 @@ from fxpipe.partitioner.auto import auto_candidates
 from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.cost import SHARD_LEVELS, format_size
 from fxpipe.partitioner.dp import solve_chain_dp
+from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, StepOverheads, simulate_plan, step_overheads
-from fxpipe.partitioner.problem import PartitionProblem, build_problem, evaluate
-from fxpipe.partitioner.schedule import Timeline, schedule_kind
+from fxpipe.partitioner.problem import Evaluation, PartitionProblem, build_problem, evaluate
+from fxpipe.partitioner.schedule import Timeline, schedule_kind, stage_ranks
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 from fxpipe.tracer.profile import ModelProfile, TensorSpec
 
 __all__ = ["Configuration", "ConfigurationScore", "Alternative", "SearchResult", "search_configurations",
-           "scale_profile"]
+           "scale_profile", "plan_configuration"]
 
 _MINOR = 0.05  # a part of the step below this share does not limit it
 
@@ -139,6 +140,10 @@ class _Shape:
     virtual_stages: int
 
 
+# a split (stage of each unit) and per rank at the traced batch: compute, its first stage's forward and backward
+_Split = tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+
+
 def scale_profile(profile: ModelProfile, batch: int) -> ModelProfile:
     """``profile`` as if traced at ``batch`` samples: times, FLOPs, activations, edges and
     batch dimensions scaled linearly (fixed per-call costs are not separated out)."""
@@ -197,15 +202,17 @@ class _Search:
         self.profile, self.cluster, self.G, self.optimizer = profile, cluster, global_batch, optimizer
         self.shard_levels, self.top, self.rt = shard_levels, top, runtime
         self.shapes: list[tuple[float, _Shape]] = []
-        self.splits: dict[tuple[int, int, str], tuple[tuple[int, ...], tuple[float, ...]] | None] = {}
+        self.splits: dict[tuple[int, int, str], _Split | None] = {}
         self.scaled: dict[int, ModelProfile] = {}
+        self.chunk_splits: dict[int, tuple[int, ...] | None] = {}
         self.problems: dict[tuple[int, int, str, int], PartitionProblem] = {}
         self.timelines: dict[tuple[_Shape, tuple[bool, ...]], Timeline] = {}
         self.best: list[ConfigurationScore] = []       # the top k so far
         self.heap: list[tuple[float, int]] = []         # -step of the top k, for the cut-off
         self.by_group: dict[tuple[str, str], ConfigurationScore] = {}
-        self.notes: dict[tuple[str, str], str] = {}
-        self.need: dict[int, int] = {}                  # per S: least memory a priced shape needed
+        self.notes: dict[tuple[str, str], str] = {}     # why a group could not run at all
+        self.need: dict[tuple[str, str], int] = {}      # per group: the least memory a shape that did not fit needed
+        self.pruned: dict[tuple[str, str], float] = {}  # per group: the least lower bound of a shape not priced
         self.priced = self.simulated = 0
         compute = [u.fwd_ms + u.bwd_ms for u in profile.units]
         self.total_ms, self.largest_ms = sum(compute), max(compute)
@@ -224,28 +231,37 @@ class _Search:
                 scale = shape.microbatch_size / self.profile.batch_size
                 self.shapes.append((M * max(self.total_ms / S, self.largest_ms) * scale + self.rt.step_ms, shape))
 
-    def _split(self, S: int, V: int, name: str
-               ) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None:
+    def _split(self, S: int, V: int, name: str) -> _Split | None:
         """The compute-balanced split of the units into S x V stages, and per rank at the traced batch:
         its compute, and the forward and backward of its first stage."""
         placement = schedule_kind(name).placement if V > 1 else "loop"
         key = (S, V, placement)
         if key not in self.splits:
-            try:
-                problem = build_problem(self.profile, S, schedule=name, cost=self.cluster.cost_model(),
-                                        virtual_stages=V)
-                assignment = solve_chain_dp(problem).assignment
-            except (PartitionError, ScheduleError):
+            chunks = self._chunks(S * V)
+            if chunks is None:
                 self.splits[key] = None
                 return None
+            ranks = stage_ranks(S, V, placement)
             rank_ms, fwd, bwd = [0.0] * S, [0.0] * S, [0.0] * S
-            for u, s in enumerate(assignment):
-                rank_ms[problem.stage_ranks[s]] += problem.fwd_ms[u] + problem.bwd_ms[u]
+            for u, s in enumerate(chunks):
+                unit = self.profile.units[u]
+                rank_ms[ranks[s]] += unit.fwd_ms + unit.bwd_ms
                 if s < S:  # rank s's first stage, under both placements
-                    fwd[s] += problem.fwd_ms[u]
-                    bwd[s] += problem.bwd_ms[u]
-            self.splits[key] = (assignment, tuple(rank_ms), tuple(fwd), tuple(bwd))
+                    fwd[s] += unit.fwd_ms
+                    bwd[s] += unit.bwd_ms
+            self.splits[key] = (chunks, tuple(rank_ms), tuple(fwd), tuple(bwd))
         return self.splits[key]
+
+    def _chunks(self, count: int) -> tuple[int, ...] | None:
+        """The compute-balanced contiguous split into ``count`` stages (the exact chain DP; one per
+        count, whatever the ranks and placement: the solver's messages are small beside compute)."""
+        if count not in self.chunk_splits:
+            try:
+                problem = build_problem(self.profile, count, cost=self.cluster.cost_model())
+                self.chunk_splits[count] = solve_chain_dp(problem).assignment
+            except (PartitionError, ScheduleError):
+                self.chunk_splits[count] = None
+        return self.chunk_splits[count]
 
     def _bound(self, shape: _Shape, rank_ms: tuple[float, ...], fwd: tuple[float, ...],
                bwd: tuple[float, ...]) -> float:
@@ -308,9 +324,9 @@ class _Search:
             bound, i, refined = heapq.heappop(queue)
             shape = self.shapes[i][1]
             if bound > self.cutoff():
-                for _, j, _ in [(bound, i, refined), *queue]:
-                    self._note_depth(self.shapes[j][1], "every configuration's lower bound is above the "
-                                                        f"{self.top} best steps found")
+                for b, j, _ in [(bound, i, refined), *queue]:
+                    for group in _groups(self.shapes[j][1])[:2]:
+                        self.pruned[group] = min(self.pruned.get(group, b), b)
                 return
             if not refined:
                 split = self._split(shape.stages, shape.virtual_stages, shape.schedule)
@@ -320,7 +336,7 @@ class _Search:
             try:
                 self._price(shape, bound)
             except (ScheduleError, PartitionError) as exc:
-                self.notes.setdefault(("schedule", shape.schedule), f"cannot run some shapes: {exc}")
+                self.notes.setdefault(_groups(shape)[1], f"cannot run some shapes: {exc}")
 
     def _price(self, shape: _Shape, bound: float) -> None:
         """Every sharding level of ``shape``: its memory per device (recomputing where it binds),
@@ -338,25 +354,23 @@ class _Search:
         saved = [0.0] * problem.num_ranks  # what recomputing every stage of the rank saves
         for st in ev.stages:
             saved[st.rank] += st.activation_bytes - st.activation_bytes / st.in_flight
-        floor = bound - self.rt.step_ms - self._dp_floor(shape)  # the pipeline part's bound
         for shard in self.shard_levels if shape.replicas > 1 else ("none",):
             cost = replace(base, shard=shard)
             memory = [r + cost.state_factor * p for r, p in zip(rest, held)]
             recompute: tuple[bool, ...] = ()
             if limit is not None and max(memory) > limit:
                 if kind.split_backward:
-                    self._note_memory(shape, int(max(memory)), f"{shape.schedule} does not fit in {format_size(limit)} "
-                                      "and splits the backward, which fxpipe does not recompute")
+                    self._note_memory(shape, shard, int(max(memory)))
                     continue
                 over = {r for r, m in enumerate(memory) if m > limit}
                 memory = [m - saved[r] if r in over else m for r, m in enumerate(memory)]
                 if max(memory) > limit:
-                    self._note_memory(shape, int(max(memory)), "")
+                    self._note_memory(shape, shard, int(max(memory)))
                     continue
                 recompute = tuple(problem.stage_ranks[s] in over for s in range(problem.num_stages))
             priced = replace(problem, cost=replace(cost, recompute=recompute))
             overheads = step_overheads(priced, assignment, self.rt)
-            if floor + overheads.total_ms > self.cutoff():
+            if _pipeline_floor(shape, ev, recompute, kind.split_backward) + overheads.total_ms > self.cutoff():
                 continue
             key = (shape, recompute)
             if key not in self.timelines:
@@ -413,32 +427,61 @@ class _Search:
             self.heap = [(-s.step_ms, i) for i, s in enumerate(self.best)]
             heapq.heapify(self.heap)
 
-    def _note_memory(self, shape: _Shape, need: int, why: str) -> None:
-        self.need[shape.stages] = min(self.need.get(shape.stages, need), need)
-        limit = self.cluster.device_memory
-        assert limit is not None
-        self.notes.setdefault(("depth", str(shape.stages)),
-                              why or f"needs {format_size(self.need[shape.stages])} on a device even sharded and "
-                                     f"recomputing, over {format_size(limit)}")
-
-    def _note_depth(self, shape: _Shape, note: str) -> None:
-        self.notes.setdefault(("depth", str(shape.stages)), note)
+    def _note_memory(self, shape: _Shape, shard: str, need: int) -> None:
+        for group in _groups(shape, shard):
+            self.need[group] = min(self.need.get(group, need), need)
 
     # -- explanation ----------------------------------------------------------
 
+    def _why_none(self, group: tuple[str, str]) -> str:
+        """Why no configuration of ``group`` was priced: its lower bound, memory, or the schedule."""
+        parts = []
+        if group in self.pruned:
+            parts.append(f"its least lower bound on the step ({_ms(self.pruned[group])}) is above the {self.top} best "
+                         f"steps found (up to {_ms(self.cutoff())})")
+        if group in self.need:
+            limit = format_size(self.cluster.device_memory or 0)
+            split = group[0] == "schedule" and schedule_kind(group[1].split()[0]).split_backward
+            parts.append(f"what was priced needs {format_size(self.need[group])} on a device, over {limit}"
+                         + (" (a split backward is not recomputed)" if split else " even recomputing"))
+        if group in self.notes:
+            parts.append(self.notes[group])
+        return "; ".join(parts)
+
     def alternatives(self, best: ConfigurationScore) -> tuple[Alternative, ...]:
         out = []
-        groups = sorted({g for g in self.by_group} | {g for g in self.notes},
+        groups = sorted({*self.by_group, *self.notes, *self.need, *self.pruned},
                         key=lambda g: (g[0], int(g[1]) if g[0] == "depth" else 0, g[1]))
         for group, value in groups:
             score = self.by_group.get((group, value))
             if score is None:
-                out.append(Alternative(group, value, None, self.notes[(group, value)]))
+                out.append(Alternative(group, value, None, self._why_none((group, value))))
             elif score.config == best.config:
                 out.append(Alternative(group, value, score.step_ms, f"the best: {score.config.label}"))
             else:
                 out.append(Alternative(group, value, score.step_ms, _why_slower(score, best)))
         return tuple(out)
+
+
+def _groups(shape: _Shape, shard: str | None = None) -> list[tuple[str, str]]:
+    """The explanation groups a shape belongs to: its depth, its schedule, its sharding level."""
+    v = f" V={shape.virtual_stages}" if shape.virtual_stages > 1 else ""
+    out = [("depth", str(shape.stages)), ("schedule", shape.schedule + v)]
+    return out + [("shard", shard)] if shard is not None else out
+
+
+def _pipeline_floor(shape: _Shape, ev: Evaluation, recompute: tuple[bool, ...], split_backward: bool) -> float:
+    """``_Search._bound``'s pipeline part from the priced stages, recomputation included."""
+    busy = [0.0] * shape.stages
+    for s, st in enumerate(ev.stages):
+        busy[st.rank] += st.compute_ms + (st.fwd_ms if recompute and recompute[s] else 0.0)
+    tail = shape.virtual_stages == 1 and not split_backward
+    best = before_f = before_b = 0.0
+    for r in range(shape.stages):
+        best = max(best, before_f + shape.microbatches * busy[r] + (before_b if tail else 0.0))
+        before_f += ev.stages[r].fwd_ms
+        before_b += ev.stages[r].bwd_ms
+    return best
 
 
 def _why_slower(score: ConfigurationScore, best: ConfigurationScore) -> str:
@@ -456,7 +499,7 @@ def _why_slower(score: ConfigurationScore, best: ConfigurationScore) -> str:
 
 def _nothing_fits(search: _Search, cluster: ClusterSpec) -> str:
     limit = cluster.device_memory
-    least = min(search.need.values(), default=None)
+    least = min((n for (g, _), n in search.need.items() if g == "depth"), default=None)
     if limit is not None and least is not None:
         return (f"no configuration fits {format_size(limit)} per device on {cluster.devices} devices: the least any "
                 f"needs is {format_size(least)} (sharded and recomputing); add devices or memory, or lower the "
@@ -466,3 +509,15 @@ def _nothing_fits(search: _Search, cluster: ClusterSpec) -> str:
 
 def _ms(ms: float) -> str:
     return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"
+
+
+def plan_configuration(profile: ModelProfile, cluster: ClusterSpec, config: Configuration, *, optimizer: str = "adam",
+                       time_limit: float = 10.0) -> PartitionPlan:
+    """The plan of one searched configuration: ``plan_partition`` at its microbatch size, with its
+    replicas, sharding, recomputed stages and the cluster's links and device memory."""
+    from fxpipe.partitioner.planner import plan_partition
+
+    cost = cluster.cost_model(config.replicas, optimizer=optimizer, shard=config.shard, recompute=config.recompute)
+    return plan_partition(scale_profile(profile, config.microbatch_size), config.stages, schedule=config.schedule,
+                          microbatches=config.microbatches, cost=cost, memory_limit=cluster.device_memory,
+                          time_limit=time_limit, virtual_stages=config.virtual_stages)

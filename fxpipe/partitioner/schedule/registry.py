@@ -8,6 +8,7 @@ the way it needs: ``compatible(name, virtual_stages, placement)``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,6 +91,7 @@ def runnable_schedules(virtual_stages: int, placement: str) -> tuple[str, ...]:
     return tuple(n for n in SCHEDULE_NAMES if compatible(n, virtual_stages, placement))
 
 
+@functools.lru_cache(maxsize=64)  # immutable; the cluster search asks for one schedule several times
 def make_schedule(name: str, num_ranks: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """The schedule ``name`` for ``num_ranks`` ranks, ``microbatches`` and ``virtual_stages``
     chunks per rank (default: the schedule's least).
