@@ -502,7 +502,7 @@ def _nothing_fits(search: _Search, cluster: ClusterSpec) -> str:
     least = min((n for (g, _), n in search.need.items() if g == "depth"), default=None)
     if limit is not None and least is not None:
         return (f"no configuration fits {format_size(limit)} per device on {cluster.devices} devices: the least any "
-                f"needs is {format_size(least)} (sharded and recomputing); add devices or memory, or lower the "
+                f"needs is {format_size(least)} (with the sharding levels tried, recomputing); add devices or memory, or lower the "
                 "global batch")
     return f"no configuration could be planned on {cluster.devices} devices; check the global batch and schedules"
 
