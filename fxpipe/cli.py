@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
+from fxpipe.partitioner.search_args import add_cluster_arguments
 from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
 from fxpipe.unexpected import internal_error_line, print_safely
 
@@ -66,47 +67,11 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
 
 
-def _add_cluster_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster search (fxpipe.partitioner.search): choose S x R x M x schedule x shard x "
-                             "recompute for N devices, instead of --stages")
-    g.add_argument("--devices", type=int, default=None, metavar="N", help="devices in the cluster")
-    g.add_argument("--device-memory", default=None, metavar="SIZE", help="memory per device, e.g. 80GiB")
-    g.add_argument("--node-size", type=int, default=8, metavar="K", help="devices per node (default 8)")
-    g.add_argument("--intra-link", default="nvlink", help="link inside a node: a preset (default nvlink)")
-    g.add_argument("--inter-link", default="infiniband", help="link between nodes: a preset (default infiniband)")
-    for side in ("intra", "inter"):
-        g.add_argument(f"--{side}-bandwidth", type=float, default=None, metavar="GB/S",
-                       help=f"{side}-node bandwidth in GB/s (overrides the preset)")
-        g.add_argument(f"--{side}-latency", type=float, default=None, metavar="US",
-                       help=f"{side}-node latency per message in microseconds (overrides the preset)")
-    g.add_argument("--global-batch", type=int, default=None, metavar="G",
-                   help="samples per step over all replicas (with --devices; required)")
-    g.add_argument("--top", type=int, default=5, metavar="K", help="configurations to list (default 5)")
-    g.add_argument("--explain", action="store_true", help="say why the other depths, schedules and shardings lose")
-
-
 def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
-    """The cluster search of ``--devices`` (Note [cluster search]), printed; returns its result."""
-    from fxpipe.errors import ConfigError
-    from fxpipe.partitioner.cluster import ClusterSpec
-    from fxpipe.partitioner.search import search_configurations
-    from fxpipe.partitioner.search_report import print_search_report
+    from fxpipe.partitioner.search_report import search_from_args
 
-    if args.global_batch is None:
-        raise ConfigError("--devices searches a cluster at a fixed global batch; add --global-batch G")
-    if args.stages is not None or args.dp != 1 or args.shard != "none":
-        raise ConfigError("--devices chooses the stages, replicas and sharding itself; drop --stages, --dp and --shard")
-    cluster = ClusterSpec.from_options(
-        args.devices, device_memory=args.device_memory or args.memory_limit, node_size=args.node_size,
-        intra_link=args.intra_link, inter_link=args.inter_link, intra_bandwidth_gbs=args.intra_bandwidth,
-        intra_latency_us=args.intra_latency, inter_bandwidth_gbs=args.inter_bandwidth,
-        inter_latency_us=args.inter_latency)
-    schedules = None if args.schedule in (AUTO, "1f1b") else (args.schedule,)  # 1f1b is the flag's default
     _enter("searching configurations")
-    result = search_configurations(profile, cluster, args.global_batch, optimizer=args.optimizer,
-                                   schedules=schedules, top=args.top)
-    print_search_report(result, _console(), explain=args.explain)
-    return result
+    return search_from_args(args, profile, _console())
 
 
 def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
@@ -271,7 +236,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _enter("planning the best configuration")
         plan = plan_configuration(profile, result.cluster, result.best.config, optimizer=args.optimizer,
                                   time_limit=args.time_limit)
-        _write_artifact(str(Path(args.out).with_suffix(".search.json")), _json_text(result.to_dict()))
+        from fxpipe.jsonio import dump_json
+
+        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"))
     else:
         plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
     _enter("writing the plan")
@@ -281,12 +248,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_plan_report(plan, profile, console=console)
     console.print(f"[green]wrote[/] {out}")
     return 0
-
-
-def _json_text(data: Any) -> str:
-    import json
-
-    return json.dumps(data, indent=2)
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
@@ -397,14 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan stages from a saved profile.json; write plan.json")
     p.add_argument("profile", help="profile.json written by `fxpipe trace`")
     _add_cost_options(p)
-    _add_cluster_options(p)
+    add_cluster_arguments(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")
     _add_model_options(p)
     _add_cost_options(p)
-    _add_cluster_options(p)
+    add_cluster_arguments(p)
     p.add_argument("--batch-size", type=int, default=None,
                    help="batch of one pipeline replica per step (default 2 x microbatches)")
     p.add_argument("--out", default="build", help="the build directory to write (default build)")

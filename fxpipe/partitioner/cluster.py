@@ -15,12 +15,13 @@ True
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import ConfigError
+from fxpipe.jsonio import dump_json, load_json
 from fxpipe.partitioner.cost import LINK_PRESETS, CostModel, format_size, parse_size
 from fxpipe.schema import read_dataclass
 
@@ -103,18 +104,13 @@ class ClusterSpec:
         """A cluster from JSON data, every field checked (``ConfigError`` naming the field)."""
         return read_dataclass(cls, d, "cluster", ConfigError)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+    def to_json(self, path: str | Path | None = None) -> str:
+        return dump_json(self.to_dict(), path, what="cluster", error=ConfigError)
 
     @classmethod
-    def from_json(cls, text: str) -> ClusterSpec:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"cluster JSON is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"cluster JSON must be an object, got {type(data).__name__}")
-        return cls.from_dict(data)
+    def from_json(cls, source: str | Path) -> ClusterSpec:
+        """A cluster from a JSON file or JSON text."""
+        return cls.from_dict(load_json(source, "cluster", ConfigError))
 
     @classmethod
     def from_options(cls, devices: int, *, device_memory: str | int | None = None, node_size: int = 8,

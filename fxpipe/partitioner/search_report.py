@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
+from fxpipe.errors import ConfigError
+from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.cost import format_size
-from fxpipe.partitioner.search import SearchResult
+from fxpipe.partitioner.schedule import AUTO
+from fxpipe.partitioner.search import SearchResult, search_configurations
 
-__all__ = ["print_search_report"]
+__all__ = ["print_search_report", "search_from_args"]
 
 _GROUP_TITLES = {"depth": "pipeline depth S", "schedule": "schedule", "shard": "sharding level"}
 
@@ -47,3 +53,21 @@ def print_search_report(result: SearchResult, console: Console | None = None, *,
         for a in rows:
             why.add_row(a.value, "-" if a.step_ms is None else f"{a.step_ms / 1e3:.4g} s", a.note)
         console.print(why)
+
+
+def search_from_args(args: argparse.Namespace, profile: Any, console: Console) -> SearchResult:
+    """The cluster search the command line asks for (``search_args``), printed; its result."""
+    if args.global_batch is None:
+        raise ConfigError("--devices searches a cluster at a fixed global batch; add --global-batch G")
+    if args.stages is not None or args.dp != 1 or args.shard != "none":
+        raise ConfigError("--devices chooses the stages, replicas and sharding itself; drop --stages, --dp and --shard")
+    cluster = ClusterSpec.from_options(
+        args.devices, device_memory=args.device_memory or args.memory_limit, node_size=args.node_size,
+        intra_link=args.intra_link, inter_link=args.inter_link, intra_bandwidth_gbs=args.intra_bandwidth,
+        intra_latency_us=args.intra_latency, inter_bandwidth_gbs=args.inter_bandwidth,
+        inter_latency_us=args.inter_latency)
+    schedules = None if args.schedule in (AUTO, "1f1b") else (args.schedule,)  # 1f1b is the flag's default
+    result = search_configurations(profile, cluster, args.global_batch, optimizer=args.optimizer,
+                                   schedules=schedules, top=args.top)
+    print_search_report(result, console, explain=args.explain)
+    return result
