@@ -25,9 +25,12 @@ __all__ = ["ScheduleKind", "SCHEDULES", "SCHEDULE_NAMES", "AUTO", "make_schedule
 AUTO = "auto"  # --schedule auto: the planner tries every schedule (and V) and keeps the fastest that fits
 
 
+_KIND = {k.value: k for k in ActionKind}  # a dict lookup: ActionKind(value) costs a microsecond per action
+
+
 def _one_chunk(name: str) -> Callable[[int, int, int], tuple[tuple[Action, ...], ...]]:
     def build(num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-        return tuple(tuple(Action(s, ActionKind(k), m) for k, m in stage_order(name, num_ranks, microbatches, s))
+        return tuple(tuple(Action(s, _KIND[k], m) for k, m in stage_order(name, num_ranks, microbatches, s))
                      for s in range(num_ranks))
     return build
 
