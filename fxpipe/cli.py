@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
+from fxpipe.partitioner.search_args import add_cluster_arguments
 from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
 from fxpipe.unexpected import internal_error_line, print_safely
 
@@ -43,7 +44,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cost_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("--stages", type=int, default=None,
+                   help="number of pipeline stages (or --devices N to search the stages, replicas and the rest)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the number of stages)")
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "cpsat", "greedy", "params", "uniform"])
@@ -63,6 +65,13 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
     p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
     _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
+
+
+def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
+    from fxpipe.partitioner.search_report import search_from_args
+
+    _enter("searching configurations")
+    return search_from_args(args, profile, _console())
 
 
 def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
@@ -157,9 +166,11 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     )
 
 
-def _check_stages(stages: int) -> None:
+def _check_stages(stages: int | None) -> None:
     from fxpipe.errors import PartitionError
 
+    if stages is None:
+        raise PartitionError("give --stages N, or --devices N --global-batch G to search a cluster")
     if stages < 1:
         raise PartitionError(f"--stages must be >= 1, got {stages}")
 
@@ -214,10 +225,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fxpipe.partitioner import print_plan_report
     from fxpipe.tracer.profile import ModelProfile
 
-    _check_stages(args.stages)
+    if args.devices is None:
+        _check_stages(args.stages)
     _enter("reading the profile")
     profile = ModelProfile.from_json(args.profile)
-    plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
+    if args.devices is not None:
+        from fxpipe.partitioner.search import plan_configuration
+
+        result = _cluster_search(args, profile)
+        _enter("planning the best configuration")
+        plan = plan_configuration(profile, result.cluster, result.best.config, optimizer=args.optimizer,
+                                  time_limit=args.time_limit)
+        from fxpipe.jsonio import dump_json
+
+        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"))
+    else:
+        plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
     _enter("writing the plan")
     out = _write_artifact(args.out, plan.to_json())
     _enter("printing the plan")
@@ -231,12 +254,27 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from fxpipe.codegen import check_build_target, write_build_dir
     from fxpipe.partitioner import print_plan_report
 
-    batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
     out = Path(args.out)
-    check_build_target(out)  # before minutes of tracing; write_build_dir checks again
-    source = _load_source(args)
-    traced = _trace(args, source, batch // micro)
-    plan = _plan(args, traced.profile, micro)
+    if args.devices is not None:  # search, then trace again at the chosen microbatch size
+        from fxpipe.partitioner.search import plan_configuration
+
+        check_build_target(out)
+        source = _load_source(args)
+        traced = _trace(args, source, args.batch_size or 1)
+        result = _cluster_search(args, traced.profile)
+        best = result.best.config
+        batch, micro = best.microbatch_size * best.microbatches, best.microbatches
+        if best.microbatch_size != traced.profile.batch_size:
+            traced = _trace(args, source, best.microbatch_size)
+        _enter("planning the best configuration")
+        plan = plan_configuration(traced.profile, result.cluster, best, optimizer=args.optimizer,
+                                  time_limit=args.time_limit)
+    else:
+        batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
+        check_build_target(out)  # before minutes of tracing; write_build_dir checks again
+        source = _load_source(args)
+        traced = _trace(args, source, batch // micro)
+        plan = _plan(args, traced.profile, micro)
     _enter("emitting the build directory")
     write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro, check=not args.no_check)
     _enter("printing the plan")
@@ -320,12 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan stages from a saved profile.json; write plan.json")
     p.add_argument("profile", help="profile.json written by `fxpipe trace`")
     _add_cost_options(p)
+    add_cluster_arguments(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")
     _add_model_options(p)
     _add_cost_options(p)
+    add_cluster_arguments(p)
     p.add_argument("--batch-size", type=int, default=None,
                    help="batch of one pipeline replica per step (default 2 x microbatches)")
     p.add_argument("--out", default="build", help="the build directory to write (default build)")

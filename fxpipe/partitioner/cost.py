@@ -51,6 +51,7 @@ gradients (one or two units at a time) are not in the memory figures.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -249,6 +250,10 @@ class CostModel:
     shard_reduce: str = "step"
     shard_param_dtype: str | None = None
     shard_reduce_dtype: str | None = None
+    node_size: int = 0                          # devices per node; 0: all on one node (Note [cluster links])
+    inter_link_bandwidth: float | None = None   # between nodes; None: the link above
+    inter_link_latency: float | None = None
+    recompute: tuple[bool, ...] = field(default=())  # per stage: recompute activations in backward; (): none
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_speed", tuple(_number("device_speed factor", s) for s in self.device_speed))
@@ -275,6 +280,15 @@ class CostModel:
             raise ConfigError(f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}")
         if self.shard_reduce not in _SHARD_REDUCE:
             raise ConfigError(f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(_SHARD_REDUCE)}")
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+        if not all(isinstance(r, bool) for r in self.recompute):
+            raise ConfigError(f"recompute must list one true/false per stage, got {self.recompute!r}")
+        if not isinstance(self.node_size, int) or isinstance(self.node_size, bool) or self.node_size < 0:
+            raise ConfigError(f"node_size must be an int >= 0 (0: one node), got {self.node_size!r}")
+        if self.inter_link_bandwidth is not None and not _number("inter_link_bandwidth", self.inter_link_bandwidth) > 0:
+            raise ConfigError(f"inter_link_bandwidth must be > 0 bytes/s, got {self.inter_link_bandwidth}")
+        if self.inter_link_latency is not None and not _number("inter_link_latency", self.inter_link_latency) >= 0:
+            raise ConfigError(f"inter_link_latency must be >= 0 s, got {self.inter_link_latency}")
         for key in ("shard_param_dtype", "shard_reduce_dtype"):
             if getattr(self, key) not in (None, *_DTYPE_BYTES):
                 raise ConfigError(f"{key} must be one of {sorted(_DTYPE_BYTES)} or None, got {getattr(self, key)!r}")
@@ -294,6 +308,44 @@ class CostModel:
     def message_ms(self, nbytes: float) -> float:
         """Time to move one tensor of ``nbytes`` over one link, in milliseconds."""
         return (nbytes / self.link_bandwidth + self.link_latency) * 1e3
+
+    def _inter(self) -> tuple[float, float]:
+        return (self.link_bandwidth if self.inter_link_bandwidth is None else self.inter_link_bandwidth,
+                self.link_latency if self.inter_link_latency is None else self.inter_link_latency)
+
+    def crosses_nodes(self, rank_a: int, rank_b: int, num_ranks: int) -> bool:
+        """Whether pipeline ranks ``rank_a`` and ``rank_b`` sit on different nodes in some
+        replica (Note [cluster links]: replica k's rank r is device ``k x num_ranks + r``)."""
+        n = self.node_size
+        if n <= 0:
+            return False
+        period = n // math.gcd(num_ranks, n)  # k x num_ranks mod n repeats with this period
+        return any((k * num_ranks + rank_a) // n != (k * num_ranks + rank_b) // n
+                   for k in range(min(self.dp_replicas, period)))
+
+    def p2p_ms(self, nbytes: float, rank_a: int, rank_b: int, num_ranks: int) -> float:
+        """One message of ``nbytes`` between pipeline ranks, in ms: on the inter-node link when
+        they sit on different nodes (``crosses_nodes``), else on the link."""
+        if not self.crosses_nodes(rank_a, rank_b, num_ranks):
+            return self.message_ms(nbytes)
+        bandwidth, latency = self._inter()
+        return (nbytes / bandwidth + latency) * 1e3
+
+    def dp_link(self, num_ranks: int | None = None) -> tuple[float, float]:
+        """(bandwidth, latency) of the data-parallel collectives of a pipeline of ``num_ranks``:
+        the inter-node link when the ``num_ranks x dp_replicas`` devices span nodes."""
+        if num_ranks is not None and 0 < self.node_size < num_ranks * self.dp_replicas:
+            return self._inter()
+        return self.link_bandwidth, self.link_latency
+
+    def recomputes(self, num_stages: int) -> tuple[bool, ...]:
+        """Per stage, whether it recomputes its activations in backward, checked against the stage count."""
+        if not self.recompute:
+            return (False,) * num_stages
+        if len(self.recompute) != num_stages:
+            raise PartitionError(f"recompute lists {len(self.recompute)} stages but there are {num_stages}; "
+                                 "give one flag per stage or none")
+        return self.recompute
 
     def gradient_bytes(self, param_bytes: int, shape: Sequence[int] | None = None) -> float:
         """Bytes one parameter's fp32 gradient hands to the all-reduce under ``comm_hook``
@@ -315,16 +367,11 @@ class CostModel:
         if shapes is not None and len(shapes) != len(param_bytes):
             raise PartitionError(f"{len(shapes)} parameter shapes given for {len(param_bytes)} parameters; "
                                  "give one shape (or None) per parameter")
-        buckets = ddp_buckets(param_bytes, self.dp_bucket_bytes)
-        if self.comm_hook == "batched_powersgd":
-            wire = sum(_batched_powersgd_bytes(sum(param_bytes[i] for i in b), self.powersgd_rank) for b in buckets)
-        else:
-            wire = sum(self.gradient_bytes(b, shapes[i] if shapes is not None else None)
-                       for i, b in enumerate(param_bytes))
-        return AllReduceTraffic(wire_bytes=wire, allreduces=len(buckets) * _ALLREDUCES_PER_BUCKET[self.comm_hook])
+        key = None if shapes is None else tuple(None if sh is None else tuple(sh) for sh in shapes)
+        return _dp_traffic(self.comm_hook, self.powersgd_rank, self.dp_bucket_bytes, tuple(param_bytes), key)
 
     def allreduce_ms(self, param_bytes: Sequence[int],
-                     shapes: Sequence[Sequence[int] | None] | None = None) -> float:
+                     shapes: Sequence[Sequence[int] | None] | None = None, num_ranks: int | None = None) -> float:
         """One step's data-parallel gradient all-reduce of parameters of these sizes, in ms.
 
         Ring all-reduce over ``dp_replicas``: ``2(R-1)/R x wire bytes / link_bandwidth +
@@ -338,8 +385,8 @@ class CostModel:
         if R <= 1 or not param_bytes:
             return 0.0
         traffic = self.dp_traffic(param_bytes, shapes)
-        return (2 * (R - 1) / R * traffic.wire_bytes / self.link_bandwidth
-                + traffic.allreduces * self.link_latency) * 1e3
+        bandwidth, latency = self.dp_link(num_ranks)
+        return (2 * (R - 1) / R * traffic.wire_bytes / bandwidth + traffic.allreduces * latency) * 1e3
 
     # -- sharding (Note [sharding pricing]) ----------------------------------------
 
@@ -393,7 +440,8 @@ class CostModel:
         """What one replica of a stage sends per step at this sharding level (Note [sharding pricing])."""
         if self.dp_replicas <= 1 or not param_bytes:
             return DataParallelTraffic()
-        ddp = self.dp_traffic(param_bytes, shapes)
+        if self.shard in ("none", "optimizer"):
+            ddp = self.dp_traffic(param_bytes, shapes)
         if self.shard == "none":
             return DataParallelTraffic(all_reduce_bytes=ddp.wire_bytes, collectives=ddp.allreduces)
         if self.shard == "optimizer":
@@ -409,14 +457,15 @@ class CostModel:
                                    collectives=gathers + scatters)
 
     def dp_comm_ms(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
-                   microbatches: int = 1) -> float:
+                   microbatches: int = 1, num_ranks: int | None = None) -> float:
         """One step's data-parallel communication of a stage, in ms: the all-reduce
-        (``allreduce_ms``) without sharding, else the level's collectives on the dp link."""
+        (``allreduce_ms``) without sharding, else the level's collectives on the dp link
+        (``dp_link``: between nodes when a pipeline of ``num_ranks`` and its replicas span them)."""
         if not self._sharded:
-            return self.allreduce_ms(param_bytes, shapes)
+            return self.allreduce_ms(param_bytes, shapes, num_ranks)
         traffic = self.shard_traffic(param_bytes, shapes, microbatches)
-        return (traffic.wire_bytes(self.dp_replicas) / self.link_bandwidth
-                + traffic.collectives * self.link_latency) * 1e3
+        bandwidth, latency = self.dp_link(num_ranks)
+        return (traffic.wire_bytes(self.dp_replicas) / bandwidth + traffic.collectives * latency) * 1e3
 
     def speeds(self, num_stages: int) -> tuple[float, ...]:
         """Per-stage speed factors, checked against the stage count."""
@@ -432,12 +481,29 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["device_speed"] = list(self.device_speed)
+        d["recompute"] = list(self.recompute)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
         """A cost model from JSON data, every field checked (``ConfigError`` naming the field)."""
         return read_dataclass(cls, d, "cost model", ConfigError)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dp_traffic(hook: str, rank: int, bucket_bytes: int, param_bytes: tuple[int, ...],
+                shapes: tuple[tuple[int, ...] | None, ...] | None) -> AllReduceTraffic:
+    """``CostModel.dp_traffic`` of one stage (cached: a search prices the same stage many times)."""
+    buckets = ddp_buckets(param_bytes, bucket_bytes)
+    if hook == "batched_powersgd":
+        wire = sum(_batched_powersgd_bytes(sum(param_bytes[i] for i in b), rank) for b in buckets)
+    elif hook in ("fp16", "bf16"):
+        wire = sum(param_bytes) / 2
+    elif hook == "powersgd":
+        wire = sum(_powersgd_bytes(b, shapes[i] if shapes is not None else None, rank) for i, b in enumerate(param_bytes))
+    else:
+        wire = float(sum(param_bytes))
+    return AllReduceTraffic(wire_bytes=wire, allreduces=len(buckets) * _ALLREDUCES_PER_BUCKET[hook])
 
 
 def _number(name: str, value: Any) -> float:

@@ -187,8 +187,8 @@ class _Model:
     def _stage_buffers(self, s: int) -> Any:
         """Buffers, activations and boundary buffers of stage ``s``."""
         p = self.p
-        k = p.in_flight(s)
-        expr = sum((p.buffer_bytes[u] + k * p.activation_bytes[u]) * self.on(u, s)
+        k, kept = p.in_flight(s), p.activations_held(s)
+        expr = sum((p.buffer_bytes[u] + kept * p.activation_bytes[u]) * self.on(u, s)
                    for u in range(p.num_units) if self.lo[u] <= s <= self.hi[u])
         held = p.grads_held(s)
         for t in p.tensors:  # received x in flight, its gradient sent back x held, sent x M

@@ -76,7 +76,8 @@ def range_memory(problem: PartitionProblem, stage: int) -> np.ndarray:
     exact on a chain, an upper bound on a branching graph (``cut_bytes``)."""
     k_in = problem.in_flight(stage)
     start, end = problem.cut_factors(stage)
-    own = np.asarray(problem.buffer_bytes, float) + k_in * np.asarray(problem.activation_bytes, float)
+    own = np.asarray(problem.buffer_bytes, float) + problem.activations_held(stage) * np.asarray(
+        problem.activation_bytes, float)
     w = np.concatenate(([0.0], np.cumsum(own)))
     recv, recv_grad, send = cut_bytes(problem)
     mem = problem.state_factor * _distinct_params(problem) + (w[None, :] - w[:, None])
@@ -93,9 +94,9 @@ def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, 
     f = np.full(n + 1, np.inf)
     f[0] = 0.0
     choice = []
-    mems: dict[tuple[int, float, float], np.ndarray] = {}
+    mems: dict[tuple[int, int, float, float], np.ndarray] = {}
     for j in range(S):
-        key = (problem.in_flight(j), *problem.cut_factors(j))
+        key = (problem.in_flight(j), problem.activations_held(j), *problem.cut_factors(j))
         if limit is not None and key not in mems:
             mems[key] = range_memory(problem, j) <= limit
         a_j, b_j = problem.cut_factors(j)

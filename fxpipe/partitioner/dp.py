@@ -91,7 +91,8 @@ def _memory_terms(problem: PartitionProblem, stage: int) -> tuple[np.ndarray, np
     start, end = problem.cut_factors(stage)
     own = np.array([problem.state_factor * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params],
                    dtype=float)
-    own += np.asarray(problem.buffer_bytes, dtype=float) + k_in * np.asarray(problem.activation_bytes, dtype=float)
+    own += np.asarray(problem.buffer_bytes, dtype=float) + problem.activations_held(stage) * np.asarray(
+        problem.activation_bytes, dtype=float)
     w = np.concatenate(([0.0], np.cumsum(own)))
     recv, recv_grad, send = cut_bytes(problem)
     return (w + end * problem.microbatches * send,
@@ -114,9 +115,9 @@ class _Chain:
         self.terms: list[tuple[np.ndarray, np.ndarray]] = []
         if limit is not None:
             assert not _shares_params(problem), "shared parameters need dense_split"
-            by_k: dict[tuple[int, float, float], tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]] = {}
+            by_k: dict[tuple[int, int, float, float], tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]] = {}
             for j in range(problem.num_stages):
-                key = (problem.in_flight(j), *problem.cut_factors(j))
+                key = (problem.in_flight(j), problem.activations_held(j), *problem.cut_factors(j))
                 if key not in by_k:
                     a, b = _memory_terms(problem, j)
                     by_k[key] = (ThresholdMin(b, a - limit), (a, b))

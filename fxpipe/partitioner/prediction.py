@@ -170,13 +170,13 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
                 bwd_msgs[a] += 1
     cost = problem.cost
 
-    def link(nbytes: int, count: int) -> float:
-        return cost.message_ms(nbytes) if count else 0.0
+    def link(nbytes: int, count: int, a: int, d: int) -> float:
+        return cost.p2p_ms(nbytes, ranks[a], ranks[d], problem.num_ranks) if count else 0.0
 
     for s in range(S - 1):  # a pipeline: each stage follows the one before (also when no tensor is profiled)
         pairs.setdefault((s, s + 1), True)
     links = {(a, d): (grad, 0.0, 0.0) if ranks[a] == ranks[d] else
-             (grad, link(fwd_bytes[d], fwd_msgs[d]), link(bwd_bytes[a], bwd_msgs[a]))
+             (grad, link(fwd_bytes[d], fwd_msgs[d], a, d), link(bwd_bytes[a], bwd_msgs[a], a, d))
              for (a, d), grad in pairs.items()}
     return n_fwd, n_bwd, links
 

@@ -13,6 +13,9 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   the ranks ``loop``- or ``v``-style (``stage_ranks``). Stages on the same rank hand
   tensors over in memory: no message, no time, no buffer.
 * Stage time = (fwd + bwd compute of its units) / device speed + its message times.
+  A stage that recomputes (``cost.recompute``, Note [cluster links] in ``cost``) adds its
+  forward to its backward and holds its activations for one microbatch instead of k
+  (its received inputs stay held for all k, as the boundary buffers below say).
 * Stage memory = distinct parameters used by its units (a tied parameter on every
   stage that uses it) x (1 + 1 for gradients + optimizer factor) + buffers
   + activation bytes x microbatches in flight + boundary buffers: received inputs x
@@ -148,6 +151,10 @@ class PartitionProblem:
         """Microbatches ``stage`` holds at its peak under the schedule's action lists (Note [stage cost])."""
         return schedule_in_flight(self.schedule, self.num_ranks, self.virtual_stages, self.microbatches)[stage]
 
+    def activations_held(self, stage: int) -> int:
+        """Microbatches whose activations ``stage`` keeps at its peak: 1 where it recomputes, else ``in_flight``."""
+        return 1 if self.cost.recomputes(self.num_stages)[stage] else self.in_flight(stage)
+
     def grads_held(self, stage: int) -> int:
         """Input-gradient sends stage ``stage`` holds at its peak: ``M - in_flight + 1`` (Note [stage cost])."""
         return self.microbatches - self.in_flight(stage) + 1
@@ -157,7 +164,7 @@ class PartitionProblem:
         the gradient all-reduce, or the sharding level's collectives (Note [sharding pricing])."""
         mine = sorted(set(params))
         shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
-        return self.cost.dp_comm_ms([self.param_bytes[p] for p in mine], shapes, self.microbatches)
+        return self.cost.dp_comm_ms([self.param_bytes[p] for p in mine], shapes, self.microbatches, self.num_ranks)
 
     def dp_wire_bytes(self, params: Iterable[int]) -> float:
         """Bytes one rank sends per step on the data-parallel link for these parameters."""
@@ -208,6 +215,9 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
     if memory_limit is not None and memory_limit <= 0:
         raise PartitionError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
     cost.speeds(num_stages)
+    if any(cost.recomputes(num_stages)) and kind.split_backward:
+        raise PartitionError(f"schedule {schedule!r} splits the backward, which fxpipe does not combine with "
+                             "activation recomputation; use 1f1b, gpipe or interleaved-1f1b, or recompute no stage")
     index = profile.unit_index
     pins = tuple(u.pin for u in profile.units)
     for u in profile.units:
@@ -391,10 +401,10 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
     msgs = [0] * S
     for t in problem.tensors:
         a = assignment[t.producer]
-        ms = problem.cost.message_ms(t.nbytes)
         for d in {assignment[c] for c in t.consumers} - {a}:
             if ranks[d] == ranks[a]:
                 continue  # handed over in memory on one rank
+            ms = problem.cost.p2p_ms(t.nbytes, ranks[a], ranks[d], problem.num_ranks)
             for s in (a, d):
                 cf[s] += ms
                 msgs[s] += 1
@@ -406,15 +416,17 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
             if t.requires_grad:
                 recv_grad[d] += t.nbytes
     stages = []
+    recompute = problem.cost.recomputes(S)
     for s in range(S):
         pb = sum(problem.param_bytes[p] for p in params[s])
         state = problem.cost.stage_state_bytes(pb)  # per rank: sharding divides it (Note [sharding pricing])
         k = problem.in_flight(s)
         stages.append(StageCost(
-            fwd_ms=fwd[s] / speeds[s], bwd_ms=bwd[s] / speeds[s], comm_fwd_ms=cf[s], comm_bwd_ms=cb[s],
+            fwd_ms=fwd[s] / speeds[s], bwd_ms=(bwd[s] + (fwd[s] if recompute[s] else 0.0)) / speeds[s],
+            comm_fwd_ms=cf[s], comm_bwd_ms=cb[s],
             send_bytes=sent[s], recv_bytes=recv[s], messages=msgs[s],
             param_bytes=state[0], grad_bytes=state[1], optimizer_bytes=state[2],
-            buffer_bytes=buf[s], activation_bytes=act[s] * k,
+            buffer_bytes=buf[s], activation_bytes=act[s] * problem.activations_held(s),
             boundary_bytes=recv[s] * k + sent[s] * problem.microbatches + recv_grad[s] * problem.grads_held(s),
             in_flight=k,
             dp_allreduce_ms=problem.dp_allreduce_ms(params[s]), dp_bytes=problem.dp_wire_bytes(params[s]),

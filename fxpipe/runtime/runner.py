@@ -74,6 +74,19 @@ def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader
     return Manifest.from_json(build_dir), stage_loader or load
 
 
+def _recomputed(recompute: Sequence[bool], manifest: Manifest, schedule: Schedule) -> tuple[int, ...]:
+    """The stages whose forward runs under ``torch.utils.checkpoint`` (the plan's ``cost.recompute``)."""
+    if not any(recompute):
+        return ()
+    if len(recompute) != manifest.num_stages:
+        raise ConfigError(f"recompute lists {len(recompute)} stages but the build has {manifest.num_stages}; "
+                          "re-plan the build")
+    if schedule.split_backward():
+        raise ConfigError(f"schedule {schedule.name!r} splits the backward, which fxpipe does not combine with "
+                          "recomputing stages; run 1f1b, gpipe or interleaved-1f1b, or re-plan without recompute")
+    return tuple(s for s, flag in enumerate(recompute) if flag)
+
+
 def _to_device(tree: Any, device: torch.device) -> Any:
     """``tree`` with its tensors on ``device`` (the loss runs where the last stage's outputs are)."""
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
@@ -145,7 +158,8 @@ class PipelineRunner:
                  optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
                  device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  data_parallel: DataParallelOptions | None = None,
-                 target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None) -> None:
+                 target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None,
+                 recompute: Sequence[bool] = ()) -> None:
         self._owns_group = False
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
@@ -180,7 +194,8 @@ class PipelineRunner:
         p2p = P2P(rank, [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks], timeout_s,
                   self.groups.pipeline)
         self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
-                                     self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda")
+                                     self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda",
+                                     recompute=_recomputed(recompute, manifest, self.schedule))
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
 
     # -- training --------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
 from fxpipe.codegen.outputs import rebuild_output
@@ -101,8 +102,9 @@ class StageWorker:
 
     def __init__(self, manifest: Manifest, routes: Routes, stage: int, module: nn.Module, p2p: P2P,
                  device: torch.device, pair_sends: bool, *, comm: RankComm | None = None,
-                 local_stages: Sequence[int] = ()) -> None:
+                 local_stages: Sequence[int] = (), recompute: bool = False) -> None:
         self.manifest, self.routes, self.stage, self.module = manifest, routes, stage, module
+        self.recompute = recompute  # forward under torch.utils.checkpoint: activations recomputed in backward
         self.spec = manifest.stage(stage)
         self.device = device
         self.comm = comm if comm is not None else RankComm(p2p, device, pair_sends)
@@ -183,7 +185,10 @@ class StageWorker:
         by_name = dict(zip(self.routes.input_names, inputs))
         args = [by_name[i.name].to(self.device) if i.producer == INPUT else state.received[i.name]
                 for i in self.spec.inputs]
-        out = self.module(*args)
+        if self.recompute and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+        else:
+            out = self.module(*args)
         state.outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if len(state.outputs) != len(self._output_names):
             raise RuntimeSetupError(f"stage {self.stage} returned {len(state.outputs)} tensors but the manifest lists "

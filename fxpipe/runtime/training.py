@@ -76,7 +76,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule, microbatches=microbatches,
                         optimizer_factory=lambda params: torch.optim.SGD(params, lr=lr),
                         device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
-                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages) as runner:
+                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages,
+                        recompute=plan.cost.recompute if plan is not None else ()) as runner:
         schedule = runner.schedule.name
         inputs, targets = replica_batch(*every_replica, [t.batch_dim for t in manifest.inputs], runner.replica, batch,
                                         target_dims)

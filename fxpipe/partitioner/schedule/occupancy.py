@@ -31,7 +31,7 @@ def in_flight_per_stage(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def schedule_in_flight(name: str, num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
     """``in_flight_per_stage`` of the named schedule (cached: the planner asks for it per stage)."""
     from fxpipe.partitioner.schedule.registry import make_schedule

@@ -8,6 +8,7 @@ the way it needs: ``compatible(name, virtual_stages, placement)``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,9 +25,12 @@ __all__ = ["ScheduleKind", "SCHEDULES", "SCHEDULE_NAMES", "AUTO", "make_schedule
 AUTO = "auto"  # --schedule auto: the planner tries every schedule (and V) and keeps the fastest that fits
 
 
+_KIND = {k.value: k for k in ActionKind}  # a dict lookup: ActionKind(value) costs a microsecond per action
+
+
 def _one_chunk(name: str) -> Callable[[int, int, int], tuple[tuple[Action, ...], ...]]:
     def build(num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-        return tuple(tuple(Action(s, ActionKind(k), m) for k, m in stage_order(name, num_ranks, microbatches, s))
+        return tuple(tuple(Action(s, _KIND[k], m) for k, m in stage_order(name, num_ranks, microbatches, s))
                      for s in range(num_ranks))
     return build
 
@@ -90,6 +94,7 @@ def runnable_schedules(virtual_stages: int, placement: str) -> tuple[str, ...]:
     return tuple(n for n in SCHEDULE_NAMES if compatible(n, virtual_stages, placement))
 
 
+@functools.lru_cache(maxsize=64)  # immutable; the cluster search asks for one schedule several times
 def make_schedule(name: str, num_ranks: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """The schedule ``name`` for ``num_ranks`` ranks, ``microbatches`` and ``virtual_stages``
     chunks per rank (default: the schedule's least).
