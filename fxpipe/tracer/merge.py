@@ -430,7 +430,8 @@ def _same_attr(a: Any, b: Any) -> bool:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (not isinstance(a, torch.nn.Parameter) and not isinstance(b, torch.nn.Parameter)
-                and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+                and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and not a.is_meta and bool(torch.equal(a, b)))  # meta tensors: no values to compare
     if isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule):
         return a.code == b.code
     return False
