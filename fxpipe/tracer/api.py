@@ -34,8 +34,8 @@ from fxpipe.tracer.timing import analytic_ms, measure_ms
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
-from fxpipe.tracer.meta import (BUFFER_VALUES_KEY, META, SKIPPED_ON_META, build_on_meta, check_meta_options, cost_device_kernels,
-                               eager_mode, is_meta_model, move_to_meta)
+from fxpipe.tracer.meta import (BUFFER_VALUES_KEY, META, SKIPPED_ON_META, build_on_meta, check_meta_options,
+                               cost_device_kernels, eager_mode, is_meta_model, move_to_meta)
 from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path
