@@ -35,7 +35,8 @@ from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
 from fxpipe.tracer.meta import (BUFFER_VALUES_KEY, META, SKIPPED_ON_META, build_on_meta, check_meta_options,
-                               cost_device_kernels, eager_mode, is_meta_model, move_to_meta)
+                               cost_device_kernels, count_units_once, eager_mode, is_meta_model,
+                               move_to_meta)
 from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path
@@ -297,7 +298,9 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                 regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
                 groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
                 runners = [UnitRunner(gm, g, prop.values) for g in groups]
-                counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
+                counting = lambda rs: progress_iter(rs, "counting units", progress, len(rs))  # noqa: E731
+                counts = (count_units_once(runners, count_unit, counting) if on_meta
+                          else [count_unit(r) for r in counting(runners)])
                 if measure_times:
                     times = [measure_ms(r, trace_device)
                              for r in progress_iter(runners, "timing units", progress, len(runners))]

@@ -195,7 +195,10 @@ class _Merger:
         self.graph = train.graph
         self.t_nodes = [n for n in self.graph.nodes if n.op in _COMPUTE]
         self.t_index = {n: i for i, n in enumerate(self.t_nodes)}
-        self.t_attrs = {str(n.target): n for n in self.graph.nodes if n.op == "get_attr"}
+        self.t_attrs: dict[str, fx.Node] = {}
+        for n in self.graph.nodes:  # the first read of each attribute: defined before every later use
+            if n.op == "get_attr":
+                self.t_attrs.setdefault(str(n.target), n)
         self.m: dict[fx.Node, Any] = {}  # eval node -> merged node
         self.common: set[fx.Node] = set()  # train nodes that run in both modes
         self.eval_only: set[fx.Node] = set()
