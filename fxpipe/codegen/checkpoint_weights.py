@@ -23,6 +23,7 @@ buffers without a value) are not written: ``load_stage`` initialises them
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -227,7 +228,7 @@ def write_streamed(path: Path, entries: Iterable[tuple[str, torch.Size | tuple[i
     for key, shape, dtype, _ in items:
         if dtype not in _ST_DTYPES:
             raise WeightsError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
-        size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()
         header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -240,15 +241,8 @@ def write_streamed(path: Path, entries: Iterable[tuple[str, torch.Size | tuple[i
             if tuple(t.shape) != tuple(shape):
                 raise WeightsError(f"tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}")
             t = t.to(device="cpu", dtype=dtype).contiguous()
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
             del t
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def write_meta_stage(state: StageState, path: Path, weights: MetaWeights) -> tuple[str, ...]:
@@ -262,7 +256,7 @@ def write_meta_stage(state: StageState, path: Path, weights: MetaWeights) -> tup
             entries.append((e.key, shape, dtype, _reader(weights.checkpoint, weights.key_of[e.key])))
         elif e.key in weights.buffers or not e.tensor.is_meta:
             value = weights.buffers.get(e.key, e.tensor)
-            entries.append((e.key, shape, dtype, lambda value=value: value))
+            entries.append((e.key, shape, dtype, _constant(value)))
         elif weights.checkpoint is None and e.kind != "constant":
             left.append(e.key)
         else:
@@ -275,6 +269,10 @@ def write_meta_stage(state: StageState, path: Path, weights: MetaWeights) -> tup
         if weights.checkpoint is not None:
             weights.checkpoint.close()
     return tuple(left)
+
+
+def _constant(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: value
 
 
 def _reader(checkpoint: Checkpoint, key: str) -> Callable[[], torch.Tensor]:
