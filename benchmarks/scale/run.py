@@ -135,13 +135,14 @@ def worker_emit(size: str, checkpoint: str, out: str) -> dict:
 def _run_worker(*args: str, timeout: float = 1800) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__)), "--worker", *args]
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "process_wall_s": wall}
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "process_wall_s": wall, "load_avg": load}
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["process_wall_s"] = wall
+    result.update(process_wall_s=wall, load_avg=load)
     return result
 
 
@@ -155,14 +156,16 @@ def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
         f"Machine: {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}; {meta['date']}. "
         f"Trace at microbatch 1, sequence {meta['seq']}, planned into {STAGES} stages "
         f"(pipelining: split at layer starts, at most {STAGES} stages). Peak RSS is the whole "
-        "subprocess's (Python + torch imports included); `wall` is the subprocess's wall time, imports included.", "",
-        "| model | params | tool | tensors | units | trace s | plan s | trace+plan s | wall s | peak RSS GB | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "subprocess's (Python + torch imports included); `wall` is the subprocess's wall time, imports included; "
+        "`load` is the machine's 1-minute load average when the row started (2 cores: above 2, other jobs were "
+        "running and the seconds are inflated).", "",
+        "| model | params | tool | tensors | units | trace s | plan s | trace+plan s | wall s | peak RSS GB | load | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | | | | | "
-                         f"{r.get('process_wall_s', 0):.1f} | | failed: {r['error'][:120]} |")
+                         f"{r.get('process_wall_s', 0):.1f} | | {r.get('load_avg', 0):.1f} | failed: {r['error'][:120]} |")
             continue
         trace = f"{r['trace_s']:.1f}" if "trace_s" in r else ""
         plan = f"{r['plan_s']:.1f}" if "plan_s" in r else ""
@@ -170,7 +173,7 @@ def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
                                           if "solver" in r else "")
         lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | {r.get('units', '')} | "
                      f"{trace} | {plan} | {r['total_s']:.1f} | {r['process_wall_s']:.1f} | {_gb(r['peak_rss'])} | "
-                     f"{note} |")
+                     f"{r.get('load_avg', 0):.1f} | {note} |")
     if emit:
         lines += ["", "## Emit from a sharded checkpoint", "",
                   "`write_build_dir(..., weights=<4 safetensors shards + index>)` after a meta trace and plan; "
@@ -194,6 +197,8 @@ def main() -> None:
     parser.add_argument("--no-pipelining", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--emit", default="1b", help="sizes to emit from a checkpoint ('' none)")
     parser.add_argument("--scratch", default="/tmp/fxpipe-scale", help="folder for checkpoints and builds")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of results.json that this run does not measure again")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -240,6 +245,13 @@ def main() -> None:
         emit.append(e)
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
+    if args.merge and (HERE / "results.json").exists():
+        old = json.loads((HERE / "results.json").read_text())
+        done = {(r["size"], r["tool"], r["tensors"]) for r in rows}
+        rows = [r for r in old["rows"] if (r["size"], r["tool"], r["tensors"]) not in done] + rows
+        emit = emit or old.get("emit", [])
+        order = {s: i for i, s in enumerate(llama.SHAPES)}
+        rows.sort(key=lambda r: order[r["size"]])
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seq": llama.SEQ, "stages": STAGES}
     (HERE / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "emit": emit}, indent=2) + "\n")

@@ -19,10 +19,10 @@ from fxpipe.codegen import load_stage, write_build_dir
 from fxpipe.codegen.checkpoint_weights import SKIPPED_SAFETY_NET, open_checkpoint, write_streamed
 from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.codegen.verify import verify_build
-from fxpipe.errors import WeightsError
+from fxpipe.errors import BuildDirError, WeightsError
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition
-from fxpipe.tracer import trace_model_file
+from fxpipe.tracer import ModelProfile, trace_model_file
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,8 @@ def test_without_weights_each_stage_initialises_itself(gpt, tmp_path):
     assert torch.equal(first[0].state_dict()["blocks.0.attn.mask"], torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
     out = pipeline(*source.example_inputs(4))
     assert out.shape == (4, 16, 64) and torch.isfinite(out).all()
+    with pytest.raises(BuildDirError, match="without --weights: each stage initialises itself"):
+        verify_build(tmp_path / "build")
 
 
 def test_cli_partition_on_meta_from_a_checkpoint(tmp_path, capsys):
@@ -181,3 +183,5 @@ def test_cli_partition_on_meta_from_a_checkpoint(tmp_path, capsys):
                  str(tmp_path / "model.safetensors"), "--out", str(out)]) == 0
     assert "skipped safety net" in " ".join(capsys.readouterr().out.split())
     assert main(["verify", str(out)]) == 0
+    profile = ModelProfile.from_json(out / "profile.json")  # the meta trace is recorded and read back
+    assert profile.meta and profile.skipped_checks and profile.trace_device == "cpu"
