@@ -53,31 +53,30 @@ _SHOWN = 5  # keys named per kind of problem
 
 @dataclass
 class Checkpoint:
-    """A checkpoint's keys (shape and dtype each, read from headers) and a reader of one tensor.
+    """A checkpoint's keys (shape each, read from headers) and a reader of one tensor.
 
-    ``files`` maps each key to the file holding it; safetensors files are opened lazily and kept
-    open until :meth:`close` (each stage closes them, so their mapped pages are let go)."""
+    ``files`` maps each key to the file holding it. A safetensors tensor is read with one
+    ``readinto`` from its byte range (``_ranges``: dtype, absolute offsets) into a tensor of its
+    own: no file stays mapped, so reading holds the tensor and nothing else (Note [stage
+    weights from a checkpoint])."""
 
     path: Path
     shapes: dict[str, tuple[int, ...]]
     files: dict[str, Path]
     _state: Mapping[str, torch.Tensor] | None = None  # a torch.save'd state dict (memory-mapped)
-    _open: dict[Path, Any] = field(default_factory=dict)
+    _ranges: dict[str, tuple[torch.dtype, int, int]] = field(default_factory=dict)
 
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor stored under ``key``, read on its own."""
         if self._state is not None:
             return self._state[key]
-        file = self.files[key]
-        handle = self._open.get(file)
-        if handle is None:
-            from safetensors import safe_open
-
-            handle = self._open[file] = safe_open(str(file), framework="pt", device="cpu")
-        return handle.get_tensor(key)
-
-    def close(self) -> None:
-        self._open.clear()
+        dtype, start, end = self._ranges[key]
+        data = torch.empty(end - start, dtype=torch.uint8)
+        with open(self.files[key], "rb") as f:
+            f.seek(start)
+            if f.readinto(data.numpy().data) != end - start:
+                raise WeightsError(f"--weights {self.files[key]}: tensor {key!r} is cut short; the file is damaged")
+        return data.view(dtype).reshape(self.shapes[key])
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -110,32 +109,46 @@ def _open_directory(path: Path) -> Checkpoint:
     return _open_safetensors(files, path)
 
 
-def _open_safetensors(files: list[Path], path: Path, expected: dict[str, Path] | None = None) -> Checkpoint:
-    from safetensors import safe_open
+def _safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header and where its data starts."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > file.stat().st_size - 8:
+            raise ValueError(f"header of {size} bytes in a file of {file.stat().st_size}")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, 8 + size
 
+
+def _open_safetensors(files: list[Path], path: Path, expected: dict[str, Path] | None = None) -> Checkpoint:
+    dtypes = {name: dtype for dtype, name in _ST_DTYPES.items()}
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Path] = {}
+    ranges: dict[str, tuple[torch.dtype, int, int]] = {}
     for file in files:
         if not file.is_file():
             raise WeightsError(f"--weights {path}: shard {file.name} named by the index is missing")
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key in where:
-                        raise WeightsError(f"--weights {path}: key {key!r} is in both {where[key].name} and "
-                                           f"{file.name}")
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-                    where[key] = file
+            header, base = _safetensors_header(file)
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                if key in where:
+                    raise WeightsError(f"--weights {path}: key {key!r} is in both {where[key].name} and {file.name}")
+                begin, end = entry["data_offsets"]
+                shapes[key], where[key] = tuple(int(d) for d in entry["shape"]), file
+                ranges[key] = (dtypes[entry["dtype"]], base + int(begin), base + int(end))
         except WeightsError:
             raise
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        except Exception as exc:  # noqa: BLE001 - a damaged header: any of JSON, key and type errors
             raise WeightsError(f"--weights {file}: not a readable safetensors file ({type(exc).__name__}: {exc})") \
                 from None
     if expected is not None:
         wrong = sorted(k for k, f in expected.items() if where.get(k) != f)
         if wrong:
             raise WeightsError(f"--weights {path}: the index places {wrong[:_SHOWN]} in shards that do not hold them")
-    return Checkpoint(path=path, shapes=shapes, files=where)
+    return Checkpoint(path=path, shapes=shapes, files=where, _ranges=ranges)
 
 
 def _open_torch_save(path: Path) -> Checkpoint:
@@ -263,11 +276,7 @@ def write_meta_stage(state: StageState, path: Path, weights: MetaWeights) -> tup
             raise WeightsError(f"{e.key!r} is a {e.kind} with no value: the model built it on the meta device and "
                                "no checkpoint holds it; let the model file build its buffers on the CPU (fxpipe puts "
                                "only parameters on meta) or trace on cpu")
-    try:
-        write_streamed(path, entries, {"format": "pt", "written_by": "fxpipe", "weights": weights.source})
-    finally:
-        if weights.checkpoint is not None:
-            weights.checkpoint.close()
+    write_streamed(path, entries, {"format": "pt", "written_by": "fxpipe", "weights": weights.source})
     return tuple(left)
 
 
