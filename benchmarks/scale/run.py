@@ -150,6 +150,10 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _load(row: dict) -> str:
+    return f"{row['load_avg']:.1f}" if "load_avg" in row else "n/r"
+
+
 def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
     lines = [
         "# Scale benchmark results", "",
@@ -158,14 +162,14 @@ def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
         f"(pipelining: split at layer starts, at most {STAGES} stages). Peak RSS is the whole "
         "subprocess's (Python + torch imports included); `wall` is the subprocess's wall time, imports included; "
         "`load` is the machine's 1-minute load average when the row started (2 cores: above 2, other jobs were "
-        "running and the seconds are inflated).", "",
+        "running and the seconds are inflated; n/r: not recorded).", "",
         "| model | params | tool | tensors | units | trace s | plan s | trace+plan s | wall s | peak RSS GB | load | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | | | | | "
-                         f"{r.get('process_wall_s', 0):.1f} | | {r.get('load_avg', 0):.1f} | failed: {r['error'][:120]} |")
+                         f"{r.get('process_wall_s', 0):.1f} | | {_load(r)} | failed: {r['error'][:120]} |")
             continue
         trace = f"{r['trace_s']:.1f}" if "trace_s" in r else ""
         plan = f"{r['plan_s']:.1f}" if "plan_s" in r else ""
@@ -173,7 +177,7 @@ def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
                                           if "solver" in r else "")
         lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | {r.get('units', '')} | "
                      f"{trace} | {plan} | {r['total_s']:.1f} | {r['process_wall_s']:.1f} | {_gb(r['peak_rss'])} | "
-                     f"{r.get('load_avg', 0):.1f} | {note} |")
+                     f"{_load(r)} | {note} |")
     if emit:
         lines += ["", "## Emit from a sharded checkpoint", "",
                   "`write_build_dir(..., weights=<4 safetensors shards + index>)` after a meta trace and plan; "
