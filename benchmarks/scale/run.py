@@ -183,14 +183,16 @@ def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
                   "`write_build_dir(..., weights=<4 safetensors shards + index>)` after a meta trace and plan; "
                   "RSS increase = the high-water mark during emit minus the RSS just before it.", "",
                   "| model | checkpoint GB | emit s | RSS before GB | RSS increase during emit GB | "
-                  "largest stage GB | increase / largest stage |", "|---|---|---|---|---|---|---|"]
+                  "largest stage GB | increase / largest stage | process peak RSS GB | load |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for e in emit:
             if "error" in e:
                 lines.append(f"| {e['size']} | | | | | | failed: {e['error'][:120]} |")
                 continue
             lines.append(f"| {e['size']} | {_gb(e['checkpoint_bytes'])} | {e['emit_s']:.1f} | {_gb(e['rss_before'])} | "
                          f"{_gb(e['emit_rss_increase'])} | {_gb(e['largest_stage_bytes'])} | "
-                         f"{e['emit_rss_increase'] / e['largest_stage_bytes']:.2f} |")
+                         f"{e['emit_rss_increase'] / e['largest_stage_bytes']:.2f} | {_gb(e['process_peak_rss'])} | "
+                         f"{_load(e)} |")
     return "\n".join(lines) + "\n"
 
 
