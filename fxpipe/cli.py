@@ -36,7 +36,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="tracing front end (default auto: symbolic when it exposes the structure)")
     p.add_argument("--leaf", action="append", default=[], metavar="TYPE_OR_PATH",
                    help="keep this module type (class name) or module path whole; repeatable")
-    p.add_argument("--trace-device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--trace-device", "--device", dest="trace_device", choices=["cpu", "cuda", "meta"], default="cpu",
+                   help="where to trace (default cpu); meta: build the model with its parameters on the meta "
+                        "device and profile it analytically, for models larger than this machine")
+    p.add_argument("--cost-device", choices=["cpu", "cuda"], default=None,
+                   help="device whose analytic costs price the units (default: the trace device; cpu for meta)")
     p.add_argument("--measure-times", action="store_true",
                    help="measure forward/backward per unit instead of the analytic estimate")
     p.add_argument("--measure-memory", action="store_true",
@@ -123,7 +127,7 @@ def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
     return trace_model_file(
         source, batch_size,
         frontend=args.frontend, leaves=tuple(args.leaf), measure_times=args.measure_times,
-        measure_memory=args.measure_memory, trace_device=args.trace_device,
+        measure_memory=args.measure_memory, trace_device=args.trace_device, cost_device=args.cost_device,
     )
 
 
@@ -217,6 +221,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _enter("printing the profile")
     console = _console()
     print_profile_table(traced.profile, console=console)
+    for reason in traced.profile.skipped_checks:
+        console.print(f"[yellow]skipped[/] {reason}")
     console.print(f"[green]wrote[/] {out} ({len(traced.profile.units)} units, frontend {traced.frontend})")
     return 0
 
@@ -276,10 +282,13 @@ def cmd_partition(args: argparse.Namespace) -> int:
         traced = _trace(args, source, batch // micro)
         plan = _plan(args, traced.profile, micro)
     _enter("emitting the build directory")
-    write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro, check=not args.no_check)
+    manifest = write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro,
+                               check=not args.no_check, weights=args.weights)
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
+    for reason in manifest.skipped_checks:
+        console.print(f"[yellow]skipped[/] {reason}")
     placed = (f"{plan.num_stages} stages" if plan.virtual_stages == 1 else
               f"{plan.num_stages} stages, {plan.virtual_stages} per rank on {plan.num_ranks} ranks")
     console.print(f"[green]wrote[/] build directory {out}/ ({placed}; open {out}/report.html)")
@@ -372,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", action="store_true",
                    help="write the build without first checking, in this process, that the stages equal the model "
                         "in train and eval mode (the check holds the model's weights twice)")
+    p.add_argument("--weights", metavar="PATH", default=None,
+                   help="with --device meta: the checkpoint each stage's weights are read from (a .safetensors "
+                        "file, a directory of safetensors shards with an index JSON, or a torch.save'd state dict); "
+                        "without it a meta build writes no parameters and each stage initialises itself at load")
     p.set_defaults(func=cmd_partition)
 
     p = sub.add_parser("report", help="print a build directory's plan again")

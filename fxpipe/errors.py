@@ -25,6 +25,7 @@ __all__ = [
     "StepError",
     "CheckpointError",
     "ConfigError",
+    "WeightsError",
 ]
 
 
@@ -96,3 +97,7 @@ class CheckpointError(FxpipeError):
 
 class ConfigError(FxpipeError):
     """An ``fxpipe.init`` configuration key or value is invalid."""
+
+
+class WeightsError(FxpipeError):
+    """A checkpoint given with ``--weights`` is unreadable or does not fit the model (keys, shapes)."""

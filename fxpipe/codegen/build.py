@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from fxpipe.graphmeta import CONSTANTS_KEY
 from fxpipe.codegen.builddir import replace_file, staged_build_dir
+from fxpipe.codegen.checkpoint_weights import MetaWeights, build_meta_weights, meta_skipped_checks, write_meta_stage
 from fxpipe.codegen.emit import emit_stage
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.outputs import dump_output_spec
@@ -40,7 +41,8 @@ __all__ = ["write_build_dir", "emit_build", "write_report"]
 
 
 def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Path, source: ModelSource | None, *,
-                    batch_size: int, microbatches: int, check: bool = True) -> Manifest:
+                    batch_size: int, microbatches: int, check: bool = True,
+                    weights: str | Path | None = None) -> Manifest:
     """Write the whole build directory of ``plan`` for ``traced`` to ``out_dir``; return its manifest.
 
     ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors`` (one pair per stage: with
@@ -53,6 +55,10 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
     was traced at the microbatch size ``batch_size // microbatches``. With ``check`` (the
     default) the staged stages must equal the model in train and eval mode before the build
     replaces ``out_dir`` (Note [safety net] in ``fxpipe.codegen.safety``; ``EquivalenceError``).
+    A model traced on meta has no values: its stages' tensors come from the checkpoint
+    ``weights``, or, without one, are initialised by ``load_stage``, and the safety net cannot
+    run (listed in ``manifest.skipped_checks``; Note [stage weights from a checkpoint] in
+    ``fxpipe.codegen.checkpoint_weights``).
 
     Example::
 
@@ -67,6 +73,7 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
         raise CodegenError(f"the plan places no stage for units {missing[:5]} of the traced model; "
                            "was it planned from another profile?")
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
+    meta = build_meta_weights(traced, weights)
     with staged_build_dir(out_dir) as staging:
         manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages, Path(out_dir),
                                       staging, source=source, microbatch=traced.profile.batch_size,
@@ -74,13 +81,13 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                                       user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
                                       frontend=traced.frontend, units_of_stage=units_of_stage,
                                       call=traced.call, stage_ranks=plan.stage_ranks,
-                                      schedule=plan.schedule)
+                                      schedule=plan.schedule, meta_weights=meta)
         plan.to_json(staging / "plan.json")
         manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
         manifest.to_json(staging / "manifest.json")
         traced.profile.to_json(staging / "profile.json")
         (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
-        if check:  # before the swap: a refused build leaves the previous one in place
+        if check and meta is None:  # before the swap: a refused build leaves the previous one in place
             check_equivalence(staging, manifest, traced, split.sources)
     return manifest
 
@@ -117,7 +124,7 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
                 microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
                 output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None,
                 call: CallSpec | None, stage_ranks: tuple[int, ...] | None = None,
-                schedule: str | None = None) -> tuple[Manifest, SplitGraph]:
+                schedule: str | None = None, meta_weights: MetaWeights | None = None) -> tuple[Manifest, SplitGraph]:
     """Write the stage files and the manifest into ``staging``; paths in them are relative to
     ``out``, the directory ``staging`` becomes. Returns the manifest and the split it was written from."""
     if batch_size != microbatch * microbatches:
@@ -135,7 +142,10 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
                          user_leaf_args=user_leaf_args or {}, module_order=order, model=model, build_dir=out)
         py, st = staging / f"stage_{sg.index}.py", staging / f"stage_{sg.index}.safetensors"
         py.write_text(src.text)
-        save_weights(state, st)
+        if meta_weights is None:
+            save_weights(state, st)
+        else:
+            write_meta_stage(state, st, meta_weights)
         units = units_of_stage[sg.index] if units_of_stage else ()
         stages.append(StageManifest(
             index=sg.index, class_name=src.class_name, source=py.name, weights=st.name,
@@ -152,7 +162,8 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
         frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
         microbatches=microbatches, training=model.training, torch_version=torch.__version__,
-        schedule=schedule)
+        schedule=schedule, weights=meta_weights.source if meta_weights else "model",
+        skipped_checks=meta_skipped_checks(meta_weights))
     manifest.to_json(staging / "manifest.json")
     return manifest, split
 

@@ -7,7 +7,9 @@ before use] in ``fxpipe.codegen.integrity``), and executes the very bytes it has
 (never re-reading the file); the model file is imported from its checked bytes too. It
 builds the module on the meta device and then loads the weights file with
 ``load_state_dict(assign=True)``, so no memory is spent on initial values and a rank's
-peak is about its own stage's tensors.
+peak is about its own stage's tensors. A meta build without a checkpoint wrote no parameters:
+the stage initialises them itself (Note [each stage initialises itself] in
+``fxpipe.codegen.stage_init``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
 from fxpipe.codegen.manifest import Manifest
+from fxpipe.codegen.stage_init import initialise_stage
 from fxpipe.errors import BuildDirError
 
 __all__ = ["load_stage", "load_checked_stage", "read_manifest"]
@@ -100,6 +103,8 @@ def load_checked_stage(build: CheckedBuild, index: int, device: str | torch.devi
     for key in set(tensors) - persistent:
         _set_tensor(module, key, tensors[key])
     _tie_weights(module)
+    if build.manifest.weights == "init":  # a meta build without --weights (Note [each stage initialises itself])
+        initialise_stage(module, index, build.manifest.ties, device=device)
     if result.unexpected_keys:
         raise BuildDirError(f"{sm.weights} holds keys {result.unexpected_keys[:5]} that {sm.class_name} does not have")
     left = [k for k, t in list(module.named_parameters(remove_duplicate=False))

@@ -149,7 +149,10 @@ class Manifest:
     [output structure] in ``fxpipe.codegen.outputs``).
     Its ``stages`` are the build's chunks: with ``--virtual-stages V`` each pipeline rank
     runs V of them (``StageManifest.rank``, placed loop- or V-style; ``stage_ranks``), and
-    ``schedule`` names the schedule the build was planned for.
+    ``schedule`` names the schedule the build was planned for. ``weights`` says where the stage
+    weights came from: the model (``"model"``), a checkpoint (``"checkpoint"``), or nowhere yet
+    (``"init"``: ``load_stage`` initialises what the weights files leave out); ``skipped_checks``
+    names the checks a meta build could not run, with the reason.
     """
 
     model_file: str
@@ -171,9 +174,12 @@ class Manifest:
     output_modules: tuple[str, ...] = ()
     plan_sha256: str = ""  # of plan.json ("" in builds without one, and in builds written before it was recorded)
     schedule: str | None = None
+    weights: str = "model"  # "model" | "checkpoint" | "init" (Note [stage weights from a checkpoint])
+    skipped_checks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "skipped_checks", tuple(self.skipped_checks))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "ties", tuple(self.ties))
         object.__setattr__(self, "output_modules", tuple(self.output_modules))

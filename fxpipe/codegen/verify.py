@@ -66,6 +66,10 @@ def _checked_build(build_dir: Path) -> tuple[CheckedBuild, ModelSource]:
     manifest = read_manifest(build_dir)
     if not manifest.model_file:
         raise BuildDirError(f"{build_dir} records no model file, so there is no original model to compare with")
+    if manifest.weights == "init":
+        raise BuildDirError(f"{build_dir} was built on the meta device without --weights: each stage initialises "
+                            "itself at load, so there are no weights to give the model; verify a build made with "
+                            "--weights CHECKPOINT")
     build = check_build(build_dir, plan=False, manifest=manifest)
     return build, build.model_source()
 

@@ -171,6 +171,8 @@ def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
             if tuple(src.shape) != tuple(t.shape):
                 raise ConfigError(f"{where}: {key!r} has shape {tuple(t.shape)} but the wrapped model's is "
                                   f"{tuple(src.shape)}; rebuild the plan from this model")
+            if src.is_meta:  # a model built on meta: the stage keeps its own (Note [each stage initialises itself])
+                continue
             t.copy_(src)
             if key in params:
                 t.requires_grad_(src.requires_grad)

@@ -35,6 +35,7 @@ from fxpipe.runtime.groups import build_groups
 from fxpipe.runtime.p2p import P2P
 from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.ties import sync_tied_grads
+from fxpipe.tracer.meta import is_meta_model
 from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
@@ -85,7 +86,7 @@ class DistributedModel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view)
         self.replicas = Replicas(self.ddp_options, st.layout.replicas, st.config.microbatches)
         self._build: StageBuild | None = None
-        self._pending_partial: tuple[dict[str, Any], bool] | None = None
+        self._pending_partial: tuple[dict[str, Any], bool, bool] | None = None  # (state, strict, partial)
         self._post_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = OrderedDict()
         self._driver: StepDriver | None = None
         self._microbatch: int | None = None
@@ -167,9 +168,9 @@ class DistributedModel(nn.Module):
         group = st.mp_group if st.layout.replicas > 1 else None
         self._p2p = P2P(st.rank, st.layout.pipeline_ranks(st.dp_rank), st.timeout_s, group)
         if self._pending_partial is not None:
-            state, strict = self._pending_partial
+            state, strict, partial = self._pending_partial
             self._pending_partial = None
-            self.load_state_dict({**state, PARTIAL_KEY: True}, strict=strict)
+            self.load_state_dict({**state, PARTIAL_KEY: True} if partial else state, strict=strict)
         self.replicas.attach(self.module, st.dp_group, st.device)  # replicas start from replica 0's weights
         for wrapped in st.optimizers:
             wrapped.localize(self)
@@ -355,14 +356,16 @@ class DistributedModel(nn.Module):
         """Load a full or a partial (``local_state_dict``) state dict.
 
         Before partitioning a full one goes into the wrapped module and a partial one is
-        kept and applied right after partitioning. After it, a full one is cut to this
+        kept and applied right after partitioning; so is a full one when the module was built
+        on the meta device (it has nowhere to hold values: each rank takes its own stage's keys,
+        Note [meta tracing] in ``fxpipe.tracer.meta``). After it, a full one is cut to this
         rank's keys.
         """
         state = dict(state_dict)
         partial = bool(state.pop(PARTIAL_KEY, False))
         if self._build is None:
-            if partial:
-                self._pending_partial = (state, strict)
+            if partial or is_meta_model(self.module):
+                self._pending_partial = (state, strict, partial)
                 return nn.modules.module._IncompatibleKeys([], [])
             return self.module.load_state_dict(state, strict=strict, assign=assign)
         mine = set(self.module.state_dict())

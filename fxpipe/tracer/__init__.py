@@ -18,6 +18,7 @@ _LAZY = {
     "build_model_recorded": "record",
     "print_profile_table": "table",
     "TracedModel": "traced",
+    "build_on_meta": "meta",
 }
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "build_model_recorded",
     "BuildRecord",
     "TracedModel",
+    "build_on_meta",
     "ModelInfo",
     "ModelProfile",
     "TensorSpec",

@@ -34,6 +34,9 @@ from fxpipe.tracer.timing import analytic_ms, measure_ms
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
+from fxpipe.tracer.meta import (BUFFER_VALUES_KEY, META, SKIPPED_ON_META, build_on_meta, check_meta_options,
+                               cost_device_kernels, count_units_once, eager_mode, is_meta_model,
+                               move_to_meta)
 from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path
@@ -156,7 +159,7 @@ def _module_type(model: nn.Module, path: str) -> str | None:
 def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[UnitGroup], runners: list[UnitRunner],
                    times: list[tuple[float, float]], counts: list[UnitCounts], activations: list[int],
                    pins: dict[str, int],
-                   batch: int, frontend: str, timing: str, trace_device: str) -> ModelProfile:
+                   batch: int, frontend: str, timing: str, trace_device: str, on_meta: bool = False) -> ModelProfile:
     by_name = {n.name: n for n in gm.graph.nodes}
     sizes, shapes, ties = _param_table(model)
     param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -200,13 +203,15 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
         inputs=tuple(n.meta[SPEC_KEY] for n in placeholders), trace_device=trace_device, frontend=frontend,
         timing=timing, module_order=_module_order(gm), param_sizes=sizes, param_shapes=shapes, ties=ties,
         model=ModelInfo(class_name=f"{type(model).__module__}.{type(model).__qualname__}"),
+        meta=on_meta, skipped_checks=SKIPPED_ON_META if on_meta else (),
     )
 
 
 def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto",
                 leaves: Sequence[LeafSpec] = (), measure_times: bool = False, measure_memory: bool = False,
                 trace_device: str = "cpu", build_record: BuildRecord | None = None,
-                progress: bool = True, batch_dims: Sequence[int | None] | None = None) -> TracedModel:
+                progress: bool = True, batch_dims: Sequence[int | None] | None = None,
+                cost_device: str | None = None) -> TracedModel:
     """Trace ``model`` on ``example_inputs`` and profile its units.
 
     ``example_inputs``: the model's positional arguments (a tuple, or one tensor), its
@@ -226,6 +231,10 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
     allocator instead of autograd's saved tensors. ``build_record``: from
     :func:`build_model_recorded`, for pins and leaf constructor arguments.
+    ``trace_device="meta"`` (taken by itself for a model built on the meta device) traces
+    with meta tensors and prices units with ``cost_device``'s analytic estimate (default
+    ``"cpu"``); checks that need values are skipped and listed in ``profile.skipped_checks``,
+    and the model stays on meta (Note [meta tracing] in :mod:`fxpipe.tracer.meta`).
 
     Example::
 
@@ -234,8 +243,17 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
         trace_model(hf_gpt2, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
     call, dims = _bind_inputs(model, example_inputs, batch_dims)
-    if trace_device not in DEVICE_PRESETS:
-        raise TraceError(f"trace_device {trace_device!r} is not one of {sorted(DEVICE_PRESETS)}")
+    if trace_device != META and is_meta_model(model):  # Note [meta tracing]: the factory built it on meta
+        trace_device, cost_device = META, cost_device or trace_device
+    on_meta = trace_device == META
+    if on_meta:
+        check_meta_options(model, measure_times, measure_memory)
+        cost_device = cost_device or "cpu"
+    elif trace_device not in DEVICE_PRESETS:
+        raise TraceError(f"trace_device {trace_device!r} is not one of {sorted([*DEVICE_PRESETS, META])}")
+    cost_device = cost_device or trace_device
+    if cost_device not in DEVICE_PRESETS:
+        raise TraceError(f"cost_device {cost_device!r} is not one of {sorted(DEVICE_PRESETS)}")
     if trace_device == "cuda" and not torch.cuda.is_available():
         raise TraceError("trace_device 'cuda' was asked for but CUDA is not available; use trace_device='cpu'")
     if measure_memory and trace_device != "cuda":
@@ -243,7 +261,11 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                          "(activation bytes then come from autograd's saved tensors)")
     devices = {t.device for t in list(model.parameters()) + list(model.buffers())} or {torch.device("cpu")}
     original_device = next(iter(devices))
-    model.to(trace_device)
+    buffer_values: dict[str, torch.Tensor] = {}
+    if on_meta:
+        buffer_values = move_to_meta(model)
+    else:
+        model.to(trace_device)
     call = call.with_tensors([t.to(trace_device) for t in call.tensors])
     inputs = call.tensors
     batch = batch_size_of(inputs, dims)
@@ -251,13 +273,16 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
         with _preserved_state(model), modes_restored(model):
             model.train()  # the profile is of train mode; eval mode is merged in (Note [both modes in one graph])
             ctor_args = build_record.ctor_args if build_record else None
-            with _seeded(trace_device):
+            with _seeded(trace_device), eager_mode(on_meta):
                 reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
             with tracing_call(call):
                 result = trace_graph(model, inputs, frontend, tuple(leaves), dims, ctor_args)
             gm = result.graph_module
+            if on_meta:  # Note [parameters on meta, buffers real]: codegen writes them
+                gm.meta[BUFFER_VALUES_KEY] = buffer_values
             values = _normalize(gm, inputs, trace_device)
-            _check_matches(gm, values, reference)
+            if not on_meta:  # meta tensors hold no values to compare (SKIPPED_ON_META)
+                _check_matches(gm, values, reference)
 
             def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
                 with tracing_call(call):
@@ -266,24 +291,29 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                 _normalize(again.graph_module, inputs, trace_device)
                 return again.graph_module
 
-            merge_eval_mode(model, gm, inputs, trace=trace_again, run=lambda: call.example(model))
-            prop = propagate(gm, inputs, batch, dims)
-            regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
-            groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
-            runners = [UnitRunner(gm, g, prop.values) for g in groups]
-            counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
-            if measure_times:
-                times = [measure_ms(r, trace_device)
-                         for r in progress_iter(runners, "timing units", progress, len(runners))]
-            else:
-                times = [analytic_ms(c, DEVICE_PRESETS[trace_device]) for c in counts]
-            activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
-                           else [c.activation_bytes for c in counts])
+            merge_eval_mode(model, gm, inputs, trace=trace_again, check=not on_meta,
+                            run=lambda: _run_in(eager_mode(on_meta), call.example, model))
+            with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
+                prop = propagate(gm, inputs, batch, dims)
+                regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
+                groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
+                runners = [UnitRunner(gm, g, prop.values) for g in groups]
+                counting = lambda rs: progress_iter(rs, "counting units", progress, len(rs))  # noqa: E731
+                counts = (count_units_once(runners, count_unit, counting) if on_meta
+                          else [count_unit(r) for r in counting(runners)])
+                if measure_times:
+                    times = [measure_ms(r, trace_device)
+                             for r in progress_iter(runners, "timing units", progress, len(runners))]
+                else:
+                    times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
+                activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
+                               else [c.activation_bytes for c in counts])
     finally:
-        model.to(original_device)
+        if not on_meta:
+            model.to(original_device)
     pins = {**module_pins(model), **(build_record.pins if build_record else {})}
     profile = _build_profile(model, gm, groups, runners, times, counts, activations, pins, batch,
-                             result.frontend, "measured" if measure_times else "analytic", trace_device)
+                             result.frontend, "measured" if measure_times else "analytic", cost_device, on_meta)
     leaf_modules = {str(n.target): type(gm.get_submodule(str(n.target)))
                     for n in gm.graph.nodes if n.op == "call_module"}
     ctor_args = build_record.ctor_args if build_record else {}
@@ -293,8 +323,14 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
         model=model, graph_module=gm, profile=profile,
         unit_of_node={node: g.name for g in groups for node in g.nodes},
         frontend=result.frontend, output_spec=output_spec, leaf_modules=leaf_modules,
-        user_leaf_args=user_leaf_args, example_inputs=tuple(t.to(original_device) for t in inputs), call=call.spec,
+        user_leaf_args=user_leaf_args, call=call.spec,
+        example_inputs=inputs if on_meta else tuple(t.to(original_device) for t in inputs),
     )
+
+
+def _run_in(context: contextlib.AbstractContextManager[Any], call: ModelInputs, model: nn.Module) -> Any:
+    with context:
+        return call(model)
 
 
 @contextlib.contextmanager
@@ -341,7 +377,10 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     from ``example_inputs(batch_size)`` to ``example_inputs(2 * batch_size)`` (none for an
     input whose shape stays, such as a shared mask).
     """
-    model, record = build_model_recorded(source.build_model)
+    factory = source.build_model
+    if options.get("trace_device") == META:  # Note [meta tracing]
+        factory = lambda: build_on_meta(source.build_model)  # noqa: E731
+    model, record = build_model_recorded(factory)
     inputs = source.example_call(batch_size)
     if options.get("batch_dims") is None:
         options["batch_dims"] = _model_file_batch_dims(source, model, batch_size, inputs)

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.tracer.calibration import ACCUMULATE_OP
+from fxpipe.tracer.meta import storage_key
 from fxpipe.tracer.unit_runner import UnitRunner, fresh_copies, nbytes
 
 __all__ = ["UnitCounts", "OpCounter", "count_unit", "count_ops"]
@@ -70,9 +71,9 @@ def _saved_storages(fn: Callable[[], Any], exclude: Iterable[int] = ()) -> tuple
     skip = set(exclude)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
+        key = storage_key(t)  # Note [meta tracing]: meta storages have no address
+        if key not in skip:
+            saved[key] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -96,7 +97,7 @@ def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
         out, saved = _saved_storages(lambda: torch.fx.GraphModule(runner.gm, graph)(*args))
     except Exception:  # an op that cannot run alone: charge the input to the consumer as before
         return False
-    return isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() in saved
+    return isinstance(out, torch.Tensor) and storage_key(out) in saved
 
 
 def count_unit(runner: UnitRunner) -> UnitCounts:
@@ -108,7 +109,7 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
     the same tensor as its input), else to this unit. Charging both doubled the
     activations of every Linear/ReLU chain (measured in tests/runtime/test_memory.py).
     """
-    state_ptrs = {t.untyped_storage().data_ptr() for t in runner.tensors}
+    state_ptrs = {storage_key(t) for t in runner.tensors}
     inputs = runner.fresh_inputs()  # outside the counting modes (Note [fresh unit inputs])
     input_ptrs = inputs.node_of_storage()
 

@@ -195,7 +195,10 @@ class _Merger:
         self.graph = train.graph
         self.t_nodes = [n for n in self.graph.nodes if n.op in _COMPUTE]
         self.t_index = {n: i for i, n in enumerate(self.t_nodes)}
-        self.t_attrs = {str(n.target): n for n in self.graph.nodes if n.op == "get_attr"}
+        self.t_attrs: dict[str, fx.Node] = {}
+        for n in self.graph.nodes:  # the first read of each attribute: defined before every later use
+            if n.op == "get_attr":
+                self.t_attrs.setdefault(str(n.target), n)
         self.m: dict[fx.Node, Any] = {}  # eval node -> merged node
         self.common: set[fx.Node] = set()  # train nodes that run in both modes
         self.eval_only: set[fx.Node] = set()
@@ -430,7 +433,8 @@ def _same_attr(a: Any, b: Any) -> bool:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (not isinstance(a, torch.nn.Parameter) and not isinstance(b, torch.nn.Parameter)
-                and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+                and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and not a.is_meta and bool(torch.equal(a, b)))  # meta tensors: no values to compare
     if isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule):
         return a.code == b.code
     return False

@@ -224,6 +224,8 @@ class ModelProfile:
     ``ties[k][0]``); ``ties`` lists the groups of names that are one tensor.
     ``param_shapes`` gives their shapes under the same names (empty in profiles written
     before it existed), so the cost model can price PowerSGD's matrix view of each gradient.
+    ``meta``: traced with meta tensors (Note [meta tracing] in :mod:`fxpipe.tracer.meta`);
+    ``skipped_checks`` names the checks that could not run then, with the reason.
     """
 
     units: tuple[Unit, ...]
@@ -239,9 +241,12 @@ class ModelProfile:
     model: ModelInfo = field(default_factory=ModelInfo)
     schema_version: int = PROFILE_SCHEMA_VERSION
     param_shapes: dict[str, tuple[NonNegInt, ...]] = field(default_factory=dict)
+    meta: bool = False
+    skipped_checks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "skipped_checks", tuple(self.skipped_checks))
         object.__setattr__(self, "edges", tuple(self.edges))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "module_order", tuple(self.module_order))

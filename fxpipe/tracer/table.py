@@ -25,7 +25,8 @@ def print_profile_table(profile: ModelProfile, console: Any = None) -> None:
 
     console = console or Console()
     table = Table(title=f"{len(profile.units)} units, batch {profile.batch_size}, "
-                        f"{profile.frontend} front end, {profile.timing} times on {profile.trace_device}")
+                        f"{profile.frontend} front end, {profile.timing} times on {profile.trace_device}"
+                        f"{', traced on meta' if profile.meta else ''}")
     for column, justify in (("unit", "left"), ("module path", "left"), ("type", "left"), ("output", "left"),
                             ("fwd ms", "right"), ("bwd ms", "right"), ("params", "right"),
                             ("activations", "right"), ("pin", "right")):

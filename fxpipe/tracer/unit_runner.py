@@ -27,6 +27,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from fxpipe.tracer.meta import storage_key
 from fxpipe.tracer.units import UnitGroup
 
 __all__ = ["UnitRunner", "UnitInputs", "fresh_copies", "nbytes"]
@@ -54,7 +55,7 @@ class UnitInputs:
 
     def node_of_storage(self) -> dict[int, torch.fx.Node]:
         """Data pointer of each tensor argument's storage -> the input node it stands for."""
-        return {a.untyped_storage().data_ptr(): node for node, a in zip(self.nodes, self.args)
+        return {storage_key(a): node for node, a in zip(self.nodes, self.args)
                 if isinstance(a, torch.Tensor)}
 
 
