@@ -31,7 +31,8 @@ __all__ = ["counted_parameters", "pipeline_grad_norm", "clip_grads_"]
 def counted_parameters(manifest: Manifest, stages: Mapping[int, nn.Module]) -> list[nn.Parameter]:
     """This rank's parameters, each once, without the tied copies whose tie's first stage is elsewhere."""
     by_stage = {s: dict(m.named_parameters(remove_duplicate=False)) for s, m in stages.items()}
-    owned, skip = set(), set()
+    owned: set[int] = set()
+    skip: set[int] = set()
     for tie in manifest.ties:
         for i, (stage, key) in enumerate(zip(tie.stages, tie.keys)):
             p = by_stage.get(stage, {}).get(key)
