@@ -87,7 +87,14 @@ def save_training_checkpoint(directory: str | Path, rank: int, world: int, state
     assert part is not None
     record = CommitRecord(id=everyone[0]["token"], partial=True, num_parts=world,
                           parts={m["key"]: m["part"] for m in everyone})
-    write_record(record_file, record, token)
+    try:
+        write_record(record_file, record, token)
+    except OSError as exc:
+        existing = _quiet_record(record_file)
+        if existing is None or existing.id != record.id:  # not committed
+            (directory / part.pending).unlink(missing_ok=True)
+            raise CheckpointError(f"saving a checkpoint into {directory} failed: cannot write {RECORD_NAME}: "
+                                  f"{exc.strerror or exc}; the previous checkpoint (if any) is unchanged") from None
     publish(path, part)
 
 
