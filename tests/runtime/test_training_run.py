@@ -10,6 +10,7 @@ is cut off leaves the previous one loadable.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,45 @@ def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(tmp_path: Path,
         load_training_checkpoint(tmp_path, 0, 1)
     with pytest.raises(CheckpointError, match="was saved by 1 ranks, this run has 2"):
         load_training_checkpoint(tmp_path, 0, 2)
+
+
+def test_fxpipe_run_checks_the_data_before_launch(charlm_build: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n"
+                   "def rows(batch_size, rank_info):\n"
+                   "    while True:\n"
+                   "        yield torch.zeros(batch_size + 1, 32, dtype=torch.long), None\n"
+                   "def few_targets(batch_size, rank_info):\n"
+                   "    while True:\n"
+                   "        yield torch.zeros(batch_size, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)\n")
+    cases = {f"{bad}:rows": "yielded input 'idx' with 9 rows along its batch dim 0; yield one replica's batch of 8",
+             f"{bad}:few_targets": r"yielded targets of shape \(2, 32\): 2 along the batch dim 0, not 8",
+             f"{bad}:nope": "bad.py defines no function nope",
+             f"{tmp_path}/missing.py:fn": "data file .* does not exist"}
+    for spec, message in cases.items():
+        assert main(["run", str(charlm_build), "--steps", "1", "--data", spec]) == 2
+        captured = capsys.readouterr()
+        out = captured.out + captured.err
+        assert re.search(message, out), out
+        assert out.count("\n") == 1 and "[rank" not in out  # one line, from this process, before any worker
+    assert main(["run", str(charlm_build), "--steps", "1", "--microbatches", "3"]) != 0
+    assert "does not split into 3 equal microbatches" in "".join(capsys.readouterr())
+
+
+def test_a_rank_that_reads_no_model_input_gets_free_placeholders(charlm_build: Path) -> None:
+    from fxpipe.codegen.manifest import Manifest
+    from fxpipe.runtime.data_iter import batch_stream, rank_needs_inputs
+
+    manifest = Manifest.from_json(charlm_build)
+    assert rank_needs_inputs(manifest, [0]) and not rank_needs_inputs(manifest, [1])
+    source = load_model_file(EXAMPLES / "charlm.py")
+    info = RankInfo(1, 2, 1, 2, 0, 1, needs_inputs=False, needs_targets=True)
+    (idx,), targets = next(batch_stream(source.module.train_batches, manifest, BATCH, info))
+    assert idx.shape == (BATCH, 32) and idx.stride() == (0, 0)  # no memory behind it
+    first = next(batch_stream(source.module.train_batches, manifest, BATCH, replace(info, needs_inputs=True)))
+    assert torch.equal(first[1], targets)  # the same stream whatever the rank reads
+    third = next(batch_stream(source.module.train_batches, manifest, BATCH, info, start=2))
+    stream = batch_stream(source.module.train_batches, manifest, BATCH, info)
+    next(stream), next(stream)
+    assert torch.equal(next(stream)[1], third[1])  # a resumed stream skips to its position
