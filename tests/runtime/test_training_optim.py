@@ -133,3 +133,75 @@ def test_training_options_refuse_bad_values_with_the_flag_named() -> None:
         TrainingOptions(resume=True)
     with pytest.raises(ConfigError, match="--clip-grad-norm must be a number > 0"):
         TrainingOptions(clip_grad_norm=0.0)
+
+
+def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
+    from fxpipe.cli import build_parser
+    from fxpipe.runtime.options import RunOptions, run_options_from_args
+    from fxpipe.runtime.worker import parse_args as worker_args
+
+    flags = ["--optimizer", "adamw", "--lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.9,0.95",
+             "--warmup-steps", "5", "--lr-schedule", "cosine", "--clip-grad-norm", "1.0", "--data", "d.py:batches",
+             "--eval-every", "10", "--eval-steps", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "5", "--resume",
+             "--log-every", "20"]
+    cli = run_options_from_args(build_parser().parse_args(["run", "build", *flags]))
+    assert cli == run_options_from_args(worker_args(["build", *flags]))
+    assert cli.training == TrainingOptions(optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=5,
+                                           lr_schedule="cosine", clip_grad_norm=1.0, data="d.py:batches",
+                                           eval_every=10, eval_steps=2, checkpoint_dir="ck", checkpoint_every=5,
+                                           resume=True, log_every=20)
+    assert RunOptions.from_json(cli.to_json()) == cli
+    assert RunOptions().training == TrainingOptions()
+
+
+def test_checkpoints_refuse_sharded_stages() -> None:
+    from fxpipe.errors import ConfigError
+    from fxpipe.runtime.dataparallel import DataParallelOptions
+    from fxpipe.runtime.options import RunOptions
+
+    with pytest.raises(ConfigError, match="--checkpoint-dir saves each rank's whole stage, but --shard full"):
+        RunOptions(dp=2, data_parallel=DataParallelOptions(shard="full"),
+                   training=TrainingOptions(checkpoint_dir="ck"))
+
+
+def _dp_job(rank: int, world: int, build: str) -> dict[str, Any]:
+    from fxpipe.runtime import PipelineRunner
+    from fxpipe.runtime.dataparallel import DataParallelOptions
+
+    source = load_model_file(EXAMPLES / "gpt.py")
+    with PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60,
+                        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.5), max_grad_norm=MAX_NORM,
+                        data_parallel=DataParallelOptions()) as runner:
+        rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
+        norms = []
+        for k in range(2):
+            x, y = _batch(k), _batch(k + 50)
+            runner.step(torch.cat([x[0], y[0]])[rows], torch.cat([x[1], y[1]])[rows])
+            norms.append(runner.last_grad_norm)
+        return {"norms": norms, "replica": runner.replica,
+                "state": {k: v.clone() for k, v in runner.stage.state_dict().items()}}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_clipping_with_data_parallel_replicas_equals_one_process_on_the_global_batch(gpt_build: Path) -> None:
+    source = load_model_file(EXAMPLES / "gpt.py")
+    model = original_model(gpt_build, source, STAGES).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    want_norms = []
+    for k in range(2):
+        x, y = _batch(k), _batch(k + 50)
+        inputs, targets = torch.cat([x[0], y[0]]), torch.cat([x[1], y[1]])
+        opt.zero_grad()
+        chunks = 2 * MICROBATCHES
+        for xm, ym in zip(inputs.chunk(chunks), targets.chunk(chunks)):
+            (source.loss_fn(model(xm), ym) / chunks).backward()
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    assert min(want_norms) > MAX_NORM
+    results = [r.value for r in spawn(_dp_job, 2 * STAGES, str(gpt_build), timeout=240)]
+    want = model.state_dict()
+    for r in results:  # every rank of every replica: the same global norm, the same weights
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(want_norms))
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, want[key], msg=key, rtol=1e-5, atol=1e-6)
