@@ -36,7 +36,7 @@ from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel.options import (COMM_HOOKS, SHARD_DTYPES, SHARD_LEVELS, SHARD_REDUCE, SHARD_WRAP,
                                                 DataParallelOptions)
-from fxpipe.runtime.training_options import LR_SCHEDULES, OPTIMIZERS, TrainingOptions, parse_betas
+from fxpipe.runtime.training_options import LR_SCHEDULES, OPTIMIZERS, PRECISIONS, TrainingOptions, parse_betas
 
 __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
            "add_run_arguments", "run_options_from_args"]
@@ -74,6 +74,7 @@ class RunOptions:
     microbatches: int | None = None
     batch_size: int | None = None
     lr: float = 0.01
+    precision: str = "fp32"
     timeout_s: float = DEFAULT_TIMEOUT_S
     device: str | None = None
     dp: int | None = None
@@ -93,6 +94,8 @@ class RunOptions:
                 raise ConfigError(f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's")
         if not _is_number(self.lr) or self.lr < 0:
             raise ConfigError(f"--lr must be a number >= 0 (the learning rate), got {self.lr!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if not _is_number(self.timeout_s) or self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s!r}")
         if self.device is not None and not (isinstance(self.device, str) and _DEVICE.fullmatch(self.device)):
@@ -190,6 +193,8 @@ _FLAGS = (
     _Flag("--batch-size", "batch_size", "batch of one pipeline replica per step", int, "B",
           none_means="the build's"),
     _Flag("--lr", "lr", "learning rate (the peak, with --warmup-steps / --lr-schedule)", float, "LR"),
+    _Flag("--precision", "precision", "each stage's forward and the loss under autocast: %(choices)s", str, "P",
+          choices=PRECISIONS),
     _Flag("--optimizer", "training.optimizer", "torch.optim optimizer of every stage: %(choices)s", str, "NAME",
           choices=OPTIMIZERS),
     _Flag("--weight-decay", "training.weight_decay", "weight decay (AdamW: decoupled)", float, "WD"),

@@ -57,6 +57,7 @@ class RunRecord:
     shard_optimizer_state: bool
     backward_passes_per_step: int
     optimizer: str = "sgd"
+    precision: str = "fp32"
     lrs: tuple[float, ...] = ()
     grad_norms: tuple[float, ...] = ()
     eval_losses: tuple[tuple[int, float], ...] = ()

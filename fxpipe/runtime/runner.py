@@ -47,6 +47,7 @@ from fxpipe.runtime.loss import model_loss
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
 from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
+from fxpipe.runtime.precision import autocast_dtype, autocast_loss, autocast_stages
 from fxpipe.runtime.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.optim import SchedulerFactory
@@ -150,7 +151,8 @@ class PipelineRunner:
     ``fxpipe.runtime.loss``), and the targets are unused. ``scheduler_factory(optimizer)``
     makes a learning-rate scheduler that ``step`` advances after each optimizer step;
     ``max_grad_norm`` clips the global gradient norm before each optimizer step
-    (``clip_grad_norm_``; the norm is kept in ``last_grad_norm``).
+    (``clip_grad_norm_``; the norm is kept in ``last_grad_norm``). ``precision="bf16"`` runs
+    each stage's forward and the loss under bf16 autocast (``fxpipe.runtime.precision``).
     """
 
     def __init__(self, build: str | Path | Manifest, loss_fn: LossFn | None, *, stage_loader: StageLoader | None = None,
@@ -159,7 +161,8 @@ class PipelineRunner:
                  device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  data_parallel: DataParallelOptions | None = None,
                  target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None,
-                 scheduler_factory: SchedulerFactory | None = None, max_grad_norm: float | None = None) -> None:
+                 scheduler_factory: SchedulerFactory | None = None, max_grad_norm: float | None = None,
+                 precision: str = "fp32") -> None:
         self._owns_group = False
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
@@ -176,6 +179,7 @@ class PipelineRunner:
         self.pipeline_rank = self.layout.stage_of(rank)
         self.replica = self.layout.replica_of(rank)
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
+        autocast = autocast_dtype(precision)  # checked before any communication
         self.timeout_s = timeout_s
         self.microbatches = microbatches
         self.routes = routes_from_manifest(manifest)
@@ -185,6 +189,9 @@ class PipelineRunner:
         self.groups = build_groups(self.layout, manifest, rank)
         self.stages = load_rank_stages(manifest, self.pipeline_rank, load, self.device)
         self.stage_index = min(self.stages)
+        if autocast is not None:  # before DDP/FSDP wrap them: fxpipe.runtime.precision
+            autocast_stages(self.stages.values(), self.device, autocast)
+            self.loss_fn = autocast_loss(self.loss_fn, self.device, autocast)
         self.stage = rank_module(self.stages)  # the rank's stages as one module (the stage itself if one)
         self.stage.train()
         # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel

@@ -114,7 +114,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                         microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
                         scheduler_factory=scheduler_factory(t, options.steps), max_grad_norm=t.clip_grad_norm,
                         device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
-                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages) as runner:
+                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages,
+                        precision=options.precision) as runner:
         schedule = runner.schedule.name
         info = _rank_info(runner)
         lead = runner.rank == 0
@@ -141,6 +142,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                   f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
                   f"{microbatches} x {batch // microbatches}, {t.optimizer} lr {lr:g} ({t.lr_schedule}"
                   f"{f', {t.warmup_steps} warm-up steps' if t.warmup_steps else ''})"
+                  + (f", {options.precision} autocast" if options.precision != "fp32" else "")
                   + (f", resuming after step {first}" if first else ""), flush=True)
         seconds: list[float] = []
         inputs, targets = None, None
@@ -196,7 +198,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
             dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
             shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,
-            optimizer=t.optimizer, lrs=tuple(history["lrs"]), grad_norms=tuple(history["grad_norms"]),
+            optimizer=t.optimizer, precision=options.precision, lrs=tuple(history["lrs"]), grad_norms=tuple(history["grad_norms"]),
             eval_losses=tuple((int(s), float(v)) for s, v in history["eval_losses"]), first_step=first,
         )
         if lead:

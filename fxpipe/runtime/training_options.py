@@ -17,10 +17,11 @@ from typing import Any
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "parse_betas"]
+__all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "PRECISIONS", "parse_betas"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("fp32", "bf16")  # RunOptions.precision (fxpipe.runtime.precision)
 
 
 def parse_betas(text: str) -> tuple[float, float]:
