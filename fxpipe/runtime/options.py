@@ -64,8 +64,8 @@ class RunOptions:
     ``steps`` optimizer steps with learning rate ``lr`` under ``schedule`` (one that runs on the
     build's ``virtual_stages`` stages per rank; both default to the build's), the batch of ONE
     pipeline replica (``batch_size``) cut into ``microbatches``; ``dp`` replicas of the
-    pipeline kept in sync as ``data_parallel`` says; a peer silent for ``timeout_s``
-    seconds is an error. ``None`` fields are resolved later (see the module's Note).
+    pipeline kept in sync as ``data_parallel`` says; each stage's forward under autocast
+    with ``precision="bf16"``; a peer silent for ``timeout_s`` seconds is an error. ``None`` fields are resolved later (see the module's Note).
     """
 
     steps: int = 10
@@ -115,6 +115,11 @@ class RunOptions:
         if self.dp is not None:  # else the runner checks against the world's replicas, before any communication
             self.data_parallel.check_replicas(self.dp)
         passes = self.data_parallel.backward_passes_per_step
+        every = self.training.checkpoint_every
+        if every is not None and every % passes:
+            raise ConfigError(f"--checkpoint-every {every} is not a multiple of --backward-passes-per-step {passes}: "
+                              "a checkpoint inside an accumulation window would lose its gradients; use "
+                              f"--checkpoint-every {every - every % passes + passes}")
         if self.steps % passes:
             raise ConfigError(f"--steps {self.steps} is not a multiple of --backward-passes-per-step {passes}: "
                               f"the last {self.steps % passes} passes would accumulate gradients that are never "

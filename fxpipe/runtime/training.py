@@ -112,7 +112,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     lr = options.lr
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
                         microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
-                        scheduler_factory=scheduler_factory(t, options.steps), max_grad_norm=t.clip_grad_norm,
+                        scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step), max_grad_norm=t.clip_grad_norm,
                         device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
                         target_batch_dims=target_dims, virtual_stages=options.virtual_stages,
                         precision=options.precision) as runner:
@@ -167,8 +167,10 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                                       samples / mean_s, mean_s * 1e3,
                                       statistics.median(seconds) * (options.steps - done)), flush=True)
                 window = []
-            if t.eval_every is not None and (done % t.eval_every == 0 or done == options.steps) and eval_fn:
-                val = _evaluate(runner, eval_fn, manifest, batch, info, t.eval_steps)
+            if t.eval_every is not None and (done % t.eval_every == 0 or done == options.steps):
+                held = (batch_stream(eval_fn, manifest, batch, info, name=EVAL_FN) if eval_fn is not None
+                        else _repeat((inputs, targets)))  # no batch functions: the example batch
+                val = _evaluate(runner, held, t.eval_steps)
                 history["eval_losses"].append([done, val])
                 if lead:
                     print(f"eval after step {done}: loss {val:.6f}", flush=True)
@@ -210,9 +212,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         return record
 
 
-def _evaluate(runner: PipelineRunner, fn: Any, manifest: Manifest, batch: int, info: RankInfo, steps: int) -> float:
-    """The mean ``eval_step`` loss over the first ``steps`` batches of ``fn`` (the same batches each
-    time), averaged over the replicas."""
-    stream = batch_stream(fn, manifest, batch, info, name=EVAL_FN)
-    total = sum(runner.eval_step(*next(stream)) for _ in range(steps))
+def _evaluate(runner: PipelineRunner, batches: Iterator[Batch], steps: int) -> float:
+    """The mean ``eval_step`` loss over the next ``steps`` of ``batches``, averaged over the replicas."""
+    total = sum(runner.eval_step(*next(batches)) for _ in range(steps))
     return _mean_over_replicas(total / steps, runner)

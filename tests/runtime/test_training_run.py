@@ -210,3 +210,23 @@ def test_a_rank_that_reads_no_model_input_gets_free_placeholders(charlm_build: P
     stream = batch_stream(source.module.train_batches, manifest, BATCH, info)
     next(stream), next(stream)
     assert torch.equal(next(stream)[1], third[1])  # a resumed stream skips to its position
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fxpipe_run_logs_evaluates_and_records_through_torchrun(charlm_build: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(charlm_build), "--steps", "4", "--optimizer", "adam", "--lr", "1e-2", "--warmup-steps",
+                 "2", "--lr-schedule", "linear", "--clip-grad-norm", "1", "--eval-every", "2", "--log-every", "2",
+                 "--precision", "bf16", "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "adam lr 0.01 (linear, 2 warm-up steps), bf16 autocast" in out
+    assert re.search(r"step +2/4 +loss \d+\.\d+ +lr 1\.00e-02 +grad norm \d+\.\d+ +\d+\.\d samples/s .* ETA 0:00:0\d",
+                     out), out
+    assert out.count("eval after step") == 2
+    from fxpipe.runtime.record import RunRecord
+
+    record = RunRecord.from_json(charlm_build / "run.json")
+    assert record.lrs == pytest.approx((5e-3, 1e-2, 1e-2, 5e-3)) and len(record.grad_norms) == 4
+    assert [s for s, _ in record.eval_losses] == [2, 4] and record.precision == "bf16"
+    assert record.optimizer == "adam" and record.first_step == 0
