@@ -19,9 +19,8 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from fxpipe.runtime.training_options import TrainingOptions
 
-__all__ = ["lr_factor", "optimizer_factory", "scheduler_factory", "OptimizerFactory", "SchedulerFactory"]
+__all__ = ["lr_factor", "optimizer_factory", "scheduler_factory", "SchedulerFactory"]
 
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 
 
@@ -45,7 +44,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) 
     raise ValueError(f"unknown learning-rate schedule {schedule!r}")
 
 
-def optimizer_factory(options: TrainingOptions, lr: float) -> OptimizerFactory:
+def optimizer_factory(options: TrainingOptions,
+                      lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
     """``params -> torch.optim.SGD / Adam / AdamW`` with ``lr`` and the options' weight decay and betas."""
 
     def make(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -65,7 +65,8 @@ class RunOptions:
     build's ``virtual_stages`` stages per rank; both default to the build's), the batch of ONE
     pipeline replica (``batch_size``) cut into ``microbatches``; ``dp`` replicas of the
     pipeline kept in sync as ``data_parallel`` says; each stage's forward under autocast
-    with ``precision="bf16"``; a peer silent for ``timeout_s`` seconds is an error. ``None`` fields are resolved later (see the module's Note).
+    with ``precision="bf16"``; a peer silent for ``timeout_s`` seconds is an error.
+    ``None`` fields are resolved later (see the module's Note).
     """
 
     steps: int = 10

@@ -49,8 +49,9 @@ def _check_batch(fn: Any, manifest: Manifest, batch: int, dims: tuple[int | None
     name = getattr(fn, "__name__", what)
     for spec, t in zip(manifest.inputs, inputs):
         if spec.batch_dim is not None and t.shape[spec.batch_dim] != batch:
-            raise ModelFileError(f"{name}({batch}, rank_info) yielded input {spec.name!r} with {t.shape[spec.batch_dim]}"
-                                 f" rows along its batch dim {spec.batch_dim}; yield one replica's batch of {batch}")
+            raise ModelFileError(f"{name}({batch}, rank_info) yielded input {spec.name!r} with "
+                                 f"{t.shape[spec.batch_dim]} rows along its batch dim {spec.batch_dim}; yield one "
+                                 f"replica's batch of {batch}")
     if dims is None:
         return
     leaves = tree_leaves(targets)

@@ -45,12 +45,12 @@ from fxpipe.runtime.groups import build_groups, init_process_group, pick_device,
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.runtime.loss import model_loss
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
+from fxpipe.runtime.optim import SchedulerFactory
 from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
 from fxpipe.runtime.precision import autocast_dtype, autocast_loss, autocast_stages
 from fxpipe.runtime.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.routes import routes_from_manifest
-from fxpipe.runtime.optim import SchedulerFactory
 from fxpipe.runtime.schedule import ActionKind, Schedule, make_schedule
 from fxpipe.runtime.ties import sync_tied_grads
 from fxpipe.runtime.validate import validate_schedule
@@ -180,6 +180,8 @@ class PipelineRunner:
         self.replica = self.layout.replica_of(rank)
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
         autocast = autocast_dtype(precision)  # checked before any communication
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.timeout_s = timeout_s
         self.microbatches = microbatches
         self.routes = routes_from_manifest(manifest)
@@ -204,8 +206,6 @@ class PipelineRunner:
                                      self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda")
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer is not None else None
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         self._p2p = p2p

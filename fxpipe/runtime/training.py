@@ -112,7 +112,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     lr = options.lr
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
                         microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
-                        scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step), max_grad_norm=t.clip_grad_norm,
+                        scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
+                        max_grad_norm=t.clip_grad_norm,
                         device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
                         target_batch_dims=target_dims, virtual_stages=options.virtual_stages,
                         precision=options.precision) as runner:
@@ -200,7 +201,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
             dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
             shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,
-            optimizer=t.optimizer, precision=options.precision, lrs=tuple(history["lrs"]), grad_norms=tuple(history["grad_norms"]),
+            optimizer=t.optimizer, precision=options.precision, lrs=tuple(history["lrs"]),
+            grad_norms=tuple(history["grad_norms"]),
             eval_losses=tuple((int(s), float(v)) for s, v in history["eval_losses"]), first_step=first,
         )
         if lead:

@@ -1,4 +1,4 @@
-"""``TrainingOptions``: what a run trains with beyond the pipeline: optimizer, schedule, clipping, data, eval, checkpoints, logs.
+"""``TrainingOptions``: optimizer, schedule, clipping, data, eval, checkpoints and logs of a run.
 
 A nested group of ``RunOptions`` (``RunOptions.training``), so it shares its JSON form and
 its one flag table (``fxpipe.runtime.options``). Imports no torch: the CLI builds its

@@ -179,7 +179,8 @@ def test_fxpipe_run_checks_the_data_before_launch(charlm_build: Path, tmp_path: 
                    "        yield torch.zeros(batch_size + 1, 32, dtype=torch.long), None\n"
                    "def few_targets(batch_size, rank_info):\n"
                    "    while True:\n"
-                   "        yield torch.zeros(batch_size, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)\n")
+                   "        x = torch.zeros(batch_size, 32, dtype=torch.long)\n"
+                   "        yield x, torch.zeros(2, 32, dtype=torch.long)\n")
     cases = {f"{bad}:rows": "yielded input 'idx' with 9 rows along its batch dim 0; yield one replica's batch of 8",
              f"{bad}:few_targets": r"yielded targets of shape \(2, 32\): 2 along the batch dim 0, not 8",
              f"{bad}:nope": "bad.py defines no function nope",
