@@ -347,6 +347,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from fxpipe.runtime.train_checkpoint import export_checkpoint
+
+    _enter("exporting the checkpoint")
+    state = export_checkpoint(args.checkpoint_dir, args.out)
+    print(f"wrote {args.out}: {len(state)} tensors under the original model's keys")
+    return 0
+
+
 # -- entry point ---------------------------------------------------------------
 
 
@@ -406,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run_arguments(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("export", help="gather a training checkpoint's stages into one safetensors state dict")
+    p.add_argument("checkpoint_dir", help="a --checkpoint-dir of `fxpipe run`")
+    p.add_argument("--out", default="model.safetensors", help="the file to write (default model.safetensors)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -131,6 +131,9 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     options = replace(options, dp=replicas)  # checks the options that need 2+ replicas before any process starts
     pick_device(options.device, 0)  # a device this machine does not have is refused here, not on every rank
     check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+    from fxpipe.runtime.preflight import preflight
+
+    options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
     out = build_dir / "run.json"
     out.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:

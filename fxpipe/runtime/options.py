@@ -36,6 +36,7 @@ from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel.options import (COMM_HOOKS, SHARD_DTYPES, SHARD_LEVELS, SHARD_REDUCE, SHARD_WRAP,
                                                 DataParallelOptions)
+from fxpipe.runtime.training_options import LR_SCHEDULES, OPTIMIZERS, PRECISIONS, TrainingOptions, parse_betas
 
 __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
            "add_run_arguments", "run_options_from_args"]
@@ -57,13 +58,15 @@ def _is_number(value: Any) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """How to train a build directory: steps, schedule, batch, SGD, timeout, device, data parallelism.
+    """How to train a build directory: steps, schedule, batch, learning rate, timeout, device, data
+    parallelism, and the optimizer, data, eval, checkpoints and logs (``training``).
 
-    ``steps`` SGD steps with learning rate ``lr`` under ``schedule`` (one that runs on the
+    ``steps`` optimizer steps with learning rate ``lr`` under ``schedule`` (one that runs on the
     build's ``virtual_stages`` stages per rank; both default to the build's), the batch of ONE
     pipeline replica (``batch_size``) cut into ``microbatches``; ``dp`` replicas of the
-    pipeline kept in sync as ``data_parallel`` says; a peer silent for ``timeout_s``
-    seconds is an error. ``None`` fields are resolved later (see the module's Note).
+    pipeline kept in sync as ``data_parallel`` says; each stage's forward under autocast
+    with ``precision="bf16"``; a peer silent for ``timeout_s`` seconds is an error.
+    ``None`` fields are resolved later (see the module's Note).
     """
 
     steps: int = 10
@@ -72,10 +75,12 @@ class RunOptions:
     microbatches: int | None = None
     batch_size: int | None = None
     lr: float = 0.01
+    precision: str = "fp32"
     timeout_s: float = DEFAULT_TIMEOUT_S
     device: str | None = None
     dp: int | None = None
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
+    training: TrainingOptions = field(default_factory=TrainingOptions)
 
     def __post_init__(self) -> None:
         if not _is_int(self.steps) or self.steps < 1:
@@ -89,7 +94,9 @@ class RunOptions:
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's")
         if not _is_number(self.lr) or self.lr < 0:
-            raise ConfigError(f"--lr must be a number >= 0 (the SGD learning rate), got {self.lr!r}")
+            raise ConfigError(f"--lr must be a number >= 0 (the learning rate), got {self.lr!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if not _is_number(self.timeout_s) or self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s!r}")
         if self.device is not None and not (isinstance(self.device, str) and _DEVICE.fullmatch(self.device)):
@@ -100,9 +107,20 @@ class RunOptions:
                               "use 1 for no data parallelism")
         if not isinstance(self.data_parallel, DataParallelOptions):
             raise ConfigError(f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}")
+        if not isinstance(self.training, TrainingOptions):
+            raise ConfigError(f"training must be TrainingOptions, got {type(self.training).__name__}")
+        if self.training.checkpoint_dir is not None and self.data_parallel.shard != "none":
+            raise ConfigError(f"--checkpoint-dir saves each rank's whole stage, but --shard {self.data_parallel.shard} "
+                              "splits it over the replicas; use --shard none, or save with "
+                              "fxpipe.runtime.dataparallel.save_stage_checkpoint in your own loop")
         if self.dp is not None:  # else the runner checks against the world's replicas, before any communication
             self.data_parallel.check_replicas(self.dp)
         passes = self.data_parallel.backward_passes_per_step
+        every = self.training.checkpoint_every
+        if every is not None and every % passes:
+            raise ConfigError(f"--checkpoint-every {every} is not a multiple of --backward-passes-per-step {passes}: "
+                              "a checkpoint inside an accumulation window would lose its gradients; use "
+                              f"--checkpoint-every {every - every % passes + passes}")
         if self.steps % passes:
             raise ConfigError(f"--steps {self.steps} is not a multiple of --backward-passes-per-step {passes}: "
                               f"the last {self.steps % passes} passes would accumulate gradients that are never "
@@ -140,7 +158,7 @@ class RunOptions:
 
 
 # The nested option groups: field name -> its class (with to_dict / from_dict).
-_GROUPS: dict[str, Any] = {"data_parallel": DataParallelOptions}
+_GROUPS: dict[str, Any] = {"data_parallel": DataParallelOptions, "training": TrainingOptions}
 
 
 # -- the command-line form -----------------------------------------------------
@@ -180,7 +198,31 @@ _FLAGS = (
     _Flag("--microbatches", "microbatches", "microbatches per step", int, "M", none_means="the build's"),
     _Flag("--batch-size", "batch_size", "batch of one pipeline replica per step", int, "B",
           none_means="the build's"),
-    _Flag("--lr", "lr", "SGD learning rate", float, "LR"),
+    _Flag("--lr", "lr", "learning rate (the peak, with --warmup-steps / --lr-schedule)", float, "LR"),
+    _Flag("--precision", "precision", "each stage's forward and the loss under autocast: %(choices)s", str, "P",
+          choices=PRECISIONS),
+    _Flag("--optimizer", "training.optimizer", "torch.optim optimizer of every stage: %(choices)s", str, "NAME",
+          choices=OPTIMIZERS),
+    _Flag("--weight-decay", "training.weight_decay", "weight decay (AdamW: decoupled)", float, "WD"),
+    _Flag("--betas", "training.betas", "Adam(W) betas, as B1,B2", parse_betas, "B1,B2"),
+    _Flag("--warmup-steps", "training.warmup_steps", "steps of linear learning-rate warm-up", int, "K"),
+    _Flag("--lr-schedule", "training.lr_schedule", "learning rate after the warm-up: %(choices)s", str, "NAME",
+          choices=LR_SCHEDULES),
+    _Flag("--clip-grad-norm", "training.clip_grad_norm", "clip the global gradient norm over all stages to X", float,
+          "X", none_means="no clipping"),
+    _Flag("--data", "training.data", "training batches: path.py:function(batch_size, rank_info) yielding "
+          "(inputs, targets)", str, "FILE:FN", none_means="the model file's train_batches, else its example batch"),
+    _Flag("--eval-data", "training.eval_data", "evaluation batches, as --data", str, "FILE:FN",
+          none_means="the model file's eval_batches, else --data's batches"),
+    _Flag("--eval-every", "training.eval_every", "evaluate every N steps (forward only, eval mode)", int, "N",
+          none_means="never"),
+    _Flag("--eval-steps", "training.eval_steps", "batches per evaluation", int, "K"),
+    _Flag("--checkpoint-dir", "training.checkpoint_dir", "where checkpoints are written (and read with --resume)",
+          str, "DIR", none_means="no checkpoints"),
+    _Flag("--checkpoint-every", "training.checkpoint_every", "steps between checkpoints (one is written after the "
+          "last step too)", int, "N", none_means="only after the last step"),
+    _Flag("--resume", "training.resume", "continue from the checkpoint in --checkpoint-dir"),
+    _Flag("--log-every", "training.log_every", "steps per log line", int, "N"),
     _Flag("--timeout", "timeout_s", "seconds before a silent peer is an error", float, "S"),
     _Flag("--device", "device", "cpu, cuda or cuda:N", str, "DEVICE",
           none_means="cuda:LOCAL_RANK when CUDA is available, else cpu"),

@@ -29,7 +29,11 @@ class RunRecord:
     median, the configuration it ran with (options resolved against the build), the plan's
     predicted step (``None`` when the plan was made for another configuration) and each
     rank's peak memory: resident set (``peak_memory_bytes``; CUDA: peak allocated) and
-    tensors (``peak_tensor_bytes``, see ``fxpipe.runtime.memory``), in rank order."""
+    tensors (``peak_tensor_bytes``, see ``fxpipe.runtime.memory``), in rank order. Per step
+    too: the learning rate it used (``lrs``) and, with clipping, the global gradient norm
+    before clipping (``grad_norms``); ``eval_losses`` as (step, loss) pairs. A resumed run
+    keeps the whole history (``losses`` from step 1) and says where it resumed (``first_step``:
+    the steps done before; its ``step_seconds`` cover this run's steps only)."""
 
     losses: tuple[float, ...]
     step_seconds: tuple[float, ...]
@@ -52,6 +56,12 @@ class RunRecord:
     powersgd_rank: int
     shard_optimizer_state: bool
     backward_passes_per_step: int
+    optimizer: str = "sgd"
+    precision: str = "fp32"
+    lrs: tuple[float, ...] = ()
+    grad_norms: tuple[float, ...] = ()
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    first_step: int = 0
     schema_version: int = RUN_RECORD_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,6 +10,14 @@ Usage, in a script started by ``torchrun --nproc-per-node N script.py``::
                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1)) as runner:
         for _ in range(10):
             loss = runner.step(inputs, targets)   # the same float on every rank
+        val = runner.eval_step(inputs, targets)   # forward only, eval mode, no_grad
+
+A step by hand, with clipping across the stages::
+
+        runner.optimizer.zero_grad()
+        loss = runner.forward_backward(inputs, targets)
+        norm = runner.clip_grad_norm_(1.0)        # the whole model's gradient norm, on every rank
+        runner.optimizer.step()
 
 Every rank passes the whole batch (each reads the model inputs it needs itself);
 only the last stage uses the targets.
@@ -31,16 +39,19 @@ from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
 from fxpipe.partitioner.schedule import runnable_schedules
 from fxpipe.partitioner.schedule.placement import placement_of
+from fxpipe.runtime.clipping import clip_grads_, counted_parameters, pipeline_grad_norm
 from fxpipe.runtime.executor import LossFn, RankExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
 from fxpipe.runtime.loss import model_loss
 from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
+from fxpipe.runtime.optim import SchedulerFactory
 from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
+from fxpipe.runtime.precision import autocast_dtype, autocast_loss, autocast_stages
 from fxpipe.runtime.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.routes import routes_from_manifest
-from fxpipe.runtime.schedule import Schedule, make_schedule
+from fxpipe.runtime.schedule import ActionKind, Schedule, make_schedule
 from fxpipe.runtime.ties import sync_tied_grads
 from fxpipe.runtime.validate import validate_schedule
 from fxpipe.tracer.call import ModelInputs
@@ -150,7 +161,11 @@ class PipelineRunner:
     ``target_batch_dims`` gives the batch dim of each leaf of the (nested) targets
     (``None``: shared by every microbatch). With ``loss_fn=None`` the loss is the one the
     model computes itself (``output.loss``, e.g. of a model given ``labels=``;
-    ``fxpipe.runtime.loss``), and the targets are unused.
+    ``fxpipe.runtime.loss``), and the targets are unused. ``scheduler_factory(optimizer)``
+    makes a learning-rate scheduler that ``step`` advances after each optimizer step;
+    ``max_grad_norm`` clips the global gradient norm before each optimizer step
+    (``clip_grad_norm_``; the norm is kept in ``last_grad_norm``). ``precision="bf16"`` runs
+    each stage's forward and the loss under bf16 autocast (``fxpipe.runtime.precision``).
     """
 
     def __init__(self, build: str | Path | Manifest, loss_fn: LossFn | None, *, stage_loader: StageLoader | None = None,
@@ -159,7 +174,9 @@ class PipelineRunner:
                  device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  data_parallel: DataParallelOptions | None = None,
                  target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None,
-                 recompute: Sequence[bool] = ()) -> None:
+                 recompute: Sequence[bool] = (),
+                 scheduler_factory: SchedulerFactory | None = None, max_grad_norm: float | None = None,
+                 precision: str = "fp32") -> None:
         self._owns_group = False
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
@@ -176,6 +193,9 @@ class PipelineRunner:
         self.pipeline_rank = self.layout.stage_of(rank)
         self.replica = self.layout.replica_of(rank)
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
+        autocast = autocast_dtype(precision)  # checked before any communication
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.timeout_s = timeout_s
         self.microbatches = microbatches
         self.routes = routes_from_manifest(manifest)
@@ -185,6 +205,9 @@ class PipelineRunner:
         self.groups = build_groups(self.layout, manifest, rank)
         self.stages = load_rank_stages(manifest, self.pipeline_rank, load, self.device)
         self.stage_index = min(self.stages)
+        if autocast is not None:  # before DDP/FSDP wrap them: fxpipe.runtime.precision
+            autocast_stages(self.stages.values(), self.device, autocast)
+            self.loss_fn = autocast_loss(self.loss_fn, self.device, autocast)
         self.stage = rank_module(self.stages)  # the rank's stages as one module (the stage itself if one)
         self.stage.train()
         # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
@@ -197,8 +220,39 @@ class PipelineRunner:
                                      self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda",
                                      recompute=_recomputed(recompute, manifest, self.schedule))
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
+        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer is not None else None
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        self._p2p = p2p
+        self._evaluator: RankExecutor | None = None
 
     # -- training --------------------------------------------------------------
+
+    def _microbatches(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+                      targets: Any) -> tuple[list[tuple[torch.Tensor, ...]], list[Any] | None]:
+        """The step's inputs bound to the build and cut into microbatches; the targets too, on the loss rank."""
+        if isinstance(inputs, (ModelInputs, Mapping)):
+            inputs = self.manifest.call_spec.bind_any(inputs)
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        dims = [t.batch_dim for t in self.manifest.inputs]
+        batched = [t.shape[d] for t, d in zip(inputs, dims) if d is not None]
+        if batched:
+            check_divisible(batched[0], self.microbatches)
+        mb_inputs = split_inputs(inputs, dims, self.microbatches)
+        mb_targets = (split_targets(_to_device(targets, self.device), self.microbatches, self.target_batch_dims)
+                      if self.executor.holds_loss else None)
+        return mb_inputs, mb_targets
+
+    def _shared_loss(self, losses: list[torch.Tensor], doing: str) -> float:
+        """The mean of the loss rank's microbatch losses, broadcast over the pipeline (collective)."""
+        is_last = self.executor.holds_loss
+        loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
+        loss = loss.float()
+        try:
+            dist.broadcast(loss, src=self.loss_rank, group=self.groups.pipeline)
+        except RuntimeError as exc:
+            raise peer_error(exc, self.rank, doing, self.timeout_s) from exc
+        return float(loss.item())
 
     def forward_backward(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
                          targets: Any = None) -> float:
@@ -210,17 +264,7 @@ class PipelineRunner:
         Gradients accumulate into ``.grad`` (tied copies summed across their stages).
         Returns the loss averaged over microbatches, on every rank.
         """
-        if isinstance(inputs, (ModelInputs, Mapping)):
-            inputs = self.manifest.call_spec.bind_any(inputs)
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        dims = [t.batch_dim for t in self.manifest.inputs]
-        batched = [t.shape[d] for t, d in zip(inputs, dims) if d is not None]
-        if batched:
-            check_divisible(batched[0], self.microbatches)
-        mb_inputs = split_inputs(inputs, dims, self.microbatches)
-        is_last = self.executor.holds_loss
-        mb_targets = (split_targets(_to_device(targets, self.device), self.microbatches, self.target_batch_dims)
-                      if is_last else None)
+        mb_inputs, mb_targets = self._microbatches(inputs, targets)
         losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
@@ -228,27 +272,72 @@ class PipelineRunner:
                 sync_tied_grads(self.stages[stage], (tie,), self.rank, self.timeout_s)
         if dp is not None:
             dp.end_pass()  # after the step's last W: every gradient is complete
-        loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
-        loss = loss.float()
+        return self._shared_loss(losses, "receiving the step's loss from the last stage")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of the whole pipeline to a global ``norm_type``-norm of ``max_norm``.
+
+        Collective over the pipeline: call it on every rank after ``forward_backward`` (and
+        before the optimizer step). The norm is that of the one-process model's gradient
+        (tied parameters counted once; ``fxpipe.runtime.clipping``), the same on every rank
+        and every replica, and is returned like ``torch.nn.utils.clip_grad_norm_``'s.
+        """
+        total = pipeline_grad_norm(counted_parameters(self.manifest, self.stages), norm_type, self.groups.pipeline,
+                                   self.device, self.rank, self.timeout_s)
+        clip_grads_(list(self.stage.parameters()), total, max_norm)
+        self.last_grad_norm = float(total.item())
+        return self.last_grad_norm
+
+    def eval_step(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+                  targets: Any = None) -> float:
+        """The loss of one batch in eval mode, forward only under ``torch.no_grad``, on every rank.
+
+        Runs the forward actions of the training schedule (the same order, no backward),
+        with every stage in ``eval()`` mode (dropout off, batch norm on running statistics);
+        the stages are back in train mode afterwards and no gradient or optimizer state changes.
+        The loss rank's mean microbatch loss is broadcast over the pipeline, as ``step`` does.
+        """
+        if self._evaluator is None:
+            forward = Schedule(f"{self.schedule.name}-forward", self.schedule.num_stages,
+                               self.schedule.num_microbatches,
+                               tuple(tuple(a for a in acts if a.kind is ActionKind.FORWARD)
+                                     for acts in self.schedule.actions), self.schedule.stage_ranks)
+            # no validate_schedule (it wants every B): the forwards of a valid schedule, in the same order,
+            # only wait on earlier forwards, and sends never block, so they finish whenever the schedule does
+            self._evaluator = RankExecutor(self.manifest, self.routes, self.pipeline_rank, self.stages, forward,
+                                           self._p2p, self.device, pair_sends=self.device.type == "cuda")
+        mb_inputs, mb_targets = self._microbatches(inputs, targets)
+        was_training = self.stage.training
+        self.stage.eval()
         try:
-            dist.broadcast(loss, src=self.loss_rank, group=self.groups.pipeline)
-        except RuntimeError as exc:
-            raise peer_error(exc, self.rank, "receiving the step's loss from the last stage", self.timeout_s) from exc
-        return float(loss.item())
+            with torch.no_grad():
+                losses = self._evaluator.run(mb_inputs, mb_targets, self.loss_fn)
+        finally:
+            for worker in self._evaluator.workers.values():
+                for m in range(self.microbatches):
+                    worker.discard(m)
+            self.stage.train(was_training)
+        return self._shared_loss(losses, "receiving the evaluation loss from the last stage")
 
     def step(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
              targets: Any = None) -> float:
         """One training step: zero grads, forward/backward all microbatches, optimizer step.
 
         With data-parallel ``backward_passes_per_step = k`` gradients accumulate over k
-        calls and only every k-th call all-reduces them and steps the optimizer.
+        calls and only every k-th call all-reduces them and steps the optimizer. With
+        ``max_grad_norm`` the gradients are clipped first; a scheduler steps after the optimizer.
         """
         dp = self.data_parallel
         if self.optimizer is not None and (dp is None or dp.passes == 0):
             self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(inputs, targets)
-        if self.optimizer is not None and (dp is None or dp.passes == 0):
-            self.optimizer.step()
+        if dp is None or dp.passes == 0:
+            if self.max_grad_norm is not None:  # collective: every rank, with or without an optimizer
+                self.clip_grad_norm_(self.max_grad_norm)
+            if self.optimizer is not None:
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
         return loss
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ from fxpipe.tracer import ModelProfile, Unit, UnitEdge
 RUN_JSON_FIELDS = {"losses", "step_seconds", "median_step_ms", "samples_per_second", "schedule", "microbatches",
                    "batch_size", "lr", "world_size", "num_stages", "device", "backend", "predicted_step_ms",
                    "peak_memory_bytes", "peak_tensor_bytes", "dp", "global_batch_size", "comm_hook", "powersgd_rank",
-                   "shard_optimizer_state", "backward_passes_per_step"}
+                   "shard_optimizer_state", "backward_passes_per_step", "optimizer", "precision", "lrs", "grad_norms",
+                   "eval_losses", "first_step"}
 
 RECORD = RunRecord(
     losses=(2.0, 1.5), step_seconds=(0.2, 0.1), median_step_ms=100.0, samples_per_second=80.0, schedule="1f1b",
