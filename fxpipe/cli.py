@@ -62,6 +62,9 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
                    help="optimizer whose state the memory model counts")
     p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
     p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
+    p.add_argument("--split-at", action="append", default=[], metavar="MODULE",
+                   help="start a stage at this module path (like pipelining's SplitPoint.BEGINNING); repeatable, "
+                        "stages - 1 times")
     _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
 
 
@@ -153,7 +156,7 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     return plan_partition(
         profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
         cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
-        virtual_stages=args.virtual_stages,
+        virtual_stages=args.virtual_stages, split_at=tuple(args.split_at),
     )
 
 
