@@ -227,6 +227,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = _console()
     print_plan_report(plan, profile, console=console)
     console.print(f"[green]wrote[/] {out}")
+    if args.html:
+        from fxpipe.partitioner.html import render_html_report
+
+        _enter("writing the report")
+        console.print(f"[green]wrote[/] {_write_artifact(args.html, render_html_report(plan, profile))}")
     return 0
 
 
@@ -324,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("profile", help="profile.json written by `fxpipe trace`")
     _add_cost_options(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("--html", metavar="PATH", help="also write the self-contained HTML report to PATH")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")

@@ -40,6 +40,7 @@ from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infer_batch_dims, propagate, resolve_batch_dims
+from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
 from fxpipe.graphmeta import PATH_KEY, SPEC_KEY
@@ -221,8 +222,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     :func:`trace_model_file` takes them from the model file instead).
     The model first runs once on the inputs: if it raises, a :class:`ModelFileError`
     names the inputs and the failing call.
-    ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes or
-    paths to keep whole. ``measure_times``: time each unit on ``trace_device`` instead of
+    ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes,
+    class names or paths to keep whole, on both front ends (:mod:`fxpipe.tracer.leaves`). ``measure_times``: time each unit on ``trace_device`` instead of
     the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
     allocator instead of autograd's saved tensors. ``build_record``: from
     :func:`build_model_recorded`, for pins and leaf constructor arguments.
@@ -234,6 +235,7 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
         trace_model(hf_gpt2, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
     call, dims = _bind_inputs(model, example_inputs, batch_dims)
+    leaf_paths = resolve_leaves(model, leaves)  # a name that matches nothing is refused, not ignored
     if trace_device not in DEVICE_PRESETS:
         raise TraceError(f"trace_device {trace_device!r} is not one of {sorted(DEVICE_PRESETS)}")
     if trace_device == "cuda" and not torch.cuda.is_available():
@@ -254,14 +256,14 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
             with _seeded(trace_device):
                 reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
             with tracing_call(call):
-                result = trace_graph(model, inputs, frontend, tuple(leaves), dims, ctor_args)
+                result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
             gm = result.graph_module
             values = _normalize(gm, inputs, trace_device)
             _check_matches(gm, values, reference)
 
             def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
                 with tracing_call(call):
-                    again = trace_graph(model, inputs, result.frontend, (*leaves, *result.fallback_leaves), dims,
+                    again = trace_graph(model, inputs, result.frontend, (*leaf_paths, *result.fallback_leaves), dims,
                                         ctor_args)
                 _normalize(again.graph_module, inputs, trace_device)
                 return again.graph_module
@@ -269,6 +271,7 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
             merge_eval_mode(model, gm, inputs, trace=trace_again, run=lambda: call.example(model))
             prop = propagate(gm, inputs, batch, dims)
             regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
+            regions += leaf_regions(gm, leaf_paths)  # export traces into leaves: keep each in one unit
             groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
             runners = [UnitRunner(gm, g, prop.values) for g in groups]
             counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
