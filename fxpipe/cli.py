@@ -153,11 +153,16 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
         memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
     except ConfigError as exc:
         raise ConfigError(f"--memory-limit: {exc}") from None
-    return plan_partition(
-        profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
-        cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
-        virtual_stages=args.virtual_stages, split_at=tuple(args.split_at),
-    )
+    from fxpipe.tracer.progress import phase
+
+    with phase("solve") as solving:
+        plan = plan_partition(
+            profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
+            cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
+            virtual_stages=args.virtual_stages, split_at=tuple(args.split_at),
+        )
+        solving.detail = f"{plan.solver}, {len(profile.units)} units into {plan.num_stages} stages"
+    return plan
 
 
 def _check_stages(stages: int) -> None:
@@ -293,8 +298,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             from fxpipe.errors import ConfigError
 
             raise ConfigError(f"{option} must be a finite number >= 0, got {value}")
+    from fxpipe.tracer.progress import phase
+
     _enter("verifying")
-    report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
+    with phase("check"):
+        report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
     print_verify_report(report, console=_console(), all_rows=args.all)
     return 0 if report.ok else 1
 
@@ -370,7 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _enter(f"running `fxpipe {args.verb}`")
     try:
-        return int(args.func(args) or 0)
+        from fxpipe.tracer.progress import reporting
+
+        with reporting(sys.stderr):  # the long phases: progress on a terminal, one line each in a log
+            return int(args.func(args) or 0)
     except FxpipeError as exc:
         if args.debug:
             raise

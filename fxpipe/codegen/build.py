@@ -29,6 +29,7 @@ from fxpipe.codegen.split import SplitGraph, split_graph
 from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
 from fxpipe.modelfile import ModelSource, file_sha256
+from fxpipe.tracer.progress import phase
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
@@ -68,20 +69,24 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
                            "was it planned from another profile?")
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
     with staged_build_dir(out_dir) as staging:
-        manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages, Path(out_dir),
-                                      staging, source=source, microbatch=traced.profile.batch_size,
-                                      batch_size=batch_size, microbatches=microbatches,
-                                      user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
-                                      frontend=traced.frontend, units_of_stage=units_of_stage,
-                                      call=traced.call, stage_ranks=plan.stage_ranks,
-                                      schedule=plan.schedule)
-        plan.to_json(staging / "plan.json")
-        manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
-        manifest.to_json(staging / "manifest.json")
-        traced.profile.to_json(staging / "profile.json")
-        (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
+        with phase("emit") as emitted:
+            emitted.detail = f"{plan.num_stages} stages"
+            manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages,
+                                          Path(out_dir), staging, source=source,
+                                          microbatch=traced.profile.batch_size,
+                                          batch_size=batch_size, microbatches=microbatches,
+                                          user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
+                                          frontend=traced.frontend, units_of_stage=units_of_stage,
+                                          call=traced.call, stage_ranks=plan.stage_ranks,
+                                          schedule=plan.schedule)
+            plan.to_json(staging / "plan.json")
+            manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
+            manifest.to_json(staging / "manifest.json")
+            traced.profile.to_json(staging / "profile.json")
+            (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
         if check:  # before the swap: a refused build leaves the previous one in place
-            check_equivalence(staging, manifest, traced, split.sources)
+            with phase("check"):
+                check_equivalence(staging, manifest, traced, split.sources)
     return manifest
 
 

@@ -29,7 +29,7 @@ from fxpipe.tracer.call import BoundCall, ModelInputs, bind_example, parse_model
 from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.counting import UnitCounts, count_unit
 from fxpipe.tracer.device_memory import measure_memory_bytes
-from fxpipe.tracer.progress import progress_iter
+from fxpipe.tracer.progress import phase, progress_iter
 from fxpipe.tracer.timing import analytic_ms, measure_ms
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
@@ -252,32 +252,38 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     try:
         with _preserved_state(model), modes_restored(model):
             model.train()  # the profile is of train mode; eval mode is merged in (Note [both modes in one graph])
-            ctor_args = build_record.ctor_args if build_record else None
-            with _seeded(trace_device):
-                reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
-            with tracing_call(call):
-                result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
-            gm = result.graph_module
-            values = _normalize(gm, inputs, trace_device)
-            _check_matches(gm, values, reference)
-
-            def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+            with phase("trace") as tracing:
+                ctor_args = build_record.ctor_args if build_record else None
+                with _seeded(trace_device):
+                    reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
                 with tracing_call(call):
-                    again = trace_graph(model, inputs, result.frontend, (*leaf_paths, *result.fallback_leaves), dims,
-                                        ctor_args)
-                _normalize(again.graph_module, inputs, trace_device)
-                return again.graph_module
+                    result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
+                gm = result.graph_module
+                values = _normalize(gm, inputs, trace_device)
+                _check_matches(gm, values, reference)
 
-            merge_eval_mode(model, gm, inputs, trace=trace_again, run=lambda: call.example(model))
-            prop = propagate(gm, inputs, batch, dims)
-            regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
-            regions += leaf_regions(gm, leaf_paths)  # export traces into leaves: keep each in one unit
-            groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
-            runners = [UnitRunner(gm, g, prop.values) for g in groups]
-            counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
+                def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+                    with tracing_call(call):
+                        again = trace_graph(model, inputs, result.frontend, (*leaf_paths, *result.fallback_leaves),
+                                            dims, ctor_args)
+                    _normalize(again.graph_module, inputs, trace_device)
+                    return again.graph_module
+
+                merge_eval_mode(model, gm, inputs, trace=trace_again, run=lambda: call.example(model))
+                prop = propagate(gm, inputs, batch, dims)
+                regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
+                regions += leaf_regions(gm, leaf_paths)  # export traces into leaves: keep each in one unit
+                groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
+                runners = [UnitRunner(gm, g, prop.values) for g in groups]
+                tracing.detail = f"{result.frontend}, {len(groups)} units"
+            with phase("count") as counting:
+                counts = [count_unit(r) for r in progress_iter(runners, "counting units", progress, len(runners))]
+                counting.detail = f"{len(runners)} units"
             if measure_times:
-                times = [measure_ms(r, trace_device)
-                         for r in progress_iter(runners, "timing units", progress, len(runners))]
+                with phase("time units") as timing:
+                    times = [measure_ms(r, trace_device)
+                             for r in progress_iter(runners, "timing units", progress, len(runners))]
+                    timing.detail = f"{len(runners)} units on {trace_device}"
             else:
                 times = [analytic_ms(c, DEVICE_PRESETS[trace_device]) for c in counts]
             activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
@@ -344,7 +350,8 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     from ``example_inputs(batch_size)`` to ``example_inputs(2 * batch_size)`` (none for an
     input whose shape stays, such as a shared mask).
     """
-    model, record = build_model_recorded(source.build_model)
+    with phase("build the model"):
+        model, record = build_model_recorded(source.build_model)
     inputs = source.example_call(batch_size)
     if options.get("batch_dims") is None:
         options["batch_dims"] = _model_file_batch_dims(source, model, batch_size, inputs)
