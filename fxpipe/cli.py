@@ -55,7 +55,8 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
                         "V-shaped (zbv); default: the schedule's least (1, or 2 for interleaved-1f1b and zbv)")
     p.add_argument("--memory-limit", help="memory per device, e.g. 512MiB or 16GiB")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds")
-    p.add_argument("--link", default="loopback", help="link preset: nvlink, pcie, infiniband, ethernet, loopback")
+    p.add_argument("--link", default=None, help="link preset: nvlink, pcie, infiniband, ethernet, loopback (default: "
+                                               "nvlink for a CUDA trace, loopback for a CPU one)")
     p.add_argument("--link-bandwidth", type=float, help="link bandwidth in GB/s (overrides the preset)")
     p.add_argument("--link-latency", type=float, help="per-message latency in microseconds (overrides the preset)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"],
@@ -124,6 +125,7 @@ def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
 def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     from fxpipe.errors import ConfigError
     from fxpipe.partitioner import CostModel, parse_size, plan_partition
+    from fxpipe.partitioner.cost import default_link
 
     _enter("planning")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
@@ -148,7 +150,7 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
             raise ConfigError(f"--speed-factors {args.speed_factors!r} must be numbers separated by commas") from None
         if not all(math.isfinite(s) and s > 0 for s in overrides["device_speed"]):
             raise ConfigError(f"--speed-factors {args.speed_factors!r} must be finite numbers > 0, e.g. 1,1,0.5")
-    cost = CostModel.preset(args.link, **overrides)
+    cost = CostModel.preset(args.link or default_link(profile.trace_device), **overrides)
     try:
         memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
     except ConfigError as exc:

@@ -17,7 +17,7 @@ from dataclasses import replace
 from fxpipe.errors import InfeasibleError, PartitionError
 from fxpipe.partitioner.baselines import BASELINES, run_baseline
 from fxpipe.partitioner.bounds import lower_bound
-from fxpipe.partitioner.cost import CostModel, format_size
+from fxpipe.partitioner.cost import CostModel, default_link, format_size
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
 from fxpipe.partitioner.pins import stage_ranges
@@ -80,7 +80,8 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     ``time_limit`` bounds the whole call: CP-SAT gets what the steps before it left, less
     what the local search and the pricing keep (Note [CP-SAT time budget] in
     ``fxpipe.partitioner.cpsat``); the exact DP and the baselines, which every plan needs,
-    always run to the end. ``split_at``: module paths where stages begin (``--split-at``;
+    always run to the end. ``cost`` defaults to the link of the trace device
+    (``default_link``). ``split_at``: module paths where stages begin (``--split-at``;
     ``fxpipe.partitioner.split_points``), one fewer than the stages; the solvers honour them as pins.
 
     >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
@@ -101,6 +102,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     start = time.perf_counter()
+    cost = cost or CostModel.preset(default_link(profile.trace_device))
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
     problem = pin_split_points(problem, split_at)
