@@ -283,13 +283,31 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     _enter("reading the build directory")
     plan, profile = _load_plan_dir(args.build_dir)
+    measured = _measured(Path(args.build_dir))
     _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
+    if measured is not None:
+        from fxpipe.partitioner.report import print_measurement
+
+        print_measurement(plan, measured, console)
     if args.html:
-        path = write_report(args.build_dir, plan, profile)
+        path = write_report(args.build_dir, plan, profile, measured=measured)
         console.print(f"[green]wrote[/] {path}")
     return 0
+
+
+def _measured(build_dir: Path) -> Any:
+    """What ``fxpipe run`` measured (``DIR/run.json``) in the plan's terms, or None before a run."""
+    from fxpipe.partitioner.report import Measurement
+    from fxpipe.runtime.record import RunRecord
+
+    if not (build_dir / "run.json").is_file():
+        return None
+    run = RunRecord.from_json(build_dir / "run.json")
+    return Measurement(step_ms=run.median_step_ms, peak_tensor_bytes=run.peak_tensor_bytes, schedule=run.schedule,
+                       microbatches=run.microbatches, world_size=run.world_size, device=run.device,
+                       predicted_step_ms=run.predicted_step_ms)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -353,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in train and eval mode (the check holds the model's weights twice)")
     p.set_defaults(func=cmd_partition)
 
-    p = sub.add_parser("report", help="print a build directory's plan again")
+    p = sub.add_parser("report", help="print a build directory's plan again (beside run.json's measurements)")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
     p.add_argument("--html", action="store_true", help="(re)write report.html")
     p.set_defaults(func=cmd_report)

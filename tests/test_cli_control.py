@@ -41,3 +41,41 @@ def test_bad_split_points_are_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     code = main(["plan", str(profile), "--stages", "3", "--out", str(tmp_path / "plan.json"), *extra])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(fragment) and len(err.splitlines()) == 1
+
+
+def test_report_sets_run_json_beside_the_prediction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fxpipe.partitioner import plan_partition
+    from fxpipe.runtime.record import RunRecord
+
+    profile = ModelProfile.from_json(_profile(tmp_path / "profile.json"))
+    plan = plan_partition(profile, 2, microbatches=2)
+    plan.to_json(tmp_path / "plan.json")
+    assert plan.prediction is not None
+    peaks = plan.prediction.peak_memory_bytes
+    RunRecord(losses=(1.0, 0.9), step_seconds=(0.1, 0.1), median_step_ms=2.5 * plan.step_ms, samples_per_second=10.0,
+              schedule=plan.schedule, microbatches=2, batch_size=4, lr=0.1, world_size=2, num_stages=2, device="cpu",
+              backend="gloo", predicted_step_ms=plan.step_ms, peak_memory_bytes=(10**8, 10**8),
+              peak_tensor_bytes=tuple(int(1.1 * p) for p in peaks), dp=1, global_batch_size=4, comm_hook="allreduce",
+              powersgd_rank=1, shard_optimizer_state=False, backward_passes_per_step=1).to_json(tmp_path / "run.json")
+    assert main(["report", str(tmp_path), "--html"]) == 0
+    out = capsys.readouterr().out
+    assert "prediction vs measured" in out and f"{plan.step_ms:.2f}" in out and f"{2.5 * plan.step_ms:.2f}" in out
+    assert "2.50x (disagree)" in out and "1.10x" in out and "1.10x (disagree)" not in out
+    assert "link loopback" in out and "the default for a cpu trace" in out
+    html = (tmp_path / "report.html").read_text()
+    assert "Prediction vs measured" in html and '<tr class="off">' in html and "2.50x" in html
+
+
+def test_the_link_follows_the_trace_device(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from fxpipe.partitioner import plan_partition
+
+    profile = ModelProfile.from_json(_profile(tmp_path / "profile.json"))
+    assert plan_partition(profile, 2).cost.link == "loopback"
+    assert plan_partition(replace(profile, trace_device="cuda"), 2).cost.link == "nvlink"
+    cuda = tmp_path / "cuda.json"
+    replace(profile, trace_device="cuda").to_json(cuda)
+    for extra, link in (([], "nvlink"), (["--link", "pcie"], "pcie")):
+        assert main(["plan", str(cuda), "--stages", "2", "--out", str(tmp_path / "plan.json"), *extra]) == 0
+        assert PartitionPlan.from_json(tmp_path / "plan.json").cost.link == link

@@ -33,6 +33,7 @@ from fxpipe.tracer.progress import phase
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
+    from fxpipe.partitioner.report import Measurement
     from fxpipe.tracer.call import CallSpec
     from fxpipe.tracer.profile import ModelProfile
     from fxpipe.tracer.traced import TracedModel
@@ -90,12 +91,14 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
     return manifest
 
 
-def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfile) -> Path:
-    """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``); return its path."""
+def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfile,
+                 measured: Measurement | None = None) -> Path:
+    """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``), with a run's
+    ``measured`` figures beside the prediction; return its path."""
     from fxpipe.partitioner.html import render_html_report
 
     path = Path(build_dir) / "report.html"
-    replace_file(path, render_html_report(plan, profile))
+    replace_file(path, render_html_report(plan, profile, measured))
     return path
 
 
