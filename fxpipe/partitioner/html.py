@@ -201,7 +201,7 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Mea
 <div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
 {escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size}.
 Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assumed {escape(link_note(plan, profile.trace_device))}.
-{escape(plan.optimal_for)}.</div>
+{escape(plan.optimal_for[:1].upper() + plan.optimal_for[1:])}.</div>
 <div class="kpis">{kpis}<span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
 <span class="kpi"><b>{format_size(max(mems))}</b>peak rank memory</span></div>
 <h2>Stages: module boxes as wide as their time, bands as long as the stage's time</h2>

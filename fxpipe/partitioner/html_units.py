@@ -172,5 +172,6 @@ def module_tree_html(plan: PartitionPlan, groups: list[list[ModuleGroup]]) -> st
                 f"{_unit_rows(g, st.speed)}</table></div></details>")
         parts.append(f'<details class="stage" style="--c:{stage_color(st.index)}"><summary><span class="sw"></span>'
                      f"stage {st.index}: {len(stage_groups)} module group{'s' if len(stage_groups) != 1 else ''}, "
-                     f"{len(st.units)} units, {st.compute_ms:.3f} ms compute</summary>{''.join(items)}</details>")
+                     f"{len(st.units)} unit{'s' if len(st.units) != 1 else ''}, {st.compute_ms:.3f} ms compute"
+                     f"</summary>{''.join(items)}</details>")
     return "".join(parts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch.nn as nn
+from cli_support import without_progress
 
 from example_models import EXAMPLES
 from fxpipe.errors import TraceError
@@ -56,5 +57,5 @@ def test_unknown_leaf_on_the_command_line_is_one_line(capsys: pytest.CaptureFixt
     from fxpipe.cli import main
 
     code = main(["trace", str(EXAMPLES["gpt"]), "--leaf", "Blok", "--out", "/dev/null"])
-    err = capsys.readouterr().err
+    err = without_progress(capsys.readouterr().err)   # "build the model" ran before the refusal
     assert code == 2 and err.startswith("error: --leaf 'Blok' matches no module") and len(err.splitlines()) == 1
