@@ -29,7 +29,8 @@ color:#222;background:#fff} h1{font-size:20px;margin:0 0 4px;overflow-wrap:anywh
 h2{font-size:16px;margin:22px 0 8px} h3{font-size:14px;margin:14px 0 6px} .sub{color:#555;overflow-wrap:anywhere}
 .scroll{overflow-x:auto;max-width:100%} table{border-collapse:collapse;margin:4px 0}
 td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}
-th{background:#f4f4f4} td.l,th.l{text-align:left;white-space:normal;overflow-wrap:break-word} tr.best td{font-weight:600}
+th{background:#f4f4f4} td.l,th.l{text-align:left;white-space:normal;overflow-wrap:break-word}
+tr.best td{font-weight:600}
 tr.off td{color:#b00020;font-weight:600}
 .sw{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px;background:var(--c)}
 .kpis{display:flex;flex-wrap:wrap;gap:6px 22px;margin:10px 0} .kpi b{font-size:18px;display:block}
@@ -40,7 +41,8 @@ tr.off td{color:#b00020;font-weight:600}
 .fill{display:flex;height:26px;max-width:100%}
 .box{flex:1 1 0;min-width:0;display:block;background:var(--c);color:#fff;font-size:11px;line-height:26px;
 padding:0;text-indent:3px;text-decoration:none;box-shadow:inset -1px 0 #fff}
-.box:hover{filter:brightness(1.15)} .box.comm{background:repeating-linear-gradient(45deg,#999 0 4px,#bbb 4px 8px);color:#222}
+.box:hover{filter:brightness(1.15)}
+.box.comm{background:repeating-linear-gradient(45deg,#999 0 4px,#bbb 4px 8px);color:#222}
 .bars{display:flex;flex-direction:column;gap:4px} .brow{display:flex;align-items:center;gap:8px}
 .bname{flex:0 0 70px;font-size:12px} .bval{flex:0 0 110px;font-size:12px}
 .btrack{flex:1 1 auto;min-width:0;position:relative;height:18px;background:#f4f4f4}
@@ -49,7 +51,8 @@ padding:0;text-indent:3px;text-decoration:none;box-shadow:inset -1px 0 #fff}
 .timeline{display:flex;flex-direction:column;gap:2px} .lane{display:flex;align-items:center;gap:8px}
 .lh{flex:0 0 60px;font-size:12px} .lt{flex:1 1 auto;min-width:0;position:relative;height:22px}
 .op{position:absolute;top:0;bottom:0;color:#fff;font-size:10px;line-height:22px;padding:0;text-indent:2px;
-box-shadow:inset -1px 0 #fff} .op.over{background:repeating-linear-gradient(45deg,#ccc 0 4px,#e4e4e4 4px 8px);color:#333}
+box-shadow:inset -1px 0 #fff}
+.op.over{background:repeating-linear-gradient(45deg,#ccc 0 4px,#e4e4e4 4px 8px);color:#333}
 .axis .lt{height:16px} .tick{position:absolute;top:0;font-size:11px;color:#555}
 details{margin:2px 0} details.stage>summary{font-weight:600;cursor:pointer} details.grp{margin-left:18px}
 details.grp>summary{cursor:pointer;position:relative;overflow-wrap:anywhere}
@@ -191,6 +194,7 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Mea
     kpis = (f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>'
             f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span>'
             f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s</span>') if pred else ""
+    assumed = escape(link_note(plan, profile.trace_device))
     timeline_title = ("Schedule timeline: one predicted step" if pred else "Schedule timeline (simulated, no "
                       "prediction)")
     return f"""<!DOCTYPE html>
@@ -200,7 +204,7 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Mea
 <h1>fxpipe pipeline plan: {title}</h1>
 <div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
 {escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size}.
-Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assumed {escape(link_note(plan, profile.trace_device))}.
+Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assumed {assumed}.
 {escape(plan.optimal_for[:1].upper() + plan.optimal_for[1:])}.</div>
 <div class="kpis">{kpis}<span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
 <span class="kpi"><b>{format_size(max(mems))}</b>peak rank memory</span></div>

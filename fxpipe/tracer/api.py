@@ -223,8 +223,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     The model first runs once on the inputs: if it raises, a :class:`ModelFileError`
     names the inputs and the failing call.
     ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes,
-    class names or paths to keep whole, on both front ends (:mod:`fxpipe.tracer.leaves`). ``measure_times``: time each unit on ``trace_device`` instead of
-    the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
+    class names or paths to keep whole, on both front ends (:mod:`fxpipe.tracer.leaves`).
+    ``measure_times``: time each unit on ``trace_device`` instead of the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
     allocator instead of autograd's saved tensors. ``build_record``: from
     :func:`build_model_recorded`, for pins and leaf constructor arguments.
 
