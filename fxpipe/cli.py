@@ -400,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from fxpipe.tracer.progress import reporting
 
-        with reporting(sys.stderr):  # the long phases: progress on a terminal, one line each in a log
+        # the long phases: progress on a terminal, else one line each on stdout (stderr keeps only errors)
+        with reporting(sys.stderr, lines=sys.stdout):
             return int(args.func(args) or 0)
     except FxpipeError as exc:
         if args.debug:

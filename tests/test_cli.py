@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_support import without_progress
 
 from fxpipe.cli import main
 
@@ -69,10 +68,10 @@ def test_model_that_raises_and_wrong_input_types(tmp_path: Path, capsys: pytest.
         "def bad_inputs(b):\n    return 'not a tensor'\n"
     )
     assert main(["trace", str(bad)]) == 2
-    err = without_progress(capsys.readouterr().err)
+    err = capsys.readouterr().err
     assert "boom in init" in err and len(err.strip().splitlines()) == 1
     assert main(["trace", f"{bad}:other_model", "--inputs-fn", "bad_inputs"]) == 2
-    err = without_progress(capsys.readouterr().err)
+    err = capsys.readouterr().err
     assert "return a tuple of positional arguments, a dict of keyword arguments" in err and len(err.strip().splitlines()) == 1
 
 
@@ -150,12 +149,12 @@ def test_model_that_rejects_its_inputs_is_one_line_exit_2(tmp_path: Path,
         "def text_inputs(b):\n    return ('hello',)\n"
     )
     assert main(["trace", str(bad), "--batch-size", "3", "--out", str(tmp_path / "p.json")]) == 2
-    err = without_progress(capsys.readouterr().err)
+    err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "bad_shape.py" in err and "Linear raised on its example inputs (float32[3, 5])" in err
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x4)" in err
     assert main(["trace", str(bad), "--inputs-fn", "text_inputs"]) == 2
-    err = without_progress(capsys.readouterr().err)
+    err = capsys.readouterr().err
     assert "no argument is a tensor ('hello')" in err and len(err.strip().splitlines()) == 1
 
 

@@ -2,10 +2,11 @@
 
 Library code marks its phases with :func:`phase` and its loops with
 :func:`progress_iter`; they say nothing until the command line opens :func:`reporting`
-for a verb. Then, on a terminal, the running phase shows a spinner, its elapsed time and
-(for a loop) a bar, and leaves one line when it ends; when the stream is not a terminal
-(a pipe, a CI log) each phase prints exactly one plain line when it ends, with its time,
-and nothing else. Outside :func:`reporting`, ``progress_iter(..., enabled=True)`` shows
+for a verb. Then, when standard error is a terminal, the running phase shows a spinner,
+its elapsed time and (for a loop) a bar there, and leaves one line when it ends; when it
+is not (a pipe, a CI log) each phase prints exactly one plain line when it ends, with its
+time, and nothing else, on the ``lines`` stream (the command line's standard output, so
+that standard error holds nothing but the one error line when a verb fails). Outside :func:`reporting`, ``progress_iter(..., enabled=True)`` shows
 a transient bar on a terminal, as it always did for library users.
 
 Example::
@@ -50,7 +51,7 @@ class Phase:
 
 @dataclass
 class _Reporter:
-    stream: IO[str]
+    stream: IO[str]   # where plain lines go
     terminal: bool
     console: Any = None
     current: Phase | None = None
@@ -60,10 +61,11 @@ _REPORTER: list[_Reporter] = []
 
 
 @contextlib.contextmanager
-def reporting(stream: IO[str], terminal: bool | None = None) -> Iterator[None]:
-    """Report the phases run inside the block on ``stream`` (``terminal``: default ``stream.isatty()``)."""
+def reporting(stream: IO[str], terminal: bool | None = None, lines: IO[str] | None = None) -> Iterator[None]:
+    """Report the phases run inside the block: live on ``stream`` when it is a terminal (``terminal``:
+    default ``stream.isatty()``), else one plain line per phase on ``lines`` (default ``stream``)."""
     is_tty = bool(getattr(stream, "isatty", lambda: False)()) if terminal is None else terminal
-    reporter = _Reporter(stream, is_tty)
+    reporter = _Reporter(stream if is_tty or lines is None else lines, is_tty)
     if is_tty:
         from rich.console import Console
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import without_progress
 from fxpipe.cli import main
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
@@ -19,7 +18,7 @@ MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
 
 def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 2) -> str:
     assert main(argv) == code
-    err = without_progress(capsys.readouterr().err)
+    err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     return err
 
@@ -184,4 +183,4 @@ def test_a_closed_stdout_ends_a_verb_quietly(profile: Path, tmp_path: Path, monk
 
     monkeypatch.setattr(fxpipe.partitioner, "print_plan_report", closed)
     assert main(["plan", str(profile), "--stages", "2", "--out", str(tmp_path / "p.json")]) == 141
-    assert without_progress(capsys.readouterr().err) == ""
+    assert capsys.readouterr().err == ""

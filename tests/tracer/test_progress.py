@@ -28,9 +28,11 @@ def _run_phases() -> None:
 
 
 def test_a_log_gets_one_plain_line_per_phase() -> None:
-    log = io.StringIO()
-    with reporting(log):
+    log, lines_to = io.StringIO(), io.StringIO()
+    with reporting(log, lines=lines_to):
         _run_phases()
+    assert log.getvalue() == ""          # not a terminal: nothing live, the lines go to ``lines``
+    log = lines_to
     lines = log.getvalue().splitlines()
     assert [_LINE.match(line)["name"] for line in lines] == ["trace", "count"]  # type: ignore[index]
     assert lines[0].startswith("fxpipe: trace (symbolic, 3 units) ")
@@ -66,15 +68,16 @@ def _fxpipe_env() -> dict[str, str]:
 
 
 def test_cli_piped_prints_one_line_per_phase(tmp_path: Path) -> None:
+    # on standard output, so that standard error holds nothing but an error line when a verb fails
     proc = subprocess.run([sys.executable, "-m", "fxpipe", "partition", "examples/mlp.py", "--stages", "2",
                            "--out", str(tmp_path / "build")], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=_fxpipe_env())
     assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("fxpipe: ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("fxpipe: ")]
     assert [_LINE.match(line)["name"] for line in lines] == [  # type: ignore[index]
         "build the model", "trace", "count", "solve", "emit", "check"]
-    assert proc.stderr.strip().splitlines() == lines   # nothing else: no bars, no escape codes
-    assert "fxpipe:" not in proc.stdout
+    assert proc.stdout.splitlines()[:6] == lines   # before the tables, in order, nothing between them
+    assert proc.stderr == "" and "\x1b" not in proc.stdout   # no bars, no escape codes
 
 
 def test_cli_on_a_terminal_shows_progress(tmp_path: Path) -> None:
