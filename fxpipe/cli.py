@@ -61,13 +61,17 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
                         "V-shaped (zbv); default: the schedule's least (1, or 2 for interleaved-1f1b and zbv)")
     p.add_argument("--memory-limit", help="memory per device, e.g. 512MiB or 16GiB")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds")
-    p.add_argument("--link", default="loopback", help="link preset: nvlink, pcie, infiniband, ethernet, loopback")
+    p.add_argument("--link", default=None, help="link preset: nvlink, pcie, infiniband, ethernet, loopback (default: "
+                                               "nvlink for a CUDA trace, loopback for a CPU one)")
     p.add_argument("--link-bandwidth", type=float, help="link bandwidth in GB/s (overrides the preset)")
     p.add_argument("--link-latency", type=float, help="per-message latency in microseconds (overrides the preset)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"],
                    help="optimizer whose state the memory model counts")
     p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
     p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
+    p.add_argument("--split-at", action="append", default=[], metavar="MODULE",
+                   help="start a stage at this module path (like pipelining's SplitPoint.BEGINNING); repeatable, "
+                        "stages - 1 times")
     _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
 
 
@@ -134,6 +138,7 @@ def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
 def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     from fxpipe.errors import ConfigError
     from fxpipe.partitioner import CostModel, parse_size, plan_partition
+    from fxpipe.partitioner.cost import default_link
 
     _enter("planning")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
@@ -158,16 +163,21 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
             raise ConfigError(f"--speed-factors {args.speed_factors!r} must be numbers separated by commas") from None
         if not all(math.isfinite(s) and s > 0 for s in overrides["device_speed"]):
             raise ConfigError(f"--speed-factors {args.speed_factors!r} must be finite numbers > 0, e.g. 1,1,0.5")
-    cost = CostModel.preset(args.link, **overrides)
+    cost = CostModel.preset(args.link or default_link(profile.trace_device), **overrides)
     try:
         memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
     except ConfigError as exc:
         raise ConfigError(f"--memory-limit: {exc}") from None
-    return plan_partition(
-        profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
-        cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
-        virtual_stages=args.virtual_stages,
-    )
+    from fxpipe.tracer.progress import phase
+
+    with phase("solve") as solving:
+        plan = plan_partition(
+            profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
+            cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
+            virtual_stages=args.virtual_stages, split_at=tuple(args.split_at),
+        )
+        solving.detail = f"{plan.solver}, {len(profile.units)} units into {plan.num_stages} stages"
+    return plan
 
 
 def _check_stages(stages: int | None) -> None:
@@ -253,6 +263,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = _console()
     print_plan_report(plan, profile, console=console)
     console.print(f"[green]wrote[/] {out}")
+    if args.html:
+        from fxpipe.partitioner.html import render_html_report
+
+        _enter("writing the report")
+        console.print(f"[green]wrote[/] {_write_artifact(args.html, render_html_report(plan, profile))}")
     return 0
 
 
@@ -315,13 +330,31 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     _enter("reading the build directory")
     plan, profile = _load_plan_dir(args.build_dir)
+    measured = _measured(Path(args.build_dir))
     _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
+    if measured is not None:
+        from fxpipe.partitioner.report import print_measurement
+
+        print_measurement(plan, measured, console)
     if args.html:
-        path = write_report(args.build_dir, plan, profile)
+        path = write_report(args.build_dir, plan, profile, measured=measured)
         console.print(f"[green]wrote[/] {path}")
     return 0
+
+
+def _measured(build_dir: Path) -> Any:
+    """What ``fxpipe run`` measured (``DIR/run.json``) in the plan's terms, or None before a run."""
+    from fxpipe.partitioner.report import Measurement
+    from fxpipe.runtime.record import RunRecord
+
+    if not (build_dir / "run.json").is_file():
+        return None
+    run = RunRecord.from_json(build_dir / "run.json")
+    return Measurement(step_ms=run.median_step_ms, peak_tensor_bytes=run.peak_tensor_bytes, schedule=run.schedule,
+                       microbatches=run.microbatches, world_size=run.world_size, device=run.device,
+                       predicted_step_ms=run.predicted_step_ms)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -332,8 +365,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             from fxpipe.errors import ConfigError
 
             raise ConfigError(f"{option} must be a finite number >= 0, got {value}")
+    from fxpipe.tracer.progress import phase
+
     _enter("verifying")
-    report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
+    with phase("check"):
+        report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
     print_verify_report(report, console=_console(), all_rows=args.all)
     return 0 if report.ok else 1
 
@@ -378,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cost_options(p)
     add_cluster_arguments(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("--html", metavar="PATH", help="also write the self-contained HTML report to PATH")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")
@@ -396,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it a meta build writes no parameters and each stage initialises itself at load")
     p.set_defaults(func=cmd_partition)
 
-    p = sub.add_parser("report", help="print a build directory's plan again")
+    p = sub.add_parser("report", help="print a build directory's plan again (beside run.json's measurements)")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
     p.add_argument("--html", action="store_true", help="(re)write report.html")
     p.set_defaults(func=cmd_report)
@@ -428,7 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _enter(f"running `fxpipe {args.verb}`")
     try:
-        return int(args.func(args) or 0)
+        from fxpipe.tracer.progress import reporting
+
+        # the long phases: progress on a terminal, else one line each on stdout (stderr keeps only errors)
+        with reporting(sys.stderr, lines=sys.stdout):
+            return int(args.func(args) or 0)
     except FxpipeError as exc:
         if args.debug:
             raise

@@ -30,9 +30,11 @@ from fxpipe.codegen.split import SplitGraph, split_graph
 from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
 from fxpipe.modelfile import ModelSource, file_sha256
+from fxpipe.tracer.progress import phase
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
+    from fxpipe.partitioner.report import Measurement
     from fxpipe.tracer.call import CallSpec
     from fxpipe.tracer.profile import ModelProfile
     from fxpipe.tracer.traced import TracedModel
@@ -75,29 +77,35 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
     meta = build_meta_weights(traced, weights)
     with staged_build_dir(out_dir) as staging:
-        manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages, Path(out_dir),
-                                      staging, source=source, microbatch=traced.profile.batch_size,
-                                      batch_size=batch_size, microbatches=microbatches,
-                                      user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
-                                      frontend=traced.frontend, units_of_stage=units_of_stage,
-                                      call=traced.call, stage_ranks=plan.stage_ranks,
-                                      schedule=plan.schedule, meta_weights=meta)
-        plan.to_json(staging / "plan.json")
-        manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
-        manifest.to_json(staging / "manifest.json")
-        traced.profile.to_json(staging / "profile.json")
-        (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
+        with phase("emit") as emitted:
+            emitted.detail = f"{plan.num_stages} stages"
+            manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages,
+                                          Path(out_dir), staging, source=source,
+                                          microbatch=traced.profile.batch_size,
+                                          batch_size=batch_size, microbatches=microbatches,
+                                          user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
+                                          frontend=traced.frontend, units_of_stage=units_of_stage,
+                                          call=traced.call, stage_ranks=plan.stage_ranks,
+                                          schedule=plan.schedule, meta_weights=meta)
+            plan.to_json(staging / "plan.json")
+            manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
+            manifest.to_json(staging / "manifest.json")
+            traced.profile.to_json(staging / "profile.json")
+            (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
         if check and meta is None:  # before the swap: a refused build leaves the previous one in place
-            check_equivalence(staging, manifest, traced, split.sources)
+            with phase("check"):
+                check_equivalence(staging, manifest, traced, split.sources)
     return manifest
 
 
-def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfile) -> Path:
-    """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``); return its path."""
+def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfile,
+                 measured: Measurement | None = None) -> Path:
+    """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``), with a run's
+    ``measured`` figures beside the prediction; return its path."""
     from fxpipe.partitioner.html import render_html_report
 
     path = Path(build_dir) / "report.html"
-    replace_file(path, render_html_report(plan, profile))
+    replace_file(path, render_html_report(plan, profile, measured))
     return path
 
 

@@ -10,6 +10,7 @@ with two (``virtual_stages`` restricts them to the schedules that run that many)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from fxpipe.errors import InfeasibleError, PartitionError
@@ -34,7 +35,7 @@ def auto_candidates(virtual_stages: int | None = None) -> list[tuple[str, int]]:
 
 def plan_auto(profile: ModelProfile, num_stages: int, *, solver: str, microbatches: int, cost: CostModel | None,
               memory_limit: int | None, time_limit: float, optimize: str,
-              virtual_stages: int | None, objective: str = "step") -> PartitionPlan:
+              virtual_stages: int | None, objective: str = "step", split_at: Sequence[str] = ()) -> PartitionPlan:
     """The fastest feasible plan over ``auto_candidates`` (by predicted step), with the others listed."""
     from fxpipe.partitioner.planner import plan_partition
 
@@ -48,7 +49,7 @@ def plan_auto(profile: ModelProfile, num_stages: int, *, solver: str, microbatch
         try:
             plan = plan_partition(profile, num_stages, solver=solver, schedule=name, microbatches=microbatches,
                                   cost=cost, memory_limit=memory_limit, time_limit=share, optimize=optimize,
-                                  virtual_stages=v, objective=objective)
+                                  virtual_stages=v, objective=objective, split_at=split_at)
         except InfeasibleError as exc:
             options.append(ScheduleOption(name, v, feasible=False, note=f"does not fit: {exc}"))
             continue

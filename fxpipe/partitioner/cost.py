@@ -62,6 +62,7 @@ from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.schema import read_dataclass
 
 __all__ = ["CostModel", "AllReduceTraffic", "DataParallelTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR",
+           "DEFAULT_LINKS", "default_link",
            "COMM_HOOKS", "SHARD_LEVELS", "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
            "parse_size", "format_size"]
 
@@ -73,6 +74,15 @@ LINK_PRESETS: dict[str, tuple[float, float]] = {
     "ethernet": (1.25e9, 50e-6),     # 10 Gb/s
     "loopback": (4.4e9, 100e-6),     # gloo, 2 processes on this machine (NOTES-tracing.md)
 }
+
+# The link a plan assumes when none is named: what connects the devices of the trace's kind.
+DEFAULT_LINKS: dict[str, str] = {"cuda": "nvlink", "cpu": "loopback"}
+
+
+def default_link(trace_device: str) -> str:
+    """The link preset assumed for a profile traced on ``trace_device`` (NVLink-class on CUDA, loopback on CPU)."""
+    return DEFAULT_LINKS.get(trace_device, "loopback")
+
 
 # Optimizer state kept per parameter byte (SGD none, momentum one buffer, Adam two moments).
 OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}

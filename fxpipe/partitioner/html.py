@@ -1,8 +1,12 @@
-"""``report.html``: one self-contained page (inline SVG and CSS, no scripts, no network).
+"""``report.html``: one self-contained page (inline CSS, no scripts, no network) that reads at any size.
 
-It shows the units coloured by stage (a strip in execution order, wrapped into rows,
-with skip edges drawn as arcs), per-stage time and memory bars against the bottleneck
-and the memory limit, the baseline comparison, and the simulated schedule timeline.
+Sections: the figures that matter (step, bubble, throughput, bottleneck, peak memory) and
+what was assumed (link, trace device); the stages as bands of module boxes whose widths
+are their time (:mod:`fxpipe.partitioner.html_units`); the stage table with the terminal's
+columns; memory per rank; the baselines beside the lower bound; the schedule timeline over
+the predicted step (:mod:`fxpipe.partitioner.html_charts`); the prediction beside a run's
+measurements when there is one; the module tree; and a legend for every term. Widths
+are percentages of the window, so the page has no horizontal scroll at 800 px or at 1,400 px.
 """
 
 from __future__ import annotations
@@ -11,174 +15,134 @@ from html import escape
 from pathlib import Path
 
 from fxpipe.partitioner.cost import format_size
+from fxpipe.partitioner.html_charts import bars_html, plan_timeline_html, timeline_html
+from fxpipe.partitioner.html_units import module_groups, module_tree_html, stage_bands_html, stage_color
 from fxpipe.partitioner.plan import PartitionPlan
-from fxpipe.partitioner.report import module_range
-from fxpipe.partitioner.schedule import Timeline
+from fxpipe.partitioner.report import DISAGREE, Measurement, compare, link_note, module_range
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["write_html_report", "render_html_report"]
 
-_PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-            "#9c755f", "#bab0ac")
 _CSS = """
-body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;background:#fff}
-h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 8px}
-.sub{color:#555} table{border-collapse:collapse;margin:4px 0}
-td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:right} th{background:#f4f4f4}
-td.l,th.l{text-align:left} tr.best td{font-weight:600} .swatch{display:inline-block;width:10px;height:10px;
-margin-right:6px;border-radius:2px} svg text{font:11px system-ui,sans-serif;fill:#333}
-.kpi{display:inline-block;margin:8px 18px 0 0} .kpi b{font-size:18px;display:block}
+*{box-sizing:border-box} body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:16px;
+color:#222;background:#fff} h1{font-size:20px;margin:0 0 4px;overflow-wrap:anywhere}
+h2{font-size:16px;margin:22px 0 8px} h3{font-size:14px;margin:14px 0 6px} .sub{color:#555;overflow-wrap:anywhere}
+.scroll{overflow-x:auto;max-width:100%} table{border-collapse:collapse;margin:4px 0}
+td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}
+th{background:#f4f4f4} td.l,th.l{text-align:left;white-space:normal;overflow-wrap:break-word}
+tr.best td{font-weight:600}
+tr.off td{color:#b00020;font-weight:600}
+.sw{display:inline-block;width:10px;height:10px;margin-right:6px;border-radius:2px;background:var(--c)}
+.kpis{display:flex;flex-wrap:wrap;gap:6px 22px;margin:10px 0} .kpi b{font-size:18px;display:block}
+.lbl{overflow:hidden;white-space:nowrap;text-overflow:ellipsis}
+.bands{display:flex;flex-direction:column;gap:4px}
+.band{display:flex;align-items:center;gap:8px} .bh{flex:0 0 150px;font-size:11px;line-height:13px}
+.band.bottleneck .bh{font-weight:600} .track{flex:1 1 auto;min-width:0}
+.fill{display:flex;height:26px;max-width:100%}
+.box{flex:1 1 0;min-width:0;display:block;background:var(--c);color:#fff;font-size:11px;line-height:26px;
+padding:0;text-indent:3px;text-decoration:none;box-shadow:inset -1px 0 #fff}
+.box:hover{filter:brightness(1.15)}
+.box.comm{background:repeating-linear-gradient(45deg,#999 0 4px,#bbb 4px 8px);color:#222}
+.bars{display:flex;flex-direction:column;gap:4px} .brow{display:flex;align-items:center;gap:8px}
+.bname{flex:0 0 70px;font-size:12px} .bval{flex:0 0 110px;font-size:12px}
+.btrack{flex:1 1 auto;min-width:0;position:relative;height:18px;background:#f4f4f4}
+.bfill{position:absolute;left:0;top:0;bottom:0} .ref{position:absolute;top:-3px;bottom:-3px;border-left:2px dashed #c00}
+.bcap{font-size:12px;color:#c00}
+.timeline{display:flex;flex-direction:column;gap:2px} .lane{display:flex;align-items:center;gap:8px}
+.lh{flex:0 0 60px;font-size:12px} .lt{flex:1 1 auto;min-width:0;position:relative;height:22px}
+.op{position:absolute;top:0;bottom:0;color:#fff;font-size:10px;line-height:22px;padding:0;text-indent:2px;
+box-shadow:inset -1px 0 #fff}
+.op.over{background:repeating-linear-gradient(45deg,#ccc 0 4px,#e4e4e4 4px 8px);color:#333}
+.axis .lt{height:16px} .tick{position:absolute;top:0;font-size:11px;color:#555}
+details{margin:2px 0} details.stage>summary{font-weight:600;cursor:pointer} details.grp{margin-left:18px}
+details.grp>summary{cursor:pointer;position:relative;overflow-wrap:anywhere}
+.mini{display:inline-block;height:8px;max-width:120px;background:#8aa;margin-right:6px;vertical-align:middle}
+td.bar{width:120px;min-width:60px} td.bar span{display:block;height:8px;background:#8aa}
+dl.legend{display:grid;grid-template-columns:max-content 1fr;gap:4px 14px;margin:0} dl.legend dt{font-weight:600}
+dl.legend dd{margin:0;overflow-wrap:anywhere}
 """
 
-
-def _color(stage: int) -> str:
-    return _PALETTE[stage % len(_PALETTE)]
-
-
-def _graph_svg(plan: PartitionPlan, profile: ModelProfile, width: int = 1100) -> str:
-    """Units in execution order as cells wrapped into rows; arcs for edges that skip ahead."""
-    n = len(profile.units)
-    per_row = max(1, min(n, 60))
-    cell = max(6.0, (width - 20) / per_row)
-    rows = (n + per_row - 1) // per_row
-    row_h = 44
-    pos = {}
-    parts = []
-    for i, u in enumerate(profile.units):
-        r, c = divmod(i, per_row)
-        x, y = 10 + c * cell, 18 + r * row_h
-        pos[u.name] = (x + cell / 2, y)
-        stage = plan.stage_of(u.name)
-        tip = f"{u.name} ({u.module_path}) stage {stage}: {u.compute_ms:.3f} ms, {format_size(u.param_bytes)} params"
-        parts.append(f'<rect x="{x:.1f}" y="{y}" width="{max(cell - 1, 1):.1f}" height="20" fill="{_color(stage)}">'
-                     f"<title>{escape(tip)}</title></rect>")
-    index = profile.unit_index
-    for e in profile.edges:
-        if index[e.dst] - index[e.src] > 1 and e.src in pos and e.dst in pos:
-            (x1, y1), (x2, y2) = pos[e.src], pos[e.dst]
-            if y1 == y2:
-                parts.append(f'<path d="M{x1:.1f},{y1} Q{(x1 + x2) / 2:.1f},{y1 - 16} {x2:.1f},{y2}" '
-                             'fill="none" stroke="#555" stroke-width="0.8" opacity="0.6"/>')
-            else:
-                parts.append(f'<line x1="{x1:.1f}" y1="{y1 + 20}" x2="{x2:.1f}" y2="{y2}" stroke="#555" '
-                             'stroke-width="0.6" opacity="0.4"/>')
-    height = 18 + rows * row_h
-    return f'<svg width="{width}" height="{height}" role="img" aria-label="units by stage">{"".join(parts)}</svg>'
+_LEGEND = (
+    ("bottleneck", "the slowest stage's time per microbatch (forward + backward compute and its messages); "
+                   "the pipeline cannot run faster than one microbatch per bottleneck"),
+    ("share", "a stage's time as a share of the bottleneck stage (100%: the stage is the bottleneck)"),
+    ("compute ms / comm ms", "per microbatch: the stage's forward + backward compute, and the time of the "
+                             "messages it sends and receives (the link below)"),
+    ("stage ms", "compute + comm: what the band's length and the boxes' widths show"),
+    ("memory", "the stage's predicted memory: weights, gradients, optimizer state, buffers, the activations "
+               "of the microbatches in flight and the boundary tensors"),
+    ("peak memory", "the largest per-rank memory of a plan (what a memory limit bounds)"),
+    ("lower bound", "no split of these units into this many stages can have a smaller bottleneck"),
+    ("x bound", "a plan's bottleneck divided by the lower bound (1.00: as good as any split can be)"),
+    ("x plan", "a plan's bottleneck divided by fxpipe's plan (above 1: slower than fxpipe's)"),
+    ("gap", "how far fxpipe's bottleneck may be above the best possible one (0 when proven optimal)"),
+    ("proven optimal for …", "what the solver proved: the bottleneck stage time is minimal; the split is then "
+                             "chosen for the least predicted step, which is not itself proven optimal"),
+    ("step ms", "predicted time of one training step: the simulated schedule (F forward, B backward, W weight "
+                "gradients, one box per microbatch) plus the step's overheads (optimizer step, all-reduces)"),
+    ("bubble", "the share of the ranks x pipeline time that the ranks sit idle"),
+    ("link", "the assumed connection between ranks; it prices every message (bandwidth and latency)"),
+    ("measured / predicted", "a run's measurement (run.json) divided by the prediction; beyond "
+                             f"{DISAGREE:.2f}x either way the figure is flagged"),
+)
 
 
-def _bars_svg(values: list[float], reference: float, labels: list[str], unit: str, limit_label: str,
-              split: list[float] | None = None, width: int = 700) -> str:
-    """Horizontal bars per stage, scaled to ``reference`` (drawn as a dashed line)."""
-    bar_h, gap, left = 18, 6, 70
-    scale_max = max(max(values, default=0.0), reference) or 1.0
-    span = width - left - 150
-    parts = []
-    for i, v in enumerate(values):
-        y = i * (bar_h + gap) + 4
-        w = span * v / scale_max
-        parts.append(f'<text x="4" y="{y + 13}">stage {i}</text>')
-        if split is not None:
-            first = span * split[i] / scale_max
-            parts.append(f'<rect x="{left}" y="{y}" width="{first:.1f}" height="{bar_h}" fill="{_color(i)}"/>')
-            parts.append(f'<rect x="{left + first:.1f}" y="{y}" width="{max(w - first, 0):.1f}" height="{bar_h}" '
-                         f'fill="{_color(i)}" opacity="0.45"/>')
-        else:
-            parts.append(f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{_color(i)}"/>')
-        parts.append(f'<text x="{left + w + 6:.1f}" y="{y + 13}">{escape(labels[i])}</text>')
-    height = len(values) * (bar_h + gap) + 24
-    x_ref = left + span * reference / scale_max
-    parts.append(f'<line x1="{x_ref:.1f}" y1="0" x2="{x_ref:.1f}" y2="{height - 16}" stroke="#c00" '
-                 'stroke-dasharray="4 3"/>')
-    parts.append(f'<text x="{x_ref + 4:.1f}" y="{height - 4}" style="fill:#c00">{escape(limit_label)}</text>')
-    return f'<svg width="{width}" height="{height}" role="img" aria-label="{escape(unit)} per stage">{"".join(parts)}</svg>'
-
-
-def _timeline_svg(line: Timeline, width: int = 1100) -> str:
-    """Ranks x time, coloured by stage; F boxes solid, B lighter, W lightest, labelled with the microbatch."""
-    R = line.num_ranks
-    lane, left = 26, 60
-    scale = (width - left - 10) / (line.step_ms or 1.0)
-    parts = []
-    for i in range(R):
-        parts.append(f'<text x="4" y="{i * lane + 17}">rank {i}</text>')
-    for op in line.ops:
-        x = left + op.start_ms * scale
-        w = max((op.end_ms - op.start_ms) * scale, 0.5)
-        y = (op.rank if op.rank >= 0 else op.stage) * lane + 2
-        opacity = {"F": "1", "B": "0.6", "W": "0.3"}.get(op.kind, "1")
-        parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{lane - 4}" fill="{_color(op.stage)}" '
-                     f'opacity="{opacity}" stroke="#fff" stroke-width="0.5"><title>{op} {op.start_ms:.2f}-'
-                     f'{op.end_ms:.2f} ms</title></rect>')
-        if w > 18:
-            parts.append(f'<text x="{x + 3:.1f}" y="{y + 15}" style="fill:#fff">{op.kind}{op.microbatch}</text>')
-    height = R * lane + 22
-    parts.append(f'<text x="{left}" y="{height - 4}">0 ms</text>')
-    parts.append(f'<text x="{width - 80}" y="{height - 4}">{line.step_ms:.2f} ms</text>')
-    return f'<svg width="{width}" height="{height}" role="img" aria-label="schedule timeline">{"".join(parts)}</svg>'
-
-
-def render_html_report(plan: PartitionPlan, profile: ModelProfile) -> str:
-    """The report page as a string (see ``write_html_report``)."""
-    pred = plan.prediction
+def _stage_table(plan: PartitionPlan, profile: ModelProfile) -> str:
     paths = {u.name: u.module_path for u in profile.units}
-    line = plan.timeline()
     ranks = plan.stage_ranks
-    stage_rows = "".join(
-        f'<tr><td class="l"><span class="swatch" style="background:{_color(s.index)}"></span>{s.index}</td>'
-        f"<td>{ranks[s.index]}</td>"
-        f'<td class="l">{escape(module_range([paths.get(u, u) for u in s.units]))}</td><td>{len(s.units)}</td>'
-        f"<td>{s.compute_ms:.3f}</td><td>{s.comm_ms:.3f}</td><td>{s.stage_ms:.3f}</td>"
-        f"<td>{format_size(s.memory_bytes)}</td></tr>"
-        for s in plan.stages)
+    rows = []
+    for s in plan.stages:
+        share = s.stage_ms / plan.bottleneck_ms if plan.bottleneck_ms > 0 else 1.0
+        best = ' class="best"' if share >= 1 - 1e-9 else ""
+        rows.append(
+            f'<tr{best}><td class="l"><span class="sw" style="--c:{stage_color(s.index)}"></span>{s.index}</td>'
+            f"<td>{ranks[s.index]}</td><td class=\"l\">{escape(module_range([paths.get(u, u) for u in s.units]))}</td>"
+            f"<td>{len(s.units)}</td><td>{s.compute_ms:.3f}</td><td>{s.comm_ms:.3f}</td><td>{s.stage_ms:.3f}</td>"
+            f"<td>{format_size(s.memory_bytes)}</td><td>{share:.0%}</td></tr>")
+    return ('<div class="scroll"><table><tr><th class="l">stage</th><th>rank</th><th class="l">modules</th>'
+            "<th>units</th><th>compute ms</th><th>comm ms</th><th>stage ms</th><th>memory</th><th>share</th></tr>"
+            f'{"".join(rows)}</table></div>')
+
+
+def _baselines_table(plan: PartitionPlan) -> str:
     lb = plan.lower_bound_ms
-    base_rows = [f'<tr class="best"><td class="l">fxpipe ({escape(plan.solver)})</td><td>{plan.bottleneck_ms:.3f}</td>'
-                 f"<td>{plan.bottleneck_ms / lb if lb else 1:.3f}</td><td>1.000</td>"
-                 f"<td>{f'{plan.step_ms:.2f}' if pred else ''}</td>"
-                 f'<td class="l">{"optimal" if plan.optimal else f"gap {plan.gap:.1%}"}</td></tr>']
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b > 0 else "-"
+
+    peak = max(plan.rank_memory_bytes or tuple(s.memory_bytes for s in plan.stages))
+    rows = [f'<tr class="best"><td class="l">fxpipe ({escape(plan.solver)})</td><td>{plan.bottleneck_ms:.3f}</td>'
+            f"<td>{ratio(plan.bottleneck_ms, lb)}</td><td>1.00</td>"
+            f"<td>{f'{plan.step_ms:.2f}' if plan.prediction else ''}</td><td>{format_size(peak)}</td>"
+            f'<td class="l">{"proven optimal" if plan.optimal else f"gap {plan.gap:.1%}"}</td></tr>']
     for name, b in plan.baselines.items():
-        ok = "" if b.feasible else "breaks constraints"
-        base_rows.append(f'<tr><td class="l">{escape(name)}</td><td>{b.bottleneck_ms:.3f}</td>'
-                         f'<td>{b.bottleneck_ms / lb if lb else 1:.3f}</td>'
-                         f'<td>{b.bottleneck_ms / plan.bottleneck_ms if plan.bottleneck_ms else 1:.3f}</td>'
-                         f'<td>{f"{b.step_ms:.2f}" if b.step_ms is not None else ""}</td><td class="l">{ok}</td></tr>')
-    base_rows.append(f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.000</td><td></td><td></td>'
-                     f'<td class="l">{escape(", ".join(f"{k} {v:.3f}" for k, v in plan.lower_bounds.items()))}</td></tr>')
-    times = [s.stage_ms for s in plan.stages]
-    mems = [float(m) for m in plan.rank_memory_bytes] or [float(s.memory_bytes) for s in plan.stages]
-    mem_ref = float(plan.memory_limit) if plan.memory_limit else max(mems)
-    mem_label = f"limit {format_size(plan.memory_limit)}" if plan.memory_limit else "no limit (peak shown)"
-    title = escape(profile.model.title)
-    kpis = (f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>\n'
-            f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span>\n'
-            f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s</span>\n') if pred else ""
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>fxpipe plan: {title}</title><style>{_CSS}</style></head>
-<body>
-<h1>fxpipe pipeline plan: {title}</h1>
-<div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
-{escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size},
-link {escape(plan.cost.link)}. {escape(plan.optimal_for)}.</div>
-<div><span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
-{kpis}<span class="kpi"><b>{format_size(max(mems))}</b>peak rank memory</span></div>
-<h2>Units by stage (execution order)</h2>
-{_graph_svg(plan, profile)}
-<h2>Stages</h2>
-<table><tr><th class="l">stage</th><th>rank</th><th class="l">modules</th><th>units</th><th>compute ms</th><th>comm ms</th>
-<th>stage ms</th><th>memory</th></tr>{stage_rows}</table>
-<h2>Stage time (compute solid, communication light) vs the bottleneck</h2>
-{_bars_svg(times, plan.bottleneck_ms, [f"{t:.3f} ms" for t in times], "time", f"bottleneck {plan.bottleneck_ms:.3f} ms",
-           split=[s.compute_ms for s in plan.stages])}
-<h2>Rank memory vs the limit</h2>
-{_bars_svg(mems, mem_ref, [format_size(m) for m in mems], "memory", mem_label)}
-{_data_parallel_html(plan)}
-<h2>Baselines (same cost model)</h2>
-<table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x lower bound</th><th>x plan</th>
-<th>step ms</th><th class="l">note</th></tr>{"".join(base_rows)}</table>
-<h2>Schedule timeline ({plan.schedule}, one step; F solid, B light, W lightest)</h2>
-{_timeline_svg(line)}
-{_alternatives_html(plan)}
-</body></html>
-"""
+        note = "" if b.feasible else "breaks the constraints"
+        rows.append(f'<tr><td class="l">{escape(name)}</td><td>{b.bottleneck_ms:.3f}</td>'
+                    f"<td>{ratio(b.bottleneck_ms, lb)}</td><td>{ratio(b.bottleneck_ms, plan.bottleneck_ms)}</td>"
+                    f'<td>{f"{b.step_ms:.2f}" if b.step_ms is not None else ""}</td>'
+                    f'<td>{format_size(max(b.memory_bytes)) if b.memory_bytes else ""}</td>'
+                    f'<td class="l">{note}</td></tr>')
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in plan.lower_bounds.items())
+    rows.append(f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.00</td>'
+                f"<td>{ratio(lb, plan.bottleneck_ms)}</td><td></td><td></td><td class=\"l\">{escape(parts)}</td></tr>")
+    return ('<div class="scroll"><table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x bound</th>'
+            '<th>x plan</th><th>step ms</th><th>peak memory</th><th class="l">note</th></tr>'
+            f'{"".join(rows)}</table></div>')
+
+
+def _measured_html(plan: PartitionPlan, run: Measurement | None) -> str:
+    if run is None:
+        return ""
+    rows = []
+    for c in compare(plan, run):
+        ratio = f"{c.ratio:.2f}x" if c.ratio is not None else ""
+        off = ' class="off"' if c.disagrees else ""
+        rows.append(f'<tr{off}><td class="l">{escape(c.figure)}</td>'
+                    f"<td>{escape(c.predicted)}</td><td>{escape(c.measured)}</td>"
+                    f"<td>{ratio}{' (disagree)' if c.disagrees else ''}</td></tr>")
+    return (f"<h2>Prediction vs measured (run.json: {run.world_size} processes on {escape(run.device)})</h2>"
+            '<div class="scroll"><table><tr><th class="l">figure</th><th>predicted</th><th>measured</th>'
+            f'<th>measured / predicted</th></tr>{"".join(rows)}</table></div>')
 
 
 def _alternatives_html(plan: PartitionPlan) -> str:
@@ -196,11 +160,11 @@ def _alternatives_html(plan: PartitionPlan) -> str:
                     f'<td class="l">{escape(o.note)}</td></tr>')
         line = o.timeline(plan.microbatches)
         if line is not None:
-            lines.append(f"<h3>{escape(o.schedule)} (V={o.virtual_stages}){' — chosen' if o.chosen else ''}</h3>"
-                         + _timeline_svg(line))
+            lines.append(f"<h3>{escape(o.schedule)} (V={o.virtual_stages}){' — chosen' if o.chosen else ''}, "
+                         "pipeline part</h3>" + timeline_html(line))
     return ("<h2>Schedules planned by --schedule auto (the least predicted step wins)</h2>"
-            '<table><tr><th class="l">schedule</th><th>V</th><th>step ms</th><th>bubble</th><th>peak memory</th>'
-            f'<th class="l">note</th></tr>{"".join(rows)}</table>' + "".join(lines))
+            '<div class="scroll"><table><tr><th class="l">schedule</th><th>V</th><th>step ms</th><th>bubble</th>'
+            f'<th>peak memory</th><th class="l">note</th></tr>{"".join(rows)}</table></div>' + "".join(lines))
 
 
 def _data_parallel_html(plan: PartitionPlan) -> str:
@@ -213,12 +177,61 @@ def _data_parallel_html(plan: PartitionPlan) -> str:
                    f"<td>{format_size(s.memory.optimizer)}</td></tr>" for s in plan.stages)
     return (f"<h2>Data parallelism: {cost.dp_replicas} replicas, shard {escape(cost.shard)}"
             f"{f', reduce per {escape(cost.shard_reduce)}' if cost.shard in ('grad-op', 'full') else ''}</h2>\n"
-            "<table><tr><th class=\"l\">stage</th><th>dp comm ms/step</th><th>sent per rank/step</th>"
-            f"<th>params per rank</th><th>grads per rank</th><th>optimizer per rank</th></tr>{rows}</table>")
+            "<div class=\"scroll\"><table><tr><th class=\"l\">stage</th><th>dp comm ms/step</th>"
+            "<th>sent per rank/step</th><th>params per rank</th><th>grads per rank</th><th>optimizer per rank</th>"
+            f"</tr>{rows}</table></div>")
 
 
-def write_html_report(plan: PartitionPlan, profile: ModelProfile, path: str | Path) -> Path:
+def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Measurement | None = None) -> str:
+    """The report page as a string (see the module docstring); ``measured``: a run's figures to set beside
+    the prediction."""
+    pred = plan.prediction
+    groups = module_groups(plan, profile)
+    mems = [float(m) for m in plan.rank_memory_bytes] or [float(s.memory_bytes) for s in plan.stages]
+    mem_ref = float(plan.memory_limit) if plan.memory_limit else max(mems)
+    mem_label = f"memory limit {format_size(plan.memory_limit)}" if plan.memory_limit else "no limit (the peak)"
+    title = escape(profile.model.title)
+    kpis = (f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>'
+            f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span>'
+            f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s</span>') if pred else ""
+    assumed = escape(link_note(plan, profile.trace_device))
+    timeline_title = ("Schedule timeline: one predicted step" if pred else "Schedule timeline (simulated, no "
+                      "prediction)")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
+<title>fxpipe plan: {title}</title><style>{_CSS}</style></head>
+<body>
+<h1>fxpipe pipeline plan: {title}</h1>
+<div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
+{escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size}.
+Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assumed {assumed}.
+{escape(plan.optimal_for[:1].upper() + plan.optimal_for[1:])}.</div>
+<div class="kpis">{kpis}<span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
+<span class="kpi"><b>{format_size(max(mems))}</b>peak rank memory</span></div>
+<h2>Stages: module boxes as wide as their time, bands as long as the stage's time</h2>
+{stage_bands_html(plan, groups)}
+<h2>Stage table</h2>
+{_stage_table(plan, profile)}
+<h2>Memory per rank</h2>
+{bars_html(mems, [format_size(m) for m in mems], [f"rank {i}" for i in range(len(mems))], mem_ref, mem_label)}
+{_data_parallel_html(plan)}
+<h2>Baselines (same cost model)</h2>
+{_baselines_table(plan)}
+<h2>{timeline_title} ({plan.schedule}; F solid, B light, W lightest, hatched: after the pipeline)</h2>
+{plan_timeline_html(plan)}
+{_measured_html(plan, measured)}
+{_alternatives_html(plan)}
+<h2>Module tree (open a stage, then a module, for its units)</h2>
+{module_tree_html(plan, groups)}
+<h2>Legend</h2>
+<dl class="legend">{"".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in _LEGEND)}</dl>
+</body></html>
+"""
+
+
+def write_html_report(plan: PartitionPlan, profile: ModelProfile, path: str | Path,
+                      measured: Measurement | None = None) -> Path:
     """Write the self-contained report page to ``path`` and return the path."""
     out = Path(path)
-    out.write_text(render_html_report(plan, profile), encoding="utf-8")
+    out.write_text(render_html_report(plan, profile, measured), encoding="utf-8")
     return out

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from fxpipe.errors import InfeasibleError, PartitionError
 from fxpipe.partitioner.baselines import BASELINES, run_baseline
 from fxpipe.partitioner.bounds import lower_bound
-from fxpipe.partitioner.cost import CostModel, format_size
+from fxpipe.partitioner.cost import CostModel, default_link, format_size
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
 from fxpipe.partitioner.pins import stage_ranges
@@ -33,6 +33,7 @@ from fxpipe.partitioner.problem import (
 from fxpipe.partitioner.refine import is_contiguous, refine_split
 from fxpipe.partitioner.schedule import AUTO
 from fxpipe.partitioner.solution import Solution
+from fxpipe.partitioner.split_points import pin_split_points
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["plan_partition", "plan_from_assignment", "SOLVERS", "CPSAT_MAX_VARIABLES", "step_time_of"]
@@ -59,7 +60,8 @@ def step_time_of(problem: PartitionProblem, runtime: RuntimeCosts) -> Callable[[
 def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "auto", schedule: str = "1f1b",
                    microbatches: int = 1, cost: CostModel | None = None, memory_limit: int | None = None,
                    time_limit: float = 10.0, optimize: str = "speed",
-                   virtual_stages: int | None = None, objective: str = "step") -> PartitionPlan:
+                   virtual_stages: int | None = None, objective: str = "step",
+                   split_at: Sequence[str] = ()) -> PartitionPlan:
     """Split ``profile``'s units into ``num_stages`` pipeline ranks of ``virtual_stages`` stages each.
 
     The objective is the predicted step time of ``schedule`` (Note [planning for step
@@ -78,7 +80,9 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     ``time_limit`` bounds the whole call: CP-SAT gets what the steps before it left, less
     what the local search and the pricing keep (Note [CP-SAT time budget] in
     ``fxpipe.partitioner.cpsat``); the exact DP and the baselines, which every plan needs,
-    always run to the end.
+    always run to the end. ``cost`` defaults to the link of the trace device
+    (``default_link``). ``split_at``: module paths where stages begin (``--split-at``;
+    ``fxpipe.partitioner.split_points``), one fewer than the stages; the solvers honour them as pins.
 
     >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
     >>> plan.stage_of("blocks.3"), plan.step_ms, plan.gap                                    # doctest: +SKIP
@@ -88,7 +92,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
 
         return plan_auto(profile, num_stages, solver=solver, microbatches=microbatches, cost=cost,
                          memory_limit=memory_limit, time_limit=time_limit, optimize=optimize,
-                         virtual_stages=virtual_stages, objective=objective)
+                         virtual_stages=virtual_stages, objective=objective, split_at=split_at)
     if solver not in SOLVERS:
         raise PartitionError(f"unknown solver {solver!r}; expected one of {list(SOLVERS)}")
     if optimize not in ("speed", "memory"):
@@ -98,8 +102,10 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     start = time.perf_counter()
+    cost = cost or CostModel.preset(default_link(profile.trace_device))
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
+    problem = pin_split_points(problem, split_at)
     stage_ranges(problem)  # contradictory pins fail here, before any solver runs
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
@@ -117,9 +123,12 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     proven = {f"{chosen.solver}_proven": chosen.bound_ms} if chosen.bound_ms is not None else {}
     bound, parts = lower_bound(problem, proven=proven)
     for_step = optimize == "speed" and objective == "step" and solver not in BASELINES
-    return plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
+    plan = plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
                                 seconds=time.perf_counter() - start, optimize=optimize,
                                 objective="step" if for_step else "bottleneck")
+    if split_at:
+        plan = replace(plan, status=f"{plan.status}; stages start at --split-at {', '.join(split_at)}".strip("; "))
+    return plan
 
 
 def _refine_budget(time_limit: float) -> float:

@@ -1,15 +1,96 @@
-"""Terminal report of a plan (rich tables): stages, baselines beside the bound, prediction."""
+"""Terminal report of a plan (rich tables): stages, baselines beside the bound, prediction, and the
+prediction beside what a run measured (``run.json``), with the ratio where they disagree."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
-from fxpipe.partitioner.cost import format_size
+from fxpipe.partitioner.cost import default_link, format_size
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.tracer.profile import ModelProfile
 
-__all__ = ["print_plan_report", "module_range"]
+__all__ = ["print_plan_report", "module_range", "Measurement", "Comparison", "compare", "link_note",
+           "print_measurement", "DISAGREE"]
+
+DISAGREE = 1.25  # measured / predicted outside [1/DISAGREE, DISAGREE]: the report flags the figure
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a run measured (``fxpipe run`` writes it as ``run.json``), in the plan's terms.
+
+    ``predicted_step_ms`` is the plan's prediction for the run's own configuration, ``None``
+    when the plan was made for another (then no step figure is comparable)."""
+
+    step_ms: float
+    peak_tensor_bytes: tuple[int, ...]
+    schedule: str
+    microbatches: int
+    world_size: int
+    device: str
+    predicted_step_ms: float | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One figure predicted and measured; ``ratio`` = measured / predicted (``None``: not comparable)."""
+
+    figure: str
+    predicted: str
+    measured: str
+    ratio: float | None
+
+    @property
+    def disagrees(self) -> bool:
+        return self.ratio is not None and not (1 / DISAGREE <= self.ratio <= DISAGREE)
+
+
+def compare(plan: PartitionPlan, run: Measurement) -> list[Comparison]:
+    """The step time and each rank's peak tensor memory, predicted beside measured."""
+    out = []
+    pred = run.predicted_step_ms
+    out.append(Comparison(f"step ms ({run.schedule}, {run.microbatches} microbatches)",
+                          f"{pred:.2f}" if pred is not None else "(planned for another run)", f"{run.step_ms:.2f}",
+                          run.step_ms / pred if pred else None))
+    peaks = plan.prediction.peak_memory_bytes if plan.prediction is not None else ()
+    same = run.schedule == plan.schedule and run.microbatches == plan.microbatches
+    for rank, measured in enumerate(run.peak_tensor_bytes):
+        predicted = peaks[rank] if same and rank < len(peaks) and len(run.peak_tensor_bytes) == len(peaks) else None
+        out.append(Comparison(f"rank {rank} peak tensor memory",
+                              format_size(predicted) if predicted is not None else "",
+                              format_size(measured), measured / predicted if predicted else None))
+    return out
+
+
+def link_note(plan: PartitionPlan, trace_device: str) -> str:
+    """Which link the plan assumed, and whether that was the default for the trace device."""
+    cost = plan.cost
+    figures = f"{cost.link_bandwidth / 1e9:.3g} GB/s, {cost.link_latency * 1e6:.3g} µs per message"
+    default = default_link(trace_device)
+    why = (f"the default for a {trace_device} trace; --link to change" if cost.link == default else
+           f"chosen with --link; the default for a {trace_device} trace is {default}")
+    return f"link {cost.link} ({figures}), {why}"
+
+
+def print_measurement(plan: PartitionPlan, run: Measurement, console: Console) -> None:
+    """The prediction beside ``run.json``, the ratio, and a flag on figures that disagree."""
+    table = Table(title=f"prediction vs measured (run.json: {run.world_size} processes on {run.device})",
+                  title_justify="left")
+    for col in ("figure", "predicted", "measured", "measured / predicted"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    rows = compare(plan, run)
+    for row in rows:
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else ""
+        table.add_row(row.figure, row.predicted, row.measured, ratio + (" (disagree)" if row.disagrees else ""),
+                      style="bold red" if row.disagrees else "")
+    console.print(table)
+    if any(r.disagrees for r in rows):
+        console.print(f"the prediction and the run disagree by more than {DISAGREE:.2f}x on the figures in red: "
+                      "the cost model's link and device presets may not match this machine (--link, "
+                      "--measure-times)")
 
 
 def module_range(paths: list[str]) -> str:
@@ -77,6 +158,7 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
         return
     _print_alternatives(plan, console)
     console.print(f"optimal for: {plan.optimal_for}")
+    console.print(f"assumed: {link_note(plan, profile.trace_device)}")
     steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred.step_ms.items())
     console.print(f"predicted step: {steps}; bubble {pred.bubble:.1%} ({plan.schedule}); "
                   f"throughput {pred.throughput_samples_per_s:.1f} samples/s "

@@ -29,7 +29,7 @@ from fxpipe.tracer.call import BoundCall, ModelInputs, bind_example, parse_model
 from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.counting import UnitCounts, count_unit
 from fxpipe.tracer.device_memory import measure_memory_bytes
-from fxpipe.tracer.progress import progress_iter
+from fxpipe.tracer.progress import phase, progress_iter
 from fxpipe.tracer.timing import analytic_ms, measure_ms
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
@@ -43,6 +43,7 @@ from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infer_batch_dims, propagate, resolve_batch_dims
+from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
 from fxpipe.graphmeta import PATH_KEY, SPEC_KEY
@@ -226,9 +227,9 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     :func:`trace_model_file` takes them from the model file instead).
     The model first runs once on the inputs: if it raises, a :class:`ModelFileError`
     names the inputs and the failing call.
-    ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes or
-    paths to keep whole. ``measure_times``: time each unit on ``trace_device`` instead of
-    the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
+    ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes,
+    class names or paths to keep whole, on both front ends (:mod:`fxpipe.tracer.leaves`).
+    ``measure_times``: time each unit on ``trace_device`` instead of the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
     allocator instead of autograd's saved tensors. ``build_record``: from
     :func:`build_model_recorded`, for pins and leaf constructor arguments.
     ``trace_device="meta"`` (taken by itself for a model built on the meta device) traces
@@ -243,6 +244,7 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
         trace_model(hf_gpt2, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
     call, dims = _bind_inputs(model, example_inputs, batch_dims)
+    leaf_paths = resolve_leaves(model, leaves)  # a name that matches nothing is refused, not ignored
     if trace_device != META and is_meta_model(model):  # Note [meta tracing]: the factory built it on meta
         trace_device, cost_device = META, cost_device or trace_device
     on_meta = trace_device == META
@@ -272,42 +274,49 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
     try:
         with _preserved_state(model), modes_restored(model):
             model.train()  # the profile is of train mode; eval mode is merged in (Note [both modes in one graph])
-            ctor_args = build_record.ctor_args if build_record else None
-            with _seeded(trace_device), eager_mode(on_meta):
-                reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
-            with tracing_call(call):
-                result = trace_graph(model, inputs, frontend, tuple(leaves), dims, ctor_args)
-            gm = result.graph_module
-            if on_meta:  # Note [parameters on meta, buffers real]: codegen writes them
-                gm.meta[BUFFER_VALUES_KEY] = buffer_values
-            values = _normalize(gm, inputs, trace_device)
-            if not on_meta:  # meta tensors hold no values to compare (SKIPPED_ON_META)
-                _check_matches(gm, values, reference)
-
-            def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+            with phase("trace") as tracing:
+                ctor_args = build_record.ctor_args if build_record else None
+                with _seeded(trace_device), eager_mode(on_meta):
+                    reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
                 with tracing_call(call):
-                    again = trace_graph(model, inputs, result.frontend, (*leaves, *result.fallback_leaves), dims,
-                                        ctor_args)
-                _normalize(again.graph_module, inputs, trace_device)
-                return again.graph_module
+                    result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
+                gm = result.graph_module
+                if on_meta:  # Note [parameters on meta, buffers real]: codegen writes them
+                    gm.meta[BUFFER_VALUES_KEY] = buffer_values
+                values = _normalize(gm, inputs, trace_device)
+                if not on_meta:  # meta tensors hold no values to compare (SKIPPED_ON_META)
+                    _check_matches(gm, values, reference)
 
-            merge_eval_mode(model, gm, inputs, trace=trace_again, check=not on_meta,
-                            run=lambda: _run_in(eager_mode(on_meta), call.example, model))
-            with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
-                prop = propagate(gm, inputs, batch, dims)
+                def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+                    with tracing_call(call):
+                        again = trace_graph(model, inputs, result.frontend, (*leaf_paths, *result.fallback_leaves),
+                                            dims, ctor_args)
+                    _normalize(again.graph_module, inputs, trace_device)
+                    return again.graph_module
+
+                merge_eval_mode(model, gm, inputs, trace=trace_again, check=not on_meta,
+                                run=lambda: _run_in(eager_mode(on_meta), call.example, model))
+                with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
+                    prop = propagate(gm, inputs, batch, dims)
                 regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
+                regions += leaf_regions(gm, leaf_paths)  # export traces into leaves: keep each in one unit
                 groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
                 runners = [UnitRunner(gm, g, prop.values) for g in groups]
+                tracing.detail = f"{result.frontend}, {len(groups)} units"
+            with phase("count") as counted, cost_device_kernels(on_meta, cost_device):
                 counting = lambda rs: progress_iter(rs, "counting units", progress, len(rs))  # noqa: E731
                 counts = (count_units_once(runners, count_unit, counting) if on_meta
                           else [count_unit(r) for r in counting(runners)])
-                if measure_times:
+                counted.detail = f"{len(runners)} units"
+            if measure_times:
+                with phase("time units") as timing:
                     times = [measure_ms(r, trace_device)
                              for r in progress_iter(runners, "timing units", progress, len(runners))]
-                else:
-                    times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
-                activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
-                               else [c.activation_bytes for c in counts])
+                    timing.detail = f"{len(runners)} units on {trace_device}"
+            else:
+                times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
+            activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
+                           else [c.activation_bytes for c in counts])
     finally:
         if not on_meta:
             model.to(original_device)
@@ -380,7 +389,8 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     factory = source.build_model
     if options.get("trace_device") == META:  # Note [meta tracing]
         factory = lambda: build_on_meta(source.build_model)  # noqa: E731
-    model, record = build_model_recorded(factory)
+    with phase("build the model"):
+        model, record = build_model_recorded(factory)
     inputs = source.example_call(batch_size)
     if options.get("batch_dims") is None:
         options["batch_dims"] = _model_file_batch_dims(source, model, batch_size, inputs)

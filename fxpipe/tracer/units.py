@@ -91,8 +91,8 @@ def join_units(gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list
     runs: list[tuple[tuple[str, str], list[torch.fx.Node]]] = []
     i = 0
     while i < len(groups):
-        j = i
-        while j < len(groups) and j <= max(end[i:j + 1]):
+        j = i + 1  # extend the run while a unit already in it reaches further (not into a run that starts next)
+        while j < len(groups) and j <= max(end[i:j]):
             j += 1
         members = groups[i:j]
         paths = [g.path.split(".") if g.path else [] for g in members]

@@ -37,8 +37,28 @@ def test_html_is_self_contained(tmp_path: Path) -> None:
     plan, profile = _plan_and_profile()
     html = write_html_report(plan, profile, tmp_path / "report.html").read_text()
     assert "<script" not in html and "http://" not in html and "https://" not in html
-    assert html.count("<svg") == 4
+    assert "<svg" not in html and "width=\"1100\"" not in html   # percent widths: the page follows the window
     assert all(f"{op}" in html for op in ("F0", "B3"))  # the timeline labels every microbatch
+    # the terminal's columns and a legend entry for every term the page uses
+    for term in ("peak memory", "share", "x bound", "x plan", "lower bound", "proven optimal for", "bubble",
+                 "link loopback"):
+        assert term in html, term
+    assert "<details" in html and 'href="#m0-0"' in html and 'id="m0-0"' in html   # boxes open to their units
+
+
+def test_html_groups_units_by_module_tree() -> None:
+    from report_profiles import gpt_like_profile
+
+    from fxpipe.partitioner.html_units import module_groups
+
+    profile = gpt_like_profile(154)
+    plan = plan_partition(profile, 4, microbatches=8, time_limit=2)
+    groups = [g for stage in module_groups(plan, profile) for g in stage]
+    # 'h' holds most of the time, so it opens into its blocks; a block and lm_head stay whole
+    assert {g.path for g in groups} == {"wte", "wpe", "ln_f", "lm_head", *(f"h.{i}" for i in range(13))}
+    assert sum(len(g.units) for g in groups) == 154
+    head = next(g for g in groups if g.path == "lm_head")
+    assert head.ms == max(g.ms for g in groups)   # the heaviest module is the widest box
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs it)")
