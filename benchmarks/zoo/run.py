@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests" / "zoo"))
 import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from compare import ATOL, RTOL  # noqa: E402
+from fxpipe.codegen.equivalence import ATOL, RTOL, compare_tensor  # noqa: E402
 from probe import describe_error, probe_model  # noqa: E402
 from registry import ZooModel, select  # noqa: E402
 
@@ -63,20 +63,13 @@ SPLIT_AT = {
 
 
 def _max_abs(got: Any, want: Any) -> tuple[float, bool]:
-    """Max abs error over the output leaves and whether every leaf is within tolerance."""
+    """Max abs error over the output leaves and whether every leaf is within tolerance (fxpipe's comparison)."""
     got_t = [t for t in tree_leaves(got) if isinstance(t, torch.Tensor)]
     want_t = [t for t in tree_leaves(want) if isinstance(t, torch.Tensor)]
     if len(got_t) != len(want_t):
         return float("inf"), False
-    worst, ok = 0.0, True
-    for g, w in zip(got_t, want_t):
-        if g.shape != w.shape:
-            return float("inf"), False
-        diff = (g.detach().double() - w.detach().double()).abs()
-        if diff.numel():
-            worst = max(worst, float(diff.max()))
-            ok = ok and bool(torch.all(diff <= ATOL + RTOL * w.detach().double().abs()))
-    return worst, ok
+    errors = [compare_tensor(f"output[{i}]", g, w) for i, (g, w) in enumerate(zip(got_t, want_t))]
+    return max((e.max_abs for e in errors), default=0.0), all(e.ok for e in errors)
 
 
 def pipelining_side(model: ZooModel) -> dict[str, Any]:
