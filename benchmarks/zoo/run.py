@@ -110,7 +110,7 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
 def fxpipe_side(model: ZooModel, train: bool) -> dict[str, Any]:
     """The probe at 2 stages, condensed to the benchmark's columns."""
     with tempfile.TemporaryDirectory(prefix=f"zoo-bench-{model.name}-") as tmp:
-        row = probe_model(model, Path(tmp), stages=(2,), train_run=train)
+        row = probe_model(model, Path(tmp), stages=(2,), train_run=train, keywords=False)
     steps = row["steps"]
 
     def err(name: str) -> Any:
@@ -198,6 +198,14 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
+def _meta(train: bool, start: float) -> dict[str, Any]:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - start, 1),
+            "train": train, "date": time.strftime("%Y-%m-%d")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="zoo models (default: all)")
@@ -224,12 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         p, f = row.get("pipelining", {}), row.get("fxpipe", {})
         print(f"{model.name:20s} pipelining {'yes' if p.get('handles') else 'no ':3s} "
               f"fxpipe {'yes' if f.get('handles') else 'no ':3s} {f.get('first_problem') or ''}"[:160], flush=True)
-    import transformers
-
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - start, 1),
-            "train": args.train, "date": time.strftime("%Y-%m-%d")}
-    write_results(rows, meta, Path(args.out))
+        write_results(rows, _meta(args.train, start), Path(args.out))  # after every model: a cut-off run keeps its rows
     print(f"wrote {Path(args.out) / 'results.md'}")
     return 0
 
