@@ -1,11 +1,14 @@
 """Zoo models train on 2 ranks exactly as one process trains the original (issue 10).
 
-A CNN with BatchNorm and in-place ops (``resnet``: running statistics move every microbatch)
-and a Hugging Face decoder with RoPE and grouped-query attention (``llama``), partitioned at
+A CNN with BatchNorm and in-place ops (``regnet``: RegNetY blocks, running statistics move every
+microbatch) and a Hugging Face decoder with RoPE and grouped-query attention (``llama``), partitioned at
 2 stages as ``fxpipe partition`` does, then trained by ``PipelineRunner`` on 2 ranks (SGD,
 2 steps of 2 microbatches) against one process on the same microbatches
 (``tests/runtime/reference.py``): every step's loss and every parameter and buffer
-afterwards, fp32. Models without dropout, so both sides compute one function. The encoder-
+afterwards, fp32. Models without dropout, so both sides compute one function, and well
+conditioned in fp32: the zoo's ResNets end in 1x1 feature maps, where BatchNorm over a
+microbatch of 2 makes fp32 and fp64 training differ by 0.07 in the parameters after 2 steps,
+so no order of summation could match them to fp32 tolerance (RegNet: 7e-7). The encoder-
 decoder (BART) and GPT-2 trained on their own ``labels=`` loss are in
 ``tests/runtime/test_own_loss.py``. These run with the full zoo (``FXPIPE_ZOO=full``, ``make zoo``).
 """
@@ -47,7 +50,7 @@ def _train_job(rank: int, world: int, build: str, spec: str) -> dict[str, Any]:
         return {"losses": losses, "state": {k: v.detach().clone() for k, v in runner.stage.state_dict().items()}}
 
 
-@pytest.mark.parametrize("model", select(["resnet", "llama"]), ids=lambda m: m.name)
+@pytest.mark.parametrize("model", select(["regnet", "llama"]), ids=lambda m: m.name)
 def test_zoo_model_trains_on_2_ranks_like_one_process(tmp_path: Path, model: ZooModel) -> None:
     from compare import reference_model
 
