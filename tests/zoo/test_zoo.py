@@ -9,6 +9,10 @@ in train and in eval mode: outputs, every parameter gradient, every buffer, fp32
 atol 1e-5. Both are :func:`fxpipe.codegen.equivalence.compare_in_mode`; the zoo adds no
 comparison of its own.
 
+The model files of ``outside/`` (other configs of the same families, written as a new user
+would: GPT-2 with an untied head, multi-query Llama, T5 v1.1, ALBERT, Swin, a ResNeXt, ...) run
+the same check at 2 stages.
+
 The default run takes ``QUICK`` (one model per kind of fix, 2 stages, about a minute); the whole zoo
 runs with ``FXPIPE_ZOO=full`` (``make zoo``). A case that fails today would be a strict xfail in
 ``KNOWN`` with its precise reason, and leave the list once fixed.
@@ -27,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from registry import ZooModel, zoo_models  # noqa: E402
+from registry import ZooModel, outside_models, zoo_models  # noqa: E402
 
 FULL = os.environ.get("FXPIPE_ZOO") == "full"
 MICROBATCH = 2
@@ -69,6 +73,9 @@ def _cases() -> list[Any]:
             if reason is not None:
                 marks.append(pytest.mark.xfail(strict=True, reason=reason))
             cases.append(pytest.param(model, stages, marks=marks, id=f"{model.name}@{stages}"))
+    full_only = pytest.mark.skipif(not FULL, reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)")
+    cases += [pytest.param(model, 2, marks=[pytest.mark.slow, full_only], id=f"outside/{model.name}@2")
+              for model in outside_models()]
     return cases
 
 
