@@ -1,20 +1,14 @@
 """A new user's Llama variant as llama_mqa.py, with gradient checkpointing enabled (model.gradient_checkpointing_enable())."""
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import sys
+from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))  # for llama_mqa.py next to this file
+
+from llama_mqa import build_model as build_mqa, example_inputs  # noqa: E402,F401
 
 
 def build_model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
-                      num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-                      attention_dropout=0.1, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                      max_position_embeddings=64, use_cache=False, pad_token_id=0)
-    m = LlamaForCausalLM(cfg)
-    m.gradient_checkpointing_enable()
-    return m
-
-
-def example_inputs(batch_size):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 128, (batch_size, 10), generator=g)
-    return {"input_ids": ids, "labels": ids}
+    model = build_mqa()
+    model.gradient_checkpointing_enable()
+    return model
