@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests" / "zoo"))
 import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from compare import ATOL, RTOL  # noqa: E402
+from fxpipe.codegen.equivalence import ATOL, RTOL, compare_tensor  # noqa: E402
 from probe import describe_error, probe_model  # noqa: E402
 from registry import ZooModel, select  # noqa: E402
 
@@ -63,20 +63,13 @@ SPLIT_AT = {
 
 
 def _max_abs(got: Any, want: Any) -> tuple[float, bool]:
-    """Max abs error over the output leaves and whether every leaf is within tolerance."""
+    """Max abs error over the output leaves and whether every leaf is within tolerance (fxpipe's comparison)."""
     got_t = [t for t in tree_leaves(got) if isinstance(t, torch.Tensor)]
     want_t = [t for t in tree_leaves(want) if isinstance(t, torch.Tensor)]
     if len(got_t) != len(want_t):
         return float("inf"), False
-    worst, ok = 0.0, True
-    for g, w in zip(got_t, want_t):
-        if g.shape != w.shape:
-            return float("inf"), False
-        diff = (g.detach().double() - w.detach().double()).abs()
-        if diff.numel():
-            worst = max(worst, float(diff.max()))
-            ok = ok and bool(torch.all(diff <= ATOL + RTOL * w.detach().double().abs()))
-    return worst, ok
+    errors = [compare_tensor(f"output[{i}]", g, w) for i, (g, w) in enumerate(zip(got_t, want_t))]
+    return max((e.max_abs for e in errors), default=0.0), all(e.ok for e in errors)
 
 
 def pipelining_side(model: ZooModel) -> dict[str, Any]:
@@ -117,7 +110,7 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
 def fxpipe_side(model: ZooModel, train: bool) -> dict[str, Any]:
     """The probe at 2 stages, condensed to the benchmark's columns."""
     with tempfile.TemporaryDirectory(prefix=f"zoo-bench-{model.name}-") as tmp:
-        row = probe_model(model, Path(tmp), stages=(2,), train_run=train)
+        row = probe_model(model, Path(tmp), stages=(2,), train_run=train, keywords=False)
     steps = row["steps"]
 
     def err(name: str) -> Any:
@@ -205,6 +198,14 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
+def _meta(train: bool, start: float) -> dict[str, Any]:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - start, 1),
+            "train": train, "date": time.strftime("%Y-%m-%d")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="zoo models (default: all)")
@@ -231,12 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         p, f = row.get("pipelining", {}), row.get("fxpipe", {})
         print(f"{model.name:20s} pipelining {'yes' if p.get('handles') else 'no ':3s} "
               f"fxpipe {'yes' if f.get('handles') else 'no ':3s} {f.get('first_problem') or ''}"[:160], flush=True)
-    import transformers
-
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - start, 1),
-            "train": args.train, "date": time.strftime("%Y-%m-%d")}
-    write_results(rows, meta, Path(args.out))
+        write_results(rows, _meta(args.train, start), Path(args.out))  # after every model: a cut-off run keeps its rows
     print(f"wrote {Path(args.out) / 'results.md'}")
     return 0
 

@@ -102,6 +102,24 @@ def _run_eagerly(model: nn.Module, call: ModelInputs) -> Any:
         ) from exc
 
 
+def _check_output(model: nn.Module, output: Any) -> Any:
+    """The model's output, if every leaf of it is a tensor or a plain constant (what a stage can return);
+    else a TraceError naming the first other object, where it sits, and (a KV cache) how to leave it out."""
+    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+        if leaf is None or isinstance(leaf, (torch.Tensor, bool, int, float, complex, str)):
+            continue
+        name = type(leaf).__name__
+        where = f"output{pytree.keystr(path)}"
+        if any(c.__name__ == "Cache" for c in type(leaf).__mro__):  # a transformers KV cache (use_cache=True)
+            fix = ("it is the key/value cache of generation, which training does not use: build the model with "
+                   "config.use_cache=False, or pass use_cache=False in example_inputs")
+        else:
+            fix = "return tensors (or plain constants) only, e.g. from a wrapper module's forward"
+        raise TraceError(f"{type(model).__name__} returns a {name} at {where}: a pipeline stage can pass only "
+                         f"tensors and plain constants; {fix}")
+    return output
+
+
 def _spec_of_output(node: torch.fx.Node) -> TensorSpec:
     spec = node.meta.get(SPEC_KEY)
     if isinstance(spec, TensorSpec):
@@ -277,7 +295,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
             with phase("trace") as tracing:
                 ctor_args = build_record.ctor_args if build_record else None
                 with _seeded(trace_device), eager_mode(on_meta):
-                    reference, output_spec = pytree.tree_flatten(_run_eagerly(model, call.example))
+                    reference, output_spec = pytree.tree_flatten(
+                        _check_output(model, _run_eagerly(model, call.example)))
                 with tracing_call(call):
                     result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
                 gm = result.graph_module

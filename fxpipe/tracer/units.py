@@ -91,8 +91,9 @@ def join_units(gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list
     runs: list[tuple[tuple[str, str], list[torch.fx.Node]]] = []
     i = 0
     while i < len(groups):
-        j = i + 1  # extend the run while a unit already in it reaches further (not into a run that starts next)
-        while j < len(groups) and j <= max(end[i:j]):
+        j, reach = i + 1, end[i]  # the run grows while the next unit is inside the reach of the run so far
+        while j < len(groups) and j <= reach:
+            reach = max(reach, end[j])
             j += 1
         members = groups[i:j]
         paths = [g.path.split(".") if g.path else [] for g in members]

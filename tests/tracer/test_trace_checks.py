@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxpipe.errors import TraceError
 from fxpipe.tracer import trace_model
 
 
@@ -73,3 +75,32 @@ def test_assert_messages_show_what_the_user_wrote_not_proxies() -> None:
                         "a plain message"]
     # the `x.shape` that only the message read is gone
     assert not [n for n in traced.graph_module.graph.nodes if n.target is getattr and not n.users]
+
+
+class Cache:
+    """Stands for transformers' ``Cache`` base class (``DynamicCache`` is a subclass): matched by name."""
+
+
+class DynamicCache(Cache):
+    def __init__(self, key: torch.Tensor) -> None:
+        self.key = key
+
+
+class ReturnsACache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        y = self.fc(x)
+        return {"logits": y, "past_key_values": DynamicCache(y)}
+
+
+def test_an_output_object_that_is_not_a_tensor_is_refused_with_its_place_and_the_fix() -> None:
+    with pytest.raises(TraceError, match=r"returns a DynamicCache at output\['past_key_values'\]: .*"
+                                         r"build the model with config.use_cache=False"):
+        trace_model(ReturnsACache(), (torch.randn(4, 8),), progress=False)
+    wrapped = nn.Sequential(nn.Linear(8, 8))
+    wrapped.forward = lambda x: (wrapped[0](x), warnings)  # type: ignore[method-assign]  # a module object
+    with pytest.raises(TraceError, match=r"returns a module at output\[1\]: .* return tensors"):
+        trace_model(wrapped, (torch.randn(4, 8),), progress=False)

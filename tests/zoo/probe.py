@@ -216,8 +216,9 @@ def _run_build(build: Path, steps: int = 2, timeout: float = 180.0) -> Step:
 
 
 def probe_model(model: ZooModel, workdir: Path, stages: tuple[int, ...] = STAGES,
-                train_run: bool = False) -> dict[str, Any]:
-    """Every step of one model (see the module docstring); the row of the table as a dict."""
+                train_run: bool = False, keywords: bool = True) -> dict[str, Any]:
+    """Every step of one model (see the module docstring; the keyword calls only with ``keywords``);
+    the row of the table as a dict."""
     import torch
 
     from compare import compare_pipeline
@@ -249,7 +250,7 @@ def probe_model(model: ZooModel, workdir: Path, stages: tuple[int, ...] = STAGES
             steps[f"eval@{s}"] = _checked(lambda: compare_pipeline(build, source, False))
     if train_run and steps.get(f"partition@{stages[0]}", Step()).status == "ok":
         steps["run"] = _run_build(workdir / f"s{stages[0]}")
-    if model.has_kwargs:
+    if keywords and model.has_kwargs:
         steps["kwargs"] = _keyword_path(model, "example_kwargs", workdir)
         steps["labels"] = _keyword_path(model, "example_kwargs_labels", workdir)
     row["steps"] = {k: v.to_dict() for k, v in steps.items()}

@@ -15,9 +15,11 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MODELS_DIR", "ZooModel", "zoo_models", "select"]
+__all__ = ["MODELS_DIR", "OUTSIDE_DIR", "ZooModel", "zoo_models", "outside_models", "select"]
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
+# model files written as a new user would, outside the zoo: other configs of the same families (issue 10)
+OUTSIDE_DIR = Path(__file__).resolve().parent / "outside"
 
 # name -> (file stem, factory) for the second model a file builds
 EXTRA: dict[str, tuple[str, str]] = {
@@ -82,6 +84,12 @@ def zoo_models() -> list[ZooModel]:
                                dropout=bool(t.get("DROPOUT", False)), kwargs_only=bool(t.get("KWARGS_ONLY", False)),
                                has_kwargs="example_kwargs" in functions))
     return sorted(models, key=lambda m: (not m.hf, m.name))
+
+
+def outside_models() -> list[ZooModel]:
+    """The model files of ``outside/``, each its ``build_model`` and ``example_inputs`` (no traits declared)."""
+    return [ZooModel(name=p.stem, path=p, model_fn="build_model", hf=bool(_traits(p)["__hf__"]), dropout=False,
+                     kwargs_only=False, has_kwargs=False) for p in sorted(OUTSIDE_DIR.glob("*.py"))]
 
 
 def select(names: list[str] | None) -> list[ZooModel]:
