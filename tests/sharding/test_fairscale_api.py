@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import auto_wrap as auto_wrap_script
@@ -47,18 +46,13 @@ def test_oss_with_plain_ddp_as_fairscale_allows(ddp: list[dict[str, Any]]) -> No
     common.check_against_ddp("OSS + DDP", _values(spawn(oss_sharded_ddp.train, WORLD, EPOCHS, True)), ddp)
 
 
-def _amp_and_overflow(rank: int, world: int) -> dict[str, Any]:
-    out = {"amp": grad_scaler_script.train(rank, world, EPOCHS)}
-    dist.destroy_process_group()
-    out["overflow"] = grad_scaler_script.train(rank, world, 1, True)
-    dist.destroy_process_group()
-    out["ddp_amp"] = common.train_ddp(rank, world, EPOCHS, torch.optim.SGD, True)
-    return out
-
-
 @pytest.mark.distributed
 def test_sharded_grad_scaler_under_autocast_and_an_overflow_on_one_rank() -> None:
-    results = _values(spawn(_amp_and_overflow, WORLD, timeout=TIMEOUT))
+    # one training per job: a second process group in one process (init, destroy, init) hung FSDP2 jobs at random
+    amp = _values(spawn(grad_scaler_script.train, WORLD, EPOCHS, timeout=TIMEOUT))
+    overflow = _values(spawn(grad_scaler_script.train, WORLD, 1, True, timeout=TIMEOUT))
+    ddp_amp = _values(spawn(common.train_ddp, WORLD, EPOCHS, torch.optim.SGD, True, timeout=TIMEOUT))
+    results = [{"amp": a, "overflow": o, "ddp_amp": d} for a, o, d in zip(amp, overflow, ddp_amp)]
     common.check_against_ddp("ShardedGradScaler", [r["amp"] for r in results], [r["ddp_amp"] for r in results],
                              rtol=1e-3, atol=1e-4)
     # rank 1 alone overflowed in the first step: both ranks skipped it and halved the scale
@@ -69,18 +63,12 @@ def test_sharded_grad_scaler_under_autocast_and_an_overflow_on_one_rank() -> Non
         torch.testing.assert_close(results[1]["overflow"]["state"][key], value, rtol=0, atol=0)
 
 
-def _auto_wrap_job(rank: int, world: int) -> dict[str, Any]:
-    out = {"wrapping": auto_wrap_script.check_wrapping(rank, world)}
-    dist.destroy_process_group()
-    out["fsdp"] = auto_wrap_script.train(rank, world, True)
-    dist.destroy_process_group()
-    out["ddp"] = auto_wrap_script.train(rank, world, False)
-    return out
-
-
 @pytest.mark.distributed
 def test_auto_wrapped_transformer_keeps_fairscales_assertions_and_trains_like_ddp() -> None:
-    results = _values(spawn(_auto_wrap_job, WORLD, timeout=TIMEOUT))
+    wrapping = _values(spawn(auto_wrap_script.check_wrapping, WORLD, timeout=TIMEOUT))
+    fsdp = _values(spawn(auto_wrap_script.train, WORLD, True, timeout=TIMEOUT))
+    ddp = _values(spawn(auto_wrap_script.train, WORLD, False, timeout=TIMEOUT))
+    results = [{"wrapping": w, "fsdp": f, "ddp": d} for w, f, d in zip(wrapping, fsdp, ddp)]
     wrapped = results[0]["wrapping"]["wrapped"]
     assert "encoder.layers.0" in wrapped and "encoder.layers.0.linear1" in wrapped
     assert "encoder.layers.0.self_attn" not in wrapped and "" not in wrapped
