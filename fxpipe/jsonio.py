@@ -72,3 +72,13 @@ def check_schema_version(data: dict[str, Any], supported: int, what: str, error:
         readable = f"version {supported}" if oldest == supported else f"versions {oldest} to {supported}"
         raise error(f"{what} schema version {version} is older than this fxpipe reads ({readable}){hint}")
     return version
+
+
+def refuse_unknown_fields(cls: type, data: dict[str, Any], what: str, error: type[FxpipeError]) -> None:
+    """Refuse keys of ``data`` that are not fields of the dataclass ``cls`` (missing ones take defaults)."""
+    from dataclasses import fields
+
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise error(f"unknown {what} {unknown}; expected some of {known}")

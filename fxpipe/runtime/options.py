@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import ConfigError
-from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.jsonio import check_schema_version, dump_json, load_json, refuse_unknown_fields
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel.options import (COMM_HOOKS, SHARD_DTYPES, SHARD_LEVELS, SHARD_REDUCE, SHARD_WRAP,
                                                 DataParallelOptions)
@@ -139,10 +139,7 @@ class RunOptions:
         """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
         check_schema_version(data, RUN_OPTIONS_SCHEMA_VERSION, "run options", ConfigError)
         values = {k: v for k, v in data.items() if k != "schema_version"}
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown run options {unknown}; expected some of {known}")
+        refuse_unknown_fields(cls, values, "run options", ConfigError)
         for name, group in _GROUPS.items():
             if isinstance(values.get(name), dict):
                 values[name] = group.from_dict(values[name])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from fxpipe.errors import ConfigError
+from fxpipe.jsonio import refuse_unknown_fields
 
 __all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "PRECISIONS", "parse_betas"]
 
@@ -109,8 +110,6 @@ class TrainingOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainingOptions:
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown training options {unknown}; expected some of {known}")
+        """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
+        refuse_unknown_fields(cls, data, "training options", ConfigError)
         return cls(**data)

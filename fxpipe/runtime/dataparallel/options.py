@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from fxpipe.errors import ConfigError
+from fxpipe.jsonio import refuse_unknown_fields
 
 __all__ = ["DataParallelOptions", "COMM_HOOKS", "SHARD_LEVELS", "SHARD_REDUCE", "SHARD_WRAP", "SHARD_DTYPES",
            "FSDP_LEVELS"]
@@ -192,10 +193,7 @@ class DataParallelOptions:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataParallelOptions:
         """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown data-parallel options {unknown}; expected some of {known}")
+        refuse_unknown_fields(cls, data, "data-parallel options", ConfigError)
         return cls(**data)
 
 
