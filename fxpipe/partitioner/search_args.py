@@ -11,7 +11,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """``--devices N --device-memory 80GiB --node-size 8 --intra-link/--inter-link`` (presets, or
     ``--*-bandwidth`` GB/s and ``--*-latency`` µs), ``--global-batch G``, ``--top K``, ``--explain``."""
     g = p.add_argument_group("cluster search (fxpipe.partitioner.search): choose S x R x M x schedule x shard x "
-                             "recompute for N devices, instead of --stages")
+                             "recompute for N devices (with --stages S: at that depth)")
     g.add_argument("--devices", type=int, default=None, metavar="N", help="devices in the cluster")
     g.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="memory per device, e.g. 80GiB (default --memory-limit, else unbounded)")

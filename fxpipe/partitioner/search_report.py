@@ -59,8 +59,9 @@ def search_from_args(args: argparse.Namespace, profile: Any, console: Console) -
     """The cluster search the command line asks for (``search_args``), printed; its result."""
     if args.global_batch is None:
         raise ConfigError("--devices searches a cluster at a fixed global batch; add --global-batch G")
-    if args.stages is not None or args.dp != 1 or args.shard != "none":
-        raise ConfigError("--devices chooses the stages, replicas and sharding itself; drop --stages, --dp and --shard")
+    if args.dp != 1 or args.shard != "none":
+        raise ConfigError("--devices chooses the replicas and sharding itself; drop --dp and --shard (--stages S "
+                          "fixes the pipeline depth)")
     cluster = ClusterSpec.from_options(
         args.devices, device_memory=args.device_memory or args.memory_limit, node_size=args.node_size,
         intra_link=args.intra_link, inter_link=args.inter_link, intra_bandwidth_gbs=args.intra_bandwidth,
@@ -68,6 +69,6 @@ def search_from_args(args: argparse.Namespace, profile: Any, console: Console) -
         inter_latency_us=args.inter_latency)
     schedules = None if args.schedule in (AUTO, "1f1b") else (args.schedule,)  # 1f1b is the flag's default
     result = search_configurations(profile, cluster, args.global_batch, optimizer=args.optimizer,
-                                   schedules=schedules, top=args.top)
+                                   schedules=schedules, stages=args.stages, top=args.top)
     print_search_report(result, console, explain=args.explain)
     return result

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,7 +42,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.runtime.agent import AGENT_PREFIX
 from fxpipe.runtime.groups import pick_device
 from fxpipe.runtime.lifeline import PARENT_PID_ENV
-from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.options import RunOptions, with_plan_defaults
 from fxpipe.runtime.record import RunRecord
 from fxpipe.runtime.worker import DEBUG_ENV, ERROR_PREFIX
 
@@ -110,12 +110,13 @@ def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
 
 
 def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: bool = False, *,
-              debug: bool = False) -> RunRecord:
+              debug: bool = False, explicit: frozenset[str] = frozenset()) -> RunRecord:
     """Launch torchrun with one worker per stage and replica, train as ``options`` say, return ``DIR/run.json``.
 
-    ``options.dp`` replicas of the pipeline (``stages x dp`` processes; ``None``: 1) each
+    ``options.dp`` replicas of the pipeline (``stages x dp`` processes; ``None``: the plan's) each
     train on their own ``batch_size`` rows of the model file's ``example_inputs(batch_size x
-    dp)`` and average gradients with DDP (``options.data_parallel``). The options and the
+    dp)`` and average gradients with DDP (``options.data_parallel``; its sharding level the plan's
+    unless ``explicit`` names it: ``with_plan_defaults``). The options and the
     build directory are checked here, before any process starts, and the options handed
     to the workers as a JSON file. ``debug``: workers print tracebacks and every error
     line. Raises the root cause of a failed job as one ``FxpipeError`` (Note [ending a
@@ -126,11 +127,12 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     """
     build_dir = Path(build_dir)
     manifest = Manifest.from_json(build_dir)
-    options = options or RunOptions()
-    replicas = options.dp if options.dp is not None else 1
-    options = replace(options, dp=replicas)  # checks the options that need 2+ replicas before any process starts
-    pick_device(options.device, 0)  # a device this machine does not have is refused here, not on every rank
-    check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+    checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+    # the plan's replicas and sharding where the options leave them open; checks the options that need
+    # 2+ replicas before any process starts
+    options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
+    replicas = options.dp or 1
+    _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
     from fxpipe.runtime.preflight import preflight
 
     options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
@@ -147,6 +149,19 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     if job.output_closed.is_set():
         raise BrokenPipeError("standard output was closed; the job was stopped")
     raise root_cause(job.errors, job.failures, returncode)
+
+
+def _check_world(device: Any, stages: int, replicas: int) -> None:
+    """Refuse, in one line, a job of more CUDA ranks than this machine has GPUs."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if stages * replicas > gpus:
+        raise errors.RuntimeSetupError(
+            f"{stages} stages x {replicas} replicas = {stages * replicas} ranks, but this machine has {gpus} GPUs; "
+            f"run --dp {max(gpus // stages, 1)} (the plan's replicas are the default), or --device cpu")
 
 
 def _start(cmd: list[str], quiet: bool, debug: bool) -> _Job:

@@ -7,8 +7,9 @@ reads the same flags, or that file, or both (flags win). ``add_run_arguments`` a
 points cannot drift apart, and the defaults live only in the dataclass.
 
 Note [None is resolved where it is known]: ``schedule``, ``virtual_stages``,
-``microbatches`` and ``batch_size`` left ``None`` are the build's; ``dp`` is 1 for ``fxpipe run`` and ``WORLD_SIZE / stages``
-under a torchrun that someone else started; ``device`` is ``cuda:LOCAL_RANK`` when CUDA
+``microbatches`` and ``batch_size`` left ``None`` are the build's; ``dp`` is the plan's replicas for
+``fxpipe run`` (1 without a plan; ``with_plan_defaults``, which also takes the plan's sharding when
+``--shard`` is left out) and ``WORLD_SIZE / stages`` under a torchrun that someone else started; ``device`` is ``cuda:LOCAL_RANK`` when CUDA
 is available, else ``cpu``.
 
 A new option is a field here (or in a nested group such as ``DataParallelOptions``,
@@ -27,9 +28,9 @@ import argparse
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxpipe.errors import ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json, refuse_unknown_fields
@@ -38,8 +39,11 @@ from fxpipe.runtime.dataparallel.options import (COMM_HOOKS, SHARD_DTYPES, SHARD
                                                 DataParallelOptions)
 from fxpipe.runtime.training_options import LR_SCHEDULES, OPTIMIZERS, PRECISIONS, TrainingOptions, parse_betas
 
+if TYPE_CHECKING:
+    from fxpipe.partitioner.plan import PartitionPlan
+
 __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
-           "add_run_arguments", "run_options_from_args"]
+           "add_run_arguments", "run_options_from_args", "explicit_fields", "with_plan_defaults"]
 
 RUN_OPTIONS_SCHEMA_VERSION = 1
 DEFAULT_SCHEDULE = "1f1b"  # what a build that names no schedule runs (one stage per rank)
@@ -224,14 +228,15 @@ _FLAGS = (
     _Flag("--device", "device", "cpu, cuda or cuda:N", str, "DEVICE",
           none_means="cuda:LOCAL_RANK when CUDA is available, else cpu"),
     _Flag("--dp", "dp", "data-parallel replicas of the pipeline: stages x R processes", int, "R",
-          none_means="1 with `fxpipe run`, WORLD_SIZE / stages under your own torchrun"),
+          none_means="the plan's replicas with `fxpipe run`, WORLD_SIZE / stages under your own torchrun"),
     _Flag("--comm-hook", "data_parallel.comm_hook",
           f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}", str, "HOOK"),
     _Flag("--powersgd-rank", "data_parallel.powersgd_rank",
           "PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)", int, "K"),
     _Flag("--shard", "data_parallel.shard",
           "shard training state over the replicas: none, optimizer (ZeRO-1: ZeroRedundancyOptimizer), grad-op "
-          "(gradients too: FSDP2, ZeRO-2), full (parameters too: FSDP2, ZeRO-3)", str, "LEVEL", choices=SHARD_LEVELS),
+          "(gradients too: FSDP2, ZeRO-2), full (parameters too: FSDP2, ZeRO-3); default: the plan's with 2+ replicas, "
+          "else none", str, "LEVEL", choices=SHARD_LEVELS),
     _Flag("--shard-optimizer-state", "data_parallel.shard",
           "the older spelling of --shard optimizer", switch="optimizer"),
     _Flag("--shard-reduce", "data_parallel.shard_reduce",
@@ -288,3 +293,40 @@ def run_options_from_args(args: argparse.Namespace) -> RunOptions:
                 target = target.setdefault(part, {})
             target[name] = given[f.path]
     return RunOptions.from_dict(data)
+
+
+def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
+    """The dotted option paths that ``add_run_arguments``' flags or the ``--options`` file set
+    (``with_plan_defaults`` leaves those as given)."""
+    given = vars(args)
+    paths = {f.path for f in _FLAGS if f.path in given}
+    path = given.get("options")
+    if path is not None:
+        data = load_json(path, "--options", ConfigError)
+        paths.update(k for k in data if k not in _GROUPS)
+        for name in _GROUPS:
+            paths.update(f"{name}.{k}" for k in data.get(name) or {})
+        if (data.get("data_parallel") or {}).get("shard_optimizer_state"):
+            paths.add("data_parallel.shard")
+    return frozenset(paths)
+
+
+def with_plan_defaults(options: RunOptions, plan: PartitionPlan | None,
+                       explicit: frozenset[str] = frozenset()) -> RunOptions:
+    """``options`` with the plan's configuration where they leave it open, so that a build runs
+    as it was planned (``fxpipe plan/partition --devices`` or ``--dp``): ``dp`` left ``None`` is
+    the plan's replicas (1 without a plan), and with 2+ replicas the plan's sharding level
+    unless ``explicit`` (``explicit_fields``) names ``data_parallel.shard``.
+
+    >>> with_plan_defaults(RunOptions(), plan).dp  # doctest: +SKIP
+    2
+    """
+    planned = plan.cost.dp_replicas if plan is not None else 1
+    replicas = options.dp if options.dp is not None else planned
+    shard = options.data_parallel.shard
+    if (plan is not None and replicas > 1 and plan.cost.shard != "none" and shard == "none"
+            and "data_parallel.shard" not in explicit):
+        shard = plan.cost.shard
+    if replicas == options.dp and shard == options.data_parallel.shard:
+        return options
+    return replace(options, dp=replicas, data_parallel=replace(options.data_parallel, shard=shard))

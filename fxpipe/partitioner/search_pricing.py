@@ -1,0 +1,160 @@
+"""Pricing one shape of the cluster search: memory per device at each sharding level, recompute
+where memory binds, and the simulated step of what fits (Note [cluster search] in ``search``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from fxpipe.partitioner.cluster import ClusterSpec
+from fxpipe.partitioner.prediction import RuntimeCosts, StepOverheads, simulate_plan, step_overheads
+from fxpipe.partitioner.problem import PartitionProblem, build_problem, evaluate
+from fxpipe.partitioner.schedule import Timeline
+from fxpipe.partitioner.search_shapes import Shape, Split, pipeline_floor, runnable_shard_levels, scale_profile
+from fxpipe.partitioner.search_types import Configuration, ConfigurationScore
+from fxpipe.tracer.profile import ModelProfile
+
+__all__ = ["Pricer", "format_ms"]
+
+_MINOR = 0.05  # a part of the step below this share does not limit it
+
+
+def format_ms(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"
+
+
+class Pricer:
+    """Prices shapes of one search, caching what shapes share: scaled profiles, problems, the
+    step-overhead floor of a split and replica count, simulations (per shape and recompute)."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, optimizer: str,
+                 shard_levels: tuple[str, ...], runtime: RuntimeCosts) -> None:
+        self.profile, self.cluster, self.G, self.optimizer = profile, cluster, global_batch, optimizer
+        self.shard_levels, self.rt = shard_levels, runtime
+        self.priced = self.simulated = 0
+        self._scaled: dict[int, ModelProfile] = {}
+        self._problems: dict[tuple[int, int, str, int], PartitionProblem] = {}
+        self._placed: dict[tuple[int, int, str, int], PartitionProblem] = {}
+        self._floors: dict[tuple[int, int, str, int, tuple[str, ...]], float] = {}
+        self._timelines: dict[tuple[Shape, tuple[bool, ...]], Timeline] = {}
+
+    def problem(self, shape: Shape) -> PartitionProblem:
+        """The shape's partition problem at its microbatch size (one per size, depth, schedule and V)."""
+        key = (shape.microbatch_size, shape.stages, shape.schedule, shape.virtual_stages)
+        if key not in self._problems:
+            # the schedules of one placement share all but the schedule's name: build it once
+            placed = (shape.microbatch_size, shape.stages, shape.placement, shape.virtual_stages)
+            if placed not in self._placed:
+                if shape.microbatch_size not in self._scaled:
+                    self._scaled[shape.microbatch_size] = scale_profile(self.profile, shape.microbatch_size)
+                self._placed[placed] = build_problem(self._scaled[shape.microbatch_size], shape.stages,
+                                                     schedule=shape.schedule, virtual_stages=shape.virtual_stages)
+            self._problems[key] = replace(self._placed[placed], schedule=shape.schedule)
+        return self._problems[key]
+
+    def bound(self, shape: Shape, split: Split) -> float:
+        """A lower bound on the step of every configuration of ``shape``: the pipeline's floor
+        (``pipeline_floor``) on the split's compute, plus the least step overheads."""
+        tail = shape.virtual_stages == 1 and not shape.split_backward
+        scale = shape.microbatch_size / self.profile.batch_size
+        pipeline = pipeline_floor(shape.microbatches, split.rank_ms, split.first_fwd_ms, split.first_bwd_ms, tail)
+        return pipeline * scale + self._overhead_floor(shape, split)
+
+    def _overhead_floor(self, shape: Shape, split: Split) -> float:
+        """The least step overheads (optimizer, data-parallel collectives, fixed costs) over the
+        shape's sharding levels: they do not depend on the microbatch size, and the collectives
+        grow with M (sharding gathers at least once per step), so M = 1 bounds them."""
+        levels = runnable_shard_levels(shape, self.shard_levels)
+        key = (shape.stages, shape.virtual_stages, shape.placement, shape.replicas, levels)
+        if key not in self._floors:
+            problem = replace(self.problem(replace(shape, microbatches=1, microbatch_size=self.profile.batch_size)),
+                              microbatches=1)
+            self._floors[key] = min(
+                step_overheads(replace(problem, cost=self.cluster.cost_model(shape.replicas, optimizer=self.optimizer,
+                                                                             shard=level)),
+                               split.assignment, self.rt).total_ms
+                for level in levels)
+        return self._floors[key]
+
+    def price(self, shape: Shape, split: Split, cutoff: Callable[[], float],
+              keep: Callable[[ConfigurationScore], None], too_big: Callable[[str, int], None]) -> None:
+        """Every runnable sharding level of ``shape``: its memory per device (recomputing the
+        ranks over the device memory, unless the backward is split), and the simulated step
+        (``keep``) of those that fit and can still beat ``cutoff()``; ``too_big(level, bytes)``
+        for those that do not fit."""
+        S, M = shape.stages, shape.microbatches
+        assignment = split.assignment
+        limit = self.cluster.device_memory
+        base = self.cluster.cost_model(shape.replicas, optimizer=self.optimizer)
+        problem = replace(self.problem(shape), microbatches=M, cost=base, memory_limit=limit)
+        ev = evaluate(problem, assignment)
+        self.priced += 1
+        held = _rank_param_bytes(problem, assignment)
+        rest = [m - base.state_factor * p for m, p in zip(ev.rank_memory_bytes, held)]  # all but training state
+        saved = [0.0] * problem.num_ranks  # what recomputing every stage of the rank saves
+        for st in ev.stages:
+            saved[st.rank] += st.activation_bytes - st.activation_bytes / st.in_flight
+        tail = shape.virtual_stages == 1 and not shape.split_backward
+        first_fwd = [ev.stages[r].fwd_ms for r in range(S)]
+        first_bwd = [ev.stages[r].bwd_ms for r in range(S)]
+        for shard in runnable_shard_levels(shape, self.shard_levels):
+            cost = replace(base, shard=shard)
+            memory = [r + cost.state_factor * p for r, p in zip(rest, held)]
+            recompute: tuple[bool, ...] = ()
+            if limit is not None and max(memory) > limit:
+                if shape.split_backward:
+                    too_big(shard, int(max(memory)))
+                    continue
+                over = {r for r, m in enumerate(memory) if m > limit}
+                memory = [m - saved[r] if r in over else m for r, m in enumerate(memory)]
+                if max(memory) > limit:
+                    too_big(shard, int(max(memory)))
+                    continue
+                recompute = tuple(problem.stage_ranks[s] in over for s in range(problem.num_stages))
+            priced = replace(problem, cost=replace(cost, recompute=recompute))
+            overheads = step_overheads(priced, assignment, self.rt)
+            busy = [0.0] * S
+            for s, st in enumerate(ev.stages):
+                busy[st.rank] += st.compute_ms + (st.fwd_ms if recompute and recompute[s] else 0.0)
+            if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
+                continue
+            key = (shape, recompute)
+            if key not in self._timelines:
+                timed = evaluate(priced, assignment) if recompute else ev
+                self._timelines[key] = simulate_plan(priced, assignment, self.rt, evaluation=timed)
+                self.simulated += 1
+            keep(self._score(shape, shard, recompute, self._timelines[key], overheads, int(max(memory)),
+                             assignment, [st.fwd_ms for st in ev.stages], problem.stage_ranks))
+
+    def _score(self, shape: Shape, shard: str, recompute: tuple[bool, ...], line: Timeline,
+               overheads: StepOverheads, memory: int, assignment: tuple[int, ...], fwd_ms: list[float],
+               ranks: tuple[int, ...]) -> ConfigurationScore:
+        step = line.step_ms + overheads.total_ms
+        busy = max(line.busy_ms())
+        extra = [0.0] * shape.stages
+        for s, flag in enumerate(recompute):
+            if flag:
+                extra[ranks[s]] += shape.microbatches * fwd_ms[s]
+        config = Configuration(shape.stages, shape.replicas, shape.microbatches, shape.microbatch_size,
+                               shape.schedule, shape.virtual_stages, shard, recompute)
+        parts = {"pipeline bubble": line.step_ms - busy, "data-parallel collectives": overheads.dp_all_reduce_ms,
+                 "recompute": max(extra), "optimizer step": overheads.optimizer_ms}
+        name, worst = max(parts.items(), key=lambda kv: kv[1])
+        limit_text = f"{name} {format_ms(worst)} ({worst / step:.0%} of the step)" if worst >= _MINOR * step \
+            else "compute"
+        if recompute:
+            limit_text += "; memory-bound (recomputes)"
+        return ConfigurationScore(config=config, step_ms=step, samples_per_s=self.G / (step / 1e3),
+                                  pipeline_ms=line.step_ms, bubble=line.bubble, peak_memory_bytes=memory,
+                                  dp_ms=overheads.dp_all_reduce_ms, recompute_ms=max(extra), limit=limit_text,
+                                  assignment=assignment)
+
+
+def _rank_param_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[int]:
+    """Bytes of the distinct parameters each rank holds."""
+    params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
+    for u, s in enumerate(assignment):
+        params[problem.stage_ranks[s]].update(problem.unit_params[u])
+    return [sum(problem.param_bytes[p] for p in ps) for ps in params]
+
+
