@@ -31,9 +31,27 @@ def in_flight_per_stage(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
+def _order_in_flight(order: list[tuple[str, int]]) -> int:
+    """``in_flight_per_stage`` of one stage's (kind, microbatch) order."""
+    split = {m for k, m in order if k == "W"}
+    live = peak = 0
+    for k, m in order:
+        if k == "F":
+            live += 1
+            peak = max(peak, live)
+        elif k == "W" or (k == "B" and m not in split):
+            live -= 1
+    return peak
+
+
 @functools.lru_cache(maxsize=4096)
 def schedule_in_flight(name: str, num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
-    """``in_flight_per_stage`` of the named schedule (cached: the planner asks for it per stage)."""
+    """``in_flight_per_stage`` of the named schedule (cached: the planner asks for it per stage). One
+    stage per rank: read from the stage orders, without building the actions (the cluster search
+    asks for thousands of sizes)."""
+    from fxpipe.partitioner.schedule.one_chunk import ONE_CHUNK_ORDERS, stage_order
     from fxpipe.partitioner.schedule.registry import make_schedule
 
+    if name in ONE_CHUNK_ORDERS and virtual_stages == 1 and num_ranks >= 1 and microbatches >= 1:
+        return tuple(_order_in_flight(stage_order(name, num_ranks, microbatches, s)) for s in range(num_ranks))
     return in_flight_per_stage(make_schedule(name, num_ranks, microbatches, virtual_stages))

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from fxpipe.errors import ScheduleError
 
-__all__ = ["stage_order"]
+__all__ = ["stage_order", "ONE_CHUNK_ORDERS"]
 
-_ORDERS = ("gpipe", "1f1b", "zb-h1")
+ONE_CHUNK_ORDERS = ("gpipe", "1f1b", "zb-h1")
 
 
 def stage_order(schedule: str, num_stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
@@ -32,8 +32,8 @@ def stage_order(schedule: str, num_stages: int, microbatches: int, stage: int) -
     M = microbatches
     if schedule == "gpipe":
         return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
-    if schedule not in _ORDERS:
-        raise ScheduleError(f"unknown one-stage-per-rank schedule {schedule!r}; expected one of {list(_ORDERS)}")
+    if schedule not in ONE_CHUNK_ORDERS:
+        raise ScheduleError(f"unknown one-stage-per-rank schedule {schedule!r}; expected one of {list(ONE_CHUNK_ORDERS)}")
     deferred = stage if schedule == "zb-h1" else None   # W's this stage keeps pending
     warmup = min(num_stages - 1 - stage, M)
     order = [("F", m) for m in range(warmup)]
