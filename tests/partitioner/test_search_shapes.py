@@ -1,0 +1,81 @@
+"""The cluster search's shapes: one compute-balanced split per chunk count, its placement on the
+ranks, the sharding levels the runtime runs, and a fixed pipeline depth."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fxpipe.errors import ConfigError
+from fxpipe.partitioner.cluster import ClusterSpec
+from fxpipe.partitioner.problem import build_problem, evaluate
+from fxpipe.partitioner.search import search_configurations
+from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes, runnable_shard_levels
+from fxpipe.partitioner.synthetic import transformer_profile
+
+
+def _small(layers: int = 5):
+    return transformer_profile(layers=layers, hidden=128, ffn=512, heads=4, kv_heads=2, vocab=512, seq=512,
+                               device_tflops=0.05)
+
+
+def _contiguous_splits(units: int, count: int):
+    for cuts in itertools.combinations(range(1, units), count - 1):
+        bounds = (0, *cuts, units)
+        yield tuple(s for s in range(count) for _ in range(bounds[s], bounds[s + 1]))
+
+
+def test_each_chunk_count_gets_its_own_balanced_split() -> None:
+    profile = _small()
+    cluster = ClusterSpec(devices=8, node_size=4)
+    cache = SplitCache(profile, cluster)
+    n = len(profile.units)
+    seen = set()
+    for count in range(1, n + 1):
+        chunks = cache.chunks(count)
+        assert chunks is not None and sorted(set(chunks)) == list(range(count))
+        assert list(chunks) == sorted(chunks)  # contiguous, in order
+        problem = build_problem(profile, count, cost=cluster.cost_model())
+        best = min(evaluate(problem, a).bottleneck_ms for a in _contiguous_splits(n, count))
+        assert evaluate(problem, chunks).bottleneck_ms == pytest.approx(best)  # brute force: no better split
+        seen.add(chunks)
+    assert len(seen) == n  # a split per count, never one reused for another count
+    assert cache.chunks(n + 1) is None
+
+
+def test_a_split_is_placed_on_the_ranks_as_its_schedule_places_it() -> None:
+    profile = _small()
+    cache = SplitCache(profile, ClusterSpec(devices=8))
+    compute = [u.fwd_ms + u.bwd_ms for u in profile.units]
+    chunks = cache.chunks(4)
+    per_chunk = [sum(c for c, s in zip(compute, chunks) if s == k) for k in range(4)]
+    loop, v = cache.split(2, 2, "loop"), cache.split(2, 2, "v")
+    assert loop is not None and v is not None and loop.assignment == v.assignment == cache.split(4, 1, "loop").assignment
+    assert loop.rank_ms == pytest.approx((per_chunk[0] + per_chunk[2], per_chunk[1] + per_chunk[3]))
+    assert v.rank_ms == pytest.approx((per_chunk[0] + per_chunk[3], per_chunk[1] + per_chunk[2]))
+
+
+def test_fsdp_levels_only_where_the_runtime_runs_them() -> None:
+    levels = ("none", "optimizer", "grad-op", "full")
+    assert runnable_shard_levels(Shape(2, 2, 4, 1, "1f1b", 1), levels) == levels
+    assert runnable_shard_levels(Shape(2, 2, 4, 1, "zb-h1", 1), levels) == ("none", "optimizer")
+    assert runnable_shard_levels(Shape(2, 2, 4, 1, "interleaved-1f1b", 2), levels) == ("none", "optimizer")
+    assert runnable_shard_levels(Shape(2, 1, 4, 1, "1f1b", 1), levels) == ("none",)
+    result = search_configurations(_small(6), ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4), 16,
+                                   top=10**6)
+    configs = [s.config for s in result.ranked]
+    assert any(c.shard in ("grad-op", "full") for c in configs) and any(c.virtual_stages > 1 for c in configs)
+    for c in configs:
+        if c.shard in ("grad-op", "full"):
+            assert c.virtual_stages == 1 and c.schedule in ("gpipe", "1f1b")
+
+
+def test_a_fixed_depth_searches_the_replicas_and_the_rest() -> None:
+    shapes = enumerate_shapes(7, 4, 8, [("1f1b", 1), ("interleaved-1f1b", 2)], range(2, 3))
+    assert {(s.stages, s.replicas) for s in shapes} == {(2, 2)}
+    assert {(s.microbatches, s.microbatch_size) for s in shapes} == {(1, 4), (2, 2), (4, 1)}
+    result = search_configurations(_small(), ClusterSpec(devices=4), 8, stages=2, top=10**6)
+    assert {(s.config.stages, s.config.replicas) for s in result.ranked} == {(2, 2)}
+    with pytest.raises(ConfigError, match=r"--stages 5 with --devices 4: the depth must be 1\.\.4"):
+        search_configurations(_small(), ClusterSpec(devices=4), 8, stages=5)
