@@ -1,6 +1,7 @@
 """Cluster search: planning time for a 70B-shaped profile, and the simulator's 1F1B vs interleaved ratio on paper.
 
     PYTHONPATH=. .venv/bin/python benchmarks/prediction/cluster_search.py [--out benchmarks/prediction]
+        [--searches 64:64 64:256 1024:1024] [--no-paper]
 
 1. ``search_configurations`` on a synthetic Llama-3-70B profile (``llama3_70b_profile``:
    80 blocks, 4096-token sequences, 400 TFLOP/s effective per device, Adam) on 64 and
@@ -97,9 +98,13 @@ def _markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    p.add_argument("--searches", nargs="+", default=["64:64", "64:256", "1024:1024"], metavar="DEVICES:BATCH",
+                   help="the searches to time (default 64:64 64:256 1024:1024)")
+    p.add_argument("--no-paper", action="store_true", help="skip the 1F1B vs interleaved check")
     args = p.parse_args(argv)
-    result = {"timing": [_timed_search(64, 64), _timed_search(64, 256), _timed_search(1024, 1024)],
-              "interleaved": [_interleaved_ratio(b) for b in (12, 24, 36, 48, 60)]}
+    searches = [tuple(int(x) for x in spec.split(":")) for spec in args.searches]
+    result = {"timing": [_timed_search(devices, batch) for devices, batch in searches],
+              "interleaved": [] if args.no_paper else [_interleaved_ratio(b) for b in (12, 24, 36, 48, 60)]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cluster_search.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "cluster_search.md").write_text(_markdown(result))
