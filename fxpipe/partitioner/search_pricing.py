@@ -55,7 +55,7 @@ class Pricer:
     def bound(self, shape: Shape, split: Split) -> float:
         """A lower bound on the step of every configuration of ``shape``: the pipeline's floor
         (``pipeline_floor``) on the split's compute, plus the least step overheads."""
-        tail = shape.virtual_stages == 1 and not shape.split_backward
+        tail = _tail(shape)
         scale = shape.microbatch_size / self.profile.batch_size
         pipeline = pipeline_floor(shape.microbatches, split.rank_ms, split.first_fwd_ms, split.first_bwd_ms, tail)
         return pipeline * scale + self._overhead_floor(shape, split)
@@ -94,7 +94,7 @@ class Pricer:
         saved = [0.0] * problem.num_ranks  # what recomputing every stage of the rank saves
         for st in ev.stages:
             saved[st.rank] += st.activation_bytes - st.activation_bytes / st.in_flight
-        tail = shape.virtual_stages == 1 and not shape.split_backward
+        tail = _tail(shape)
         first_fwd = [ev.stages[r].fwd_ms for r in range(S)]
         first_bwd = [ev.stages[r].bwd_ms for r in range(S)]
         for shard in runnable_shard_levels(shape, self.shard_levels):
@@ -148,6 +148,14 @@ class Pricer:
                                   pipeline_ms=line.step_ms, bubble=line.bubble, peak_memory_bytes=memory,
                                   dp_ms=overheads.dp_all_reduce_ms, recompute_ms=max(extra), limit=limit_text,
                                   assignment=assignment)
+
+
+def _tail(shape: Shape) -> bool:
+    """Whether the last gradient must still pass back through the ranks before rank r after r's
+    last action (``pipeline_floor``'s ``tail``): with a fused backward and loop placement, rank r's
+    last action is a backward of its first stage r (every backward of its later stages S·k + r
+    precedes that microbatch's backward of stage r), then stages r-1 .. 0 follow."""
+    return not shape.split_backward and shape.placement == "loop"
 
 
 def _rank_param_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[int]:

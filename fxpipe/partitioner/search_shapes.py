@@ -140,8 +140,8 @@ class SplitCache:
 def pipeline_floor(microbatches: int, busy_ms: list[float] | tuple[float, ...], first_fwd_ms: list[float] |
                    tuple[float, ...], first_bwd_ms: list[float] | tuple[float, ...], tail: bool) -> float:
     """A lower bound on a pipeline's forward/backward part: rank r cannot start before microbatch 0
-    has passed the ranks before it, then computes M x its ``busy_ms``; with ``tail`` (one unsplit
-    stage per rank) the last gradient must then pass back through the ranks before it."""
+    has passed the ranks before it, then computes M x its ``busy_ms``; with ``tail`` (a fused
+    backward on loop-placed stages) the last gradient must then pass back through the ranks before it."""
     best = before_f = before_b = 0.0
     for r, busy in enumerate(busy_ms):
         best = max(best, before_f + microbatches * busy + (before_b if tail else 0.0))

@@ -79,3 +79,24 @@ def test_a_fixed_depth_searches_the_replicas_and_the_rest() -> None:
     assert {(s.config.stages, s.config.replicas) for s in result.ranked} == {(2, 2)}
     with pytest.raises(ConfigError, match=r"--stages 5 with --devices 4: the depth must be 1\.\.4"):
         search_configurations(_small(), ClusterSpec(devices=4), 8, stages=5)
+
+
+def test_the_bound_is_below_every_priced_step() -> None:
+    """The lower bound that orders and prunes the shapes (the fill, M x the busiest rank, the drain
+    back through the ranks before it under a fused backward on loop-placed stages, the least step
+    overheads) is at most the simulated step of every configuration of the shape, every schedule."""
+    from fxpipe.partitioner.prediction import RUNTIME_COSTS
+    from fxpipe.partitioner.search_pricing import Pricer
+
+    profile = _small(6)
+    cluster = ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4)
+    result = search_configurations(profile, cluster, 16, top=10**6)
+    pricer = Pricer(profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), RUNTIME_COSTS["cpu"])
+    splits = SplitCache(profile, cluster)
+    assert {s.config.schedule for s in result.ranked} >= {"gpipe", "1f1b", "interleaved-1f1b"}
+    for score in result.ranked:
+        c = score.config
+        shape = Shape(c.stages, c.replicas, c.microbatches, c.microbatch_size, c.schedule, c.virtual_stages)
+        split = splits.split(shape.stages, shape.virtual_stages, shape.placement)
+        assert split is not None
+        assert pricer.bound(shape, split) <= score.step_ms * (1 + 1e-9), c.label
