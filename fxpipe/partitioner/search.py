@@ -41,7 +41,7 @@ from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts
 from fxpipe.partitioner.search_explain import Explanations
 from fxpipe.partitioner.search_pricing import Pricer
-from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes, scale_profile
+from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes, least_bottleneck, scale_profile
 from fxpipe.partitioner.search_types import Alternative, Configuration, ConfigurationScore, SearchResult
 from fxpipe.tracer.profile import ModelProfile
 
@@ -97,17 +97,23 @@ class _Search:
         self.pricer = Pricer(profile, cluster, global_batch, optimizer, shard_levels, runtime)
         self.explain = Explanations(cluster, top)
         self.best: list[ConfigurationScore] = []  # the top k so far
-        compute = [u.fwd_ms + u.bwd_ms for u in profile.units]
-        self.total_ms, self.largest_ms = sum(compute), max(compute)
+        self.compute_ms = [u.fwd_ms + u.bwd_ms for u in profile.units]
+        self.busiest: dict[tuple[int, int], float] = {}
 
     def cutoff(self) -> float:
         """The k-th best step so far (a shape whose bound is above it cannot enter the top k)."""
         return self.best[-1].step_ms if len(self.best) >= self.top else math.inf
 
     def _coarse_bound(self, shape: Shape) -> float:
-        """The model's compute spread evenly over the ranks (no split needed), M times, plus the fixed step cost."""
+        """M x the least busiest rank any split could give (no split needed), plus the fixed step cost:
+        one stage per rank holds at least the least bottleneck of S contiguous parts, a rank of V
+        chunks at least the largest of S x V parts and its share of the model."""
+        S, V = shape.stages, shape.virtual_stages
+        if (S, V) not in self.busiest:
+            total = sum(self.compute_ms)
+            self.busiest[(S, V)] = max(total / S, least_bottleneck(self.compute_ms, S * V))
         scale = shape.microbatch_size / self.profile.batch_size
-        return shape.microbatches * max(self.total_ms / shape.stages, self.largest_ms) * scale + self.rt.step_ms
+        return shape.microbatches * self.busiest[(S, V)] * scale + self.rt.step_ms
 
     def run(self, shapes: list[Shape]) -> None:
         """Price the shapes in order of their lower bound, first the coarse one, then, when a

@@ -18,7 +18,7 @@ from fxpipe.partitioner.schedule import schedule_kind, stage_ranks
 from fxpipe.tracer.profile import ModelProfile, TensorSpec
 
 __all__ = ["Shape", "Split", "SplitCache", "scale_profile", "enumerate_shapes", "pipeline_floor",
-           "runnable_shard_levels"]
+           "runnable_shard_levels", "least_bottleneck"]
 
 FSDP_LEVELS = ("grad-op", "full")  # the runtime runs these only on one unsplit stage per rank
 
@@ -148,3 +148,25 @@ def pipeline_floor(microbatches: int, busy_ms: list[float] | tuple[float, ...], 
         before_f += first_fwd_ms[r]
         before_b += first_bwd_ms[r]
     return best
+
+
+def least_bottleneck(compute_ms: list[float] | tuple[float, ...], count: int) -> float:
+    """A lower bound (within 1e-9 of it, from below) on the largest part's sum over every split of
+    ``compute_ms`` into ``count`` contiguous parts: bisection on the cap with a greedy check, no
+    split built. The search bounds a shape by it before the split's DP is solved."""
+    lo, hi = max(max(compute_ms), sum(compute_ms) / count), sum(compute_ms)
+    if count <= 1 or lo >= hi:
+        return hi if count <= 1 else lo
+    while hi - lo > 1e-9 * hi:
+        cap = (lo + hi) / 2
+        parts, run = 1, 0.0
+        for c in compute_ms:
+            if run + c > cap:
+                parts, run = parts + 1, c
+            else:
+                run += c
+        if parts <= count:
+            hi = cap
+        else:
+            lo = cap
+    return lo * (1 - 1e-9)  # below the float sums' rounding too

@@ -100,3 +100,31 @@ def test_the_bound_is_below_every_priced_step() -> None:
         split = splits.split(shape.stages, shape.virtual_stages, shape.placement)
         assert split is not None
         assert pricer.bound(shape, split) <= score.step_ms * (1 + 1e-9), c.label
+
+
+def test_least_bottleneck_is_the_brute_force_one_from_below() -> None:
+    from fxpipe.partitioner.search_shapes import least_bottleneck
+
+    for values in ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], [1.0] * 7, [10.0, 0.5, 0.5, 0.5, 8.0]):
+        for count in range(1, len(values) + 1):
+            best = min(max(sum(values[a:b]) for a, b in zip((0, *cuts), (*cuts, len(values))))
+                       for cuts in itertools.combinations(range(1, len(values)), count - 1))
+            got = least_bottleneck(values, count)
+            assert got <= best and got == pytest.approx(best, rel=1e-8), (values, count)
+
+
+def test_the_coarse_bound_is_below_the_splits_bound() -> None:
+    """Shapes are first ordered by a bound without a split; it must not exceed the split's bound."""
+    from fxpipe.partitioner.auto import auto_candidates
+    from fxpipe.partitioner.prediction import RUNTIME_COSTS
+    from fxpipe.partitioner.search import _Search
+
+    profile = _small(6)
+    cluster = ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4)
+    search = _Search(profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), 5, RUNTIME_COSTS["cpu"])
+    shapes = enumerate_shapes(len(profile.units), 8, 16, list(auto_candidates()), range(1, 9))
+    assert len(shapes) > 50
+    for shape in shapes:
+        split = search.splits.split(shape.stages, shape.virtual_stages, shape.placement)
+        if split is not None:
+            assert search._coarse_bound(shape) <= search.pricer.bound(shape, split), shape
