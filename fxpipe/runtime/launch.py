@@ -18,6 +18,14 @@ waits 30 s for a rank that ignores ``SIGTERM`` (a stopped one) when a peer faile
 itself is signalled), so ``_GRACE_S`` after the first error line the launcher kills the
 agent, and every worker dies with it (``fxpipe.runtime.lifeline``). When our own standard output is closed (``fxpipe run … |
 head``), the job is stopped quietly and ``BrokenPipeError`` is raised.
+
+Note [Ctrl-C]: ``fxpipe run`` stops the job on ``SIGINT`` (exit 130, ``error:
+interrupted``) however it was started. A process inherits an ignored ``SIGINT`` (and a
+blocked one) across ``exec``: a non-interactive shell starts every ``cmd &`` with
+``SIGINT`` ignored, and so does anything started from such a process (a CI step, ``make``
+run in the background, pytest). Python then never installs its ``KeyboardInterrupt``
+handler, and the launcher would ignore a Ctrl-C while torchrun's agent, which installs its
+own handler, does not. ``handle_ctrl_c`` restores the handler in the launching process.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from fxpipe.runtime.options import RunOptions
 from fxpipe.runtime.record import RunRecord
 from fxpipe.runtime.worker import DEBUG_ENV, ERROR_PREFIX
 
-__all__ = ["run_build", "torchrun_command", "free_port"]
+__all__ = ["run_build", "torchrun_command", "free_port", "handle_ctrl_c"]
 
 _GRACE_S = 2.0   # after the first error line, how long the other ranks get to end on their own
 _STOP_S = 3.0    # after asking the agent to stop, how long before it is killed
@@ -58,6 +66,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def handle_ctrl_c() -> None:
+    """Make ``SIGINT`` raise ``KeyboardInterrupt`` in this process even when it was started with
+    ``SIGINT`` ignored or blocked (Note [Ctrl-C]). Call it from the main thread."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def torchrun_command(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:
