@@ -375,10 +375,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.launch import handle_ctrl_c, run_build
+    from fxpipe.runtime.launch import become_launcher, run_build
     from fxpipe.runtime.options import run_options_from_args
 
-    handle_ctrl_c()  # even when started with SIGINT ignored, as `cmd &` in a script is (Note [Ctrl-C])
+    become_launcher()  # Ctrl-C stops the job however this process was started (launch.py, Note [Ctrl-C])
     _enter("launching")
     run_build(args.build_dir, run_options_from_args(args), debug=args.debug)
     return 0
