@@ -375,9 +375,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.launch import run_build
+    from fxpipe.runtime.launch import become_launcher, run_build
     from fxpipe.runtime.options import explicit_fields, run_options_from_args
 
+    become_launcher()  # Ctrl-C stops the job however this process was started (launch.py, Note [Ctrl-C])
     _enter("launching")
     run_build(args.build_dir, run_options_from_args(args), debug=args.debug, explicit=explicit_fields(args))
     return 0

@@ -15,6 +15,7 @@ This is PyTorch's own launcher (``torch.distributed.run``: its argument parser a
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
         if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    gc.freeze()  # torch's objects are never garbage: the exit after a stop skips them (launch.py, Note [Ctrl-C])
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
     except ChildFailedError as exc:

@@ -18,10 +18,24 @@ waits 30 s for a rank that ignores ``SIGTERM`` (a stopped one) when a peer faile
 itself is signalled), so ``_GRACE_S`` after the first error line the launcher kills the
 agent, and every worker dies with it (``fxpipe.runtime.lifeline``). When our own standard output is closed (``fxpipe run … |
 head``), the job is stopped quietly and ``BrokenPipeError`` is raised.
+
+Note [Ctrl-C]: ``fxpipe run`` stops the job on ``SIGINT`` (exit 130, ``error:
+interrupted``) however it was started. A process inherits an ignored ``SIGINT`` (and a
+blocked one) across ``exec``: a non-interactive shell starts every ``cmd &`` with
+``SIGINT`` ignored, and so does anything started from such a process (a CI step, ``make``
+run in the background, pytest). Python then never installs its ``KeyboardInterrupt``
+handler, and the launcher would ignore a Ctrl-C while torchrun's agent, which installs its
+own handler, does not. ``become_launcher`` restores the handler in the ``fxpipe run``
+process. The job is gone within a second or two of the signal, also on a loaded machine:
+the launcher and the agent freeze what torch's import left on the heap (``gc.freeze``)
+before the job starts, so that their interpreters' final garbage collection skips it
+(without that, each spent seconds "Garbage-collecting" at exit on a busy 2-core machine,
+and the agent was killed at ``_STOP_S`` rather than ending on its own).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -46,7 +60,7 @@ from fxpipe.runtime.options import RunOptions, with_plan_defaults
 from fxpipe.runtime.record import RunRecord
 from fxpipe.runtime.worker import DEBUG_ENV, ERROR_PREFIX
 
-__all__ = ["run_build", "torchrun_command", "free_port"]
+__all__ = ["run_build", "torchrun_command", "free_port", "become_launcher"]
 
 _GRACE_S = 2.0   # after the first error line, how long the other ranks get to end on their own
 _STOP_S = 3.0    # after asking the agent to stop, how long before it is killed
@@ -58,6 +72,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def become_launcher() -> None:
+    """Set this process up as ``fxpipe run`` (Note [Ctrl-C]): ``SIGINT`` raises ``KeyboardInterrupt``
+    even when the process was started with it ignored or blocked, and torch's objects are frozen
+    out of the garbage collector. For the main thread of a process that exists to run one job
+    (not for a caller of ``run_build``: both are process-wide)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    import fxpipe.runtime.preflight  # noqa: F401  (imports torch, as the launcher does anyway: frozen with the rest)
+
+    gc.freeze()
 
 
 def torchrun_command(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -85,22 +87,47 @@ def fxpipe_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+@contextmanager
+def sigint_for_children(how: str) -> Iterator[None]:
+    """Processes started inside get ``SIGINT`` as ``how`` says: ``"inherited"`` (as this process has it),
+    ``"ignored"`` (as a non-interactive shell starts ``cmd &``) or ``"blocked"``; both survive ``exec``."""
+    if how == "inherited":
+        yield
+        return
+    if how == "ignored":
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return
+    assert how == "blocked", how
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 @dataclass
 class FaultyRun:
-    """``fxpipe run DIR --steps STEPS --timeout TIMEOUT``, started as a subprocess with its output captured."""
+    """``fxpipe run DIR --steps STEPS --timeout TIMEOUT``, started as a subprocess with its output captured
+    (``sigint``: how the launcher gets ``SIGINT`` from its parent, see ``sigint_for_children``)."""
 
     build_dir: Path
     steps: int = 1000
     timeout_s: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
+    sigint: str = "inherited"
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         cmd = [sys.executable, "-m", "fxpipe", "run", str(self.build_dir), "--steps", str(self.steps),
                "--timeout", str(self.timeout_s)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**fxpipe_env(), **self.env})
+        with sigint_for_children(self.sigint):
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         env={**fxpipe_env(), **self.env})
         for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
             threading.Thread(target=_collect, args=(stream, sink), daemon=True).start()
 

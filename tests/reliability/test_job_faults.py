@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 GONE_S = 6.0  # every process gone this long after a rank, the agent or the launcher is killed
 
 
-def _slow(build: Path, timeout_s: float = 20.0) -> FaultyRun:
-    run = FaultyRun(build, timeout_s=timeout_s, env={"FXPIPE_PROBE_LOSS": "slow"})
+def _slow(build: Path, timeout_s: float = 20.0, sigint: str = "inherited") -> FaultyRun:
+    run = FaultyRun(build, timeout_s=timeout_s, env={"FXPIPE_PROBE_LOSS": "slow"}, sigint=sigint)
     run.wait_for_step(3)
     return run
 
@@ -57,9 +57,12 @@ def test_workers_die_with_the_agent_and_the_launcher(who: str, leaf_project: Pat
     assert run.signal_and_time(next(iter(run.job()[who])), signal.SIGKILL) < GONE_S
 
 
-def test_ctrl_c_on_the_launcher_stops_the_job(leaf_project: Path) -> None:
-    run = _slow(leaf_project / "build")
-    assert run.signal_and_time(run.proc.pid, signal.SIGINT) < GONE_S
+@pytest.mark.parametrize("sigint", ["inherited", "ignored", "blocked"])
+def test_ctrl_c_on_the_launcher_stops_the_job(sigint: str, leaf_project: Path) -> None:
+    """Also when ``fxpipe run`` was started with SIGINT ignored (``fxpipe run … &`` in a script, or
+    anything a process started that way starts: ``make test-heavy &`` failed here) or blocked."""
+    run = _slow(leaf_project / "build", sigint=sigint)
+    assert run.signal_and_time(run.proc.pid, signal.SIGINT, limit_s=30.0) < GONE_S
     assert run.proc.returncode == 130 and _error(run) == "error: interrupted"
 
 
