@@ -171,6 +171,7 @@ def training_state(runner: PipelineRunner, step: int, data_position: int, histor
         "model": _cpu(runner.state_dict()),
         "optimizer": runner.optimizer.state_dict() if runner.optimizer is not None else {},
         "scheduler": runner.scheduler.state_dict() if runner.scheduler is not None else {},
+        "scaler": runner.scaler.scaler.state_dict() if runner.scaler is not None else {},
     }
 
 
@@ -191,6 +192,8 @@ def restore_training_state(runner: PipelineRunner, state: dict[str, Any]) -> Non
         runner.optimizer.load_state_dict(state["optimizer"])
     if runner.scheduler is not None:
         runner.scheduler.load_state_dict(state["scheduler"])
+    if runner.scaler is not None and state.get("scaler"):  # fp16's loss scale and its growth tracker
+        runner.scaler.scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     if "cuda" in state["rng"] and runner.device.type == "cuda":

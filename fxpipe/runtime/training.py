@@ -162,6 +162,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             if runner.last_grad_norm is not None:
                 history["grad_norms"].append(runner.last_grad_norm)
             done = k + 1
+            if lead and runner.scaler is not None and runner.scaler.skipped:
+                print(f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
+                      flush=True)
             if lead and (done % t.log_every == 0 or done == options.steps):
                 recent = history["losses"][-len(window):]
                 mean_s = sum(window) / len(window)

@@ -22,7 +22,7 @@ __all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "PRECISIONS", "parse
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("fp32", "bf16")  # RunOptions.precision (fxpipe.runtime.precision)
+PRECISIONS = ("fp32", "bf16", "fp16")  # RunOptions.precision (fxpipe.runtime.precision)
 
 
 def parse_betas(text: str) -> tuple[float, float]:
