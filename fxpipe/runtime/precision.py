@@ -4,8 +4,13 @@
 function, in ``torch.autocast(device_type, dtype=torch.bfloat16)``, as one process would
 wrap the whole model's forward and loss; the backward runs outside autocast, as torch
 recommends (it replays the dtypes the forward chose). Parameters, gradients and
-optimizer state stay in fp32; tensors crossing a stage boundary are sent in the
-manifest's dtype (Note [implied communication] in ``fxpipe.runtime.stage_io``).
+optimizer state stay in fp32. An fp32 tensor crossing a stage boundary is sent in the
+autocast dtype (``wire_dtype``; half the bytes, and the plan prices it so with
+``fxpipe partition --precision``), as Megatron-LM sends its activations in the pipeline
+dtype: the receiving stage would cast it under autocast anyway, except where an op
+autocast keeps in fp32 (a norm, a residual sum) reads it, which then sees the rounding of
+one cast more than one process does (within the precision's tolerance). Its gradient comes
+back in the same dtype.
 
 bf16 needs no loss scaling. ``--precision fp16`` does: ``PipelineScaler`` is one dynamic
 loss scale for the whole job. Every rank holds the same scale (a power of two); the last
@@ -31,7 +36,7 @@ import torch.nn as nn
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.training_options import PRECISIONS
 
-__all__ = ["autocast_dtype", "autocast_stages", "autocast_loss", "PipelineScaler"]
+__all__ = ["autocast_dtype", "autocast_stages", "autocast_loss", "wire_dtype", "PipelineScaler"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,6 +46,13 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     return _DTYPES[precision]
+
+
+def wire_dtype(dtype: torch.dtype, autocast: torch.dtype | None) -> torch.dtype:
+    """The dtype a boundary tensor of ``dtype`` travels in between stages: fp32 ones in the autocast
+    dtype (half the bytes; the receiving stage computes in it anyway), others as they are. The
+    plan prices them so (``CostModel.precision``)."""
+    return autocast if autocast is not None and dtype == torch.float32 else dtype
 
 
 def _wrap(fn: Callable[..., Any], device_type: str, dtype: torch.dtype) -> Callable[..., Any]:

@@ -220,7 +220,7 @@ class PipelineRunner:
                   self.groups.pipeline)
         self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
                                      self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda",
-                                     recompute=_recomputed(recompute, manifest, self.schedule))
+                                     recompute=_recomputed(recompute, manifest, self.schedule), autocast=autocast)
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer is not None else None
         self.scaler = PipelineScaler(self.device, self.optimizer) if precision == "fp16" else None
@@ -228,6 +228,7 @@ class PipelineRunner:
         self.last_grad_norm: float | None = None
         self._p2p = p2p
         self._evaluator: RankExecutor | None = None
+        self._autocast = autocast
 
     # -- training --------------------------------------------------------------
 
@@ -314,7 +315,8 @@ class PipelineRunner:
             # no validate_schedule (it wants every B): the forwards of a valid schedule, in the same order,
             # only wait on earlier forwards, and sends never block, so they finish whenever the schedule does
             self._evaluator = RankExecutor(self.manifest, self.routes, self.pipeline_rank, self.stages, forward,
-                                           self._p2p, self.device, pair_sends=self.device.type == "cuda")
+                                           self._p2p, self.device, pair_sends=self.device.type == "cuda",
+                                           autocast=self._autocast)
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
         was_training = self.stage.training
         self.stage.eval()
