@@ -220,6 +220,8 @@ _FLAGS = (
           "last step too)", int, "N", none_means="only after the last step"),
     _Flag("--resume", "training.resume", "continue from the checkpoint in --checkpoint-dir"),
     _Flag("--log-every", "training.log_every", "steps per log line", int, "N"),
+    _Flag("--tensorboard", "training.tensorboard", "write TensorBoard event files (loss, lr, ...) into DIR", str, "DIR",
+          none_means="none"),
     _Flag("--timeout", "timeout_s", "seconds before a silent peer is an error", float, "S"),
     _Flag("--device", "device", "cpu, cuda or cuda:N", str, "DEVICE",
           none_means="cuda:LOCAL_RANK when CUDA is available, else cpu"),
