@@ -91,7 +91,8 @@ def _repeat(batch: Batch) -> Iterator[Batch]:
         yield batch
 
 
-def _rank_info(runner: PipelineRunner) -> RankInfo:
+def rank_info(runner: PipelineRunner) -> RankInfo:
+    """Where ``runner``'s rank sits, as a batch function sees it (which tensors it must read)."""
     return RankInfo(rank=runner.rank, world_size=runner.world_size, stage=runner.pipeline_rank,
                     num_stages=runner.manifest.num_ranks, replica=runner.replica, replicas=runner.layout.replicas,
                     needs_inputs=rank_needs_inputs(runner.manifest, sorted(runner.stages)),
@@ -120,7 +121,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                         recompute=plan.cost.recompute if plan is not None else (),
                         precision=options.precision) as runner:
         schedule = runner.schedule.name
-        info = _rank_info(runner)
+        info = rank_info(runner)
         lead = runner.rank == 0
         samples = batch * replicas
         history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
