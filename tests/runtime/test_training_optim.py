@@ -154,14 +154,15 @@ def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
     assert RunOptions().training == TrainingOptions()
 
 
-def test_checkpoints_refuse_sharded_stages() -> None:
+def test_checkpoints_refuse_zero_optimizer_shards() -> None:
     from fxpipe.errors import ConfigError
     from fxpipe.runtime.dataparallel import DataParallelOptions
     from fxpipe.runtime.options import RunOptions
 
-    with pytest.raises(ConfigError, match="--checkpoint-dir saves each rank's whole stage, but --shard full"):
-        RunOptions(dp=2, data_parallel=DataParallelOptions(shard="full"),
+    with pytest.raises(ConfigError, match="--checkpoint-dir does not save ZeRO's optimizer shards"):
+        RunOptions(dp=2, data_parallel=DataParallelOptions(shard="optimizer"),
                    training=TrainingOptions(checkpoint_dir="ck"))
+    RunOptions(dp=2, data_parallel=DataParallelOptions(shard="full"), training=TrainingOptions(checkpoint_dir="ck"))
 
 
 def _dp_job(rank: int, world: int, build: str) -> dict[str, Any]:
