@@ -15,27 +15,18 @@ from typing import Any
 import pytest
 import torch
 
-from builds import EXAMPLES, make_build, original_model
+from builds import EXAMPLES, original_model
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.optim import optimizer_factory
 from fxpipe.runtime.training_options import TrainingOptions
 from spawn import spawn
+from test_training_optim import BATCH, MICROBATCHES, STAGES, _batch, gpt_build  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed",
                                         "ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-STAGES, BATCH, MICROBATCHES, STEPS, LR = 2, 4, 2, 8, 0.5
+STEPS, LR = 8, 0.5
 INIT_SCALE, GROWTH_INTERVAL = 2.0**24, 2
 OPTIONS = TrainingOptions(optimizer="sgd")  # Adam would amplify round-off on zero gradients to LR steps
-
-
-@pytest.fixture(scope="module")
-def gpt_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_build("gpt", tmp_path_factory.mktemp("gpt") / "build", STAGES, BATCH, MICROBATCHES)
-
-
-def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + k)
-    return torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g)
 
 
 def _runner(build: str) -> Any:
