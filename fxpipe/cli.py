@@ -67,6 +67,9 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-latency", type=float, help="per-message latency in microseconds (overrides the preset)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"],
                    help="optimizer whose state the memory model counts")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="the autocast precision `fxpipe run --precision` will train in: boundary tensors are sent "
+                        "in it (bf16/fp16: half the bytes)")
     p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
     p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
     p.add_argument("--split-at", action="append", default=[], metavar="MODULE",
@@ -144,7 +147,7 @@ def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
                                  "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank,
                                  "shard": args.shard, "shard_reduce": args.shard_reduce,
-                                 "shard_param_dtype": args.shard_param_dtype}
+                                 "shard_param_dtype": args.shard_param_dtype, "precision": args.precision}
     if args.dp == 1 and (args.shard != "none" or args.shard_reduce != "step" or args.shard_param_dtype):
         raise ConfigError("--shard, --shard-reduce and --shard-param-dtype divide state over data-parallel "
                           "replicas, but --dp is 1; add --dp R (R >= 2) or drop them")

@@ -94,6 +94,8 @@ COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
 SHARD_LEVELS = ("none", "optimizer", "grad-op", "full")
 _SHARD_REDUCE = ("step", "microbatch")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# --precision: the runtime sends boundary tensors in the autocast dtype (fxpipe.runtime.precision)
+_WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # All-reduces each hook issues per DDP bucket (Note [hook pricing]).
 _ALLREDUCES_PER_BUCKET = {"allreduce": 1, "fp16": 1, "bf16": 1, "powersgd": 3, "batched_powersgd": 2}
@@ -264,6 +266,7 @@ class CostModel:
     inter_link_bandwidth: float | None = None   # between nodes; None: the link above
     inter_link_latency: float | None = None
     recompute: tuple[bool, ...] = field(default=())  # per stage: recompute activations in backward; (): none
+    precision: str = "fp32"  # fp32 boundary tensors travel in this precision (``wire_bytes``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_speed", tuple(_number("device_speed factor", s) for s in self.device_speed))
@@ -299,6 +302,8 @@ class CostModel:
             raise ConfigError(f"inter_link_bandwidth must be > 0 bytes/s, got {self.inter_link_bandwidth}")
         if self.inter_link_latency is not None and not _number("inter_link_latency", self.inter_link_latency) >= 0:
             raise ConfigError(f"inter_link_latency must be >= 0 s, got {self.inter_link_latency}")
+        if self.precision not in _WIRE_BYTES:
+            raise ConfigError(f"precision must be one of {list(_WIRE_BYTES)}, got {self.precision!r}")
         for key in ("shard_param_dtype", "shard_reduce_dtype"):
             if getattr(self, key) not in (None, *_DTYPE_BYTES):
                 raise ConfigError(f"{key} must be one of {sorted(_DTYPE_BYTES)} or None, got {getattr(self, key)!r}")
@@ -314,6 +319,11 @@ class CostModel:
     @property
     def optimizer_factor(self) -> int:
         return OPTIMIZER_STATE_FACTOR[self.optimizer]
+
+    def wire_bytes(self, nbytes: int) -> int:
+        """The bytes of a boundary tensor of ``nbytes`` (fp32 in the profile) as sent between stages:
+        half under bf16/fp16 autocast (priced as if every boundary tensor is floating point)."""
+        return nbytes * _WIRE_BYTES[self.precision] // 4
 
     def message_ms(self, nbytes: float) -> float:
         """Time to move one tensor of ``nbytes`` over one link, in milliseconds."""

@@ -123,7 +123,7 @@ class _Model:
 
     def _comm(self) -> None:
         p, m, S = self.p, self.m, self.p.num_stages
-        self.msg = [math.floor(p.cost.message_ms(t.nbytes) * (2 if t.requires_grad else 1) * SCALE)
+        self.msg = [math.floor(p.cost.message_ms(p.cost.wire_bytes(t.nbytes)) * (2 if t.requires_grad else 1) * SCALE)
                     for t in p.tensors]
         self.recv: dict[int, dict[int, Any]] = {}
         self.held: dict[int, dict[int, Any]] = {}   # stages whose rank-mate may hold the producer: any receive

@@ -55,7 +55,7 @@ def chain_arrays(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
     diff = np.zeros(n + 2)
     for t in problem.tensors:
         last = max(t.consumers)
-        ms = problem.cost.message_ms(t.nbytes) * (2.0 if t.requires_grad else 1.0)  # fwd + grad back
+        ms = problem.cost.message_ms(problem.cost.wire_bytes(t.nbytes)) * (2.0 if t.requires_grad else 1.0)  # fwd + grad back
         diff[t.producer + 1] += ms
         diff[last + 1] -= ms
     cut = np.cumsum(diff)[: n + 1]

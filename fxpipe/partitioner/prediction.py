@@ -161,12 +161,12 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
                 continue
             n_fwd[a] += 1
             n_fwd[d] += 1
-            fwd_bytes[d] += t.nbytes
+            fwd_bytes[d] += problem.cost.wire_bytes(t.nbytes)
             fwd_msgs[d] += 1
             if t.requires_grad:
                 n_bwd[a] += 1
                 n_bwd[d] += 1
-                bwd_bytes[a] += t.nbytes
+                bwd_bytes[a] += problem.cost.wire_bytes(t.nbytes)
                 bwd_msgs[a] += 1
     cost = problem.cost
 

@@ -404,17 +404,18 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
         for d in {assignment[c] for c in t.consumers} - {a}:
             if ranks[d] == ranks[a]:
                 continue  # handed over in memory on one rank
-            ms = problem.cost.p2p_ms(t.nbytes, ranks[a], ranks[d], problem.num_ranks)
+            nbytes = problem.cost.wire_bytes(t.nbytes)
+            ms = problem.cost.p2p_ms(nbytes, ranks[a], ranks[d], problem.num_ranks)
             for s in (a, d):
                 cf[s] += ms
                 msgs[s] += 1
                 if t.requires_grad:
                     cb[s] += ms
                     msgs[s] += 1
-            sent[a] += t.nbytes
-            recv[d] += t.nbytes
+            sent[a] += nbytes
+            recv[d] += nbytes
             if t.requires_grad:
-                recv_grad[d] += t.nbytes
+                recv_grad[d] += nbytes
     stages = []
     recompute = problem.cost.recomputes(S)
     for s in range(S):

@@ -58,6 +58,7 @@ from fxpipe.runtime.groups import pick_device
 from fxpipe.runtime.lifeline import PARENT_PID_ENV
 from fxpipe.runtime.options import RunOptions, with_plan_defaults
 from fxpipe.runtime.record import RunRecord
+from fxpipe.runtime.train_log import PROGRESS_ENV, ProgressBar
 from fxpipe.runtime.worker import DEBUG_ENV, ERROR_PREFIX
 
 __all__ = ["run_build", "torchrun_command", "free_port", "become_launcher"]
@@ -112,6 +113,7 @@ class _Job:
 def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
     """Copy ``stream`` to ``sink`` line by line, keeping (not showing) error and failure lines;
     a closed ``sink`` sets ``job.output_closed`` and the rest is drained unseen."""
+    bar = ProgressBar()  # a worker's progress lines, drawn in place (fxpipe.runtime.train_log)
     for line in stream:
         if line.startswith(AGENT_PREFIX):
             try:
@@ -128,6 +130,8 @@ def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
         if sink is None:
             continue
         try:
+            if bar.draw(line, sink):
+                continue
             sink.write(line)
             sink.flush()
         except (OSError, ValueError):  # BrokenPipeError: `| head` is done reading; ValueError: closed file
@@ -195,6 +199,7 @@ def _start(cmd: list[str], quiet: bool, debug: bool) -> _Job:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), PARENT_PID_ENV: str(os.getpid()),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(_SHUTDOWN_S)}
     env.pop(DEBUG_ENV, None)
+    env[PROGRESS_ENV] = "1" if not quiet and sys.stdout.isatty() else "0"
     if debug:
         env[DEBUG_ENV] = "1"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)

@@ -113,9 +113,9 @@ class RunOptions:
             raise ConfigError(f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}")
         if not isinstance(self.training, TrainingOptions):
             raise ConfigError(f"training must be TrainingOptions, got {type(self.training).__name__}")
-        if self.training.checkpoint_dir is not None and self.data_parallel.shard != "none":
-            raise ConfigError(f"--checkpoint-dir saves each rank's whole stage, but --shard {self.data_parallel.shard} "
-                              "splits it over the replicas; use --shard none, or save with "
+        if self.training.checkpoint_dir is not None and self.data_parallel.shard == "optimizer":
+            raise ConfigError("--checkpoint-dir does not save ZeRO's optimizer shards (--shard optimizer) yet; use "
+                              "--shard none, grad-op or full, or save with "
                               "fxpipe.runtime.dataparallel.save_stage_checkpoint in your own loop")
         if self.dp is not None:  # else the runner checks against the world's replicas, before any communication
             self.data_parallel.check_replicas(self.dp)
@@ -224,6 +224,8 @@ _FLAGS = (
           "last step too)", int, "N", none_means="only after the last step"),
     _Flag("--resume", "training.resume", "continue from the checkpoint in --checkpoint-dir"),
     _Flag("--log-every", "training.log_every", "steps per log line", int, "N"),
+    _Flag("--tensorboard", "training.tensorboard", "write TensorBoard event files (loss, lr, ...) into DIR", str, "DIR",
+          none_means="none"),
     _Flag("--timeout", "timeout_s", "seconds before a silent peer is an error", float, "S"),
     _Flag("--device", "device", "cpu, cuda or cuda:N", str, "DEVICE",
           none_means="cuda:LOCAL_RANK when CUDA is available, else cpu"),

@@ -11,6 +11,7 @@ paths made absolute (the workers may start elsewhere).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from fxpipe.runtime.data import model_source, target_batch_dims
 from fxpipe.runtime.data_iter import EVAL_FN, TRAIN_FN, RankInfo, batch_stream, find_batches
 from fxpipe.runtime.microbatch import check_divisible
 from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.train_log import check_tensorboard
 
 __all__ = ["preflight"]
 
@@ -64,7 +66,9 @@ def _check_batch(fn: Any, manifest: Manifest, batch: int, dims: tuple[int | None
 def preflight(build_dir: Path, manifest: Manifest, options: RunOptions, world_size: int) -> RunOptions:
     """Check, in this process, what the workers would find wrong (see the module docstring)."""
     t = options.training
-    t = replace(t, data=_absolute(t.data), eval_data=_absolute(t.eval_data))
+    check_tensorboard(t.tensorboard)
+    t = replace(t, data=_absolute(t.data), eval_data=_absolute(t.eval_data),
+                tensorboard=None if t.tensorboard is None else os.path.abspath(t.tensorboard))
     options = replace(options, training=t)
     batch = options.batch_size or manifest.batch_size
     check_divisible(batch, options.microbatches or manifest.microbatches)

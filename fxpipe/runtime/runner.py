@@ -48,7 +48,7 @@ from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targe
 from fxpipe.runtime.optim import SchedulerFactory
 from fxpipe.runtime.options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.p2p import P2P, peer_error
-from fxpipe.runtime.precision import autocast_dtype, autocast_loss, autocast_stages
+from fxpipe.runtime.precision import PipelineScaler, autocast_dtype, autocast_loss, autocast_stages
 from fxpipe.runtime.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.schedule import ActionKind, Schedule, make_schedule
@@ -165,7 +165,9 @@ class PipelineRunner:
     makes a learning-rate scheduler that ``step`` advances after each optimizer step;
     ``max_grad_norm`` clips the global gradient norm before each optimizer step
     (``clip_grad_norm_``; the norm is kept in ``last_grad_norm``). ``precision="bf16"`` runs
-    each stage's forward and the loss under bf16 autocast (``fxpipe.runtime.precision``).
+    each stage's forward and the loss under bf16 autocast (``fxpipe.runtime.precision``);
+    ``"fp16"`` under fp16 autocast with one loss scale for the job (``scaler``): a step with an
+    inf or NaN gradient on any rank is skipped on every rank.
     """
 
     def __init__(self, build: str | Path | Manifest, loss_fn: LossFn | None, *, stage_loader: StageLoader | None = None,
@@ -218,13 +220,15 @@ class PipelineRunner:
                   self.groups.pipeline)
         self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
                                      self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda",
-                                     recompute=_recomputed(recompute, manifest, self.schedule))
+                                     recompute=_recomputed(recompute, manifest, self.schedule), autocast=autocast)
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer is not None else None
+        self.scaler = PipelineScaler(self.device, self.optimizer) if precision == "fp16" else None
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         self._p2p = p2p
         self._evaluator: RankExecutor | None = None
+        self._autocast = autocast
 
     # -- training --------------------------------------------------------------
 
@@ -265,14 +269,17 @@ class PipelineRunner:
         Returns the loss averaged over microbatches, on every rank.
         """
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
-        losses = self.executor.run(mb_inputs, mb_targets, self.loss_fn)
+        scaler = self.scaler
+        loss_fn = self.loss_fn if scaler is None else scaler.scaled(self.loss_fn)
+        losses = self.executor.run(mb_inputs, mb_targets, loss_fn)
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
             for stage, tie in zip(self.groups.tie_stages, self.groups.ties):
                 sync_tied_grads(self.stages[stage], (tie,), self.rank, self.timeout_s)
         if dp is not None:
             dp.end_pass()  # after the step's last W: every gradient is complete
-        return self._shared_loss(losses, "receiving the step's loss from the last stage")
+        loss = self._shared_loss(losses, "receiving the step's loss from the last stage")
+        return loss if scaler is None else loss / scaler.scale  # a power of two: exact
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the whole pipeline to a global ``norm_type``-norm of ``max_norm``.
@@ -280,8 +287,11 @@ class PipelineRunner:
         Collective over the pipeline: call it on every rank after ``forward_backward`` (and
         before the optimizer step). The norm is that of the one-process model's gradient
         (tied parameters counted once; ``fxpipe.runtime.clipping``), the same on every rank
-        and every replica, and is returned like ``torch.nn.utils.clip_grad_norm_``'s.
+        and every replica, and is returned like ``torch.nn.utils.clip_grad_norm_``'s. With fp16
+        the gradients are unscaled first (inf when some rank overflowed; the step is then skipped).
         """
+        if self.scaler is not None:
+            self.scaler.unscale_()
         total = pipeline_grad_norm(counted_parameters(self.manifest, self.stages), norm_type, self.groups.pipeline,
                                    self.device, self.rank, self.timeout_s)
         clip_grads_(list(self.stage.parameters()), total, max_norm)
@@ -305,7 +315,8 @@ class PipelineRunner:
             # no validate_schedule (it wants every B): the forwards of a valid schedule, in the same order,
             # only wait on earlier forwards, and sends never block, so they finish whenever the schedule does
             self._evaluator = RankExecutor(self.manifest, self.routes, self.pipeline_rank, self.stages, forward,
-                                           self._p2p, self.device, pair_sends=self.device.type == "cuda")
+                                           self._p2p, self.device, pair_sends=self.device.type == "cuda",
+                                           autocast=self._autocast)
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
         was_training = self.stage.training
         self.stage.eval()
@@ -325,7 +336,8 @@ class PipelineRunner:
 
         With data-parallel ``backward_passes_per_step = k`` gradients accumulate over k
         calls and only every k-th call all-reduces them and steps the optimizer. With
-        ``max_grad_norm`` the gradients are clipped first; a scheduler steps after the optimizer.
+        ``max_grad_norm`` the gradients are clipped first; a scheduler steps after the optimizer
+        (also after a step that fp16's scaler skipped, as torch's GradScaler examples do).
         """
         dp = self.data_parallel
         if self.optimizer is not None and (dp is None or dp.passes == 0):
@@ -334,8 +346,11 @@ class PipelineRunner:
         if dp is None or dp.passes == 0:
             if self.max_grad_norm is not None:  # collective: every rank, with or without an optimizer
                 self.clip_grad_norm_(self.max_grad_norm)
-            if self.optimizer is not None:
+            if self.scaler is not None:  # collective: every rank agrees whether to step
+                self.scaler.step()
+            elif self.optimizer is not None:
                 self.optimizer.step()
+            if self.optimizer is not None:
                 if self.scheduler is not None:
                     self.scheduler.step()
         return loss

@@ -3,7 +3,8 @@
 Note [implied communication]: actions name only computation; the messages follow from
 the routes. ``F`` of stage s on microbatch m first receives m's activations from every
 producer of s, runs the stage, and sends its outputs to every consumer (in the
-manifest's dtype: under the user's autocast a stage may compute in a lower precision).
+manifest's dtype, or under ``--precision bf16|fp16`` an fp32 one in the autocast dtype:
+``fxpipe.runtime.precision.wire_dtype``).
 ``B`` receives the gradients of s's outputs from the consumers (summed when several
 consume one tensor, cast to the output's dtype), backpropagates them together with any
 tensors of the caller's (the loss), and sends the gradients of the received inputs
@@ -36,6 +37,7 @@ from fxpipe.codegen.outputs import rebuild_output
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.comm import Posted, RankComm
 from fxpipe.runtime.p2p import P2P, Message
+from fxpipe.runtime.precision import wire_dtype
 from fxpipe.runtime.routes import Routes, Transfer
 from fxpipe.runtime.split_backward import SplitBackward, WeightWork
 
@@ -102,7 +104,8 @@ class StageWorker:
 
     def __init__(self, manifest: Manifest, routes: Routes, stage: int, module: nn.Module, p2p: P2P,
                  device: torch.device, pair_sends: bool, *, comm: RankComm | None = None,
-                 local_stages: Sequence[int] = (), recompute: bool = False) -> None:
+                 local_stages: Sequence[int] = (), recompute: bool = False,
+                 autocast: torch.dtype | None = None) -> None:
         self.manifest, self.routes, self.stage, self.module = manifest, routes, stage, module
         self.recompute = recompute  # forward under torch.utils.checkpoint: activations recomputed in backward
         self.spec = manifest.stage(stage)
@@ -114,7 +117,8 @@ class StageWorker:
         self._remote_recvs = [t for t in self._recvs if t.src not in local]
         self._remote_grads = [t for t in self._sends if t.grad and t.dst not in local]
         self._local = local
-        self._dtypes = {t.tensor_id: boundary_dtype(t.spec.dtype) for t in self._recvs + self._sends}
+        self._dtypes = {t.tensor_id: wire_dtype(boundary_dtype(t.spec.dtype), autocast)
+                        for t in self._recvs + self._sends}
         self._output_names = [o.name for o in self.spec.outputs]
         self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}
         self._what = {g: {t.tensor_id: f"{'gradient of' if g else 'activation'} {t.spec.name!r}"

@@ -13,6 +13,10 @@ A rank's part holds its stages' state dict under the original model's keys, so
 ``export_checkpoint`` can gather the replica-0 parts back into the original state dict
 (``fxpipe export DIR --out model.safetensors``).
 
+With ``--shard grad-op|full`` (FSDP2) each rank gathers its stage's parameters and
+optimizer state into whole tensors before writing (collective over its data-parallel
+group, through ``fxpipe.runtime.dataparallel.checkpoint``), so a part has the same form
+at every sharding level, and a resumed rank cuts its own shards back out of it, exactly.
 Resuming is bit-for-bit on CPU: the parameters, the optimizer's and scheduler's state,
 torch's and Python's RNG and the data position (Note [data position] in
 ``fxpipe.runtime.data_iter``) are all restored.
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError
+from fxpipe.runtime.dataparallel.checkpoint import gather_if_sharded, load_stage_state_dict, shard_optimizer_state
 from fxpipe.smp.commit import CommitRecord, Part, check_part, clean_stale, new_token, publish, read_record, \
     write_pending, write_record
 
@@ -159,7 +164,8 @@ def _cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def training_state(runner: PipelineRunner, step: int, data_position: int, history: dict[str, Any]) -> dict[str, Any]:
     """What a rank saves: its stages, optimizer, scheduler, the step done, the data position, the RNG,
-    the record so far (``history``) and where it sits in the job."""
+    the record so far (``history``) and where it sits in the job. Collective over the data-parallel
+    group when the stage is sharded (FSDP's shards are gathered into whole tensors)."""
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if runner.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(runner.device)
@@ -168,9 +174,10 @@ def training_state(runner: PipelineRunner, step: int, data_position: int, histor
         "rank": runner.rank, "world_size": runner.world_size, "replica": runner.replica,
         "pipeline_rank": runner.pipeline_rank, "stages": sorted(runner.stages),
         "num_stages": runner.manifest.num_stages,
-        "model": _cpu(runner.state_dict()),
-        "optimizer": runner.optimizer.state_dict() if runner.optimizer is not None else {},
+        "model": _cpu(gather_if_sharded(runner.state_dict())),
+        "optimizer": gather_if_sharded(runner.optimizer.state_dict()) if runner.optimizer is not None else {},
         "scheduler": runner.scheduler.state_dict() if runner.scheduler is not None else {},
+        "scaler": runner.scaler.scaler.state_dict() if runner.scaler is not None else {},
     }
 
 
@@ -186,11 +193,13 @@ def restore_training_state(runner: PipelineRunner, state: dict[str, Any]) -> Non
         missing = sorted(set(own) - set(model))
         if missing:
             raise CheckpointError(f"the checkpoint has no {missing[:4]}: it was saved from another build")
-        module.load_state_dict({k: model[k] for k in own})
+        load_stage_state_dict(module, {k: model[k] for k in own})  # each rank cuts out its own shards
     if runner.optimizer is not None:
-        runner.optimizer.load_state_dict(state["optimizer"])
+        runner.optimizer.load_state_dict(shard_optimizer_state(state["optimizer"], runner.optimizer))
     if runner.scheduler is not None:
         runner.scheduler.load_state_dict(state["scheduler"])
+    if runner.scaler is not None and state.get("scaler"):  # fp16's loss scale and its growth tracker
+        runner.scaler.scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     if "cuda" in state["rng"] and runner.device.type == "cuda":

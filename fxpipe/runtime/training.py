@@ -39,6 +39,7 @@ from fxpipe.runtime.options import RunOptions
 from fxpipe.runtime.p2p import peer_error
 from fxpipe.runtime.record import RunRecord, read_build_plan
 from fxpipe.runtime.runner import PipelineRunner
+from fxpipe.runtime.train_log import TensorBoardLog, progress_line, progress_wanted
 from fxpipe.runtime.train_checkpoint import (has_checkpoint, load_training_checkpoint, restore_training_state,
                                              save_training_checkpoint, training_state)
 
@@ -90,7 +91,8 @@ def _repeat(batch: Batch) -> Iterator[Batch]:
         yield batch
 
 
-def _rank_info(runner: PipelineRunner) -> RankInfo:
+def rank_info(runner: PipelineRunner) -> RankInfo:
+    """Where ``runner``'s rank sits, as a batch function sees it (which tensors it must read)."""
     return RankInfo(rank=runner.rank, world_size=runner.world_size, stage=runner.pipeline_rank,
                     num_stages=runner.manifest.num_ranks, replica=runner.replica, replicas=runner.layout.replicas,
                     needs_inputs=rank_needs_inputs(runner.manifest, sorted(runner.stages)),
@@ -119,7 +121,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                         recompute=plan.cost.recompute if plan is not None else (),
                         precision=options.precision) as runner:
         schedule = runner.schedule.name
-        info = _rank_info(runner)
+        info = rank_info(runner)
         lead = runner.rank == 0
         samples = batch * replicas
         history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
@@ -148,6 +150,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                   + (f", resuming after step {first}" if first else ""), flush=True)
         seconds: list[float] = []
         inputs, targets = None, None
+        board = TensorBoardLog(t.tensorboard) if lead and t.tensorboard is not None else None
+        progress = lead and progress_wanted()
         window: list[float] = []
         for k in range(first, options.steps):
             inputs, targets = next(stream)
@@ -162,6 +166,17 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             if runner.last_grad_norm is not None:
                 history["grad_norms"].append(runner.last_grad_norm)
             done = k + 1
+            if board is not None:
+                board.scalars(done, {"train/loss": history["losses"][-1], "train/lr": lr_now,
+                                     "train/grad_norm": runner.last_grad_norm,
+                                     "train/samples_per_s": samples / seconds[-1], "train/step_ms": seconds[-1] * 1e3,
+                                     "train/loss_scale": runner.scaler.scale if runner.scaler is not None else None})
+            if progress:
+                print(progress_line(done, options.steps, history["losses"][-1],
+                                    statistics.median(seconds) * (options.steps - done)), flush=True)
+            if lead and runner.scaler is not None and runner.scaler.skipped:
+                print(f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
+                      flush=True)
             if lead and (done % t.log_every == 0 or done == options.steps):
                 recent = history["losses"][-len(window):]
                 mean_s = sum(window) / len(window)
@@ -174,6 +189,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                         else _repeat((inputs, targets)))  # no batch functions: the example batch
                 val = _evaluate(runner, held, t.eval_steps)
                 history["eval_losses"].append([done, val])
+                if board is not None:
+                    board.scalars(done, {"eval/loss": val})
                 if lead:
                     print(f"eval after step {done}: loss {val:.6f}", flush=True)
             if t.checkpoint_dir is not None and (done == options.steps or (t.checkpoint_every is not None
@@ -182,6 +199,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                                          training_state(runner, done, position, history))
                 if lead:
                     print(f"checkpoint after step {done}: {t.checkpoint_dir}", flush=True)
+        if board is not None:
+            board.close()
         if inputs is None:  # resumed at the end: nothing left to train, measure on the next batch
             inputs, targets = next(stream)
         tensor_peak = training_peak_tensor_bytes(runner, inputs, targets, dp.backward_passes_per_step)

@@ -22,7 +22,7 @@ __all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "PRECISIONS", "parse
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("fp32", "bf16")  # RunOptions.precision (fxpipe.runtime.precision)
+PRECISIONS = ("fp32", "bf16", "fp16")  # RunOptions.precision (fxpipe.runtime.precision)
 
 
 def parse_betas(text: str) -> tuple[float, float]:
@@ -54,7 +54,8 @@ class TrainingOptions:
     model file's ``train_batches`` if it has one, else its example batch every step);
     ``eval_every`` steps, ``eval_steps`` batches of ``eval_data`` (default: the model file's
     ``eval_batches``). ``checkpoint_dir`` gets a checkpoint every ``checkpoint_every`` steps
-    (and after the last); ``resume`` continues from it. ``log_every``: steps per log line.
+    (and after the last); ``resume`` continues from it. ``log_every``: steps per log line;
+    ``tensorboard``: a directory for TensorBoard event files (``fxpipe.runtime.train_log``).
     """
 
     optimizer: str = "sgd"
@@ -71,6 +72,7 @@ class TrainingOptions:
     checkpoint_every: int | None = None
     resume: bool = False
     log_every: int = 1
+    tensorboard: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
@@ -102,6 +104,8 @@ class TrainingOptions:
         if self.checkpoint_dir is None and (self.checkpoint_every is not None or self.resume):
             flag = "--resume" if self.resume else "--checkpoint-every"
             raise ConfigError(f"{flag} needs --checkpoint-dir DIR (where checkpoints are written and read)")
+        if self.tensorboard is not None and (not isinstance(self.tensorboard, str) or not self.tensorboard):
+            raise ConfigError(f"--tensorboard must be a directory, got {self.tensorboard!r}")
         if not isinstance(self.resume, bool):
             raise ConfigError(f"resume must be true or false, got {self.resume!r}")
 

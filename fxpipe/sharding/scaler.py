@@ -3,7 +3,8 @@
 torch's ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (a
 ``torch.amp.GradScaler``) all-reduces the found-inf flag over the process group, so a
 step is skipped on every rank when any rank's shard of the gradients overflowed. FairScale's
-constructor has no ``device``: it is CUDA when available, else the CPU. With FSDP2's
+constructor has no ``device``: it is CUDA when available, else the CPU (``device=`` names
+another, as the pipeline's fp16 scaler does: ``fxpipe.runtime.precision``). With FSDP2's
 DTensor gradients torch's unscaling warns, once per step, that it treats the one-element
 found-inf flag as replicated (which is what it is); that warning is silenced here.
 """
@@ -22,12 +23,12 @@ __all__ = ["ShardedGradScaler"]
 
 class ShardedGradScaler(_TorchShardedGradScaler):
     """FairScale's ``ShardedGradScaler(init_scale=2**16, growth_factor=2.0, backoff_factor=0.5,
-    growth_interval=2000, enabled=True, process_group=WORLD)``."""
+    growth_interval=2000, enabled=True, process_group=WORLD)``; ``device``: where the scale lives."""
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True,
-                 process_group: dist.ProcessGroup | None = dist.group.WORLD) -> None:
-        super().__init__("cuda" if torch.cuda.is_available() else "cpu", init_scale=init_scale,
+                 process_group: dist.ProcessGroup | None = dist.group.WORLD, device: str | None = None) -> None:
+        super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), init_scale=init_scale,
                          backoff_factor=backoff_factor, growth_factor=growth_factor,
                          growth_interval=growth_interval, enabled=enabled, process_group=process_group)
 

@@ -154,14 +154,15 @@ def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
     assert RunOptions().training == TrainingOptions()
 
 
-def test_checkpoints_refuse_sharded_stages() -> None:
+def test_checkpoints_refuse_zero_optimizer_shards() -> None:
     from fxpipe.errors import ConfigError
     from fxpipe.runtime.dataparallel import DataParallelOptions
     from fxpipe.runtime.options import RunOptions
 
-    with pytest.raises(ConfigError, match="--checkpoint-dir saves each rank's whole stage, but --shard full"):
-        RunOptions(dp=2, data_parallel=DataParallelOptions(shard="full"),
+    with pytest.raises(ConfigError, match="--checkpoint-dir does not save ZeRO's optimizer shards"):
+        RunOptions(dp=2, data_parallel=DataParallelOptions(shard="optimizer"),
                    training=TrainingOptions(checkpoint_dir="ck"))
+    RunOptions(dp=2, data_parallel=DataParallelOptions(shard="full"), training=TrainingOptions(checkpoint_dir="ck"))
 
 
 def _dp_job(rank: int, world: int, build: str) -> dict[str, Any]:
@@ -214,8 +215,12 @@ def _bf16_job(rank: int, world: int, build: str) -> dict[str, Any]:
     with PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60, precision="bf16",
                         optimizer_factory=optimizer_factory(OPTIONS, LR),
                         scheduler_factory=scheduler_factory(OPTIONS, STEPS), max_grad_norm=MAX_NORM) as runner:
+        wire: set[torch.dtype] = set()  # the dtypes of every message sent or received between the stages
+        post = runner._p2p.post
+        runner._p2p.post = lambda sends, recvs: (wire.update(m.tensor.dtype for m in [*sends, *recvs]),
+                                                 post(sends, recvs))[1]
         losses = [runner.step(*_batch(k)) for k in range(STEPS)]
-        return {"losses": losses, "norms": runner.last_grad_norm, "eval": runner.eval_step(*_batch(99)),
+        return {"losses": losses, "norms": runner.last_grad_norm, "eval": runner.eval_step(*_batch(99)), "wire": wire,
                 "state": {k: v.clone() for k, v in runner.stage.state_dict().items()}}
 
 
@@ -243,10 +248,16 @@ def test_bf16_autocast_per_stage_equals_one_process_under_autocast(gpt_build: Pa
     assert want != fp32  # autocast changes the numbers
     results = [r.value for r in spawn(_bf16_job, STAGES, str(gpt_build), timeout=180)]
     for r in results:
+        assert r["wire"] == {torch.bfloat16}  # activations and their gradients cross in bf16: half the bytes
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want), rtol=2e-3, atol=0)
         assert r["norms"] == pytest.approx(norm, rel=2e-2)
     state = {**results[0]["state"], **results[1]["state"]}
     for key, value in state.items():
         assert value.dtype == torch.float32  # master weights stay fp32
-        if not key.endswith("attn.qkv.bias"):  # see the fp32 test: Adam normalises the key bias's round-off
-            torch.testing.assert_close(value, model.state_dict()[key], msg=key, rtol=2e-2, atol=2e-3)
+        # Adam normalises round-off where a gradient is near zero into steps of up to LR (see the fp32 test), and
+        # the activations crossing in bf16 add round-off (the fp16 test checks the weights tightly under SGD): a
+        # few elements move apart by up to ~2 LR, the rest stay within bf16 noise
+        if key.endswith("attn.qkv.bias"):  # the key bias's gradient is exactly zero: Adam moves it by noise alone
+            continue
+        diff = (value - model.state_dict()[key]).abs()
+        assert float(diff.mean()) < 3e-4 and float(diff.max()) < 3 * LR, key

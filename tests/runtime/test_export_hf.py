@@ -1,0 +1,58 @@
+"""``fxpipe export`` of a transformers model, loaded back by ``from_pretrained``.
+
+GPT-2 (``examples/hf_lm.py``: tiny config, tied head, nothing downloaded) is partitioned
+into 2 stages, trained 2 steps with a checkpoint, exported to ``model.safetensors`` next to
+the model's own ``config.json`` (``save_pretrained``'s config): ``GPT2LMHeadModel.from_pretrained``
+loads it with no missing or unexpected keys and computes what the trained stages' gathered
+weights compute, which is not what the untrained model computes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from example_models import HF_LM
+from fxpipe.cli import main
+from fxpipe.modelfile import load_model_file
+from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.train_checkpoint import gather_state_dict
+from fxpipe.runtime.training_options import TrainingOptions
+from spawn import spawn
+
+
+def _job(rank: int, world: int, build: str, options: RunOptions) -> Any:
+    from fxpipe.runtime.training import train
+
+    return train(Path(build), options).losses
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    build, ck, out = tmp_path / "build", tmp_path / "ck", tmp_path / "hf"
+    assert main(["partition", str(HF_LM), "--stages", "2", "--batch-size", "4", "--microbatches", "2",
+                 "--solver", "params", "--out", str(build)]) == 0
+    options = RunOptions(steps=2, lr=0.5, timeout_s=60, training=TrainingOptions(checkpoint_dir=str(ck)))
+    losses = spawn(_job, 2, str(build), options, timeout=240)[0].value
+    assert len(losses) == 2
+    assert main(["export", str(ck), "--out", str(out / "model.safetensors")]) == 0
+    source = load_model_file(HF_LM)
+    untrained = source.build_model().eval()
+    untrained.config.save_pretrained(out)  # the config only: the weights are the export's
+
+    loaded, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    trained = source.build_model()
+    trained.load_state_dict(gather_state_dict(ck))  # strict: the original keys
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want, before = (m.eval()(input_ids=ids).logits for m in (loaded, trained, untrained))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.allclose(want, before)  # training changed the model, and the export carries it
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
