@@ -54,7 +54,7 @@ class RankChunks(nn.Module):
 
     def __init__(self, chunks: Mapping[int, nn.Module]) -> None:
         super().__init__()
-        object.__setattr__(self, "chunks", dict(sorted(chunks.items())))  # not registered: merged below
+        self.chunks: dict[int, nn.Module] = dict(sorted(chunks.items()))  # a plain dict: merged below, not registered
         for chunk in self.chunks.values():
             _merge(self, chunk)
 
@@ -271,6 +271,9 @@ class ChunkedDriver:
             elif worker.has_pending_weight(m):
                 worker.weight(m)
 
+    def microbatch_done(self, m: int) -> None:
+        """Nothing to record: ``walk`` itself sees each call end (``StepDriver``'s protocol)."""
+
     def finish(self) -> bool:
         """Wait for every send of the step; whether any backward ran."""
         self.comm.finish()
@@ -281,7 +284,10 @@ def run_chunked_step(model: Any, fn: Callable[..., Any], per_mb: Sequence[tuple[
                      ) -> list[Any]:
     """Run ``fn`` on every microbatch (``per_mb``: its arguments) with ``model``'s chunked schedule
     (see the Note); the calls' results in microbatch order. ``model`` is the ``DistributedModel``."""
-    calls = [_Call(lambda a=a, k=k: fn(*a, **k)) for a, k in per_mb]
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: fn(*args, **kwargs)
+
+    calls = [_Call(bind(a, k)) for a, k in per_mb]
     model._calls = calls
 
     def enter(m: int) -> None:

@@ -35,8 +35,8 @@ class Config:
     cut into this many equal parts); ``pipeline``: ``"simple"`` (GPipe: all forwards,
     then all backwards), ``"interleaved"`` (1F1B), or an fxpipe schedule with one stage
     (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``: zero bubble, the backward split into
-    input and weight gradients; ``"interleaved-1f1b"`` and ``"zbv"`` run several stages per
-    process, placed loop- and V-style); ``virtual_stages``: stages (chunks) per process of
+    input and weight gradients; ``"interleaved-1f1b"``, ``"zbv"`` and ``"dualpipev"`` run several
+    stages per process, placed loop- and V-style); ``virtual_stages``: stages (chunks) per process of
     those schedules (default: the schedule's least, 2; ``interleaved-1f1b`` takes 2 or more,
     ``zbv`` exactly 2), so the model is cut into ``partitions * virtual_stages`` stages; ``auto_partition``: let the solver
     place units (``False``: honour ``fxpipe.partition(i)`` blocks and put everything
@@ -83,7 +83,8 @@ class Config:
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"config 'pipeline' must be one of {sorted(PIPELINES)}, got {self.pipeline!r}; "
                               "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B, "
-                              "'zb-h1' is zero bubble, 'interleaved-1f1b' and 'zbv' run 'virtual_stages' per process")
+                              "'zb-h1' is zero bubble, 'interleaved-1f1b', 'zbv' and 'dualpipev' run 'virtual_stages' "
+                              "per process")
         if self.virtual_stages is not None and (not _is_int(self.virtual_stages) or self.virtual_stages < 1):
             raise ConfigError(f"config 'virtual_stages' must be an int >= 1, got {self.virtual_stages!r}; "
                               "e.g. {'pipeline': 'interleaved-1f1b', 'virtual_stages': 2}")

@@ -235,7 +235,8 @@ class DistributedModel(nn.Module):
         if self._driver is None:
             st = current()
             if self._calls is not None:
-                self._driver = ChunkedDriver(self.manifest, self._routes, st.mp_rank, self._build.chunks, self._p2p,
+                chunks = self._require_partitioned("model(...)").chunks
+                self._driver = ChunkedDriver(self.manifest, self._routes, st.mp_rank, chunks, self._p2p,
                                              st.device, st.config.schedule, st.config.microbatches,
                                              self.average_grads_across_microbatches, self._calls)
             else:
