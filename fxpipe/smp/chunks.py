@@ -41,7 +41,7 @@ from fxpipe.runtime.p2p import P2P
 from fxpipe.runtime.routes import Routes
 from fxpipe.runtime.schedule import ActionKind
 from fxpipe.runtime.stage_io import StageWorker, assemble_output, microbatch_size
-from fxpipe.smp.driver import placeholder, user_grads
+from fxpipe.smp.driver import check_backward_request, placeholder, user_grads
 
 __all__ = ["RankChunks", "ChunkedDriver", "run_chunked_step"]
 
@@ -230,12 +230,7 @@ class ChunkedDriver:
 
     def backward(self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
         """Request ``B(m)``; on the loss rank ``tensors``/``grads`` are what to backpropagate."""
-        if m not in self.inputs:
-            raise StepError(f"model.backward was called in microbatch {m} before the model was called; "
-                            "call model(...) first, then model.backward(loss)")
-        if m in self.requested:
-            raise StepError(f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
-                            "once (retain_graph is not supported)")
+        check_backward_request(m, m in self.inputs, self.requested)
         if self.holds_loss:
             self.user[m] = user_grads(tensors, grads, self.scale)
         self.requested.add(m)

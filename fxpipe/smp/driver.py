@@ -39,7 +39,17 @@ from fxpipe.runtime.routes import Routes
 from fxpipe.runtime.schedule import Action, ActionKind, make_schedule
 from fxpipe.runtime.stage_io import StageWorker, assemble_output, boundary_dtype, microbatch_size
 
-__all__ = ["StepError", "StepDriver", "microbatch_size", "placeholder", "user_grads"]
+__all__ = ["StepError", "StepDriver", "microbatch_size", "placeholder", "user_grads", "check_backward_request"]
+
+
+def check_backward_request(m: int, called: bool, requested: set[int]) -> None:
+    """Refuse ``model.backward`` in microbatch ``m`` before ``model(...)`` (``called``) or a second time."""
+    if not called:
+        raise StepError(f"model.backward was called in microbatch {m} before the model was called; "
+                        "call model(...) first, then model.backward(loss)")
+    if m in requested:
+        raise StepError(f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
+                        "once (retain_graph is not supported)")
 
 
 def placeholder(manifest: Manifest, spec: BoundaryTensor, mb_size: int, device: torch.device) -> torch.Tensor:
@@ -107,12 +117,7 @@ class StepDriver:
 
     def backward(self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
         """Request ``B(m)``; on the last stage ``tensors``/``grads`` are what to backpropagate."""
-        if m not in self.worker:
-            raise StepError(f"model.backward was called in microbatch {m} before the model was called; "
-                            "call model(...) first, then model.backward(loss)")
-        if m in self.requested:
-            raise StepError(f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
-                            "once (retain_graph is not supported)")
+        check_backward_request(m, m in self.worker, self.requested)
         if self.is_last:
             self.user[m] = user_grads(tensors, grads, self.scale)
         self.requested.add(m)
