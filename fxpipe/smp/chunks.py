@@ -15,8 +15,8 @@ there until ``F`` of the loss chunk has run, then gets the real output and runs 
 (computing the loss and requesting ``B`` with ``model.backward``); elsewhere
 ``model(...)`` returns placeholders at once and the call runs to its end. The
 microbatches' calls start in microbatch order (call m+1 may start before call m ends)
-and each runs under the step's grad mode and autocast; the stages' forwards run under
-the mode of their ``model(...)`` call.
+and each runs under the step's grad mode, autocast and CUDA device; the stages' forwards
+run under the grad mode and autocast of their ``model(...)`` call.
 
 ``RankChunks`` shows the rank's chunks as one module with the original model's keys
 (the chunk's module trees merged; tied parameters on one rank are one ``nn.Parameter``),
@@ -113,11 +113,15 @@ class _Call:
         self._go, self._paused = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True)
         self._grad, self._autocast = torch.is_grad_enabled(), _autocast_state()
+        # the current CUDA device is per thread too: the calls see the rank's, as the step does
+        self._cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def _main(self) -> None:
         self._go.wait()
         self._go.clear()
         try:
+            if self._cuda is not None:
+                torch.cuda.set_device(self._cuda)
             with torch.set_grad_enabled(self._grad), _autocast(self._autocast):
                 self.result = self.run()
         except BaseException as exc:  # raised in the main thread by resume()
