@@ -123,29 +123,37 @@ def test_the_runtime_runs_the_lists_the_planner_simulates(name: str) -> None:
     assert runtime_schedule(name, 2, 4) == make_schedule(name, 2, 4)
 
 
-def _peer_dualpipev(ranks: int, microbatches: int) -> list[str]:
-    """torch.distributed.pipelining's DualPipeV order per rank, in fxpipe's notation (a paired forward
-    and backward as the two actions; full and input-only backward both ``B``)."""
+def _peer_order(peer_class: str, ranks: int, microbatches: int) -> list[str]:
+    """A torch.distributed.pipelining V schedule's order per rank, in fxpipe's notation (a paired
+    forward and backward as its two actions; full and input-only backward both ``B``)."""
     from types import SimpleNamespace
 
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    peer, kinds = schedules.ScheduleDualPipeV, schedules._ComputationType
+    peer, kinds = getattr(schedules, peer_class), schedules._ComputationType
     letter = {kinds.FORWARD: "F", kinds.FULL_BACKWARD: "B", kinds.BACKWARD_INPUT: "B", kinds.BACKWARD_WEIGHT: "W"}
-    fake = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches)
+    fake = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, num_stages=2 * ranks)
     rows = []
     for r in range(ranks):
         acts = []
         for a in peer._calculate_single_rank_operations(fake, r):
-            for x in (a.sub_actions if a.computation_type == kinds.OVERLAP_F_B else (a,)):
+            for x in (() if a is None else a.sub_actions if a.computation_type == kinds.OVERLAP_F_B else (a,)):
                 acts.append(f"{x.stage_index}{letter[x.computation_type]}{x.microbatch_index}")
         rows.append(" ".join(acts))
     return rows
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_zbv_runs_the_peers_order(ranks: int) -> None:
+    for microbatches in range(1, 10):
+        assert _lists(make_schedule("zbv", ranks, microbatches)) == _peer_order("ScheduleZBVZeroBubble", ranks,
+                                                                                microbatches)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_dualpipev_runs_the_peers_order(ranks: int) -> None:
     for microbatches in range(2 * ranks, 2 * ranks + 4):   # the peer needs M >= 2S
-        assert _lists(make_schedule("dualpipev", ranks, microbatches)) == _peer_dualpipev(ranks, microbatches)
+        assert _lists(make_schedule("dualpipev", ranks, microbatches)) == _peer_order("ScheduleDualPipeV", ranks,
+                                                                                      microbatches)
     s = make_schedule("dualpipev", 2, 4)
     assert len(s.split_backward()) == 5   # only the warm-up's last chunk and the cool-down split theirs
     assert _lists(s)[1] == "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3"
