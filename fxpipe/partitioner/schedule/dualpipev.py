@@ -3,10 +3,10 @@
 Rank r holds chunk r on the way down and chunk 2S-1-r on the way back up (as in ZBV). Its
 steady state pairs a forward of one chunk with a full backward of the other, so that on
 hardware which overlaps them the communication of one hides behind the compute of the
-other; here a pair runs as its forward, then its backward. Only the start of the
-cool-down splits the backward (``B`` now, ``W`` from a queue of pending weight work when
-a rank would otherwise wait), so it keeps fewer microbatches' activations waiting for
-their ``W`` than ZBV does. Rank r runs, with ``F1``/``B1`` its first chunk and ``F2``/
+other; here a pair runs as its forward, then its backward. Only the end of the warm-up
+(step 3) and the cool-down split the backward (``B`` now, ``W`` from a queue of pending
+weight work where a rank would otherwise wait), so fewer microbatches' activations wait
+for their ``W`` than under ZBV. Rank r runs, with ``F1``/``B1`` its first chunk and ``F2``/
 ``B2`` its second (``B`` is fused unless marked split):
 
 1. ``2(S - r - 1)`` ``F1``;
