@@ -33,12 +33,13 @@ class Config:
 
     ``partitions``: pipeline stages (required); ``microbatches``: per step (the batch is
     cut into this many equal parts); ``pipeline``: ``"simple"`` (GPipe: all forwards,
-    then all backwards), ``"interleaved"`` (1F1B), or an fxpipe schedule with one stage
+    then all backwards), ``"interleaved"`` (1F1B), or an fxpipe schedule
     (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``: zero bubble, the backward split into
     input and weight gradients; ``"interleaved-1f1b"``, ``"zbv"`` and ``"dualpipev"`` run several
     stages per process, placed loop- and V-style); ``virtual_stages``: stages (chunks) per process of
     those schedules (default: the schedule's least, 2; ``interleaved-1f1b`` takes 2 or more,
-    ``zbv`` exactly 2), so the model is cut into ``partitions * virtual_stages`` stages; ``auto_partition``: let the solver
+    ``zbv`` and ``dualpipev`` exactly 2), so the model is cut into ``partitions * virtual_stages``
+    stages; ``auto_partition``: let the solver
     place units (``False``: honour ``fxpipe.partition(i)`` blocks and put everything
     else on ``default_partition``); ``optimize``: ``"speed"`` or ``"memory"``, passed
     to the planner; ``ddp``: allow data-parallel replicas (world = partitions x
