@@ -114,12 +114,13 @@ def test_plan_for_a_schedule_with_virtual_stages(tmp_path: Path, capsys: pytest.
     assert main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert (plan["virtual_stages"], plan["placement"], plan["num_stages"]) == (2, "v", 4)
-    assert [s["rank"] for s in plan["stages"]] == [0, 1, 1, 0] and set(plan["prediction"]["step_ms"]) == {"zbv"}
+    assert [s["rank"] for s in plan["stages"]] == [0, 1, 1, 0] and set(plan["prediction"]["step_ms"]) == {"zbv", "dualpipev"}
     assert "optimal for: planned for the predicted step time of zbv" in " ".join(capsys.readouterr().out.split())
     auto = tmp_path / "auto.json"
     assert main(["plan", str(profile), "--stages", "2", "--schedule", "auto", "--virtual-stages", "2",
                  "--out", str(auto)]) == 0
-    assert {o["schedule"] for o in json.loads(auto.read_text())["alternatives"]} == {"interleaved-1f1b", "zbv"}
+    assert {o["schedule"] for o in json.loads(auto.read_text())["alternatives"]} == {"interleaved-1f1b", "zbv",
+                                                                                  "dualpipev"}
     assert "schedules planned by --schedule auto" in capsys.readouterr().out
     assert main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--virtual-stages", "3"]) == 2
     err = capsys.readouterr().err

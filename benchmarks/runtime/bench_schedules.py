@@ -1,13 +1,13 @@
-"""Schedules benchmark: fxpipe's 1F1B, interleaved 1F1B, ZB-H1 and ZBV against torch.distributed.pipelining.
+"""Schedules benchmark: fxpipe's 1F1B, interleaved 1F1B, ZB-H1, ZBV and DualPipeV against torch.distributed.pipelining.
 
     .venv/bin/python benchmarks/runtime/bench_schedules.py [--steps 20] [--model gpt_medium] [--out benchmarks/runtime]
 
 For each microbatch count M in (S, 2S) on S = 2 ranks it traces the model once (unit times
 measured with one thread, as each worker runs) and plans one build per schedule (interleaved
-and ZBV with 2 stages per rank). Then one torchrun job (2 ranks, gloo, CPU) times, for each
-build, fxpipe's ``PipelineRunner`` and the peer schedule (``Schedule1F1B``,
-``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``)
-driving ``PipelineStage``s that wrap the SAME ``load_stage`` modules of this rank, alternately
+ZBV and DualPipeV with 2 stages per rank). Then one torchrun job (2 ranks, gloo, CPU) times, for
+each build, fxpipe's ``PipelineRunner`` and the peer schedule (``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``; the peer's DualPipeV needs M >= 2S, so at M = S only fxpipe's runs) driving ``PipelineStage``s that wrap the SAME ``load_stage`` modules of this rank, alternately
 step by step, each step between two barriers. Both sum tied gradients (fxpipe by itself, the
 peer loop by hand) and both start from the same weights. Reported: median step of each and the
 ratio fxpipe / peer; fxpipe's measured bubble (1 - the ranks' compute time / (ranks x step)),
@@ -38,9 +38,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt_medium": ROOT / "benchmarks" / "runtime" / "gpt_medium.py", "gpt": ROOT / "examples" / "gpt.py"}
 RANKS, BATCH, LR = 2, 16, 0.01
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 PEERS = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-         "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+         "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def _peer_runs(name: str, microbatches: int) -> bool:
+    """Whether the peer has this schedule at this size (its DualPipeV refuses M < 2S)."""
+    import torch.distributed.pipelining as pp
+
+    return hasattr(pp, PEERS[name]) and not (name == "dualpipev" and microbatches < 2 * RANKS)
 
 
 def _build(model_file: Path, root: Path, microbatches: int) -> None:
@@ -111,7 +118,7 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
     mine = [s for s, r in enumerate(manifest.stage_ranks) if r == rank]
     modules = {s: load_stage(build_dir, s) for s in mine}
     last = manifest.num_stages - 1
-    split = name in ("zb-h1", "zbv")
+    split = name in ("zb-h1", "zbv", "dualpipev")
     stages = [pp.PipelineStage(_PeerStage(modules[s], manifest, s, split), s, manifest.num_stages, torch.device("cpu"))
               for s in mine]
     cls = getattr(pp, PEERS[name])
@@ -164,14 +171,15 @@ def _worker(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
         M = int(m)
         fx = PipelineRunner(build_dir, source.loss_fn, microbatches=M,
                             optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR))
-        peer = _peer(build_dir, name, M, source, rank)
+        peer = _peer(build_dir, name, M, source, rank) if _peer_runs(name, M) else None
         times: dict[str, list[float]] = {"fxpipe": [], "peer": []}
         busy: list[float] = []
+        runs = [("fxpipe", lambda: fx.step(inputs, targets))] + ([("peer", peer)] if peer is not None else [])
         for _ in range(3):
-            fx.step(inputs, targets)
-            peer()
+            for _, fn in runs:
+                fn()
         for _ in range(steps):
-            for label, fn in (("fxpipe", lambda: fx.step(inputs, targets)), ("peer", peer)):
+            for label, fn in runs:
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
@@ -226,8 +234,8 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
         if profiles is not None:
             plan = _repriced(plan, profiles / f"profile-m{m}.json")
         fx = [statistics.median(r["times"]["fxpipe"]) * 1e3 for r in per_rank]
-        pp = [statistics.median(r["times"]["peer"]) * 1e3 for r in per_rank]
-        step_ms, peer_ms = max(fx), max(pp)
+        pp = [statistics.median(r["times"]["peer"]) * 1e3 for r in per_rank if r["times"]["peer"]]
+        step_ms, peer_ms = max(fx), (max(pp) if pp else None)
         # per step, each rank's compute time over the step (the same steps: alternate runs of fxpipe)
         bubbles = []
         for k in range(len(per_rank[0]["busy"])):
@@ -236,7 +244,7 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
         pred = plan.predicted_step_ms(name, microbatches=int(m))
         rows.append({"schedule": name, "microbatches": int(m), "virtual_stages": plan.virtual_stages,
                      "fxpipe_step_ms": step_ms, "peer": PEERS[name], "peer_step_ms": peer_ms,
-                     "fxpipe_over_peer": step_ms / peer_ms, "measured_bubble": statistics.median(bubbles),
+                     "fxpipe_over_peer": step_ms / peer_ms if peer_ms else None, "measured_bubble": statistics.median(bubbles),
                      "predicted_bubble": plan.prediction.bubble if plan.prediction else None,
                      "predicted_step_ms": pred, "measured_over_predicted": step_ms / pred if pred else None,
                      "predicted_at_build_ms": planned,
@@ -260,8 +268,10 @@ def _markdown(rows: list[dict], model: str, steps: int) -> str:
         pred = f"{r['predicted_step_ms']:.2f}" if r["predicted_step_ms"] else "n/a"
         ratio = f"{r['measured_over_predicted']:.2f}" if r["measured_over_predicted"] else "n/a"
         pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else ""
+        peer_ms = f"{r['peer_step_ms']:.2f}" if r["peer_step_ms"] else "n/a (needs M >= 2S)"
+        over = f"{r['fxpipe_over_peer']:.2f}" if r["fxpipe_over_peer"] else "n/a"
         lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['virtual_stages']} | {r['fxpipe_step_ms']:.2f} | "
-                     f"{r['peer']} | {r['peer_step_ms']:.2f} | {r['fxpipe_over_peer']:.2f} | "
+                     f"{r['peer']} | {peer_ms} | {over} | "
                      f"{r['measured_bubble']:.1%} | {pb} | {r['step_over_1f1b']:.2f} | {pred} | {ratio} |")
     return "\n".join(lines) + "\n"
 

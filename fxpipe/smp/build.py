@@ -39,6 +39,9 @@ from fxpipe.codegen import CheckedBuild, Manifest, load_stage, write_build_dir
 from fxpipe.codegen.load import load_checked_stage
 from fxpipe.errors import ConfigError, FxpipeError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
+from fxpipe.runtime.rank_stages import share_tied_parameters
+from fxpipe.runtime.runner import resolve_schedule
+from fxpipe.smp.chunks import RankChunks
 from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
 from fxpipe.tracer.call import ModelInputs
@@ -61,12 +64,14 @@ class TraceOptions:
 class StageBuild:
     """This rank's result of partitioning: the manifest, the plan, its stage module, and the build
     directory it was loaded from when that outlives the load (``plan=DIR``; ``None`` for a build
-    made at the first step, see Note [one plan for every rank])."""
+    made at the first step, see Note [one plan for every rank]). ``chunks``: stage index -> module
+    of every stage this rank runs; with several (``virtual_stages``) ``stage`` is their ``RankChunks``."""
 
     manifest: Manifest
     plan: PartitionPlan | None
     stage: nn.Module
     build_dir: Path | None
+    chunks: dict[int, nn.Module] = dataclasses.field(default_factory=dict)
 
 
 def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfile:
@@ -96,16 +101,21 @@ def _plan_on_rank0(module: nn.Module, inputs: ModelInputs, config: Config, optio
     traced = trace_model(module, inputs, build_record=record, trace_device=options.trace_device,
                          measure_times=options.measure_times, measure_memory=options.measure_memory, progress=False)
     traced.profile = apply_partition_policy(traced.profile, config)
+    v = config.chunks_per_rank
     plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
-                          microbatches=config.microbatches, optimize=config.optimize, cost=cost)
+                          microbatches=config.microbatches, optimize=config.optimize, cost=cost,
+                          virtual_stages=v if v > 1 else None)
     _remove_orphaned_scratch()
     with tempfile.TemporaryDirectory(prefix=f"{_SCRATCH}{os.getpid()}-") as scratch:
         out_dir = Path(scratch) / "build"
         manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size,
                                    microbatches=config.microbatches, check=options.check)
         common = {name: (out_dir / name).read_bytes() for name in _SHARED_FILES}
-        return {s.index: {**common, s.source: (out_dir / s.source).read_bytes(),
-                          s.weights: (out_dir / s.weights).read_bytes()} for s in manifest.stages}
+        by_rank: dict[int, dict[str, bytes]] = {}  # a pipeline rank's files: those of every stage it runs
+        for s, r in zip(manifest.stages, manifest.stage_ranks):
+            files = by_rank.setdefault(r, dict(common))
+            files.update({s.source: (out_dir / s.source).read_bytes(), s.weights: (out_dir / s.weights).read_bytes()})
+        return by_rank
 
 
 _SCRATCH = "fxpipe-plan-"  # rank 0's folder while it writes the build: fxpipe-plan-<pid>-<random>
@@ -132,7 +142,7 @@ def _alive(pid: int) -> bool:
 
 def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException | None, rank: int, world: int,
                    stage_of: Any) -> dict[str, bytes]:
-    """Send each rank the files of its stage (or rank 0's error, raised everywhere)."""
+    """Send each rank the files of its stages (or rank 0's error, raised everywhere)."""
     if world == 1:
         box: list[Any] = [files_by_stage]
     else:
@@ -191,13 +201,14 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
     if config.plan is not None:
         build_dir = Path(config.plan)
         manifest = Manifest.from_json(build_dir)
-        if manifest.num_stages != config.partitions:
-            raise ConfigError(f"the plan {str(build_dir)!r} has {manifest.num_stages} stages but 'partitions' is "
-                              f"{config.partitions}; set 'partitions': {manifest.num_stages} or rebuild with "
+        if manifest.num_ranks != config.partitions:
+            raise ConfigError(f"the plan {str(build_dir)!r} runs on {manifest.num_ranks} ranks but 'partitions' is "
+                              f"{config.partitions}; set 'partitions': {manifest.num_ranks} or rebuild with "
                               f"`fxpipe partition --stages {config.partitions}`")
+        resolve_schedule(config.schedule, manifest, config.microbatches)  # the plan's chunks fit the pipeline
         plan = PartitionPlan.from_json(build_dir / "plan.json") if (build_dir / "plan.json").is_file() else None
-        stage = load_stage(build_dir, mp_rank, device=device)
-        where = f"stage {mp_rank} of {build_dir}"
+        chunks = {s: load_stage(build_dir, s, device=device) for s in _rank_stage_indices(manifest, mp_rank)}
+        where = f"pipeline rank {mp_rank} of {build_dir}"
     else:
         result: dict[int, dict[str, bytes]] | BaseException | None = None
         if rank == 0:
@@ -212,28 +223,40 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
                     on_trace(False)
         files = _scatter_build(result, rank, world, stage_of)
         plan = PartitionPlan.from_json(files["plan.json"].decode())
-        manifest, stage = _load_stage_from_files(files, mp_rank, device, rank)
-        build_dir, where = None, f"stage {mp_rank} of the plan made at the first step"
-    copy_module_values(stage, module, where)
+        manifest, chunks = _load_stages_from_files(files, mp_rank, device, rank)
+        build_dir, where = None, f"pipeline rank {mp_rank} of the plan made at the first step"
+    share_tied_parameters(chunks, manifest)
+    for chunk in chunks.values():
+        copy_module_values(chunk, module, where)
+    stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)
-    return StageBuild(manifest, plan, stage, build_dir)
+    return StageBuild(manifest, plan, stage, build_dir, chunks)
 
 
-def _load_stage_from_files(files: dict[str, bytes], mp_rank: int, device: torch.device,
-                           rank: int) -> tuple[Manifest, nn.Module]:
-    """``load_stage`` on ``files`` held in memory (hash-checked all the same): nothing is written, so
-    a rank killed at any moment leaves nothing behind.
+def _rank_stage_indices(manifest: Manifest, mp_rank: int) -> list[int]:
+    """The stages pipeline rank ``mp_rank`` runs (one, or ``virtual_stages`` of them)."""
+    return [s for s, r in enumerate(manifest.stage_ranks) if r == mp_rank]
 
-    The stage's source stays readable for tracebacks and ``inspect``: ``linecache`` keeps
-    it under the file name its code was compiled with.
+
+def _load_stages_from_files(files: dict[str, bytes], mp_rank: int, device: torch.device,
+                            rank: int) -> tuple[Manifest, dict[int, nn.Module]]:
+    """``load_stage`` of this rank's stages on ``files`` held in memory (hash-checked all the same):
+    nothing is written, so a rank killed at any moment leaves nothing behind.
+
+    The stages' sources stay readable for tracebacks and ``inspect``: ``linecache`` keeps
+    them under the file names their code was compiled with.
     """
-    build = CheckedBuild.from_memory(files, [mp_rank], Path(tempfile.gettempdir()) / f"fxpipe-first-step-r{rank}")
-    stage = load_checked_stage(build, mp_rank, device=device)
-    source = build.source(mp_rank)
-    text = (source.data or b"").decode()
-    # mtime None: linecache.checkcache keeps the entry although there is no such file
-    linecache.cache[str(source.path)] = (len(text), None, text.splitlines(keepends=True), str(source.path))
-    return build.manifest, stage
+    manifest = Manifest.from_json(files["manifest.json"].decode())
+    indices = _rank_stage_indices(manifest, mp_rank)
+    build = CheckedBuild.from_memory(files, indices, Path(tempfile.gettempdir()) / f"fxpipe-first-step-r{rank}")
+    chunks = {}
+    for index in indices:
+        chunks[index] = load_checked_stage(build, index, device=device)
+        source = build.source(index)
+        text = (source.data or b"").decode()
+        # mtime None: linecache.checkcache keeps the entry although there is no such file
+        linecache.cache[str(source.path)] = (len(text), None, text.splitlines(keepends=True), str(source.path))
+    return build.manifest, chunks
 
 
 def resolve_trace_device(trace_device: str) -> str:

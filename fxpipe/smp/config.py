@@ -11,15 +11,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from fxpipe.errors import ConfigError
-from fxpipe.partitioner.schedule import SCHEDULE_NAMES, runnable_schedules
+from fxpipe.errors import ConfigError, ScheduleError
+from fxpipe.partitioner.schedule import SCHEDULE_NAMES, schedule_kind
 from fxpipe.runtime.dataparallel import DataParallelOptions
 
 __all__ = ["Config", "PIPELINES"]
 
-# the seed's pipeline names -> fxpipe's runtime schedules; fxpipe's own names of the schedules that run
-# one stage per process (the wrapped model is one module per process) are accepted as they are
-PIPELINES = {"simple": "gpipe", "interleaved": "1f1b", **{n: n for n in runnable_schedules(1, "loop")}}
+# the seed's pipeline names -> fxpipe's runtime schedules; fxpipe's own schedule names are accepted as they
+# are, those with several stages (chunks) per process too (Note [chunked schedules in the seed API] in
+# fxpipe.smp.chunks)
+PIPELINES = {"simple": "gpipe", "interleaved": "1f1b", **{n: n for n in SCHEDULE_NAMES}}
 
 
 def _is_int(value: Any) -> bool:
@@ -32,9 +33,13 @@ class Config:
 
     ``partitions``: pipeline stages (required); ``microbatches``: per step (the batch is
     cut into this many equal parts); ``pipeline``: ``"simple"`` (GPipe: all forwards,
-    then all backwards), ``"interleaved"`` (1F1B), or an fxpipe schedule with one stage
-    per process (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``: zero bubble, the backward split into
-    input and weight gradients); ``auto_partition``: let the solver
+    then all backwards), ``"interleaved"`` (1F1B), or an fxpipe schedule
+    (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``: zero bubble, the backward split into
+    input and weight gradients; ``"interleaved-1f1b"``, ``"zbv"`` and ``"dualpipev"`` run several
+    stages per process, placed loop- and V-style); ``virtual_stages``: stages (chunks) per process of
+    those schedules (default: the schedule's least, 2; ``interleaved-1f1b`` takes 2 or more,
+    ``zbv`` and ``dualpipev`` exactly 2), so the model is cut into ``partitions * virtual_stages``
+    stages; ``auto_partition``: let the solver
     place units (``False``: honour ``fxpipe.partition(i)`` blocks and put everything
     else on ``default_partition``); ``optimize``: ``"speed"`` or ``"memory"``, passed
     to the planner; ``ddp``: allow data-parallel replicas (world = partitions x
@@ -53,6 +58,7 @@ class Config:
     partitions: int
     microbatches: int = 1
     pipeline: str = "interleaved"
+    virtual_stages: int | None = None
     auto_partition: bool = True
     default_partition: int = 0
     optimize: str = "speed"
@@ -75,15 +81,19 @@ class Config:
         if not _is_int(self.microbatches) or self.microbatches < 1:
             raise ConfigError(f"config 'microbatches' must be an int >= 1, got {self.microbatches!r}; "
                               "e.g. {'microbatches': 4} (the batch size must be a multiple of it)")
-        if self.pipeline in SCHEDULE_NAMES and self.pipeline not in PIPELINES:
-            raise ConfigError(f"config 'pipeline' {self.pipeline!r} runs several stages per process, but the seed "
-                              "API wraps one module per process; use one of "
-                              f"{sorted(PIPELINES)}, or partition with `fxpipe partition --schedule {self.pipeline}` "
-                              "and train with fxpipe.runtime.PipelineRunner")
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"config 'pipeline' must be one of {sorted(PIPELINES)}, got {self.pipeline!r}; "
                               "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B, "
-                              "'zb-h1' is zero bubble")
+                              "'zb-h1' is zero bubble, 'interleaved-1f1b', 'zbv' and 'dualpipev' run 'virtual_stages' "
+                              "per process")
+        if self.virtual_stages is not None and (not _is_int(self.virtual_stages) or self.virtual_stages < 1):
+            raise ConfigError(f"config 'virtual_stages' must be an int >= 1, got {self.virtual_stages!r}; "
+                              "e.g. {'pipeline': 'interleaved-1f1b', 'virtual_stages': 2}")
+        try:
+            schedule_kind(self.schedule).check_virtual(self.chunks_per_rank)
+        except ScheduleError as exc:
+            raise ConfigError(f"config 'virtual_stages': {str(exc).replace('--virtual-stages', 'virtual_stages')}"
+                              ) from None
         for key in ("auto_partition", "ddp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config {key!r} must be True or False, got {getattr(self, key)!r}")
@@ -110,8 +120,13 @@ class Config:
 
     @property
     def schedule(self) -> str:
-        """The runtime schedule name (``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``)."""
+        """The runtime schedule name (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zbv"``)."""
         return PIPELINES[self.pipeline]
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Stages (chunks) each process runs: ``virtual_stages``, or the schedule's least."""
+        return self.virtual_stages if self.virtual_stages is not None else schedule_kind(self.schedule).default_virtual
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | None) -> Config:
@@ -138,6 +153,11 @@ class Config:
             raise ConfigError(f"config shards training state ('shard': {shard!r}) over the data-parallel replicas, but "
                               f"{world_size} processes for {self.partitions} partitions is one data-parallel replica; "
                               f"launch a multiple of {self.partitions} processes with 'ddp': True, or drop the key")
+        if replicas > 1 and self.chunks_per_rank > 1:
+            raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, but the "
+                              f"seed API runs pipeline {self.pipeline!r} ({self.chunks_per_rank} stages per process) "
+                              f"on one replica only; launch exactly {self.partitions} processes, or use a schedule "
+                              "with one stage per process ('1f1b', 'zb-h1')")
         if replicas > 1 and not self.ddp:
             raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
                               f"needs 'ddp': True; or launch exactly {self.partitions} processes")

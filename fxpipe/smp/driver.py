@@ -39,7 +39,42 @@ from fxpipe.runtime.routes import Routes
 from fxpipe.runtime.schedule import Action, ActionKind, make_schedule
 from fxpipe.runtime.stage_io import StageWorker, assemble_output, boundary_dtype, microbatch_size
 
-__all__ = ["StepError", "StepDriver", "microbatch_size"]
+__all__ = ["StepError", "StepDriver", "microbatch_size", "placeholder", "user_grads", "check_backward_request"]
+
+
+def check_backward_request(m: int, called: bool, requested: set[int]) -> None:
+    """Refuse ``model.backward`` in microbatch ``m`` before ``model(...)`` (``called``) or a second time."""
+    if not called:
+        raise StepError(f"model.backward was called in microbatch {m} before the model was called; "
+                        "call model(...) first, then model.backward(loss)")
+    if m in requested:
+        raise StepError(f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
+                        "once (retain_graph is not supported)")
+
+
+def placeholder(manifest: Manifest, spec: BoundaryTensor, mb_size: int, device: torch.device) -> torch.Tensor:
+    """Zeros shaped like model output ``spec`` at ``mb_size``: what a rank without the loss stage returns."""
+    dtype = boundary_dtype(spec.dtype)
+    t = torch.zeros(spec.shape_at(mb_size, manifest.microbatch_size), dtype=dtype, device=device)
+    return t.requires_grad_(True) if dtype.is_floating_point else t
+
+
+def user_grads(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None, scale: float
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``model.backward(tensors, grads)``'s roots and their gradients (implicit ones for scalars), times ``scale``."""
+    tensors = list(tensors)
+    given = list(grads) if grads is not None else [None] * len(tensors)
+    if len(given) != len(tensors):
+        raise StepError(f"model.backward got {len(tensors)} tensors but {len(given)} grad_tensors")
+    out = []
+    for t, g in zip(tensors, given):
+        if g is None:
+            if t.numel() != 1:
+                raise StepError(f"model.backward: a tensor of shape {tuple(t.shape)} needs a grad_tensors "
+                                "entry (only one-element tensors, such as a loss, get an implicit gradient)")
+            g = torch.ones_like(t)
+        out.append(g * scale if scale != 1.0 else g)
+    return tensors, out
 
 
 class StepDriver:
@@ -76,19 +111,15 @@ class StepDriver:
         if self.is_last:
             flat = self.worker.model_outputs(m)
         else:
-            flat = [self._placeholder(self._outputs[n], mb_size) for n in self.routes.model_outputs]
+            flat = [placeholder(self.manifest, self._outputs[n], mb_size, self.device)
+                    for n in self.routes.model_outputs]
         return assemble_output(self.manifest, flat)
 
     def backward(self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
         """Request ``B(m)``; on the last stage ``tensors``/``grads`` are what to backpropagate."""
-        if m not in self.worker:
-            raise StepError(f"model.backward was called in microbatch {m} before the model was called; "
-                            "call model(...) first, then model.backward(loss)")
-        if m in self.requested:
-            raise StepError(f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
-                            "once (retain_graph is not supported)")
+        check_backward_request(m, m in self.worker, self.requested)
         if self.is_last:
-            self.user[m] = self._user_grads(tensors, grads)
+            self.user[m] = user_grads(tensors, grads, self.scale)
         self.requested.add(m)
         while self.pos < len(self.actions):
             action = self.actions[self.pos]
@@ -142,26 +173,3 @@ class StepDriver:
         tensors, grads = self.user.pop(m, ([], []))
         self.worker.backward(m, tensors, grads, split=(self.stage, m) in self.split)
         self.backward_ran = True
-
-    # -- the user's tensors ----------------------------------------------------
-
-    def _placeholder(self, spec: BoundaryTensor, mb_size: int) -> torch.Tensor:
-        dtype = boundary_dtype(spec.dtype)
-        t = torch.zeros(spec.shape_at(mb_size, self.manifest.microbatch_size), dtype=dtype, device=self.device)
-        return t.requires_grad_(True) if dtype.is_floating_point else t
-
-    def _user_grads(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        tensors = list(tensors)
-        given = list(grads) if grads is not None else [None] * len(tensors)
-        if len(given) != len(tensors):
-            raise StepError(f"model.backward got {len(tensors)} tensors but {len(given)} grad_tensors")
-        out = []
-        for t, g in zip(tensors, given):
-            if g is None:
-                if t.numel() != 1:
-                    raise StepError(f"model.backward: a tensor of shape {tuple(t.shape)} needs a grad_tensors "
-                                    "entry (only one-element tensors, such as a loss, get an implicit gradient)")
-                g = torch.ones_like(t)
-            out.append(g * self.scale if self.scale != 1.0 else g)
-        return tensors, out

@@ -37,6 +37,7 @@ from fxpipe.runtime.routes import routes_from_manifest
 from fxpipe.runtime.ties import sync_tied_grads
 from fxpipe.tracer.meta import is_meta_model
 from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
+from fxpipe.smp.chunks import ChunkedDriver
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
 from fxpipe.smp.state import current
@@ -88,7 +89,8 @@ class DistributedModel(nn.Module):
         self._build: StageBuild | None = None
         self._pending_partial: tuple[dict[str, Any], bool, bool] | None = None  # (state, strict, partial)
         self._post_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = OrderedDict()
-        self._driver: StepDriver | None = None
+        self._driver: StepDriver | ChunkedDriver | None = None
+        self._calls: Any = None  # the step's microbatch calls, with several stages per rank (fxpipe.smp.chunks)
         self._microbatch: int | None = None
         self._in_step = False
         self._param_names: dict[int, tuple[weakref.ref, str]] = {}
@@ -166,7 +168,8 @@ class DistributedModel(nn.Module):
         self._routes = routes_from_manifest(build.manifest)
         self._groups = build_groups(st.layout, build.manifest, st.rank)
         group = st.mp_group if st.layout.replicas > 1 else None
-        self._p2p = P2P(st.rank, st.layout.pipeline_ranks(st.dp_rank), st.timeout_s, group)
+        self._p2p = P2P(st.rank, [st.layout.rank_of(r, st.dp_rank) for r in build.manifest.stage_ranks],
+                        st.timeout_s, group)  # by stage: a rank may run several
         if self._pending_partial is not None:
             state, strict, partial = self._pending_partial
             self._pending_partial = None
@@ -231,9 +234,15 @@ class DistributedModel(nn.Module):
         inputs = self.manifest.call_spec.bind(args, kwargs)
         if self._driver is None:
             st = current()
-            self._driver = StepDriver(self.manifest, self._routes, st.mp_rank, self.module, self._p2p, st.device,
-                                      st.config.schedule, st.config.microbatches,
-                                      self.average_grads_across_microbatches)
+            if self._calls is not None:
+                chunks = self._require_partitioned("model(...)").chunks
+                self._driver = ChunkedDriver(self.manifest, self._routes, st.mp_rank, chunks, self._p2p,
+                                             st.device, st.config.schedule, st.config.microbatches,
+                                             self.average_grads_across_microbatches, self._calls)
+            else:
+                self._driver = StepDriver(self.manifest, self._routes, st.mp_rank, self.module, self._p2p,
+                                          st.device, st.config.schedule, st.config.microbatches,
+                                          self.average_grads_across_microbatches)
         return self._driver.forward(self._microbatch, inputs)
 
     def backward(self, tensors: torch.Tensor | Sequence[torch.Tensor],

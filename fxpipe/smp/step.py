@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.microbatch import split_targets
+from fxpipe.smp.chunks import run_chunked_step
 from fxpipe.smp.state import current
 
 __all__ = ["step", "StepOutput"]
@@ -76,7 +77,9 @@ def _share_results(results: list[Any]) -> list[Any]:
     st = current()
     if st.layout.num_stages == 1:
         return results
-    src = st.layout.rank_of(st.layout.num_stages - 1, st.dp_rank)
+    manifest = st.model.manifest if st.model is not None and st.model.partitioned else None
+    loss_rank = manifest.stage_ranks[-1] if manifest is not None else st.layout.num_stages - 1  # the last stage's
+    src = st.layout.rank_of(loss_rank, st.dp_rank)
     box: list[Any] = [[tree_map(_detach, r) for r in results] if st.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=st.mp_group if st.layout.replicas > 1 else None)
     device = st.device
@@ -126,7 +129,9 @@ def step(fn: F) -> F:
         model._begin_step()
         results = []
         try:
-            for m, (a, k) in enumerate(per_mb):
+            if st.config.chunks_per_rank > 1:  # Note [chunked schedules in the seed API] in fxpipe.smp.chunks
+                results = run_chunked_step(model, fn, per_mb)
+            for m, (a, k) in enumerate(per_mb if not results else ()):
                 model._set_microbatch(m)
                 results.append(fn(*a, **k))
                 model._set_microbatch(None)

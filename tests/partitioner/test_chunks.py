@@ -98,14 +98,15 @@ def test_auto_keeps_the_fastest_schedule_and_lists_all() -> None:
     profile = chain_profile([2.0] * 16, [10**3] * 15, params=[1000] * 16)
     plan = plan_partition(profile, 2, schedule="auto", microbatches=4)
     options = {(o.schedule, o.virtual_stages): o for o in plan.alternatives}
-    assert set(options) == {("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)}
+    assert set(options) == {("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2),
+                            ("dualpipev", 2)}
     fastest = min((o for o in options.values() if o.feasible), key=lambda o: o.step_ms or 0.0)
     assert fastest.chosen and (plan.schedule, plan.virtual_stages) == (fastest.schedule, fastest.virtual_stages)
     assert plan.step_ms == pytest.approx(fastest.step_ms)
     assert all(o.timeline(4) is not None for o in options.values())
     # with V=2 asked for, only the schedules that run two stages per rank are tried
     two = plan_partition(profile, 2, schedule="auto", microbatches=4, virtual_stages=2)
-    assert {o.schedule for o in two.alternatives} == {"interleaved-1f1b", "zbv"}
+    assert {o.schedule for o in two.alternatives} == {"interleaved-1f1b", "zbv", "dualpipev"}
 
 
 def test_auto_reports_what_does_not_fit() -> None:

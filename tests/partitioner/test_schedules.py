@@ -9,7 +9,7 @@ import pytest
 from fxpipe.errors import ScheduleError
 from fxpipe.partitioner.schedule import (SCHEDULE_NAMES, Action, ActionKind, Schedule, in_flight_per_stage,
                                          make_schedule, placement_of, runnable_schedules, simulate_step,
-                                         stage_ranks, validate_schedule)
+                                         schedule_kind, stage_ranks, validate_schedule)
 
 SIZES = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 4), (3, 2), (3, 3), (3, 6), (4, 4), (4, 8), (5, 10)]
 
@@ -39,9 +39,10 @@ def test_every_schedule_is_valid_at_every_size(name: str, ranks: int, microbatch
         assert name == "interleaved-1f1b" and "rounds" in str(exc)
         return
     rows = validate_schedule(s)
-    per_microbatch = 3 if s.split_backward() else 2
-    assert sum(a is not None for row in rows for a in row) == per_microbatch * s.num_stages * microbatches
-    assert s.stage_ranks == stage_ranks(ranks, s.virtual_stages, "v" if name == "zbv" else "loop")
+    split = s.split_backward()   # a W for each split B: every one (zero bubble) or some (dualpipev)
+    assert schedule_kind(name).split_backward or not split
+    assert sum(a is not None for row in rows for a in row) == 2 * s.num_stages * microbatches + len(split)
+    assert s.stage_ranks == stage_ranks(ranks, s.virtual_stages, schedule_kind(name).placement)
 
 
 def test_literal_lists() -> None:
@@ -61,7 +62,7 @@ def test_placement() -> None:
     assert stage_ranks(2, 3, "v") == (0, 1, 1, 0, 0, 1)
     assert placement_of((0, 1, 1, 0)) == (2, 2, "v") and placement_of((0, 1)) == (2, 1, "loop")
     assert runnable_schedules(1, "loop") == ("gpipe", "1f1b", "zb-h1")
-    assert runnable_schedules(2, "v") == ("zbv",) and runnable_schedules(3, "loop") == ("interleaved-1f1b",)
+    assert runnable_schedules(2, "v") == ("zbv", "dualpipev") and runnable_schedules(3, "loop") == ("interleaved-1f1b",)
     with pytest.raises(ScheduleError, match="runs 2 stages per rank, not --virtual-stages 3"):
         make_schedule("zbv", 2, 4, 3)
     with pytest.raises(ScheduleError, match=r"3 rounds of 2, which needs a multiple of 3; use 6 or 9"):
@@ -120,3 +121,39 @@ def test_the_runtime_runs_the_lists_the_planner_simulates(name: str) -> None:
     from fxpipe.runtime.schedule import make_schedule as runtime_schedule
 
     assert runtime_schedule(name, 2, 4) == make_schedule(name, 2, 4)
+
+
+def _peer_order(peer_class: str, ranks: int, microbatches: int) -> list[str]:
+    """A torch.distributed.pipelining V schedule's order per rank, in fxpipe's notation (a paired
+    forward and backward as its two actions; full and input-only backward both ``B``)."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    peer, kinds = getattr(schedules, peer_class), schedules._ComputationType
+    letter = {kinds.FORWARD: "F", kinds.FULL_BACKWARD: "B", kinds.BACKWARD_INPUT: "B", kinds.BACKWARD_WEIGHT: "W"}
+    fake = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, num_stages=2 * ranks)
+    rows = []
+    for r in range(ranks):
+        acts = []
+        for a in peer._calculate_single_rank_operations(fake, r):
+            for x in (() if a is None else a.sub_actions if a.computation_type == kinds.OVERLAP_F_B else (a,)):
+                acts.append(f"{x.stage_index}{letter[x.computation_type]}{x.microbatch_index}")
+        rows.append(" ".join(acts))
+    return rows
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_zbv_runs_the_peers_order(ranks: int) -> None:
+    for microbatches in range(1, 10):
+        assert _lists(make_schedule("zbv", ranks, microbatches)) == _peer_order("ScheduleZBVZeroBubble", ranks,
+                                                                                microbatches)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_dualpipev_runs_the_peers_order(ranks: int) -> None:
+    for microbatches in range(2 * ranks, 2 * ranks + 4):   # the peer needs M >= 2S
+        assert _lists(make_schedule("dualpipev", ranks, microbatches)) == _peer_order("ScheduleDualPipeV", ranks,
+                                                                                      microbatches)
+    s = make_schedule("dualpipev", 2, 4)
+    assert len(s.split_backward()) == 5   # only the warm-up's last chunk and the cool-down split theirs
+    assert _lists(s)[1] == "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3"

@@ -115,7 +115,7 @@ def test_schedule_names_have_one_source() -> None:
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     assert tuple(next(a.choices for a in parser._actions if "--schedule" in a.option_strings)) == SCHEDULE_NAMES
-    assert ("pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (default: the build's)"
+    assert ("pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev (default: the build's)"
             in " ".join(parser.format_help().split()))
 
 

@@ -111,7 +111,8 @@ def test_skip_links_add_dependencies() -> None:
 
 def test_make_schedule_refuses_unknown_names() -> None:
     assert make_schedule("GPipe", 2, 2) == gpipe(2, 2)
-    with pytest.raises(ConfigError, match=r"unknown schedule 'zb'.*\['gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'zbv'\]"):
+    with pytest.raises(ConfigError, match=r"unknown schedule 'zb'.*\['gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', "
+                                          r"'zbv', 'dualpipev'\]"):
         make_schedule("zb", 2, 2)
 
 

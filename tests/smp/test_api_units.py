@@ -19,9 +19,9 @@ from fxpipe.tracer import trace_model
     ({"microbatches": 4}, "no 'partitions'"),
     ({"partitions": 0}, "'partitions' must be an int >= 1, got 0"),
     ({"partitions": 2, "microbatches": 0}, "'microbatches' must be an int >= 1, got 0"),
-    ({"partitions": 2, "pipeline": "1F1B"}, "'pipeline' must be one of ['1f1b', 'gpipe', 'interleaved', 'simple', "
-                                            "'zb-h1'], got '1F1B'"),
-    ({"partitions": 2, "pipeline": "zbv"}, "'pipeline' 'zbv' runs several stages per process"),
+    ({"partitions": 2, "pipeline": "1F1B"}, "'pipeline' must be one of ['1f1b', 'dualpipev', 'gpipe', "
+                                            "'interleaved', 'interleaved-1f1b', 'simple', 'zb-h1', 'zbv'], got '1F1B'"),
+    ({"partitions": 2, "pipeline": "zbv", "virtual_stages": 3}, "'zbv' runs 2 stages per rank, not virtual_stages 3"),
     ({"partitions": 2, "default_partition": 2}, "'default_partition' must be a partition index in 0..1, got 2"),
     ({"partitions": 2, "optimize": "fast"}, "'optimize' must be 'speed' or 'memory', got 'fast'"),
     ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fxpipe.errors import ScheduleError
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
+from fxpipe.partitioner.schedule.dualpipev import dualpipev_actions
 from fxpipe.partitioner.schedule.interleaved import interleaved_1f1b_actions
 from fxpipe.partitioner.schedule.one_chunk import stage_order
 from fxpipe.partitioner.schedule.placement import stage_ranks
@@ -68,6 +69,8 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
                  lambda s, v, m: interleaved_1f1b_actions(s, v, m), "1F1B over V loop-placed chunks per rank"),
     ScheduleKind("zb-h1", "loop", 1, 1, True, _one_chunk("zb-h1"), "1F1B with weight gradients deferred (zero bubble H1)"),
     ScheduleKind("zbv", "v", 2, 2, True, lambda s, v, m: zbv_actions(s, m), "zero bubble over 2 V-placed chunks per rank"),
+    ScheduleKind("dualpipev", "v", 2, 2, True, lambda s, v, m: dualpipev_actions(s, m),
+                 "DualPipeV: forward of one chunk paired with backward of the other, 2 V-placed chunks per rank"),
 )}
 
 SCHEDULE_NAMES = tuple(SCHEDULES)
