@@ -19,19 +19,21 @@ What needs values cannot run and is skipped, and the profile says so
 reproduces the model's outputs (train and eval mode), and later codegen's safety net
 (:mod:`fxpipe.codegen.safety`). Measuring times or memory needs real kernels:
 ``measure_times`` / ``measure_memory`` on meta is a :class:`~fxpipe.errors.TraceError`.
-A model with data-dependent control flow (``.item()``, ``nonzero``) cannot be traced on meta
-either; the error says to trace on ``cpu`` instead.
+A model with data-dependent control flow (``.item()``, ``nonzero``) or an op whose meta kernel
+refuses it cannot be traced on meta either; the error names the op and the module and says
+to trace on ``cpu`` instead (Note [ops that need values]).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, TypeVar
 
 import torch
 import torch.fx
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.graphmeta import GUARD_KEY
 
@@ -117,12 +119,74 @@ def storage_key(t: torch.Tensor) -> int:
 
 def eager_mode(on_meta: bool) -> ContextManager[Any]:
     """The context for running the model itself (not its graph) during a trace: on meta, a
-    ``FakeTensorMode`` that takes the meta parameters as they are (Note [meta tracing])."""
+    ``FakeTensorMode`` that takes the meta parameters as they are (Note [meta tracing]); an op
+    that cannot run there is one :class:`~fxpipe.errors.TraceError` (Note [ops that need values])."""
     if not on_meta:
         return contextlib.nullcontext()
+    return _fake_run()
+
+
+@contextlib.contextmanager
+def _fake_run() -> Iterator[None]:
+    """Note [ops that need values]: some models read tensor values outside tracing, or call a kernel
+    whose meta implementation refuses what the CPU accepts: transformers' MoE routing
+    (``torch.where``/``nonzero`` per expert: data-dependent shapes), ``.item()``, or Mixtral's
+    ``torch._grouped_mm``, whose meta kernel takes bfloat16 only. Such a model cannot be planned
+    analytically. While the model runs on fake tensors, :class:`_InFlight` remembers the first aten
+    op that raised and the module it ran in, and the failure becomes one line naming both and
+    saying to trace with real tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = _InFlight()
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(tracker.enter)
+    post = torch.nn.modules.module.register_module_forward_hook(tracker.leave, always_call=True)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            yield
+    except Exception as exc:
+        if tracker.failed is None:
+            raise
+        op, where, error = tracker.failed
+        raise TraceError(f"on the meta device, {op} in {where} cannot run ({error}): the model reads tensor values "
+                         "or calls a kernel the meta device lacks, so it cannot be planned analytically; trace with "
+                         "real tensors (--device cpu, or --device cuda)") from exc
+    finally:
+        pre.remove()
+        post.remove()
+
+
+class _InFlight(TorchDispatchMode):
+    """The module stack of a model run and the first aten op that raised in it (Note [ops that need values])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[nn.Module] = []
+        self.failed: tuple[str, str, str] | None = None
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(module)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def where(self) -> str:
+        if not self.stack:
+            return "the model's forward"
+        names = {id(m): path for path, m in self.stack[0].named_modules(remove_duplicate=False)}
+        inner = self.stack[-1]
+        path = names.get(id(inner), "")
+        return f"{path or 'the model'} ({type(inner).__name__})"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        try:
+            return func(*args, **(kwargs or {}))
+        except Exception as exc:
+            if self.failed is None:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                self.failed = (f"aten.{func.__name__}" if "." in getattr(func, "__name__", "") else str(func),
+                               self.where(), f"{type(exc).__name__}: {first[:200]}")
+            raise
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
