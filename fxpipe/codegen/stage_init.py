@@ -173,7 +173,10 @@ def _transformers_init(module: nn.Module, made: dict[int, str], spec: InitModel,
         for t in mine:
             t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
         whole = getattr(hf, "initialize_weights", None)  # transformers >= 4.50; before: apply()
-        whole() if callable(whole) else hf.apply(hf._initialize_weights)  # type: ignore[operator]
+        if callable(whole):
+            whole()
+        else:
+            hf.apply(getattr(hf, "_initialize_weights"))
     return {id(t) for t in mine if not (t.is_floating_point() and bool(torch.isnan(t).any()))}
 
 
@@ -239,7 +242,8 @@ def _tie_by_transformers(t: torch.Tensor, first: str, models: list[tuple[InitMod
             return False
         owner = hf.get_submodule(rel.rpartition(".")[0])
         kept = dict(owner._parameters), dict(owner._buffers)
-        for tab in (owner._parameters, owner._buffers):
+        tables: tuple[dict[str, Any], ...] = (owner._parameters, owner._buffers)
+        for tab in tables:
             for name, v in tab.items():
                 if v is not None:
                     tab[name] = v.to("meta")

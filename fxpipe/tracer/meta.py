@@ -33,7 +33,6 @@ import torch
 import torch.fx
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.graphmeta import GUARD_KEY
 
@@ -132,61 +131,50 @@ def _fake_run() -> Iterator[None]:
     whose meta implementation refuses what the CPU accepts: transformers' MoE routing
     (``torch.where``/``nonzero`` per expert: data-dependent shapes), ``.item()``, or Mixtral's
     ``torch._grouped_mm``, whose meta kernel takes bfloat16 only. Such a model cannot be planned
-    analytically. While the model runs on fake tensors, :class:`_InFlight` remembers the first aten
-    op that raised and the module it ran in, and the failure becomes one line naming both and
-    saying to trace with real tensors."""
+    analytically. When the model's run on fake tensors raises from inside an aten op, the
+    traceback names the op (the fake mode's ``func``) and the module (the innermost ``forward``'s
+    ``self``), and the failure becomes one line naming both and saying to trace with real
+    tensors. Nothing is tracked while the model runs: a run that succeeds pays nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tracker = _InFlight()
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(tracker.enter)
-    post = torch.nn.modules.module.register_module_forward_hook(tracker.leave, always_call=True)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        with FakeTensorMode(allow_non_fake_inputs=True):
             yield
     except Exception as exc:
-        if tracker.failed is None:
+        found = _failed_op(exc)
+        if found is None:
             raise
-        op, where, error = tracker.failed
+        op, where, error = found
         raise TraceError(f"on the meta device, {op} in {where} cannot run ({error}): the model reads tensor values "
                          "or calls a kernel the meta device lacks, so it cannot be planned analytically; trace with "
                          "real tensors (--device cpu, or --device cuda)") from exc
-    finally:
-        pre.remove()
-        post.remove()
 
 
-class _InFlight(TorchDispatchMode):
-    """The module stack of a model run and the first aten op that raised in it (Note [ops that need values])."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stack: list[nn.Module] = []
-        self.failed: tuple[str, str, str] | None = None
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        self.stack.append(module)
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack and self.stack[-1] is module:
-            self.stack.pop()
-
-    def where(self) -> str:
-        if not self.stack:
-            return "the model's forward"
-        names = {id(m): path for path, m in self.stack[0].named_modules(remove_duplicate=False)}
-        inner = self.stack[-1]
-        path = names.get(id(inner), "")
-        return f"{path or 'the model'} ({type(inner).__name__})"
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        try:
-            return func(*args, **(kwargs or {}))
-        except Exception as exc:
-            if self.failed is None:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                self.failed = (f"aten.{func.__name__}" if "." in getattr(func, "__name__", "") else str(func),
-                               self.where(), f"{type(exc).__name__}: {first[:200]}")
-            raise
+def _failed_op(exc: BaseException) -> tuple[str, str, str] | None:
+    """``(op, module, error)`` when ``exc`` (or what it wraps) was raised inside an aten op; else None."""
+    root: BaseException | None = exc
+    while root is not None and root.__cause__ is not None:
+        root = root.__cause__
+    if root is None:
+        return None
+    op, modules = None, []
+    tb = root.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        func, owner = local.get("func"), local.get("self")
+        if isinstance(func, torch._ops.OpOverload):
+            op = func
+        if isinstance(owner, nn.Module) and tb.tb_frame.f_code.co_name == "forward":
+            modules.append(owner)
+        tb = tb.tb_next
+    if op is None:
+        return None
+    where = "the model's forward"
+    if modules:
+        names = {id(m): path for path, m in modules[0].named_modules(remove_duplicate=False)}
+        where = f"{names.get(id(modules[-1])) or 'the model'} ({type(modules[-1]).__name__})"
+    first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+    return f"aten.{op.__name__}", where, f"{type(root).__name__}: {first[:200]}"
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
