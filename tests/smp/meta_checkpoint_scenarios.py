@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from meta_scenarios import BATCH, GPT, LR, MICROBATCHES, STEPS
+from meta_scenarios import GPT, MICROBATCHES, train
 
 import fxpipe.smp as api
 from fxpipe.modelfile import load_model_file
@@ -36,23 +36,7 @@ def meta_checkpoint_job(rank: int, world: int, mode: str, checkpoint: str, save_
         model.load_state_dict(api.load(full, partial=False)["model"])
     elif mode == "partial":
         model.load_state_dict(api.load(checkpoint, partial=True)["model"])
-    opt = api.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @api.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = source.loss_fn(model(x), y)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        losses.append(train_step(model, *source.example_inputs(BATCH), source.example_targets(BATCH))
-                      .reduce_mean().item())
-        opt.step()
-    local = {k: v.detach().clone() for k, v in model.local_state_dict().items() if isinstance(v, torch.Tensor)}
-    out: dict[str, Any] = {"losses": losses, "local": local,
-                           "meta": [k for k, v in model.module.state_dict().items() if v.is_meta]}
+    out = train(model, source)
     if save_to is not None:
         api.save({"model": model.local_state_dict()}, save_to, partial=True)
         out["full"] = model.state_dict()
