@@ -7,6 +7,8 @@ Llama-shaped model file ``benchmarks/scale/llama.py`` (125M, 1B, 7B, 70B). Rows:
 - ``fxpipe cpu``: the same with real tensors (only where the model fits: ``--real``, default 125m);
 - ``pipelining meta``: ``torch.distributed.pipelining.pipeline()`` on the same model built under
   ``torch.device("meta")``, split at the layer starts into (at most) 16 stages;
+- ``partition``: the whole ``fxpipe partition MODEL --device meta --stages 16`` without ``--weights``
+  (``--partition``, default 70b): trace, plan and emit (stage sources, manifest, buffers only);
 - ``emit``: ``write_build_dir`` with ``--weights`` from a sharded safetensors checkpoint (written
   here tensor by tensor with random values, ``--emit``, default 1b): its wall time, and its peak
   RSS above the RSS before it started (the process's high-water mark is reset just before).
@@ -132,6 +134,27 @@ def worker_emit(size: str, checkpoint: str, out: str) -> dict:
             "process_peak_rss": _peak_rss()}
 
 
+def worker_partition(size: str, out: str) -> dict:
+    """The whole ``fxpipe partition MODEL --device meta --stages 16`` (no --weights), as the CLI runs it."""
+    import contextlib
+    import io
+
+    from fxpipe.cli import main as cli
+    from fxpipe.codegen import Manifest
+
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = cli(["partition", f"{MODEL}:build_{size}", "--device", "meta", "--stages", str(STAGES), "--out", out])
+    t1 = time.perf_counter()
+    if code != 0:
+        raise SystemExit(f"fxpipe partition exited with {code}")
+    manifest = Manifest.from_json(out)
+    stage_bytes = [(Path(out) / sm.weights).stat().st_size for sm in manifest.stages]
+    return {"partition_s": t1 - t0, "peak_rss": _peak_rss(), "stages": manifest.num_stages,
+            "weights": manifest.weights, "build_bytes": sum(f.stat().st_size for f in Path(out).iterdir()),
+            "stage_weight_bytes": sum(stage_bytes)}
+
+
 def _run_worker(*args: str, timeout: float = 1800) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__)), "--worker", *args]
@@ -154,7 +177,7 @@ def _load(row: dict) -> str:
     return f"{row['load_avg']:.1f}" if "load_avg" in row else "n/r"
 
 
-def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
+def _markdown(rows: list[dict], emit: list[dict], meta: dict, partition: list[dict] | None = None) -> str:
     lines = [
         "# Scale benchmark results", "",
         f"Machine: {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}; {meta['date']}. "
@@ -178,6 +201,22 @@ def _markdown(rows: list[dict], emit: list[dict], meta: dict) -> str:
         lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | {r.get('units', '')} | "
                      f"{trace} | {plan} | {r['total_s']:.1f} | {r['process_wall_s']:.1f} | {_gb(r['peak_rss'])} | "
                      f"{_load(r)} | {note} |")
+    if partition:  # None or []: no such rows
+        lines += ["", "## The whole `fxpipe partition --device meta` (no --weights)", "",
+                  f"`fxpipe partition llama.py:build_SIZE --device meta --stages {STAGES} --out DIR` run in-process "
+                  "(trace, count, solve, emit the stage sources, the manifest and the buffers; no parameter is "
+                  "written: each stage initialises itself at load). `partition s`: the CLI call; `wall s`: the "
+                  "subprocess, imports included; peak RSS: the subprocess's.", "",
+                  "| model | params | partition s | wall s | peak RSS GB | stages | build MB | stage weights MB (buffers) "
+                  "| load |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in partition:
+            if "error" in r:
+                lines.append(f"| {r['size']} | {r['params_b']:.2f}B | | {r.get('process_wall_s', 0):.1f} | | | | | "
+                             f"{_load(r)} | failed: {r['error'][:120]} |")
+                continue
+            lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['partition_s']:.1f} | {r['process_wall_s']:.1f} | "
+                         f"{_gb(r['peak_rss'])} | {r['stages']} | {r['build_bytes'] / 1e6:.1f} | "
+                         f"{r['stage_weight_bytes'] / 1e6:.1f} | {_load(r)} |")
     if emit:
         lines += ["", "## Emit from a sharded checkpoint", "",
                   "`write_build_dir(..., weights=<4 safetensors shards + index>)` after a meta trace and plan; "
@@ -202,6 +241,8 @@ def main() -> None:
     parser.add_argument("--real", default="125m", help="sizes also traced with real tensors (comma list; '' none)")
     parser.add_argument("--no-pipelining", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--emit", default="1b", help="sizes to emit from a checkpoint ('' none)")
+    parser.add_argument("--partition", default="70b",
+                        help="sizes run through the whole `fxpipe partition --device meta` ('' none)")
     parser.add_argument("--scratch", default="/tmp/fxpipe-scale", help="folder for checkpoints and builds")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of results.json that this run does not measure again")
@@ -210,7 +251,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     if args.worker:
         kind, *rest = args.worker
-        result = {"fxpipe": worker_fxpipe, "pipelining": worker_pipelining, "emit": worker_emit}[kind](*rest)
+        result = {"fxpipe": worker_fxpipe, "pipelining": worker_pipelining, "emit": worker_emit,
+                  "partition": worker_partition}[kind](*rest)
         print(json.dumps(result))
         return
 
@@ -234,8 +276,20 @@ def main() -> None:
             r.update(size=size, tool=tool, tensors=tensors, params_b=params_b)
             print("   ", {k: v for k, v in r.items() if k not in ("size", "tool", "tensors")}, flush=True)
             rows.append(r)
-    emit: list[dict] = []
     scratch = Path(args.scratch)
+    partition: list[dict] = []
+    for size in [s for s in args.partition.split(",") if s]:
+        import shutil
+
+        out = scratch / f"partition-{size}"
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"{size}: fxpipe partition --device meta ...", flush=True)
+        p = _run_worker("partition", size, str(out))
+        p.update(size=size, params_b=llama.parameter_count(size) / 1e9)
+        print("   ", p, flush=True)
+        partition.append(p)
+        shutil.rmtree(out, ignore_errors=True)
+    emit: list[dict] = []
     for size in [s for s in args.emit.split(",") if s]:
         folder = scratch / f"ckpt-{size}"
         print(f"{size}: writing a sharded checkpoint to {folder} ...", flush=True)
@@ -256,12 +310,13 @@ def main() -> None:
         done = {(r["size"], r["tool"], r["tensors"]) for r in rows}
         rows = [r for r in old["rows"] if (r["size"], r["tool"], r["tensors"]) not in done] + rows
         emit = emit or old.get("emit", [])
+        partition = partition or old.get("partition", [])
         order = {s: i for i, s in enumerate(llama.SHAPES)}
         rows.sort(key=lambda r: order[r["size"]])
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seq": llama.SEQ, "stages": STAGES}
-    (HERE / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "emit": emit}, indent=2) + "\n")
-    (HERE / "results.md").write_text(_markdown(rows, emit, meta))
+    (HERE / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "emit": emit, "partition": partition}, indent=2) + "\n")
+    (HERE / "results.md").write_text(_markdown(rows, emit, meta, partition))
     print((HERE / "results.md").read_text())
 
 

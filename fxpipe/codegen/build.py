@@ -171,7 +171,7 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
         microbatches=microbatches, training=model.training, torch_version=torch.__version__,
         schedule=schedule, weights=meta_weights.source if meta_weights else "model",
-        skipped_checks=meta_skipped_checks(meta_weights))
+        skipped_checks=meta_skipped_checks(meta_weights), init_models=meta_weights.init_models if meta_weights else ())
     manifest.to_json(staging / "manifest.json")
     return manifest, split
 

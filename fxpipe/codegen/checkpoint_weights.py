@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from fxpipe.codegen.manifest import InitModel
+from fxpipe.codegen.stage_init import transformers_init_models
 from fxpipe.codegen.state import StageState, tensor_aliases
 from fxpipe.errors import WeightsError
 from fxpipe.tracer.meta import BUFFER_VALUES_KEY, SKIPPED_ON_META
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from fxpipe.tracer.traced import TracedModel
 
 __all__ = ["Checkpoint", "open_checkpoint", "MetaWeights", "meta_weights", "build_meta_weights", "meta_skipped_checks",
-           "write_streamed", "write_meta_stage", "SKIPPED_SAFETY_NET"]
+           "write_streamed", "write_meta_stage", "load_into_stage", "SKIPPED_SAFETY_NET"]
 
 SKIPPED_SAFETY_NET = ("safety net (the stages against the model, train and eval mode): a meta model holds no values; "
                       "run `fxpipe verify` on a build made from a checkpoint")
@@ -171,11 +173,13 @@ def _open_torch_save(path: Path) -> Checkpoint:
 @dataclass(frozen=True)
 class MetaWeights:
     """Where a meta build's tensors come from: ``key_of`` maps a model key to its checkpoint key
-    (empty without a checkpoint), ``buffers`` holds the buffers' real values."""
+    (empty without a checkpoint), ``buffers`` holds the buffers' real values, ``init_models`` the
+    transformers models whose ``_init_weights`` initialise the stages without a checkpoint."""
 
     checkpoint: Checkpoint | None
     key_of: Mapping[str, str]
     buffers: Mapping[str, torch.Tensor]
+    init_models: tuple[InitModel, ...] = ()
 
     @property
     def source(self) -> str:
@@ -187,7 +191,7 @@ def meta_weights(model: nn.Module, buffers: Mapping[str, torch.Tensor], weights:
     """Check ``weights`` against ``model`` and say where each key is read from (Note [stage weights from a
     checkpoint]); one :class:`WeightsError` line names every missing, unexpected or mis-shaped key."""
     if weights is None:
-        return MetaWeights(None, {}, dict(buffers))
+        return MetaWeights(None, {}, dict(buffers), transformers_init_models(model))
     checkpoint = open_checkpoint(weights)
     state = model.state_dict(keep_vars=True)
     groups = tensor_aliases(model)
@@ -210,6 +214,22 @@ def meta_weights(model: nn.Module, buffers: Mapping[str, torch.Tensor], weights:
     if problems:
         raise WeightsError(f"--weights {checkpoint.path} does not fit {type(model).__name__}: {'; '.join(problems)}")
     return MetaWeights(checkpoint, key_of, dict(buffers))
+
+
+def load_into_stage(stage: nn.Module, model: nn.Module, weights: str | Path) -> int:
+    """Copy into ``stage`` (a loaded stage of ``model``, same keys) its tensors from the checkpoint ``weights``,
+    one tensor at a time; the checkpoint is first checked against the whole ``model`` (meta or real) as
+    ``--weights`` is. Returns the number of tensors copied."""
+    found = meta_weights(model, {}, weights)
+    assert found.checkpoint is not None
+    copied = 0
+    with torch.no_grad():
+        for key, t in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
+            source = found.key_of.get(key)
+            if source is not None:
+                t.copy_(found.checkpoint.tensor(source))
+                copied += 1
+    return copied
 
 
 def build_meta_weights(traced: TracedModel, weights: str | Path | None) -> MetaWeights | None:

@@ -104,7 +104,8 @@ def load_checked_stage(build: CheckedBuild, index: int, device: str | torch.devi
         _set_tensor(module, key, tensors[key])
     _tie_weights(module)
     if build.manifest.weights == "init":  # a meta build without --weights (Note [each stage initialises itself])
-        initialise_stage(module, index, build.manifest.ties, device=device)
+        initialise_stage(module, index, build.manifest.ties, device=device,
+                         init_models=build.manifest.init_models)
     if result.unexpected_keys:
         raise BuildDirError(f"{sm.weights} holds keys {result.unexpected_keys[:5]} that {sm.class_name} does not have")
     left = [k for k, t in list(module.named_parameters(remove_duplicate=False))

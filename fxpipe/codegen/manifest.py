@@ -25,7 +25,7 @@ from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
 from fxpipe.tracer.call import CallSpec
 
-__all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "Manifest"]
+__all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "InitModel", "Manifest"]
 
 MANIFEST_SCHEMA_VERSION = 2  # 2: microbatches, training and torch_version are fields (were ``extra``)
 INPUT = -1  # producer of a model input
@@ -136,6 +136,18 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class InitModel:
+    """A transformers model whose ``_init_weights`` initialises the stage tensors under ``prefix``
+    (Note [each stage initialises itself] in ``fxpipe.codegen.stage_init``): its class and its
+    config's class as ``module:qualname``, and the config as JSON."""
+
+    prefix: str
+    model_class: str
+    config_class: str
+    config: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a loader needs to know about a build directory.
 
@@ -176,6 +188,7 @@ class Manifest:
     schedule: str | None = None
     weights: str = "model"  # "model" | "checkpoint" | "init" (Note [stage weights from a checkpoint])
     skipped_checks: tuple[str, ...] = ()
+    init_models: tuple[InitModel, ...] = ()  # with weights "init": transformers models that initialise their tensors
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -183,6 +196,7 @@ class Manifest:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "ties", tuple(self.ties))
         object.__setattr__(self, "output_modules", tuple(self.output_modules))
+        object.__setattr__(self, "init_models", tuple(self.init_models))
         if self.call is not None and len(self.call.inputs) != len(self.inputs):
             raise BuildDirError(f"the manifest's call names {len(self.call.inputs)} tensor inputs but it lists "
                                 f"{len(self.inputs)} model inputs")

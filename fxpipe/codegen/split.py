@@ -365,14 +365,14 @@ def _boundary(name: str, spec: Any, producer: int, consumers: tuple[int, ...],
                           model_output=model_output)
 
 
-def _rewrite_devices(g: fx.Graph) -> None:
+def _rewrite_devices(g: fx.Graph, is_tensor: Callable[[fx.Node], bool] = _is_tensor) -> None:
     """Replace ``torch.device`` literals by ``<tensor>.device`` (Note [device literals])."""
     users = [n for n in g.nodes if n.op != "output" and _has_device(n.args, n.kwargs)]
     if not users:
         return
-    source = next((n for n in g.nodes if n.op == "placeholder" and _is_tensor(n)), None)
+    source = next((n for n in g.nodes if n.op == "placeholder" and is_tensor(n)), None)
     if source is None:
-        source = next((n for n in g.nodes if n.op == "get_attr" and _is_tensor(n)), None)
+        source = next((n for n in g.nodes if n.op == "get_attr" and is_tensor(n)), None)
     if source is None:
         return  # nothing on this stage tells the device; keep the traced one
     first = next(n for n in g.nodes if n.op != "placeholder")
@@ -409,4 +409,8 @@ def split_graph(gm: fx.GraphModule, stage_of_node: Mapping[str, int], num_stages
     """
     if num_stages < 1:
         raise CodegenError(f"num_stages must be >= 1, got {num_stages}")
+    for sub in gm.modules():  # the subgraphs of higher-order ops (autocast, no_grad regions) bake devices too
+        if sub is not gm and isinstance(sub, fx.GraphModule):
+            _rewrite_devices(sub.graph, lambda n: isinstance(n.meta.get("val"), torch.Tensor))
+            sub.recompile()
     return _Splitter(gm, stage_of_node, num_stages, attr_name).run()

@@ -16,7 +16,11 @@ from ``DIR`` instead.
 
 Each stage's parameters and buffers are then set from the *local* wrapped module
 (the same keys: a stage keeps the original names), so a prebuilt ``plan`` trains the
-user's weights, and ``load_state_dict`` calls made before partitioning hold.
+user's weights, and ``load_state_dict`` calls made before partitioning hold. A model built
+on meta has no values to give: its stage initialises itself (Note [each stage initialises
+itself] in ``fxpipe.codegen.stage_init``), and with the config's ``weights`` every rank then
+reads its own stage's tensors from that checkpoint, one at a time, after checking its keys
+against the whole (meta) model; so no rank holds more than its stage.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.codegen import CheckedBuild, Manifest, load_stage, write_build_dir
+from fxpipe.codegen.checkpoint_weights import load_into_stage
 from fxpipe.codegen.load import load_checked_stage
-from fxpipe.errors import ConfigError, FxpipeError
+from fxpipe.errors import ConfigError, FxpipeError, WeightsError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
 from fxpipe.runtime.rank_stages import share_tied_parameters
 from fxpipe.runtime.runner import resolve_schedule
@@ -228,6 +233,11 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
     share_tied_parameters(chunks, manifest)
     for chunk in chunks.values():
         copy_module_values(chunk, module, where)
+        if config.weights is not None:  # each rank reads its own stages' tensors (Note [one plan for every rank])
+            try:
+                load_into_stage(chunk, module, config.weights)
+            except WeightsError as exc:
+                raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)
     return StageBuild(manifest, plan, stage, build_dir, chunks)

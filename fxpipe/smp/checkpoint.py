@@ -8,7 +8,9 @@ writes ``f`` once, from global rank 0 (call it on every rank with the gathered
 committed together or not at all, a load checks its part's sha256 before reading it and
 refuses parts of different saves (Note [checkpoint commit] in ``fxpipe.smp.commit``), and
 ``load`` uses ``torch.load(weights_only=True)``: tensors, numbers, strings and containers
-load; a file that would run pickled code is refused.
+load; a file that would run pickled code is refused. A full checkpoint is memory-mapped
+(``mmap=True``): loaded into a ``DistributedModel`` of a model built on meta, each rank
+copies only its stage's tensors, so only their pages are read.
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ def load(f: str | os.PathLike[str], partial: bool = True, map_location: Any = No
         warnings.warn(f"checkpoint {path} has no commit record ({record_path(f, partial).name}; written by an older "
                       "fxpipe or by torch.save), so it is loaded without checking that it is whole", stacklevel=2)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return _torch_load(path, map_location, mmap=not partial)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(f"{path} holds objects other than tensors and plain data ({first}); fxpipe loads "
@@ -196,3 +198,16 @@ def load(f: str | os.PathLike[str], partial: bool = True, map_location: Any = No
     except (RuntimeError, EOFError, OSError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
+
+
+def _torch_load(path: Path, map_location: Any, mmap: bool) -> Any:
+    """``torch.load(weights_only=True)``; a full checkpoint is memory-mapped, so a rank that takes only its
+    stage's keys from it (a model built on meta) reads only those pages (a file in torch's legacy
+    format cannot be mapped: read whole)."""
+    if mmap:
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+    return torch.load(path, map_location=map_location, weights_only=True)

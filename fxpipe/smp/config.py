@@ -52,7 +52,10 @@ class Config:
     ``shard_param_dtype`` and ``shard_reduce_dtype`` as in ``DataParallelOptions``;
     ``shard_optimizer_state``: the older spelling of ``"shard": "optimizer"``; ``plan``: a build
     directory written by ``fxpipe partition`` to use instead of partitioning at the
-    first step.
+    first step; ``weights``: a checkpoint each rank loads its own stage's tensors from right
+    after partitioning, in the formats of ``fxpipe partition --weights`` (a ``.safetensors``
+    file, a directory of safetensors shards, or a ``torch.save``d state dict), read one tensor
+    at a time: with a model built on meta, no rank ever holds more than its stage.
     """
 
     partitions: int
@@ -73,6 +76,7 @@ class Config:
     shard_min_params: int | None = None
     shard_param_dtype: str | None = None
     shard_reduce_dtype: str | None = None
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.partitions) or self.partitions < 1:
@@ -109,6 +113,12 @@ class Config:
                                   f"{str(self.plan)!r} has no manifest.json; run `fxpipe partition MODEL_FILE "
                                   f"--stages {self.partitions} --out DIR` first or drop 'plan'")
             object.__setattr__(self, "plan", str(self.plan))
+        if self.weights is not None:
+            if not isinstance(self.weights, (str, Path)) or not Path(self.weights).exists():
+                raise ConfigError(f"config 'weights' must be a checkpoint file or directory, but {self.weights!r} "
+                                  "does not exist; pass a .safetensors file, a directory of safetensors shards or a "
+                                  "torch.save'd state dict, or drop 'weights'")
+            object.__setattr__(self, "weights", str(self.weights))
 
     def data_parallel_options(self, **ddp_options: Any) -> DataParallelOptions:
         """The data-parallel options: this config's hook and sharding keys plus ``DistributedModel``'s DDP options."""

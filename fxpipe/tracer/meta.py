@@ -19,14 +19,15 @@ What needs values cannot run and is skipped, and the profile says so
 reproduces the model's outputs (train and eval mode), and later codegen's safety net
 (:mod:`fxpipe.codegen.safety`). Measuring times or memory needs real kernels:
 ``measure_times`` / ``measure_memory`` on meta is a :class:`~fxpipe.errors.TraceError`.
-A model with data-dependent control flow (``.item()``, ``nonzero``) cannot be traced on meta
-either; the error says to trace on ``cpu`` instead.
+A model with data-dependent control flow (``.item()``, ``nonzero``) or an op whose meta kernel
+refuses it cannot be traced on meta either; the error names the op and the module and says
+to trace on ``cpu`` instead (Note [ops that need values]).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, TypeVar
 
 import torch
 import torch.fx
@@ -117,12 +118,63 @@ def storage_key(t: torch.Tensor) -> int:
 
 def eager_mode(on_meta: bool) -> ContextManager[Any]:
     """The context for running the model itself (not its graph) during a trace: on meta, a
-    ``FakeTensorMode`` that takes the meta parameters as they are (Note [meta tracing])."""
+    ``FakeTensorMode`` that takes the meta parameters as they are (Note [meta tracing]); an op
+    that cannot run there is one :class:`~fxpipe.errors.TraceError` (Note [ops that need values])."""
     if not on_meta:
         return contextlib.nullcontext()
+    return _fake_run()
+
+
+@contextlib.contextmanager
+def _fake_run() -> Iterator[None]:
+    """Note [ops that need values]: some models read tensor values outside tracing, or call a kernel
+    whose meta implementation refuses what the CPU accepts: transformers' MoE routing
+    (``torch.where``/``nonzero`` per expert: data-dependent shapes), ``.item()``, or Mixtral's
+    ``torch._grouped_mm``, whose meta kernel takes bfloat16 only. Such a model cannot be planned
+    analytically. When the model's run on fake tensors raises from inside an aten op, the
+    traceback names the op (the fake mode's ``func``) and the module (the innermost ``forward``'s
+    ``self``), and the failure becomes one line naming both and saying to trace with real
+    tensors. Nothing is tracked while the model runs: a run that succeeds pays nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    except Exception as exc:
+        found = _failed_op(exc)
+        if found is None:
+            raise
+        op, where, error = found
+        raise TraceError(f"on the meta device, {op} in {where} cannot run ({error}): the model reads tensor values "
+                         "or calls a kernel the meta device lacks, so it cannot be planned analytically; trace with "
+                         "real tensors (--device cpu, or --device cuda)") from exc
+
+
+def _failed_op(exc: BaseException) -> tuple[str, str, str] | None:
+    """``(op, module, error)`` when ``exc`` (or what it wraps) was raised inside an aten op; else None."""
+    root: BaseException | None = exc
+    while root is not None and root.__cause__ is not None:
+        root = root.__cause__
+    if root is None:
+        return None
+    op, modules = None, []
+    tb = root.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        func, owner = local.get("func"), local.get("self")
+        if isinstance(func, torch._ops.OpOverload):
+            op = func
+        if isinstance(owner, nn.Module) and tb.tb_frame.f_code.co_name == "forward":
+            modules.append(owner)
+        tb = tb.tb_next
+    if op is None:
+        return None
+    where = "the model's forward"
+    if modules:
+        names = {id(m): path for path, m in modules[0].named_modules(remove_duplicate=False)}
+        where = f"{names.get(id(modules[-1])) or 'the model'} ({type(modules[-1]).__name__})"
+    first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+    return f"aten.{op.__name__}", where, f"{type(root).__name__}: {first[:200]}"
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -23,6 +23,11 @@ def meta_training_job(rank: int, world: int, checkpoint: str) -> dict[str, Any]:
     api.init({"partitions": 2, "microbatches": MICROBATCHES})
     model = api.DistributedModel(build_on_meta(source.build_model))
     model.load_state_dict(torch.load(checkpoint, weights_only=True))
+    return train(model, source)
+
+
+def train(model: Any, source: Any) -> dict[str, Any]:
+    """``STEPS`` SGD steps of ``model`` (a ``DistributedModel``); the losses, this rank's stage and its meta keys."""
     opt = api.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @api.step

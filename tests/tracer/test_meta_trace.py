@@ -131,3 +131,45 @@ def test_cost_device_prices_a_meta_trace():
     assert sum(u.fwd_ms for u in cuda.units) < sum(u.fwd_ms for u in cpu.units)
     with pytest.raises(TraceError, match="cost_device 'tpu'"):
         trace_model(model, (x,), trace_device="meta", cost_device="tpu", progress=False)
+
+
+def test_mixtral_on_meta_names_the_op_and_the_module():
+    """Mixtral's experts call torch._grouped_mm, whose meta kernel refuses float32: one line naming both."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TraceError) as info:
+        _trace(ZOO / "mixtral.py", trace_device="meta")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "aten._grouped_mm" in message and "model.layers.0.mlp.experts (MixtralExperts)" in message
+    assert "trace with real tensors (--device cpu" in message
+    assert _trace(ZOO / "mixtral.py", trace_device="cpu").profile.units  # on real tensors it plans
+
+
+def test_data_dependent_routing_on_meta_names_the_op_and_the_module(tmp_path):
+    path = _write(tmp_path, """
+        import torch
+        import torch.nn as nn
+
+        class Router(nn.Module):
+            def forward(self, x):
+                picked = torch.nonzero(x[:, 0] > 0).flatten()  # how many rows: known only from the values
+                return x.index_add(0, picked, x[picked])
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(4, 4)
+                self.router = Router()
+
+            def forward(self, x):
+                return self.router(self.proj(x))
+
+        def build_model():
+            return Model()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 4),)
+    """)
+    with pytest.raises(TraceError, match=r"on the meta device, aten\.nonzero\.default in router \(Router\) cannot "
+                                         r"run .*trace with real tensors \(--device cpu"):
+        _trace(path, trace_device="meta")
