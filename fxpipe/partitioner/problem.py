@@ -101,6 +101,8 @@ class PartitionProblem:
     bwd_weight_ms: tuple[float, ...] = ()     # of bwd_ms, the weight gradients (a split W); () = none
     virtual_stages: int = 1                   # stages (chunks) per rank
     placement: str = "loop"                   # how the chunks sit on the ranks (schedule.placement)
+    output_bytes: tuple[int, ...] = ()        # per unit, its outputs' bytes per microbatch; () = unknown (0)
+    input_bytes: int = 0                      # the model's inputs per microbatch (Note [memory over time])
 
     @property
     def num_units(self) -> int:
@@ -242,6 +244,8 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         random_units=tuple(i for i, u in enumerate(profile.units) if u.random),
         bwd_weight_ms=tuple(float(u.bwd_weight_ms) for u in profile.units),
         virtual_stages=v, placement=kind.placement,
+        output_bytes=tuple(int(u.output_bytes) for u in profile.units),
+        input_bytes=sum(int(spec.nbytes) for spec in profile.inputs),
     )
 
 
