@@ -22,6 +22,16 @@ with gloo, see benchmarks/prediction):
   a fixed ``step_ms`` of Python around the step.
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
+
+Note [shared cores]: the prediction assumes one core per rank. A local run with more
+processes than cores (4 or 2x2 ranks on this project's 2 cores) is a different cluster:
+``shared_cores`` makes it explicit as ``RuntimeCosts.rank_speed = cores / processes``,
+which divides every compute and per-action CPU cost (not the link delays) and the
+per-step optimizer and Python time. It is the slowdown when every rank is busy at once
+(processor sharing), so it is an upper bound where the schedule leaves ranks idle (a
+waiting rank's gloo receive sleeps and yields its core). Nothing applies it silently:
+``predict`` uses it only when given such a ``RuntimeCosts``, and it is recorded in the
+prediction's ``runtime_costs``.
 Predicted: every schedule that runs on the split's placement (``runnable_schedules``):
 with one stage per rank GPipe, 1F1B and ZB-H1; loop-placed chunks interleaved 1F1B;
 V-placed chunks ZBV.
@@ -39,7 +49,7 @@ from fxpipe.partitioner.schedule.memory import Holding, schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "simulate_plan", "predicted_schedules", "StageBytes", "stage_bytes", "rank_peak_memory"]
+           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory"]
 
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
@@ -58,9 +68,25 @@ class RuntimeCosts:
     optimizer_step_ms: NonNegFloat = 0.0     # fixed cost of one optimizer.step() call
     optimizer_tensor_ms: NonNegFloat = 0.0   # ... plus this per parameter tensor
     optimizer_bytes_per_s: NonNegFloat = 0.0  # ... plus streaming weight, gradient and state; 0: free
+    rank_speed: NonNegFloat = 1.0            # share of a core each rank's Python and kernels get (``shared_cores``)
+
+    def __post_init__(self) -> None:
+        if not self.rank_speed > 0:
+            raise PartitionError(f"rank_speed must be > 0 (a share of a core), got {self.rank_speed}")
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCosts:
+    """``runtime`` on a host where ``processes`` ranks share ``cores`` cores (Note [shared cores]).
+
+    >>> shared_cores(RuntimeCosts(), processes=4, cores=2).rank_speed
+    0.5
+    """
+    if processes < 1 or cores < 1:
+        raise PartitionError(f"processes and cores must be >= 1, got {processes} and {cores}")
+    return replace(runtime, rank_speed=min(1.0, cores / processes))
 
 
 # "cpu": fxpipe.runtime on 2 CPU ranks, gloo on loopback, one thread each, torch 2.13, on
@@ -202,8 +228,9 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
         if mine:
             optimizer = max(optimizer, runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream)
-    return StepOverheads(tied_all_reduce_ms=float(tied), loss_broadcast_ms=broadcast, optimizer_ms=optimizer,
-                         dp_all_reduce_ms=dp_all_reduce, fixed_ms=runtime.step_ms)
+    return StepOverheads(tied_all_reduce_ms=float(tied), loss_broadcast_ms=broadcast,
+                         optimizer_ms=optimizer / runtime.rank_speed, dp_all_reduce_ms=dp_all_reduce,
+                         fixed_ms=runtime.step_ms / runtime.rank_speed)
 
 
 def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts,
@@ -230,10 +257,10 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
 
     def duration(a: Action) -> float:
         if a.kind is ActionKind.FORWARD:
-            return fwd[a.stage]
+            return fwd[a.stage] / rt.rank_speed
         if a.kind is ActionKind.WEIGHT:
-            return w[a.stage]
-        return b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]
+            return w[a.stage] / rt.rank_speed
+        return (b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]) / rt.rank_speed
 
     def delay(link: Link, kind: ActionKind) -> float:
         _, act, grad = links[(link.src, link.dst)]
