@@ -101,7 +101,13 @@ def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMom
         posted: set[int] = set()
         receiving = [i for i, a in enumerate(acts) if (a.kind is F and a.stage in recv_f)
                      or (a.kind is B and a.stage in recv_b)]
-        nxt = {i: next((j for j in receiving if j > i), None) for i in range(len(acts))}
+        receiving_set = set(receiving)
+        nxt: list[int | None] = [None] * len(acts)  # the next receiving action after each
+        following: int | None = None
+        for i in reversed(range(len(acts))):
+            nxt[i] = following
+            if receiving and i in receiving_set:
+                following = i
         moments: list[tuple[int, ...]] = []
 
         def snapshot() -> None:
@@ -122,7 +128,7 @@ def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMom
 
         for i, a in enumerate(acts):
             for j in ((i, nxt[i]) if early_post else (i,)):
-                if j is not None and j in receiving and j not in posted:
+                if j is not None and j in receiving_set and j not in posted:
                     post(j)
             c = col[a.stage]
             row = counts[c]
