@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/prediction/configurations.py [--steps 8] [--configs 2x1,4x1,2x2]
         [--schedules gpipe,1f1b,zb-h1,interleaved-1f1b,zbv] [--model gpt] [--out benchmarks/prediction]
+        [--recompute]
 
 For each S x R and schedule (with its least stages per rank) it plans examples/gpt.py
 with ``dp_replicas=R`` on the loopback link (``plan_partition``: the planner's own
@@ -9,7 +10,10 @@ prediction, the same simulator as ``fxpipe plan --devices``), writes the build, 
 trains ``--steps`` SGD steps with ``run_build`` (S x R gloo processes on CPU, DDP over the
 replicas). It records the median step (first excluded) against
 ``plan.prediction.step_ms[schedule]`` and each rank's peak tensor memory against the
-plan's rank memory. Writes configurations.json and configurations.md; only measured rows.
+prediction's (``plan.prediction.peak_memory_bytes_by_schedule``, Note [memory over time]).
+``--recompute`` adds, for each schedule without a split backward, a row with every stage
+recomputing, and the measured / predicted drop of each rank's peak against the plain row.
+Writes configurations.json and configurations.md; only measured rows.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4), "mlp": (ROOT / "examples"
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
 
 
-def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, builds: Path) -> dict[str, Any]:
+def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, builds: Path,
+             recompute: bool = False) -> dict[str, Any]:
     from fxpipe.codegen import write_build_dir
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import CostModel, plan_partition
@@ -42,20 +47,32 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace_model_file(source, batch // micro, progress=False)
+    virtual = 2 if schedule in ("interleaved-1f1b", "zbv") else 1
     plan = plan_partition(traced.profile, stages, schedule=schedule, microbatches=micro,
-                          cost=CostModel(dp_replicas=replicas))
-    build = builds / f"{model}-{stages}x{replicas}-{schedule}"
+                          cost=CostModel(dp_replicas=replicas,
+                                         recompute=(True,) * (stages * virtual) if recompute else ()))
+    build = builds / f"{model}-{stages}x{replicas}-{schedule}{'-recompute' if recompute else ''}"
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
     run = run_build(build, RunOptions(steps=steps, schedule=schedule, microbatches=micro, batch_size=batch,
                                       dp=replicas), quiet=True)
     assert plan.prediction is not None
     predicted = plan.prediction.step_ms[schedule]
-    memory = list(plan.rank_memory_bytes)
+    # the same split on this host's shared cores (Note [shared cores]): an explicit second prediction
+    from fxpipe.partitioner import build_problem, predict
+    from fxpipe.partitioner.prediction import RUNTIME_COSTS, shared_cores
+    problem = build_problem(traced.profile, stages, schedule=schedule, microbatches=micro, cost=plan.cost,
+                            virtual_stages=plan.virtual_stages)
+    assignment = tuple(plan.stage_of(u.name) for u in traced.profile.units)
+    cores = len(os.sched_getaffinity(0))
+    host = predict(problem, assignment, traced.profile.batch_size,
+                   runtime=shared_cores(RUNTIME_COSTS["cpu"], stages * replicas, cores)).step_ms[schedule]
+    memory = list(plan.prediction.peak_memory_bytes_by_schedule[schedule])
     tensors = list(run.peak_tensor_bytes)
-    return {"model": model, "stages": stages, "replicas": replicas, "schedule": schedule,
+    return {"model": model, "stages": stages, "replicas": replicas, "schedule": schedule, "recompute": recompute,
             "virtual_stages": plan.virtual_stages, "microbatches": micro, "batch_size": batch,
             "measured_step_ms": run.median_step_ms, "predicted_step_ms": predicted,
             "ratio": run.median_step_ms / predicted, "within_goal": GOAL[0] <= run.median_step_ms / predicted <= GOAL[1],
+            "cores": cores, "predicted_on_shared_cores_ms": host, "ratio_on_shared_cores": run.median_step_ms / host,
             "predicted_rank_memory_bytes": memory, "measured_peak_tensor_bytes": tensors,
             "tensor_memory_ratio": [t / memory[i % len(memory)] for i, t in enumerate(tensors)] if memory else [],
             "load_average_1min": os.getloadavg()[0]}
@@ -65,14 +82,28 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
     lines = ["# Simulator vs measured step: S x R configurations", "",
              f"examples/gpt.py, {steps} SGD steps, median step excluding the first, gloo on CPU (S x R processes "
              "on this machine's 2 shared cores). Ratio = measured / predicted; goal 0.80-1.33. Memory: peak live "
-             "tensor bytes per rank / the plan's rank memory (replicas repeat the ranks of their pipeline).", "",
-             "| S x R | schedule | V | measured ms | predicted ms | ratio | in goal | tensor memory ratio per rank "
-             "| load |", "|---|---|---|---|---|---|---|---|---|"]
+             "tensor bytes per rank / the predicted rank peak (replicas repeat the ranks of their pipeline); "
+             "recompute rows: every stage recomputes, and 'saving' is the measured / predicted drop of each "
+             "rank's peak against the plain row. 'Shared cores': the prediction for S x R processes on this "
+             "host's cores (Note [shared cores] in fxpipe/partitioner/prediction.py: every rank at cores / "
+             "processes of a core, an upper bound of the slowdown), and measured / that.", "",
+             "| S x R | schedule | V | recompute | measured ms | predicted ms | ratio | in goal | shared cores ms "
+             "| ratio | tensor memory ratio per rank | saving measured / predicted | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = {(r["stages"], r["replicas"], r["schedule"]): r for r in rows if not r.get("recompute")}
     for r in rows:
         mem = ", ".join(f"{x:.2f}" for x in r["tensor_memory_ratio"])
+        base = plain.get((r["stages"], r["replicas"], r["schedule"])) if r.get("recompute") else None
+        saving = ""
+        if base is not None:
+            pairs = zip(base["measured_peak_tensor_bytes"], r["measured_peak_tensor_bytes"],
+                        base["predicted_rank_memory_bytes"] * r["replicas"], r["predicted_rank_memory_bytes"] * r["replicas"])
+            saving = ", ".join(f"{(mb - mr) / (pb - pr):.2f}" if pb != pr else "n/a" for mb, mr, pb, pr in pairs)
         lines.append(f"| {r['stages']}x{r['replicas']} | {r['schedule']} | {r['virtual_stages']} | "
+                     f"{'yes' if r.get('recompute') else 'no'} | "
                      f"{r['measured_step_ms']:.2f} | {r['predicted_step_ms']:.2f} | {r['ratio']:.2f} | "
-                     f"{'yes' if r['within_goal'] else 'NO'} | {mem} | {r['load_average_1min']:.1f} |")
+                     f"{'yes' if r['within_goal'] else 'NO'} | {r['predicted_on_shared_cores_ms']:.2f} | "
+                     f"{r['ratio_on_shared_cores']:.2f} | {mem} | {saving} | {r['load_average_1min']:.1f} |")
     inside = sum(r["within_goal"] for r in rows)
     return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal.", ""])
 
@@ -84,19 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default="gpipe,1f1b,zb-h1,interleaved-1f1b,zbv")
     p.add_argument("--model", default="gpt", choices=sorted(MODELS))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    p.add_argument("--recompute", action="store_true",
+                   help="also run every schedule without a split backward with every stage recomputing")
     args = p.parse_args(argv)
     builds = Path(tempfile.mkdtemp(prefix="fxpipe-configs-"))
     rows, started = [], time.perf_counter()
     for config in args.configs.split(","):
         stages, replicas = (int(x) for x in config.split("x"))
-        for schedule in args.schedules.split(","):
+        runs = [(s, False) for s in args.schedules.split(",")]
+        if args.recompute:
+            runs += [(s, True) for s in args.schedules.split(",") if s not in ("zb-h1", "zbv")]
+        for schedule, recompute in runs:
             try:
-                row = _measure(args.model, stages, replicas, schedule, args.steps, builds)
+                row = _measure(args.model, stages, replicas, schedule, args.steps, builds, recompute)
             except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
                 print(f"{config} {schedule}: not run: {exc}", file=sys.stderr, flush=True)
                 continue
             rows.append(row)
-            print(f"{config} {schedule:16s} measured {row['measured_step_ms']:8.2f} ms predicted "
+            print(f"{config} {schedule:16s}{' recompute' if recompute else ''} measured {row['measured_step_ms']:8.2f} ms predicted "
                   f"{row['predicted_step_ms']:8.2f} ms ratio {row['ratio']:.2f}", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)  # after every row: a cut-off run keeps what it measured
             (args.out / "configurations.json").write_text(json.dumps(

@@ -9,7 +9,9 @@ steady state (PowerSGD's first ``start_powerSGD_iter`` plain all-reduce steps ar
 
 * DDP groups the gradients into buckets of ``dp_bucket_bytes`` (``bucket_cap_mb``), filled
   in reverse parameter order, a bucket closing once it reaches the cap (``ddp_buckets``).
-  Each all-reduce costs ``2(R-1)/R x bytes / link_bandwidth + link_latency``.
+  Each all-reduce costs ``2(R-1)/R x bytes / link_bandwidth + 2(R-1) x link_latency``:
+  a ring all-reduce is R-1 reduce-scatter hops then R-1 all-gather hops, each a message
+  that pays the link's latency (Note [ring hops]).
 * ``allreduce``: the gradients, one all-reduce per bucket. ``fp16``/``bf16``: half the
   bytes of the fp32 gradients.
 * ``powersgd`` (``powerSGD_hook``), per parameter: its gradient viewed as the matrix
@@ -44,9 +46,16 @@ G = P/R). ``shard_param_dtype`` scales the all-gathers and the gathered copy by 
 size over fp32's, ``shard_reduce_dtype`` (default: the parameter dtype) the
 reduce-scatters. Each collective of N bytes (the gathered result, the scattered input,
 the broadcast tensor) sends ``(R-1)/R x N`` per rank on a ring, an all-reduce twice
-that (``DataParallelTraffic.wire_bytes``); each is priced as one message (its latency
-once), as if the stage were one FSDP unit. A unit's transient whole parameters and
+that (``DataParallelTraffic.wire_bytes``); each pays the latency once per ring hop (Note
+[ring hops]), as if the stage were one FSDP unit. A unit's transient whole parameters and
 gradients (one or two units at a time) are not in the memory figures.
+
+Note [ring hops]: a ring collective over R ranks is a sequence of R-1 steps in which
+every rank sends one chunk to its neighbour and waits for one, so the link latency (the
+alpha of alpha-beta) is paid once per step, not once per collective: a reduce-scatter,
+an all-gather or a (pipelined) broadcast takes R-1 hops, an all-reduce 2(R-1)
+(``ring_hops``). On 2 ranks of this machine's gloo a 8 KB all-reduce measured ~200 us
+against ~50-100 us one way (benchmarks/prediction/README.md): two hops.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ from fxpipe.schema import read_dataclass
 __all__ = ["CostModel", "AllReduceTraffic", "DataParallelTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR",
            "DEFAULT_LINKS", "default_link",
            "COMM_HOOKS", "SHARD_LEVELS", "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
-           "parse_size", "format_size"]
+           "parse_size", "format_size", "ring_hops"]
 
 # (bandwidth in bytes/s, latency in seconds per message), one direction.
 LINK_PRESETS: dict[str, tuple[float, float]] = {
@@ -152,6 +161,19 @@ def format_size(nbytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def ring_hops(kind: str, replicas: int) -> int:
+    """Latency-paying steps of one ring collective over ``replicas`` ranks (Note [ring hops]):
+    ``"all_reduce"`` 2(R-1); ``"all_gather"``, ``"reduce_scatter"``, ``"broadcast"`` R-1.
+
+    >>> ring_hops("all_reduce", 4), ring_hops("reduce_scatter", 4), ring_hops("all_gather", 1)
+    (6, 3, 0)
+    """
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        raise ValueError(f"unknown collective {kind!r}")
+    steps = max(replicas - 1, 0)
+    return 2 * steps if kind == "all_reduce" else steps
 
 
 @dataclass(frozen=True)
@@ -395,8 +417,8 @@ class CostModel:
         """One step's data-parallel gradient all-reduce of parameters of these sizes, in ms.
 
         Ring all-reduce over ``dp_replicas``: ``2(R-1)/R x wire bytes / link_bandwidth +
-        link_latency`` per all-reduce the hook issues (``dp_traffic``); zero without
-        replicas or parameters.
+        2(R-1) x link_latency`` per all-reduce the hook issues (``dp_traffic``, Note [ring
+        hops]); zero without replicas or parameters.
 
         >>> CostModel(link_bandwidth=1e9, link_latency=0.0, dp_replicas=2).allreduce_ms([10**6])
         1.0
@@ -406,7 +428,8 @@ class CostModel:
             return 0.0
         traffic = self.dp_traffic(param_bytes, shapes)
         bandwidth, latency = self.dp_link(num_ranks)
-        return (2 * (R - 1) / R * traffic.wire_bytes / bandwidth + traffic.allreduces * latency) * 1e3
+        hops = traffic.allreduces * ring_hops("all_reduce", R)
+        return (2 * (R - 1) / R * traffic.wire_bytes / bandwidth + hops * latency) * 1e3
 
     # -- sharding (Note [sharding pricing]) ----------------------------------------
 
@@ -485,7 +508,15 @@ class CostModel:
             return self.allreduce_ms(param_bytes, shapes, num_ranks)
         traffic = self.shard_traffic(param_bytes, shapes, microbatches)
         bandwidth, latency = self.dp_link(num_ranks)
-        return (traffic.wire_bytes(self.dp_replicas) / bandwidth + traffic.collectives * latency) * 1e3
+        return (traffic.wire_bytes(self.dp_replicas) / bandwidth + self._hops(param_bytes, shapes, traffic) * latency) * 1e3
+
+    def _hops(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None,
+              traffic: DataParallelTraffic) -> int:
+        """Ring hops of a sharded step's collectives (Note [ring hops]): every collective R-1,
+        the all-reduces of ``optimizer`` sharding (the DDP hook's) twice that."""
+        R = self.dp_replicas
+        all_reduces = self.dp_traffic(param_bytes, shapes).allreduces if self.shard == "optimizer" else 0
+        return (traffic.collectives - all_reduces) * ring_hops("broadcast", R) + all_reduces * ring_hops("all_reduce", R)
 
     def speeds(self, num_stages: int) -> tuple[float, ...]:
         """Per-stage speed factors, checked against the stage count."""

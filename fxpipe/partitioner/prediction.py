@@ -22,6 +22,16 @@ with gloo, see benchmarks/prediction):
   a fixed ``step_ms`` of Python around the step.
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
+
+Note [shared cores]: the prediction assumes one core per rank. A local run with more
+processes than cores (4 or 2x2 ranks on this project's 2 cores) is a different cluster:
+``shared_cores`` makes it explicit as ``RuntimeCosts.rank_speed = cores / processes``,
+which divides every compute and per-action CPU cost (not the link delays) and the
+per-step optimizer and Python time. It is the slowdown when every rank is busy at once
+(processor sharing), so it is an upper bound where the schedule leaves ranks idle (a
+waiting rank's gloo receive sleeps and yields its core). Nothing applies it silently:
+``predict`` uses it only when given such a ``RuntimeCosts``, and it is recorded in the
+prediction's ``runtime_costs``.
 Predicted: every schedule that runs on the split's placement (``runnable_schedules``):
 with one stage per rank GPipe, 1F1B and ZB-H1; loop-placed chunks interleaved 1F1B;
 V-placed chunks ZBV.
@@ -35,10 +45,11 @@ from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
 from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
                                          simulate_step)
+from fxpipe.partitioner.schedule.memory import Holding, schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "simulate_plan", "predicted_schedules"]
+           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory"]
 
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
@@ -57,9 +68,25 @@ class RuntimeCosts:
     optimizer_step_ms: NonNegFloat = 0.0     # fixed cost of one optimizer.step() call
     optimizer_tensor_ms: NonNegFloat = 0.0   # ... plus this per parameter tensor
     optimizer_bytes_per_s: NonNegFloat = 0.0  # ... plus streaming weight, gradient and state; 0: free
+    rank_speed: NonNegFloat = 1.0            # share of a core each rank's Python and kernels get (``shared_cores``)
+
+    def __post_init__(self) -> None:
+        if not self.rank_speed > 0:
+            raise PartitionError(f"rank_speed must be > 0 (a share of a core), got {self.rank_speed}")
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCosts:
+    """``runtime`` on a host where ``processes`` ranks share ``cores`` cores (Note [shared cores]).
+
+    >>> shared_cores(RuntimeCosts(), processes=4, cores=2).rank_speed
+    0.5
+    """
+    if processes < 1 or cores < 1:
+        raise PartitionError(f"processes and cores must be >= 1, got {processes} and {cores}")
+    return replace(runtime, rank_speed=min(1.0, cores / processes))
 
 
 # "cpu": fxpipe.runtime on 2 CPU ranks, gloo on loopback, one thread each, torch 2.13, on
@@ -201,8 +228,9 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
         if mine:
             optimizer = max(optimizer, runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream)
-    return StepOverheads(tied_all_reduce_ms=float(tied), loss_broadcast_ms=broadcast, optimizer_ms=optimizer,
-                         dp_all_reduce_ms=dp_all_reduce, fixed_ms=runtime.step_ms)
+    return StepOverheads(tied_all_reduce_ms=float(tied), loss_broadcast_ms=broadcast,
+                         optimizer_ms=optimizer / runtime.rank_speed, dp_all_reduce_ms=dp_all_reduce,
+                         fixed_ms=runtime.step_ms / runtime.rank_speed)
 
 
 def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts,
@@ -229,10 +257,10 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
 
     def duration(a: Action) -> float:
         if a.kind is ActionKind.FORWARD:
-            return fwd[a.stage]
+            return fwd[a.stage] / rt.rank_speed
         if a.kind is ActionKind.WEIGHT:
-            return w[a.stage]
-        return b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]
+            return w[a.stage] / rt.rank_speed
+        return (b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]) / rt.rank_speed
 
     def delay(link: Link, kind: ActionKind) -> float:
         _, act, grad = links[(link.src, link.dst)]
@@ -240,6 +268,102 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
 
     return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
                          delay=delay)
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """Bytes per microbatch of what one stage holds (Note [memory over time]), from the profile."""
+
+    activations: int = 0        # saved for backward per microbatch (0 where the stage recomputes)
+    outputs_sent: int = 0       # one microbatch's output messages to other ranks
+    grads_sent: int = 0         # one microbatch's input-gradient messages
+    weight_pending: int = 0     # gradients a split B keeps for its W
+    backward_temporary: int = 0  # alive while B runs: gradients of the widest unit's output and input
+    weight_temporary: int = 0   # alive while W runs (a stage whose split B makes no input gradient)
+    grads: int = 0              # the stage's parameter gradients (once they exist)
+    activation_buffer: int = 0  # one receive buffer of the stage's inputs
+    gradient_buffer: int = 0    # one receive buffer of its output gradients
+
+    def at(self, held: Holding) -> int:
+        """Bytes of a moment's holdings (receive buffers excluded: the pool is counted once)."""
+        return (held.activations * self.activations + held.outputs_sent * self.outputs_sent
+                + held.grads_sent * self.grads_sent + held.weight_pending * self.weight_pending
+                + held.in_backward * self.backward_temporary + held.in_weight * self.weight_temporary
+                + held.grads * self.grads)
+
+
+def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[StageBytes]:
+    """Per stage, the byte sizes Note [memory over time] multiplies by the schedule's counts.
+
+    Backward temporaries: while a unit runs backward, the gradient of its output and the
+    one it makes for its input are alive together, and a weight's gradient is made whole
+    before it is added into ``.grad``; taken as twice the widest unit output of the stage
+    (its outputs' bytes) plus its largest parameter (``W`` alone: the parameter). A recomputing stage saves nothing between F and B
+    and rebuilds one microbatch's activations in B. Gradients kept for W: the gradient of
+    every unit output whose unit has parameters or weight-gradient work (what the weight
+    gradients start from). A stage that makes no input gradient (it receives none from
+    another rank nor from a stage of its own rank) runs its whole split backward in ``W``.
+    """
+    S, ranks = problem.num_stages, problem.stage_ranks
+    outputs = problem.output_bytes or (0,) * problem.num_units
+    weight_w = problem.bwd_weight_ms or (0.0,) * problem.num_units
+    act, widest, pending, param = [0] * S, [0] * S, [0] * S, [0] * S
+    params: list[set[int]] = [set() for _ in range(S)]
+    for u, s in enumerate(assignment):
+        params[s].update(problem.unit_params[u])
+        act[s] += problem.activation_bytes[u]
+        param[s] = max([param[s]] + [problem.param_bytes[p] for p in problem.unit_params[u]])
+        widest[s] = max(widest[s], outputs[u])
+        if problem.unit_params[u] or weight_w[u] > 0:
+            pending[s] += outputs[u]
+    sent, sent_grad, recv, recv_grad = [0] * S, [0] * S, [0] * S, [0] * S
+    for t in problem.tensors:
+        a = assignment[t.producer]
+        for d in {assignment[c] for c in t.consumers} - {a}:
+            if ranks[a] == ranks[d]:
+                continue
+            sent[a] += t.nbytes
+            recv[d] += t.nbytes
+            if t.requires_grad:
+                sent_grad[a] += t.nbytes
+                recv_grad[d] += t.nbytes
+    recompute = problem.cost.recomputes(S)
+    out = []
+    for s in range(S):
+        temporary = 2 * widest[s] + param[s] + (act[s] if recompute[s] else 0)
+        makes_input_grads = recv_grad[s] > 0 or s > 0 and ranks[s - 1] == ranks[s]
+        out.append(StageBytes(activations=0 if recompute[s] else act[s], outputs_sent=sent[s],
+                              grads_sent=recv_grad[s], weight_pending=pending[s] if makes_input_grads else 0,
+                              backward_temporary=temporary,
+                              weight_temporary=param[s] if makes_input_grads else temporary,
+                              grads=problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in params[s]))[1],
+                              activation_buffer=recv[s], gradient_buffer=sent_grad[s]))
+    return out
+
+
+def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], schedule: str | None = None
+                     ) -> tuple[int, ...]:
+    """Each rank's peak tensor bytes over one step under ``schedule`` (Note [memory over time]):
+    training state of its distinct parameters, buffers, the step's inputs (every rank is handed
+    the batch), the receive-buffer pools, and the largest moment of the schedule's walk."""
+    name = schedule or problem.schedule
+    sizes = stage_bytes(problem, assignment)
+    rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
+    fixed = [problem.input_bytes * problem.microbatches] * problem.num_ranks
+    for u, s in enumerate(assignment):
+        r = problem.stage_ranks[s]
+        rank_params[r].update(problem.unit_params[u])
+        fixed[r] += problem.buffer_bytes[u]
+    out = []
+    moments = schedule_memory_moments(name, problem.num_ranks, problem.virtual_stages, problem.microbatches)
+    for r, rank in enumerate(moments):
+        weights, _, optimizer = problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in rank_params[r]))
+        state = weights + optimizer  # gradients: per stage, at the moments they exist
+        pools = sum(na * sizes[s].activation_buffer + ng * sizes[s].gradient_buffer
+                    for s, na, ng in zip(rank.stages, rank.activation_buffers, rank.gradient_buffers))
+        peak = max(sum(sizes[s].at(h) for s, h in zip(rank.stages, moment)) for moment in rank.moments)
+        out.append(int(fixed[r] + state + pools + peak))
+    return tuple(out)
 
 
 def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_size: int, *,
@@ -261,7 +385,7 @@ def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_s
         pipeline_ms[schedule] = line.step_ms
         step_ms[schedule] = line.step_ms + overhead.total_ms
         bubble[schedule] = line.bubble
-        memory[schedule] = ev.rank_memory_bytes
+        memory[schedule] = rank_peak_memory(problem, assignment, schedule)
     return Prediction(schedule=problem.schedule, step_ms=step_ms, pipeline_ms=pipeline_ms, bubble_by_schedule=bubble,
                       peak_memory_bytes_by_schedule=memory, step_overhead_ms=overhead, runtime_costs=rt,
                       samples_per_step=problem.microbatches * microbatch_size)

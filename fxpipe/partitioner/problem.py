@@ -28,6 +28,13 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   k: the most microbatches the stage holds between its ``F`` and its last backward
   action under the schedule's action lists (``schedule.in_flight_per_stage``: GPipe all
   M, 1F1B ``min(M, S - i)``, ZB-H1 ``min(M, S)``); M is ``PartitionProblem.microbatches``.
+* The prediction's per-rank peak (``prediction.rank_peak_memory``, in
+  ``Prediction.peak_memory_bytes_by_schedule``) walks the schedule's actions instead
+  (Note [memory over time] in ``schedule.memory``) and adds what this linear formula,
+  which the solvers constrain, leaves out: backward temporaries, gradients kept for a
+  split ``W``, receive buffers posted one action early, the step's inputs, and gradients
+  only once they exist. Measured on 2-4 CPU ranks it is within 20% where this formula
+  was 9-75% low (benchmarks/prediction/README.md).
 * Rank memory (what a memory limit bounds) = the distinct parameters of its stages
   (a tied parameter shared by two stages of one rank counts once) x state + the sum of
   its stages' buffers, activations and boundary buffers (each at its own peak: an
@@ -101,6 +108,8 @@ class PartitionProblem:
     bwd_weight_ms: tuple[float, ...] = ()     # of bwd_ms, the weight gradients (a split W); () = none
     virtual_stages: int = 1                   # stages (chunks) per rank
     placement: str = "loop"                   # how the chunks sit on the ranks (schedule.placement)
+    output_bytes: tuple[int, ...] = ()        # per unit, its outputs' bytes per microbatch; () = unknown (0)
+    input_bytes: int = 0                      # the model's inputs per microbatch (Note [memory over time])
 
     @property
     def num_units(self) -> int:
@@ -242,6 +251,8 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         random_units=tuple(i for i, u in enumerate(profile.units) if u.random),
         bwd_weight_ms=tuple(float(u.bwd_weight_ms) for u in profile.units),
         virtual_stages=v, placement=kind.placement,
+        output_bytes=tuple(int(u.output_bytes) for u in profile.units),
+        input_bytes=sum(int(spec.nbytes) for spec in profile.inputs),
     )
 
 

@@ -95,13 +95,16 @@ def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return out
 
 
-def peak_tensor_bytes(device: torch.device, fn: Callable[[], Any], tensors: Iterable[torch.Tensor] = ()) -> int:
+def peak_tensor_bytes(device: torch.device, fn: Callable[[], Any],
+                      tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = ()) -> int:
     """Peak bytes of tensors alive while ``fn()`` runs, ``tensors`` (alive at the start) included.
 
     CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``, reset first;
     it sees every tensor on the device, so ``tensors`` are counted whether listed or not).
     Elsewhere: a ``TensorMemoryTracker`` around ``fn``, which counts only ``tensors`` and
-    what ``fn`` creates.
+    what ``fn`` creates. Pass ``tensors`` as a function returning them when ``fn`` may free
+    some of them (``zero_grad(set_to_none=True)`` frees the gradients): a list given
+    directly stays referenced by this call and would keep them alive.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -109,23 +112,36 @@ def peak_tensor_bytes(device: torch.device, fn: Callable[[], Any], tensors: Iter
         fn()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
-    with TensorMemoryTracker(tensors) as tracker:
+    tracker = _tracker(tensors)
+    with tracker:
         fn()
     return tracker.peak_bytes
+
+
+def _tracker(tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]) -> TensorMemoryTracker:
+    """A tracker counting ``tensors``, holding no reference to them once it returns."""
+    tracker = TensorMemoryTracker()
+    for t in (tensors() if callable(tensors) else tensors):
+        tracker.track(t)
+    return tracker
 
 
 def training_peak_tensor_bytes(runner: PipelineRunner, inputs: tuple[torch.Tensor, ...], targets: Any,
                                steps: int) -> int:
     """Peak tensor bytes of this rank over ``steps`` more training steps of ``runner`` (one
     accumulation window, after the timed ones, so the tracker's per-op cost never lands in a
-    timed step): the stage's state, the step's data and everything the steps create."""
-    data = [t for t in (*inputs, *tree_leaves(targets)) if isinstance(t, torch.Tensor)]
+    timed step): the stage's state, the step's data and everything the steps create. The
+    previous step's gradients count until the step frees them (no list of them is kept)."""
+
+    def start() -> list[torch.Tensor]:
+        data = [t for t in (*inputs, *tree_leaves(targets)) if isinstance(t, torch.Tensor)]
+        return state_tensors(runner.stage, runner.optimizer) + data
 
     def run() -> None:
         for _ in range(steps):
             runner.step(inputs, targets)
 
-    return peak_tensor_bytes(runner.device, run, state_tensors(runner.stage, runner.optimizer) + data)
+    return peak_tensor_bytes(runner.device, run, start)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

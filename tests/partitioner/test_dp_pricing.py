@@ -17,7 +17,7 @@ from fxpipe.tracer import trace_model
 from fxpipe.tracer.profile import ModelProfile, Unit
 
 MiB = 2**20
-# 1 GB/s, 0.1 ms a message, 2 replicas: an all-reduce of B bytes costs B / 1e6 ms + 0.1 ms.
+# 1 GB/s, 0.1 ms a message, 2 replicas: an all-reduce of B bytes costs B / 1e6 ms + 2 ring hops x 0.1 ms.
 LINK = CostModel(link_bandwidth=1e9, link_latency=1e-4, dp_replicas=2)
 PSGD4 = replace(LINK, comm_hook="powersgd", powersgd_rank=4)
 
@@ -26,8 +26,8 @@ def test_linear_weight_is_compressed_and_its_bias_sent_whole() -> None:
     traffic = PSGD4.dp_traffic([4_000_000, 4_000], [(1000, 1000), (1000,)])
     assert traffic.wire_bytes == (1000 + 1000) * 4 * 4 + 4000
     assert traffic.allreduces == 3  # uncompressed tensors, P, Q
-    assert PSGD4.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(0.036 + 0.3)
-    assert LINK.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(4.004 + 0.1)
+    assert PSGD4.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(0.036 + 0.6)
+    assert LINK.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(4.004 + 0.2)
 
 
 def test_embedding_matrix_at_rank_one() -> None:
@@ -71,7 +71,7 @@ def _linear_profile(shapes: dict[str, tuple[int, ...]]) -> ModelProfile:
 def test_stage_all_reduce_prices_the_stage_own_shapes() -> None:
     profile = _linear_profile({"fc.weight": (1000, 1000), "fc.bias": (1000,), "head.weight": (1, 1000)})
     stages = evaluate(build_problem(profile, 2, cost=PSGD4), (0, 1)).stages
-    assert [s.dp_allreduce_ms for s in stages] == pytest.approx([0.036 + 0.3, 0.004 + 0.3])
+    assert [s.dp_allreduce_ms for s in stages] == pytest.approx([0.036 + 0.6, 0.004 + 0.6])
     assert ModelProfile.from_json(profile.to_json()) == profile
 
 
@@ -82,7 +82,7 @@ def test_a_profile_without_shapes_falls_back_to_square_matrices() -> None:
     assert profile.param_shapes == {}
     stages = evaluate(build_problem(profile, 2, cost=PSGD4), (0, 1)).stages
     square_bias = 2 * math.sqrt(1000) * 4 * 4  # 1000 numbers as a 31.6 x 31.6 matrix
-    expected = [(2000 * 4 * 4 + square_bias) / 1e6 + 0.3, square_bias / 1e6 + 0.3]
+    expected = [(2000 * 4 * 4 + square_bias) / 1e6 + 0.6, square_bias / 1e6 + 0.6]
     assert [s.dp_allreduce_ms for s in stages] == pytest.approx(expected)
 
 
@@ -90,3 +90,22 @@ def test_tracer_records_parameter_shapes() -> None:
     model = nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4))
     profile = trace_model(model, (torch.randn(2, 8),), progress=False).profile
     assert profile.param_shapes == {"0.weight": (4, 8), "0.bias": (4,), "1.weight": (4,), "1.bias": (4,)}
+
+
+@pytest.mark.parametrize("replicas", [2, 4, 8])
+def test_latency_is_paid_once_per_ring_hop(replicas: int) -> None:
+    # latency only (bandwidth so high that bytes cost nothing): an all-reduce is 2(R-1) hops,
+    # a sharded step's all-gather and reduce-scatter R-1 each, ZeRO's broadcast R-1 per parameter
+    alpha = CostModel(link_bandwidth=1e30, link_latency=1e-3, dp_replicas=replicas)
+    hop_ms = 1.0
+    assert alpha.allreduce_ms([4_000]) == pytest.approx(2 * (replicas - 1) * hop_ms)
+    assert replace(alpha, dp_bucket_bytes=4_000).allreduce_ms([4_000, 4_000]) == pytest.approx(
+        2 * 2 * (replicas - 1) * hop_ms)  # two buckets, two all-reduces
+    grad_op = replace(alpha, shard="grad-op")
+    assert grad_op.dp_comm_ms([4_000], [(1000,)]) == pytest.approx(2 * (replicas - 1) * hop_ms)
+    full = replace(alpha, shard="full")
+    M = 3
+    assert full.dp_comm_ms([4_000], [(1000,)], M) == pytest.approx((2 * M + 1) * (replicas - 1) * hop_ms)
+    zero = replace(alpha, shard="optimizer")
+    assert zero.dp_comm_ms([4_000, 4_000], [(1000,), (1000,)]) == pytest.approx(
+        (2 * (replicas - 1) + 2 * (replicas - 1)) * hop_ms)  # one bucket's all-reduce, two broadcasts

@@ -84,3 +84,22 @@ def test_simulator_gradient_link_delay_literal() -> None:
     assert same.step_ms == pytest.approx(10.0)  # gradients reuse send_ms by default
     with pytest.raises(PartitionError, match="link delay"):
         simulate_schedule([1, 1, 1], [1, 1, 1], 2, "gpipe", send_ms=[0.5])
+
+
+def test_shared_cores_is_an_explicit_slowdown_of_compute_not_of_links() -> None:
+    from fxpipe.partitioner.prediction import shared_cores
+
+    base = RuntimeCosts(message_ms=0.25, step_ms=1.0)
+    shared = shared_cores(base, processes=4, cores=2)
+    assert shared.rank_speed == 0.5 and shared_cores(base, processes=2, cores=4).rank_speed == 1.0
+    problem = build_problem(_two_units(), 2, microbatches=1, schedule="gpipe", cost=LINK)
+    pred = predict(problem, (0, 1), 2, runtime=shared)
+    # as in the messages test, every action's time doubled, the two 1 ms link delays not: F0 2.5 | 1 | F1 2.5,
+    # B1 4.5 | 1 | B0 4.5
+    assert pred.pipeline_ms["gpipe"] == pytest.approx(16.0)
+    assert pred.step_overhead_ms.fixed_ms == pytest.approx(2.0)
+    assert pred.runtime_costs.to_dict()["rank_speed"] == 0.5  # recorded with the prediction
+    with pytest.raises(PartitionError):
+        shared_cores(base, processes=0, cores=2)
+    with pytest.raises(PartitionError):
+        RuntimeCosts(rank_speed=0.0)

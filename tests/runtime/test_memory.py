@@ -49,6 +49,22 @@ def test_tracker_sees_backward_and_grads() -> None:
     assert after.peak_bytes == 2 * 64 * 65 * 4 and after.live_bytes == 64 * 65 * 4
 
 
+def test_tensors_given_as_a_function_are_not_kept_alive_by_the_measurement() -> None:
+    lin = nn.Linear(64, 64)
+    lin(torch.randn(8, 64)).sum().backward()  # the previous step's gradients
+    state = 64 * 65 * 4
+
+    def step() -> None:
+        lin.zero_grad(set_to_none=True)  # frees them, as the runtime's step does
+        lin(torch.randn(8, 64)).sum().backward()
+
+    # params + new grads + the step's input, output and temporaries, but not the old grads
+    got = peak_tensor_bytes(torch.device("cpu"), step, lambda: state_tensors(lin))
+    assert 2 * state <= got < 3 * state
+    listed = peak_tensor_bytes(torch.device("cpu"), step, state_tensors(lin))  # the list keeps the old ones
+    assert listed >= 3 * state
+
+
 def test_peak_tensor_bytes_on_cpu_runs_the_function_once() -> None:
     calls = []
     got = peak_tensor_bytes(torch.device("cpu"), lambda: calls.append(torch.zeros(1000)))
@@ -96,32 +112,26 @@ def wide_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str,
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_gpipe_holds_more_activations_than_1f1b_and_the_plan_is_a_lower_bound(wide_runs) -> None:
+def test_gpipe_holds_more_activations_than_1f1b_as_predicted(wide_runs) -> None:
     plan, runs = wide_runs
     predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
     for schedule, run in runs.items():
         assert len(run.peak_tensor_bytes) == 2 and len(run.peak_memory_bytes) == 2
-        for stage, (meas, pred) in enumerate(zip(run.peak_tensor_bytes, predicted[schedule])):
-            assert meas >= pred, f"{schedule} stage {stage}: measured {meas} < predicted {pred}"
-    # stage 0 keeps 4 microbatches' activations under GPipe, 2 under 1F1B. The runtime posts the
-    # next action's receive before computing the current one, so 1F1B's peak (a forward with 2 in
-    # flight) also holds the gradient buffer of the next backward, which GPipe's peak (the last
-    # forward) held anyway: the gap is 2 microbatches' activations less up to one such buffer.
+    # stage 0 keeps 4 microbatches' activations under GPipe, 2 under 1F1B (Note [memory over time])
     act = plan["stages"][0]["memory"]["activations"] // 2  # 1F1B in flight on stage 0 of 2: 2
-    buffer = plan["stages"][0]["send_bytes"]                # one gradient of stage 0's output
     gap = runs["gpipe"].peak_tensor_bytes[0] - runs["1f1b"].peak_tensor_bytes[0]
-    assert 2 * act - buffer * 1.5 <= gap <= 2 * act * 1.1
-    assert predicted["gpipe"][0] - predicted["1f1b"][0] == 2 * act
+    predicted_gap = predicted["gpipe"][0] - predicted["1f1b"][0]
+    assert 2 * act * 0.6 <= gap <= 2 * act * 1.1
+    # measured ~0.72 of the predicted gap: GPipe's peak (its first B) has fewer temporaries than
+    # the model's two widest outputs (that B's first output gradient is the receive buffer itself)
+    assert 0.6 * predicted_gap <= gap <= 1.05 * predicted_gap
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="backward temporaries are not modelled: with every held send counted "
-                   "(Note [stage cost]) stage 0 of this MLP still measures ~1.4x the plan under 1F1B "
-                   "(~1.25x under GPipe, stage 1 ~1.1-1.25x)")
-def test_measured_peak_within_30_percent_of_the_plan(wide_runs) -> None:
+def test_measured_peak_within_20_percent_of_the_prediction(wide_runs) -> None:
     plan, runs = wide_runs
     predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
     for schedule, run in runs.items():
         for meas, pred in zip(run.peak_tensor_bytes, predicted[schedule]):
-            assert 0.7 <= meas / pred <= 1.3, f"{schedule}: measured {meas} vs predicted {pred}"
+            assert 0.8 <= meas / pred <= 1.2, f"{schedule}: measured {meas} vs predicted {pred}"

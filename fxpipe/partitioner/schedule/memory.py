@@ -1,0 +1,177 @@
+"""What each rank holds at every moment of a step, counted from the schedule's action lists.
+
+Note [memory over time]: the runtime (``fxpipe.runtime.stage_io`` / ``executor``) keeps,
+per stage and per microbatch, from its ``F`` until its last backward action (``W`` where
+the backward is split, else ``B``): the saved activations, one receive buffer of its
+inputs and, once its backward receives were posted, one receive buffer of its output
+gradients; every message it sent during the step (outputs after ``F``, input gradients
+after ``B``) stays alive until the step ends; between a split ``B`` and its ``W`` the
+gradients the weight gradients start from. On gloo the executor posts an action's
+receives and those of the next action that receives before computing (Note [posting
+messages] in ``fxpipe.runtime.comm``), so a buffer is taken one receiving action early.
+Receive buffers come from a pool that never shrinks: its size is the most buffers held at
+once, and all of them are alive through the step. While a ``B`` runs, the stage also has
+its backward temporaries (and, under recomputation, one microbatch's activations again);
+the optimizer frees the gradients between steps (``zero_grad(set_to_none=True)``), so a
+stage holds them only once its first backward that makes them (``B``, or ``W`` when split)
+is done, and a peak during the first one is taken before they exist;
+a stage with no input gradient to make (the first) does all of its split backward in
+``W``, so there the temporaries come with ``W`` and ``B`` keeps nothing.
+
+``memory_moments`` walks each rank's actions and records, per moment (during each
+action and after it), per stage of the rank, the counts ``Holding``; the byte sizes
+come from the profile (``fxpipe.partitioner.prediction.rank_peak_memory``), so a
+moment's bytes are a dot product and the peak is the largest over the moments. Only the
+moments that no other moment dominates are kept. Pure Python, cached per schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from fxpipe.partitioner.schedule.actions import ActionKind, Schedule
+
+__all__ = ["Holding", "RankMoments", "memory_moments", "schedule_memory_moments"]
+
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+_FIELDS = 7  # the counts of a Holding, in field order
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Counts of what one stage holds at one moment (Note [memory over time])."""
+
+    activations: int = 0   # microbatches whose activations are saved (F done, last backward action not)
+    outputs_sent: int = 0  # output messages posted this step (alive until the step ends)
+    grads_sent: int = 0    # input-gradient messages posted this step
+    weight_pending: int = 0  # split B done (or running), W not yet: gradients kept for W
+    in_backward: int = 0   # 1 while this stage's B runs: its backward temporaries
+    in_weight: int = 0     # 1 while this stage's W runs (where a split B had no input gradient to make)
+    grads: int = 0         # 1 once the stage's first weight gradients exist (``.grad`` is freed between steps)
+
+
+@dataclass(frozen=True)
+class RankMoments:
+    """One rank: its stages, their receive-buffer pools (activations, gradients) and the
+    non-dominated moments, each one ``Holding`` per stage (in ``stages`` order)."""
+
+    stages: tuple[int, ...]
+    activation_buffers: tuple[int, ...]
+    gradient_buffers: tuple[int, ...]
+    moments: tuple[tuple[Holding, ...], ...]
+
+
+def _receives(schedule: Schedule) -> tuple[set[int], set[int]]:
+    """Stages whose ``F`` receives activations and whose ``B`` receives gradients from another
+    rank: along the chain, where the neighbouring stage sits on another rank."""
+    ranks, S = schedule.stage_ranks, schedule.num_stages
+    fwd = {s for s in range(1, S) if ranks[s - 1] != ranks[s]}
+    bwd = {s for s in range(S - 1) if ranks[s + 1] != ranks[s]}
+    return fwd, bwd
+
+
+def _pareto(moments: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The moments no other moment is at least as large as in every count."""
+    unique = sorted(set(moments), key=lambda m: -sum(m))
+    kept: list[tuple[int, ...]] = []
+    for m in unique:
+        if not any(all(a >= b for a, b in zip(k, m)) for k in kept):
+            kept.append(m)
+    return kept
+
+
+def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMoments, ...]:
+    """Per rank, what its stages hold at every moment of one step (Note [memory over time]).
+
+    ``early_post``: receives posted one receiving action ahead (gloo); ``False``: at the
+    action itself (NCCL's paired sends).
+    """
+    split = schedule.split_backward()
+    recv_f, recv_b = _receives(schedule)
+    out: list[RankMoments] = []
+    for acts in schedule.actions:
+        stages = tuple(sorted({a.stage for a in acts}))
+        col = {s: i for i, s in enumerate(stages)}
+        n = len(stages)
+        counts = [[0] * _FIELDS for _ in range(n)]
+        taken_a, taken_g = [0] * n, [0] * n
+        pool_a, pool_g = [0] * n, [0] * n
+        held_bufs: dict[tuple[int, int], list[str]] = {}  # (stage, microbatch) -> buffers it holds
+        posted: set[int] = set()
+        receiving = [i for i, a in enumerate(acts) if (a.kind is F and a.stage in recv_f)
+                     or (a.kind is B and a.stage in recv_b)]
+        receiving_set = set(receiving)
+        nxt: list[int | None] = [None] * len(acts)  # the next receiving action after each
+        following: int | None = None
+        for i in reversed(range(len(acts))):
+            nxt[i] = following
+            if receiving and i in receiving_set:
+                following = i
+        moments: list[tuple[int, ...]] = []
+
+        def snapshot() -> None:
+            moments.append(tuple(c for row in counts for c in row))
+
+        def post(j: int) -> None:
+            a = acts[j]
+            c = col[a.stage]
+            kind = "a" if a.kind is F else "g"
+            held_bufs.setdefault((a.stage, a.microbatch), []).append(kind)
+            if kind == "a":
+                taken_a[c] += 1
+                pool_a[c] = max(pool_a[c], taken_a[c])
+            else:
+                taken_g[c] += 1
+                pool_g[c] = max(pool_g[c], taken_g[c])
+            posted.add(j)
+
+        for i, a in enumerate(acts):
+            for j in ((i, nxt[i]) if early_post else (i,)):
+                if j is not None and j in receiving_set and j not in posted:
+                    post(j)
+            c = col[a.stage]
+            row = counts[c]
+            done = False
+            if a.kind is F:
+                row[0] += 1
+                row[1] += 1
+                snapshot()
+            elif a.kind is B:
+                is_split = (a.stage, a.microbatch) in split
+                row[4] = 1
+                row[3] += is_split
+                snapshot()
+                row[4] = 0
+                row[2] += 1
+                done = not is_split
+                row[6] = row[6] or int(done)
+            else:
+                row[5] = 1
+                snapshot()
+                row[5] = 0
+                row[3] -= 1
+                row[6] = 1
+                done = True
+            if done:
+                row[0] -= 1
+                for kind in held_bufs.pop((a.stage, a.microbatch), ()):
+                    if kind == "a":
+                        taken_a[c] -= 1
+                    else:
+                        taken_g[c] -= 1
+                snapshot()
+        kept = _pareto(moments) if moments else [tuple([0] * (_FIELDS * n))]
+        out.append(RankMoments(
+            stages=stages, activation_buffers=tuple(pool_a), gradient_buffers=tuple(pool_g),
+            moments=tuple(tuple(Holding(*m[_FIELDS * k:_FIELDS * (k + 1)]) for k in range(n)) for m in kept)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_memory_moments(name: str, num_ranks: int, virtual_stages: int, microbatches: int
+                            ) -> tuple[RankMoments, ...]:
+    """``memory_moments`` of the named schedule (cached: every prediction of a plan asks for it)."""
+    from fxpipe.partitioner.schedule.registry import make_schedule
+
+    return memory_moments(make_schedule(name, num_ranks, microbatches, virtual_stages))

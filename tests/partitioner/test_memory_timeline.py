@@ -1,0 +1,84 @@
+"""Memory over time (Note [memory over time]): the schedule walk's counts and the predicted rank peak."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fxpipe.partitioner import CostModel
+from fxpipe.partitioner.prediction import rank_peak_memory, stage_bytes
+from fxpipe.partitioner.problem import PartitionProblem, Tensor
+from fxpipe.partitioner.schedule import make_schedule
+from fxpipe.partitioner.schedule.memory import Holding, memory_moments, schedule_memory_moments
+
+
+def _peak(schedule: str, rank: int, what: str) -> int:
+    return max(getattr(m[0], what) for m in schedule_memory_moments(schedule, 2, 1, 4)[rank].moments)
+
+
+def test_gpipe_peaks_in_its_first_backward_before_any_gradient_exists() -> None:
+    first = schedule_memory_moments("gpipe", 2, 1, 4)[0]
+    assert Holding(activations=4, outputs_sent=4, in_backward=1, grads=0) in {m[0] for m in first.moments}
+    assert _peak("gpipe", 0, "activations") == 4 and _peak("1f1b", 0, "activations") == 2
+    assert _peak("1f1b", 1, "activations") == 1
+
+
+def test_receive_pools_count_the_buffer_posted_one_action_early() -> None:
+    # rank 0 receives gradients, rank 1 activations; posted ahead (gloo) the pool holds one more
+    early = schedule_memory_moments("1f1b", 2, 1, 4)
+    late = memory_moments(make_schedule("1f1b", 2, 4), early_post=False)
+    assert (early[0].gradient_buffers, early[1].activation_buffers) == ((2,), (2,))
+    assert (late[0].gradient_buffers, late[1].activation_buffers) == ((1,), (1,))
+    assert early[0].activation_buffers == (0,) and early[1].gradient_buffers == (0,)
+    # GPipe keeps every microbatch's input buffer until its backward
+    assert schedule_memory_moments("gpipe", 2, 1, 4)[1].activation_buffers == (4,)
+
+
+def test_split_backward_keeps_gradients_until_w_and_holds_buffers_longer() -> None:
+    zb = schedule_memory_moments("zb-h1", 2, 1, 4)
+    assert _peak("zb-h1", 1, "weight_pending") == 2 and _peak("1f1b", 1, "weight_pending") == 0
+    assert zb[1].activation_buffers == (3,)  # released at W, not at B
+    assert all(m[0].weight_pending == 0 or m[0].activations >= m[0].weight_pending for m in zb[1].moments)
+
+
+def test_moments_are_not_dominated_and_cover_every_stage_of_a_rank() -> None:
+    for rank in schedule_memory_moments("interleaved-1f1b", 2, 2, 4):
+        assert rank.stages in ((0, 2), (1, 3)) and all(len(m) == 2 for m in rank.moments)
+        tuples = [sum((tuple(h.__dict__.values()) for h in m), ()) for m in rank.moments]
+        for a in tuples:
+            assert not any(b != a and all(x >= y for x, y in zip(b, a)) for b in tuples)
+
+
+def _chain(acts: tuple[int, ...], outs: tuple[int, ...], params: tuple[int, ...], **kw: object) -> PartitionProblem:
+    n = len(acts)
+    return PartitionProblem(
+        names=tuple(f"u{i}" for i in range(n)), module_paths=tuple(f"u{i}" for i in range(n)),
+        fwd_ms=(1.0,) * n, bwd_ms=(2.0,) * n, activation_bytes=acts, buffer_bytes=(0,) * n,
+        unit_params=tuple((i,) for i in range(n)), param_bytes=params, param_names=tuple(f"p{i}" for i in range(n)),
+        tensors=tuple(Tensor(i, (i + 1,), outs[i]) for i in range(n - 1)), pins=(None,) * n, num_stages=2,
+        microbatches=4, output_bytes=outs, **kw)  # type: ignore[arg-type]
+
+
+def test_rank_peak_in_bytes_under_1f1b_and_gpipe() -> None:
+    # two units, one per stage; activations 1000 / 2000, outputs 100 / 10, parameters 40 / 60 bytes,
+    # SGD (no optimizer state), inputs 7 bytes per microbatch
+    problem = _chain((1000, 2000), (100, 10), (40, 60), input_bytes=7, cost=CostModel(optimizer="sgd"))
+    sizes = stage_bytes(problem, (0, 1))
+    assert sizes[0].backward_temporary == 2 * 100 + 40 and sizes[1].backward_temporary == 2 * 10 + 60
+    assert (sizes[0].outputs_sent, sizes[0].gradient_buffer, sizes[1].grads_sent, sizes[1].activation_buffer) == \
+        (100, 100, 100, 100)
+    data = 4 * 7
+    # 1F1B rank 0 peaks in B with 2 microbatches held, 4 outputs sent, 2 gradient buffers, gradients made
+    assert rank_peak_memory(problem, (0, 1), "1f1b")[0] == data + 40 + 2 * 100 + 2 * 1000 + 4 * 100 + 240 + 40
+    # GPipe rank 0: its first B, all 4 held, no gradient yet
+    assert rank_peak_memory(problem, (0, 1), "gpipe")[0] == data + 40 + 2 * 100 + 4 * 1000 + 4 * 100 + 240
+    # rank 1, 1F1B: its last B (1 held, 3 gradients sent) against after it (4 sent): the B with its temporaries
+    assert rank_peak_memory(problem, (0, 1), "1f1b")[1] == data + 60 + 2 * 100 + 2000 + 3 * 100 + 80 + 60
+
+
+def test_recomputation_holds_no_activations_and_rebuilds_one_microbatch_in_backward() -> None:
+    problem = _chain((1000, 2000), (100, 10), (40, 60), input_bytes=7, cost=CostModel(optimizer="sgd"))
+    plain = rank_peak_memory(problem, (0, 1), "gpipe")[0]
+    recomputing = replace(problem, cost=CostModel(optimizer="sgd", recompute=(True, False)))
+    assert stage_bytes(recomputing, (0, 1))[0].activations == 0
+    # 4 held -> 1 rebuilt in B; the peak moves to a later B, once the gradients (40 bytes) exist
+    assert plain - rank_peak_memory(recomputing, (0, 1), "gpipe")[0] == 3 * 1000 - 40
