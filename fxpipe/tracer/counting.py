@@ -50,15 +50,23 @@ class UnitCounts:
         return min(1.0, max(0.0, 1.0 - self.bwd_input_flops / self.bwd_flops))
 
 
+# ``torch.tensor(...)`` inside a forward dispatches ``lift_fresh`` on real tensors but not under
+# fake tensors (the meta trace), so it is not counted: a meta profile counts what a real one does.
+UNCOUNTED_OPS = frozenset({"lift_fresh", "lift_fresh_copy"})
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it, by overload packet name (``"addmm"``)."""
+    """Counts the aten ops dispatched inside it, by overload packet name (``"addmm"``), except
+    ``UNCOUNTED_OPS``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        if name not in UNCOUNTED_OPS:
+            self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
     def items(self) -> tuple[tuple[str, int], ...]:

@@ -256,8 +256,10 @@ def test_bf16_autocast_per_stage_equals_one_process_under_autocast(gpt_build: Pa
         assert value.dtype == torch.float32  # master weights stay fp32
         # Adam normalises round-off where a gradient is near zero into steps of up to LR (see the fp32 test), and
         # the activations crossing in bf16 add round-off (the fp16 test checks the weights tightly under SGD): a
-        # few elements move apart by up to ~2 LR, the rest stay within bf16 noise
+        # few elements may move apart by Adam's bound (a step of at most ~LR each way, every step), while the
+        # mean and 99% of the elements stay within bf16 noise
         if key.endswith("attn.qkv.bias"):  # the key bias's gradient is exactly zero: Adam moves it by noise alone
             continue
-        diff = (value - model.state_dict()[key]).abs()
-        assert float(diff.mean()) < 3e-4 and float(diff.max()) < 3 * LR, key
+        diff = (value - model.state_dict()[key]).abs().flatten()
+        p99 = float(diff.kthvalue(max(1, int(0.99 * diff.numel()))).values)
+        assert float(diff.mean()) < 3e-4 and p99 < LR and float(diff.max()) < 2 * LR * STEPS, key
