@@ -29,6 +29,7 @@ HEAVY = (
     "tests/sharding/test_fairscale_api.py::test_auto_wrapped",
     "tests/codegen/test_readability.py::test_gpt2_stages_read_like_pytorch",
     "tests/runtime/test_own_loss.py::test_bart",
+    "tests/runtime/test_training_run.py::test_sharded_replicas_resume_bit_for_bit",
 )
 
 
