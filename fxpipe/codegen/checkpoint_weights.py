@@ -216,19 +216,20 @@ def meta_weights(model: nn.Module, buffers: Mapping[str, torch.Tensor], weights:
     return MetaWeights(checkpoint, key_of, dict(buffers))
 
 
-def load_into_stage(stage: nn.Module, model: nn.Module, weights: str | Path) -> int:
-    """Copy into ``stage`` (a loaded stage of ``model``, same keys) its tensors from the checkpoint ``weights``,
-    one tensor at a time; the checkpoint is first checked against the whole ``model`` (meta or real) as
-    ``--weights`` is. Returns the number of tensors copied."""
+def load_into_stage(stages: Iterable[nn.Module], model: nn.Module, weights: str | Path) -> int:
+    """Copy into each of ``stages`` (loaded stages of ``model``, same keys: one rank's) its tensors from
+    the checkpoint ``weights``, one tensor at a time; the checkpoint is first checked, once, against the
+    whole ``model`` (meta or real) as ``--weights`` is. Returns the number of tensors copied."""
     found = meta_weights(model, {}, weights)
     assert found.checkpoint is not None
     copied = 0
     with torch.no_grad():
-        for key, t in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
-            source = found.key_of.get(key)
-            if source is not None:
-                t.copy_(found.checkpoint.tensor(source))
-                copied += 1
+        for stage in stages:
+            for key, t in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
+                source = found.key_of.get(key)
+                if source is not None:
+                    t.copy_(found.checkpoint.tensor(source))
+                    copied += 1
     return copied
 
 

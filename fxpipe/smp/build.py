@@ -233,11 +233,11 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
     share_tied_parameters(chunks, manifest)
     for chunk in chunks.values():
         copy_module_values(chunk, module, where)
-        if config.weights is not None:  # each rank reads its own stages' tensors (Note [one plan for every rank])
-            try:
-                load_into_stage(chunk, module, config.weights)
-            except WeightsError as exc:
-                raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
+    if config.weights is not None:  # each rank reads its own stages' tensors (Note [one plan for every rank])
+        try:
+            load_into_stage(chunks.values(), module, config.weights)
+        except WeightsError as exc:
+            raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)
     return StageBuild(manifest, plan, stage, build_dir, chunks)
