@@ -31,6 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4), "mlp": (ROOT / "examples" / "mlp.py", 16, 4)}
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
+TIMING = "measured"
 
 
 def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, builds: Path,
@@ -46,7 +47,7 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
     source = load_model_file(model_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = trace_model_file(source, batch // micro, progress=False)
+        traced = trace_model_file(source, batch // micro, progress=False, measure_times=TIMING == "measured")
     virtual = 2 if schedule in ("interleaved-1f1b", "zbv") else 1
     plan = plan_partition(traced.profile, stages, schedule=schedule, microbatches=micro,
                           cost=CostModel(dp_replicas=replicas,
@@ -117,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     p.add_argument("--recompute", action="store_true",
                    help="also run every schedule without a split backward with every stage recomputing")
+    p.add_argument("--timing", choices=("measured", "analytic"), default="measured",
+                   help="unit times: measured on this machine before the runs (default), or the analytic estimate")
     args = p.parse_args(argv)
+    global TIMING
+    TIMING = args.timing
     builds = Path(tempfile.mkdtemp(prefix="fxpipe-configs-"))
     rows, started = [], time.perf_counter()
     for config in args.configs.split(","):

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--model", choices=("gpt_medium", "gpt"), default="gpt_medium",
+                   help="benchmarks/runtime/gpt_medium.py or the tiny examples/gpt.py")
     args = p.parse_args(argv)
     import torch
 
@@ -39,15 +41,21 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT / "benchmarks" / "runtime"))
-    import gpt_medium as gm
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+    import gpt_medium
 
-    model = gm.build_model()
+    if args.model == "gpt_medium":
+        model, model_file, block, width = (gpt_medium.build_model(), ROOT / "benchmarks" / "runtime" / "gpt_medium.py",
+                                           gpt_medium.BLOCK, gpt_medium.WIDTH)
+    else:
+        model, model_file, block, width = gpt.build_model(), ROOT / "examples" / "gpt.py", gpt.BLOCK, gpt.WIDTH
     blocks = torch.nn.Sequential(*model.blocks)
     params = list(blocks.parameters())
     split = SplitBackward(params)
 
     def once(fused: bool) -> tuple[float, float]:
-        x = torch.randn(args.microbatch, gm.BLOCK, gm.WIDTH, requires_grad=True)
+        x = torch.randn(args.microbatch, block, width, requires_grad=True)
         y = blocks(x)
         g = torch.randn_like(y)
         t0 = time.perf_counter()
@@ -71,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     w = statistics.median(x[1] for x in parts) * 1e3
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        profile = trace_model_file(load_model_file(ROOT / "benchmarks" / "runtime" / "gpt_medium.py"),
-                                   args.microbatch, progress=False).profile
+        profile = trace_model_file(load_model_file(model_file), args.microbatch, progress=False).profile
     units = [u for u in profile.units if u.name.startswith("blocks")]
     bwd, weight = sum(u.bwd_ms for u in units), sum(u.bwd_weight_ms for u in units)
     rt = RUNTIME_COSTS["cpu"]

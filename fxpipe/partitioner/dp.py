@@ -308,7 +308,7 @@ def _stages_needed(problem: PartitionProblem) -> int | None:
     """The fewest pipeline ranks (up to about 4x more) whose split fits the memory limit."""
     V, ranks = problem.virtual_stages, problem.num_ranks
     for S in range(ranks + 1, min(problem.num_units // V, 4 * ranks + 8) + 1):
-        trial = replace(problem, num_stages=S * V, cost=replace(problem.cost, device_speed=()),
+        trial = replace(problem, num_stages=S * V, cost=replace(problem.cost, device_speed=(), recompute=()),
                         pins=tuple(None for _ in problem.pins))
         try:
             if _split(trial, problem.stage_memory_limit) is not None:

@@ -20,6 +20,7 @@ from fxpipe.partitioner.bounds import lower_bound
 from fxpipe.partitioner.cost import CostModel, default_link, format_size
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
+from fxpipe.partitioner.memory_fit import fit_memory_over_time
 from fxpipe.partitioner.pins import stage_ranges
 from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, predict, simulate_plan, step_overheads
@@ -83,6 +84,8 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     always run to the end. ``cost`` defaults to the link of the trace device
     (``default_link``). ``split_at``: module paths where stages begin (``--split-at``;
     ``fxpipe.partitioner.split_points``), one fewer than the stages; the solvers honour them as pins.
+    ``memory_limit`` holds each rank's peak over the whole step (the schedule walk), solving
+    again under a tighter stage bound where needed (Note [fitting memory over time]).
 
     >>> plan = plan_partition(profile, 4, microbatches=8, memory_limit=parse_size("16GiB"))  # doctest: +SKIP
     >>> plan.stage_of("blocks.3"), plan.step_ms, plan.gap                                    # doctest: +SKIP
@@ -101,8 +104,23 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         raise PartitionError(f"objective must be 'step' or 'bottleneck', got {objective!r}")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
-    start = time.perf_counter()
     cost = cost or CostModel.preset(default_link(profile.trace_device))
+
+    def plan_under(limit: int | None) -> PartitionPlan:
+        return _plan_split(profile, num_stages, solver=solver, schedule=schedule, microbatches=microbatches,
+                           cost=cost, memory_limit=limit, time_limit=time_limit, optimize=optimize,
+                           virtual_stages=virtual_stages, objective=objective, split_at=split_at)
+
+    if memory_limit is not None and solver not in BASELINES:
+        return fit_memory_over_time(plan_under, memory_limit)
+    return plan_under(memory_limit)
+
+
+def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule: str, microbatches: int,
+                cost: CostModel, memory_limit: int | None, time_limit: float, optimize: str,
+                virtual_stages: int | None, objective: str, split_at: Sequence[str]) -> PartitionPlan:
+    """``plan_partition`` for one schedule, with the solvers' memory bound at ``memory_limit``."""
+    start = time.perf_counter()
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
     problem = pin_split_points(problem, split_at)

@@ -14,7 +14,10 @@ with gloo, see benchmarks/prediction):
   backward in ``B`` (``bwd_ms - bwd_weight_ms``, from the profile's per-unit FLOP split)
   plus the walk of the saved graph (``split_ms`` + ``split_unit_ms`` per unit of the
   stage), and the weight-gradient part in ``W`` plus one engine call per group of
-  parameters (``weight_call_ms`` per unit with parameters);
+  parameters (``weight_call_ms`` per unit with parameters); both parts cost
+  ``split_factor`` times their share of the fused backward (Note [split backward cost]);
+  a stage none of whose inputs needs a gradient (the first stage, fed token ids) runs
+  its whole backward in ``W`` at the fused cost, and its ``B`` is bookkeeping only;
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
   several stages (two link messages of its bytes), the loss broadcast (one small
   message), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
@@ -23,13 +26,28 @@ with gloo, see benchmarks/prediction):
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
 
+Note [split backward cost]: splitting one backward into ``B`` and ``W`` runs the same
+kernels (a boundary node such as a Linear's runs twice, each time one branch), yet
+measures more than the fused backward beyond its fixed Python costs: autograd's engine
+runs once for ``B`` and once per parameter group for ``W``, and ``W``'s kernels read
+activations and kept gradients that left the cache since ``B``. Measured with
+``benchmarks/prediction/split_cost.py`` (one process, one thread, this project's
+machine): gpt_medium's blocks split 1.44x the fused backward at microbatch 4 and 1.37x
+at 8, of which the fixed costs above are 2.8 ms of 27 and 49 ms; the rest is 1.33x and
+1.31x the fused time, hence ``split_factor = 1.33`` on CPU. (The tiny examples/gpt.py
+measures 1.49x beyond its fixed costs: small kernels pay the extra engine work more.)
+Not measured on CUDA: 1.0 there until it is.
+
 Note [shared cores]: the prediction assumes one core per rank. A local run with more
 processes than cores (4 or 2x2 ranks on this project's 2 cores) is a different cluster:
-``shared_cores`` makes it explicit as ``RuntimeCosts.rank_speed = cores / processes``,
-which divides every compute and per-action CPU cost (not the link delays) and the
-per-step optimizer and Python time. It is the slowdown when every rank is busy at once
-(processor sharing), so it is an upper bound where the schedule leaves ranks idle (a
-waiting rank's gloo receive sleeps and yields its core). Nothing applies it silently:
+``shared_cores`` makes it explicit as ``RuntimeCosts.rank_speed = cores / processes``:
+the pipeline's ranks share ``rank_speed x ranks`` cores (the replicas run the same
+pipeline at the same time), and the step simulation shares them among the actions
+running at each moment (Note [processor sharing]): an action runs at full speed while
+enough of the other ranks wait (a waiting rank's gloo receive sleeps and yields its
+core), and ``rank_speed`` of it while every rank computes. The per-step optimizer and
+Python time, which every rank spends at once, are divided by ``rank_speed``. Link
+delays are not shared. Nothing applies it silently:
 ``predict`` uses it only when given such a ``RuntimeCosts``, and it is recorded in the
 prediction's ``runtime_costs``.
 Predicted: every schedule that runs on the split's placement (``runnable_schedules``):
@@ -62,6 +80,7 @@ class RuntimeCosts:
     split_ms: NonNegFloat = 0.0              # a split B: finding the boundary nodes, keeping their gradients
     split_unit_ms: NonNegFloat = 0.0         # ... plus this per unit of the stage (the graph walk)
     weight_call_ms: NonNegFloat = 0.0        # W: one engine call per unit with parameters
+    split_factor: NonNegFloat = 1.0          # a split B + W over the fused backward (Note [split backward cost])
     message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
     loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
     step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
@@ -99,7 +118,8 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 # Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
 # 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
-    "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.15,
+    "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
+                        message_ms=0.15,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9),
     "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
@@ -208,6 +228,18 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
     return n_fwd, n_bwd, links
 
 
+def _stages_with_input_grads(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[bool]:
+    """Whether each stage receives a tensor that needs a gradient (its split ``B`` has input-gradient work)."""
+    out = [False] * problem.num_stages
+    for t in problem.tensors:
+        if t.requires_grad:
+            a = assignment[t.producer]
+            for c in t.consumers:
+                if assignment[c] != a:
+                    out[assignment[c]] = True
+    return out
+
+
 def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts) -> StepOverheads:
     """What a step spends after the pipeline drains (Note [step prediction]):
     all-reduces of parameters tied across ranks, the loss broadcast, the slowest rank's
@@ -251,23 +283,28 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     for u, s in enumerate(assignment):
         units[s] += 1
         weighted[s] += bool(problem.unit_params[u])
-    b_in = [b - st.bwd_weight_ms + rt.split_ms + units[s] * rt.split_unit_ms
+    graded = _stages_with_input_grads(problem, assignment)
+    f = rt.split_factor
+    b_in = [b - st.bwd_ms + (st.bwd_ms - st.bwd_weight_ms) * f + rt.split_ms + units[s] * rt.split_unit_ms
+            if graded[s] else rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] + rt.split_ms
             for s, (b, st) in enumerate(zip(bwd, ev.stages))]
-    w = [st.bwd_weight_ms + rt.action_ms + weighted[s] * rt.weight_call_ms for s, st in enumerate(ev.stages)]
+    w = [(st.bwd_weight_ms * f if graded[s] else st.bwd_ms) + rt.action_ms + weighted[s] * rt.weight_call_ms
+         for s, st in enumerate(ev.stages)]
 
     def duration(a: Action) -> float:
         if a.kind is ActionKind.FORWARD:
-            return fwd[a.stage] / rt.rank_speed
+            return fwd[a.stage]
         if a.kind is ActionKind.WEIGHT:
-            return w[a.stage] / rt.rank_speed
-        return (b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]) / rt.rank_speed
+            return w[a.stage]
+        return b_in[a.stage] if (a.stage, a.microbatch) in split else bwd[a.stage]
 
     def delay(link: Link, kind: ActionKind) -> float:
         _, act, grad = links[(link.src, link.dst)]
         return act if kind is ActionKind.FORWARD else grad
 
+    shared = rt.rank_speed * problem.num_ranks if rt.rank_speed < 1 else None  # cores of this pipeline's ranks
     return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
-                         delay=delay)
+                         delay=delay, cores=shared)
 
 
 @dataclass(frozen=True)

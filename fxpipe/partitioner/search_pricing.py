@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fxpipe.partitioner.cluster import ClusterSpec
-from fxpipe.partitioner.prediction import RuntimeCosts, StepOverheads, simulate_plan, step_overheads
+from fxpipe.partitioner.prediction import (RuntimeCosts, StepOverheads, rank_peak_memory, simulate_plan,
+                                           step_overheads)
 from fxpipe.partitioner.problem import PartitionProblem, build_problem, evaluate
 from fxpipe.partitioner.schedule import Timeline
 from fxpipe.partitioner.search_shapes import Shape, Split, pipeline_floor, runnable_shard_levels, scale_profile
@@ -118,12 +119,22 @@ class Pricer:
                 busy[st.rank] += st.compute_ms + (st.fwd_ms if recompute and recompute[s] else 0.0)
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue
+            peaks = rank_peak_memory(priced, assignment, shape.schedule)  # Note [fitting memory over time]
+            if limit is not None and max(peaks) > limit and not recompute and not shape.split_backward:
+                recompute = tuple(peaks[problem.stage_ranks[s]] > limit for s in range(problem.num_stages))
+                priced = replace(problem, cost=replace(cost, recompute=recompute))
+                overheads = step_overheads(priced, assignment, self.rt)
+                peaks = rank_peak_memory(priced, assignment, shape.schedule)
+            walked = max(peaks)
+            if limit is not None and walked > limit:
+                too_big(shard, walked)
+                continue
             key = (shape, recompute)
             if key not in self._timelines:
                 timed = evaluate(priced, assignment) if recompute else ev
                 self._timelines[key] = simulate_plan(priced, assignment, self.rt, evaluation=timed)
                 self.simulated += 1
-            keep(self._score(shape, shard, recompute, self._timelines[key], overheads, int(max(memory)),
+            keep(self._score(shape, shard, recompute, self._timelines[key], overheads, walked,
                              assignment, [st.fwd_ms for st in ev.stages], problem.stage_ranks))
 
     def _score(self, shape: Shape, shard: str, recompute: tuple[bool, ...], line: Timeline,

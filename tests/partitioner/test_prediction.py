@@ -86,7 +86,7 @@ def test_simulator_gradient_link_delay_literal() -> None:
         simulate_schedule([1, 1, 1], [1, 1, 1], 2, "gpipe", send_ms=[0.5])
 
 
-def test_shared_cores_is_an_explicit_slowdown_of_compute_not_of_links() -> None:
+def test_shared_cores_share_compute_between_running_ranks_not_links() -> None:
     from fxpipe.partitioner.prediction import shared_cores
 
     base = RuntimeCosts(message_ms=0.25, step_ms=1.0)
@@ -94,12 +94,31 @@ def test_shared_cores_is_an_explicit_slowdown_of_compute_not_of_links() -> None:
     assert shared.rank_speed == 0.5 and shared_cores(base, processes=2, cores=4).rank_speed == 1.0
     problem = build_problem(_two_units(), 2, microbatches=1, schedule="gpipe", cost=LINK)
     pred = predict(problem, (0, 1), 2, runtime=shared)
-    # as in the messages test, every action's time doubled, the two 1 ms link delays not: F0 2.5 | 1 | F1 2.5,
-    # B1 4.5 | 1 | B0 4.5
-    assert pred.pipeline_ms["gpipe"] == pytest.approx(16.0)
-    assert pred.step_overhead_ms.fixed_ms == pytest.approx(2.0)
+    # 2 ranks of 4 processes on 2 cores: this pipeline shares one core. With one microbatch no two actions
+    # run at once, so each runs at full speed, as in the messages test: F0 1.25 | 1 | F1 1.25, B1 2.25 | 1 | B0 2.25
+    assert pred.pipeline_ms["gpipe"] == pytest.approx(9.0)
+    assert pred.step_overhead_ms.fixed_ms == pytest.approx(2.0)  # every rank at once: half speed
+    two = build_problem(_two_units(), 2, microbatches=2, schedule="gpipe", cost=LINK)
+    alone, shared_two = predict(two, (0, 1), 2, runtime=base), predict(two, (0, 1), 2, runtime=shared)
+    # F1 of stage 0 and F0 of stage 1 overlap on one core: slower than one core each, never over twice
+    assert alone.pipeline_ms["gpipe"] < shared_two.pipeline_ms["gpipe"] < 2 * alone.pipeline_ms["gpipe"]
     assert pred.runtime_costs.to_dict()["rank_speed"] == 0.5  # recorded with the prediction
     with pytest.raises(PartitionError):
         shared_cores(base, processes=0, cores=2)
     with pytest.raises(PartitionError):
         RuntimeCosts(rank_speed=0.0)
+
+
+def test_split_backward_costs_split_factor_and_a_stage_without_input_grads_runs_all_in_w() -> None:
+    # Note [split backward cost]. u0 and u1: fwd 1, bwd 2 of which W 0.8 (weight_grad_fraction 0.4);
+    # the 1000-byte edge takes 1 ms on LINK. ZB-H1, one microbatch, split_factor 1.5:
+    # F(s0) [0, 1] | link | F(s1) [2, 3]; B(s1) (2 - 0.8) x 1.5 = 1.8 [3, 4.8]; W(s1) 0.8 x 1.5 [4.8, 6.0];
+    # stage 0's inputs need no gradient: its B is empty [5.8, 5.8] and its W the whole fused 2 ms [5.8, 7.8]
+    base = _two_units()
+    units = tuple(u.__class__(**{**u.__dict__, "weight_grad_fraction": 0.4}) for u in base.units)
+    profile = ModelProfile(units=units, edges=base.edges, batch_size=2, param_sizes=base.param_sizes)
+    problem = build_problem(profile, 2, microbatches=1, schedule="zb-h1", cost=LINK)
+    pred = predict(problem, (0, 1), 2, runtime=RuntimeCosts(split_factor=1.5))
+    assert pred.pipeline_ms["zb-h1"] == pytest.approx(7.8)
+    # factor 1: B(s1) 1.2 [3, 4.2], W(s1) [4.2, 5.0]; stage 0 from 5.2, its W 2 ms
+    assert predict(problem, (0, 1), 2, runtime=FREE).pipeline_ms["zb-h1"] == pytest.approx(7.2)

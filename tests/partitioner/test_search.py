@@ -95,7 +95,7 @@ def test_result_round_trips_and_explains_every_group() -> None:
 
 def test_plan_of_the_best_configuration_prices_it_the_same_way() -> None:
     profile = _small()
-    cluster = ClusterSpec(devices=4, device_memory=16 * 2**20, node_size=2)
+    cluster = ClusterSpec(devices=4, device_memory=17 * 2**20, node_size=2)
     result = search_configurations(profile, cluster, 8, shard_levels=("none",), schedules=("1f1b", "gpipe"))
     best = next(s for s in result.ranked if any(s.config.recompute))
     plan = plan_configuration(profile, cluster, best.config)
@@ -104,6 +104,8 @@ def test_plan_of_the_best_configuration_prices_it_the_same_way() -> None:
         (c.stages, c.microbatches, c.schedule, c.microbatch_size)
     assert plan.cost.recompute == c.recompute and plan.cost.dp_replicas == c.replicas
     assert max(plan.rank_memory_bytes) <= cluster.device_memory
+    assert max(plan.prediction.peak_memory_bytes) <= cluster.device_memory  # the whole step's walk fits too
+    assert best.peak_memory_bytes <= cluster.device_memory
     assert plan.step_ms <= best.step_ms * (1 + 1e-9)  # the planner starts from the same split and may improve it
 
 

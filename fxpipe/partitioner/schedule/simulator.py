@@ -139,12 +139,15 @@ class _Prepared:
 
 def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
                   links: Sequence[Link] | None = None,
-                  delay: Callable[[Link, ActionKind], float] | None = None) -> Timeline:
+                  delay: Callable[[Link, ActionKind], float] | None = None,
+                  cores: float | None = None) -> Timeline:
     """Start and end of every action of ``schedule`` (Note [step simulation]).
 
     ``duration(action)`` is its compute time; ``delay(link, F or B)`` the time an
     activation (``F``) or gradient (``B``) message spends on ``link`` (default 0);
-    ``links`` default to a chain. Raises ``SimulationStuck`` on a deadlock.
+    ``links`` default to a chain. ``cores``: the ranks share this many cores
+    (Note [processor sharing] in ``sharing``); default one core per rank. Raises
+    ``SimulationStuck`` on a deadlock.
 
     >>> from fxpipe.partitioner.schedule.registry import make_schedule
     >>> simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0).step_ms
@@ -163,6 +166,10 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
             prep.waits.append([(d, delay(ln, d.kind) if delay is not None and ln is not None else 0.0)
                                for d, ln in deps])
         ranks.append(prep)
+    if cores is not None and cores < len(ranks):
+        from fxpipe.partitioner.schedule.sharing import run_shared  # imports this module
+
+        return run_shared(schedule, ranks, cores)
     return _run(schedule, ranks)
 
 

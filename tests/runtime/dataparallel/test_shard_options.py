@@ -10,7 +10,7 @@ import pytest
 import torch.nn as nn
 
 from fxpipe.cli import build_parser, main
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, InfeasibleError
 from fxpipe.partitioner import CostModel, plan_partition
 from fxpipe.partitioner.cost import DataParallelTraffic
 from fxpipe.runtime.dataparallel import DataParallelOptions, block_units, min_params_units
@@ -158,10 +158,14 @@ def test_a_sharded_plan_has_less_memory_per_rank_and_prices_the_traffic() -> Non
     assert mem["none"][0] == 4 * 8 * MB and mem["full"][0] == 2.5 * 8 * MB and mem["optimizer"][0] == 3 * 8 * MB
     assert all(s.dp_bytes > 0 for p in plans.values() for s in p.stages)
     assert plans["full"].stages[0].dp_bytes > plans["grad-op"].stages[0].dp_bytes > plans["none"].stages[0].dp_bytes / 2
-    # a memory limit that only the sharded plan meets
-    limit = int(3 * 8 * MB)
-    assert plan_partition(profile, 2, microbatches=4, memory_limit=limit,
-                          cost=CostModel(dp_replicas=2, optimizer="adam", shard="full")).memory_limit == limit
+    # a memory limit that only the sharded plan meets over the whole step (Note [fitting memory over time]):
+    # full holds 2.5 x 8 MB of state, plus the gathered 8 MB weight's whole gradient while it is made
+    limit = int(3.6 * 8 * MB)
+    full = plan_partition(profile, 2, microbatches=4, memory_limit=limit,
+                          cost=CostModel(dp_replicas=2, optimizer="adam", shard="full"))
+    assert full.memory_limit == limit and max(full.prediction.peak_memory_bytes) <= limit
+    with pytest.raises(InfeasibleError):
+        plan_partition(profile, 2, microbatches=4, memory_limit=limit, cost=CostModel(dp_replicas=2, optimizer="adam"))
 
 
 def test_plan_shard_full_shows_memory_and_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,89 @@
+"""The step simulation when ranks share fewer cores than there are ranks (processor sharing).
+
+Note [processor sharing]: with one core per rank (``cores=None``) every action runs at full
+speed as soon as its rank is free and its inputs have arrived (Note [step simulation]).
+On a host with fewer cores than busy ranks (4 ranks on 2 cores), the running actions
+share the cores: at any moment each of the ``n`` running actions progresses at
+``min(1, cores / n)`` of its own speed, and a rank that waits for a message takes no
+core (gloo's receive sleeps). So the simulation advances event by event (an action
+finishes, a message lands and its consumer becomes runnable), recomputing the share
+whenever the set of running actions changes. With ``cores`` at least the number of
+ranks it gives the same timeline as the plain simulation (tested); with every rank busy
+all the time it is each action stretched by ``ranks / cores``, the ``shared_cores``
+bound of the prediction (Note [shared cores] in ``fxpipe.partitioner.prediction``).
+"""
+
+from __future__ import annotations
+
+from fxpipe.errors import PartitionError
+from fxpipe.partitioner.schedule.actions import Action, Schedule
+from fxpipe.partitioner.schedule.simulator import ScheduleOp, SimulationStuck, Timeline, _Prepared
+
+__all__ = ["run_shared"]
+
+_EPS = 1e-9  # ms
+
+
+def run_shared(schedule: Schedule, ranks: list[_Prepared], cores: float) -> Timeline:
+    """Start and end of every prepared action when the ranks share ``cores`` cores (Note [processor sharing])."""
+    if not cores > 0:
+        raise PartitionError(f"cores must be > 0, got {cores}")
+    n = len(ranks)
+    end: dict[Action, float] = {}
+    pos = [0] * n
+    start = [0.0] * n
+    left: dict[int, float] = {}        # running rank -> work (ms at full speed) still to do
+    ready_at: dict[int, float] = {}    # rank whose next action's inputs are all sent -> when the last lands
+    blocked: set[int] = set(range(n))  # ranks whose next action still misses an input (re-checked on each finish)
+    ops: list[ScheduleOp] = []
+    now = 0.0
+
+    def check(r: int) -> None:
+        prep = ranks[r]
+        if pos[r] >= len(prep.actions):
+            blocked.discard(r)
+            return
+        t = now
+        for dep, lag in prep.waits[pos[r]]:
+            done = end.get(dep)
+            if done is None:
+                blocked.add(r)
+                return
+            t = max(t, done + lag)
+        blocked.discard(r)
+        ready_at[r] = t
+
+    for r in range(n):
+        check(r)
+    while left or ready_at:
+        for r in [r for r, t in ready_at.items() if t <= now + _EPS]:
+            del ready_at[r]
+            start[r], left[r] = now, ranks[r].durations[pos[r]]
+        if not left:
+            now = min(ready_at.values())
+            continue
+        speed = min(1.0, cores / len(left))
+        step = min(left.values()) / speed
+        if ready_at:
+            step = min(step, min(ready_at.values()) - now)
+        now += step
+        finished = []
+        for r in left:
+            left[r] -= step * speed
+            if left[r] <= _EPS:
+                finished.append(r)
+        for r in finished:
+            del left[r]
+            a = ranks[r].actions[pos[r]]
+            end[a] = now
+            ops.append(ScheduleOp(a.stage, a.microbatch, a.kind.value, start[r], now, r))
+            pos[r] += 1
+        if finished:
+            for r in finished + sorted(blocked):
+                if r not in left and r not in ready_at:
+                    check(r)
+    if any(p < len(prep.actions) for p, prep in zip(pos, ranks)):
+        raise SimulationStuck(pos, end)
+    ops.sort(key=lambda op: (op.start_ms, op.rank))
+    return Timeline(schedule=schedule.name, microbatches=schedule.num_microbatches, ops=tuple(ops),
+                    num_ranks=schedule.num_ranks)

@@ -1,0 +1,79 @@
+"""Note [processor sharing]: the step simulation when ranks share fewer cores than there are ranks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from fxpipe.errors import PartitionError, ScheduleError
+from fxpipe.partitioner.schedule import ActionKind, Schedule, make_schedule, simulate_step
+
+F = ActionKind.FORWARD
+CHUNKED = {"interleaved-1f1b", "zbv", "dualpipev"}
+NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "dualpipev")
+
+
+def _schedule(name: str, ranks: int, microbatches: int) -> Schedule:
+    try:
+        return make_schedule(name, ranks, microbatches, 2 if name in CHUNKED else 1)
+    except ScheduleError:  # a count the schedule refuses (interleaved rounds)
+        assume(False)
+        raise
+
+
+def _durations(seed: int):
+    import random
+
+    rnd, memo = random.Random(seed), {}
+    return lambda a: memo.setdefault(a, rnd.uniform(0.2, 3.0))
+
+
+def test_two_ranks_on_one_core_by_hand() -> None:
+    # F = 1, B = 2: F0 on rank 0 alone [0, 1]; F1 (rank 0) and F0 (rank 1) share the core [1, 3]; F1 of
+    # rank 1 alone [3, 4]; B0 of rank 1 [4, 6]; B0 of rank 0 and B1 of rank 1 share [6, 10]; B1 of rank 0 [10, 12]
+    line = simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0, cores=1)
+    ends = {(op.rank, op.kind, op.microbatch): op.end_ms for op in line.ops}
+    assert ends[(0, "F", 1)] == pytest.approx(3.0) and ends[(1, "F", 0)] == pytest.approx(3.0)
+    assert line.step_ms == pytest.approx(12.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6))
+def test_enough_cores_is_the_plain_simulation(name: str, ranks: int, microbatches: int, seed: int) -> None:
+    schedule = _schedule(name, ranks, microbatches)
+    plain = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3)
+    shared = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, cores=ranks)
+    assert sorted((op.rank, str(op), round(op.end_ms, 9)) for op in shared.ops) == \
+        sorted((op.rank, str(op), round(op.end_ms, 9)) for op in plain.ops)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6),
+       st.floats(0.5, 1.0))
+def test_fewer_cores_stretch_the_step_at_most_by_ranks_over_cores(name: str, ranks: int, microbatches: int,
+                                                                  seed: int, share: float) -> None:
+    schedule = _schedule(name, ranks, microbatches)
+    cores = max(1.0, share * ranks)
+    work = _durations(seed)
+    plain = simulate_step(schedule, work, delay=lambda ln, k: 0.3)
+    shared = simulate_step(schedule, work, delay=lambda ln, k: 0.3, cores=cores)
+    assert plain.step_ms - 1e-9 <= shared.step_ms <= plain.step_ms * ranks / cores + 1e-9
+    actions = {(a.stage, a.microbatch, a.kind.value): a for acts in schedule.actions for a in acts}
+    for op in shared.ops:  # every action does all its work, at most at full speed
+        assert op.end_ms - op.start_ms >= work(actions[(op.stage, op.microbatch, op.kind)]) - 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6))
+def test_one_core_without_delays_runs_all_the_work_back_to_back(name: str, ranks: int, microbatches: int,
+                                                                seed: int) -> None:
+    schedule = _schedule(name, ranks, microbatches)
+    work = _durations(seed)
+    line = simulate_step(schedule, work, cores=1)
+    assert line.step_ms == pytest.approx(sum(work(a) for acts in schedule.actions for a in acts))
+
+
+def test_cores_must_be_positive() -> None:
+    with pytest.raises(PartitionError, match="cores"):
+        simulate_step(make_schedule("1f1b", 2, 2), lambda a: 1.0, cores=0)
