@@ -20,7 +20,11 @@ run under the grad mode and autocast of their ``model(...)`` call.
 
 ``RankChunks`` shows the rank's chunks as one module with the original model's keys
 (the chunk's module trees merged; tied parameters on one rank are one ``nn.Parameter``),
-so ``state_dict``, the optimizer and ``local_*`` see what a one-stage rank shows.
+so ``state_dict``, the optimizer and ``local_*`` see what a one-stage rank shows. With
+``ddp: True`` it is also what DDP wraps (``fxpipe.smp.replicas``): one synchronising pass per
+step over all the rank's chunks, after ``walk`` has run the step's last ``W``, averages the
+gradients that ``B`` and ``W`` accumulated in ``.grad`` (Note [one all-reduce per step] in
+``fxpipe.runtime.dataparallel.replica``). FSDP levels are refused there, as in the runtime.
 """
 
 from __future__ import annotations

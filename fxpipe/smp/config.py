@@ -48,8 +48,9 @@ class Config:
     (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``) and
     ``powersgd_rank`` its PowerSGD rank; ``shard``: shard training state over the
     data-parallel group (``"optimizer"``: ``ZeroRedundancyOptimizer``; ``"grad-op"``,
-    ``"full"``: FSDP2), with ``shard_reduce``, ``shard_wrap``, ``shard_min_params``,
-    ``shard_param_dtype`` and ``shard_reduce_dtype`` as in ``DataParallelOptions``;
+    ``"full"``: FSDP2, for schedules with one stage per process and a whole backward), with
+    ``shard_reduce``, ``shard_wrap``, ``shard_min_params``, ``shard_param_dtype`` and
+    ``shard_reduce_dtype`` as in ``DataParallelOptions``;
     ``shard_optimizer_state``: the older spelling of ``"shard": "optimizer"``; ``plan``: a build
     directory written by ``fxpipe partition`` to use instead of partitioning at the
     first step; ``weights``: a checkpoint each rank loads its own stage's tensors from right
@@ -158,16 +159,19 @@ class Config:
                               f"launch a multiple of {self.partitions} processes "
                               f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'")
         replicas = world_size // self.partitions
-        shard = self.data_parallel_options().shard
+        options = self.data_parallel_options()
+        shard = options.shard
         if replicas == 1 and shard != "none":
             raise ConfigError(f"config shards training state ('shard': {shard!r}) over the data-parallel replicas, but "
                               f"{world_size} processes for {self.partitions} partitions is one data-parallel replica; "
                               f"launch a multiple of {self.partitions} processes with 'ddp': True, or drop the key")
-        if replicas > 1 and self.chunks_per_rank > 1:
-            raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, but the "
-                              f"seed API runs pipeline {self.pipeline!r} ({self.chunks_per_rank} stages per process) "
-                              f"on one replica only; launch exactly {self.partitions} processes, or use a schedule "
-                              "with one stage per process ('1f1b', 'zb-h1')")
+        if options.fsdp and (self.chunks_per_rank > 1 or schedule_kind(self.schedule).split_backward):
+            # as the runtime (fxpipe.runtime.runner): FSDP counts backwards through one stage per process
+            what = (f"{self.chunks_per_rank} stages per process" if self.chunks_per_rank > 1
+                    else "a backward split into input and weight gradients")
+            raise ConfigError(f"'shard': {shard!r} (FSDP) runs one stage per process with a whole backward, but "
+                              f"pipeline {self.pipeline!r} runs {what}; use 'shard': 'optimizer' or 'none', "
+                              "or pipeline '1f1b'")
         if replicas > 1 and not self.ddp:
             raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
                               f"needs 'ddp': True; or launch exactly {self.partitions} processes")

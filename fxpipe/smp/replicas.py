@@ -2,7 +2,8 @@
 
 With ``ddp: True`` and ``world = partitions x R`` processes, every stage is wrapped
 in ``fxpipe.runtime.dataparallel.DataParallelStage`` over its data-parallel group
-(the same stage in every replica) as soon as the first step has partitioned the
+(the same stage in every replica; with several stages per process, the process's
+``RankChunks`` as one module) as soon as the first step has partitioned the
 model. Calls made before that (``register_comm_hook``, loading a hook state,
 entering ``join``) are kept and applied right after partitioning, so the seed's
 scripts, which set everything up before the first step, work unchanged.
