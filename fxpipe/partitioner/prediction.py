@@ -63,7 +63,7 @@ from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
 from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
                                          simulate_step)
-from fxpipe.partitioner.schedule.memory import Holding, schedule_memory_moments
+from fxpipe.partitioner.schedule.memory import schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
@@ -321,12 +321,11 @@ class StageBytes:
     activation_buffer: int = 0  # one receive buffer of the stage's inputs
     gradient_buffer: int = 0    # one receive buffer of its output gradients
 
-    def at(self, held: Holding) -> int:
-        """Bytes of a moment's holdings (receive buffers excluded: the pool is counted once)."""
-        return (held.activations * self.activations + held.outputs_sent * self.outputs_sent
-                + held.grads_sent * self.grads_sent + held.weight_pending * self.weight_pending
-                + held.in_backward * self.backward_temporary + held.in_weight * self.weight_temporary
-                + held.grads * self.grads)
+    def per_count(self) -> tuple[int, ...]:
+        """Bytes per unit of each ``Holding`` count, in its field order (receive buffers excluded)."""
+        return (self.activations, self.outputs_sent, self.grads_sent, self.weight_pending,
+                self.backward_temporary, self.weight_temporary, self.grads)
+
 
 
 def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[StageBytes]:
@@ -398,7 +397,7 @@ def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], sch
         state = weights + optimizer  # gradients: per stage, at the moments they exist
         pools = sum(na * sizes[s].activation_buffer + ng * sizes[s].gradient_buffer
                     for s, na, ng in zip(rank.stages, rank.activation_buffers, rank.gradient_buffers))
-        peak = max(sum(sizes[s].at(h) for s, h in zip(rank.stages, moment)) for moment in rank.moments)
+        peak = rank.peak([sizes[s].per_count() for s in rank.stages])
         out.append(int(fixed[r] + state + pools + peak))
     return tuple(out)
 

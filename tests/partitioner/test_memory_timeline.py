@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from fxpipe.partitioner import CostModel
 from fxpipe.partitioner.prediction import rank_peak_memory, stage_bytes
 from fxpipe.partitioner.problem import PartitionProblem, Tensor
@@ -82,3 +84,15 @@ def test_recomputation_holds_no_activations_and_rebuilds_one_microbatch_in_backw
     assert stage_bytes(recomputing, (0, 1))[0].activations == 0
     # 4 held -> 1 rebuilt in B; the peak moves to a later B, once the gradients (40 bytes) exist
     assert plain - rank_peak_memory(recomputing, (0, 1), "gpipe")[0] == 3 * 1000 - 40
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)])
+def test_peak_over_all_moments_equals_the_peak_over_the_undominated_ones(name: str, v: int) -> None:
+    import random
+
+    rnd = random.Random(7)
+    for rank in schedule_memory_moments(name, 3, v, 6):
+        sizes = [[rnd.randrange(0, 1000) for _ in range(7)] for _ in rank.stages]
+        by_hand = max(sum(c * b for h, row in zip(m, sizes) for c, b in zip(h.__dict__.values(), row))
+                      for m in rank.moments)
+        assert rank.peak(sizes) == by_hand

@@ -21,14 +21,18 @@ a stage with no input gradient to make (the first) does all of its split backwar
 ``memory_moments`` walks each rank's actions and records, per moment (during each
 action and after it), per stage of the rank, the counts ``Holding``; the byte sizes
 come from the profile (``fxpipe.partitioner.prediction.rank_peak_memory``), so a
-moment's bytes are a dot product and the peak is the largest over the moments. Only the
-moments that no other moment dominates are kept. Pure Python, cached per schedule.
+moment's bytes are a dot product and the peak is the largest over the moments: one
+matrix-vector product over the rank's counts (``RankMoments.peak``), which the cluster
+search asks for hundreds of times per schedule. Cached per schedule.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from fxpipe.partitioner.schedule.actions import ActionKind, Schedule
 
@@ -51,15 +55,29 @@ class Holding:
     grads: int = 0         # 1 once the stage's first weight gradients exist (``.grad`` is freed between steps)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RankMoments:
-    """One rank: its stages, their receive-buffer pools (activations, gradients) and the
-    non-dominated moments, each one ``Holding`` per stage (in ``stages`` order)."""
+    """One rank: its stages, their receive-buffer pools (activations, gradients) and its
+    moments: ``counts`` holds one row per moment, the ``Holding`` counts of each stage (in
+    ``stages`` order) side by side."""
 
     stages: tuple[int, ...]
     activation_buffers: tuple[int, ...]
     gradient_buffers: tuple[int, ...]
-    moments: tuple[tuple[Holding, ...], ...]
+    counts: np.ndarray = field(repr=False)
+
+    def peak(self, sizes: Sequence[Sequence[int]]) -> int:
+        """The largest moment's bytes, ``sizes[k]`` being the bytes per count of stage ``stages[k]``
+        (one per ``Holding`` field, in field order)."""
+        weights = np.asarray([b for row in sizes for b in row], dtype=np.int64)
+        return int((self.counts @ weights).max())
+
+    @property
+    def moments(self) -> tuple[tuple[Holding, ...], ...]:
+        """The moments no other moment dominates, one ``Holding`` per stage (for reading and tests)."""
+        n = len(self.stages)
+        return tuple(tuple(Holding(*m[_FIELDS * k:_FIELDS * (k + 1)]) for k in range(n))
+                     for m in _pareto([tuple(int(c) for c in row) for row in self.counts]))
 
 
 def _receives(schedule: Schedule) -> tuple[set[int], set[int]]:
@@ -161,10 +179,9 @@ def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMom
                     else:
                         taken_g[c] -= 1
                 snapshot()
-        kept = _pareto(moments) if moments else [tuple([0] * (_FIELDS * n))]
-        out.append(RankMoments(
-            stages=stages, activation_buffers=tuple(pool_a), gradient_buffers=tuple(pool_g),
-            moments=tuple(tuple(Holding(*m[_FIELDS * k:_FIELDS * (k + 1)]) for k in range(n)) for m in kept)))
+        rows = np.unique(np.asarray(moments or [(0,) * (_FIELDS * n)], dtype=np.int64), axis=0)
+        out.append(RankMoments(stages=stages, activation_buffers=tuple(pool_a), gradient_buffers=tuple(pool_g),
+                               counts=rows))
     return tuple(out)
 
 
