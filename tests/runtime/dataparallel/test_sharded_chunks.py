@@ -1,0 +1,131 @@
+"""FSDP per chunk: 2 ranks x 2 replicas, 2 chunks per rank, against one-process training.
+
+``chunked.ChainLM`` in 4 stages, its embedding tied between the first and the last: under
+interleaved-1f1b (loop placement) the tie crosses ranks, under zbv (V placement) both
+copies sit on rank 0, where each chunk gets its own sharded copy (``chunk_ties``). Each
+replica trains on its half of the batch with every chunk sharded (``grad-op``, ``full``)
+and must equal one process on the whole batch: loss and every parameter, fp32, 1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import chunked
+from fxpipe.errors import ConfigError
+from fxpipe.runtime import PipelineRunner
+from fxpipe.runtime.dataparallel import DataParallelOptions
+from fxpipe.runtime.dataparallel.checkpoint import full_state_dicts
+from fxpipe.runtime.runner import resolve_schedule
+from spawn import spawn
+
+RANKS, REPLICAS, M, BATCH, STEPS = 2, 2, 2, 8, 3
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.02),
+}
+# name: (schedule, chunks per rank, placement, shard level, optimizer)
+CASES = {
+    "interleaved-grad-op": ("interleaved-1f1b", 2, "loop", "grad-op", "adam"),
+    "interleaved-full": ("interleaved-1f1b", 2, "loop", "full", "sgd"),
+    "zbv-grad-op": ("zbv", 2, "v", "grad-op", "sgd"),
+    "zbv-full": ("zbv", 2, "v", "full", "adam"),
+    "zb-h1-full": ("zb-h1", 1, "loop", "full", "adam"),
+    "dualpipev-grad-op": ("dualpipev", 2, "v", "grad-op", "adam"),  # splits one backward of a chunk only
+}
+
+
+def _batch(replica: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return chunked.example_batch(BATCH, seed=1 + replica)
+
+
+def _train(schedule: str, v: int, placement: str, shard: str, optimizer: str) -> dict[str, Any]:
+    runner = PipelineRunner(chunked.manifest(RANKS, v, placement), chunked.loss_fn,
+                            stage_loader=chunked.stage_loader(RANKS * v), schedule=schedule, microbatches=M,
+                            optimizer_factory=OPTIMIZERS[optimizer], timeout_s=60,
+                            data_parallel=DataParallelOptions(shard=shard))
+    inputs, target = _batch(runner.replica)
+    losses = [runner.step(inputs, target) for _ in range(STEPS)]
+    sharded = all(isinstance(runner.stages[s], FSDPModule) for s in runner.stages)
+    local = all(isinstance(p, DTensor) for p in runner.stage.parameters())
+    state: dict[str, torch.Tensor] = {}
+    for s in sorted(runner.stages):  # whole tensors, under the original model's keys
+        state.update(full_state_dicts(runner.stages[s], None, runner.groups.data_parallel)[0])
+    ran_w = any(t.action.kind.value == "W" for t in runner.executor.last_step)
+    return {"losses": losses, "state": state, "sharded": sharded and local, "ran_w": ran_w}
+
+
+def _job(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    out = {name: _train(*case) for name, case in cases.items()}
+    dist.destroy_process_group()
+    return out
+
+
+def _reference(v: int, optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, both replicas' batches concatenated, cut into R x M microbatches whose
+    gradients are averaged."""
+    model: nn.Module = chunked.build_reference(RANKS * v).train()
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    parts = [_batch(r) for r in range(REPLICAS)]
+    inputs = tuple(torch.cat([p[0][i] for p in parts]) for i in range(2))
+    target = torch.cat([p[1] for p in parts])
+    chunks = REPLICAS * M
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for mb, tgt in zip(zip(*(x.chunk(chunks) for x in inputs)), target.chunk(chunks)):
+            loss = chunked.loss_fn(model(*mb), tgt)
+            (loss / chunks).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / chunks)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> None:
+    for name, (schedule, v, _, _, optimizer) in cases.items():
+        want_losses, want_state = _reference(v, optimizer)
+        mean = torch.tensor([sum(results[r * RANKS][name]["losses"][k] for r in range(REPLICAS)) / REPLICAS
+                             for k in range(STEPS)])
+        torch.testing.assert_close(mean, torch.tensor(want_losses), **TIGHT, msg=f"{name}: losses")
+        seen: set[str] = set()
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert got["sharded"], f"{name}: rank {rank} does not hold every chunk as FSDP shards"
+            if schedule in ("zbv", "zb-h1") or (schedule == "dualpipev" and rank % RANKS == 0):
+                assert got["ran_w"], f"{name}: no W ran on rank {rank}"
+            for key, value in got["state"].items():  # both tied copies of emb.weight included
+                torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{name}: {key} on rank {rank}")
+            seen |= set(got["state"])
+        assert seen == set(want_state), f"{name}: the ranks do not hold the whole model"
+
+
+@pytest.mark.distributed
+def test_each_chunk_sharded_trains_like_one_process_on_the_whole_batch() -> None:
+    results = [r.value for r in spawn(_job, RANKS * REPLICAS, CASES, timeout=300)]
+    check_against_one_process(results, CASES)
+
+
+def test_a_split_backward_reduces_once_per_step_not_per_microbatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused on rank 0 of 2 x 2 before any process group exists."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    options = DataParallelOptions(shard="full", shard_reduce="microbatch")
+    build = chunked.manifest(RANKS, 2, "v")
+    with pytest.raises(ConfigError, match=r"shard_reduce='microbatch' cannot follow schedule 'zbv'.*use "
+                                          r"shard_reduce='step'"):
+        PipelineRunner(build, chunked.loss_fn, stage_loader=chunked.stage_loader(4), schedule="zbv", microbatches=M,
+                       data_parallel=options)
+    assert resolve_schedule("zbv", build, M).split_backward()
