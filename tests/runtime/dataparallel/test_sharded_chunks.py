@@ -4,7 +4,9 @@
 interleaved-1f1b (loop placement) the tie crosses ranks, under zbv (V placement) both
 copies sit on rank 0, where each chunk gets its own sharded copy (``chunk_ties``). Each
 replica trains on its half of the batch with every chunk sharded (``grad-op``, ``full``)
-and must equal one process on the whole batch: loss and every parameter, fp32, 1e-5.
+and must equal one process on the whole batch: loss and every parameter, fp32, 1e-5;
+zb-h1 and zbv split the backward (the reduction waits for the step's last W), dualpipev
+splits one backward of one chunk. One case also resumes from a training checkpoint.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from torch.distributed.tensor import DTensor
 import chunked
 from fxpipe.errors import ConfigError
 from fxpipe.runtime import PipelineRunner
-from fxpipe.runtime.dataparallel import DataParallelOptions
+from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
 from fxpipe.runtime.dataparallel.checkpoint import full_state_dicts
 from fxpipe.runtime.runner import resolve_schedule
+from fxpipe.runtime.train_checkpoint import restore_training_state, training_state
 from spawn import spawn
 
 RANKS, REPLICAS, M, BATCH, STEPS = 2, 2, 2, 8, 3
@@ -42,31 +45,54 @@ CASES = {
     "zb-h1-full": ("zb-h1", 1, "loop", "full", "adam"),
     "dualpipev-grad-op": ("dualpipev", 2, "v", "grad-op", "adam"),  # splits one backward of a chunk only
 }
+RESUMED = "zbv-full"  # also resumed from a training checkpoint: the tied copies and Adam's state round-trip
 
 
 def _batch(replica: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     return chunked.example_batch(BATCH, seed=1 + replica)
 
 
-def _train(schedule: str, v: int, placement: str, shard: str, optimizer: str) -> dict[str, Any]:
-    runner = PipelineRunner(chunked.manifest(RANKS, v, placement), chunked.loss_fn,
-                            stage_loader=chunked.stage_loader(RANKS * v), schedule=schedule, microbatches=M,
-                            optimizer_factory=OPTIMIZERS[optimizer], timeout_s=60,
-                            data_parallel=DataParallelOptions(shard=shard))
+def _runner(schedule: str, v: int, placement: str, shard: str, optimizer: str) -> PipelineRunner:
+    return PipelineRunner(chunked.manifest(RANKS, v, placement), chunked.loss_fn,
+                          stage_loader=chunked.stage_loader(RANKS * v), schedule=schedule, microbatches=M,
+                          optimizer_factory=OPTIMIZERS[optimizer], timeout_s=60,
+                          data_parallel=DataParallelOptions(shard=shard))
+
+
+def _whole_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
+    """Every chunk's parameters as whole tensors under the original model's keys (collective)."""
+    state: dict[str, torch.Tensor] = {}
+    for s in sorted(runner.stages):
+        state.update(full_state_dicts(runner.stages[s], None, runner.groups.data_parallel)[0])
+    return state
+
+
+def _train(*case: Any, resume: bool = False) -> dict[str, Any]:
+    runner = _runner(*case)
     inputs, target = _batch(runner.replica)
-    losses = [runner.step(inputs, target) for _ in range(STEPS)]
+    losses = [runner.step(inputs, target) for _ in range(STEPS - 1)]
+    with CollectiveCounter(runner.groups.data_parallel) as counter:
+        losses.append(runner.step(inputs, target))
     sharded = all(isinstance(runner.stages[s], FSDPModule) for s in runner.stages)
     local = all(isinstance(p, DTensor) for p in runner.stage.parameters())
-    state: dict[str, torch.Tensor] = {}
-    for s in sorted(runner.stages):  # whole tensors, under the original model's keys
-        state.update(full_state_dicts(runner.stages[s], None, runner.groups.data_parallel)[0])
     ran_w = any(t.action.kind.value == "W" for t in runner.executor.last_step)
-    return {"losses": losses, "state": state, "sharded": sharded and local, "ran_w": ran_w}
+    out = {"losses": losses, "state": _whole_state(runner), "sharded": sharded and local, "ran_w": ran_w,
+           "chunks": len(runner.stages), "calls": dict(counter.calls)}
+    if resume:  # STEPS - 1 steps, a training checkpoint (in memory), a fresh runner, the last step
+        first = _runner(*case)
+        for _ in range(STEPS - 1):
+            first.step(inputs, target)
+        saved = training_state(first, STEPS - 1, 0, {})
+        resumed = _runner(*case)
+        restore_training_state(resumed, saved)
+        resumed.step(inputs, target)
+        out["resumed"] = _whole_state(resumed)
+    return out
 
 
 def _job(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, Any]:
     dist.init_process_group("gloo")
-    out = {name: _train(*case) for name, case in cases.items()}
+    out = {name: _train(*case, resume=name == RESUMED) for name, case in cases.items()}
     dist.destroy_process_group()
     return out
 
@@ -94,7 +120,7 @@ def _reference(v: int, optimizer: str) -> tuple[list[float], dict[str, torch.Ten
 
 
 def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> None:
-    for name, (schedule, v, _, _, optimizer) in cases.items():
+    for name, (schedule, v, _, shard, optimizer) in cases.items():
         want_losses, want_state = _reference(v, optimizer)
         mean = torch.tensor([sum(results[r * RANKS][name]["losses"][k] for r in range(REPLICAS)) / REPLICAS
                              for k in range(STEPS)])
@@ -105,13 +131,21 @@ def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> N
             assert got["sharded"], f"{name}: rank {rank} does not hold every chunk as FSDP shards"
             if schedule in ("zbv", "zb-h1") or (schedule == "dualpipev" and rank % RANKS == 0):
                 assert got["ran_w"], f"{name}: no W ran on rank {rank}"
+            # one reduce-scatter per chunk per step, split or not; grad-op gathers each chunk once
+            assert got["calls"]["reduce_scatter"] == got["chunks"], (name, rank, got["calls"])
+            if shard == "grad-op":
+                assert got["calls"]["all_gather"] == got["chunks"], (name, rank, got["calls"])
             for key, value in got["state"].items():  # both tied copies of emb.weight included
                 torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{name}: {key} on rank {rank}")
+                if name == RESUMED:
+                    torch.testing.assert_close(got["resumed"][key], value, rtol=0, atol=0,
+                                               msg=f"{name} resumed: {key} on rank {rank}")
             seen |= set(got["state"])
         assert seen == set(want_state), f"{name}: the ranks do not hold the whole model"
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_each_chunk_sharded_trains_like_one_process_on_the_whole_batch() -> None:
     results = [r.value for r in spawn(_job, RANKS * REPLICAS, CASES, timeout=300)]
     check_against_one_process(results, CASES)
