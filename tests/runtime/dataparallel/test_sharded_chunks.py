@@ -6,7 +6,8 @@ copies sit on rank 0, where each chunk gets its own sharded copy (``chunk_ties``
 replica trains on its half of the batch with every chunk sharded (``grad-op``, ``full``)
 and must equal one process on the whole batch: loss and every parameter, fp32, 1e-5;
 zb-h1 and zbv split the backward (the reduction waits for the step's last W), dualpipev
-splits one backward of one chunk. One case also resumes from a training checkpoint.
+splits one backward of one chunk. One case also resumes from a training checkpoint, and
+``blocks.BlockLM`` (an FSDP unit per block inside each stage) trains under zb-h1 at ``full``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import blocks
 import chunked
+from concat_reference import train_on_concatenated_batches
 from fxpipe.errors import ConfigError
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
@@ -90,11 +93,25 @@ def _train(*case: Any, resume: bool = False) -> dict[str, Any]:
     return out
 
 
+def _blocks_zb_h1(shard: str) -> dict[str, Any]:
+    """``blocks.BlockLM`` under zb-h1: FSDP units nested in the stage (one per block), reduced by hand."""
+    runner = PipelineRunner(blocks.manifest(), blocks.loss_fn, stage_loader=blocks.stage_loader(), schedule="zb-h1",
+                            microbatches=M, optimizer_factory=OPTIMIZERS["adam"], timeout_s=60,
+                            data_parallel=DataParallelOptions(shard=shard))
+    losses = [runner.step(*_block_batch(k, runner.replica)) for k in range(STEPS)]
+    return {"losses": losses, "state": _whole_state(runner), "units": len(runner.data_parallel.units)}
+
+
 def _job(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     out = {name: _train(*case, resume=name == RESUMED) for name, case in cases.items()}
+    out["blocks"] = _blocks_zb_h1("full")
     dist.destroy_process_group()
     return out
+
+
+def _block_batch(step: int, replica: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    return blocks.batch(4, seed=1000 * step + replica)
 
 
 def _reference(v: int, optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -149,6 +166,14 @@ def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> N
 def test_each_chunk_sharded_trains_like_one_process_on_the_whole_batch() -> None:
     results = [r.value for r in spawn(_job, RANKS * REPLICAS, CASES, timeout=300)]
     check_against_one_process(results, CASES)
+    want_losses, want_state = train_on_concatenated_batches(blocks.build_reference(), _block_batch, STEPS, REPLICAS, M,
+                                                            blocks.loss_fn, OPTIMIZERS["adam"])
+    mean = [sum(results[r * RANKS]["blocks"]["losses"][k] for r in range(REPLICAS)) / REPLICAS for k in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(want_losses), **TIGHT)
+    for rank, res in enumerate(results):
+        assert res["blocks"]["units"] == 3, "two blocks and the stage: nested FSDP units"
+        for key, value in res["blocks"]["state"].items():
+            torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"blocks zb-h1: {key} on rank {rank}")
 
 
 def test_a_split_backward_reduces_once_per_step_not_per_microbatch(monkeypatch: pytest.MonkeyPatch) -> None:
