@@ -41,11 +41,11 @@ def untie_chunks(chunks: Sequence[nn.Module]) -> list[list[_Slot]]:
             if first_chunk.setdefault(id(p), c) == c:
                 ties.setdefault(id(p), [slot])  # the original, in its first slot
                 continue
-            if id(p) not in copies:
+            if id(p) not in copies:  # one copy per chunk, listed once however often the chunk holds it
                 copies[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                ties[id(p)].append(slot)
             owner, name = slot
             owner._parameters[name] = copies[id(p)]
-            ties[id(p)].append(slot)
     return [slots for slots in ties.values() if len(slots) > 1]
 
 
