@@ -7,12 +7,14 @@ replica trains on its half of the batch with every chunk sharded (``grad-op``, `
 and must equal one process on the whole batch: loss and every parameter, fp32, 1e-5;
 zb-h1 and zbv split the backward (the reduction waits for the step's last W), dualpipev
 splits one backward of one chunk. One case also resumes from a training checkpoint, and
-``blocks.BlockLM`` (an FSDP unit per block inside each stage) trains under zb-h1 at ``full``.
+``blocks.BlockLM`` (an FSDP unit per block inside each stage) trains under zb-h1 at ``full``;
+``examples/gpt.py``, built by the whole pipeline, under interleaved-1f1b and zbv.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,15 +26,19 @@ from torch.distributed.tensor import DTensor
 
 import blocks
 import chunked
+from builds import EXAMPLES, make_build, original_model
 from concat_reference import train_on_concatenated_batches
 from fxpipe.errors import ConfigError
+from fxpipe.modelfile import load_model_file
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
 from fxpipe.runtime.dataparallel.checkpoint import full_state_dicts
 from fxpipe.runtime.runner import resolve_schedule
 from fxpipe.runtime.train_checkpoint import restore_training_state, training_state
+from reference import reference_train
 from spawn import spawn
 
+pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 RANKS, REPLICAS, M, BATCH, STEPS = 2, 2, 2, 8, 3
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -188,3 +194,51 @@ def test_a_split_backward_reduces_once_per_step_not_per_microbatch(monkeypatch: 
         PipelineRunner(build, chunked.loss_fn, stage_loader=chunked.stage_loader(4), schedule="zbv", microbatches=M,
                        data_parallel=options)
     assert resolve_schedule("zbv", build, M).split_backward()
+
+
+# examples/gpt.py built by tracer -> partitioner -> codegen into 2 x 2 stages, its embedding tied to
+# the output head (loop placement: across ranks; V: both on rank 0), its blocks FSDP units
+GPT_CASES = {"interleaved-1f1b": "grad-op", "zbv": "full"}
+GPT_BATCH, GPT_M, GPT_LR = 8, 4, 0.1
+
+
+def _gpt_job(rank: int, world: int, builds: dict[str, Path]) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    source = load_model_file(EXAMPLES / "gpt.py")
+    out = {}
+    for schedule, build_dir in builds.items():
+        runner = PipelineRunner(build_dir, source.loss_fn, microbatches=GPT_M, timeout_s=60,
+                                optimizer_factory=lambda p: torch.optim.SGD(p, lr=GPT_LR),
+                                data_parallel=DataParallelOptions(shard=GPT_CASES[schedule]))
+        rows = slice(runner.replica * GPT_BATCH, (runner.replica + 1) * GPT_BATCH)
+        inputs = tuple(x[rows] for x in source.example_inputs(REPLICAS * GPT_BATCH))
+        targets = source.example_targets(REPLICAS * GPT_BATCH)[rows]
+        losses = [runner.step(inputs, targets) for _ in range(STEPS)]
+        out[schedule] = {"name": runner.schedule.name, "losses": losses, "state": _whole_state(runner),
+                         "units": len(runner.data_parallel.units)}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpt_chunked_builds_shard_every_chunk_and_train_like_one_process(tmp_path: Path) -> None:
+    builds = {s: make_build("gpt", tmp_path / s, RANKS, GPT_BATCH, GPT_M, schedule=s) for s in GPT_CASES}
+    results = [r.value for r in spawn(_gpt_job, RANKS * REPLICAS, builds, timeout=400)]
+    source = load_model_file(EXAMPLES / "gpt.py")
+    whole = REPLICAS * GPT_BATCH
+    for schedule, build_dir in builds.items():
+        model = original_model(build_dir, source, RANKS * 2)
+        want_losses, want_state = reference_train(model, source.example_inputs(whole), source.example_targets(whole),
+                                                  source.loss_fn, STEPS, REPLICAS * GPT_M, GPT_LR)
+        mean = [sum(results[r * RANKS][schedule]["losses"][k] for r in range(REPLICAS)) / REPLICAS
+                for k in range(STEPS)]
+        torch.testing.assert_close(torch.tensor(mean), torch.tensor(want_losses), **TIGHT, msg=schedule)
+        seen: set[str] = set()
+        for rank, res in enumerate(results):
+            got = res[schedule]
+            assert got["name"] == schedule and got["units"] > 2, got["units"]  # 2 chunks and their blocks
+            for key, value in got["state"].items():
+                torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{schedule}: {key} on rank {rank}")
+            seen |= set(got["state"])
+        assert seen == set(want_state), f"{schedule}: the ranks do not hold the whole model"
