@@ -20,9 +20,6 @@ from fxpipe.tracer.profile import ModelProfile, TensorSpec
 __all__ = ["Shape", "Split", "SplitCache", "scale_profile", "enumerate_shapes", "pipeline_floor",
            "runnable_shard_levels", "least_bottleneck"]
 
-FSDP_LEVELS = ("grad-op", "full")  # the runtime runs these only on one unsplit stage per rank
-
-
 @dataclass(frozen=True)
 class Shape:
     """S pipeline ranks x R replicas, M microbatches of ``microbatch_size`` samples, a schedule on V stages per rank."""
@@ -87,12 +84,12 @@ def enumerate_shapes(units: int, devices: int, global_batch: int, kinds: list[tu
 
 
 def runnable_shard_levels(shape: Shape, levels: tuple[str, ...]) -> tuple[str, ...]:
-    """The sharding levels the runtime runs on ``shape``: none with one replica; FSDP's levels only
-    with one stage per rank and a fused backward (``fxpipe.runtime.runner._check_sharding_fits``)."""
+    """The sharding levels the runtime runs on ``shape``: ``none`` with one replica, else every
+    level of ``levels``: FSDP's shard each chunk of a rank on its own and, under a schedule that
+    splits the backward, reduce after the step's last W (Note [sharding in a pipeline] in
+    ``fxpipe.runtime.dataparallel.sharded``)."""
     if shape.replicas == 1:
         return ("none",)
-    if shape.virtual_stages > 1 or shape.split_backward:
-        return tuple(level for level in levels if level not in FSDP_LEVELS)
     return levels
 
 

@@ -62,7 +62,8 @@ class RankExecutor:
 
     def __init__(self, manifest: Manifest, routes: Routes, rank: int, modules: Mapping[int, nn.Module],
                  schedule: Schedule, p2p: P2P, device: torch.device, average_grads: bool = True,
-                 pair_sends: bool = False, recompute: Sequence[int] = (), autocast: torch.dtype | None = None) -> None:
+                 pair_sends: bool = False, recompute: Sequence[int] = (), autocast: torch.dtype | None = None,
+                 weight_params: Mapping[int, Sequence[torch.Tensor]] | None = None) -> None:
         self.manifest = manifest
         self.schedule = schedule
         self.rank = rank
@@ -70,7 +71,8 @@ class RankExecutor:
         self.loss_stage = routes.loss_stage
         self.comm = RankComm(p2p, device, pair_sends)
         self.workers = {s: StageWorker(manifest, routes, s, m, p2p, device, pair_sends, comm=self.comm,
-                                       local_stages=tuple(modules), recompute=s in recompute, autocast=autocast)
+                                       local_stages=tuple(modules), recompute=s in recompute, autocast=autocast,
+                                       weight_params=(weight_params or {}).get(s))
                         for s, m in modules.items()}
         split = schedule.split_backward()
         self._steps = []

@@ -103,18 +103,13 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _check_sharding_fits(options: DataParallelOptions, schedule: Schedule, manifest: Manifest) -> None:
-    """FSDP steers its reduce-scatter by counting backwards through the rank's one stage
-    (Note [sharding in a pipeline]): chunks and a split backward are refused until sharded per chunk."""
-    if not options.fsdp:
-        return
-    if manifest.virtual_stages > 1:
-        raise ConfigError(f"shard={options.shard!r} runs one stage per rank, but this build has "
-                          f"{manifest.virtual_stages} stages per rank; use shard 'none' or 'optimizer', or "
-                          "repartition without --virtual-stages")
-    if schedule.split_backward():
-        raise ConfigError(f"shard={options.shard!r} cannot follow schedule {schedule.name!r}, which splits the "
-                          "backward into input and weight gradients; use gpipe or 1f1b, or shard 'none' / 'optimizer'")
+def _check_sharding_fits(options: DataParallelOptions, schedule: Schedule) -> None:
+    """A split backward reduces a sharded chunk's gradients after the step's last W (Note
+    [sharding in a pipeline]), once: not after each microbatch."""
+    if options.fsdp and options.shard_reduce == "microbatch" and schedule.split_backward():
+        raise ConfigError(f"shard_reduce='microbatch' cannot follow schedule {schedule.name!r}, which computes the "
+                          "weight gradients in W after the backward; use shard_reduce='step', or gpipe, 1f1b or "
+                          "interleaved-1f1b")
 
 
 def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microbatches: int,
@@ -189,7 +184,7 @@ class PipelineRunner:
         self.layout = RankLayout.for_world(world, manifest.num_ranks, manifest.virtual_stages)
         dp_options = data_parallel or DataParallelOptions()
         dp_options.check_replicas(self.layout.replicas)  # before any communication
-        _check_sharding_fits(dp_options, self.schedule, manifest)
+        _check_sharding_fits(dp_options, self.schedule)
         self.manifest = manifest
         self.rank, self.world_size = rank, world
         self.pipeline_rank = self.layout.stage_of(rank)
@@ -214,13 +209,16 @@ class PipelineRunner:
         self.stage.train()
         # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
         self.data_parallel = (data_parallel_stage(self.stage, self.groups.data_parallel, dp_options, self.device,
-                                                  microbatches) if self.layout.replicas > 1 else None)
+                                                  microbatches, self.stages,
+                                                  {s for s, _ in self.schedule.split_backward()})
+                              if self.layout.replicas > 1 else None)
         self.optimizer = stage_optimizer(self.stage, optimizer_factory or _default_optimizer, self.data_parallel)
         p2p = P2P(rank, [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks], timeout_s,
                   self.groups.pipeline)
         self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
                                      self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda",
-                                     recompute=_recomputed(recompute, manifest, self.schedule), autocast=autocast)
+                                     recompute=_recomputed(recompute, manifest, self.schedule), autocast=autocast,
+                                     weight_params=self.data_parallel.weight_params if self.data_parallel else None)
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer is not None else None
         self.scaler = PipelineScaler(self.device, self.optimizer) if precision == "fp16" else None
@@ -274,6 +272,8 @@ class PipelineRunner:
         losses = self.executor.run(mb_inputs, mb_targets, loss_fn)
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
+            if dp is not None:
+                dp.complete_grads()  # FSDP: reduced after the step's last W, tied chunk copies summed
             for stage, tie in zip(self.groups.tie_stages, self.groups.ties):
                 sync_tied_grads(self.stages[stage], (tie,), self.rank, self.timeout_s)
         if dp is not None:

@@ -105,7 +105,7 @@ class StageWorker:
     def __init__(self, manifest: Manifest, routes: Routes, stage: int, module: nn.Module, p2p: P2P,
                  device: torch.device, pair_sends: bool, *, comm: RankComm | None = None,
                  local_stages: Sequence[int] = (), recompute: bool = False,
-                 autocast: torch.dtype | None = None) -> None:
+                 autocast: torch.dtype | None = None, weight_params: Sequence[torch.Tensor] | None = None) -> None:
         self.manifest, self.routes, self.stage, self.module = manifest, routes, stage, module
         self.recompute = recompute  # forward under torch.utils.checkpoint: activations recomputed in backward
         self.spec = manifest.stage(stage)
@@ -123,7 +123,8 @@ class StageWorker:
         self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}
         self._what = {g: {t.tensor_id: f"{'gradient of' if g else 'activation'} {t.spec.name!r}"
                           for t in self._recvs + self._sends} for g in (False, True)}
-        self._split = SplitBackward([p for p in module.parameters() if p.requires_grad])
+        self._split = SplitBackward([p for p in module.parameters() if p.requires_grad] if weight_params is None
+                                    else weight_params)  # FSDP's whole parameters, not the module's shards
         self._states: dict[int, _Microbatch] = {}
 
     def __contains__(self, m: int) -> bool:

@@ -65,6 +65,16 @@ class AccumulationWindow:
             self.sync_gradients()
         return sync
 
+    @property
+    def weight_params(self) -> dict[int, list[torch.Tensor]]:
+        """The parameters a split backward's ``W`` differentiates, by stage, where they are not the
+        stage's own (``ShardedStage``: FSDP's whole parameters); DDP leaves them as they are."""
+        return {}
+
+    def complete_grads(self) -> None:
+        """At the end of a window, before the tied gradients are summed across ranks: make this
+        rank's gradients whole (nothing for DDP; ``ShardedStage`` reduces its split chunks)."""
+
     def sync_gradients(self) -> None:
         raise NotImplementedError
 

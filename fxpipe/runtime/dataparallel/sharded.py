@@ -1,4 +1,4 @@
-"""``ShardedStage``: one pipeline stage sharded with FSDP2 over its data-parallel group.
+"""``ShardedStage``: a rank's pipeline stage (each of its chunks) sharded with FSDP2 over its data-parallel group.
 
 Note [sharding in a pipeline]: ``shard="grad-op"`` and ``"full"`` apply
 ``torch.distributed.fsdp.fully_shard`` to the stage's units (``units.py``) and to the
@@ -30,6 +30,22 @@ stages:
   memory (plus the one stale prefetch above on stages whose forwards and backwards
   alternate, e.g. the last stage under 1F1B: one all-gather of one unit per step).
 
+A rank that runs several chunks (``--virtual-stages``: interleaved-1f1b, zbv) shards each
+chunk as its own FSDP module (its own root, switches and count), as
+``torch.distributed.pipelining`` shards each of its stages; a parameter tied between two
+chunks of the rank gets one copy per chunk, their gradients summed after the reduction
+(``chunk_ties``). Under a schedule that splits a chunk's backward (zb-h1, zbv; Note [split
+backward through the saved graph]) ``B`` brings only the input gradients, and FSDP's
+post-backward hooks fire before ``W`` has computed the weight gradients: there every
+backward runs with ``set_requires_gradient_sync(False)`` and
+``set_reshard_after_backward(False)`` (the gathered parameters stay whole for ``W``, and
+``W`` differentiates FSDP's whole parameters, ``unsharded_parameters``), and after the
+step's last ``W`` ``_ShardedChunk.reduce`` runs each unit's post-backward by hand, so the
+summed gradients are reduce-scattered once and the parameters resharded, as
+``torch.distributed.pipelining``'s ``perform_reduce_grad`` does. ``full`` then still
+reshards after each forward, but holds a chunk's parameters from its first backward to
+the step's end; ``shard_reduce="microbatch"`` is refused there (``PipelineRunner``).
+
 Gradients are averaged over the replicas (FSDP divides by R) and over the microbatches
 (the executor scales the loss), so the trajectory is DDP's. Replicas start from replica
 0's weights and buffers (broadcast before sharding, as DDP's constructor does), and
@@ -39,7 +55,7 @@ with ``broadcast_buffers`` the buffers are broadcast again after each synchronis
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -51,11 +67,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
+from fxpipe.runtime.dataparallel.chunk_ties import TiedCopies, untie_chunks
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import AccumulationWindow
 from fxpipe.runtime.dataparallel.units import block_units, min_params_units
 
-__all__ = ["ShardedStage", "shard_stage", "mixed_precision", "broadcast_state"]
+__all__ = ["ShardedStage", "shard_stage", "mixed_precision", "broadcast_state", "unsharded_parameters"]
 
 
 def mixed_precision(options: DataParallelOptions, root: bool) -> MixedPrecisionPolicy:
@@ -93,59 +110,47 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
     return [*units, stage]
 
 
-class ShardedStage(AccumulationWindow):
-    """Keeps ``stage``'s replicas in ``group`` in step with FSDP2 (Note [sharding in a pipeline]).
+def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The whole parameters FSDP runs ``module``'s forward with: the ones its autograd graphs hold,
+    into which a split backward's ``W`` adds the weight gradients. FSDP keeps these tensors
+    from the first all-gather on and only frees and refills their storage, so they are
+    gathered once here (collective over the mesh) and resharded."""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
+    for unit in units:
+        unit.reshard()
+    assert not any(isinstance(p, DTensor) for p in params), "unshard() registers the whole parameters"
+    return params
 
-    ``backwards_per_step`` is the number of backward passes the stage runs per step (the
-    microbatches). The interface is ``DataParallelStage``'s: ``passes``,
-    ``should_sync``, ``end_pass``; DDP's communication hooks and ``join`` have no FSDP
-    counterpart and are refused. Collective over ``group`` (the broadcast and sharding).
-    """
 
-    def __init__(self, stage: nn.Module, group: dist.ProcessGroup | None, options: DataParallelOptions,
-                 device: torch.device, backwards_per_step: int) -> None:
-        if not options.fsdp:
-            raise ConfigError(f"ShardedStage is for shard='grad-op' or 'full', got shard={options.shard!r}")
-        if backwards_per_step < 1:
-            raise RuntimeSetupError(f"backwards_per_step must be >= 1, got {backwards_per_step}")
-        self.stage = stage
-        self.group = group
+class _ShardedChunk:
+    """One chunk (the rank's stage, or one of its ``--virtual-stages`` chunks) as its own FSDP
+    module: its switches and the count of backwards of the accumulation window."""
+
+    def __init__(self, module: nn.Module, options: DataParallelOptions, window: int, split: bool) -> None:
+        assert isinstance(module, FSDPModule), "fully_shard changes the chunk's class in place"
+        self.fsdp: FSDPModule = module
         self.options = options
-        self.passes = 0            # forward_backward passes since the last synchronisation
-        self.backwards = 0         # backward passes through the stage since then
-        self.window = backwards_per_step * options.backward_passes_per_step
-        self.hook_state: Any = None
-        broadcast_state(stage, group)
-        self.units: list[nn.Module] = []
-        self.fsdp: FSDPModule | None = None
-        if not any(p.requires_grad for p in stage.parameters()):
-            return  # nothing to shard or reduce (DataParallelStage has no DDP either)
-        world = group if group is not None else dist.group.WORLD
-        assert world is not None, "the default process group is initialised"
-        mesh = DeviceMesh.from_group(world, device.type)
-        self.units = shard_stage(stage, mesh, options)
-        assert isinstance(stage, FSDPModule), "fully_shard changes the stage's class in place"
-        self.fsdp = stage
-        stage.register_forward_hook(self._arm)
-        self._accumulate()
+        self.window = window
+        self.split = split         # some backward is split into B and W: reduce after the window's last W
+        self.backwards = 0         # backward passes through the chunk since the last synchronisation
+        self.weight_params = unsharded_parameters(module) if split else []
+        if not split:
+            module.register_forward_hook(self._arm)
+        self.accumulate()
 
-    @property
-    def size(self) -> int:
-        """Replicas in the data-parallel group."""
-        return dist.get_world_size(self.group)
-
-    # -- the microbatches of a step ----------------------------------------------
-
-    def _accumulate(self) -> None:
-        """FSDP's switches for every backward of a window but the last."""
-        assert self.fsdp is not None
-        self.fsdp.set_requires_gradient_sync(self.options.shard_reduce == "microbatch")
-        self.fsdp.set_reshard_after_backward(self.options.shard == "full")
+    def accumulate(self) -> None:
+        """FSDP's switches for every backward of a window but the last (every backward, when split:
+        the parameters stay whole for ``W`` and the gradients unreduced until ``reduce``)."""
+        split = self.split
+        self.fsdp.set_requires_gradient_sync(self.options.shard_reduce == "microbatch" and not split)
+        self.fsdp.set_reshard_after_backward(self.options.shard == "full" and not split)
         self.fsdp.set_is_last_backward(False)
 
     def _last(self) -> None:
         """FSDP's switches for the window's last backward: reduce-scatter and reshard."""
-        assert self.fsdp is not None
         self.fsdp.set_requires_gradient_sync(True)
         self.fsdp.set_reshard_after_backward(True)
         self.fsdp.set_is_last_backward(True)
@@ -163,21 +168,112 @@ class ShardedStage(AccumulationWindow):
         if self.backwards == self.window:
             self._last()
 
+    def reduce(self) -> None:
+        """After a split window's last ``W``: run FSDP's post-backward of every unit by hand (the
+        weight gradients came after the units' own post-backward hooks), so the accumulated
+        gradients are reduce-scattered once and the parameters resharded; then the root's
+        end-of-backward callback, which waits for the reductions (as ``torch.distributed.pipelining``
+        does for its zero-bubble stages)."""
+        self._last()
+        state = fully_shard.state(self.fsdp)  # type: ignore[attr-defined]
+        for unit in state._state_ctx.all_states:
+            for group in unit._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    def finish(self) -> int:
+        """Start the next window; the backwards this one counted (split: not counted, the window's size)."""
+        done, self.backwards = self.backwards, 0
+        self.accumulate()
+        return self.window if self.split else done
+
+
+class ShardedStage(AccumulationWindow):
+    """Keeps ``stage``'s replicas in ``group`` in step with FSDP2 (Note [sharding in a pipeline]).
+
+    ``backwards_per_step`` is the number of backward passes each chunk runs per step (the
+    microbatches). ``chunks`` are the stage's pipeline stages by index when the rank runs
+    several (``stage`` then holds them all): each is sharded as its own FSDP module, and
+    those in ``split_stages`` (a schedule that splits their backward into ``B`` and ``W``)
+    reduce after the step's last ``W`` instead of inside the last backward. The interface
+    is ``DataParallelStage``'s: ``passes``, ``should_sync``, ``end_pass``; DDP's
+    communication hooks and ``join`` have no FSDP counterpart and are refused. Collective
+    over ``group`` (the broadcast and sharding).
+    """
+
+    def __init__(self, stage: nn.Module, group: dist.ProcessGroup | None, options: DataParallelOptions,
+                 device: torch.device, backwards_per_step: int, chunks: Mapping[int, nn.Module] | None = None,
+                 split_stages: Collection[int] = ()) -> None:
+        if not options.fsdp:
+            raise ConfigError(f"ShardedStage is for shard='grad-op' or 'full', got shard={options.shard!r}")
+        if backwards_per_step < 1:
+            raise RuntimeSetupError(f"backwards_per_step must be >= 1, got {backwards_per_step}")
+        self.stage = stage
+        self.group = group
+        self.options = options
+        self.passes = 0            # forward_backward passes since the last synchronisation
+        self.window = backwards_per_step * options.backward_passes_per_step
+        self.hook_state: Any = None
+        self._completed = False    # complete_grads ran in this window
+        modules = dict(chunks) if chunks else {0: stage}
+        self.tied = TiedCopies(untie_chunks([modules[s] for s in sorted(modules)]))
+        broadcast_state(stage, group)
+        self.units: list[nn.Module] = []
+        self.chunks: list[_ShardedChunk] = []
+        self._weight_params: dict[int, list[torch.Tensor]] = {}
+        trainable = [s for s in sorted(modules) if any(p.requires_grad for p in modules[s].parameters())]
+        if not trainable:
+            return  # nothing to shard or reduce (DataParallelStage has no DDP either)
+        world = group if group is not None else dist.group.WORLD
+        assert world is not None, "the default process group is initialised"
+        mesh = DeviceMesh.from_group(world, device.type)
+        for index in trainable:
+            module = modules[index]
+            self.units += shard_stage(module, mesh, options)
+            chunk = _ShardedChunk(module, options, self.window, index in split_stages)
+            self.chunks.append(chunk)
+            if chunk.split:
+                self._weight_params[index] = chunk.weight_params
+
+    @property
+    def weight_params(self) -> dict[int, list[torch.Tensor]]:
+        """The parameters a split backward's ``W`` differentiates, by stage: FSDP's whole ones."""
+        return dict(self._weight_params)
+
+    @property
+    def size(self) -> int:
+        """Replicas in the data-parallel group."""
+        return dist.get_world_size(self.group)
+
     # -- the end of an accumulation window (``end_pass``: AccumulationWindow) ------------
 
-    def sync_gradients(self) -> None:
-        """End the accumulation window: check that FSDP reduced and resharded (both already ran
-        inside the window's last backward), start the next window."""
-        if self.fsdp is None:
+    def complete_grads(self) -> None:
+        """At the end of a window, before the tied gradients are summed across ranks: reduce the
+        split chunks' gradients (after the step's last ``W``), and give the copies of a parameter
+        tied between this rank's chunks one gradient, their sum (``chunk_ties``)."""
+        if self._completed:
             return
-        done, self.backwards = self.backwards, 0
-        self._accumulate()
-        if done != self.window:
-            raise RuntimeSetupError(
-                f"the sharded stage ran {done} backward passes in this accumulation window but expected "
-                f"{self.window} (microbatches x backward_passes_per_step), so its gradients were "
-                f"{'reduced early' if done > self.window else 'never reduced'}; run every microbatch's backward "
-                "through the stage once per step")
+        self._completed = True
+        for chunk in self.chunks:
+            if chunk.split:
+                chunk.reduce()
+        self.tied.share_grads()
+
+    def sync_gradients(self) -> None:
+        """End the accumulation window: complete the gradients if ``complete_grads`` did not yet,
+        check that FSDP reduced and resharded the fused chunks (inside the window's last
+        backward), start the next window."""
+        self.complete_grads()
+        self._completed = False
+        for chunk in self.chunks:
+            done = chunk.finish()
+            if done != self.window:
+                raise RuntimeSetupError(
+                    f"the sharded stage ran {done} backward passes in this accumulation window but expected "
+                    f"{self.window} (microbatches x backward_passes_per_step), so its gradients were "
+                    f"{'reduced early' if done > self.window else 'never reduced'}; run every microbatch's backward "
+                    "through the stage once per step")
+        self.tied.own_grads()
         if self.options.broadcast_buffers:
             with torch.no_grad():
                 for b in self.stage.buffers():

@@ -10,7 +10,7 @@ class and options for ``optimizer``. ``PipelineRunner`` and the seed API both us
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,17 @@ ReplicatedStage = DataParallelStage | ShardedStage
 
 
 def data_parallel_stage(stage: nn.Module, group: dist.ProcessGroup | None, options: DataParallelOptions,
-                        device: torch.device, backwards_per_step: int) -> ReplicatedStage:
+                        device: torch.device, backwards_per_step: int, chunks: Mapping[int, nn.Module] | None = None,
+                        split_stages: Collection[int] = ()) -> ReplicatedStage:
     """Wrap ``stage`` for its data-parallel ``group`` as ``options.shard`` says (collective over ``group``).
 
-    ``backwards_per_step``: backward passes through the stage per step (its microbatches).
+    ``backwards_per_step``: backward passes through each stage per step (its microbatches).
+    ``chunks``: the pipeline stages ``stage`` holds, by index, when the rank runs several;
+    ``split_stages``: those whose backward the schedule splits into ``B`` and ``W``. FSDP
+    shards each chunk on its own (Note [sharding in a pipeline]); DDP needs neither.
     """
     if options.fsdp:
-        return ShardedStage(stage, group, options, device, backwards_per_step)
+        return ShardedStage(stage, group, options, device, backwards_per_step, chunks, split_stages)
     return DataParallelStage(stage, group, options, device)
 
 
