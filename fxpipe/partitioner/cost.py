@@ -510,6 +510,16 @@ class CostModel:
         bandwidth, latency = self.dp_link(num_ranks)
         return (traffic.wire_bytes(self.dp_replicas) / bandwidth + self._hops(param_bytes, shapes, traffic) * latency) * 1e3
 
+    def dp_hops(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
+                microbatches: int = 1) -> int:
+        """Ring hops of one step's data-parallel collectives of a stage (Note [ring hops]); 0 without replicas."""
+        R = self.dp_replicas
+        if R <= 1 or not param_bytes:
+            return 0
+        if not self._sharded:
+            return self.dp_traffic(param_bytes, shapes).allreduces * ring_hops("all_reduce", R)
+        return self._hops(param_bytes, shapes, self.shard_traffic(param_bytes, shapes, microbatches))
+
     def _hops(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None,
               traffic: DataParallelTraffic) -> int:
         """Ring hops of a sharded step's collectives (Note [ring hops]): every collective R-1,

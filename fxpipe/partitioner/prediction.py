@@ -19,8 +19,12 @@ with gloo, see benchmarks/prediction):
   a stage none of whose inputs needs a gradient (the first stage, fed token ids) runs
   its whole backward in ``W`` at the fused cost, and its ``B`` is bookkeeping only;
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
-  several stages (two link messages of its bytes), the loss broadcast (one small
-  message), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
+  several ranks (a ring: 2(k-1) link messages of its bytes over k ranks), the loss
+  broadcast (one small message), each hop of these collectives also paying
+  ``collective_ms`` (as does every hop of the data-parallel collectives; gloo inside a
+  running step: measured ~0.8 ms for the tiny GPT's
+  tied all-reduce on 2 ranks and ~0.4 ms for the loss broadcast, against ~0.2 and
+  ~0.06 ms in a standalone ping-pong loop; ``benchmarks/prediction/step_segments.py``), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
   parameter tensor plus streaming its bytes, weight + gradient + optimizer state), plus
   a fixed ``step_ms`` of Python around the step.
 
@@ -82,6 +86,7 @@ class RuntimeCosts:
     weight_call_ms: NonNegFloat = 0.0        # W: one engine call per unit with parameters
     split_factor: NonNegFloat = 1.0          # a split B + W over the fused backward (Note [split backward cost])
     message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
+    collective_ms: NonNegFloat = 0.0         # per ring hop of a step-end collective, beyond its link time
     loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
     step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
     optimizer_step_ms: NonNegFloat = 0.0     # fixed cost of one optimizer.step() call
@@ -119,7 +124,7 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 # 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
-                        message_ms=0.15,
+                        message_ms=0.15, collective_ms=0.3,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9),
     "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
@@ -249,13 +254,15 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     for u, s in enumerate(assignment):
         for p in problem.unit_params[u]:
             ranks_of.setdefault(p, set()).add(problem.stage_ranks[s])
-    tied = sum(2 * problem.cost.message_ms(problem.param_bytes[p]) for p, rs in ranks_of.items() if len(rs) > 1)
-    broadcast = problem.cost.message_ms(_LOSS_BYTES) if problem.num_ranks > 1 else 0.0
+    collective = runtime.collective_ms / runtime.rank_speed  # CPU and wake-ups: shared like compute
+    tied = sum(2 * (len(rs) - 1) * (problem.cost.message_ms(problem.param_bytes[p]) + collective)
+               for p, rs in ranks_of.items() if len(rs) > 1)
+    broadcast = problem.cost.message_ms(_LOSS_BYTES) + collective if problem.num_ranks > 1 else 0.0
     touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
     optimizer = dp_all_reduce = 0.0
     for r in range(problem.num_ranks):
         mine = [p for p, rs in ranks_of.items() if r in rs]
-        dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine))
+        dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine) + problem.dp_hops(mine) * collective)
         nbytes = sum(problem.param_bytes[p] for p in mine) / problem.cost.optimizer_shards  # sharded: its share
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
         if mine:

@@ -175,6 +175,12 @@ class PartitionProblem:
         shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
         return self.cost.dp_comm_ms([self.param_bytes[p] for p in mine], shapes, self.microbatches, self.num_ranks)
 
+    def dp_hops(self, params: Iterable[int]) -> int:
+        """Ring hops of the per-step data-parallel collectives of these parameters (``CostModel.dp_hops``)."""
+        mine = sorted(set(params))
+        shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
+        return self.cost.dp_hops([self.param_bytes[p] for p in mine], shapes, self.microbatches)
+
     def dp_wire_bytes(self, params: Iterable[int]) -> float:
         """Bytes one rank sends per step on the data-parallel link for these parameters."""
         mine = sorted(set(params))

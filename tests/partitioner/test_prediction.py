@@ -59,6 +59,10 @@ def test_step_overheads_literal() -> None:
     assert got.total_ms == pytest.approx(4.0 + 1.004 + 5.11 + 0.5)
     alone = step_overheads(build_problem(_two_units(tied=True), 1, cost=cost), (0, 0), runtime)
     assert alone.tied_all_reduce_ms == 0.0 and alone.loss_broadcast_ms == 0.0
+    # each hop of the step-end collectives also pays collective_ms: 2 hops of the all-reduce, 1 of the broadcast
+    hops = step_overheads(problem, (0, 1), RuntimeCosts(collective_ms=0.25))
+    assert hops.tied_all_reduce_ms == pytest.approx(2 * (2.0 + 0.25)) and hops.loss_broadcast_ms == pytest.approx(
+        1.004 + 0.25)
 
 
 def test_slowest_optimizer_counts() -> None:
@@ -122,3 +126,15 @@ def test_split_backward_costs_split_factor_and_a_stage_without_input_grads_runs_
     assert pred.pipeline_ms["zb-h1"] == pytest.approx(7.8)
     # factor 1: B(s1) 1.2 [3, 4.2], W(s1) [4.2, 5.0]; stage 0 from 5.2, its W 2 ms
     assert predict(problem, (0, 1), 2, runtime=FREE).pipeline_ms["zb-h1"] == pytest.approx(7.2)
+
+
+def test_data_parallel_collectives_pay_collective_ms_per_ring_hop() -> None:
+    cost = CostModel(link_bandwidth=1e6, link_latency=0.0, dp_replicas=3)
+    problem = build_problem(_two_units(), 2, cost=cost)
+    bare = step_overheads(problem, (0, 1), RuntimeCosts()).dp_all_reduce_ms
+    hops = problem.dp_hops([0])  # stage 0's one bucket: a ring all-reduce over 3 replicas, 2(R-1) hops
+    assert hops == 4
+    paid = step_overheads(problem, (0, 1), RuntimeCosts(collective_ms=0.5)).dp_all_reduce_ms
+    assert paid == pytest.approx(bare + 4 * 0.5)
+    shared = step_overheads(problem, (0, 1), RuntimeCosts(collective_ms=0.5, rank_speed=0.5)).dp_all_reduce_ms
+    assert shared == pytest.approx(bare + 4 * 1.0)  # CPU on shared cores
