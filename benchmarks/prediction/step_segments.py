@@ -1,6 +1,7 @@
 """Where a pipelined step's time goes, measured against what the prediction charges for each part.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/prediction/step_segments.py [--model gpt] [--schedules gpipe,1f1b,zb-h1]
+    PYTHONPATH=. .venv/bin/python benchmarks/prediction/step_segments.py [--models gpt,gpt_medium]
+        [--schedules gpipe,1f1b,zb-h1]
         [--steps 20] [--out benchmarks/prediction]
 
 For each schedule it traces the model with measured unit times, plans 2 stages and runs 2
@@ -32,6 +33,7 @@ MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4),
           "gpt_medium": (ROOT / "benchmarks" / "runtime" / "gpt_medium.py", 16, 4)}
 SEGMENTS = ("before first action", "actions (busy)", "last sends", "tied all-reduce", "loss broadcast",
             "optimizer step", "step")
+COLLECTIVES = ("tied all-reduce", "loss broadcast")  # measured / predicted: the rank that came last
 
 
 def _rank(rank: int, port: int, build: str, model_file: str, steps: int, out: Any) -> None:
@@ -132,8 +134,10 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
              f"2 ranks, gloo, one thread each, SGD, median of {steps} steps; unit times measured before the run. "
              "'busy' is the actions' compute after their receives arrived; predicted busy is the simulated "
              "actions' time per rank (runtime costs included); the fixed Python per step is set against the "
-             "time before the first action.", "",
-             "| model | schedule | part | rank 0 ms | rank 1 ms | predicted ms | measured / predicted (max rank) |",
+             "time before the first action (rank 1's also waits for its first input). The tied all-reduce "
+             "and the loss broadcast are collectives: the rank that comes first waits there for the other, "
+             "so the later rank's figure is the collective's own time.", "",
+             "| model | schedule | part | rank 0 ms | rank 1 ms | predicted ms | measured / predicted |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         for seg in SEGMENTS:
@@ -142,8 +146,8 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
             if isinstance(p, list):
                 ratio = max(m0 / p[0] if p[0] else 0.0, m1 / p[1] if p[1] else 0.0)
                 ptext = ", ".join(f"{x:.2f}" for x in p)
-            else:
-                ratio = max(m0, m1) / p if p else float("nan")
+            else:  # a collective: the later rank's time is its own, the earlier one's includes the wait
+                ratio = (min(m0, m1) if seg in COLLECTIVES else max(m0, m1)) / p if p else float("nan")
                 ptext = f"{p:.2f}" if p is not None else ""
             lines.append(f"| {r['model']} | {r['schedule']} | {seg} | {m0:.2f} | {m1:.2f} | {ptext} | "
                          f"{ratio:.2f} |" if p is not None else
@@ -153,14 +157,14 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="gpt")
+    p.add_argument("--models", default="gpt,gpt_medium", help=f"comma-separated, of {sorted(MODELS)}")
     p.add_argument("--schedules", default="gpipe,1f1b,zb-h1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
-    rows = [_measure(args.model, s, args.steps) for s in args.schedules.split(",")]
+    rows = [_measure(m, s, args.steps) for m in args.models.split(",") for s in args.schedules.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_segments.json").write_text(json.dumps({"rows": rows, "steps": args.steps}, indent=1) + "\n")
     (args.out / "step_segments.md").write_text(_markdown(rows, args.steps))

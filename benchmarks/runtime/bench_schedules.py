@@ -325,6 +325,7 @@ def main() -> None:
         rows = _summary(root, raw, args.profiles)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "steps": args.steps, "model": args.model,
             "load_average": os.getloadavg(), "note": "shared 2-core machine; other jobs may have been running"}
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
     text = _markdown(rows, args.model, args.steps)
     (args.out / "schedules.md").write_text(text)
