@@ -245,16 +245,27 @@ class PipelineRunner:
                       if self.executor.holds_loss else None)
         return mb_inputs, mb_targets
 
-    def _shared_loss(self, losses: list[torch.Tensor], doing: str) -> float:
-        """The mean of the loss rank's microbatch losses, broadcast over the pipeline (collective)."""
+    def _shared_loss(self, losses: list[torch.Tensor], doing: str) -> Callable[[], float]:
+        """Start broadcasting the mean of the loss rank's microbatch losses over the pipeline
+        (collective); the returned call waits for it and gives its value. A step posts it before
+        the tied-gradient sums and the optimizer step and waits after them, so the message is
+        never on the step's critical path."""
         is_last = self.executor.holds_loss
         loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
         loss = loss.float()
         try:
-            dist.broadcast(loss, src=self.loss_rank, group=self.groups.pipeline)
+            work = dist.broadcast(loss, src=self.loss_rank, group=self.groups.pipeline, async_op=True)
         except RuntimeError as exc:
             raise peer_error(exc, self.rank, doing, self.timeout_s) from exc
-        return float(loss.item())
+
+        def value() -> float:
+            try:
+                if work is not None:
+                    work.wait()
+            except RuntimeError as exc:
+                raise peer_error(exc, self.rank, doing, self.timeout_s) from exc
+            return float(loss.item())
+        return value
 
     def forward_backward(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
                          targets: Any = None) -> float:
@@ -266,10 +277,17 @@ class PipelineRunner:
         Gradients accumulate into ``.grad`` (tied copies summed across their stages).
         Returns the loss averaged over microbatches, on every rank.
         """
+        return self._forward_backward(inputs, targets)()
+
+    def _forward_backward(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+                          targets: Any) -> Callable[[], float]:
+        """``forward_backward``, its loss still in flight: the returned call waits for it."""
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
         scaler = self.scaler
         loss_fn = self.loss_fn if scaler is None else scaler.scaled(self.loss_fn)
         losses = self.executor.run(mb_inputs, mb_targets, loss_fn)
+        shared = self._shared_loss(losses, "receiving the step's loss from the last stage")
+        scale = scaler.scale if scaler is not None else 1.0  # before the step changes it
         dp = self.data_parallel
         if dp is None or dp.should_sync():  # tied copies are summed once per accumulation window
             if dp is not None:
@@ -278,8 +296,7 @@ class PipelineRunner:
                 sync_tied_grads(self.stages[stage], (tie,), self.rank, self.timeout_s)
         if dp is not None:
             dp.end_pass()  # after the step's last W: every gradient is complete
-        loss = self._shared_loss(losses, "receiving the step's loss from the last stage")
-        return loss if scaler is None else loss / scaler.scale  # a power of two: exact
+        return lambda: shared() / scale  # the fp16 scale is a power of two: exact
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the whole pipeline to a global ``norm_type``-norm of ``max_norm``.
@@ -328,7 +345,7 @@ class PipelineRunner:
                 for m in range(self.microbatches):
                     worker.discard(m)
             self.stage.train(was_training)
-        return self._shared_loss(losses, "receiving the evaluation loss from the last stage")
+        return self._shared_loss(losses, "receiving the evaluation loss from the last stage")()
 
     def step(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
              targets: Any = None) -> float:
@@ -342,7 +359,7 @@ class PipelineRunner:
         dp = self.data_parallel
         if self.optimizer is not None and (dp is None or dp.passes == 0):
             self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward(inputs, targets)
+        loss = self._forward_backward(inputs, targets)  # its broadcast overlaps the optimizer step
         if dp is None or dp.passes == 0:
             if self.max_grad_norm is not None:  # collective: every rank, with or without an optimizer
                 self.clip_grad_norm_(self.max_grad_norm)
@@ -353,7 +370,7 @@ class PipelineRunner:
             if self.optimizer is not None:
                 if self.scheduler is not None:
                     self.scheduler.step()
-        return loss
+        return loss()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the original model's keys (all its stages)."""
