@@ -30,6 +30,7 @@ HEAVY = (
     "tests/codegen/test_readability.py::test_gpt2_stages_read_like_pytorch",
     "tests/runtime/test_own_loss.py::test_bart",
     "tests/runtime/test_training_run.py::test_sharded_replicas_resume_bit_for_bit",
+    "tests/runtime/dataparallel/test_sharded_chunks.py::test_gpt_chunked_builds_shard_every_chunk_and_train_like_one_process",
 )
 
 
