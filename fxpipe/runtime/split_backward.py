@@ -197,7 +197,8 @@ class SplitBackward:
     @staticmethod
     def weights(work: WeightWork) -> None:
         """``W``: add the parameters' gradients to their ``.grad``."""
-        for group in work.groups:
+        last = len(work.groups) - 1
+        for k, group in enumerate(work.groups):
             outputs: list[torch.Tensor | GradientEdge] = []
             grads: list[torch.Tensor] = []
             for node in group.starts:
@@ -218,7 +219,8 @@ class SplitBackward:
                     if saved is not None:
                         clamps.append(node.register_prehook(lambda _, saved=saved: saved))
             try:
-                torch.autograd.backward(outputs, grads, retain_graph=True, inputs=params)  # type: ignore[arg-type]
+                # the last call frees the saved graph as it goes, as a fused backward does
+                torch.autograd.backward(outputs, grads, retain_graph=k < last, inputs=params)  # type: ignore[arg-type]
             finally:
                 for h in clamps:
                     h.remove()
