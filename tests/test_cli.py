@@ -180,3 +180,25 @@ def test_sequence_first_model_partitions_and_verifies(tmp_path: Path, capsys: py
     assert [(t["shape"], t["batch_dim"]) for t in manifest["inputs"]] == [([6, 2, 8], 1), ([6, 6], None)]
     assert main(["verify", str(build)]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+def test_memory_limit_holds_over_the_whole_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Note [fitting memory over time]: a limit the stage bound meets but the schedule walk does not is one line."""
+    profile = tmp_path / "profile.json"
+    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "4", "--out", str(profile)]) == 0
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    walked = max(plan["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"])
+    linear = max(plan["rank_memory_bytes"])
+    assert walked > linear  # the walk counts what the stage bound leaves out
+    capsys.readouterr()
+    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(linear),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "over the whole step" in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(walked),
+                 "--out", str(out)]) == 0
+    fitted = json.loads(out.read_text())
+    assert max(fitted["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"]) <= walked
+    assert "peak memory over the step" in fitted["status"]

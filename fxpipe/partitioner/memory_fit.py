@@ -25,6 +25,8 @@ from fxpipe.partitioner.plan import PartitionPlan
 __all__ = ["fit_memory_over_time", "walked_peak", "ROUNDS"]
 
 ROUNDS = 4
+_ADVICE = ("raise the memory limit, add stages, plan with --devices N (its search recomputes activations where "
+           "memory binds) or use more microbatches of fewer samples")
 
 
 def walked_peak(plan: PartitionPlan) -> int:
@@ -46,9 +48,7 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
             raise InfeasibleError(
                 f"no split fits {format_size(memory_limit)} per device over the whole step: the best plan under "
                 f"the solvers' stage bound peaks at {format_size(peak)} when its schedule runs (receive buffers, "
-                "kept sends and backward temporaries included), and a tighter bound has no split; raise the "
-                "memory limit, add stages, recompute activations (--recompute) or use more microbatches of "
-                "fewer samples") from exc
+                f"kept sends and backward temporaries included), and a tighter bound has no split; {_ADVICE}") from exc
         peak = walked_peak(plan)
         if peak <= memory_limit:
             note = f"peak memory over the step {format_size(peak)} of {format_size(memory_limit)}"
@@ -59,8 +59,7 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
     raise InfeasibleError(
         f"no split found that fits {format_size(memory_limit)} per device over the whole step: after {ROUNDS} "
         f"solves under tighter stage bounds the plan still peaks at {format_size(peak)} when its schedule runs; "
-        "raise the memory limit, add stages, recompute activations (--recompute) or use more microbatches of "
-        "fewer samples")
+        f"{_ADVICE}")
 
 
 def _with_note(status: str, note: str) -> str:
