@@ -22,11 +22,12 @@ with gloo, see benchmarks/prediction):
   several ranks (a ring: 2(k-1) link messages of its bytes over k ranks), the loss
   broadcast (one small message), each hop of these collectives also paying
   ``collective_ms`` (as does every hop of the data-parallel collectives; gloo inside a
-  running step: measured ~0.8 ms for the tiny GPT's
-  tied all-reduce on 2 ranks and ~0.4 ms for the loss broadcast, against ~0.2 and
-  ~0.06 ms in a standalone ping-pong loop; ``benchmarks/prediction/step_segments.py``), and the slowest stage's ``zero_grad`` + optimizer step (a fixed cost per
-  parameter tensor plus streaming its bytes, weight + gradient + optimizer state), plus
-  a fixed ``step_ms`` of Python around the step.
+  running step: measured ~0.8 ms for the tiny GPT's tied all-reduce on 2 ranks and
+  ~0.4 ms for the loss broadcast, against ~0.2 and ~0.06 ms in a standalone ping-pong
+  loop; ``benchmarks/prediction/step_segments.py``), and the slowest stage's
+  ``zero_grad`` + optimizer step (a fixed cost per parameter tensor plus streaming its
+  bytes, weight + gradient + optimizer state), plus a fixed ``step_ms`` of Python around
+  the step.
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
 
@@ -334,7 +335,6 @@ class StageBytes:
                 self.backward_temporary, self.weight_temporary, self.grads)
 
 
-
 def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[StageBytes]:
     """Per stage, the byte sizes Note [memory over time] multiplies by the schedule's counts.
 
@@ -344,8 +344,9 @@ def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[
     (its outputs' bytes) plus its largest parameter (``W`` alone: the parameter). A recomputing stage saves nothing between F and B
     and rebuilds one microbatch's activations in B. Gradients kept for W: the gradient of
     every unit output whose unit has parameters or weight-gradient work (what the weight
-    gradients start from). A stage that makes no input gradient (it receives none from
-    another rank nor from a stage of its own rank) runs its whole split backward in ``W``.
+    gradients start from). A stage that makes no input gradient (none of the tensors it
+    receives, from any other stage, needs one: ``_stages_with_input_grads``, as the step
+    simulation prices it) runs its whole split backward in ``W``.
     """
     S, ranks = problem.num_stages, problem.stage_ranks
     outputs = problem.output_bytes or (0,) * problem.num_units
@@ -371,10 +372,11 @@ def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[
                 sent_grad[a] += t.nbytes
                 recv_grad[d] += t.nbytes
     recompute = problem.cost.recomputes(S)
+    graded = _stages_with_input_grads(problem, assignment)
     out = []
     for s in range(S):
         temporary = 2 * widest[s] + param[s] + (act[s] if recompute[s] else 0)
-        makes_input_grads = recv_grad[s] > 0 or s > 0 and ranks[s - 1] == ranks[s]
+        makes_input_grads = graded[s]
         out.append(StageBytes(activations=0 if recompute[s] else act[s], outputs_sent=sent[s],
                               grads_sent=recv_grad[s], weight_pending=pending[s] if makes_input_grads else 0,
                               backward_temporary=temporary,

@@ -122,8 +122,7 @@ class Pricer:
             peaks = rank_peak_memory(priced, assignment, shape.schedule)  # Note [fitting memory over time]
             if limit is not None and max(peaks) > limit and not recompute and not shape.split_backward:
                 recompute = tuple(peaks[problem.stage_ranks[s]] > limit for s in range(problem.num_stages))
-                priced = replace(problem, cost=replace(cost, recompute=recompute))
-                overheads = step_overheads(priced, assignment, self.rt)
+                priced = replace(problem, cost=replace(cost, recompute=recompute))  # step overheads unchanged
                 peaks = rank_peak_memory(priced, assignment, shape.schedule)
             walked = max(peaks)
             if limit is not None and walked > limit:
