@@ -2,11 +2,12 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/prediction/configurations.py [--steps 8] [--configs 2x1,4x1,2x2]
         [--schedules gpipe,1f1b,zb-h1,interleaved-1f1b,zbv] [--model gpt] [--out benchmarks/prediction]
-        [--recompute] [--timing measured|analytic]
+        [--recompute] [--timing measured|analytic] [--repeats 2]
 
-It traces examples/gpt.py once, unit times measured on this machine (``--timing analytic``:
-the analytic estimate), then for each S x R and schedule (with its least stages per rank) plans
-it with ``dp_replicas=R`` on the loopback link (``plan_partition``: the planner's own
+For each S x R and schedule (with its least stages per rank) it traces examples/gpt.py, unit
+times measured on this machine right before the row runs (``--timing analytic``: the analytic
+estimate; this machine's speed drifts by 10-20% over minutes, so one trace for every row
+mismatched the later rows), plans it with ``dp_replicas=R`` on the loopback link (``plan_partition``: the planner's own
 prediction, the same simulator as ``fxpipe plan --devices``), writes the build, and
 trains ``--steps`` SGD steps with ``run_build`` (S x R gloo processes on CPU, DDP over the
 replicas). It records the median step (first excluded) against
@@ -14,6 +15,11 @@ replicas). It records the median step (first excluded) against
 prediction's (``plan.prediction.peak_memory_bytes_by_schedule``, Note [memory over time]).
 ``--recompute`` adds, for each schedule without a split backward, a row with every stage
 recomputing, and the measured / predicted drop of each rank's peak against the plain row.
+Every row is measured ``--repeats`` times (trace, plan, run), and reports the median of the
+repeats' ratios and their range. This machine's speed changes by up to 3x for seconds at a
+time, so a fixed workload is timed before each trace and after each run: a run across
+which it changed by more than 15% does not count (it is rerun, at most ``2 x --repeats``
+runs per row; a row with no steady run keeps them all and says so).
 Writes configurations.json and configurations.md; only measured rows.
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -32,8 +39,30 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4), "mlp": (ROOT / "examples" / "mlp.py", 16, 4)}
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
+STEADY = 1.15  # a run counts when the machine's speed probe before and after it differ by at most this
 TIMING = "measured"
-_TRACED: dict[str, Any] = {}
+
+
+def _probe_ms() -> float:
+    """Median ms of a fixed one-thread workload (the tiny GPT's forward + backward at batch 2): the
+    machine's speed right now. This VM's speed changes by up to 3x for seconds at a time."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = gpt.build_model(), gpt.example_inputs(2)[0]
+    times = []
+    for i in range(25):
+        t = time.perf_counter()
+        model(x).sum().backward()
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+    torch.set_num_threads(threads)
+    return statistics.median(times) * 1e3
 
 
 def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, builds: Path,
@@ -47,12 +76,10 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
 
     model_file, batch, micro = MODELS[model]
     source = load_model_file(model_file)
-    if model not in _TRACED:  # one trace (and one set of measured unit times) for every row: same profile
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _TRACED[model] = trace_model_file(source, batch // micro, progress=False,
-                                              measure_times=TIMING == "measured")
-    traced = _TRACED[model]
+    probe = _probe_ms()
+    with warnings.catch_warnings():  # unit times measured now, right before this row runs
+        warnings.simplefilter("ignore")
+        traced = trace_model_file(source, batch // micro, progress=False, measure_times=TIMING == "measured")
     virtual = 2 if schedule in ("interleaved-1f1b", "zbv") else 1
     plan = plan_partition(traced.profile, stages, schedule=schedule, microbatches=micro,
                           cost=CostModel(dp_replicas=replicas,
@@ -81,7 +108,34 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
             "cores": cores, "predicted_on_shared_cores_ms": host, "ratio_on_shared_cores": run.median_step_ms / host,
             "predicted_rank_memory_bytes": memory, "measured_peak_tensor_bytes": tensors,
             "tensor_memory_ratio": [t / memory[i % len(memory)] for i, t in enumerate(tensors)] if memory else [],
+            "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
+            "probe_ms": [probe, _probe_ms()],  # the machine's speed before the trace and after the run
             "load_average_1min": os.getloadavg()[0]}
+
+
+def _steady(run: dict[str, Any]) -> bool:
+    """The machine ran at one speed through the run: the probe before and after within 15%."""
+    before, after = run["probe_ms"]
+    return max(before, after) <= STEADY * min(before, after)
+
+
+def _median_row(attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its repeats (the steady ones, if any): medians of the times, ratios and memory,
+    the ratios' range."""
+    med = statistics.median
+    repeats = [a for a in attempts if _steady(a)] or attempts
+    row = dict(repeats[0])
+    for key in ("measured_step_ms", "predicted_step_ms", "predicted_on_shared_cores_ms", "ratio",
+                "ratio_on_shared_cores", "unit_ms", "load_average_1min"):
+        row[key] = med(r[key] for r in repeats)
+    for key in ("measured_peak_tensor_bytes", "predicted_rank_memory_bytes", "tensor_memory_ratio"):
+        row[key] = [med(values) for values in zip(*(r[key] for r in repeats))]
+    ratios = [r["ratio_on_shared_cores"] for r in repeats]
+    row["ratio_range"] = [min(ratios), max(ratios)]
+    row["within_goal"] = GOAL[0] <= row["ratio"] <= GOAL[1]
+    row["repeats"] = attempts
+    row["steady_repeats"] = sum(_steady(a) for a in attempts)
+    return row
 
 
 def _in_goal(row: dict[str, Any]) -> bool:
@@ -99,15 +153,18 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
              "host's cores (Note [shared cores] and Note [processor sharing]: the running actions share the "
              "cores), the one the goal is checked against (the same as one core per rank for 2 processes); "
              "'one core per rank': the prediction for a cluster of S x R devices. Unit times measured on "
-             "this machine before the runs (one trace for every row). Load: mostly the benchmark's own "
-             "2-4 processes.", "",
-             "| S x R | schedule | V | recompute | measured ms | this host: predicted ms | ratio | in goal "
+             "this machine right before each run; each row is the median of its repeats (the ratio's range "
+             "across them beside it; 'unit ms': the profile's forward + backward per microbatch, which shows "
+             "the machine's drift; 'steady': runs across which a fixed workload's time changed by at most "
+             "15%, of the runs made, and only those count). Load: mostly the benchmark's own 2-4 processes.", "",
+             "| S x R | schedule | V | recompute | measured ms | this host: predicted ms | ratio | range | in goal "
              "| one core per rank: predicted ms | ratio | tensor memory ratio per rank | saving measured / predicted "
-             "| load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| unit ms | steady | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {(r["stages"], r["replicas"], r["schedule"]): r for r in rows if not r.get("recompute")}
     for r in rows:
         mem = ", ".join(f"{x:.2f}" for x in r["tensor_memory_ratio"])
+        lo, hi = r.get("ratio_range", [r["ratio_on_shared_cores"]] * 2)
         base = plain.get((r["stages"], r["replicas"], r["schedule"])) if r.get("recompute") else None
         saving = ""
         if base is not None:
@@ -117,8 +174,9 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
         lines.append(f"| {r['stages']}x{r['replicas']} | {r['schedule']} | {r['virtual_stages']} | "
                      f"{'yes' if r.get('recompute') else 'no'} | "
                      f"{r['measured_step_ms']:.2f} | {r['predicted_on_shared_cores_ms']:.2f} | "
-                     f"{r['ratio_on_shared_cores']:.2f} | {'yes' if _in_goal(r) else 'NO'} | "
+                     f"{r['ratio_on_shared_cores']:.2f} | {lo:.2f}-{hi:.2f} | {'yes' if _in_goal(r) else 'NO'} | "
                      f"{r['predicted_step_ms']:.2f} | {r['ratio']:.2f} | {mem} | {saving} | "
+                     f"{r['unit_ms']:.2f} | {r.get('steady_repeats', 0)} of {len(r.get('repeats', []))} | "
                      f"{r['load_average_1min']:.1f} |")
     inside = sum(_in_goal(r) for r in rows)
     return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal.", ""])
@@ -133,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     p.add_argument("--recompute", action="store_true",
                    help="also run every schedule without a split backward with every stage recomputing")
+    p.add_argument("--repeats", type=int, default=2, help="trace, plan and run each row this many times")
     p.add_argument("--timing", choices=("measured", "analytic"), default="measured",
                    help="unit times: measured on this machine before the runs (default), or the analytic estimate")
     args = p.parse_args(argv)
@@ -147,16 +206,21 @@ def main(argv: list[str] | None = None) -> int:
             runs += [(s, True) for s in args.schedules.split(",") if s not in ("zb-h1", "zbv")]
         for schedule, recompute in runs:
             try:
-                row = _measure(args.model, stages, replicas, schedule, args.steps, builds, recompute)
+                attempts: list[dict[str, Any]] = []  # until --repeats steady runs, at most twice that many runs
+                while sum(map(_steady, attempts)) < args.repeats and len(attempts) < 2 * args.repeats:
+                    attempts.append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute))
+                row = _median_row(attempts)
             except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
                 print(f"{config} {schedule}: not run: {exc}", file=sys.stderr, flush=True)
                 continue
             rows.append(row)
-            print(f"{config} {schedule:16s}{' recompute' if recompute else ''} measured {row['measured_step_ms']:8.2f} ms predicted "
-                  f"{row['predicted_step_ms']:8.2f} ms ratio {row['ratio']:.2f}", flush=True)
+            label = f"{config} {schedule:16s}{' recompute' if recompute else ''}"
+            print(f"{label} measured {row['measured_step_ms']:8.2f} ms predicted {row['predicted_on_shared_cores_ms']:8.2f} ms (this host) ratio "
+                  f"{row['ratio_on_shared_cores']:.2f} ({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f})",
+                  flush=True)
             args.out.mkdir(parents=True, exist_ok=True)  # after every row: a cut-off run keeps what it measured
             (args.out / "configurations.json").write_text(json.dumps(
-                {"rows": rows, "steps": args.steps, "goal_ratio": list(GOAL),
+                {"rows": rows, "steps": args.steps, "repeats": args.repeats, "goal_ratio": list(GOAL),
                  "seconds": time.perf_counter() - started}, indent=1) + "\n")
             (args.out / "configurations.md").write_text(_markdown(rows, args.steps))
     return 0

@@ -18,6 +18,8 @@ with gloo, see benchmarks/prediction):
   ``split_factor`` times their share of the fused backward (Note [split backward cost]);
   a stage none of whose inputs needs a gradient (the first stage, fed token ids) runs
   its whole backward in ``W`` at the fused cost, and its ``B`` is bookkeeping only;
+* a recomputing stage's ``B`` runs its forward again (in the stage costs) and both its
+  actions pay ``torch.utils.checkpoint``'s own costs (Note [recompute cost]);
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
   several ranks (a ring: 2(k-1) link messages of its bytes over k ranks), the loss
   broadcast (one small message), each hop of these collectives also paying
@@ -42,6 +44,20 @@ at 8, of which the fixed costs above are 2.8 ms of 27 and 49 ms; the rest is 1.3
 1.31x the fused time, hence ``split_factor = 1.33`` on CPU. (The tiny examples/gpt.py
 measures 1.49x beyond its fixed costs: small kernels pay the extra engine work more.)
 Not measured on CUDA: 1.0 there until it is.
+
+Note [recompute cost]: a stage that recomputes runs its forward under one non-reentrant
+``torch.utils.checkpoint`` region, which costs more than the forward it repeats: a fixed
+cost per region (entering it, stashing the RNG state; rebuilding the graph in backward)
+and a Python hook call per tensor autograd saves, one at pack time in ``F`` and one each
+when the recomputation stores it and the backward unpacks it in ``B``. The profile counts
+the saved tensors per unit (``Unit.saved_tensors``). Measured with
+``benchmarks/prediction/recompute_cost.py`` (one process, one thread, examples/gpt.py's
+and gpt_medium's blocks, 1-4 blocks per region, microbatch 1-8): ``F`` +0.12 ms + 7.5
+us per saved tensor, ``B`` beyond the repeated forward +0.25 ms + 10 us per saved tensor
+(a tiny GPT block saves 25 tensors: the region costs 2-3x its forward there, 1.7-1.9x on
+gpt_medium's at microbatch 1; at microbatch 4 gpt_medium's recomputing backward costs no
+more than the plain one plus a forward, and this overcharges it by up to 20%). Not
+measured on CUDA: 0 there until it is.
 
 Note [shared cores]: the prediction assumes one core per rank. A local run with more
 processes than cores (4 or 2x2 ranks on this project's 2 cores) is a different cluster:
@@ -94,6 +110,10 @@ class RuntimeCosts:
     optimizer_tensor_ms: NonNegFloat = 0.0   # ... plus this per parameter tensor
     optimizer_bytes_per_s: NonNegFloat = 0.0  # ... plus streaming weight, gradient and state; 0: free
     rank_speed: NonNegFloat = 1.0            # share of a core each rank's Python and kernels get (``shared_cores``)
+    recompute_fwd_ms: NonNegFloat = 0.0      # a recomputing stage's F: entering its checkpoint region
+    recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
+    recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
+    recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
@@ -127,7 +147,8 @@ RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
                         message_ms=0.15, collective_ms=0.3,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
-                        optimizer_bytes_per_s=10e9),
+                        optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
+                        recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010),
     "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
                          loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                          optimizer_bytes_per_s=1e12),
@@ -285,12 +306,18 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     plan = make_schedule(name, problem.num_ranks, problem.microbatches, problem.virtual_stages)
     split = plan.split_backward()
     loss = [rt.loss_ms / 2 if s == last else 0.0 for s in range(problem.num_stages)]
-    fwd = [st.fwd_ms + rt.action_ms + n_fwd[s] * rt.message_ms + loss[s] for s, st in enumerate(ev.stages)]
-    bwd = [st.bwd_ms + rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] for s, st in enumerate(ev.stages)]
-    units, weighted = [0] * problem.num_stages, [0] * problem.num_stages
+    units, weighted, saved = [0] * problem.num_stages, [0] * problem.num_stages, [0] * problem.num_stages
     for u, s in enumerate(assignment):
         units[s] += 1
         weighted[s] += bool(problem.unit_params[u])
+        saved[s] += problem.saved_tensors[u] if problem.saved_tensors else 0
+    recompute = problem.cost.recomputes(problem.num_stages)  # Note [recompute cost]
+    region_f = [rt.recompute_fwd_ms + n * rt.recompute_fwd_saved_ms if r else 0.0 for n, r in zip(saved, recompute)]
+    region_b = [rt.recompute_bwd_ms + n * rt.recompute_bwd_saved_ms if r else 0.0 for n, r in zip(saved, recompute)]
+    fwd = [st.fwd_ms + rt.action_ms + n_fwd[s] * rt.message_ms + loss[s] + region_f[s]
+           for s, st in enumerate(ev.stages)]
+    bwd = [st.bwd_ms + rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] + region_b[s]
+           for s, st in enumerate(ev.stages)]
     graded = _stages_with_input_grads(problem, assignment)
     f = rt.split_factor
     b_in = [b - st.bwd_ms + (st.bwd_ms - st.bwd_weight_ms) * f + rt.split_ms + units[s] * rt.split_unit_ms

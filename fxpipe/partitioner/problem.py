@@ -110,6 +110,7 @@ class PartitionProblem:
     placement: str = "loop"                   # how the chunks sit on the ranks (schedule.placement)
     output_bytes: tuple[int, ...] = ()        # per unit, its outputs' bytes per microbatch; () = unknown (0)
     input_bytes: int = 0                      # the model's inputs per microbatch (Note [memory over time])
+    saved_tensors: tuple[int, ...] = ()       # per unit, tensors saved for backward per forward; () = unknown (0)
 
     @property
     def num_units(self) -> int:
@@ -259,6 +260,7 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         virtual_stages=v, placement=kind.placement,
         output_bytes=tuple(int(u.output_bytes) for u in profile.units),
         input_bytes=sum(int(spec.nbytes) for spec in profile.inputs),
+        saved_tensors=tuple(int(u.saved_tensors or 0) for u in profile.units),
     )
 
 

@@ -203,7 +203,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
             buffer_bytes=buffer_bytes, activation_bytes=act,
             params=_unit_param_names(gm, group, param_names), reads_inputs=group.reads_inputs,
             pin=pin_for_path(pins, group.path), random=any(is_random_op_name(op) for op, _ in c.fwd_ops),
-            weight_grad_fraction=c.weight_grad_fraction,
+            weight_grad_fraction=c.weight_grad_fraction, saved_tensors=c.saved_tensors,
         )
         sources: dict[str, list[int]] = {}
         for name in group.inputs:

@@ -38,6 +38,7 @@ class UnitCounts:
     bwd_ops: tuple[tuple[str, int], ...] = ()
     bwd_input_flops: float | None = None  # of bwd_flops, those of the input gradients (the rest: weights)
     input_grads: bool = True  # some input of the unit needs a gradient
+    saved_tensors: int | None = None  # tensors autograd saves per forward, repeats and parameters included
 
     @property
     def weight_grad_fraction(self) -> float | None:
@@ -73,20 +74,25 @@ class OpCounter(TorchDispatchMode):
         return tuple(sorted(self.counts.items()))
 
 
-def _saved_storages(fn: Callable[[], Any], exclude: Iterable[int] = ()) -> tuple[Any, dict[int, int]]:
-    """``fn()`` and the storages (data pointer -> bytes) autograd saves for backward while it runs."""
-    saved: dict[int, int] = {}
-    skip = set(exclude)
+class _SavedStorages:
+    """What autograd saves for backward while ``fn()`` runs: the storages (data pointer -> bytes,
+    those in ``exclude`` left out) and how many tensors it packs in all (every pack: what a
+    ``torch.utils.checkpoint`` region pays a hook call for, Note [recompute cost])."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)  # Note [meta tracing]: meta storages have no address
-        if key not in skip:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
+    def __init__(self, fn: Callable[[], Any], exclude: Iterable[int] = ()) -> None:
+        self.storages: dict[int, int] = {}
+        self.packs = 0
+        skip = set(exclude)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, saved
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self.packs += 1
+            key = storage_key(t)  # Note [meta tracing]: meta storages have no address
+            if key not in skip:
+                self.storages[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.out = fn()
 
 
 def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
@@ -102,10 +108,10 @@ def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
     values = [runner._values.get(arg) for arg in node.all_input_nodes]
     args, _ = fresh_copies(values, [True] * len(values))  # Note [fresh unit inputs]
     try:
-        out, saved = _saved_storages(lambda: torch.fx.GraphModule(runner.gm, graph)(*args))
+        run = _SavedStorages(lambda: torch.fx.GraphModule(runner.gm, graph)(*args))
     except Exception:  # an op that cannot run alone: charge the input to the consumer as before
         return False
-    return isinstance(out, torch.Tensor) and storage_key(out) in saved
+    return isinstance(run.out, torch.Tensor) and storage_key(run.out) in run.storages
 
 
 def count_unit(runner: UnitRunner) -> UnitCounts:
@@ -123,7 +129,8 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
 
     fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with fwd:
-        outputs, saved = _saved_storages(lambda: runner.run(inputs), state_ptrs)
+        run = _SavedStorages(lambda: runner.run(inputs), state_ptrs)
+    outputs, saved = run.out, run.storages
     for ptr in set(saved) & set(input_ptrs):
         if _producer_saves_output(runner, input_ptrs[ptr]):
             del saved[ptr]
@@ -147,6 +154,7 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
         bwd_ops=bwd_ops.items(),
         bwd_input_flops=float(bwd_in.get_total_flops()),
         input_grads=bool(input_leaves),
+        saved_tensors=run.packs,
     )
 
 

@@ -130,6 +130,7 @@ class Unit:
     pin: NonNegInt | None = None
     random: bool = False  # draws random numbers (dropout): such units keep their program order across stages
     weight_grad_fraction: NonNegFloat | None = None  # of bwd_ms, the weight gradients' share (from FLOPs)
+    saved_tensors: NonNegInt | None = None  # tensors autograd saves for backward per forward; None: not counted
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(

@@ -128,6 +128,25 @@ def test_split_backward_costs_split_factor_and_a_stage_without_input_grads_runs_
     assert predict(problem, (0, 1), 2, runtime=FREE).pipeline_ms["zb-h1"] == pytest.approx(7.2)
 
 
+def test_recomputing_stage_pays_its_checkpoint_region_per_call_and_per_saved_tensor() -> None:
+    # Note [recompute cost]. u0 saves 3 tensors, u1 5; stage 1 recomputes. GPipe, one microbatch, FREE but
+    # the region costs: F(s0) [0, 1] | link 1 | F(s1) 1 + 0.5 + 5 x 0.1 = 2 [2, 4]; B(s1) 2 + the repeated
+    # forward 1 + 0.25 + 5 x 0.2 = 4.25 [4, 8.25] | link 1 | B(s0) 2 [9.25, 11.25]
+    base = _two_units()
+    units = tuple(u.__class__(**{**u.__dict__, "saved_tensors": n}) for u, n in zip(base.units, (3, 5)))
+    profile = ModelProfile(units=units, edges=base.edges, batch_size=2, param_sizes=base.param_sizes)
+    region = RuntimeCosts(recompute_fwd_ms=0.5, recompute_bwd_ms=0.25, recompute_fwd_saved_ms=0.1,
+                          recompute_bwd_saved_ms=0.2)
+    cost = CostModel(link_bandwidth=1e6, link_latency=0.0, recompute=(False, True))
+    problem = build_problem(profile, 2, microbatches=1, schedule="gpipe", cost=cost)
+    assert predict(problem, (0, 1), 2, runtime=region).pipeline_ms["gpipe"] == pytest.approx(11.25)
+    assert predict(problem, (0, 1), 2, runtime=FREE).pipeline_ms["gpipe"] == pytest.approx(9.0)  # forward only
+    plain = build_problem(profile, 2, microbatches=1, schedule="gpipe", cost=LINK)
+    assert predict(plain, (0, 1), 2, runtime=region).pipeline_ms["gpipe"] == pytest.approx(8.0)  # no region
+    old = build_problem(base, 2, microbatches=1, schedule="gpipe", cost=cost)  # a profile without the counts
+    assert predict(old, (0, 1), 2, runtime=region).pipeline_ms["gpipe"] == pytest.approx(9.75)
+
+
 def test_data_parallel_collectives_pay_collective_ms_per_ring_hop() -> None:
     cost = CostModel(link_bandwidth=1e6, link_latency=0.0, dp_replicas=3)
     problem = build_problem(_two_units(), 2, cost=cost)

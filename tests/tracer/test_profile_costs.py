@@ -59,6 +59,17 @@ def test_flops_params_and_activations(both_modes):
     assert edge.bytes == 64 * 512 * 4
 
 
+def test_saved_tensors_counts_every_pack_of_a_unit_on_real_and_meta_tensors(both_modes):
+    # Note [recompute cost]: a checkpoint region pays per saved tensor, shared storage or not.
+    # big: addmm saves its input and the weight's transpose, relu its output; small: addmm's two
+    for traced in both_modes:
+        assert {u.module_path: u.saved_tensors for u in traced.profile.units} == {"big": 3, "small": 2}
+    with torch.device("meta"):
+        model = _BigSmall()
+    meta = trace_model(model, (torch.randn(64, 512, device="meta"),), progress=False)
+    assert meta.profile.meta and [u.saved_tensors for u in meta.profile.units] == [3, 2]
+
+
 def test_analytic_mode_is_deterministic():
     x = (torch.randn(8, 512),)
     a = trace_model(_BigSmall(), x, progress=False).profile
