@@ -31,6 +31,14 @@ HEAVY = (
     "tests/runtime/test_own_loss.py::test_bart",
     "tests/runtime/test_training_run.py::test_sharded_replicas_resume_bit_for_bit",
     "tests/runtime/dataparallel/test_sharded_chunks.py::test_gpt_chunked_builds_shard_every_chunk_and_train_like_one_process",
+    # the slowest of the rest, each with a faster sibling in make test (keeps it under 10 minutes)
+    "tests/runtime/test_own_loss.py::test_gpt2_keyword_call_with_labels_partitions_verifies_and_trains_on_its_own_loss",
+    "tests/runtime/test_training_run.py::test_train_batches_crash_resume_bit_for_bit_and_export",
+    "tests/smp/test_api_meta_checkpoint.py::test_smp_load_full_then_partial",
+    "tests/tracer/test_meta_trace.py::test_meta_profile_equals_real_on_zoo[t5]",
+    "tests/runtime/test_launch.py::test_run_build_trains_gpt_on_three_ranks",
+    "tests/codegen/test_load.py::test_last_stage_loads_in_well_under_half_the_memory",
+    "tests/runtime/test_export_hf.py::test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model",
 )
 
 
