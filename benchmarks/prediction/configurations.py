@@ -48,9 +48,9 @@ def _probe_ms() -> float:
     machine's speed right now. This VM's speed changes by up to 3x for seconds at a time."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import gpt
+    from fxpipe.modelfile import load_model_file
 
+    gpt = load_model_file(MODELS["gpt"][0])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
