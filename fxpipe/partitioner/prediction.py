@@ -138,14 +138,17 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 # this project's 2-core machine. Timers around StageWorker.forward/backward (minus the
 # stage module and autograd calls), P2P.post, loss_fn and optimizer.step of a running
 # job (examples/gpt.py and mlp.py, 4 microbatches): bookkeeping ~40 us per action, posting
-# ~70-200 us per batch of messages, SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
+# ~70-200 us per batch of messages in the median, but ~0.3 ms per call in the mean while
+# both ranks compute (0.28-0.42 ms; 9-15% of calls wait a 4 ms time slice for gloo's
+# transport thread to get a core: benchmarks/prediction/gloo_stalls.py), so message_ms is
+# that mean; SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
 # step around the executor. Link times come from the CostModel (loopback: ~50 us one way
 # measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
 # Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
 # 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
-                        message_ms=0.15, collective_ms=0.3,
+                        message_ms=0.3, collective_ms=0.3,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
                         recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010),
