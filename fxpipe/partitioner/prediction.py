@@ -7,7 +7,9 @@ with gloo, see benchmarks/prediction):
 
 * every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
   per message it sends or receives, the CPU cost of posting and completing it
-  (``message_ms``); the message itself delays the consumer by the link time
+  (``message_ms``: with gloo on a busy host, the mean of calls that mostly take tens of
+  microseconds and sometimes wait a scheduler time slice for gloo's transport thread);
+  the message itself delays the consumer by the link time
   ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time); stages
   on one rank exchange no message;
 * a split backward (zero-bubble schedules) runs the input-gradient part of the stage's
