@@ -68,8 +68,10 @@ the pipeline's ranks share ``rank_speed x ranks`` cores (the replicas run the sa
 pipeline at the same time), and the step simulation shares them among the actions
 running at each moment (Note [processor sharing]): an action runs at full speed while
 enough of the other ranks wait (a waiting rank's gloo receive sleeps and yields its
-core), and ``rank_speed`` of it while every rank computes. The per-step optimizer and
-Python time, which every rank spends at once, are divided by ``rank_speed``. Link
+core), and ``rank_speed`` of it while every rank computes, less the switching cost of
+more running ranks than cores (``oversubscribed_rate``: 0.9 measured here). The per-step
+optimizer and Python time, which every rank spends at once, are divided by that speed
+(``RuntimeCosts.busy_speed``). Link
 delays are not shared. Nothing applies it silently:
 ``predict`` uses it only when given such a ``RuntimeCosts``, and it is recorded in the
 prediction's ``runtime_costs``.
@@ -112,6 +114,7 @@ class RuntimeCosts:
     optimizer_tensor_ms: NonNegFloat = 0.0   # ... plus this per parameter tensor
     optimizer_bytes_per_s: NonNegFloat = 0.0  # ... plus streaming weight, gradient and state; 0: free
     rank_speed: NonNegFloat = 1.0            # share of a core each rank's Python and kernels get (``shared_cores``)
+    oversubscribed_rate: NonNegFloat = 1.0   # work a core does while more ranks run than cores (Note [processor sharing])
     recompute_fwd_ms: NonNegFloat = 0.0      # a recomputing stage's F: entering its checkpoint region
     recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
@@ -120,6 +123,14 @@ class RuntimeCosts:
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
             raise PartitionError(f"rank_speed must be > 0 (a share of a core), got {self.rank_speed}")
+        if not 0 < self.oversubscribed_rate <= 1:
+            raise PartitionError(f"oversubscribed_rate must be in (0, 1], got {self.oversubscribed_rate}")
+
+    @property
+    def busy_speed(self) -> float:
+        """A rank's speed while every rank computes: its share of a core, less the switching
+        cost where the ranks outnumber the cores (Note [shared cores])."""
+        return self.rank_speed * (self.oversubscribed_rate if self.rank_speed < 1 else 1.0)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -153,7 +164,7 @@ RUNTIME_COSTS: dict[str, RuntimeCosts] = {
                         message_ms=0.3, collective_ms=0.3,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
-                        recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010),
+                        recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9),
     "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
                          loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                          optimizer_bytes_per_s=1e12),
@@ -281,7 +292,7 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     for u, s in enumerate(assignment):
         for p in problem.unit_params[u]:
             ranks_of.setdefault(p, set()).add(problem.stage_ranks[s])
-    collective = runtime.collective_ms / runtime.rank_speed  # CPU and wake-ups: shared like compute
+    collective = runtime.collective_ms / runtime.busy_speed  # CPU and wake-ups: shared like compute
     tied = sum(2 * (len(rs) - 1) * (problem.cost.message_ms(problem.param_bytes[p]) + collective)
                for p, rs in ranks_of.items() if len(rs) > 1)
     broadcast = problem.cost.message_ms(_LOSS_BYTES) + collective if problem.num_ranks > 1 else 0.0
@@ -295,8 +306,8 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
         if mine:
             optimizer = max(optimizer, runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream)
     return StepOverheads(tied_all_reduce_ms=float(tied), loss_broadcast_ms=broadcast,
-                         optimizer_ms=optimizer / runtime.rank_speed, dp_all_reduce_ms=dp_all_reduce,
-                         fixed_ms=runtime.step_ms / runtime.rank_speed)
+                         optimizer_ms=optimizer / runtime.busy_speed, dp_all_reduce_ms=dp_all_reduce,
+                         fixed_ms=runtime.step_ms / runtime.busy_speed)
 
 
 def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts,
@@ -344,7 +355,7 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
 
     shared = rt.rank_speed * problem.num_ranks if rt.rank_speed < 1 else None  # cores of this pipeline's ranks
     return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
-                         delay=delay, cores=shared)
+                         delay=delay, cores=shared, oversubscribed_rate=rt.oversubscribed_rate)
 
 
 @dataclass(frozen=True)

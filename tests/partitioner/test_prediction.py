@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from partition_fixtures import chain_profile
 
@@ -111,6 +113,13 @@ def test_shared_cores_share_compute_between_running_ranks_not_links() -> None:
         shared_cores(base, processes=0, cores=2)
     with pytest.raises(PartitionError):
         RuntimeCosts(rank_speed=0.0)
+    # ranks that outnumber the cores also pay the switching: the per-step Python at 0.5 x 0.8 of a core
+    slower = replace(shared, oversubscribed_rate=0.8)
+    assert slower.busy_speed == pytest.approx(0.4) and replace(base, oversubscribed_rate=0.8).busy_speed == 1.0
+    assert predict(problem, (0, 1), 2, runtime=slower).step_overhead_ms.fixed_ms == pytest.approx(2.5)
+    assert predict(two, (0, 1), 2, runtime=slower).pipeline_ms["gpipe"] > shared_two.pipeline_ms["gpipe"]
+    with pytest.raises(PartitionError, match="oversubscribed_rate"):
+        RuntimeCosts(oversubscribed_rate=1.5)
 
 
 def test_split_backward_costs_split_factor_and_a_stage_without_input_grads_runs_all_in_w() -> None:

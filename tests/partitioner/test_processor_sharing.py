@@ -74,6 +74,22 @@ def test_one_core_without_delays_runs_all_the_work_back_to_back(name: str, ranks
     assert line.step_ms == pytest.approx(sum(work(a) for acts in schedule.actions for a in acts))
 
 
+def test_oversubscribed_cores_do_less_work_only_while_actions_outnumber_them() -> None:
+    # the hand example above at rate 0.8: alone an action runs at full speed; two actions on one core
+    # progress at 0.4 each. F1 (rank 0) and F0 (rank 1) share [1, 1 + 1 / 0.4]; F1 of rank 1 alone
+    # [3.5, 4.5]; B0 of rank 1 [4.5, 6.5]; B0 of rank 0 and B1 of rank 1 share [6.5, 6.5 + 2 / 0.4]; B1 [11.5, 13.5]
+    line = simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0, cores=1,
+                         oversubscribed_rate=0.8)
+    ends = {(op.rank, op.kind, op.microbatch): op.end_ms for op in line.ops}
+    assert ends[(0, "F", 0)] == pytest.approx(1.0) and ends[(1, "F", 0)] == pytest.approx(3.5)
+    assert line.step_ms == pytest.approx(13.5)
+    schedule = make_schedule("1f1b", 2, 4)
+    enough = simulate_step(schedule, _durations(7), cores=2, oversubscribed_rate=0.5)
+    assert enough.step_ms == pytest.approx(simulate_step(schedule, _durations(7)).step_ms)  # never outnumbered
+    with pytest.raises(PartitionError, match="oversubscribed_rate"):
+        simulate_step(schedule, _durations(7), cores=1, oversubscribed_rate=0.0)
+
+
 def test_cores_must_be_positive() -> None:
     with pytest.raises(PartitionError, match="cores"):
         simulate_step(make_schedule("1f1b", 2, 2), lambda a: 1.0, cores=0)

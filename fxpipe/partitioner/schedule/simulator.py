@@ -140,13 +140,14 @@ class _Prepared:
 def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
                   links: Sequence[Link] | None = None,
                   delay: Callable[[Link, ActionKind], float] | None = None,
-                  cores: float | None = None) -> Timeline:
+                  cores: float | None = None, oversubscribed_rate: float = 1.0) -> Timeline:
     """Start and end of every action of ``schedule`` (Note [step simulation]).
 
     ``duration(action)`` is its compute time; ``delay(link, F or B)`` the time an
     activation (``F``) or gradient (``B``) message spends on ``link`` (default 0);
     ``links`` default to a chain. ``cores``: the ranks share this many cores
-    (Note [processor sharing] in ``sharing``); default one core per rank. Raises
+    (Note [processor sharing] in ``sharing``, where ``oversubscribed_rate`` is the work a
+    core does while more actions run than there are cores); default one core per rank. Raises
     ``SimulationStuck`` on a deadlock.
 
     >>> from fxpipe.partitioner.schedule.registry import make_schedule
@@ -169,7 +170,7 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     if cores is not None and cores < len(ranks):
         from fxpipe.partitioner.schedule.sharing import run_shared  # imports this module
 
-        return run_shared(schedule, ranks, cores)
+        return run_shared(schedule, ranks, cores, oversubscribed_rate)
     return _run(schedule, ranks)
 
 
