@@ -101,17 +101,19 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
                    runtime=shared_cores(RUNTIME_COSTS["cpu"], stages * replicas, cores)).step_ms[schedule]
     memory = list(plan.prediction.peak_memory_bytes_by_schedule[schedule])
     tensors = list(run.peak_tensor_bytes)
-    return {"model": model, "stages": stages, "replicas": replicas, "schedule": schedule, "recompute": recompute,
-            "virtual_stages": plan.virtual_stages, "microbatches": micro, "batch_size": batch,
-            "measured_step_ms": run.median_step_ms, "predicted_step_ms": predicted,
-            "ratio": run.median_step_ms / predicted,
-            "cores": cores, "predicted_on_shared_cores_ms": host, "ratio_on_shared_cores": run.median_step_ms / host,
-            "within_goal": GOAL[0] <= run.median_step_ms / host <= GOAL[1],
-            "predicted_rank_memory_bytes": memory, "measured_peak_tensor_bytes": tensors,
-            "tensor_memory_ratio": [t / memory[i % len(memory)] for i, t in enumerate(tensors)] if memory else [],
-            "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
-            "probe_ms": [probe, _probe_ms()],  # the machine's speed before the trace and after the run
-            "load_average_1min": os.getloadavg()[0]}
+    row: dict[str, Any]
+    row = {"model": model, "stages": stages, "replicas": replicas, "schedule": schedule, "recompute": recompute,
+           "virtual_stages": plan.virtual_stages, "microbatches": micro, "batch_size": batch,
+           "measured_step_ms": run.median_step_ms, "predicted_step_ms": predicted,
+           "ratio": run.median_step_ms / predicted,
+           "cores": cores, "predicted_on_shared_cores_ms": host, "ratio_on_shared_cores": run.median_step_ms / host,
+           "predicted_rank_memory_bytes": memory, "measured_peak_tensor_bytes": tensors,
+           "tensor_memory_ratio": [t / memory[i % len(memory)] for i, t in enumerate(tensors)] if memory else [],
+           "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
+           "probe_ms": [probe, _probe_ms()],  # the machine's speed before the trace and after the run
+           "load_average_1min": os.getloadavg()[0]}
+    row["within_goal"] = _in_goal(row)
+    return row
 
 
 def _steady(run: dict[str, Any]) -> bool:

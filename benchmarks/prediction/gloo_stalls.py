@@ -150,8 +150,9 @@ def measure(iterations: int) -> dict[str, Any]:
     ranks = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join(60)
-    return {"iterations": iterations, "message_bytes": 4 * MESSAGE_FLOATS, "cores": len(os.sched_getaffinity(0)),
-            "ranks": ranks, "time_slice": _time_slice(len(os.sched_getaffinity(0)))}
+    cores = len(os.sched_getaffinity(0))
+    return {"iterations": iterations, "message_bytes": 4 * MESSAGE_FLOATS, "cores": cores,
+            "ranks": ranks, "time_slice": _time_slice(cores)}
 
 
 def _markdown(result: dict[str, Any]) -> list[str]:

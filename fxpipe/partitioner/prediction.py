@@ -114,7 +114,7 @@ class RuntimeCosts:
     optimizer_tensor_ms: NonNegFloat = 0.0   # ... plus this per parameter tensor
     optimizer_bytes_per_s: NonNegFloat = 0.0  # ... plus streaming weight, gradient and state; 0: free
     rank_speed: NonNegFloat = 1.0            # share of a core each rank's Python and kernels get (``shared_cores``)
-    oversubscribed_rate: NonNegFloat = 1.0   # work a core does while more ranks run than cores (Note [processor sharing])
+    oversubscribed_rate: NonNegFloat = 1.0   # work a core does while ranks outnumber cores (Note [processor sharing])
     recompute_fwd_ms: NonNegFloat = 0.0      # a recomputing stage's F: entering its checkpoint region
     recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward

@@ -3,18 +3,19 @@
 Note [processor sharing]: with one core per rank (``cores=None``) every action runs at full
 speed as soon as its rank is free and its inputs have arrived (Note [step simulation]).
 On a host with fewer cores than busy ranks (4 ranks on 2 cores), the running actions
-share the cores: at any moment each of the ``n`` running actions progresses at
-``min(1, cores / n)`` of its own speed, and a rank that waits for a message takes no
-core (gloo's receive sleeps). While more actions run than there are cores, the cores
-also do less work in all (``oversubscribed_rate``, 1 by default): the scheduler switches
-between them every time slice and each switch refills the caches (measured on this
-project's 2 cores: 4 processes running the tiny GPT's forward + backward do 0.9 of the
-iterations 2 processes do; ``RUNTIME_COSTS["cpu"]``). So the simulation advances event by event (an action
-finishes, a message lands and its consumer becomes runnable), recomputing the share
-whenever the set of running actions changes. With ``cores`` at least the number of
-ranks it gives the same timeline as the plain simulation (tested); with every rank busy
-all the time it is each action stretched by ``ranks / cores``, the ``shared_cores``
-bound of the prediction (Note [shared cores] in ``fxpipe.partitioner.prediction``).
+share the cores: at any moment each of the ``n`` running actions progresses at full
+speed if ``n <= cores`` and at ``cores / n x oversubscribed_rate`` of it otherwise, and
+a rank that waits for a message takes no core (gloo's receive sleeps). The rate (1 by
+default) is the work the cores lose while the actions outnumber them: the scheduler
+switches between them every time slice and each switch refills the caches (measured on
+this project's 2 cores: 4 processes running the tiny GPT's forward + backward do 0.9 of
+the iterations 2 processes do; ``RUNTIME_COSTS["cpu"]``). So the simulation advances
+event by event (an action finishes, a message lands and its consumer becomes runnable),
+recomputing the share whenever the set of running actions changes. With ``cores`` at
+least the number of ranks it gives the same timeline as the plain simulation (tested);
+with every rank busy all the time it is each action stretched by ``ranks / cores /
+oversubscribed_rate``, the ``shared_cores`` bound of the prediction (Note [shared cores]
+in ``fxpipe.partitioner.prediction``, ``RuntimeCosts.busy_speed``).
 """
 
 from __future__ import annotations
