@@ -35,6 +35,7 @@ from fxpipe.codegen.manifest import InitModel
 from fxpipe.codegen.stage_init import transformers_init_models
 from fxpipe.codegen.state import StageState, tensor_aliases
 from fxpipe.errors import WeightsError
+from fxpipe.tracer.export_frontend import LIFTED_CONSTANT_PREFIX
 from fxpipe.tracer.meta import BUFFER_VALUES_KEY, SKIPPED_ON_META
 
 if TYPE_CHECKING:
@@ -293,6 +294,11 @@ def write_meta_stage(state: StageState, path: Path, weights: MetaWeights) -> tup
             entries.append((e.key, shape, dtype, _constant(value)))
         elif weights.checkpoint is None and e.kind != "constant":
             left.append(e.key)
+        elif e.key.startswith(LIFTED_CONSTANT_PREFIX):
+            raise WeightsError(f"{e.key!r} is a tensor the model makes in forward from Python values (torch.tensor(...) "
+                               "or indexing with a list, e.g. x[..., [-2], :]); torch.export made it on the meta device, "
+                               "where its value is lost. Trace on cpu, or make it a buffer the model file builds on "
+                               "the CPU (fxpipe puts only parameters on meta)")
         else:
             raise WeightsError(f"{e.key!r} is a {e.kind} with no value: the model built it on the meta device and "
                                "no checkpoint holds it; let the model file build its buffers on the CPU (fxpipe puts "

@@ -22,7 +22,9 @@ from fxpipe.errors import TraceError
 from fxpipe.graphmeta import CONSTANTS_KEY
 from fxpipe.tracer.call import active_call
 
-__all__ = ["export_graph", "non_persistent_buffers"]
+__all__ = ["export_graph", "non_persistent_buffers", "LIFTED_CONSTANT_PREFIX"]
+
+LIFTED_CONSTANT_PREFIX = "_fxpipe_const_"  # attribute names of the tensors a model makes in forward
 
 
 def non_persistent_buffers(model: nn.Module) -> set[str]:
@@ -88,7 +90,7 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
             else:  # lifted tensor constant (or custom object)
                 value = ep.constants[target]
                 if not _has_attr(model, target):
-                    target = const_names.setdefault(target, f"_fxpipe_const_{len(const_names)}")
+                    target = const_names.setdefault(target, f"{LIFTED_CONSTANT_PREFIX}{len(const_names)}")
                 root[target] = value
                 constants.add(target)
             new = graph.get_attr(target)

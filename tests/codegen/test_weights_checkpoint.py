@@ -185,3 +185,40 @@ def test_cli_partition_on_meta_from_a_checkpoint(tmp_path, capsys):
     assert main(["verify", str(out)]) == 0
     profile = ModelProfile.from_json(out / "profile.json")  # the meta trace is recorded and read back
     assert profile.meta and profile.skipped_checks and profile.trace_device == "cpu"
+
+
+_LIST_INDEX_MODEL = '''
+import torch
+
+
+class ListIndex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x)[..., [1, 0, 2, 3, 4, 5, 6, 7]])  # the index list becomes a tensor in forward
+
+
+def build_model():
+    return ListIndex()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 8),)
+'''
+
+
+def test_a_tensor_made_in_forward_has_no_value_on_meta_and_the_error_says_why(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.export lifts ``x[..., [1, 0, ...]]``'s index list as a constant, made on the meta device when the
+    model is traced there (transformers 5.24's Falcon does this): one line that names it and the way out."""
+    model_file = tmp_path / "list_index.py"
+    model_file.write_text(_LIST_INDEX_MODEL)
+    assert main(["partition", str(model_file), "--frontend", "export", "--device", "meta", "--stages", "2",
+                 "--out", str(tmp_path / "build")]) != 0
+    err = capsys.readouterr().err
+    assert "'_fxpipe_const_0' is a tensor the model makes in forward from Python values" in err
+    assert "Trace on cpu" in err and "Traceback" not in err
+    assert main(["partition", str(model_file), "--frontend", "export", "--stages", "2",
+                 "--out", str(tmp_path / "build")]) == 0  # on cpu it has its value
