@@ -108,8 +108,8 @@ MANIFEST_CASES = [
     (_set("training", "yes"), "training: expected true or false, got 'yes'"),
     (_set("ties[0]", {"stages": [0], "keys": ["a"]}), "ties[0]: a tie needs one key per stage"),
     (_set("stages[1].index", 0), "manifest stage 1 says it is stage 0"),
-    (_set("schema_version", 1), "schema version 1 is older than this fxpipe reads (version 2); rebuild it"),
-    (_set("schema_version", "2"), 'schema_version must be an integer such as 2, got "2"'),
+    (_set("schema_version", 2), "schema version 2 is older than this fxpipe reads (version 3); rebuild it"),
+    (_set("schema_version", "3"), 'schema_version must be an integer such as 3, got "3"'),
     (_drop("schema_version"), "has no schema_version; rebuild it"),
 ]
 

@@ -160,7 +160,7 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
             source_sha256=file_sha256(py), weights_sha256=file_sha256(st),
             inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
             parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
-            units=tuple(units), imports_model_file=src.imports_model_file,
+            units=tuple(units), imports_model_file=src.imports_model_file, mutated_inputs=sg.mutated,
             rank=stage_ranks[sg.index] if stage_ranks and stage_ranks[sg.index] != sg.index else None))
     spec_json, output_modules = dump_output_spec(output_spec)
     manifest = Manifest(

@@ -104,7 +104,8 @@ class _Renderer:
         self.inline: dict[fx.Node, str] = {}
         self.functions = {n: self.function(n.target) for n in graph.nodes if n.op == "call_function"
                           and n.target not in _BINARY and n.target not in _UNARY
-                          and n.target not in (operator.getitem, getattr, run_blocks, train_or_eval)}
+                          and n.target not in (operator.getitem, operator.setitem, getattr, run_blocks,
+                                               train_or_eval)}
         namer = _Names(reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()})
         given = iter(arg_names or ())
         for node in graph.nodes:
@@ -177,6 +178,9 @@ class _Renderer:
     def function(self, fn: Any) -> str:
         if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
             return self.imports.op(fn)
+        if getattr(fn, "__module__", None) == "_operator":  # operator.iadd(a, b), not `from _operator import iadd`
+            self.imports.modules.add("operator")
+            return f"operator.{fn.__name__}"
         ref = self.imports.ref(fn)
         if ref.startswith("torch.nn.functional."):
             self.imports.functional = True
@@ -198,6 +202,8 @@ class _Renderer:
             return f"{_UNARY[fn]}{self.operand(args[0])}"
         if fn is operator.getitem and len(args) == 2 and not kwargs:
             return f"{self.operand(args[0])}[{self.index(args[1])}]"
+        if fn is operator.setitem and len(args) == 3 and not kwargs and not node.users:  # a statement
+            return f"{self.operand(args[0])}[{self.index(args[1])}] = {self.value(args[2])}"
         if fn is getattr and len(args) == 2 and isinstance(args[1], str) and args[1].isidentifier():
             return f"{self.operand(args[0])}.{args[1]}"
         if fn is train_or_eval and len(args) == 3 and not kwargs:

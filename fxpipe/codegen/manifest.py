@@ -27,7 +27,10 @@ from fxpipe.tracer.call import CallSpec
 
 __all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "InitModel", "Manifest"]
 
-MANIFEST_SCHEMA_VERSION = 2  # 2: microbatches, training and torch_version are fields (were ``extra``)
+# 2: microbatches, training and torch_version are fields (were ``extra``); 3: each stage lists the
+# inputs it changes in place (``mutated_inputs``): run without that list, such a stage changed a
+# tensor that its producer or another stage still read
+MANIFEST_SCHEMA_VERSION = 3
 INPUT = -1  # producer of a model input
 
 
@@ -105,10 +108,14 @@ class StageManifest:
     constants: tuple[str, ...] = ()  # non-persistent buffers: in the weights file, not in state_dict()
     imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
     rank: NonNegInt | None = None  # the pipeline rank that runs this stage (chunk); None: its index
+    mutated_inputs: tuple[str, ...] = ()  # inputs it changes in place: each run gets copies of its own
 
     def __post_init__(self) -> None:
-        for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants"):
+        for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants", "mutated_inputs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        unknown = set(self.mutated_inputs) - {t.name for t in self.inputs}
+        if unknown:
+            raise BuildDirError(f"stage {self.index}: mutated_inputs {sorted(unknown)} are not inputs of the stage")
         for name in ("source", "weights"):  # files of the build directory itself, never a path out of it
             value = getattr(self, name)
             if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:

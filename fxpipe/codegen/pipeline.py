@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_unflatten
 
 from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
 from fxpipe.codegen.load import _set_tensor, _tie_weights, load_checked_stage, read_manifest
-from fxpipe.codegen.manifest import Manifest
+from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest
 from fxpipe.codegen.outputs import load_output_spec
 
 __all__ = ["Pipeline", "load_pipeline", "load_checked_pipeline"]
@@ -32,6 +32,7 @@ class Pipeline(nn.Module):
     ``CallError``). The output has the model's own structure (Note [output structure] in
     ``fxpipe.codegen.outputs``). ``stages`` holds the stage modules; tied parameters are one
     Parameter object shared by the stages that use them, so gradients equal the original model's.
+    A tensor passed from one stage to another is a copy of its own, as in a distributed run.
     """
 
     def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".",
@@ -50,7 +51,7 @@ class Pipeline(nn.Module):
             values[(t.producer, t.name)] = x
         flat: dict[int, Any] = {}
         for sm, stage in zip(m.stages, self.stages):
-            outs = stage(*(values[(t.producer, t.name)] for t in sm.inputs))
+            outs = stage(*(_wire(values[(t.producer, t.name)], t, sm) for t in sm.inputs))
             for t, v in zip(sm.outputs, outs):
                 values[(t.producer, t.name)] = v
                 if t.model_output is not None:
@@ -59,6 +60,16 @@ class Pipeline(nn.Module):
         if self._spec is None:
             return tuple(result)
         return tree_unflatten(result, self._spec)
+
+
+def _wire(value: Any, t: BoundaryTensor, stage: StageManifest) -> Any:
+    """What ``stage`` gets for its input ``t``, as the runtime gives it: a tensor from another stage is a
+    copy of its own (it crossed a wire), taken when its producer's forward ended; a model input is the
+    caller's, copied only for a stage that changes it in place (Note [in-place ops across stages] in
+    :mod:`fxpipe.tracer.mutation`). So ``verify`` checks what a distributed run computes."""
+    if isinstance(value, torch.Tensor) and (t.producer != INPUT or t.name in stage.mutated_inputs):
+        return value.clone()
+    return value
 
 
 def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> Pipeline:

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.graphmeta import SPEC_KEY, PATH_KEY
-from fxpipe.graphmeta import NAME_KEY
+from fxpipe.graphmeta import MUTATIONS_KEY, NAME_KEY
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
 from fxpipe.codegen.naming import boundary_names
 from fxpipe.graphmeta import ORIGIN_KEY
@@ -64,7 +64,9 @@ class StageGraph:
     ``inputs`` / ``outputs`` are boundary names (see ``naming.boundary_names``) in the order of the
     stage graph's placeholders / output tuple. ``modules`` are the leaf module paths it
     calls, ``attrs`` the ``get_attr`` targets it reads (parameters, buffers, constants,
-    higher-order-op subgraphs), ``nodes`` the original call nodes it owns.
+    higher-order-op subgraphs), ``nodes`` the original call nodes it owns, ``mutated`` the
+    inputs it changes in place, which it must be given as copies of its own (Note [in-place
+    ops across stages] in :mod:`fxpipe.tracer.mutation`).
     """
 
     index: int
@@ -74,6 +76,7 @@ class StageGraph:
     modules: tuple[str, ...]
     attrs: tuple[str, ...]
     nodes: tuple[str, ...]
+    mutated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,12 @@ class _Splitter:
         entries += [(self.order[a] + 0.5, int_tensor_name(self.bname(a))) for a in self.int_imports[s]]
         return [name for _, name in sorted(entries)]
 
+    def _mutated(self, s: int) -> tuple[str, ...]:
+        """The boundary names of the tensors stage ``s`` receives and changes in place."""
+        changed = self.gm.meta.get(MUTATIONS_KEY, {})
+        hit = {a for n, stage in self.stage_of.items() if stage == s for a in changed.get(n.name, ())}
+        return tuple(self.bname(a) for a in sorted(self.imports[s], key=self.order.__getitem__) if a.name in hit)
+
     def _result(self, outputs: list[dict[fx.Node, list[int]]]) -> SplitGraph:
         boundary: dict[str, BoundaryTensor] = {}
         sources: dict[str, str] = {}
@@ -350,7 +359,8 @@ class _Splitter:
         stages = tuple(
             StageGraph(index=s, graph=self.graphs[s], inputs=tuple(self._input_names(s)),
                        outputs=tuple(stage_outputs[s]), modules=tuple(self.modules[s]), attrs=tuple(self.attrs[s]),
-                       nodes=tuple(n.name for n in self.nodes if self.stage_of.get(n) == s))
+                       nodes=tuple(n.name for n in self.nodes if self.stage_of.get(n) == s),
+                       mutated=self._mutated(s))
             for s in range(self.num_stages))
         return SplitGraph(stages=stages, boundary=boundary, model_inputs=tuple(self.bname(p) for p in self.placeholders),
                           sources=sources)

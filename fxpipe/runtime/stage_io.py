@@ -108,11 +108,12 @@ class StageWorker:
                  autocast: torch.dtype | None = None, weight_params: Sequence[torch.Tensor] | None = None) -> None:
         self.manifest, self.routes, self.stage, self.module = manifest, routes, stage, module
         self.recompute = recompute  # forward under torch.utils.checkpoint: activations recomputed in backward
-        # A received tensor that needs a gradient is an autograd leaf, which an in-place op may not
-        # modify; in one process it was an intermediate (a residual add feeding ReLU(inplace=True)). A
-        # stage with in-place modules is fed copies, so those ops touch a non-leaf as they did there.
-        self._copy_received = any(getattr(m, "inplace", False) is True for m in module.modules())
         self.spec = manifest.stage(stage)
+        # Inputs the stage changes in place get copies of their own (Note [in-place ops across stages] in
+        # fxpipe.tracer.mutation): a received buffer may be sent on or handed to a stage of this rank, a
+        # model input is the caller's, and a received tensor that needs a gradient is an autograd leaf,
+        # which an in-place op may not change (in one process it was an intermediate).
+        self._mutated = frozenset(self.spec.mutated_inputs)
         self.device = device
         self.comm = comm if comm is not None else RankComm(p2p, device, pair_sends)
         self._owns_comm = comm is None
@@ -192,7 +193,7 @@ class StageWorker:
             value = buf.detach()
             state.received[t.spec.name] = value.requires_grad_(True) if t.grad else value
         by_name = dict(zip(self.routes.input_names, inputs))
-        args = [by_name[i.name].to(self.device) if i.producer == INPUT else self._fed(state.received[i.name])
+        args = [self._fed(i.name, by_name[i.name].to(self.device) if i.producer == INPUT else state.received[i.name])
                 for i in self.spec.inputs]
         if self.recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
@@ -211,9 +212,9 @@ class StageWorker:
         self.comm.send(sends)
         return state.outputs
 
-    def _fed(self, received: torch.Tensor) -> torch.Tensor:
-        """What the stage module gets for ``received``: a copy where an in-place op could hit the leaf."""
-        return received.clone() if self._copy_received and received.requires_grad else received
+    def _fed(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """What the stage module gets for its input ``name``: a copy if the stage changes it in place."""
+        return value.clone() if name in self._mutated else value
 
     def _deliver(self, t: Transfer, m: int, gradient: bool, tensor: torch.Tensor, sends: list[Message]) -> None:
         """Hand ``tensor`` to a stage of this rank, or add its message to ``sends``."""

@@ -38,6 +38,7 @@ from fxpipe.tracer.meta import (BUFFER_VALUES_KEY, META, SKIPPED_ON_META, build_
                                cost_device_kernels, count_units_once, eager_mode, is_meta_model,
                                move_to_meta)
 from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
+from fxpipe.tracer.mutation import isolate_mutations
 from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
 from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
@@ -46,7 +47,7 @@ from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infe
 from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
-from fxpipe.graphmeta import PATH_KEY, SPEC_KEY
+from fxpipe.graphmeta import MUTATIONS_KEY, PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import UnitGroup, group_units, join_units
 
 __all__ = ["trace_model", "trace_model_file"]
@@ -317,7 +318,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                                 run=lambda: _run_in(eager_mode(on_meta), call.example, model))
                 with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
                     prop = propagate(gm, inputs, batch, dims)
-                regions = [{n.name for n in region} for region in guarded_regions(gm.graph)]
+                regions, gm.meta[MUTATIONS_KEY] = isolate_mutations(gm, prop.values, prop.mutations)
+                regions += [{n.name for n in region} for region in guarded_regions(gm.graph)]
                 regions += leaf_regions(gm, leaf_paths)  # export traces into leaves: keep each in one unit
                 groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
                 runners = [UnitRunner(gm, g, prop.values) for g in groups]

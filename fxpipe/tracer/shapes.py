@@ -4,7 +4,8 @@ The graph runs twice: at the traced batch ``B`` (with autograd on and floating i
 requiring grad, so ``requires_grad`` is exactly "depends on a parameter or a floating
 input"; with ``FlopCounterMode`` to charge FLOPs to each node) and at ``2B`` (each input
 concatenated with itself along its batch dimension). A dimension whose size doubles is
-the batch dimension.
+the batch dimension. The first run also notes the in-place calls (Note [in-place ops
+across stages] in :mod:`fxpipe.tracer.mutation`).
 
 Note (batch dimensions of the inputs): the graph cannot tell which dimension of an
 input is the batch, so the caller says it with ``batch_dims`` (one entry per input,
@@ -27,6 +28,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.tracer.mutation import MutationLog
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.graphmeta import SPEC_KEY
 
@@ -38,10 +40,12 @@ BatchDims = tuple[int | None, ...]
 
 @dataclass(frozen=True)
 class Propagation:
-    """Values of one run at the traced batch, keyed by node, and forward FLOPs per node name."""
+    """Values of one run at the traced batch, keyed by node, forward FLOPs per node name, and the
+    in-place calls of that run (node name -> names of the arguments it changed)."""
 
     values: dict[torch.fx.Node, Any]
     flops: dict[str, float]
+    mutations: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,12 +134,13 @@ class _Counting(torch.fx.Interpreter):
         super().__init__(gm, garbage_collect_values=False)
         self.counter = counter
         self.flops: dict[str, float] = {}
+        self.mutations = MutationLog()
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if self.counter is None:
             return super().run_node(n)
         before = self.counter.get_total_flops()
-        result = super().run_node(n)
+        result = self.mutations.run(n, self.env, lambda: super(_Counting, self).run_node(n))
         self.flops[n.name] = float(self.counter.get_total_flops() - before)
         return result
 
@@ -188,4 +193,4 @@ def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_
         if node.op == "placeholder" and isinstance(spec, TensorSpec):
             spec = dataclasses.replace(spec, batch_dim=next(placeholders))  # known, not guessed
         node.meta[SPEC_KEY] = spec
-    return Propagation(values=counting.env, flops=counting.flops)
+    return Propagation(values=counting.env, flops=counting.flops, mutations=counting.mutations.found)

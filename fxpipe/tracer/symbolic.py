@@ -4,7 +4,9 @@ Leaf policy: modules whose class lives in ``torch.nn`` (except ``Sequential``, a
 FX's default) are leaves when a stage file can rebuild them from their hyperparameters
 (Note [rebuilt modules equal the original] in :mod:`fxpipe.tracer.rebuild`; the others,
 such as ``nn.TransformerEncoder``, are traced into), plus the types and paths a user
-names. ``torch._assert`` messages get back what the user wrote
+names. Augmented assignments and item assignments are recorded as what they are
+(``a += b`` as ``operator.iadd``, ``a[i] = b`` as ``operator.setitem``: :class:`_InPlaceProxy`).
+``torch._assert`` messages get back what the user wrote
 (:mod:`fxpipe.tracer.assert_messages`). When tracing fails inside a submodule
 (data-dependent control flow, shape arithmetic, unsupported calls), that submodule is
 made a leaf and tracing starts over; the result lists each
@@ -117,6 +119,30 @@ class _SubmoduleFailure(Exception):
         self.cause = cause
 
 
+class _InPlaceProxy(torch.fx.Proxy):
+    """A Proxy that records ``a += b`` as ``operator.iadd(a, b)`` and ``a[i] = b`` as ``operator.setitem``.
+
+    FX's own Proxy has neither: Python falls back to ``a = a + b``, a new tensor where the
+    program changed ``a`` (and every alias of it, such as a residual kept as ``identity = a``),
+    and item assignment fails the trace. Recorded as calls, they run as the program ran, and
+    the in-place analysis sees them (Note [in-place ops across stages] in :mod:`fxpipe.tracer.mutation`).
+    """
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+
+def _augmented(op: Any) -> Any:
+    def method(self: torch.fx.Proxy, other: Any) -> torch.fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor",
+              "ilshift", "irshift"):
+    setattr(_InPlaceProxy, f"__{_name}__", _augmented(getattr(operator, _name)))
+
+
 class _LeafTracer(torch.fx.Tracer):
     """A Tracer that keeps the chosen modules whole and reports the innermost failing one."""
 
@@ -130,6 +156,9 @@ class _LeafTracer(torch.fx.Tracer):
         if module_qualified_name in self.leaf_paths or isinstance(m, self.leaf_types):
             return True
         return self.rebuildable.get(id(m), False)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _InPlaceProxy(node, self)
 
     def create_node(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     name: str | None = None, type_expr: Any = None) -> torch.fx.Node:

@@ -17,7 +17,7 @@ def test_build_records_typed_fields_and_round_trips(example_build) -> None:
     manifest, _, out = example_build("mlp", 2, microbatch=2, microbatches=3)
     assert (manifest.microbatches, manifest.training, manifest.torch_version) == (3, True, torch.__version__)
     data = json.loads((out / "manifest.json").read_text())
-    assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 2 and "extra" not in data
+    assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 3 and "extra" not in data
     assert (data["microbatches"], data["training"], data["torch_version"]) == (3, True, torch.__version__)
     assert Manifest.from_json(out) == manifest
 
@@ -35,6 +35,20 @@ def test_a_version_1_manifest_is_refused_with_the_remedy(example_build) -> None:
         data.pop(key)
     data.update(schema_version=1, extra={"microbatches": 2, "training": True, "torch": torch.__version__})
     (out / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(BuildDirError, match=r"schema version 1 is older than this fxpipe reads \(version 2\); "
+    with pytest.raises(BuildDirError, match=r"schema version 1 is older than this fxpipe reads \(version 3\); "
                                             r"rebuild it with this fxpipe's `fxpipe partition`"):
+        Manifest.from_json(out)
+
+
+def test_a_version_2_manifest_is_refused_since_its_stages_may_change_shared_inputs(example_build) -> None:
+    """Version 2 builds do not list the inputs a stage changes in place (Note [in-place ops across stages]);
+    run as they are, such a stage changes a buffer another stage reads: rebuild."""
+    manifest, _, out = example_build("mlp", 2)
+    data = json.loads(manifest.to_json())
+    for stage in data["stages"]:
+        stage.pop("mutated_inputs")
+    data.update(schema_version=2)
+    (out / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(BuildDirError, match=r"schema version 2 is older than this fxpipe reads \(version 3\); "
+                                            r"rebuild it"):
         Manifest.from_json(out)
