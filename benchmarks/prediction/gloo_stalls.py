@@ -11,11 +11,12 @@ context switches from ``/proc`` (the main thread against gloo's ``gloo_tcp_loop`
 transport thread). It also measures the host's scheduler time slice: ``cores + 1``
 processes spin and record how long each is kept off a core.
 
-The step model charges ``RuntimeCosts.message_ms`` per message on each end and otherwise
-treats a message as a delay on its link (Note [step simulation]). This benchmark shows
-what that misses on a 2-core host: the transport thread's own CPU time per message,
-and calls that wait a whole time slice when that thread needs a core both ranks are
-using. Writes gloo_stalls.json and .md.
+The step model charges ``RuntimeCosts.message_ms`` per message on each end, plus
+``message_stall_ms`` per message for an action that starts while every core is busy
+(Note [message stalls]), and otherwise treats a message as a delay on its link (Note
+[step simulation]). This benchmark measures both on a 2-core host: the transport
+thread's own CPU time per message, and calls that wait a whole time slice when that
+thread needs a core both ranks are using. Writes gloo_stalls.json and .md.
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ def _markdown(result: dict[str, Any]) -> list[str]:
              f"of: post the next receive, compute (~1 ms), send {result['message_bytes']} bytes, wait for the "
              f"current receive. 'stalled': the call took over {STALL_MS:g} ms. A posting call (irecv or isend, "
              f"both ranks) took {posting:.3f} ms in the mean; the step model charges "
-             f"{RUNTIME_COSTS['cpu'].message_ms} ms per message on each end (`RuntimeCosts.message_ms`).", "",
+             f"{RUNTIME_COSTS['cpu'].message_ms} ms per message on each end (`RuntimeCosts.message_ms`), plus "
+             f"{RUNTIME_COSTS['cpu'].message_stall_ms} ms where an action starts on busy cores, as here "
+             "(`message_stall_ms`, Note [message stalls]).", "",
              "| rank | call | median ms | mean ms | p99 ms | stalled |", "|---|---|---|---|---|---|"]
     for r in result["ranks"]:
         for key in ("irecv", "isend", "wait", "compute", "compute_alone"):

@@ -7,8 +7,9 @@ with gloo, see benchmarks/prediction):
 
 * every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
   per message it sends or receives, the CPU cost of posting and completing it
-  (``message_ms``: with gloo on a busy host, the mean of calls that mostly take tens of
-  microseconds and sometimes wait a scheduler time slice for gloo's transport thread);
+  (``message_ms``: with gloo, tens of microseconds per call), plus, when it starts while
+  every core is busy, the scheduler time slices its calls wait for gloo's transport
+  thread (``message_stall_ms`` per message, off the cores: Note [message stalls]);
   the message itself delays the consumer by the link time
   ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time); stages
   on one rank exchange no message;
@@ -107,6 +108,7 @@ class RuntimeCosts:
     weight_call_ms: NonNegFloat = 0.0        # W: one engine call per unit with parameters
     split_factor: NonNegFloat = 1.0          # a split B + W over the fused backward (Note [split backward cost])
     message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
+    message_stall_ms: NonNegFloat = 0.0      # ... and the wait per message when every core is busy (Note [message stalls])
     collective_ms: NonNegFloat = 0.0         # per ring hop of a step-end collective, beyond its link time
     loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
     step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
@@ -151,17 +153,18 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 # this project's 2-core machine. Timers around StageWorker.forward/backward (minus the
 # stage module and autograd calls), P2P.post, loss_fn and optimizer.step of a running
 # job (examples/gpt.py and mlp.py, 4 microbatches): bookkeeping ~40 us per action, posting
-# ~70-200 us per batch of messages in the median, but ~0.3 ms per call in the mean while
-# both ranks compute (0.28-0.42 ms; 9-15% of calls wait a 4 ms time slice for gloo's
-# transport thread to get a core: benchmarks/prediction/gloo_stalls.py), so message_ms is
-# that mean; SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
+# 40-70 us per gloo call in the median (message_ms 0.06), but ~0.3 ms per call in the mean
+# while both ranks compute (0.28-0.42 ms; 9-15% of calls wait a 4 ms time slice for gloo's
+# transport thread to get a core: benchmarks/prediction/gloo_stalls.py), so an action that
+# starts on busy cores first waits message_stall_ms = 0.3 - 0.06 per message (Note [message
+# stalls]); SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
 # step around the executor. Link times come from the CostModel (loopback: ~50 us one way
 # measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
 # Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
 # 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
-                        message_ms=0.3, collective_ms=0.3,
+                        message_ms=0.06, message_stall_ms=0.24, collective_ms=0.3,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
                         recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9),
@@ -353,9 +356,15 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
         _, act, grad = links[(link.src, link.dst)]
         return act if kind is ActionKind.FORWARD else grad
 
+    def stall(a: Action) -> float:  # Note [message stalls]
+        if a.kind is ActionKind.WEIGHT:
+            return 0.0
+        return (n_fwd if a.kind is ActionKind.FORWARD else n_bwd)[a.stage] * rt.message_stall_ms
+
     shared = rt.rank_speed * problem.num_ranks if rt.rank_speed < 1 else None  # cores of this pipeline's ranks
     return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
-                         delay=delay, cores=shared, oversubscribed_rate=rt.oversubscribed_rate)
+                         delay=delay, cores=shared, oversubscribed_rate=rt.oversubscribed_rate,
+                         stall=stall if rt.message_stall_ms > 0 else None)
 
 
 @dataclass(frozen=True)

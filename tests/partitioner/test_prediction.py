@@ -50,6 +50,19 @@ def test_messages_cost_cpu_on_both_ends_and_delay_the_consumer() -> None:
     assert pred.step_ms["gpipe"] == pytest.approx(9.004)
 
 
+def test_messages_stall_only_where_an_action_starts_on_busy_cores() -> None:
+    # Note [message stalls]: one microbatch never runs two actions at once, so its messages never stall
+    # (the literal 9.0 above); two microbatches run F1 of stage 0 beside F0 of stage 1, and a stall costs time
+    stalling = RuntimeCosts(message_ms=0.25, message_stall_ms=0.5)
+    one = build_problem(_two_units(), 2, microbatches=1, schedule="gpipe", cost=LINK)
+    assert predict(one, (0, 1), 2, runtime=stalling).pipeline_ms["gpipe"] == pytest.approx(9.0)
+    two = build_problem(_two_units(), 2, microbatches=2, schedule="gpipe", cost=LINK)
+    plain = predict(two, (0, 1), 2, runtime=replace(stalling, message_stall_ms=0.0)).pipeline_ms["gpipe"]
+    assert plain < predict(two, (0, 1), 2, runtime=stalling).pipeline_ms["gpipe"] <= plain + 8 * 0.5
+    cpu = RUNTIME_COSTS["cpu"]  # gloo's median call, and the mean's rest when both ranks compute
+    assert (cpu.message_ms, cpu.message_ms + cpu.message_stall_ms) == pytest.approx((0.06, 0.3))
+
+
 def test_step_overheads_literal() -> None:
     runtime = RuntimeCosts(step_ms=0.5, optimizer_step_ms=0.1, optimizer_tensor_ms=0.01, optimizer_bytes_per_s=1e6)
     cost = CostModel(link_bandwidth=1e6, link_latency=1e-3, optimizer="momentum")

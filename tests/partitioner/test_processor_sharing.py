@@ -93,3 +93,38 @@ def test_oversubscribed_cores_do_less_work_only_while_actions_outnumber_them() -
 def test_cores_must_be_positive() -> None:
     with pytest.raises(PartitionError, match="cores"):
         simulate_step(make_schedule("1f1b", 2, 2), lambda a: 1.0, cores=0)
+
+
+def test_an_action_that_starts_on_busy_cores_first_waits_its_stall_by_hand() -> None:
+    # Note [message stalls]: GPipe, 2 ranks on 2 cores, F = 1, B = 2, every action's stall 0.5. F0 of rank 0
+    # starts alone [0, 1]. At 1, F1 (rank 0) and F0 (rank 1) start together: both cores busy, so the first
+    # waits 0.5 x 2 / 2 [1, 2.5] and the second runs [1, 2]. F1 of rank 1 alone [2.5, 3.5], B0 of rank 1 alone
+    # [3.5, 5.5]; at 5.5 B1 (rank 1) waits 0.5 [5.5, 8] while B0 (rank 0) runs [5.5, 7.5]; B1 of rank 0 [8, 10].
+    schedule = make_schedule("gpipe", 2, 2)
+    work = lambda a: 1.0 if a.kind is F else 2.0  # noqa: E731
+    line = simulate_step(schedule, work, stall=lambda a: 0.5)
+    spans = {(op.rank, op.kind, op.microbatch): (op.start_ms, op.end_ms) for op in line.ops}
+    assert spans[(0, "F", 1)] == pytest.approx((1.0, 2.5)) and spans[(1, "F", 0)] == pytest.approx((1.0, 2.0))
+    assert spans[(1, "B", 1)] == pytest.approx((5.5, 8.0)) and spans[(0, "B", 0)] == pytest.approx((5.5, 7.5))
+    assert line.step_ms == pytest.approx(10.0) and simulate_step(schedule, work).step_ms == pytest.approx(9.0)
+    # one microbatch: no two actions ever run at once, so nothing stalls
+    one = make_schedule("gpipe", 2, 1)
+    assert simulate_step(one, work, stall=lambda a: 0.5).step_ms == pytest.approx(simulate_step(one, work).step_ms)
+    # on one core an action alone keeps it busy: each of the four waits 0.5 (6 + 4 x 0.5)
+    assert simulate_step(one, work, cores=1, stall=lambda a: 0.5).step_ms == pytest.approx(8.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6), st.floats(0.0, 1.0))
+def test_stalls_delay_the_step_by_at_most_all_of_them(name: str, ranks: int, microbatches: int, seed: int,
+                                                      wait: float) -> None:
+    schedule = _schedule(name, ranks, microbatches)
+    work = _durations(seed)
+    plain = simulate_step(schedule, work, delay=lambda ln, k: 0.3)
+    stalled = simulate_step(schedule, work, delay=lambda ln, k: 0.3, stall=lambda a: wait)
+    actions = [a for acts in schedule.actions for a in acts]
+    assert plain.step_ms - 1e-9 <= stalled.step_ms <= plain.step_ms + wait * len(actions) + 1e-9
+    by_key = {(a.stage, a.microbatch, a.kind.value): a for a in actions}
+    for op in stalled.ops:  # an action runs its whole work, plus at most its one wait
+        assert work(by_key[(op.stage, op.microbatch, op.kind)]) - 1e-9 <= op.end_ms - op.start_ms \
+            <= work(by_key[(op.stage, op.microbatch, op.kind)]) + wait + 1e-9

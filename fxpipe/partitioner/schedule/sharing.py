@@ -16,6 +16,20 @@ least the number of ranks it gives the same timeline as the plain simulation (te
 with every rank busy all the time it is each action stretched by ``ranks / cores /
 oversubscribed_rate``, the ``shared_cores`` bound of the prediction (Note [shared cores]
 in ``fxpipe.partitioner.prediction``, ``RuntimeCosts.busy_speed``).
+
+Note [message stalls]: an action's messages are posted by its rank's thread and moved by
+gloo's transport thread, which needs a core of its own for a moment. While every core is
+busy with an action it waits for the scheduler's next time slice (4 ms here), and so does
+the call that posts, often enough to count: on 2 cores, 2 ranks that compute all the
+time take 40-70 µs per gloo call in the median and ~0.3 ms in the mean
+(``benchmarks/prediction/gloo_stalls.md``). A rank that waits for a message sleeps and
+leaves its core, so a pipeline's messages stall only while its other ranks compute. An
+action that starts while every core is busy (``n`` actions running with it, ``n >=
+cores``) therefore first waits its ``stall`` (``RuntimeCosts.message_stall_ms`` per
+message) times ``n / cores``, off the cores (the more threads a time slice is shared
+among, the longer the wait); one that starts with a core free runs at once. The whole
+step runs through this event-driven simulation whenever an action may stall, one core
+per rank when no sharing is asked for.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ def run_shared(schedule: Schedule, ranks: list[_Prepared], cores: float, oversub
     ready_at: dict[int, float] = {}    # rank whose next action's inputs are all sent -> when the last lands
     blocked: set[int] = set(range(n))  # ranks whose next action still misses an input (re-checked on each finish)
     ops: list[ScheduleOp] = []
+    stalled: set[int] = set()          # ranks whose next action has waited its stall (Note [message stalls])
     now = 0.0
 
     def check(r: int) -> None:
@@ -63,9 +78,21 @@ def run_shared(schedule: Schedule, ranks: list[_Prepared], cores: float, oversub
     for r in range(n):
         check(r)
     while left or ready_at:
-        for r in [r for r, t in ready_at.items() if t <= now + _EPS]:
+        starting = [r for r, t in ready_at.items() if t <= now + _EPS]
+        for r in starting:
             del ready_at[r]
-            start[r], left[r] = now, ranks[r].durations[pos[r]]
+            if r not in stalled:
+                start[r] = now
+            left[r] = ranks[r].durations[pos[r]]
+        for r in starting:
+            wait = ranks[r].stalls[pos[r]]
+            if wait > 0 and r not in stalled and len(left) >= cores:
+                busy = len(left)
+                del left[r]
+                ready_at[r] = now + wait * busy / cores
+                stalled.add(r)
+            else:
+                stalled.discard(r)
         if not left:
             now = min(ready_at.values())
             continue

@@ -135,19 +135,23 @@ class _Prepared:
     actions: list[Action] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     waits: list[list[tuple[Action, float]]] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)  # paid first where the action starts on busy cores
 
 
 def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
                   links: Sequence[Link] | None = None,
                   delay: Callable[[Link, ActionKind], float] | None = None,
-                  cores: float | None = None, oversubscribed_rate: float = 1.0) -> Timeline:
+                  cores: float | None = None, oversubscribed_rate: float = 1.0,
+                  stall: Callable[[Action], float] | None = None) -> Timeline:
     """Start and end of every action of ``schedule`` (Note [step simulation]).
 
     ``duration(action)`` is its compute time; ``delay(link, F or B)`` the time an
     activation (``F``) or gradient (``B``) message spends on ``link`` (default 0);
     ``links`` default to a chain. ``cores``: the ranks share this many cores
     (Note [processor sharing] in ``sharing``, where ``oversubscribed_rate`` is the work a
-    core does while more actions run than there are cores); default one core per rank. Raises
+    core does while more actions run than there are cores); default one core per rank.
+    ``stall(action)``: the time the action waits, off the cores, before it runs when it
+    starts while every core is busy (Note [message stalls] in ``sharing``). Raises
     ``SimulationStuck`` on a deadlock.
 
     >>> from fxpipe.partitioner.schedule.registry import make_schedule
@@ -166,11 +170,13 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
             prep.durations.append(float(duration(a)))
             prep.waits.append([(d, delay(ln, d.kind) if delay is not None and ln is not None else 0.0)
                                for d, ln in deps])
+            prep.stalls.append(float(stall(a)) if stall is not None else 0.0)
         ranks.append(prep)
-    if cores is not None and cores < len(ranks):
+    stalls = any(any(p.stalls) for p in ranks)
+    if (cores is not None and cores < len(ranks)) or stalls:
         from fxpipe.partitioner.schedule.sharing import run_shared  # imports this module
 
-        return run_shared(schedule, ranks, cores, oversubscribed_rate)
+        return run_shared(schedule, ranks, len(ranks) if cores is None else cores, oversubscribed_rate)
     return _run(schedule, ranks)
 
 
