@@ -46,16 +46,24 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         m = self.manifest
         inputs = self.call.bind(args, kwargs)
-        values: dict[tuple[int, str], Any] = {}
+        values: dict[tuple[int, str], Any] = {}  # each tensor as its producer made it
         for t, x in zip(m.inputs, inputs):
             values[(t.producer, t.name)] = x
-        flat: dict[int, Any] = {}
+        held: dict[tuple[int, str, int], Any] = {}  # a stage's own copy of what it receives (once per tensor)
+
+        def given(t: BoundaryTensor, sm: StageManifest) -> Any:
+            key = (t.producer, t.name, sm.index)
+            if key not in held:
+                held[key] = _wire(values[(t.producer, t.name)], t, sm)
+            return held[key]
+
         for sm, stage in zip(m.stages, self.stages):
-            outs = stage(*(_wire(values[(t.producer, t.name)], t, sm) for t in sm.inputs))
+            outs = stage(*(given(t, sm) for t in sm.inputs))
             for t, v in zip(sm.outputs, outs):
                 values[(t.producer, t.name)] = v
-                if t.model_output is not None:
-                    flat[t.model_output] = v
+        last = m.stages[-1]  # the runtime's loss runs there, on the model outputs it holds
+        flat = {t.model_output: values[(t.producer, t.name)] if sm is last else given(t, last)
+                for sm in m.stages for t in sm.outputs if t.model_output is not None}
         result = [flat[k] for k in range(len(flat))]
         if self._spec is None:
             return tuple(result)
@@ -63,12 +71,14 @@ class Pipeline(nn.Module):
 
 
 def _wire(value: Any, t: BoundaryTensor, stage: StageManifest) -> Any:
-    """What ``stage`` gets for its input ``t``, as the runtime gives it: a tensor from another stage is a
-    copy of its own (it crossed a wire), taken when its producer's forward ended; a model input is the
-    caller's, copied only for a stage that changes it in place (Note [in-place ops across stages] in
-    :mod:`fxpipe.tracer.mutation`). So ``verify`` checks what a distributed run computes."""
+    """What ``stage`` gets for ``t``, as the runtime gives it: a tensor from another stage is a copy of its
+    own (it crossed a wire, or a detached hand-over on one rank), taken when its producer's forward ended;
+    a model input is the caller's, copied only for a stage that changes it in place (Note [in-place ops
+    across stages] in :mod:`fxpipe.tracer.mutation`). The model outputs are the last stage's, as the
+    runtime's loss sees them. So ``verify`` checks what a distributed run computes, gradients summed
+    where the runtime sums them."""
     if isinstance(value, torch.Tensor) and (t.producer != INPUT or t.name in stage.mutated_inputs):
-        return value.clone()
+        return value.clone(memory_format=torch.contiguous_format)
     return value
 
 
