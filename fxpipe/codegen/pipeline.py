@@ -78,7 +78,7 @@ def _wire(value: Any, t: BoundaryTensor, stage: StageManifest) -> Any:
     runtime's loss sees them. So ``verify`` checks what a distributed run computes, gradients summed
     where the runtime sums them."""
     if isinstance(value, torch.Tensor) and (t.producer != INPUT or t.name in stage.mutated_inputs):
-        return value.clone(memory_format=torch.contiguous_format)
+        return value.clone()  # in the producer's layout: a dropout mask is drawn in memory order
     return value
 
 
