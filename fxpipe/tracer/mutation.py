@@ -92,9 +92,10 @@ def isolate_mutations(gm: fx.GraphModule, values: dict[fx.Node, Any],
         v = values.get(n)
         if isinstance(v, torch.Tensor):
             members[storage_id(v)].append(n)
+    keys_of = {name: {storage_id(values[by_name[a]]) for a in changed} for name, changed in found.items()}
     writers: dict[int, list[fx.Node]] = defaultdict(list)
-    for name, changed in found.items():
-        for key in {storage_id(values[by_name[a]]) for a in changed}:
+    for name, keys in keys_of.items():
+        for key in keys:
             writers[key].append(by_name[name])
     together: list[set[str]] = []
     for key, calls in writers.items():
@@ -103,12 +104,9 @@ def isolate_mutations(gm: fx.GraphModule, values: dict[fx.Node, Any],
             together += _rewire_versions(members[key], calls, order)
         else:
             together.append(_touching(members[key], calls, order))
-    changed_after = {}
-    for name, changed in found.items():
-        keys = {storage_id(values[by_name[a]]) for a in changed}
-        node = by_name[name]
-        changed_after[name] = tuple(a.name for a in node.all_input_nodes
-                                    if isinstance(values.get(a), torch.Tensor) and storage_id(values[a]) in keys)
+    changed_after = {name: tuple(a.name for a in by_name[name].all_input_nodes
+                                 if isinstance(values.get(a), torch.Tensor) and storage_id(values[a]) in keys)
+                     for name, keys in keys_of.items()}
     gm.recompile()
     return together, changed_after
 
@@ -122,10 +120,10 @@ def _one_object(members: list[fx.Node], calls: list[fx.Node], values: dict[fx.No
 
 
 def _rewire_versions(members: list[fx.Node], calls: list[fx.Node], order: dict[fx.Node, int]) -> list[set[str]]:
-    """A chain of versions of one tensor: stale reads read the latest version; each version's readers
-    share a unit with the call that changes it."""
+    """A chain of versions of one tensor: stale reads read the latest version (the model's output too);
+    each version's readers share a unit with the call that changes it."""
     names = set(members)
-    readers = sorted({u for m in members for u in m.users if u.op != "output"} | set(calls), key=order.__getitem__)
+    readers = sorted({u for m in members for u in m.users} | set(calls), key=order.__getitem__)
     together: list[set[str]] = []
     latest: fx.Node | None = None
     group: set[str] = set()
@@ -136,6 +134,8 @@ def _rewire_versions(members: list[fx.Node], calls: list[fx.Node], order: dict[f
             stale = [a for a in r.all_input_nodes if a in names and order[a] < order[latest]]
             for a in stale:
                 r.replace_input_with(a, latest)
+        if r.op == "output":
+            continue
         group.add(r.name)
         if r is nxt:
             together.append(group)

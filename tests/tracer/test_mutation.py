@@ -91,6 +91,27 @@ def test_an_in_place_call_of_one_mode_is_seen_and_keeps_what_it_changes_on_one_u
     assert traced.unit_of_node["a"] == traced.unit_of_node[mul_.name]
 
 
+class _ReturnsWhatItChanged(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        skip = h
+        return self.b(self.act(h)), skip  # skip is returned as the ReLU left it
+
+
+def test_a_stale_model_output_is_rewired_too() -> None:
+    model = _ReturnsWhatItChanged()
+    x = torch.randn(4, 8)
+    traced = trace_model(copy.deepcopy(model), (x,), progress=False)
+    out = _node(traced, lambda n: n.op == "output")
+    assert [a.name for a in out.all_input_nodes] == ["b", "act"]
+    for got, want in zip(traced.graph_module(x), model(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class _ItemAssignment(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
