@@ -123,7 +123,7 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     start = time.perf_counter()
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
-    problem = pin_split_points(problem, split_at)
+    problem = pin_split_points(problem, split_at, profile.module_order)
     stage_ranges(problem)  # contradictory pins fail here, before any solver runs
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)

@@ -34,14 +34,24 @@ def _known_paths(problem: PartitionProblem) -> list[str]:
     return sorted(out)
 
 
-def split_point_units(problem: PartitionProblem, split_at: Sequence[str]) -> list[int]:
+def split_point_units(problem: PartitionProblem, split_at: Sequence[str], modules: Sequence[str] = ()) -> list[int]:
     """The unit index each split point starts a stage at, in topological order. Raises ``PinError`` for a
-    name that matches no unit (naming close matches) and for two split points that start at one unit."""
+    name that matches no unit (naming close matches, or, for a module of ``modules`` (the model's modules in
+    the order they run) that shares a unit with what runs before it, the next module that starts one) and
+    for two split points that start at one unit."""
     starts: dict[int, str] = {}
     for fqn in split_at:
         hit = next((i for i, path in enumerate(problem.module_paths) if _within(path, fqn)), None)
         if hit is None:
             hit = next((i for i, name in enumerate(problem.names) if name == fqn), None)
+        inside = [i for i, m in enumerate(modules) if _within(m, fqn)]
+        if hit is None and inside:
+            later = (m for m in modules[inside[-1] + 1:] if any(_within(p, m) for p in problem.module_paths))
+            nxt = next(later, None)
+            raise PinError(f"--split-at {fqn!r} names a module that shares a unit with what runs before it (an "
+                           "in-place write to a tensor both use, a mode-guarded region or a module kept whole "
+                           "holds them together), so no stage can start at it"
+                           + (f"; split at the next module that starts a unit, {nxt!r}" if nxt else ""))
         if hit is None:
             close = difflib.get_close_matches(fqn, _known_paths(problem), n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
@@ -57,8 +67,9 @@ def split_point_units(problem: PartitionProblem, split_at: Sequence[str]) -> lis
     return sorted(starts)
 
 
-def pin_split_points(problem: PartitionProblem, split_at: Sequence[str]) -> PartitionProblem:
-    """``problem`` with every unit pinned to the stage the split points put it on (see the module docstring)."""
+def pin_split_points(problem: PartitionProblem, split_at: Sequence[str], modules: Sequence[str] = ()) -> PartitionProblem:
+    """``problem`` with every unit pinned to the stage the split points put it on (see the module docstring);
+    ``modules``: the model's module paths in the order they run (``ModelProfile.module_order``), for messages."""
     if not split_at:
         return problem
     S = problem.num_stages
@@ -68,7 +79,7 @@ def pin_split_points(problem: PartitionProblem, split_at: Sequence[str]) -> Part
         raise PinError(f"{len(split_at)} --split-at point{'s' if len(split_at) != 1 else ''} make "
                        f"{len(split_at) + 1} stages, but the plan has {S}{ranks}; give {S - 1} split points or "
                        f"use --stages {len(split_at) + 1}" + (" --virtual-stages 1" if ranks else ""))
-    starts = split_point_units(problem, split_at)
+    starts = split_point_units(problem, split_at, modules)
     pins: list[int | None] = []
     stage = 0
     for u in range(problem.num_units):

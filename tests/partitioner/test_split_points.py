@@ -49,6 +49,21 @@ def test_unknown_module_names_close_matches() -> None:
         plan_partition(chain_profile(TIMES), 2, split_at=("layer.3",))
 
 
+def test_a_module_inside_a_unit_says_why_and_where_a_stage_can_start() -> None:
+    """layers.2 and layers.3 share one unit (its path the common one, as where an in-place write joins two
+    modules): the profile's module order still knows layers.3, so the message says why and names the next
+    module that starts a unit."""
+    paths = ["layers.0", "layers.1", "layers", "layers.4", "layers.5", "layers.6", "layers.7"]
+    profile = chain_profile([1.0] * 7)
+    joined = profile.__class__(units=tuple(u.__class__(**{**u.__dict__, "module_path": p})
+                                           for u, p in zip(profile.units, paths)),
+                               edges=profile.edges, batch_size=1, module_order=tuple(f"layers.{i}" for i in range(8)))
+    with pytest.raises(PinError, match=r"--split-at 'layers.3' names a module that shares a unit with what runs "
+                                       r"before it .* split at the next module that starts a unit, 'layers.4'"):
+        plan_partition(joined, 2, split_at=("layers.3",))
+    assert _stages(plan_partition(joined, 2, split_at=("layers.4",)))[1][0] == "u3"
+
+
 @pytest.mark.parametrize("split_at, stages, fragment", [
     (("layers.2",), 3, r"1 --split-at point make 2 stages, but the plan has 3; give 2 split points or use --stages 2"),
     (("layers.2", "layers.4", "layers.6"), 3, "3 --split-at points make 4 stages"),
