@@ -32,7 +32,9 @@ class Pipeline(nn.Module):
     ``CallError``). The output has the model's own structure (Note [output structure] in
     ``fxpipe.codegen.outputs``). ``stages`` holds the stage modules; tied parameters are one
     Parameter object shared by the stages that use them, so gradients equal the original model's.
-    A tensor passed from one stage to another is a copy of its own, as in a distributed run.
+    Tensors pass between stages as in a distributed run: each stage holds its own copy of each tensor it
+    receives (``_wire``), and the model outputs are the last stage's, as the runtime's loss sees them, so
+    ``verify`` checks what a distributed run computes, gradients summed where the runtime sums them.
     """
 
     def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".",
@@ -74,9 +76,7 @@ def _wire(value: Any, t: BoundaryTensor, stage: StageManifest) -> Any:
     """What ``stage`` gets for ``t``, as the runtime gives it: a tensor from another stage is a copy of its
     own (it crossed a wire, or a detached hand-over on one rank), taken when its producer's forward ended;
     a model input is the caller's, copied only for a stage that changes it in place (Note [in-place ops
-    across stages] in :mod:`fxpipe.tracer.mutation`). The model outputs are the last stage's, as the
-    runtime's loss sees them. So ``verify`` checks what a distributed run computes, gradients summed
-    where the runtime sums them."""
+    across stages] in :mod:`fxpipe.tracer.mutation`)."""
     if isinstance(value, torch.Tensor) and (t.producer != INPUT or t.name in stage.mutated_inputs):
         return value.clone()  # in the producer's layout: a dropout mask is drawn in memory order
     return value

@@ -44,15 +44,15 @@ def split_point_units(problem: PartitionProblem, split_at: Sequence[str], module
         hit = next((i for i, path in enumerate(problem.module_paths) if _within(path, fqn)), None)
         if hit is None:
             hit = next((i for i, name in enumerate(problem.names) if name == fqn), None)
-        inside = [i for i, m in enumerate(modules) if _within(m, fqn)]
-        if hit is None and inside:
-            later = (m for m in modules[inside[-1] + 1:] if any(_within(p, m) for p in problem.module_paths))
-            nxt = next(later, None)
-            raise PinError(f"--split-at {fqn!r} names a module that shares a unit with what runs before it (an "
-                           "in-place write to a tensor both use, a mode-guarded region or a module kept whole "
-                           "holds them together), so no stage can start at it"
-                           + (f"; split at the next module that starts a unit, {nxt!r}" if nxt else ""))
         if hit is None:
+            inside = [i for i, m in enumerate(modules) if _within(m, fqn)]
+            if inside:
+                later = (m for m in modules[inside[-1] + 1:] if any(_within(p, m) for p in problem.module_paths))
+                nxt = next(later, None)
+                raise PinError(f"--split-at {fqn!r} names a module that shares a unit with what runs before it "
+                               "(an in-place write to a tensor both use, a mode-guarded region or a module kept "
+                               "whole holds them together), so no stage can start at it"
+                               + (f"; split at the next module that starts a unit, {nxt!r}" if nxt else ""))
             close = difflib.get_close_matches(fqn, _known_paths(problem), n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
                 "; `fxpipe trace` lists the module paths"

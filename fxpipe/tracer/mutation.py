@@ -46,7 +46,9 @@ __all__ = ["MutationLog", "isolate_mutations", "storage_id"]
 
 
 def storage_id(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (shared by its views), on real, meta and fake tensors alike."""
+    """The identity of ``t``'s storage (shared by its views), on real, meta and fake tensors alike. Not
+    ``fxpipe.tracer.meta.storage_key``: its data address is 0 for every empty tensor, which would make
+    them all one storage here."""
     return t.untyped_storage()._cdata
 
 
