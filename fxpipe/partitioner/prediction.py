@@ -20,7 +20,8 @@ with gloo, see benchmarks/prediction):
   parameters (``weight_call_ms`` per unit with parameters); both parts cost
   ``split_factor`` times their share of the fused backward (Note [split backward cost]);
   a stage none of whose inputs needs a gradient (the first stage, fed token ids) runs
-  its whole backward in ``W`` at the fused cost, and its ``B`` is bookkeeping only;
+  its whole backward in ``W`` as one engine call at the fused cost, and its ``B`` is
+  bookkeeping only;
 * a recomputing stage's ``B`` runs its forward again (in the stage costs) and both its
   actions pay ``torch.utils.checkpoint``'s own costs (Note [recompute cost]);
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
@@ -35,6 +36,22 @@ with gloo, see benchmarks/prediction):
   the step.
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
+
+Note [data-parallel sync cost]: replicas of a stage average their gradients once per step
+with DDP's synchronising pass (Note [one all-reduce per step] in
+``fxpipe.runtime.dataparallel.replica``): a forward and a backward over every parameter
+tensor, DDP's reducer copying the gradients into its bucket and back, around the
+all-reduce itself. On CPU that pass costs far more than the all-reduce's link time: 2
+gloo processes on this project's 2 cores, 213 KB of gradients, median of 50 passes
+(2026-11-26): in 1 tensor 1.6-2.0 ms, 13 tensors 2.9, examples/gpt.py's 52 tensors 3.4,
+208 tensors 6.9-7.4, against 0.5-1.1 ms for a plain ``all_reduce`` of the same bytes and
+~0.85 ms predicted for it (link time plus ``collective_ms`` per hop). So a rank with
+replicas also pays ``dp_sync_ms`` + ``dp_sync_tensor_ms`` per parameter tensor (1.0 ms
++ 25 us here), as CPU work shared like the optimizer step (``busy_speed``). Inside the
+2x2 gpt job the later replica's pass measured ~5.5 ms against 1.6 ms predicted before
+this cost (2.5 ms at full speed, over a 0.45 share of a core, now). DDP-based levels only
+(no sharding, or optimizer-state sharding's DDP hook); FSDP's collectives are not measured
+yet. Not measured on CUDA: 0 there until it is.
 
 Note [split backward cost]: splitting one backward into ``B`` and ``W`` runs the same
 kernels (a boundary node such as a Linear's runs twice, each time one branch), yet
@@ -109,6 +126,8 @@ class RuntimeCosts:
     split_factor: NonNegFloat = 1.0          # a split B + W over the fused backward (Note [split backward cost])
     message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
     message_stall_ms: NonNegFloat = 0.0      # ... and the wait per message when every core is busy (Note [message stalls])
+    dp_sync_ms: NonNegFloat = 0.0            # DDP's synchronising pass per step, beyond its all-reduce's link time
+    dp_sync_tensor_ms: NonNegFloat = 0.0     # ... plus this per parameter tensor (Note [data-parallel sync cost])
     collective_ms: NonNegFloat = 0.0         # per ring hop of a step-end collective, beyond its link time
     loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
     step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
@@ -153,18 +172,20 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 # this project's 2-core machine. Timers around StageWorker.forward/backward (minus the
 # stage module and autograd calls), P2P.post, loss_fn and optimizer.step of a running
 # job (examples/gpt.py and mlp.py, 4 microbatches): bookkeeping ~40 us per action, posting
-# 40-70 us per gloo call in the median (message_ms 0.06), but ~0.3 ms per call in the mean
-# while both ranks compute (0.28-0.42 ms; 9-15% of calls wait a 4 ms time slice for gloo's
-# transport thread to get a core: benchmarks/prediction/gloo_stalls.py), so an action that
-# starts on busy cores first waits message_stall_ms = 0.3 - 0.06 per message (Note [message
-# stalls]); SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
+# 40-70 us per gloo call in the median (message_ms 0.06), but 0.28-0.42 ms per call in the mean
+# while both ranks compute (9-15% of calls wait a 4 ms time slice for gloo's transport
+# thread to get a core: benchmarks/prediction/gloo_stalls.py), so an action that starts on
+# busy cores first waits message_stall_ms = 0.42 - 0.06 per message (Note [message stalls]:
+# the top of that range; 0.3 - 0.06 fitted the steps while unit times still carried their
+# call cost, Note [unit call cost] in fxpipe.tracer.timing); SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
 # step around the executor. Link times come from the CostModel (loopback: ~50 us one way
 # measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
 # Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
 # 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
-                        message_ms=0.06, message_stall_ms=0.24, collective_ms=0.3,
+                        message_ms=0.06, message_stall_ms=0.36, collective_ms=0.3, dp_sync_ms=1.0,
+                        dp_sync_tensor_ms=0.025,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
                         recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9),
@@ -181,7 +202,7 @@ class StepOverheads:
     tied_all_reduce_ms: NonNegFloat = 0.0   # all-reduces of parameters held by several stages
     loss_broadcast_ms: NonNegFloat = 0.0    # the loss, from the last stage to the others
     optimizer_ms: NonNegFloat = 0.0         # the slowest stage's zero_grad + optimizer step
-    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel all-reduce (or sharded collectives)
+    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel sync: all-reduce and DDP's pass (or sharded collectives)
     fixed_ms: NonNegFloat = 0.0             # RuntimeCosts.step_ms
 
     @property
@@ -290,7 +311,8 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     """What a step spends after the pipeline drains (Note [step prediction]):
     all-reduces of parameters tied across ranks, the loss broadcast, the slowest rank's
     optimizer step, the slowest rank's data-parallel gradient all-reduce
-    (``CostModel.allreduce_ms``), fixed Python."""
+    (``CostModel.allreduce_ms``) with DDP's pass around it (Note [data-parallel sync
+    cost]), fixed Python."""
     ranks_of: dict[int, set[int]] = {}
     for u, s in enumerate(assignment):
         for p in problem.unit_params[u]:
@@ -301,9 +323,13 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     broadcast = problem.cost.message_ms(_LOSS_BYTES) + collective if problem.num_ranks > 1 else 0.0
     touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
     optimizer = dp_all_reduce = 0.0
+    ddp = problem.cost.dp_replicas > 1 and problem.cost.shard in ("none", "optimizer")
     for r in range(problem.num_ranks):
         mine = [p for p, rs in ranks_of.items() if r in rs]
-        dp_all_reduce = max(dp_all_reduce, problem.dp_allreduce_ms(mine) + problem.dp_hops(mine) * collective)
+        sync_pass = (runtime.dp_sync_ms + len(mine) * runtime.dp_sync_tensor_ms) / runtime.busy_speed \
+            if ddp and mine else 0.0  # Note [data-parallel sync cost]
+        dp_all_reduce = max(dp_all_reduce,
+                            problem.dp_allreduce_ms(mine) + problem.dp_hops(mine) * collective + sync_pass)
         nbytes = sum(problem.param_bytes[p] for p in mine) / problem.cost.optimizer_shards  # sharded: its share
         stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
         if mine:
@@ -342,7 +368,8 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     b_in = [b - st.bwd_ms + (st.bwd_ms - st.bwd_weight_ms) * f + rt.split_ms + units[s] * rt.split_unit_ms
             if graded[s] else rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] + rt.split_ms
             for s, (b, st) in enumerate(zip(bwd, ev.stages))]
-    w = [(st.bwd_weight_ms * f if graded[s] else st.bwd_ms) + rt.action_ms + weighted[s] * rt.weight_call_ms
+    w = [st.bwd_weight_ms * f + rt.action_ms + weighted[s] * rt.weight_call_ms if graded[s]
+         else st.bwd_ms + rt.action_ms  # the whole backward in one engine call (split_backward.SplitBackward.inputs)
          for s, st in enumerate(ev.stages)]
 
     def duration(a: Action) -> float:

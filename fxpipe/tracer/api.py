@@ -30,7 +30,7 @@ from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.counting import UnitCounts, count_unit
 from fxpipe.tracer.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import phase, progress_iter
-from fxpipe.tracer.timing import analytic_ms, measure_ms
+from fxpipe.tracer.timing import analytic_ms, call_overhead_ms, measure_ms
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
@@ -331,7 +331,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                 counted.detail = f"{len(runners)} units"
             if measure_times:
                 with phase("time units") as timing:
-                    times = [measure_ms(r, trace_device)
+                    call_cost = call_overhead_ms(trace_device)  # Note [unit call cost]
+                    times = [measure_ms(r, trace_device, call_ms=call_cost)
                              for r in progress_iter(runners, "timing units", progress, len(runners))]
                     timing.detail = f"{len(runners)} units on {trace_device}"
             else:

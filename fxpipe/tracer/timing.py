@@ -4,6 +4,16 @@ Measured times run each unit as one compiled call (:class:`~fxpipe.tracer.unit_r
 and take medians over repeats after warm-up (CUDA synchronized). On CPU they are timed
 with one intra-op thread, as each ``torchrun`` worker runs (``OMP_NUM_THREADS=1``).
 See Note [analytic unit time] in :mod:`fxpipe.tracer.calibration`.
+
+Note [unit call cost]: timing a unit alone pays a fixed cost per call that a stage, which
+runs all its units in one forward and one backward call, pays once per action: calling
+the unit's GraphModule, and above all starting autograd's engine for the unit's own
+``torch.autograd.grad`` (~20 us on this project's CPU, against ~3 us for a small op). A
+stage of the tiny GPT has 17 units: their backward times summed to 1.34 ms where the
+stage's backward measured 0.85 ms inside a running 2-rank pipeline (per-action timers,
+2026-11-26). So ``call_overhead_ms`` times a unit of one elementwise op on a tiny tensor
+(the call, nearly no work) in the same loop, and ``measure_ms`` takes that off each
+unit's forward and backward (keeping at least a tenth of each: a unit does some work).
 """
 
 from __future__ import annotations
@@ -11,15 +21,15 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from fxpipe.tracer.calibration import DEVICE_PRESETS, DevicePreset
 from fxpipe.tracer.counting import UnitCounts, count_ops
-from fxpipe.tracer.unit_runner import UnitRunner
+from fxpipe.tracer.unit_runner import UnitInputs, UnitRunner
 
-__all__ = ["analytic_ms", "op_overhead_s", "measure_ms"]
+__all__ = ["analytic_ms", "op_overhead_s", "measure_ms", "call_overhead_ms"]
 
 
 def op_overhead_s(ops: Iterable[tuple[str, int]], preset: DevicePreset, backward: bool) -> float:
@@ -61,17 +71,49 @@ def _threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class _Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+class _CallOnly:
+    """A unit of one elementwise op on 8 numbers, run as ``UnitRunner`` runs one: the cost of a
+    call beyond its work (Note [unit call cost])."""
+
+    backward = staticmethod(UnitRunner.backward)
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.module = torch.fx.symbolic_trace(_Scale())
+
+    def fresh_inputs(self) -> UnitInputs:
+        x = torch.ones(8, device=self.device, requires_grad=True)
+        return UnitInputs((x,), (x,), ())
+
+    def run(self, inputs: UnitInputs) -> list[Any]:
+        return [self.module(*inputs.args)]
+
+
+def call_overhead_ms(device: str, cpu_threads: int | None = 1) -> tuple[float, float]:
+    """Forward and backward milliseconds of calling a unit that does (nearly) nothing
+    (Note [unit call cost])."""
+    return _measure_warm_ms(_CallOnly(device), device, warmup=5, repeats=31, cpu_threads=cpu_threads)
+
+
 def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 7,
-               cpu_threads: int | None = 1) -> tuple[float, float]:
+               cpu_threads: int | None = 1, call_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """Forward and backward milliseconds of one unit inside a running pipeline: the median
     of ``repeats`` warm runs (after ``warmup``) plus the cold-cache share of its op costs,
     ``(cold_factor - 1) x`` their warm cost (Note [analytic unit time]).
 
     The unit runs as one compiled call; on CPU with ``cpu_threads`` intra-op threads
     (default 1, what each torchrun worker gets). Backward is timed from ready-made
-    gradients, so creating them is not charged.
+    gradients, so creating them is not charged. ``call_ms`` (``call_overhead_ms``): the
+    fixed forward and backward cost of the call itself, taken off (Note [unit call cost]).
     """
     fwd_ms, bwd_ms = _measure_warm_ms(runner, device, warmup, repeats, cpu_threads)
+    fwd_ms = max(fwd_ms - call_ms[0], 0.1 * fwd_ms)
+    bwd_ms = max(bwd_ms - call_ms[1], 0.1 * bwd_ms)
     preset = DEVICE_PRESETS.get(device)
     if preset is None or preset.cold_factor == 1.0:
         return fwd_ms, bwd_ms
@@ -83,7 +125,7 @@ def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 
     return fwd_ms, bwd_ms
 
 
-def _measure_warm_ms(runner: UnitRunner, device: str, warmup: int, repeats: int,
+def _measure_warm_ms(runner: UnitRunner | _CallOnly, device: str, warmup: int, repeats: int,
                      cpu_threads: int | None) -> tuple[float, float]:
     """Median forward and backward milliseconds of back-to-back runs of one unit."""
     sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -165,3 +165,22 @@ def test_unit_op_counts_and_compiled_unit(monkeypatch):
     outputs, leaves = lin_runner.forward()  # the unit as one compiled GraphModule call
     torch.testing.assert_close(outputs[0], model[0](x))
     assert len(leaves) == 3  # the (float) input and both parameters
+
+
+def test_measured_unit_times_leave_out_the_call_cost(monkeypatch):
+    # Note [unit call cost]: the cost of calling a unit at all comes off each unit, a tenth of each stays
+    from fxpipe.tracer import timing
+
+    monkeypatch.setattr(timing, "_measure_warm_ms", lambda *args: (0.05, 0.2))
+    no_preset = "mps"  # no cold-cache share to add: the warm loop's figures as they are
+    assert timing.measure_ms(None, no_preset) == pytest.approx((0.05, 0.2))
+    assert timing.measure_ms(None, no_preset, call_ms=(0.01, 0.05)) == pytest.approx((0.04, 0.15))
+    assert timing.measure_ms(None, no_preset, call_ms=(1.0, 1.0)) == pytest.approx((0.005, 0.02))
+
+
+def test_call_cost_is_a_unit_that_does_nearly_nothing():
+    from fxpipe.tracer.timing import call_overhead_ms
+
+    fwd, bwd = call_overhead_ms("cpu")
+    assert 0 < fwd < 1 and 0 < bwd < 1  # milliseconds: a call, not work
+    assert bwd > fwd  # the backward starts autograd's engine
