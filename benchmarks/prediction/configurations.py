@@ -15,11 +15,12 @@ replicas). It records the median step (first excluded) against
 prediction's (``plan.prediction.peak_memory_bytes_by_schedule``, Note [memory over time]).
 ``--recompute`` adds, for each schedule without a split backward, a row with every stage
 recomputing, and the measured / predicted drop of each rank's peak against the plain row.
-Every row is measured ``--repeats`` times (trace, plan, run), and reports the median of the
-repeats' ratios and their range. This machine's speed changes by up to 3x for seconds at a
-time, so a fixed workload is timed before each trace and after each run: a run across
-which it changed by more than 15% does not count (it is rerun, at most ``2 x --repeats``
-runs per row; a row with no steady run keeps them all and says so).
+Every row is measured ``--repeats`` times (trace, plan, run), in rounds over all the rows,
+and reports the median of the repeats' ratios and their range. This machine's speed
+changes by up to 3x for seconds at a time, so a fixed workload is timed before each trace
+and after each run: a run across which it changed by more than 15% does not count (it is
+rerun in a later round, at most ``2 x --repeats`` runs per row; a row with no steady run
+keeps them all and says so).
 Writes configurations.json and configurations.md; only measured rows.
 """
 
@@ -201,31 +202,48 @@ def main(argv: list[str] | None = None) -> int:
     global TIMING
     TIMING = args.timing
     builds = Path(tempfile.mkdtemp(prefix="fxpipe-configs-"))
-    rows, started = [], time.perf_counter()
+    started = time.perf_counter()
+    rows_to_run: list[tuple[str, int, int, str, bool]] = []
     for config in args.configs.split(","):
         stages, replicas = (int(x) for x in config.split("x"))
         runs = [(s, False) for s in args.schedules.split(",")]
         if args.recompute:
             runs += [(s, True) for s in args.schedules.split(",") if s not in ("zb-h1", "zbv")]
-        for schedule, recompute in runs:
-            try:
-                attempts: list[dict[str, Any]] = []  # until --repeats steady runs, at most twice that many runs
-                while sum(map(_steady, attempts)) < args.repeats and len(attempts) < 2 * args.repeats:
-                    attempts.append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute))
-                row = _median_row(attempts)
-            except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
-                print(f"{config} {schedule}: not run: {exc}", file=sys.stderr, flush=True)
-                continue
-            rows.append(row)
+        rows_to_run += [(config, stages, replicas, schedule, recompute) for schedule, recompute in runs]
+    # Rounds over all rows, not a row's repeats back to back: a slow minute of this machine then
+    # falls on one repeat of several rows, which their medians leave out, not on every repeat of one.
+    attempts: list[list[dict[str, Any]]] = [[] for _ in rows_to_run]
+    refused: set[int] = set()
+    rows: list[dict[str, Any]] = []
+    for round_ in range(2 * args.repeats):  # until --repeats steady runs per row, at most twice that many runs
+        todo = [i for i, tried in enumerate(attempts)
+                if i not in refused and sum(map(_steady, tried)) < args.repeats]
+        if not todo:
+            break
+        for i in todo:
+            config, stages, replicas, schedule, recompute = rows_to_run[i]
             label = f"{config} {schedule:16s}{' recompute' if recompute else ''}"
-            print(f"{label} measured {row['measured_step_ms']:8.2f} ms predicted {row['predicted_on_shared_cores_ms']:8.2f} ms (this host) ratio "
-                  f"{row['ratio_on_shared_cores']:.2f} ({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f})",
-                  flush=True)
-            args.out.mkdir(parents=True, exist_ok=True)  # after every row: a cut-off run keeps what it measured
-            (args.out / "configurations.json").write_text(json.dumps(
-                {"rows": rows, "steps": args.steps, "repeats": args.repeats, "goal_ratio": list(GOAL),
-                 "seconds": time.perf_counter() - started}, indent=1) + "\n")
-            (args.out / "configurations.md").write_text(_markdown(rows, args.steps))
+            try:
+                attempts[i].append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute))
+            except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
+                print(f"{label}: not run: {exc}", file=sys.stderr, flush=True)
+                refused.add(i)
+                continue
+            run = attempts[i][-1]
+            print(f"round {round_ + 1} {label} measured {run['measured_step_ms']:8.2f} ms predicted "
+                  f"{run['predicted_on_shared_cores_ms']:8.2f} ms (this host) ratio {run['ratio_on_shared_cores']:.2f}"
+                  f"{'' if _steady(run) else ' (not steady)'}", flush=True)
+        rows = [_median_row(tried) for i, tried in enumerate(attempts) if tried and i not in refused]
+        args.out.mkdir(parents=True, exist_ok=True)  # after every round: a cut-off run keeps what it measured
+        (args.out / "configurations.json").write_text(json.dumps(
+            {"rows": rows, "steps": args.steps, "repeats": args.repeats, "goal_ratio": list(GOAL),
+             "seconds": time.perf_counter() - started}, indent=1) + "\n")
+        (args.out / "configurations.md").write_text(_markdown(rows, args.steps))
+    for row in rows:
+        label = f"{row['stages']}x{row['replicas']} {row['schedule']:16s}{' recompute' if row['recompute'] else ''}"
+        print(f"{label} measured {row['measured_step_ms']:8.2f} ms predicted {row['predicted_on_shared_cores_ms']:8.2f} "
+              f"ms (this host) ratio {row['ratio_on_shared_cores']:.2f} ({row['ratio_range'][0]:.2f}-"
+              f"{row['ratio_range'][1]:.2f})", flush=True)
     return 0
 
 

@@ -41,17 +41,17 @@ Note [data-parallel sync cost]: replicas of a stage average their gradients once
 with DDP's synchronising pass (Note [one all-reduce per step] in
 ``fxpipe.runtime.dataparallel.replica``): a forward and a backward over every parameter
 tensor, DDP's reducer copying the gradients into its bucket and back, around the
-all-reduce itself. On CPU that pass costs far more than the all-reduce's link time: 2
-gloo processes on this project's 2 cores, 213 KB of gradients, median of 50 passes
-(2026-11-26): in 1 tensor 1.6-2.0 ms, 13 tensors 2.9, examples/gpt.py's 52 tensors 3.4,
-208 tensors 6.9-7.4, against 0.5-1.1 ms for a plain ``all_reduce`` of the same bytes and
-~0.85 ms predicted for it (link time plus ``collective_ms`` per hop). So a rank with
-replicas also pays ``dp_sync_ms`` + ``dp_sync_tensor_ms`` per parameter tensor (1.0 ms
-+ 25 us here), as CPU work shared like the optimizer step (``busy_speed``). Inside the
-2x2 gpt job the later replica's pass measured ~5.5 ms against 1.6 ms predicted before
-this cost (2.5 ms at full speed, over a 0.45 share of a core, now). DDP-based levels only
-(no sharding, or optimizer-state sharding's DDP hook); FSDP's collectives are not measured
-yet. Not measured on CUDA: 0 there until it is.
+all-reduce itself. On CPU that pass costs far more than the all-reduce's link time
+(``benchmarks/prediction/ddp_sync_cost.py``: 2 gloo processes on this project's 2 cores,
+213 KB of gradients, medians of 50 passes in rounds, 2026-11-26): in 1 tensor 1.5 ms, 13
+tensors 1.8, examples/gpt.py's 52 tensors 4.2, 208 tensors 8.9, against 0.6-0.8 ms for a
+plain ``all_reduce`` of the same bytes (0.85 ms predicted: link time plus
+``collective_ms`` per hop). So a rank with replicas also pays ``dp_sync_ms`` +
+``dp_sync_tensor_ms`` per parameter tensor (1.0 ms + 35 us: 0.74-1.15 of those four, 2 runs),
+as CPU work shared like the optimizer step (``busy_speed``). Inside the 2x2 gpt job the
+later replica's pass measured ~5.5 ms, against 1.6 ms predicted before this cost. DDP-based
+levels only (no sharding, or optimizer-state sharding's DDP hook); FSDP's collectives are
+not measured yet. Not measured on CUDA: 0 there until it is.
 
 Note [split backward cost]: splitting one backward into ``B`` and ``W`` runs the same
 kernels (a boundary node such as a Linear's runs twice, each time one branch), yet
@@ -185,7 +185,7 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
                         message_ms=0.06, message_stall_ms=0.36, collective_ms=0.3, dp_sync_ms=1.0,
-                        dp_sync_tensor_ms=0.025,
+                        dp_sync_tensor_ms=0.035,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
                         recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9),
