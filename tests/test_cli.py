@@ -89,9 +89,12 @@ def test_plan_with_dp_prices_the_gradient_all_reduce(tmp_path: Path, capsys: pyt
     for name, extra in {"single": [], "dp2": ["--dp", "2"], "dp2_fp16": ["--dp", "2", "--comm-hook", "fp16"],
                         "dp2_powersgd": ["--dp", "2", "--comm-hook", "powersgd", "--powersgd-rank", "2"]}.items():
         out = tmp_path / f"{name}.json"
-        assert main(["plan", str(profile), "--stages", "2", "--solver", "dp", "--out", str(out), *extra]) == 0
+        # one split for all: the cheapest split may move with the data-parallel costs (DDP's pass per tensor)
+        assert main(["plan", str(profile), "--stages", "2", "--solver", "dp", "--split-at", "layers.1.0",
+                     "--out", str(out), *extra]) == 0
         plans[name] = json.loads(out.read_text())
     capsys.readouterr()
+    assert {p["stages"][1]["units"][0] for p in plans.values()} == {"layers.1.0"}
     assert plans["single"]["cost"]["dp_replicas"] == 1
     assert plans["dp2_powersgd"]["cost"].items() >= {"dp_replicas": 2, "comm_hook": "powersgd",
                                                      "powersgd_rank": 2}.items()
@@ -188,17 +191,26 @@ def test_memory_limit_holds_over_the_whole_step(tmp_path: Path, capsys: pytest.C
     assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "4", "--out", str(profile)]) == 0
     out = tmp_path / "plan.json"
     assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--out", str(out)]) == 0
-    plan = json.loads(out.read_text())
-    walked = max(plan["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"])
-    linear = max(plan["rank_memory_bytes"])
-    assert walked > linear  # the walk counts what the stage bound leaves out
+    unlimited = json.loads(out.read_text())
+    own_walk = max(unlimited["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"])
+    units = [u for stage in unlimited["stages"] for u in stage["units"]]
+    peaks = []  # every split: the stage bound's rank memory and the walk's, under 1F1B
+    for first in units[1:]:
+        assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--split-at", first,
+                     "--out", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        peaks.append((max(plan["rank_memory_bytes"]), max(plan["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"])))
+    assert all(walk > bound for bound, walk in peaks)  # the walk counts what the stage bound leaves out
+    walked = min(walk for _, walk in peaks)
+    limit = walked - 1  # the stage bound of some split meets it, no split's walk does
+    assert min(bound for bound, _ in peaks) <= limit
     capsys.readouterr()
-    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(linear),
+    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(limit),
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "over the whole step" in err and len(err.strip().splitlines()) == 1
-    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(walked),
+    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(own_walk),
                  "--out", str(out)]) == 0
     fitted = json.loads(out.read_text())
-    assert max(fitted["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"]) <= walked
+    assert max(fitted["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"]) <= own_walk
     assert "peak memory over the step" in fitted["status"]

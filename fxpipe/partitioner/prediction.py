@@ -202,7 +202,7 @@ class StepOverheads:
     tied_all_reduce_ms: NonNegFloat = 0.0   # all-reduces of parameters held by several stages
     loss_broadcast_ms: NonNegFloat = 0.0    # the loss, from the last stage to the others
     optimizer_ms: NonNegFloat = 0.0         # the slowest stage's zero_grad + optimizer step
-    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel sync: all-reduce and DDP's pass (or sharded collectives)
+    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel sync: all-reduce + DDP's pass, or sharded
     fixed_ms: NonNegFloat = 0.0             # RuntimeCosts.step_ms
 
     @property

@@ -52,11 +52,15 @@ def test_stage_costs_and_prediction_include_the_allreduce() -> None:
     # plus the ring's hops at the runtime's per-hop cost of a collective (2 hops on 2 replicas)
     hops = cost.dp_hops([8 * MB])  # the slowest stage's one bucket: 2(R - 1) hops
     assert hops == 2
-    assert added == pytest.approx(slowest + hops * dual.prediction.runtime_costs.collective_ms) and slowest > 0
+    # and DDP's synchronising pass around it, per step and per parameter tensor (one here; Note [data-parallel
+    # sync cost])
+    runtime = dual.prediction.runtime_costs
+    sync_pass = runtime.dp_sync_ms + 1 * runtime.dp_sync_tensor_ms
+    assert added == pytest.approx(slowest + hops * runtime.collective_ms + sync_pass) and slowest > 0
     assert [s.dp_allreduce_ms for s in dual.stages] == pytest.approx(per_stage)  # plan.json carries it per stage
     assert all(s.dp_allreduce_ms == 0.0 for s in single.stages)
     assert dual.prediction.step_overhead_ms.dp_all_reduce_ms == pytest.approx(
-        slowest + hops * dual.prediction.runtime_costs.collective_ms)
+        slowest + hops * runtime.collective_ms + sync_pass)
     assert dual.cost.dp_replicas == 2 and dual.cost == cost == CostModel.from_dict(dual.cost.to_dict())
 
 
