@@ -44,8 +44,8 @@ tensor, DDP's reducer copying the gradients into its bucket and back, around the
 all-reduce itself. On CPU that pass costs far more than the all-reduce's link time
 (``benchmarks/prediction/ddp_sync_cost.py``: 2 gloo processes on this project's 2 cores,
 213 KB of gradients, medians of 50 passes in rounds, 2026-11-26): in 1 tensor 1.5 ms, 13
-tensors 1.8, examples/gpt.py's 52 tensors 4.2, 208 tensors 8.9, against 0.6-0.8 ms for a
-plain ``all_reduce`` of the same bytes (0.85 ms predicted: link time plus
+tensors 1.8, examples/gpt.py's 52 tensors 4.2, 208 tensors 8.9, against 0.5-2.3 ms (mostly
+0.5-0.8) for a plain ``all_reduce`` of the same bytes (0.85 ms predicted: link time plus
 ``collective_ms`` per hop). So a rank with replicas also pays ``dp_sync_ms`` +
 ``dp_sync_tensor_ms`` per parameter tensor (1.0 ms + 35 us: 0.74-1.15 of those four, 2 runs),
 as CPU work shared like the optimizer step (``busy_speed``). Inside the 2x2 gpt job the
