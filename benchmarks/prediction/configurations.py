@@ -142,6 +142,10 @@ def _median_row(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _label(config: str, schedule: str, recompute: bool) -> str:
+    return f"{config} {schedule:16s}{' recompute' if recompute else ''}"
+
+
 def _in_goal(row: dict[str, Any]) -> bool:
     """Measured / predicted for this host (its shared cores) within the goal."""
     return GOAL[0] <= row["ratio_on_shared_cores"] <= GOAL[1]
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         for i in todo:
             config, stages, replicas, schedule, recompute = rows_to_run[i]
-            label = f"{config} {schedule:16s}{' recompute' if recompute else ''}"
+            label = _label(config, schedule, recompute)
             try:
                 attempts[i].append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute))
             except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
              "seconds": time.perf_counter() - started}, indent=1) + "\n")
         (args.out / "configurations.md").write_text(_markdown(rows, args.steps))
     for row in rows:
-        label = f"{row['stages']}x{row['replicas']} {row['schedule']:16s}{' recompute' if row['recompute'] else ''}"
+        label = _label(f"{row['stages']}x{row['replicas']}", row["schedule"], row["recompute"])
         print(f"{label} measured {row['measured_step_ms']:8.2f} ms predicted {row['predicted_on_shared_cores_ms']:8.2f} "
               f"ms (this host) ratio {row['ratio_on_shared_cores']:.2f} ({row['ratio_range'][0]:.2f}-"
               f"{row['ratio_range'][1]:.2f})", flush=True)

@@ -16,6 +16,7 @@ Writes ddp_sync_cost.json and .md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -54,27 +55,28 @@ def _rank(rank: int, port: int, passes: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
 
-    variants = []
+    sizes, calls = [], []  # per variant: (tensors, bytes), (the sync pass, a plain all-reduce of its bytes)
     for tensors in VARIANTS:
         stage = _stage(tensors)
         sync = DataParallelStage(stage, None, DataParallelOptions(), torch.device("cpu"))
-        for p in stage.parameters():
+        params = list(stage.parameters())
+        for p in params:
             p.grad = torch.ones_like(p)
-        flat = torch.ones(sum(p.numel() for p in stage.parameters()))
-        variants.append((len(list(stage.parameters())), flat, sync.sync_gradients,
-                         lambda flat=flat: dist.all_reduce(flat)))
-    times: list[tuple[list[float], list[float]]] = [([], []) for _ in variants]
+        flat = torch.ones(sum(p.numel() for p in params))
+        sizes.append((len(params), flat.numel() * 4))
+        calls.append((sync.sync_gradients, functools.partial(dist.all_reduce, flat)))
+    times: list[tuple[list[float], list[float]]] = [([], []) for _ in calls]
     for i in range(passes + 5):  # in rounds over the variants: a slow moment of the host falls on all of them
-        for (_, _, *calls), got in zip(variants, times):
-            for call, into in zip(calls, got):
+        for pair, got in zip(calls, times):
+            for call, into in zip(pair, got):
                 dist.barrier()
                 t = time.perf_counter()
                 call()
                 if i >= 5:
                     into.append((time.perf_counter() - t) * 1e3)
-    rows = [{"tensors": n, "bytes": flat.numel() * 4, "sync_ms": statistics.median(sync_times),
+    rows = [{"tensors": n, "bytes": nbytes, "sync_ms": statistics.median(sync_times),
              "all_reduce_ms": statistics.median(reduce_times)}
-            for (n, flat, *_), (sync_times, reduce_times) in zip(variants, times)]
+            for (n, nbytes), (sync_times, reduce_times) in zip(sizes, times)]
     queue.put((rank, rows))
     dist.destroy_process_group()
 
@@ -84,8 +86,8 @@ def _predicted(nbytes: int, tensors: int) -> tuple[float, float]:
     from fxpipe.partitioner import CostModel
     from fxpipe.partitioner.prediction import RUNTIME_COSTS
 
-    cpu = RUNTIME_COSTS["cpu"]
-    reduce = CostModel(dp_replicas=2).allreduce_ms([nbytes]) + 2 * cpu.collective_ms
+    cpu, cost = RUNTIME_COSTS["cpu"], CostModel(dp_replicas=2)
+    reduce = cost.allreduce_ms([nbytes]) + cost.dp_hops([nbytes]) * cpu.collective_ms
     return reduce, reduce + cpu.dp_sync_ms + tensors * cpu.dp_sync_tensor_ms
 
 
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.passes, queue)) for port in [free_port()] for r in range(2)]
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, args.passes, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
     got = dict(queue.get(timeout=600) for _ in procs)

@@ -437,6 +437,12 @@ class CostModel:
     def _sharded(self) -> bool:
         return self.dp_replicas > 1 and self.shard != "none"
 
+    @property
+    def ddp_synced(self) -> bool:
+        """Whether replicas average their gradients through DDP: no sharding, or optimizer-state
+        sharding's DDP hook (FSDP's levels reduce-scatter instead)."""
+        return self.dp_replicas > 1 and self.shard in ("none", "optimizer")
+
     def _scale(self, dtype: str | None) -> float:
         return _DTYPE_BYTES[dtype] / 4 if dtype is not None else 1.0
 
@@ -483,7 +489,7 @@ class CostModel:
         """What one replica of a stage sends per step at this sharding level (Note [sharding pricing])."""
         if self.dp_replicas <= 1 or not param_bytes:
             return DataParallelTraffic()
-        if self.shard in ("none", "optimizer"):
+        if self.ddp_synced:
             ddp = self.dp_traffic(param_bytes, shapes)
         if self.shard == "none":
             return DataParallelTraffic(all_reduce_bytes=ddp.wire_bytes, collectives=ddp.allreduces)

@@ -323,11 +323,10 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     broadcast = problem.cost.message_ms(_LOSS_BYTES) + collective if problem.num_ranks > 1 else 0.0
     touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
     optimizer = dp_all_reduce = 0.0
-    ddp = problem.cost.dp_replicas > 1 and problem.cost.shard in ("none", "optimizer")
     for r in range(problem.num_ranks):
         mine = [p for p, rs in ranks_of.items() if r in rs]
         sync_pass = (runtime.dp_sync_ms + len(mine) * runtime.dp_sync_tensor_ms) / runtime.busy_speed \
-            if ddp and mine else 0.0  # Note [data-parallel sync cost]
+            if problem.cost.ddp_synced and mine else 0.0  # Note [data-parallel sync cost]
         dp_all_reduce = max(dp_all_reduce,
                             problem.dp_allreduce_ms(mine) + problem.dp_hops(mine) * collective + sync_pass)
         nbytes = sum(problem.param_bytes[p] for p in mine) / problem.cost.optimizer_shards  # sharded: its share
