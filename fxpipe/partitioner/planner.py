@@ -20,7 +20,7 @@ from fxpipe.partitioner.bounds import lower_bound
 from fxpipe.partitioner.cost import CostModel, default_link, format_size
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
-from fxpipe.partitioner.memory_fit import fit_memory_over_time
+from fxpipe.partitioner.memory_fit import fit_memory_over_time, fitting_split
 from fxpipe.partitioner.pins import stage_ranges
 from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, predict, simulate_plan, step_overheads
@@ -106,20 +106,30 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     cost = cost or CostModel.preset(default_link(profile.trace_device))
 
-    def plan_under(limit: int | None) -> PartitionPlan:
+    def plan_split(limit: int | None, walk_limit: int | None = None) -> PartitionPlan | None:
         return _plan_split(profile, num_stages, solver=solver, schedule=schedule, microbatches=microbatches,
                            cost=cost, memory_limit=limit, time_limit=time_limit, optimize=optimize,
-                           virtual_stages=virtual_stages, objective=objective, split_at=split_at)
+                           virtual_stages=virtual_stages, objective=objective, split_at=split_at,
+                           walk_limit=walk_limit)
+
+    def plan_under(limit: int | None) -> PartitionPlan:
+        plan = plan_split(limit)
+        assert plan is not None  # only a walk over every split gives up
+        return plan
 
     if memory_limit is not None and solver not in BASELINES:
-        return fit_memory_over_time(plan_under, memory_limit)
+        return fit_memory_over_time(plan_under, memory_limit, lambda limit: plan_split(None, walk_limit=limit))
     return plan_under(memory_limit)
 
 
 def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule: str, microbatches: int,
                 cost: CostModel, memory_limit: int | None, time_limit: float, optimize: str,
-                virtual_stages: int | None, objective: str, split_at: Sequence[str]) -> PartitionPlan:
-    """``plan_partition`` for one schedule, with the solvers' memory bound at ``memory_limit``."""
+                virtual_stages: int | None, objective: str, split_at: Sequence[str],
+                walk_limit: int | None = None) -> PartitionPlan | None:
+    """``plan_partition`` for one schedule, with the solvers' memory bound at ``memory_limit``.
+    With ``walk_limit`` (and no ``memory_limit``), the split is instead the fastest contiguous one
+    whose schedule walk fits it, every split checked (``fitting_split``; None when there are too
+    many to check)."""
     start = time.perf_counter()
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
@@ -128,9 +138,16 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
     runners_up: list[Solution] = []
-    chosen = _solve(problem, solver, baselines, bound, start + time_limit, time_limit, optimize, runners_up)
-    if solver not in BASELINES:
-        step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
+    step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
+    if walk_limit is not None:
+        found = fitting_split(problem, walk_limit, step_ms)
+        if found is None:
+            return None
+        chosen = Solution(found, solver="all-splits", status="every contiguous split's schedule walk checked against the "
+                                                        "memory limit")
+    else:
+        chosen = _solve(problem, solver, baselines, bound, start + time_limit, time_limit, optimize, runners_up)
+    if solver not in BASELINES and walk_limit is None:
         if optimize == "memory" or objective == "bottleneck":
             chosen = _pick_best(problem, chosen, baselines, step_ms, optimize)
         else:
