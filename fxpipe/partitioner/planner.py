@@ -140,7 +140,7 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     runners_up: list[Solution] = []
     step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
     if walk_limit is not None:
-        found = fitting_split(problem, walk_limit, step_ms)
+        found = fitting_split(problem, walk_limit, step_ms, budget_s=time_limit)
         if found is None:
             return None
         chosen = Solution(found, solver="all-splits", status="every contiguous split's schedule walk checked against the "

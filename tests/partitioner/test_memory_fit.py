@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import InfeasibleError
-from fxpipe.partitioner import build_problem, plan_partition
-from fxpipe.partitioner.memory_fit import contiguous_splits
-from fxpipe.partitioner.prediction import rank_peak_memory
+from fxpipe.partitioner import build_problem, evaluate, plan_partition
+from fxpipe.partitioner.memory_fit import contiguous_splits, fitting_split
+from fxpipe.partitioner.planner import step_time_of
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
 from tests.partitioner.partition_fixtures import chain_profile
 
 
@@ -47,3 +48,14 @@ def test_a_limit_any_split_walks_under_is_always_met(case: tuple, schedule: str)
     assert plan.memory_limit == least
     with pytest.raises(InfeasibleError, match="over the whole step"):
         plan_partition(profile, S, schedule=schedule, microbatches=4, memory_limit=least - 1, time_limit=2.0)
+
+
+def test_walking_every_split_gives_up_only_on_its_time_budget() -> None:
+    problem = build_problem(chain_profile([1.0] * 12, [4000] * 11, params=[1000] * 12), 3, microbatches=4)
+    step_ms = step_time_of(problem, RUNTIME_COSTS["cpu"])
+    roomy = 10**9
+    assert fitting_split(problem, roomy, step_ms, budget_s=0.0) is None  # 55 splits, no time to walk them
+    found = fitting_split(problem, roomy, step_ms)
+    splits = list(contiguous_splits(problem))
+    least_bottleneck = min(splits, key=lambda a: evaluate(problem, a).bottleneck_ms)
+    assert found in splits and step_ms(found) <= step_ms(least_bottleneck)  # priced among the least bottlenecks
