@@ -15,19 +15,21 @@ device, so the planner solves again with the solvers' limit lowered by the exces
 plan whose walked peak fits. Tightening one bound for every rank can overshoot (the walk
 exceeds the formula by a different share on each rank), and the formula can reject
 every split that fits: so when no round fits, or the solvers find no split under the
-limit at all, and the model has at most ``EXACT_MAX_SPLITS`` contiguous splits (and
-walking them fits the plan's time limit, estimated from the first walks: a 70B profile's
-walk takes ~6 ms, a small model's ~0.1 ms), the planner walks every one of them
-(``fitting_split``) and keeps the fastest that fits.
-Then "no split fits" is a fact, not a heuristic's give-up. The plan records the user's
-limit; when nothing fits, the error says by how much the best plan misses and what to
-change.
+limit at all, and the model has at most ``EXACT_MAX_SPLITS`` contiguous splits that
+honour the pins (counted without listing them, ``count_contiguous_splits``) and walking
+them fits the plan's time limit (estimated from the first walks: a 70B profile's walk
+takes ~6 ms, a small model's ~0.1 ms), the planner walks every one of them
+(``fitting_split``) and keeps the best that fits by the plan's objective; the baselines
+beside it are then held to the walk as well. On a chain every valid split is contiguous,
+so "no split fits" is then a fact, not a heuristic's give-up; on a branching graph a
+split that is not contiguous in the unit order might still fit, and the error says so.
+The plan records the user's limit; when nothing fits, the error says by how much the
+best plan misses and what to change.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -40,8 +42,8 @@ from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import rank_peak_memory
 from fxpipe.partitioner.problem import PartitionProblem, assignment_violations, evaluate
 
-__all__ = ["fit_memory_over_time", "walked_peak", "fitting_split", "contiguous_splits", "ROUNDS",
-           "EXACT_MAX_SPLITS"]
+__all__ = ["fit_memory_over_time", "walked_peak", "fitting_split", "contiguous_splits", "count_contiguous_splits",
+           "walk_violations", "ROUNDS", "EXACT_MAX_SPLITS"]
 
 ROUNDS = 4
 EXACT_MAX_SPLITS = 20_000  # contiguous splits the planner walks one by one when the rounds fail
@@ -72,7 +74,7 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
                 try:
                     exact = check_every_split(memory_limit) if check_every_split is not None else None
                 except InfeasibleError as walked:
-                    raise InfeasibleError(f"{walked}; and under the solvers' stage bound {exc}") from exc
+                    raise InfeasibleError(f"{walked}. Under the solvers' stage formula: {exc}") from walked
                 if exact is None:
                     raise
                 return _fitted(exact, memory_limit)
@@ -93,60 +95,113 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
     try:
         exact = check_every_split(memory_limit) if check_every_split is not None else None
     except InfeasibleError as walked:
-        raise InfeasibleError(f"{walked}; {_ADVICE}") from None
+        raise InfeasibleError(f"{walked}; {_ADVICE}") from walked
     if exact is not None:
         return _fitted(exact, memory_limit)
     raise InfeasibleError(f"no split found that fits {format_size(memory_limit)} per device over the whole step: "
-                          f"{failure}; {_ADVICE}")
+                          f"{failure} (the model has too many contiguous splits to walk each within the time limit: "
+                          f"a larger --time-limit walks more); {_ADVICE}")
 
 
 def _fitted(plan: PartitionPlan, memory_limit: int) -> PartitionPlan:
     """``plan``, found by walking every split, under the user's limit."""
     note = (f"peak memory over the step {format_size(walked_peak(plan))} of {format_size(memory_limit)} "
-            f"(the fastest contiguous split whose schedule walk fits)")
+            f"(the solvers' stage formula, which the table's memory column shows, may exceed it)")
     return replace(plan, memory_limit=memory_limit, status=_with_note(plan.status, note))
 
 
 def contiguous_splits(problem: PartitionProblem) -> Iterator[tuple[int, ...]]:
     """Every split of the units, in their topological order, into consecutive non-empty runs
-    of ``problem.num_stages`` stages that honours the pins."""
+    of ``problem.num_stages`` stages that honours the pins (only those are generated)."""
     n, S = problem.num_units, problem.num_stages
     lo, hi = stage_ranges(problem)
-    for cuts in itertools.combinations(range(1, n), S - 1):
-        bounds = (0, *cuts, n)
-        assignment = tuple(s for s in range(S) for _ in range(bounds[s + 1] - bounds[s]))
-        if all(lo[u] <= s <= hi[u] for u, s in enumerate(assignment)):
-            yield assignment
+    ways = _completions(lo, hi, S)
+
+    def extend(s: int, start: int, prefix: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        if s == S - 1:
+            yield prefix + (s,) * (n - start)
+            return
+        end = start + 1
+        while end <= n and lo[end - 1] <= s <= hi[end - 1]:
+            if ways[s + 1][end]:
+                yield from extend(s + 1, end, prefix + (s,) * (end - start))
+            end += 1
+
+    if ways[0][0]:
+        yield from extend(0, 0, ())
 
 
-def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callable[[tuple[int, ...]], float],
-                  budget_s: float = 10.0) -> tuple[int, ...] | None:
-    """The contiguous split of least ``step_ms`` whose every rank's schedule walk fits
-    ``memory_limit`` (Note [fitting memory over time]); None when the model has more than
-    ``EXACT_MAX_SPLITS`` such splits, or more than walking them takes in ``budget_s`` seconds
-    (estimated from the first walks). Raises ``InfeasibleError`` when none fits."""
-    total = math.comb(problem.num_units - 1, problem.num_stages - 1)
+def count_contiguous_splits(problem: PartitionProblem) -> int:
+    """How many splits ``contiguous_splits`` generates, counted without generating them."""
+    lo, hi = stage_ranges(problem)
+    return _completions(lo, hi, problem.num_stages)[0][0]
+
+
+def _completions(lo: list[int], hi: list[int], num_stages: int) -> list[list[int]]:
+    """``ways[s][u]``: the splits of units ``u..`` into consecutive non-empty stages ``s..``
+    with every unit within its ``lo``..``hi``; a stage starting at ``u`` may run to the first
+    unit it cannot hold, so each entry is a running sum over the next stage's starts."""
+    n = len(lo)
+    ways = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    ways[num_stages][n] = 1
+    for s in reversed(range(num_stages)):
+        running = 0
+        for u in reversed(range(n)):
+            running = running + ways[s + 1][u + 1] if lo[u] <= s <= hi[u] else 0
+            ways[s][u] = running
+    return ways
+
+
+def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callable[[tuple[int, ...]], float], *,
+                  budget_s: float = 10.0, optimize: str = "speed", objective: str = "step",
+                  slack: float = 0.01) -> tuple[int, ...] | None:
+    """The best contiguous split whose every rank's schedule walk fits ``memory_limit`` (Note
+    [fitting memory over time]), by the planner's objective: the least ``step_ms`` among the
+    fitting splits of least bottleneck; with ``objective="bottleneck"`` the least bottleneck;
+    with ``optimize="memory"`` the least walked peak within ``1 + slack`` of it. None when
+    there are more than ``EXACT_MAX_SPLITS`` splits, or walking them would take more than
+    ``budget_s`` seconds (estimated from the first walks). Raises ``InfeasibleError`` when
+    none fits."""
+    total = count_contiguous_splits(problem)
     if total > EXACT_MAX_SPLITS:
         return None
     problem = replace(problem, memory_limit=None)  # the walk is the limit (the stage bound may exceed it)
-    fits: list[tuple[float, int, tuple[int, ...]]] = []
+    fits: list[tuple[float, int, int, tuple[int, ...]]] = []   # bottleneck, walked peak, order, split
     least: int | None = None
     start = time.perf_counter()
     for walked, a in enumerate(contiguous_splits(problem), 1):
         peak = max(rank_peak_memory(problem, a))
         least = peak if least is None else min(least, peak)
         if peak <= memory_limit and not assignment_violations(problem, a):
-            fits.append((evaluate(problem, a).bottleneck_ms, len(fits), a))
+            fits.append((evaluate(problem, a).bottleneck_ms, peak, len(fits), a))
         if walked % _CHECK_EVERY == 0 and (time.perf_counter() - start) / walked * total > budget_s:
             return None
     if least is None:
         raise InfeasibleError(f"no contiguous split of the {problem.num_units} units into {problem.num_stages} "
                               f"stages honours the pins")
     if not fits:
+        unwalked = "" if problem.is_chain else (
+            "; splits that are not contiguous in the unit order, possible on this branching graph, were not walked")
         raise InfeasibleError(
-            f"no split fits {format_size(memory_limit)} per device over the whole step: the least any contiguous "
-            f"split holds is {format_size(least)} (every split's schedule walk checked)")
-    return min(heapq.nsmallest(_PRICED, fits), key=lambda f: (step_ms(f[2]), f[0], f[1]))[2]
+            f"no contiguous split fits {_bytes(memory_limit)} per device over the whole step: the least any holds "
+            f"is {_bytes(least)} (every contiguous split's schedule walk checked{unwalked})")
+    best = min(f[0] for f in fits)
+    if optimize == "memory":
+        return min((f for f in fits if f[0] <= best * (1 + slack) + 1e-12), key=lambda f: (f[1], f[0], f[2]))[3]
+    if objective == "bottleneck":
+        return min((f for f in fits if f[0] <= best * (1 + 1e-9) + 1e-12), key=lambda f: (step_ms(f[3]), f[2]))[3]
+    return min(heapq.nsmallest(_PRICED, fits), key=lambda f: (step_ms(f[3]), f[0], f[2]))[3]
+
+
+def walk_violations(problem: PartitionProblem, assignment: tuple[int, ...], memory_limit: int) -> list[str]:
+    """The ranks of ``assignment`` whose schedule walk is over ``memory_limit``, as violations."""
+    peaks = rank_peak_memory(problem, assignment)
+    return [f"rank {r} peaks at {peak} bytes over the step > limit {memory_limit}"
+            for r, peak in enumerate(peaks) if peak > memory_limit]
+
+
+def _bytes(n: int) -> str:
+    return f"{format_size(n)} ({n} bytes)"
 
 
 def _with_note(status: str, note: str) -> str:

@@ -20,7 +20,7 @@ from fxpipe.partitioner.bounds import lower_bound
 from fxpipe.partitioner.cost import CostModel, default_link, format_size
 from fxpipe.partitioner.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.dp import solve_chain_dp
-from fxpipe.partitioner.memory_fit import fit_memory_over_time, fitting_split
+from fxpipe.partitioner.memory_fit import fit_memory_over_time, fitting_split, walk_violations
 from fxpipe.partitioner.pins import stage_ranges
 from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, predict, simulate_plan, step_overheads
@@ -140,11 +140,12 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     runners_up: list[Solution] = []
     step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
     if walk_limit is not None:
-        found = fitting_split(problem, walk_limit, step_ms, budget_s=time_limit)
+        found = fitting_split(problem, walk_limit, step_ms, budget_s=time_limit, optimize=optimize,
+                              objective=objective, slack=_MEMORY_SLACK)
         if found is None:
             return None
-        chosen = Solution(found, solver="all-splits", status="every contiguous split's schedule walk checked against the "
-                                                        "memory limit")
+        chosen = Solution(found, solver="all-splits",
+                          status="every contiguous split's schedule walk checked against the memory limit")
     else:
         chosen = _solve(problem, solver, baselines, bound, start + time_limit, time_limit, optimize, runners_up)
     if solver not in BASELINES and walk_limit is None:
@@ -161,9 +162,21 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     plan = plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
                                 seconds=time.perf_counter() - start, optimize=optimize,
                                 objective="step" if for_step else "bottleneck")
+    if walk_limit is not None:  # the baselines, too, are held to the walk, not the stage formula
+        plan = replace(plan, baselines={name: _walked_baseline(report, problem, baselines[name].assignment, walk_limit)
+                                        for name, report in plan.baselines.items()})
     if split_at:
         plan = replace(plan, status=f"{plan.status}; stages start at --split-at {', '.join(split_at)}".strip("; "))
     return plan
+
+
+def _walked_baseline(report: BaselineReport, problem: PartitionProblem, assignment: tuple[int, ...],
+                     walk_limit: int) -> BaselineReport:
+    """``report`` with the ranks whose schedule walk is over ``walk_limit`` added to its violations."""
+    over = walk_violations(problem, assignment, walk_limit)
+    if not over:
+        return report
+    return replace(report, feasible=False, violations=(report.violations + tuple(over))[:5])
 
 
 def _refine_budget(time_limit: float) -> float:

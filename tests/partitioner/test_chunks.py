@@ -97,7 +97,7 @@ def test_memory_limit_applies_per_rank() -> None:
     assert max(plan.rank_memory_bytes) < least * 1.05  # solved under a tighter stage bound than the limit
     assert len(plan.rank_memory_bytes) == 2 and plan.stage_ranks == (0, 1, 1, 0)
     assert "over the step" in plan.status
-    # at the least any split walks to, only walking every split finds it
+    # at the least any split walks to, the plan still fits: exactly
     plan = plan_partition(profile, 2, schedule="zbv", microbatches=4, memory_limit=walked)
     assert max(plan.prediction.peak_memory_bytes) == walked
     with pytest.raises(InfeasibleError, match="no split"):

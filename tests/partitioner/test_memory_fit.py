@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,20 +12,44 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.partitioner import build_problem, evaluate, plan_partition
-from fxpipe.partitioner.memory_fit import contiguous_splits, fitting_split
+from fxpipe.partitioner.baselines import run_baseline
+from fxpipe.partitioner.memory_fit import contiguous_splits, count_contiguous_splits, fitting_split
 from fxpipe.partitioner.planner import step_time_of
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
-from tests.partitioner.partition_fixtures import chain_profile
+from tests.partitioner.partition_fixtures import chain_profile, random_dag
 
 
 def test_contiguous_splits_are_every_monotone_split_that_honours_the_pins() -> None:
     free = build_problem(chain_profile([1.0] * 7), 3)
     splits = list(contiguous_splits(free))
-    assert len(splits) == len(set(splits)) == math.comb(6, 2)
+    assert len(splits) == len(set(splits)) == math.comb(6, 2) == count_contiguous_splits(free)
     assert all(list(a) == sorted(a) and set(a) == {0, 1, 2} for a in splits)
     pinned = build_problem(chain_profile([1.0] * 7, pins={2: 1}), 3)
     kept = list(contiguous_splits(pinned))
-    assert kept == [a for a in splits if a[2] == 1]
+    assert kept == [a for a in splits if a[2] == 1] and count_contiguous_splits(pinned) == len(kept)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_count_and_order_match_filtering_every_split(seed: int) -> None:
+    rng = random.Random(seed)
+    n, S = rng.randint(4, 9), rng.randint(2, 4)
+    pins = {u: s for u, s in ((rng.randrange(n), rng.randrange(S)) for _ in range(rng.randint(0, 2)))}
+    problem = build_problem(chain_profile([1.0] * n, pins=dict(sorted(pins.items()))), min(S, n))
+    S = problem.num_stages
+    every = [tuple(j for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n))) for _ in range(a, b))
+             for cuts in itertools.combinations(range(1, n), S - 1)]
+    honouring = [a for a in every if all(problem.pins[u] in (None, s) for u, s in enumerate(a))]
+    try:
+        splits = list(contiguous_splits(problem))
+    except InfeasibleError:  # pins that contradict the order: nothing to enumerate
+        return
+    assert splits == honouring and count_contiguous_splits(problem) == len(honouring)
+
+
+def test_pins_bound_the_count_on_a_long_chain() -> None:
+    problem = build_problem(chain_profile([1.0] * 2000, pins={999: 0, 1000: 1}), 3)
+    assert count_contiguous_splits(problem) == 999   # the first cut is fixed, the second free after it
+    assert sum(1 for _ in contiguous_splits(problem)) == 999
 
 
 @st.composite
@@ -31,7 +57,7 @@ def chains(draw: st.DrawFn) -> tuple[list[float], list[int], list[int], list[int
     n = draw(st.integers(3, 9))
     times = draw(st.lists(st.floats(0.1, 5.0), min_size=n, max_size=n))
     edges = draw(st.lists(st.sampled_from([0, 400, 4000, 40_000]), min_size=n - 1, max_size=n - 1))
-    params = draw(st.lists(st.integers(0, 8) .map(lambda k: 1000 * k), min_size=n, max_size=n))
+    params = draw(st.lists(st.integers(0, 8).map(lambda k: 1000 * k), min_size=n, max_size=n))
     acts = draw(st.lists(st.integers(0, 8).map(lambda k: 500 * k), min_size=n, max_size=n))
     return times, edges, params, acts, draw(st.integers(2, min(3, n)))
 
@@ -46,7 +72,11 @@ def test_a_limit_any_split_walks_under_is_always_met(case: tuple, schedule: str)
     plan = plan_partition(profile, S, schedule=schedule, microbatches=4, memory_limit=least, time_limit=2.0)
     assert plan.prediction is not None and max(plan.prediction.peak_memory_bytes) <= least
     assert plan.memory_limit == least
-    with pytest.raises(InfeasibleError, match="over the whole step"):
+    if plan.solver == "all-splits":  # the baselines' feasibility is the walk's too
+        for name, report in plan.baselines.items():
+            walked = max(rank_peak_memory(problem, run_baseline(name, problem).assignment))
+            assert report.feasible == (walked <= least), name
+    with pytest.raises(InfeasibleError, match="over the whole step"):  # on a chain every split is contiguous
         plan_partition(profile, S, schedule=schedule, microbatches=4, memory_limit=least - 1, time_limit=2.0)
 
 
@@ -59,3 +89,26 @@ def test_walking_every_split_gives_up_only_on_its_time_budget() -> None:
     splits = list(contiguous_splits(problem))
     least_bottleneck = min(splits, key=lambda a: evaluate(problem, a).bottleneck_ms)
     assert found in splits and step_ms(found) <= step_ms(least_bottleneck)  # priced among the least bottlenecks
+
+
+def test_walking_every_split_keeps_the_planners_objective() -> None:
+    profile = chain_profile([1.0, 2.0, 1.0, 3.0, 1.0, 2.0, 1.0, 1.0], [4000] * 7, params=[1000, 9000] * 4,
+                            activations=[500, 3000] * 4)
+    problem = build_problem(profile, 2, microbatches=4)
+    step_ms = step_time_of(problem, RUNTIME_COSTS["cpu"])
+    splits = list(contiguous_splits(problem))
+    bottleneck = {a: evaluate(problem, a).bottleneck_ms for a in splits}
+    best = min(bottleneck.values())
+    by_memory = fitting_split(problem, 10**9, step_ms, optimize="memory", slack=0.5)
+    near = [a for a in splits if bottleneck[a] <= best * 1.5]
+    assert by_memory is not None
+    assert max(rank_peak_memory(problem, by_memory)) == min(max(rank_peak_memory(problem, a)) for a in near)
+    by_bottleneck = fitting_split(problem, 10**9, step_ms, objective="bottleneck")
+    assert by_bottleneck is not None and bottleneck[by_bottleneck] == best
+
+
+def test_on_a_branching_graph_the_error_says_what_was_not_walked() -> None:
+    profile = random_dag(random.Random(3), 7)
+    assert not build_problem(profile, 2).is_chain
+    with pytest.raises(InfeasibleError, match="branching graph, were not walked"):
+        plan_partition(profile, 2, memory_limit=1_000, time_limit=2.0)
