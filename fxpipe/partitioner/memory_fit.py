@@ -60,7 +60,7 @@ def walked_peak(plan: PartitionPlan) -> int:
 
 
 def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: int,
-                         check_every_split: Callable[[int], PartitionPlan | None] | None = None) -> PartitionPlan:
+                         check_every_split: Callable[[int], PartitionPlan | None]) -> PartitionPlan:
     """The plan ``solve(limit)`` makes for the largest ``limit <= memory_limit`` tried whose schedule
     walk fits ``memory_limit``; when none does, ``check_every_split(memory_limit)``'s plan (None:
     too many splits to walk) (Note [fitting memory over time])."""
@@ -72,7 +72,7 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
         except InfeasibleError as exc:
             if limit == memory_limit:  # the stage bound can exceed the walk: check the walk itself
                 try:
-                    exact = check_every_split(memory_limit) if check_every_split is not None else None
+                    exact = check_every_split(memory_limit)
                 except InfeasibleError as walked:
                     raise InfeasibleError(f"{walked}. Under the solvers' stage formula: {exc}") from walked
                 if exact is None:
@@ -93,7 +93,7 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
         failure = (f"after {ROUNDS} solves under tighter stage bounds the plan still peaks at {format_size(peak)} "
                    f"when its schedule runs")
     try:
-        exact = check_every_split(memory_limit) if check_every_split is not None else None
+        exact = check_every_split(memory_limit)
     except InfeasibleError as walked:
         raise InfeasibleError(f"{walked}; {_ADVICE}") from walked
     if exact is not None:
