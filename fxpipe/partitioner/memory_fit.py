@@ -39,7 +39,7 @@ from fxpipe.errors import InfeasibleError
 from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.pins import stage_ranges
 from fxpipe.partitioner.plan import PartitionPlan
-from fxpipe.partitioner.prediction import rank_peak_memory
+from fxpipe.partitioner.prediction import RuntimeCosts, rank_peak_memory
 from fxpipe.partitioner.problem import PartitionProblem, assignment_violations, evaluate
 
 __all__ = ["fit_memory_over_time", "walked_peak", "fitting_split", "contiguous_splits", "count_contiguous_splits",
@@ -154,14 +154,14 @@ def _completions(lo: list[int], hi: list[int], num_stages: int) -> list[list[int
 
 def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callable[[tuple[int, ...]], float], *,
                   budget_s: float = 10.0, optimize: str = "speed", objective: str = "step",
-                  slack: float = 0.01) -> tuple[int, ...] | None:
+                  slack: float = 0.01, runtime: RuntimeCosts | None = None) -> tuple[int, ...] | None:
     """The best contiguous split whose every rank's schedule walk fits ``memory_limit`` (Note
     [fitting memory over time]), by the planner's objective: the least ``step_ms`` among the
     fitting splits of least bottleneck; with ``objective="bottleneck"`` the least bottleneck;
     with ``optimize="memory"`` the least walked peak within ``1 + slack`` of it. None when
     there are more than ``EXACT_MAX_SPLITS`` splits, or walking them would take more than
     ``budget_s`` seconds (estimated from the first walks). Raises ``InfeasibleError`` when
-    none fits."""
+    none fits. ``runtime``: how receives are posted (``rank_peak_memory``)."""
     total = count_contiguous_splits(problem)
     if total > EXACT_MAX_SPLITS:
         return None
@@ -170,7 +170,7 @@ def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callabl
     least: int | None = None
     start = time.perf_counter()
     for walked, a in enumerate(contiguous_splits(problem), 1):
-        peak = max(rank_peak_memory(problem, a))
+        peak = max(rank_peak_memory(problem, a, runtime=runtime))
         least = peak if least is None else min(least, peak)
         if peak <= memory_limit and not assignment_violations(problem, a):
             fits.append((evaluate(problem, a).bottleneck_ms, peak, len(fits), a))
@@ -193,9 +193,10 @@ def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callabl
     return min(heapq.nsmallest(_PRICED, fits), key=lambda f: (step_ms(f[3]), f[0], f[2]))[3]
 
 
-def walk_violations(problem: PartitionProblem, assignment: tuple[int, ...], memory_limit: int) -> list[str]:
+def walk_violations(problem: PartitionProblem, assignment: tuple[int, ...], memory_limit: int,
+                    runtime: RuntimeCosts | None = None) -> list[str]:
     """The ranks of ``assignment`` whose schedule walk is over ``memory_limit``, as violations."""
-    peaks = rank_peak_memory(problem, assignment)
+    peaks = rank_peak_memory(problem, assignment, runtime=runtime)
     return [f"rank {r} peaks at {peak} bytes over the step > limit {memory_limit}"
             for r, peak in enumerate(peaks) if peak > memory_limit]
 

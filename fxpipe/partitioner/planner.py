@@ -138,10 +138,11 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
     runners_up: list[Solution] = []
-    step_ms = step_time_of(problem, RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]))
+    runtime = RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"])
+    step_ms = step_time_of(problem, runtime)
     if walk_limit is not None:
         found = fitting_split(problem, walk_limit, step_ms, budget_s=time_limit, optimize=optimize,
-                              objective=objective, slack=_MEMORY_SLACK)
+                              objective=objective, slack=_MEMORY_SLACK, runtime=runtime)
         if found is None:
             return None
         chosen = Solution(found, solver="all-splits",
@@ -163,7 +164,8 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
                                 seconds=time.perf_counter() - start, optimize=optimize,
                                 objective="step" if for_step else "bottleneck")
     if walk_limit is not None:  # the baselines, too, are held to the walk, not the stage formula
-        plan = replace(plan, baselines={name: _walked_baseline(report, problem, baselines[name].assignment, walk_limit)
+        plan = replace(plan, baselines={name: _walked_baseline(report, problem, baselines[name].assignment, walk_limit,
+                                                               runtime)
                                         for name, report in plan.baselines.items()})
     if split_at:
         plan = replace(plan, status=f"{plan.status}; stages start at --split-at {', '.join(split_at)}".strip("; "))
@@ -171,9 +173,9 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
 
 
 def _walked_baseline(report: BaselineReport, problem: PartitionProblem, assignment: tuple[int, ...],
-                     walk_limit: int) -> BaselineReport:
+                     walk_limit: int, runtime: RuntimeCosts) -> BaselineReport:
     """``report`` with the ranks whose schedule walk is over ``walk_limit`` added to its violations."""
-    over = walk_violations(problem, assignment, walk_limit)
+    over = walk_violations(problem, assignment, walk_limit, runtime)
     if not over:
         return report
     return replace(report, feasible=False, violations=(report.violations + tuple(over))[:5])

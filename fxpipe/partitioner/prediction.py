@@ -140,6 +140,7 @@ class RuntimeCosts:
     recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
+    step_receives: bool = False              # every receive posted at the step's start (gloo: Note [memory over time])
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
@@ -188,7 +189,8 @@ RUNTIME_COSTS: dict[str, RuntimeCosts] = {
                         dp_sync_tensor_ms=0.035,
                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                         optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
-                        recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9),
+                        recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9,
+                        step_receives=True),
     "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
                          loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                          optimizer_bytes_per_s=1e12),
@@ -464,11 +466,13 @@ def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[
     return out
 
 
-def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], schedule: str | None = None
-                     ) -> tuple[int, ...]:
+def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], schedule: str | None = None,
+                     runtime: RuntimeCosts | None = None) -> tuple[int, ...]:
     """Each rank's peak tensor bytes over one step under ``schedule`` (Note [memory over time]):
     training state of its distinct parameters, buffers, the step's inputs (every rank is handed
-    the batch), the receive-buffer pools, and the largest moment of the schedule's walk."""
+    the batch), the receive-buffer pools (as ``runtime`` posts receives; default
+    ``RUNTIME_COSTS["cpu"]``), and the largest moment of the schedule's walk."""
+    step_receives = (runtime if runtime is not None else RUNTIME_COSTS["cpu"]).step_receives
     name = schedule or problem.schedule
     sizes = stage_bytes(problem, assignment)
     rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
@@ -478,7 +482,8 @@ def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], sch
         rank_params[r].update(problem.unit_params[u])
         fixed[r] += problem.buffer_bytes[u]
     out = []
-    moments = schedule_memory_moments(name, problem.num_ranks, problem.virtual_stages, problem.microbatches)
+    moments = schedule_memory_moments(name, problem.num_ranks, problem.virtual_stages, problem.microbatches,
+                                      step_receives)
     for r, rank in enumerate(moments):
         weights, _, optimizer = problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in rank_params[r]))
         state = weights + optimizer  # gradients: per stage, at the moments they exist
@@ -508,7 +513,7 @@ def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_s
         pipeline_ms[schedule] = line.step_ms
         step_ms[schedule] = line.step_ms + overhead.total_ms
         bubble[schedule] = line.bubble
-        memory[schedule] = rank_peak_memory(problem, assignment, schedule)
+        memory[schedule] = rank_peak_memory(problem, assignment, schedule, rt)
     return Prediction(schedule=problem.schedule, step_ms=step_ms, pipeline_ms=pipeline_ms, bubble_by_schedule=bubble,
                       peak_memory_bytes_by_schedule=memory, step_overhead_ms=overhead, runtime_costs=rt,
                       samples_per_step=problem.microbatches * microbatch_size)

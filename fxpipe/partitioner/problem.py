@@ -32,7 +32,7 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   ``Prediction.peak_memory_bytes_by_schedule``) walks the schedule's actions instead
   (Note [memory over time] in ``schedule.memory``) and adds what this linear formula,
   which the solvers constrain, leaves out: backward temporaries, gradients kept for a
-  split ``W``, receive buffers posted one action early, the step's inputs, and gradients
+  split ``W``, receive buffers (on gloo one per message of the step), the step's inputs, and gradients
   only once they exist. Measured on 2-4 CPU ranks it is within 20% where this formula
   was 9-75% low (benchmarks/prediction/README.md).
 * Rank memory (what a memory limit bounds) = the distinct parameters of its stages

@@ -119,11 +119,11 @@ class Pricer:
                 busy[st.rank] += st.compute_ms + (st.fwd_ms if recompute and recompute[s] else 0.0)
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue
-            peaks = rank_peak_memory(priced, assignment, shape.schedule)  # Note [fitting memory over time]
+            peaks = rank_peak_memory(priced, assignment, shape.schedule, self.rt)  # Note [fitting memory over time]
             if limit is not None and max(peaks) > limit and not recompute and not shape.split_backward:
                 recompute = tuple(peaks[problem.stage_ranks[s]] > limit for s in range(problem.num_stages))
                 priced = replace(problem, cost=replace(cost, recompute=recompute))  # step overheads unchanged
-                peaks = rank_peak_memory(priced, assignment, shape.schedule)
+                peaks = rank_peak_memory(priced, assignment, shape.schedule, self.rt)
             walked = max(peaks)
             if limit is not None and walked > limit:
                 too_big(shard, walked)

@@ -5,10 +5,10 @@ The rank holds one stage, or several (interleaved and V-shaped schedules); each 
 follow from the routes (Note [implied communication] in ``fxpipe.runtime.stage_io``);
 this module walks the action list, computes the loss on the loss stage, and decides
 when receives are posted (Note [posting messages] in ``fxpipe.runtime.comm``): on
-gloo the receives of the next action that has any are posted before the current
-action computes, so its data arrives meanwhile; on NCCL (``pair_sends``) an action's
-sends go out with the next action's receives. Sends are waited for once, at the end of
-the step. ``B`` is split where the schedule has a ``W`` for it (Note [split backward] in
+gloo every receive of the step is posted when the step starts, so each send finds its
+receive already announced; on NCCL (``pair_sends``) an action's sends go out with the
+next action's receives. Sends are waited for once, at the end of the step. ``B`` is
+split where the schedule has a ``W`` for it (Note [split backward] in
 ``fxpipe.partitioner.schedule.actions``). With non-blocking sends a schedule is
 deadlock-free exactly when ``validate.simulate`` finishes it, which ``PipelineRunner``
 checks up front, so any valid action list runs, a user's own included.
@@ -83,12 +83,6 @@ class RankExecutor:
                                         f"holds stages {sorted(modules)}")
             receives = worker.receives(a.kind.value)
             self._steps.append(_Step(a, worker, (a.stage, a.microbatch) in split, receives))
-        self._next_receiving: list[int | None] = [None] * len(self._steps)
-        following = None
-        for i in reversed(range(len(self._steps))):
-            self._next_receiving[i] = following
-            if self._steps[i].receives:
-                following = i
         self.last_step: list[ActionTime] = []
         self._want: dict[tuple[int, int], list[tuple[int, ...]]] = {}   # (stage, microbatch size) -> output shapes
 
@@ -116,14 +110,12 @@ class RankExecutor:
         scale = 1.0 / M if self.average_grads else 1.0
         live: dict[int, torch.Tensor] = {}   # losses between their microbatch's F and B
         losses: list[torch.Tensor] = [torch.zeros(())] * M
-        steps, early = self._steps, not self.comm.pair_sends
+        steps = self._steps
         posted: dict[int, Pending] = {}
+        if not self.comm.pair_sends:  # gloo: every receive of the step, before any action computes
+            posted = {i: self._post(step, mb_size) for i, step in enumerate(steps) if step.receives}
         timeline: list[ActionTime] = []
         for i, step in enumerate(steps):
-            if early:  # this action's receives, and those of the next action that receives, before computing
-                for j in (i, self._next_receiving[i]):
-                    if j is not None and steps[j].receives and j not in posted:
-                        posted[j] = self._post(steps[j], mb_size)
             pending = posted.pop(i, None)
             a, worker = step.action, step.worker
             m = a.microbatch

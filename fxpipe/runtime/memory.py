@@ -130,12 +130,13 @@ def training_peak_tensor_bytes(runner: PipelineRunner, inputs: tuple[torch.Tenso
                                steps: int) -> int:
     """Peak tensor bytes of this rank over ``steps`` more training steps of ``runner`` (one
     accumulation window, after the timed ones, so the tracker's per-op cost never lands in a
-    timed step): the stage's state, the step's data and everything the steps create. The
-    previous step's gradients count until the step frees them (no list of them is kept)."""
+    timed step): the stage's state, the step's data, the receive buffers the timed steps left
+    in the pools and everything the steps create. The previous step's gradients count until
+    the step frees them (no list of them is kept)."""
 
     def start() -> list[torch.Tensor]:
         data = [t for t in (*inputs, *tree_leaves(targets)) if isinstance(t, torch.Tensor)]
-        return state_tensors(runner.stage, runner.optimizer) + data
+        return state_tensors(runner.stage, runner.optimizer) + data + runner.executor.comm.pooled()
 
     def run() -> None:
         for _ in range(steps):

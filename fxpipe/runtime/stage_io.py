@@ -17,9 +17,9 @@ per microbatch once warm. Stages on one rank hand tensors over in memory.
 
 Sends never block: they are waited on only at the end of the step (Note [posting
 messages] in ``fxpipe.runtime.comm``). A caller that runs actions back to back
-(``fxpipe.runtime.executor``) posts the next action's receives early (``post_forward``,
-``post_backward``); one that runs user code between actions (``fxpipe.smp.driver``)
-lets each action post its own.
+(``fxpipe.runtime.executor``) posts receives early (``post_forward``, ``post_backward``;
+on gloo all of the step's at its start); one that runs user code between actions
+(``fxpipe.smp.driver``) lets each action post its own.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from fxpipe.partitioner import CostModel
-from fxpipe.partitioner.prediction import rank_peak_memory, stage_bytes
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory, stage_bytes
 from fxpipe.partitioner.problem import PartitionProblem, Tensor
 from fxpipe.partitioner.schedule import make_schedule
 from fxpipe.partitioner.schedule.memory import Holding, memory_moments, schedule_memory_moments
@@ -24,21 +24,34 @@ def test_gpipe_peaks_in_its_first_backward_before_any_gradient_exists() -> None:
     assert _peak("1f1b", 1, "activations") == 1
 
 
-def test_receive_pools_count_the_buffer_posted_one_action_early() -> None:
-    # rank 0 receives gradients, rank 1 activations; posted ahead (gloo) the pool holds one more
-    early = schedule_memory_moments("1f1b", 2, 1, 4)
-    late = memory_moments(make_schedule("1f1b", 2, 4), early_post=False)
-    assert (early[0].gradient_buffers, early[1].activation_buffers) == ((2,), (2,))
-    assert (late[0].gradient_buffers, late[1].activation_buffers) == ((1,), (1,))
-    assert early[0].activation_buffers == (0,) and early[1].gradient_buffers == (0,)
-    # GPipe keeps every microbatch's input buffer until its backward
-    assert schedule_memory_moments("gpipe", 2, 1, 4)[1].activation_buffers == (4,)
+def test_receive_pools_hold_a_buffer_per_message_on_gloo_and_per_action_otherwise() -> None:
+    # rank 0 receives gradients, rank 1 activations; posted at the step's start (gloo), a buffer per microbatch
+    gloo = schedule_memory_moments("1f1b", 2, 1, 4)
+    paired = memory_moments(make_schedule("1f1b", 2, 4), step_receives=False)
+    assert (gloo[0].gradient_buffers, gloo[1].activation_buffers) == ((4,), (4,))
+    assert (paired[0].gradient_buffers, paired[1].activation_buffers) == ((1,), (1,))
+    assert gloo[0].activation_buffers == (0,) and gloo[1].gradient_buffers == (0,)
+    # GPipe keeps every microbatch's input buffer until its backward, however they are posted
+    assert memory_moments(make_schedule("gpipe", 2, 4), step_receives=False)[1].activation_buffers == (4,)
+
+
+def test_rank_peak_memory_counts_receive_buffers_as_the_runtime_posts_them() -> None:
+    problem = _chain((100, 100, 100, 100), (1000, 1000, 1000, 1000), (10, 10, 10, 10), schedule="1f1b")
+    a = (0, 0, 1, 1)
+    gloo = rank_peak_memory(problem, a, runtime=RUNTIME_COSTS["cpu"])
+    nccl = rank_peak_memory(problem, a, runtime=RUNTIME_COSTS["cuda"])
+    # 1F1B on 2 ranks, 4 microbatches: gloo posts 4 receives of 1000 bytes per rank, NCCL one at a time
+    assert [g - n for g, n in zip(gloo, nccl)] == [3 * 1000, 3 * 1000]
 
 
 def test_split_backward_keeps_gradients_until_w_and_holds_buffers_longer() -> None:
     zb = schedule_memory_moments("zb-h1", 2, 1, 4)
     assert _peak("zb-h1", 1, "weight_pending") == 2 and _peak("1f1b", 1, "weight_pending") == 0
-    assert zb[1].activation_buffers == (3,)  # released at W, not at B
+    assert zb[1].activation_buffers == (4,)  # gloo: every receive posted at the step's start
+    paired = memory_moments(make_schedule("zb-h1", 2, 4), step_receives=False)
+    # released at W, not at B: two held at once where 1F1B holds one
+    assert paired[1].activation_buffers == (2,)
+    assert memory_moments(make_schedule("1f1b", 2, 4), step_receives=False)[1].activation_buffers == (1,)
     assert all(m[0].weight_pending == 0 or m[0].activations >= m[0].weight_pending for m in zb[1].moments)
 
 
@@ -69,12 +82,13 @@ def test_rank_peak_in_bytes_under_1f1b_and_gpipe() -> None:
     assert (sizes[0].outputs_sent, sizes[0].gradient_buffer, sizes[1].grads_sent, sizes[1].activation_buffer) == \
         (100, 100, 100, 100)
     data = 4 * 7
-    # 1F1B rank 0 peaks in B with 2 microbatches held, 4 outputs sent, 2 gradient buffers, gradients made
-    assert rank_peak_memory(problem, (0, 1), "1f1b")[0] == data + 40 + 2 * 100 + 2 * 1000 + 4 * 100 + 240 + 40
+    # gloo posts the step's 4 receives at its start: 4 receive buffers of 100 bytes on each rank
+    # 1F1B rank 0 peaks in B with 2 microbatches held, 4 outputs sent, gradients made
+    assert rank_peak_memory(problem, (0, 1), "1f1b")[0] == data + 40 + 4 * 100 + 2 * 1000 + 4 * 100 + 240 + 40
     # GPipe rank 0: its first B, all 4 held, no gradient yet
-    assert rank_peak_memory(problem, (0, 1), "gpipe")[0] == data + 40 + 2 * 100 + 4 * 1000 + 4 * 100 + 240
+    assert rank_peak_memory(problem, (0, 1), "gpipe")[0] == data + 40 + 4 * 100 + 4 * 1000 + 4 * 100 + 240
     # rank 1, 1F1B: its last B (1 held, 3 gradients sent) against after it (4 sent): the B with its temporaries
-    assert rank_peak_memory(problem, (0, 1), "1f1b")[1] == data + 60 + 2 * 100 + 2000 + 3 * 100 + 80 + 60
+    assert rank_peak_memory(problem, (0, 1), "1f1b")[1] == data + 60 + 4 * 100 + 2000 + 3 * 100 + 80 + 60
 
 
 def test_recomputation_holds_no_activations_and_rebuilds_one_microbatch_in_backward() -> None:

@@ -122,9 +122,8 @@ def test_gpipe_holds_more_activations_than_1f1b_as_predicted(wide_runs) -> None:
     gap = runs["gpipe"].peak_tensor_bytes[0] - runs["1f1b"].peak_tensor_bytes[0]
     predicted_gap = predicted["gpipe"][0] - predicted["1f1b"][0]
     assert 2 * act * 0.6 <= gap <= 2 * act * 1.1
-    # measured ~0.72 of the predicted gap: GPipe's peak (its first B) has fewer temporaries than
-    # the model's two widest outputs (that B's first output gradient is the receive buffer itself)
-    assert 0.6 * predicted_gap <= gap <= 1.05 * predicted_gap
+    # measured 0.97 of the predicted gap (the receive pools counted on both sides)
+    assert 0.85 * predicted_gap <= gap <= 1.05 * predicted_gap
 
 
 @pytest.mark.distributed
@@ -135,3 +134,16 @@ def test_measured_peak_within_20_percent_of_the_prediction(wide_runs) -> None:
     for schedule, run in runs.items():
         for meas, pred in zip(run.peak_tensor_bytes, predicted[schedule]):
             assert 0.8 <= meas / pred <= 1.2, f"{schedule}: measured {meas} vs predicted {pred}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_receive_buffers_counted_as_the_runtime_posts_them(wide_runs) -> None:
+    # gloo posts the step's 4 receives at its start; the tracker counts the pooled buffers. Measured
+    # within 2-3% on every rank (0.98-1.02); a runtime that posted one action ahead holds 2 of the 4
+    # on 1F1B's ranks, 13% of their predicted peak, and an uncounted pool would miss all 4
+    plan, runs = wide_runs
+    predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
+    for schedule, run in runs.items():
+        for rank, (meas, pred) in enumerate(zip(run.peak_tensor_bytes, predicted[schedule])):
+            assert 0.95 <= meas / pred <= 1.05, f"{schedule} rank {rank}: measured {meas} vs predicted {pred}"

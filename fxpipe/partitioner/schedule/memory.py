@@ -6,11 +6,11 @@ the backward is split, else ``B``): the saved activations, one receive buffer of
 inputs and, once its backward receives were posted, one receive buffer of its output
 gradients; every message it sent during the step (outputs after ``F``, input gradients
 after ``B``) stays alive until the step ends; between a split ``B`` and its ``W`` the
-gradients the weight gradients start from. On gloo the executor posts an action's
-receives and those of the next action that receives before computing (Note [posting
-messages] in ``fxpipe.runtime.comm``), so a buffer is taken one receiving action early.
-Receive buffers come from a pool that never shrinks: its size is the most buffers held at
-once, and all of them are alive through the step. While a ``B`` runs, the stage also has
+gradients the weight gradients start from. On gloo the executor posts every receive of
+the step when it starts (Note [posting messages] in ``fxpipe.runtime.comm``): a buffer per
+message; on NCCL each action posts its own. Receive buffers come from a pool that never
+shrinks: its size is the most buffers held at once, and all of them are alive through
+the step. While a ``B`` runs, the stage also has
 its backward temporaries (and, under recomputation, one microbatch's activations again);
 the optimizer frees the gradients between steps (``zero_grad(set_to_none=True)``), so a
 stage holds them only once its first backward that makes them (``B``, or ``W`` when split)
@@ -99,11 +99,11 @@ def _pareto(moments: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return kept
 
 
-def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMoments, ...]:
+def memory_moments(schedule: Schedule, step_receives: bool = True) -> tuple[RankMoments, ...]:
     """Per rank, what its stages hold at every moment of one step (Note [memory over time]).
 
-    ``early_post``: receives posted one receiving action ahead (gloo); ``False``: at the
-    action itself (NCCL's paired sends).
+    ``step_receives``: every receive is posted when the step starts (gloo); ``False``: by
+    its own action (NCCL's paired sends).
     """
     split = schedule.split_backward()
     recv_f, recv_b = _receives(schedule)
@@ -116,16 +116,9 @@ def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMom
         taken_a, taken_g = [0] * n, [0] * n
         pool_a, pool_g = [0] * n, [0] * n
         held_bufs: dict[tuple[int, int], list[str]] = {}  # (stage, microbatch) -> buffers it holds
-        posted: set[int] = set()
         receiving = [i for i, a in enumerate(acts) if (a.kind is F and a.stage in recv_f)
                      or (a.kind is B and a.stage in recv_b)]
-        receiving_set = set(receiving)
-        nxt: list[int | None] = [None] * len(acts)  # the next receiving action after each
-        following: int | None = None
-        for i in reversed(range(len(acts))):
-            nxt[i] = following
-            if receiving and i in receiving_set:
-                following = i
+        at_action = set() if step_receives else set(receiving)
         moments: list[tuple[int, ...]] = []
 
         def snapshot() -> None:
@@ -142,12 +135,13 @@ def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMom
             else:
                 taken_g[c] += 1
                 pool_g[c] = max(pool_g[c], taken_g[c])
-            posted.add(j)
 
+        if step_receives:
+            for j in receiving:
+                post(j)
         for i, a in enumerate(acts):
-            for j in ((i, nxt[i]) if early_post else (i,)):
-                if j is not None and j in receiving_set and j not in posted:
-                    post(j)
+            if i in at_action:
+                post(i)
             c = col[a.stage]
             row = counts[c]
             done = False
@@ -186,9 +180,9 @@ def memory_moments(schedule: Schedule, early_post: bool = True) -> tuple[RankMom
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_memory_moments(name: str, num_ranks: int, virtual_stages: int, microbatches: int
-                            ) -> tuple[RankMoments, ...]:
+def schedule_memory_moments(name: str, num_ranks: int, virtual_stages: int, microbatches: int,
+                            step_receives: bool = True) -> tuple[RankMoments, ...]:
     """``memory_moments`` of the named schedule (cached: every prediction of a plan asks for it)."""
     from fxpipe.partitioner.schedule.registry import make_schedule
 
-    return memory_moments(make_schedule(name, num_ranks, microbatches, virtual_stages))
+    return memory_moments(make_schedule(name, num_ranks, microbatches, virtual_stages), step_receives)
