@@ -16,10 +16,9 @@ Note [posting messages]: a rank's stages exchange tensors three ways.
   Gloo moves a message from the sender's own call only when the receiver announced its
   receive before the send; otherwise the sender's transport thread must wake to move it,
   and while the sender computes that thread waits for a core, up to a scheduler time
-  slice: 1.1-1.7 ms in the 90th percentile measured on this machine with the receive
-  posted 1 ms ahead, 0.2-0.3 ms with it posted 5 ms ahead (Note [message stalls] in
-  ``fxpipe.partitioner.schedule.sharing``). The price is one receive buffer per message
-  of the step, which the memory prediction counts (Note [memory over time]).
+  slice (measured: Note [message stalls] in ``fxpipe.partitioner.schedule.sharing``).
+  The price is one receive buffer per message of the step, which the memory prediction
+  counts (Note [memory over time]).
 """
 
 from __future__ import annotations

@@ -128,17 +128,7 @@ def test_gpipe_holds_more_activations_than_1f1b_as_predicted(wide_runs) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_measured_peak_within_20_percent_of_the_prediction(wide_runs) -> None:
-    plan, runs = wide_runs
-    predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
-    for schedule, run in runs.items():
-        for meas, pred in zip(run.peak_tensor_bytes, predicted[schedule]):
-            assert 0.8 <= meas / pred <= 1.2, f"{schedule}: measured {meas} vs predicted {pred}"
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_receive_buffers_counted_as_the_runtime_posts_them(wide_runs) -> None:
+def test_measured_peak_within_5_percent_of_the_prediction(wide_runs) -> None:
     # gloo posts the step's 4 receives at its start; the tracker counts the pooled buffers. Measured
     # within 2-3% on every rank (0.98-1.02); a runtime that posted one action ahead holds 2 of the 4
     # on 1F1B's ranks, 13% of their predicted peak, and an uncounted pool would miss all 4
