@@ -31,9 +31,16 @@ import torch.distributed as dist
 
 from fxpipe.runtime.p2p import P2P, Message
 
-__all__ = ["RankComm", "Posted"]
+__all__ = ["RankComm", "Posted", "pairs_sends"]
 
 Posted = list[tuple[dist.Work, Message, bool]]
+
+
+def pairs_sends(device: torch.device) -> bool:
+    """Whether a rank on ``device`` pairs its sends with receives (NCCL, on CUDA) or posts every
+    receive of a step when the step starts (gloo). The memory prediction counts receive buffers
+    by the same fact (``RuntimeCosts.step_receives``; a test keeps the two in step)."""
+    return device.type == "cuda"
 
 
 class RankComm:

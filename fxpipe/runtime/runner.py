@@ -40,6 +40,7 @@ from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage
 from fxpipe.partitioner.schedule import runnable_schedules
 from fxpipe.partitioner.schedule.placement import placement_of
 from fxpipe.runtime.clipping import clip_grads_, counted_parameters, pipeline_grad_norm
+from fxpipe.runtime.comm import pairs_sends
 from fxpipe.runtime.executor import LossFn, RankExecutor
 from fxpipe.runtime.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.layout import RankLayout
@@ -216,7 +217,7 @@ class PipelineRunner:
         p2p = P2P(rank, [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks], timeout_s,
                   self.groups.pipeline)
         self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
-                                     self.device, average_microbatch_grads, pair_sends=self.device.type == "cuda",
+                                     self.device, average_microbatch_grads, pair_sends=pairs_sends(self.device),
                                      recompute=_recomputed(recompute, manifest, self.schedule), autocast=autocast,
                                      weight_params=self.data_parallel.weight_params if self.data_parallel else None)
         self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
@@ -332,7 +333,7 @@ class PipelineRunner:
             # no validate_schedule (it wants every B): the forwards of a valid schedule, in the same order,
             # only wait on earlier forwards, and sends never block, so they finish whenever the schedule does
             self._evaluator = RankExecutor(self.manifest, self.routes, self.pipeline_rank, self.stages, forward,
-                                           self._p2p, self.device, pair_sends=self.device.type == "cuda",
+                                           self._p2p, self.device, pair_sends=pairs_sends(self.device),
                                            autocast=self._autocast)
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
         was_training = self.stage.training

@@ -12,12 +12,21 @@ import torch.nn as nn
 from fxpipe.codegen import write_build_dir
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition
+from fxpipe.partitioner.prediction import RUNTIME_COSTS
+from fxpipe.runtime.comm import pairs_sends
 from fxpipe.runtime.launch import run_build
 from fxpipe.runtime.options import RunOptions
 from fxpipe.runtime.memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
 from fxpipe.tracer import trace_model_file
 
 KIB = 1024
+
+
+@pytest.mark.parametrize("device", sorted(RUNTIME_COSTS))
+def test_memory_model_posts_receives_as_the_runtime_does(device: str) -> None:
+    # the runtime posts every receive at the step's start exactly where it does not pair sends (gloo),
+    # and the memory model counts one receive buffer per message there (Note [memory over time])
+    assert RUNTIME_COSTS[device].step_receives is (not pairs_sends(torch.device(device)))
 
 
 def test_tracker_counts_each_storage_once_until_freed() -> None:
