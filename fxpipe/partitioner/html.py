@@ -71,7 +71,10 @@ _LEGEND = (
     ("stage ms", "compute + comm: what the band's length and the boxes' widths show"),
     ("memory", "the stage's predicted memory: weights, gradients, optimizer state, buffers, the activations "
                "of the microbatches in flight and the boundary tensors"),
-    ("peak memory", "the largest per-rank memory of a plan (what a memory limit bounds)"),
+    ("rank peak", "the largest memory of the stage's rank over one step, walking the schedule's actions in order "
+                  "(every stage the rank holds, receive buffers included); what a memory limit bounds"),
+    ("peak memory", "the largest per-rank memory of a plan by the stages' formula, the same for fxpipe's plan "
+                    "and the baselines (the solvers' memory bound; the limit itself holds the rank peak)"),
     ("lower bound", "no split of these units into this many stages can have a smaller bottleneck"),
     ("x bound", "a plan's bottleneck divided by the lower bound (1.00: as good as any split can be)"),
     ("x plan", "a plan's bottleneck divided by fxpipe's plan (above 1: slower than fxpipe's)"),
@@ -90,6 +93,7 @@ _LEGEND = (
 def _stage_table(plan: PartitionPlan, profile: ModelProfile) -> str:
     paths = {u.name: u.module_path for u in profile.units}
     ranks = plan.stage_ranks
+    walked = plan.prediction.peak_memory_bytes if plan.prediction is not None else ()
     rows = []
     for s in plan.stages:
         share = s.stage_ms / plan.bottleneck_ms if plan.bottleneck_ms > 0 else 1.0
@@ -98,9 +102,11 @@ def _stage_table(plan: PartitionPlan, profile: ModelProfile) -> str:
             f'<tr{best}><td class="l"><span class="sw" style="--c:{stage_color(s.index)}"></span>{s.index}</td>'
             f"<td>{ranks[s.index]}</td><td class=\"l\">{escape(module_range([paths.get(u, u) for u in s.units]))}</td>"
             f"<td>{len(s.units)}</td><td>{s.compute_ms:.3f}</td><td>{s.comm_ms:.3f}</td><td>{s.stage_ms:.3f}</td>"
-            f"<td>{format_size(s.memory_bytes)}</td><td>{share:.0%}</td></tr>")
+            f"<td>{format_size(s.memory_bytes)}</td>"
+            + (f"<td>{format_size(walked[ranks[s.index]])}</td>" if walked else "") + f"<td>{share:.0%}</td></tr>")
     return ('<div class="scroll"><table><tr><th class="l">stage</th><th>rank</th><th class="l">modules</th>'
-            "<th>units</th><th>compute ms</th><th>comm ms</th><th>stage ms</th><th>memory</th><th>share</th></tr>"
+            "<th>units</th><th>compute ms</th><th>comm ms</th><th>stage ms</th><th>memory</th>"
+            + ("<th>rank peak</th>" if walked else "") + "<th>share</th></tr>"
             f'{"".join(rows)}</table></div>')
 
 

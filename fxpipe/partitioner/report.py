@@ -115,6 +115,9 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
     dp = any(s.dp_allreduce_ms > 0 for s in plan.stages)  # data-parallel replicas: show the per-step all-reduce
     columns = [("stage", "right"), ("rank", "right"), ("modules", "left"), ("units", "right"), ("compute ms", "right"),
                ("comm ms", "right"), ("stage ms", "right"), ("memory", "right"), ("share", "right")]
+    walked = plan.prediction.peak_memory_bytes if plan.prediction is not None else ()
+    if walked:  # what a memory limit bounds (Note [memory over time]); "memory" is the stage's own formula
+        columns.insert(8, ("rank peak", "right"))
     if dp:
         columns.insert(7, ("dp all-reduce ms" if plan.cost.shard == "none" else "dp comm ms", "right"))
         columns.insert(8, ("dp sent/step", "right"))
@@ -128,6 +131,8 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
         cells = [str(s.index), str(plan.stage_ranks[s.index]), module_range([paths.get(u, u) for u in s.units]),
                  str(len(s.units)), f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.stage_ms:.3f}", mem,
                  f"{share:.0%}"]
+        if walked:
+            cells.insert(8, format_size(walked[plan.stage_ranks[s.index]]))
         if dp:
             cells.insert(7, f"{s.dp_allreduce_ms:.3f}")
             cells.insert(8, format_size(s.dp_bytes))

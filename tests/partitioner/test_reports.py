@@ -12,6 +12,7 @@ from partition_fixtures import chain_profile, random_dag
 from rich.console import Console
 
 from fxpipe.partitioner import plan_partition, print_plan_report, write_html_report
+from fxpipe.partitioner.cost import format_size
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -31,6 +32,25 @@ def test_terminal_report_lists_stages_baselines_and_prediction() -> None:
     assert f"blocks.{first[0][1:]} … blocks.{first[-1][1:]}" in text or len(first) == 1
     for word in ("uniform", "params", "greedy", "lower bound", "bubble", "samples/s"):
         assert word in text
+
+
+def test_stage_tables_show_each_rank_s_walked_peak(tmp_path: Path) -> None:
+    # the memory limit holds the schedule walk's rank peak, not the stage formula: both tables show it
+    plan, profile = _plan_and_profile()
+    walked = plan.prediction.peak_memory_bytes
+    assert walked and tuple(walked) != tuple(s.memory_bytes for s in plan.stages)
+    console = Console(record=True, width=200)
+    print_plan_report(plan, profile, console=console)
+    text = console.export_text()
+    assert "rank peak" in text
+    table = text.split("bottleneck vs baselines")[0]
+    header = next(line for line in table.splitlines() if "rank peak" in line)
+    column = [c.strip() for c in header.split("┃")].index("rank peak")
+    rows = [[c.strip() for c in line.split("│")] for line in table.splitlines() if line.startswith("│")]
+    assert [row[column] for row in rows] == [format_size(walked[r]) for r in plan.stage_ranks]
+    html = write_html_report(plan, profile, tmp_path / "report.html").read_text()
+    assert "<th>rank peak</th>" in html
+    assert all(f"<td>{format_size(m)}</td>" in html for m in walked)
 
 
 def test_html_is_self_contained(tmp_path: Path) -> None:
