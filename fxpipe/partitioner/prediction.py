@@ -7,9 +7,12 @@ with gloo, see benchmarks/prediction):
 
 * every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
   per message it sends or receives, the CPU cost of posting and completing it
-  (``message_ms``: with gloo, tens of microseconds per call), plus, when it starts while
-  every core is busy, the scheduler time slices its calls wait for gloo's transport
-  thread (``message_stall_ms`` per message, off the cores: Note [message stalls]);
+  (``message_ms``: with gloo, tens of microseconds per call; on gloo, where every receive
+  of the step is posted when the step starts (``step_receives``), each rank first pays
+  it for all its receives of the step, whatever its inputs, and each action only for
+  its sends), plus, when it starts while every core is busy, the scheduler time slices
+  its calls wait for gloo's transport thread (``message_stall_ms`` per message, off the
+  cores: Note [message stalls]);
   the message itself delays the consumer by the link time
   ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time); stages
   on one rank exchange no message;
@@ -140,7 +143,7 @@ class RuntimeCosts:
     recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
-    step_receives: bool = False              # every receive posted at the step's start (gloo: Note [memory over time])
+    step_receives: bool = False              # every receive posted at the step's start (gloo: Note [step prediction])
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
@@ -259,8 +262,10 @@ def predicted_schedules(problem: PartitionProblem) -> tuple[str, ...]:
 
 
 def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
-              ) -> tuple[list[int], list[int], dict[tuple[int, int], tuple[bool, float, float]]]:
-    """Per microbatch: messages each stage handles in forward and in backward; per link (a, d)
+              ) -> tuple[list[int], list[int], list[int], list[int],
+                         dict[tuple[int, int], tuple[bool, float, float]]]:
+    """Per microbatch: messages each stage handles (sends and receives) in forward and in
+    backward, and of them those it receives in forward and in backward; per link (a, d)
     between stages of different ranks: whether gradients come back, the link time of the
     activations stage d receives (from all its producers) and of the gradients stage a
     receives (Note [step prediction]; summed per receiver, as the runtime waits for them all)."""
@@ -294,7 +299,7 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
     links = {(a, d): (grad, 0.0, 0.0) if ranks[a] == ranks[d] else
              (grad, link(fwd_bytes[d], fwd_msgs[d], a, d), link(bwd_bytes[a], bwd_msgs[a], a, d))
              for (a, d), grad in pairs.items()}
-    return n_fwd, n_bwd, links
+    return n_fwd, n_bwd, fwd_msgs, bwd_msgs, links
 
 
 def _stages_with_input_grads(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[bool]:
@@ -346,7 +351,7 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     problem's), with the runtime's per-action and per-message costs (Note [step prediction])."""
     name = schedule or problem.schedule
     ev = evaluation if evaluation is not None else evaluate(problem, assignment)  # times do not depend on it
-    n_fwd, n_bwd, links = _messages(problem, assignment)
+    n_fwd, n_bwd, recv_fwd, recv_bwd, links = _messages(problem, assignment)
     last = problem.num_stages - 1
     rt = runtime
     plan = make_schedule(name, problem.num_ranks, problem.microbatches, problem.virtual_stages)
@@ -360,18 +365,25 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     recompute = problem.cost.recomputes(problem.num_stages)  # Note [recompute cost]
     region_f = [rt.recompute_fwd_ms + n * rt.recompute_fwd_saved_ms if r else 0.0 for n, r in zip(saved, recompute)]
     region_b = [rt.recompute_bwd_ms + n * rt.recompute_bwd_saved_ms if r else 0.0 for n, r in zip(saved, recompute)]
-    fwd = [st.fwd_ms + rt.action_ms + n_fwd[s] * rt.message_ms + loss[s] + region_f[s]
+    # messages each action posts itself: all of them, or only its sends where every receive of the
+    # step is posted when the step starts, the rank's prologue (Note [step prediction])
+    at_fwd = [n - r for n, r in zip(n_fwd, recv_fwd)] if rt.step_receives else n_fwd
+    at_bwd = [n - r for n, r in zip(n_bwd, recv_bwd)] if rt.step_receives else n_bwd
+    fwd = [st.fwd_ms + rt.action_ms + at_fwd[s] * rt.message_ms + loss[s] + region_f[s]
            for s, st in enumerate(ev.stages)]
-    bwd = [st.bwd_ms + rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] + region_b[s]
+    bwd = [st.bwd_ms + rt.action_ms + at_bwd[s] * rt.message_ms + loss[s] + region_b[s]
            for s, st in enumerate(ev.stages)]
     graded = _stages_with_input_grads(problem, assignment)
     f = rt.split_factor
     b_in = [b - st.bwd_ms + (st.bwd_ms - st.bwd_weight_ms) * f + rt.split_ms + units[s] * rt.split_unit_ms
-            if graded[s] else rt.action_ms + n_bwd[s] * rt.message_ms + loss[s] + rt.split_ms
+            if graded[s] else rt.action_ms + at_bwd[s] * rt.message_ms + loss[s] + rt.split_ms
             for s, (b, st) in enumerate(zip(bwd, ev.stages))]
     w = [st.bwd_weight_ms * f + rt.action_ms + weighted[s] * rt.weight_call_ms if graded[s]
          else st.bwd_ms + rt.action_ms  # the whole backward in one engine call (split_backward.SplitBackward.inputs)
          for s, st in enumerate(ev.stages)]
+    posting = [rt.message_ms * sum(recv_fwd[a.stage] if a.kind is ActionKind.FORWARD else recv_bwd[a.stage]
+                                   for a in acts if a.kind is not ActionKind.WEIGHT)
+               for acts in plan.actions] if rt.step_receives else []
 
     def duration(a: Action) -> float:
         if a.kind is ActionKind.FORWARD:
@@ -392,7 +404,7 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
     shared = rt.rank_speed * problem.num_ranks if rt.rank_speed < 1 else None  # cores of this pipeline's ranks
     return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
                          delay=delay, cores=shared, oversubscribed_rate=rt.oversubscribed_rate,
-                         stall=stall if rt.message_stall_ms > 0 else None)
+                         stall=stall if rt.message_stall_ms > 0 else None, prologue=posting)
 
 
 @dataclass(frozen=True)
@@ -475,23 +487,56 @@ def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], sch
     step_receives = (runtime if runtime is not None else RUNTIME_COSTS["cpu"]).step_receives
     name = schedule or problem.schedule
     sizes = stage_bytes(problem, assignment)
-    rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
-    fixed = [problem.input_bytes * problem.microbatches] * problem.num_ranks
-    for u, s in enumerate(assignment):
-        r = problem.stage_ranks[s]
-        rank_params[r].update(problem.unit_params[u])
-        fixed[r] += problem.buffer_bytes[u]
+    fixed, held = _rank_fixed_and_params(problem, assignment)
     out = []
     moments = schedule_memory_moments(name, problem.num_ranks, problem.virtual_stages, problem.microbatches,
                                       step_receives)
     for r, rank in enumerate(moments):
-        weights, _, optimizer = problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in rank_params[r]))
+        weights, _, optimizer = problem.cost.stage_state_bytes(held[r])
         state = weights + optimizer  # gradients: per stage, at the moments they exist
         pools = sum(na * sizes[s].activation_buffer + ng * sizes[s].gradient_buffer
                     for s, na, ng in zip(rank.stages, rank.activation_buffers, rank.gradient_buffers))
         peak = rank.peak([sizes[s].per_count() for s in rank.stages])
         out.append(int(fixed[r] + state + pools + peak))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class MemoryFloor:
+    """Per rank, bytes its schedule walk holds at some moment under every schedule
+    (``rank_memory_floor``): bounds on ``rank_peak_memory`` from below, cheap to compute."""
+
+    always: tuple[int, ...]  # at every moment: weights, optimizer state, buffers, the step's inputs
+    at_end: tuple[int, ...]  # when the step ends: that, plus the gradients of every stage
+
+
+def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...]) -> MemoryFloor:
+    """Lower bounds on each rank's walked peak (Note [memory over time]) that need no walk: a sum
+    over the units. The cluster search rejects on them before walking (Note [cluster search])."""
+    fixed, held = _rank_fixed_and_params(problem, assignment)
+    stage_params: list[set[int]] = [set() for _ in range(problem.num_stages)]
+    for u, s in enumerate(assignment):
+        stage_params[s].update(problem.unit_params[u])
+    grads = [0] * problem.num_ranks  # per stage, as the walk counts them
+    for s, ps in enumerate(stage_params):
+        grads[problem.stage_ranks[s]] += problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in ps))[1]
+    always = []
+    for f, h in zip(fixed, held):
+        weights, _, optimizer = problem.cost.stage_state_bytes(h)
+        always.append(int(f + weights + optimizer))
+    return MemoryFloor(always=tuple(always), at_end=tuple(a + g for a, g in zip(always, grads)))
+
+
+def _rank_fixed_and_params(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Per rank: bytes held whatever the schedule (its buffers, the step's inputs: every rank
+    is handed the batch), and bytes of the distinct parameters it holds."""
+    rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
+    fixed = [problem.input_bytes * problem.microbatches] * problem.num_ranks
+    for u, s in enumerate(assignment):
+        r = problem.stage_ranks[s]
+        rank_params[r].update(problem.unit_params[u])
+        fixed[r] += problem.buffer_bytes[u]
+    return fixed, [sum(problem.param_bytes[p] for p in ps) for ps in rank_params]
 
 
 def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_size: int, *,

@@ -16,7 +16,8 @@ def test_plan_is_never_worse_than_a_baseline_on_a_branching_graph(solver: str,
     # The DP prices the enc_x skip approximately: alone it gives 1.041 ms, greedy 0.868 ms.
     if solver == "auto-without-cpsat":
         monkeypatch.setattr(planner_module, "CPSAT_MAX_VARIABLES", 0)
-    plan = plan_partition(branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0])
+    plan = plan_partition(branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0],
+                          objective="bottleneck")
     assert plan.solver == "dp"
     for name, base in plan.baselines.items():
         assert base.feasible
@@ -24,6 +25,17 @@ def test_plan_is_never_worse_than_a_baseline_on_a_branching_graph(solver: str,
     assert plan.bottleneck_ms == pytest.approx(plan.baselines["greedy"].bottleneck_ms)
     assert "kept the greedy baseline's split (faster by the exact cost" in plan.status
     assert not plan.optimal
+
+
+@pytest.mark.parametrize("solver", ["dp", "auto-without-cpsat"])
+def test_plan_for_step_is_never_slower_than_a_baseline_on_a_branching_graph(solver: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if solver == "auto-without-cpsat":
+        monkeypatch.setattr(planner_module, "CPSAT_MAX_VARIABLES", 0)
+    plan = plan_partition(branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0])
+    for name, base in plan.baselines.items():
+        assert base.feasible and base.step_ms is not None
+        assert plan.step_ms <= base.step_ms * (1 + 1e-9), name
 
 
 def test_equal_bottlenecks_are_broken_by_the_predicted_step() -> None:

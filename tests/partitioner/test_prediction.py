@@ -9,7 +9,7 @@ from partition_fixtures import chain_profile
 
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner import CostModel, build_problem, plan_partition, predict, simulate_schedule
-from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, step_overheads
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, simulate_plan, step_overheads
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 
 FREE = RuntimeCosts()  # every runtime cost zero: the bare simulation
@@ -48,6 +48,17 @@ def test_messages_cost_cpu_on_both_ends_and_delay_the_consumer() -> None:
     assert pred.pipeline_ms["gpipe"] == pytest.approx(9.0)
     assert pred.step_overhead_ms.loss_broadcast_ms == pytest.approx(0.004)  # 4 bytes over 1 MB/s
     assert pred.step_ms["gpipe"] == pytest.approx(9.004)
+
+
+def test_receives_posted_at_the_step_start_are_paid_before_the_first_action() -> None:
+    problem = build_problem(_two_units(), 2, microbatches=1, schedule="gpipe", cost=LINK)
+    runtime = RuntimeCosts(message_ms=0.25, step_receives=True)
+    # rank 0 posts B0's receive [0, 0.25], F0 + its send [0.25, 1.5] | link 1 | rank 1 posted F1's receive
+    # while it waited: F1 [2.5, 3.5], B1 + its send [3.5, 5.75] | link 1 | B0, its receive already posted, 2.0
+    assert predict(problem, (0, 1), 2, runtime=runtime).pipeline_ms["gpipe"] == pytest.approx(8.75)
+    line = simulate_plan(problem, (0, 1), runtime)
+    assert [(str(op), round(op.start_ms, 9), round(op.end_ms, 9)) for op in line.ops] == \
+        [("0F0", 0.25, 1.5), ("1F0", 2.5, 3.5), ("1B0", 3.5, 5.75), ("0B0", 6.75, 8.75)]
 
 
 def test_messages_stall_only_where_an_action_starts_on_busy_cores() -> None:

@@ -39,11 +39,15 @@ def test_two_ranks_on_one_core_by_hand() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6))
-def test_enough_cores_is_the_plain_simulation(name: str, ranks: int, microbatches: int, seed: int) -> None:
+@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6),
+       st.lists(st.sampled_from([0.0, 0.4, 2.5]), min_size=4, max_size=4))
+def test_enough_cores_is_the_plain_simulation(name: str, ranks: int, microbatches: int, seed: int,
+                                              prologue: list[float]) -> None:
     schedule = _schedule(name, ranks, microbatches)
-    plain = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3)
-    shared = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, cores=ranks)
+    plain = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, prologue=prologue)
+    shared = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, cores=ranks, prologue=prologue)
+    for r, first in enumerate(schedule.actions):  # a rank's first action starts after its prologue
+        assert min(op.start_ms for op in plain.ops if op.rank == r) >= prologue[r] - 1e-9
     assert sorted((op.rank, str(op), round(op.end_ms, 9)) for op in shared.ops) == \
         sorted((op.rank, str(op), round(op.end_ms, 9)) for op in plain.ops)
 
@@ -65,13 +69,15 @@ def test_fewer_cores_stretch_the_step_at_most_by_ranks_over_cores(name: str, ran
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6))
+@given(st.sampled_from(NAMES), st.integers(2, 4), st.integers(1, 6), st.integers(0, 10**6),
+       st.lists(st.floats(0.0, 2.0), min_size=4, max_size=4))
 def test_one_core_without_delays_runs_all_the_work_back_to_back(name: str, ranks: int, microbatches: int,
-                                                                seed: int) -> None:
+                                                                seed: int, prologue: list[float]) -> None:
     schedule = _schedule(name, ranks, microbatches)
     work = _durations(seed)
-    line = simulate_step(schedule, work, cores=1)
-    assert line.step_ms == pytest.approx(sum(work(a) for acts in schedule.actions for a in acts))
+    line = simulate_step(schedule, work, cores=1, prologue=prologue)
+    assert line.step_ms == pytest.approx(sum(work(a) for acts in schedule.actions for a in acts)
+                                         + sum(prologue[:ranks]))
 
 
 def test_oversubscribed_cores_do_less_work_only_while_actions_outnumber_them() -> None:

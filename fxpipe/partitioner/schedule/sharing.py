@@ -82,8 +82,12 @@ def run_shared(schedule: Schedule, ranks: list[_Prepared], cores: float, oversub
         blocked.discard(r)
         ready_at[r] = t
 
+    posting = {r for r in range(n) if ranks[r].prologue > 0}  # ranks doing their prologue, no action yet
     for r in range(n):
-        check(r)
+        if r in posting:
+            left[r] = ranks[r].prologue
+        else:
+            check(r)
     while left or ready_at:
         starting = [r for r, t in ready_at.items() if t <= now + _EPS]
         for r in starting:
@@ -115,6 +119,9 @@ def run_shared(schedule: Schedule, ranks: list[_Prepared], cores: float, oversub
                 finished.append(r)
         for r in finished:
             del left[r]
+            if r in posting:
+                posting.discard(r)
+                continue
             a = ranks[r].actions[pos[r]]
             end[a] = now
             ops.append(ScheduleOp(a.stage, a.microbatch, a.kind.value, start[r], now, r))

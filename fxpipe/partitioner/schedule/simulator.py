@@ -136,13 +136,15 @@ class _Prepared:
     durations: list[float] = field(default_factory=list)
     waits: list[list[tuple[Action, float]]] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)  # paid first where the action starts on busy cores
+    prologue: float = 0.0  # compute at the step's start, before the first action (posting its receives)
 
 
 def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
                   links: Sequence[Link] | None = None,
                   delay: Callable[[Link, ActionKind], float] | None = None,
                   cores: float | None = None, oversubscribed_rate: float = 1.0,
-                  stall: Callable[[Action], float] | None = None) -> Timeline:
+                  stall: Callable[[Action], float] | None = None,
+                  prologue: Sequence[float] = ()) -> Timeline:
     """Start and end of every action of ``schedule`` (Note [step simulation]).
 
     ``duration(action)`` is its compute time; ``delay(link, F or B)`` the time an
@@ -151,8 +153,10 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     (Note [processor sharing] in ``sharing``, where ``oversubscribed_rate`` is the work a
     core does while more actions run than there are cores); default one core per rank.
     ``stall(action)``: the time the action waits, off the cores, before it runs when it
-    starts while every core is busy (Note [message stalls] in ``sharing``). Raises
-    ``SimulationStuck`` on a deadlock.
+    starts while every core is busy (Note [message stalls] in ``sharing``). ``prologue[r]``:
+    work rank r does when the step starts, whatever its inputs, before its first action can
+    (posting the step's receives, Note [step prediction]); it is no action of the timeline.
+    Raises ``SimulationStuck`` on a deadlock.
 
     >>> from fxpipe.partitioner.schedule.registry import make_schedule
     >>> simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0).step_ms
@@ -162,8 +166,8 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     producers, consumers = link_index(links)
     split = schedule.split_backward()
     ranks: list[_Prepared] = []
-    for acts in schedule.actions:
-        prep = _Prepared()
+    for r, acts in enumerate(schedule.actions):
+        prep = _Prepared(prologue=float(prologue[r]) if r < len(prologue) else 0.0)
         for a in acts:
             deps = dependencies(a, producers, consumers, (a.stage, a.microbatch) in split)
             prep.actions.append(a)
@@ -182,7 +186,7 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
 
 def _run(schedule: Schedule, ranks: list[_Prepared]) -> Timeline:
     end: dict[Action, float] = {}
-    free = [0.0] * len(ranks)
+    free = [prep.prologue for prep in ranks]
     pos = [0] * len(ranks)
     waiting: dict[Action, list[int]] = {}
     todo = deque(range(len(ranks)))
