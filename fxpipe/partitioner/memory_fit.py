@@ -23,7 +23,12 @@ takes ~6 ms, a small model's ~0.1 ms), the planner walks every one of them
 beside it are then held to the walk as well. On a chain every valid split is contiguous,
 so "no split fits" is then a fact, not a heuristic's give-up; on a branching graph a
 split that is not contiguous in the unit order might still fit, and the error says so.
-The plan records the user's limit; when nothing fits, the error says by how much the
+Where the solvers find no split under the limit and there are too many splits to walk,
+the planner loosens the solvers' bound instead: the unbounded plan if its walk fits,
+else the loosest bound (bisected between the limit and that plan's formula peak) whose
+plan's walk fits. The cluster search keeps a configuration by its walk (Note [cluster
+search]), so the plan of one it chose is found this way even where the formula would
+have rejected it. The plan records the user's limit; when nothing fits, the error says by how much the
 best plan misses and what to change.
 """
 
@@ -59,7 +64,7 @@ def walked_peak(plan: PartitionPlan) -> int:
     return max(pred.peak_memory_bytes, default=0) if pred is not None else 0
 
 
-def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: int,
+def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_limit: int,
                          check_every_split: Callable[[int], PartitionPlan | None]) -> PartitionPlan:
     """The plan ``solve(limit)`` makes for the largest ``limit <= memory_limit`` tried whose schedule
     walk fits ``memory_limit``; when none does, ``check_every_split(memory_limit)``'s plan (None:
@@ -76,7 +81,10 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
                 except InfeasibleError as walked:
                     raise InfeasibleError(f"{walked}. Under the solvers' stage formula: {exc}") from walked
                 if exact is None:
-                    raise
+                    looser = _under_looser_bound(solve, memory_limit)
+                    if looser is None:
+                        raise
+                    return looser
                 return _fitted(exact, memory_limit)
             failure = (f"the best plan under the solvers' stage bound peaks at {format_size(peak)} when its schedule "
                        f"runs (receive buffers, kept sends and backward temporaries included), and a tighter bound "
@@ -103,10 +111,37 @@ def fit_memory_over_time(solve: Callable[[int], PartitionPlan], memory_limit: in
                           f"a larger --time-limit walks more); {_ADVICE}")
 
 
+def _under_looser_bound(solve: Callable[[int | None], PartitionPlan], memory_limit: int) -> PartitionPlan | None:
+    """A plan whose walk fits ``memory_limit`` though the solvers' formula put every split over
+    it (the formula can exceed the walk): the unbounded plan, or the loosest bound between the
+    limit and that plan's formula peak whose plan fits (bisection, ``ROUNDS`` solves); None if none."""
+    try:
+        plan = solve(None)
+    except InfeasibleError:
+        return None
+    if walked_peak(plan) <= memory_limit:
+        return _fitted(plan, memory_limit)
+    lo, hi, best = memory_limit, max(plan.rank_memory_bytes), None
+    for _ in range(ROUNDS):
+        mid = (lo + hi) // 2
+        if mid <= lo:
+            break
+        try:
+            plan = solve(mid)
+        except InfeasibleError:
+            lo = mid
+            continue
+        if walked_peak(plan) <= memory_limit:
+            best, lo = plan, mid
+        else:
+            hi = mid
+    return _fitted(best, memory_limit) if best is not None else None
+
+
 def _fitted(plan: PartitionPlan, memory_limit: int) -> PartitionPlan:
     """``plan``, found by walking every split, under the user's limit."""
     note = (f"peak memory over the step {format_size(walked_peak(plan))} of {format_size(memory_limit)} "
-            f"(the solvers' stage formula, which the table's memory column shows, may exceed it)")
+            f"(the table's rank peak; the solvers' stage formula, its memory column, may exceed it)")
     return replace(plan, memory_limit=memory_limit, status=_with_note(plan.status, note))
 
 

@@ -14,9 +14,10 @@ scaling the profile (``scale_profile``: times, activations and messages linear i
 Each shape gets a lower bound on its step: M x the busiest rank's compute, plus the least
 step overheads of its split (``Pricer.bound``). In order of that bound, while it can still
 beat the k-th best step found, each sharding level the runtime runs on the shape is priced
-(``search_pricing``: per-device memory; Note [stage cost]). A rank over the device memory
-recomputes its stages (Note [cluster links] in ``cost``), so recompute is chosen only
-where memory binds; a schedule that splits the backward gets none. What fits is simulated
+(``search_pricing``: each rank's peak over the schedule's walk, Note [fitting memory over
+time], not the stage formula, which can be above or below it). A rank over the device
+memory recomputes its stages (Note [cluster links] in ``cost``), so recompute is chosen
+only where memory binds; a schedule that splits the backward gets none. What fits is simulated
 (``prediction.simulate_plan``: the one step simulator, Note [step simulation], with
 inter-node messages on the inter-node link) plus the step's data-parallel collectives,
 optimizer and fixed costs (``step_overheads``). The simulation of a shape is shared by

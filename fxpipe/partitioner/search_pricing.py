@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fxpipe.partitioner.cluster import ClusterSpec
-from fxpipe.partitioner.prediction import (RuntimeCosts, StepOverheads, rank_peak_memory, simulate_plan,
-                                           step_overheads)
+from fxpipe.partitioner.prediction import (RuntimeCosts, StepOverheads, rank_memory_floor, rank_peak_memory,
+                                           simulate_plan, step_overheads)
 from fxpipe.partitioner.problem import PartitionProblem, build_problem, evaluate
 from fxpipe.partitioner.schedule import Timeline
 from fxpipe.partitioner.search_shapes import Shape, Split, pipeline_floor, runnable_shard_levels, scale_profile
@@ -79,10 +79,11 @@ class Pricer:
 
     def price(self, shape: Shape, split: Split, cutoff: Callable[[], float],
               keep: Callable[[ConfigurationScore], None], too_big: Callable[[str, int], None]) -> None:
-        """Every runnable sharding level of ``shape``: its memory per device (recomputing the
-        ranks over the device memory, unless the backward is split), and the simulated step
-        (``keep``) of those that fit and can still beat ``cutoff()``; ``too_big(level, bytes)``
-        for those that do not fit."""
+        """Every runnable sharding level of ``shape``: the simulated step (``keep``) of those that
+        can still beat ``cutoff()`` and whose schedule walk fits the device memory, recomputing
+        the stages of the ranks over it (unless the backward is split); ``too_big(level, bytes)``
+        for those that do not fit (Note [fitting memory over time]: the walk, not the stage
+        formula, says what fits)."""
         S, M = shape.stages, shape.microbatches
         assignment = split.assignment
         limit = self.cluster.device_memory
@@ -90,44 +91,57 @@ class Pricer:
         problem = replace(self.problem(shape), microbatches=M, cost=base, memory_limit=limit)
         ev = evaluate(problem, assignment)
         self.priced += 1
-        held = _rank_param_bytes(problem, assignment)
-        rest = [m - base.state_factor * p for m, p in zip(ev.rank_memory_bytes, held)]  # all but training state
-        saved = [0.0] * problem.num_ranks  # what recomputing every stage of the rank saves
-        for st in ev.stages:
-            saved[st.rank] += st.activation_bytes - st.activation_bytes / st.in_flight
         tail = _tail(shape)
         first_fwd = [ev.stages[r].fwd_ms for r in range(S)]
         first_bwd = [ev.stages[r].bwd_ms for r in range(S)]
+        busy = [0.0] * S
+        kept = [0] * S  # per rank: the most activations one of its stages keeps in flight ...
+        rebuilt = [0] * S  # ... and one microbatch's of them, which a recomputing stage rebuilds in B
+        for st in ev.stages:
+            busy[st.rank] += st.compute_ms
+            kept[st.rank] = max(kept[st.rank], st.activation_bytes)
+            rebuilt[st.rank] = max(rebuilt[st.rank], st.activation_bytes // max(st.in_flight, 1))
+
+        def walk(recompute: tuple[bool, ...]) -> tuple[int, ...]:  # Note [fitting memory over time]
+            return rank_peak_memory(replace(problem, cost=replace(cost, recompute=recompute)), assignment,
+                                    shape.schedule, self.rt)
+
         for shard in runnable_shard_levels(shape, self.shard_levels):
             cost = replace(base, shard=shard)
-            memory = [r + cost.state_factor * p for r, p in zip(rest, held)]
-            recompute: tuple[bool, ...] = ()
-            if limit is not None and max(memory) > limit:
-                if shape.split_backward:
-                    too_big(shard, int(max(memory)))
-                    continue
-                over = {r for r, m in enumerate(memory) if m > limit}
-                memory = [m - saved[r] if r in over else m for r, m in enumerate(memory)]
-                if max(memory) > limit:
-                    too_big(shard, int(max(memory)))
-                    continue
-                recompute = tuple(problem.stage_ranks[s] in over for s in range(problem.num_stages))
-            priced = replace(problem, cost=replace(cost, recompute=recompute))
-            overheads = step_overheads(priced, assignment, self.rt)
-            busy = [0.0] * S
-            for s, st in enumerate(ev.stages):
-                busy[st.rank] += st.compute_ms + (st.fwd_ms if recompute and recompute[s] else 0.0)
-            if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
+            floor = rank_memory_floor(replace(problem, cost=cost), assignment)  # every walk holds this
+            if limit is not None and max(floor.at_end) > limit:
+                too_big(shard, max(floor.at_end))
                 continue
-            peaks = rank_peak_memory(priced, assignment, shape.schedule, self.rt)  # Note [fitting memory over time]
-            if limit is not None and max(peaks) > limit and not recompute and not shape.split_backward:
-                recompute = tuple(peaks[problem.stage_ranks[s]] > limit for s in range(problem.num_stages))
-                priced = replace(problem, cost=replace(cost, recompute=recompute))  # step overheads unchanged
-                peaks = rank_peak_memory(priced, assignment, shape.schedule, self.rt)
+            overheads = step_overheads(replace(problem, cost=cost), assignment, self.rt)  # recompute: the same
+            if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
+                continue  # recomputing only lengthens it
+            recompute: tuple[bool, ...] = ()
+            if limit is not None:  # ranks whose walk must be over with every activation kept recompute
+                over = {r for r in range(S) if floor.always[r] + kept[r] > limit}
+                least = max((floor.always[r] + rebuilt[r] for r in over), default=0)
+                if over and (shape.split_backward or least > limit):
+                    too_big(shard, least if not shape.split_backward else
+                            max(floor.always[r] + kept[r] for r in over))
+                    continue
+                recompute = tuple(problem.stage_ranks[s] in over for s in range(problem.num_stages)) if over else ()
+            peaks = walk(recompute)
+            if limit is not None and max(peaks) > limit and not shape.split_backward:
+                more = tuple(bool(recompute and recompute[s]) or peaks[problem.stage_ranks[s]] > limit
+                             for s in range(problem.num_stages))
+                if more != recompute:
+                    recompute = more
+                    peaks = walk(recompute)
             walked = max(peaks)
             if limit is not None and walked > limit:
                 too_big(shard, walked)
                 continue
+            priced = replace(problem, cost=replace(cost, recompute=recompute))
+            if recompute:
+                extra = list(busy)
+                for s, st in enumerate(ev.stages):
+                    extra[st.rank] += st.fwd_ms if recompute[s] else 0.0
+                if pipeline_floor(M, extra, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
+                    continue
             key = (shape, recompute)
             if key not in self._timelines:
                 timed = evaluate(priced, assignment) if recompute else ev
@@ -166,13 +180,4 @@ def _tail(shape: Shape) -> bool:
     last action is a backward of its first stage r (every backward of its later stages S·k + r
     precedes that microbatch's backward of stage r), then stages r-1 .. 0 follow."""
     return not shape.split_backward and shape.placement == "loop"
-
-
-def _rank_param_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[int]:
-    """Bytes of the distinct parameters each rank holds."""
-    params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
-    for u, s in enumerate(assignment):
-        params[problem.stage_ranks[s]].update(problem.unit_params[u])
-    return [sum(problem.param_bytes[p] for p in ps) for ps in params]
-
 

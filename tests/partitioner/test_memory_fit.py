@@ -112,3 +112,25 @@ def test_on_a_branching_graph_the_error_says_what_was_not_walked() -> None:
     assert not build_problem(profile, 2).is_chain
     with pytest.raises(InfeasibleError, match="branching graph, were not walked"):
         plan_partition(profile, 2, memory_limit=1_000, time_limit=2.0)
+
+
+def test_a_split_the_formula_rejects_but_whose_walk_fits_is_planned_without_walking_every_split(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # found by search: NCCL posts receives by action, and under GPipe this chain's every split holds more by the
+    # stage formula (gradients and all 8 microbatches' activations at once) than its walk does at any moment
+    from dataclasses import replace
+
+    from fxpipe.partitioner import memory_fit
+
+    profile = replace(chain_profile([2.99, 1.35, 1.09, 0.70, 1.13, 2.15], [0, 400, 400, 0, 400],
+                                    params=[9000, 10000, 0, 1000, 17000, 19000],
+                                    activations=[2500, 1500, 3500, 3500, 2000, 2000]), trace_device="cuda")
+    problem = build_problem(profile, 2, schedule="gpipe", microbatches=8)
+    splits = list(contiguous_splits(problem))
+    walked = {a: max(rank_peak_memory(problem, a, runtime=RUNTIME_COSTS["cuda"])) for a in splits}
+    least = min(walked.values())
+    assert min(evaluate(problem, a).peak_memory_bytes for a in splits) > least  # the formula rejects them all
+    monkeypatch.setattr(memory_fit, "EXACT_MAX_SPLITS", 0)  # as on a model too large to walk every split
+    plan = plan_partition(profile, 2, schedule="gpipe", microbatches=8, memory_limit=least, time_limit=2.0)
+    assert max(plan.prediction.peak_memory_bytes) <= least and plan.memory_limit == least
+    assert "rank peak" in plan.status

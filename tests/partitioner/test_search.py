@@ -9,7 +9,8 @@ from fxpipe.cli import main
 from fxpipe.errors import ConfigError, InfeasibleError
 from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.cost import SHARD_LEVELS
-from fxpipe.partitioner.problem import build_problem, evaluate
+from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
+from fxpipe.partitioner.problem import build_problem
 from fxpipe.partitioner.search import SearchResult, plan_configuration, scale_profile, search_configurations
 from fxpipe.partitioner.synthetic import transformer_profile
 
@@ -58,8 +59,8 @@ def test_recompute_only_where_memory_binds() -> None:
         problem = build_problem(scale_profile(profile, c.microbatch_size), c.stages, schedule=c.schedule,
                                 microbatches=c.microbatches, virtual_stages=c.virtual_stages,
                                 cost=cluster.cost_model(c.replicas, optimizer="adam", shard=c.shard))
-        plain = evaluate(problem, score.assignment).rank_memory_bytes
-        for s, flag in enumerate(c.recompute):  # a stage recomputes only on a rank that did not fit without it
+        plain = rank_peak_memory(problem, score.assignment, c.schedule, RUNTIME_COSTS[profile.trace_device])
+        for s, flag in enumerate(c.recompute):  # a stage recomputes only on a rank whose walk did not fit without it
             assert plain[problem.stage_ranks[s]] > cluster.device_memory if flag else True
         if any(c.recompute):
             assert score.recompute_ms > 0 and "memory-bound" in score.limit

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fxpipe.partitioner.schedule.actions import ActionKind, Schedule
+from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
 
 __all__ = ["Holding", "RankMoments", "memory_moments", "schedule_memory_moments"]
 
@@ -110,72 +110,58 @@ def memory_moments(schedule: Schedule, step_receives: bool = True) -> tuple[Rank
     out: list[RankMoments] = []
     for acts in schedule.actions:
         stages = tuple(sorted({a.stage for a in acts}))
-        col = {s: i for i, s in enumerate(stages)}
+        base = {s: _FIELDS * i for i, s in enumerate(stages)}  # a stage's counts in ``flat``
         n = len(stages)
-        counts = [[0] * _FIELDS for _ in range(n)]
-        taken_a, taken_g = [0] * n, [0] * n
-        pool_a, pool_g = [0] * n, [0] * n
-        held_bufs: dict[tuple[int, int], list[str]] = {}  # (stage, microbatch) -> buffers it holds
+        flat = [0] * (_FIELDS * n)  # every stage's Holding counts, side by side
+        taken = [0] * (2 * n)  # receive buffers in use: activations of stage c at 2c, gradients at 2c + 1
+        pool = [0] * (2 * n)   # ... and the most ever in use: the pool's size
+        held: dict[tuple[int, int], list[int]] = {}  # (stage, microbatch) -> the buffer slots it holds
         receiving = [i for i, a in enumerate(acts) if (a.kind is F and a.stage in recv_f)
                      or (a.kind is B and a.stage in recv_b)]
         at_action = set() if step_receives else set(receiving)
-        moments: list[tuple[int, ...]] = []
+        moments: set[tuple[int, ...]] = set()
 
-        def snapshot() -> None:
-            moments.append(tuple(c for row in counts for c in row))
-
-        def post(j: int) -> None:
-            a = acts[j]
-            c = col[a.stage]
-            kind = "a" if a.kind is F else "g"
-            held_bufs.setdefault((a.stage, a.microbatch), []).append(kind)
-            if kind == "a":
-                taken_a[c] += 1
-                pool_a[c] = max(pool_a[c], taken_a[c])
-            else:
-                taken_g[c] += 1
-                pool_g[c] = max(pool_g[c], taken_g[c])
+        def post(a: Action) -> None:
+            slot = 2 * (base[a.stage] // _FIELDS) + (a.kind is not F)
+            held.setdefault((a.stage, a.microbatch), []).append(slot)
+            taken[slot] += 1
+            if taken[slot] > pool[slot]:
+                pool[slot] = taken[slot]
 
         if step_receives:
             for j in receiving:
-                post(j)
+                post(acts[j])
         for i, a in enumerate(acts):
             if i in at_action:
-                post(i)
-            c = col[a.stage]
-            row = counts[c]
-            done = False
+                post(a)
+            k = base[a.stage]  # flat[k + f] is field f of this stage's Holding
             if a.kind is F:
-                row[0] += 1
-                row[1] += 1
-                snapshot()
-            elif a.kind is B:
+                flat[k] += 1
+                flat[k + 1] += 1
+                moments.add(tuple(flat))
+                continue
+            if a.kind is B:
                 is_split = (a.stage, a.microbatch) in split
-                row[4] = 1
-                row[3] += is_split
-                snapshot()
-                row[4] = 0
-                row[2] += 1
-                done = not is_split
-                row[6] = row[6] or int(done)
+                flat[k + 4] = 1
+                flat[k + 3] += is_split
+                moments.add(tuple(flat))
+                flat[k + 4] = 0
+                flat[k + 2] += 1
+                if is_split:
+                    continue
             else:
-                row[5] = 1
-                snapshot()
-                row[5] = 0
-                row[3] -= 1
-                row[6] = 1
-                done = True
-            if done:
-                row[0] -= 1
-                for kind in held_bufs.pop((a.stage, a.microbatch), ()):
-                    if kind == "a":
-                        taken_a[c] -= 1
-                    else:
-                        taken_g[c] -= 1
-                snapshot()
-        rows = np.unique(np.asarray(moments or [(0,) * (_FIELDS * n)], dtype=np.int64), axis=0)
-        out.append(RankMoments(stages=stages, activation_buffers=tuple(pool_a), gradient_buffers=tuple(pool_g),
-                               counts=rows))
+                flat[k + 5] = 1
+                moments.add(tuple(flat))
+                flat[k + 5] = 0
+                flat[k + 3] -= 1
+            flat[k + 6] = 1  # the microbatch is done: the stage's gradients exist
+            flat[k] -= 1
+            for slot in held.pop((a.stage, a.microbatch), ()):
+                taken[slot] -= 1
+            moments.add(tuple(flat))
+        rows = np.asarray(sorted(moments) or [(0,) * (_FIELDS * n)], dtype=np.int64)
+        out.append(RankMoments(stages=stages, activation_buffers=tuple(pool[0::2]),
+                               gradient_buffers=tuple(pool[1::2]), counts=rows))
     return tuple(out)
 
 
