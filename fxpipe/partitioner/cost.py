@@ -56,6 +56,14 @@ alpha of alpha-beta) is paid once per step, not once per collective: a reduce-sc
 an all-gather or a (pipelined) broadcast takes R-1 hops, an all-reduce 2(R-1)
 (``ring_hops``). On 2 ranks of this machine's gloo a 8 KB all-reduce measured ~200 us
 against ~50-100 us one way (benchmarks/prediction/README.md): two hops.
+
+Note [cluster links]: on a cluster of nodes of ``node_size`` devices, replica k's pipeline
+rank r is device ``k x num_ranks + r`` (``fxpipe.partitioner.cluster``), so a pipeline's
+neighbours share a node wherever the depth allows. A message between two pipeline ranks
+that any replica places on two nodes is priced on the inter-node link (``crosses_nodes``,
+``p2p_ms``: the slowest replica sets the step), as are the data-parallel collectives once
+the ``num_ranks x dp_replicas`` devices span nodes (``dp_link``); everything else uses the
+link. ``node_size`` 0 puts every device on one node.
 """
 
 from __future__ import annotations

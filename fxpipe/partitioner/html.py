@@ -193,7 +193,8 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Mea
     the prediction."""
     pred = plan.prediction
     groups = module_groups(plan, profile)
-    mems = [float(m) for m in plan.rank_memory_bytes] or [float(s.memory_bytes) for s in plan.stages]
+    walked = pred.peak_memory_bytes if pred is not None else ()  # what the limit holds (Note [memory over time])
+    mems = [float(m) for m in walked or plan.rank_memory_bytes] or [float(s.memory_bytes) for s in plan.stages]
     mem_ref = float(plan.memory_limit) if plan.memory_limit else max(mems)
     mem_label = f"memory limit {format_size(plan.memory_limit)}" if plan.memory_limit else "no limit (the peak)"
     title = escape(profile.model.title)
@@ -218,7 +219,7 @@ Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assum
 {stage_bands_html(plan, groups)}
 <h2>Stage table</h2>
 {_stage_table(plan, profile)}
-<h2>Memory per rank</h2>
+<h2>Memory per rank{" (its peak over the step's schedule walk)" if walked else ""}</h2>
 {bars_html(mems, [format_size(m) for m in mems], [f"rank {i}" for i in range(len(mems))], mem_ref, mem_label)}
 {_data_parallel_html(plan)}
 <h2>Baselines (same cost model)</h2>

@@ -65,10 +65,13 @@ def walked_peak(plan: PartitionPlan) -> int:
 
 
 def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_limit: int,
-                         check_every_split: Callable[[int], PartitionPlan | None]) -> PartitionPlan:
+                         check_every_split: Callable[[int], PartitionPlan | None],
+                         solve_loosened: Callable[[int | None], PartitionPlan] | None = None) -> PartitionPlan:
     """The plan ``solve(limit)`` makes for the largest ``limit <= memory_limit`` tried whose schedule
-    walk fits ``memory_limit``; when none does, ``check_every_split(memory_limit)``'s plan (None:
-    too many splits to walk) (Note [fitting memory over time])."""
+    walk fits ``memory_limit``; when none does, ``check_every_split(memory_limit)``'s plan; when
+    the solvers find no split at the limit and there are too many to walk, the plan of a looser
+    bound whose walk fits (``solve_loosened``, default ``solve``: it holds the baselines to the
+    walk) (Note [fitting memory over time])."""
     limit, peak = memory_limit, 0
     failure = ""
     for _ in range(ROUNDS + 1):
@@ -81,7 +84,7 @@ def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_li
                 except InfeasibleError as walked:
                     raise InfeasibleError(f"{walked}. Under the solvers' stage formula: {exc}") from walked
                 if exact is None:
-                    looser = _under_looser_bound(solve, memory_limit)
+                    looser = _under_looser_bound(solve_loosened or solve, memory_limit)
                     if looser is None:
                         raise
                     return looser
@@ -139,7 +142,7 @@ def _under_looser_bound(solve: Callable[[int | None], PartitionPlan], memory_lim
 
 
 def _fitted(plan: PartitionPlan, memory_limit: int) -> PartitionPlan:
-    """``plan``, found by walking every split, under the user's limit."""
+    """``plan``, whose walk fits though the solvers' formula may not, under the user's limit."""
     note = (f"peak memory over the step {format_size(walked_peak(plan))} of {format_size(memory_limit)} "
             f"(the table's rank peak; the solvers' stage formula, its memory column, may exceed it)")
     return replace(plan, memory_limit=memory_limit, status=_with_note(plan.status, note))

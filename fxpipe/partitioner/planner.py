@@ -106,30 +106,33 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         raise PartitionError(f"time_limit must be a finite number of seconds > 0, got {time_limit!r}")
     cost = cost or CostModel.preset(default_link(profile.trace_device))
 
-    def plan_split(limit: int | None, walk_limit: int | None = None) -> PartitionPlan | None:
+    def plan_split(limit: int | None, walk_limit: int | None = None,
+                   baselines_walk: int | None = None) -> PartitionPlan | None:
         return _plan_split(profile, num_stages, solver=solver, schedule=schedule, microbatches=microbatches,
                            cost=cost, memory_limit=limit, time_limit=time_limit, optimize=optimize,
                            virtual_stages=virtual_stages, objective=objective, split_at=split_at,
-                           walk_limit=walk_limit)
+                           walk_limit=walk_limit, baselines_walk=baselines_walk)
 
-    def plan_under(limit: int | None) -> PartitionPlan:
-        plan = plan_split(limit)
+    def plan_under(limit: int | None, baselines_walk: int | None = None) -> PartitionPlan:
+        plan = plan_split(limit, baselines_walk=baselines_walk)
         assert plan is not None  # only a walk over every split gives up
         return plan
 
     if memory_limit is not None and solver not in BASELINES:
-        return fit_memory_over_time(plan_under, memory_limit, lambda limit: plan_split(None, walk_limit=limit))
+        return fit_memory_over_time(plan_under, memory_limit, lambda limit: plan_split(None, walk_limit=limit),
+                                    solve_loosened=lambda limit: plan_under(limit, baselines_walk=memory_limit))
     return plan_under(memory_limit)
 
 
 def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule: str, microbatches: int,
                 cost: CostModel, memory_limit: int | None, time_limit: float, optimize: str,
                 virtual_stages: int | None, objective: str, split_at: Sequence[str],
-                walk_limit: int | None = None) -> PartitionPlan | None:
+                walk_limit: int | None = None, baselines_walk: int | None = None) -> PartitionPlan | None:
     """``plan_partition`` for one schedule, with the solvers' memory bound at ``memory_limit``.
     With ``walk_limit`` (and no ``memory_limit``), the split is instead the fastest contiguous one
     whose schedule walk fits it, every split checked (``fitting_split``; None when there are too
-    many to check)."""
+    many to check). The baselines are held to the walk under ``walk_limit``, or ``baselines_walk``
+    (a plan solved under a loosened bound, Note [fitting memory over time])."""
     start = time.perf_counter()
     problem = build_problem(profile, num_stages, schedule=schedule, microbatches=microbatches,
                             cost=cost, memory_limit=memory_limit, virtual_stages=virtual_stages)
@@ -163,8 +166,9 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     plan = plan_from_assignment(profile, problem, chosen, baselines, bound, parts,
                                 seconds=time.perf_counter() - start, optimize=optimize,
                                 objective="step" if for_step else "bottleneck")
-    if walk_limit is not None:  # the baselines, too, are held to the walk, not the stage formula
-        plan = replace(plan, baselines={name: _walked_baseline(report, problem, baselines[name].assignment, walk_limit,
+    held_to = walk_limit if walk_limit is not None else baselines_walk
+    if held_to is not None:  # the baselines, too, are held to the walk, not the stage formula
+        plan = replace(plan, baselines={name: _walked_baseline(report, problem, baselines[name].assignment, held_to,
                                                                runtime)
                                         for name, report in plan.baselines.items()})
     if split_at:

@@ -5,14 +5,15 @@ simulation]) on the schedule's own action lists, with what the runtime really do
 action and per step, which on small models is most of a step (measured on 2 CPU ranks
 with gloo, see benchmarks/prediction):
 
-* every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``) and,
-  per message it sends or receives, the CPU cost of posting and completing it
-  (``message_ms``: with gloo, tens of microseconds per call; on gloo, where every receive
-  of the step is posted when the step starts (``step_receives``), each rank first pays
-  it for all its receives of the step, whatever its inputs, and each action only for
-  its sends), plus, when it starts while every core is busy, the scheduler time slices
-  its calls wait for gloo's transport thread (``message_stall_ms`` per message, off the
-  cores: Note [message stalls]);
+* every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``);
+  each message costs CPU to post and complete (``message_ms``: with gloo, tens of
+  microseconds per call), which its action pays, except that on gloo, where every
+  receive of the step is posted when the step starts (``step_receives``), each rank
+  pays for all its receives first, before its first action can start (the simulator's
+  ``prologue``), and each action then pays only for its sends; an action that starts
+  while every core is busy also waits the scheduler time slices its calls wait for
+  gloo's transport thread (``message_stall_ms`` per message it sends or receives,
+  since completing a receive needs that thread too; off the cores: Note [message stalls]);
   the message itself delays the consumer by the link time
   ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time); stages
   on one rank exchange no message;
@@ -113,7 +114,8 @@ from fxpipe.partitioner.schedule.memory import schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory"]
+           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
+           "MemoryFloor", "rank_memory_floor"]
 
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
@@ -143,7 +145,7 @@ class RuntimeCosts:
     recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
-    step_receives: bool = False              # every receive posted at the step's start (gloo: Note [step prediction])
+    step_receives: bool = False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
@@ -506,25 +508,36 @@ class MemoryFloor:
     """Per rank, bytes its schedule walk holds at some moment under every schedule
     (``rank_memory_floor``): bounds on ``rank_peak_memory`` from below, cheap to compute."""
 
-    always: tuple[int, ...]  # at every moment: weights, optimizer state, buffers, the step's inputs
-    at_end: tuple[int, ...]  # when the step ends: that, plus the gradients of every stage
+    always: tuple[int, ...]       # at every moment: weights, optimizer state, buffers, the step's inputs
+    at_end: tuple[int, ...]       # when the step ends: that, plus the gradients of every stage
+    activations: tuple[int, ...]  # beside ``always`` once: the most in-flight activations a stage keeps ...
+    recomputed: tuple[int, ...]   # ... or, where the stages recompute, one microbatch's, rebuilt in B
 
 
 def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...]) -> MemoryFloor:
-    """Lower bounds on each rank's walked peak (Note [memory over time]) that need no walk: a sum
-    over the units. The cluster search rejects on them before walking (Note [cluster search])."""
+    """Lower bounds on each rank's walked peak (Note [memory over time]) that need no walk: sums
+    over the units. The walk's last moment holds ``at_end``; the moment a stage's in-flight count
+    peaks holds ``always`` plus its activations (one microbatch's during a recomputing B). The
+    cluster search rejects or recomputes on them before walking (Note [cluster search])."""
     fixed, held = _rank_fixed_and_params(problem, assignment)
-    stage_params: list[set[int]] = [set() for _ in range(problem.num_stages)]
+    S, R = problem.num_stages, problem.num_ranks
+    stage_params: list[set[int]] = [set() for _ in range(S)]
+    act = [0] * S
     for u, s in enumerate(assignment):
         stage_params[s].update(problem.unit_params[u])
-    grads = [0] * problem.num_ranks  # per stage, as the walk counts them
-    for s, ps in enumerate(stage_params):
-        grads[problem.stage_ranks[s]] += problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in ps))[1]
+        act[s] += problem.activation_bytes[u]
+    grads, kept, rebuilt = [0] * R, [0] * R, [0] * R
+    for s, ps in enumerate(stage_params):  # gradients per stage, as the walk counts them
+        r = problem.stage_ranks[s]
+        grads[r] += problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in ps))[1]
+        kept[r] = max(kept[r], act[s] * problem.in_flight(s))
+        rebuilt[r] = max(rebuilt[r], act[s])
     always = []
     for f, h in zip(fixed, held):
         weights, _, optimizer = problem.cost.stage_state_bytes(h)
         always.append(int(f + weights + optimizer))
-    return MemoryFloor(always=tuple(always), at_end=tuple(a + g for a, g in zip(always, grads)))
+    return MemoryFloor(always=tuple(always), at_end=tuple(a + g for a, g in zip(always, grads)),
+                       activations=tuple(kept), recomputed=tuple(rebuilt))
 
 
 def _rank_fixed_and_params(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[list[int], list[int]]:

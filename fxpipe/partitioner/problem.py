@@ -13,7 +13,7 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   the ranks ``loop``- or ``v``-style (``stage_ranks``). Stages on the same rank hand
   tensors over in memory: no message, no time, no buffer.
 * Stage time = (fwd + bwd compute of its units) / device speed + its message times.
-  A stage that recomputes (``cost.recompute``, Note [cluster links] in ``cost``) adds its
+  A stage that recomputes (``cost.recompute``, Note [recompute cost] in ``prediction``) adds its
   forward to its backward and holds its activations for one microbatch instead of k
   (its received inputs stay held for all k, as the boundary buffers below say).
 * Stage memory = distinct parameters used by its units (a tied parameter on every

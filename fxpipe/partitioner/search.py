@@ -16,8 +16,11 @@ step overheads of its split (``Pricer.bound``). In order of that bound, while it
 beat the k-th best step found, each sharding level the runtime runs on the shape is priced
 (``search_pricing``: each rank's peak over the schedule's walk, Note [fitting memory over
 time], not the stage formula, which can be above or below it). A rank over the device
-memory recomputes its stages (Note [cluster links] in ``cost``), so recompute is chosen
-only where memory binds; a schedule that splits the backward gets none. What fits is simulated
+memory recomputes its stages (Note [recompute cost] in ``prediction``), so recompute is chosen
+only where memory binds; a schedule that splits the backward gets none. Bounds on the
+walk that need none (``prediction.rank_memory_floor``: the training state every step
+ends with; a stage's in-flight activations beside its rank's weights and optimizer
+state) reject a level, or make a rank recompute, before any walk. What fits is simulated
 (``prediction.simulate_plan``: the one step simulator, Note [step simulation], with
 inter-node messages on the inter-node link) plus the step's data-parallel collectives,
 optimizer and fixed costs (``step_overheads``). The simulation of a shape is shared by

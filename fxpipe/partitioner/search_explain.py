@@ -61,7 +61,7 @@ class Explanations:
         if group in self.need:
             limit = format_size(self.cluster.device_memory or 0)
             split = group[0] == "schedule" and schedule_kind(group[1].split()[0]).split_backward
-            parts.append(f"what was priced needs {format_size(self.need[group])} on a device, over {limit}"
+            parts.append(f"what was priced needs at least {format_size(self.need[group])} on a device, over {limit}"
                          + (" (a split backward is not recomputed)" if split else " even recomputing"))
         if group in self.notes:
             parts.append(self.notes[group])
@@ -86,8 +86,8 @@ class Explanations:
         limit = self.cluster.device_memory
         least = min((n for (g, _), n in self.need.items() if g == "depth"), default=None)
         if limit is not None and least is not None:
-            return (f"no configuration fits {format_size(limit)} per device on {self.cluster.devices} devices: the "
-                    f"least any needs is {format_size(least)} (with the sharding levels tried, recomputing); add "
+            return (f"no configuration fits {format_size(limit)} per device on {self.cluster.devices} devices: each "
+                    f"needs at least {format_size(least)} (with the sharding levels tried, recomputing); add "
                     "devices or memory, or lower the global batch")
         return (f"no configuration could be planned on {self.cluster.devices} devices; check the global batch and "
                 "schedules")

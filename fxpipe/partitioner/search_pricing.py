@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fxpipe.partitioner.cluster import ClusterSpec
+from fxpipe.partitioner.cost import CostModel
 from fxpipe.partitioner.prediction import (RuntimeCosts, StepOverheads, rank_memory_floor, rank_peak_memory,
                                            simulate_plan, step_overheads)
 from fxpipe.partitioner.problem import PartitionProblem, build_problem, evaluate
@@ -95,42 +96,38 @@ class Pricer:
         first_fwd = [ev.stages[r].fwd_ms for r in range(S)]
         first_bwd = [ev.stages[r].bwd_ms for r in range(S)]
         busy = [0.0] * S
-        kept = [0] * S  # per rank: the most activations one of its stages keeps in flight ...
-        rebuilt = [0] * S  # ... and one microbatch's of them, which a recomputing stage rebuilds in B
         for st in ev.stages:
             busy[st.rank] += st.compute_ms
-            kept[st.rank] = max(kept[st.rank], st.activation_bytes)
-            rebuilt[st.rank] = max(rebuilt[st.rank], st.activation_bytes // max(st.in_flight, 1))
 
-        def walk(recompute: tuple[bool, ...]) -> tuple[int, ...]:  # Note [fitting memory over time]
+        def walk(cost: CostModel, recompute: tuple[bool, ...]) -> tuple[int, ...]:  # Note [fitting memory over time]
             return rank_peak_memory(replace(problem, cost=replace(cost, recompute=recompute)), assignment,
                                     shape.schedule, self.rt)
 
         for shard in runnable_shard_levels(shape, self.shard_levels):
             cost = replace(base, shard=shard)
-            floor = rank_memory_floor(replace(problem, cost=cost), assignment)  # every walk holds this
-            if limit is not None and max(floor.at_end) > limit:
+            floor = rank_memory_floor(replace(problem, cost=cost), assignment) if limit is not None else None
+            if floor is not None and max(floor.at_end) > limit:  # every walk holds this: over, recompute or not
                 too_big(shard, max(floor.at_end))
                 continue
             overheads = step_overheads(replace(problem, cost=cost), assignment, self.rt)  # recompute: the same
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue  # recomputing only lengthens it
             recompute: tuple[bool, ...] = ()
-            if limit is not None:  # ranks whose walk must be over with every activation kept recompute
-                over = {r for r in range(S) if floor.always[r] + kept[r] > limit}
-                least = max((floor.always[r] + rebuilt[r] for r in over), default=0)
+            if floor is not None:  # ranks whose walk must be over with every activation kept recompute
+                over = {r for r in range(S) if floor.always[r] + floor.activations[r] > limit}
+                least = max((floor.always[r] + floor.recomputed[r] for r in over), default=0)
                 if over and (shape.split_backward or least > limit):
                     too_big(shard, least if not shape.split_backward else
-                            max(floor.always[r] + kept[r] for r in over))
+                            max(floor.always[r] + floor.activations[r] for r in over))
                     continue
                 recompute = tuple(problem.stage_ranks[s] in over for s in range(problem.num_stages)) if over else ()
-            peaks = walk(recompute)
+            peaks = walk(cost, recompute)
             if limit is not None and max(peaks) > limit and not shape.split_backward:
                 more = tuple(bool(recompute and recompute[s]) or peaks[problem.stage_ranks[s]] > limit
                              for s in range(problem.num_stages))
                 if more != recompute:
                     recompute = more
-                    peaks = walk(recompute)
+                    peaks = walk(cost, recompute)
             walked = max(peaks)
             if limit is not None and walked > limit:
                 too_big(shard, walked)
@@ -180,4 +177,3 @@ def _tail(shape: Shape) -> bool:
     last action is a backward of its first stage r (every backward of its later stages S·k + r
     precedes that microbatch's backward of stage r), then stages r-1 .. 0 follow."""
     return not shape.split_backward and shape.placement == "loop"
-

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.groups import backend_for
 from fxpipe.runtime.p2p import P2P, Message
 
 __all__ = ["RankComm", "Posted", "pairs_sends"]
@@ -37,10 +38,11 @@ Posted = list[tuple[dist.Work, Message, bool]]
 
 
 def pairs_sends(device: torch.device) -> bool:
-    """Whether a rank on ``device`` pairs its sends with receives (NCCL, on CUDA) or posts every
-    receive of a step when the step starts (gloo). The memory prediction counts receive buffers
-    by the same fact (``RuntimeCosts.step_receives``; a test keeps the two in step)."""
-    return device.type == "cuda"
+    """Whether a rank on ``device`` pairs its sends with receives (NCCL) or posts every receive
+    of a step when the step starts (gloo). The memory prediction counts receive buffers and
+    the step simulation prices posting by the same fact (``RuntimeCosts.step_receives``; a
+    test keeps the two in step)."""
+    return backend_for(device) == "nccl"
 
 
 class RankComm:

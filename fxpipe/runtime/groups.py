@@ -19,7 +19,7 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.layout import RankLayout
 
-__all__ = ["DistEnv", "read_env", "this_rank", "pick_device", "init_process_group", "Groups", "build_groups"]
+__all__ = ["DistEnv", "read_env", "this_rank", "pick_device", "init_process_group", "backend_for", "Groups", "build_groups"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ def pick_device(device: str | torch.device | None, local_rank: int) -> torch.dev
     return torch.device("cpu")
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for ranks on ``device``: NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_process_group(device: torch.device, timeout_s: float) -> bool:
     """Initialise the default group (NCCL for CUDA, gloo otherwise) unless it exists.
 
@@ -81,7 +86,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
     """
     if dist.is_initialized():
         return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -5,16 +5,19 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import InfeasibleError
-from fxpipe.partitioner import build_problem, evaluate, plan_partition
+from fxpipe.partitioner import CostModel, build_problem, evaluate, plan_partition
+from fxpipe.partitioner import memory_fit
 from fxpipe.partitioner.baselines import run_baseline
 from fxpipe.partitioner.memory_fit import contiguous_splits, count_contiguous_splits, fitting_split
-from fxpipe.partitioner.planner import step_time_of
+from fxpipe.partitioner.planner import _plan_split, step_time_of
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
 from tests.partitioner.partition_fixtures import chain_profile, random_dag
 
@@ -118,10 +121,6 @@ def test_a_split_the_formula_rejects_but_whose_walk_fits_is_planned_without_walk
         monkeypatch: pytest.MonkeyPatch) -> None:
     # found by search: NCCL posts receives by action, and under GPipe this chain's every split holds more by the
     # stage formula (gradients and all 8 microbatches' activations at once) than its walk does at any moment
-    from dataclasses import replace
-
-    from fxpipe.partitioner import memory_fit
-
     profile = replace(chain_profile([2.99, 1.35, 1.09, 0.70, 1.13, 2.15], [0, 400, 400, 0, 400],
                                     params=[9000, 10000, 0, 1000, 17000, 19000],
                                     activations=[2500, 1500, 3500, 3500, 2000, 2000]), trace_device="cuda")
@@ -134,3 +133,40 @@ def test_a_split_the_formula_rejects_but_whose_walk_fits_is_planned_without_walk
     plan = plan_partition(profile, 2, schedule="gpipe", microbatches=8, memory_limit=least, time_limit=2.0)
     assert max(plan.prediction.peak_memory_bytes) <= least and plan.memory_limit == least
     assert "rank peak" in plan.status
+    for name, report in plan.baselines.items():  # held to the walk under the user's limit, not the looser bound
+        walked = max(rank_peak_memory(problem, run_baseline(name, problem).assignment, runtime=RUNTIME_COSTS["cuda"]))
+        assert report.feasible == (walked <= least), name
+
+
+def test_a_looser_bound_is_bisected_until_its_plans_walk_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a fake solver: no split under a bound below 120; under bound b its plan's formula peak is b and its walk
+    # b - 30; unbounded: formula 200, walk 150. With the limit at 100, 120-130 fit: bisection finds 125
+    def plan(formula: int, walk: int) -> SimpleNamespace:
+        return SimpleNamespace(rank_memory_bytes=(formula,), prediction=SimpleNamespace(peak_memory_bytes=(walk,)))
+
+    def solve(bound: int | None) -> SimpleNamespace:
+        if bound is None:
+            return plan(200, 150)
+        if bound < 120:
+            raise InfeasibleError("no split under the bound")
+        return plan(bound, bound - 30)
+
+    monkeypatch.setattr(memory_fit, "_fitted", lambda p, limit: p)
+    found = memory_fit._under_looser_bound(solve, 100)
+    assert found is not None and found.rank_memory_bytes == (125,) and found.prediction.peak_memory_bytes == (95,)
+    assert memory_fit._under_looser_bound(lambda b: plan(200, 101) if b is None or b >= 200 else
+                                          plan(b, 101), 100) is None  # no bound's walk fits
+
+
+def test_a_loosened_plan_holds_its_baselines_to_the_walk_under_the_users_limit() -> None:
+    profile = chain_profile([1.0, 2.0, 1.0, 3.0, 1.0, 2.0], [4000] * 5, params=[1000, 9000] * 3,
+                            activations=[500, 3000] * 3)
+    kwargs = dict(solver="dp", schedule="1f1b", microbatches=4, cost=CostModel(), memory_limit=None,
+                  time_limit=2.0, optimize="speed", virtual_stages=None, objective="step", split_at=())
+    free = _plan_split(profile, 2, **kwargs)
+    assert all(report.feasible for report in free.baselines.values())
+    problem = build_problem(profile, 2, schedule="1f1b", microbatches=4)
+    walks = {name: max(rank_peak_memory(problem, run_baseline(name, problem).assignment)) for name in free.baselines}
+    held = _plan_split(profile, 2, **kwargs, baselines_walk=min(walks.values()) - 1)
+    assert not any(report.feasible for report in held.baselines.values())
+    assert all(report.violations for report in held.baselines.values())

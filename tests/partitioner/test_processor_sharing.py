@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import PartitionError, ScheduleError
 from fxpipe.partitioner.schedule import ActionKind, Schedule, make_schedule, simulate_step
+from fxpipe.partitioner.schedule.sharing import run_shared
+from fxpipe.partitioner.schedule.simulator import prepare_ranks
 
 F = ActionKind.FORWARD
 CHUNKED = {"interleaved-1f1b", "zbv", "dualpipev"}
@@ -44,9 +46,10 @@ def test_two_ranks_on_one_core_by_hand() -> None:
 def test_enough_cores_is_the_plain_simulation(name: str, ranks: int, microbatches: int, seed: int,
                                               prologue: list[float]) -> None:
     schedule = _schedule(name, ranks, microbatches)
-    plain = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, prologue=prologue)
-    shared = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, cores=ranks, prologue=prologue)
-    for r, first in enumerate(schedule.actions):  # a rank's first action starts after its prologue
+    plain = simulate_step(schedule, _durations(seed), delay=lambda ln, k: 0.3, prologue=prologue[:ranks])
+    shared = run_shared(schedule, prepare_ranks(schedule, _durations(seed), delay=lambda ln, k: 0.3,
+                                                prologue=prologue[:ranks]), cores=ranks)
+    for r in range(ranks):  # a rank's first action starts after its prologue
         assert min(op.start_ms for op in plain.ops if op.rank == r) >= prologue[r] - 1e-9
     assert sorted((op.rank, str(op), round(op.end_ms, 9)) for op in shared.ops) == \
         sorted((op.rank, str(op), round(op.end_ms, 9)) for op in plain.ops)
@@ -75,7 +78,7 @@ def test_one_core_without_delays_runs_all_the_work_back_to_back(name: str, ranks
                                                                 seed: int, prologue: list[float]) -> None:
     schedule = _schedule(name, ranks, microbatches)
     work = _durations(seed)
-    line = simulate_step(schedule, work, cores=1, prologue=prologue)
+    line = simulate_step(schedule, work, cores=1, prologue=prologue[:ranks])
     assert line.step_ms == pytest.approx(sum(work(a) for acts in schedule.actions for a in acts)
                                          + sum(prologue[:ranks]))
 
@@ -134,3 +137,18 @@ def test_stalls_delay_the_step_by_at_most_all_of_them(name: str, ranks: int, mic
     for op in stalled.ops:  # an action runs its whole work, plus at most its one wait
         assert work(by_key[(op.stage, op.microbatch, op.kind)]) - 1e-9 <= op.end_ms - op.start_ms \
             <= work(by_key[(op.stage, op.microbatch, op.kind)]) + wait + 1e-9
+
+
+def test_a_prologue_takes_a_core_and_delays_its_rank_by_hand() -> None:
+    # GPipe, 2 ranks on 2 cores, one microbatch, F = 1, B = 2, stalls 0.5; rank 1 first posts for 2 (its
+    # prologue). At 0 its prologue runs, so F of rank 0 starts on busy cores and waits 0.5 x 2 / 2 [0, 1.5];
+    # rank 1's F waits for its prologue, not for F of rank 0 [2, 3]; then B of rank 1 [3, 5], of rank 0 [5, 7]
+    schedule = make_schedule("gpipe", 2, 1)
+    work = lambda a: 1.0 if a.kind is F else 2.0  # noqa: E731
+    line = simulate_step(schedule, work, stall=lambda a: 0.5, prologue=(0.0, 2.0))
+    spans = {(op.rank, op.kind): (op.start_ms, op.end_ms) for op in line.ops}
+    assert spans[(0, "F")] == pytest.approx((0.0, 1.5)) and spans[(1, "F")] == pytest.approx((2.0, 3.0))
+    assert line.step_ms == pytest.approx(7.0) and simulate_step(schedule, work, prologue=(0.0, 2.0)).step_ms == \
+        pytest.approx(7.0)
+    with pytest.raises(PartitionError, match="prologue"):
+        simulate_step(schedule, work, prologue=(0.0, -1.0))

@@ -67,8 +67,8 @@ def test_recompute_only_where_memory_binds() -> None:
 
 
 def test_no_configuration_fits_names_the_least_memory() -> None:
-    with pytest.raises(InfeasibleError, match=r"no configuration fits 1 MiB per device on 2 devices: the least any "
-                                              r"needs is [\d.]+ MiB"):
+    with pytest.raises(InfeasibleError, match=r"no configuration fits 1 MiB per device on 2 devices: each "
+                                              r"needs at least [\d.]+ MiB"):
         search_configurations(_small(), ClusterSpec(devices=2, device_memory=2**20), 4)
 
 

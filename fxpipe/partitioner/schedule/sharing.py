@@ -5,7 +5,8 @@ speed as soon as its rank is free and its inputs have arrived (Note [step simula
 On a host with fewer cores than busy ranks (4 ranks on 2 cores), the running actions
 share the cores: at any moment each of the ``n`` running actions progresses at full
 speed if ``n <= cores`` and at ``cores / n x oversubscribed_rate`` of it otherwise, and
-a rank that waits for a message takes no core (gloo's receive sleeps). The rate (1 by
+a rank that waits for a message takes no core (gloo's receive sleeps), while a rank's
+prologue (Note [step simulation]) takes its share like an action. The rate (1 by
 default) is the work the cores lose while the actions outnumber them: the scheduler
 switches between them every time slice and each switch refills the caches (measured on
 this project's 2 cores: 4 processes running the tiny GPT's forward + backward do 0.9 of

@@ -10,7 +10,9 @@ An action starts when its rank is free and its inputs have arrived:
   own ``F``: the loss);
 * ``W(s, m)`` needs ``B(s, m)`` (Note [split backward] in ``actions``).
 
-That is how the runtime executes a schedule (non-blocking sends, receives waited for
+A rank may first do work of its own when the step starts (its ``prologue``: on gloo,
+posting every receive of the step), before its first action can start whatever its
+inputs. That is how the runtime executes a schedule (non-blocking sends, receives waited for
 right before the computation that needs them), so a schedule the simulator finishes is
 deadlock-free, and one it cannot finish deadlocks (``SimulationStuck``). With every
 action lasting 1 and no delays it is the unit-step simulation the validator prints; with
@@ -25,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fxpipe.errors import PartitionError
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
 
 __all__ = ["Link", "chain_links", "link_index", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
@@ -155,13 +158,31 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     ``stall(action)``: the time the action waits, off the cores, before it runs when it
     starts while every core is busy (Note [message stalls] in ``sharing``). ``prologue[r]``:
     work rank r does when the step starts, whatever its inputs, before its first action can
-    (posting the step's receives, Note [step prediction]); it is no action of the timeline.
-    Raises ``SimulationStuck`` on a deadlock.
+    (posting the step's receives, Note [step prediction]); it is no action of the timeline,
+    so ``Timeline.bubble`` counts it as idle. Raises ``SimulationStuck`` on a deadlock.
 
     >>> from fxpipe.partitioner.schedule.registry import make_schedule
     >>> simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0).step_ms
     9.0
     """
+    ranks = prepare_ranks(schedule, duration, links=links, delay=delay, stall=stall, prologue=prologue)
+    stalls = any(any(p.stalls) for p in ranks)
+    if (cores is not None and cores < len(ranks)) or stalls:
+        from fxpipe.partitioner.schedule.sharing import run_shared  # imports this module
+
+        return run_shared(schedule, ranks, len(ranks) if cores is None else cores, oversubscribed_rate)
+    return _run(schedule, ranks)
+
+
+def prepare_ranks(schedule: Schedule, duration: Callable[[Action], float], *,
+                  links: Sequence[Link] | None = None,
+                  delay: Callable[[Link, ActionKind], float] | None = None,
+                  stall: Callable[[Action], float] | None = None,
+                  prologue: Sequence[float] = ()) -> list[_Prepared]:
+    """Each rank's actions with their durations, what they wait for and their stalls, as
+    ``simulate_step`` takes them (the plain and the processor-sharing runs share them)."""
+    if len(prologue) > schedule.num_ranks or any(not p >= 0 for p in prologue):
+        raise PartitionError(f"prologue must give at most {schedule.num_ranks} times >= 0, got {list(prologue)}")
     links = tuple(chain_links(schedule.num_stages) if links is None else links)
     producers, consumers = link_index(links)
     split = schedule.split_backward()
@@ -176,12 +197,7 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
                                for d, ln in deps])
             prep.stalls.append(float(stall(a)) if stall is not None else 0.0)
         ranks.append(prep)
-    stalls = any(any(p.stalls) for p in ranks)
-    if (cores is not None and cores < len(ranks)) or stalls:
-        from fxpipe.partitioner.schedule.sharing import run_shared  # imports this module
-
-        return run_shared(schedule, ranks, len(ranks) if cores is None else cores, oversubscribed_rate)
-    return _run(schedule, ranks)
+    return ranks
 
 
 def _run(schedule: Schedule, ranks: list[_Prepared]) -> Timeline:
