@@ -86,7 +86,9 @@ def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_li
                 if exact is None:
                     looser = _under_looser_bound(solve_loosened or solve, memory_limit)
                     if looser is None:
-                        raise
+                        raise InfeasibleError(f"{exc}; nor does any plan solved under a looser stage bound fit "
+                                              f"{format_size(memory_limit)} over the whole step (too many "
+                                              f"contiguous splits to walk each)") from exc
                     return looser
                 return _fitted(exact, memory_limit)
             failure = (f"the best plan under the solvers' stage bound peaks at {format_size(peak)} when its schedule "

@@ -170,3 +170,10 @@ def test_a_loosened_plan_holds_its_baselines_to_the_walk_under_the_users_limit()
     held = _plan_split(profile, 2, **kwargs, baselines_walk=min(walks.values()) - 1)
     assert not any(report.feasible for report in held.baselines.values())
     assert all(report.violations for report in held.baselines.values())
+
+
+def test_when_no_looser_bound_fits_the_error_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = chain_profile([1.0, 2.0, 1.0, 3.0], [4000] * 3, params=[1000, 9000] * 2, activations=[500, 3000] * 2)
+    monkeypatch.setattr(memory_fit, "EXACT_MAX_SPLITS", 0)
+    with pytest.raises(InfeasibleError, match="nor does any plan solved under a looser stage bound fit"):
+        plan_partition(profile, 2, microbatches=4, memory_limit=1_000, time_limit=2.0)
