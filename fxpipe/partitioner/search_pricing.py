@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fxpipe.partitioner.cluster import ClusterSpec
-from fxpipe.partitioner.cost import CostModel
 from fxpipe.partitioner.prediction import (RuntimeCosts, StepOverheads, rank_memory_floor, rank_peak_memory,
                                            simulate_plan, step_overheads)
 from fxpipe.partitioner.problem import PartitionProblem, build_problem, evaluate
@@ -98,18 +97,14 @@ class Pricer:
         busy = [0.0] * S
         for st in ev.stages:
             busy[st.rank] += st.compute_ms
-
-        def walk(cost: CostModel, recompute: tuple[bool, ...]) -> tuple[int, ...]:  # Note [fitting memory over time]
-            return rank_peak_memory(replace(problem, cost=replace(cost, recompute=recompute)), assignment,
-                                    shape.schedule, self.rt)
-
         for shard in runnable_shard_levels(shape, self.shard_levels):
             cost = replace(base, shard=shard)
-            floor = rank_memory_floor(replace(problem, cost=cost), assignment) if limit is not None else None
+            plain = replace(problem, cost=cost)
+            floor = rank_memory_floor(plain, assignment) if limit is not None else None
             if floor is not None and max(floor.at_end) > limit:  # every walk holds this: over, recompute or not
                 too_big(shard, max(floor.at_end))
                 continue
-            overheads = step_overheads(replace(problem, cost=cost), assignment, self.rt)  # recompute: the same
+            overheads = step_overheads(plain, assignment, self.rt)  # recompute: the same
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue  # recomputing only lengthens it
             recompute: tuple[bool, ...] = ()
@@ -121,18 +116,19 @@ class Pricer:
                             max(floor.always[r] + floor.activations[r] for r in over))
                     continue
                 recompute = tuple(problem.stage_ranks[s] in over for s in range(problem.num_stages)) if over else ()
-            peaks = walk(cost, recompute)
+            priced = replace(problem, cost=replace(cost, recompute=recompute)) if recompute else plain
+            peaks = rank_peak_memory(priced, assignment, shape.schedule, self.rt)  # Note [fitting memory over time]
             if limit is not None and max(peaks) > limit and not shape.split_backward:
                 more = tuple(bool(recompute and recompute[s]) or peaks[problem.stage_ranks[s]] > limit
                              for s in range(problem.num_stages))
                 if more != recompute:
                     recompute = more
-                    peaks = walk(cost, recompute)
+                    priced = replace(problem, cost=replace(cost, recompute=recompute))
+                    peaks = rank_peak_memory(priced, assignment, shape.schedule, self.rt)
             walked = max(peaks)
             if limit is not None and walked > limit:
                 too_big(shard, walked)
                 continue
-            priced = replace(problem, cost=replace(cost, recompute=recompute))
             if recompute:
                 extra = list(busy)
                 for s, st in enumerate(ev.stages):
