@@ -146,6 +146,7 @@ class RuntimeCosts:
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
     step_receives: bool = False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
+    workspace_bytes: NonNegInt = 0  # per rank, allocated by the device's libraries, not the model (cuBLAS workspaces)
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
@@ -188,6 +189,9 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 # measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
 # Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
 # 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
+# "cuda": workspace_bytes measured on an H100 (benchmarks/prediction/one_gpu.py, 2026-11-26): every
+# rank's peak allocation held 64-66 MiB beyond its tensors whatever the model, cuBLAS's and
+# cuBLASLt's workspaces (32 MiB each on Hopper; smaller on older GPUs, so this over-counts there).
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {
     "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
                         message_ms=0.06, message_stall_ms=0.36, collective_ms=0.3, dp_sync_ms=1.0,
@@ -198,7 +202,7 @@ RUNTIME_COSTS: dict[str, RuntimeCosts] = {
                         step_receives=True),
     "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
                          loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
-                         optimizer_bytes_per_s=1e12),
+                         optimizer_bytes_per_s=1e12, workspace_bytes=64 * 2**20),
 }
 
 
@@ -485,8 +489,10 @@ def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], sch
     """Each rank's peak tensor bytes over one step under ``schedule`` (Note [memory over time]):
     training state of its distinct parameters, buffers, the step's inputs (every rank is handed
     the batch), the receive-buffer pools (as ``runtime`` posts receives; default
-    ``RUNTIME_COSTS["cpu"]``), and the largest moment of the schedule's walk."""
-    step_receives = (runtime if runtime is not None else RUNTIME_COSTS["cpu"]).step_receives
+    ``RUNTIME_COSTS["cpu"]``), the device libraries' workspaces, and the largest moment of the
+    schedule's walk."""
+    rt = runtime if runtime is not None else RUNTIME_COSTS["cpu"]
+    step_receives, workspace = rt.step_receives, rt.workspace_bytes
     name = schedule or problem.schedule
     sizes = stage_bytes(problem, assignment)
     fixed, held = _rank_fixed_and_params(problem, assignment)
@@ -499,7 +505,7 @@ def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], sch
         pools = sum(na * sizes[s].activation_buffer + ng * sizes[s].gradient_buffer
                     for s, na, ng in zip(rank.stages, rank.activation_buffers, rank.gradient_buffers))
         peak = rank.peak([sizes[s].per_count() for s in rank.stages])
-        out.append(int(fixed[r] + state + pools + peak))
+        out.append(int(fixed[r] + state + pools + peak) + workspace)
     return tuple(out)
 
 
@@ -514,11 +520,14 @@ class MemoryFloor:
     recomputed: tuple[int, ...]   # ... or, where the stages recompute, one microbatch's, rebuilt in B
 
 
-def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...]) -> MemoryFloor:
+def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...],
+                      runtime: RuntimeCosts | None = None) -> MemoryFloor:
     """Lower bounds on each rank's walked peak (Note [memory over time]) that need no walk: sums
     over the units. The walk's last moment holds ``at_end``; the moment a stage's in-flight count
     peaks holds ``always`` plus its activations (one microbatch's during a recomputing B). The
-    cluster search rejects or recomputes on them before walking (Note [cluster search])."""
+    cluster search rejects or recomputes on them before walking (Note [cluster search]).
+    ``runtime`` (default ``RUNTIME_COSTS["cpu"]``): whose library workspaces ``always`` includes."""
+    workspace = (runtime if runtime is not None else RUNTIME_COSTS["cpu"]).workspace_bytes
     fixed, held = _rank_fixed_and_params(problem, assignment)
     S, R = problem.num_stages, problem.num_ranks
     stage_params: list[set[int]] = [set() for _ in range(S)]
@@ -535,7 +544,7 @@ def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...]) ->
     always = []
     for f, h in zip(fixed, held):
         weights, _, optimizer = problem.cost.stage_state_bytes(h)
-        always.append(int(f + weights + optimizer))
+        always.append(int(f + weights + optimizer) + workspace)
     return MemoryFloor(always=tuple(always), at_end=tuple(a + g for a, g in zip(always, grads)),
                        activations=tuple(kept), recomputed=tuple(rebuilt))
 

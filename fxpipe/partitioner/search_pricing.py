@@ -100,15 +100,15 @@ class Pricer:
         for shard in runnable_shard_levels(shape, self.shard_levels):
             cost = replace(base, shard=shard)
             plain = replace(problem, cost=cost)
-            floor = rank_memory_floor(plain, assignment) if limit is not None else None
-            if floor is not None and max(floor.at_end) > limit:  # every walk holds this: over, recompute or not
+            floor = rank_memory_floor(plain, assignment, self.rt) if limit is not None else None
+            if floor is not None and limit is not None and max(floor.at_end) > limit:  # every walk holds this: over, recompute or not
                 too_big(shard, max(floor.at_end))
                 continue
             overheads = step_overheads(plain, assignment, self.rt)  # recompute: the same
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue  # recomputing only lengthens it
             recompute: tuple[bool, ...] = ()
-            if floor is not None:  # ranks whose walk must be over with every activation kept recompute
+            if floor is not None and limit is not None:  # ranks whose walk must be over with every activation kept recompute
                 over = {r for r in range(S) if floor.always[r] + floor.activations[r] > limit}
                 least = max((floor.always[r] + floor.recomputed[r] for r in over), default=0)
                 if over and (shape.split_backward or least > limit):

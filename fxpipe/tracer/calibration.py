@@ -8,6 +8,17 @@ roughly twice the forward's bytes and also pays one gradient accumulation per
 parameter (microbatches after the first add into ``.grad``). On small models the op
 costs dominate: a 4-layer width-32 GPT block runs ~110 aten ops per forward for only
 ~2 MFLOP, which is why a flops-only roofline predicted a third of the real step.
+
+Note [asynchronous launch]: on the CPU the thread that dispatches an op also runs it, so a
+unit costs its roofline plus its ops' fixed costs. A CUDA host only enqueues kernels: while
+the GPU runs one, the host launches the next, so a unit costs the longer of the two
+(``DevicePreset.async_launch``). On an H100 (benchmarks/prediction/one_gpu.py, 2026-11-26)
+the sum put a GPT of width 1024 (670 GFLOP and ~1,100 ops per microbatch) at 1.5-2x its
+measured step at any fp32 rate the card has; the longer-of-the-two fits it and the small
+GPTs, which are launch-bound, with one rate and one per-op cost. A whole stage overlaps
+more than one unit does (a matmul's kernel runs while the next unit's elementwise ops
+launch), so even the longer-of-the-two per unit stays above the stage where the two are
+close; measured unit times share that (benchmarks/prediction/README.md).
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ class DevicePreset:
     adds, per op name (the aten overload packet, e.g. ``"convolution_backward"``), a cost
     on top. ``cold_factor`` scales these fixed costs to what they are inside a running
     pipeline, where each action starts with cold caches after waiting on its peers.
+    ``async_launch``: a unit costs the longer of its roofline and its op costs, not their sum
+    (Note [asynchronous launch]).
     """
 
     name: str
@@ -37,6 +50,7 @@ class DevicePreset:
     bwd_op_overhead_s: float | None = None
     op_extra_s: tuple[tuple[str, float], ...] = ()
     cold_factor: float = 1.0
+    async_launch: bool = False  # kernels run while the host launches more (Note [asynchronous launch])
 
     def op_cost_s(self, op: str, backward: bool) -> float:
         """Seconds of fixed cost for one call of aten op ``op`` in a warm loop."""
@@ -54,10 +68,16 @@ class DevicePreset:
 # and ~110 us backward, batch norm at ~15 us. Timers around the stage module inside a
 # running 2-rank pipeline measured ~1.45x the warm-loop time on the GPT and the ResNet
 # (cold_factor). Scratch scripts and numbers: benchmarks/prediction/README.md.
+# "cuda": fitted to an H100 80GB (SXM) under torch 2.11 + CUDA 13, fp32 without TF32, from the
+# one-rank steps of benchmarks/prediction/one_gpu.py (2026-11-26, two runs): the small GPTs,
+# launch-bound, took 13-19 us per dispatched op (forward and backward alike; the host's speed
+# moved them by 1.5x between the runs), and the width-1024 GPT fits 50 TFLOP/s (the card's fp32
+# peak is 67) beside 15 us per op (Note [asynchronous launch]); 2.5 TB/s of its 3.35 for
+# elementwise traffic. On other GPUs measure instead (--trace-device cuda --measure-times).
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     "cpu": DevicePreset("cpu", flops_per_s=75e9, bytes_per_s=20e9, op_overhead_s=3.0e-6, bwd_op_overhead_s=2.8e-6,
                         op_extra_s=(("convolution", 40e-6), ("convolution_backward", 90e-6),
                                     ("native_batch_norm", 10e-6), ("native_batch_norm_backward", 3e-6)),
                         cold_factor=1.45),
-    "cuda": DevicePreset("cuda", flops_per_s=19.5e12, bytes_per_s=1.5e12, op_overhead_s=5e-6),
+    "cuda": DevicePreset("cuda", flops_per_s=50e12, bytes_per_s=2.5e12, op_overhead_s=15e-6, async_launch=True),
 }

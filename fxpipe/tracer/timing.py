@@ -39,24 +39,28 @@ def op_overhead_s(ops: Iterable[tuple[str, int]], preset: DevicePreset, backward
 
 
 def analytic_ms(counts: UnitCounts, preset: DevicePreset) -> tuple[float, float]:
-    """Forward and backward milliseconds of one unit: roofline plus per-op costs.
+    """Forward and backward milliseconds of one unit: roofline plus per-op costs, or the longer
+    of the two where the device runs kernels while the host launches more (``preset.async_launch``,
+    Note [asynchronous launch]).
 
     Counts without dispatched ops (made by hand or by older code) charge ``n_ops``
     forward ops and twice as many backward ones.
     """
-    fwd = max(counts.fwd_flops / preset.flops_per_s, counts.fwd_bytes / preset.bytes_per_s)
+    combine = max if preset.async_launch else (lambda roofline, ops: roofline + ops)
+    roofline = max(counts.fwd_flops / preset.flops_per_s, counts.fwd_bytes / preset.bytes_per_s)
     if counts.fwd_ops:
-        fwd += op_overhead_s(counts.fwd_ops, preset, backward=False)
+        ops = op_overhead_s(counts.fwd_ops, preset, backward=False)
     else:
-        fwd += counts.n_ops * preset.op_overhead_s * preset.cold_factor
+        ops = counts.n_ops * preset.op_overhead_s * preset.cold_factor
+    fwd = combine(roofline, ops)
     if not counts.has_backward:
         return fwd * 1e3, 0.0
-    bwd = max(counts.bwd_flops / preset.flops_per_s, 2 * counts.fwd_bytes / preset.bytes_per_s)
+    roofline = max(counts.bwd_flops / preset.flops_per_s, 2 * counts.fwd_bytes / preset.bytes_per_s)
     if counts.bwd_ops:
-        bwd += op_overhead_s(counts.bwd_ops, preset, backward=True)
+        ops = op_overhead_s(counts.bwd_ops, preset, backward=True)
     else:
-        bwd += 2 * counts.n_ops * preset.op_cost_s("", backward=True) * preset.cold_factor
-    return fwd * 1e3, bwd * 1e3
+        ops = 2 * counts.n_ops * preset.op_cost_s("", backward=True) * preset.cold_factor
+    return fwd * 1e3, combine(roofline, ops) * 1e3
 
 
 @contextlib.contextmanager

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
+
 import pytest
 
 from fxpipe.cli import main
@@ -13,6 +16,16 @@ from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
 from fxpipe.partitioner.problem import build_problem
 from fxpipe.partitioner.search import SearchResult, plan_configuration, scale_profile, search_configurations
 from fxpipe.partitioner.synthetic import transformer_profile
+
+
+CUDA_RUNTIME = RUNTIME_COSTS["cuda"]
+
+
+@pytest.fixture(autouse=True)
+def _no_library_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy profiles fit devices of a few MiB, which CUDA's cuBLAS workspaces alone would fill
+    (test_the_search_counts_the_library_workspace keeps them)."""
+    monkeypatch.setitem(RUNTIME_COSTS, "cuda", replace(CUDA_RUNTIME, workspace_bytes=0))
 
 
 def _small(layers: int = 6):
@@ -155,3 +168,21 @@ def test_seventy_b_shaped_blocks_need_a_pipeline_and_fit() -> None:
     assert best.peak_memory_bytes <= 80 * 2**30 and best.config.devices <= 16
     assert best.config.stages >= 2 or best.config.shard != "none"  # 280 GB fits no single device
     assert 0 < best.bubble < 1 and best.samples_per_s > 0
+
+
+def test_the_search_counts_the_library_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(RUNTIME_COSTS, "cuda", CUDA_RUNTIME)
+    workspace = CUDA_RUNTIME.workspace_bytes
+    assert workspace > 0
+    profile = _small()
+    roomy = ClusterSpec(devices=4, device_memory=workspace + 64 * 2**20, node_size=4)
+    result = search_configurations(profile, roomy, 8, top=10**6)
+    assert all(workspace < s.peak_memory_bytes <= roomy.device_memory for s in result.ranked)
+    bare = search_configurations(profile, roomy, 8, top=1, runtime=replace(CUDA_RUNTIME, workspace_bytes=0))
+    assert result.best.peak_memory_bytes - bare.best.peak_memory_bytes == workspace or \
+        result.best.config != bare.best.config
+    small = ClusterSpec(devices=4, device_memory=workspace, node_size=4)  # the workspace alone fills it
+    with pytest.raises(InfeasibleError, match="needs at least") as caught:
+        search_configurations(profile, small, 8)
+    needs = float(re.search(r"needs at least ([0-9.]+) MiB", str(caught.value)).group(1))
+    assert needs * 2**20 > workspace

@@ -4,15 +4,24 @@ ranks, the sharding levels the runtime runs, and a fixed pipeline depth."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner.cluster import ClusterSpec
+from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.partitioner.problem import build_problem, evaluate
 from fxpipe.partitioner.search import search_configurations
 from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes, runnable_shard_levels
 from fxpipe.partitioner.synthetic import transformer_profile
+
+
+@pytest.fixture(autouse=True)
+def _no_library_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy profiles fit devices of a few MiB, which CUDA's cuBLAS workspaces alone would fill
+    (tests/partitioner/test_search.py keeps them in its own test)."""
+    monkeypatch.setitem(RUNTIME_COSTS, "cuda", replace(RUNTIME_COSTS["cuda"], workspace_bytes=0))
 
 
 def _small(layers: int = 5):

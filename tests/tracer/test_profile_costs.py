@@ -132,6 +132,25 @@ def test_analytic_ms_without_op_counts_and_without_backward():
     assert analytic_ms(frozen, _PRESET) == pytest.approx((1.0 + 0.002, 0.0))
 
 
+def test_analytic_ms_async_launch_takes_the_longer_of_roofline_and_ops():
+    # Note [asynchronous launch]: the host launches while the device runs, so a unit costs the longer
+    from dataclasses import replace
+
+    overlapped = replace(_PRESET, async_launch=True)
+    compute_bound = UnitCounts(fwd_flops=2e6, bwd_flops=4e6, fwd_bytes=1_000_000, activation_bytes=0, n_ops=9,
+                               has_backward=True, fwd_ops=(("addmm", 3), ("convolution", 1)), bwd_ops=(("mm", 4),))
+    assert analytic_ms(compute_bound, overlapped) == pytest.approx((2.0, 4.0))
+    launch_bound = UnitCounts(fwd_flops=1e3, bwd_flops=2e3, fwd_bytes=1_000, activation_bytes=0, n_ops=9,
+                              has_backward=True, fwd_ops=(("add", 100),), bwd_ops=(("mul", 100),))
+    # forward: 2 x 100 x 1 us = 0.2 ms over a 0.001 ms roofline; backward: 2 x 100 x 2 us
+    assert analytic_ms(launch_bound, overlapped) == pytest.approx((0.2, 0.4))
+    assert analytic_ms(launch_bound, _PRESET) == pytest.approx((0.2 + 0.001, 0.4 + 0.002))
+
+
+def test_only_the_cuda_preset_overlaps_launch_and_compute():
+    assert DEVICE_PRESETS["cuda"].async_launch and not DEVICE_PRESETS["cpu"].async_launch
+
+
 def test_cpu_preset_charges_convolutions_extra():
     cpu = DEVICE_PRESETS["cpu"]
     assert cpu.op_cost_s("convolution", backward=False) > 5 * cpu.op_cost_s("add", backward=False)
