@@ -20,7 +20,10 @@ and reports the median of the repeats' ratios and their range. This machine's sp
 changes by up to 3x for seconds at a time, so a fixed workload is timed before each trace
 and after each run: a run across which it changed by more than 15% does not count (it is
 rerun in a later round, at most ``2 x --repeats`` runs per row; a row with no steady run
-keeps them all and says so).
+keeps them all and says so). Nor does a run in a stretch when this host delivers messages
+slowly while compute keeps its speed: two gloo processes of ``message_probe.py`` time a
+compute-and-message loop before and after each run, and a run counts only if both stay
+within 20% of the fastest probe of the whole benchmark.
 Writes configurations.json and configurations.md; only measured rows.
 """
 
@@ -37,10 +40,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from message_probe import MessageProbe
+
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4), "mlp": (ROOT / "examples" / "mlp.py", 16, 4)}
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
 STEADY = 1.15  # a run counts when the machine's speed probe before and after it differ by at most this
+MESSAGE_STEADY = 1.20  # ... and its message probes are within this of the benchmark's fastest
 TIMING = "measured"
 
 
@@ -67,7 +73,7 @@ def _probe_ms() -> float:
 
 
 def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, builds: Path,
-             recompute: bool = False) -> dict[str, Any]:
+             recompute: bool = False, messages: MessageProbe | None = None) -> dict[str, Any]:
     from fxpipe.codegen import write_build_dir
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import CostModel, plan_partition
@@ -78,6 +84,7 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
     model_file, batch, micro = MODELS[model]
     source = load_model_file(model_file)
     probe = _probe_ms()
+    message = messages.measure() if messages is not None else None
     with warnings.catch_warnings():  # unit times measured now, right before this row runs
         warnings.simplefilter("ignore")
         traced = trace_model_file(source, batch // micro, progress=False, measure_times=TIMING == "measured")
@@ -112,22 +119,34 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
            "tensor_memory_ratio": [t / memory[i % len(memory)] for i, t in enumerate(tensors)] if memory else [],
            "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
            "probe_ms": [probe, _probe_ms()],  # the machine's speed before the trace and after the run
+           "message_probe_ms": [message, messages.measure()] if messages is not None else None,
            "load_average_1min": os.getloadavg()[0]}
     row["within_goal"] = _in_goal(row)
     return row
 
 
-def _steady(run: dict[str, Any]) -> bool:
-    """The machine ran at one speed through the run: the probe before and after within 15%."""
+def _steady(run: dict[str, Any], fastest_message_ms: float | None = None) -> bool:
+    """The machine ran at one speed through the run: the probe before and after within 15%; and,
+    where ``fastest_message_ms`` (``_fastest_message``) is given, it delivered messages as fast as
+    it can: both message probes within 20% of that."""
     before, after = run["probe_ms"]
-    return max(before, after) <= STEADY * min(before, after)
+    if max(before, after) > STEADY * min(before, after):
+        return False
+    messages = run.get("message_probe_ms")
+    return fastest_message_ms is None or not messages or max(messages) <= MESSAGE_STEADY * fastest_message_ms
 
 
-def _median_row(attempts: list[dict[str, Any]]) -> dict[str, Any]:
+def _fastest_message(attempts: list[list[dict[str, Any]]]) -> float | None:
+    """The fastest message probe of every run so far: this host at its quietest."""
+    probes = [t for tried in attempts for run in tried for t in run.get("message_probe_ms") or ()]
+    return min(probes) if probes else None
+
+
+def _median_row(attempts: list[dict[str, Any]], fastest_message_ms: float | None) -> dict[str, Any]:
     """One row from its repeats (the steady ones, if any): medians of the times, ratios and memory,
-    the ratios' range."""
+    the ratios' range; and the median ratio of every repeat, steady or not."""
     med = statistics.median
-    repeats = [a for a in attempts if _steady(a)] or attempts
+    repeats = [a for a in attempts if _steady(a, fastest_message_ms)] or attempts
     row = dict(repeats[0])
     for key in ("measured_step_ms", "predicted_step_ms", "predicted_on_shared_cores_ms", "ratio",
                 "ratio_on_shared_cores", "unit_ms", "load_average_1min"):
@@ -138,7 +157,10 @@ def _median_row(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     row["ratio_range"] = [min(ratios), max(ratios)]
     row["within_goal"] = _in_goal(row)
     row["repeats"] = attempts
-    row["steady_repeats"] = sum(_steady(a) for a in attempts)
+    row["steady_repeats"] = sum(_steady(a, fastest_message_ms) for a in attempts)
+    row["ratio_of_every_repeat"] = med(a["ratio_on_shared_cores"] for a in attempts)
+    row["message_probe_ms"] = med(max(a["message_probe_ms"]) for a in repeats) if all(
+        a.get("message_probe_ms") for a in repeats) else None
     return row
 
 
@@ -164,11 +186,14 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
              "this machine right before each run; each row is the median of its repeats (the ratio's range "
              "across them beside it; 'unit ms': the profile's forward + backward per microbatch, which shows "
              "the machine's drift; 'steady': runs across which a fixed workload's time changed by at most "
-             "15%, of the runs made, and only those count). Load: mostly the benchmark's own 2-4 processes.", "",
+             "15% and whose message probes, before and after, were within 20% of the fastest of the "
+             "benchmark ('message ms', message_probe.py: two gloo processes computing and exchanging "
+             "8 KiB, ms per iteration), of the runs made, and only those count). Load: mostly the "
+             "benchmark's own 2-4 processes.", "",
              "| S x R | schedule | V | recompute | measured ms | this host: predicted ms | ratio | range | in goal "
              "| one core per rank: predicted ms | ratio | tensor memory ratio per rank | saving measured / predicted "
-             "| unit ms | steady | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| unit ms | message ms | steady | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {(r["stages"], r["replicas"], r["schedule"]): r for r in rows if not r.get("recompute")}
     for r in rows:
         mem = ", ".join(f"{x:.2f}" for x in r["tensor_memory_ratio"])
@@ -184,10 +209,14 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
                      f"{r['measured_step_ms']:.2f} | {r['predicted_on_shared_cores_ms']:.2f} | "
                      f"{r['ratio_on_shared_cores']:.2f} | {lo:.2f}-{hi:.2f} | {'yes' if _in_goal(r) else 'NO'} | "
                      f"{r['predicted_step_ms']:.2f} | {r['ratio']:.2f} | {mem} | {saving} | "
-                     f"{r['unit_ms']:.2f} | {r.get('steady_repeats', 0)} of {len(r.get('repeats', []))} | "
+                     f"{r['unit_ms']:.2f} | "
+                     f"{'n/a' if r.get('message_probe_ms') is None else format(r['message_probe_ms'], '.2f')} | "
+                     f"{r.get('steady_repeats', 0)} of {len(r.get('repeats', []))} | "
                      f"{r['load_average_1min']:.1f} |")
     inside = sum(_in_goal(r) for r in rows)
-    return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal.", ""])
+    every = sum(GOAL[0] <= r.get("ratio_of_every_repeat", r["ratio_on_shared_cores"]) <= GOAL[1] for r in rows)
+    return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal ({every} of {len(rows)} by "
+                              "the median of every run, steady or not).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     global TIMING
     TIMING = args.timing
+    with MessageProbe() as messages:
+        return _run(args, messages)
+
+
+def _run(args: argparse.Namespace, messages: MessageProbe) -> int:
     builds = Path(tempfile.mkdtemp(prefix="fxpipe-configs-"))
     started = time.perf_counter()
     rows_to_run: list[tuple[str, int, int, str, bool]] = []
@@ -220,15 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     refused: set[int] = set()
     rows: list[dict[str, Any]] = []
     for round_ in range(2 * args.repeats):  # until --repeats steady runs per row, at most twice that many runs
+        fastest = _fastest_message(attempts)
         todo = [i for i, tried in enumerate(attempts)
-                if i not in refused and sum(map(_steady, tried)) < args.repeats]
+                if i not in refused and sum(_steady(run, fastest) for run in tried) < args.repeats]
         if not todo:
             break
         for i in todo:
             config, stages, replicas, schedule, recompute = rows_to_run[i]
             label = _label(config, schedule, recompute)
             try:
-                attempts[i].append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute))
+                attempts[i].append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute,
+                                            messages))
             except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
                 print(f"{label}: not run: {exc}", file=sys.stderr, flush=True)
                 refused.add(i)
@@ -236,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             run = attempts[i][-1]
             print(f"round {round_ + 1} {label} measured {run['measured_step_ms']:8.2f} ms predicted "
                   f"{run['predicted_on_shared_cores_ms']:8.2f} ms (this host) ratio {run['ratio_on_shared_cores']:.2f}"
-                  f"{'' if _steady(run) else ' (not steady)'}", flush=True)
-        rows = [_median_row(tried) for i, tried in enumerate(attempts) if tried and i not in refused]
+                  f" messages {max(run['message_probe_ms']):.2f} ms"
+                  f"{'' if _steady(run, _fastest_message(attempts)) else ' (not steady)'}", flush=True)
+        fastest = _fastest_message(attempts)
+        rows = [_median_row(tried, fastest) for i, tried in enumerate(attempts) if tried and i not in refused]
         args.out.mkdir(parents=True, exist_ok=True)  # after every round: a cut-off run keeps what it measured
         (args.out / "configurations.json").write_text(json.dumps(
             {"rows": rows, "steps": args.steps, "repeats": args.repeats, "goal_ratio": list(GOAL),
