@@ -18,12 +18,13 @@ recomputing, and the measured / predicted drop of each rank's peak against the p
 Every row is measured ``--repeats`` times (trace, plan, run), in rounds over all the rows,
 and reports the median of the repeats' ratios and their range. This machine's speed
 changes by up to 3x for seconds at a time, so a fixed workload is timed before each trace
-and after each run: a run across which it changed by more than 15% does not count (it is
+and after each run: a run with either more than 15% above the fastest of the benchmark (the
+host's quiet speed) does not count (it is
 rerun in a later round, at most ``2 x --repeats`` runs per row; a row with no steady run
 keeps them all and says so). Nor does a run in a stretch when this host delivers messages
 slowly while compute keeps its speed: two gloo processes of ``message_probe.py`` time a
 compute-and-message loop before and after each run, and a run counts only if both stay
-within 20% of the fastest probe of the whole benchmark.
+within 20% of the median probe of the whole benchmark.
 Writes configurations.json and configurations.md; only measured rows.
 """
 
@@ -37,16 +38,17 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from message_probe import MessageProbe
+from message_probe import MessageProbe, ProbeError
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4), "mlp": (ROOT / "examples" / "mlp.py", 16, 4)}
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
-STEADY = 1.15  # a run counts when the machine's speed probe before and after it differ by at most this
-MESSAGE_STEADY = 1.20  # ... and its message probes are within this of the benchmark's fastest
+STEADY = 1.15  # a run counts when its speed probes, before and after, are within this of the benchmark's fastest
+MESSAGE_STEADY = 1.20  # ... and its message probes are within this of the benchmark's median probe
 TIMING = "measured"
 
 
@@ -125,28 +127,44 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
     return row
 
 
-def _steady(run: dict[str, Any], fastest_message_ms: float | None = None) -> bool:
-    """The machine ran at one speed through the run: the probe before and after within 15%; and,
-    where ``fastest_message_ms`` (``_fastest_message``) is given, it delivered messages as fast as
-    it can: both message probes within 20% of that."""
+@dataclass(frozen=True)
+class HostLevels:
+    """This host at its usual: the fastest compute probe of the benchmark so far (a fixed
+    workload's floor, steady on a quiet host) and the median message probe (the fastest
+    message probe is one lucky pass, not a level)."""
+
+    quiet_probe_ms: float
+    typical_message_ms: float | None
+
+
+def _steady(run: dict[str, Any], levels: HostLevels | None = None) -> bool:
+    """The machine ran at its quiet speed through the run: the compute probe before and after
+    within 15% of each other and, given ``levels``, of the benchmark's fastest; and it delivered
+    messages as it usually does: both message probes at most 20% above the median."""
     before, after = run["probe_ms"]
-    if max(before, after) > STEADY * min(before, after):
+    floor = min(before, after) if levels is None else levels.quiet_probe_ms
+    if max(before, after) > STEADY * floor:
         return False
     messages = run.get("message_probe_ms")
-    return fastest_message_ms is None or not messages or max(messages) <= MESSAGE_STEADY * fastest_message_ms
+    typical = levels.typical_message_ms if levels is not None else None
+    return typical is None or not messages or max(messages) <= MESSAGE_STEADY * typical
 
 
-def _fastest_message(attempts: list[list[dict[str, Any]]]) -> float | None:
-    """The fastest message probe of every run so far: this host at its quietest."""
-    probes = [t for tried in attempts for run in tried for t in run.get("message_probe_ms") or ()]
-    return min(probes) if probes else None
+def _levels(attempts: list[list[dict[str, Any]]]) -> HostLevels | None:
+    """The ``HostLevels`` of every run so far."""
+    runs = [run for tried in attempts for run in tried]
+    if not runs:
+        return None
+    messages = [t for run in runs for t in run.get("message_probe_ms") or ()]
+    return HostLevels(min(t for run in runs for t in run["probe_ms"]),
+                      statistics.median(messages) if messages else None)
 
 
-def _median_row(attempts: list[dict[str, Any]], fastest_message_ms: float | None) -> dict[str, Any]:
+def _median_row(attempts: list[dict[str, Any]], levels: HostLevels | None) -> dict[str, Any]:
     """One row from its repeats (the steady ones, if any): medians of the times, ratios and memory,
     the ratios' range; and the median ratio of every repeat, steady or not."""
     med = statistics.median
-    repeats = [a for a in attempts if _steady(a, fastest_message_ms)] or attempts
+    repeats = [a for a in attempts if _steady(a, levels)] or attempts
     row = dict(repeats[0])
     for key in ("measured_step_ms", "predicted_step_ms", "predicted_on_shared_cores_ms", "ratio",
                 "ratio_on_shared_cores", "unit_ms", "load_average_1min"):
@@ -157,7 +175,7 @@ def _median_row(attempts: list[dict[str, Any]], fastest_message_ms: float | None
     row["ratio_range"] = [min(ratios), max(ratios)]
     row["within_goal"] = _in_goal(row)
     row["repeats"] = attempts
-    row["steady_repeats"] = sum(_steady(a, fastest_message_ms) for a in attempts)
+    row["steady_repeats"] = sum(_steady(a, levels) for a in attempts)
     row["ratio_of_every_repeat"] = med(a["ratio_on_shared_cores"] for a in attempts)
     row["message_probe_ms"] = med(max(a["message_probe_ms"]) for a in repeats) if all(
         a.get("message_probe_ms") for a in repeats) else None
@@ -185,8 +203,8 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
              "'one core per rank': the prediction for a cluster of S x R devices. Unit times measured on "
              "this machine right before each run; each row is the median of its repeats (the ratio's range "
              "across them beside it; 'unit ms': the profile's forward + backward per microbatch, which shows "
-             "the machine's drift; 'steady': runs across which a fixed workload's time changed by at most "
-             "15% and whose message probes, before and after, were within 20% of the fastest of the "
+             "the machine's drift; 'steady': runs before and after which a fixed workload's time was at most "
+             "15% above the benchmark's fastest, and whose message probes, before and after, were at most 20% above the median of the "
              "benchmark ('message ms', message_probe.py: two gloo processes computing and exchanging "
              "8 KiB, ms per iteration), of the runs made, and only those count). Load: mostly the "
              "benchmark's own 2-4 processes.", "",
@@ -254,9 +272,9 @@ def _run(args: argparse.Namespace, messages: MessageProbe) -> int:
     refused: set[int] = set()
     rows: list[dict[str, Any]] = []
     for round_ in range(2 * args.repeats):  # until --repeats steady runs per row, at most twice that many runs
-        fastest = _fastest_message(attempts)
+        levels = _levels(attempts)
         todo = [i for i, tried in enumerate(attempts)
-                if i not in refused and sum(_steady(run, fastest) for run in tried) < args.repeats]
+                if i not in refused and sum(_steady(run, levels) for run in tried) < args.repeats]
         if not todo:
             break
         for i in todo:
@@ -265,6 +283,8 @@ def _run(args: argparse.Namespace, messages: MessageProbe) -> int:
             try:
                 attempts[i].append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute,
                                             messages))
+            except ProbeError:
+                raise  # the probe, not this configuration
             except Exception as exc:  # a configuration the runtime refuses (e.g. sharding x split backward): say so
                 print(f"{label}: not run: {exc}", file=sys.stderr, flush=True)
                 refused.add(i)
@@ -273,9 +293,9 @@ def _run(args: argparse.Namespace, messages: MessageProbe) -> int:
             print(f"round {round_ + 1} {label} measured {run['measured_step_ms']:8.2f} ms predicted "
                   f"{run['predicted_on_shared_cores_ms']:8.2f} ms (this host) ratio {run['ratio_on_shared_cores']:.2f}"
                   f" messages {max(run['message_probe_ms']):.2f} ms"
-                  f"{'' if _steady(run, _fastest_message(attempts)) else ' (not steady)'}", flush=True)
-        fastest = _fastest_message(attempts)
-        rows = [_median_row(tried, fastest) for i, tried in enumerate(attempts) if tried and i not in refused]
+                  f"{'' if _steady(run, _levels(attempts)) else ' (not steady)'}", flush=True)
+        levels = _levels(attempts)
+        rows = [_median_row(tried, levels) for i, tried in enumerate(attempts) if tried and i not in refused]
         args.out.mkdir(parents=True, exist_ok=True)  # after every round: a cut-off run keeps what it measured
         (args.out / "configurations.json").write_text(json.dumps(
             {"rows": rows, "steps": args.steps, "repeats": args.repeats, "goal_ratio": list(GOAL),

@@ -14,6 +14,7 @@ configurations.py takes it before and after each run.
 from __future__ import annotations
 
 import argparse
+import datetime
 import multiprocessing as mp
 import os
 import statistics
@@ -22,6 +23,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 FLOATS = 2048  # 8 KiB: the tiny GPT's boundary activation per microbatch of 2
+TIMEOUT_S = 60.0  # a start or a pass that takes longer: the probe is broken
+
+
+class ProbeError(RuntimeError):
+    """The probe's processes did not start or did not answer: the benchmark stops (no row is to blame)."""
 
 
 def _worker(rank: int, port: int, conn: Connection) -> None:
@@ -30,7 +36,7 @@ def _worker(rank: int, port: int, conn: Connection) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     peer = 1 - rank
     x, w = torch.randn(64, 256), torch.randn(256, 256) / 16
     out, into = torch.zeros(FLOATS), torch.zeros(FLOATS)
@@ -65,23 +71,37 @@ class MessageProbe:
 
         ctx = mp.get_context("spawn")
         port = free_port()
-        for rank in range(2):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, port, child), daemon=True)
-            proc.start()
-            self._procs.append(proc)
-            self._conns.append(parent)
-        for conn in self._conns:
-            if not conn.poll(120) or conn.recv() != "ready":
-                raise RuntimeError("the message probe's processes did not start")
-        self.measure()  # the first pass warms up the connections
+        try:
+            for rank in range(2):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(rank, port, child), daemon=True)
+                proc.start()
+                child.close()  # the worker's end: when it dies, recv sees the pipe close
+                self._procs.append(proc)
+                self._conns.append(parent)
+            for conn in self._conns:
+                if self._answer(conn) != "ready":
+                    raise ProbeError("the message probe's processes did not start")
+            self.measure()  # the first pass warms up the connections
+        except BaseException:
+            self.__exit__()
+            raise
         return self
+
+    def _answer(self, conn: Connection) -> Any:
+        if not conn.poll(TIMEOUT_S):
+            raise ProbeError(f"a message probe process gave no answer in {TIMEOUT_S:.0f} s")
+        try:
+            return conn.recv()
+        except EOFError as exc:
+            codes = [proc.exitcode for proc in self._procs]
+            raise ProbeError(f"a message probe process died (exit codes {codes})") from exc
 
     def measure(self) -> float:
         """Mean ms per iteration of the slower process."""
         for conn in self._conns:
             conn.send(self.iterations)
-        return max(conn.recv() for conn in self._conns)
+        return max(self._answer(conn) for conn in self._conns)
 
     def __exit__(self, *exc: object) -> None:
         for conn in self._conns:

@@ -127,6 +127,12 @@ def _markdown(result: dict[str, Any]) -> str:
     inside = sum(r["within_goal"] for r in result["rows"])
     lines += ["", f"{inside} of {len(result['rows'])} step ratios within the goal; "
               f"{result['seconds']:.0f} s in all."]
+    if result.get("note"):
+        lines += ["", result["note"]]
+    if result.get("repredicted"):
+        lines += ["", "The analytic rows were re-predicted later (`--repredict`: traced on a CPU, priced by the "
+                  "CUDA preset of that code) beside the same measurements; the measured rows keep the predictions "
+                  "of the run."]
     return "\n".join(lines) + "\n"
 
 
@@ -149,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write (default: beside this script on cuda, a new temporary folder on cpu)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same rows")
     p.add_argument("--repredict", action="store_true",
                    help="re-predict the analytic rows of --out's one_gpu.json; keep its measurements")
     args = p.parse_args(argv)
     import torch
 
+    if args.out is None:  # a CPU dry run never overwrites the GPU's results
+        args.out = Path(__file__).resolve().parent if args.device == "cuda" or args.repredict else \
+            Path(tempfile.mkdtemp(prefix="fxpipe-one-gpu-dry-"))
+        print(f"writing to {args.out}", flush=True)
     if args.repredict:
         saved = json.loads((args.out / "one_gpu.json").read_text())
         saved["rows"] = [_repredicted(r) if r["timing"] == "analytic" else r for r in saved["rows"]]

@@ -66,19 +66,22 @@ def walked_peak(plan: PartitionPlan) -> int:
 
 def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_limit: int,
                          check_every_split: Callable[[int], PartitionPlan | None],
-                         solve_loosened: Callable[[int | None], PartitionPlan] | None = None) -> PartitionPlan:
+                         solve_loosened: Callable[[int | None], PartitionPlan] | None = None,
+                         reserved: int = 0) -> PartitionPlan:
     """The plan ``solve(limit)`` makes for the largest ``limit <= memory_limit`` tried whose schedule
     walk fits ``memory_limit``; when none does, ``check_every_split(memory_limit)``'s plan; when
     the solvers find no split at the limit and there are too many to walk, the plan of a looser
     bound whose walk fits (``solve_loosened``, default ``solve``: it holds the baselines to the
-    walk) (Note [fitting memory over time])."""
-    limit, peak = memory_limit, 0
+    walk) (Note [fitting memory over time]). ``reserved``: bytes every walk holds that the
+    solvers' stage formula leaves out (the CUDA libraries' workspaces), taken off the first bound."""
+    first = memory_limit - reserved if 0 < reserved < memory_limit else memory_limit
+    limit, peak = first, 0
     failure = ""
     for _ in range(ROUNDS + 1):
         try:
             plan = solve(limit)
         except InfeasibleError as exc:
-            if limit == memory_limit:  # the stage bound can exceed the walk: check the walk itself
+            if limit == first:  # the stage bound can exceed the walk: check the walk itself
                 try:
                     exact = check_every_split(memory_limit)
                 except InfeasibleError as walked:

@@ -119,8 +119,10 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         return plan
 
     if memory_limit is not None and solver not in BASELINES:
+        reserved = RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"]).workspace_bytes
         return fit_memory_over_time(plan_under, memory_limit, lambda limit: plan_split(None, walk_limit=limit),
-                                    solve_loosened=lambda limit: plan_under(limit, baselines_walk=memory_limit))
+                                    solve_loosened=lambda limit: plan_under(limit, baselines_walk=memory_limit),
+                                    reserved=reserved)
     return plan_under(memory_limit)
 
 

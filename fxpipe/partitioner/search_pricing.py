@@ -101,17 +101,18 @@ class Pricer:
             cost = replace(base, shard=shard)
             plain = replace(problem, cost=cost)
             floor = rank_memory_floor(plain, assignment, self.rt) if limit is not None else None
-            if floor is not None and limit is not None and max(floor.at_end) > limit:  # every walk holds this: over, recompute or not
+            cap = limit if limit is not None else 0  # read only where there is a floor
+            if floor is not None and max(floor.at_end) > cap:  # every walk holds this: over, recompute or not
                 too_big(shard, max(floor.at_end))
                 continue
             overheads = step_overheads(plain, assignment, self.rt)  # recompute: the same
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue  # recomputing only lengthens it
             recompute: tuple[bool, ...] = ()
-            if floor is not None and limit is not None:  # ranks whose walk must be over with every activation kept recompute
-                over = {r for r in range(S) if floor.always[r] + floor.activations[r] > limit}
+            if floor is not None:  # ranks whose walk must be over with every activation kept recompute
+                over = {r for r in range(S) if floor.always[r] + floor.activations[r] > cap}
                 least = max((floor.always[r] + floor.recomputed[r] for r in over), default=0)
-                if over and (shape.split_backward or least > limit):
+                if over and (shape.split_backward or least > cap):
                     too_big(shard, least if not shape.split_backward else
                             max(floor.always[r] + floor.activations[r] for r in over))
                     continue

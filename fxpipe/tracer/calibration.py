@@ -73,7 +73,7 @@ class DevicePreset:
 # launch-bound, took 13-19 us per dispatched op (forward and backward alike; the host's speed
 # moved them by 1.5x between the runs), and the width-1024 GPT fits 50 TFLOP/s (the card's fp32
 # peak is 67) beside 15 us per op (Note [asynchronous launch]); 2.5 TB/s of its 3.35 for
-# elementwise traffic. On other GPUs measure instead (--trace-device cuda --measure-times).
+# elementwise traffic. On another GPU, one_gpu.py there shows how far these figures are off.
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     "cpu": DevicePreset("cpu", flops_per_s=75e9, bytes_per_s=20e9, op_overhead_s=3.0e-6, bwd_op_overhead_s=2.8e-6,
                         op_extra_s=(("convolution", 40e-6), ("convolution_backward", 90e-6),

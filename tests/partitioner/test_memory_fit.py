@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import pytest
@@ -158,6 +158,30 @@ def test_a_looser_bound_is_bisected_until_its_plans_walk_fits(monkeypatch: pytes
     assert found is not None and found.rank_memory_bytes == (125,) and found.prediction.peak_memory_bytes == (95,)
     assert memory_fit._under_looser_bound(lambda b: plan(200, 101) if b is None or b >= 200 else
                                           plan(b, 101), 100) is None  # no bound's walk fits
+
+
+def test_the_first_bound_leaves_room_for_what_only_the_walk_counts() -> None:
+    # the CUDA libraries' workspace is in every walk, not in the stage formula: the first solve is under the rest
+    @dataclass(frozen=True)
+    class Plan:
+        prediction: SimpleNamespace
+        status: str = ""
+        memory_limit: int | None = None
+
+    bounds = []
+
+    def solve(bound: int | None) -> Plan:
+        bounds.append(bound)
+        return Plan(SimpleNamespace(peak_memory_bytes=((bound or 0) + 100,)))
+
+    def never(limit: int) -> None:
+        raise AssertionError("no walk of every split is needed")
+
+    fitted = memory_fit.fit_memory_over_time(solve, 1000, never, reserved=100)
+    assert bounds == [900] and fitted.memory_limit == 1000
+    bounds.clear()
+    memory_fit.fit_memory_over_time(solve, 1000, never)  # nothing reserved: tighter bounds, one solve each
+    assert bounds == [1000, 909, 900]
 
 
 def test_a_loosened_plan_holds_its_baselines_to_the_walk_under_the_users_limit() -> None:

@@ -18,14 +18,14 @@ from fxpipe.partitioner.search import SearchResult, plan_configuration, scale_pr
 from fxpipe.partitioner.synthetic import transformer_profile
 
 
-CUDA_RUNTIME = RUNTIME_COSTS["cuda"]
 
 
-@pytest.fixture(autouse=True)
-def _no_library_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The toy profiles fit devices of a few MiB, which CUDA's cuBLAS workspaces alone would fill
-    (test_the_search_counts_the_library_workspace keeps them)."""
-    monkeypatch.setitem(RUNTIME_COSTS, "cuda", replace(CUDA_RUNTIME, workspace_bytes=0))
+WORKSPACE = RUNTIME_COSTS["cuda"].workspace_bytes  # every CUDA rank's cuBLAS workspaces
+
+
+def _device(mib: float) -> int:
+    """A toy device's memory: the libraries' workspace plus ``mib`` MiB for the model."""
+    return WORKSPACE + int(mib * 2**20)
 
 
 def _small(layers: int = 6):
@@ -39,7 +39,7 @@ def _all_scores(result: SearchResult) -> list[tuple[float, str]]:
 
 
 def test_pruning_never_changes_the_best() -> None:
-    profile, cluster = _small(), ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4)
+    profile, cluster = _small(), ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
     pruned = search_configurations(profile, cluster, 16, top=3)
     everything = search_configurations(profile, cluster, 16, top=10**6)
     assert everything.priced > pruned.priced
@@ -62,7 +62,7 @@ def test_every_configuration_keeps_the_global_batch_and_the_devices() -> None:
 
 def test_recompute_only_where_memory_binds() -> None:
     profile = _small()
-    cluster = ClusterSpec(devices=4, device_memory=32 * 2**20, node_size=4)
+    cluster = ClusterSpec(devices=4, device_memory=_device(32), node_size=4)
     result = search_configurations(profile, cluster, 8, top=10**6, shard_levels=("none",))
     recomputing = [s for s in result.ranked if any(s.config.recompute)]
     assert 0 < len(recomputing) < len(result.ranked), "the limit should make some configurations recompute"
@@ -80,9 +80,9 @@ def test_recompute_only_where_memory_binds() -> None:
 
 
 def test_no_configuration_fits_names_the_least_memory() -> None:
-    with pytest.raises(InfeasibleError, match=r"no configuration fits 1 MiB per device on 2 devices: each "
+    with pytest.raises(InfeasibleError, match=r"no configuration fits [\d.]+ MiB per device on 2 devices: each "
                                               r"needs at least [\d.]+ MiB"):
-        search_configurations(_small(), ClusterSpec(devices=2, device_memory=2**20), 4)
+        search_configurations(_small(), ClusterSpec(devices=2, device_memory=_device(1)), 4)
 
 
 def test_bad_requests_are_config_errors() -> None:
@@ -96,7 +96,7 @@ def test_bad_requests_are_config_errors() -> None:
 
 
 def test_result_round_trips_and_explains_every_group() -> None:
-    cluster = ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4)
+    cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
     result = search_configurations(_small(), cluster, 16, top=2)
     assert SearchResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
     groups = {(a.group, a.value) for a in result.alternatives}
@@ -109,7 +109,7 @@ def test_result_round_trips_and_explains_every_group() -> None:
 
 def test_plan_of_the_best_configuration_prices_it_the_same_way() -> None:
     profile = _small()
-    cluster = ClusterSpec(devices=4, device_memory=17 * 2**20, node_size=2)
+    cluster = ClusterSpec(devices=4, device_memory=_device(17), node_size=2)
     result = search_configurations(profile, cluster, 8, shard_levels=("none",), schedules=("1f1b", "gpipe"))
     best = next(s for s in result.ranked if any(s.config.recompute))
     plan = plan_configuration(profile, cluster, best.config)
@@ -139,7 +139,7 @@ def test_cli_plan_searches_a_cluster(tmp_path, capsys) -> None:
     profile = tmp_path / "profile.json"
     profile.write_text(_small().to_json())
     out = tmp_path / "plan.json"
-    code = main(["plan", str(profile), "--devices", "8", "--device-memory", "20MiB", "--node-size", "4",
+    code = main(["plan", str(profile), "--devices", "8", "--device-memory", f"{_device(20)}", "--node-size", "4",
                  "--global-batch", "16", "--optimizer", "adam", "--explain", "--top", "3", "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
@@ -170,19 +170,16 @@ def test_seventy_b_shaped_blocks_need_a_pipeline_and_fit() -> None:
     assert 0 < best.bubble < 1 and best.samples_per_s > 0
 
 
-def test_the_search_counts_the_library_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(RUNTIME_COSTS, "cuda", CUDA_RUNTIME)
-    workspace = CUDA_RUNTIME.workspace_bytes
-    assert workspace > 0
+def test_the_search_counts_the_library_workspace() -> None:
+    assert WORKSPACE > 0
     profile = _small()
-    roomy = ClusterSpec(devices=4, device_memory=workspace + 64 * 2**20, node_size=4)
-    result = search_configurations(profile, roomy, 8, top=10**6)
-    assert all(workspace < s.peak_memory_bytes <= roomy.device_memory for s in result.ranked)
-    bare = search_configurations(profile, roomy, 8, top=1, runtime=replace(CUDA_RUNTIME, workspace_bytes=0))
-    assert result.best.peak_memory_bytes - bare.best.peak_memory_bytes == workspace or \
-        result.best.config != bare.best.config
-    small = ClusterSpec(devices=4, device_memory=workspace, node_size=4)  # the workspace alone fills it
-    with pytest.raises(InfeasibleError, match="needs at least") as caught:
-        search_configurations(profile, small, 8)
-    needs = float(re.search(r"needs at least ([0-9.]+) MiB", str(caught.value)).group(1))
-    assert needs * 2**20 > workspace
+    cluster = ClusterSpec(devices=4, device_memory=_device(64), node_size=4)
+    result = search_configurations(profile, cluster, 8, top=10**6)
+    bare = search_configurations(profile, ClusterSpec(devices=4, device_memory=64 * 2**20, node_size=4), 8,
+                                 top=10**6, runtime=replace(RUNTIME_COSTS["cuda"], workspace_bytes=0))
+    assert [s.config for s in result.ranked] == [s.config for s in bare.ranked]
+    assert all(s.peak_memory_bytes - b.peak_memory_bytes == WORKSPACE for s, b in zip(result.ranked, bare.ranked))
+    with pytest.raises(InfeasibleError, match="needs at least") as caught:  # the workspace alone fills it
+        search_configurations(profile, ClusterSpec(devices=4, device_memory=WORKSPACE, node_size=4), 8)
+    needs = re.search(r"needs at least ([0-9.]+) MiB", str(caught.value))
+    assert needs is not None and float(needs.group(1)) * 2**20 > WORKSPACE

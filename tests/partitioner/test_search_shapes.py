@@ -4,7 +4,6 @@ ranks, the sharding levels the runtime runs, and a fixed pipeline depth."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 
@@ -17,11 +16,13 @@ from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes
 from fxpipe.partitioner.synthetic import transformer_profile
 
 
-@pytest.fixture(autouse=True)
-def _no_library_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The toy profiles fit devices of a few MiB, which CUDA's cuBLAS workspaces alone would fill
-    (tests/partitioner/test_search.py keeps them in its own test)."""
-    monkeypatch.setitem(RUNTIME_COSTS, "cuda", replace(RUNTIME_COSTS["cuda"], workspace_bytes=0))
+
+WORKSPACE = RUNTIME_COSTS["cuda"].workspace_bytes  # every CUDA rank's cuBLAS workspaces
+
+
+def _device(mib: float) -> int:
+    """A toy device's memory: the libraries' workspace plus ``mib`` MiB for the model."""
+    return WORKSPACE + int(mib * 2**20)
 
 
 def _small(layers: int = 5):
@@ -72,7 +73,7 @@ def test_fsdp_levels_wherever_the_runtime_runs_them() -> None:
     for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
         assert runnable_shard_levels(Shape(2, 2, 4, 1, name, v), levels) == levels
         assert runnable_shard_levels(Shape(2, 1, 4, 1, name, v), levels) == ("none",)
-    result = search_configurations(_small(6), ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4), 16,
+    result = search_configurations(_small(6), ClusterSpec(devices=8, device_memory=_device(20), node_size=4), 16,
                                    top=10**6)
     configs = [s.config for s in result.ranked]
     sharded = [c for c in configs if c.shard in ("grad-op", "full")]
@@ -99,7 +100,7 @@ def test_the_bound_is_below_every_priced_step() -> None:
     from fxpipe.partitioner.search_pricing import Pricer
 
     profile = _small(6)
-    cluster = ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4)
+    cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
     result = search_configurations(profile, cluster, 16, top=10**6)
     pricer = Pricer(profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), RUNTIME_COSTS["cpu"])
     splits = SplitCache(profile, cluster)
@@ -130,7 +131,7 @@ def test_the_coarse_bound_is_below_the_splits_bound() -> None:
     from fxpipe.partitioner.search import _Search
 
     profile = _small(6)
-    cluster = ClusterSpec(devices=8, device_memory=20 * 2**20, node_size=4)
+    cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
     search = _Search(profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), 5, RUNTIME_COSTS["cpu"])
     shapes = enumerate_shapes(len(profile.units), 8, 16, list(auto_candidates()), range(1, 9))
     assert len(shapes) > 50

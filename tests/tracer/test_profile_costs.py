@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,8 +135,6 @@ def test_analytic_ms_without_op_counts_and_without_backward():
 
 def test_analytic_ms_async_launch_takes_the_longer_of_roofline_and_ops():
     # Note [asynchronous launch]: the host launches while the device runs, so a unit costs the longer
-    from dataclasses import replace
-
     overlapped = replace(_PRESET, async_launch=True)
     compute_bound = UnitCounts(fwd_flops=2e6, bwd_flops=4e6, fwd_bytes=1_000_000, activation_bytes=0, n_ops=9,
                                has_backward=True, fwd_ops=(("addmm", 3), ("convolution", 1)), bwd_ops=(("mm", 4),))

@@ -16,7 +16,10 @@ the optimizer frees the gradients between steps (``zero_grad(set_to_none=True)``
 stage holds them only once its first backward that makes them (``B``, or ``W`` when split)
 is done, and a peak during the first one is taken before they exist;
 a stage with no input gradient to make (the first) does all of its split backward in
-``W``, so there the temporaries come with ``W`` and ``B`` keeps nothing.
+``W``, so there the temporaries come with ``W`` and ``B`` keeps nothing. Beside all of
+this, at every moment, a rank holds its weights, optimizer state, buffers, the step's
+inputs and, on CUDA, the libraries' workspaces (``RuntimeCosts.workspace_bytes``: cuBLAS's
+and cuBLASLt's, 64 MiB on an H100).
 
 ``memory_moments`` walks each rank's actions and records, per moment (during each
 action and after it), per stage of the rank, the counts ``Holding``; the byte sizes
