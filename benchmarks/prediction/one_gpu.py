@@ -41,66 +41,66 @@ TIMINGS = ("analytic", "measured")
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
 
 
+def _trace(name: str, **options: Any) -> tuple[Any, Any]:
+    """The model file of ``name`` and its trace at its microbatch size."""
+    from fxpipe.modelfile import load_model_file
+    from fxpipe.tracer import trace_model_file
+
+    model_file, batch, micro = MODELS[name]
+    source = load_model_file(model_file)
+    with warnings.catch_warnings():  # the GPTs' attention is kept as a leaf, with a warning
+        warnings.simplefilter("ignore")
+        return source, trace_model_file(source, batch // micro, progress=False, **options)
+
+
+def _predicted(plan: Any, schedule: str, units: Any, measured_step_ms: float,
+               measured_memory: list[int]) -> dict[str, Any]:
+    """A row's prediction fields: ``plan``'s step and memory for ``schedule`` against the measurement."""
+    assert plan.prediction is not None
+    predicted = plan.prediction.step_ms[schedule]
+    memory = list(plan.prediction.peak_memory_bytes_by_schedule[schedule])
+    return {"unit_ms": sum(u.fwd_ms + u.bwd_ms for u in units),
+            "predicted_step_ms": predicted, "ratio": measured_step_ms / predicted,
+            "predicted_pipeline_ms": plan.prediction.pipeline_ms[schedule],
+            "predicted_step_overhead_ms": plan.prediction.step_overhead_ms.total_ms,
+            "predicted_rank_memory_bytes": memory,
+            "memory_ratio": [m / p for m, p in zip(measured_memory, memory)],
+            "within_goal": GOAL[0] <= measured_step_ms / predicted <= GOAL[1]}
+
+
 def _row(name: str, timing: str, layout: tuple[str, int, str], steps: int, builds: Path,
          device: str) -> dict[str, Any]:
     from fxpipe.codegen import write_build_dir
-    from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import plan_partition
     from fxpipe.runtime.launch import run_build
     from fxpipe.runtime.options import RunOptions
-    from fxpipe.tracer import trace_model_file
 
     label, ranks, schedule = layout
-    model_file, batch, micro = MODELS[name]
-    source = load_model_file(model_file)
+    _, batch, micro = MODELS[name]
     measured = timing == "measured"
-    with warnings.catch_warnings():  # the GPTs' attention is kept as a leaf, with a warning
-        warnings.simplefilter("ignore")
-        traced = trace_model_file(source, batch // micro, trace_device=device, measure_times=measured,
-                                  measure_memory=measured and device == "cuda", progress=False)
+    source, traced = _trace(name, trace_device=device, measure_times=measured,
+                            measure_memory=measured and device == "cuda")
     plan = plan_partition(traced.profile, ranks, schedule=schedule, microbatches=micro)
     build = builds / f"{name}-{timing}-{schedule}"
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
     run = run_build(build, RunOptions(steps=steps, schedule=schedule, microbatches=micro, batch_size=batch,
                                       device=device), quiet=True)
-    assert plan.prediction is not None
-    predicted = plan.prediction.step_ms[schedule]
-    memory = list(plan.prediction.peak_memory_bytes_by_schedule[schedule])
     return {"model": name, "timing": timing, "layout": label, "schedule": schedule, "stages": plan.num_stages,
-            "batch_size": batch, "microbatches": micro,
-            "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
-            "measured_step_ms": run.median_step_ms, "predicted_step_ms": predicted,
-            "ratio": run.median_step_ms / predicted,
-            "predicted_pipeline_ms": plan.prediction.pipeline_ms[schedule],
-            "predicted_step_overhead_ms": plan.prediction.step_overhead_ms.total_ms,
-            "predicted_rank_memory_bytes": memory, "measured_peak_cuda_bytes": list(run.peak_tensor_bytes),
-            "memory_ratio": [m / p for m, p in zip(run.peak_tensor_bytes, memory)],
-            "within_goal": GOAL[0] <= run.median_step_ms / predicted <= GOAL[1]}
+            "batch_size": batch, "microbatches": micro, "measured_step_ms": run.median_step_ms,
+            "measured_peak_cuda_bytes": list(run.peak_tensor_bytes),
+            **_predicted(plan, schedule, traced.profile.units, run.median_step_ms, list(run.peak_tensor_bytes))}
 
 
 def _repredicted(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` (an analytic one) with the current model's prediction for its measurement."""
-    from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import plan_partition
-    from fxpipe.tracer import trace_model_file
 
-    model_file, batch, micro = MODELS[row["model"]]
-    source = load_model_file(model_file)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = trace_model_file(source, batch // micro, cost_device="cuda", progress=False)
+    _, traced = _trace(row["model"], cost_device="cuda")
     assert traced.profile.trace_device == "cuda"  # the profile names its cost device: planned with CUDA's runtime costs
-    plan = plan_partition(traced.profile, 1, schedule=row["schedule"], microbatches=micro)
-    assert plan.prediction is not None
-    predicted = plan.prediction.step_ms[row["schedule"]]
-    memory = list(plan.prediction.peak_memory_bytes_by_schedule[row["schedule"]])
-    return {**row, "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
-            "predicted_step_ms": predicted, "ratio": row["measured_step_ms"] / predicted,
-            "predicted_pipeline_ms": plan.prediction.pipeline_ms[row["schedule"]],
-            "predicted_step_overhead_ms": plan.prediction.step_overhead_ms.total_ms,
-            "predicted_rank_memory_bytes": memory,
-            "memory_ratio": [m / p for m, p in zip(row["measured_peak_cuda_bytes"], memory)],
-            "within_goal": GOAL[0] <= row["measured_step_ms"] / predicted <= GOAL[1], "repredicted": True}
+    ranks = {label: r for label, r, _ in LAYOUTS}[row["layout"]]
+    plan = plan_partition(traced.profile, ranks, schedule=row["schedule"], microbatches=row["microbatches"])
+    return {**row, **_predicted(plan, row["schedule"], traced.profile.units, row["measured_step_ms"],
+                                row["measured_peak_cuda_bytes"]), "repredicted": True}
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -136,12 +136,11 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(out: Path, rows: list[dict[str, Any]], steps: int, started: float, device: str) -> None:
+def _write(out: Path, rows: list[dict[str, Any]], steps: int, started: float, device: str,
+           call_ms: tuple[float, float]) -> None:
     import torch
 
-    from fxpipe.tracer.timing import call_overhead_ms
-
-    result = {"rows": rows, "steps": steps, "goal_ratio": list(GOAL), "call_overhead_ms": list(call_overhead_ms(device)),
+    result = {"rows": rows, "steps": steps, "goal_ratio": list(GOAL), "call_overhead_ms": list(call_ms),
               "environment": {"gpu": torch.cuda.get_device_name() if device == "cuda" else "CPU",
                               "torch": torch.__version__, "cuda": torch.version.cuda,
                               "python": platform.python_version()},
@@ -181,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         p.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    from fxpipe.tracer.timing import call_overhead_ms
+
     started = time.perf_counter()
+    call_ms = call_overhead_ms(args.device)
     rows = []
     with tempfile.TemporaryDirectory(prefix="fxpipe-one-gpu-") as builds:
         for name in names:
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 for layout in LAYOUTS:
                     row = _row(name, timing, layout, args.steps, Path(builds), args.device)
                     rows.append(row)
-                    _write(args.out, rows, args.steps, started, args.device)  # after each row: a cut-off run keeps its rows
+                    _write(args.out, rows, args.steps, started, args.device, call_ms)  # after each row: a cut-off run keeps its rows
                     print(f"{name:10s} {timing:8s} {layout[0]:18s} unit sum {row['unit_ms']:8.2f} ms  measured "
                           f"{row['measured_step_ms']:8.2f} ms  predicted {row['predicted_step_ms']:8.2f} ms  "
                           f"ratio {row['ratio']:.2f}  memory {', '.join(f'{x:.2f}' for x in row['memory_ratio'])}",

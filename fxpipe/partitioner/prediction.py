@@ -115,7 +115,7 @@ from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
            "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
-           "MemoryFloor", "rank_memory_floor"]
+           "MemoryFloor", "rank_memory_floor", "runtime_costs_for"]
 
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 
@@ -204,6 +204,12 @@ RUNTIME_COSTS: dict[str, RuntimeCosts] = {
                          loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
                          optimizer_bytes_per_s=1e12, workspace_bytes=64 * 2**20),
 }
+
+
+def runtime_costs_for(device: str) -> RuntimeCosts:
+    """The runtime costs a profile priced for ``device`` (its ``trace_device``) is planned with;
+    the CPU's for a device without its own entry."""
+    return RUNTIME_COSTS.get(device, RUNTIME_COSTS["cpu"])
 
 
 @dataclass(frozen=True)

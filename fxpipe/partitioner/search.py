@@ -42,7 +42,7 @@ from fxpipe.partitioner.auto import auto_candidates
 from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.cost import SHARD_LEVELS
 from fxpipe.partitioner.plan import PartitionPlan
-from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts
+from fxpipe.partitioner.prediction import RuntimeCosts, runtime_costs_for
 from fxpipe.partitioner.search_explain import Explanations
 from fxpipe.partitioner.search_pricing import Pricer
 from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes, least_bottleneck, scale_profile
@@ -78,7 +78,7 @@ def search_configurations(profile: ModelProfile, cluster: ClusterSpec, global_ba
         raise ConfigError(f"--stages {stages} with --devices {cluster.devices}: the depth must be 1..{deepest} "
                           f"(at most the devices and the model's {len(profile.units)} units)")
     depths = range(stages, stages + 1) if stages is not None else range(1, deepest + 1)
-    rt = runtime if runtime is not None else RUNTIME_COSTS.get(profile.trace_device, RUNTIME_COSTS["cpu"])
+    rt = runtime if runtime is not None else runtime_costs_for(profile.trace_device)
     search = _Search(profile, cluster, global_batch, optimizer, shard_levels, top, rt)
     shapes = enumerate_shapes(len(profile.units), cluster.devices, global_batch, kinds, depths)
     search.run(shapes)
