@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/prediction/configurations.py [--steps 8] [--configs 2x1,4x1,2x2]
         [--schedules gpipe,1f1b,zb-h1,interleaved-1f1b,zbv] [--model gpt] [--out benchmarks/prediction]
-        [--recompute] [--timing measured|analytic] [--repeats 2]
+        [--recompute] [--timing measured|analytic] [--runs 6]
 
 For each S x R and schedule (with its least stages per rank) it traces examples/gpt.py, unit
 times measured on this machine right before the row runs (``--timing analytic``: the analytic
@@ -15,16 +15,15 @@ replicas). It records the median step (first excluded) against
 prediction's (``plan.prediction.peak_memory_bytes_by_schedule``, Note [memory over time]).
 ``--recompute`` adds, for each schedule without a split backward, a row with every stage
 recomputing, and the measured / predicted drop of each rank's peak against the plain row.
-Every row is measured ``--repeats`` times (trace, plan, run), in rounds over all the rows,
-and reports the median of the repeats' ratios and their range. This machine's speed
-changes by up to 3x for seconds at a time, so a fixed workload is timed before each trace
-and after each run: a run with either more than 15% above the fastest of the benchmark (the
-host's quiet speed) does not count (it is
-rerun in a later round, at most ``2 x --repeats`` runs per row; a row with no steady run
-keeps them all and says so). Nor does a run in a stretch when this host delivers messages
-slowly while compute keeps its speed: two gloo processes of ``message_probe.py`` time a
-compute-and-message loop before and after each run, and a run counts only if both stay
-within 20% of the median probe of the whole benchmark.
+Every row is measured ``--runs`` times (trace, plan, run; 6 by default), in rounds over all
+the rows, and is the median of all its runs, with their range: a fixed design (no rerun that
+depends on what a run read) and an estimator that holds while fewer than half of a row's runs
+are outliers either way. This machine's speed changes by up to 3x for seconds at a time, so
+each run also records the host's state, reported beside the rows but not used to choose runs:
+a fixed workload timed before the trace and after the run (the run is "quiet" when both are
+within 15% of the fastest of the benchmark) and two gloo processes of ``message_probe.py``
+timing a compute-and-message loop before and after it (quiet also needs both within 20% of
+the benchmark's median probe). The table gives the quiet runs' count and median ratio.
 Writes configurations.json and configurations.md; only measured rows.
 """
 
@@ -47,8 +46,8 @@ from message_probe import MessageProbe, ProbeError
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4), "mlp": (ROOT / "examples" / "mlp.py", 16, 4)}
 GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
-STEADY = 1.15  # a run counts when its speed probes, before and after, are within this of the benchmark's fastest
-MESSAGE_STEADY = 1.20  # ... and its message probes are within this of the benchmark's median probe
+QUIET = 1.15  # a run is quiet when its speed probes, before and after, are within this of the benchmark's fastest
+MESSAGE_QUIET = 1.20  # ... and its message probes are within this of the benchmark's median probe
 TIMING = "measured"
 
 
@@ -129,56 +128,51 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
 
 @dataclass(frozen=True)
 class HostLevels:
-    """This host at its usual: the fastest compute probe of the benchmark so far (a fixed
-    workload's floor, steady on a quiet host) and the median message probe (the fastest
-    message probe is one lucky pass, not a level)."""
+    """This host at its usual: the fastest compute probe of the benchmark (a fixed workload's
+    floor, steady on a quiet host) and the median message probe (the fastest message probe is
+    one lucky pass, not a level)."""
 
     quiet_probe_ms: float
     typical_message_ms: float | None
 
 
-def _steady(run: dict[str, Any], levels: HostLevels | None = None) -> bool:
-    """The machine ran at its quiet speed through the run: the compute probe before and after
-    within 15% of each other and, given ``levels``, of the benchmark's fastest; and it delivered
-    messages as it usually does: both message probes at most 20% above the median."""
-    before, after = run["probe_ms"]
-    floor = min(before, after) if levels is None else levels.quiet_probe_ms
-    if max(before, after) > STEADY * floor:
+def _quiet(run: dict[str, Any], levels: HostLevels) -> bool:
+    """The machine ran at its quiet speed through the run: both compute probes within 15% of the
+    benchmark's fastest, and both message probes at most 20% above the benchmark's median."""
+    if max(run["probe_ms"]) > QUIET * levels.quiet_probe_ms:
         return False
     messages = run.get("message_probe_ms")
-    typical = levels.typical_message_ms if levels is not None else None
-    return typical is None or not messages or max(messages) <= MESSAGE_STEADY * typical
+    typical = levels.typical_message_ms
+    return typical is None or not messages or max(messages) <= MESSAGE_QUIET * typical
 
 
-def _levels(attempts: list[list[dict[str, Any]]]) -> HostLevels | None:
-    """The ``HostLevels`` of every run so far."""
+def _levels(attempts: list[list[dict[str, Any]]]) -> HostLevels:
+    """The ``HostLevels`` of every run so far (at least one)."""
     runs = [run for tried in attempts for run in tried]
-    if not runs:
-        return None
     messages = [t for run in runs for t in run.get("message_probe_ms") or ()]
     return HostLevels(min(t for run in runs for t in run["probe_ms"]),
                       statistics.median(messages) if messages else None)
 
 
-def _median_row(attempts: list[dict[str, Any]], levels: HostLevels | None) -> dict[str, Any]:
-    """One row from its repeats (the steady ones, if any): medians of the times, ratios and memory,
-    the ratios' range; and the median ratio of every repeat, steady or not."""
+def _median_row(runs: list[dict[str, Any]], levels: HostLevels) -> dict[str, Any]:
+    """One row from all its runs: medians of the times, ratios and memory, and the ratios' range;
+    beside them, how many runs were quiet and their median ratio."""
     med = statistics.median
-    repeats = [a for a in attempts if _steady(a, levels)] or attempts
-    row = dict(repeats[0])
+    row = dict(runs[0])
     for key in ("measured_step_ms", "predicted_step_ms", "predicted_on_shared_cores_ms", "ratio",
                 "ratio_on_shared_cores", "unit_ms", "load_average_1min"):
-        row[key] = med(r[key] for r in repeats)
+        row[key] = med(r[key] for r in runs)
     for key in ("measured_peak_tensor_bytes", "predicted_rank_memory_bytes", "tensor_memory_ratio"):
-        row[key] = [med(values) for values in zip(*(r[key] for r in repeats))]
-    ratios = [r["ratio_on_shared_cores"] for r in repeats]
+        row[key] = [med(values) for values in zip(*(r[key] for r in runs))]
+    ratios = [r["ratio_on_shared_cores"] for r in runs]
     row["ratio_range"] = [min(ratios), max(ratios)]
     row["within_goal"] = _in_goal(row)
-    row["repeats"] = attempts
-    row["steady_repeats"] = sum(_steady(a, levels) for a in attempts)
-    row["ratio_of_every_repeat"] = med(a["ratio_on_shared_cores"] for a in attempts)
-    row["message_probe_ms"] = med(max(a["message_probe_ms"]) for a in repeats) if all(
-        a.get("message_probe_ms") for a in repeats) else None
+    row["runs"] = runs
+    quiet = [r["ratio_on_shared_cores"] for r in runs if _quiet(r, levels)]
+    row["quiet_runs"] = len(quiet)
+    row["ratio_of_quiet_runs"] = med(quiet) if quiet else None
+    row["message_probe_ms"] = med(max(r["message_probe_ms"]) for r in runs) if all(
+        r.get("message_probe_ms") for r in runs) else None
     return row
 
 
@@ -201,17 +195,17 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
              "host's cores (Note [shared cores] and Note [processor sharing]: the running actions share the "
              "cores), the one the goal is checked against (the same as one core per rank for 2 processes); "
              "'one core per rank': the prediction for a cluster of S x R devices. Unit times measured on "
-             "this machine right before each run; each row is the median of its repeats (the ratio's range "
+             "this machine right before each run; each row is the median of all its runs (the ratio's range "
              "across them beside it; 'unit ms': the profile's forward + backward per microbatch, which shows "
-             "the machine's drift; 'steady': runs before and after which a fixed workload's time was at most "
-             "15% above the benchmark's fastest, and whose message probes, before and after, were at most 20% above the median of the "
-             "benchmark ('message ms', message_probe.py: two gloo processes computing and exchanging "
-             "8 KiB, ms per iteration), of the runs made, and only those count). Load: mostly the "
-             "benchmark's own 2-4 processes.", "",
+             "the machine's drift; 'quiet': runs before and after which a fixed workload's time was at most "
+             "15% above the benchmark's fastest, and whose message probes, before and after, were at most 20% "
+             "above the median of the benchmark ('message ms', message_probe.py: two gloo processes computing "
+             "and exchanging 8 KiB, ms per iteration), with their median ratio; reported, not used to choose "
+             "runs). Load: mostly the benchmark's own 2-4 processes.", "",
              "| S x R | schedule | V | recompute | measured ms | this host: predicted ms | ratio | range | in goal "
              "| one core per rank: predicted ms | ratio | tensor memory ratio per rank | saving measured / predicted "
-             "| unit ms | message ms | steady | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| unit ms | message ms | quiet runs | quiet ratio | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {(r["stages"], r["replicas"], r["schedule"]): r for r in rows if not r.get("recompute")}
     for r in rows:
         mem = ", ".join(f"{x:.2f}" for x in r["tensor_memory_ratio"])
@@ -229,12 +223,15 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
                      f"{r['predicted_step_ms']:.2f} | {r['ratio']:.2f} | {mem} | {saving} | "
                      f"{r['unit_ms']:.2f} | "
                      f"{'n/a' if r.get('message_probe_ms') is None else format(r['message_probe_ms'], '.2f')} | "
-                     f"{r.get('steady_repeats', 0)} of {len(r.get('repeats', []))} | "
+                     f"{r['quiet_runs']} of {len(r['runs'])} | "
+                     f"{'n/a' if r['ratio_of_quiet_runs'] is None else format(r['ratio_of_quiet_runs'], '.2f')} | "
                      f"{r['load_average_1min']:.1f} |")
     inside = sum(_in_goal(r) for r in rows)
-    every = sum(GOAL[0] <= r.get("ratio_of_every_repeat", r["ratio_on_shared_cores"]) <= GOAL[1] for r in rows)
-    return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal ({every} of {len(rows)} by "
-                              "the median of every run, steady or not).", ""])
+    quiet = [r["ratio_of_quiet_runs"] for r in rows if r["ratio_of_quiet_runs"] is not None]
+    quiet_inside = sum(GOAL[0] <= q <= GOAL[1] for q in quiet)
+    return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal (by the median of all "
+                              f"of a row's runs; {quiet_inside} of the {len(quiet)} rows with a quiet run by "
+                              "the median of their quiet runs).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     p.add_argument("--recompute", action="store_true",
                    help="also run every schedule without a split backward with every stage recomputing")
-    p.add_argument("--repeats", type=int, default=2, help="trace, plan and run each row this many times")
+    p.add_argument("--runs", type=int, default=6, help="trace, plan and run each row this many times")
     p.add_argument("--timing", choices=("measured", "analytic"), default="measured",
                    help="unit times: measured on this machine before the runs (default), or the analytic estimate")
     args = p.parse_args(argv)
@@ -266,19 +263,15 @@ def _run(args: argparse.Namespace, messages: MessageProbe) -> int:
         if args.recompute:
             runs += [(s, True) for s in args.schedules.split(",") if s not in ("zb-h1", "zbv")]
         rows_to_run += [(config, stages, replicas, schedule, recompute) for schedule, recompute in runs]
-    # Rounds over all rows, not a row's repeats back to back: a slow minute of this machine then
-    # falls on one repeat of several rows, which their medians leave out, not on every repeat of one.
+    # Rounds over all rows, not a row's runs back to back: a slow minute of this machine then
+    # falls on one run of several rows, which their medians leave out, not on every run of one.
     attempts: list[list[dict[str, Any]]] = [[] for _ in rows_to_run]
     refused: set[int] = set()
     rows: list[dict[str, Any]] = []
-    for round_ in range(2 * args.repeats):  # until --repeats steady runs per row, at most twice that many runs
-        levels = _levels(attempts)
-        todo = [i for i, tried in enumerate(attempts)
-                if i not in refused and sum(_steady(run, levels) for run in tried) < args.repeats]
-        if not todo:
-            break
-        for i in todo:
-            config, stages, replicas, schedule, recompute = rows_to_run[i]
+    for round_ in range(args.runs):
+        for i, (config, stages, replicas, schedule, recompute) in enumerate(rows_to_run):
+            if i in refused:
+                continue
             label = _label(config, schedule, recompute)
             try:
                 attempts[i].append(_measure(args.model, stages, replicas, schedule, args.steps, builds, recompute,
@@ -293,12 +286,14 @@ def _run(args: argparse.Namespace, messages: MessageProbe) -> int:
             print(f"round {round_ + 1} {label} measured {run['measured_step_ms']:8.2f} ms predicted "
                   f"{run['predicted_on_shared_cores_ms']:8.2f} ms (this host) ratio {run['ratio_on_shared_cores']:.2f}"
                   f" messages {max(run['message_probe_ms']):.2f} ms"
-                  f"{'' if _steady(run, _levels(attempts)) else ' (not steady)'}", flush=True)
+                  f"{' (quiet)' if _quiet(run, _levels(attempts)) else ''}", flush=True)
+        if not any(attempts):
+            break
         levels = _levels(attempts)
         rows = [_median_row(tried, levels) for i, tried in enumerate(attempts) if tried and i not in refused]
         args.out.mkdir(parents=True, exist_ok=True)  # after every round: a cut-off run keeps what it measured
         (args.out / "configurations.json").write_text(json.dumps(
-            {"rows": rows, "steps": args.steps, "repeats": args.repeats, "goal_ratio": list(GOAL),
+            {"rows": rows, "steps": args.steps, "runs": args.runs, "goal_ratio": list(GOAL),
              "seconds": time.perf_counter() - started}, indent=1) + "\n")
         (args.out / "configurations.md").write_text(_markdown(rows, args.steps))
     for row in rows:
