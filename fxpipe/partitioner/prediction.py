@@ -341,9 +341,13 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
                for p, rs in ranks_of.items() if len(rs) > 1)
     broadcast = problem.cost.message_ms(_LOSS_BYTES) + collective if problem.num_ranks > 1 else 0.0
     touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
+    params_of: dict[int, list[int]] = {}
+    for p, rs in ranks_of.items():
+        for r in rs:
+            params_of.setdefault(r, []).append(p)
     optimizer = dp_all_reduce = 0.0
     for r in range(problem.num_ranks):
-        mine = [p for p, rs in ranks_of.items() if r in rs]
+        mine = params_of.get(r, [])
         sync_pass = (runtime.dp_sync_ms + len(mine) * runtime.dp_sync_tensor_ms) / runtime.busy_speed \
             if problem.cost.ddp_synced and mine else 0.0  # Note [data-parallel sync cost]
         dp_all_reduce = max(dp_all_reduce,

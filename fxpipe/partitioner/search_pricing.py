@@ -26,7 +26,8 @@ def format_ms(ms: float) -> str:
 
 class Pricer:
     """Prices shapes of one search, caching what shapes share: scaled profiles, problems, the
-    step-overhead floor of a split and replica count, simulations (per shape and recompute)."""
+    step-overhead floor of a split and replica count, step overheads, simulations (per shape and
+    recompute)."""
 
     def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, optimizer: str,
                  shard_levels: tuple[str, ...], runtime: RuntimeCosts) -> None:
@@ -37,6 +38,7 @@ class Pricer:
         self._problems: dict[tuple[int, int, str, int], PartitionProblem] = {}
         self._placed: dict[tuple[int, int, str, int], PartitionProblem] = {}
         self._floors: dict[tuple[int, int, str, int, tuple[str, ...]], float] = {}
+        self._overheads: dict[tuple[int, int, str, int, int, str], StepOverheads] = {}
         self._timelines: dict[tuple[Shape, tuple[bool, ...]], Timeline] = {}
 
     def problem(self, shape: Shape) -> PartitionProblem:
@@ -77,6 +79,15 @@ class Pricer:
                 for level in levels)
         return self._floors[key]
 
+    def _step_overheads(self, shape: Shape, shard: str, problem: PartitionProblem,
+                        assignment: tuple[int, ...]) -> StepOverheads:
+        """``step_overheads`` of ``problem``, shared by the shapes that differ only in the schedule of
+        one placement, or in the microbatch size (neither changes them), and by their recomputes."""
+        key = (shape.stages, shape.virtual_stages, shape.placement, shape.replicas, shape.microbatches, shard)
+        if key not in self._overheads:
+            self._overheads[key] = step_overheads(problem, assignment, self.rt)
+        return self._overheads[key]
+
     def price(self, shape: Shape, split: Split, cutoff: Callable[[], float],
               keep: Callable[[ConfigurationScore], None], too_big: Callable[[str, int], None]) -> None:
         """Every runnable sharding level of ``shape``: the simulated step (``keep``) of those that
@@ -105,7 +116,7 @@ class Pricer:
             if floor is not None and max(floor.at_end) > cap:  # every walk holds this: over, recompute or not
                 too_big(shard, max(floor.at_end))
                 continue
-            overheads = step_overheads(plain, assignment, self.rt)  # recompute: the same
+            overheads = self._step_overheads(shape, shard, plain, assignment)
             if pipeline_floor(M, busy, first_fwd, first_bwd, tail) + overheads.total_ms > cutoff():
                 continue  # recomputing only lengthens it
             recompute: tuple[bool, ...] = ()
