@@ -229,9 +229,17 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
     inside = sum(_in_goal(r) for r in rows)
     quiet = [r["ratio_of_quiet_runs"] for r in rows if r["ratio_of_quiet_runs"] is not None]
     quiet_inside = sum(GOAL[0] <= q <= GOAL[1] for q in quiet)
+    probes = [t for r in rows for run in r["runs"] for t in run["probe_ms"]]
+    slow = statistics.median(probes) / min(probes)
+    host = (f"The host: compute probe {min(probes):.2f} ms at its fastest, {statistics.median(probes):.2f} in the "
+            f"median ({slow:.2f}x); {sum(r['quiet_runs'] for r in rows)} of {sum(len(r['runs']) for r in rows)} runs "
+            "quiet. " + ("A quiet host (median within 15% of the fastest): the rows test the simulator."
+                         if slow <= QUIET else "Not a quiet host (median over 15% above the fastest): the runtime's "
+                         "fixed costs in the prediction were calibrated at the quiet speed, so the rows test the "
+                         "simulator on a slowed host."))
     return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal (by the median of all "
                               f"of a row's runs; {quiet_inside} of the {len(quiet)} rows with a quiet run by "
-                              "the median of their quiet runs).", ""])
+                              "the median of their quiet runs).", "", host, ""])
 
 
 def main(argv: list[str] | None = None) -> int:
