@@ -70,12 +70,11 @@ class Pricer:
         levels = runnable_shard_levels(shape, self.shard_levels)
         key = (shape.stages, shape.virtual_stages, shape.placement, shape.replicas, levels)
         if key not in self._floors:
-            problem = replace(self.problem(replace(shape, microbatches=1, microbatch_size=self.profile.batch_size)),
-                              microbatches=1)
+            one = replace(shape, microbatches=1, microbatch_size=self.profile.batch_size)
+            problem = replace(self.problem(one), microbatches=1)
             self._floors[key] = min(
-                step_overheads(replace(problem, cost=self.cluster.cost_model(shape.replicas, optimizer=self.optimizer,
-                                                                             shard=level)),
-                               split.assignment, self.rt).total_ms
+                self._step_overheads(one, level, replace(problem, cost=self.cluster.cost_model(
+                    shape.replicas, optimizer=self.optimizer, shard=level)), split.assignment).total_ms
                 for level in levels)
         return self._floors[key]
 
