@@ -101,13 +101,14 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
     predicted = plan.prediction.step_ms[schedule]
     # the same split on this host's shared cores (Note [shared cores]): an explicit second prediction
     from fxpipe.partitioner import build_problem, predict
-    from fxpipe.partitioner.prediction import RUNTIME_COSTS, shared_cores
+    from fxpipe.partitioner.prediction import runtime_costs_for, shared_cores
     problem = build_problem(traced.profile, stages, schedule=schedule, microbatches=micro, cost=plan.cost,
                             virtual_stages=plan.virtual_stages)
     assignment = tuple(plan.stage_of(u.name) for u in traced.profile.units)
     cores = len(os.sched_getaffinity(0))
+    runtime = runtime_costs_for("cpu", traced.profile.host_slowdown)  # at the trace's speed (Note [host speed])
     host = predict(problem, assignment, traced.profile.batch_size,
-                   runtime=shared_cores(RUNTIME_COSTS["cpu"], stages * replicas, cores)).step_ms[schedule]
+                   runtime=shared_cores(runtime, stages * replicas, cores)).step_ms[schedule]
     memory = list(plan.prediction.peak_memory_bytes_by_schedule[schedule])
     tensors = list(run.peak_tensor_bytes)
     row: dict[str, Any]
@@ -119,6 +120,7 @@ def _measure(model: str, stages: int, replicas: int, schedule: str, steps: int, 
            "predicted_rank_memory_bytes": memory, "measured_peak_tensor_bytes": tensors,
            "tensor_memory_ratio": [t / memory[i % len(memory)] for i, t in enumerate(tensors)] if memory else [],
            "unit_ms": sum(u.fwd_ms + u.bwd_ms for u in traced.profile.units),
+           "host_slowdown": traced.profile.host_slowdown,  # the trace's, at which the fixed costs are priced
            "probe_ms": [probe, _probe_ms()],  # the machine's speed before the trace and after the run
            "message_probe_ms": [message, messages.measure()] if messages is not None else None,
            "load_average_1min": os.getloadavg()[0]}

@@ -75,14 +75,15 @@ def _build(model_file: Path, out: Path, batch: int, microbatches: int, timing: s
 def _repredict(model_file: Path, build: Path, batch: int, microbatches: int, timing: str) -> Prediction:
     """A new prediction for the assignment of ``build``'s plan (same split as the measurement)."""
     from fxpipe.partitioner import PartitionPlan, build_problem
-    from fxpipe.partitioner.prediction import RUNTIME_COSTS, predict
+    from fxpipe.partitioner.prediction import predict, runtime_costs_for
 
     _, traced = _trace(model_file, batch, microbatches, timing)
     plan = PartitionPlan.from_json(build / "plan.json")
     profile = traced.profile
     problem = build_problem(profile, STAGES, schedule=plan.schedule, microbatches=microbatches)
     assignment = tuple(plan.stage_of(u.name) for u in profile.units)
-    return predict(problem, assignment, profile.batch_size, runtime=RUNTIME_COSTS[profile.trace_device])
+    runtime = runtime_costs_for(profile.trace_device, profile.host_slowdown)  # Note [host speed]
+    return predict(problem, assignment, profile.batch_size, runtime=runtime)
 
 
 def _baseline_rss() -> int:

@@ -119,7 +119,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         return plan
 
     if memory_limit is not None and solver not in BASELINES:
-        reserved = runtime_costs_for(profile.trace_device).workspace_bytes
+        reserved = runtime_costs_for(profile.trace_device, profile.host_slowdown).workspace_bytes
         return fit_memory_over_time(plan_under, memory_limit, lambda limit: plan_split(None, walk_limit=limit),
                                     solve_loosened=lambda limit: plan_under(limit, baselines_walk=memory_limit),
                                     reserved=reserved)
@@ -143,7 +143,7 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
     baselines = {name: run_baseline(name, problem) for name in BASELINES}
     bound, parts = lower_bound(problem)
     runners_up: list[Solution] = []
-    runtime = runtime_costs_for(profile.trace_device)
+    runtime = runtime_costs_for(profile.trace_device, profile.host_slowdown)
     step_ms = step_time_of(problem, runtime)
     if walk_limit is not None:
         found = fitting_split(problem, walk_limit, step_ms, budget_s=time_limit, optimize=optimize,
@@ -395,7 +395,7 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
     gap = (bottleneck - bound) / bound if bound > 0 else 0.0
     optimal = chosen.optimal or gap <= 1e-9
     status = chosen.status
-    runtime = runtime_costs_for(profile.trace_device)
+    runtime = runtime_costs_for(profile.trace_device, profile.host_slowdown)
     if problem.memory_limit is not None:
         status += f"; peak memory {format_size(ev.peak_memory_bytes)} of {format_size(problem.memory_limit)}"
     return PartitionPlan(

@@ -114,7 +114,7 @@ from fxpipe.partitioner.schedule.memory import schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
+           "at_host_speed", "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
            "MemoryFloor", "rank_memory_floor", "runtime_costs_for"]
 
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
@@ -147,12 +147,15 @@ class RuntimeCosts:
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
     step_receives: bool = False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
     workspace_bytes: NonNegInt = 0  # per rank, allocated by the device's libraries, not the model (cuBLAS workspaces)
+    host_slowdown: NonNegFloat = 1.0  # the CPU costs above are priced at this host's speed (``at_host_speed``)
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
             raise PartitionError(f"rank_speed must be > 0 (a share of a core), got {self.rank_speed}")
         if not 0 < self.oversubscribed_rate <= 1:
             raise PartitionError(f"oversubscribed_rate must be in (0, 1], got {self.oversubscribed_rate}")
+        if not self.host_slowdown > 0:
+            raise PartitionError(f"host_slowdown must be > 0, got {self.host_slowdown}")
 
     @property
     def busy_speed(self) -> float:
@@ -162,6 +165,30 @@ class RuntimeCosts:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+# The fields that are CPU work on the rank's host, and so take longer on a slower one. Not the
+# gloo stalls (time slices of the OS scheduler) nor the ratios and sizes.
+_HOST_WORK_MS = ("action_ms", "split_ms", "split_unit_ms", "weight_call_ms", "message_ms", "dp_sync_ms",
+                 "dp_sync_tensor_ms", "collective_ms", "loss_ms", "step_ms", "optimizer_step_ms",
+                 "optimizer_tensor_ms", "recompute_fwd_ms", "recompute_bwd_ms", "recompute_fwd_saved_ms",
+                 "recompute_bwd_saved_ms")
+
+
+def at_host_speed(runtime: RuntimeCosts, slowdown: float) -> RuntimeCosts:
+    """``runtime``, calibrated at its host's quiet speed, on a host ``slowdown`` times slower
+    (``ModelProfile.host_slowdown``, Note [host speed] in :mod:`fxpipe.tracer.calibration`):
+    its CPU work takes ``slowdown`` times as long, the optimizer streams bytes that much slower.
+
+    >>> at_host_speed(RuntimeCosts(step_ms=0.25), 2.0).step_ms
+    0.5
+    """
+    if not slowdown > 0:
+        raise PartitionError(f"a host's slowdown must be > 0, got {slowdown}")
+    scale = slowdown / runtime.host_slowdown
+    fields = {name: getattr(runtime, name) * scale for name in _HOST_WORK_MS}
+    return replace(runtime, **fields, optimizer_bytes_per_s=runtime.optimizer_bytes_per_s / scale,
+                   host_slowdown=slowdown)
 
 
 def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCosts:
@@ -206,10 +233,12 @@ RUNTIME_COSTS: dict[str, RuntimeCosts] = {
 }
 
 
-def runtime_costs_for(device: str) -> RuntimeCosts:
-    """The runtime costs a profile priced for ``device`` (its ``trace_device``) is planned with;
-    the CPU's for a device without its own entry."""
-    return RUNTIME_COSTS.get(device, RUNTIME_COSTS["cpu"])
+def runtime_costs_for(device: str, host_slowdown: float = 1.0) -> RuntimeCosts:
+    """The runtime costs a profile priced for ``device`` (its ``trace_device``) is planned with,
+    at the speed of the host it was measured on (``ModelProfile.host_slowdown``); the CPU's
+    for a device without its own entry."""
+    runtime = RUNTIME_COSTS.get(device, RUNTIME_COSTS["cpu"])
+    return runtime if host_slowdown == 1.0 else at_host_speed(runtime, host_slowdown)
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,9 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
     _print_alternatives(plan, console)
     console.print(f"optimal for: {plan.optimal_for}")
     console.print(f"assumed: {link_note(plan, profile.trace_device)}")
+    if pred.runtime_costs.host_slowdown != 1.0:  # Note [host speed] in fxpipe.tracer.calibration
+        console.print(f"the runtime's fixed costs are priced at the traced host's speed: "
+                      f"{pred.runtime_costs.host_slowdown:.2f}x the time they take on the calibration host")
     steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred.step_ms.items())
     console.print(f"predicted step: {steps}; bubble {pred.bubble:.1%} ({plan.schedule}); "
                   f"throughput {pred.throughput_samples_per_s:.1f} samples/s "

@@ -78,7 +78,7 @@ def search_configurations(profile: ModelProfile, cluster: ClusterSpec, global_ba
         raise ConfigError(f"--stages {stages} with --devices {cluster.devices}: the depth must be 1..{deepest} "
                           f"(at most the devices and the model's {len(profile.units)} units)")
     depths = range(stages, stages + 1) if stages is not None else range(1, deepest + 1)
-    rt = runtime if runtime is not None else runtime_costs_for(profile.trace_device)
+    rt = runtime if runtime is not None else runtime_costs_for(profile.trace_device, profile.host_slowdown)
     search = _Search(profile, cluster, global_batch, optimizer, shard_levels, top, rt)
     shapes = enumerate_shapes(len(profile.units), cluster.devices, global_batch, kinds, depths)
     search.run(shapes)

@@ -30,7 +30,7 @@ from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.counting import UnitCounts, count_unit
 from fxpipe.tracer.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import phase, progress_iter
-from fxpipe.tracer.timing import analytic_ms, call_overhead_ms, measure_ms
+from fxpipe.tracer.timing import analytic_ms, time_units
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
@@ -179,7 +179,8 @@ def _module_type(model: nn.Module, path: str) -> str | None:
 def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[UnitGroup], runners: list[UnitRunner],
                    times: list[tuple[float, float]], counts: list[UnitCounts], activations: list[int],
                    pins: dict[str, int],
-                   batch: int, frontend: str, timing: str, trace_device: str, on_meta: bool = False) -> ModelProfile:
+                   batch: int, frontend: str, timing: str, trace_device: str, on_meta: bool = False,
+                   host_call_ms: float | None = None) -> ModelProfile:
     by_name = {n.name: n for n in gm.graph.nodes}
     sizes, shapes, ties = _param_table(model)
     param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -223,7 +224,7 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
         inputs=tuple(n.meta[SPEC_KEY] for n in placeholders), trace_device=trace_device, frontend=frontend,
         timing=timing, module_order=_module_order(gm), param_sizes=sizes, param_shapes=shapes, ties=ties,
         model=ModelInfo(class_name=f"{type(model).__module__}.{type(model).__qualname__}"),
-        meta=on_meta, skipped_checks=SKIPPED_ON_META if on_meta else (),
+        meta=on_meta, skipped_checks=SKIPPED_ON_META if on_meta else (), host_call_ms=host_call_ms,
     )
 
 
@@ -329,11 +330,11 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                 counts = (count_units_once(runners, count_unit, counting) if on_meta
                           else [count_unit(r) for r in counting(runners)])
                 counted.detail = f"{len(runners)} units"
+            host_call_ms = None
             if measure_times:
                 with phase("time units") as timing:
-                    call_cost = call_overhead_ms(trace_device)  # Note [unit call cost]
-                    times = [measure_ms(r, trace_device, call_ms=call_cost)
-                             for r in progress_iter(runners, "timing units", progress, len(runners))]
+                    times, host_call_ms = time_units(  # Notes [unit call cost], [host speed]
+                        runners, trace_device, lambda rs: progress_iter(rs, "timing units", progress, len(rs)))
                     timing.detail = f"{len(runners)} units on {trace_device}"
             else:
                 times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
@@ -344,7 +345,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
             model.to(original_device)
     pins = {**module_pins(model), **(build_record.pins if build_record else {})}
     profile = _build_profile(model, gm, groups, runners, times, counts, activations, pins, batch,
-                             result.frontend, "measured" if measure_times else "analytic", cost_device, on_meta)
+                             result.frontend, "measured" if measure_times else "analytic", cost_device, on_meta,
+                             host_call_ms)
     leaf_modules = {str(n.target): type(gm.get_submodule(str(n.target)))
                     for n in gm.graph.nodes if n.op == "call_module"}
     ctor_args = build_record.ctor_args if build_record else {}

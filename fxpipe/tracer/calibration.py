@@ -19,13 +19,27 @@ GPTs, which are launch-bound, with one rate and one per-op cost. A whole stage o
 more than one unit does (a matmul's kernel runs while the next unit's elementwise ops
 launch), so even the longer-of-the-two per unit stays above the stage where the two are
 close; measured unit times share that (benchmarks/prediction/README.md).
+
+Note [host speed]: measured unit times carry the host's speed at the moment of the trace,
+but the fixed costs a prediction adds (the cold-cache share of each unit's op costs here,
+the runtime's per-action, per-message and per-step costs in ``RuntimeCosts``) are constants
+calibrated on one host at its quiet speed. On a slower host, or on this project's shared
+VM while it runs slow (up to 3x for seconds at a time), the two disagree, and the step's
+fixed part, half or more of a small model's step, was under-priced: the S x R benchmark's
+measured / predicted ratio climbed from ~1.0 on a quiet host to 1.17-1.26 on a slowed one
+(benchmarks/prediction/README.md). So a measured trace also times the fixed cost of
+calling a unit (``call_overhead_ms``, pure Python, dispatch and autograd-engine work, the
+kind the runtime's fixed costs are) beside every unit, records their median in the
+profile (``ModelProfile.host_call_ms``), and ``host_slowdown`` prices every fixed cost at
+that speed: the measured call cost over ``DevicePreset.call_ms``, the same measurement on
+the calibration host at its quiet speed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DevicePreset", "DEVICE_PRESETS", "ACCUMULATE_OP"]
+__all__ = ["DevicePreset", "DEVICE_PRESETS", "ACCUMULATE_OP", "host_slowdown"]
 
 ACCUMULATE_OP = "accumulate_grad"  # pseudo-op: one gradient accumulation per parameter in backward
 
@@ -40,7 +54,9 @@ class DevicePreset:
     on top. ``cold_factor`` scales these fixed costs to what they are inside a running
     pipeline, where each action starts with cold caches after waiting on its peers.
     ``async_launch``: a unit costs the longer of its roofline and its op costs, not their sum
-    (Note [asynchronous launch]).
+    (Note [asynchronous launch]). ``call_ms``: forward + backward ms of ``call_overhead_ms`` on
+    the host these figures were calibrated on, at its quiet speed (``None``: not calibrated;
+    Note [host speed]).
     """
 
     name: str
@@ -51,6 +67,7 @@ class DevicePreset:
     op_extra_s: tuple[tuple[str, float], ...] = ()
     cold_factor: float = 1.0
     async_launch: bool = False  # kernels run while the host launches more (Note [asynchronous launch])
+    call_ms: float | None = None  # the calibration host's call cost at its quiet speed (Note [host speed])
 
     def op_cost_s(self, op: str, backward: bool) -> float:
         """Seconds of fixed cost for one call of aten op ``op`` in a warm loop."""
@@ -74,10 +91,25 @@ class DevicePreset:
 # moved them by 1.5x between the runs), and the width-1024 GPT fits 50 TFLOP/s (the card's fp32
 # peak is 67) beside 15 us per op (Note [asynchronous launch]); 2.5 TB/s of its 3.35 for
 # elementwise traffic. On another GPU, one_gpu.py there shows how far these figures are off.
+# CPU_CALL_MS: ``call_overhead_ms("cpu")``'s forward + backward sampled as a trace samples it,
+# on this project's machine while its speed probe (benchmarks/prediction/configurations.py)
+# read its quiet 2.4-2.5 ms, the speed the "cpu" figures here and in RUNTIME_COSTS were
+# calibrated at (benchmarks/prediction/host_speed.py).
+CPU_CALL_MS = 0.034  # ms: 33.8 us measured (host_speed.md, 2026-11-27)
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     "cpu": DevicePreset("cpu", flops_per_s=75e9, bytes_per_s=20e9, op_overhead_s=3.0e-6, bwd_op_overhead_s=2.8e-6,
                         op_extra_s=(("convolution", 40e-6), ("convolution_backward", 90e-6),
                                     ("native_batch_norm", 10e-6), ("native_batch_norm_backward", 3e-6)),
-                        cold_factor=1.45),
+                        cold_factor=1.45, call_ms=CPU_CALL_MS),
     "cuda": DevicePreset("cuda", flops_per_s=50e12, bytes_per_s=2.5e12, op_overhead_s=15e-6, async_launch=True),
 }
+
+
+def host_slowdown(device: str, call_ms: float | None) -> float:
+    """How much slower than the calibration host's quiet speed a host ran, from the call cost
+    a trace measured on it (``ModelProfile.host_call_ms``); 1.0 where either is unknown
+    (Note [host speed])."""
+    preset = DEVICE_PRESETS.get(device)
+    if call_ms is None or preset is None or not preset.call_ms:
+        return 1.0
+    return call_ms / preset.call_ms

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fxpipe.errors import ProfileError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
+from fxpipe.tracer.calibration import host_slowdown
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -227,6 +228,9 @@ class ModelProfile:
     before it existed), so the cost model can price PowerSGD's matrix view of each gradient.
     ``meta``: traced with meta tensors (Note [meta tracing] in :mod:`fxpipe.tracer.meta`);
     ``skipped_checks`` names the checks that could not run then, with the reason.
+    ``host_call_ms``: the fixed cost of calling a unit, measured beside the unit times (``None``:
+    times not measured); ``host_slowdown`` compares it with the calibration host's (Note
+    [host speed] in :mod:`fxpipe.tracer.calibration`).
     """
 
     units: tuple[Unit, ...]
@@ -244,6 +248,7 @@ class ModelProfile:
     param_shapes: dict[str, tuple[NonNegInt, ...]] = field(default_factory=dict)
     meta: bool = False
     skipped_checks: tuple[str, ...] = ()
+    host_call_ms: NonNegFloat | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -286,6 +291,12 @@ class ModelProfile:
     @property
     def total_compute_ms(self) -> float:
         return sum(u.compute_ms for u in self.units)
+
+    @property
+    def host_slowdown(self) -> float:
+        """How much slower than the calibration host's quiet speed the trace ran (1.0: unknown;
+        Note [host speed])."""
+        return host_slowdown(self.trace_device, self.host_call_ms)
 
     @property
     def is_chain(self) -> bool:

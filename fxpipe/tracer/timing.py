@@ -21,15 +21,15 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from fxpipe.tracer.calibration import DEVICE_PRESETS, DevicePreset
+from fxpipe.tracer.calibration import DEVICE_PRESETS, DevicePreset, host_slowdown
 from fxpipe.tracer.counting import UnitCounts, count_ops
 from fxpipe.tracer.unit_runner import UnitInputs, UnitRunner
 
-__all__ = ["analytic_ms", "op_overhead_s", "measure_ms", "call_overhead_ms"]
+__all__ = ["analytic_ms", "op_overhead_s", "measure_ms", "call_overhead_ms", "time_units"]
 
 
 def op_overhead_s(ops: Iterable[tuple[str, int]], preset: DevicePreset, backward: bool) -> float:
@@ -98,14 +98,16 @@ class _CallOnly:
         return [self.module(*inputs.args)]
 
 
-def call_overhead_ms(device: str, cpu_threads: int | None = 1) -> tuple[float, float]:
+def call_overhead_ms(device: str, cpu_threads: int | None = 1, warmup: int = 5,
+                     repeats: int = 31) -> tuple[float, float]:
     """Forward and backward milliseconds of calling a unit that does (nearly) nothing
-    (Note [unit call cost])."""
-    return _measure_warm_ms(_CallOnly(device), device, warmup=5, repeats=31, cpu_threads=cpu_threads)
+    (Note [unit call cost]); also the gauge of the host's speed (Note [host speed])."""
+    return _measure_warm_ms(_CallOnly(device), device, warmup=warmup, repeats=repeats, cpu_threads=cpu_threads)
 
 
 def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 7,
-               cpu_threads: int | None = 1, call_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+               cpu_threads: int | None = 1, call_ms: tuple[float, float] = (0.0, 0.0),
+               slowdown: float = 1.0) -> tuple[float, float]:
     """Forward and backward milliseconds of one unit inside a running pipeline: the median
     of ``repeats`` warm runs (after ``warmup``) plus the cold-cache share of its op costs,
     ``(cold_factor - 1) x`` their warm cost (Note [analytic unit time]).
@@ -114,6 +116,8 @@ def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 
     (default 1, what each torchrun worker gets). Backward is timed from ready-made
     gradients, so creating them is not charged. ``call_ms`` (``call_overhead_ms``): the
     fixed forward and backward cost of the call itself, taken off (Note [unit call cost]).
+    ``slowdown``: the host's (``host_slowdown``), which the cold-cache share, priced from the
+    calibration host's op costs, is scaled by (Note [host speed]).
     """
     fwd_ms, bwd_ms = _measure_warm_ms(runner, device, warmup, repeats, cpu_threads)
     fwd_ms = max(fwd_ms - call_ms[0], 0.1 * fwd_ms)
@@ -122,11 +126,27 @@ def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 
     if preset is None or preset.cold_factor == 1.0:
         return fwd_ms, bwd_ms
     fwd_ops, bwd_ops = count_ops(runner)
-    share = (preset.cold_factor - 1.0) / preset.cold_factor  # op_overhead_s includes the factor
+    share = slowdown * (preset.cold_factor - 1.0) / preset.cold_factor  # op_overhead_s includes the factor
     fwd_ms += share * op_overhead_s(fwd_ops.items(), preset, backward=False) * 1e3
     if bwd_ms > 0:
         bwd_ms += share * op_overhead_s(bwd_ops.items(), preset, backward=True) * 1e3
     return fwd_ms, bwd_ms
+
+
+def time_units(runners: Sequence[UnitRunner], device: str,
+               iterate: Callable[[Sequence[UnitRunner]], Iterable[UnitRunner]] = iter,
+               ) -> tuple[list[tuple[float, float]], float]:
+    """Every unit's forward and backward ms (``measure_ms``) and the host's call cost over the
+    trace: the median of the ``call_overhead_ms`` samples taken right before each unit, each
+    of which its unit's timing uses (Note [unit call cost], Note [host speed]). ``iterate``
+    wraps the walk over the units (a progress bar)."""
+    call_overhead_ms(device)  # warm the call's path before the first sample
+    times, samples = [], []
+    for runner in iterate(runners):
+        call = call_overhead_ms(device, warmup=2, repeats=11)
+        samples.append(call[0] + call[1])
+        times.append(measure_ms(runner, device, call_ms=call, slowdown=host_slowdown(device, samples[-1])))
+    return times, statistics.median(samples) if samples else 0.0
 
 
 def _measure_warm_ms(runner: UnitRunner | _CallOnly, device: str, warmup: int, repeats: int,

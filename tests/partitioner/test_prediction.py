@@ -216,3 +216,43 @@ def test_ddp_sync_pass_costs_per_step_and_per_parameter_tensor_on_ddp_levels_onl
         extra = (step_overheads(problem, (0, 1), runtime).dp_all_reduce_ms
                  - step_overheads(problem, (0, 1), RuntimeCosts()).dp_all_reduce_ms)
         assert extra == pytest.approx(1.25 if paid else 0.0)
+
+
+def test_host_slowdown_scales_the_runtimes_cpu_work_only() -> None:
+    from fxpipe.partitioner.prediction import at_host_speed, runtime_costs_for
+
+    cpu = RUNTIME_COSTS["cpu"]
+    slow = at_host_speed(cpu, 2.0)
+    assert slow.host_slowdown == 2.0
+    for name in ("action_ms", "message_ms", "dp_sync_ms", "collective_ms", "step_ms", "optimizer_step_ms",
+                 "recompute_bwd_saved_ms", "split_unit_ms"):
+        assert getattr(slow, name) == pytest.approx(2 * getattr(cpu, name)), name
+    assert slow.optimizer_bytes_per_s == pytest.approx(cpu.optimizer_bytes_per_s / 2)
+    for name in ("message_stall_ms", "split_factor", "oversubscribed_rate", "rank_speed", "workspace_bytes",
+                 "step_receives"):  # OS time slices, ratios and sizes do not follow the CPU's speed
+        assert getattr(slow, name) == getattr(cpu, name), name
+    thrice = at_host_speed(cpu, 3.0)  # from the calibration's speed, not compounded
+    again = at_host_speed(slow, 3.0).to_dict()
+    assert again.keys() == thrice.to_dict().keys()
+    for name, value in thrice.to_dict().items():
+        assert again[name] == (pytest.approx(value) if isinstance(value, float) else value), name
+    assert at_host_speed(slow, 1.0) == cpu
+    assert runtime_costs_for("cpu", 2.0) == slow and runtime_costs_for("cpu") is cpu
+    with pytest.raises(PartitionError, match="slowdown"):
+        at_host_speed(cpu, 0.0)
+
+
+def test_plan_prices_the_fixed_costs_at_the_traced_hosts_speed() -> None:
+    from fxpipe.tracer.calibration import DEVICE_PRESETS
+
+    quiet = DEVICE_PRESETS["cpu"].call_ms
+    assert quiet is not None
+    calibrated = plan_partition(replace(_two_units(), host_call_ms=quiet), 2, microbatches=2).prediction
+    slow = plan_partition(replace(_two_units(), host_call_ms=2 * quiet), 2, microbatches=2).prediction
+    assert calibrated is not None and slow is not None
+    assert calibrated.runtime_costs == RUNTIME_COSTS["cpu"]
+    assert slow.runtime_costs.host_slowdown == pytest.approx(2.0)
+    # the unit times are the same: only the runtime's own work grows, and the optimizer's the most
+    assert slow.step_overhead_ms.optimizer_ms > 1.9 * calibrated.step_overhead_ms.optimizer_ms
+    for schedule in ("gpipe", "1f1b"):
+        assert calibrated.step_ms[schedule] < slow.step_ms[schedule] < 2 * calibrated.step_ms[schedule]
