@@ -233,12 +233,14 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
     quiet_inside = sum(GOAL[0] <= q <= GOAL[1] for q in quiet)
     probes = [t for r in rows for run in r["runs"] for t in run["probe_ms"]]
     slow = statistics.median(probes) / min(probes)
+    gauged = [run["host_slowdown"] for r in rows for run in r["runs"] if "host_slowdown" in run]
     host = (f"The host: compute probe {min(probes):.2f} ms at its fastest, {statistics.median(probes):.2f} in the "
             f"median ({slow:.2f}x); {sum(r['quiet_runs'] for r in rows)} of {sum(len(r['runs']) for r in rows)} runs "
-            "quiet. " + ("A quiet host (median within 15% of the fastest): the rows test the simulator."
-                         if slow <= QUIET else "Not a quiet host (median over 15% above the fastest): the runtime's "
-                         "fixed costs in the prediction were calibrated at the quiet speed, so the rows test the "
-                         "simulator on a slowed host."))
+            "quiet. " + ("A quiet host (median within 15% of the fastest)." if slow <= QUIET else
+                         "Not a quiet host (median over 15% above the fastest).")
+            + (f" The traces' host slowdown, at which the runtime's fixed costs are priced (Note [host speed]): "
+               f"{statistics.median(gauged):.2f} in the median, {min(gauged):.2f}-{max(gauged):.2f}."
+               if gauged else ""))
     return "\n".join(lines + ["", f"{inside} of {len(rows)} step ratios within the goal (by the median of all "
                               f"of a row's runs; {quiet_inside} of the {len(quiet)} rows with a quiet run by "
                               "the median of their quiet runs).", "", host, ""])
