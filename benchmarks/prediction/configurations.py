@@ -49,6 +49,7 @@ GOAL = (0.80, 1.33)  # prediction within 25% of the measurement
 QUIET = 1.15  # a run is quiet when its speed probes, before and after, are within this of the benchmark's fastest
 MESSAGE_QUIET = 1.20  # ... and its message probes are within this of the benchmark's median probe
 TIMING = "measured"
+SAVING_FLOOR = 0.05  # a recompute row's saving is compared where at least this share of the peak is to go
 
 
 def _probe_ms() -> float:
@@ -187,13 +188,31 @@ def _in_goal(row: dict[str, Any]) -> bool:
     return GOAL[0] <= row["ratio_on_shared_cores"] <= GOAL[1]
 
 
+def _saving(plain: dict[str, Any], recompute: dict[str, Any]) -> list[float | None]:
+    """Per rank, the median over rounds of the measured / predicted drop of the peak from the plain
+    row's run to the recompute row's run of the same round: the two runs' splits are planned from
+    their own traces, so a drop is only compared within a round. ``None``: under
+    ``SAVING_FLOOR`` of the plain peak predicted to drop, which a few KiB of noise would swamp."""
+    rounds = list(zip(plain.get("runs", [plain]), recompute.get("runs", [recompute])))
+    per_rank: list[list[float]] = [[] for _ in recompute["measured_peak_tensor_bytes"]]
+    for base, run in rounds:
+        replicas = run["replicas"]
+        pairs = zip(base["measured_peak_tensor_bytes"], run["measured_peak_tensor_bytes"],
+                    base["predicted_rank_memory_bytes"] * replicas, run["predicted_rank_memory_bytes"] * replicas)
+        for rank, (mb, mr, pb, pr) in enumerate(pairs):
+            if pb - pr >= SAVING_FLOOR * pb:
+                per_rank[rank].append((mb - mr) / (pb - pr))
+    return [statistics.median(v) if v else None for v in per_rank]
+
+
 def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
     lines = ["# Simulator vs measured step: S x R configurations", "",
              f"examples/gpt.py, {steps} SGD steps, median step excluding the first, gloo on CPU (S x R processes "
              "on this machine's 2 shared cores). Ratio = measured / predicted; goal 0.80-1.33. Memory: peak live "
              "tensor bytes per rank / the predicted rank peak (replicas repeat the ranks of their pipeline); "
              "recompute rows: every stage recomputes, and 'saving' is the measured / predicted drop of each "
-             "rank's peak against the plain row. 'This host': the prediction for S x R processes on this "
+             "rank's peak against the plain row's run of the same round (each run plans its own split), the "
+             "median over the rounds ('-': a drop under 5% of the plain peak predicted). 'This host': the prediction for S x R processes on this "
              "host's cores (Note [shared cores] and Note [processor sharing]: the running actions share the "
              "cores), the one the goal is checked against (the same as one core per rank for 2 processes); "
              "'one core per rank': the prediction for a cluster of S x R devices. Unit times measured on "
@@ -213,11 +232,7 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
         mem = ", ".join(f"{x:.2f}" for x in r["tensor_memory_ratio"])
         lo, hi = r.get("ratio_range", [r["ratio_on_shared_cores"]] * 2)
         base = plain.get((r["stages"], r["replicas"], r["schedule"])) if r.get("recompute") else None
-        saving = ""
-        if base is not None:
-            pairs = zip(base["measured_peak_tensor_bytes"], r["measured_peak_tensor_bytes"],
-                        base["predicted_rank_memory_bytes"] * r["replicas"], r["predicted_rank_memory_bytes"] * r["replicas"])
-            saving = ", ".join(f"{(mb - mr) / (pb - pr):.2f}" if pb != pr else "n/a" for mb, mr, pb, pr in pairs)
+        saving = ", ".join("-" if x is None else f"{x:.2f}" for x in _saving(base, r)) if base is not None else ""
         lines.append(f"| {r['stages']}x{r['replicas']} | {r['schedule']} | {r['virtual_stages']} | "
                      f"{'yes' if r.get('recompute') else 'no'} | "
                      f"{r['measured_step_ms']:.2f} | {r['predicted_on_shared_cores_ms']:.2f} | "
