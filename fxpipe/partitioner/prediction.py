@@ -114,8 +114,8 @@ from fxpipe.partitioner.schedule.memory import schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "at_host_speed", "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
-           "MemoryFloor", "rank_memory_floor", "runtime_costs_for"]
+           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
+           "MemoryFloor", "rank_memory_floor", "runtime_costs_for", "at_host_speed"]
 
 _LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
 

@@ -32,7 +32,10 @@ calling a unit (``call_overhead_ms``, pure Python, dispatch and autograd-engine 
 kind the runtime's fixed costs are) beside every unit, records their median in the
 profile (``ModelProfile.host_call_ms``), and ``host_slowdown`` prices every fixed cost at
 that speed: the measured call cost over ``DevicePreset.call_ms``, the same measurement on
-the calibration host at its quiet speed.
+the calibration host at its quiet speed. The gauge follows the host only partly (on this
+project's VM it slowed 1.6x where a small model's forward + backward slowed 1.9x, and barely
+in milder stretches: benchmarks/prediction/host_speed.md), and it reads the trace's moment,
+not the run's: a trace in a slow stretch before a quiet run over-prices the run.
 """
 
 from __future__ import annotations
@@ -110,6 +113,6 @@ def host_slowdown(device: str, call_ms: float | None) -> float:
     a trace measured on it (``ModelProfile.host_call_ms``); 1.0 where either is unknown
     (Note [host speed])."""
     preset = DEVICE_PRESETS.get(device)
-    if call_ms is None or preset is None or not preset.call_ms:
+    if not call_ms or preset is None or not preset.call_ms:  # a zero gauge (hand-written) is no reading
         return 1.0
     return call_ms / preset.call_ms

@@ -19,6 +19,7 @@ def test_slowdown_is_the_gauge_over_the_calibration_hosts_quiet_gauge() -> None:
     assert host_slowdown("cpu", 2 * quiet) == pytest.approx(2.0)
     assert host_slowdown("cpu", quiet / 2) == pytest.approx(0.5)  # a faster host: cheaper fixed costs
     assert host_slowdown("cpu", None) == 1.0  # times not measured: the calibration's speed
+    assert host_slowdown("cpu", 0.0) == 1.0  # a hand-written zero is no reading
     assert DEVICE_PRESETS["cuda"].call_ms is None and host_slowdown("cuda", 5.0) == 1.0  # not calibrated there
     assert host_slowdown("mps", 5.0) == 1.0  # no preset at all
 
