@@ -193,9 +193,8 @@ def _saving(plain: dict[str, Any], recompute: dict[str, Any]) -> list[float | No
     row's run to the recompute row's run of the same round: the two runs' splits are planned from
     their own traces, so a drop is only compared within a round. ``None``: under
     ``SAVING_FLOOR`` of the plain peak predicted to drop, which a few KiB of noise would swamp."""
-    rounds = list(zip(plain.get("runs", [plain]), recompute.get("runs", [recompute])))
     per_rank: list[list[float]] = [[] for _ in recompute["measured_peak_tensor_bytes"]]
-    for base, run in rounds:
+    for base, run in zip(plain.get("runs", [plain]), recompute.get("runs", [recompute])):
         replicas = run["replicas"]
         pairs = zip(base["measured_peak_tensor_bytes"], run["measured_peak_tensor_bytes"],
                     base["predicted_rank_memory_bytes"] * replicas, run["predicted_rank_memory_bytes"] * replicas)
@@ -212,8 +211,8 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
              "tensor bytes per rank / the predicted rank peak (replicas repeat the ranks of their pipeline); "
              "recompute rows: every stage recomputes, and 'saving' is the measured / predicted drop of each "
              "rank's peak against the plain row's run of the same round (each run plans its own split), the "
-             "median over the rounds ('-': a drop under 5% of the plain peak predicted). 'This host': the prediction for S x R processes on this "
-             "host's cores (Note [shared cores] and Note [processor sharing]: the running actions share the "
+             "median over the rounds ('-': a drop under 5% of the plain peak predicted). 'This host': the "
+             "prediction for S x R processes on this host's cores (Note [shared cores] and Note [processor sharing]: the running actions share the "
              "cores), the one the goal is checked against (the same as one core per rank for 2 processes); "
              "'one core per rank': the prediction for a cluster of S x R devices. Unit times measured on "
              "this machine right before each run; each row is the median of all its runs (the ratio's range "

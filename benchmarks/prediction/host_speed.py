@@ -3,7 +3,7 @@
 A measured trace prices the runtime's fixed costs at the host's speed, gauged by the cost of
 calling a unit that does nearly nothing (``call_overhead_ms``, Note [host speed] in
 fxpipe/tracer/calibration.py). This script takes pairs of readings, the gauge as a trace
-samples it (2 warm-up and 11 timed calls, forward + backward) and right after it
+samples it (``gauge_call_ms``: forward + backward) and right after it
 configurations.py's speed probe (the tiny GPT's forward + backward, one thread), and reports:
 
 * ``CPU_CALL_MS``: the median gauge over the pairs whose probe read within 5% of its fastest,
@@ -26,7 +26,7 @@ from typing import Any
 from configurations import _probe_ms
 
 from fxpipe.tracer.calibration import CPU_CALL_MS
-from fxpipe.tracer.timing import call_overhead_ms
+from fxpipe.tracer.timing import call_overhead_ms, gauge_call_ms
 
 QUIET_BAND = 1.05  # a pair is quiet where its probe is within this of the fastest
 
@@ -35,15 +35,9 @@ def _pairs(count: int) -> list[tuple[float, float]]:
     call_overhead_ms("cpu")  # warm the call's path, as a trace does
     pairs = []
     for _ in range(count):
-        fwd, bwd = call_overhead_ms("cpu", warmup=2, repeats=11)
+        fwd, bwd = gauge_call_ms("cpu")
         pairs.append((fwd + bwd, _probe_ms()))
     return pairs
-
-
-def _correlation(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    return cov / (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
 
 
 def summarize(pairs: list[tuple[float, float]]) -> dict[str, Any]:
@@ -60,12 +54,12 @@ def summarize(pairs: list[tuple[float, float]]) -> dict[str, Any]:
                           "gauge_median": statistics.median(c / reference for c, _ in inside)})
     return {"pairs": [list(p) for p in pairs], "probe_fastest_ms": fastest, "quiet_pairs": len(quiet),
             "call_ms_quiet": reference, "CPU_CALL_MS_in_use": CPU_CALL_MS,
-            "correlation": _correlation(calls, probes), "bands": bands}
+            "correlation": statistics.correlation(calls, probes), "bands": bands}
 
 
 def _markdown(result: dict[str, Any]) -> str:
     lines = ["# Host-speed gauge against the speed probe", "",
-             f"{len(result['pairs'])} pairs (gauge: `call_overhead_ms` forward + backward, 11 calls; probe: "
+             f"{len(result['pairs'])} pairs (gauge: `gauge_call_ms` forward + backward; probe: "
              "configurations.py's `_probe_ms`). "
              f"Fastest probe {result['probe_fastest_ms']:.2f} ms; gauge at the quiet speed (probe within 5% of "
              f"its fastest, {result['quiet_pairs']} pairs): **{result['call_ms_quiet'] * 1e3:.1f} us** "

@@ -119,7 +119,7 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
         return plan
 
     if memory_limit is not None and solver not in BASELINES:
-        reserved = runtime_costs_for(profile.trace_device, profile.host_slowdown).workspace_bytes
+        reserved = runtime_costs_for(profile.trace_device).workspace_bytes  # library workspaces: not host speed
         return fit_memory_over_time(plan_under, memory_limit, lambda limit: plan_split(None, walk_limit=limit),
                                     solve_loosened=lambda limit: plan_under(limit, baselines_walk=memory_limit),
                                     reserved=reserved)

@@ -29,7 +29,7 @@ from fxpipe.tracer.calibration import DEVICE_PRESETS, DevicePreset, host_slowdow
 from fxpipe.tracer.counting import UnitCounts, count_ops
 from fxpipe.tracer.unit_runner import UnitInputs, UnitRunner
 
-__all__ = ["analytic_ms", "op_overhead_s", "measure_ms", "call_overhead_ms", "time_units"]
+__all__ = ["analytic_ms", "op_overhead_s", "measure_ms", "call_overhead_ms", "gauge_call_ms", "time_units"]
 
 
 def op_overhead_s(ops: Iterable[tuple[str, int]], preset: DevicePreset, backward: bool) -> float:
@@ -105,6 +105,12 @@ def call_overhead_ms(device: str, cpu_threads: int | None = 1, warmup: int = 5,
     return _measure_warm_ms(_CallOnly(device), device, warmup=warmup, repeats=repeats, cpu_threads=cpu_threads)
 
 
+def gauge_call_ms(device: str) -> tuple[float, float]:
+    """One sample of the call cost, as a trace takes it right before each unit: the host's speed
+    at that moment (Note [host speed]; ``CPU_CALL_MS`` was calibrated with the same sample)."""
+    return call_overhead_ms(device, warmup=2, repeats=11)
+
+
 def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 7,
                cpu_threads: int | None = 1, call_ms: tuple[float, float] = (0.0, 0.0),
                slowdown: float = 1.0) -> tuple[float, float]:
@@ -135,18 +141,18 @@ def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 
 
 def time_units(runners: Sequence[UnitRunner], device: str,
                iterate: Callable[[Sequence[UnitRunner]], Iterable[UnitRunner]] = iter,
-               ) -> tuple[list[tuple[float, float]], float]:
+               ) -> tuple[list[tuple[float, float]], float | None]:
     """Every unit's forward and backward ms (``measure_ms``) and the host's call cost over the
-    trace: the median of the ``call_overhead_ms`` samples taken right before each unit, each
-    of which its unit's timing uses (Note [unit call cost], Note [host speed]). ``iterate``
-    wraps the walk over the units (a progress bar)."""
+    trace (``None`` without units): the median of the ``gauge_call_ms`` samples taken right
+    before each unit, each of which its unit's timing uses (Note [unit call cost], Note [host
+    speed]). ``iterate`` wraps the walk over the units (a progress bar)."""
     call_overhead_ms(device)  # warm the call's path before the first sample
     times, samples = [], []
     for runner in iterate(runners):
-        call = call_overhead_ms(device, warmup=2, repeats=11)
+        call = gauge_call_ms(device)
         samples.append(call[0] + call[1])
         times.append(measure_ms(runner, device, call_ms=call, slowdown=host_slowdown(device, samples[-1])))
-    return times, statistics.median(samples) if samples else 0.0
+    return times, statistics.median(samples) if samples else None
 
 
 def _measure_warm_ms(runner: UnitRunner | _CallOnly, device: str, warmup: int, repeats: int,
