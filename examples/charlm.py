@@ -2,7 +2,7 @@
 
 The model file of a real training run: besides ``build_model`` / ``example_inputs`` /
 ``example_targets`` / ``loss_fn`` it defines ``train_batches`` and ``eval_batches``, which
-``fxpipe run`` draws its batches from (``fxpipe.runtime.data_iter``). Each replica reads its
+``fxpipe run`` draws its batches from (``fxpipe.runtime.train.data_iter``). Each replica reads its
 own random windows of the first 90% of the text (seeded by ``rank_info.replica``); eval
 uses fixed windows of the last 10%. A rank that does not read the model inputs (or the
 targets) skips building them::

@@ -13,8 +13,8 @@ def lazy_exports(namespace: dict[str, Any], names: dict[str, str], submodules: I
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for the package whose ``globals()`` is ``namespace``:
     ``name`` is imported from its submodule ``names[name]`` (a path relative to the package,
-    e.g. ``"tracer.api"``) when first asked for, then kept; a name in ``submodules`` is that
-    submodule itself."""
+    e.g. ``"tracer.api"``, or an absolute one starting with ``fxpipe.``) when first asked for,
+    then kept; a name in ``submodules`` is that submodule itself."""
     package = namespace["__name__"]
     modules = frozenset(submodules)
 
@@ -22,7 +22,8 @@ def lazy_exports(namespace: dict[str, Any], names: dict[str, str], submodules: I
         if name in modules:
             value = importlib.import_module(f"{package}.{name}")
         elif name in names:
-            value = getattr(importlib.import_module(f"{package}.{names[name]}"), name)
+            module = names[name] if names[name].startswith("fxpipe.") else f"{package}.{names[name]}"
+            value = getattr(importlib.import_module(module), name)
         else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         namespace[name] = value

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
-from fxpipe.partitioner.search_args import add_cluster_arguments
+from fxpipe.partitioner.search.args import add_cluster_arguments
 from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
 from fxpipe.unexpected import internal_error_line, print_safely
 
@@ -79,7 +79,7 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
 
 
 def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
-    from fxpipe.partitioner.search_report import search_from_args
+    from fxpipe.partitioner.search.report import search_from_args
 
     _enter("searching configurations")
     return search_from_args(args, profile, _console())
@@ -249,7 +249,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _enter("reading the profile")
     profile = ModelProfile.from_json(args.profile)
     if args.devices is not None:
-        from fxpipe.partitioner.search import plan_configuration
+        from fxpipe.partitioner.search.configurations import plan_configuration
 
         result = _cluster_search(args, profile)
         _enter("planning the best configuration")
@@ -267,7 +267,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_plan_report(plan, profile, console=console)
     console.print(f"[green]wrote[/] {out}")
     if args.html:
-        from fxpipe.partitioner.html import render_html_report
+        from fxpipe.partitioner.report.html import render_html_report
 
         _enter("writing the report")
         console.print(f"[green]wrote[/] {_write_artifact(args.html, render_html_report(plan, profile))}")
@@ -280,7 +280,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if args.devices is not None:  # search, then trace again at the chosen microbatch size
-        from fxpipe.partitioner.search import plan_configuration
+        from fxpipe.partitioner.search.configurations import plan_configuration
 
         check_build_target(out)
         source = _load_source(args)
@@ -338,7 +338,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     console = _console()
     print_plan_report(plan, profile, console=console)
     if measured is not None:
-        from fxpipe.partitioner.report import print_measurement
+        from fxpipe.partitioner.report.terminal import print_measurement
 
         print_measurement(plan, measured, console)
     if args.html:
@@ -349,8 +349,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _measured(build_dir: Path) -> Any:
     """What ``fxpipe run`` measured (``DIR/run.json``) in the plan's terms, or None before a run."""
-    from fxpipe.partitioner.report import Measurement
-    from fxpipe.runtime.record import RunRecord
+    from fxpipe.partitioner.report.terminal import Measurement
+    from fxpipe.runtime.train.record import RunRecord
 
     if not (build_dir / "run.json").is_file():
         return None
@@ -378,8 +378,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.launch import become_launcher, run_build
-    from fxpipe.runtime.options import explicit_fields, run_options_from_args
+    from fxpipe.runtime.launch.launcher import become_launcher, run_build
+    from fxpipe.runtime.train.run_options import explicit_fields, run_options_from_args
 
     become_launcher()  # Ctrl-C stops the job however this process was started (launch.py, Note [Ctrl-C])
     _enter("launching")
@@ -388,7 +388,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.train_checkpoint import export_checkpoint
+    from fxpipe.runtime.train.checkpoint import export_checkpoint
 
     _enter("exporting the checkpoint")
     state = export_checkpoint(args.checkpoint_dir, args.out)
@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train the build with torchrun, one process per stage and replica")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    from fxpipe.runtime.options import add_run_arguments  # the flags the worker entry point reads too
+    from fxpipe.runtime.train.run_options import add_run_arguments  # the flags the worker entry point reads too
 
     add_run_arguments(p)
     p.set_defaults(func=cmd_run)

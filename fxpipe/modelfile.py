@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from fxpipe.errors import ModelFileError
 
 if TYPE_CHECKING:
-    from fxpipe.tracer.call import ModelInputs
+    from fxpipe.model_inputs import ModelInputs
 
 __all__ = ["ModelSource", "load_model_file", "import_model_module", "import_model_bytes", "file_sha256"]
 
@@ -142,7 +142,7 @@ class ModelSource:
 
     def example_call(self, batch_size: int) -> ModelInputs:
         """The example inputs function's call on ``batch_size`` samples (see the module docstring)."""
-        from fxpipe.tracer.call import parse_model_inputs
+        from fxpipe.model_inputs import parse_model_inputs
 
         value = self._call(self.inputs_fn, batch_size)
         try:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions, optimizer_state_bytes
-from fxpipe.runtime.launch import free_port
+from fxpipe.runtime.launch.launcher import free_port
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -42,7 +42,7 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
-from fxpipe.runtime.launch import free_port
+from fxpipe.runtime.launch.launcher import free_port
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

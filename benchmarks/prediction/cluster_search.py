@@ -29,7 +29,7 @@ from typing import Any
 
 def _timed_search(devices: int, global_batch: int) -> dict[str, Any]:
     from fxpipe.partitioner.cluster import ClusterSpec
-    from fxpipe.partitioner.search import search_configurations
+    from fxpipe.partitioner.search.configurations import search_configurations
     from fxpipe.partitioner.synthetic import llama3_70b_profile
 
     profile = llama3_70b_profile()
@@ -47,7 +47,7 @@ def _timed_search(devices: int, global_batch: int) -> dict[str, Any]:
 
 def _interleaved_ratio(batch: int) -> dict[str, Any]:
     from fxpipe.partitioner.cost import CostModel, LINK_PRESETS
-    from fxpipe.partitioner.planner import plan_partition
+    from fxpipe.partitioner.solve.planner import plan_partition
     from fxpipe.partitioner.prediction import RUNTIME_COSTS
     from fxpipe.partitioner.problem import build_problem
     from fxpipe.partitioner.prediction import predict

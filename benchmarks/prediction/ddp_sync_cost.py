@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch.multiprocessing as mp
 
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -140,7 +140,7 @@ def measure(iterations: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(ROOT))
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

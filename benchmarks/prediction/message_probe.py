@@ -67,7 +67,7 @@ class MessageProbe:
         self._conns: list[Connection] = []
 
     def __enter__(self) -> MessageProbe:
-        from fxpipe.runtime.launch import free_port
+        from fxpipe.runtime.launch.launcher import free_port
 
         ctx = mp.get_context("spawn")
         port = free_port()

@@ -72,8 +72,8 @@ def _row(name: str, timing: str, layout: tuple[str, int, str], steps: int, build
          device: str) -> dict[str, Any]:
     from fxpipe.codegen import write_build_dir
     from fxpipe.partitioner import plan_partition
-    from fxpipe.runtime.launch import run_build
-    from fxpipe.runtime.options import RunOptions
+    from fxpipe.runtime.launch.launcher import run_build
+    from fxpipe.runtime.train.run_options import RunOptions
 
     label, ranks, schedule = layout
     _, batch, micro = MODELS[name]

@@ -5,7 +5,7 @@
 
 For each model x timing mode (analytic roofline, ``measure_times``) it traces at the
 microbatch size, plans 2 stages and writes a build directory; then for each schedule
-(gpipe, 1f1b) it trains ``--steps`` SGD steps with ``fxpipe.runtime.launch.run_build``
+(gpipe, 1f1b) it trains ``--steps`` SGD steps with ``fxpipe.runtime.launch.launcher.run_build``
 (2 torchrun ranks, gloo, CPU) and records the measured median step (first step
 excluded) against ``plan.prediction.step_ms[schedule]``, and each rank's peak
 tensor memory (and peak resident memory) against the plan's per-stage memory. ``--repredict`` re-traces and
@@ -92,7 +92,7 @@ def _baseline_rss() -> int:
             "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
             "dist.init_process_group('gloo', rank=0, world_size=1)\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
 
     env = {**os.environ, "PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repredict", action="store_true",
                    help="re-predict for the saved builds' splits; keep results.json's measurements")
     args = p.parse_args(argv)
-    from fxpipe.runtime.launch import run_build
-    from fxpipe.runtime.options import RunOptions
+    from fxpipe.runtime.launch.launcher import run_build
+    from fxpipe.runtime.train.run_options import RunOptions
 
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS))
@@ -215,7 +215,7 @@ def _markdown(result: dict[str, Any]) -> str:
     lines += ["", f"{inside} of {len(result['rows'])} ratios within the goal.", "",
               "Peak memory per rank (MiB). Predicted = the plan's stage memory (params, grads, optimizer state, "
               "activations, boundary buffers); measured tensors = peak bytes of live tensor storages over one "
-              "extra step after the timed ones (fxpipe.runtime.memory), and ratio = measured / predicted; "
+              "extra step after the timed ones (fxpipe.runtime.pipeline.memory), and ratio = measured / predicted; "
               "RSS = peak resident set size, and that minus the RSS of a process that only loads torch + the "
               f"runtime and joins gloo ({result['runtime_rss_bytes'] / mib:.0f} MiB), far above the model's "
               "tensors on CPU.", "",

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner.prediction import RUNTIME_COSTS
-    from fxpipe.runtime.split_backward import SplitBackward
+    from fxpipe.runtime.pipeline.split_backward import SplitBackward
     from fxpipe.tracer import trace_model_file
 
     torch.set_num_threads(1)

@@ -40,7 +40,7 @@ def _rank(rank: int, port: int, build: str, model_file: str, steps: int, out: An
     import torch
     import torch.distributed as dist
 
-    import fxpipe.runtime.runner as runner_module
+    import fxpipe.runtime.pipeline.runner as runner_module
     from fxpipe.modelfile import load_model_file
     from fxpipe.runtime import PipelineRunner
 
@@ -93,7 +93,7 @@ def _measure(model: str, schedule: str, steps: int) -> dict[str, Any]:
     from fxpipe.codegen import write_build_dir
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import plan_partition
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
     from fxpipe.tracer import trace_model_file
 
     model_file, batch, micro = MODELS[model]

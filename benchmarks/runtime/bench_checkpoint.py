@@ -4,7 +4,7 @@
 
 One process (world size 1: the all-gather of the commit is skipped) saves a part of
 S MB of fp32 tensors (a stage's parameters plus Adam's two moments, in 3 equal thirds)
-with ``fxpipe.runtime.train_checkpoint.save_training_checkpoint`` (torch.save into a
+with ``fxpipe.runtime.train.checkpoint.save_training_checkpoint`` (torch.save into a
 hidden file, fsync, sha256, record, rename) into a temporary folder, then loads it back
 (sha256 check, ``torch.load(weights_only=True)``). The median of 3 runs per size is
 reported. The folder is on this machine's temporary disk; a network filesystem differs.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fxpipe.runtime.train_checkpoint import load_training_checkpoint, save_training_checkpoint
+from fxpipe.runtime.train.checkpoint import load_training_checkpoint, save_training_checkpoint
 
 
 def _state(megabytes: int) -> dict:

@@ -6,7 +6,7 @@ Builds ``examples/charlm.py`` (a character LM whose ``train_batches`` cuts rando
 of README.md) into 2 stages, batch 16 in 4 microbatches, then under torchrun (2 ranks,
 gloo, CPU, one thread each) runs one ``PipelineRunner`` two ways, alternating step by
 step (which one goes first alternates too): **data** draws each step's batch from
-``fxpipe.runtime.data_iter.batch_stream`` over ``train_batches`` (as ``fxpipe run``
+``fxpipe.runtime.train.data_iter.batch_stream`` over ``train_batches`` (as ``fxpipe run``
 does: each rank reads only what it needs) and steps on it; **fixed** steps on one batch
 drawn once before timing. Each timed step (the draw included) sits between two
 ``dist.barrier()`` calls, so both pay the same barrier and see the same machine load.
@@ -50,9 +50,9 @@ def _worker(build_dir: Path, steps: int) -> None:
 
     from fxpipe.codegen.manifest import Manifest
     from fxpipe.runtime import PipelineRunner
-    from fxpipe.runtime.data import model_source
-    from fxpipe.runtime.data_iter import TRAIN_FN, batch_stream, find_batches
-    from fxpipe.runtime.training import rank_info
+    from fxpipe.runtime.train.data import model_source
+    from fxpipe.runtime.train.data_iter import TRAIN_FN, batch_stream, find_batches
+    from fxpipe.runtime.train.loop import rank_info
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -88,7 +88,7 @@ def main() -> None:
         return _build(args.build)
     if args.worker is not None:
         return _worker(args.worker, args.steps)
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
 
     with tempfile.TemporaryDirectory(prefix="fxpipe-data-bench-") as tmp:
         build_dir = Path(tmp) / "charlm"

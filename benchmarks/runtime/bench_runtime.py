@@ -7,7 +7,7 @@ thread, as each torchrun worker runs), then under torchrun (2 ranks, gloo, CPU) 
 fxpipe's ``PipelineRunner`` and ``torch.distributed.pipelining`` (``PipelineStage``
 wrapping the SAME ``load_stage`` modules, ``ScheduleGPipe`` / ``Schedule1F1B``)
 alternately step by step, each step between two barriers. It then runs
-``fxpipe.runtime.launch.run_build`` for the measured step time vs the plan's
+``fxpipe.runtime.launch.launcher.run_build`` for the measured step time vs the plan's
 prediction and the peak memory per rank, and one process training the original model
 for its peak memory. Writes results.json and results.md.
 """
@@ -151,8 +151,8 @@ def _single(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
 
 
 def _bench(name: str, model_file: Path, batch: int, microbatches: int, steps: int, tmp: Path) -> dict:
-    from fxpipe.runtime.launch import free_port, run_build
-    from fxpipe.runtime.options import RunOptions
+    from fxpipe.runtime.launch.launcher import free_port, run_build
+    from fxpipe.runtime.train.run_options import RunOptions
 
     build_dir = tmp / name.split()[0]
     py = sys.executable

@@ -277,7 +277,7 @@ def _markdown(rows: list[dict], model: str, steps: int) -> str:
 
 
 def _time(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
 
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--rdzv-backend",
                     "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker", str(root),

@@ -34,7 +34,7 @@ from fxpipe.tracer.progress import phase
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
-    from fxpipe.partitioner.report import Measurement
+    from fxpipe.partitioner.report.terminal import Measurement
     from fxpipe.tracer.call import CallSpec
     from fxpipe.tracer.profile import ModelProfile
     from fxpipe.tracer.traced import TracedModel
@@ -66,7 +66,7 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
 
         manifest = write_build_dir(traced, plan, "build", source, batch_size=8, microbatches=2)
     """
-    from fxpipe.partitioner.html import render_html_report
+    from fxpipe.partitioner.report.html import render_html_report
 
     units_of_stage = [tuple(st.units) for st in plan.stages]
     stage_of_unit = {u: s for s, units in enumerate(units_of_stage) for u in units}
@@ -102,7 +102,7 @@ def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfi
                  measured: Measurement | None = None) -> Path:
     """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``), with a run's
     ``measured`` figures beside the prediction; return its path."""
-    from fxpipe.partitioner.html import render_html_report
+    from fxpipe.partitioner.report.html import render_html_report
 
     path = Path(build_dir) / "report.html"
     replace_file(path, render_html_report(plan, profile, measured))

@@ -35,8 +35,8 @@ from fxpipe.codegen.manifest import InitModel
 from fxpipe.codegen.stage_init import transformers_init_models
 from fxpipe.codegen.state import StageState, tensor_aliases
 from fxpipe.errors import WeightsError
-from fxpipe.tracer.export_frontend import LIFTED_CONSTANT_PREFIX
-from fxpipe.tracer.meta import BUFFER_VALUES_KEY, SKIPPED_ON_META
+from fxpipe.graphmeta import BUFFER_VALUES_KEY, LIFTED_CONSTANT_PREFIX
+from fxpipe.tracer.meta import SKIPPED_ON_META
 
 if TYPE_CHECKING:
     from fxpipe.tracer.traced import TracedModel

@@ -1,6 +1,6 @@
 """``ClusterSpec``: how many devices, how much memory each, how they sit in nodes and how nodes connect.
 
-The cluster search (``fxpipe.partitioner.search``) lays a configuration of S pipeline
+The cluster search (``fxpipe.partitioner.search.configurations``) lays a configuration of S pipeline
 ranks x R replicas out on it pipeline-first: replica k's rank r is device ``k x S + r``
 (Note [cluster links] in ``fxpipe.partitioner.cost``), so a pipeline's neighbours are
 neighbouring devices, on one node wherever S allows, and only the data-parallel

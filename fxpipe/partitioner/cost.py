@@ -111,7 +111,7 @@ COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
 SHARD_LEVELS = ("none", "optimizer", "grad-op", "full")
 _SHARD_REDUCE = ("step", "microbatch")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# --precision: the runtime sends boundary tensors in the autocast dtype (fxpipe.runtime.precision)
+# --precision: the runtime sends boundary tensors in the autocast dtype (fxpipe.runtime.pipeline.precision)
 _WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # All-reduces each hook issues per DDP bucket (Note [hook pricing]).

@@ -8,7 +8,7 @@ bytes. With ``virtual_stages`` V > 1 the stages are the build's chunks, V per ra
 
 What is optimal: the plan's objective (``objective == "step"``) is the predicted step
 time of its schedule, the best of several candidate splits (Note [planning for step
-time] in ``fxpipe.partitioner.refine``), not a proven optimum; ``optimal`` and ``gap``
+time] in ``fxpipe.partitioner.solve.refine``), not a proven optimum; ``optimal`` and ``gap``
 speak of the bottleneck stage time, which the exact solvers prove.
 
 Reading a plan checks every field against its type hint (``fxpipe.schema``). Schema

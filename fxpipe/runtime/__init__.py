@@ -1,12 +1,12 @@
 """The runtime: runs a build directory's stages as a pipeline with torch.distributed.
 
-``PipelineRunner`` is the native training API; ``launch.run_build`` starts a local
-``torchrun`` job (``fxpipe run``) with ``RunOptions``; ``python -m fxpipe.runtime.worker
+``PipelineRunner`` is the native training API; ``launch.launcher.run_build`` starts a local
+``torchrun`` job (``fxpipe run``) with ``RunOptions``; ``python -m fxpipe.runtime.launch.worker
 DIR`` is the entry point each rank runs and writes a ``RunRecord`` (``run.json``).
 Schedules are data (``make_schedule(name, ranks, microbatches, virtual_stages)``: GPipe, 1F1B,
 interleaved 1F1B, ZB-H1, ZBV; or a ``Schedule`` of your own) checked by ``validate_schedule``.
 
-Names load on first use, so that ``fxpipe.runtime.options`` (which the CLI's parser
+Names load on first use, so that ``fxpipe.runtime.train.run_options`` (which the CLI's parser
 reads) imports no torch.
 """
 
@@ -17,22 +17,22 @@ from typing import TYPE_CHECKING
 from fxpipe._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.launch import run_build
-    from fxpipe.runtime.layout import RankLayout
-    from fxpipe.runtime.options import RunOptions
-    from fxpipe.runtime.record import RunRecord
-    from fxpipe.runtime.runner import PipelineRunner
-    from fxpipe.runtime.schedule import Action, ActionKind, Schedule, gpipe, make_schedule, one_f_one_b
-    from fxpipe.runtime.validate import Link, ScheduleError, format_grid, max_in_flight, simulate, validate_schedule
+    from fxpipe.runtime.launch.launcher import run_build
+    from fxpipe.runtime.pipeline.layout import RankLayout
+    from fxpipe.runtime.train.run_options import RunOptions
+    from fxpipe.runtime.train.record import RunRecord
+    from fxpipe.runtime.pipeline.runner import PipelineRunner
+    from fxpipe.runtime.pipeline.schedule import Action, ActionKind, Schedule, gpipe, make_schedule, one_f_one_b
+    from fxpipe.runtime.pipeline.schedule import Link, ScheduleError, format_grid, max_in_flight, simulate, validate_schedule
 
 _LAZY = {
-    "run_build": "launch",
-    "RankLayout": "layout",
-    "RunOptions": "options",
-    "RunRecord": "record",
-    "PipelineRunner": "runner",
-    **{name: "schedule" for name in ("Action", "ActionKind", "Schedule", "gpipe", "make_schedule", "one_f_one_b")},
-    **{name: "validate" for name in ("Link", "ScheduleError", "format_grid", "max_in_flight", "simulate",
+    "run_build": "launch.launcher",
+    "RankLayout": "pipeline.layout",
+    "RunOptions": "train.run_options",
+    "RunRecord": "train.record",
+    "PipelineRunner": "pipeline.runner",
+    **{name: "pipeline.schedule" for name in ("Action", "ActionKind", "Schedule", "gpipe", "make_schedule", "one_f_one_b")},
+    **{name: "pipeline.schedule" for name in ("Link", "ScheduleError", "format_grid", "max_in_flight", "simulate",
                                      "validate_schedule")},
 }
 

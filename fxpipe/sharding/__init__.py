@@ -33,14 +33,14 @@ from fxpipe._lazy import lazy_exports
 if TYPE_CHECKING:
     from fxpipe.sharding.fsdp import FullyShardedDataParallel, ShardedDataParallel
     from fxpipe.sharding.oss import OSS
-    from fxpipe.sharding.scaler import ShardedGradScaler
+    from fxpipe.runtime.pipeline.grad_scaler import ShardedGradScaler
     from fxpipe.sharding.wrapping import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
 
 _LAZY = {
     "FullyShardedDataParallel": "fsdp",
     "ShardedDataParallel": "fsdp",
     "OSS": "oss",
-    "ShardedGradScaler": "scaler",
+    "ShardedGradScaler": "fxpipe.runtime.pipeline.grad_scaler",
     "auto_wrap": "wrapping",
     "default_auto_wrap_policy": "wrapping",
     "enable_wrap": "wrapping",

@@ -12,7 +12,8 @@ from fxpipe.smp.build import apply_partition_policy
 from fxpipe.smp.checkpoint import CheckpointError, load, save
 from fxpipe.smp.config import Config
 from fxpipe.smp.driver import StepError
-from fxpipe.smp.model import PARTIAL_KEY, DDPOptions, DistributedModel
+from fxpipe.smp.model import DDPOptions, DistributedModel
+from fxpipe.smp.state import PARTIAL_KEY
 from fxpipe.smp.optimizer import DistributedOptimizer
 from fxpipe.smp.state import (
     barrier,

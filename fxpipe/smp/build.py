@@ -44,8 +44,8 @@ from fxpipe.codegen.checkpoint_weights import load_into_stage
 from fxpipe.codegen.load import load_checked_stage
 from fxpipe.errors import ConfigError, FxpipeError, WeightsError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
-from fxpipe.runtime.rank_stages import share_tied_parameters
-from fxpipe.runtime.runner import resolve_schedule
+from fxpipe.runtime.pipeline.rank_stages import share_tied_parameters
+from fxpipe.runtime.pipeline.runner import resolve_schedule
 from fxpipe.smp.chunks import RankChunks
 from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model

@@ -6,7 +6,7 @@ writes ``f`` once, from global rank 0 (call it on every rank with the gathered
 ``state_dict()``s). The files are ``torch.save``'s own; beside them a commit record
 (``f.partial.json`` / ``f.full.json``) holds each file's sha256. A set of parts is
 committed together or not at all, a load checks its part's sha256 before reading it and
-refuses parts of different saves (Note [checkpoint commit] in ``fxpipe.smp.commit``), and
+refuses parts of different saves (Note [checkpoint commit] in ``fxpipe.runtime.train.commit``), and
 ``load`` uses ``torch.load(weights_only=True)``: tensors, numbers, strings and containers
 load; a file that would run pickled code is refused. A full checkpoint is memory-mapped
 (``mmap=True``): loaded into a ``DistributedModel`` of a model built on meta, each rank
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError
-from fxpipe.smp.commit import (
+from fxpipe.runtime.train.commit import (
     CommitRecord,
     Part,
     check_part,

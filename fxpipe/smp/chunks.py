@@ -40,11 +40,11 @@ import torch.nn as nn
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import StepError
 from fxpipe.partitioner.schedule import make_schedule, validate_schedule
-from fxpipe.runtime.comm import RankComm
-from fxpipe.runtime.p2p import P2P
-from fxpipe.runtime.routes import Routes
-from fxpipe.runtime.schedule import ActionKind
-from fxpipe.runtime.stage_io import StageWorker, assemble_output, microbatch_size
+from fxpipe.runtime.pipeline.comm import RankComm
+from fxpipe.runtime.pipeline.p2p import P2P
+from fxpipe.runtime.pipeline.routes import Routes
+from fxpipe.runtime.pipeline.schedule import ActionKind
+from fxpipe.runtime.pipeline.stage_io import StageWorker, assemble_output, microbatch_size
 from fxpipe.smp.driver import check_backward_request, placeholder, user_grads
 
 __all__ = ["RankChunks", "ChunkedDriver", "run_chunked_step"]

@@ -166,7 +166,7 @@ class Config:
                               f"{world_size} processes for {self.partitions} partitions is one data-parallel replica; "
                               f"launch a multiple of {self.partitions} processes with 'ddp': True, or drop the key")
         if options.fsdp and (self.chunks_per_rank > 1 or schedule_kind(self.schedule).split_backward):
-            # as the runtime (fxpipe.runtime.runner): FSDP counts backwards through one stage per process
+            # as the runtime (fxpipe.runtime.pipeline.runner): FSDP counts backwards through one stage per process
             what = (f"{self.chunks_per_rank} stages per process" if self.chunks_per_rank > 1
                     else "a backward split into input and weight gradients")
             raise ConfigError(f"'shard': {shard!r} (FSDP) runs one stage per process with a whole backward, but "

@@ -5,7 +5,7 @@ rank. ``model(...)`` of microbatch m is this stage's ``F(m)``: receive the activ
 from the producer stages, run the stage, post the sends to the consumers (never
 waited on until the end of the step, so several microbatches are in flight).
 ``model.backward(...)`` of microbatch m *requests* ``B(m)``. The order in which the
-actions run is the runtime's schedule (``fxpipe.runtime.schedule``: ``gpipe`` for
+actions run is the runtime's schedule (``fxpipe.runtime.pipeline.schedule``: ``gpipe`` for
 ``pipeline="simple"``, ``1f1b`` for ``"interleaved"``): before ``F(m)`` the driver runs
 every requested backward that the schedule puts earlier, after a request it runs the
 backwards that are now due, and at the end of the step the rest. So on a non-last
@@ -20,7 +20,7 @@ microbatch whose function returned without ``model.backward`` (an evaluation ste
 has no ``B``.
 
 The mechanics of ``F(m)``/``B(m)`` (receives, sends, dtype casts) are
-``fxpipe.runtime.stage_io.StageWorker``'s; this module only orders them. User code runs
+``fxpipe.runtime.pipeline.stage_io.StageWorker``'s; this module only orders them. User code runs
 between the actions, so each action's sends are posted right away (``pair_sends=False``).
 """
 
@@ -34,10 +34,10 @@ import torch.nn as nn
 
 from fxpipe.codegen.manifest import BoundaryTensor, Manifest
 from fxpipe.errors import StepError
-from fxpipe.runtime.p2p import P2P
-from fxpipe.runtime.routes import Routes
-from fxpipe.runtime.schedule import Action, ActionKind, make_schedule
-from fxpipe.runtime.stage_io import StageWorker, assemble_output, boundary_dtype, microbatch_size
+from fxpipe.runtime.pipeline.p2p import P2P
+from fxpipe.runtime.pipeline.routes import Routes
+from fxpipe.runtime.pipeline.schedule import Action, ActionKind, make_schedule
+from fxpipe.runtime.pipeline.stage_io import StageWorker, assemble_output, boundary_dtype, microbatch_size
 
 __all__ = ["StepError", "StepDriver", "microbatch_size", "placeholder", "user_grads", "check_backward_request"]
 

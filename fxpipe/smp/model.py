@@ -31,21 +31,20 @@ from fxpipe.partitioner import CostModel, PartitionPlan
 from fxpipe.runtime.dataparallel import DataParallelOptions
 from fxpipe.runtime.dataparallel.checkpoint import load_stage_state_dict, stage_state_dict
 from fxpipe.runtime.dataparallel.hooks import CommHook
-from fxpipe.runtime.groups import build_groups
-from fxpipe.runtime.p2p import P2P
-from fxpipe.runtime.routes import routes_from_manifest
-from fxpipe.runtime.ties import sync_tied_grads
+from fxpipe.runtime.pipeline.groups import build_groups
+from fxpipe.runtime.pipeline.p2p import P2P
+from fxpipe.runtime.pipeline.routes import routes_from_manifest
+from fxpipe.runtime.pipeline.ties import sync_tied_grads
 from fxpipe.tracer.meta import is_meta_model
 from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
 from fxpipe.smp.chunks import ChunkedDriver
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
-from fxpipe.smp.state import current
+from fxpipe.smp.state import PARTIAL_KEY, current
 from fxpipe.tracer.call import ModelInputs
 
-__all__ = ["DistributedModel", "DDPOptions", "PARTIAL_KEY"]
+__all__ = ["DistributedModel", "DDPOptions"]
 
-PARTIAL_KEY = "_smp_is_partial"  # the seed's marker of a partial (one-partition) state dict
 
 
 # the seed's DDP options (DistributedModel's arguments) and the config's comm_hook / shard_optimizer_state keys

@@ -50,8 +50,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.dataparallel.checkpoint import gather_if_sharded, shard_optimizer_state
 from fxpipe.smp.driver import StepError
-from fxpipe.smp.model import PARTIAL_KEY
-from fxpipe.smp.state import current, is_initialized
+from fxpipe.smp.state import PARTIAL_KEY, current, is_initialized
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "sharded_optimizer"]
 

@@ -3,8 +3,8 @@
 The seed library is a set of module-level functions (``smp.rank()``, ``smp.mp_rank()``
 ...) over one global state, so this module keeps exactly one ``_State``. ``init``
 reads torchrun's environment, initialises the default process group with the
-runtime's code (``fxpipe.runtime.groups``), and fixes the rank layout
-(``fxpipe.runtime.layout.RankLayout``: ``mp_rank`` is the stage, ``dp_rank`` the
+runtime's code (``fxpipe.runtime.pipeline.groups``), and fixes the rank layout
+(``fxpipe.runtime.pipeline.layout.RankLayout``: ``mp_rank`` is the stage, ``dp_rank`` the
 replica; ranks are replica-major, ``rank = dp_rank * partitions + mp_rank``).
 """
 
@@ -15,29 +15,39 @@ import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
-from fxpipe.runtime.groups import init_process_group, pick_device, this_rank
-from fxpipe.runtime.layout import RankLayout
+from fxpipe.runtime.pipeline.groups import init_process_group, pick_device, this_rank
+from fxpipe.runtime.pipeline.layout import RankLayout
 from fxpipe.smp.config import Config
 from fxpipe.tracer.pins import module_pins
 from fxpipe.tracer.record import BuildRecord, record_constructors
 
-if TYPE_CHECKING:
-    from fxpipe.smp.optimizer import WrappedOptimizer
-
 __all__ = [
     "init", "is_initialized", "is_tracing", "rank", "size", "local_rank", "local_size", "mp_rank", "mp_size",
     "dp_rank", "dp_size", "barrier", "broadcast", "get_world_process_group", "get_mp_process_group",
-    "get_dp_process_group", "current", "shutdown", "APIState", "OptimizerRegistry",
+    "get_dp_process_group", "current", "shutdown", "APIState", "OptimizerRegistry", "WrappedOptimizer", "PARTIAL_KEY",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+PARTIAL_KEY = "_smp_is_partial"  # the seed's marker of a partial (one-partition) state dict
+
+
+class WrappedOptimizer(Protocol):
+    """What the registry and the model need of ``fxpipe.smp.optimizer.WrappedOptimizer`` (declared here,
+    below it, so the state module needs nothing of the optimizer's)."""
+
+    optimizer: Any
+    zero: Any  # the ZeroRedundancyOptimizer holding the state shard, if any
+
+    def localize(self, model: Any) -> None: ...
+
+    def uninstall(self) -> None: ...
 
 
 class OptimizerRegistry:

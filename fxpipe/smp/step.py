@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.microbatch import split_targets
+from fxpipe.runtime.pipeline.microbatch import split_targets
 from fxpipe.smp.chunks import run_chunked_step
 from fxpipe.smp.state import current
 

@@ -27,15 +27,15 @@ from fxpipe.errors import ModelFileError, TraceError
 from fxpipe.modelfile import ModelSource
 from fxpipe.tracer.call import BoundCall, ModelInputs, bind_example, parse_model_inputs, tracing_call
 from fxpipe.tracer.calibration import DEVICE_PRESETS
-from fxpipe.tracer.counting import UnitCounts, count_unit
+from fxpipe.tracer.counting import UnitCounts, count_unit, count_units_once
 from fxpipe.tracer.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import phase, progress_iter
 from fxpipe.tracer.timing import analytic_ms, time_units
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
-from fxpipe.tracer.meta import (BUFFER_VALUES_KEY, META, SKIPPED_ON_META, build_on_meta, check_meta_options,
-                               cost_device_kernels, count_units_once, eager_mode, is_meta_model,
+from fxpipe.tracer.meta import (META, SKIPPED_ON_META, build_on_meta, check_meta_options,
+                               cost_device_kernels, eager_mode, is_meta_model,
                                move_to_meta)
 from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
 from fxpipe.tracer.mutation import isolate_mutations
@@ -47,7 +47,7 @@ from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infe
 from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
-from fxpipe.graphmeta import MUTATIONS_KEY, PATH_KEY, SPEC_KEY
+from fxpipe.graphmeta import BUFFER_VALUES_KEY, MUTATIONS_KEY, PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import UnitGroup, group_units, join_units
 
 __all__ = ["trace_model", "trace_model_file"]

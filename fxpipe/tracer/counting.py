@@ -14,14 +14,16 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
+import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.graphmeta import GUARD_KEY
 from fxpipe.tracer.calibration import ACCUMULATE_OP
 from fxpipe.tracer.meta import storage_key
 from fxpipe.tracer.unit_runner import UnitRunner, fresh_copies, nbytes
 
-__all__ = ["UnitCounts", "OpCounter", "count_unit", "count_ops"]
+__all__ = ["UnitCounts", "OpCounter", "count_unit", "count_ops", "unit_structure_key", "count_units_once"]
 
 
 @dataclass(frozen=True)
@@ -173,3 +175,66 @@ def count_ops(runner: UnitRunner) -> tuple[OpCounter, OpCounter]:
     elif runner.params:
         bwd_ops.counts[ACCUMULATE_OP] += len(runner.params)
     return fwd_ops, bwd_ops
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad, isinstance(value, nn.Parameter))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_value_key(v) for v in value))
+    return ("value", repr(value))
+
+
+def _node_key(gm: torch.fx.GraphModule, node: torch.fx.Node, local: dict[torch.fx.Node, int]) -> Any:
+    """A node as its operation and arguments, with input nodes by position in the unit (not by name)."""
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return ("node", local.get(a, -1))
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        return ("literal", repr(a))
+
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        target: Any = (type(module), module.extra_repr(), module.training,
+                       tuple(_value_key(t) for t in list(module.parameters()) + list(module.buffers())))
+    elif node.op == "get_attr":
+        owner, _, name = str(node.target).rpartition(".")
+        target = _value_key(getattr(gm.get_submodule(owner) if owner else gm, name))
+    else:
+        target = node.target
+    return (node.op, target, arg(node.args), arg(node.kwargs), node.meta.get(GUARD_KEY))
+
+
+def unit_structure_key(runner: UnitRunner) -> Any:
+    """What a unit's counts depend on when its tensors hold no values: its operations and the shapes,
+    dtypes and grad flags of its inputs and tensors, and the ops that made its inputs (Note [saved once]
+    in :mod:`fxpipe.tracer.counting`). Repeated layers of a model have equal keys (Note [meta tracing])."""
+    gm = runner.gm
+    local: dict[torch.fx.Node, int] = {}
+    for node in list(runner.input_values) + runner.attr_nodes + runner.nodes:
+        local[node] = len(local)
+    producers = tuple(_node_key(gm, n, {a: i for i, a in enumerate(n.all_input_nodes)})
+                      if n.op != "placeholder" else ("placeholder",) for n in runner.input_values)
+    inputs = tuple(_value_key(v) for v in runner.input_values.values())
+    producer_inputs = tuple(tuple(_value_key(runner._values.get(a)) for a in n.all_input_nodes)
+                            for n in runner.input_values)
+    body = tuple(_node_key(gm, n, local) for n in runner.attr_nodes + runner.nodes)
+    outputs = tuple(local[n] for n in runner.output_nodes)
+    return (inputs, producers, producer_inputs, body, outputs)
+
+
+def count_units_once(runners: list[UnitRunner], count: Callable[[UnitRunner], UnitCounts],
+                     progress: Callable[[list[UnitRunner]], Iterable[UnitRunner]]) -> list[UnitCounts]:
+    """``count(r)`` for each runner, run once per distinct :func:`unit_structure_key` (on meta, counts
+    depend on structure and shapes only, so the 80 layers of a 70B model are counted once)."""
+    seen: dict[Any, UnitCounts] = {}
+    out = []
+    for runner in progress(runners):
+        key = unit_structure_key(runner)
+        if key not in seen:
+            seen[key] = count(runner)
+        out.append(seen[key])
+    return out

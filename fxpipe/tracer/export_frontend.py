@@ -19,12 +19,11 @@ from torch.export import Dim, export
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from fxpipe.errors import TraceError
-from fxpipe.graphmeta import CONSTANTS_KEY
+from fxpipe.graphmeta import CONSTANTS_KEY, LIFTED_CONSTANT_PREFIX
 from fxpipe.tracer.call import active_call
 
-__all__ = ["export_graph", "non_persistent_buffers", "LIFTED_CONSTANT_PREFIX"]
+__all__ = ["export_graph", "non_persistent_buffers"]
 
-LIFTED_CONSTANT_PREFIX = "_fxpipe_const_"  # attribute names of the tensors a model makes in forward
 
 
 def non_persistent_buffers(model: nn.Module) -> set[str]:

@@ -27,26 +27,20 @@ to trace on ``cpu`` instead (Note [ops that need values]).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 import torch.fx
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from fxpipe.graphmeta import GUARD_KEY
 
 from fxpipe.errors import TraceError
 
-if TYPE_CHECKING:
-    from fxpipe.tracer.counting import UnitCounts
-    from fxpipe.tracer.unit_runner import UnitRunner
-
-__all__ = ["META", "BUFFER_VALUES_KEY", "SKIPPED_ON_META", "build_on_meta", "is_meta_model", "check_meta_options", "move_to_meta",
-           "storage_key", "eager_mode", "cost_device_kernels", "CpuKernelChoice", "unit_structure_key", "count_units_once"]
+__all__ = ["META", "SKIPPED_ON_META", "build_on_meta", "is_meta_model", "check_meta_options", "move_to_meta",
+           "storage_key", "eager_mode", "cost_device_kernels", "CpuKernelChoice"]
 
 META = "meta"
-BUFFER_VALUES_KEY = "fxpipe_buffer_values"  # graph_module.meta of a meta trace: buffer key -> its real value
 
 SKIPPED_ON_META: tuple[str, ...] = (
     "traced graph vs the model's own outputs (train and eval mode): meta tensors hold no values",
@@ -236,66 +230,3 @@ def _cpu_choice(a: dict[str, Any]) -> int:
 def cost_device_kernels(on_meta: bool, cost_device: str) -> ContextManager[Any]:
     """While counting a meta trace priced for the CPU: the CPU's kernel choices (Note [attention kernels on meta])."""
     return CpuKernelChoice() if on_meta and cost_device == "cpu" else contextlib.nullcontext()
-
-
-def _value_key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad, isinstance(value, nn.Parameter))
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_value_key(v) for v in value))
-    return ("value", repr(value))
-
-
-def _node_key(gm: torch.fx.GraphModule, node: torch.fx.Node, local: dict[torch.fx.Node, int]) -> Any:
-    """A node as its operation and arguments, with input nodes by position in the unit (not by name)."""
-    def arg(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            return ("node", local.get(a, -1))
-        if isinstance(a, (tuple, list)):
-            return (type(a).__name__, tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
-        return ("literal", repr(a))
-
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        target: Any = (type(module), module.extra_repr(), module.training,
-                       tuple(_value_key(t) for t in list(module.parameters()) + list(module.buffers())))
-    elif node.op == "get_attr":
-        owner, _, name = str(node.target).rpartition(".")
-        target = _value_key(getattr(gm.get_submodule(owner) if owner else gm, name))
-    else:
-        target = node.target
-    return (node.op, target, arg(node.args), arg(node.kwargs), node.meta.get(GUARD_KEY))
-
-
-def unit_structure_key(runner: UnitRunner) -> Any:
-    """What a unit's counts depend on when its tensors hold no values: its operations and the shapes,
-    dtypes and grad flags of its inputs and tensors, and the ops that made its inputs (Note [saved once]
-    in :mod:`fxpipe.tracer.counting`). Repeated layers of a model have equal keys (Note [meta tracing])."""
-    gm = runner.gm
-    local: dict[torch.fx.Node, int] = {}
-    for node in list(runner.input_values) + runner.attr_nodes + runner.nodes:
-        local[node] = len(local)
-    producers = tuple(_node_key(gm, n, {a: i for i, a in enumerate(n.all_input_nodes)})
-                      if n.op != "placeholder" else ("placeholder",) for n in runner.input_values)
-    inputs = tuple(_value_key(v) for v in runner.input_values.values())
-    producer_inputs = tuple(tuple(_value_key(runner._values.get(a)) for a in n.all_input_nodes)
-                            for n in runner.input_values)
-    body = tuple(_node_key(gm, n, local) for n in runner.attr_nodes + runner.nodes)
-    outputs = tuple(local[n] for n in runner.output_nodes)
-    return (inputs, producers, producer_inputs, body, outputs)
-
-
-def count_units_once(runners: list[UnitRunner], count: Callable[[UnitRunner], UnitCounts],
-                     progress: Callable[[list[UnitRunner]], Iterable[UnitRunner]]) -> list[UnitCounts]:
-    """``count(r)`` for each runner, run once per distinct :func:`unit_structure_key` (on meta, counts
-    depend on structure and shapes only, so the 80 layers of a 70B model are counted once)."""
-    seen: dict[Any, UnitCounts] = {}
-    out = []
-    for runner in progress(runners):
-        key = unit_structure_key(runner)
-        if key not in seen:
-            seen[key] = count(runner)
-        out.append(seen[key])
-    return out

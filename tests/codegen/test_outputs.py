@@ -66,7 +66,7 @@ def test_a_transformers_output_is_rebuilt_where_transformers_was_never_imported(
     printed = _fresh_python(
         "import sys, torch\n"
         "from fxpipe.codegen import read_manifest\n"
-        "from fxpipe.runtime.stage_io import assemble_output\n"
+        "from fxpipe.runtime.pipeline.stage_io import assemble_output\n"
         f"manifest = read_manifest({str(tmp_path / 'b')!r})\n"
         "assert 'transformers' not in sys.modules\n"
         "out = assemble_output(manifest, [torch.tensor(2.0), torch.zeros(2, 3)])\n"

@@ -6,8 +6,8 @@ import pytest
 from partition_fixtures import branchy_profile, chain_profile
 
 from fxpipe.partitioner import build_problem, plan_partition, run_baseline, solve_chain_dp
-from fxpipe.partitioner import planner as planner_module
-from fxpipe.partitioner.planner import plan_from_assignment
+from fxpipe.partitioner.solve import planner as planner_module
+from fxpipe.partitioner.solve.planner import plan_from_assignment
 
 
 @pytest.mark.parametrize("solver", ["dp", "auto-without-cpsat"])
@@ -68,9 +68,9 @@ def test_a_lower_bound_above_the_plan_is_an_internal_error() -> None:
 def test_memory_slack_is_measured_from_the_speed_optimum() -> None:
     """optimize="memory" may give up 1% of speed once: a baseline 1.2% slower than the optimum
     does not replace a memory plan 0.6% slower, however little memory it needs."""
-    from fxpipe.partitioner.planner import _pick_best
+    from fxpipe.partitioner.solve.planner import _pick_best
     from fxpipe.partitioner.problem import build_problem, evaluate
-    from fxpipe.partitioner.solution import Solution
+    from fxpipe.partitioner.solve.solution import Solution
 
     profile = chain_profile([1.0, 0.012, 0.012, 1.0, 1.0], params=[30_000, 1_000, 1_000, 0, 0])
     problem = build_problem(profile, 2)

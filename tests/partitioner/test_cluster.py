@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fxpipe.errors import ConfigError, InfeasibleError, PartitionError
 from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.cost import LINK_PRESETS, CostModel, parse_size
-from fxpipe.partitioner.dp import solve_chain_dp
+from fxpipe.partitioner.solve.dp import solve_chain_dp
 from fxpipe.partitioner.problem import build_problem, evaluate
 from tests.partitioner.partition_fixtures import chain_profile
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fxpipe.partitioner.dominance import ThresholdMin
+from fxpipe.partitioner.solve.dominance import ThresholdMin
 
 
 def test_literal_answer() -> None:

@@ -19,8 +19,8 @@ from fxpipe.partitioner import (
     plan_partition,
     solve_chain_dp,
 )
-from fxpipe.partitioner.dense import DENSE_MAX_UNITS, dense_split
-from fxpipe.partitioner.dp import _pin_masks, chain_arrays
+from fxpipe.partitioner.solve.dense import DENSE_MAX_UNITS, dense_split
+from fxpipe.partitioner.solve.dp import _pin_masks, chain_arrays
 from fxpipe.partitioner.problem import PartitionProblem, Tensor
 
 

@@ -17,7 +17,7 @@ import pytest
 from report_profiles import gpt_like_profile
 
 from fxpipe.partitioner import PartitionPlan, plan_partition
-from fxpipe.partitioner.html import render_html_report
+from fxpipe.partitioner.report.html import render_html_report
 from fxpipe.tracer.profile import ModelProfile
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.partitioner import CostModel, build_problem, evaluate, plan_partition
-from fxpipe.partitioner import memory_fit
-from fxpipe.partitioner.baselines import run_baseline
-from fxpipe.partitioner.memory_fit import contiguous_splits, count_contiguous_splits, fitting_split
-from fxpipe.partitioner.planner import _plan_split, step_time_of
+from fxpipe.partitioner.solve import memory_fit
+from fxpipe.partitioner.solve.baselines import run_baseline
+from fxpipe.partitioner.solve.memory_fit import contiguous_splits, count_contiguous_splits, fitting_split
+from fxpipe.partitioner.solve.planner import _plan_split, step_time_of
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
 from tests.partitioner.partition_fixtures import chain_profile, random_dag
 

@@ -18,9 +18,9 @@ from fxpipe.partitioner import (
     params_split,
     parse_size,
     plan_partition,
-    simulate_schedule,
     uniform_split,
 )
+from fxpipe.partitioner.schedule import ActionKind, Timeline, make_schedule, simulate_step
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 
 
@@ -98,6 +98,14 @@ def test_chosen_plan_beats_baselines_on_an_unbalanced_model() -> None:
         assert plan.bottleneck_ms < base.bottleneck_ms, name
 
 
+
+def simulate_schedule(fwd_ms: list[float], bwd_ms: list[float], microbatches: int, schedule: str) -> Timeline:
+    """One training step of ``schedule`` with one stage per rank and free links: stage i's forward
+    takes ``fwd_ms[i]``, its backward ``bwd_ms[i]``."""
+    times = {ActionKind.FORWARD: fwd_ms, ActionKind.BACKWARD: bwd_ms}
+    return simulate_step(make_schedule(schedule, len(fwd_ms), microbatches), lambda a: float(times[a.kind][a.stage]))
+
+
 def test_baselines_literal() -> None:
     problem = build_problem(chain_profile([4, 1, 1, 1, 1], params=[0, 0, 0, 0, 100]), 2)
     assert uniform_split(problem) == (0, 0, 0, 1, 1)
@@ -117,8 +125,6 @@ def test_schedule_simulator_literal() -> None:
 
 
 def test_prediction_matches_formula_for_balanced_stages() -> None:
-    from fxpipe.partitioner import simulate_schedule
-
     # The schedule alone follows (M + S - 1) x t for balanced stages and free links.
     assert simulate_schedule([1.0] * 4, [2.0] * 4, 8, "gpipe").step_ms == pytest.approx((8 + 4 - 1) * 3.0)
     # The plan's step adds the runtime's per-action and per-step costs on top, and no less.

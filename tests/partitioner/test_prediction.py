@@ -8,7 +8,8 @@ import pytest
 from partition_fixtures import chain_profile
 
 from fxpipe.errors import PartitionError
-from fxpipe.partitioner import CostModel, build_problem, plan_partition, predict, simulate_schedule
+from fxpipe.partitioner import CostModel, build_problem, plan_partition, predict
+from fxpipe.partitioner.schedule import ActionKind, make_schedule, simulate_step
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts, simulate_plan, step_overheads
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 
@@ -108,12 +109,15 @@ def test_plan_carries_the_cpu_runtime_costs_and_more_fields() -> None:
 
 
 def test_simulator_gradient_link_delay_literal() -> None:
-    line = simulate_schedule([1, 1], [2, 2], 2, "gpipe", send_ms=[0.5, 0.0], grad_send_ms=[0.25, 0.0])
-    assert line.step_ms == pytest.approx(9.75)
-    same = simulate_schedule([1, 1], [2, 2], 2, "gpipe", send_ms=[0.5, 0.0])
-    assert same.step_ms == pytest.approx(10.0)  # gradients reuse send_ms by default
-    with pytest.raises(PartitionError, match="link delay"):
-        simulate_schedule([1, 1, 1], [1, 1, 1], 2, "gpipe", send_ms=[0.5])
+    times = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0}
+    gpipe = make_schedule("gpipe", 2, 2)
+
+    def step(activation_ms: float, gradient_ms: float) -> float:
+        return simulate_step(gpipe, lambda a: times[a.kind],
+                             delay=lambda ln, kind: activation_ms if kind is ActionKind.FORWARD else gradient_ms).step_ms
+
+    assert step(0.5, 0.25) == pytest.approx(9.75)
+    assert step(0.5, 0.5) == pytest.approx(10.0)
 
 
 def test_shared_cores_share_compute_between_running_ranks_not_links() -> None:

@@ -118,7 +118,7 @@ def test_schedule_json_round_trip_and_errors() -> None:
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_the_runtime_runs_the_lists_the_planner_simulates(name: str) -> None:
-    from fxpipe.runtime.schedule import make_schedule as runtime_schedule
+    from fxpipe.runtime.pipeline.schedule import make_schedule as runtime_schedule
 
     assert runtime_schedule(name, 2, 4) == make_schedule(name, 2, 4)
 

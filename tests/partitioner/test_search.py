@@ -14,7 +14,7 @@ from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.cost import SHARD_LEVELS
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_peak_memory
 from fxpipe.partitioner.problem import build_problem
-from fxpipe.partitioner.search import SearchResult, plan_configuration, scale_profile, search_configurations
+from fxpipe.partitioner.search.configurations import SearchResult, plan_configuration, scale_profile, search_configurations
 from fxpipe.partitioner.synthetic import transformer_profile
 
 

@@ -11,8 +11,8 @@ from fxpipe.errors import ConfigError
 from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.partitioner.problem import build_problem, evaluate
-from fxpipe.partitioner.search import search_configurations
-from fxpipe.partitioner.search_shapes import Shape, SplitCache, enumerate_shapes, runnable_shard_levels
+from fxpipe.partitioner.search.configurations import search_configurations
+from fxpipe.partitioner.search.shapes import Shape, SplitCache, enumerate_shapes, runnable_shard_levels
 from fxpipe.partitioner.synthetic import transformer_profile
 
 
@@ -97,7 +97,7 @@ def test_the_bound_is_below_every_priced_step() -> None:
     back through the ranks before it under a fused backward on loop-placed stages, the least step
     overheads) is at most the simulated step of every configuration of the shape, every schedule."""
     from fxpipe.partitioner.prediction import RUNTIME_COSTS
-    from fxpipe.partitioner.search_pricing import Pricer
+    from fxpipe.partitioner.search.pricing import Pricer
 
     profile = _small(6)
     cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
@@ -114,7 +114,7 @@ def test_the_bound_is_below_every_priced_step() -> None:
 
 
 def test_least_bottleneck_is_the_brute_force_one_from_below() -> None:
-    from fxpipe.partitioner.search_shapes import least_bottleneck
+    from fxpipe.partitioner.search.shapes import least_bottleneck
 
     for values in ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], [1.0] * 7, [10.0, 0.5, 0.5, 0.5, 8.0]):
         for count in range(1, len(values) + 1):
@@ -126,9 +126,9 @@ def test_least_bottleneck_is_the_brute_force_one_from_below() -> None:
 
 def test_the_coarse_bound_is_below_the_splits_bound() -> None:
     """Shapes are first ordered by a bound without a split; it must not exceed the split's bound."""
-    from fxpipe.partitioner.auto import auto_candidates
+    from fxpipe.partitioner.solve.auto import auto_candidates
     from fxpipe.partitioner.prediction import RUNTIME_COSTS
-    from fxpipe.partitioner.search import _Search
+    from fxpipe.partitioner.search.configurations import _Search
 
     profile = _small(6)
     cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)

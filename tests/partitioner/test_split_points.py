@@ -8,7 +8,7 @@ from partition_fixtures import chain_profile, random_dag
 from fxpipe.errors import PinError
 from fxpipe.partitioner import plan_partition
 from fxpipe.partitioner.problem import build_problem
-from fxpipe.partitioner.split_points import pin_split_points
+from fxpipe.partitioner.solve.split_points import pin_split_points
 
 import random
 

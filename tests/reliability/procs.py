@@ -143,8 +143,8 @@ class FaultyRun:
         """The job's processes by role: ``launcher``, ``agent`` and ``workers``."""
         pids = descendants(self.proc.pid)
         return {"launcher": {self.proc.pid},
-                "agent": {p for p in pids if "fxpipe.runtime.agent" in cmdline(p)},
-                "workers": {p for p in pids if "fxpipe.runtime.worker" in cmdline(p)}}
+                "agent": {p for p in pids if "fxpipe.runtime.launch.agent" in cmdline(p)},
+                "workers": {p for p in pids if "fxpipe.runtime.launch.worker" in cmdline(p)}}
 
     def worker(self, rank: int) -> int:
         return next(p for p in self.job()["workers"] if rank_of(p) == rank)

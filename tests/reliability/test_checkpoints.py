@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from fxpipe.errors import CheckpointError
-from fxpipe.smp import checkpoint, commit
+from fxpipe.runtime.train import commit
+from fxpipe.smp import checkpoint
 
 STAGES = 2
 

@@ -52,7 +52,7 @@ def _first_step(tmp: Path, how: str) -> int:
 
 
 def _port() -> int:
-    from fxpipe.runtime.launch import free_port
+    from fxpipe.runtime.launch.launcher import free_port
 
     return free_port()
 

@@ -3,7 +3,7 @@
 Each tampering writes, where it can, code that would create a marker file if it ever ran;
 the marker must never appear. Consumers: ``fxpipe verify`` and ``fxpipe run`` (the CLI, in
 process: ``run`` must refuse before starting any process), ``load_stage``,
-``load_pipeline`` and a rank's own training entry (``fxpipe.runtime.training.train``, which
+``load_pipeline`` and a rank's own training entry (``fxpipe.runtime.train.loop.train``, which
 reads the model file and plan.json itself). Nothing may block: a FIFO in place of a file is
 refused, not waited on (an alarm fails the probe instead of hanging the suite).
 """
@@ -130,8 +130,8 @@ def _consume(who: str, build: Path, capsys: pytest.CaptureFixture[str]) -> str:
         elif who == "load_pipeline":
             load_pipeline(build)
         else:
-            from fxpipe.runtime.options import RunOptions
-            from fxpipe.runtime.training import train
+            from fxpipe.runtime.train.run_options import RunOptions
+            from fxpipe.runtime.train.loop import train
 
             train(build, RunOptions(steps=1))
     assert "\n" not in str(info.value)

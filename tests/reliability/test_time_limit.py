@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partitioner"))
 from partition_fixtures import random_dag  # noqa: E402
 
 from fxpipe.partitioner import build_problem, plan_partition, solve_dag_cpsat  # noqa: E402
-from fxpipe.partitioner.baselines import run_baseline  # noqa: E402
+from fxpipe.partitioner.solve.baselines import run_baseline  # noqa: E402
 
 MARGIN_S = 1.5  # CP-SAT stops its presolve steps on deterministic time; a busy machine stretches them
 

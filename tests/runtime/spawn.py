@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fxpipe.runtime.launch import free_port
+from fxpipe.runtime.launch.launcher import free_port
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fxpipe.errors import ModelFileError
-from fxpipe.runtime.data import replica_batch
+from fxpipe.runtime.train.data import replica_batch
 
 
 def test_replica_batch_cuts_each_input_along_its_batch_dim_and_targets_along_dim_0() -> None:

@@ -18,14 +18,14 @@ import torch
 from example_models import HF_LM
 from fxpipe.cli import main
 from fxpipe.modelfile import load_model_file
-from fxpipe.runtime.options import RunOptions
-from fxpipe.runtime.train_checkpoint import gather_state_dict
-from fxpipe.runtime.training_options import TrainingOptions
+from fxpipe.runtime.train.run_options import RunOptions
+from fxpipe.runtime.train.checkpoint import gather_state_dict
+from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 
 
 def _job(rank: int, world: int, build: str, options: RunOptions) -> Any:
-    from fxpipe.runtime.training import train
+    from fxpipe.runtime.train.loop import train
 
     return train(Path(build), options).losses
 

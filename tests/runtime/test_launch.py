@@ -14,9 +14,9 @@ from fxpipe.cli import main
 from fxpipe.errors import ConfigError
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.dataparallel import DataParallelOptions
-from fxpipe.runtime.launch import free_port, run_build, torchrun_command
-from fxpipe.runtime.options import RunOptions
-from fxpipe.runtime.record import RunRecord
+from fxpipe.runtime.launch.launcher import free_port, run_build, torchrun_command
+from fxpipe.runtime.train.run_options import RunOptions
+from fxpipe.runtime.train.record import RunRecord
 from reference import reference_train
 from test_record import RUN_JSON_FIELDS
 
@@ -28,7 +28,7 @@ def test_torchrun_command_uses_pytorchs_launcher() -> None:
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     joined = " ".join(cmd)
     assert "--nproc-per-node 3" in joined and "--rdzv-backend c10d" in joined
-    assert "--rdzv-endpoint 127.0.0.1:29400" in joined and joined.endswith("-m fxpipe.runtime.worker build --steps 2")
+    assert "--rdzv-endpoint 127.0.0.1:29400" in joined and joined.endswith("-m fxpipe.runtime.launch.worker build --steps 2")
 
 
 @pytest.mark.distributed
@@ -48,7 +48,7 @@ def test_run_build_trains_gpt_on_three_ranks(tmp_path: Path, capsys: pytest.Capt
                               source.loss_fn, 3, 4, 0.1)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))
 
-    # refused in this process before torchrun starts (fxpipe.runtime.preflight), not by the ranks
+    # refused in this process before torchrun starts (fxpipe.runtime.launch.preflight), not by the ranks
     with pytest.raises(ConfigError, match=r"^batch size 8 does not split into 3 equal microbatches"):
         run_build(build, RunOptions(steps=1, microbatches=3), quiet=True)
 

@@ -9,8 +9,8 @@ import handmade
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
 from fxpipe.errors import BuildDirError, ConfigError, RuntimeSetupError
 from fxpipe.runtime import Link, RankLayout
-from fxpipe.runtime.microbatch import check_divisible, split_inputs, split_targets
-from fxpipe.runtime.routes import routes_from_manifest
+from fxpipe.runtime.pipeline.microbatch import check_divisible, split_inputs, split_targets
+from fxpipe.runtime.pipeline.routes import routes_from_manifest
 
 
 def test_layout_maps_ranks_replica_major() -> None:

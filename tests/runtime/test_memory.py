@@ -13,10 +13,10 @@ from fxpipe.codegen import write_build_dir
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition
 from fxpipe.partitioner.prediction import RUNTIME_COSTS
-from fxpipe.runtime.comm import pairs_sends
-from fxpipe.runtime.launch import run_build
-from fxpipe.runtime.options import RunOptions
-from fxpipe.runtime.memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
+from fxpipe.runtime.pipeline.comm import pairs_sends
+from fxpipe.runtime.launch.launcher import run_build
+from fxpipe.runtime.train.run_options import RunOptions
+from fxpipe.runtime.pipeline.memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
 from fxpipe.tracer import trace_model_file
 
 KIB = 1024

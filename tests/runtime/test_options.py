@@ -15,10 +15,10 @@ from fxpipe.cli import build_parser
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel import DataParallelOptions
-from fxpipe.runtime.options import RunOptions, add_run_arguments, run_options_from_args
-from fxpipe.runtime.runner import PipelineRunner
-from fxpipe.runtime.schedule import SCHEDULES
-from fxpipe.runtime.worker import parse_args as worker_args
+from fxpipe.runtime.train.run_options import RunOptions, add_run_arguments, run_options_from_args
+from fxpipe.runtime.pipeline.runner import PipelineRunner
+from fxpipe.runtime.pipeline.schedule import SCHEDULES
+from fxpipe.runtime.launch.worker import parse_args as worker_args
 
 SOME = RunOptions(steps=4, schedule="gpipe", microbatches=2, batch_size=8, lr=0.5, timeout_s=30.0, device="cpu",
                   dp=2, data_parallel=DataParallelOptions(comm_hook="powersgd", powersgd_rank=2,

@@ -20,9 +20,9 @@ from example_models import HF_LM
 from fxpipe.cli import main
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.modelfile import ModelSource, load_model_file
-from fxpipe.runtime.launch import run_build
-from fxpipe.runtime.loss import model_loss
-from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.launch.launcher import run_build
+from fxpipe.runtime.pipeline.loss import model_loss
+from fxpipe.runtime.train.run_options import RunOptions
 from spawn import spawn
 
 EXAMPLE = HF_LM
@@ -130,7 +130,7 @@ def test_model_loss_reads_the_output_and_says_what_is_missing() -> None:
 
 def test_a_model_file_without_loss_fn_needs_no_targets(tmp_path: Path) -> None:
     from fxpipe.codegen import read_manifest
-    from fxpipe.runtime.data import example_batch, model_source
+    from fxpipe.runtime.train.data import example_batch, model_source
 
     build = tmp_path / "b"
     assert main(["partition", f"{EXAMPLE}", "--stages", "2", "--batch-size", "4", "--microbatches", "2",

@@ -16,8 +16,8 @@ import chunked
 from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions
-from fxpipe.runtime.runner import resolve_schedule
-from fxpipe.runtime.schedule import Action, Schedule
+from fxpipe.runtime.pipeline.runner import resolve_schedule
+from fxpipe.runtime.pipeline.schedule import Action, Schedule
 from reference import reference_train
 from spawn import spawn
 

@@ -12,8 +12,8 @@ import torch
 from fxpipe.codegen import write_build_dir
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import CostModel, plan_partition
-from fxpipe.runtime.launch import run_build
-from fxpipe.runtime.options import RunOptions
+from fxpipe.runtime.launch.launcher import run_build
+from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.tracer import trace_model_file
 from tests.runtime.test_memory import WIDE_MLP
 

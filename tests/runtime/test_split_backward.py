@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.modelfile import load_model_file
-from fxpipe.runtime.split_backward import backward_inputs, backward_weights
+from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
 from example_models import EXAMPLES
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from builds import make_build
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.options import RunOptions
-from fxpipe.runtime.train_log import ProgressBar, check_tensorboard, progress_line, render_progress
-from fxpipe.runtime.training_options import TrainingOptions
+from fxpipe.runtime.train.run_options import RunOptions
+from fxpipe.runtime.train.log import ProgressBar, check_tensorboard, progress_line, render_progress
+from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
@@ -21,7 +21,7 @@ CLEAR = "\r\033[K"
 
 
 def test_the_launcher_redraws_the_bar_in_place_and_keeps_plain_lines() -> None:
-    from fxpipe.runtime.launch import _Job, _tee
+    from fxpipe.runtime.launch.launcher import _Job, _tee
 
     lines = [progress_line(1, 3, 4.0, 2.0) + "\n", "step    1/3  loss 4.0\n", progress_line(2, 3, 3.5, 1.0) + "\n",
              progress_line(3, 3, 3.0, 0.0) + "\n", "median step 1.00 ms\n"]
@@ -49,7 +49,7 @@ def test_tensorboard_missing_is_one_line_before_launch(monkeypatch: pytest.Monke
 
 
 def _job(rank: int, world: int, build: str, options: RunOptions) -> Any:
-    from fxpipe.runtime.training import train
+    from fxpipe.runtime.train.loop import train
 
     return train(Path(build), options)
 

@@ -17,8 +17,8 @@ import torch
 
 from builds import EXAMPLES, original_model
 from fxpipe.modelfile import load_model_file
-from fxpipe.runtime.optim import optimizer_factory
-from fxpipe.runtime.training_options import TrainingOptions
+from fxpipe.runtime.train.optim import optimizer_factory
+from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 from test_training_optim import BATCH, MICROBATCHES, STAGES, _batch, gpt_build  # noqa: F401  (the fixture)
 
@@ -31,7 +31,7 @@ OPTIONS = TrainingOptions(optimizer="sgd")  # Adam would amplify round-off on ze
 
 def _runner(build: str) -> Any:
     from fxpipe.runtime import PipelineRunner
-    from fxpipe.runtime.precision import PipelineScaler
+    from fxpipe.runtime.pipeline.precision import PipelineScaler
 
     source = load_model_file(EXAMPLES / "gpt.py")
     runner = PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60, precision="fp16",

@@ -18,8 +18,8 @@ import torch
 from builds import EXAMPLES, make_build, original_model
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.modelfile import load_model_file
-from fxpipe.runtime.optim import lr_factor, optimizer_factory, scheduler_factory
-from fxpipe.runtime.training_options import TrainingOptions
+from fxpipe.runtime.train.optim import lr_factor, optimizer_factory, scheduler_factory
+from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
@@ -137,8 +137,8 @@ def test_training_options_refuse_bad_values_with_the_flag_named() -> None:
 
 def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
     from fxpipe.cli import build_parser
-    from fxpipe.runtime.options import RunOptions, run_options_from_args
-    from fxpipe.runtime.worker import parse_args as worker_args
+    from fxpipe.runtime.train.run_options import RunOptions, run_options_from_args
+    from fxpipe.runtime.launch.worker import parse_args as worker_args
 
     flags = ["--optimizer", "adamw", "--lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.9,0.95",
              "--warmup-steps", "5", "--lr-schedule", "cosine", "--clip-grad-norm", "1.0", "--data", "d.py:batches",
@@ -157,7 +157,7 @@ def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
 def test_checkpoints_refuse_zero_optimizer_shards() -> None:
     from fxpipe.errors import ConfigError
     from fxpipe.runtime.dataparallel import DataParallelOptions
-    from fxpipe.runtime.options import RunOptions
+    from fxpipe.runtime.train.run_options import RunOptions
 
     with pytest.raises(ConfigError, match="--checkpoint-dir does not save ZeRO's optimizer shards"):
         RunOptions(dp=2, data_parallel=DataParallelOptions(shard="optimizer"),

@@ -1,7 +1,7 @@
 """The worker's training loop on real data: batches from the model file, checkpoints, resume, export.
 
 ``examples/charlm.py`` (a character LM on README.md, with ``train_batches`` / ``eval_batches``)
-trains on 2 ranks with AdamW + warm-up + cosine + clipping through ``fxpipe.runtime.training.train``:
+trains on 2 ranks with AdamW + warm-up + cosine + clipping through ``fxpipe.runtime.train.loop.train``:
 its losses equal one process training the whole model on the same batches; a run that crashes
 after a checkpoint and is resumed gives bit-for-bit the losses and weights of an uninterrupted
 run; ``fxpipe export`` gathers the stages into the original state dict. A checkpoint whose save
@@ -22,12 +22,12 @@ from builds import EXAMPLES, make_build, original_model
 from fxpipe.cli import main
 from fxpipe.errors import CheckpointError
 from fxpipe.modelfile import load_model_file
-from fxpipe.runtime.data_iter import RankInfo
-from fxpipe.runtime.optim import optimizer_factory, scheduler_factory
-from fxpipe.runtime.options import RunOptions
-from fxpipe.runtime.train_checkpoint import (gather_state_dict, load_training_checkpoint, part_path,
+from fxpipe.runtime.train.data_iter import RankInfo
+from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
+from fxpipe.runtime.train.run_options import RunOptions
+from fxpipe.runtime.train.checkpoint import (gather_state_dict, load_training_checkpoint, part_path,
                                              save_training_checkpoint)
-from fxpipe.runtime.training_options import TrainingOptions
+from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
@@ -44,7 +44,7 @@ def charlm_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train_job(rank: int, world: int, build: str, options: RunOptions, crash_at: int | None) -> Any:
     """``train`` on this rank; with ``crash_at`` the data stream fails when batch ``crash_at`` is drawn."""
-    import fxpipe.runtime.training as training
+    import fxpipe.runtime.train.loop as training
 
     if crash_at is not None:
         real = training.batch_stream
@@ -167,7 +167,7 @@ def _state(value: float) -> dict[str, Any]:
 
 def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import fxpipe.runtime.train_checkpoint as ckpt
+    import fxpipe.runtime.train.checkpoint as ckpt
 
     save_training_checkpoint(tmp_path, 0, 1, _state(1.0))
     assert load_training_checkpoint(tmp_path, 0, 1)["step"] == 1
@@ -225,7 +225,7 @@ def test_fxpipe_run_checks_the_data_before_launch(charlm_build: Path, tmp_path: 
 
 def test_a_rank_that_reads_no_model_input_gets_free_placeholders(charlm_build: Path) -> None:
     from fxpipe.codegen.manifest import Manifest
-    from fxpipe.runtime.data_iter import batch_stream, rank_needs_inputs
+    from fxpipe.runtime.train.data_iter import batch_stream, rank_needs_inputs
 
     manifest = Manifest.from_json(charlm_build)
     assert rank_needs_inputs(manifest, [0]) and not rank_needs_inputs(manifest, [1])
@@ -253,7 +253,7 @@ def test_fxpipe_run_logs_evaluates_and_records_through_torchrun(charlm_build: Pa
     assert re.search(r"step +2/4 +loss \d+\.\d+ +lr 1\.00e-02 +grad norm \d+\.\d+ +\d+\.\d samples/s .* ETA 0:00:0\d",
                      out), out
     assert out.count("eval after step") == 2
-    from fxpipe.runtime.record import RunRecord
+    from fxpipe.runtime.train.record import RunRecord
 
     record = RunRecord.from_json(charlm_build / "run.json")
     assert record.lrs == pytest.approx((5e-3, 1e-2, 1e-2, 5e-3)) and len(record.grad_norms) == 4

@@ -132,7 +132,7 @@ def test_rank_functions(training: Any) -> None:
 def test_checkpoints_resume_like_a_run_that_never_stopped(checkpoints: Any) -> None:
     values, directory = checkpoints
     # one file per mp_rank for the partial save, one file for the full save, a commit record for each
-    # (fxpipe.smp.commit), no temporary files left
+    # (fxpipe.runtime.train.commit), no temporary files left
     assert sorted(p.name for p in directory.iterdir()) == ["full.pt", "full.pt.full.json", "partial.pt.partial.json",
                                                            "partial.pt_0", "partial.pt_1"]
     for rank in values:

@@ -13,7 +13,6 @@ it. Pure Python: nothing here imports torch, so the CLI reads ``SCHEDULE_NAMES``
 from __future__ import annotations
 
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
-from fxpipe.partitioner.schedule.legacy import simulate_schedule
 from fxpipe.partitioner.schedule.occupancy import in_flight_per_stage
 from fxpipe.partitioner.schedule.one_chunk import stage_order
 from fxpipe.partitioner.schedule.placement import PLACEMENTS, placement_of, stage_ranks
@@ -25,5 +24,5 @@ from fxpipe.partitioner.schedule.validate import format_grid, max_in_flight, sim
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "SCHEDULES", "SCHEDULE_NAMES", "AUTO", "PLACEMENTS",
            "make_schedule", "schedule_kind", "compatible", "runnable_schedules", "stage_ranks", "placement_of",
-           "Link", "chain_links", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step", "simulate_schedule",
+           "Link", "chain_links", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
            "stage_order", "validate_schedule", "simulate", "format_grid", "max_in_flight", "in_flight_per_stage"]

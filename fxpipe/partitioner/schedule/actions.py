@@ -1,7 +1,7 @@
 """Schedules as data: ``Action`` (what one rank computes next) and ``Schedule`` (every rank's list).
 
 A schedule never touches torch: it is a pure value that the planner simulates, the
-validator checks and the runtime executes (``fxpipe.runtime.executor``). Stages here are
+validator checks and the runtime executes (``fxpipe.runtime.pipeline.executor``). Stages here are
 the build's *chunks* (``stage_i.py``); ``Schedule.stage_ranks`` says which pipeline rank
 holds each one, so a rank may run several (interleaved and V-shaped schedules).
 

@@ -1,13 +1,13 @@
 """What each rank holds at every moment of a step, counted from the schedule's action lists.
 
-Note [memory over time]: the runtime (``fxpipe.runtime.stage_io`` / ``executor``) keeps,
+Note [memory over time]: the runtime (``fxpipe.runtime.pipeline.stage_io`` / ``executor``) keeps,
 per stage and per microbatch, from its ``F`` until its last backward action (``W`` where
 the backward is split, else ``B``): the saved activations, one receive buffer of its
 inputs and, once its backward receives were posted, one receive buffer of its output
 gradients; every message it sent during the step (outputs after ``F``, input gradients
 after ``B``) stays alive until the step ends; between a split ``B`` and its ``W`` the
 gradients the weight gradients start from. On gloo the executor posts every receive of
-the step when it starts (Note [posting messages] in ``fxpipe.runtime.comm``): a buffer per
+the step when it starts (Note [posting messages] in ``fxpipe.runtime.pipeline.comm``): a buffer per
 message; on NCCL each action posts its own. Receive buffers come from a pool that never
 shrinks: its size is the most buffers held at once, and all of them are alive through
 the step. While a ``B`` runs, the stage also has

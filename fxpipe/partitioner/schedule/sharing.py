@@ -37,21 +37,21 @@ comes, and while the sender computes that thread first waits for a core, up to a
 slice (a scratch probe on this host: 90th-percentile delivery 1.1-1.7 ms with the
 receive posted 1 ms before the send, 0.2-0.3 ms with it posted 5 ms before). So the
 runtime posts every receive of a step when the step starts (Note [posting messages] in
-``fxpipe.runtime.comm``), and ``message_stall_ms`` prices what is left.
+``fxpipe.runtime.pipeline.comm``), and ``message_stall_ms`` prices what is left.
 """
 
 from __future__ import annotations
 
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.schedule.actions import Action, Schedule
-from fxpipe.partitioner.schedule.simulator import ScheduleOp, SimulationStuck, Timeline, _Prepared
+from fxpipe.partitioner.schedule.timeline import PreparedRank, ScheduleOp, SimulationStuck, Timeline
 
 __all__ = ["run_shared"]
 
 _EPS = 1e-9  # ms
 
 
-def run_shared(schedule: Schedule, ranks: list[_Prepared], cores: float, oversubscribed_rate: float = 1.0) -> Timeline:
+def run_shared(schedule: Schedule, ranks: list[PreparedRank], cores: float, oversubscribed_rate: float = 1.0) -> Timeline:
     """Start and end of every prepared action when the ranks share ``cores`` cores (Note [processor sharing])."""
     if not cores > 0:
         raise PartitionError(f"cores must be > 0, got {cores}")

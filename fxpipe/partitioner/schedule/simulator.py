@@ -24,122 +24,18 @@ link, not busy time of either rank (the runtime overlaps them with compute).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
+from fxpipe.partitioner.schedule.sharing import run_shared
+from fxpipe.partitioner.schedule.timeline import (Link, PreparedRank, ScheduleOp, SimulationStuck, Timeline,
+                                                  chain_links, dependencies, link_index)
 
 __all__ = ["Link", "chain_links", "link_index", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
-           "dependencies"]
+           "dependencies", "prepare_ranks"]
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-
-
-@dataclass(frozen=True)
-class Link:
-    """Stage ``src`` sends activations to ``dst``; ``grad`` says gradients come back."""
-
-    src: int
-    dst: int
-    grad: bool = True
-
-
-def chain_links(num_stages: int) -> tuple[Link, ...]:
-    """Links of a plain chain: stage i feeds stage i + 1."""
-    return tuple(Link(i, i + 1) for i in range(num_stages - 1))
-
-
-def link_index(links: Sequence[Link]) -> tuple[dict[int, list[Link]], dict[int, list[Link]]]:
-    """The links into each stage (from its producers) and out of it (to its consumers)."""
-    producers: dict[int, list[Link]] = {}
-    consumers: dict[int, list[Link]] = {}
-    for ln in links:
-        producers.setdefault(ln.dst, []).append(ln)
-        consumers.setdefault(ln.src, []).append(ln)
-    return producers, consumers
-
-
-@dataclass(frozen=True)
-class ScheduleOp:
-    """One simulated action: ``kind`` of ``stage`` on ``microbatch``, on ``rank``, from start to end."""
-
-    stage: int
-    microbatch: int
-    kind: str
-    start_ms: float
-    end_ms: float
-    rank: int = -1
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Every action of one simulated step, and what it adds up to."""
-
-    schedule: str
-    microbatches: int
-    ops: tuple[ScheduleOp, ...]
-    num_ranks: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.num_ranks:
-            object.__setattr__(self, "num_ranks", 1 + max((op.rank if op.rank >= 0 else op.stage)
-                                                          for op in self.ops) if self.ops else 1)
-
-    @property
-    def num_stages(self) -> int:
-        return 1 + max(op.stage for op in self.ops)
-
-    @property
-    def step_ms(self) -> float:
-        return max((op.end_ms for op in self.ops), default=0.0)
-
-    def busy_ms(self) -> list[float]:
-        """Compute time of each rank."""
-        busy = [0.0] * self.num_ranks
-        for op in self.ops:
-            busy[op.rank if op.rank >= 0 else op.stage] += op.end_ms - op.start_ms
-        return busy
-
-    @property
-    def bubble(self) -> float:
-        """Idle share of the ranks x step-time rectangle."""
-        total = self.step_ms * self.num_ranks
-        return 1.0 - sum(self.busy_ms()) / total if total > 0 else 0.0
-
-
-class SimulationStuck(Exception):
-    """No rank can run its next action: ``positions[r]`` is rank r's next action, ``done`` what finished."""
-
-    def __init__(self, positions: list[int], done: dict[Action, float]) -> None:
-        super().__init__("schedule deadlocked")
-        self.positions = positions
-        self.done = done
-
-
-def dependencies(action: Action, producers: Mapping[int, Sequence[Link]], consumers: Mapping[int, Sequence[Link]],
-                 split: bool) -> list[tuple[Action, Link | None]]:
-    """What ``action`` waits for (Note [step simulation]), each with the link its message crosses."""
-    s, m = action.stage, action.microbatch
-    if action.kind is F:
-        return [(Action(ln.src, F, m), ln) for ln in producers.get(s, ())]
-    if action.kind is B:
-        return [(Action(s, F, m), None)] + [(Action(ln.dst, B, m), ln) for ln in consumers.get(s, ()) if ln.grad]
-    return [(Action(s, B, m), None)] if split else []
-
-
-@dataclass
-class _Prepared:
-    """One rank's actions with their durations and what they wait for (delays included)."""
-
-    actions: list[Action] = field(default_factory=list)
-    durations: list[float] = field(default_factory=list)
-    waits: list[list[tuple[Action, float]]] = field(default_factory=list)
-    stalls: list[float] = field(default_factory=list)  # paid first where the action starts on busy cores
-    prologue: float = 0.0  # compute at the step's start, before the first action (posting its receives)
 
 
 def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
@@ -168,8 +64,6 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     ranks = prepare_ranks(schedule, duration, links=links, delay=delay, stall=stall, prologue=prologue)
     stalls = any(any(p.stalls) for p in ranks)
     if (cores is not None and cores < len(ranks)) or stalls:
-        from fxpipe.partitioner.schedule.sharing import run_shared  # imports this module
-
         return run_shared(schedule, ranks, len(ranks) if cores is None else cores, oversubscribed_rate)
     return _run(schedule, ranks)
 
@@ -178,7 +72,7 @@ def prepare_ranks(schedule: Schedule, duration: Callable[[Action], float], *,
                   links: Sequence[Link] | None = None,
                   delay: Callable[[Link, ActionKind], float] | None = None,
                   stall: Callable[[Action], float] | None = None,
-                  prologue: Sequence[float] = ()) -> list[_Prepared]:
+                  prologue: Sequence[float] = ()) -> list[PreparedRank]:
     """Each rank's actions with their durations, what they wait for and their stalls, as
     ``simulate_step`` takes them (the plain and the processor-sharing runs share them)."""
     if len(prologue) > schedule.num_ranks or any(not p >= 0 for p in prologue):
@@ -186,9 +80,9 @@ def prepare_ranks(schedule: Schedule, duration: Callable[[Action], float], *,
     links = tuple(chain_links(schedule.num_stages) if links is None else links)
     producers, consumers = link_index(links)
     split = schedule.split_backward()
-    ranks: list[_Prepared] = []
+    ranks: list[PreparedRank] = []
     for r, acts in enumerate(schedule.actions):
-        prep = _Prepared(prologue=float(prologue[r]) if r < len(prologue) else 0.0)
+        prep = PreparedRank(prologue=float(prologue[r]) if r < len(prologue) else 0.0)
         for a in acts:
             deps = dependencies(a, producers, consumers, (a.stage, a.microbatch) in split)
             prep.actions.append(a)
@@ -200,7 +94,7 @@ def prepare_ranks(schedule: Schedule, duration: Callable[[Action], float], *,
     return ranks
 
 
-def _run(schedule: Schedule, ranks: list[_Prepared]) -> Timeline:
+def _run(schedule: Schedule, ranks: list[PreparedRank]) -> Timeline:
     end: dict[Action, float] = {}
     free = [prep.prologue for prep in ranks]
     pos = [0] * len(ranks)

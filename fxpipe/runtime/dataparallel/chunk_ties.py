@@ -1,7 +1,7 @@
 """Tied parameters between the chunks of one rank when each chunk is its own FSDP module.
 
 A rank that runs several chunks (``--virtual-stages``) shares a tied parameter between
-them in memory (``fxpipe.runtime.rank_stages.share_tied_parameters``). FSDP2 manages each
+them in memory (``fxpipe.runtime.pipeline.rank_stages.share_tied_parameters``). FSDP2 manages each
 parameter in exactly one ``fully_shard`` unit, so before the chunks are sharded one by one
 (Note [sharding in a pipeline]) every chunk after the first that holds a shared parameter
 gets its own copy (``untie_chunks``): the copies start equal, as the tied copies on
@@ -63,7 +63,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class TiedCopies:
     """The copies ``untie_chunks`` made, and the sum of their gradients after backward.
 
-    ``share_grads`` (before the cross-rank tie all-reduce, ``fxpipe.runtime.ties``) gives all
+    ``share_grads`` (before the cross-rank tie all-reduce, ``fxpipe.runtime.pipeline.ties``) gives all
     copies of a parameter one gradient tensor holding their sum, so that the all-reduce of
     any copy's gradient updates all of them; ``own_grads`` (after it) gives each copy its
     own tensor again, so that in-place gradient clipping scales each once.

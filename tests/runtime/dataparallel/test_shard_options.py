@@ -14,7 +14,7 @@ from fxpipe.errors import ConfigError, InfeasibleError
 from fxpipe.partitioner import CostModel, plan_partition
 from fxpipe.partitioner.cost import DataParallelTraffic
 from fxpipe.runtime.dataparallel import DataParallelOptions, block_units, min_params_units
-from fxpipe.runtime.options import RunOptions, run_options_from_args
+from fxpipe.runtime.train.run_options import RunOptions, run_options_from_args
 from fxpipe.smp.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "partitioner"))
@@ -189,7 +189,7 @@ def test_plan_shard_full_shows_memory_and_traffic(tmp_path: Path, capsys: pytest
 
 
 def test_html_report_has_the_data_parallel_table(tmp_path: Path) -> None:
-    from fxpipe.partitioner.html import render_html_report
+    from fxpipe.partitioner.report.html import render_html_report
     from fxpipe.tracer.profile import ModelProfile
 
     profile_path = tmp_path / "profile.json"

@@ -33,8 +33,8 @@ from fxpipe.modelfile import load_model_file
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
 from fxpipe.runtime.dataparallel.checkpoint import full_state_dicts
-from fxpipe.runtime.runner import resolve_schedule
-from fxpipe.runtime.train_checkpoint import restore_training_state, training_state
+from fxpipe.runtime.pipeline.runner import resolve_schedule
+from fxpipe.runtime.train.checkpoint import restore_training_state, training_state
 from reference import reference_train
 from spawn import spawn
 

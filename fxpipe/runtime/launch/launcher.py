@@ -1,0 +1,291 @@
+"""``run_build``: train a build directory on this machine with one torchrun process per stage and replica.
+
+It runs PyTorch's own launcher (torchrun's ``torch.distributed.run``, through
+``fxpipe.runtime.launch.agent``) with a c10d rendezvous on a free local port and ``-m
+fxpipe.runtime.launch.worker DIR --options FILE`` as each rank's entry point (``stages x dp``
+ranks; FILE holds the ``RunOptions`` as JSON), then returns the ``RunRecord`` that rank 0
+wrote to ``run.json``. Jobs spanning several machines call torchrun themselves with the
+same entry point (``torchrun_command``).
+
+Note [ending a job]: the build directory is checked against its manifest before any
+process starts (the weights by the rank that loads them). The workers' output is passed
+on; their ``error: [rank R]`` lines and the agent's failure lines are kept, not shown, and
+the root cause is raised as one error: the first error that is not a peer's reaction to
+it, else a rank that died without a word (killed by a signal: which one; or an exit
+code), else a peer's report. The job ends within seconds of the first failure: torchrun
+waits 30 s for a rank that ignores ``SIGTERM`` (a stopped one) when a peer failed (its
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, set to ``_SHUTDOWN_S`` here, only applies when the agent
+itself is signalled), so ``_GRACE_S`` after the first error line the launcher kills the
+agent, and every worker dies with it (``fxpipe.runtime.launch.lifeline``). When our own standard output is closed (``fxpipe run … |
+head``), the job is stopped quietly and ``BrokenPipeError`` is raised.
+
+Note [Ctrl-C]: ``fxpipe run`` stops the job on ``SIGINT`` (exit 130, ``error:
+interrupted``) however it was started. A process inherits an ignored ``SIGINT`` (and a
+blocked one) across ``exec``: a non-interactive shell starts every ``cmd &`` with
+``SIGINT`` ignored, and so does anything started from such a process (a CI step, ``make``
+run in the background, pytest). Python then never installs its ``KeyboardInterrupt``
+handler, and the launcher would ignore a Ctrl-C while torchrun's agent, which installs its
+own handler, does not. ``become_launcher`` restores the handler in the ``fxpipe run``
+process. The job is gone within a second or two of the signal, also on a loaded machine:
+the launcher and the agent freeze what torch's import left on the heap (``gc.freeze``)
+before the job starts, so that their interpreters' final garbage collection skips it
+(without that, each spent seconds "Garbage-collecting" at exit on a busy 2-core machine,
+and the agent was killed at ``_STOP_S`` rather than ending on its own).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from fxpipe import errors
+from fxpipe.codegen.integrity import check_build
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.errors import FxpipeError
+from fxpipe.runtime.launch.agent import AGENT_PREFIX
+from fxpipe.runtime.pipeline.groups import pick_device
+from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV
+from fxpipe.runtime.train.run_options import RunOptions, with_plan_defaults
+from fxpipe.runtime.train.record import RunRecord
+from fxpipe.runtime.train.log import PROGRESS_ENV, ProgressBar
+from fxpipe.runtime.launch.worker import DEBUG_ENV, ERROR_PREFIX
+
+__all__ = ["run_build", "torchrun_command", "free_port", "become_launcher"]
+
+_GRACE_S = 2.0   # after the first error line, how long the other ranks get to end on their own
+_STOP_S = 3.0    # after asking the agent to stop, how long before it is killed
+_SHUTDOWN_S = 2  # torchrun's grace for a worker between SIGTERM and SIGKILL (its default: 30 s)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def become_launcher() -> None:
+    """Set this process up as ``fxpipe run`` (Note [Ctrl-C]): ``SIGINT`` raises ``KeyboardInterrupt``
+    even when the process was started with it ignored or blocked, and torch's objects are frozen
+    out of the garbage collector. For the main thread of a process that exists to run one job
+    (not for a caller of ``run_build``: both are process-wide)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    import fxpipe.runtime.launch.preflight  # noqa: F401  (imports torch, as the launcher does anyway: frozen with the rest)
+
+    gc.freeze()
+
+
+def torchrun_command(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:
+    """The torchrun command line that starts ``nproc`` workers on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(build_dir, nproc, port, worker_args)]
+
+
+def _torchrun_args(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:
+    return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "fxpipe.runtime.launch.worker", str(build_dir), *worker_args]
+
+
+@dataclass
+class _Job:
+    """One running torchrun job and what its output said."""
+
+    proc: subprocess.Popen[str]
+    show_errors: bool
+    errors: list[str] = field(default_factory=list)           # the workers' "error: [rank R] ..." lines
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the agent's failure records
+    first_error_at: float | None = None
+    output_closed: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
+    """Copy ``stream`` to ``sink`` line by line, keeping (not showing) error and failure lines;
+    a closed ``sink`` sets ``job.output_closed`` and the rest is drained unseen."""
+    bar = ProgressBar()  # a worker's progress lines, drawn in place (fxpipe.runtime.train.log)
+    for line in stream:
+        if line.startswith(AGENT_PREFIX):
+            try:
+                job.failures.append(json.loads(line[len(AGENT_PREFIX):]))
+            except ValueError:
+                pass
+            continue
+        if line.startswith(ERROR_PREFIX):
+            job.errors.append(line.strip())
+            if job.first_error_at is None:
+                job.first_error_at = time.monotonic()
+            if not job.show_errors:
+                continue
+        if sink is None:
+            continue
+        try:
+            if bar.draw(line, sink):
+                continue
+            sink.write(line)
+            sink.flush()
+        except (OSError, ValueError):  # BrokenPipeError: `| head` is done reading; ValueError: closed file
+            job.output_closed.set()
+            sink = None
+
+
+def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: bool = False, *,
+              debug: bool = False, explicit: frozenset[str] = frozenset()) -> RunRecord:
+    """Launch torchrun with one worker per stage and replica, train as ``options`` say, return ``DIR/run.json``.
+
+    ``options.dp`` replicas of the pipeline (``stages x dp`` processes; ``None``: the plan's) each
+    train on their own ``batch_size`` rows of the model file's ``example_inputs(batch_size x
+    dp)`` and average gradients with DDP (``options.data_parallel``; its sharding level the plan's
+    unless ``explicit`` names it: ``with_plan_defaults``). The options and the
+    build directory are checked here, before any process starts, and the options handed
+    to the workers as a JSON file. ``debug``: workers print tracebacks and every error
+    line. Raises the root cause of a failed job as one ``FxpipeError`` (Note [ending a
+    job]), ``BrokenPipeError`` when standard output was closed.
+
+    >>> result = run_build("build/gpt", RunOptions(steps=5, schedule="gpipe", microbatches=4))  # doctest: +SKIP
+    >>> result.losses, result.step_seconds  # doctest: +SKIP
+    """
+    build_dir = Path(build_dir)
+    manifest = Manifest.from_json(build_dir)
+    checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+    # the plan's replicas and sharding where the options leave them open; checks the options that need
+    # 2+ replicas before any process starts
+    options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
+    replicas = options.dp or 1
+    _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
+    from fxpipe.runtime.launch.preflight import preflight
+
+    options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+    out = build_dir / "run.json"
+    out.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:
+        options_file = Path(tmp) / "run_options.json"
+        options.to_json(options_file)
+        args = _torchrun_args(build_dir, manifest.num_ranks * replicas, free_port(), ["--options", str(options_file)])
+        job = _start([sys.executable, "-m", "fxpipe.runtime.launch.agent", *args], quiet, debug)
+        returncode = _wait(job)
+    if returncode == 0 and out.is_file():
+        return RunRecord.from_json(out)
+    if job.output_closed.is_set():
+        raise BrokenPipeError("standard output was closed; the job was stopped")
+    raise root_cause(job.errors, job.failures, returncode)
+
+
+def _check_world(device: Any, stages: int, replicas: int) -> None:
+    """Refuse, in one line, a job of more CUDA ranks than this machine has GPUs."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if stages * replicas > gpus:
+        raise errors.RuntimeSetupError(
+            f"{stages} stages x {replicas} replicas = {stages * replicas} ranks, but this machine has {gpus} GPUs; "
+            f"run --dp {max(gpus // stages, 1)} (the plan's replicas are the default), or --device cpu")
+
+
+def _start(cmd: list[str], quiet: bool, debug: bool) -> _Job:
+    # torchrun would set OMP_NUM_THREADS=1 anyway, with a banner; set it quietly instead.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), PARENT_PID_ENV: str(os.getpid()),
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(_SHUTDOWN_S)}
+    env.pop(DEBUG_ENV, None)
+    env[PROGRESS_ENV] = "1" if not quiet and sys.stdout.isatty() else "0"
+    if debug:
+        env[DEBUG_ENV] = "1"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+    job = _Job(proc, show_errors=debug)
+    for stream, sink in ((proc.stdout, None if quiet else sys.stdout), (proc.stderr, None if quiet else sys.stderr)):
+        assert stream is not None
+        job.threads.append(threading.Thread(target=_tee, args=(job, stream, sink), daemon=True))
+        job.threads[-1].start()
+    return job
+
+
+def _wait(job: _Job) -> int:
+    """Wait for the job to end, ending it early as Note [ending a job] says; its exit code."""
+    stop_at: float | None = None
+    try:
+        while True:
+            try:
+                returncode = job.proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if stop_at is None and job.output_closed.is_set():
+                job.proc.send_signal(signal.SIGTERM)  # the agent stops its workers and exits
+                stop_at = now + _STOP_S
+            if (stop_at is not None and now > stop_at) or (
+                    job.first_error_at is not None and now > job.first_error_at + _GRACE_S):
+                job.proc.kill()  # every worker dies with the agent (fxpipe.runtime.launch.lifeline)
+    except BaseException:  # KeyboardInterrupt: stop the job before giving up on it
+        job.proc.send_signal(signal.SIGTERM)
+        try:
+            job.proc.wait(timeout=_STOP_S)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
+        raise
+    # the output threads end when the last worker closes the pipes (at once: they died with the agent)
+    deadline = time.monotonic() + 5.0
+    for t in job.threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return returncode
+
+
+def _parse(line: str) -> tuple[int | None, type[FxpipeError], str]:
+    """``error: [rank R] Kind: message`` -> (R, the error class, message)."""
+    head, _, message = line[len(ERROR_PREFIX):].partition(" ")  # "R]" and "Kind: message"
+    rank_text = head.rstrip("]")
+    rank = int(rank_text) if rank_text.isdigit() else None
+    kind, _, text = message.partition(": ")
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, FxpipeError):
+        return rank, cls, text
+    return rank, FxpipeError, message  # "internal error while ...", "interrupted"
+
+
+def _with_rank(rank: int | None, text: str) -> str:
+    prefix = f"rank {rank if rank is not None else '?'}"
+    return text if text.startswith(prefix + ":") or text.startswith(prefix + " ") else f"{prefix}: {text}"
+
+
+def _death(failure: dict[str, Any]) -> str:
+    rank, code, sig = failure.get("rank"), failure.get("exitcode"), failure.get("signal")
+    if sig:
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL: see `dmesg`)" if sig == "SIGKILL" else ""
+        return f"rank {rank} was killed by {sig} and printed no error{hint}; the other ranks stopped with it"
+    return f"rank {rank} exited with code {code} without an fxpipe error; its output above may say why"
+
+
+def root_cause(lines: list[str], failures: list[dict[str, Any]], returncode: int) -> FxpipeError:
+    """The error to raise for a failed job (Note [ending a job])."""
+    parsed = [_parse(line) for line in lines]
+    real = [p for p in parsed if p[1] is not errors.PeerError]
+    if real:
+        rank, cls, text = real[0]
+        return cls(_with_rank(rank, text))
+    explained = {rank for rank, _, _ in parsed}
+    # the first to fail; on a tie, not one that the agent's own SIGTERM may have ended
+    silent = sorted((f for f in failures if f.get("rank") not in explained),
+                    key=lambda f: (f.get("time") or 0, f.get("signal") == "SIGTERM"))
+    if silent:
+        return errors.PeerError(_death(silent[0]))
+    if parsed:
+        rank, cls, text = parsed[0]
+        return cls(_with_rank(rank, text))
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else -returncode
+        return errors.PeerError(f"the torchrun agent was killed by {name}; every worker stopped with it")
+    return errors.PeerError(f"the torchrun job exited with code {returncode} without an fxpipe error; its output "
+                            "above may say why")

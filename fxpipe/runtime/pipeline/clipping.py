@@ -1,0 +1,77 @@
+"""Gradient clipping across a pipeline: the global norm of the whole model's gradient, from its stages.
+
+Each rank holds a few stages' gradients. The norm ``torch.nn.utils.clip_grad_norm_``
+would compute on the one-process model is the p-norm of all of them together, so each
+rank sums ``|g|^p`` over its own parameters and the ranks of one pipeline add their sums
+(one ``all_reduce`` over the pipeline's group; ``max`` for the inf-norm). A tied
+parameter has a copy on several stages, each holding the same summed gradient
+(``fxpipe.runtime.pipeline.ties``) after backward; only the copy on the tie's first stage counts,
+as the original model holds it once. Data-parallel replicas hold equal gradients after
+DDP's all-reduce, so each replica computes the same norm over its own pipeline and
+scales identically. Every gradient is then scaled by ``min(1, max_norm / (norm + 1e-6))``,
+as torch does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.pipeline.p2p import peer_error
+
+__all__ = ["counted_parameters", "pipeline_grad_norm", "clip_grads_"]
+
+
+def counted_parameters(manifest: Manifest, stages: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """This rank's parameters, each once, without the tied copies whose tie's first stage is elsewhere."""
+    by_stage = {s: dict(m.named_parameters(remove_duplicate=False)) for s, m in stages.items()}
+    owned: set[int] = set()
+    skip: set[int] = set()
+    for tie in manifest.ties:
+        for i, (stage, key) in enumerate(zip(tie.stages, tie.keys)):
+            p = by_stage.get(stage, {}).get(key)
+            if p is not None:
+                (owned if i == 0 else skip).add(id(p))
+    seen: set[int] = set()
+    out = []
+    for s in sorted(stages):
+        for p in stages[s].parameters():
+            if id(p) in seen or (id(p) in skip and id(p) not in owned):
+                continue
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def pipeline_grad_norm(params: list[nn.Parameter], norm_type: float, group: dist.ProcessGroup | None,
+                       device: torch.device, rank: int = 0, timeout_s: float = 0.0) -> torch.Tensor:
+    """The ``norm_type``-norm of the gradients of ``params`` on every rank of ``group`` together (collective)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(isinstance(g, DTensor) for g in grads):
+        raise ConfigError("gradient clipping across the pipeline does not support sharded stages (--shard grad-op or "
+                          "full) yet; clip without --shard, or leave --clip-grad-norm out")
+    inf = norm_type == float("inf")
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
+    if inf:
+        local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+    else:
+        local = (torch.stack(norms) ** norm_type).sum() if norms else torch.zeros((), device=device)
+    try:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    except RuntimeError as exc:
+        raise peer_error(exc, rank, "adding up the gradient norm over the pipeline", timeout_s) from exc
+    return local if inf else local ** (1.0 / norm_type)
+
+
+def clip_grads_(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients of ``params`` by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))

@@ -1,0 +1,39 @@
+"""``ShardedGradScaler``: FairScale's shard-aware loss scaler, as torch's own.
+
+torch's ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (a
+``torch.amp.GradScaler``) all-reduces the found-inf flag over the process group, so a
+step is skipped on every rank when any rank's shard of the gradients overflowed. FairScale's
+constructor has no ``device``: it is CUDA when available, else the CPU (``device=`` names
+another, as the pipeline's fp16 scaler does: ``fxpipe.runtime.pipeline.precision``). With FSDP2's
+DTensor gradients torch's unscaling warns, once per step, that it treats the one-element
+found-inf flag as replicated (which is what it is); that warning is silenced here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
+
+__all__ = ["ShardedGradScaler"]
+
+
+class ShardedGradScaler(_TorchShardedGradScaler):
+    """FairScale's ``ShardedGradScaler(init_scale=2**16, growth_factor=2.0, backoff_factor=0.5,
+    growth_interval=2000, enabled=True, process_group=WORLD)``; ``device``: where the scale lives."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True,
+                 process_group: dist.ProcessGroup | None = dist.group.WORLD, device: str | None = None) -> None:
+        super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), init_scale=init_scale,
+                         backoff_factor=backoff_factor, growth_factor=growth_factor,
+                         growth_interval=growth_interval, enabled=enabled, process_group=process_group)
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool = True) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

@@ -1,0 +1,3 @@
+"""Training a build under ``fxpipe run``: the options a run is told (``run_options``,
+``training_options``), its data, optimizer and schedule, the loop (``loop``), its checkpoints
+(``checkpoint``, committed whole by ``commit``), its log and its record (``run.json``)."""

@@ -1,0 +1,240 @@
+"""The training loop of one rank under ``fxpipe run``: data, optimizer, schedule, clipping, eval, checkpoints, logs.
+
+Trains the build directory's model with the options' optimizer and learning-rate schedule
+(``fxpipe.runtime.train.optim``) on the batches of the model file's ``train_batches`` (or
+``--data``; ``fxpipe.runtime.train.data_iter``), else on ``example_inputs(B)`` /
+``example_targets(B)`` every step, with the model file's ``loss_fn`` or, without one, the
+loss the model computes itself (``fxpipe.runtime.pipeline.loss``). With ``N = stages x R`` ranks
+there are R data-parallel replicas of the pipeline, each on its own shard. Every
+``eval_every`` steps it evaluates (``PipelineRunner.eval_step``); every
+``checkpoint_every`` steps and after the last it saves a checkpoint
+(``fxpipe.runtime.train.checkpoint``), from which ``resume`` continues bit-for-bit.
+Rank 0 prints one line per ``log_every`` steps (loss averaged over replicas, learning
+rate, gradient norm, samples/s, step time, ETA) and writes ``DIR/run.json`` (a
+``RunRecord``); after the timed steps every rank trains one more (untimed, unreported)
+accumulation window to measure its peak tensor memory (``fxpipe.runtime.pipeline.memory``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.errors import RuntimeSetupError
+from fxpipe.runtime.train.data import example_batch, model_source, replica_batch, target_batch_dims
+from fxpipe.runtime.train.data_iter import (EVAL_FN, TRAIN_FN, Batch, RankInfo, batch_stream, find_batches,
+                                      rank_needs_inputs)
+from fxpipe.runtime.pipeline.memory import peak_memory_bytes, training_peak_tensor_bytes
+from fxpipe.runtime.pipeline.microbatch import check_divisible
+from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
+from fxpipe.runtime.train.run_options import RunOptions
+from fxpipe.runtime.pipeline.p2p import peer_error
+from fxpipe.runtime.train.record import RunRecord, read_build_plan
+from fxpipe.runtime.pipeline.runner import PipelineRunner
+from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted
+from fxpipe.runtime.train.checkpoint import (has_checkpoint, load_training_checkpoint, restore_training_state,
+                                             save_training_checkpoint, training_state)
+
+__all__ = ["train", "resolve_sizes", "format_log_line"]
+
+
+def resolve_sizes(options: RunOptions, manifest: Manifest, world_size: int) -> tuple[int, int, int]:
+    """(batch of one replica, microbatches, replicas): the options' values, else the build's
+    and ``world_size / stages`` (Note [None is resolved where it is known] in ``fxpipe.runtime.train.run_options``)."""
+    batch = options.batch_size or manifest.batch_size
+    microbatches = options.microbatches or manifest.microbatches
+    check_divisible(batch, microbatches)
+    stages = manifest.num_ranks  # processes per pipeline: V stages (chunks) each
+    replicas = options.dp if options.dp is not None else max(world_size // stages, 1)
+    if world_size != stages * replicas:
+        raise RuntimeSetupError(f"--dp {replicas} needs {stages} stages x {replicas} = {stages * replicas} ranks, "
+                                f"but WORLD_SIZE is {world_size}; launch torchrun with --nproc-per-node "
+                                f"{stages * replicas} or drop --dp")
+    return batch, microbatches, replicas
+
+
+def _mean_over_replicas(loss: float, runner: PipelineRunner) -> float:
+    """This step's loss averaged over the replicas (each rank holds its own replica's)."""
+    if runner.layout.replicas == 1:
+        return loss
+    total = torch.tensor(loss, dtype=torch.float32, device=runner.device)
+    try:
+        dist.all_reduce(total, group=runner.groups.data_parallel)
+    except RuntimeError as exc:
+        raise peer_error(exc, runner.rank, "averaging the step's loss over the replicas", runner.timeout_s) from exc
+    return float(total.item()) / runner.layout.replicas
+
+
+def format_log_line(step: int, steps: int, loss: float, lr: float, grad_norm: float | None, samples_per_s: float,
+                    step_ms: float, eta_s: float) -> str:
+    """One log line a person reads.
+
+    >>> format_log_line(12, 100, 2.5, 3e-4, 1.25, 800.0, 12.5, 83)
+    'step   12/100  loss 2.500000  lr 3.00e-04  grad norm 1.250  800.0 samples/s  12.50 ms/step  ETA 0:01:23'
+    """
+    norm = f"  grad norm {grad_norm:.3f}" if grad_norm is not None else ""
+    eta = int(round(eta_s))
+    return (f"step {step:4d}/{steps}  loss {loss:.6f}  lr {lr:.2e}{norm}  {samples_per_s:.1f} samples/s  "
+            f"{step_ms:.2f} ms/step  ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+
+
+def _repeat(batch: Batch) -> Iterator[Batch]:
+    while True:
+        yield batch
+
+
+def rank_info(runner: PipelineRunner) -> RankInfo:
+    """Where ``runner``'s rank sits, as a batch function sees it (which tensors it must read)."""
+    return RankInfo(rank=runner.rank, world_size=runner.world_size, stage=runner.pipeline_rank,
+                    num_stages=runner.manifest.num_ranks, replica=runner.replica, replicas=runner.layout.replicas,
+                    needs_inputs=rank_needs_inputs(runner.manifest, sorted(runner.stages)),
+                    needs_targets=runner.executor.holds_loss)
+
+
+def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunRecord:
+    """Train up to step ``options.steps`` on this rank (from a checkpoint with ``resume``); rank 0
+    writes the record to ``out`` (default ``build_dir/run.json``). Every rank returns the record."""
+    manifest = Manifest.from_json(build_dir)
+    plan = read_build_plan(build_dir)
+    source = model_source(build_dir, manifest)
+    world = int(os.environ.get("WORLD_SIZE", manifest.num_ranks))
+    batch, microbatches, replicas = resolve_sizes(options, manifest, world)
+    dp, t = options.data_parallel, options.training
+    train_fn = find_batches(source, t.data, TRAIN_FN)
+    eval_fn = find_batches(source, t.eval_data, EVAL_FN) or train_fn
+    target_dims = target_batch_dims(source, batch) if source.has_loss_fn and source.has(source.targets_fn) else None
+    lr = options.lr
+    with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
+                        microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
+                        scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
+                        max_grad_norm=t.clip_grad_norm,
+                        device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
+                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages,
+                        recompute=plan.cost.recompute if plan is not None else (),
+                        precision=options.precision) as runner:
+        schedule = runner.schedule.name
+        info = rank_info(runner)
+        lead = runner.rank == 0
+        samples = batch * replicas
+        history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
+        first = position = 0
+        if t.resume and has_checkpoint(t.checkpoint_dir or ""):
+            state = load_training_checkpoint(t.checkpoint_dir or "", runner.rank, runner.world_size)
+            restore_training_state(runner, state)
+            first, position, history = state["step"], state["data_position"], state["history"]
+        elif t.resume and lead:
+            print(f"fxpipe run: no checkpoint in {t.checkpoint_dir} yet; starting from step 0", flush=True)
+        if train_fn is not None:
+            stream = batch_stream(train_fn, manifest, batch, info, start=position)
+        else:
+            every_replica = example_batch(source, manifest, batch * replicas)
+            stream = _repeat(replica_batch(*every_replica, [s.batch_dim for s in manifest.inputs], runner.replica,
+                                           batch, target_dims))
+        if lead:
+            sync = f"shard {dp.shard}" if dp.shard != "none" else f"comm hook {dp.comm_hook}"
+            dp_note = (f" x {replicas} replicas ({sync})" if replicas > 1 else "")
+            per_replica = " per replica" if replicas > 1 else ""
+            print(f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
+                  f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
+                  f"{microbatches} x {batch // microbatches}, {t.optimizer} lr {lr:g} ({t.lr_schedule}"
+                  f"{f', {t.warmup_steps} warm-up steps' if t.warmup_steps else ''})"
+                  + (f", {options.precision} autocast" if options.precision != "fp32" else "")
+                  + (f", resuming after step {first}" if first else ""), flush=True)
+        seconds: list[float] = []
+        inputs, targets = None, None
+        board = TensorBoardLog(t.tensorboard) if lead and t.tensorboard is not None else None
+        progress = lead and progress_wanted()
+        window: list[float] = []
+        for k in range(first, options.steps):
+            inputs, targets = next(stream)
+            position += 1
+            lr_now = runner.optimizer.param_groups[0]["lr"] if runner.optimizer is not None else lr
+            start = time.perf_counter()
+            loss = runner.step(inputs, targets)
+            seconds.append(time.perf_counter() - start)
+            window.append(seconds[-1])
+            history["losses"].append(_mean_over_replicas(loss, runner))  # outside the timed step
+            history["lrs"].append(float(lr_now))
+            if runner.last_grad_norm is not None:
+                history["grad_norms"].append(runner.last_grad_norm)
+            done = k + 1
+            if board is not None:
+                board.scalars(done, {"train/loss": history["losses"][-1], "train/lr": lr_now,
+                                     "train/grad_norm": runner.last_grad_norm,
+                                     "train/samples_per_s": samples / seconds[-1], "train/step_ms": seconds[-1] * 1e3,
+                                     "train/loss_scale": runner.scaler.scale if runner.scaler is not None else None})
+            if progress:
+                print(progress_line(done, options.steps, history["losses"][-1],
+                                    statistics.median(seconds) * (options.steps - done)), flush=True)
+            if lead and runner.scaler is not None and runner.scaler.skipped:
+                print(f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
+                      flush=True)
+            if lead and (done % t.log_every == 0 or done == options.steps):
+                recent = history["losses"][-len(window):]
+                mean_s = sum(window) / len(window)
+                print(format_log_line(done, options.steps, sum(recent) / len(recent), lr_now, runner.last_grad_norm,
+                                      samples / mean_s, mean_s * 1e3,
+                                      statistics.median(seconds) * (options.steps - done)), flush=True)
+                window = []
+            if t.eval_every is not None and (done % t.eval_every == 0 or done == options.steps):
+                held = (batch_stream(eval_fn, manifest, batch, info, name=EVAL_FN) if eval_fn is not None
+                        else _repeat((inputs, targets)))  # no batch functions: the example batch
+                val = _evaluate(runner, held, t.eval_steps)
+                history["eval_losses"].append([done, val])
+                if board is not None:
+                    board.scalars(done, {"eval/loss": val})
+                if lead:
+                    print(f"eval after step {done}: loss {val:.6f}", flush=True)
+            if t.checkpoint_dir is not None and (done == options.steps or (t.checkpoint_every is not None
+                                                                          and done % t.checkpoint_every == 0)):
+                save_training_checkpoint(t.checkpoint_dir, runner.rank, runner.world_size,
+                                         training_state(runner, done, position, history))
+                if lead:
+                    print(f"checkpoint after step {done}: {t.checkpoint_dir}", flush=True)
+        if board is not None:
+            board.close()
+        if inputs is None:  # resumed at the end: nothing left to train, measure on the next batch
+            inputs, targets = next(stream)
+        tensor_peak = training_peak_tensor_bytes(runner, inputs, targets, dp.backward_passes_per_step)
+        peaks: list[Any] = [None] * runner.world_size
+        try:  # over the whole world: one figure per rank, every replica included
+            dist.all_gather_object(peaks, (peak_memory_bytes(runner.device), tensor_peak))
+        except RuntimeError as exc:
+            raise peer_error(exc, runner.rank, "gathering peak memory", options.timeout_s) from exc
+        steady = statistics.median(seconds[1:] or seconds or [float("nan")])
+        record = RunRecord(
+            losses=tuple(history["losses"]), step_seconds=tuple(seconds), median_step_ms=steady * 1e3,
+            samples_per_second=samples / steady, schedule=schedule, microbatches=microbatches,
+            batch_size=batch, lr=lr, world_size=runner.world_size, num_stages=manifest.num_stages,
+            device=runner.device.type, backend=dist.get_backend(),
+            predicted_step_ms=None if plan is None else plan.predicted_step_ms(
+                schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
+                powersgd_rank=dp.powersgd_rank, shard=dp.shard),
+            peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
+            dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
+            shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,
+            optimizer=t.optimizer, precision=options.precision, lrs=tuple(history["lrs"]),
+            grad_norms=tuple(history["grad_norms"]),
+            eval_losses=tuple((int(s), float(v)) for s, v in history["eval_losses"]), first_step=first,
+        )
+        if lead:
+            path = out or build_dir / "run.json"
+            record.to_json(path)
+            pred = record.predicted_step_ms
+            print(f"median step {record.median_step_ms:.2f} ms"
+                  + (f" (plan predicted {pred:.2f} ms)" if pred is not None else "") + f"; wrote {path}", flush=True)
+        return record
+
+
+def _evaluate(runner: PipelineRunner, batches: Iterator[Batch], steps: int) -> float:
+    """The mean ``eval_step`` loss over the next ``steps`` of ``batches``, averaged over the replicas."""
+    total = sum(runner.eval_step(*next(batches)) for _ in range(steps))
+    return _mean_over_replicas(total / steps, runner)
