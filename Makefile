@@ -49,7 +49,7 @@ demo: $(STAMP)
 	@echo
 	@echo "fxpipe is installed in $(VENV): run $(VENV)/bin/fxpipe --help, or source $(VENV)/bin/activate first."
 	@echo "Next: open $(DEMO_OUT)/report.html; try fxpipe partition examples/resnet.py --stages 2 --out build/resnet,"
-	@echo "      fxpipe verify build/resnet, fxpipe run build/resnet --steps 20 (README: Using fxpipe)."
+	@echo "      fxpipe verify build/resnet, fxpipe run build/resnet --steps 20 (README: A five-minute tour)."
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -350,7 +350,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def _measured(build_dir: Path) -> Any:
     """What ``fxpipe run`` measured (``DIR/run.json``) in the plan's terms, or None before a run."""
     from fxpipe.partitioner.report.terminal import Measurement
-    from fxpipe.runtime.train.record import RunRecord
+    from fxpipe.runtime.train.run_record import RunRecord
 
     if not (build_dir / "run.json").is_file():
         return None

@@ -198,5 +198,5 @@ def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: st
     )
     for name in (source.model_fn, source.inputs_fn):
         if not source.has(name):
-            raise ModelFileError(f"{path.name} defines no function {name}(); see the model-file contract in the README")
+            raise ModelFileError(f"{path.name} defines no function {name}(); see the model-file contract in docs/model-file.md")
     return source

@@ -45,7 +45,7 @@ def test_bad_split_points_are_one_line(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_report_sets_run_json_beside_the_prediction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fxpipe.partitioner import plan_partition
-    from fxpipe.runtime.train.record import RunRecord
+    from fxpipe.runtime.train.run_record import RunRecord
 
     profile = ModelProfile.from_json(_profile(tmp_path / "profile.json"))
     plan = plan_partition(profile, 2, microbatches=2)

@@ -103,8 +103,8 @@ def test_worker_loads_the_runtime_not_the_compiler() -> None:
             "print('\\n'.join(m for m in sys.modules if m.startswith(('fxpipe', 'ortools'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                 text=True).stdout.split())
-    compiler = {m for m in loaded if m.startswith(("fxpipe.partitioner.solve", "fxpipe.partitioner.search",
-                                                    "fxpipe.partitioner.report", "fxpipe.smp", "fxpipe.sharding",
+    compiler = {m for m in loaded if m.startswith(("fxpipe.partitioner.solve", "fxpipe.partitioner.search.configurations",
+                                                    "fxpipe.partitioner.report.terminal", "fxpipe.smp", "fxpipe.sharding",
                                                     "fxpipe.cli", "ortools", "fxpipe.codegen.build",
                                                     "fxpipe.codegen.emit", "fxpipe.codegen.split",
                                                     "fxpipe.tracer.api", "fxpipe.tracer.symbolic",

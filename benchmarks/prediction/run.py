@@ -215,7 +215,7 @@ def _markdown(result: dict[str, Any]) -> str:
     lines += ["", f"{inside} of {len(result['rows'])} ratios within the goal.", "",
               "Peak memory per rank (MiB). Predicted = the plan's stage memory (params, grads, optimizer state, "
               "activations, boundary buffers); measured tensors = peak bytes of live tensor storages over one "
-              "extra step after the timed ones (fxpipe.runtime.pipeline.memory), and ratio = measured / predicted; "
+              "extra step after the timed ones (fxpipe.runtime.pipeline.peak_memory), and ratio = measured / predicted; "
               "RSS = peak resident set size, and that minus the RSS of a process that only loads torch + the "
               f"runtime and joins gloo ({result['runtime_rss_bytes'] / mib:.0f} MiB), far above the model's "
               "tensors on CPU.", "",

@@ -27,7 +27,7 @@ from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_referenc
 from fxpipe.codegen.outputs import dump_output_spec
 from fxpipe.codegen.safety import check_equivalence
 from fxpipe.codegen.split import SplitGraph, split_graph
-from fxpipe.codegen.state import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
+from fxpipe.codegen.ownership import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
 from fxpipe.modelfile import ModelSource, file_sha256
 from fxpipe.tracer.progress import phase

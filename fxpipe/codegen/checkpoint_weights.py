@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.manifest import InitModel
 from fxpipe.codegen.stage_init import transformers_init_models
-from fxpipe.codegen.state import StageState, tensor_aliases
+from fxpipe.codegen.ownership import StageState, tensor_aliases
 from fxpipe.errors import WeightsError
 from fxpipe.graphmeta import BUFFER_VALUES_KEY, LIFTED_CONSTANT_PREFIX
 from fxpipe.tracer.meta import SKIPPED_ON_META

@@ -27,7 +27,7 @@ from fxpipe.codegen.forward import render_forward
 from fxpipe.codegen.naming import module_ranges, unique_name
 from fxpipe.codegen.outline import Body, stack_runs
 from fxpipe.codegen.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
-from fxpipe.codegen.state import BUFFER, PARAMETER, TensorEntry
+from fxpipe.codegen.ownership import BUFFER, PARAMETER, TensorEntry
 
 __all__ = ["ModuleTree", "ClassWriter", "INDENT"]
 

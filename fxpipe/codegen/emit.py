@@ -24,7 +24,7 @@ import torch.nn as nn
 from fxpipe.codegen.classes import INDENT, ClassWriter, ModuleTree
 from fxpipe.codegen.forward import render_forward
 from fxpipe.graphmeta import NAME_KEY
-from fxpipe.codegen.leaves import leaf_constructor
+from fxpipe.codegen.leaf_constructors import leaf_constructor
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
 from fxpipe.codegen.naming import describe_modules
 from fxpipe.codegen.operators import rewrite_aten
@@ -32,7 +32,7 @@ from fxpipe.codegen.outline import outline_stage, stack_runs
 from fxpipe.codegen.pyrender import MODEL_ALIAS, ImportTable, attr_expr, is_plain_name
 from fxpipe.codegen.scopes import Scope, scope_members
 from fxpipe.codegen.split import SplitGraph, StageGraph
-from fxpipe.codegen.state import StageState
+from fxpipe.codegen.ownership import StageState
 from fxpipe.errors import CodegenError
 
 __all__ = ["StageSource", "emit_stage", "stage_class_name"]

@@ -9,7 +9,7 @@ line naming the first tensor that differs: the first stage output that is not th
 graph's value at the same node (with the stage and the unit that made it), else the
 traced graph itself (the trace missed something), else the gradient or buffer that is off.
 It costs one more copy of the weights (the loaded stages), four forward and backward
-passes at the traced microbatch, and one stage load (measured in the README);
+passes at the traced microbatch, and one stage load (measured in docs/cli.md, "The safety net");
 ``--no-check`` / ``check=False`` skips it for models too large to hold twice.
 """
 

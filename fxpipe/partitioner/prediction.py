@@ -110,7 +110,7 @@ from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
 from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
                                          simulate_step)
-from fxpipe.partitioner.schedule.memory import schedule_memory_moments
+from fxpipe.partitioner.schedule.memory_walk import schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
 __all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fxpipe.runtime.launch.launcher import run_build
     from fxpipe.runtime.pipeline.layout import RankLayout
     from fxpipe.runtime.train.run_options import RunOptions
-    from fxpipe.runtime.train.record import RunRecord
+    from fxpipe.runtime.train.run_record import RunRecord
     from fxpipe.runtime.pipeline.runner import PipelineRunner
     from fxpipe.runtime.pipeline.schedule import Action, ActionKind, Schedule, gpipe, make_schedule, one_f_one_b
     from fxpipe.runtime.pipeline.schedule import Link, ScheduleError, format_grid, max_in_flight, simulate, validate_schedule

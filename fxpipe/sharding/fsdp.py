@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel.checkpoint import gather_full, shard_like
+from fxpipe.runtime.dataparallel.state_dict import gather_full, shard_like
 from fxpipe.runtime.dataparallel.sharded import broadcast_state
 from fxpipe.sharding._errors import refuse_unsupported
 from fxpipe.sharding.oss import OSS

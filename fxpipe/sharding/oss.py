@@ -100,7 +100,7 @@ class OSS(torch.optim.Optimizer):
             to = dist.get_group_rank(self.group, recipient_rank) if self.group is not None else recipient_rank
             self.inner.consolidate_state_dict(to=to)
             return
-        from fxpipe.runtime.dataparallel.checkpoint import gather_full
+        from fxpipe.runtime.dataparallel.state_dict import gather_full
 
         self._consolidated = gather_full(self.inner.state_dict())
 
@@ -120,7 +120,7 @@ class OSS(torch.optim.Optimizer):
         if isinstance(self.inner, ZeroRedundancyOptimizer):
             self.inner.load_state_dict(state_dict)
             return
-        from fxpipe.runtime.dataparallel.checkpoint import shard_optimizer_state
+        from fxpipe.runtime.dataparallel.state_dict import shard_optimizer_state
 
         self.inner.load_state_dict(shard_optimizer_state(state_dict, self.inner))
 

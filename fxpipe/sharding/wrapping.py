@@ -3,7 +3,7 @@
 ``with enable_wrap(wrapper_cls=FullyShardedDataParallel, **options):`` makes ``wrap(m)``
 return ``wrapper_cls(m, **options)`` (elsewhere ``wrap`` returns ``m`` untouched), and
 ``auto_wrap(module, min_num_params=N)`` wrap, children first, every submodule that
-FairScale's default policy picks (``fxpipe.runtime.dataparallel.units``). FSDP2 shards in
+FairScale's default policy picks (``fxpipe.runtime.dataparallel.fsdp_units``). FSDP2 shards in
 place (Note [sharded in place] in ``fsdp.py``), so a wrapped child stays where it was. (The module
 is ``wrapping``, not ``wrap``, so that the function ``fxpipe.sharding.wrap`` is not shadowed.)
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel.units import WrapPolicy, auto_wrap_units, default_auto_wrap_policy
+from fxpipe.runtime.dataparallel.fsdp_units import WrapPolicy, auto_wrap_units, default_auto_wrap_policy
 
 __all__ = ["enable_wrap", "wrap", "auto_wrap", "default_auto_wrap_policy"]
 

@@ -4,11 +4,11 @@
 ``DistributedOptimizer``, ``partition(i)``, ``save``/``load`` and ``amp.GradScaler``,
 running on fxpipe's compiler (partitioning at the first step) and runtime (torch.distributed
 point-to-point, runtime schedules), with DDP over the data-parallel replicas when ``ddp: True``.
-See the porting section of README.md and docs/dataparallel.md.
+See docs/seed-api.md and docs/dataparallel.md.
 """
 
 from fxpipe.smp.amp import GradScaler
-from fxpipe.smp.build import apply_partition_policy
+from fxpipe.smp.partitioning import apply_partition_policy
 from fxpipe.smp.checkpoint import CheckpointError, load, save
 from fxpipe.smp.config import Config
 from fxpipe.smp.driver import StepError

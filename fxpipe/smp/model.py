@@ -2,7 +2,7 @@
 
 Before partitioning it holds the user's whole module (so ``model.parameters()`` can
 feed an optimizer, and a full ``load_state_dict`` goes straight into it). The first
-``model(...)`` inside a ``@step`` function partitions it (``fxpipe.smp.build``)
+``model(...)`` inside a ``@step`` function partitions it (``fxpipe.smp.partitioning``)
 with that microbatch as the example inputs; from then on ``model.module`` is this
 rank's stage, whose keys are the original model's, and the original module is
 released. ``model(...)`` and ``model.backward(...)`` then drive the pipeline through
@@ -29,14 +29,14 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner import CostModel, PartitionPlan
 from fxpipe.runtime.dataparallel import DataParallelOptions
-from fxpipe.runtime.dataparallel.checkpoint import load_stage_state_dict, stage_state_dict
+from fxpipe.runtime.dataparallel.state_dict import load_stage_state_dict, stage_state_dict
 from fxpipe.runtime.dataparallel.hooks import CommHook
 from fxpipe.runtime.pipeline.groups import build_groups
 from fxpipe.runtime.pipeline.p2p import P2P
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.ties import sync_tied_grads
 from fxpipe.tracer.meta import is_meta_model
-from fxpipe.smp.build import StageBuild, TraceOptions, build_stage, resolve_trace_device
+from fxpipe.smp.partitioning import StageBuild, TraceOptions, build_stage, resolve_trace_device
 from fxpipe.smp.chunks import ChunkedDriver
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
@@ -118,7 +118,7 @@ class DistributedModel(nn.Module):
     def build_dir(self) -> Path | None:
         """The build directory this rank's stage was loaded from: the config's ``plan``, after
         partitioning. ``None`` for a build made at the first step, which is not kept on disk
-        (Note [one plan for every rank] in ``fxpipe.smp.build``): see ``manifest`` and ``plan``."""
+        (Note [one plan for every rank] in ``fxpipe.smp.partitioning``): see ``manifest`` and ``plan``."""
         return self._require_partitioned("build_dir").build_dir
 
     def _require_partitioned(self, what: str) -> StageBuild:

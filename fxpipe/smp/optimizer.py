@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel.checkpoint import gather_if_sharded, shard_optimizer_state
+from fxpipe.runtime.dataparallel.state_dict import gather_if_sharded, shard_optimizer_state
 from fxpipe.smp.driver import StepError
 from fxpipe.smp.state import PARTIAL_KEY, current, is_initialized
 

@@ -20,7 +20,7 @@ class every extra attribute counts: its ``forward`` may read what its parent set
 construction. The symbolic front end keeps a ``torch.nn`` module whole only when it can be
 rebuilt (:func:`rebuild_problem`), else traces into it; ``auto`` prefers ``torch.export`` when
 a module the symbolic graph keeps whole cannot be rebuilt; codegen checks the expression it
-writes once more (:mod:`fxpipe.codegen.leaves`).
+writes once more (:mod:`fxpipe.codegen.leaf_constructors`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.codegen.leaves import leaf_constructor
+from fxpipe.codegen.leaf_constructors import leaf_constructor
 from fxpipe.codegen.pyrender import ImportTable, attr_expr, render_literal
 from fxpipe.errors import CodegenError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fxpipe.runtime.pipeline.memory import TensorMemoryTracker, state_tensors
+from fxpipe.runtime.pipeline.peak_memory import TensorMemoryTracker, state_tensors
 from fxpipe.tracer import trace_model
 
 

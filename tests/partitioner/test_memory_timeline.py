@@ -15,7 +15,7 @@ from fxpipe.partitioner import CostModel, build_problem
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, rank_memory_floor, rank_peak_memory, stage_bytes
 from fxpipe.partitioner.problem import PartitionProblem, Tensor
 from fxpipe.partitioner.schedule import make_schedule
-from fxpipe.partitioner.schedule.memory import Holding, memory_moments, schedule_memory_moments
+from fxpipe.partitioner.schedule.memory_walk import Holding, memory_moments, schedule_memory_moments
 
 
 def _peak(schedule: str, rank: int, what: str) -> int:

@@ -72,7 +72,7 @@ def test_html_is_self_contained(tmp_path: Path) -> None:
 def test_html_groups_units_by_module_tree() -> None:
     from report_profiles import gpt_like_profile
 
-    from fxpipe.partitioner.report.units import module_groups
+    from fxpipe.partitioner.report.unit_view import module_groups
 
     profile = gpt_like_profile(154)
     plan = plan_partition(profile, 4, microbatches=8, time_limit=2)

@@ -3,7 +3,7 @@
 A probe is one attempt to make fxpipe misbehave (a bad file, a bad value, a tampered build,
 a fault in a running job, a torn checkpoint); it holds when fxpipe answers with one clear
 error line (or a clean result), runs nothing it did not check, and leaves nothing behind.
-Each test here is one probe; README.md ("Reliability") counts them.
+Each test here is one probe; docs/reliability.md counts them.
 """
 
 from __future__ import annotations

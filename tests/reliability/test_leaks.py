@@ -19,7 +19,7 @@ FIRST_STEP = '''
 import os, signal, sys
 import torch
 import fxpipe as smp
-import fxpipe.smp.build as build
+import fxpipe.smp.partitioning as build
 from fxpipe.modelfile import load_model_file
 
 if sys.argv[1] == "die":  # SIGKILL right after rank 0 has written the build into its scratch folder

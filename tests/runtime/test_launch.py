@@ -16,7 +16,7 @@ from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.dataparallel import DataParallelOptions
 from fxpipe.runtime.launch.launcher import free_port, run_build, torchrun_command
 from fxpipe.runtime.train.run_options import RunOptions
-from fxpipe.runtime.train.record import RunRecord
+from fxpipe.runtime.train.run_record import RunRecord
 from reference import reference_train
 from test_record import RUN_JSON_FIELDS
 
@@ -70,7 +70,7 @@ def test_run_build_refuses_bad_data_parallel_options_before_launching(tmp_path: 
 
 @pytest.mark.distributed
 def test_worker_under_your_own_torchrun_reads_flags_and_infers_the_replicas(tmp_path: Path) -> None:
-    """README "fxpipe run and torchrun": the worker module with flags, no --dp, no --options."""
+    """docs/training.md "Several machines, and failures": the worker module with flags, no --dp, no --options."""
     build = make_build("mlp", tmp_path / "mlp", stages=2, batch_size=4, microbatches=2)
     out = tmp_path / "elsewhere.json"
     cmd = torchrun_command(build, 2, free_port(), ["--steps", "2", "--schedule", "gpipe", "--out", str(out)])

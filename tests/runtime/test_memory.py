@@ -16,7 +16,7 @@ from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.runtime.pipeline.comm import pairs_sends
 from fxpipe.runtime.launch.launcher import run_build
 from fxpipe.runtime.train.run_options import RunOptions
-from fxpipe.runtime.pipeline.memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
+from fxpipe.runtime.pipeline.peak_memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
 from fxpipe.tracer import trace_model_file
 
 KIB = 1024

@@ -12,7 +12,7 @@ from fxpipe.codegen.manifest import Manifest, StageManifest
 from fxpipe.errors import BuildDirError
 from fxpipe.modelfile import file_sha256
 from fxpipe.partitioner import plan_partition
-from fxpipe.runtime.train.record import RunRecord, read_build_plan
+from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
 from fxpipe.tracer import ModelProfile, Unit, UnitEdge
 
 # the fields run.json has always had (the record adds schema_version)

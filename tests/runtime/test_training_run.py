@@ -253,7 +253,7 @@ def test_fxpipe_run_logs_evaluates_and_records_through_torchrun(charlm_build: Pa
     assert re.search(r"step +2/4 +loss \d+\.\d+ +lr 1\.00e-02 +grad norm \d+\.\d+ +\d+\.\d samples/s .* ETA 0:00:0\d",
                      out), out
     assert out.count("eval after step") == 2
-    from fxpipe.runtime.train.record import RunRecord
+    from fxpipe.runtime.train.run_record import RunRecord
 
     record = RunRecord.from_json(charlm_build / "run.json")
     assert record.lrs == pytest.approx((5e-3, 1e-2, 1e-2, 5e-3)) and len(record.grad_norms) == 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from html import escape
 
-from fxpipe.partitioner.report.units import stage_color
+from fxpipe.partitioner.report.unit_view import stage_color
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.schedule import Timeline
 

@@ -2,7 +2,7 @@
 
 Sections: the figures that matter (step, bubble, throughput, bottleneck, peak memory) and
 what was assumed (link, trace device); the stages as bands of module boxes whose widths
-are their time (:mod:`fxpipe.partitioner.report.units`); the stage table with the terminal's
+are their time (:mod:`fxpipe.partitioner.report.unit_view`); the stage table with the terminal's
 columns; memory per rank; the baselines beside the lower bound; the schedule timeline over
 the predicted step (:mod:`fxpipe.partitioner.report.charts`); the prediction beside a run's
 measurements when there is one; the module tree; and a legend for every term. Widths
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.report.charts import bars_html, plan_timeline_html, timeline_html
-from fxpipe.partitioner.report.units import module_groups, module_tree_html, stage_bands_html, stage_color
+from fxpipe.partitioner.report.unit_view import module_groups, module_tree_html, stage_bands_html, stage_color
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.report.terminal import DISAGREE, Measurement, compare, link_note, module_range
 from fxpipe.tracer.profile import ModelProfile

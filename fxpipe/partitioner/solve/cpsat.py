@@ -35,7 +35,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from fxpipe.errors import InfeasibleError, PartitionError
-from fxpipe.partitioner.solve.pins import stage_ranges
+from fxpipe.partitioner.solve.pin_ranges import stage_ranges
 from fxpipe.partitioner.problem import PartitionProblem, evaluate
 from fxpipe.partitioner.solve.solution import Solution
 

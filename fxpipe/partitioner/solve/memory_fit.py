@@ -42,7 +42,7 @@ from dataclasses import replace
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.partitioner.cost import format_size
-from fxpipe.partitioner.solve.pins import stage_ranges
+from fxpipe.partitioner.solve.pin_ranges import stage_ranges
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import RuntimeCosts, rank_peak_memory
 from fxpipe.partitioner.problem import PartitionProblem, assignment_violations, evaluate

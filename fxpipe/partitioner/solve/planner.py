@@ -22,7 +22,7 @@ from fxpipe.partitioner.cost import CostModel, default_link, format_size
 from fxpipe.partitioner.solve.cpsat import solve_dag_cpsat
 from fxpipe.partitioner.solve.dp import solve_chain_dp
 from fxpipe.partitioner.solve.memory_fit import fit_memory_over_time, fitting_split, walk_violations
-from fxpipe.partitioner.solve.pins import stage_ranges
+from fxpipe.partitioner.solve.pin_ranges import stage_ranges
 from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
 from fxpipe.partitioner.prediction import RuntimeCosts, predict, runtime_costs_for, simulate_plan, step_overheads
 from fxpipe.partitioner.problem import (

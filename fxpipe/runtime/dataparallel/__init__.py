@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from fxpipe.runtime.dataparallel.sharded import ShardedStage
     from fxpipe.runtime.dataparallel.stage import ReplicatedStage, data_parallel_stage, stage_optimizer
     from fxpipe.runtime.dataparallel.traffic import CollectiveCounter
-    from fxpipe.runtime.dataparallel.units import block_units, min_params_units
+    from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
     from fxpipe.runtime.dataparallel.zero import optimizer_state_bytes, shard_optimizer
 
 _LAZY = {

@@ -70,7 +70,7 @@ from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel.chunk_ties import TiedCopies, untie_chunks
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import AccumulationWindow
-from fxpipe.runtime.dataparallel.units import block_units, min_params_units
+from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
 
 __all__ = ["ShardedStage", "shard_stage", "mixed_precision", "broadcast_state", "unsharded_parameters"]
 

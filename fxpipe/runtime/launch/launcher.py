@@ -57,7 +57,7 @@ from fxpipe.runtime.launch.agent import AGENT_PREFIX
 from fxpipe.runtime.pipeline.groups import pick_device
 from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV
 from fxpipe.runtime.train.run_options import RunOptions, with_plan_defaults
-from fxpipe.runtime.train.record import RunRecord
+from fxpipe.runtime.train.run_record import RunRecord
 from fxpipe.runtime.train.log import PROGRESS_ENV, ProgressBar
 from fxpipe.runtime.launch.worker import DEBUG_ENV, ERROR_PREFIX
 

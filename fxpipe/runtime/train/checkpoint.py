@@ -15,7 +15,7 @@ A rank's part holds its stages' state dict under the original model's keys, so
 
 With ``--shard grad-op|full`` (FSDP2) each rank gathers its stage's parameters and
 optimizer state into whole tensors before writing (collective over its data-parallel
-group, through ``fxpipe.runtime.dataparallel.checkpoint``), so a part has the same form
+group, through ``fxpipe.runtime.dataparallel.state_dict``), so a part has the same form
 at every sharding level, and a resumed rank cuts its own shards back out of it, exactly.
 Resuming is bit-for-bit on CPU: the parameters, the optimizer's and scheduler's state,
 torch's and Python's RNG and the data position (Note [data position] in
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError
-from fxpipe.runtime.dataparallel.checkpoint import gather_if_sharded, load_stage_state_dict, shard_optimizer_state
+from fxpipe.runtime.dataparallel.state_dict import gather_if_sharded, load_stage_state_dict, shard_optimizer_state
 from fxpipe.runtime.train.commit import CommitRecord, Part, check_part, clean_stale, new_token, publish, read_record, \
     write_pending, write_record
 

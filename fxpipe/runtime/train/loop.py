@@ -12,7 +12,7 @@ there are R data-parallel replicas of the pipeline, each on its own shard. Every
 Rank 0 prints one line per ``log_every`` steps (loss averaged over replicas, learning
 rate, gradient norm, samples/s, step time, ETA) and writes ``DIR/run.json`` (a
 ``RunRecord``); after the timed steps every rank trains one more (untimed, unreported)
-accumulation window to measure its peak tensor memory (``fxpipe.runtime.pipeline.memory``).
+accumulation window to measure its peak tensor memory (``fxpipe.runtime.pipeline.peak_memory``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.train.data import example_batch, model_source, replica_batch, target_batch_dims
 from fxpipe.runtime.train.data_iter import (EVAL_FN, TRAIN_FN, Batch, RankInfo, batch_stream, find_batches,
                                       rank_needs_inputs)
-from fxpipe.runtime.pipeline.memory import peak_memory_bytes, training_peak_tensor_bytes
+from fxpipe.runtime.pipeline.peak_memory import peak_memory_bytes, training_peak_tensor_bytes
 from fxpipe.runtime.pipeline.microbatch import check_divisible
 from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
 from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.pipeline.p2p import peer_error
-from fxpipe.runtime.train.record import RunRecord, read_build_plan
+from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
 from fxpipe.runtime.pipeline.runner import PipelineRunner
 from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted
 from fxpipe.runtime.train.checkpoint import (has_checkpoint, load_training_checkpoint, restore_training_state,

@@ -29,7 +29,7 @@ class RunRecord:
     median, the configuration it ran with (options resolved against the build), the plan's
     predicted step (``None`` when the plan was made for another configuration) and each
     rank's peak memory: resident set (``peak_memory_bytes``; CUDA: peak allocated) and
-    tensors (``peak_tensor_bytes``, see ``fxpipe.runtime.pipeline.memory``), in rank order. Per step
+    tensors (``peak_tensor_bytes``, see ``fxpipe.runtime.pipeline.peak_memory``), in rank order. Per step
     too: the learning rate it used (``lrs``) and, with clipping, the global gradient norm
     before clipping (``grad_norms``); ``eval_losses`` as (step, loss) pairs. A resumed run
     keeps the whole history (``losses`` from step 1) and says where it resumed (``first_step``:

@@ -37,7 +37,7 @@ EXACT = {
     "momentum": (DataParallelOptions(), "1f1b", 2, 3, True),
     "zero": (DataParallelOptions(shard_optimizer_state=True), "1f1b", 2, 3, True),
 }
-CLOSE = {  # name: (options, passes, tolerance on the losses, on the parameters); measured deviations in README
+CLOSE = {  # name: (options, passes, tolerance on the losses, on the parameters); deviations: docs/dataparallel.md
     "fp16": (DataParallelOptions(comm_hook="fp16"), 4, 1e-3, 2e-3),
     "powersgd_r1": (DataParallelOptions(comm_hook="powersgd", powersgd_rank=1), 4, 2e-2, 0.15),
     "powersgd_r2": (DataParallelOptions(comm_hook="powersgd", powersgd_rank=2), 4, 2e-3, 3e-2),

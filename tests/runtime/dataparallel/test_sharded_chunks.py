@@ -32,7 +32,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
-from fxpipe.runtime.dataparallel.checkpoint import full_state_dicts
+from fxpipe.runtime.dataparallel.state_dict import full_state_dicts
 from fxpipe.runtime.pipeline.runner import resolve_schedule
 from fxpipe.runtime.train.checkpoint import restore_training_state, training_state
 from reference import reference_train

@@ -22,7 +22,7 @@ from concat_reference import train_on_concatenated_batches
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import CollectiveCounter, DataParallelOptions
-from fxpipe.runtime.dataparallel.checkpoint import full_state_dicts, load_stage_checkpoint, save_stage_checkpoint
+from fxpipe.runtime.dataparallel.state_dict import full_state_dicts, load_stage_checkpoint, save_stage_checkpoint
 from spawn import spawn
 
 STAGES, REPLICAS, BATCH, LR, STEPS = 2, 2, 4, 0.02, 3

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.errors import CheckpointError
-from fxpipe.runtime.dataparallel.checkpoint import checkpoint_paths, load_stage_checkpoint, save_stage_checkpoint
+from fxpipe.runtime.dataparallel.state_dict import checkpoint_paths, load_stage_checkpoint, save_stage_checkpoint
 
 
 def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
