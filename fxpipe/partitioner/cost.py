@@ -54,8 +54,7 @@ Note [ring hops]: a ring collective over R ranks is a sequence of R-1 steps in w
 every rank sends one chunk to its neighbour and waits for one, so the link latency (the
 alpha of alpha-beta) is paid once per step, not once per collective: a reduce-scatter,
 an all-gather or a (pipelined) broadcast takes R-1 hops, an all-reduce 2(R-1)
-(``ring_hops``). On 2 ranks of this machine's gloo a 8 KB all-reduce measured ~200 us
-against ~50-100 us one way (benchmarks/prediction/README.md): two hops.
+(``ring_hops``).
 
 Note [cluster links]: on a cluster of nodes of ``node_size`` devices, replica k's pipeline
 rank r is device ``k x num_ranks + r`` (``fxpipe.partitioner.cluster``), so a pipeline's
@@ -75,6 +74,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fxpipe.calibration import names, values
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.schema import read_dataclass
 
@@ -83,14 +83,16 @@ __all__ = ["CostModel", "AllReduceTraffic", "DataParallelTraffic", "LINK_PRESETS
            "COMM_HOOKS", "SHARD_LEVELS", "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
            "parse_size", "format_size", "ring_hops"]
 
-# (bandwidth in bytes/s, latency in seconds per message), one direction.
-LINK_PRESETS: dict[str, tuple[float, float]] = {
-    "nvlink": (200e9, 10e-6),        # NVLink 3/4, effective point-to-point
-    "pcie": (16e9, 20e-6),           # PCIe 4.0 x16 effective
-    "infiniband": (25e9, 5e-6),      # HDR 200 Gb/s
-    "ethernet": (1.25e9, 50e-6),     # 10 Gb/s
-    "loopback": (4.4e9, 100e-6),     # gloo, 2 processes on this machine (NOTES-tracing.md)
-}
+
+def _link(name: str) -> tuple[float, float]:
+    link = values("links", name)
+    return link["bandwidth"], link["latency"]
+
+
+# (bandwidth in bytes/s, latency in seconds per message), one direction: nvlink, pcie,
+# infiniband, ethernet and loopback (gloo between processes of one host), from
+# calibration.json (Note [calibration data] in fxpipe.calibration).
+LINK_PRESETS: dict[str, tuple[float, float]] = {name: _link(name) for name in names("links")}
 
 # The link a plan assumes when none is named: what connects the devices of the trace's kind.
 DEFAULT_LINKS: dict[str, str] = {"cuda": "nvlink", "cpu": "loopback"}

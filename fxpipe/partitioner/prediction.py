@@ -2,21 +2,21 @@
 
 Note [step prediction]: ``predict`` runs the step simulator (``simulate_step``, Note [step
 simulation]) on the schedule's own action lists, with what the runtime really does per
-action and per step, which on small models is most of a step (measured on 2 CPU ranks
-with gloo, see benchmarks/prediction):
+action and per step, which on small models is most of a step. The fixed costs are
+``RuntimeCosts``, one preset per trace device built from ``fxpipe/calibration.json`` (Note
+[calibration data] in :mod:`fxpipe.calibration`):
 
 * every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``);
-  each message costs CPU to post and complete (``message_ms``: with gloo, tens of
-  microseconds per call), which its action pays, except that on gloo, where every
-  receive of the step is posted when the step starts (``step_receives``), each rank
-  pays for all its receives first, before its first action can start (the simulator's
-  ``prologue``), and each action then pays only for its sends; an action that starts
-  while every core is busy also waits the scheduler time slices its calls wait for
-  gloo's transport thread (``message_stall_ms`` per message it sends or receives,
-  since completing a receive needs that thread too; off the cores: Note [message stalls]);
-  the message itself delays the consumer by the link time
-  ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time); stages
-  on one rank exchange no message;
+  each message costs CPU to post and complete (``message_ms``), which its action pays,
+  except that on gloo, where every receive of the step is posted when the step starts
+  (``step_receives``), each rank pays for all its receives first, before its first
+  action can start (the simulator's ``prologue``), and each action then pays only for
+  its sends; an action that starts while every core is busy also waits the scheduler
+  time slices its calls wait for gloo's transport thread (``message_stall_ms`` per
+  message it sends or receives, since completing a receive needs that thread too; off
+  the cores: Note [message stalls]); the message itself delays the consumer by the link
+  time ``CostModel.message_ms(bytes)`` (simulated as a link delay, not as stage time);
+  stages on one rank exchange no message;
 * a split backward (zero-bubble schedules) runs the input-gradient part of the stage's
   backward in ``B`` (``bwd_ms - bwd_weight_ms``, from the profile's per-unit FLOP split)
   plus the walk of the saved graph (``split_ms`` + ``split_unit_ms`` per unit of the
@@ -31,13 +31,11 @@ with gloo, see benchmarks/prediction):
 * once per step, after the pipeline drains: one all-reduce per tied parameter shared by
   several ranks (a ring: 2(k-1) link messages of its bytes over k ranks), the loss
   broadcast (one small message), each hop of these collectives also paying
-  ``collective_ms`` (as does every hop of the data-parallel collectives; gloo inside a
-  running step: measured ~0.8 ms for the tiny GPT's tied all-reduce on 2 ranks and
-  ~0.4 ms for the loss broadcast, against ~0.2 and ~0.06 ms in a standalone ping-pong
-  loop; ``benchmarks/prediction/step_segments.py``), and the slowest stage's
-  ``zero_grad`` + optimizer step (a fixed cost per parameter tensor plus streaming its
-  bytes, weight + gradient + optimizer state), plus a fixed ``step_ms`` of Python around
-  the step.
+  ``collective_ms`` (as does every hop of the data-parallel collectives: inside a running
+  step a collective costs several times its standalone link time), and the slowest
+  stage's ``zero_grad`` + optimizer step (a fixed cost per parameter tensor plus
+  streaming its bytes, weight + gradient + optimizer state), plus a fixed ``step_ms`` of
+  Python around the step.
 
 The solver's stage costs (``evaluate``) are unchanged; only the prediction adds these.
 
@@ -45,53 +43,43 @@ Note [data-parallel sync cost]: replicas of a stage average their gradients once
 with DDP's synchronising pass (Note [one all-reduce per step] in
 ``fxpipe.runtime.dataparallel.replica``): a forward and a backward over every parameter
 tensor, DDP's reducer copying the gradients into its bucket and back, around the
-all-reduce itself. On CPU that pass costs far more than the all-reduce's link time
-(``benchmarks/prediction/ddp_sync_cost.py``: 2 gloo processes on this project's 2 cores,
-213 KB of gradients, medians of 50 passes in rounds, 2026-11-26): in 1 tensor 1.5 ms, 13
-tensors 1.8, examples/gpt.py's 52 tensors 4.2, 208 tensors 8.9, against 0.5-2.3 ms (mostly
-0.5-0.8) for a plain ``all_reduce`` of the same bytes (0.85 ms predicted: link time plus
-``collective_ms`` per hop). So a rank with replicas also pays ``dp_sync_ms`` +
-``dp_sync_tensor_ms`` per parameter tensor (1.0 ms + 35 us: 0.74-1.15 of those four, 2 runs),
-as CPU work shared like the optimizer step (``busy_speed``). Inside the 2x2 gpt job the
-later replica's pass measured ~5.5 ms, against 1.6 ms predicted before this cost. DDP-based
-levels only (no sharding, or optimizer-state sharding's DDP hook); FSDP's collectives are
-not measured yet. Not measured on CUDA: 0 there until it is.
+all-reduce itself. On CPU that pass costs far more than the all-reduce's link time, and
+grows with the number of parameter tensors more than with their bytes. So a rank with
+replicas also pays ``dp_sync_ms`` + ``dp_sync_tensor_ms`` per parameter tensor, as CPU
+work shared like the optimizer step (``busy_speed``). DDP-based levels only (no sharding,
+or optimizer-state sharding's DDP hook); FSDP's collectives pay their link time and
+``collective_ms`` alone. A device whose calibration has no figure for it (0) pays nothing.
 
 Note [split backward cost]: splitting one backward into ``B`` and ``W`` runs the same
 kernels (a boundary node such as a Linear's runs twice, each time one branch), yet
-measures more than the fused backward beyond its fixed Python costs: autograd's engine
+costs more than the fused backward beyond its fixed Python costs: autograd's engine
 runs once for ``B`` and once per parameter group for ``W``, and ``W``'s kernels read
-activations and kept gradients that left the cache since ``B``. Measured with
-``benchmarks/prediction/split_cost.py`` (one process, one thread, this project's
-machine): gpt_medium's blocks split 1.44x the fused backward at microbatch 4 and 1.37x
-at 8, of which the fixed costs above are 2.8 ms of 27 and 49 ms; the rest is 1.33x and
-1.31x the fused time, hence ``split_factor = 1.33`` on CPU. (The tiny examples/gpt.py
-measures 1.49x beyond its fixed costs: small kernels pay the extra engine work more.)
-Not measured on CUDA: 1.0 there until it is.
+activations and kept gradients that left the cache since ``B``. The model prices this
+as one ratio, ``split_factor``, over the fused time of both parts, fitted on blocks of
+a mid-sized GPT; small kernels pay the extra engine work more, so it under-prices the
+split of a tiny model. 1.0 (no extra) where the device's calibration has no figure.
 
 Note [recompute cost]: a stage that recomputes runs its forward under one non-reentrant
 ``torch.utils.checkpoint`` region, which costs more than the forward it repeats: a fixed
 cost per region (entering it, stashing the RNG state; rebuilding the graph in backward)
 and a Python hook call per tensor autograd saves, one at pack time in ``F`` and one each
 when the recomputation stores it and the backward unpacks it in ``B``. The profile counts
-the saved tensors per unit (``Unit.saved_tensors``). Measured with
-``benchmarks/prediction/recompute_cost.py`` (one process, one thread, examples/gpt.py's
-and gpt_medium's blocks, 1-4 blocks per region, microbatch 1-8): ``F`` +0.12 ms + 7.5
-us per saved tensor, ``B`` beyond the repeated forward +0.25 ms + 10 us per saved tensor
-(a tiny GPT block saves 25 tensors: the region costs 2-3x its forward there, 1.7-1.9x on
-gpt_medium's at microbatch 1; at microbatch 4 gpt_medium's recomputing backward costs no
-more than the plain one plus a forward, and this overcharges it by up to 20%). Not
-measured on CUDA: 0 there until it is.
+the saved tensors per unit (``Unit.saved_tensors``); ``F`` pays ``recompute_fwd_ms`` +
+``recompute_fwd_saved_ms`` per saved tensor, ``B`` ``recompute_bwd_ms`` +
+``recompute_bwd_saved_ms`` per saved tensor beyond the repeated forward. On a small block
+this makes the region cost a few times the forward it repeats. Where activations are large
+the recomputing backward costs no more than the plain one plus a forward, and the fixed
+and per-tensor terms overcharge it. 0 where the device's calibration has no figure.
 
 Note [shared cores]: the prediction assumes one core per rank. A local run with more
-processes than cores (4 or 2x2 ranks on this project's 2 cores) is a different cluster:
+processes than cores (4 or 2x2 ranks on 2 cores) is a different cluster:
 ``shared_cores`` makes it explicit as ``RuntimeCosts.rank_speed = cores / processes``:
 the pipeline's ranks share ``rank_speed x ranks`` cores (the replicas run the same
 pipeline at the same time), and the step simulation shares them among the actions
 running at each moment (Note [processor sharing]): an action runs at full speed while
 enough of the other ranks wait (a waiting rank's gloo receive sleeps and yields its
 core), and ``rank_speed`` of it while every rank computes, less the switching cost of
-more running ranks than cores (``oversubscribed_rate``: 0.9 measured here). The per-step
+more running ranks than cores (``oversubscribed_rate``). The per-step
 optimizer and Python time, which every rank spends at once, are divided by that speed
 (``RuntimeCosts.busy_speed``). Link
 delays are not shared. Nothing applies it silently:
@@ -106,6 +94,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from fxpipe.calibration import names, values
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
 from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
@@ -202,35 +191,10 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
     return replace(runtime, rank_speed=min(1.0, cores / processes))
 
 
-# "cpu": fxpipe.runtime on 2 CPU ranks, gloo on loopback, one thread each, torch 2.13, on
-# this project's 2-core machine. Timers around StageWorker.forward/backward (minus the
-# stage module and autograd calls), P2P.post, loss_fn and optimizer.step of a running
-# job (examples/gpt.py and mlp.py, 4 microbatches): bookkeeping ~40 us per action, posting
-# 40-70 us per gloo call in the median (message_ms 0.06), but 0.28-0.42 ms per call in the mean
-# while both ranks compute (9-15% of calls wait a 4 ms time slice for gloo's transport
-# thread to get a core: benchmarks/prediction/gloo_stalls.py), so an action that starts on
-# busy cores first waits message_stall_ms = 0.42 - 0.06 per message (Note [message stalls]:
-# the top of that range; 0.3 - 0.06 fitted the steps while unit times still carried their
-# call cost, Note [unit call cost] in fxpipe.tracer.timing); SGD.step ~0.12 ms + ~6 us per tensor, ~0.25 ms per
-# step around the executor. Link times come from the CostModel (loopback: ~50 us one way
-# measured with a gloo ping-pong, 100 us in LINK_PRESETS). See benchmarks/prediction/README.md.
-# Split backward (runtime.split_backward, examples/gpt.py's second stage, 133 graph nodes in
-# 19 units, 14 parameter groups, process time): the graph walk ~0.5 ms, ~40-70 us per W call.
-# "cuda": workspace_bytes measured on an H100 (benchmarks/prediction/one_gpu.py, 2026-11-26): every
-# rank's peak allocation held 64-66 MiB beyond its tensors whatever the model, cuBLAS's and
-# cuBLASLt's workspaces (32 MiB each on Hopper; smaller on older GPUs, so this over-counts there).
-RUNTIME_COSTS: dict[str, RuntimeCosts] = {
-    "cpu": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, split_factor=1.33,
-                        message_ms=0.06, message_stall_ms=0.36, collective_ms=0.3, dp_sync_ms=1.0,
-                        dp_sync_tensor_ms=0.035,
-                        loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
-                        optimizer_bytes_per_s=10e9, recompute_fwd_ms=0.12, recompute_bwd_ms=0.25,
-                        recompute_fwd_saved_ms=0.0075, recompute_bwd_saved_ms=0.010, oversubscribed_rate=0.9,
-                        step_receives=True),
-    "cuda": RuntimeCosts(action_ms=0.04, split_ms=0.1, split_unit_ms=0.025, weight_call_ms=0.05, message_ms=0.03,
-                         loss_ms=0.05, step_ms=0.25, optimizer_step_ms=0.12, optimizer_tensor_ms=0.006,
-                         optimizer_bytes_per_s=1e12, workspace_bytes=64 * 2**20),
-}
+# Per trace device, from calibration.json (Note [calibration data] in fxpipe.calibration).
+# Link times are not here: the CostModel prices them (its link presets).
+RUNTIME_COSTS: dict[str, RuntimeCosts] = {name: RuntimeCosts(**values("runtime_costs", name))
+                                          for name in names("runtime_costs")}
 
 
 def runtime_costs_for(device: str, host_slowdown: float = 1.0) -> RuntimeCosts:

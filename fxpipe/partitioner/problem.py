@@ -33,8 +33,7 @@ Note [stage cost]: every solver, baseline and report is judged by ``evaluate`` b
   (Note [memory over time] in ``schedule.memory``) and adds what this linear formula,
   which the solvers constrain, leaves out: backward temporaries, gradients kept for a
   split ``W``, receive buffers (on gloo one per message of the step), the step's inputs, and gradients
-  only once they exist. Measured on 2-4 CPU ranks it is within 20% where this formula
-  was 9-75% low (benchmarks/prediction/README.md).
+  only once they exist; this linear formula is below that walk wherever it leaves those out.
 * Rank memory (what a memory limit bounds) = the distinct parameters of its stages
   (a tied parameter shared by two stages of one rank counts once) x state + the sum of
   its stages' buffers, activations and boundary buffers (each at its own peak: an

@@ -8,10 +8,9 @@ See Note [analytic unit time] in :mod:`fxpipe.tracer.calibration`.
 Note [unit call cost]: timing a unit alone pays a fixed cost per call that a stage, which
 runs all its units in one forward and one backward call, pays once per action: calling
 the unit's GraphModule, and above all starting autograd's engine for the unit's own
-``torch.autograd.grad`` (~20 us on this project's CPU, against ~3 us for a small op). A
-stage of the tiny GPT has 17 units: their backward times summed to 1.34 ms where the
-stage's backward measured 0.85 ms inside a running 2-rank pipeline (per-action timers,
-2026-11-26). So ``call_overhead_ms`` times a unit of one elementwise op on a tiny tensor
+``torch.autograd.grad``, several times a small op's cost. Summed over a small model's
+units, that fixed cost would price a stage's backward far above what the stage, calling
+the engine once, spends. So ``call_overhead_ms`` times a unit of one elementwise op on a tiny tensor
 (the call, nearly no work) in the same loop, and ``measure_ms`` takes that off each
 unit's forward and backward (keeping at least a tenth of each: a unit does some work).
 """

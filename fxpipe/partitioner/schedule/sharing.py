@@ -8,9 +8,8 @@ speed if ``n <= cores`` and at ``cores / n x oversubscribed_rate`` of it otherwi
 a rank that waits for a message takes no core (gloo's receive sleeps), while a rank's
 prologue (Note [step simulation]) takes its share like an action. The rate (1 by
 default) is the work the cores lose while the actions outnumber them: the scheduler
-switches between them every time slice and each switch refills the caches (measured on
-this project's 2 cores: 4 processes running the tiny GPT's forward + backward do 0.9 of
-the iterations 2 processes do; ``RUNTIME_COSTS["cpu"]``). So the simulation advances
+switches between them every time slice and each switch refills the caches
+(``RuntimeCosts.oversubscribed_rate``, calibrated per device). So the simulation advances
 event by event (an action finishes, a message lands and its consumer becomes runnable),
 recomputing the share whenever the set of running actions changes. With ``cores`` at
 least the number of ranks it gives the same timeline as the plain simulation (tested);
@@ -20,10 +19,9 @@ in ``fxpipe.partitioner.prediction``, ``RuntimeCosts.busy_speed``).
 
 Note [message stalls]: an action's messages are posted by its rank's thread and moved by
 gloo's transport thread, which needs a core of its own for a moment. While every core is
-busy with an action it waits for the scheduler's next time slice (4 ms here), and so does
-the call that posts, often enough to count: on 2 cores, 2 ranks that compute all the
-time take 40-70 µs per gloo call in the median and ~0.3 ms in the mean
-(``benchmarks/prediction/gloo_stalls.md``). A rank that waits for a message sleeps and
+busy with an action it waits for the scheduler's next time slice (milliseconds), and so
+does the call that posts, often enough to count: while the ranks compute all the time a
+gloo call's mean cost is several times its median. A rank that waits for a message sleeps and
 leaves its core, so a pipeline's messages stall only while its other ranks compute. An
 action that starts while every core is busy (``n`` actions running with it, ``n >=
 cores``) therefore first waits its ``stall`` (``RuntimeCosts.message_stall_ms`` per
@@ -34,8 +32,7 @@ per rank when no sharing is asked for. Gloo's send is a rendezvous: the data lea
 the sending call itself only when the receiver's announcement of its receive reached the
 sender first; otherwise the sender's transport thread sends it when the announcement
 comes, and while the sender computes that thread first waits for a core, up to a time
-slice (a scratch probe on this host: 90th-percentile delivery 1.1-1.7 ms with the
-receive posted 1 ms before the send, 0.2-0.3 ms with it posted 5 ms before). So the
+slice; a receive posted well before its send is delivered without that wait. So the
 runtime posts every receive of a step when the step starts (Note [posting messages] in
 ``fxpipe.runtime.pipeline.comm``), and ``message_stall_ms`` prices what is left.
 """

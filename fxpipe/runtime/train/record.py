@@ -1,8 +1,8 @@
 """``RunRecord``: what one training run measured, as ``DIR/run.json``; and the plan whose prediction it reports.
 
 Rank 0 of ``python -m fxpipe.runtime.launch.worker`` writes it; ``run_build`` returns it;
-``benchmarks/prediction/`` compares ``median_step_ms`` and ``peak_tensor_bytes`` with
-the plan's figures.
+``fxpipe report`` sets ``median_step_ms`` and ``peak_tensor_bytes`` beside the plan's
+figures.
 """
 
 from __future__ import annotations
