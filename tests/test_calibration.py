@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.calibration import CALIBRATION_FILE, Constant, _check, all_constants, constants, hosts, names, values
+from fxpipe.calibration_data import CALIBRATION_FILE, Constant, _check, all_constants, constants, hosts, names, values
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner.cost import LINK_PRESETS
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts
@@ -106,7 +106,7 @@ def test_a_malformed_entry_is_refused():
 
 
 def test_the_loader_imports_no_torch_and_ships_with_the_package():
-    code = "import sys, fxpipe.calibration as c; list(c.all_constants()); print('torch' in sys.modules)"
+    code = "import sys, fxpipe.calibration_data as c; list(c.all_constants()); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))

@@ -74,7 +74,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fxpipe.calibration import names, values
+from fxpipe.calibration_data import names, values
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.schema import read_dataclass
 
@@ -91,7 +91,7 @@ def _link(name: str) -> tuple[float, float]:
 
 # (bandwidth in bytes/s, latency in seconds per message), one direction: nvlink, pcie,
 # infiniband, ethernet and loopback (gloo between processes of one host), from
-# calibration.json (Note [calibration data] in fxpipe.calibration).
+# calibration.json (Note [calibration data] in fxpipe.calibration_data).
 LINK_PRESETS: dict[str, tuple[float, float]] = {name: _link(name) for name in names("links")}
 
 # The link a plan assumes when none is named: what connects the devices of the trace's kind.

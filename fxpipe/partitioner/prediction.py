@@ -4,7 +4,7 @@ Note [step prediction]: ``predict`` runs the step simulator (``simulate_step``, 
 simulation]) on the schedule's own action lists, with what the runtime really does per
 action and per step, which on small models is most of a step. The fixed costs are
 ``RuntimeCosts``, one preset per trace device built from ``fxpipe/calibration.json`` (Note
-[calibration data] in :mod:`fxpipe.calibration`):
+[calibration data] in :mod:`fxpipe.calibration_data`):
 
 * every F, B or W action pays the executor's bookkeeping (``RuntimeCosts.action_ms``);
   each message costs CPU to post and complete (``message_ms``), which its action pays,
@@ -94,7 +94,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from fxpipe.calibration import names, values
+from fxpipe.calibration_data import names, values
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
 from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
@@ -191,7 +191,7 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
     return replace(runtime, rank_speed=min(1.0, cores / processes))
 
 
-# Per trace device, from calibration.json (Note [calibration data] in fxpipe.calibration).
+# Per trace device, from calibration.json (Note [calibration data] in fxpipe.calibration_data).
 # Link times are not here: the CostModel prices them (its link presets).
 RUNTIME_COSTS: dict[str, RuntimeCosts] = {name: RuntimeCosts(**values("runtime_costs", name))
                                           for name in names("runtime_costs")}

@@ -10,7 +10,7 @@ makes small models' times right: a width-32 GPT block dispatches ~110 aten ops p
 forward for only ~2 MFLOP, so its time is nearly all fixed costs, which a flops-only
 roofline leaves out. The figures of each preset are fitted per device and kept, with
 where they were measured, in ``fxpipe/calibration.json`` (Note [calibration data] in
-:mod:`fxpipe.calibration`).
+:mod:`fxpipe.calibration_data`).
 
 Note [asynchronous launch]: on the CPU the thread that dispatches an op also runs it, so a
 unit costs its roofline plus its ops' fixed costs. A CUDA host only enqueues kernels: while
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.calibration import names, values
+from fxpipe.calibration_data import names, values
 
 __all__ = ["DevicePreset", "DEVICE_PRESETS", "ACCUMULATE_OP", "host_slowdown"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.smp import build
+from fxpipe.smp import partitioning as build
 from procs import fxpipe_env
 
 ROOT = Path(__file__).resolve().parents[2]

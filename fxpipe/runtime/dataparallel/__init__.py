@@ -43,8 +43,8 @@ _LAZY = {
     "data_parallel_stage": "stage",
     "stage_optimizer": "stage",
     "CollectiveCounter": "traffic",
-    "block_units": "units",
-    "min_params_units": "units",
+    "block_units": "fsdp_units",
+    "min_params_units": "fsdp_units",
     "optimizer_state_bytes": "zero",
     "shard_optimizer": "zero",
 }
