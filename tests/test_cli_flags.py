@@ -1,0 +1,77 @@
+"""Every verb keeps its flags: the set of flags per verb, with dest, default, choices, action
+and type, pinned in ``cli_flags.json`` (taken from the parser before the options were declared
+once as dataclasses). Help texts may change; what a flag means may not.
+
+Regenerate on purpose (a flag added or changed) with ``python tests/test_cli_flags.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SNAPSHOT = Path(__file__).with_name("cli_flags.json")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
+    out = {}
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        key = " ".join(action.option_strings) or action.dest
+        out[key] = {"dest": action.dest, "default": _jsonable(action.default),
+                    "choices": _jsonable(list(action.choices)) if action.choices is not None else None,
+                    "action": type(action).__name__, "const": _jsonable(action.const),
+                    "type": getattr(action.type, "__name__", None) if action.type is not None else None}
+    return out
+
+
+def current() -> dict[str, dict[str, dict[str, Any]]]:
+    from fxpipe.cli import build_parser
+    from fxpipe.runtime import worker
+
+    parser = build_parser()
+    verbs: dict[str, dict[str, dict[str, Any]]] = {"fxpipe": _flags(parser)}
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        verbs[name] = _flags(p)
+    captured: dict[str, argparse.ArgumentParser] = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        captured["worker"] = self
+        return original(self, *args, **kwargs)
+
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
+    try:
+        worker.parse_args(["build"])
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    verbs["worker"] = _flags(captured["worker"])
+    return verbs
+
+
+def test_every_verb_keeps_its_flags_and_defaults() -> None:
+    expected = json.loads(SNAPSHOT.read_text())
+    got = current()
+    assert set(got) == set(expected)
+    for verb in expected:
+        assert set(got[verb]) == set(expected[verb]), verb
+        for flag, spec in expected[verb].items():
+            assert got[verb][flag] == spec, (verb, flag)
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(json.dumps(current(), indent=1, sort_keys=True) + "\n")
+    sys.exit(0)
