@@ -62,9 +62,15 @@ def current() -> dict[str, dict[str, dict[str, Any]]]:
     return verbs
 
 
+def _reading(spec: dict[str, Any]) -> dict[str, Any]:
+    """``type=str`` and no type read a flag alike."""
+    return {**spec, "type": None if spec["type"] == "str" else spec["type"]}
+
+
 def test_every_verb_keeps_its_flags_and_defaults() -> None:
-    expected = json.loads(SNAPSHOT.read_text())
-    got = current()
+    expected = {verb: {flag: _reading(spec) for flag, spec in flags.items()}
+                for verb, flags in json.loads(SNAPSHOT.read_text()).items()}
+    got = {verb: {flag: _reading(spec) for flag, spec in flags.items()} for verb, flags in current().items()}
     assert set(got) == set(expected)
     for verb in expected:
         assert set(got[verb]) == set(expected[verb]), verb
