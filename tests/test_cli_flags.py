@@ -1,6 +1,6 @@
-"""Every verb keeps its flags: the set of flags per verb, with dest, default, choices, action
-and type, pinned in ``cli_flags.json`` (taken from the parser before the options were declared
-once as dataclasses). Help texts may change; what a flag means may not.
+"""Every verb keeps its flags: the set of flags per verb, with default, choices, action and
+type, pinned in ``cli_flags.json`` (taken from the parsers before the options were declared
+once as dataclasses, fxpipe.optionspec). Help texts may change; what a flag means may not.
 
 Regenerate on purpose (a flag added or changed) with ``python tests/test_cli_flags.py``.
 """
@@ -63,8 +63,9 @@ def current() -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _reading(spec: dict[str, Any]) -> dict[str, Any]:
-    """``type=str`` and no type read a flag alike."""
-    return {**spec, "type": None if spec["type"] == "str" else spec["type"]}
+    """What a user sees of a flag: ``type=str`` and no type read it alike, and ``dest`` is the
+    namespace's name for it, the parser's own business (``--leaf`` fills ``leaves``)."""
+    return {**{k: v for k, v in spec.items() if k != "dest"}, "type": None if spec["type"] == "str" else spec["type"]}
 
 
 def test_every_verb_keeps_its_flags_and_defaults() -> None:
