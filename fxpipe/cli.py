@@ -73,7 +73,7 @@ def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
     return trace_model_file(source, batch_size, **from_namespace(ModelTraceOptions, args).trace_kwargs())
 
 
-def _plan(options: PlanOptions, profile: Any, microbatches: int) -> Any:
+def _plan(options: PlanOptions, profile: Any, stages: int, microbatches: int) -> Any:
     from fxpipe.partitioner import plan_partition
 
     _enter("planning")
@@ -82,7 +82,7 @@ def _plan(options: PlanOptions, profile: Any, microbatches: int) -> Any:
 
     with phase("solve") as solving:
         plan = plan_partition(
-            profile, options.stages, solver=options.solver, schedule=options.schedule, microbatches=microbatches,
+            profile, stages, solver=options.solver, schedule=options.schedule, microbatches=microbatches,
             cost=cost, memory_limit=options.memory_limit_bytes, time_limit=options.time_limit,
             optimize=options.optimize, virtual_stages=options.virtual_stages, split_at=options.split_at,
         )
@@ -90,19 +90,20 @@ def _plan(options: PlanOptions, profile: Any, microbatches: int) -> Any:
     return plan
 
 
-def _check_stages(stages: int | None) -> None:
+def _check_stages(stages: int | None) -> int:
     from fxpipe.errors import PartitionError
 
     if stages is None:
         raise PartitionError("give --stages N, or --devices N --global-batch G to search a cluster")
     if stages < 1:
         raise PartitionError(f"--stages must be >= 1, got {stages}")
+    return stages
 
 
-def _microbatching(batch_size: int | None, microbatches: int | None, stages: int) -> tuple[int, int]:
+def _microbatching(batch_size: int | None, microbatches: int | None, stages: int | None) -> tuple[int, int]:
     from fxpipe.errors import PartitionError
 
-    _check_stages(stages)
+    stages = _check_stages(stages)
     m = stages if microbatches is None else microbatches
     if m < 1:
         raise PartitionError(f"--microbatches must be >= 1, got {m}")
@@ -167,7 +168,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"))
     else:
-        plan = _plan(options, profile, options.stages if options.microbatches is None else options.microbatches)
+        stages = _check_stages(options.stages)
+        plan = _plan(options, profile, stages, stages if options.microbatches is None else options.microbatches)
     _enter("writing the plan")
     out = _write_artifact(args.out, plan.to_json())
     _enter("printing the plan")
@@ -207,7 +209,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
         check_build_target(out)  # before minutes of tracing; write_build_dir checks again
         source = _load_source(args)
         traced = _trace(args, source, batch // micro)
-        plan = _plan(options, traced.profile, micro)
+        plan = _plan(options, traced.profile, _check_stages(options.stages), micro)
     _enter("emitting the build directory")
     manifest = write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro,
                                check=not args.no_check, weights=args.weights)
@@ -354,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check the stages against the original model in one process, in train and "
                                       "eval mode")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of every comparison (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every comparison (default 1e-5)")
     p.add_argument("--all", action="store_true", help="list every output, gradient and buffer (default: the worst)")
     p.set_defaults(func=cmd_verify)
 

@@ -255,9 +255,10 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
             target.add_argument(flag, *spec.aliases, dest=path, action="append",
                                 default=missing if suppress else list(default), metavar=spec.metavar, help=text)
         else:
-            parse = spec.parse or (kind if kind in (int, float) else None)
-            target.add_argument(flag, *spec.aliases, dest=path, type=parse, metavar=spec.metavar,
-                                choices=spec.choices if spec.parse_choices else None, default=missing, help=text)
+            parse = spec.parse or (kind if kind in (int, float) else None)  # None: the text as it is
+            typed: dict[str, Any] = {"type": parse} if parse is not None else {}
+            target.add_argument(flag, *spec.aliases, dest=path, metavar=spec.metavar, default=missing, help=text,
+                                choices=spec.choices if spec.parse_choices else None, **typed)
         for switch in spec.switches:
             target.add_argument(switch.flag, dest=path, action="store_const", const=switch.value,
                                 default=argparse.SUPPRESS, help=switch.help)

@@ -37,15 +37,15 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
     return out
 
 
-def current() -> dict[str, dict[str, dict[str, Any]]]:
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """``fxpipe``'s parser, each verb's and the worker's."""
     from fxpipe.cli import build_parser
     from fxpipe.runtime import worker
 
     parser = build_parser()
-    verbs: dict[str, dict[str, dict[str, Any]]] = {"fxpipe": _flags(parser)}
+    parsers = {"fxpipe": parser}
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, p in sub.choices.items():
-        verbs[name] = _flags(p)
+    parsers.update(sub.choices)
     captured: dict[str, argparse.ArgumentParser] = {}
     original = argparse.ArgumentParser.parse_args
 
@@ -58,8 +58,12 @@ def current() -> dict[str, dict[str, dict[str, Any]]]:
         worker.parse_args(["build"])
     finally:
         argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-    verbs["worker"] = _flags(captured["worker"])
-    return verbs
+    parsers["worker"] = captured["worker"]
+    return parsers
+
+
+def current() -> dict[str, dict[str, dict[str, Any]]]:
+    return {verb: _flags(parser) for verb, parser in _parsers().items()}
 
 
 def _reading(spec: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +81,14 @@ def test_every_verb_keeps_its_flags_and_defaults() -> None:
         assert set(got[verb]) == set(expected[verb]), verb
         for flag, spec in expected[verb].items():
             assert got[verb][flag] == spec, (verb, flag)
+
+
+def test_every_flag_has_help() -> None:
+    for verb, parser in _parsers().items():
+        parser.format_help()  # every %(choices)s expands
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                assert action.help, (verb, action.option_strings)
 
 
 if __name__ == "__main__":
