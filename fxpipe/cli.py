@@ -27,7 +27,7 @@ from fxpipe.unexpected import internal_error_line, print_safely
 __all__ = ["main", "build_parser"]
 
 
-# -- shared option groups: declared once, as dataclasses (Note [options declared once] in fxpipe.optionspec) ------
+# -- shared option groups (dataclasses: Note [options declared once] in fxpipe.optionspec) ----------------
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:

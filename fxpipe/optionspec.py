@@ -23,14 +23,14 @@ the CLI builds every verb's parser at start-up.
 
 >>> @dataclass(frozen=True, kw_only=True)
 ... class Demo(Options):
-...     rank: int = option(1, help="PowerSGD rank", metavar="K", seed_key="powersgd_rank")
+...     rank: int = option(1, help="PowerSGD rank", metavar="K", seed_key="rank_key")
 ...     hook: str = option("allreduce", help="communication hook: %(choices)s", choices=("allreduce", "fp16"))
 >>> parser = argparse.ArgumentParser()
 >>> add_arguments(parser, Demo)
 >>> from_namespace(Demo, parser.parse_args(["--rank", "2"]))
 Demo(rank=2, hook='allreduce')
 >>> Demo.from_dict(Demo(hook="fp16").to_dict()), seed_keys(Demo)
-(Demo(rank=1, hook='fp16'), {'powersgd_rank': 'rank'})
+(Demo(rank=1, hook='fp16'), {'rank_key': 'rank'})
 """
 
 from __future__ import annotations

@@ -309,7 +309,8 @@ class CostModel:
                                                 "(FSDP2's MixedPrecisionPolicy)")
     shard_reduce_dtype: str | None = option(None, choices=SHARD_DTYPES, metavar="DTYPE",
                                             none_means="--shard-param-dtype's",
-                                            help="with --shard grad-op/full: reduce-scatter the gradients in this dtype")
+                                            help="with --shard grad-op/full: reduce-scatter the gradients in this "
+                                                 "dtype")
     node_size: int = 0                          # devices per node; 0: all on one node (Note [cluster links])
     inter_link_bandwidth: float | None = None   # between nodes; None: the link above
     inter_link_latency: float | None = None

@@ -35,6 +35,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.jsonio import load_json
 from fxpipe.optionspec import Options, add_arguments, group, groups_of, namespace_values, option, same_as
 from fxpipe.partitioner.cost import CostModel
+from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.training_options import PRECISIONS, TrainingOptions
@@ -82,7 +83,7 @@ class RunOptions(Options):
     virtual_stages: int | None = option(None, metavar="V", none_means="the build's",
                                         help="stages per rank; must be the build's (partition with --virtual-stages "
                                              "V to change it)")
-    microbatches: int | None = option(None, metavar="M", none_means="the build's", help="microbatches per step")
+    microbatches: int | None = same_as(PlanOptions, "microbatches", none_means="the build's")
     batch_size: int | None = option(None, metavar="B", none_means="the build's",
                                     help="batch of one pipeline replica per step")
     lr: float = option(0.01, metavar="LR", help="learning rate (the peak, with --warmup-steps / --lr-schedule)")

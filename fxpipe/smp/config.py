@@ -101,7 +101,8 @@ class Config:
             raise ConfigError(f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
                               f"got {self.default_partition!r}")
         if not isinstance(self.data_parallel, DataParallelOptions):
-            raise ConfigError(f"config data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}")
+            raise ConfigError("config data_parallel must be DataParallelOptions, got "
+                              f"{type(self.data_parallel).__name__}")
         if self.optimize not in ("speed", "memory"):
             raise ConfigError(f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}")
         if self.plan is not None:
