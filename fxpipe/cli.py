@@ -18,64 +18,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxpipe.errors import FxpipeError
+from fxpipe.optionspec import add_arguments, from_namespace
+from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.search.args import add_cluster_arguments
-from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
+from fxpipe.tracer.trace_options import ModelTraceOptions
 from fxpipe.unexpected import internal_error_line, print_safely
 
 __all__ = ["main", "build_parser"]
 
 
-# -- shared option groups ------------------------------------------------------
+# -- shared option groups (dataclasses: Note [options declared once] in fxpipe.optionspec) ----------------
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_file", help="model file (path.py or path.py:build_fn)")
-    p.add_argument("--model-fn", help="model factory function (default build_model)")
-    p.add_argument("--inputs-fn", help="example inputs function (default example_inputs)")
-    p.add_argument("--frontend", choices=["auto", "symbolic", "export"], default="auto",
-                   help="tracing front end (default auto: symbolic when it exposes the structure)")
-    p.add_argument("--leaf", action="append", default=[], metavar="TYPE_OR_PATH",
-                   help="keep this module type (class name) or module path whole; repeatable")
-    p.add_argument("--trace-device", "--device", dest="trace_device", choices=["cpu", "cuda", "meta"], default="cpu",
-                   help="where to trace (default cpu); meta: build the model with its parameters on the meta "
-                        "device and profile it analytically, for models larger than this machine")
-    p.add_argument("--cost-device", choices=["cpu", "cuda"], default=None,
-                   help="device whose analytic costs price the units (default: the trace device; cpu for meta)")
-    p.add_argument("--measure-times", action="store_true",
-                   help="measure forward/backward per unit instead of the analytic estimate")
-    p.add_argument("--measure-memory", action="store_true",
-                   help="measure activation memory saved for backward per unit")
-
-
-def _add_cost_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int, default=None,
-                   help="number of pipeline stages (or --devices N to search the stages, replicas and the rest)")
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches per step (default: the number of stages)")
-    p.add_argument("--solver", default="auto", choices=["auto", "dp", "cpsat", "greedy", "params", "uniform"])
-    p.add_argument("--schedule", default="1f1b", choices=(*SCHEDULE_NAMES, AUTO),
-                   help="pipeline schedule to plan for: %(choices)s (auto: plan each, keep the fastest that fits; "
-                        "default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
-                   help="stages per rank: --stages N gives N x V stages, placed loop-style (interleaved-1f1b) or "
-                        "V-shaped (zbv); default: the schedule's least (1, or 2 for interleaved-1f1b and zbv)")
-    p.add_argument("--memory-limit", help="memory per device, e.g. 512MiB or 16GiB")
-    p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds")
-    p.add_argument("--link", default=None, help="link preset: nvlink, pcie, infiniband, ethernet, loopback (default: "
-                                               "nvlink for a CUDA trace, loopback for a CPU one)")
-    p.add_argument("--link-bandwidth", type=float, help="link bandwidth in GB/s (overrides the preset)")
-    p.add_argument("--link-latency", type=float, help="per-message latency in microseconds (overrides the preset)")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"],
-                   help="optimizer whose state the memory model counts")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="the autocast precision `fxpipe run --precision` will train in: boundary tensors are sent "
-                        "in it (bf16/fp16: half the bytes)")
-    p.add_argument("--speed-factors", help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
-    p.add_argument("--optimize", default="speed", choices=["speed", "memory"])
-    p.add_argument("--split-at", action="append", default=[], metavar="MODULE",
-                   help="start a stage at this module path (like pipelining's SplitPoint.BEGINNING); repeatable, "
-                        "stages - 1 times")
-    _add_dp_options(p, "price each stage's gradient all-reduce over R pipeline replicas (default 1: none)")
+    add_arguments(p, ModelTraceOptions)
 
 
 def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
@@ -83,25 +40,6 @@ def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
 
     _enter("searching configurations")
     return search_from_args(args, profile, _console())
-
-
-def _add_dp_options(p: argparse.ArgumentParser, dp_help: str) -> None:
-    # --comm-hook is checked where it is used (CostModel, DataParallelOptions: both name the valid hooks),
-    # so building the parser imports no torch
-    p.add_argument("--dp", type=int, default=1, metavar="R", help=dp_help)
-    p.add_argument("--comm-hook", default="allreduce", metavar="HOOK",
-                   help="DDP communication hook of the gradient all-reduce: allreduce (default), fp16, bf16, "
-                        "powersgd or batched_powersgd")
-    p.add_argument("--powersgd-rank", type=int, default=1, metavar="K",
-                   help="PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)")
-    p.add_argument("--shard", default="none", metavar="LEVEL",
-                   help="shard training state over the R replicas: none (default), optimizer (ZeRO-1), grad-op "
-                        "(gradients too, ZeRO-2), full (parameters too, ZeRO-3); prices memory per rank and traffic")
-    p.add_argument("--shard-reduce", default="step", metavar="WHEN",
-                   help="with --shard grad-op/full: reduce-scatter the gradients once per step (default) or per "
-                        "microbatch")
-    p.add_argument("--shard-param-dtype", default=None, metavar="DTYPE",
-                   help="with --shard grad-op/full: gather and compute in this dtype (bfloat16, float16)")
 
 
 # -- verbs ---------------------------------------------------------------------
@@ -124,78 +62,48 @@ def _load_source(args: argparse.Namespace) -> Any:
     from fxpipe.modelfile import load_model_file
 
     _enter("loading the model file")
-    return load_model_file(args.model_file, model_fn=args.model_fn, inputs_fn=args.inputs_fn)
+    options = from_namespace(ModelTraceOptions, args)
+    return load_model_file(args.model_file, model_fn=options.model_fn, inputs_fn=options.inputs_fn)
 
 
 def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
     from fxpipe.tracer import trace_model_file
 
     _enter("tracing")
-    return trace_model_file(
-        source, batch_size,
-        frontend=args.frontend, leaves=tuple(args.leaf), measure_times=args.measure_times,
-        measure_memory=args.measure_memory, trace_device=args.trace_device, cost_device=args.cost_device,
-    )
+    return trace_model_file(source, batch_size, **from_namespace(ModelTraceOptions, args).trace_kwargs())
 
 
-def _plan(args: argparse.Namespace, profile: Any, microbatches: int) -> Any:
-    from fxpipe.errors import ConfigError
-    from fxpipe.partitioner import CostModel, parse_size, plan_partition
-    from fxpipe.partitioner.cost import default_link
+def _plan(options: PlanOptions, profile: Any, stages: int, microbatches: int) -> Any:
+    from fxpipe.partitioner import plan_partition
 
     _enter("planning")
-    overrides: dict[str, Any] = {"optimizer": args.optimizer, "dp_replicas": args.dp,
-                                 "comm_hook": args.comm_hook, "powersgd_rank": args.powersgd_rank,
-                                 "shard": args.shard, "shard_reduce": args.shard_reduce,
-                                 "shard_param_dtype": args.shard_param_dtype, "precision": args.precision}
-    if args.dp == 1 and (args.shard != "none" or args.shard_reduce != "step" or args.shard_param_dtype):
-        raise ConfigError("--shard, --shard-reduce and --shard-param-dtype divide state over data-parallel "
-                          "replicas, but --dp is 1; add --dp R (R >= 2) or drop them")
-    for option, value in (("--link-bandwidth", args.link_bandwidth), ("--link-latency", args.link_latency),
-                          ("--time-limit", args.time_limit)):
-        if value is not None and not math.isfinite(value):  # nan/inf would end up in plan.json
-            raise ConfigError(f"{option} must be a finite number, got {value}")
-    if args.link_bandwidth is not None:
-        overrides["link_bandwidth"] = args.link_bandwidth * 1e9
-    if args.link_latency is not None:
-        overrides["link_latency"] = args.link_latency * 1e-6
-    if args.speed_factors:
-        try:
-            overrides["device_speed"] = tuple(float(s) for s in args.speed_factors.split(","))
-        except ValueError:
-            raise ConfigError(f"--speed-factors {args.speed_factors!r} must be numbers separated by commas") from None
-        if not all(math.isfinite(s) and s > 0 for s in overrides["device_speed"]):
-            raise ConfigError(f"--speed-factors {args.speed_factors!r} must be finite numbers > 0, e.g. 1,1,0.5")
-    cost = CostModel.preset(args.link or default_link(profile.trace_device), **overrides)
-    try:
-        memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
-    except ConfigError as exc:
-        raise ConfigError(f"--memory-limit: {exc}") from None
+    cost = options.cost_model(profile.trace_device)
     from fxpipe.tracer.progress import phase
 
     with phase("solve") as solving:
         plan = plan_partition(
-            profile, args.stages, solver=args.solver, schedule=args.schedule, microbatches=microbatches,
-            cost=cost, memory_limit=memory_limit, time_limit=args.time_limit, optimize=args.optimize,
-            virtual_stages=args.virtual_stages, split_at=tuple(args.split_at),
+            profile, stages, solver=options.solver, schedule=options.schedule, microbatches=microbatches,
+            cost=cost, memory_limit=options.memory_limit_bytes, time_limit=options.time_limit,
+            optimize=options.optimize, virtual_stages=options.virtual_stages, split_at=options.split_at,
         )
         solving.detail = f"{plan.solver}, {len(profile.units)} units into {plan.num_stages} stages"
     return plan
 
 
-def _check_stages(stages: int | None) -> None:
+def _check_stages(stages: int | None) -> int:
     from fxpipe.errors import PartitionError
 
     if stages is None:
         raise PartitionError("give --stages N, or --devices N --global-batch G to search a cluster")
     if stages < 1:
         raise PartitionError(f"--stages must be >= 1, got {stages}")
+    return stages
 
 
-def _microbatching(batch_size: int | None, microbatches: int | None, stages: int) -> tuple[int, int]:
+def _microbatching(batch_size: int | None, microbatches: int | None, stages: int | None) -> tuple[int, int]:
     from fxpipe.errors import PartitionError
 
-    _check_stages(stages)
+    stages = _check_stages(stages)
     m = stages if microbatches is None else microbatches
     if m < 1:
         raise PartitionError(f"--microbatches must be >= 1, got {m}")
@@ -246,6 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.devices is None:
         _check_stages(args.stages)
+    options = from_namespace(PlanOptions, args)
     _enter("reading the profile")
     profile = ModelProfile.from_json(args.profile)
     if args.devices is not None:
@@ -253,13 +162,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         result = _cluster_search(args, profile)
         _enter("planning the best configuration")
-        plan = plan_configuration(profile, result.cluster, result.best.config, optimizer=args.optimizer,
-                                  time_limit=args.time_limit)
+        plan = plan_configuration(profile, result.cluster, result.best.config, optimizer=options.optimizer,
+                                  time_limit=options.time_limit)
         from fxpipe.jsonio import dump_json
 
         _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"))
     else:
-        plan = _plan(args, profile, args.stages if args.microbatches is None else args.microbatches)
+        stages = _check_stages(options.stages)
+        plan = _plan(options, profile, stages, stages if options.microbatches is None else options.microbatches)
     _enter("writing the plan")
     out = _write_artifact(args.out, plan.to_json())
     _enter("printing the plan")
@@ -279,6 +189,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from fxpipe.partitioner import print_plan_report
 
     out = Path(args.out)
+    options = from_namespace(PlanOptions, args)
     if args.devices is not None:  # search, then trace again at the chosen microbatch size
         from fxpipe.partitioner.search.configurations import plan_configuration
 
@@ -291,14 +202,14 @@ def cmd_partition(args: argparse.Namespace) -> int:
         if best.microbatch_size != traced.profile.batch_size:
             traced = _trace(args, source, best.microbatch_size)
         _enter("planning the best configuration")
-        plan = plan_configuration(traced.profile, result.cluster, best, optimizer=args.optimizer,
-                                  time_limit=args.time_limit)
+        plan = plan_configuration(traced.profile, result.cluster, best, optimizer=options.optimizer,
+                                  time_limit=options.time_limit)
     else:
-        batch, micro = _microbatching(args.batch_size, args.microbatches, args.stages)
+        batch, micro = _microbatching(args.batch_size, options.microbatches, options.stages)
         check_build_target(out)  # before minutes of tracing; write_build_dir checks again
         source = _load_source(args)
         traced = _trace(args, source, batch // micro)
-        plan = _plan(args, traced.profile, micro)
+        plan = _plan(options, traced.profile, _check_stages(options.stages), micro)
     _enter("emitting the build directory")
     manifest = write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro,
                                check=not args.no_check, weights=args.weights)
@@ -415,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan stages from a saved profile.json; write plan.json")
     p.add_argument("profile", help="profile.json written by `fxpipe trace`")
-    _add_cost_options(p)
+    add_arguments(p, PlanOptions)
     add_cluster_arguments(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--html", metavar="PATH", help="also write the self-contained HTML report to PATH")
@@ -423,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")
     _add_model_options(p)
-    _add_cost_options(p)
+    add_arguments(p, PlanOptions)
     add_cluster_arguments(p)
     p.add_argument("--batch-size", type=int, default=None,
                    help="batch of one pipeline replica per step (default 2 x microbatches)")
@@ -445,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check the stages against the original model in one process, in train and "
                                       "eval mode")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of every comparison (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every comparison (default 1e-5)")
     p.add_argument("--all", action="store_true", help="list every output, gradient and buffer (default: the worst)")
     p.set_defaults(func=cmd_verify)
 

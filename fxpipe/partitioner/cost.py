@@ -76,11 +76,13 @@ from typing import Any
 
 from fxpipe.calibration_data import names, values
 from fxpipe.errors import ConfigError, PartitionError
+from fxpipe.optionspec import option
 from fxpipe.schema import read_dataclass
 
 __all__ = ["CostModel", "AllReduceTraffic", "DataParallelTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR",
            "DEFAULT_LINKS", "default_link",
-           "COMM_HOOKS", "SHARD_LEVELS", "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
+           "COMM_HOOKS", "SHARD_LEVELS", "SHARD_REDUCE", "SHARD_DTYPES", "PRECISIONS",
+           "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
            "parse_size", "format_size", "ring_hops"]
 
 
@@ -109,12 +111,15 @@ OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
 # Data-parallel gradient communication hooks (fxpipe.runtime.dataparallel) the cost model can price.
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
 
-# Sharding levels over the data-parallel replicas (Note [sharding pricing]), as fxpipe.runtime.dataparallel names them.
+# Sharding levels over the data-parallel replicas (Note [sharding pricing]), as fxpipe.runtime.dataparallel names them,
+# when the sharded levels reduce-scatter their gradients, and the dtypes they may gather and reduce in.
 SHARD_LEVELS = ("none", "optimizer", "grad-op", "full")
-_SHARD_REDUCE = ("step", "microbatch")
+SHARD_REDUCE = ("step", "microbatch")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHARD_DTYPES = tuple(_DTYPE_BYTES)
 # --precision: the runtime sends boundary tensors in the autocast dtype (fxpipe.runtime.pipeline.precision)
 _WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISIONS = tuple(_WIRE_BYTES)
 
 # All-reduces each hook issues per DDP bucket (Note [hook pricing]).
 _ALLREDUCES_PER_BUCKET = {"allreduce": 1, "fp16": 1, "bf16": 1, "powersgd": 3, "batched_powersgd": 2}
@@ -287,18 +292,34 @@ class CostModel:
     optimizer: str = "sgd"
     device_speed: tuple[float, ...] = field(default=())
     dp_replicas: int = 1
-    comm_hook: str = "allreduce"
-    powersgd_rank: int = 1
+    # The data-parallel options priced here are declared here, once (Note [options declared once] in
+    # fxpipe.optionspec): fxpipe.runtime.dataparallel.DataParallelOptions and PlanOptions take them over.
+    comm_hook: str = option("allreduce", choices=COMM_HOOKS, parse_choices=False, metavar="HOOK",
+                            help=f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}")
+    powersgd_rank: int = option(1, metavar="K", help="PowerSGD matrix approximation rank (with --comm-hook "
+                                                     "powersgd/batched_powersgd)")
     dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    shard: str = "none"
-    shard_reduce: str = "step"
-    shard_param_dtype: str | None = None
-    shard_reduce_dtype: str | None = None
+    shard: str = option("none", choices=SHARD_LEVELS, metavar="LEVEL",
+                        help="shard training state over the data-parallel replicas: none, optimizer (ZeRO-1: "
+                             "ZeroRedundancyOptimizer), grad-op (gradients too: FSDP2, ZeRO-2), full (parameters too: "
+                             "FSDP2, ZeRO-3); the plan prices each rank's memory and traffic")
+    shard_reduce: str = option("step", choices=SHARD_REDUCE, metavar="WHEN",
+                               help="with --shard grad-op/full: reduce-scatter the gradients once per step or after "
+                                    "every microbatch (gradients kept sharded, M times the traffic)")
+    shard_param_dtype: str | None = option(None, choices=SHARD_DTYPES, metavar="DTYPE", none_means="the parameters'",
+                                           help="with --shard grad-op/full: gather and compute in this dtype "
+                                                "(FSDP2's MixedPrecisionPolicy)")
+    shard_reduce_dtype: str | None = option(None, choices=SHARD_DTYPES, metavar="DTYPE",
+                                            none_means="--shard-param-dtype's",
+                                            help="with --shard grad-op/full: reduce-scatter the gradients in this "
+                                                 "dtype")
     node_size: int = 0                          # devices per node; 0: all on one node (Note [cluster links])
     inter_link_bandwidth: float | None = None   # between nodes; None: the link above
     inter_link_latency: float | None = None
     recompute: tuple[bool, ...] = field(default=())  # per stage: recompute activations in backward; (): none
-    precision: str = "fp32"  # fp32 boundary tensors travel in this precision (``wire_bytes``)
+    precision: str = option("fp32", choices=PRECISIONS, metavar="P",  # fp32 boundary tensors travel in it (wire_bytes)
+                            help="autocast precision of each stage's forward and the loss: %(choices)s; boundary "
+                                 "tensors travel in it (bf16/fp16: half the bytes)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_speed", tuple(_number("device_speed factor", s) for s in self.device_speed))
@@ -323,8 +344,8 @@ class CostModel:
                               f"DDP's default bucket_cap_mb=25 is {DEFAULT_BUCKET_BYTES}")
         if self.shard not in SHARD_LEVELS:
             raise ConfigError(f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}")
-        if self.shard_reduce not in _SHARD_REDUCE:
-            raise ConfigError(f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(_SHARD_REDUCE)}")
+        if self.shard_reduce not in SHARD_REDUCE:
+            raise ConfigError(f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(SHARD_REDUCE)}")
         object.__setattr__(self, "recompute", tuple(self.recompute))
         if not all(isinstance(r, bool) for r in self.recompute):
             raise ConfigError(f"recompute must list one true/false per stage, got {self.recompute!r}")

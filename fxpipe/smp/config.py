@@ -3,15 +3,19 @@
 The seed library takes a plain dict (``{"partitions": 2, "microbatches": 4, ...}``);
 ``Config.from_dict`` validates it and refuses unknown keys and impossible values with a
 ``ConfigError`` that names the key, the value given, what is expected and a remedy.
+The data-parallel keys (``comm_hook``, ``powersgd_rank``, ``shard``, ...) are not declared
+here: they are ``DataParallelOptions``' seed keys (``seed_keys``, Note [options declared
+once] in ``fxpipe.optionspec``), read into ``Config.data_parallel`` and checked there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from fxpipe.errors import ConfigError, ScheduleError
+from fxpipe.optionspec import seed_keys
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES, schedule_kind
 from fxpipe.runtime.dataparallel import DataParallelOptions
 
@@ -44,14 +48,13 @@ class Config:
     else on ``default_partition``); ``optimize``: ``"speed"`` or ``"memory"``, passed
     to the planner; ``ddp``: allow data-parallel replicas (world = partitions x
     replicas, each stage wrapped in DDP over its data-parallel group; see
-    docs/dataparallel.md); ``comm_hook``: the DDP communication hook by name
-    (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``) and
-    ``powersgd_rank`` its PowerSGD rank; ``shard``: shard training state over the
-    data-parallel group (``"optimizer"``: ``ZeroRedundancyOptimizer``; ``"grad-op"``,
-    ``"full"``: FSDP2, for schedules with one stage per process and a whole backward), with
-    ``shard_reduce``, ``shard_wrap``, ``shard_min_params``, ``shard_param_dtype`` and
-    ``shard_reduce_dtype`` as in ``DataParallelOptions``;
-    ``shard_optimizer_state``: the older spelling of ``"shard": "optimizer"``; ``plan``: a build
+    docs/dataparallel.md); the keys ``comm_hook`` (the DDP communication hook by name:
+    ``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``), ``powersgd_rank``,
+    ``shard`` (shard training state over the data-parallel group: ``"optimizer"``:
+    ``ZeroRedundancyOptimizer``; ``"grad-op"``, ``"full"``: FSDP2, for schedules with one stage per
+    process and a whole backward), ``shard_reduce``, ``shard_wrap``, ``shard_min_params``,
+    ``shard_param_dtype``, ``shard_reduce_dtype`` and ``shard_optimizer_state`` (the older spelling
+    of ``"shard": "optimizer"``) are ``DataParallelOptions``' fields, held in ``data_parallel``; ``plan``: a build
     directory written by ``fxpipe partition`` to use instead of partitioning at the
     first step; ``weights``: a checkpoint each rank loads its own stage's tensors from right
     after partitioning, in the formats of ``fxpipe partition --weights`` (a ``.safetensors``
@@ -68,16 +71,8 @@ class Config:
     optimize: str = "speed"
     ddp: bool = False
     plan: str | None = None
-    comm_hook: str = "allreduce"
-    powersgd_rank: int = 1
-    shard_optimizer_state: bool = False
-    shard: str = "none"
-    shard_reduce: str = "step"
-    shard_wrap: str = "block"
-    shard_min_params: int | None = None
-    shard_param_dtype: str | None = None
-    shard_reduce_dtype: str | None = None
     weights: str | None = None
+    data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
 
     def __post_init__(self) -> None:
         if not _is_int(self.partitions) or self.partitions < 1:
@@ -105,7 +100,9 @@ class Config:
         if not _is_int(self.default_partition) or not 0 <= self.default_partition < self.partitions:
             raise ConfigError(f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
                               f"got {self.default_partition!r}")
-        self.data_parallel_options()  # validates comm_hook, powersgd_rank and the shard keys
+        if not isinstance(self.data_parallel, DataParallelOptions):
+            raise ConfigError("config data_parallel must be DataParallelOptions, got "
+                              f"{type(self.data_parallel).__name__}")
         if self.optimize not in ("speed", "memory"):
             raise ConfigError(f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}")
         if self.plan is not None:
@@ -123,11 +120,7 @@ class Config:
 
     def data_parallel_options(self, **ddp_options: Any) -> DataParallelOptions:
         """The data-parallel options: this config's hook and sharding keys plus ``DistributedModel``'s DDP options."""
-        return DataParallelOptions(comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
-                                   shard_optimizer_state=self.shard_optimizer_state, shard=self.shard,
-                                   shard_reduce=self.shard_reduce, shard_wrap=self.shard_wrap,
-                                   shard_min_params=self.shard_min_params, shard_param_dtype=self.shard_param_dtype,
-                                   shard_reduce_dtype=self.shard_reduce_dtype, **ddp_options)
+        return replace(self.data_parallel, **ddp_options) if ddp_options else self.data_parallel
 
     @property
     def schedule(self) -> str:
@@ -143,14 +136,16 @@ class Config:
     def from_dict(cls, config: Mapping[str, Any] | None) -> Config:
         """Validate a user's config dict (``None`` or ``{}`` is refused: ``partitions`` is required)."""
         config = dict(config or {})
-        known = [f.name for f in fields(cls)]
+        data_parallel = seed_keys(DataParallelOptions)  # seed key -> DataParallelOptions field
+        known = [f.name for f in fields(cls) if f.name != "data_parallel"] + list(data_parallel)
         unknown = sorted(set(config) - set(known))
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; fxpipe.init accepts {known}")
         if "partitions" not in config:
             raise ConfigError("config has no 'partitions': pass the number of pipeline stages, "
                               "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})")
-        return cls(**config)
+        dp = DataParallelOptions(**{name: config.pop(key) for key, name in data_parallel.items() if key in config})
+        return cls(**config, data_parallel=dp)
 
     def check_world(self, world_size: int) -> int:
         """The number of data-parallel replicas for ``world_size`` processes (``ddp`` must allow more than one)."""
@@ -159,7 +154,7 @@ class Config:
                               f"launch a multiple of {self.partitions} processes "
                               f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'")
         replicas = world_size // self.partitions
-        options = self.data_parallel_options()
+        options = self.data_parallel
         shard = options.shard
         if replicas == 1 and shard != "none":
             raise ConfigError(f"config shards training state ('shard': {shard!r}) over the data-parallel replicas, but "

@@ -26,11 +26,11 @@ from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import FallbackLeaf, LeafSpec, SymbolicTraceFailure, symbolic_trace, warn_fallbacks
+from fxpipe.tracer.trace_options import FRONTENDS  # declared with the --frontend flag, which imports no torch
 from fxpipe.graphmeta import CONSTANTS_KEY
 
 __all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph", "unrebuildable_leaves"]
 
-FRONTENDS = ("auto", "symbolic", "export")
 MAX_FALLBACK_PARAM_SHARE = 0.5
 
 

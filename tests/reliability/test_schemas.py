@@ -111,7 +111,7 @@ OPTIONS = {
 def test_bad_worker_options_file(name: str, mlp_copy: Path, tmp_path: Path, monkeypatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The ``--options`` file a worker reads (``fxpipe run`` writes it; a user's own torchrun may too)."""
-    from fxpipe.runtime.launch.launcher import worker
+    from fxpipe.runtime.launch import worker
     from fxpipe.runtime.launch.worker import main as worker_main
 
     monkeypatch.setattr(worker, "tie_to_parent", lambda *_: "not here: this is the test process")

@@ -66,7 +66,7 @@ def test_the_plans_replicas_and_sharding_are_the_defaults(tmp_path: Path, capsys
 
 def test_run_refuses_more_ranks_than_gpus_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fxpipe.errors import RuntimeSetupError
-    from fxpipe.runtime.launch.launcher import launcher as launch
+    from fxpipe.runtime.launch import launcher as launch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeSetupError, match=r"^2 stages x 2 replicas = 4 ranks, but this machine has 2 GPUs; "

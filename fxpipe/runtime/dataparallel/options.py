@@ -6,17 +6,23 @@ The fields are the seed API's DDP options (``overlapping_allreduce``,
 level ``shard`` (``none``, ``optimizer``: ``ZeroRedundancyOptimizer``; ``grad-op`` and
 ``full``: FSDP2's ``fully_shard``) with the ``shard_*`` options of the sharded levels.
 ``shard_optimizer_state=True`` is kept as the older spelling of ``shard="optimizer"``.
+
+The fields are the one declaration of these options (Note [options declared once] in
+``fxpipe.optionspec``): ``fxpipe run``'s flags, the workers' JSON and the keys of
+``fxpipe.init``'s config (``seed_keys``) come from them, and the fields that the planner
+prices are ``CostModel``'s, taken over with ``same_as``.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from fxpipe.errors import ConfigError
-from fxpipe.jsonio import refuse_unknown_fields
+from fxpipe.optionspec import Options, Switch, option, same_as
+from fxpipe.partitioner.cost import COMM_HOOKS, SHARD_DTYPES, SHARD_LEVELS, SHARD_REDUCE, CostModel
 
 __all__ = ["DataParallelOptions", "COMM_HOOKS", "SHARD_LEVELS", "SHARD_REDUCE", "SHARD_WRAP", "SHARD_DTYPES",
            "FSDP_LEVELS"]
@@ -31,22 +37,18 @@ def _buffers_key() -> str:
     return ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             else "broadcast_buffers")
 
-# The ``comm_hook`` shorthands, each a hook of torch.distributed.algorithms.ddp_comm_hooks.
-COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
-
-# Sharding levels over a stage's data-parallel group (ZeRO 0-3), the mode of the sharded
-# levels' gradient reduction, their wrap policies and mixed-precision dtypes.
-SHARD_LEVELS = ("none", "optimizer", "grad-op", "full")
-SHARD_REDUCE = ("step", "microbatch")
+# The ``comm_hook`` shorthands (each a hook of torch.distributed.algorithms.ddp_comm_hooks), the sharding
+# levels over a stage's data-parallel group (ZeRO 0-3), the mode of the sharded levels' gradient reduction and
+# their mixed-precision dtypes are the cost model's (COMM_HOOKS, SHARD_LEVELS, SHARD_REDUCE, SHARD_DTYPES);
+# the sharded levels' wrap policies are the runtime's own.
 SHARD_WRAP = ("block", "params", "stage")
-SHARD_DTYPES = ("float32", "bfloat16", "float16")
 FSDP_LEVELS = ("grad-op", "full")
 _DDP_ONLY = ("overlapping_allreduce", "bucket_cap_mb", "gradient_as_bucket_view", "comm_hook", "powersgd_rank",
              "powersgd_start_iter")
 
 
 @dataclass(frozen=True)
-class DataParallelOptions:
+class DataParallelOptions(Options):
     """Options of the ``DistributedDataParallel`` wrapper around every stage.
 
     ``overlapping_allreduce``: all-reduce each gradient bucket as soon as it is ready
@@ -76,21 +78,31 @@ class DataParallelOptions:
     'optimizer'
     """
 
-    overlapping_allreduce: bool = True
-    backward_passes_per_step: int = 1
-    bucket_cap_mb: float = 25.0
-    broadcast_buffers: bool = True
-    gradient_as_bucket_view: bool = False
-    comm_hook: str = "allreduce"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 2
-    shard_optimizer_state: bool = False
-    shard: str = "none"
-    shard_reduce: str = "step"
-    shard_wrap: str = "block"
-    shard_min_params: int | None = None
-    shard_param_dtype: str | None = None
-    shard_reduce_dtype: str | None = None
+    what: ClassVar[str] = "data-parallel options"
+
+    overlapping_allreduce: bool = option(True, flag=False, help="all-reduce each gradient bucket once it is ready")
+    backward_passes_per_step: int = option(1, metavar="K", help="accumulate K steps' gradients locally before one "
+                                                                "all-reduce and optimizer step")
+    bucket_cap_mb: float = option(25.0, flag=False, help="DDP's gradient bucket size in MiB")
+    broadcast_buffers: bool = option(True, flag=False, help="DDP broadcasts rank 0's buffers before each forward")
+    gradient_as_bucket_view: bool = option(False, flag=False, help="gradients are views into DDP's buckets")
+    comm_hook: str = same_as(CostModel, "comm_hook", seed_key="comm_hook")
+    powersgd_rank: int = same_as(CostModel, "powersgd_rank", seed_key="powersgd_rank")
+    powersgd_start_iter: int = option(2, flag=False, help="plain all-reduce steps before PowerSGD compresses")
+    shard_optimizer_state: bool = option(False, flag=False, seed_key="shard_optimizer_state",
+                                         help="the older spelling of shard='optimizer'")
+    shard: str = same_as(CostModel, "shard", seed_key="shard", default_text="the plan's with 2+ replicas, else none",
+                         switches=(Switch("--shard-optimizer-state", "optimizer",
+                                          "the older spelling of --shard optimizer"),))
+    shard_reduce: str = same_as(CostModel, "shard_reduce", seed_key="shard_reduce")
+    shard_wrap: str = option("block", choices=SHARD_WRAP, metavar="POLICY", seed_key="shard_wrap",
+                             help="with --shard grad-op/full: FSDP units: each block of the stage's module stacks, "
+                                  "by --shard-min-params, or the whole stage")
+    shard_min_params: int | None = option(None, metavar="N", none_means="none", seed_key="shard_min_params",
+                                          help="with --shard-wrap params: parameters per FSDP unit (FairScale's "
+                                               "auto_wrap)")
+    shard_param_dtype: str | None = same_as(CostModel, "shard_param_dtype", seed_key="shard_param_dtype")
+    shard_reduce_dtype: str | None = same_as(CostModel, "shard_reduce_dtype", seed_key="shard_reduce_dtype")
 
     def __post_init__(self) -> None:
         for key in ("overlapping_allreduce", "broadcast_buffers", "gradient_as_bucket_view", "shard_optimizer_state"):
@@ -174,9 +186,8 @@ class DataParallelOptions:
         """The ``CostModel`` fields that price this data parallelism (``CostModel(**fields)``):
         replicas, hook, PowerSGD rank and the DDP bucket size the reducer really uses."""
         bucket_mb = self.ddp_kwargs()["bucket_cap_mb"]
-        return {"dp_replicas": replicas, "comm_hook": self.comm_hook, "powersgd_rank": self.powersgd_rank,
-                "dp_bucket_bytes": int(bucket_mb * 2**20), "shard": self.shard, "shard_reduce": self.shard_reduce,
-                "shard_param_dtype": self.shard_param_dtype, "shard_reduce_dtype": self.shard_reduce_dtype}
+        return {"dp_replicas": replicas, "dp_bucket_bytes": int(bucket_mb * 2**20),
+                **{name: getattr(self, name) for name in _PRICED}}
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.nn.parallel.DistributedDataParallel``."""
@@ -187,14 +198,7 @@ class DataParallelOptions:
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataParallelOptions:
-        """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
-        refuse_unknown_fields(cls, data, "data-parallel options", ConfigError)
-        return cls(**data)
-
 
 _DEFAULTS = {f.name: f.default for f in fields(DataParallelOptions)}
+# the options the cost model prices: the fields it shares with these (comm_hook, powersgd_rank, shard, ...)
+_PRICED = tuple(f.name for f in fields(DataParallelOptions) if f.name in {g.name for g in fields(CostModel)})

@@ -1,9 +1,9 @@
 """``TrainingOptions``: optimizer, schedule, clipping, data, eval, checkpoints and logs of a run.
 
-A nested group of ``RunOptions`` (``RunOptions.training``), so it shares its JSON form and
-its one flag table (``fxpipe.runtime.train.run_options``). Imports no torch: the CLI builds its
-parser from it at start-up. ``fxpipe.runtime.train.optim`` turns the optimizer fields into
-``torch.optim`` objects.
+A nested group of ``RunOptions`` (``RunOptions.training``): its fields declare the flags of
+``fxpipe run`` and the JSON the workers read (Note [options declared once] in
+``fxpipe.optionspec``). Imports no torch: the CLI builds its parser from it at start-up.
+``fxpipe.runtime.train.optim`` turns the optimizer fields into ``torch.optim`` objects.
 
 >>> TrainingOptions.from_dict(TrainingOptions(optimizer="adamw", betas=(0.9, 0.95)).to_dict()).betas
 (0.9, 0.95)
@@ -12,17 +12,17 @@ parser from it at start-up. ``fxpipe.runtime.train.optim`` turns the optimizer f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from fxpipe.errors import ConfigError
-from fxpipe.jsonio import refuse_unknown_fields
+from fxpipe.optionspec import Options, option
+from fxpipe.partitioner.cost import PRECISIONS  # RunOptions.precision (fxpipe.runtime.pipeline.precision)
 
 __all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "PRECISIONS", "parse_betas"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("fp32", "bf16", "fp16")  # RunOptions.precision (fxpipe.runtime.pipeline.precision)
 
 
 def parse_betas(text: str) -> tuple[float, float]:
@@ -44,7 +44,7 @@ def _count(value: Any, least: int) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingOptions:
+class TrainingOptions(Options):
     """How each rank's stage is trained (the learning rate itself is ``RunOptions.lr``).
 
     ``optimizer`` (torch.optim's SGD, Adam or AdamW) with ``weight_decay`` and, for Adam(W),
@@ -58,21 +58,35 @@ class TrainingOptions:
     ``tensorboard``: a directory for TensorBoard event files (``fxpipe.runtime.train.log``).
     """
 
-    optimizer: str = "sgd"
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    clip_grad_norm: float | None = None
-    data: str | None = None
-    eval_data: str | None = None
-    eval_every: int | None = None
-    eval_steps: int = 1
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    resume: bool = False
-    log_every: int = 1
-    tensorboard: str | None = None
+    what: ClassVar[str] = "training options"
+
+    optimizer: str = option("sgd", choices=OPTIMIZERS, metavar="NAME",
+                            help="torch.optim optimizer of every stage: %(choices)s")
+    weight_decay: float = option(0.0, metavar="WD", help="weight decay (AdamW: decoupled)")
+    betas: tuple[float, float] = option((0.9, 0.999), parse=parse_betas, metavar="B1,B2",
+                                        help="Adam(W) betas, as B1,B2")
+    warmup_steps: int = option(0, metavar="K", help="steps of linear learning-rate warm-up")
+    lr_schedule: str = option("constant", choices=LR_SCHEDULES, metavar="NAME",
+                              help="learning rate after the warm-up: %(choices)s")
+    clip_grad_norm: float | None = option(None, metavar="X", none_means="no clipping",
+                                          help="clip the global gradient norm over all stages to X")
+    data: str | None = option(None, metavar="FILE:FN",
+                              none_means="the model file's train_batches, else its example batch",
+                              help="training batches: path.py:function(batch_size, rank_info) yielding "
+                                   "(inputs, targets)")
+    eval_data: str | None = option(None, metavar="FILE:FN", none_means="the model file's eval_batches, else "
+                                   "--data's batches", help="evaluation batches, as --data")
+    eval_every: int | None = option(None, metavar="N", none_means="never",
+                                    help="evaluate every N steps (forward only, eval mode)")
+    eval_steps: int = option(1, metavar="K", help="batches per evaluation")
+    checkpoint_dir: str | None = option(None, metavar="DIR", none_means="no checkpoints",
+                                        help="where checkpoints are written (and read with --resume)")
+    checkpoint_every: int | None = option(None, metavar="N", none_means="only after the last step",
+                                          help="steps between checkpoints (one is written after the last step too)")
+    resume: bool = option(False, help="continue from the checkpoint in --checkpoint-dir")
+    log_every: int = option(1, metavar="N", help="steps per log line")
+    tensorboard: str | None = option(None, metavar="DIR", none_means="none",
+                                     help="write TensorBoard event files (loss, lr, ...) into DIR")
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
@@ -108,12 +122,3 @@ class TrainingOptions:
             raise ConfigError(f"--tensorboard must be a directory, got {self.tensorboard!r}")
         if not isinstance(self.resume, bool):
             raise ConfigError(f"resume must be true or false, got {self.resume!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainingOptions:
-        """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are refused."""
-        refuse_unknown_fields(cls, data, "training options", ConfigError)
-        return cls(**data)

@@ -1,0 +1,53 @@
+"""``ModelTraceOptions``: how ``fxpipe trace`` and ``fxpipe partition`` build and trace a model file.
+
+The fields are the one declaration of these options (Note [options declared once] in
+``fxpipe.optionspec``): the verbs' flags and their help come from them, and
+``trace_kwargs`` are ``trace_model_file``'s keyword arguments. Imports no torch: the CLI
+builds its parsers from it at start-up.
+
+>>> ModelTraceOptions(leaves=("Block",), trace_device="meta").trace_kwargs()["leaves"]
+('Block',)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fxpipe.optionspec import Options, option
+from fxpipe.tracer.calibration import DEVICE_PRESETS
+
+__all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES"]
+
+FRONTENDS = ("auto", "symbolic", "export")
+TRACE_DEVICES = ("cpu", "cuda", "meta")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelTraceOptions(Options):
+    """Which functions of the model file build the model and its inputs (``model_fn``,
+    ``inputs_fn``; ``None``: ``build_model`` and ``example_inputs``), and how to trace it:
+    ``frontend``, the module types or paths kept whole (``leaves``), ``trace_device`` and the
+    device whose analytic costs price the units (``cost_device``), and whether to measure
+    times and activation memory instead of estimating them."""
+
+    what: ClassVar[str] = "trace options"
+
+    model_fn: str | None = option(None, metavar="NAME", none_means="build_model", help="model factory function")
+    inputs_fn: str | None = option(None, metavar="NAME", none_means="example_inputs", help="example inputs function")
+    frontend: str = option("auto", choices=FRONTENDS,
+                           help="tracing front end: %(choices)s (auto: symbolic when it exposes the structure)")
+    leaves: tuple[str, ...] = option((), flag="--leaf", repeat=True, metavar="TYPE_OR_PATH",
+                                     help="keep this module type (class name) or module path whole; repeatable")
+    trace_device: str = option("cpu", aliases=("--device",), choices=TRACE_DEVICES,
+                               help="where to trace; meta: build the model with its parameters on the meta device "
+                                    "and profile it analytically, for models larger than this machine")
+    cost_device: str | None = option(None, choices=tuple(DEVICE_PRESETS), none_means="the trace device; cpu for meta",
+                                     help="device whose analytic costs price the units")
+    measure_times: bool = option(False, help="measure forward/backward per unit instead of the analytic estimate")
+    measure_memory: bool = option(False, help="measure activation memory saved for backward per unit")
+
+    def trace_kwargs(self) -> dict[str, Any]:
+        """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function names)."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("model_fn", "inputs_fn")} | {
+            "leaves": self.leaves}
