@@ -25,6 +25,7 @@ from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.pipeline.groups import init_process_group, pick_device, this_rank
 from fxpipe.runtime.pipeline.layout import RankLayout
 from fxpipe.smp.config import Config
+from fxpipe.smp.config_agreement import check_same_config
 from fxpipe.tracer.pins import module_pins
 from fxpipe.tracer.record import BuildRecord, record_constructors
 
@@ -94,6 +95,8 @@ class APIState:
     optimizers: OptimizerRegistry = field(default_factory=OptimizerRegistry)  # localized after partitioning
     constructed: Any = field(default_factory=weakref.WeakKeyDictionary)  # module -> (args, kwargs) since init
     recorder: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    step_calls: int = 0        # @step calls, and whether their batch differed from the first stage's:
+    warned_batch: bool = False  # Note [one batch per pipeline] in fxpipe.smp.step_batch
 
     def build_record(self, model: nn.Module) -> BuildRecord:
         """Constructor arguments of ``model``'s submodules built after ``init``, and its ``partition`` pins.
@@ -117,6 +120,7 @@ class APIState:
 
 
 _STATE: APIState | None = None
+_GROUP_KEPT = False  # init created the default group, then refused its config
 
 
 def current() -> APIState:
@@ -129,14 +133,15 @@ def current() -> APIState:
 
 def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torch.device | None = None,
          timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Validate ``config``, join the torchrun job and fix the rank layout.
+    """Validate ``config``, join the torchrun job, check that every rank has the same config, and fix the
+    rank layout.
 
     Example::
 
         import fxpipe as smp
         smp.init({"partitions": 2, "microbatches": 4, "pipeline": "interleaved"})
     """
-    global _STATE
+    global _STATE, _GROUP_KEPT
     cfg = config if isinstance(config, Config) else Config.from_dict(config)
     if _STATE is not None:
         if _STATE.config != cfg:
@@ -144,10 +149,16 @@ def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torc
                               f"another config {cfg} in the same process")
         return
     rank, world, local = this_rank()
-    replicas = cfg.check_world(world)
-    layout = RankLayout(cfg.partitions, replicas)
     dev = pick_device(device, local)
-    owns = init_process_group(dev, timeout_s)
+    owns = init_process_group(dev, timeout_s) or _GROUP_KEPT
+    _GROUP_KEPT = False
+    try:
+        check_same_config(cfg)  # before any rank acts on it (fxpipe.smp.config_agreement)
+        replicas = cfg.check_world(world)
+    except ConfigError:
+        _GROUP_KEPT = owns  # a corrected init in this process takes the group over
+        raise
+    layout = RankLayout(cfg.partitions, replicas)
     mp_group, dp_group = _make_groups(layout, rank)
     _STATE = APIState(cfg, layout, rank, world, local, dev, mp_group, dp_group, owns, timeout_s)
     _STATE.recorder.enter_context(record_constructors(_STATE.constructed))  # until partitioning or shutdown
@@ -173,12 +184,14 @@ def shutdown(destroy_process_group: bool = True) -> None:
     Destroys the default process group if ``init`` created it, unless
     ``destroy_process_group=False`` (to run several trainings in one job).
     """
-    global _STATE
+    global _STATE, _GROUP_KEPT
     if _STATE is not None:
         _STATE.recorder.close()
         _STATE.optimizers.clear()
-    if _STATE is not None and _STATE.owns_group and destroy_process_group and dist.is_initialized():
+    owns = _STATE.owns_group if _STATE is not None else _GROUP_KEPT
+    if owns and destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
+        _GROUP_KEPT = False
     _STATE = None
 
 

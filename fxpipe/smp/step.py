@@ -2,7 +2,9 @@
 
 The decorated function is called once per microbatch with its arguments cut along
 dim 0, tensors inside lists and dicts included (a batch dict for ``model(**batch)``);
-tensors without a batch dim and other objects are passed whole. Its return
+tensors without a batch dim and other objects are passed whole. The tensors are those of the
+pipeline's first stage's rank on every rank (Note [one batch per pipeline] in
+``fxpipe.smp.step_batch``). Its return
 values come back as ``StepOutput``s holding the per-microbatch values of the *last*
 stage, which computes the real outputs and loss, broadcast to every rank of the
 pipeline (other stages only see placeholders; see ``fxpipe.smp.driver``).
@@ -23,6 +25,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.microbatch import split_targets
 from fxpipe.smp.chunks import run_chunked_step
 from fxpipe.smp.state import current
+from fxpipe.smp.step_batch import first_stage_batch
 
 __all__ = ["step", "StepOutput"]
 
@@ -125,6 +128,7 @@ def step(fn: F) -> F:
             raise ConfigError("a @step function was called before any DistributedModel exists; wrap the model "
                               "first: model = fxpipe.DistributedModel(model)")
         M = st.config.microbatches
+        args, kwargs = first_stage_batch(fn, args, kwargs)  # Note [one batch per pipeline]
         per_mb = split_targets((args, kwargs), M)
         model._begin_step()
         results = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,3 +145,25 @@ def test_package_root_exposes_the_seed_surface() -> None:
     assert not missing, f"fxpipe does not re-export {missing}"
     assert fxpipe.amp.GradScaler is api.GradScaler
     assert fxpipe.partition is fxpipe.tracer.partition
+
+
+def test_configs_of_the_ranks_are_compared_key_by_key(tmp_path: Path) -> None:
+    from fxpipe.smp.config_agreement import config_values, first_difference
+
+    def values(**config: Any) -> dict[str, Any]:
+        return config_values(Config.from_dict({"partitions": 2, **config}))
+
+    assert first_difference([values(), values(), values()]) is None
+    assert first_difference([values(), values(shard="optimizer", ddp=True)]) == (
+        "config 'ddp' differs across ranks (rank 0: False, rank 1: True); every rank must call fxpipe.init with "
+        "the same config")  # the data-parallel keys are compared too, by their seed names
+    assert first_difference([values(), values(shard="optimizer")])[:14] == "config 'shard'"
+    many = [values(microbatches=2)] * 5 + [values(microbatches=4)]
+    assert "(ranks 0, 1, 2, 3, ... (5 ranks): 2, rank 5: 4)" in first_difference(many)
+    # a plan is the build it names: a copy at another path agrees, another build does not
+    for name, text in (("a", "{}"), ("b", "{}"), ("c", '{"other": 1}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(text)
+    assert first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "b"))]) is None
+    message = first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "c"))])
+    assert message.startswith(f"config 'plan' differs across ranks (rank 0: '{tmp_path / 'a'}' (manifest ")

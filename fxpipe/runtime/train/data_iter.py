@@ -10,6 +10,10 @@ yield and what this rank needs: a rank whose stages read no model input may yiel
 ``None`` inputs (it gets zero-cost placeholders of the right shape), a rank without the
 loss may yield ``None`` targets, so only the ranks that need a batch's tensors read them.
 
+The ranks of one replica must yield the same batches (``rank_info.stage`` may only decide what
+to leave out): each step compares what they yielded (Note [one batch per pipeline under fxpipe
+run] in ``fxpipe.runtime.train.batch_check``).
+
 Note [data position]: a generator is restarted when it ends (a new epoch) and must yield
 the same batches each time it is called with the same arguments (seed it from
 ``rank_info.replica``). The position of a run in it is the number of batches drawn;
@@ -31,7 +35,7 @@ from fxpipe.modelfile import ModelSource, import_model_module
 from fxpipe.runtime.pipeline.stage_io import boundary_dtype
 from fxpipe.tracer.call import ModelInputs
 
-__all__ = ["RankInfo", "BatchFn", "Batch", "find_batches", "batch_stream", "rank_needs_inputs", "TRAIN_FN", "EVAL_FN"]
+__all__ = ["RankInfo", "BatchFn", "Batch", "Placeholders", "find_batches", "batch_stream", "rank_needs_inputs", "TRAIN_FN", "EVAL_FN"]
 
 TRAIN_FN, EVAL_FN = "train_batches", "eval_batches"
 Batch = tuple[tuple[torch.Tensor, ...], Any]
@@ -80,14 +84,18 @@ def find_batches(source: ModelSource | None, spec: str | None, default: str) -> 
     return None
 
 
-def _placeholders(manifest: Manifest, batch_size: int) -> tuple[torch.Tensor, ...]:
+class Placeholders(tuple):  # type: ignore[type-arg]
+    """Model inputs of a rank that yielded none: shapes only, no data (not compared across ranks)."""
+
+
+def _placeholders(manifest: Manifest, batch_size: int) -> Placeholders:
     """Model inputs of the right shapes that own no memory (a rank that reads none only needs their sizes)."""
     out = []
     for spec in manifest.inputs:
         dtype = boundary_dtype(spec.dtype)
         shape = spec.shape_at(batch_size, manifest.microbatch_size) if spec.batch_dim is not None else spec.shape
         out.append(torch.zeros((), dtype=dtype).expand(shape))
-    return tuple(out)
+    return Placeholders(out)
 
 
 def _bind(manifest: Manifest, item: Any, info: RankInfo, batch_size: int, where: str) -> Batch:

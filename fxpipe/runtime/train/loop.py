@@ -5,7 +5,8 @@ Trains the build directory's model with the options' optimizer and learning-rate
 ``--data``; ``fxpipe.runtime.train.data_iter``), else on ``example_inputs(B)`` /
 ``example_targets(B)`` every step, with the model file's ``loss_fn`` or, without one, the
 loss the model computes itself (``fxpipe.runtime.pipeline.loss``). With ``N = stages x R`` ranks
-there are R data-parallel replicas of the pipeline, each on its own shard. Every
+there are R data-parallel replicas of the pipeline, each on its own shard; the ranks of a pipeline
+check that they drew one batch (``fxpipe.runtime.train.batch_check``). Every
 ``eval_every`` steps it evaluates (``PipelineRunner.eval_step``); every
 ``checkpoint_every`` steps and after the last it saves a checkpoint
 (``fxpipe.runtime.train.checkpoint``), from which ``resume`` continues bit-for-bit.
@@ -30,7 +31,8 @@ import torch.distributed as dist
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.train.data import example_batch, model_source, replica_batch, target_batch_dims
-from fxpipe.runtime.train.data_iter import (EVAL_FN, TRAIN_FN, Batch, RankInfo, batch_stream, find_batches,
+from fxpipe.runtime.train.batch_check import check_same_batch
+from fxpipe.runtime.train.data_iter import (EVAL_FN, TRAIN_FN, Batch, BatchFn, RankInfo, batch_stream, find_batches,
                                       rank_needs_inputs)
 from fxpipe.runtime.pipeline.peak_memory import peak_memory_bytes, training_peak_tensor_bytes
 from fxpipe.runtime.pipeline.microbatch import check_divisible
@@ -153,9 +155,12 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         board = TensorBoardLog(t.tensorboard) if lead and t.tensorboard is not None else None
         progress = lead and progress_wanted()
         window: list[float] = []
+        drawn = _drawn_by(train_fn, source.path.name, batch)
         for k in range(first, options.steps):
             inputs, targets = next(stream)
             position += 1
+            if train_fn is not None or k == first:  # Note [one batch per pipeline under fxpipe run]
+                check_same_batch(runner, inputs, targets, f"at step {k + 1}", drawn)
             lr_now = runner.optimizer.param_groups[0]["lr"] if runner.optimizer is not None else lr
             start = time.perf_counter()
             loss = runner.step(inputs, targets)
@@ -187,7 +192,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             if t.eval_every is not None and (done % t.eval_every == 0 or done == options.steps):
                 held = (batch_stream(eval_fn, manifest, batch, info, name=EVAL_FN) if eval_fn is not None
                         else _repeat((inputs, targets)))  # no batch functions: the example batch
-                val = _evaluate(runner, held, t.eval_steps)
+                val = _evaluate(runner, held, t.eval_steps, done, _drawn_by(eval_fn, source.path.name, batch))
                 history["eval_losses"].append([done, val])
                 if board is not None:
                     board.scalars(done, {"eval/loss": val})
@@ -234,7 +239,17 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         return record
 
 
-def _evaluate(runner: PipelineRunner, batches: Iterator[Batch], steps: int) -> float:
+def _drawn_by(fn: BatchFn | None, model_file: str, batch: int) -> str:
+    """The call that yields the batches, as an error names it."""
+    return (f"{getattr(fn, '__name__', TRAIN_FN)}({batch}, rank_info)" if fn is not None
+            else f"{model_file}'s example_inputs / example_targets")
+
+
+def _evaluate(runner: PipelineRunner, batches: Iterator[Batch], steps: int, after: int, drawn: str) -> float:
     """The mean ``eval_step`` loss over the next ``steps`` of ``batches``, averaged over the replicas."""
-    total = sum(runner.eval_step(*next(batches)) for _ in range(steps))
+    total = 0.0
+    for i in range(steps):
+        inputs, targets = next(batches)
+        check_same_batch(runner, inputs, targets, f"in the evaluation after step {after} (batch {i + 1})", drawn)
+        total += runner.eval_step(inputs, targets)
     return _mean_over_replicas(total / steps, runner)
