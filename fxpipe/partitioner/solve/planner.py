@@ -427,4 +427,5 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
         virtual_stages=problem.virtual_stages, placement=problem.placement,
         objective=objective,
         rank_memory_bytes=ev.rank_memory_bytes,
+        unit_times=f"{profile.trace_device} {profile.timing}",
     )
