@@ -356,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check the stages against the original model in one process, in train and "
                                       "eval mode")
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of every comparison (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every comparison (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance, times each tensor's largest magnitude (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance added to it (default 1e-5)")
     p.add_argument("--all", action="store_true", help="list every output, gradient and buffer (default: the worst)")
     p.set_defaults(func=cmd_verify)
 

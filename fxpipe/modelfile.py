@@ -13,20 +13,22 @@ the loss the model computes itself (``output.loss``, e.g. when it is given ``lab
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from fxpipe.errors import ModelFileError
 
 if TYPE_CHECKING:
     from fxpipe.model_inputs import ModelInputs
 
-__all__ = ["ModelSource", "load_model_file", "import_model_module", "import_model_bytes", "file_sha256"]
+__all__ = ["ModelSource", "load_model_file", "import_model_module", "import_model_bytes", "checked_model_import",
+           "file_sha256"]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -48,17 +50,28 @@ def import_model_module(path: str | Path) -> ModuleType:
 
     The same file always maps to the same module, so classes defined in it are the
     same objects whether the tracer, a generated stage file or a test imports them.
+    Note [what is hashed is what runs]: the file is read once, and the module is reused
+    only while it was imported from those same bytes; a file edited since (a notebook that
+    partitions, edits the model and partitions again) is imported again from its new bytes,
+    so the tracer, the manifest's hash and the stages all see the file as it is. While a
+    build's stages are loaded (:func:`checked_model_import`), the module imported from the
+    build's checked bytes is returned instead, never the file re-read.
     """
     path = Path(path).resolve()
+    name = _module_name(path)
+    pinned = _pinned.get(name)
+    if pinned is not None:
+        return pinned
     if not path.is_file():
         what = "is not a regular file" if path.exists() else "does not exist"
         raise ModelFileError(f"model file {str(path)!r} {what}")
-    name = _module_name(path)
-    if name in sys.modules:
-        return sys.modules[name]
     if path.suffix != ".py":
         raise ModelFileError(f"cannot import {str(path)!r}: not a Python file")
-    return _execute(path, name, path.read_bytes())
+    data = path.read_bytes()
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest():
+        return module
+    return _execute(path, name, data)
 
 
 def import_model_bytes(path: str | Path, data: bytes) -> ModuleType:
@@ -74,6 +87,24 @@ def import_model_bytes(path: str | Path, data: bytes) -> ModuleType:
     if module is not None and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest():
         return module
     return _execute(path, name, data)
+
+
+_pinned: dict[str, ModuleType] = {}  # module name -> the module a stage being loaded must see
+
+
+@contextlib.contextmanager
+def checked_model_import(module: ModuleType) -> Iterator[None]:
+    """Within the block, ``import_model_module`` of ``module``'s file returns ``module`` (imported from a
+    build's checked bytes) without reading the file (Note [what is hashed is what runs])."""
+    previous = _pinned.get(module.__name__)
+    _pinned[module.__name__] = module
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _pinned[module.__name__]
+        else:
+            _pinned[module.__name__] = previous
 
 
 def _execute(path: Path, name: str, data: bytes) -> ModuleType:

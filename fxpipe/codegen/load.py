@@ -14,6 +14,7 @@ the stage initialises them itself (Note [each stage initialises itself] in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_nee
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.codegen.stage_init import initialise_stage
 from fxpipe.errors import BuildDirError
+from fxpipe.modelfile import checked_model_import
 
 __all__ = ["load_stage", "load_checked_stage", "read_manifest"]
 
@@ -39,9 +41,12 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
     sm = build.manifest.stage(index)
     checked = build.source(index)
     assert checked.data is not None
-    if model_import_needed(build.manifest, [index]):  # classes from the model file: imported from its checked bytes
-        build.model_module()
     name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
+    model = None
+    if model_import_needed(build.manifest, [index]):  # classes from the model file: imported from its checked bytes
+        model = build.model_module()
+        # the same stage source over another model file holds other classes (Note [what is hashed is what runs])
+        name += f"_{build.manifest.model_sha256[:16]}"
     module = sys.modules.get(name)
     if module is None:
         path = checked.path
@@ -49,7 +54,8 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         module.__file__ = str(path)
-        exec(compile(checked.data, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked generated code
+        with checked_model_import(model) if model is not None else contextlib.nullcontext():
+            exec(compile(checked.data, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked code
         sys.modules[name] = module
     cls = getattr(module, sm.class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):

@@ -5,7 +5,8 @@ weights, so both sides start from identical values. Both run the model file's ex
 inputs at the manifest's batch size, in train mode and in eval mode, from the same seed
 (:func:`fxpipe.codegen.equivalence.compare_in_mode`); the loss is the model file's
 ``loss_fn`` on ``example_targets`` when it has both, else a weighted sum of the floating
-outputs. Outputs, every parameter's gradient and every buffer are compared.
+outputs. Outputs, every parameter's gradient and every buffer are compared, by the rule the
+compiler's safety net uses (Note [one comparison rule] in :mod:`fxpipe.codegen.equivalence`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class VerifyReport:
         lines = [m.summary() for m in self.modes]
         verdict = "OK" if self.ok else "MISMATCH"
         lines.append(f"{verdict}: the stages {'equal' if self.ok else 'differ from'} the model in "
-                     f"{' and '.join(m.mode for m in self.modes)} mode (rtol {self.rtol:g}, atol {self.atol:g}, "
-                     f"loss {self.loss})")
+                     f"{' and '.join(m.mode for m in self.modes)} mode (per tensor, max abs error <= atol "
+                     f"{self.atol:g} + rtol {self.rtol:g} x its largest magnitude; loss {self.loss})")
         return "\n".join(lines)
 
 
@@ -141,10 +142,11 @@ def print_verify_report(report: VerifyReport, console: Any = None, *, all_rows: 
         rows = m.rows if all_rows else rows_by_error(m.rows)[:shown]
         what = "every tensor" if all_rows else f"the {len(rows)} of {len(m.rows)} tensors furthest off"
         table = Table(title=f"{m.mode} mode: {what} (loss: {report.loss})", title_justify="left")
-        for column in ("tensor", "max abs error", "max rel error", ""):
+        for column in ("tensor", "max abs error", "allowed", "error / max |value|", ""):
             table.add_column(column, justify="left" if column == "tensor" else "right")
-        for e in rows:
-            table.add_row(e.name, f"{e.max_abs:.3g}", f"{e.max_rel:.3g}", "[green]ok[/]" if e.ok else "[red]MISMATCH[/]")
+        for e in rows:  # the verdict is max abs error <= allowed (Note [one comparison rule])
+            table.add_row(e.name, f"{e.max_abs:.3g}", f"{e.allowed:.3g}", f"{e.max_rel:.3g}",
+                          "[green]ok[/]" if e.ok else "[red]MISMATCH[/]")
         console.print(table)
     for line in report.summary().splitlines():
         console.print(("[green]" if report.ok else "[red]") + line + "[/]")

@@ -93,7 +93,8 @@ class ClusterSpec:
         """One line: ``64 devices (8 nodes of 8), 80 GiB each; nvlink 200 GB/s in a node, infiniband 25 GB/s between``."""
         memory = f", {format_size(self.device_memory)} each" if self.device_memory is not None else ""
         intra, inter = self.intra_bandwidth or 0.0, self.inter_bandwidth or 0.0  # set in __post_init__
-        return (f"{self.devices} devices ({self.nodes} nodes of {self.node_size}){memory}; "
+        nodes = f"{self.nodes} nodes of {self.node_size}" if self.nodes > 1 else "one node"
+        return (f"{self.devices} devices ({nodes}){memory}; "
                 f"{self.intra_link} {intra / 1e9:.3g} GB/s in a node, {self.inter_link} {inter / 1e9:.3g} GB/s between")
 
     def to_dict(self) -> dict[str, Any]:

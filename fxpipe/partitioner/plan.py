@@ -6,6 +6,18 @@ step time, bubble, throughput) so the runtime and benchmarks can check them agai
 measurements. Times are milliseconds per microbatch unless named ``step``; sizes are
 bytes. With ``virtual_stages`` V > 1 the stages are the build's chunks, V per rank.
 
+Note [analytic CPU estimate]: a profile traced on the CPU without ``--measure-times`` prices
+each unit by a roofline and per-op costs calibrated on one quiet host with a core per rank
+(``fxpipe/calibration.json``). Its ratios hold: splits and schedules of the same units under
+the same constants rank as they run. Its milliseconds do not: on another CPU, or the same one
+shared with other work, a step takes the host's speed and load times as long, which nothing
+known when planning foresees (the README's examples ran 5-11x their estimate on the shared
+development VM under load). So such a plan (``unit_times == "cpu analytic"``,
+``PartitionPlan.predicts_time`` False) prints no step time, throughput or run comparison in
+milliseconds: reports show each step relative to the plan's own, and say why; ``fxpipe run``
+records no predicted step. ``--measure-times`` times the units on this machine and gauges its
+speed: those plans predict times.
+
 What is optimal: the plan's objective (``objective == "step"``) is the predicted step
 time of its schedule, the best of several candidate splits (Note [planning for step
 time] in ``fxpipe.partitioner.solve.refine``), not a proven optimum; ``optimal`` and ``gap``
@@ -32,7 +44,9 @@ from fxpipe.partitioner.schedule import ActionKind, Timeline, make_schedule, sim
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 
 __all__ = ["StageMemory", "StagePlan", "BaselineReport", "ScheduleOption", "PartitionPlan", "PLAN_SCHEMA_VERSION",
-           "stage_timeline"]
+           "stage_timeline", "ANALYTIC_CPU"]
+
+ANALYTIC_CPU = "cpu analytic"  # ``PartitionPlan.unit_times`` of a plan whose steps are not times (Note [analytic CPU estimate])
 
 PLAN_SCHEMA_VERSION = 2  # 2: typed prediction (names its schedule; derived figures are properties)
 _OLDEST_READABLE = 1
@@ -166,6 +180,7 @@ class PartitionPlan:
     objective: str = "bottleneck"   # "step": the predicted step time of the schedule; older plans: the bottleneck
     rank_memory_bytes: tuple[NonNegInt, ...] = ()
     alternatives: tuple[ScheduleOption, ...] = ()   # --schedule auto: every schedule it planned
+    unit_times: str = ""  # the profile's unit times: "<trace device> <timing>", e.g. "cpu analytic"; "": not recorded
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -207,14 +222,27 @@ class PartitionPlan:
         return tuple(s.index if s.rank is None else s.rank for s in self.stages)
 
     @property
+    def predicts_time(self) -> bool:
+        """Whether the predicted step is a time the plan stands behind (Note [analytic CPU estimate]):
+        not for unit times estimated analytically for a CPU, which rank splits and schedules only."""
+        return self.prediction is not None and self.unit_times != ANALYTIC_CPU
+
+    def relative_step(self, schedule: str) -> float | None:
+        """``schedule``'s predicted step over the plan's own (1.0 for the plan's schedule)."""
+        if self.prediction is None or schedule not in self.prediction.step_ms or not self.step_ms > 0:
+            return None
+        return float(self.prediction.step_ms[schedule]) / self.step_ms
+
+    @property
     def optimal_for(self) -> str:
         """What the plan is optimal for, in words (reports print it)."""
         proven = "the bottleneck stage time is proven minimal" if self.optimal else \
-            f"the bottleneck stage time is within {self.gap:.1%} of its lower bound"
+            (f"its bottleneck stage time, {self.bottleneck_ms:.4g} ms, is within {self.gap:.1%} of "
+             f"{self.lower_bound_ms:.4g} ms, a lower bound no split of these units can beat")
         if self.objective != "step":
             return f"planned for the bottleneck stage time: {proven}"
-        return (f"planned for the predicted step time of {self.schedule} (the best of the candidate splits, "
-                f"not a proven optimum); {proven}")
+        return (f"planned for the predicted step time of {self.schedule} (chosen among candidate splits by the "
+                f"predicted step, not a proven optimum); {proven}")
 
     @cached_property
     def _stage_index(self) -> dict[str, int]:

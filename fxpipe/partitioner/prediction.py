@@ -137,6 +137,8 @@ class RuntimeCosts:
     step_receives: bool = False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
     workspace_bytes: NonNegInt = 0  # per rank, allocated by the device's libraries, not the model (cuBLAS workspaces)
     host_slowdown: NonNegFloat = 1.0  # the CPU costs above are priced at this host's speed (``at_host_speed``)
+    step_resolution: NonNegFloat = 0.0  # predicted steps of two splits this close (relative) are not told apart
+                                        # (Note [planning for step time])
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:

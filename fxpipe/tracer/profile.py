@@ -239,7 +239,7 @@ class ModelProfile:
     inputs: tuple[TensorSpec, ...] = ()
     trace_device: str = "cpu"
     frontend: str = "symbolic"
-    timing: str = "analytic"
+    timing: str = "given"  # the tracer's "analytic" or "measured"; "given": set by whoever wrote the profile
     module_order: tuple[str, ...] = ()
     param_sizes: dict[str, NonNegInt] = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()

@@ -20,6 +20,7 @@ from fxpipe.partitioner import (
     plan_partition,
     uniform_split,
 )
+from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.partitioner.schedule import ActionKind, Timeline, make_schedule, simulate_step
 from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit, UnitEdge
 
@@ -82,11 +83,15 @@ def test_plan_json_round_trip_and_stage_of(tmp_path) -> None:
     assert set(plan.baselines) == {"uniform", "params", "greedy"}
     assert plan.prediction is not None and set(plan.prediction.step_ms) == {"gpipe", "1f1b", "zb-h1"}
     assert 0.0 <= plan.prediction.bubble < 1.0
-    # planned for step time: with 4 microbatches a heavier first stage (10.2 ms bottleneck)
-    # beats the least bottleneck (9.4 ms) in the 1F1B step, and the bound still holds
+    # planned for step time: with 4 microbatches a heavier first stage (the params baseline, 10.2 ms
+    # bottleneck) is predicted 3.4% faster in the 1F1B step than the least bottleneck (9.4 ms), closer
+    # than the prediction orders splits (Note [planning for step time]): the least bottleneck stays
     assert plan.lower_bound_ms == pytest.approx(9.4009, rel=1e-4) and plan.lower_bound_ms <= plan.bottleneck_ms
-    assert all(plan.step_ms <= b.step_ms for b in plan.baselines.values())
-    assert "predicted step" in plan.status and plan.objective == "step"
+    assert plan.bottleneck_ms == pytest.approx(plan.lower_bound_ms) and plan.optimal
+    resolution = RUNTIME_COSTS["cpu"].step_resolution
+    assert all(plan.step_ms <= b.step_ms * (1 + resolution) for b in plan.baselines.values())
+    assert plan.step_ms > plan.baselines["params"].step_ms
+    assert "predicted within 5% of the fastest step" in plan.status and plan.objective == "step"
 
 
 def test_chosen_plan_beats_baselines_on_an_unbalanced_model() -> None:

@@ -18,7 +18,8 @@ from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.report.charts import bars_html, plan_timeline_html, timeline_html
 from fxpipe.partitioner.report.unit_view import module_groups, module_tree_html, stage_bands_html, stage_color
 from fxpipe.partitioner.plan import PartitionPlan
-from fxpipe.partitioner.report.terminal import DISAGREE, Measurement, compare, link_note, module_range
+from fxpipe.partitioner.report.terminal import (DISAGREE, NO_TIME, Measurement, compare, link_note, module_range,
+                                               step_cell)
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["write_html_report", "render_html_report"]
@@ -80,7 +81,8 @@ _LEGEND = (
     ("x plan", "a plan's bottleneck divided by fxpipe's plan (above 1: slower than fxpipe's)"),
     ("gap", "how far fxpipe's bottleneck may be above the best possible one (0 when proven optimal)"),
     ("proven optimal for …", "what the solver proved: the bottleneck stage time is minimal; the split is then "
-                             "chosen for the least predicted step, which is not itself proven optimal"),
+                             "the least bottleneck among those predicted within the prediction's resolution of "
+                             "the least step, which is not itself proven optimal"),
     ("step ms", "predicted time of one training step: the simulated schedule (F forward, B backward, W weight "
                 "gradients, one box per microbatch) plus the step's overheads (optimizer step, all-reduces)"),
     ("bubble", "the share of the ranks x pipeline time that the ranks sit idle"),
@@ -119,20 +121,21 @@ def _baselines_table(plan: PartitionPlan) -> str:
     peak = max(plan.rank_memory_bytes or tuple(s.memory_bytes for s in plan.stages))
     rows = [f'<tr class="best"><td class="l">fxpipe ({escape(plan.solver)})</td><td>{plan.bottleneck_ms:.3f}</td>'
             f"<td>{ratio(plan.bottleneck_ms, lb)}</td><td>1.00</td>"
-            f"<td>{f'{plan.step_ms:.2f}' if plan.prediction else ''}</td><td>{format_size(peak)}</td>"
+            f"<td>{step_cell(plan, plan.step_ms) if plan.prediction else ''}</td><td>{format_size(peak)}</td>"
             f'<td class="l">{"proven optimal" if plan.optimal else f"gap {plan.gap:.1%}"}</td></tr>']
     for name, b in plan.baselines.items():
         note = "" if b.feasible else "breaks the constraints"
         rows.append(f'<tr><td class="l">{escape(name)}</td><td>{b.bottleneck_ms:.3f}</td>'
                     f"<td>{ratio(b.bottleneck_ms, lb)}</td><td>{ratio(b.bottleneck_ms, plan.bottleneck_ms)}</td>"
-                    f'<td>{f"{b.step_ms:.2f}" if b.step_ms is not None else ""}</td>'
+                    f"<td>{step_cell(plan, b.step_ms)}</td>"
                     f'<td>{format_size(max(b.memory_bytes)) if b.memory_bytes else ""}</td>'
                     f'<td class="l">{note}</td></tr>')
     parts = ", ".join(f"{k} {v:.3f}" for k, v in plan.lower_bounds.items())
     rows.append(f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.00</td>'
                 f"<td>{ratio(lb, plan.bottleneck_ms)}</td><td></td><td></td><td class=\"l\">{escape(parts)}</td></tr>")
     return ('<div class="scroll"><table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x bound</th>'
-            '<th>x plan</th><th>step ms</th><th>peak memory</th><th class="l">note</th></tr>'
+            f'<th>x plan</th><th>{"step ms" if plan.predicts_time else "step (x plan)"}</th><th>peak memory</th>'
+            '<th class="l">note</th></tr>'
             f'{"".join(rows)}</table></div>')
 
 
@@ -157,7 +160,7 @@ def _alternatives_html(plan: PartitionPlan) -> str:
         return ""
     rows, lines = [], []
     for o in plan.alternatives:
-        step = f"{o.step_ms:.2f}" if o.step_ms is not None else ""
+        step = step_cell(plan, o.step_ms)
         bubble = f"{o.bubble:.1%}" if o.bubble is not None else ""
         mem = format_size(o.peak_memory_bytes) if o.peak_memory_bytes is not None else ""
         best = ' class="best"' if o.chosen else ""
@@ -200,10 +203,15 @@ def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Mea
     title = escape(profile.model.title)
     kpis = (f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>'
             f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span>'
-            f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s</span>') if pred else ""
+            f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s'
+            f'{" per replica" if plan.cost.dp_replicas > 1 else ""}</span>') if pred else ""
+    if pred and not plan.predicts_time:  # Note [analytic CPU estimate] in fxpipe.partitioner.plan
+        kpis = f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span><span class="kpi">{escape(NO_TIME)}</span>'
     assumed = escape(link_note(plan, profile.trace_device))
     timeline_title = ("Schedule timeline: one predicted step" if pred else "Schedule timeline (simulated, no "
                       "prediction)")
+    if pred and not plan.predicts_time:
+        timeline_title += " in the analytic CPU estimate's milliseconds (its proportions hold, not its times)"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
 <title>fxpipe plan: {title}</title><style>{_CSS}</style></head>

@@ -13,9 +13,11 @@ from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["print_plan_report", "module_range", "Measurement", "Comparison", "compare", "link_note",
-           "print_measurement", "DISAGREE"]
+           "print_measurement", "DISAGREE", "NO_TIME", "step_cell"]
 
 DISAGREE = 1.25  # measured / predicted outside [1/DISAGREE, DISAGREE]: the report flags the figure
+NO_TIME = ("no step time or throughput: the unit times are an analytic estimate for the CPU, which ranks splits and "
+           "schedules but does not predict time on this machine (--measure-times times the units here)")
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,10 @@ class Comparison:
 def compare(plan: PartitionPlan, run: Measurement) -> list[Comparison]:
     """The step time and each rank's peak tensor memory, predicted beside measured."""
     out = []
-    pred = run.predicted_step_ms
+    pred = run.predicted_step_ms if plan.predicts_time else None
+    why = "(planned for another run)" if plan.predicts_time else "(none: analytic CPU unit times)"
     out.append(Comparison(f"step ms ({run.schedule}, {run.microbatches} microbatches)",
-                          f"{pred:.2f}" if pred is not None else "(planned for another run)", f"{run.step_ms:.2f}",
+                          f"{pred:.2f}" if pred is not None else why, f"{run.step_ms:.2f}",
                           run.step_ms / pred if pred else None))
     peaks = plan.prediction.peak_memory_bytes if plan.prediction is not None else ()
     same = run.schedule == plan.schedule and run.microbatches == plan.microbatches
@@ -69,6 +72,13 @@ def link_note(plan: PartitionPlan, trace_device: str) -> str:
     """Which link the plan assumed, and whether that was the default for the trace device."""
     cost = plan.cost
     figures = f"{cost.link_bandwidth / 1e9:.3g} GB/s, {cost.link_latency * 1e6:.3g} µs per message"
+    if cost.node_size > 0 or cost.inter_link_bandwidth is not None:  # a cluster search's plan (Note [cluster links])
+        inter = ""
+        if cost.inter_link_bandwidth is not None:
+            inter = (f", {cost.inter_link_bandwidth / 1e9:.3g} GB/s and "
+                     f"{(cost.inter_link_latency or 0.0) * 1e6:.3g} µs between nodes of {cost.node_size}")
+        return (f"link {cost.link} ({figures}) inside a node{inter}: the cluster's --intra-link / --inter-link "
+                f"(presets, or --*-bandwidth / --*-latency)")
     default = default_link(trace_device)
     why = (f"the default for a {trace_device} trace; --link to change" if cost.link == default else
            f"chosen with --link; the default for a {trace_device} trace is {default}")
@@ -140,18 +150,19 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
     console.print(table)
 
     cmp = Table(title="bottleneck vs baselines and the lower bound", title_justify="left")
-    for col in ("strategy", "bottleneck ms", "x bound", "x plan", "step ms", "peak memory", "note"):
+    step_col = "step ms" if plan.predicts_time else "step (x plan)"  # Note [analytic CPU estimate]
+    for col in ("strategy", "bottleneck ms", "x bound", "x plan", step_col, "peak memory", "note"):
         cmp.add_column(col, justify="left" if col in ("strategy", "note") else "right",
                        no_wrap=col != "note", min_width=11 if col == "note" else None)
     lb = plan.lower_bound_ms
     pred = plan.prediction
     peak = max(plan.rank_memory_bytes or tuple(s.memory_bytes for s in plan.stages))
     cmp.add_row(f"fxpipe ({plan.solver})", f"{plan.bottleneck_ms:.3f}", _ratio(plan.bottleneck_ms, lb), "1.00",
-                f"{plan.step_ms:.2f}" if pred else "", format_size(peak),
+                step_cell(plan, plan.step_ms) if pred else "", format_size(peak),
                 "optimal" if plan.optimal else f"gap {plan.gap:.1%}", style="bold")
     for name, b in plan.baselines.items():
         cmp.add_row(name, f"{b.bottleneck_ms:.3f}", _ratio(b.bottleneck_ms, lb),
-                    _ratio(b.bottleneck_ms, plan.bottleneck_ms), f"{b.step_ms:.2f}" if b.step_ms is not None else "",
+                    _ratio(b.bottleneck_ms, plan.bottleneck_ms), step_cell(plan, b.step_ms),
                     format_size(max(b.memory_bytes)) if b.memory_bytes else "", _violation_note(b.violations))
     cmp.add_row("lower bound", f"{lb:.3f}", "1.00", _ratio(lb, plan.bottleneck_ms), "", "",
                 max(plan.lower_bounds, key=plan.lower_bounds.__getitem__, default=""))
@@ -167,11 +178,21 @@ def print_plan_report(plan: PartitionPlan, profile: ModelProfile, console: Conso
     if pred.runtime_costs.host_slowdown != 1.0:  # Note [host speed] in fxpipe.tracer.calibration
         console.print(f"the runtime's fixed costs are priced at the traced host's speed: "
                       f"{pred.runtime_costs.host_slowdown:.2f}x the time they take on the calibration host")
+    if not plan.predicts_time:
+        steps = ", ".join(f"{k} {v / plan.step_ms:.2f}" for k, v in pred.step_ms.items())
+        console.print(f"predicted step, relative to the plan's ({plan.schedule} = 1.00): {steps}; bubble "
+                      f"{pred.bubble:.1%} ({plan.schedule}); {NO_TIME}; solved in {plan.solve_seconds:.2f} s"
+                      + (f"; {plan.status}" if plan.status else ""))
+        return
     steps = ", ".join(f"{k} {v:.2f} ms" for k, v in pred.step_ms.items())
-    console.print(f"predicted step: {steps}; bubble {pred.bubble:.1%} ({plan.schedule}); "
-                  f"throughput {pred.throughput_samples_per_s:.1f} samples/s "
-                  f"({pred.samples_per_step} samples per step); solved in {plan.solve_seconds:.2f} s"
-                  + (f"; {plan.status}" if plan.status else ""))
+    replicas = plan.cost.dp_replicas
+    throughput = (f"throughput {pred.throughput_samples_per_s:.1f} samples/s ({pred.samples_per_step} samples per step)"
+                  if replicas == 1 else
+                  f"throughput {pred.throughput_samples_per_s * replicas:.1f} samples/s for the job "
+                  f"({pred.samples_per_step * replicas} samples per step), {pred.throughput_samples_per_s:.1f} "
+                  f"per replica ({pred.samples_per_step} samples each)")
+    console.print(f"predicted step: {steps}; bubble {pred.bubble:.1%} ({plan.schedule}); {throughput}; "
+                  f"solved in {plan.solve_seconds:.2f} s" + (f"; {plan.status}" if plan.status else ""))
 
 
 def _print_alternatives(plan: PartitionPlan, console: Console) -> None:
@@ -179,15 +200,24 @@ def _print_alternatives(plan: PartitionPlan, console: Console) -> None:
     if not plan.alternatives:
         return
     table = Table(title="schedules planned by --schedule auto (least predicted step wins)", title_justify="left")
-    for col in ("schedule", "V", "step ms", "bubble", "peak memory", "note"):
+    for col in ("schedule", "V", "step ms" if plan.predicts_time else "step (x plan)", "bubble", "peak memory", "note"):
         table.add_column(col, justify="left" if col in ("schedule", "note") else "right")
     for o in plan.alternatives:
-        table.add_row(o.schedule + (" (chosen)" if o.chosen else ""), str(o.virtual_stages),
-                      f"{o.step_ms:.2f}" if o.step_ms is not None else "",
+        table.add_row(o.schedule + (" (chosen)" if o.chosen else ""), str(o.virtual_stages), step_cell(plan, o.step_ms),
                       f"{o.bubble:.1%}" if o.bubble is not None else "",
                       format_size(o.peak_memory_bytes) if o.peak_memory_bytes is not None else "", o.note,
                       style="bold" if o.chosen else "")
     console.print(table)
+
+
+def step_cell(plan: PartitionPlan, step_ms: float | None) -> str:
+    """A predicted step in a table: milliseconds, or relative to the plan's step where the plan predicts
+    no time (Note [analytic CPU estimate] in ``fxpipe.partitioner.plan``)."""
+    if step_ms is None:
+        return ""
+    if plan.predicts_time:
+        return f"{step_ms:.2f}"
+    return f"{step_ms / plan.step_ms:.2f}" if plan.step_ms > 0 else ""
 
 
 def _violation_note(violations: tuple[str, ...]) -> str:

@@ -28,7 +28,7 @@ def print_search_report(result: SearchResult, console: Console | None = None, *,
              f"{result.global_batch}, {result.optimizer} (searched {result.candidates} shapes, priced "
              f"{result.priced}, simulated {result.simulated} in {result.seconds:.1f} s)")
     table = Table(title=title, title_justify="left")
-    for col in ("#", "S x R", "M x b", "schedule", "shard", "recompute", "samples/s", "step", "bubble",
+    for col in ("#", "S x R", "M x b", "schedule", "shard", "recompute", "samples/s (job)", "step", "bubble",
                 "memory/device", "limited by"):
         table.add_column(col, justify="left" if col in ("schedule", "shard", "limited by") else "right",
                          no_wrap=col != "limited by")
@@ -71,4 +71,18 @@ def search_from_args(args: argparse.Namespace, profile: Any, console: Console) -
     result = search_configurations(profile, cluster, args.global_batch, optimizer=args.optimizer,
                                    schedules=schedules, stages=args.stages, top=args.top)
     print_search_report(result, console, explain=args.explain)
+    note = trace_device_note(profile.trace_device, profile.timing, cluster)
+    if note:
+        console.print(f"[yellow]warning: {note}[/]")
     return result
+
+
+def trace_device_note(trace_device: str, timing: str, cluster: ClusterSpec) -> str | None:
+    """A warning when the unit times come from another kind of device than the cluster's: a CPU trace
+    priced on GPUs linked by NVLink, PCIe or InfiniBand predicts a step no GPU will run."""
+    if trace_device != "cpu" or cluster.intra_link == "loopback":
+        return None
+    return (f"the unit times ({timing}) are for the CPU this profile was traced on, and the search prices them as "
+            f"they are on {cluster.intra_link}-linked devices: the configurations rank by a CPU's speed and their "
+            "step times are not a GPU's; trace on the cluster's kind of device (--trace-device cuda) for figures "
+            "that hold there")

@@ -73,14 +73,26 @@ def scale_profile(profile: ModelProfile, batch: int) -> ModelProfile:
 def enumerate_shapes(units: int, devices: int, global_batch: int, kinds: list[tuple[str, int]],
                      depths: range) -> list[Shape]:
     """Every shape of the search: for each depth S, the most replicas R <= devices / S that divide the
-    global batch (fewer only lengthen the step), every M dividing G / R, every schedule that fits."""
+    global batch (fewer only lengthen the step), every M dividing G / R, every schedule that fits.
+    A 1-stage pipeline has no bubble to schedule: it gets one schedule (``_unpipelined``), not every
+    schedule's variant of the same step."""
     shapes: list[Shape] = []
     for S in depths:
         R = max(r for r in range(1, devices // S + 1) if global_batch % r == 0)
         per_replica = global_batch // R
+        fitting = [(name, V) for name, V in kinds if S * V <= units]
+        if S == 1:
+            fitting = _unpipelined(fitting)
         for M in (m for m in range(1, per_replica + 1) if per_replica % m == 0):
-            shapes.extend(Shape(S, R, M, per_replica // M, name, V) for name, V in kinds if S * V <= units)
+            shapes.extend(Shape(S, R, M, per_replica // M, name, V) for name, V in fitting)
     return shapes
+
+
+def _unpipelined(kinds: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The one schedule a 1-stage pipeline runs: 1F1B (one microbatch in flight, the least memory of
+    the same step), else the first of ``kinds`` with one stage per rank and a fused backward."""
+    plain = [(n, v) for n, v in kinds if v == 1 and not schedule_kind(n).split_backward]
+    return [k for k in plain if k[0] == "1f1b"][:1] or plain[:1] or kinds[:1]
 
 
 def runnable_shard_levels(shape: Shape, levels: tuple[str, ...]) -> tuple[str, ...]:

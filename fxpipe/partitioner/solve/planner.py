@@ -73,8 +73,10 @@ def plan_partition(profile: ModelProfile, num_stages: int, *, solver: str = "aut
     the memory limit binds, within ``time_limit`` seconds; the better plan wins), ``dp``,
     ``cpsat``, or a baseline (``uniform``, ``params``, ``greedy``). The solvers minimise
     the bottleneck stage time (``plan.optimal`` says whether that is proven); the plan
-    is then the split with the least predicted step among the solver's, the baselines'
-    and a local search from the best of them, so it is never slower than a baseline.
+    is then, among the solver's, the baselines' and a local search from the best of them,
+    the split with the least bottleneck of those whose predicted step is within the
+    prediction's resolution (5%) of the least, so it is never predicted slower than a
+    baseline by more than that.
     ``optimize="memory"`` minimises peak memory among plans within 1% of the best
     bottleneck. ``objective="bottleneck"`` keeps the least bottleneck instead of the least
     predicted step (equal bottlenecks still go to the faster predicted step). The baselines
@@ -160,7 +162,7 @@ def _plan_split(profile: ModelProfile, num_stages: int, *, solver: str, schedule
             left = start + time_limit - time.perf_counter() - _PRICING_SHARE * time_limit
             budget = max(0.0, min(_refine_budget(time_limit), left))
             chosen = _pick_fastest(problem, chosen, {**baselines, **{s.solver: s for s in runners_up}}, step_ms,
-                                   budget)
+                                   budget, runtime.step_resolution)
     proven = {f"{chosen.solver}_proven": chosen.bound_ms} if chosen.bound_ms is not None else {}
     bound, parts = lower_bound(problem, proven=proven)
     for_step = optimize == "speed" and objective == "step" and solver not in BASELINES
@@ -289,16 +291,17 @@ def _pick_best(problem: PartitionProblem, chosen: Solution, baselines: dict[str,
         reason = f"same bottleneck, faster predicted step: {steps[win]:.4g} ms vs {step_ms(chosen.assignment):.4g} ms"
     still_optimal = chosen.optimal and theirs.bottleneck_ms <= mine.bottleneck_ms * (1 + _TIE_REL) + 1e-12
     return replace(chosen, assignment=pool[win].assignment, optimal=still_optimal,
-                   status=f"{chosen.status}; kept the {pool[win].solver} baseline's split ({reason})")
+                   status=f"{_status_of(chosen, still_optimal, mine.bottleneck_ms)}; kept the {pool[win].solver} "
+                          f"baseline's split ({reason})")
 
 
 def _pick_fastest(problem: PartitionProblem, chosen: Solution, baselines: dict[str, Solution],
-                  step_ms: Callable[[tuple[int, ...]], float], budget_s: float) -> Solution:
-    """The split with the least predicted step (Note [planning for step time]) among the
-    solver's, the feasible baselines' and a local search from the best contiguous one; equal
-    steps (within ``_TIE_REL``) go to the smaller bottleneck, then to the solver's own. A
-    winner other than the solver's keeps its name and bound (a bound holds for every plan)
-    and is named in the status."""
+                  step_ms: Callable[[tuple[int, ...]], float], budget_s: float, resolution: float = 0.0) -> Solution:
+    """The split the predicted step (Note [planning for step time]) tells apart as fastest, among the
+    solver's, the feasible baselines' and a local search from the best contiguous one: of the splits
+    whose predicted step is within ``resolution`` (relative) of the least, the one with the least
+    bottleneck, ties to the faster predicted step, then to the solver's own. A winner other than the
+    solver's keeps its name and bound (a bound holds for every plan) and is named in the status."""
     pool = [chosen] + [b for b in baselines.values() if _feasible(problem, b)]
     steps = [step_ms(s.assignment) for s in pool]
     contiguous = [i for i in sorted(range(len(pool)), key=lambda i: (steps[i], i)) if is_contiguous(pool[i].assignment)]
@@ -310,9 +313,15 @@ def _pick_fastest(problem: PartitionProblem, chosen: Solution, baselines: dict[s
             steps.append(value)
     evals = [evaluate(problem, s.assignment) for s in pool]
     best = min(steps)
-    tied = [i for i, v in enumerate(steps) if v <= best * (1 + _TIE_REL) + 1e-12]
-    win = min(tied, key=lambda i: (evals[i].bottleneck_ms, i))
+    near = [i for i, v in enumerate(steps) if v <= best * (1 + max(resolution, _TIE_REL)) + 1e-12]
+    least = min(evals[i].bottleneck_ms for i in near)
+    win = min((i for i in near if evals[i].bottleneck_ms <= least * (1 + _TIE_REL) + 1e-12),
+              key=lambda i: (steps[i], i))
+    fastest = min(range(len(pool)), key=lambda i: (steps[i], i))
     count = f"best predicted step of {len(pool)} candidate splits"
+    if resolution > 0 and win != fastest:
+        count = (f"least bottleneck of the {len(near)} of {len(pool)} candidate splits predicted within "
+                 f"{resolution:.0%} of the fastest step ({best:.4g} ms), closer than the prediction orders splits")
     if win == 0:
         return replace(chosen, status=f"{chosen.status}; {count}")
     mine, theirs = evals[0], evals[win]
@@ -332,7 +341,14 @@ def _pick_fastest(problem: PartitionProblem, chosen: Solution, baselines: dict[s
             reason = f"faster predicted step: {step_text}, though its bottleneck is {theirs.bottleneck_ms:.4g} ms"
     still_optimal = chosen.optimal and theirs.bottleneck_ms <= mine.bottleneck_ms * (1 + _TIE_REL) + 1e-12
     return replace(chosen, assignment=pool[win].assignment, optimal=still_optimal,
-                   status=f"{chosen.status}; kept {source} ({reason}); {count}")
+                   status=f"{_status_of(chosen, still_optimal, mine.bottleneck_ms)}; kept {source} ({reason}); {count}")
+
+
+def _status_of(chosen: Solution, still_optimal: bool, bottleneck_ms: float) -> str:
+    """The solver's status, saying of which split a proof speaks when the plan keeps another, slower one."""
+    if not chosen.optimal or still_optimal:
+        return chosen.status
+    return f"{chosen.status} for the {chosen.solver} split's bottleneck ({bottleneck_ms:.4g} ms)"
 
 
 def _wants_cpsat(problem: PartitionProblem, dp: Solution | None) -> bool:
@@ -411,4 +427,5 @@ def plan_from_assignment(profile: ModelProfile, problem: PartitionProblem, chose
         virtual_stages=problem.virtual_stages, placement=problem.placement,
         objective=objective,
         rank_memory_bytes=ev.rank_memory_bytes,
+        unit_times=f"{profile.trace_device} {profile.timing}",
     )

@@ -11,7 +11,12 @@ started from the best of them: each boundary between two stages moves by a step 
 units in either direction while that lowers the predicted step and keeps the split
 valid (order, pins, every rank's memory); the step halves down to one unit. It is a
 local optimum, not a proven one: reports say "optimal" only of the bottleneck the solver
-proves, and name the step time as the objective.
+proves, and name the step time as the objective. The prediction does not order splits whose
+predicted steps are close (``RuntimeCosts.step_resolution``, 5%: in the prediction
+benchmark's configurations, pairs predicted within 5% of each other ran in the predicted
+order 5 times of 9, pairs more than 10% apart 72 of 72), so among the candidates predicted
+within that of the fastest, the planner keeps the least bottleneck, which the solver proves
+optimal: a 0.4% shorter predicted step no longer costs a 20% slower bottleneck stage.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ storage an aten op creates while it is active, each until it is freed (a
 long as the storage). Ops are seen through a ``TorchDispatchMode``, which the autograd
 engine carries into backward, so activations, gradients, receive buffers and
 temporaries all count. Memory that kernels allocate for themselves (and never return as
-a tensor) does not. On CUDA ``torch.cuda.max_memory_allocated`` already counts this,
+a tensor) does not. Two things FSDP2 does (``--shard grad-op/full``) need care: a DTensor
+is counted by its local shard's storage (its own ``untyped_storage()`` is a stand-in of
+the shard's size, which counted every sharded parameter and gradient twice), and FSDP
+frees and refills its gathered parameters by resizing their storage outside any op, so
+once a DTensor is seen the tracker sums every storage's current size at each op. On CUDA ``torch.cuda.max_memory_allocated`` already counts this,
 and ``peak_tensor_bytes`` uses it there.
 
 The dispatch mode costs a Python call per aten op, so the worker measures one extra
@@ -27,6 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed support has no DTensor
+    _DTensor = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
@@ -51,6 +60,8 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __init__(self, tensors: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._sizes: dict[int, int] = {}  # id of a live storage's Python object -> its bytes
+        self._storages: dict[int, weakref.ref[Any]] = {}
+        self._resized = False             # storages may be resized outside ops (FSDP2): re-sum at each op
         self._lock = threading.Lock()     # finalizers may run on another thread (autograd, GC)
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -61,6 +72,10 @@ class TensorMemoryTracker(TorchDispatchMode):
         """Count ``tensor``'s storage until it is freed (once, however many views share it)."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
+        local = _local_tensor(tensor)
+        if local is not tensor:
+            self._resized = True
+            tensor = local
         storage = tensor.untyped_storage()
         key, nbytes = id(storage), storage.nbytes()
         with self._lock:
@@ -68,6 +83,7 @@ class TensorMemoryTracker(TorchDispatchMode):
             if old is None:
                 weakref.finalize(storage, self._free, key)
                 self._sizes[key] = nbytes
+                self._storages[key] = weakref.ref(storage)
                 self.live_bytes += nbytes
             elif old != nbytes:  # resized in place (an ``out=`` op or ``resize_``)
                 self._sizes[key] = nbytes
@@ -77,13 +93,37 @@ class TensorMemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         with self._lock:
             self.live_bytes -= self._sizes.pop(key, 0)
+            self._storages.pop(key, None)
+
+    def _resum(self) -> None:
+        """Every storage at its current size (FSDP2 resizes its gathered parameters outside any op)."""
+        with self._lock:
+            for key, ref in list(self._storages.items()):
+                storage = ref()
+                if storage is not None:
+                    nbytes = storage.nbytes()
+                    self.live_bytes += nbytes - self._sizes[key]
+                    self._sizes[key] = nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._resized:  # a storage freed by a resize since the last op
+            self._resum()
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
+        if self._resized:
+            self._resum()
         return out
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the storage that holds its bytes, without an op: the tracker may be
+    inside its own dispatch); any other tensor itself."""
+    if _DTensor is None or not isinstance(tensor, _DTensor):
+        return tensor
+    return tensor._local_tensor
 
 
 def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:

@@ -220,7 +220,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             samples_per_second=samples / steady, schedule=schedule, microbatches=microbatches,
             batch_size=batch, lr=lr, world_size=runner.world_size, num_stages=manifest.num_stages,
             device=runner.device.type, backend=dist.get_backend(),
-            predicted_step_ms=None if plan is None else plan.predicted_step_ms(
+            predicted_step_ms=None if plan is None or not plan.predicts_time else plan.predicted_step_ms(
                 schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
                 powersgd_rank=dp.powersgd_rank, shard=dp.shard),
             peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
@@ -234,8 +234,13 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             path = out or build_dir / "run.json"
             record.to_json(path)
             pred = record.predicted_step_ms
-            print(f"median step {record.median_step_ms:.2f} ms"
-                  + (f" (plan predicted {pred:.2f} ms)" if pred is not None else "") + f"; wrote {path}", flush=True)
+            if pred is not None:
+                said = f" (plan predicted {pred:.2f} ms{_host_load_note(runner.device.type)})"
+            elif plan is not None and not plan.predicts_time:  # Note [analytic CPU estimate]
+                said = " (the plan's analytic CPU estimate ranks splits, it predicts no time: --measure-times does)"
+            else:
+                said = ""
+            print(f"median step {record.median_step_ms:.2f} ms{said}; wrote {path}", flush=True)
         return record
 
 
@@ -243,6 +248,19 @@ def _drawn_by(fn: BatchFn | None, model_file: str, batch: int) -> str:
     """The call that yields the batches, as an error names it."""
     return (f"{getattr(fn, '__name__', TRAIN_FN)}({batch}, rank_info)" if fn is not None
             else f"{model_file}'s example_inputs / example_targets")
+
+
+def _host_load_note(device: str) -> str:
+    """On a CPU host busier than its cores (other work beside this job's ranks), a note that the prediction
+    assumed none: the unit times it was made from did not share their cores."""
+    if device != "cpu" or not hasattr(os, "getloadavg"):
+        return ""
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if load <= 1.5 * max(cores, ranks):
+        return ""
+    return (f"; this host's load average was {load:.1f} on {cores} cores for {ranks} ranks: "
+            "the prediction assumes no other work on them")
 
 
 def _evaluate(runner: PipelineRunner, batches: Iterator[Batch], steps: int, after: int, drawn: str) -> float:
