@@ -244,10 +244,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     _enter("reading the build directory")
     plan, profile = _load_plan_dir(args.build_dir)
-    measured = _measured(Path(args.build_dir))
+    measured, unpaired = _measured(Path(args.build_dir), len(plan.stages))
     _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
+    if unpaired is not None:
+        console.print(unpaired)
     if measured is not None:
         from fxpipe.partitioner.report.terminal import print_measurement
 
@@ -258,17 +260,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured(build_dir: Path) -> Any:
-    """What ``fxpipe run`` measured (``DIR/run.json``) in the plan's terms, or None before a run."""
+def _measured(build_dir: Path, num_stages: int) -> tuple[Any, str | None]:
+    """What ``fxpipe run`` measured (``DIR/run.json``) in the plan's terms (None before a run), and
+    why a run.json is not set beside this plan: a run of another build (Note [a record names its
+    build] in ``fxpipe.runtime.train.run_record``)."""
     from fxpipe.partitioner.report.terminal import Measurement
-    from fxpipe.runtime.train.run_record import RunRecord
+    from fxpipe.runtime.train.run_record import RunRecord, build_sha256
 
     if not (build_dir / "run.json").is_file():
-        return None
+        return None, None
     run = RunRecord.from_json(build_dir / "run.json")
+    if (run.build_sha256 is not None and run.build_sha256 != build_sha256(build_dir)) or run.num_stages != num_stages:
+        return None, (f"{build_dir / 'run.json'} is a run of another build ({run.num_stages} stages; this plan has "
+                      f"{num_stages}), not set beside this plan: run `fxpipe run {build_dir}` to measure this one")
     return Measurement(step_ms=run.median_step_ms, peak_tensor_bytes=run.peak_tensor_bytes, schedule=run.schedule,
                        microbatches=run.microbatches, world_size=run.world_size, device=run.device,
-                       predicted_step_ms=run.predicted_step_ms)
+                       predicted_step_ms=run.predicted_step_ms), None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

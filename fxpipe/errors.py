@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "WeightsError",
+    "DivergenceError",
 ]
 
 
@@ -101,3 +102,8 @@ class ConfigError(FxpipeError):
 
 class WeightsError(FxpipeError):
     """A checkpoint given with ``--weights`` is unreadable or does not fit the model (keys, shapes)."""
+
+
+class DivergenceError(FxpipeError):
+    """Training diverged (a NaN or infinite loss): the run stopped at that step, its record and last good
+    checkpoint kept."""

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.manifest import Tie
 from fxpipe.errors import CodegenError
+from fxpipe.unexpected import disk_error
 
 __all__ = ["TensorEntry", "StageState", "stage_state", "tensor_aliases", "tied_groups", "save_weights", "alias_chooser"]
 
@@ -164,8 +165,15 @@ def tied_groups(states: list[StageState]) -> tuple[Tie, ...]:
 
 
 def save_weights(state: StageState, path: Path) -> None:
-    """Write the stage's stored tensors (each cloned: safetensors refuses shared storage)."""
+    """Write the stage's stored tensors (each cloned: safetensors refuses shared storage). A full
+    disk is an ``OSError`` naming ``path`` (safetensors' own error does not say which file)."""
     from safetensors.torch import save_file
 
     tensors = {e.key: e.tensor.detach().to("cpu").clone().contiguous() for e in state.stored}
-    save_file(tensors, str(path), metadata={"format": "pt", "written_by": "fxpipe"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt", "written_by": "fxpipe"})
+    except Exception as exc:
+        fault = disk_error(exc)
+        if fault is None:
+            raise
+        raise OSError(fault.errno, fault.strerror, str(path)) from None

@@ -15,12 +15,12 @@ from fxpipe.partitioner import plan_partition
 from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
 from fxpipe.tracer import ModelProfile, Unit, UnitEdge
 
-# the fields run.json has always had (the record adds schema_version)
+# the fields run.json has (the record adds schema_version); build_sha256 and stopped since issue 35
 RUN_JSON_FIELDS = {"losses", "step_seconds", "median_step_ms", "samples_per_second", "schedule", "microbatches",
                    "batch_size", "lr", "world_size", "num_stages", "device", "backend", "predicted_step_ms",
                    "peak_memory_bytes", "peak_tensor_bytes", "dp", "global_batch_size", "comm_hook", "powersgd_rank",
                    "shard_optimizer_state", "backward_passes_per_step", "optimizer", "precision", "lrs", "grad_norms",
-                   "eval_losses", "first_step"}
+                   "eval_losses", "first_step", "build_sha256", "stopped"}
 
 RECORD = RunRecord(
     losses=(2.0, 1.5), step_seconds=(0.2, 0.1), median_step_ms=100.0, samples_per_second=80.0, schedule="1f1b",

@@ -57,7 +57,8 @@ from fxpipe.runtime.launch.agent import AGENT_PREFIX
 from fxpipe.runtime.pipeline.groups import pick_device
 from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV
 from fxpipe.runtime.train.run_options import RunOptions, with_plan_defaults
-from fxpipe.runtime.train.run_record import RunRecord
+from fxpipe.runtime.train.run_record import RunRecord, build_sha256
+from fxpipe.unexpected import print_safely
 from fxpipe.runtime.train.log import PROGRESS_ENV, ProgressBar
 from fxpipe.runtime.launch.worker import DEBUG_ENV, ERROR_PREFIX
 
@@ -107,12 +108,15 @@ class _Job:
     failures: list[dict[str, Any]] = field(default_factory=list)  # the agent's failure records
     first_error_at: float | None = None
     output_closed: threading.Event = field(default_factory=threading.Event)
+    log_lost: str | None = None  # why a stream of the log could not be written (a full disk)
     threads: list[threading.Thread] = field(default_factory=list)
 
 
 def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
     """Copy ``stream`` to ``sink`` line by line, keeping (not showing) error and failure lines;
-    a closed ``sink`` sets ``job.output_closed`` and the rest is drained unseen."""
+    a closed ``sink`` sets ``job.output_closed`` and the rest is drained unseen. A ``sink`` that
+    fails otherwise (a full disk under the log file) loses the rest of its lines but not the job:
+    training goes on, and ``job.log_lost`` says why (once on standard error now, and at the end)."""
     bar = ProgressBar()  # a worker's progress lines, drawn in place (fxpipe.runtime.train.log)
     for line in stream:
         if line.startswith(AGENT_PREFIX):
@@ -134,9 +138,15 @@ def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
                 continue
             sink.write(line)
             sink.flush()
-        except (OSError, ValueError):  # BrokenPipeError: `| head` is done reading; ValueError: closed file
+        except (BrokenPipeError, ValueError):  # `| head` is done reading; ValueError: a closed file
             job.output_closed.set()
             sink = None
+        except OSError as exc:  # ENOSPC, EIO: the disk under the log, not the reader, failed
+            which = "standard output" if sink is sys.stdout else "standard error"
+            job.log_lost = (f"cannot write {which}: {exc.strerror or exc}; training went on without those lines "
+                            "(run.json records every step)")
+            sink = None
+            print_safely(f"fxpipe run: {job.log_lost}", sys.stderr if which == "standard output" else sys.stdout)
 
 
 def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: bool = False, *,
@@ -166,6 +176,7 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     from fxpipe.runtime.launch.preflight import preflight
 
     options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+    ran = build_sha256(build_dir)  # Note [a record names its build]
     out = build_dir / "run.json"
     out.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:
@@ -174,11 +185,23 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
         args = _torchrun_args(build_dir, manifest.num_ranks * replicas, free_port(), ["--options", str(options_file)])
         job = _start([sys.executable, "-m", "fxpipe.runtime.launch.agent", *args], quiet, debug)
         returncode = _wait(job)
-    if returncode == 0 and out.is_file():
-        return RunRecord.from_json(out)
+    if job.log_lost is not None:
+        print_safely(f"fxpipe run: the log is incomplete: {job.log_lost}")
+    if returncode == 0:
+        return _own_record(build_dir, out, ran)
     if job.output_closed.is_set():
         raise BrokenPipeError("standard output was closed; the job was stopped")
     raise root_cause(job.errors, job.failures, returncode)
+
+
+def _own_record(build_dir: Path, out: Path, ran: str | None) -> RunRecord:
+    """The record the job wrote into ``out``, refused when it is not of the build the job ran."""
+    record = RunRecord.from_json(out) if out.is_file() else None
+    if record is None or (ran is not None and record.build_sha256 not in (None, ran)):
+        raise errors.BuildDirError(f"the build directory {build_dir} was replaced while this run trained (re-"
+                                   f"partitioned?): {out} {'is gone' if record is None else 'is of another run'}, "
+                                   "and this run's record is not in it")
+    return record
 
 
 def _check_world(device: Any, stages: int, replicas: int) -> None:

@@ -4,14 +4,19 @@ A bad model file found by a worker is a job of N failing processes; found here i
 line. ``preflight`` loads the build's model file and checks what every rank would:
 the functions the run needs are there, the batch splits into the microbatches, the
 targets have a batch dimension of the batch's size, the first training (and eval) batch
-binds to the build's inputs with the right batch size, and a checkpoint to resume from
-was saved by as many ranks as this run starts. It returns the options with ``--data``
-paths made absolute (the workers may start elsewhere).
+binds to the build's inputs with the right batch size, the build directory can take
+``run.json``, ``--checkpoint-dir`` can be written and holds nothing a save would replace
+(Note [a run writes only its own checkpoints] in ``fxpipe.runtime.train.checkpoint``), and
+a checkpoint to resume from was saved by as many ranks as this run starts, from this model
+and optimizer, before ``--steps`` (Note [what a resume carries over] in
+``fxpipe.runtime.train.resume``). It returns the options with ``--data`` paths made absolute
+(the workers may start elsewhere).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.errors import CheckpointError, ModelFileError
+from fxpipe.errors import BuildDirError, CheckpointError, ModelFileError
 from fxpipe.runtime.train.data import model_source, target_batch_dims
 from fxpipe.runtime.train.data_iter import EVAL_FN, TRAIN_FN, RankInfo, batch_stream, find_batches
 from fxpipe.runtime.pipeline.microbatch import check_divisible
@@ -71,7 +76,11 @@ def preflight(build_dir: Path, manifest: Manifest, options: RunOptions, world_si
                 tensorboard=None if t.tensorboard is None else os.path.abspath(t.tensorboard))
     options = replace(options, training=t)
     batch = options.batch_size or manifest.batch_size
-    check_divisible(batch, options.microbatches or manifest.microbatches)
+    microbatches = options.microbatches or manifest.microbatches
+    check_divisible(batch, microbatches)
+    _check_writable(build_dir)
+    if t.checkpoint_dir is not None:
+        _check_checkpoint(build_dir, manifest, options, batch, microbatches, world_size)
     if not manifest.model_file:
         return options
     source = model_source(build_dir, manifest)
@@ -86,12 +95,37 @@ def preflight(build_dir: Path, manifest: Manifest, options: RunOptions, world_si
         eval_fn = find_batches(source, t.eval_data, EVAL_FN)
         if eval_fn is not None:
             _check_batch(eval_fn, manifest, batch, dims, EVAL_FN)
-    if t.resume and t.checkpoint_dir is not None:
-        from fxpipe.runtime.train.checkpoint import RECORD_NAME
-        from fxpipe.runtime.train.commit import read_record
-
-        record = read_record(Path(t.checkpoint_dir) / RECORD_NAME)
-        if record is not None and record.num_parts != world_size:
-            raise CheckpointError(f"--resume: the checkpoint in {t.checkpoint_dir} was saved by {record.num_parts} "
-                                  f"ranks, this run starts {world_size}; resume with the same stages and --dp")
     return options
+
+
+def _check_writable(build_dir: Path) -> None:
+    """Refuse a build directory that cannot take ``run.json`` (found now, not after the last step)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fxpipe-probe-", dir=build_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise BuildDirError(f"the build directory {build_dir} cannot be written ({exc.strerror or exc}), so this "
+                            "run's record (run.json) could not be saved there; make it writable, or copy the build "
+                            "(cp -r) somewhere you can write") from None
+
+
+def _check_checkpoint(build_dir: Path, manifest: Manifest, options: RunOptions, batch: int, microbatches: int,
+                      world_size: int) -> None:
+    """``--checkpoint-dir`` can be written and holds nothing a save would replace; a checkpoint to
+    resume fits this run (the workers check the same again, and say what carries over)."""
+    from fxpipe.runtime.train.checkpoint import check_checkpoint_dir
+    from fxpipe.runtime.train.resume import build_identity, check_resume
+    from fxpipe.runtime.train.run_record import build_sha256
+
+    t = options.training
+    assert t.checkpoint_dir is not None
+    record = check_checkpoint_dir(t.checkpoint_dir, t.resume)
+    if not t.resume or record is None:
+        return
+    if record.num_parts != world_size:
+        raise CheckpointError(f"--resume: the checkpoint in {t.checkpoint_dir} was saved by {record.num_parts} "
+                              f"ranks, this run starts {world_size}; resume with the same stages and --dp")
+    if record.meta:
+        check_resume(dict(record.meta), None, options, batch, microbatches,
+                     build_identity(manifest, build_sha256(build_dir)), t.checkpoint_dir)

@@ -19,12 +19,22 @@ group, through ``fxpipe.runtime.dataparallel.state_dict``), so a part has the sa
 at every sharding level, and a resumed rank cuts its own shards back out of it, exactly.
 Resuming is bit-for-bit on CPU: the parameters, the optimizer's and scheduler's state,
 torch's and Python's RNG and the data position (Note [data position] in
-``fxpipe.runtime.train.data_iter``) are all restored.
+``fxpipe.runtime.train.data_iter``) are all restored. The record's ``meta`` says after which
+step, from which build and with which settings it was saved (Note [what a resume carries
+over] in ``fxpipe.runtime.train.resume``).
+
+Note [a run writes only its own checkpoints]: before the first step (in the launching process
+and on every rank) ``check_checkpoint_dir`` makes sure the directory can be written, and that
+a save will replace nothing this run did not write: a directory that holds a checkpoint is
+refused unless the run resumes it, and parts without their record (``checkpoint.json`` lost)
+are refused always, since nothing can check them and a save would write over them.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +45,14 @@ from fxpipe.errors import CheckpointError
 from fxpipe.runtime.dataparallel.state_dict import gather_if_sharded, load_stage_state_dict, shard_optimizer_state
 from fxpipe.runtime.train.commit import CommitRecord, Part, check_part, clean_stale, new_token, publish, read_record, \
     write_pending, write_record
+from fxpipe.unexpected import disk_error
 
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
 
 __all__ = ["RECORD_NAME", "part_path", "save_training_checkpoint", "load_training_checkpoint", "has_checkpoint",
-           "training_state", "restore_training_state", "export_checkpoint", "gather_state_dict"]
+           "training_state", "restore_training_state", "export_checkpoint", "gather_state_dict", "check_checkpoint_dir",
+           "checkpoint_meta"]
 
 RECORD_NAME = "checkpoint.json"
 FORMAT = "fxpipe-training-checkpoint"
@@ -52,6 +64,43 @@ def part_path(directory: Path, rank: int) -> Path:
 
 def has_checkpoint(directory: str | Path) -> bool:
     return (Path(directory) / RECORD_NAME).is_file()
+
+
+def checkpoint_meta(directory: str | Path) -> dict[str, Any]:
+    """The ``meta`` the checkpoint in ``directory`` was committed with (``{}``: none, or an older fxpipe's)."""
+    record = read_record(Path(directory) / RECORD_NAME)
+    return dict(record.meta) if record is not None else {}
+
+
+def check_checkpoint_dir(directory: str | Path, resume: bool) -> CommitRecord | None:
+    """Refuse a ``--checkpoint-dir`` this run cannot write, or whose files a save would replace without
+    this run having written them (Note [a run writes only its own checkpoints]); create it when missing.
+    Returns the record of the checkpoint to resume (``None``: there is none)."""
+    folder = Path(directory)
+    flag = f"--checkpoint-dir {str(directory)!r}"
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{flag} is a file, not a directory; name a directory for the checkpoints")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fxpipe-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointError(f"{flag} cannot be written ({exc.strerror or exc}); choose a directory this run can "
+                              "write, before any step is trained") from None
+    record = read_record(folder / RECORD_NAME)
+    parts = sorted(p.name for p in folder.glob("rank_*.pt"))
+    if record is None and parts:
+        raise CheckpointError(f"{flag} holds checkpoint parts ({', '.join(parts[:4])}{', ...' if len(parts) > 4 else ''})"
+                              f" but no {RECORD_NAME}, their record: they cannot be checked, so this run neither "
+                              f"resumes from them nor writes over them; restore {RECORD_NAME}, or move the parts away, "
+                              "or choose another --checkpoint-dir")
+    if record is not None and not resume:
+        step = record.meta.get("step")
+        raise CheckpointError(f"{flag} already holds a checkpoint{f' (after step {step})' if step is not None else ''};"
+                              " continue it with --resume, or choose another --checkpoint-dir: a new run does not write "
+                              "over it")
+    return record
 
 
 def _everyone(mine: Any, world: int, doing: str) -> list[Any]:
@@ -66,9 +115,11 @@ def _everyone(mine: Any, world: int, doing: str) -> list[Any]:
     return out
 
 
-def save_training_checkpoint(directory: str | Path, rank: int, world: int, state: dict[str, Any]) -> None:
+def save_training_checkpoint(directory: str | Path, rank: int, world: int, state: dict[str, Any],
+                             meta: dict[str, Any] | None = None) -> None:
     """Write ``state`` as rank ``rank``'s part of a checkpoint in ``directory``, committed with the
-    other ranks' (collective over the world; Note [checkpoint commit] in ``fxpipe.runtime.train.commit``)."""
+    other ranks' (collective over the world; Note [checkpoint commit] in ``fxpipe.runtime.train.commit``)
+    and with ``meta`` in its record (the same on every rank)."""
     directory = Path(directory)
     path, record_file = part_path(directory, rank), directory / RECORD_NAME
     token, mine = new_token(), {"key": str(rank), "ok": False}
@@ -91,7 +142,7 @@ def save_training_checkpoint(directory: str | Path, rank: int, world: int, state
                               f"{failed[0]['error']}; the previous checkpoint (if any) is unchanged")
     assert part is not None
     record = CommitRecord(id=everyone[0]["token"], partial=True, num_parts=world,
-                          parts={m["key"]: m["part"] for m in everyone})
+                          parts={m["key"]: m["part"] for m in everyone}, meta=meta or {})
     try:
         write_record(record_file, record, token)
     except OSError as exc:
@@ -195,6 +246,7 @@ def restore_training_state(runner: PipelineRunner, state: dict[str, Any]) -> Non
             raise CheckpointError(f"the checkpoint has no {missing[:4]}: it was saved from another build")
         load_stage_state_dict(module, {k: model[k] for k in own})  # each rank cuts out its own shards
     if runner.optimizer is not None:
+        _check_optimizer_kind(state["optimizer"], runner.optimizer)
         runner.optimizer.load_state_dict(shard_optimizer_state(state["optimizer"], runner.optimizer))
     if runner.scheduler is not None:
         runner.scheduler.load_state_dict(state["scheduler"])
@@ -204,6 +256,24 @@ def restore_training_state(runner: PipelineRunner, state: dict[str, Any]) -> Non
     random.setstate(state["rng"]["python"])
     if "cuda" in state["rng"] and runner.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], runner.device)
+
+
+# hyperparameters that tell torch.optim's SGD from Adam(W): a state of one has none of the other's
+_OPTIMIZER_KEYS = ("momentum", "dampening", "nesterov", "betas", "eps", "amsgrad")
+
+
+def _check_optimizer_kind(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse the saved state of another kind of optimizer (a checkpoint whose record has no ``meta``
+    to say which; Note [what a resume carries over]), which would fail inside its first step."""
+    groups = saved.get("param_groups") or []
+    if not groups or not optimizer.param_groups:
+        return
+    ours, theirs = optimizer.param_groups[0], groups[0]
+    differ = [k for k in _OPTIMIZER_KEYS if (k in ours) != (k in theirs)]
+    if differ:
+        raise CheckpointError(f"the checkpoint holds the state of another optimizer than this run's "
+                              f"{type(optimizer).__name__} (its hyperparameters differ: {', '.join(differ)}); resume "
+                              "with the --optimizer it was saved with, or start a new run with another --checkpoint-dir")
 
 
 # -- export ------------------------------------------------------------------------------------------
@@ -237,5 +307,11 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, torch
 
     state = {k: v.contiguous().clone() for k, v in gather_state_dict(directory).items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out), metadata={"format": "pt", "source": "fxpipe export"})
+    try:
+        save_file(state, str(out), metadata={"format": "pt", "source": "fxpipe export"})
+    except Exception as exc:  # a full disk: an OSError that names the file (safetensors' error does not)
+        fault = disk_error(exc)
+        if fault is None:
+            raise
+        raise OSError(fault.errno, fault.strerror, str(out)) from None
     return state

@@ -27,7 +27,7 @@ import json
 import os
 import re
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -56,7 +56,10 @@ class Part:
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """What a committed checkpoint consists of: ``parts`` by mp rank (``"0"`` for a full one)."""
+    """What a committed checkpoint consists of: ``parts`` by mp rank (``"0"`` for a full one), and
+    ``meta``: plain JSON data about the whole checkpoint that its writer wants committed with it
+    (``fxpipe run``: the step, the build and the options; Note [what a resume carries over] in
+    ``fxpipe.runtime.train.resume``)."""
 
     id: str
     partial: bool
@@ -64,6 +67,7 @@ class CommitRecord:
     parts: dict[str, Part]
     format: str = RECORD_FORMAT
     version: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

@@ -12,12 +12,17 @@ check that they drew one batch (``fxpipe.runtime.train.batch_check``). Every
 (``fxpipe.runtime.train.checkpoint``), from which ``resume`` continues bit-for-bit.
 Rank 0 prints one line per ``log_every`` steps (loss averaged over replicas, learning
 rate, gradient norm, samples/s, step time, ETA) and writes ``DIR/run.json`` (a
-``RunRecord``); after the timed steps every rank trains one more (untimed, unreported)
-accumulation window to measure its peak tensor memory (``fxpipe.runtime.pipeline.peak_memory``).
+``RunRecord``, only into the build it ran: Note [a record names its build] in
+``fxpipe.runtime.train.run_record``); after the timed steps every rank trains one more (untimed,
+unreported) accumulation window to measure its peak tensor memory
+(``fxpipe.runtime.pipeline.peak_memory``). Before the first step every rank checks the checkpoint
+directory and what a resume carries over (``fxpipe.runtime.train.resume``); a NaN or infinite
+loss stops the run (Note [a diverged run stops] in ``fxpipe.runtime.train.divergence``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -39,11 +44,14 @@ from fxpipe.runtime.pipeline.microbatch import check_divisible
 from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
 from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.pipeline.p2p import peer_error
-from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
+from fxpipe.runtime.train.run_record import RunRecord, build_sha256, read_build_plan, write_run_record
 from fxpipe.runtime.pipeline.runner import PipelineRunner
 from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted
-from fxpipe.runtime.train.checkpoint import (has_checkpoint, load_training_checkpoint, restore_training_state,
+from fxpipe.runtime.train.checkpoint import (check_checkpoint_dir, load_training_checkpoint, restore_training_state,
                                              save_training_checkpoint, training_state)
+from fxpipe.runtime.train.divergence import (agree, divergence_error, finite_or_none, non_finite_parameters,
+                                             non_finite_step)
+from fxpipe.runtime.train.resume import apply_options, build_identity, check_resume, checkpoint_meta, run_settings
 
 __all__ = ["train", "resolve_sizes", "format_log_line"]
 
@@ -103,17 +111,25 @@ def rank_info(runner: PipelineRunner) -> RankInfo:
 
 def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunRecord:
     """Train up to step ``options.steps`` on this rank (from a checkpoint with ``resume``); rank 0
-    writes the record to ``out`` (default ``build_dir/run.json``). Every rank returns the record."""
+    writes the record to ``out`` (default ``build_dir/run.json``). Every rank returns the record.
+    A run whose loss stops being finite stops there and raises ``DivergenceError`` on every rank,
+    its record written (Note [a diverged run stops] in ``fxpipe.runtime.train.divergence``)."""
     manifest = Manifest.from_json(build_dir)
+    identity = build_identity(manifest, build_sha256(build_dir))  # Note [a record names its build]
     plan = read_build_plan(build_dir)
     source = model_source(build_dir, manifest)
     world = int(os.environ.get("WORLD_SIZE", manifest.num_ranks))
     batch, microbatches, replicas = resolve_sizes(options, manifest, world)
     dp, t = options.data_parallel, options.training
+    # before any step: a directory this run cannot write, or whose files it did not write, is refused
+    saved = check_checkpoint_dir(t.checkpoint_dir, t.resume) if t.checkpoint_dir is not None else None
+    resuming = check_resume(dict(saved.meta), None, options, batch, microbatches, identity, str(t.checkpoint_dir)) \
+        if t.resume and saved is not None and saved.meta else None
     train_fn = find_batches(source, t.data, TRAIN_FN)
     eval_fn = find_batches(source, t.eval_data, EVAL_FN) or train_fn
     target_dims = target_batch_dims(source, batch) if source.has_loss_fn and source.has(source.targets_fn) else None
     lr = options.lr
+    settings = run_settings(options, batch, microbatches)
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
                         microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
                         scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
@@ -128,10 +144,16 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         samples = batch * replicas
         history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
         first = position = 0
-        if t.resume and has_checkpoint(t.checkpoint_dir or ""):
+        saved_after: int | None = None  # the step of the last checkpoint in checkpoint_dir
+        if t.resume and saved is not None:
             state = load_training_checkpoint(t.checkpoint_dir or "", runner.rank, runner.world_size)
+            if resuming is None:  # a checkpoint of an older fxpipe: its step is in the parts
+                resuming = check_resume({}, int(state["step"]), options, batch, microbatches, identity,
+                                        str(t.checkpoint_dir))
             restore_training_state(runner, state)
+            apply_options(runner, options)  # this run's lr, weight decay, betas (Note [what a resume carries over])
             first, position, history = state["step"], state["data_position"], state["history"]
+            saved_after = first
         elif t.resume and lead:
             print(f"fxpipe run: no checkpoint in {t.checkpoint_dir} yet; starting from step 0", flush=True)
         if train_fn is not None:
@@ -150,12 +172,16 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                   f"{f', {t.warmup_steps} warm-up steps' if t.warmup_steps else ''})"
                   + (f", {options.precision} autocast" if options.precision != "fp32" else "")
                   + (f", resuming after step {first}" if first else ""), flush=True)
+            for line in resuming.lines() if resuming is not None else ():
+                print(line, flush=True)
         seconds: list[float] = []
         inputs, targets = None, None
         board = TensorBoardLog(t.tensorboard) if lead and t.tensorboard is not None else None
         progress = lead and progress_wanted()
         window: list[float] = []
         drawn = _drawn_by(train_fn, source.path.name, batch)
+        stopped: str | None = None
+        lr_now = lr
         for k in range(first, options.steps):
             inputs, targets = next(stream)
             position += 1
@@ -166,26 +192,33 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             loss = runner.step(inputs, targets)
             seconds.append(time.perf_counter() - start)
             window.append(seconds[-1])
-            history["losses"].append(_mean_over_replicas(loss, runner))  # outside the timed step
-            history["lrs"].append(float(lr_now))
-            if runner.last_grad_norm is not None:
-                history["grad_norms"].append(runner.last_grad_norm)
             done = k + 1
+            loss = _mean_over_replicas(loss, runner)  # outside the timed step
+            norm = runner.last_grad_norm
+            if runner.scaler is None:  # fp16's scaler skips a step of inf/NaN gradients itself
+                stopped = non_finite_step(done, loss, norm, runner)
+                if stopped is not None:  # the same on every rank: Note [a diverged run stops]
+                    break
+            history["losses"].append(finite_or_none(loss))
+            history["lrs"].append(float(lr_now))
+            if norm is not None:
+                history["grad_norms"].append(finite_or_none(norm))
+            shown = loss if math.isfinite(loss) else float("nan")
             if board is not None:
-                board.scalars(done, {"train/loss": history["losses"][-1], "train/lr": lr_now,
-                                     "train/grad_norm": runner.last_grad_norm,
+                board.scalars(done, {"train/loss": finite_or_none(loss), "train/lr": lr_now,
+                                     "train/grad_norm": finite_or_none(norm),
                                      "train/samples_per_s": samples / seconds[-1], "train/step_ms": seconds[-1] * 1e3,
                                      "train/loss_scale": runner.scaler.scale if runner.scaler is not None else None})
             if progress:
-                print(progress_line(done, options.steps, history["losses"][-1],
+                print(progress_line(done, options.steps, shown,
                                     statistics.median(seconds) * (options.steps - done)), flush=True)
             if lead and runner.scaler is not None and runner.scaler.skipped:
                 print(f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
                       flush=True)
             if lead and (done % t.log_every == 0 or done == options.steps):
-                recent = history["losses"][-len(window):]
+                recent = [v for v in history["losses"][-len(window):] if v is not None] or [float("nan")]
                 mean_s = sum(window) / len(window)
-                print(format_log_line(done, options.steps, sum(recent) / len(recent), lr_now, runner.last_grad_norm,
+                print(format_log_line(done, options.steps, sum(recent) / len(recent), lr_now, norm,
                                       samples / mean_s, mean_s * 1e3,
                                       statistics.median(seconds) * (options.steps - done)), flush=True)
                 window = []
@@ -193,6 +226,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                 held = (batch_stream(eval_fn, manifest, batch, info, name=EVAL_FN) if eval_fn is not None
                         else _repeat((inputs, targets)))  # no batch functions: the example batch
                 val = _evaluate(runner, held, t.eval_steps, done, _drawn_by(eval_fn, source.path.name, batch))
+                if not math.isfinite(val):
+                    stopped = f"the evaluation loss after step {done} is {val}"
+                    break
                 history["eval_losses"].append([done, val])
                 if board is not None:
                     board.scalars(done, {"eval/loss": val})
@@ -200,21 +236,28 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                     print(f"eval after step {done}: loss {val:.6f}", flush=True)
             if t.checkpoint_dir is not None and (done == options.steps or (t.checkpoint_every is not None
                                                                           and done % t.checkpoint_every == 0)):
-                save_training_checkpoint(t.checkpoint_dir, runner.rank, runner.world_size,
-                                         training_state(runner, done, position, history))
+                state = training_state(runner, done, position, history)
+                stopped = non_finite_parameters(runner, state["model"], done)
+                if stopped is not None:  # never a checkpoint of NaN weights
+                    break
+                save_training_checkpoint(t.checkpoint_dir, runner.rank, runner.world_size, state,
+                                         checkpoint_meta(done, settings, identity))
+                saved_after = done
                 if lead:
                     print(f"checkpoint after step {done}: {t.checkpoint_dir}", flush=True)
         if board is not None:
             board.close()
-        if inputs is None:  # resumed at the end: nothing left to train, measure on the next batch
-            inputs, targets = next(stream)
-        tensor_peak = training_peak_tensor_bytes(runner, inputs, targets, dp.backward_passes_per_step)
-        peaks: list[Any] = [None] * runner.world_size
-        try:  # over the whole world: one figure per rank, every replica included
-            dist.all_gather_object(peaks, (peak_memory_bytes(runner.device), tensor_peak))
-        except RuntimeError as exc:
-            raise peer_error(exc, runner.rank, "gathering peak memory", options.timeout_s) from exc
-        steady = statistics.median(seconds[1:] or seconds or [float("nan")])
+        if stopped is None:
+            assert inputs is not None  # a run trains a step at least: a finished checkpoint is refused (resume.py)
+            tensor_peak = training_peak_tensor_bytes(runner, inputs, targets, dp.backward_passes_per_step)
+            peaks: list[Any] = [None] * runner.world_size
+            try:  # over the whole world: one figure per rank, every replica included
+                dist.all_gather_object(peaks, (peak_memory_bytes(runner.device), tensor_peak))
+            except RuntimeError as exc:
+                raise peer_error(exc, runner.rank, "gathering peak memory", options.timeout_s) from exc
+        else:  # no more steps on weights that are NaN: no peak figures
+            peaks = []
+        steady = statistics.median(seconds[1:] or seconds)
         record = RunRecord(
             losses=tuple(history["losses"]), step_seconds=tuple(seconds), median_step_ms=steady * 1e3,
             samples_per_second=samples / steady, schedule=schedule, microbatches=microbatches,
@@ -229,19 +272,31 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             optimizer=t.optimizer, precision=options.precision, lrs=tuple(history["lrs"]),
             grad_norms=tuple(history["grad_norms"]),
             eval_losses=tuple((int(s), float(v)) for s, v in history["eval_losses"]), first_step=first,
+            build_sha256=identity["manifest_sha256"], stopped=stopped,
         )
+        path = out or build_dir / "run.json"
+        if stopped is None:
+            if lead:
+                path = write_run_record(record, build_dir, out)
+                pred = record.predicted_step_ms
+                if pred is not None:
+                    said = f" (plan predicted {pred:.2f} ms{_host_load_note(runner.device.type)})"
+                elif plan is not None and not plan.predicts_time:  # Note [analytic CPU estimate]
+                    said = " (the plan's analytic CPU estimate ranks splits, it predicts no time: --measure-times does)"
+                else:
+                    said = ""
+                print(f"median step {record.median_step_ms:.2f} ms{said}; wrote {path}", flush=True)
+            return record
+        failed: BaseException | None = None
         if lead:
-            path = out or build_dir / "run.json"
-            record.to_json(path)
-            pred = record.predicted_step_ms
-            if pred is not None:
-                said = f" (plan predicted {pred:.2f} ms{_host_load_note(runner.device.type)})"
-            elif plan is not None and not plan.predicts_time:  # Note [analytic CPU estimate]
-                said = " (the plan's analytic CPU estimate ranks splits, it predicts no time: --measure-times does)"
-            else:
-                said = ""
-            print(f"median step {record.median_step_ms:.2f} ms{said}; wrote {path}", flush=True)
-        return record
+            try:
+                write_run_record(record, build_dir, out)
+            except Exception as exc:  # reported once the others know the record's fate
+                failed = exc
+        agree(runner, "stopping a diverged run")  # the record is on disk before any rank reports
+        if failed is not None:
+            raise failed
+        raise divergence_error(stopped, float(lr_now), saved_after, t.checkpoint_dir, str(path))
 
 
 def _drawn_by(fn: BatchFn | None, model_file: str, batch: int) -> str:

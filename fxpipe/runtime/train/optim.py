@@ -29,7 +29,9 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) 
 
     Warm-up: ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps (the first
     step already moves). Then ``constant`` 1; ``linear`` from 1 down towards 0 at
-    ``total_steps``; ``cosine`` half a cosine from 1 towards 0 at ``total_steps``.
+    ``total_steps``; ``cosine`` half a cosine from 1 towards 0 at ``total_steps``. A resume with
+    a larger ``--steps`` stretches the decay to the new total, and says so (Note [what a resume
+    carries over] in ``fxpipe.runtime.train.resume``).
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps

@@ -3,10 +3,19 @@
 Rank 0 of ``python -m fxpipe.runtime.launch.worker`` writes it; ``run_build`` returns it;
 ``fxpipe report`` sets ``median_step_ms`` and ``peak_tensor_bytes`` beside the plan's
 figures.
+
+Note [a record names its build]: a run records the sha256 of the ``manifest.json`` it loaded
+(``build_sha256``; the manifest holds the hash of every file of the build, so it names the
+build). ``fxpipe partition --out`` may replace the build directory while a run trains (Note
+[build directory swap] in ``fxpipe.codegen.builddir``); ``write_run_record`` then does not put
+the old run's record into the new build but beside it, and says so, and ``fxpipe report``
+never sets a run beside a plan of another build.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +27,7 @@ from fxpipe.schema import read_dataclass
 if TYPE_CHECKING:
     from fxpipe.partitioner import PartitionPlan
 
-__all__ = ["RunRecord", "RUN_RECORD_SCHEMA_VERSION", "read_build_plan"]
+__all__ = ["RunRecord", "RUN_RECORD_SCHEMA_VERSION", "read_build_plan", "build_sha256", "write_run_record"]
 
 RUN_RECORD_SCHEMA_VERSION = 1
 
@@ -33,9 +42,13 @@ class RunRecord:
     too: the learning rate it used (``lrs``) and, with clipping, the global gradient norm
     before clipping (``grad_norms``); ``eval_losses`` as (step, loss) pairs. A resumed run
     keeps the whole history (``losses`` from step 1) and says where it resumed (``first_step``:
-    the steps done before; its ``step_seconds`` cover this run's steps only)."""
+    the steps done before; its ``step_seconds`` cover this run's steps only). ``build_sha256``:
+    the build it ran (Note [a record names its build]). ``stopped``: why the run stopped before
+    its last step (a NaN or infinite loss: ``losses`` end at the last finite one, ``step_seconds``
+    include the step that diverged); ``None`` for a run that trained every step. A ``None`` loss or
+    gradient norm is a step fp16's loss scaler skipped for its inf/NaN values."""
 
-    losses: tuple[float, ...]
+    losses: tuple[float | None, ...]
     step_seconds: tuple[float, ...]
     median_step_ms: float
     samples_per_second: float
@@ -59,9 +72,11 @@ class RunRecord:
     optimizer: str = "sgd"
     precision: str = "fp32"
     lrs: tuple[float, ...] = ()
-    grad_norms: tuple[float, ...] = ()
+    grad_norms: tuple[float | None, ...] = ()
     eval_losses: tuple[tuple[int, float], ...] = ()
     first_step: int = 0
+    build_sha256: str | None = None
+    stopped: str | None = None
     schema_version: int = RUN_RECORD_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,3 +104,49 @@ def read_build_plan(build_dir: Path) -> PartitionPlan | None:
     from fxpipe.codegen.integrity import check_build
 
     return check_build(build_dir, [], model=False, weights=False).read_plan()
+
+
+def build_sha256(build_dir: str | Path) -> str | None:
+    """The sha256 of ``build_dir``'s ``manifest.json`` (Note [a record names its build]); ``None``
+    when it has none (or it is not a regular file: never read, it could block)."""
+    path = Path(build_dir) / "manifest.json"
+    try:
+        if not path.is_file():
+            return None
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _beside(build_dir: Path, sha: str) -> Path:
+    """A new file beside ``build_dir`` for the record of a run of the build ``sha`` (never an existing one)."""
+    for n in range(1000):
+        path = build_dir.parent / f"{build_dir.name}.run-{sha[:12]}{f'-{n}' if n else ''}.json"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return path
+        except FileExistsError:
+            continue
+    raise BuildDirError(f"cannot find a free name for this run's record beside {build_dir}")
+
+
+def write_run_record(record: RunRecord, build_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``record`` whole (a temporary file, then a rename) to ``out``, by default
+    ``build_dir/run.json``, and return where. When ``build_dir`` no longer holds the build the run
+    loaded (``record.build_sha256``), the record goes to a new file beside it and a ``BuildDirError``
+    says where (Note [a record names its build])."""
+    from fxpipe.codegen.builddir import replace_file
+
+    build_dir = Path(build_dir)
+    text = record.to_json()
+    if out is not None:
+        replace_file(out, text + "\n")
+        return Path(out)
+    if record.build_sha256 is None or build_sha256(build_dir) == record.build_sha256:
+        replace_file(build_dir / "run.json", text + "\n")
+        return build_dir / "run.json"
+    aside = _beside(build_dir, record.build_sha256)
+    replace_file(aside, text + "\n")
+    raise BuildDirError(f"the build directory {build_dir} was replaced while this run trained (its manifest.json "
+                        f"is not the one the run loaded: re-partitioned?), so this run's record was not written "
+                        f"into it, where it would describe another build; it is in {aside}")
