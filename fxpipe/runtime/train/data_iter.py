@@ -84,7 +84,7 @@ def find_batches(source: ModelSource | None, spec: str | None, default: str) -> 
     return None
 
 
-class Placeholders(tuple):  # type: ignore[type-arg]
+class Placeholders(tuple):
     """Model inputs of a rank that yielded none: shapes only, no data (not compared across ranks)."""
 
 
