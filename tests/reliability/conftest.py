@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ for folder in (HERE, HERE.parent / "runtime"):  # this folder's helpers, and the
         sys.path.insert(0, str(folder))
 
 ROOT = HERE.parents[1]
+
+from probe_builds import make_build  # noqa: E402
 
 # Four blocks of Linear -> Scale. ``Scale`` cannot be traced into, so it is kept
 # whole (a leaf) and every stage imports it from the model file; ``FXPIPE_PROBE_LOSS`` makes loss_fn misbehave in a worker.
@@ -79,26 +80,6 @@ def loss_fn(out, target):
         time.sleep(0.05)
     return F.cross_entropy(out, target)
 '''
-
-
-def make_build(folder: Path, model_text: str, stages: int = 2) -> Path:
-    """``folder/model.py`` and its build ``folder/build`` (batch 4, 2 microbatches), inside a project
-    folder so the manifest names the model file relative to the build and a copy moves both."""
-    from fxpipe.codegen import write_build_dir
-    from fxpipe.modelfile import load_model_file
-    from fxpipe.partitioner import plan_partition
-    from fxpipe.tracer import trace_model_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pyproject.toml").write_text("")
-    (folder / "model.py").write_text(model_text)
-    source = load_model_file(folder / "model.py")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "symbolic tracing failed inside 'Scale': keeping it whole"
-        traced = trace_model_file(source, 2, progress=False)
-    plan = plan_partition(traced.profile, stages, microbatches=2)
-    write_build_dir(traced, plan, folder / "build", source, batch_size=4, microbatches=2)
-    return folder / "build"
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,7 @@ def test_resume_of_a_finished_run_is_refused(mlp_copy: Path, ck: Path, capsys: p
 
 def test_resume_into_another_model_with_the_same_keys_is_refused(ck: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from conftest import make_build  # here: spawned ranks import this module, where `conftest` is another
+    from probe_builds import make_build
 
     text = (ROOT / "examples" / "mlp.py").read_text()
     assert "nn.ReLU()" in text

@@ -63,7 +63,7 @@ def loss_fn(out, target):
 
 @pytest.fixture(scope="module")
 def nan_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import make_build
+    from probe_builds import make_build
 
     return make_build(tmp_path_factory.mktemp("nan") / "project", NAN_MODEL)
 
