@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.codegen.forward import render_forward
+from fxpipe.codegen.forward import render_forward, render_function, run_blocks
+from fxpipe.codegen.frees import Bytes
 from fxpipe.codegen.naming import module_ranges, unique_name
 from fxpipe.codegen.outline import Body, stack_runs
 from fxpipe.codegen.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
+from fxpipe.codegen.statements import name_from_source
 from fxpipe.codegen.state import BUFFER, PARAMETER, TensorEntry
 
 __all__ = ["ModuleTree", "ClassWriter", "INDENT"]
@@ -192,6 +195,8 @@ class ClassWriter:
         self.class_of: dict[str, str] = {}
         self.stacks: dict[str, tuple[str, list[str]]] = {}  # stack class -> (block class, argument names)
         self.params: dict[str, list[str]] = {}  # class -> forward's argument names
+        self.peaks: dict[str, Bytes] = {}  # class -> its forward's modelled peak (Note [frees that matter])
+        self.blocks: dict[str, str] = {}  # a container running blocks in order -> the blocks' class
 
     def add(self, body: Body) -> str:
         """The class for ``body`` (new or an identical earlier one); registers its constructor in the tree."""
@@ -201,17 +206,19 @@ class ClassWriter:
             return "torch.nn.Sequential"
         for container, paths in stack_runs(body.graph, self.class_of, self.tree.held, within=body.path).items():
             self.stack(container, paths)
+        name_from_source(body.graph, body.depth)
         self.tree.mark_indexed_containers()
         init = self.tree.init_lines(body.path, stage=False)
         attr: Callable[[str], str] = lambda target: self.tree.expr(body.path, target)  # noqa: E731
         positional = [f"arg{i}" for i, n in enumerate(body.graph.nodes) if n.op == "placeholder"]
-        key = "\n".join(init + render_forward(body.graph, self.imports, attr, arg_names=positional))
+        key = "\n".join(init + render_forward(body.graph, self.imports, attr, arg_names=positional,
+                                               workspace=self.workspace))
         name = self.by_text.get(key)
         if name is None:
             name = self._fresh(body.module_type.__name__)
             self.by_text[key] = name
             subject = _describe_class(body.module_type)
-            forward = render_forward(body.graph, self.imports, attr)
+            forward, self.peaks[name] = render_function(body.graph, self.imports, attr, workspace=self.workspace)
             self.sources[name] = (subject, init, forward)
             self.params[name] = forward[0].removeprefix("def forward(self").removesuffix("):").split(", ")[1:]
             self.instances[name] = []
@@ -219,6 +226,17 @@ class ClassWriter:
         self.class_of[body.path] = name
         self.tree.ctors[body.path] = f"{name}()"
         return name
+
+    def workspace(self, node: fx.Node) -> Bytes | None:
+        """The modelled peak of a call of a generated class (or of a container of them), else None."""
+        if node.op == "call_module":
+            target = str(node.target)
+            name = self.class_of.get(target) or self.blocks.get(target)
+        elif node.op == "call_function" and node.target is run_blocks:
+            name = self.class_of.get(f"{node.args[0]}.{node.args[1]}")
+        else:
+            return None
+        return self.peaks.get(name) if name is not None else None
 
     def _sequential(self, body: Body) -> str | None:
         """``torch.nn.Sequential(...)`` when the body is an ``nn.Sequential`` running all its children in order."""
@@ -245,6 +263,7 @@ class ClassWriter:
         if stack is None:
             stack = self._fresh(f"{block}Stack")
             self.stacks[stack] = (block, self.params[block])
+        self.blocks[container] = block
         children = {p.rpartition(".")[2]: f"{block}()" for p in paths}
         self.tree.ctors[container] = f"{stack}({numbered_dict(children)})"
         self.tree.dict_paths.add(container)

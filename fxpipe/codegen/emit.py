@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.codegen.aliases import drop_metadata_asserts, drop_unused_pure, reroute_identity_conversions
 from fxpipe.codegen.classes import INDENT, ClassWriter, ModuleTree
 from fxpipe.codegen.forward import render_forward
 from fxpipe.graphmeta import NAME_KEY
@@ -32,6 +33,7 @@ from fxpipe.codegen.outline import outline_stage, stack_runs
 from fxpipe.codegen.pyrender import MODEL_ALIAS, ImportTable, attr_expr, is_plain_name
 from fxpipe.codegen.scopes import Scope, scope_members
 from fxpipe.codegen.split import SplitGraph, StageGraph
+from fxpipe.codegen.statements import SOURCE_NAME_KEY, name_from_source
 from fxpipe.codegen.state import StageState
 from fxpipe.errors import CodegenError
 
@@ -63,6 +65,10 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
     name = stage_class_name(stage.index)
     graph = _copy(stage.graph)
     rewrite_aten(graph)
+    drop_metadata_asserts(graph)
+    drop_unused_pure(graph)
+    reroute_identity_conversions(graph)
+    name_from_source(graph, key=SOURCE_NAME_KEY)  # what outlining names the bodies' arguments
     layers: dict[str, str | None] = {}
     outline = outline_stage(graph, model, owned=set(stage.nodes), original=_original_scopes(gm),
                             leaves=set(stage.modules), is_subgraph=lambda t: isinstance(_get(gm, t), nn.Module),
@@ -83,10 +89,11 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
         writer.add(outlined)
     for container, paths in stack_runs(graph, writer.class_of, tree.held).items():
         writer.stack(container, paths)
+    name_from_source(graph)  # the module calls outlining made
     tree.mark_indexed_containers()
     init = tree.init_lines("", stage=True)
     _name_outputs(graph, stage, split)
-    forward = render_forward(graph, imports, lambda target: tree.expr("", target),
+    forward = render_forward(graph, imports, lambda target: tree.expr("", target), workspace=writer.workspace,
                              reserved=set(imports.names) | writer.taken)
     doc = _class_doc(stage, split, num_stages, microbatch, describe_modules(gm, set(stage.nodes), module_order))
     body = [f"class {name}(torch.nn.Module):", *_indent(doc), "",
@@ -208,6 +215,7 @@ def _subgraph_class(path: str, sub: nn.Module, imports: ImportTable, classes: li
                   *_indent(children, 2), ""]
     graph = _copy(sub.graph)
     rewrite_aten(graph)
+    drop_metadata_asserts(graph)
     lines += _indent(render_forward(graph, imports, lambda target: attr_expr("self", target)))
     classes.append("\n".join(lines))
     return name

@@ -14,7 +14,8 @@ after it is exact whatever the nodes are, so correctness never rests on the call
   belong elsewhere are moved out of the way; other interleaving leaves the call flat;
 - a size a call reads from outside is read inside from its own tensor input when that
   input's dimension is the same symbol (export's shapes say so), so identical layers get
-  identical bodies;
+  identical bodies; a device it reads (``x.device``) is read from its first tensor input, or a
+  tensor it owns, so no body takes a ``device`` argument where it holds a tensor;
 - a ``torch.nn`` layer whose call is exactly its own ``forward`` (e.g. one ``F.linear`` on
   its weight and bias) becomes that layer (:mod:`fxpipe.codegen.layers`); a one-node call that is not
   stays flat (``F.dropout(x, 0.0, True)`` reads better than a class around it);
@@ -25,6 +26,9 @@ after it is exact whatever the nodes are, so correctness never rests on the call
 
 from __future__ import annotations
 
+import builtins
+import inspect
+import keyword
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -39,6 +43,7 @@ from fxpipe.graphmeta import ARITY_KEY, GUARD_KEY, NAME_KEY
 from fxpipe.codegen.layers import torch_layer_input
 from fxpipe.codegen.naming import short_paths
 from fxpipe.codegen.scopes import Scope, scope_stack
+from fxpipe.codegen.statements import SOURCE_NAME_KEY, STATEMENT_KEY, Statement, statement_at
 from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.tracer.modes import guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
@@ -58,6 +63,7 @@ class Body:
     path: str
     module_type: type
     graph: fx.Graph
+    depth: int = 0  # how many module calls deep its forward runs (Note [names from the source])
 
 
 @dataclass
@@ -211,10 +217,17 @@ class _Outliner:
         env: dict[fx.Node, Any] = {}
         sizes = _size_inputs(inputs)
         args = [a for a in inputs if a not in sizes]
+        devices = [a for a in args if _is_device(a)]
+        device_source = next((a for a in args if a not in devices and _is_tensor(a)), None) \
+            or next((a for a in attrs_inside if a.op == "get_attr" and _is_tensor(a)), None)
+        if device_source is not None:  # read where the body runs: one of its tensors is on that device
+            args = [a for a in args if a not in devices]
+        else:
+            devices = []
         for i, a in enumerate(args):
             ph = body.placeholder(f"arg{i}")
             ph.meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
-            ph.meta[NAME_KEY] = "x" if i == 0 and _is_tensor(a) else _name(a)
+            ph.meta[NAME_KEY] = _first_parameter(module) if i == 0 and _is_tensor(a) else _name(a)
             env[a] = ph
         for a, (source, dim) in sizes.items():
             env[a] = body.call_method("size", (env[source], dim))
@@ -223,6 +236,10 @@ class _Outliner:
         for a in attrs_inside:
             env[a] = body.get_attr(str(a.target))  # a parameter, or the module's own training flag
             env[a].meta.update(a.meta)
+        for a in devices:
+            env[a] = body.call_function(getattr, (env[device_source], "device"))
+            env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
+            env[a].meta[NAME_KEY] = "device"
         for m in members:
             env[m] = body.node_copy(m, lambda x: env[x])
             if m.op == "call_module" and str(m.target).startswith(path + "."):
@@ -233,7 +250,8 @@ class _Outliner:
         for ph in [n for n in body.nodes if n.op == "placeholder" and not used[n]]:
             body.erase_node(ph)
         body.lint()
-        self.result.bodies[path] = Body(path, type(module), body)
+        depth = next((scope_stack(m).index(scope) + 1 for m in members if scope in scope_stack(m)), 0)
+        self.result.bodies[path] = Body(path, type(module), body, depth)
         self._replace(members, outputs, path, tuple(args), parent, inputs + attrs_inside)
 
     def _replace(self, members: list[fx.Node], outputs: list[fx.Node], path: str, args: tuple,
@@ -247,6 +265,9 @@ class _Outliner:
             call.meta[GUARD_KEY] = guards.pop()
         parent_path = parent[-1][1] if parent else ""
         call.meta[NAME_KEY] = (path[len(parent_path) + 1:] if parent_path else short_paths([path])[path]).replace(".", "_")
+        statement = _call_statement(members, path)
+        if statement is not None:
+            call.meta[STATEMENT_KEY] = statement
         self.stack[call] = parent
         if len(outputs) == 1:
             call.meta.update({k: v for k, v in outputs[0].meta.items() if k in ("val", SPEC_KEY)})
@@ -258,6 +279,8 @@ class _Outliner:
                 with self.graph.inserting_after(anchor):
                     item = self.graph.call_function(operator.getitem, (call, i))
                 item.meta.update({k: v for k, v in out.meta.items() if k in ("val", SPEC_KEY, GUARD_KEY)})
+                if statement is not None:
+                    item.meta[STATEMENT_KEY] = statement
                 self.stack[item] = parent
                 out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
                 anchor = item
@@ -304,7 +327,40 @@ def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor) or isinstance(node.meta.get(SPEC_KEY), TensorSpec)
 
 
+def _call_statement(members: list[fx.Node], path: str) -> Statement | None:
+    """The line of the caller's forward that made the call at ``path``, which every node made inside the
+    call records (the calls outlined before have no frames of their own)."""
+    for m in members:
+        stack = scope_stack(m)  # every call, not only the outlined ones: one frame each
+        depth = next((i for i, sc in enumerate(stack) if sc[1] == path), None)
+        statement = statement_at(m, depth) if depth is not None else None
+        if statement is not None:
+            return statement
+    return None
+
+
+def _first_parameter(module: nn.Module) -> str:
+    """The name of ``module.forward``'s first parameter (``hidden_states``), or ``x`` where it has none
+    that reads well (``input`` shadows a builtin)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return "x"
+    first = next((p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+    if first is None or not first.name.isidentifier() or keyword.iskeyword(first.name) \
+            or hasattr(builtins, first.name) or first.name.startswith("_"):
+        return "x"
+    return first.name
+
+
+def _is_device(node: fx.Node) -> bool:
+    """``t.device`` (Note [device literals] in :mod:`fxpipe.codegen.split` makes them)."""
+    return node.op == "call_function" and node.target is getattr and node.args[1:] == ("device",)
+
+
 def _name(node: fx.Node) -> str:
+    if node.meta.get(SOURCE_NAME_KEY):
+        return str(node.meta[SOURCE_NAME_KEY])
     return base_name(str(node.meta.get(NAME_KEY) or node.name))
 
 
@@ -414,6 +470,8 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
                 call = graph.call_function(run_blocks, (container, first, last + 1, *run[0].args))
         call.meta.update({k: v for k, v in run[-1].meta.items() if k in ("val", SPEC_KEY)})
         call.meta[NAME_KEY] = container.rpartition(".")[2] or "layers"
+        if STATEMENT_KEY in run[-1].meta:
+            call.meta[STATEMENT_KEY] = run[-1].meta[STATEMENT_KEY]
         run[-1].replace_all_uses_with(call)
         for n in reversed(run):
             graph.erase_node(n)

@@ -72,7 +72,7 @@ def test_export_stage_source_reads_training(tmp_path: Path) -> None:
     assert "if self.training:\n" in text
     assert "self.num_batches_tracked.add_(1)" in text
     assert "if self.training else" in text  # the stochastic-depth value: the noisy one or the input
-    assert "F.dropout(flatten, 0.3, self.training)" in text
+    assert "F.dropout(x, 0.3, self.training)" in text  # `x = F.adaptive_avg_pool2d(x, 1).flatten(1)`
     assert "True" not in text.replace("requires_grad=True", "")
 
 

@@ -17,27 +17,26 @@ class CausalSelfAttention(torch.nn.Module):
 
     def forward(self, x):
         size = x.size(0)
-        qkv = self.qkv(x);  x = None
-        split_0, split_1, split_2 = qkv.split(32, 2);  qkv = None
-        view = split_0.view([size, 16, 4, 8]);  split_0 = None
-        transpose = view.transpose(1, 2);  view = None
-        view_1 = split_1.view([size, 16, 4, 8]);  split_1 = None
-        transpose_1 = view_1.transpose(1, 2);  view_1 = None
-        view_2 = split_2.view([size, 16, 4, 8]);  split_2 = None
-        transpose_2 = view_2.transpose(1, 2);  view_2 = None
-        transpose_3 = transpose_1.transpose(-2, -1);  transpose_1 = None
-        matmul = transpose @ transpose_3;  transpose = transpose_3 = None
-        mul = matmul * 0.35355339059327373;  matmul = None
+        qkv = self.qkv(x)
+        q, k, v = qkv.split(32, 2);  qkv = None
+        view = q.view([size, 16, 4, 8])
+        q = view.transpose(1, 2)
+        view = k.view([size, 16, 4, 8])
+        k = view.transpose(1, 2)
+        view = v.view([size, 16, 4, 8])
+        v = view.transpose(1, 2);  view = None
+        transpose = k.transpose(-2, -1);  k = None
+        matmul = q @ transpose;  q = None
+        att = matmul * 0.35355339059327373;  matmul = None
         getitem = self.mask[...]
-        eq = getitem == 0;  getitem = None
-        masked_fill = mul.masked_fill(eq, float("-inf"));  mul = eq = None
-        softmax = torch.softmax(masked_fill, -1);  masked_fill = None
-        matmul_1 = softmax @ transpose_2;  softmax = transpose_2 = None
-        transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None
-        contiguous = transpose_4.contiguous();  transpose_4 = None
-        view_3 = contiguous.view([size, 16, 32]);  size = contiguous = None
-        proj = self.proj(view_3);  view_3 = None
-        return proj
+        eq = getitem == 0
+        att = att.masked_fill(eq, float("-inf"))
+        att = torch.softmax(att, -1)
+        matmul = att @ v;  v = None
+        transpose = matmul.transpose(1, 2)
+        contiguous = transpose.contiguous()
+        y = contiguous.view([size, 16, 32])
+        return self.proj(y)
 
 
 class MLP(torch.nn.Module):
@@ -50,10 +49,9 @@ class MLP(torch.nn.Module):
         self.proj = torch.nn.Linear(128, 32)
 
     def forward(self, x):
-        fc = self.fc(x);  x = None
+        fc = self.fc(x)
         act = self.act(fc);  fc = None
-        proj = self.proj(act);  act = None
-        return proj
+        return self.proj(act)
 
 
 class Block(torch.nn.Module):
@@ -69,11 +67,10 @@ class Block(torch.nn.Module):
     def forward(self, x):
         ln_1 = self.ln_1(x)
         attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  x = attn = None
-        ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+        x = x + attn;  attn = None
+        ln_2 = self.ln_2(x)
+        mlp = self.mlp(ln_2)
+        return x + mlp
 
 
 class Stage0(torch.nn.Module):
@@ -97,10 +94,10 @@ class Stage0(torch.nn.Module):
         self.wpe = torch.nn.Parameter(torch.empty(1, 16, 32))
 
     def forward(self, idx):
-        wte = self.wte(idx);  idx = None
+        wte = self.wte(idx)
         getitem = self.wpe[...]
-        add = wte + getitem;  wte = getitem = None
-        blocks_0 = self.blocks["0"](add);  add = None
-        blocks_1_out = self.blocks["1"](blocks_0);  blocks_0 = None
+        x = wte + getitem;  wte = None
+        blocks_0 = self.blocks["0"](x);  x = None
+        blocks_1_out = self.blocks["1"](blocks_0)
         blocks_2_ln_1_out = self.blocks["2"].ln_1(blocks_1_out)
         return (blocks_1_out, blocks_2_ln_1_out)

@@ -20,10 +20,9 @@ class MLP(torch.nn.Module):
         self.proj = torch.nn.Linear(128, 32)
 
     def forward(self, x):
-        fc = self.fc(x);  x = None
+        fc = self.fc(x)
         act = self.act(fc);  fc = None
-        proj = self.proj(act);  act = None
-        return proj
+        return self.proj(act)
 
 
 class Block(torch.nn.Module):
@@ -39,11 +38,10 @@ class Block(torch.nn.Module):
     def forward(self, x):
         ln_1 = self.ln_1(x)
         attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  x = attn = None
+        add = x + attn;  attn = None
         ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+        mlp = self.mlp(ln_2)
+        return add + mlp
 
 
 class Stage0(torch.nn.Module):
@@ -68,10 +66,10 @@ class Stage0(torch.nn.Module):
 
     def forward(self, idx):
         size = idx.size(1)
-        wte = self.wte(idx);  idx = None
-        getitem = self.wpe[:, :size];  size = None
-        add = wte + getitem;  wte = getitem = None
+        wte = self.wte(idx)
+        getitem = self.wpe[:, :size]
+        add = wte + getitem;  wte = None
         blocks_0 = self.blocks["0"](add);  add = None
-        blocks_1_out = self.blocks["1"](blocks_0);  blocks_0 = None
+        blocks_1_out = self.blocks["1"](blocks_0)
         blocks_2_ln_1_out = self.blocks["2"].ln_1(blocks_1_out)
         return (blocks_1_out, blocks_2_ln_1_out)

@@ -20,10 +20,9 @@ class MLP(torch.nn.Module):
         self.proj = torch.nn.Linear(128, 32)
 
     def forward(self, x):
-        fc = self.fc(x);  x = None
+        fc = self.fc(x)
         act = self.act(fc);  fc = None
-        proj = self.proj(act);  act = None
-        return proj
+        return self.proj(act)
 
 
 class Block(torch.nn.Module):
@@ -39,11 +38,10 @@ class Block(torch.nn.Module):
     def forward(self, x):
         ln_1 = self.ln_1(x)
         attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  x = attn = None
+        add = x + attn;  attn = None
         ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+        mlp = self.mlp(ln_2)
+        return add + mlp
 
 
 class Stage1(torch.nn.Module):
@@ -71,12 +69,12 @@ class Stage1(torch.nn.Module):
         self.lm_head = torch.nn.Linear(32, 64, bias=False)
 
     def forward(self, blocks_1_out, blocks_2_ln_1_out):
-        blocks_2_attn = self.blocks["2"].attn(blocks_2_ln_1_out);  blocks_2_ln_1_out = None
-        add = blocks_1_out + blocks_2_attn;  blocks_1_out = blocks_2_attn = None
+        blocks_2_attn = self.blocks["2"].attn(blocks_2_ln_1_out)
+        add = blocks_1_out + blocks_2_attn;  blocks_2_attn = None
         blocks_2_ln_2 = self.blocks["2"].ln_2(add)
         blocks_2_mlp = self.blocks["2"].mlp(blocks_2_ln_2);  blocks_2_ln_2 = None
-        add_1 = add + blocks_2_mlp;  add = blocks_2_mlp = None
-        blocks_3 = self.blocks["3"](add_1);  add_1 = None
-        ln_f = self.ln_f(blocks_3);  blocks_3 = None
-        lm_head_out = self.lm_head(ln_f);  ln_f = None
+        add = add + blocks_2_mlp;  blocks_2_mlp = None
+        blocks_3 = self.blocks["3"](add)
+        ln_f = self.ln_f(blocks_3)
+        lm_head_out = self.lm_head(ln_f)
         return (lm_head_out,)

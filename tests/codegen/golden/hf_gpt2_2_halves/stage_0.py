@@ -17,10 +17,9 @@ class Conv1D(torch.nn.Module):
 
     def forward(self, x):
         size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 96]);  addmm = size = None
-        return view_1
+        view = x.view([-1, 32])
+        x = torch.addmm(self.bias, view, self.weight)
+        return x.view([size, 16, 96])
 
 
 class Conv1D_2(torch.nn.Module):
@@ -33,10 +32,9 @@ class Conv1D_2(torch.nn.Module):
 
     def forward(self, x):
         size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 32]);  addmm = size = None
-        return view_1
+        view = x.view([-1, 32])
+        x = torch.addmm(self.bias, view, self.weight)
+        return x.view([size, 16, 32])
 
 
 class Conv1D_3(torch.nn.Module):
@@ -49,10 +47,9 @@ class Conv1D_3(torch.nn.Module):
 
     def forward(self, x):
         size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 128]);  addmm = size = None
-        return view_1
+        view = x.view([-1, 32])
+        x = torch.addmm(self.bias, view, self.weight)
+        return x.view([size, 16, 128])
 
 
 class NewGELUActivation(torch.nn.Module):
@@ -62,12 +59,11 @@ class NewGELUActivation(torch.nn.Module):
         mul = x * 0.5
         pow_1 = x ** 3.0
         mul_1 = pow_1 * 0.044715;  pow_1 = None
-        add = x + mul_1;  x = mul_1 = None
+        add = x + mul_1;  mul_1 = None
         mul_2 = add * 0.7978845608028654;  add = None
         tanh = torch.tanh(mul_2);  mul_2 = None
-        add_1 = tanh + 1.0;  tanh = None
-        mul_3 = mul * add_1;  mul = add_1 = None
-        return mul_3
+        add = tanh + 1.0;  tanh = None
+        return mul * add
 
 
 class Conv1D_4(torch.nn.Module):
@@ -80,10 +76,9 @@ class Conv1D_4(torch.nn.Module):
 
     def forward(self, x):
         size = x.size(0)
-        view = x.view([-1, 128]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 32]);  addmm = size = None
-        return view_1
+        view = x.view([-1, 128])
+        x = torch.addmm(self.bias, view, self.weight)
+        return x.view([size, 16, 32])
 
 
 class GPT2Attention(torch.nn.Module):
@@ -94,23 +89,22 @@ class GPT2Attention(torch.nn.Module):
         self.c_attn = Conv1D()
         self.c_proj = Conv1D_2()
 
-    def forward(self, x, expand):
-        size = x.size(0)
-        c_attn = self.c_attn(x);  x = None
-        split_0, split_1, split_2 = c_attn.split(32, 2);  c_attn = None
-        view = split_1.view([size, 16, -1, 8]);  split_1 = None
-        transpose = view.transpose(1, 2);  view = None
-        view_1 = split_2.view([size, 16, -1, 8]);  split_2 = None
-        transpose_1 = view_1.transpose(1, 2);  view_1 = None
-        view_2 = split_0.view([size, 16, -1, 8]);  split_0 = None
-        transpose_2 = view_2.transpose(1, 2);  view_2 = None
-        scaled_dot_product_attention = F.scaled_dot_product_attention(transpose_2, transpose, transpose_1, expand, scale=0.3535533905932738);  transpose_2 = transpose = transpose_1 = expand = None
-        reshape = scaled_dot_product_attention.reshape([size, -1, 16, 8]);  scaled_dot_product_attention = None
-        transpose_3 = reshape.transpose(1, 2);  reshape = None
-        reshape_1 = transpose_3.reshape([size, 16, -1]);  size = transpose_3 = None
-        c_proj = self.c_proj(reshape_1);  reshape_1 = None
-        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
-        return dropout
+    def forward(self, hidden_states, causal_mask):
+        size = hidden_states.size(0)
+        c_attn = self.c_attn(hidden_states)
+        query_states, key_states, value_states = c_attn.split(32, 2);  c_attn = None
+        view = key_states.view([size, 16, -1, 8])
+        key_states = view.transpose(1, 2)
+        view = value_states.view([size, 16, -1, 8])
+        value_states = view.transpose(1, 2)
+        view = query_states.view([size, 16, -1, 8])
+        query_states = view.transpose(1, 2);  view = None
+        scaled_dot_product_attention = F.scaled_dot_product_attention(query_states, key_states, value_states, causal_mask, scale=0.3535533905932738);  query_states = key_states = value_states = None
+        reshape = scaled_dot_product_attention.reshape([size, -1, 16, 8])
+        transpose = reshape.transpose(1, 2)
+        attn_output = transpose.reshape([size, 16, -1])
+        attn_output = self.c_proj(attn_output)
+        return F.dropout(attn_output, 0.0, self.training)
 
 
 class GPT2MLP(torch.nn.Module):
@@ -122,12 +116,11 @@ class GPT2MLP(torch.nn.Module):
         self.c_proj = Conv1D_4()
         self.act = NewGELUActivation()
 
-    def forward(self, x):
-        c_fc = self.c_fc(x);  x = None
-        act = self.act(c_fc);  c_fc = None
-        c_proj = self.c_proj(act);  act = None
-        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
-        return dropout
+    def forward(self, hidden_states):
+        hidden_states = self.c_fc(hidden_states)
+        hidden_states = self.act(hidden_states)
+        hidden_states = self.c_proj(hidden_states)
+        return F.dropout(hidden_states, 0.0, self.training)
 
 
 class Stage0(torch.nn.Module):
@@ -141,8 +134,8 @@ class Stage0(torch.nn.Module):
     Inputs, in order (shapes at the traced microbatch 2; the batch dim may take any size):
         input_ids: int64[2, 16], batch dim 0, model input 0
     Outputs, in order:
-        transformer_expand: bool[2, 1, 16, 16], batch dim 0, to stage 1
-        h_0_add: float32[2, 16, 32], batch dim 0, to stage 1
+        causal_mask: bool[2, 1, 16, 16], batch dim 0, to stage 1
+        h_0_hidden_states: float32[2, 16, 32], batch dim 0, to stage 1
         h_0_mlp_out: float32[2, 16, 32], batch dim 0, to stage 1
     """
 
@@ -162,60 +155,53 @@ class Stage0(torch.nn.Module):
     def forward(self, input_ids):
         device = input_ids.device
         size = input_ids.size(0)
-        view = input_ids.view([-1, 16]);  input_ids = None
-        wte = self.model.transformer.wte(view);  view = None
+        input_ids = input_ids.view([-1, 16])
+        inputs_embeds = self.model.transformer.wte(input_ids)
         arange = torch.arange(16, device=device)
-        add = arange + 0;  arange = None
-        unsqueeze = add.unsqueeze(0);  add = None
-        wpe = self.model.transformer.wpe(unsqueeze)
-        torch.ops.aten._assert_tensor_metadata.default(wpe, dtype=torch.float32, device=device, layout=torch.strided)
-        to = wpe.to(device=device, dtype=torch.float32);  wpe = None
-        add_1 = wte + to;  wte = to = None
-        expand = unsqueeze.expand([size, -1])
+        position_ids = arange + 0
+        position_ids = position_ids.unsqueeze(0)
+        position_embeds = self.model.transformer.wpe(position_ids)
+        position_embeds = position_embeds.to(device=device, dtype=torch.float32)
+        hidden_states = inputs_embeds + position_embeds;  inputs_embeds = position_embeds = None
+        expand = position_ids.expand([size, -1])
         getitem = expand[:]
-        getitem_1 = getitem[:, :1];  getitem = None
-        sub = getitem_1 - 1;  getitem_1 = None
-        diff = torch.diff(expand, 1, -1, sub);  expand = sub = None
+        getitem = getitem[:, :1]
+        sub = getitem - 1
+        diff = torch.diff(expand, 1, -1, sub);  sub = None
         ne = diff != 1;  diff = None
         cumsum = torch.cumsum(ne, -1);  ne = None
-        expand_1 = unsqueeze.expand([size, -1]);  unsqueeze = None
-        arange_1 = torch.arange(size, device=device)
-        arange_2 = torch.arange(1, device=device)
-        arange_3 = torch.arange(16, device=device)
-        add_2 = arange_3 + 0;  arange_3 = None
-        arange_4 = torch.arange(16, device=device)
-        add_3 = arange_4 + 0;  arange_4 = None
-        getitem_2 = arange_1[:];  arange_1 = None
-        unsqueeze_1 = getitem_2.unsqueeze(1);  getitem_2 = None
-        unsqueeze_2 = unsqueeze_1.unsqueeze(2);  unsqueeze_1 = None
+        expand = position_ids.expand([size, -1]);  position_ids = None
+        arange = torch.arange(size, device=device)
+        arange_1 = torch.arange(16, device=device)
+        add = arange_1 + 0;  arange_1 = None
+        arange_2 = torch.arange(16, device=device)
+        add_1 = arange_2 + 0;  arange_2 = None
+        getitem = arange[:];  arange = None
+        unsqueeze = getitem.unsqueeze(1)
+        unsqueeze = unsqueeze.unsqueeze(2)
+        unsqueeze = unsqueeze.unsqueeze(3)
+        unsqueeze_1 = add.unsqueeze(0);  add = None
+        unsqueeze_2 = unsqueeze_1.unsqueeze(1);  unsqueeze_1 = None
         unsqueeze_3 = unsqueeze_2.unsqueeze(3);  unsqueeze_2 = None
-        unsqueeze_4 = arange_2.unsqueeze(0);  arange_2 = None
-        unsqueeze_5 = unsqueeze_4.unsqueeze(2);  unsqueeze_4 = None
-        unsqueeze_5.unsqueeze(3);  unsqueeze_5 = None
-        unsqueeze_7 = add_2.unsqueeze(0);  add_2 = None
-        unsqueeze_8 = unsqueeze_7.unsqueeze(1);  unsqueeze_7 = None
-        unsqueeze_9 = unsqueeze_8.unsqueeze(3);  unsqueeze_8 = None
-        unsqueeze_10 = add_3.unsqueeze(0);  add_3 = None
-        unsqueeze_11 = unsqueeze_10.unsqueeze(1);  unsqueeze_10 = None
-        unsqueeze_12 = unsqueeze_11.unsqueeze(2);  unsqueeze_11 = None
-        new_ones = unsqueeze_9.new_ones([], dtype=torch.bool)
-        getitem_3 = cumsum[unsqueeze_3, unsqueeze_9]
-        getitem_4 = cumsum[unsqueeze_3, unsqueeze_12];  cumsum = None
-        eq = getitem_3 == getitem_4;  getitem_3 = getitem_4 = None
-        torch.ops.aten._assert_tensor_metadata.default(eq, dtype=torch.bool, device=device, layout=torch.strided)
-        to_1 = eq.to(device=device, dtype=torch.bool);  eq = None
-        and_ = new_ones & to_1;  new_ones = to_1 = None
-        getitem_5 = expand_1[unsqueeze_3, unsqueeze_9];  unsqueeze_9 = None
-        getitem_6 = expand_1[unsqueeze_3, unsqueeze_12];  unsqueeze_3 = unsqueeze_12 = expand_1 = None
-        le = getitem_6 <= getitem_5;  getitem_6 = getitem_5 = None
-        torch.ops.aten._assert_tensor_metadata.default(le, dtype=torch.bool, device=device, layout=torch.strided)
-        to_2 = le.to(device=device, dtype=torch.bool);  device = le = None
-        and__1 = and_ & to_2;  and_ = to_2 = None
-        transformer_expand = and__1.expand([size, -1, 16, 16]);  size = and__1 = None
-        dropout = F.dropout(add_1, 0.0, self.training);  add_1 = None
-        h_0_ln_1 = self.model.transformer.h["0"].ln_1(dropout)
-        h_0_attn = self.model.transformer.h["0"].attn(h_0_ln_1, transformer_expand);  h_0_ln_1 = None
-        h_0_add = h_0_attn + dropout;  dropout = h_0_attn = None
-        h_0_ln_2 = self.model.transformer.h["0"].ln_2(h_0_add)
-        h_0_mlp_out = self.model.transformer.h["0"].mlp(h_0_ln_2);  h_0_ln_2 = None
-        return (transformer_expand, h_0_add, h_0_mlp_out)
+        unsqueeze_4 = add_1.unsqueeze(0);  add_1 = None
+        unsqueeze_5 = unsqueeze_4.unsqueeze(1);  unsqueeze_4 = None
+        unsqueeze_6 = unsqueeze_5.unsqueeze(2);  unsqueeze_5 = None
+        new_ones = unsqueeze_3.new_ones([], dtype=torch.bool)
+        getitem = cumsum[unsqueeze, unsqueeze_3]
+        getitem_1 = cumsum[unsqueeze, unsqueeze_6];  cumsum = None
+        eq = getitem == getitem_1;  getitem_1 = None
+        to = eq.to(device=device, dtype=torch.bool);  eq = None
+        and_ = new_ones & to;  new_ones = None
+        getitem = expand[unsqueeze, unsqueeze_3];  unsqueeze_3 = None
+        getitem_2 = expand[unsqueeze, unsqueeze_6];  unsqueeze = unsqueeze_6 = expand = None
+        le = getitem_2 <= getitem;  getitem_2 = getitem = None
+        to = le.to(device=device, dtype=torch.bool);  le = None
+        and_ = and_ & to;  to = None
+        causal_mask = and_.expand([size, -1, 16, 16])
+        hidden_states = F.dropout(hidden_states, 0.0, self.training)
+        hidden_states_1 = self.model.transformer.h["0"].ln_1(hidden_states)
+        attn_output = self.model.transformer.h["0"].attn(hidden_states_1, causal_mask);  hidden_states_1 = None
+        h_0_hidden_states = attn_output + hidden_states;  attn_output = None
+        hidden_states = self.model.transformer.h["0"].ln_2(h_0_hidden_states)
+        h_0_mlp_out = self.model.transformer.h["0"].mlp(hidden_states)
+        return (causal_mask, h_0_hidden_states, h_0_mlp_out)
