@@ -1,8 +1,8 @@
 """Load one stage of a build directory (``load_stage``); ``fxpipe.codegen.pipeline`` chains them all.
 
 Note [loading safely and lightly]: ``load_stage`` checks the sha256 of every file the
-stage needs (its source and weights, and the model file when the stage imports classes
-from it) against ``manifest.json`` before importing or reading any of them (Note [check
+stage needs (its source and weights, the build's shared classes when it imports them, and the
+model file when the stage imports classes from it) against ``manifest.json`` before importing or reading any of them (Note [check
 before use] in ``fxpipe.codegen.integrity``), and executes the very bytes it hashed
 (never re-reading the file); the model file is imported from its checked bytes too. It
 builds the module on the meta device and then loads the weights file with
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
 from fxpipe.codegen.manifest import Manifest
+from fxpipe.codegen.shared import loading
 from fxpipe.codegen.stage_init import initialise_stage
 from fxpipe.errors import BuildDirError
 
@@ -41,7 +43,10 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
     assert checked.data is not None
     if model_import_needed(build.manifest, [index]):  # classes from the model file: imported from its checked bytes
         build.model_module()
+    shared = build.shared_module() if sm.imports_shared else None  # Note [classes several stages share]
     name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
+    if shared is not None and build.shared is not None:
+        name += f"_{build.shared.sha256[:16]}"
     module = sys.modules.get(name)
     if module is None:
         path = checked.path
@@ -49,7 +54,8 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         module.__file__ = str(path)
-        exec(compile(checked.data, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked generated code
+        with loading(path.parent, shared) if shared is not None else nullcontext():
+            exec(compile(checked.data, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked generated code
         sys.modules[name] = module
     cls = getattr(module, sm.class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):

@@ -460,7 +460,7 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
             continue
         paths = [str(n.target) for n in run]
         whole = sorted(held(container)) == sorted(paths)
-        if (not whole and len(run) < 3) or (whole and not container):  # the root calling itself: no
+        if not container or (not whole and len(run) < 3):  # the root is no container to loop over or call
             continue
         with graph.inserting_before(run[0]):
             if whole:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from codegen_support import build_sources
 
 from fxpipe.codegen import emit_build, frees, load_pipeline
 from fxpipe.codegen.forward import render_forward
@@ -144,7 +145,7 @@ def test_export_path_names_values_as_the_source_does(tmp_path: Path) -> None:
     stage_of = {n: (0 if i < len(traced.unit_of_node) // 2 else 1) for i, n in enumerate(traced.unit_of_node)}
     manifest = emit_build(traced.graph_module, traced.model, stage_of, 2, tmp_path, source=None, microbatch=2,
                           batch_size=2, microbatches=1, output_spec=traced.output_spec)
-    text = "\n".join((tmp_path / sm.source).read_text() for sm in manifest.stages)
+    text = build_sources(tmp_path, manifest)
     assert "def forward(self, hidden_states):\n        hidden_states = hidden_states.to(torch.float32)" in text
     assert "variance = " in text and "scaled = " in text
     # the norm returns one value although the residual reads its input through an identity `to`

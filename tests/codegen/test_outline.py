@@ -122,9 +122,12 @@ def _build_split_at(tmp_path: Path, frontend: str, first_of_stage_1: str) -> tup
 def test_identical_blocks_share_a_class_and_run_as_a_stack(tmp_path: Path, frontend: str) -> None:
     manifest, source, out = _build_split_at(tmp_path, frontend, "blocks.2")
     first, second = ((out / sm.source).read_text() for sm in manifest.stages)
-    for text in (first, second):
-        assert len(re.findall(r"^class Block\(", text, re.M)) == 1, text
+    shared = (out / manifest.shared_source).read_text()  # Note [classes several stages share]
+    assert len(re.findall(r"^class Block\(", shared, re.M)) == 1 and "class Block(" not in first + second
+    for text in (first, second, shared):
         assert "torch.ops.aten" not in text
+    for text in (first, second):
+        assert "Block = _shared.Block\n" in text and "BlockStack = _shared.BlockStack\n" in text
     assert "self.blocks = BlockStack({str(i): Block() for i in range(0, 2)})" in first
     assert "self.blocks = BlockStack({str(i): Block() for i in range(2, 4)})" in second
     assert "class Block_2(" in second and "self.odd = Block_2()" in second  # scale 0.5: not the same body

@@ -5,72 +5,10 @@ Rebuild with `fxpipe partition` instead."""
 
 import torch
 
+from fxpipe.codegen.shared import import_shared
 
-class CausalSelfAttention(torch.nn.Module):
-    """CausalSelfAttention (gpt.py) as traced, at blocks.0-1.attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 96)
-        self.proj = torch.nn.Linear(32, 32)
-        self.register_buffer("mask", torch.empty(1, 1, 16, 16))
-
-    def forward(self, x):
-        size = x.size(0)
-        qkv = self.qkv(x)
-        q, k, v = qkv.split(32, 2);  qkv = None
-        view = q.view([size, 16, 4, 8])
-        q = view.transpose(1, 2)
-        view = k.view([size, 16, 4, 8])
-        k = view.transpose(1, 2)
-        view = v.view([size, 16, 4, 8])
-        v = view.transpose(1, 2);  view = None
-        transpose = k.transpose(-2, -1);  k = None
-        matmul = q @ transpose;  q = None
-        att = matmul * 0.35355339059327373;  matmul = None
-        getitem = self.mask[...]
-        eq = getitem == 0
-        att = att.masked_fill(eq, float("-inf"))
-        att = torch.softmax(att, -1)
-        matmul = att @ v;  v = None
-        transpose = matmul.transpose(1, 2)
-        contiguous = transpose.contiguous()
-        y = contiguous.view([size, 16, 32])
-        return self.proj(y)
-
-
-class MLP(torch.nn.Module):
-    """MLP (gpt.py) as traced, at blocks.0-1.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(32, 128)
-        self.act = torch.nn.GELU()
-        self.proj = torch.nn.Linear(128, 32)
-
-    def forward(self, x):
-        fc = self.fc(x)
-        act = self.act(fc);  fc = None
-        return self.proj(act)
-
-
-class Block(torch.nn.Module):
-    """Block (gpt.py) as traced, at blocks.0-1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm((32,))
-        self.attn = CausalSelfAttention()
-        self.ln_2 = torch.nn.LayerNorm((32,))
-        self.mlp = MLP()
-
-    def forward(self, x):
-        ln_1 = self.ln_1(x)
-        attn = self.attn(ln_1);  ln_1 = None
-        x = x + attn;  attn = None
-        ln_2 = self.ln_2(x)
-        mlp = self.mlp(ln_2)
-        return x + mlp
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+Block = _shared.Block
 
 
 class Stage0(torch.nn.Module):

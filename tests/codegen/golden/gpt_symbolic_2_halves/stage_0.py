@@ -5,43 +5,10 @@ Rebuild with `fxpipe partition` instead."""
 
 import torch
 
-from fxpipe.modelfile import import_model_module
+from fxpipe.codegen.shared import import_shared
 
-_model = import_model_module(<model file>)  # classes and functions of the model file
-
-
-class MLP(torch.nn.Module):
-    """MLP (gpt.py) as traced, at blocks.0-1.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(32, 128)
-        self.act = torch.nn.GELU()
-        self.proj = torch.nn.Linear(128, 32)
-
-    def forward(self, x):
-        fc = self.fc(x)
-        act = self.act(fc);  fc = None
-        return self.proj(act)
-
-
-class Block(torch.nn.Module):
-    """Block (gpt.py) as traced, at blocks.0-1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm((32,))
-        self.attn = _model.CausalSelfAttention(32, 4, 16)
-        self.ln_2 = torch.nn.LayerNorm((32,))
-        self.mlp = MLP()
-
-    def forward(self, x):
-        ln_1 = self.ln_1(x)
-        attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  attn = None
-        ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2)
-        return add + mlp
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+Block = _shared.Block
 
 
 class Stage0(torch.nn.Module):

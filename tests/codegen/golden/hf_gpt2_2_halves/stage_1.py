@@ -4,123 +4,12 @@ Do not edit: fxpipe.codegen.load_stage checks this file against the sha256 in ma
 Rebuild with `fxpipe partition` instead."""
 
 import torch
-import torch.nn.functional as F
 
+from fxpipe.codegen.shared import import_shared
 
-class Conv1D(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.attn.c_attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 96))
-        self.bias = torch.nn.Parameter(torch.empty(96))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 96])
-
-
-class Conv1D_2(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.attn.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 32])
-
-
-class Conv1D_3(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.mlp.c_fc."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 128))
-        self.bias = torch.nn.Parameter(torch.empty(128))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 128])
-
-
-class NewGELUActivation(torch.nn.Module):
-    """NewGELUActivation (transformers.activations) as traced, at model.transformer.h.1.mlp.act."""
-
-    def forward(self, x):
-        mul = x * 0.5
-        pow_1 = x ** 3.0
-        mul_1 = pow_1 * 0.044715;  pow_1 = None
-        add = x + mul_1;  mul_1 = None
-        mul_2 = add * 0.7978845608028654;  add = None
-        tanh = torch.tanh(mul_2);  mul_2 = None
-        add = tanh + 1.0;  tanh = None
-        return mul * add
-
-
-class Conv1D_4(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.mlp.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(128, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 128])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 32])
-
-
-class GPT2Attention(torch.nn.Module):
-    """GPT2Attention (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.1.attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_attn = Conv1D()
-        self.c_proj = Conv1D_2()
-
-    def forward(self, hidden_states, causal_mask):
-        size = hidden_states.size(0)
-        c_attn = self.c_attn(hidden_states)
-        query_states, key_states, value_states = c_attn.split(32, 2);  c_attn = None
-        view = key_states.view([size, 16, -1, 8])
-        key_states = view.transpose(1, 2)
-        view = value_states.view([size, 16, -1, 8])
-        value_states = view.transpose(1, 2)
-        view = query_states.view([size, 16, -1, 8])
-        query_states = view.transpose(1, 2);  view = None
-        scaled_dot_product_attention = F.scaled_dot_product_attention(query_states, key_states, value_states, causal_mask, scale=0.3535533905932738);  query_states = key_states = value_states = None
-        reshape = scaled_dot_product_attention.reshape([size, -1, 16, 8])
-        transpose = reshape.transpose(1, 2)
-        attn_output = transpose.reshape([size, 16, -1])
-        attn_output = self.c_proj(attn_output)
-        return F.dropout(attn_output, 0.0, self.training)
-
-
-class GPT2MLP(torch.nn.Module):
-    """GPT2MLP (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.1.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_fc = Conv1D_3()
-        self.c_proj = Conv1D_4()
-        self.act = NewGELUActivation()
-
-    def forward(self, hidden_states):
-        hidden_states = self.c_fc(hidden_states)
-        hidden_states = self.act(hidden_states)
-        hidden_states = self.c_proj(hidden_states)
-        return F.dropout(hidden_states, 0.0, self.training)
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+GPT2Attention = _shared.GPT2Attention
+GPT2MLP = _shared.GPT2MLP
 
 
 class GPT2Block(torch.nn.Module):
