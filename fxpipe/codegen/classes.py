@@ -24,8 +24,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.codegen.forward import render_forward, render_function, run_blocks
+from fxpipe.codegen.forward import GeneratedFunction, render_forward, render_function, run_blocks
 from fxpipe.codegen.frees import Bytes
+from fxpipe.codegen.functions import outline_helper_calls
 from fxpipe.codegen.naming import module_ranges, unique_name
 from fxpipe.codegen.outline import Body, stack_runs
 from fxpipe.codegen.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
@@ -200,7 +201,8 @@ class ClassRegistry:
         self.stacks: dict[str, tuple[str, list[str]]] = {}  # stack class -> (block class, argument names)
         self.params: dict[str, list[str]] = {}  # class -> forward's argument names
         self.peaks: dict[str, Bytes] = {}  # class -> its forward's modelled peak (Note [frees that matter])
-        self.users: dict[str, set[int]] = {}  # class or stack class -> the stages that use it
+        self.users: dict[str, set[int]] = {}  # class, stack class or function -> the stages that use it
+        self.functions: dict[str, list[str]] = {}  # generated function -> its lines (Note [helper calls])
 
     def fresh(self, wanted: str) -> str:
         name = unique_name(wanted, self.taken | set(self.imports.names))
@@ -208,9 +210,32 @@ class ClassRegistry:
         self.imports.reserved.add(name)  # an import added later must not take this name
         return name
 
+    def add_function(self, function: GeneratedFunction, stage: int) -> str:
+        """Name ``function`` (Note [helper calls]): an identical earlier one's name, or a fresh one; ``stage`` uses it."""
+        attr: Callable[[str], str] = lambda target: target  # noqa: E731 - a function reads no attribute
+        positional = [f"arg{i}" for i, n in enumerate(function.graph.nodes) if n.op == "placeholder"]
+        key = "def\n" + "\n".join(render_function(function.graph, self.imports, attr, arg_names=positional,
+                                                   workspace=self.function_peak, name="f", method=False)[0])
+        name = self.by_text.get(key)
+        if name is None:
+            name = self.fresh(function.wanted)
+            self.by_text[key] = name
+            function.name = name
+            self.functions[name], self.peaks[name] = render_function(
+                function.graph, self.imports, attr, workspace=self.function_peak, name=name, method=False)
+        function.name = name
+        self.users.setdefault(name, set()).add(stage)
+        return name
+
+    def function_peak(self, node: fx.Node) -> Bytes | None:
+        """The modelled peak of a call of a generated function (Note [frees that matter])."""
+        if node.op == "call_function" and isinstance(node.target, GeneratedFunction):
+            return self.peaks.get(node.target.name)
+        return None
+
     def order(self) -> list[str]:
-        """Every class and stack class, dependencies first (the order ``source`` writes them in)."""
-        out: list[str] = []
+        """Every function, class and stack class, dependencies first (the order ``source`` writes them in)."""
+        out: list[str] = list(self.functions)
         for name in self.sources:
             out.append(name)
             out += [stack for stack, (block, _) in self.stacks.items() if block == name]
@@ -220,9 +245,12 @@ class ClassRegistry:
         return {name for name, stages in self.users.items() if stage in stages}
 
     def source(self, names: Iterable[str]) -> list[str]:
-        """The classes ``names``, dependencies first, each followed by two blank lines."""
+        """The functions and classes ``names``, dependencies first, each followed by two blank lines."""
         wanted = set(names)
         out: list[str] = []
+        for name, lines in self.functions.items():
+            if name in wanted:
+                out += [*lines, "", ""]
         for name, (subject, init, forward) in self.sources.items():
             if name in wanted:
                 where = ", ".join(module_ranges(self.instances[name]))
@@ -263,6 +291,8 @@ class ClassWriter:
             return "torch.nn.Sequential"
         for container, paths in stack_runs(body.graph, self.class_of, self.tree.held, within=body.path).items():
             self.stack(container, paths)
+        for function in outline_helper_calls(body.graph):
+            self.registry.add_function(function, self.stage)
         name_from_source(body.graph, body.depth)
         self.tree.mark_indexed_containers()
         init = self.tree.init_lines(body.path, stage=False)
@@ -287,7 +317,10 @@ class ClassWriter:
         return name
 
     def workspace(self, node: fx.Node) -> Bytes | None:
-        """The modelled peak of a call of a generated class (or of a container of them), else None."""
+        """The modelled peak of a call of a generated class (or of a container of them, or of a generated
+        function), else None."""
+        if node.op == "call_function" and isinstance(node.target, GeneratedFunction):
+            return self.registry.function_peak(node)
         if node.op == "call_module":
             target = str(node.target)
             name = self.class_of.get(target) or self.blocks.get(target)

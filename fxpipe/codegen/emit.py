@@ -26,6 +26,7 @@ import torch.nn as nn
 from fxpipe.codegen.aliases import drop_metadata_asserts, drop_unused_pure, reroute_identity_conversions
 from fxpipe.codegen.classes import INDENT, ClassRegistry, ClassWriter, ModuleTree
 from fxpipe.codegen.forward import render_forward
+from fxpipe.codegen.functions import outline_helper_calls
 from fxpipe.graphmeta import NAME_KEY
 from fxpipe.codegen.leaves import leaf_constructor
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
@@ -154,7 +155,9 @@ def _render(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: Spl
         writer.add(outlined)
     for container, paths in stack_runs(graph, writer.class_of, tree.held).items():
         writer.stack(container, paths)
-    name_from_source(graph)  # the module calls outlining made
+    for function in outline_helper_calls(graph):  # Note [helper calls]
+        registry.add_function(function, stage.index)
+    name_from_source(graph)  # the module calls and helper calls outlining made
     tree.mark_indexed_containers()
     init = tree.init_lines("", stage=True)
     _name_outputs(graph, stage, split)

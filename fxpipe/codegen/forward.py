@@ -37,7 +37,7 @@ from fxpipe.codegen.pyrender import ImportTable, render_literal
 from fxpipe.errors import CodegenError
 from fxpipe.tracer.modes import guard_of, is_training_flag, train_or_eval
 
-__all__ = ["render_forward", "render_function", "run_blocks", "base_name"]
+__all__ = ["render_forward", "render_function", "run_blocks", "base_name", "GeneratedFunction"]
 
 
 _BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/", operator.floordiv: "//",
@@ -55,6 +55,24 @@ def run_blocks(container: Any, start: int, stop: int, x: Any, *args: Any) -> Any
     for i in range(start, stop):
         x = container[str(i)](x, *args)
     return x
+
+
+class GeneratedFunction:
+    """The target of a call of a generated module-level function (Note [helper calls] in
+    :mod:`fxpipe.codegen.functions`): ``graph`` is its body, ``name`` what the build calls it (set when it
+    is written, ``wanted`` until then). The renderer writes the call as ``name(args)``."""
+
+    def __init__(self, wanted: str, graph: fx.Graph) -> None:
+        self.wanted = wanted
+        self.name = wanted
+        self.graph = graph
+        self.__name__ = wanted
+
+    def __call__(self, *args: Any) -> Any:
+        raise RuntimeError(f"{self.name} is written into the stage source, not run while building it")
+
+    def __repr__(self) -> str:
+        return f"<generated function {self.name}>"
 
 
 def base_name(name: str) -> str:
@@ -201,6 +219,8 @@ class _Renderer:
         return ", ".join(parts)
 
     def function(self, fn: Any) -> str:
+        if isinstance(fn, GeneratedFunction):
+            return fn.name
         if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
             return self.imports.op(fn)
         if getattr(fn, "__module__", None) == "_operator":  # operator.iadd(a, b), not `from _operator import iadd`
@@ -392,8 +412,11 @@ def render_forward(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], 
 
 def render_function(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,
                     reserved: set[str] | None = None, arg_names: list[str] | None = None,
-                    workspace: Callable[[fx.Node], Bytes | None] | None = None) -> tuple[list[str], Bytes]:
-    """``render_forward``'s lines and the modelled peak of the function (Note [frees that matter])."""
-    renderer = _Renderer(graph, imports, attr, reserved or set(), arg_names, workspace)
+                    workspace: Callable[[fx.Node], Bytes | None] | None = None, name: str = "forward",
+                    method: bool = True) -> tuple[list[str], Bytes]:
+    """``render_forward``'s lines and the modelled peak of the function (Note [frees that matter]); ``name`` and
+    ``method``: ``def name(...)`` without ``self`` for a module-level function."""
+    renderer = _Renderer(graph, imports, attr, (reserved or set()) | {name}, arg_names, workspace)
     params, lines = renderer.body()
-    return [f"def forward(self{''.join(', ' + p for p in params)}):", *("    " + ln for ln in lines)], renderer.peak
+    head = ", ".join((["self"] if method else []) + params)
+    return [f"def {name}({head}):", *("    " + ln for ln in lines)], renderer.peak

@@ -48,7 +48,7 @@ from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.tracer.modes import guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
 
-__all__ = ["Body", "Outline", "outline_stage", "stack_runs"]
+__all__ = ["Body", "Outline", "outline_stage", "stack_runs", "is_metadata", "is_device", "size_inputs", "share_sizes"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _SIZE_METHODS = ("size", "dim", "numel", "stride")
@@ -75,7 +75,7 @@ class Outline:
     torch_layers: set[str] = field(default_factory=set)  # calls written as the torch.nn layer itself
 
 
-def _is_metadata(node: fx.Node) -> bool:
+def is_metadata(node: fx.Node) -> bool:
     """A node that reads only shapes/devices (no tensor data, no RNG, no side effects): safe to move."""
     if node.op == "call_method":
         return node.target in _SIZE_METHODS
@@ -111,7 +111,7 @@ class _Outliner:
             origin = node.meta.get(ORIGIN_KEY)
             if origin is not None and origin in owned and scope_stack(node):
                 self.stack[node] = scope_stack(node)
-            elif origin is not None and origin in owned and not _is_metadata(node):
+            elif origin is not None and origin in owned and not is_metadata(node):
                 self.stack[node] = ()
             else:
                 self.stack[node] = _common([self.stack.get(u, ()) for u in node.users])
@@ -156,7 +156,7 @@ class _Outliner:
         interlopers = [n for n in order[first:last + 1] if n not in inside]
         if not interlopers:
             return True
-        if not all(_is_metadata(n) for n in interlopers):
+        if not all(is_metadata(n) for n in interlopers):
             return False
         after: set[fx.Node] = set()
         for n in order[first:last + 1]:
@@ -215,9 +215,9 @@ class _Outliner:
             return
         body = fx.Graph()
         env: dict[fx.Node, Any] = {}
-        sizes = _size_inputs(inputs)
+        sizes = size_inputs(inputs)
         args = [a for a in inputs if a not in sizes]
-        devices = [a for a in args if _is_device(a)]
+        devices = [a for a in args if is_device(a)]
         device_source = next((a for a in args if a not in devices and _is_tensor(a)), None) \
             or next((a for a in attrs_inside if a.op == "get_attr" and _is_tensor(a)), None)
         if device_source is not None:  # read where the body runs: one of its tensors is on that device
@@ -245,7 +245,7 @@ class _Outliner:
             if m.op == "call_module" and str(m.target).startswith(path + "."):
                 env[m].meta[NAME_KEY] = str(m.target)[len(path) + 1:].replace(".", "_")
         body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-        used = _share_sizes(body)
+        used = share_sizes(body)
         args = [a for a in args if used[env[a]]]
         for ph in [n for n in body.nodes if n.op == "placeholder" and not used[n]]:
             body.erase_node(ph)
@@ -288,7 +288,7 @@ class _Outliner:
             self.graph.erase_node(m)
             del self.stack[m]
         for a in read:
-            if not a.users and (a.op == "get_attr" or _is_metadata(a)):
+            if not a.users and (a.op == "get_attr" or is_metadata(a)):
                 self.graph.erase_node(a)
                 self.stack.pop(a, None)
 
@@ -353,7 +353,7 @@ def _first_parameter(module: nn.Module) -> str:
     return first.name
 
 
-def _is_device(node: fx.Node) -> bool:
+def is_device(node: fx.Node) -> bool:
     """``t.device`` (Note [device literals] in :mod:`fxpipe.codegen.split` makes them)."""
     return node.op == "call_function" and node.target is getattr and node.args[1:] == ("device",)
 
@@ -383,7 +383,7 @@ def _dims_of(node: fx.Node, symbol: str) -> list[int]:
     return [d for d, size in enumerate(shape) if isinstance(size, torch.SymInt) and str(size) == symbol]
 
 
-def _share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
+def share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
     """Read every size from the first tensor argument that has it; return which placeholders are still used."""
     placeholders = [n for n in body.nodes if n.op == "placeholder"]
     tensors = [p for p in placeholders if _is_tensor(p)]
@@ -399,7 +399,7 @@ def _share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
     return {p: bool(p.users) for p in placeholders}
 
 
-def _size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
+def size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
     """Size inputs the body can read from one of its tensor inputs: ``{size node: (tensor input, dim)}``."""
     tensors = [a for a in inputs if _is_tensor(a)]
     found: dict[fx.Node, tuple[fx.Node, int]] = {}
@@ -409,7 +409,7 @@ def _size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
             found[a] = (a.args[0], a.args[1])  # type: ignore[assignment]
             continue
         symbol = _symbol(a)
-        if symbol is None or not _is_metadata(a):
+        if symbol is None or not is_metadata(a):
             continue
         for t in tensors:
             dims = _dims_of(t, symbol)

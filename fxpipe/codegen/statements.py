@@ -34,8 +34,8 @@ from fxpipe.codegen.aliases import is_identity_conversion
 from fxpipe.codegen.scopes import scope_stack
 from fxpipe.graphmeta import NAME_KEY
 
-__all__ = ["Frame", "Statement", "FRAMES_KEY", "STATEMENT_KEY", "SOURCE_NAME_KEY", "record_frames", "frames_of", "statement_of",
-           "statement_at", "assigned_names", "source_names", "name_from_source"]
+__all__ = ["Frame", "Statement", "FRAMES_KEY", "STATEMENT_KEY", "SOURCE_NAME_KEY", "record_frames", "frames_of",
+           "statement_of", "statement_at", "assigned_names", "result_names", "source_names", "name_from_source"]
 
 FRAMES_KEY = "fxpipe_frames"        # node.meta: tuple[Frame, ...], the root's forward first
 STATEMENT_KEY = "fxpipe_statement"  # node.meta: the Statement an outlined call is made in
@@ -172,28 +172,30 @@ def _levels(node: fx.Node, depth: int) -> list[Statement]:
     return out
 
 
-def _name_results(statement: Statement, members: list[fx.Node], inside: set[fx.Node]) -> dict[fx.Node, str]:
-    """The names an assignment gives its results: ``name = ...`` its result (``name_0``, ``name_1``, ... when it
-    has several), ``a, b = ...`` its results in order when there are as many as targets."""
+def result_names(statement: Statement, results: list[fx.Node]) -> dict[fx.Node, str]:
+    """The names an assignment gives its results (the values it gives out, in order): ``name = ...`` its result
+    (``name_0``, ``name_1``, ... when it has several), ``a, b = ...`` its results in order when there are as
+    many as targets (or one result: the first target's; the others are no tensors, as in
+    ``attn_output, attn_weights = ...`` whose weights are None)."""
     targets = assigned_names(statement.frame.code)
-    if not targets:
-        return {}
-    results = [m for m in members if any(u not in inside for u in m.users)]
-    if len(results) > 1:  # a conversion that is its input itself is a result by aliasing, not by assignment
-        results = [m for m in results if not is_identity_conversion(m)] or results
-    if not results:
+    if not targets or not results:
         return {}
     if len(targets) == 1:
-        if len(results) == 1:
-            pairs = [(results[0], targets[0])]
-        else:
-            pairs = [(r, f"{targets[0]}_{i}") for i, r in enumerate(results)]
+        pairs = [(results[0], targets[0])] if len(results) == 1 else \
+            [(r, f"{targets[0]}_{i}") for i, r in enumerate(results)]
     elif len(results) == len(targets):
         pairs = list(zip(results, targets))
     else:
         named = [t for t in targets if t != "_"]
-        pairs = list(zip(results, named)) if len(named) == len(results) else []
+        pairs = list(zip(results, named)) if len(named) == len(results) or len(results) == 1 else []
     return {node: target for node, target in pairs if target != "_" and not target.startswith("_")}
+
+
+def _name_results(statement: Statement, members: list[fx.Node], inside: set[fx.Node]) -> dict[fx.Node, str]:
+    results = [m for m in members if any(u not in inside for u in m.users)]
+    if len(results) > 1:  # a conversion that is its input itself is a result by aliasing, not by assignment
+        results = [m for m in results if not is_identity_conversion(m)] or results
+    return result_names(statement, results)
 
 
 def name_from_source(graph: fx.Graph, depth: int = 0, key: str = NAME_KEY) -> None:

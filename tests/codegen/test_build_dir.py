@@ -145,3 +145,12 @@ def test_a_class_two_stages_use_is_written_once_in_shared_py(tmp_path: Path) -> 
     stage = load_stage(out, 1)
     block = next(m for m in stage.modules() if type(m).__name__ == "Block")
     assert type(block).__module__.startswith("fxpipe_shared_")
+    # a build held in memory (the seed API's ranks) checks and imports it from its bytes too
+    from fxpipe.codegen import CheckedBuild
+    from fxpipe.codegen.load import load_checked_stage
+
+    files = {name: (out / name).read_bytes() for name in ("manifest.json", "plan.json", "shared.py", "stage_1.py",
+                                                         "stage_1.safetensors")}
+    assert load_checked_stage(CheckedBuild.from_memory(files, [1], tmp_path / "elsewhere"), 1) is not None
+    with pytest.raises(BuildDirError, match="shared classes shared.py is missing from the build"):
+        CheckedBuild.from_memory({k: v for k, v in files.items() if k != "shared.py"}, [1], tmp_path / "elsewhere")

@@ -154,3 +154,37 @@ def test_export_path_names_values_as_the_source_does(tmp_path: Path) -> None:
     assert manifest.stages[-1].outputs[-1].name == "logits"
     pipeline = load_pipeline(tmp_path)
     torch.testing.assert_close(pipeline(*inputs), model(*inputs))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A helper function as transformers writes them (``apply_rotary_pos_emb``)."""
+    first, second = x[..., :4], x[..., 4:]
+    return x * cos + torch.cat([-second, first], -1) * sin
+
+
+class _Rotating(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = self.proj(x)
+        cos, sin = angles.cos(), angles.sin()
+        rotated = rotate(x, cos, sin)
+        return self.proj(rotated)
+
+
+def test_a_helper_function_is_written_once_and_called(tmp_path: Path) -> None:
+    """Note [helper calls]: the helper's operators become a generated function called where the source calls it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Rotating(), _Rotating())
+    inputs = (torch.randn(2, 3, 8),)
+    traced = trace_model(model, inputs, frontend="export", progress=False)
+    stage_of = {n: 0 for n in traced.unit_of_node}
+    manifest = emit_build(traced.graph_module, traced.model, stage_of, 1, tmp_path, source=None, microbatch=2,
+                          batch_size=2, microbatches=1, output_spec=traced.output_spec)
+    text = build_sources(tmp_path, manifest)
+    assert text.count("def rotate(x, cos, sin):") == 1, text  # one definition for both layers
+    assert "rotated = rotate(x, cos, sin)" in text
+    pipeline = load_pipeline(tmp_path)
+    torch.testing.assert_close(pipeline(*inputs), model(*inputs))

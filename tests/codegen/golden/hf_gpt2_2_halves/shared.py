@@ -101,8 +101,8 @@ class GPT2Attention(torch.nn.Module):
         query_states = view.transpose(1, 2);  view = None
         scaled_dot_product_attention = F.scaled_dot_product_attention(query_states, key_states, value_states, causal_mask, scale=0.3535533905932738);  query_states = key_states = value_states = None
         reshape = scaled_dot_product_attention.reshape([size, -1, 16, 8])
-        transpose = reshape.transpose(1, 2)
-        attn_output = transpose.reshape([size, 16, -1])
+        attn_output = reshape.transpose(1, 2)
+        attn_output = attn_output.reshape([size, 16, -1])
         attn_output = self.c_proj(attn_output)
         return F.dropout(attn_output, 0.0, self.training)
 
