@@ -22,10 +22,11 @@ import torch.nn as nn
 from fxpipe.graphmeta import CONSTANTS_KEY
 from fxpipe.codegen.builddir import replace_file, staged_build_dir
 from fxpipe.codegen.checkpoint_weights import MetaWeights, build_meta_weights, meta_skipped_checks, write_meta_stage
-from fxpipe.codegen.emit import emit_stage
+from fxpipe.codegen.emit import emit_stages
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.outputs import dump_output_spec
 from fxpipe.codegen.safety import check_equivalence
+from fxpipe.codegen.shared import SHARED_SOURCE
 from fxpipe.codegen.split import SplitGraph, split_graph
 from fxpipe.codegen.ownership import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
 from fxpipe.errors import CodegenError
@@ -49,7 +50,8 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
 
     ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors`` (one pair per stage: with
     ``plan.virtual_stages`` V > 1 the stages are chunks, V per rank, and the manifest records
-    each one's rank and the plan's schedule), ``manifest.json``,
+    each one's rank and the plan's schedule), ``shared.py`` when a generated class is used by several
+    stages (Note [classes several stages share] in ``fxpipe.codegen.shared``), ``manifest.json``,
     ``plan.json``, ``profile.json`` and ``report.html``, and nothing else: it is replaced
     as a whole once every file is written (a failure leaves it as it was). An ``out_dir``
     that is a file, is not writable, or holds files of its own is a BuildDirError.
@@ -142,12 +144,15 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
     constants = set(gm.meta.get(CONSTANTS_KEY, ()))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     label = f"{source.model_fn}() in {source.path.name}" if source else type(model).__name__
-    states, stages = [], []
-    for sg in split.stages:
-        state = stage_state(gm, model, sg.modules, sg.attrs, constants)
-        states.append(state)
-        src = emit_stage(sg, state, gm, split, num_stages=num_stages, microbatch=microbatch, model_label=label,
-                         user_leaf_args=user_leaf_args or {}, module_order=order, model=model, build_dir=out)
+    states = [stage_state(gm, model, sg.modules, sg.attrs, constants) for sg in split.stages]
+    sources, shared = emit_stages(split, states, gm, microbatch=microbatch, model_label=label,
+                                  user_leaf_args=user_leaf_args or {}, module_order=order, model=model, build_dir=out)
+    shared_sha256 = ""
+    if shared is not None:  # Note [classes several stages share]
+        (staging / SHARED_SOURCE).write_text(shared.text)
+        shared_sha256 = file_sha256(staging / SHARED_SOURCE)
+    stages = []
+    for sg, state, src in zip(split.stages, states, sources):
         py, st = staging / f"stage_{sg.index}.py", staging / f"stage_{sg.index}.safetensors"
         py.write_text(src.text)
         if meta_weights is None:
@@ -160,7 +165,9 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
             source_sha256=file_sha256(py), weights_sha256=file_sha256(st),
             inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
             parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
-            units=tuple(units), imports_model_file=src.imports_model_file, mutated_inputs=sg.mutated,
+            units=tuple(units), mutated_inputs=sg.mutated, imports_shared=src.imports_shared,
+            imports_model_file=src.imports_model_file or (src.imports_shared and shared is not None
+                                                          and shared.imports_model_file),
             rank=stage_ranks[sg.index] if stage_ranks and stage_ranks[sg.index] != sg.index else None))
     spec_json, output_modules = dump_output_spec(output_spec)
     manifest = Manifest(
@@ -171,7 +178,8 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
         microbatches=microbatches, training=model.training, torch_version=torch.__version__,
         schedule=schedule, weights=meta_weights.source if meta_weights else "model",
-        skipped_checks=meta_skipped_checks(meta_weights), init_models=meta_weights.init_models if meta_weights else ())
+        skipped_checks=meta_skipped_checks(meta_weights), init_models=meta_weights.init_models if meta_weights else (),
+        shared_source=SHARED_SOURCE if shared is not None else "", shared_sha256=shared_sha256)
     manifest.to_json(staging / "manifest.json")
     return manifest, split
 

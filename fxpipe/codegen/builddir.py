@@ -28,7 +28,8 @@ from fxpipe.errors import BuildDirError
 __all__ = ["check_build_target", "staged_build_dir", "replace_file"]
 
 # What fxpipe writes into a build directory: the build itself, and run.json of `fxpipe run`.
-_BUILD_FILES = re.compile(r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|__pycache__")
+_BUILD_FILES = re.compile(r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|shared\.py"
+                          r"|__pycache__")
 
 
 def _target(out_dir: str | Path) -> Path:

@@ -18,18 +18,22 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.codegen.forward import render_forward
+from fxpipe.codegen.forward import GeneratedFunction, render_forward, render_function, run_blocks
+from fxpipe.codegen.frees import Bytes
+from fxpipe.codegen.functions import outline_helper_calls
 from fxpipe.codegen.naming import module_ranges, unique_name
 from fxpipe.codegen.outline import Body, stack_runs
 from fxpipe.codegen.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
 from fxpipe.codegen.ownership import BUFFER, PARAMETER, TensorEntry
+from fxpipe.codegen.statements import name_from_source
 
-__all__ = ["ModuleTree", "ClassWriter", "INDENT"]
+__all__ = ["ModuleTree", "ClassRegistry", "ClassWriter", "INDENT"]
 
 INDENT = "    "
 _INDEXED = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -179,19 +183,105 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-class ClassWriter:
-    """Renders outlined bodies as classes, one per distinct text (Note [one class per distinct body])."""
+class ClassRegistry:
+    """The generated classes of a build, one per distinct text, named once for all its stages (Note [one class
+    per distinct body]; Note [classes several stages share] in :mod:`fxpipe.codegen.shared`).
 
-    def __init__(self, tree: ModuleTree, imports: ImportTable, taken: set[str]) -> None:
-        self.tree = tree
+    ``imports`` is the build's one import table (so a name means the same thing in every file),
+    ``taken`` the names nothing else may take (the stage classes, ``torch``, ...); ``users`` says which
+    stages use each class.
+    """
+
+    def __init__(self, imports: ImportTable, taken: set[str]) -> None:
         self.imports = imports
-        self.taken = set(taken)
+        self.taken = set(taken) | set(imports.names)
         self.by_text: dict[str, str] = {}
         self.sources: dict[str, tuple[str, list[str], list[str]]] = {}  # name -> (doc subject, init, forward)
         self.instances: dict[str, list[str]] = {}
-        self.class_of: dict[str, str] = {}
         self.stacks: dict[str, tuple[str, list[str]]] = {}  # stack class -> (block class, argument names)
         self.params: dict[str, list[str]] = {}  # class -> forward's argument names
+        self.peaks: dict[str, Bytes] = {}  # class -> its forward's modelled peak (Note [frees that matter])
+        self.users: dict[str, set[int]] = {}  # class, stack class or function -> the stages that use it
+        self.functions: dict[str, list[str]] = {}  # generated function -> its lines (Note [helper calls])
+
+    def fresh(self, wanted: str) -> str:
+        name = unique_name(wanted, self.taken | set(self.imports.names))
+        self.taken.add(name)
+        self.imports.reserved.add(name)  # an import added later must not take this name
+        return name
+
+    def add_function(self, function: GeneratedFunction, stage: int) -> str:
+        """Name ``function`` (Note [helper calls]): an identical earlier one's name, or a fresh one; ``stage`` uses it."""
+        attr: Callable[[str], str] = lambda target: target  # noqa: E731 - a function reads no attribute
+        positional = [f"arg{i}" for i, n in enumerate(function.graph.nodes) if n.op == "placeholder"]
+        key = "def\n" + "\n".join(render_function(function.graph, self.imports, attr, arg_names=positional,
+                                                   workspace=self.function_peak, name="f", method=False)[0])
+        name = self.by_text.get(key)
+        if name is None:
+            name = self.fresh(function.wanted)
+            self.by_text[key] = name
+            function.name = name
+            self.functions[name], self.peaks[name] = render_function(
+                function.graph, self.imports, attr, workspace=self.function_peak, name=name, method=False)
+        function.name = name
+        self.users.setdefault(name, set()).add(stage)
+        return name
+
+    def function_peak(self, node: fx.Node) -> Bytes | None:
+        """The modelled peak of a call of a generated function (Note [frees that matter])."""
+        if node.op == "call_function" and isinstance(node.target, GeneratedFunction):
+            return self.peaks.get(node.target.name)
+        return None
+
+    def order(self) -> list[str]:
+        """Every function, class and stack class, dependencies first (the order ``source`` writes them in)."""
+        out: list[str] = list(self.functions)
+        for name in self.sources:
+            out.append(name)
+            out += [stack for stack, (block, _) in self.stacks.items() if block == name]
+        return out
+
+    def used_by(self, stage: int) -> set[str]:
+        return {name for name, stages in self.users.items() if stage in stages}
+
+    def source(self, names: Iterable[str]) -> list[str]:
+        """The functions and classes ``names``, dependencies first, each followed by two blank lines."""
+        wanted = set(names)
+        out: list[str] = []
+        for name, lines in self.functions.items():
+            if name in wanted:
+                out += [*lines, "", ""]
+        for name, (subject, init, forward) in self.sources.items():
+            if name in wanted:
+                where = ", ".join(module_ranges(self.instances[name]))
+                out += [f"class {name}(torch.nn.Module):", f'{INDENT}"""{subject} as traced, at {where}."""', ""]
+                if init:
+                    out += [f"{INDENT}def __init__(self) -> None:", f"{INDENT * 2}super().__init__()",
+                            *(INDENT * 2 + ln for ln in init), ""]
+                out += [INDENT + ln for ln in forward] + ["", ""]
+            for stack, (block, params) in self.stacks.items():
+                if block == name and stack in wanted:
+                    out += _stack_source(stack, block, params)
+        return out
+
+
+class ClassWriter:
+    """Renders one stage's outlined bodies as classes of the build's ``ClassRegistry``."""
+
+    def __init__(self, tree: ModuleTree, registry: ClassRegistry, stage: int = 0) -> None:
+        self.tree = tree
+        self.registry = registry
+        self.imports = registry.imports
+        self.stage = stage
+        self.class_of: dict[str, str] = {}
+        self.blocks: dict[str, str] = {}  # a container running blocks in order -> the blocks' class
+
+    @property
+    def taken(self) -> set[str]:
+        return self.registry.taken
+
+    def _use(self, name: str) -> None:
+        self.registry.users.setdefault(name, set()).add(self.stage)
 
     def add(self, body: Body) -> str:
         """The class for ``body`` (new or an identical earlier one); registers its constructor in the tree."""
@@ -201,24 +291,44 @@ class ClassWriter:
             return "torch.nn.Sequential"
         for container, paths in stack_runs(body.graph, self.class_of, self.tree.held, within=body.path).items():
             self.stack(container, paths)
+        for function in outline_helper_calls(body.graph):
+            self.registry.add_function(function, self.stage)
+        name_from_source(body.graph, body.depth)
         self.tree.mark_indexed_containers()
         init = self.tree.init_lines(body.path, stage=False)
         attr: Callable[[str], str] = lambda target: self.tree.expr(body.path, target)  # noqa: E731
         positional = [f"arg{i}" for i, n in enumerate(body.graph.nodes) if n.op == "placeholder"]
-        key = "\n".join(init + render_forward(body.graph, self.imports, attr, arg_names=positional))
-        name = self.by_text.get(key)
+        key = "\n".join(init + render_forward(body.graph, self.imports, attr, arg_names=positional,
+                                               workspace=self.workspace))
+        registry = self.registry
+        name = registry.by_text.get(key)
         if name is None:
-            name = self._fresh(body.module_type.__name__)
-            self.by_text[key] = name
+            name = registry.fresh(body.module_type.__name__)
+            registry.by_text[key] = name
             subject = _describe_class(body.module_type)
-            forward = render_forward(body.graph, self.imports, attr)
-            self.sources[name] = (subject, init, forward)
-            self.params[name] = forward[0].removeprefix("def forward(self").removesuffix("):").split(", ")[1:]
-            self.instances[name] = []
-        self.instances[name].append(body.path)
+            forward, registry.peaks[name] = render_function(body.graph, self.imports, attr, workspace=self.workspace)
+            registry.sources[name] = (subject, init, forward)
+            registry.params[name] = forward[0].removeprefix("def forward(self").removesuffix("):").split(", ")[1:]
+            registry.instances[name] = []
+        registry.instances[name].append(body.path)
+        self._use(name)
         self.class_of[body.path] = name
         self.tree.ctors[body.path] = f"{name}()"
         return name
+
+    def workspace(self, node: fx.Node) -> Bytes | None:
+        """The modelled peak of a call of a generated class (or of a container of them, or of a generated
+        function), else None."""
+        if node.op == "call_function" and isinstance(node.target, GeneratedFunction):
+            return self.registry.function_peak(node)
+        if node.op == "call_module":
+            target = str(node.target)
+            name = self.class_of.get(target) or self.blocks.get(target)
+        elif node.op == "call_function" and node.target is run_blocks:
+            name = self.class_of.get(f"{node.args[0]}.{node.args[1]}")
+        else:
+            return None
+        return self.registry.peaks.get(name) if name is not None else None
 
     def _sequential(self, body: Body) -> str | None:
         """``torch.nn.Sequential(...)`` when the body is an ``nn.Sequential`` running all its children in order."""
@@ -241,33 +351,20 @@ class ClassWriter:
     def stack(self, container: str, paths: list[str]) -> None:
         """Register a container that runs the blocks ``paths`` in order (see ``outline.stack_runs``)."""
         block = self.class_of[paths[0]]
-        stack = next((s for s, (b, _) in self.stacks.items() if b == block), None)
+        registry = self.registry
+        stack = next((s for s, (b, _) in registry.stacks.items() if b == block), None)
         if stack is None:
-            stack = self._fresh(f"{block}Stack")
-            self.stacks[stack] = (block, self.params[block])
+            stack = registry.fresh(f"{block}Stack")
+            registry.stacks[stack] = (block, registry.params[block])
+        self._use(stack)
+        self.blocks[container] = block
         children = {p.rpartition(".")[2]: f"{block}()" for p in paths}
         self.tree.ctors[container] = f"{stack}({numbered_dict(children)})"
         self.tree.dict_paths.add(container)
 
-    def _fresh(self, wanted: str) -> str:
-        name = unique_name(wanted, self.taken)
-        self.imports.reserved.add(name)  # an import added later must not take this name
-        return name
-
     def source(self) -> list[str]:
-        """Every class, dependencies first, each followed by two blank lines."""
-        out: list[str] = []
-        for name, (subject, init, forward) in self.sources.items():
-            where = ", ".join(module_ranges(self.instances[name]))
-            out += [f"class {name}(torch.nn.Module):", f'{INDENT}"""{subject} as traced, at {where}."""', ""]
-            if init:
-                out += [f"{INDENT}def __init__(self) -> None:", f"{INDENT * 2}super().__init__()",
-                        *(INDENT * 2 + ln for ln in init), ""]
-            out += [INDENT + ln for ln in forward] + ["", ""]
-            for stack, (block, names) in self.stacks.items():
-                if block == name:
-                    out += _stack_source(stack, block, names)
-        return out
+        """Every class this stage uses, dependencies first, each followed by two blank lines."""
+        return self.registry.source(self.registry.used_by(self.stage))
 
 
 def _describe_class(cls: type) -> str:

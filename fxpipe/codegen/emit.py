@@ -12,8 +12,10 @@ value after its last use (``x = None``), as torch.fx does.
 
 from __future__ import annotations
 
+import io
 import re
 import textwrap
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,8 +23,10 @@ from typing import Any, Mapping
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.codegen.classes import INDENT, ClassWriter, ModuleTree
+from fxpipe.codegen.aliases import drop_metadata_asserts, drop_unused_pure, reroute_identity_conversions
+from fxpipe.codegen.classes import INDENT, ClassRegistry, ClassWriter, ModuleTree
 from fxpipe.codegen.forward import render_forward
+from fxpipe.codegen.functions import outline_helper_calls
 from fxpipe.graphmeta import NAME_KEY
 from fxpipe.codegen.leaf_constructors import leaf_constructor
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
@@ -31,11 +35,13 @@ from fxpipe.codegen.operators import rewrite_aten
 from fxpipe.codegen.outline import outline_stage, stack_runs
 from fxpipe.codegen.pyrender import MODEL_ALIAS, ImportTable, attr_expr, is_plain_name
 from fxpipe.codegen.scopes import Scope, scope_members
+from fxpipe.codegen.shared import SHARED_SOURCE
 from fxpipe.codegen.split import SplitGraph, StageGraph
 from fxpipe.codegen.ownership import StageState
+from fxpipe.codegen.statements import SOURCE_NAME_KEY, name_from_source
 from fxpipe.errors import CodegenError
 
-__all__ = ["StageSource", "emit_stage", "stage_class_name"]
+__all__ = ["StageSource", "SharedSource", "emit_stage", "emit_stages", "stage_class_name"]
 
 
 def stage_class_name(index: int) -> str:
@@ -44,25 +50,90 @@ def stage_class_name(index: int) -> str:
 
 @dataclass(frozen=True)
 class StageSource:
-    """A rendered stage file, the name of its class, and whether it imports the model file."""
+    """A rendered stage file, the name of its class, whether it imports the model file, and whether it imports the
+    build's shared classes (``SharedSource``)."""
 
     class_name: str
     text: str
     imports_model_file: bool = False
+    imports_shared: bool = False
+
+
+@dataclass(frozen=True)
+class SharedSource:
+    """``shared.py``: the classes several stages of a build use (Note [classes several stages share])."""
+
+    text: str
+    imports_model_file: bool = False
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    """A stage rendered, not yet written as a file: which classes it keeps depends on the other stages."""
+
+    index: int
+    class_name: str
+    num_stages: int
+    model_label: str
+    subgraph_classes: list[str]
+    body: list[str]
+
+
+# names a generated file defines or imports itself: no class or value may take them
+_TAKEN = {"torch", "F", "os", "math", "operator", MODEL_ALIAS, "import_model_module", "_shared", "import_shared"}
 
 
 def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: SplitGraph, *, num_stages: int,
                microbatch: int, model_label: str, user_leaf_args: Mapping[str, tuple[tuple, dict]],
                module_order: Mapping[str, int], model: nn.Module, build_dir: Path | None = None) -> StageSource:
-    """Source text of ``stage_<index>.py`` for one stage graph and the tensors it owns.
+    """Source text of ``stage_<index>.py`` for one stage graph and the tensors it owns, every class it uses in it.
 
     ``gm`` is the traced graph the stage was split from and ``model`` the original model
-    (for module classes and ``torch.nn`` layer hyperparameters).
+    (for module classes and ``torch.nn`` layer hyperparameters). ``emit_stages`` writes a build's
+    stages together, with the classes several of them use written once.
     """
-    imports = ImportTable()
+    registry = ClassRegistry(ImportTable(), _TAKEN | {stage_class_name(stage.index)})
+    rendered = _render(stage, state, gm, split, registry, num_stages=num_stages, microbatch=microbatch,
+                       model_label=model_label, user_leaf_args=user_leaf_args, module_order=module_order, model=model)
+    return _assemble(rendered, registry, set(), build_dir)
+
+
+def emit_stages(split: SplitGraph, states: list[StageState], gm: fx.GraphModule, *, microbatch: int,
+                model_label: str, user_leaf_args: Mapping[str, tuple[tuple, dict]], module_order: Mapping[str, int],
+                model: nn.Module, build_dir: Path | None = None) -> tuple[list[StageSource], SharedSource | None]:
+    """Every stage file of a build, and ``shared.py`` with the classes more than one of them uses (None when no
+    class is used by two stages); see Note [classes several stages share] in :mod:`fxpipe.codegen.shared`."""
+    num_stages = len(split.stages)
+    registry = ClassRegistry(ImportTable(), _TAKEN | {stage_class_name(i) for i in range(num_stages)})
+    rendered = [_render(sg, state, gm, split, registry, num_stages=num_stages, microbatch=microbatch,
+                        model_label=model_label, user_leaf_args=user_leaf_args, module_order=module_order,
+                        model=model)
+                for sg, state in zip(split.stages, states)]
+    shared = {name for name, users in registry.users.items() if len(users) > 1}
+    stages = [_assemble(r, registry, shared, build_dir) for r in rendered]
+    if not shared:
+        return stages, None
+    code = "\n".join(registry.source(shared))
+    names = _names_in(code)
+    header = [f'"""Classes several stages of {model_label} use, generated by fxpipe.', "",
+              "Do not edit: fxpipe.codegen.load_stage checks this file against the sha256 in manifest.json.",
+              'Rebuild with `fxpipe partition` instead."""', "", *registry.imports.lines(build_dir, used=names), "", ""]
+    text = re.sub(r"\n{4,}", "\n\n\n", "\n".join(header) + "\n" + code).rstrip() + "\n"
+    in_model = MODEL_ALIAS in names or bool(registry.imports.model_ops & names)
+    return stages, SharedSource(text, imports_model_file=registry.imports.model_file is not None and in_model)
+
+
+def _render(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: SplitGraph, registry: ClassRegistry, *,
+            num_stages: int, microbatch: int, model_label: str, user_leaf_args: Mapping[str, tuple[tuple, dict]],
+            module_order: Mapping[str, int], model: nn.Module) -> _Rendered:
+    imports = registry.imports
     name = stage_class_name(stage.index)
     graph = _copy(stage.graph)
     rewrite_aten(graph)
+    drop_metadata_asserts(graph)
+    drop_unused_pure(graph)
+    reroute_identity_conversions(graph)
+    name_from_source(graph, key=SOURCE_NAME_KEY)  # what outlining names the bodies' arguments
     layers: dict[str, str | None] = {}
     outline = outline_stage(graph, model, owned=set(stage.nodes), original=_original_scopes(gm),
                             leaves=set(stage.modules), is_subgraph=lambda t: isinstance(_get(gm, t), nn.Module),
@@ -76,17 +147,21 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
     for target in stage.attrs:
         sub = _get(gm, target)
         if isinstance(sub, nn.Module):
-            tree.ctors[target] = f"{_subgraph_class(target, sub, imports, subgraph_classes)}()"
-    writer = ClassWriter(tree, imports, {name, "torch", "F", "os", "math", MODEL_ALIAS, "import_model_module"}
-                         | set(imports.names))
+            cls = _subgraph_class(target, sub, imports, subgraph_classes)
+            registry.taken.add(cls)  # defined in this stage's file: no shared class may take the name
+            tree.ctors[target] = f"{cls}()"
+    writer = ClassWriter(tree, registry, stage.index)
     for outlined in outline.bodies.values():
         writer.add(outlined)
     for container, paths in stack_runs(graph, writer.class_of, tree.held).items():
         writer.stack(container, paths)
+    for function in outline_helper_calls(graph):  # Note [helper calls]
+        registry.add_function(function, stage.index)
+    name_from_source(graph)  # the module calls and helper calls outlining made
     tree.mark_indexed_containers()
     init = tree.init_lines("", stage=True)
     _name_outputs(graph, stage, split)
-    forward = render_forward(graph, imports, lambda target: tree.expr("", target),
+    forward = render_forward(graph, imports, lambda target: tree.expr("", target), workspace=writer.workspace,
                              reserved=set(imports.names) | writer.taken)
     doc = _class_doc(stage, split, num_stages, microbatch, describe_modules(gm, set(stage.nodes), module_order))
     body = [f"class {name}(torch.nn.Module):", *_indent(doc), "",
@@ -97,13 +172,32 @@ def emit_stage(stage: StageGraph, state: StageState, gm: fx.GraphModule, split: 
         for alias, key in state.aliases.items():
             body.append(f"{INDENT * 2}{tree.expr('', alias)} = {tree.expr('', key)}")
     body += ["", *_indent(forward)]
-    header = [f'"""Stage {stage.index} of {num_stages} of {model_label}, generated by fxpipe.', "",
+    return _Rendered(stage.index, name, num_stages, model_label, subgraph_classes, body)
+
+
+def _assemble(rendered: _Rendered, registry: ClassRegistry, shared: set[str], build_dir: Path | None) -> StageSource:
+    """The stage file: its imports, the shared classes it uses (imported), its own classes, its class."""
+    local = registry.used_by(rendered.index) - shared
+    code = "\n".join([c + "\n\n" for c in rendered.subgraph_classes] + registry.source(local) + rendered.body)
+    names = _names_in(code)
+    imported = [n for n in registry.order() if n in shared and n in names]
+    header = [f'"""Stage {rendered.index} of {rendered.num_stages} of {rendered.model_label}, generated by fxpipe.', "",
               "Do not edit: fxpipe.codegen.load_stage checks this file against the sha256 in manifest.json.",
-              'Rebuild with `fxpipe partition` instead."""', "", *imports.lines(build_dir), "", ""]
-    parts = header + [c + "\n\n" for c in subgraph_classes] + writer.source() + body
-    text = "\n".join(parts).rstrip() + "\n"
-    return StageSource(class_name=name, text=re.sub(r"\n{4,}", "\n\n\n", text),
-                       imports_model_file=imports.model_file is not None)
+              'Rebuild with `fxpipe partition` instead."""', "", *registry.imports.lines(build_dir, used=names)]
+    if imported:
+        header += ["", "from fxpipe.codegen.shared import import_shared", "",
+                   f"_shared = import_shared(__file__)  # {SHARED_SOURCE} beside this file: classes several stages use",
+                   *(f"{n} = _shared.{n}" for n in imported)]
+    text = "\n".join(header + ["", "", code]).rstrip() + "\n"
+    return StageSource(class_name=rendered.class_name, text=re.sub(r"\n{4,}", "\n\n\n", text),
+                       imports_model_file=registry.imports.model_file is not None
+                       and (MODEL_ALIAS in names or bool(registry.imports.model_ops & names)),
+                       imports_shared=bool(imported))
+
+
+def _names_in(code: str) -> set[str]:
+    """The names the code uses (strings and comments left out): which imports a file needs."""
+    return {t.string for t in tokenize.generate_tokens(io.StringIO(code).readline) if t.type == tokenize.NAME}
 
 
 def _layer_constructor(path: str, model: nn.Module, imports: ImportTable, found: dict[str, str | None]) -> str | None:
@@ -208,6 +302,7 @@ def _subgraph_class(path: str, sub: nn.Module, imports: ImportTable, classes: li
                   *_indent(children, 2), ""]
     graph = _copy(sub.graph)
     rewrite_aten(graph)
+    drop_metadata_asserts(graph)
     lines += _indent(render_forward(graph, imports, lambda target: attr_expr("self", target)))
     classes.append("\n".join(lines))
     return name

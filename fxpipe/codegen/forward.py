@@ -4,8 +4,10 @@ torch.fx's own code generation spells functions by their C binding (``torch._C._
 indexes with ``slice(None, None, None)`` and binds every parameter to a local first. This
 renderer writes operators infix (``a + b``), indexing with slice syntax (``x[:, :t]``),
 ``torch.nn.functional`` as ``F``, parameters where they are used (``self.ln.weight``),
-unpacks tuples (``q, k, v = x.split(32, 2)``) and, as FX does, drops each value after
-its last use (``x = None``) so a stage holds no activation longer than needed.
+unpacks tuples (``q, k, v = x.split(32, 2)``), gives a name back to a later value once its
+value is dead (``hidden_states = self.norm(hidden_states)``, as people write it), and drops a
+value after its last use (``x = None``) where that lowers the function's peak memory (Note
+[frees that matter] in :mod:`fxpipe.codegen.frees`; torch.fx drops every value).
 
 Variable names come from ``node.meta[NAME_KEY]`` when set, else the node's name.
 
@@ -29,12 +31,13 @@ import torch.fx as fx
 
 from fxpipe.graphmeta import SPEC_KEY
 from fxpipe.graphmeta import ARITY_KEY, NAME_KEY
+from fxpipe.codegen.frees import Bytes, plan_frees
 from fxpipe.codegen.naming import unique_name
 from fxpipe.codegen.pyrender import ImportTable, render_literal
 from fxpipe.errors import CodegenError
 from fxpipe.tracer.modes import guard_of, is_training_flag, train_or_eval
 
-__all__ = ["render_forward", "run_blocks", "base_name"]
+__all__ = ["render_forward", "render_function", "run_blocks", "base_name", "GeneratedFunction"]
 
 
 _BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/", operator.floordiv: "//",
@@ -54,6 +57,24 @@ def run_blocks(container: Any, start: int, stop: int, x: Any, *args: Any) -> Any
     return x
 
 
+class GeneratedFunction:
+    """The target of a call of a generated module-level function (Note [helper calls] in
+    :mod:`fxpipe.codegen.functions`): ``graph`` is its body, ``name`` what the build calls it (set when it
+    is written, ``wanted`` until then). The renderer writes the call as ``name(args)``."""
+
+    def __init__(self, wanted: str, graph: fx.Graph) -> None:
+        self.wanted = wanted
+        self.name = wanted
+        self.graph = graph
+        self.__name__ = wanted
+
+    def __call__(self, *args: Any) -> Any:
+        raise RuntimeError(f"{self.name} is written into the stage source, not run while building it")
+
+    def __repr__(self) -> str:
+        return f"<generated function {self.name}>"
+
+
 def base_name(name: str) -> str:
     """``view_12`` -> ``view``: a node name without FX's numeric suffix."""
     return re.sub(r"(_\d+)+$", "", name) or name
@@ -65,9 +86,13 @@ class _Names:
     def __init__(self, reserved: set[str]) -> None:
         self.used = set(_RESERVED) | reserved
 
-    def take(self, wanted: str) -> str:
+    @staticmethod
+    def clean(wanted: str) -> str:
         name = re.sub(r"\W", "_", wanted) or "v"
-        return unique_name(f"v_{name}" if name[0].isdigit() else name, self.used, first=1)
+        return f"v_{name}" if name[0].isdigit() else name
+
+    def take(self, wanted: str) -> str:
+        return unique_name(self.clean(wanted), self.used, first=1)
 
 
 def _arity(node: fx.Node) -> int | None:
@@ -96,8 +121,11 @@ def _unpacked(node: fx.Node) -> list[fx.Node | None] | None:
 
 class _Renderer:
     def __init__(self, graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str],
-                 reserved: set[str], arg_names: list[str] | None) -> None:
+                 reserved: set[str], arg_names: list[str] | None,
+                 workspace: Callable[[fx.Node], Bytes | None] | None = None) -> None:
         self.graph = graph
+        self.workspace = workspace
+        self.peak: Bytes = (0, 0)
         self.imports = imports
         self.attr = attr
         self.names: dict[fx.Node, str] = {}
@@ -108,7 +136,15 @@ class _Renderer:
                                                train_or_eval)}
         namer = _Names(reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()})
         given = iter(arg_names or ())
-        for node in graph.nodes:
+        nodes = list(graph.nodes)
+        at = {n: i for i, n in enumerate(nodes)}  # where each value is assigned: an unpacked item at its tuple's line
+        for node in nodes:
+            for slot in _unpacked(node) or ():
+                if slot is not None:
+                    at[slot] = at[node]
+        last = {n: max((at[u] for u in n.users), default=-1) for n in nodes}
+        holders: dict[str, fx.Node] = {}  # name -> the value it holds now
+        for node in nodes:
             if is_training_flag(node):
                 self.inline[node] = "self.training"
             elif node.op == "get_attr":
@@ -117,8 +153,15 @@ class _Renderer:
                 self.inline[node] = self.expr(node)
             elif node.op == "placeholder" and arg_names is not None:
                 self.names[node] = namer.take(next(given))
+                holders[self.names[node]] = node
             elif node.op != "output":
-                self.names[node] = namer.take(self._wanted(node))
+                wanted = namer.clean(self._wanted(node))
+                held = holders.get(wanted)
+                if held is not None and _may_rebind(held, node, last[held] <= at[node]):
+                    self.names[node] = wanted
+                else:
+                    self.names[node] = namer.take(wanted)
+                holders[self.names[node]] = node
 
     def _wanted(self, node: fx.Node) -> str:
         if NAME_KEY in node.meta:
@@ -176,6 +219,8 @@ class _Renderer:
         return ", ".join(parts)
 
     def function(self, fn: Any) -> str:
+        if isinstance(fn, GeneratedFunction):
+            return fn.name
         if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
             return self.imports.op(fn)
         if getattr(fn, "__module__", None) == "_operator":  # operator.iadd(a, b), not `from _operator import iadd`
@@ -220,9 +265,10 @@ class _Renderer:
             for a in node.all_input_nodes:
                 if a in self.names:
                     last_use[a] = node
+        kept = self._frees(nodes, last_use)
         freed: dict[fx.Node, list[str]] = {}
         for value, user in last_use.items():
-            if user.op != "output":
+            if value in kept:
                 freed.setdefault(user, []).append(self.names[value])
         params: list[str] = []
         lines: list[str] = []
@@ -250,11 +296,12 @@ class _Renderer:
                 skipped.update(s for s in slots if s is not None)
                 targets = ", ".join("_" if s is None else self.names[s] for s in slots)
                 line = f"{targets}{',' if len(slots) == 1 else ''} = {self.expr(node)}"
+                taken = {self.names[node]} | {self.names[s] for s in slots if s is not None}
                 frees = [n for n in freed.get(node, []) + [n for s in slots if s is not None for n in freed.get(s, [])]
-                         if n != self.names[node]]
+                         if n not in taken]
             elif node.users:
                 line = f"{self.names[node]} = {self.expr(node)}"
-                frees = freed.get(node, [])
+                frees = [n for n in freed.get(node, []) if n != self.names[node]]  # a name it takes again
             else:
                 line = self.expr(node)
                 frees = freed.get(node, [])
@@ -264,15 +311,50 @@ class _Renderer:
             guards.append(guard)
         return params, _guarded(lines, guards)
 
+    def _frees(self, nodes: list[fx.Node], last_use: dict[fx.Node, fx.Node]) -> set[fx.Node]:
+        """The values to free after their last use: those the modelled peak needs (Note [frees that matter])."""
+        statements: list[fx.Node] = []
+        position: dict[fx.Node, int] = {}
+        unpacked: set[fx.Node] = set()
+        for node in nodes:
+            if node.op in ("placeholder", "output", "get_attr") or node in self.inline or node in position:
+                continue
+            position[node] = len(statements)
+            slots = None if node.op == "call_function" and node.target is run_blocks else _unpacked(node)
+            if slots is not None:
+                unpacked.add(node)
+                position.update((s, len(statements)) for s in slots if s is not None)
+            statements.append(node)
+        natural: dict[fx.Node, int] = {}  # where a value is let go without a free: its name is taken again
+        holder: dict[str, fx.Node] = {}
+        for node in nodes:
+            if node not in position or node in unpacked or not node.users:
+                continue
+            name = self.names[node]
+            if name in holder and holder[name] is not node:
+                natural.setdefault(holder[name], position[node])
+            holder[name] = node
+        end = len(statements)
+
+        def released(value: fx.Node) -> int:
+            if value in unpacked or not value.users:
+                return position[value]
+            return natural.get(value, end)
+
+        candidates = {v: position[u] for v, u in last_use.items() if u.op != "output" and u in position}
+        plan = plan_frees(self.graph, statements, position, candidates, released, self.workspace)
+        self.peak = plan.peak
+        return set(plan.kept)
+
     def _loop(self, node: fx.Node, frees: list[str]) -> list[str]:
         """``run_blocks`` as the loop it stands for; what it frees is freed after the loop."""
         container, start, stop, x, *rest = node.args
         name, first = self.names[node], self.value(x)
         call = ", ".join([name] + [self.value(a) for a in rest])
-        lines = [f"{name} = {first}" + (f";  {first} = None" if first in frees else ""),
-                 f"for i in range({start}, {stop}):",
-                 f"    {name} = {self.attr(str(container))}[str(i)]({call})"]
-        after = [f for f in frees if f != first]
+        head = [] if name == first else [f"{name} = {first}" + (f";  {first} = None" if first in frees else "")]
+        lines = head + [f"for i in range({start}, {stop}):",
+                        f"    {name} = {self.attr(str(container))}[str(i)]({call})"]
+        after = [f for f in frees if f not in (first, name)]
         return lines + ([f"{' = '.join(after)} = None"] if after else [])
 
     def _return(self, node: fx.Node, lines: list[str], previous: fx.Node | None, guards: list[bool | None]) -> str:
@@ -282,6 +364,17 @@ class _Renderer:
                 and ";" not in lines[-1]:
             return "return " + lines.pop()[len(self.names[out]) + 3:]
         return f"return {self.value(out)}"
+
+
+def _may_rebind(held: fx.Node, node: fx.Node, dead: bool) -> bool:
+    """Whether ``node`` may take the name of ``held``, as hand-written code reassigns ``hidden_states``:
+    ``held`` is read no more after ``node``'s line (``dead``), neither runs in one mode only, and a
+    ``run_blocks`` loop, which reads its other arguments on every pass, takes only its input's name."""
+    if not dead or node.op == "placeholder" or guard_of(held) is not None or guard_of(node) is not None:
+        return False
+    if node.op == "call_function" and node.target is run_blocks:
+        return len(node.args) > 3 and node.args[3] is held
+    return True
 
 
 def _mode_literal(node: fx.Node) -> bool:
@@ -306,12 +399,24 @@ def _guarded(lines: list[str], guards: list[bool | None]) -> list[str]:
 
 
 def render_forward(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,
-                   reserved: set[str] | None = None, arg_names: list[str] | None = None) -> list[str]:
+                   reserved: set[str] | None = None, arg_names: list[str] | None = None,
+                   workspace: Callable[[fx.Node], Bytes | None] | None = None) -> list[str]:
     """``def forward(self, ...):`` and its body, one source line per list item (indented 4 within the def).
 
     ``attr(target)`` writes a ``get_attr`` / ``call_module`` target as an expression
-    (e.g. ``self.h["3"].attn``); ``arg_names`` overrides the names of the arguments.
+    (e.g. ``self.h["3"].attn``); ``arg_names`` overrides the names of the arguments;
+    ``workspace(node)``: the modelled peak of a call of a generated class (Note [frees that matter]).
     """
-    renderer = _Renderer(graph, imports, attr, reserved or set(), arg_names)
+    return render_function(graph, imports, attr, reserved=reserved, arg_names=arg_names, workspace=workspace)[0]
+
+
+def render_function(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,
+                    reserved: set[str] | None = None, arg_names: list[str] | None = None,
+                    workspace: Callable[[fx.Node], Bytes | None] | None = None, name: str = "forward",
+                    method: bool = True) -> tuple[list[str], Bytes]:
+    """``render_forward``'s lines and the modelled peak of the function (Note [frees that matter]); ``name`` and
+    ``method``: ``def name(...)`` without ``self`` for a module-level function."""
+    renderer = _Renderer(graph, imports, attr, (reserved or set()) | {name}, arg_names, workspace)
     params, lines = renderer.body()
-    return [f"def forward(self{''.join(', ' + p for p in params)}):", *("    " + ln for ln in lines)]
+    head = ", ".join((["self"] if method else []) + params)
+    return [f"def {name}({head}):", *("    " + ln for ln in lines)], renderer.peak

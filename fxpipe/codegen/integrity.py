@@ -1,7 +1,7 @@
 """Check a build directory against its manifest before anything of it is read, imported or run.
 
 Note [check before use]: every file a build depends on (the model file, each stage's
-source and weights, ``plan.json``) has its sha256 in ``manifest.json``. ``check_build``
+source and weights, the classes several stages share, ``plan.json``) has its sha256 in ``manifest.json``. ``check_build``
 opens each one without blocking (a FIFO or device in its place is refused, never waited
 on), hashes it and compares, before a byte of it is parsed, imported or executed. Source
 files, the model file and ``plan.json`` are kept as the very bytes that were hashed, so
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from fxpipe.modelfile import ModelSource
     from fxpipe.partitioner import PartitionPlan
 
-__all__ = ["CheckedFile", "CheckedBuild", "check_build", "read_checked_file", "model_import_needed"]
+__all__ = ["CheckedFile", "CheckedBuild", "check_build", "check_shared", "read_checked_file", "model_import_needed"]
 
 _MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
 _BLOCK = 1 << 20
@@ -112,6 +112,15 @@ class CheckedBuild:
     plan: CheckedFile | None
     sources: Mapping[int, CheckedFile]
     weights: Mapping[int, CheckedFile]
+    shared: CheckedFile | None = None  # the shared classes, when a checked stage imports them
+
+    def shared_module(self) -> ModuleType:
+        """The build's shared classes run from their checked bytes (Note [classes several stages share])."""
+        from fxpipe.codegen.shared import load_shared
+
+        if self.shared is None:
+            raise BuildDirError(f"{self.build_dir}: the shared classes were not checked")
+        return load_shared(self.shared)
 
     def model_module(self) -> ModuleType:
         """The model file, imported from its checked bytes (see ``fxpipe.modelfile.import_model_bytes``)."""
@@ -177,7 +186,10 @@ class CheckedBuild:
             sm = manifest.stage(i)
             sources[i] = check(sm.source, sm.source_sha256, "stage source")
             tensors[i] = check(sm.weights, sm.weights_sha256, "stage weights")
-        return cls(where, manifest, None, plan, sources, tensors)
+        shared = None
+        if any(manifest.stage(i).imports_shared for i in sources):
+            shared = check(manifest.shared_source, manifest.shared_sha256, "shared classes")
+        return cls(where, manifest, None, plan, sources, tensors, shared)
 
     def _model(self) -> CheckedFile:
         if self.model is None:
@@ -189,8 +201,8 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
                 plan: bool = True, weights: bool = True, manifest: Manifest | None = None) -> CheckedBuild:
     """Read ``build_dir``'s manifest and check the files asked for against it (Note [check before use]).
 
-    ``stages``: the stages whose source (and, with ``weights``, weights) to check; ``None``:
-    all. ``model``: check the model file (an error if the manifest names none, or names one
+    ``stages``: the stages whose source (and, with ``weights``, weights) to check, with the shared
+    classes when one of them imports them; ``None``: all. ``model``: check the model file (an error if the manifest names none, or names one
     without its sha256). ``plan``: check ``plan.json`` when there is one (a build written
     before plan.json was hashed has no ``plan_sha256``: its plan is read unhashed, but still
     validated). ``manifest``: the manifest, already read.
@@ -222,7 +234,19 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
         sources[i] = read_checked_file(build_dir / sm.source, sm.source_sha256, "stage source")
         if weights:
             tensors[i] = read_checked_file(build_dir / sm.weights, sm.weights_sha256, "stage weights", keep=False)
-    return CheckedBuild(build_dir, manifest, model_file, plan_file, sources, tensors)
+    shared = None
+    if any(manifest.stages[i].imports_shared for i in indices):
+        shared = read_checked_file(build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes")
+    return CheckedBuild(build_dir, manifest, model_file, plan_file, sources, tensors, shared)
+
+
+def check_shared(build_dir: str | Path) -> CheckedFile:
+    """``build_dir``'s shared classes, checked against its manifest (Note [classes several stages share])."""
+    build_dir = Path(build_dir)
+    manifest = Manifest.from_json(build_dir)
+    if not manifest.shared_source:
+        raise BuildDirError(f"{build_dir}/manifest.json names no shared classes; {_REBUILD}")
+    return read_checked_file(build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes")
 
 
 def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """Load one stage of a build directory (``load_stage``); ``fxpipe.codegen.pipeline`` chains them all.
 
 Note [loading safely and lightly]: ``load_stage`` checks the sha256 of every file the
-stage needs (its source and weights, and the model file when the stage imports classes
-from it) against ``manifest.json`` before importing or reading any of them (Note [check
+stage needs (its source and weights, the build's shared classes when it imports them, and the
+model file when the stage imports classes from it) against ``manifest.json`` before importing or reading any of them (Note [check
 before use] in ``fxpipe.codegen.integrity``), and executes the very bytes it hashed
 (never re-reading the file); the model file is imported from its checked bytes too. It
 builds the module on the meta device and then loads the weights file with
@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
 from fxpipe.codegen.manifest import Manifest
+from fxpipe.codegen.shared import loading
 from fxpipe.codegen.stage_init import initialise_stage
 from fxpipe.errors import BuildDirError
 from fxpipe.modelfile import checked_model_import
@@ -47,6 +48,9 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
         model = build.model_module()
         # the same stage source over another model file holds other classes (Note [what is hashed is what runs])
         name += f"_{build.manifest.model_sha256[:16]}"
+    shared = build.shared_module() if sm.imports_shared else None  # Note [classes several stages share]
+    if shared is not None and build.shared is not None:
+        name += f"_{build.shared.sha256[:16]}"
     module = sys.modules.get(name)
     if module is None:
         path = checked.path
@@ -54,7 +58,11 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         module.__file__ = str(path)
-        with checked_model_import(model) if model is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as imports:
+            if model is not None:
+                imports.enter_context(checked_model_import(model))
+            if shared is not None:
+                imports.enter_context(loading(path.parent, shared))
             exec(compile(checked.data, str(path), "exec"), module.__dict__)  # noqa: S102 - hash-checked code
         sys.modules[name] = module
     cls = getattr(module, sm.class_name, None)

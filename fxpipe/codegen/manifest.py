@@ -9,8 +9,8 @@ straight from producer to consumer.
 
 Reading a manifest checks every field against its type hint (``fxpipe.schema``): a
 malformed one is refused with one ``BuildDirError`` naming the field, before anything
-of the build is used. Only the current schema version is read; an older build
-directory must be rebuilt.
+of the build is used. The current schema version and the one before it (whose builds have no
+shared source) are read; an older build directory must be rebuilt.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ __all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "Boundary
 
 # 2: microbatches, training and torch_version are fields (were ``extra``); 3: each stage lists the
 # inputs it changes in place (``mutated_inputs``): run without that list, such a stage changed a
-# tensor that its producer or another stage still read
-MANIFEST_SCHEMA_VERSION = 3
+# tensor that its producer or another stage still read; 4: classes several stages use live once in
+# ``shared_source`` (hash ``shared_sha256``), which the stages with ``imports_shared`` import: an older
+# fxpipe would import it unchecked, so it refuses version 4; this one reads version 3 (no shared file)
+MANIFEST_SCHEMA_VERSION = 4
+OLDEST_MANIFEST_SCHEMA_VERSION = 3
 INPUT = -1  # producer of a model input
 
 
@@ -109,6 +112,7 @@ class StageManifest:
     imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
     rank: NonNegInt | None = None  # the pipeline rank that runs this stage (chunk); None: its index
     mutated_inputs: tuple[str, ...] = ()  # inputs it changes in place: each run gets copies of its own
+    imports_shared: bool = False  # its source imports classes from the build's shared source (hash-checked too)
 
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants", "mutated_inputs"):
@@ -196,6 +200,8 @@ class Manifest:
     weights: str = "model"  # "model" | "checkpoint" | "init" (Note [stage weights from a checkpoint])
     skipped_checks: tuple[str, ...] = ()
     init_models: tuple[InitModel, ...] = ()  # with weights "init": transformers models that initialise their tensors
+    shared_source: str = ""  # the classes several stages use (Note [classes several stages share]); "" if none
+    shared_sha256: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -212,6 +218,12 @@ class Manifest:
         for i, s in enumerate(self.stages):
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
+        if self.shared_source and (self.shared_source in (".", "..") or any(c in self.shared_source for c in "/\\\0")):
+            raise BuildDirError(f"shared_source {self.shared_source!r} is not a file name inside the build directory")
+        needing = [s.index for s in self.stages if s.imports_shared]
+        if needing and not (self.shared_source and self.shared_sha256):
+            raise BuildDirError(f"stages {needing} import the build's shared classes, but the manifest names no "
+                                "shared source with its sha256; rebuild the directory")
         ranks = self.stage_ranks
         if ranks and (set(ranks) != set(range(max(ranks) + 1)) or len(ranks) % (max(ranks) + 1)
                       or any(ranks.count(r) != len(ranks) // (max(ranks) + 1) for r in set(ranks))):
@@ -277,7 +289,7 @@ class Manifest:
             data = load_json(path, what, BuildDirError)
         if "schema_version" not in data:
             raise BuildDirError(f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`")
-        check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError,
+        check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError, oldest=OLDEST_MANIFEST_SCHEMA_VERSION,
                              remedy="rebuild it with this fxpipe's `fxpipe partition`")
         manifest = read_dataclass(cls, data, what, BuildDirError)
         if not manifest.stages:

@@ -3,7 +3,10 @@
 A tensor that crosses stages is named after the module call it comes from:
 ``h_3_out`` is what ``transformer.h.3`` returned, ``h_3_mlp_out`` what its MLP returned,
 ``h_3_add`` an ``add`` inside block 3 that is not its result, and a value made at the
-top level keeps its operator's name (``add``). Module paths are shortened to the part a
+top level keeps its operator's name (``add``). Where the source names a value (Note [names
+from the source] in :mod:`fxpipe.codegen.statements`) that name replaces the operator's
+(``h_3_hidden_states``), and a name only one value has stands alone: ``causal_mask``, and
+``logits`` for what ``logits = self.lm_head(...)`` assigns rather than ``lm_head_out``. Module paths are shortened to the part a
 reader needs (``model.transformer.h.3.mlp`` -> ``h_3_mlp``), or kept whole where two
 paths would shorten alike. Names are unique and depend only on the traced graph, so
 every stage and the manifest agree on them and a rebuild gives the same names.
@@ -17,6 +20,7 @@ from typing import Iterable, Mapping
 import torch.fx as fx
 
 from fxpipe.codegen.scopes import Scope, is_indexer, scope_members, scope_stack
+from fxpipe.codegen.statements import source_names
 from fxpipe.graphmeta import PATH_KEY
 
 __all__ = ["short_paths", "boundary_names", "describe_modules", "module_ranges", "unique_name"]
@@ -69,6 +73,7 @@ def boundary_names(gm: fx.GraphModule, crossing: Iterable[str] | None = None) ->
             members[_leaf(node)] = [node, *(u for u in node.users if is_indexer(u))]
     shorts = short_paths([path for _, path in members] + [str(n.meta.get(PATH_KEY, "")) for n in nodes])
     outputs = {scope: _outputs(ms) for scope, ms in members.items()}
+    source = _SourceNames(gm.graph)
     result: dict[str, str] = {}
     used: set[str] = set()
     for node in gm.graph.nodes:
@@ -77,7 +82,7 @@ def boundary_names(gm: fx.GraphModule, crossing: Iterable[str] | None = None) ->
     wanted = None if crossing is None else set(crossing)
     for node in nodes:
         if wanted is None or node.name in wanted:
-            result[node.name] = unique_name(_identifier(_name_of(node, outputs, shorts)), used)
+            result[node.name] = unique_name(_identifier(_name_of(node, outputs, shorts, source)), used)
     return result
 
 
@@ -90,22 +95,45 @@ def _outputs(members: list[fx.Node]) -> list[fx.Node]:
     return [n for n in members if any(u not in inside for u in n.users)]
 
 
-def _name_of(node: fx.Node, outputs: Mapping[Scope, list[fx.Node]], shorts: Mapping[str, str]) -> str:
+class _SourceNames:
+    """What the source calls a traced graph's values (Note [names from the source] in
+    :mod:`fxpipe.codegen.statements`), and which of those names only one value has."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.names = source_names(graph)
+        counts: dict[str, int] = {}
+        for name in self.names.values():
+            counts[name] = counts.get(name, 0) + 1
+        self.distinctive = {name for name, n in counts.items() if n == 1}
+
+    def of(self, node: fx.Node) -> str | None:
+        return self.names.get(node)
+
+
+def _name_of(node: fx.Node, outputs: Mapping[Scope, list[fx.Node]], shorts: Mapping[str, str],
+             source: _SourceNames) -> str:
     owners = list(scope_stack(node))
-    source = node.args[0] if is_indexer(node) else node
-    if isinstance(source, fx.Node) and source.op == "call_module":
-        owners.append(_leaf(source))
+    indexed = node.args[0] if is_indexer(node) else node
+    if isinstance(indexed, fx.Node) and indexed.op == "call_module":
+        owners.append(_leaf(indexed))
     for scope in owners:  # the outermost call whose result this node is
         outs = outputs[scope]
         if node in outs:
             prefix = shorts[scope[1]]
+            named = source.of(node)
+            if named is not None and named in source.distinctive:
+                return named
             if len(outs) == 1:
                 return f"{prefix}_out"
             if is_indexer(node):
                 return f"{prefix}_out_{node.args[1]}"
             return f"{prefix}_{_base(node.name)}"
     path = str(node.meta.get(PATH_KEY, ""))
-    return f"{shorts[path]}_{_base(node.name)}" if path in shorts else _base(node.name)
+    named = source.of(node)
+    if named is not None and named in source.distinctive:
+        return named
+    what = named or _base(node.name)
+    return f"{shorts[path]}_{what}" if path in shorts else what
 
 
 def module_ranges(paths: Iterable[str]) -> list[str]:

@@ -14,7 +14,8 @@ after it is exact whatever the nodes are, so correctness never rests on the call
   belong elsewhere are moved out of the way; other interleaving leaves the call flat;
 - a size a call reads from outside is read inside from its own tensor input when that
   input's dimension is the same symbol (export's shapes say so), so identical layers get
-  identical bodies;
+  identical bodies; a device it reads (``x.device``) is read from its first tensor input, or a
+  tensor it owns, so no body takes a ``device`` argument where it holds a tensor;
 - a ``torch.nn`` layer whose call is exactly its own ``forward`` (e.g. one ``F.linear`` on
   its weight and bias) becomes that layer (:mod:`fxpipe.codegen.layers`); a one-node call that is not
   stays flat (``F.dropout(x, 0.0, True)`` reads better than a class around it);
@@ -25,6 +26,9 @@ after it is exact whatever the nodes are, so correctness never rests on the call
 
 from __future__ import annotations
 
+import builtins
+import inspect
+import keyword
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -39,11 +43,12 @@ from fxpipe.graphmeta import ARITY_KEY, GUARD_KEY, NAME_KEY
 from fxpipe.codegen.layers import torch_layer_input
 from fxpipe.codegen.naming import short_paths
 from fxpipe.codegen.scopes import Scope, scope_stack
+from fxpipe.codegen.statements import SOURCE_NAME_KEY, STATEMENT_KEY, Statement, statement_at
 from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.tracer.modes import guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
 
-__all__ = ["Body", "Outline", "outline_stage", "stack_runs"]
+__all__ = ["Body", "Outline", "outline_stage", "stack_runs", "is_metadata", "is_device", "size_inputs", "share_sizes"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _SIZE_METHODS = ("size", "dim", "numel", "stride")
@@ -58,6 +63,7 @@ class Body:
     path: str
     module_type: type
     graph: fx.Graph
+    depth: int = 0  # how many module calls deep its forward runs (Note [names from the source])
 
 
 @dataclass
@@ -69,7 +75,7 @@ class Outline:
     torch_layers: set[str] = field(default_factory=set)  # calls written as the torch.nn layer itself
 
 
-def _is_metadata(node: fx.Node) -> bool:
+def is_metadata(node: fx.Node) -> bool:
     """A node that reads only shapes/devices (no tensor data, no RNG, no side effects): safe to move."""
     if node.op == "call_method":
         return node.target in _SIZE_METHODS
@@ -105,7 +111,7 @@ class _Outliner:
             origin = node.meta.get(ORIGIN_KEY)
             if origin is not None and origin in owned and scope_stack(node):
                 self.stack[node] = scope_stack(node)
-            elif origin is not None and origin in owned and not _is_metadata(node):
+            elif origin is not None and origin in owned and not is_metadata(node):
                 self.stack[node] = ()
             else:
                 self.stack[node] = _common([self.stack.get(u, ()) for u in node.users])
@@ -150,7 +156,7 @@ class _Outliner:
         interlopers = [n for n in order[first:last + 1] if n not in inside]
         if not interlopers:
             return True
-        if not all(_is_metadata(n) for n in interlopers):
+        if not all(is_metadata(n) for n in interlopers):
             return False
         after: set[fx.Node] = set()
         for n in order[first:last + 1]:
@@ -209,12 +215,19 @@ class _Outliner:
             return
         body = fx.Graph()
         env: dict[fx.Node, Any] = {}
-        sizes = _size_inputs(inputs)
+        sizes = size_inputs(inputs)
         args = [a for a in inputs if a not in sizes]
+        devices = [a for a in args if is_device(a)]
+        device_source = next((a for a in args if a not in devices and _is_tensor(a)), None) \
+            or next((a for a in attrs_inside if a.op == "get_attr" and _is_tensor(a)), None)
+        if device_source is not None:  # read where the body runs: one of its tensors is on that device
+            args = [a for a in args if a not in devices]
+        else:
+            devices = []
         for i, a in enumerate(args):
             ph = body.placeholder(f"arg{i}")
             ph.meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
-            ph.meta[NAME_KEY] = "x" if i == 0 and _is_tensor(a) else _name(a)
+            ph.meta[NAME_KEY] = _first_parameter(module) if i == 0 and _is_tensor(a) else _name(a)
             env[a] = ph
         for a, (source, dim) in sizes.items():
             env[a] = body.call_method("size", (env[source], dim))
@@ -223,17 +236,22 @@ class _Outliner:
         for a in attrs_inside:
             env[a] = body.get_attr(str(a.target))  # a parameter, or the module's own training flag
             env[a].meta.update(a.meta)
+        for a in devices:
+            env[a] = body.call_function(getattr, (env[device_source], "device"))
+            env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
+            env[a].meta[NAME_KEY] = "device"
         for m in members:
             env[m] = body.node_copy(m, lambda x: env[x])
             if m.op == "call_module" and str(m.target).startswith(path + "."):
                 env[m].meta[NAME_KEY] = str(m.target)[len(path) + 1:].replace(".", "_")
         body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-        used = _share_sizes(body)
+        used = share_sizes(body)
         args = [a for a in args if used[env[a]]]
         for ph in [n for n in body.nodes if n.op == "placeholder" and not used[n]]:
             body.erase_node(ph)
         body.lint()
-        self.result.bodies[path] = Body(path, type(module), body)
+        depth = next((scope_stack(m).index(scope) + 1 for m in members if scope in scope_stack(m)), 0)
+        self.result.bodies[path] = Body(path, type(module), body, depth)
         self._replace(members, outputs, path, tuple(args), parent, inputs + attrs_inside)
 
     def _replace(self, members: list[fx.Node], outputs: list[fx.Node], path: str, args: tuple,
@@ -247,6 +265,9 @@ class _Outliner:
             call.meta[GUARD_KEY] = guards.pop()
         parent_path = parent[-1][1] if parent else ""
         call.meta[NAME_KEY] = (path[len(parent_path) + 1:] if parent_path else short_paths([path])[path]).replace(".", "_")
+        statement = _call_statement(members, path)
+        if statement is not None:
+            call.meta[STATEMENT_KEY] = statement
         self.stack[call] = parent
         if len(outputs) == 1:
             call.meta.update({k: v for k, v in outputs[0].meta.items() if k in ("val", SPEC_KEY)})
@@ -258,6 +279,8 @@ class _Outliner:
                 with self.graph.inserting_after(anchor):
                     item = self.graph.call_function(operator.getitem, (call, i))
                 item.meta.update({k: v for k, v in out.meta.items() if k in ("val", SPEC_KEY, GUARD_KEY)})
+                if statement is not None:
+                    item.meta[STATEMENT_KEY] = statement
                 self.stack[item] = parent
                 out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
                 anchor = item
@@ -265,7 +288,7 @@ class _Outliner:
             self.graph.erase_node(m)
             del self.stack[m]
         for a in read:
-            if not a.users and (a.op == "get_attr" or _is_metadata(a)):
+            if not a.users and (a.op == "get_attr" or is_metadata(a)):
                 self.graph.erase_node(a)
                 self.stack.pop(a, None)
 
@@ -304,7 +327,40 @@ def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor) or isinstance(node.meta.get(SPEC_KEY), TensorSpec)
 
 
+def _call_statement(members: list[fx.Node], path: str) -> Statement | None:
+    """The line of the caller's forward that made the call at ``path``, which every node made inside the
+    call records (the calls outlined before have no frames of their own)."""
+    for m in members:
+        stack = scope_stack(m)  # every call, not only the outlined ones: one frame each
+        depth = next((i for i, sc in enumerate(stack) if sc[1] == path), None)
+        statement = statement_at(m, depth) if depth is not None else None
+        if statement is not None:
+            return statement
+    return None
+
+
+def _first_parameter(module: nn.Module) -> str:
+    """The name of ``module.forward``'s first parameter (``hidden_states``), or ``x`` where it has none
+    that reads well (``input`` shadows a builtin)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return "x"
+    first = next((p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+    if first is None or not first.name.isidentifier() or keyword.iskeyword(first.name) \
+            or hasattr(builtins, first.name) or first.name.startswith("_"):
+        return "x"
+    return first.name
+
+
+def is_device(node: fx.Node) -> bool:
+    """``t.device`` (Note [device literals] in :mod:`fxpipe.codegen.split` makes them)."""
+    return node.op == "call_function" and node.target is getattr and node.args[1:] == ("device",)
+
+
 def _name(node: fx.Node) -> str:
+    if node.meta.get(SOURCE_NAME_KEY):
+        return str(node.meta[SOURCE_NAME_KEY])
     return base_name(str(node.meta.get(NAME_KEY) or node.name))
 
 
@@ -327,7 +383,7 @@ def _dims_of(node: fx.Node, symbol: str) -> list[int]:
     return [d for d, size in enumerate(shape) if isinstance(size, torch.SymInt) and str(size) == symbol]
 
 
-def _share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
+def share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
     """Read every size from the first tensor argument that has it; return which placeholders are still used."""
     placeholders = [n for n in body.nodes if n.op == "placeholder"]
     tensors = [p for p in placeholders if _is_tensor(p)]
@@ -343,7 +399,7 @@ def _share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
     return {p: bool(p.users) for p in placeholders}
 
 
-def _size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
+def size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
     """Size inputs the body can read from one of its tensor inputs: ``{size node: (tensor input, dim)}``."""
     tensors = [a for a in inputs if _is_tensor(a)]
     found: dict[fx.Node, tuple[fx.Node, int]] = {}
@@ -353,7 +409,7 @@ def _size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
             found[a] = (a.args[0], a.args[1])  # type: ignore[assignment]
             continue
         symbol = _symbol(a)
-        if symbol is None or not _is_metadata(a):
+        if symbol is None or not is_metadata(a):
             continue
         for t in tensors:
             dims = _dims_of(t, symbol)
@@ -404,7 +460,7 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
             continue
         paths = [str(n.target) for n in run]
         whole = sorted(held(container)) == sorted(paths)
-        if (not whole and len(run) < 3) or (whole and not container):  # the root calling itself: no
+        if not container or (not whole and len(run) < 3):  # the root is no container to loop over or call
             continue
         with graph.inserting_before(run[0]):
             if whole:
@@ -414,6 +470,8 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
                 call = graph.call_function(run_blocks, (container, first, last + 1, *run[0].args))
         call.meta.update({k: v for k, v in run[-1].meta.items() if k in ("val", SPEC_KEY)})
         call.meta[NAME_KEY] = container.rpartition(".")[2] or "layers"
+        if STATEMENT_KEY in run[-1].meta:
+            call.meta[STATEMENT_KEY] = run[-1].meta[STATEMENT_KEY]
         run[-1].replace_all_uses_with(call)
         for n in reversed(run):
             graph.erase_node(n)

@@ -55,6 +55,7 @@ class ImportTable:
         self.aliases: dict[str, str] = {}  # module-level `name = expression` lines
         self.functional = False  # whether `import torch.nn.functional as F` is needed
         self.reserved: set[str] = set()  # names defined in the generated file itself (its classes)
+        self.model_ops: set[str] = set()  # operators the model file registers: a file calling one imports it
 
     def ref(self, obj: Any) -> str:
         """An expression that names ``obj`` (a class or function), adding the import it needs."""
@@ -92,6 +93,7 @@ class ImportTable:
         module = import_for(op)
         if module is not None and module.startswith(MODEL_MODULE_PREFIX):
             self._use_model_file(module, text)
+            self.model_ops.add(qualname.split("::")[-1])
         elif module is not None:
             self.modules.add(module)
         return text
@@ -104,25 +106,33 @@ class ImportTable:
             raise CodegenError(f"a stage uses objects from two model files: {self.model_file} and {path}")
         self.model_file = path
 
-    def lines(self, build_dir: Path | None = None) -> list[str]:
+    def lines(self, build_dir: Path | None = None, used: set[str] | None = None) -> list[str]:
         """Import lines; the model file is found relative to the stage file when ``build_dir`` is given,
-        so a build directory and its model file can move together (another checkout, another node)."""
-        where = None if self.model_file is None else repr(self.model_file)
-        if self.model_file is not None and build_dir is not None:
-            ref = model_file_reference(self.model_file, build_dir)
+        so a build directory and its model file can move together (another checkout, another node).
+        ``used``: the names a file uses (a build's files share one table): only their imports, and
+        every plain ``import`` of a module (one may be there to register operators)."""
+        needs_model = used is None or MODEL_ALIAS in used or bool(self.model_ops & used)
+        model_file = self.model_file if needs_model else None
+        where = None if model_file is None else repr(model_file)
+        if model_file is not None and build_dir is not None:
+            ref = model_file_reference(model_file, build_dir)
             if not Path(ref).is_absolute():
                 where = f"os.path.join(os.path.dirname(__file__), {ref!r})"
         modules = set(self.modules) | ({"os"} if where and where.startswith("os.") else set())
+        if used is not None and "operator" not in used:
+            modules.discard("operator")
         out = [f"import {m}" for m in sorted(modules)]
-        if self.functional:
+        if self.functional and (used is None or "F" in used):
             out.append("import torch.nn.functional as F")
         for local, (module, name) in sorted(self.names.items()):
-            out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
-        if self.model_file is not None:
+            if used is None or local in used:
+                out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
+        if model_file is not None:
             out += ["", "from fxpipe.modelfile import import_model_module", "",
                     f"{MODEL_ALIAS} = import_model_module({where})  # classes and functions of the model file"]
-        if self.aliases:
-            out += [""] + [f"{name} = {expr}" for name, expr in sorted(self.aliases.items())]
+        aliases = sorted((n, e) for n, e in self.aliases.items() if used is None or n in used)
+        if aliases:
+            out += [""] + [f"{name} = {expr}" for name, expr in aliases]
         return out
 
 

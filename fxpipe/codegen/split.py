@@ -42,6 +42,7 @@ from fxpipe.graphmeta import SPEC_KEY, PATH_KEY
 from fxpipe.graphmeta import MUTATIONS_KEY, NAME_KEY
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor
 from fxpipe.codegen.naming import boundary_names
+from fxpipe.codegen.statements import record_frames
 from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.errors import CodegenError
 from fxpipe.tracer.modes import TRAINING_ATTR, guard_of, is_training_flag
@@ -303,6 +304,7 @@ class _Splitter:
             g.output(tuple(values))
             self._sort_placeholders(s)
             _rewrite_devices(g)
+            record_frames(g)  # what names its values (Note [names from the source]); the trace text goes
             for node in g.nodes:
                 node.meta.pop("stack_trace", None)
             g.lint()

@@ -115,7 +115,8 @@ def _plan_on_rank0(module: nn.Module, inputs: ModelInputs, config: Config, optio
         out_dir = Path(scratch) / "build"
         manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size,
                                    microbatches=config.microbatches, check=options.check)
-        common = {name: (out_dir / name).read_bytes() for name in _SHARED_FILES}
+        shared = (manifest.shared_source,) if manifest.shared_source else ()  # the classes several stages use
+        common = {name: (out_dir / name).read_bytes() for name in (*_SHARED_FILES, *shared)}
         by_rank: dict[int, dict[str, bytes]] = {}  # a pipeline rank's files: those of every stage it runs
         for s, r in zip(manifest.stages, manifest.stage_ranks):
             files = by_rank.setdefault(r, dict(common))

@@ -40,6 +40,12 @@ def build_model_file(out: Path, path: Path, stages: int, *, model_fn: str | None
     return manifest, source
 
 
+def build_sources(out: Path, manifest: Manifest) -> str:
+    """Every generated source of a build: the stage files and the classes they share (``shared.py``)."""
+    files = [sm.source for sm in manifest.stages] + ([manifest.shared_source] if manifest.shared_source else [])
+    return "\n".join((out / name).read_text() for name in files)
+
+
 def reference_with_build_weights(source: ModelSource, manifest: Manifest, build_dir: Path) -> nn.Module:
     """The original model, holding exactly the weights written to the build directory."""
     from safetensors.torch import load_file

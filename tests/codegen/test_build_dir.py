@@ -61,14 +61,14 @@ def test_a_failed_partition_leaves_the_previous_build_byte_identical(traced: Any
     out = tmp_path / "build"
     _write(traced, out, 2)
     before = _snapshot(out)
-    emit = codegen_build.emit_stage
+    save = codegen_build.save_weights
 
-    def failing_emit(stage: Any, *args: Any, **kwargs: Any) -> Any:
-        if stage.index == 2:  # stages 0 and 1 are already written by then
+    def failing_save(state: Any, path: Path) -> None:
+        if path.name == "stage_2.safetensors":  # stages 0 and 1 (and stage 2's source) are written by then
             raise RuntimeError("injected failure in emit")
-        return emit(stage, *args, **kwargs)
+        save(state, path)
 
-    monkeypatch.setattr(codegen_build, "emit_stage", failing_emit)
+    monkeypatch.setattr(codegen_build, "save_weights", failing_save)
     with pytest.raises(RuntimeError, match="injected"):
         _write(traced, out, 4)
     assert _snapshot(out) == before
@@ -122,3 +122,35 @@ def test_read_only_parent_is_refused(tmp_path: Path) -> None:
             check_build_target(parent / "build")
     finally:
         parent.chmod(0o755)
+
+
+def test_a_class_two_stages_use_is_written_once_in_shared_py(tmp_path: Path) -> None:
+    """Note [classes several stages share]: shared.py is a file of the build, hashed in the manifest, imported by
+    the stages that use it; each stage still loads alone."""
+    import hashlib
+
+    from fxpipe.codegen import load_stage
+
+    source = load_model_file(MLP.parent / "gpt.py")
+    traced = trace_model_file(source, 2, frontend="export", progress=False)
+    plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
+    out = tmp_path / "build"
+    manifest = write_build_dir(traced, plan, out, source, batch_size=4, microbatches=2)
+    assert "shared.py" in os.listdir(out) and manifest.shared_source == "shared.py"
+    assert manifest.shared_sha256 == hashlib.sha256((out / "shared.py").read_bytes()).hexdigest()
+    assert all(sm.imports_shared for sm in manifest.stages)
+    shared = (out / "shared.py").read_text()
+    assert shared.count("class Block(") == 1
+    assert not any("class Block(" in (out / sm.source).read_text() for sm in manifest.stages)
+    stage = load_stage(out, 1)
+    block = next(m for m in stage.modules() if type(m).__name__ == "Block")
+    assert type(block).__module__.startswith("fxpipe_shared_")
+    # a build held in memory (the seed API's ranks) checks and imports it from its bytes too
+    from fxpipe.codegen import CheckedBuild
+    from fxpipe.codegen.load import load_checked_stage
+
+    files = {name: (out / name).read_bytes() for name in ("manifest.json", "plan.json", "shared.py", "stage_1.py",
+                                                         "stage_1.safetensors")}
+    assert load_checked_stage(CheckedBuild.from_memory(files, [1], tmp_path / "elsewhere"), 1) is not None
+    with pytest.raises(BuildDirError, match="shared classes shared.py is missing from the build"):
+        CheckedBuild.from_memory({k: v for k, v in files.items() if k != "shared.py"}, [1], tmp_path / "elsewhere")

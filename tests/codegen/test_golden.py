@@ -1,4 +1,5 @@
-"""Golden files: the emitted source of small models is pinned, so emitter changes show up as diffs.
+"""Golden files: the emitted source of small models (stage files, and ``shared.py`` with the classes several
+stages use) is pinned, so emitter changes show up as diffs.
 
 Each case splits a traced example at fixed fractions of its units (no solver), so only the
 tracer and the emitter shape the files. Regenerate after an intended change with
@@ -43,11 +44,16 @@ def test_stage_sources_match_golden(tmp_path: Path, case: str) -> None:
                           user_leaf_args=traced.user_leaf_args)
     folder = GOLDEN / case
     update = os.environ.get("FXPIPE_UPDATE_GOLDEN") == "1"
-    for sm in manifest.stages:
-        text = _MODEL_FILE_LINE.sub("import_model_module(<model file>)", (tmp_path / sm.source).read_text())
-        golden = folder / sm.source
+    files = [sm.source for sm in manifest.stages] + ([manifest.shared_source] if manifest.shared_source else [])
+    if update:
+        for stale in folder.glob("*.py"):
+            stale.unlink()
+    for name in files:
+        text = _MODEL_FILE_LINE.sub("import_model_module(<model file>)", (tmp_path / name).read_text())
+        golden = folder / name
         if update:
             folder.mkdir(parents=True, exist_ok=True)
             golden.write_text(text)
         assert golden.is_file(), f"{golden} is missing; run with FXPIPE_UPDATE_GOLDEN=1 to create it"
-        assert text == golden.read_text(), f"{sm.source} differs from {golden}; if intended, rerun with FXPIPE_UPDATE_GOLDEN=1"
+        assert text == golden.read_text(), f"{name} differs from {golden}; if intended, rerun with FXPIPE_UPDATE_GOLDEN=1"
+    assert sorted(p.name for p in folder.glob("*.py")) == sorted(files), "a golden file the build no longer writes"

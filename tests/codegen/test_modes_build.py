@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
-from codegen_support import reference_with_build_weights
+from codegen_support import build_sources, reference_with_build_weights
 from torch.utils._pytree import tree_leaves
 
 import fxpipe.codegen.emit as emit
@@ -67,12 +67,12 @@ def test_bn_dropout_stochastic_depth_cnn_is_exact_in_both_modes(tmp_path: Path, 
 
 def test_export_stage_source_reads_training(tmp_path: Path) -> None:
     source = load_model_file(MODELS)
-    _build(tmp_path / "b", source, 2, frontend="export")
-    text = "\n".join((tmp_path / "b" / f"stage_{i}.py").read_text() for i in range(2))
+    manifest = _build(tmp_path / "b", source, 2, frontend="export")
+    text = build_sources(tmp_path / "b", manifest)
     assert "if self.training:\n" in text
     assert "self.num_batches_tracked.add_(1)" in text
     assert "if self.training else" in text  # the stochastic-depth value: the noisy one or the input
-    assert "F.dropout(flatten, 0.3, self.training)" in text
+    assert "F.dropout(x, 0.3, self.training)" in text  # `x = F.adaptive_avg_pool2d(x, 1).flatten(1)`
     assert "True" not in text.replace("requires_grad=True", "")
 
 

@@ -56,7 +56,7 @@ def test_the_check_refuses_stages_that_read_a_tensor_before_another_stage_change
 def test_augmented_assignment_is_emitted_as_operator_calls(tmp_path: Path) -> None:
     assert _partition("build_residual_stream", tmp_path) == 0
     source = (tmp_path / "stage_1.py").read_text()
-    assert "import operator\n" in source and "iadd_1 = operator.iadd(iadd, blocks_1)" in source
+    assert "import operator\n" in source and "iadd = operator.iadd(iadd, blocks_1)" in source  # `x += f(x)`
 
 
 def test_the_manifest_refuses_a_changed_input_the_stage_does_not_have(tmp_path: Path) -> None:

@@ -60,8 +60,8 @@ def test_gpt_stage_imports_user_leaf_from_model_file(example_build) -> None:
     import sys
 
     manifest, source, out = example_build("gpt", 2, solver="uniform")
-    text = (out / "stage_0.py").read_text()
-    assert "_model.CausalSelfAttention(32, 4, 16)" in text
+    text = (out / "stage_0.py").read_text() + (out / manifest.shared_source).read_text()  # Block is in both stages
+    assert "_model.CausalSelfAttention(32, 4, 16)" in text and manifest.stages[0].imports_model_file
     stage = load_pipeline(out).stages[0]
     attn = stage.get_submodule("blocks.0.attn")
     assert type(attn) is source.module.CausalSelfAttention

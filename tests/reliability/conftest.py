@@ -91,6 +91,23 @@ def leaf_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shared_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project whose stages both hold a ``Block(16, 16)``: the class is written once, in shared.py
+    (Note [classes several stages share]), and imports ``Scale`` from the model file."""
+    folder = tmp_path_factory.mktemp("shared") / "project"
+    make_build(folder, LEAF_MODEL.replace("nn.Sequential(Block(8, 16), Block(16, 16), Block(16, 16), Block(16, 4))",
+                                          "nn.Sequential(Block(8, 16), *(Block(16, 16) for _ in range(4)), "
+                                          "Block(16, 4))"))
+    return folder
+
+
+@pytest.fixture
+def shared_copy(shared_project: Path, tmp_path: Path) -> Path:
+    shutil.copytree(shared_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path / "project" / "build"
+
+
+@pytest.fixture(scope="session")
 def mlp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A project whose stages import nothing from the model file (examples/mlp.py)."""
     folder = tmp_path_factory.mktemp("mlp") / "project"

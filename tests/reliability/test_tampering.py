@@ -95,6 +95,13 @@ TAMPERINGS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
         {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\x00" * 4)), "lies outside the file"),
     "weights unknown dtype": (lambda b, m: _rewrite_weights(b, _header(
         {"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\x00" * 4)), "cannot read stage weights"),
+    "shared classes run code": (lambda b, m: open(b / "shared.py", "a").write(MARKER_CODE.format(marker=str(m))),
+                                "shared classes shared.py has sha256"),
+    "shared classes are a FIFO": (lambda b, m: _fifo(b / "shared.py"), "is a FIFO, not a regular file"),
+    "shared classes missing": (lambda b, m: (b / "shared.py").unlink(), "shared classes"),
+    "shared classes path leaves the build": (lambda b, m: (b / "manifest.json").write_text(
+        (b / "manifest.json").read_text().replace('"shared_source": "shared.py"', '"shared_source": "../model.py"')),
+        "is not a file name inside the build directory"),
     "stage source path leaves the build": (lambda b, m: (b / "manifest.json").write_text(
         (b / "manifest.json").read_text().replace('"source": "stage_0.py"', '"source": "../model.py"')),
         "is not a file name inside the build directory"),
@@ -105,6 +112,10 @@ WHO_READS = {  # which consumers read the tampered file (stage 0 and stage 1 bot
     "stage source runs code": ("verify", "run", "load_stage", "load_pipeline"),
     "stage source is a FIFO": ("verify", "run", "load_stage", "load_pipeline"),
     "stage source path leaves the build": ("verify", "run", "load_stage", "load_pipeline", "train"),
+    "shared classes run code": ("verify", "run", "load_stage", "load_pipeline"),
+    "shared classes are a FIFO": ("verify", "run", "load_stage", "load_pipeline"),
+    "shared classes missing": ("verify", "run", "load_stage", "load_pipeline"),
+    "shared classes path leaves the build": ("verify", "run", "load_stage", "load_pipeline", "train"),
 }
 WEIGHT_READERS = ("verify", "load_stage", "load_pipeline")  # `run` checks weights on the rank that loads them
 ALL = ("verify", "run", "load_stage", "load_pipeline", "train")
@@ -142,20 +153,47 @@ CASES = [(name, who) for name in TAMPERINGS for who in _readers(name)]
 
 
 @pytest.mark.parametrize(("name", "who"), CASES, ids=[f"{n} / {w}" for n, w in CASES])
-def test_tampered_build_is_refused_before_it_runs(name: str, who: str, leaf_copy: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_tampered_build_is_refused_before_it_runs(name: str, who: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  request: pytest.FixtureRequest) -> None:
+    build = request.getfixturevalue("shared_copy" if name.startswith("shared") else "leaf_copy")
     tamper, fragment = TAMPERINGS[name]
     marker = tmp_path / "marker"
-    tamper(leaf_copy, marker)
-    message = _consume(who, leaf_copy, capsys)
+    tamper(build, marker)
+    message = _consume(who, build, capsys)
     assert fragment in message, message
     assert not marker.exists(), f"{name}: the tampered code ran before {who} refused it"
-    assert not (leaf_copy / "run.json").exists()
+    assert not (build / "run.json").exists()
 
 
 def test_the_leaf_build_imports_the_model_file_on_every_stage(leaf_project: Path) -> None:
     """The premise of the probes above: every stage's source runs classes of the model file."""
     assert all(s["imports_model_file"] for s in _manifest(leaf_project / "build")["stages"])
+
+
+def test_the_shared_build_shares_a_class_between_its_stages(shared_project: Path) -> None:
+    """The premise of the shared-classes probes: both stages import ``Block`` from shared.py."""
+    manifest = _manifest(shared_project / "build")
+    assert manifest["shared_source"] == "shared.py" and all(s["imports_shared"] for s in manifest["stages"])
+    assert all(s["imports_model_file"] for s in manifest["stages"])  # Block holds the model file's Scale
+    assert "class Block_2(torch.nn.Module):" in (shared_project / "build" / "shared.py").read_text()  # Block(16, 16)
+
+
+def test_a_stage_file_imported_by_hand_checks_the_shared_classes(shared_copy: Path, tmp_path: Path) -> None:
+    """Outside load_stage (a person's importlib), the stage's own import checks shared.py against the manifest."""
+    import importlib.util
+
+    def import_stage() -> None:
+        spec = importlib.util.spec_from_file_location(f"hand_{tmp_path.name}", shared_copy / "stage_1.py")
+        assert spec is not None and spec.loader is not None
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+    import_stage()  # untouched: it imports
+    marker = tmp_path / "marker"
+    TAMPERINGS["shared classes run code"][0](shared_copy, marker)
+    with pytest.raises(BuildDirError, match="shared classes shared.py has sha256"):
+        import_stage()
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("who", ["run", "train"])

@@ -25,6 +25,6 @@ class Stage0(torch.nn.Module):
         self.enc_y = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU())
 
     def forward(self, x, y):
-        enc_x_out = self.enc_x(x);  x = None
-        enc_y_out = self.enc_y(y);  y = None
+        enc_x_out = self.enc_x(x)
+        enc_y_out = self.enc_y(y)
         return (enc_x_out, enc_y_out)

@@ -25,5 +25,5 @@ class Stage1(torch.nn.Module):
 
     def forward(self, enc_x_out):
         left_out = self.left(enc_x_out)
-        right_0_out = self.right["0"](enc_x_out);  enc_x_out = None
+        right_0_out = self.right["0"](enc_x_out)
         return (left_out, right_0_out)

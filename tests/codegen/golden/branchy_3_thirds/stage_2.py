@@ -27,11 +27,11 @@ class Stage2(torch.nn.Module):
         self.head = torch.nn.Linear(32, 4)
 
     def forward(self, enc_x_out, enc_y_out, left_out, right_0_out):
-        right_1 = self.right["1"](right_0_out);  right_0_out = None
+        right_1 = self.right["1"](right_0_out)
         right_2 = self.right["2"](right_1);  right_1 = None
-        cat = torch.cat([left_out, right_2], dim=-1);  left_out = right_2 = None
+        cat = torch.cat([left_out, right_2], dim=-1);  right_2 = None
         merge = self.merge(cat);  cat = None
-        mul = merge * enc_y_out;  merge = enc_y_out = None
-        add = mul + enc_x_out;  mul = enc_x_out = None
-        head_out = self.head(add);  add = None
+        mul = merge * enc_y_out;  merge = None
+        add = mul + enc_x_out
+        head_out = self.head(add)
         return (head_out,)

@@ -5,75 +5,12 @@ Rebuild with `fxpipe partition` instead."""
 
 import torch
 
+from fxpipe.codegen.shared import import_shared
 
-class CausalSelfAttention(torch.nn.Module):
-    """CausalSelfAttention (gpt.py) as traced, at blocks.2-3.attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 96)
-        self.proj = torch.nn.Linear(32, 32)
-        self.register_buffer("mask", torch.empty(1, 1, 16, 16))
-
-    def forward(self, x):
-        size = x.size(0)
-        qkv = self.qkv(x);  x = None
-        split_0, split_1, split_2 = qkv.split(32, 2);  qkv = None
-        view = split_0.view([size, 16, 4, 8]);  split_0 = None
-        transpose = view.transpose(1, 2);  view = None
-        view_1 = split_1.view([size, 16, 4, 8]);  split_1 = None
-        transpose_1 = view_1.transpose(1, 2);  view_1 = None
-        view_2 = split_2.view([size, 16, 4, 8]);  split_2 = None
-        transpose_2 = view_2.transpose(1, 2);  view_2 = None
-        transpose_3 = transpose_1.transpose(-2, -1);  transpose_1 = None
-        matmul = transpose @ transpose_3;  transpose = transpose_3 = None
-        mul = matmul * 0.35355339059327373;  matmul = None
-        getitem = self.mask[...]
-        eq = getitem == 0;  getitem = None
-        masked_fill = mul.masked_fill(eq, float("-inf"));  mul = eq = None
-        softmax = torch.softmax(masked_fill, -1);  masked_fill = None
-        matmul_1 = softmax @ transpose_2;  softmax = transpose_2 = None
-        transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None
-        contiguous = transpose_4.contiguous();  transpose_4 = None
-        view_3 = contiguous.view([size, 16, 32]);  size = contiguous = None
-        proj = self.proj(view_3);  view_3 = None
-        return proj
-
-
-class MLP(torch.nn.Module):
-    """MLP (gpt.py) as traced, at blocks.2-3.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(32, 128)
-        self.act = torch.nn.GELU()
-        self.proj = torch.nn.Linear(128, 32)
-
-    def forward(self, x):
-        fc = self.fc(x);  x = None
-        act = self.act(fc);  fc = None
-        proj = self.proj(act);  act = None
-        return proj
-
-
-class Block(torch.nn.Module):
-    """Block (gpt.py) as traced, at blocks.3."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm((32,))
-        self.attn = CausalSelfAttention()
-        self.ln_2 = torch.nn.LayerNorm((32,))
-        self.mlp = MLP()
-
-    def forward(self, x):
-        ln_1 = self.ln_1(x)
-        attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  x = attn = None
-        ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+CausalSelfAttention = _shared.CausalSelfAttention
+MLP = _shared.MLP
+Block = _shared.Block
 
 
 class Stage1(torch.nn.Module):
@@ -102,12 +39,12 @@ class Stage1(torch.nn.Module):
         self.lm_head = torch.nn.Linear(32, 64, bias=False)
 
     def forward(self, idx, blocks_1_out, blocks_2_ln_1_out):
-        blocks_2_attn = self.blocks["2"].attn(blocks_2_ln_1_out);  blocks_2_ln_1_out = None
-        add = blocks_1_out + blocks_2_attn;  blocks_1_out = blocks_2_attn = None
-        blocks_2_ln_2 = self.blocks["2"].ln_2(add)
+        blocks_2_attn = self.blocks["2"].attn(blocks_2_ln_1_out)
+        x = blocks_1_out + blocks_2_attn;  blocks_2_attn = None
+        blocks_2_ln_2 = self.blocks["2"].ln_2(x)
         blocks_2_mlp = self.blocks["2"].mlp(blocks_2_ln_2);  blocks_2_ln_2 = None
-        add_1 = add + blocks_2_mlp;  add = blocks_2_mlp = None
-        blocks_3 = self.blocks["3"](add_1);  add_1 = None
-        ln_f = self.ln_f(blocks_3);  blocks_3 = None
-        lm_head_out = self.lm_head(ln_f);  ln_f = None
+        add = x + blocks_2_mlp;  x = blocks_2_mlp = None
+        x_1 = self.blocks["3"](add)
+        ln_f = self.ln_f(x_1)
+        lm_head_out = self.lm_head(ln_f)
         return (lm_head_out,)

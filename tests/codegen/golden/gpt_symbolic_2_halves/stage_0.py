@@ -5,45 +5,10 @@ Rebuild with `fxpipe partition` instead."""
 
 import torch
 
-from fxpipe.modelfile import import_model_module
+from fxpipe.codegen.shared import import_shared
 
-_model = import_model_module(<model file>)  # classes and functions of the model file
-
-
-class MLP(torch.nn.Module):
-    """MLP (gpt.py) as traced, at blocks.0-1.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(32, 128)
-        self.act = torch.nn.GELU()
-        self.proj = torch.nn.Linear(128, 32)
-
-    def forward(self, x):
-        fc = self.fc(x);  x = None
-        act = self.act(fc);  fc = None
-        proj = self.proj(act);  act = None
-        return proj
-
-
-class Block(torch.nn.Module):
-    """Block (gpt.py) as traced, at blocks.0-1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm((32,))
-        self.attn = _model.CausalSelfAttention(32, 4, 16)
-        self.ln_2 = torch.nn.LayerNorm((32,))
-        self.mlp = MLP()
-
-    def forward(self, x):
-        ln_1 = self.ln_1(x)
-        attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  x = attn = None
-        ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+Block = _shared.Block
 
 
 class Stage0(torch.nn.Module):
@@ -68,10 +33,10 @@ class Stage0(torch.nn.Module):
 
     def forward(self, idx):
         size = idx.size(1)
-        wte = self.wte(idx);  idx = None
-        getitem = self.wpe[:, :size];  size = None
-        add = wte + getitem;  wte = getitem = None
+        wte = self.wte(idx)
+        getitem = self.wpe[:, :size]
+        add = wte + getitem;  wte = None
         blocks_0 = self.blocks["0"](add);  add = None
-        blocks_1_out = self.blocks["1"](blocks_0);  blocks_0 = None
+        blocks_1_out = self.blocks["1"](blocks_0)
         blocks_2_ln_1_out = self.blocks["2"].ln_1(blocks_1_out)
         return (blocks_1_out, blocks_2_ln_1_out)

@@ -9,41 +9,11 @@ from fxpipe.modelfile import import_model_module
 
 _model = import_model_module(<model file>)  # classes and functions of the model file
 
+from fxpipe.codegen.shared import import_shared
 
-class MLP(torch.nn.Module):
-    """MLP (gpt.py) as traced, at blocks.2-3.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(32, 128)
-        self.act = torch.nn.GELU()
-        self.proj = torch.nn.Linear(128, 32)
-
-    def forward(self, x):
-        fc = self.fc(x);  x = None
-        act = self.act(fc);  fc = None
-        proj = self.proj(act);  act = None
-        return proj
-
-
-class Block(torch.nn.Module):
-    """Block (gpt.py) as traced, at blocks.3."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm((32,))
-        self.attn = _model.CausalSelfAttention(32, 4, 16)
-        self.ln_2 = torch.nn.LayerNorm((32,))
-        self.mlp = MLP()
-
-    def forward(self, x):
-        ln_1 = self.ln_1(x)
-        attn = self.attn(ln_1);  ln_1 = None
-        add = x + attn;  x = attn = None
-        ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+MLP = _shared.MLP
+Block = _shared.Block
 
 
 class Stage1(torch.nn.Module):
@@ -71,12 +41,12 @@ class Stage1(torch.nn.Module):
         self.lm_head = torch.nn.Linear(32, 64, bias=False)
 
     def forward(self, blocks_1_out, blocks_2_ln_1_out):
-        blocks_2_attn = self.blocks["2"].attn(blocks_2_ln_1_out);  blocks_2_ln_1_out = None
-        add = blocks_1_out + blocks_2_attn;  blocks_1_out = blocks_2_attn = None
+        blocks_2_attn = self.blocks["2"].attn(blocks_2_ln_1_out)
+        add = blocks_1_out + blocks_2_attn;  blocks_2_attn = None
         blocks_2_ln_2 = self.blocks["2"].ln_2(add)
         blocks_2_mlp = self.blocks["2"].mlp(blocks_2_ln_2);  blocks_2_ln_2 = None
-        add_1 = add + blocks_2_mlp;  add = blocks_2_mlp = None
-        blocks_3 = self.blocks["3"](add_1);  add_1 = None
-        ln_f = self.ln_f(blocks_3);  blocks_3 = None
-        lm_head_out = self.lm_head(ln_f);  ln_f = None
+        add = add + blocks_2_mlp;  blocks_2_mlp = None
+        blocks_3 = self.blocks["3"](add)
+        ln_f = self.ln_f(blocks_3)
+        lm_head_out = self.lm_head(ln_f)
         return (lm_head_out,)

@@ -6,128 +6,50 @@ Rebuild with `fxpipe partition` instead."""
 import torch
 import torch.nn.functional as F
 
+from fxpipe.codegen.shared import import_shared
 
-class Conv1D(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0.attn.c_attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 96))
-        self.bias = torch.nn.Parameter(torch.empty(96))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 96]);  addmm = size = None
-        return view_1
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+GPT2Attention = _shared.GPT2Attention
+GPT2MLP = _shared.GPT2MLP
 
 
-class Conv1D_2(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0.attn.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 32]);  addmm = size = None
-        return view_1
-
-
-class Conv1D_3(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0.mlp.c_fc."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 128))
-        self.bias = torch.nn.Parameter(torch.empty(128))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 128]);  addmm = size = None
-        return view_1
-
-
-class NewGELUActivation(torch.nn.Module):
-    """NewGELUActivation (transformers.activations) as traced, at model.transformer.h.0.mlp.act."""
-
-    def forward(self, x):
-        mul = x * 0.5
-        pow_1 = x ** 3.0
-        mul_1 = pow_1 * 0.044715;  pow_1 = None
-        add = x + mul_1;  x = mul_1 = None
-        mul_2 = add * 0.7978845608028654;  add = None
-        tanh = torch.tanh(mul_2);  mul_2 = None
-        add_1 = tanh + 1.0;  tanh = None
-        mul_3 = mul * add_1;  mul = add_1 = None
-        return mul_3
-
-
-class Conv1D_4(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0.mlp.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(128, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 128]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 32]);  addmm = size = None
-        return view_1
-
-
-class GPT2Attention(torch.nn.Module):
-    """GPT2Attention (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.0.attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_attn = Conv1D()
-        self.c_proj = Conv1D_2()
-
-    def forward(self, x, expand):
-        size = x.size(0)
-        c_attn = self.c_attn(x);  x = None
-        split_0, split_1, split_2 = c_attn.split(32, 2);  c_attn = None
-        view = split_1.view([size, 16, -1, 8]);  split_1 = None
-        transpose = view.transpose(1, 2);  view = None
-        view_1 = split_2.view([size, 16, -1, 8]);  split_2 = None
-        transpose_1 = view_1.transpose(1, 2);  view_1 = None
-        view_2 = split_0.view([size, 16, -1, 8]);  split_0 = None
-        transpose_2 = view_2.transpose(1, 2);  view_2 = None
-        scaled_dot_product_attention = F.scaled_dot_product_attention(transpose_2, transpose, transpose_1, expand, scale=0.3535533905932738);  transpose_2 = transpose = transpose_1 = expand = None
-        reshape = scaled_dot_product_attention.reshape([size, -1, 16, 8]);  scaled_dot_product_attention = None
-        transpose_3 = reshape.transpose(1, 2);  reshape = None
-        reshape_1 = transpose_3.reshape([size, 16, -1]);  size = transpose_3 = None
-        c_proj = self.c_proj(reshape_1);  reshape_1 = None
-        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
-        return dropout
-
-
-class GPT2MLP(torch.nn.Module):
-    """GPT2MLP (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.0.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_fc = Conv1D_3()
-        self.c_proj = Conv1D_4()
-        self.act = NewGELUActivation()
-
-    def forward(self, x):
-        c_fc = self.c_fc(x);  x = None
-        act = self.act(c_fc);  c_fc = None
-        c_proj = self.c_proj(act);  act = None
-        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
-        return dropout
+def create_causal_mask(position_ids, size):
+    device = position_ids.device
+    expand = position_ids.expand([size, -1])
+    getitem = expand[:]
+    getitem = getitem[:, :1]
+    sub = getitem - 1
+    diff = torch.diff(expand, 1, -1, sub);  sub = None
+    ne = diff != 1;  diff = None
+    cumsum = torch.cumsum(ne, -1);  ne = None
+    expand = position_ids.expand([size, -1])
+    arange = torch.arange(size, device=device)
+    arange_1 = torch.arange(16, device=device)
+    add = arange_1 + 0;  arange_1 = None
+    arange_2 = torch.arange(16, device=device)
+    add_1 = arange_2 + 0;  arange_2 = None
+    getitem = arange[:];  arange = None
+    unsqueeze = getitem.unsqueeze(1)
+    unsqueeze = unsqueeze.unsqueeze(2)
+    unsqueeze = unsqueeze.unsqueeze(3)
+    unsqueeze_1 = add.unsqueeze(0);  add = None
+    unsqueeze_2 = unsqueeze_1.unsqueeze(1);  unsqueeze_1 = None
+    unsqueeze_3 = unsqueeze_2.unsqueeze(3);  unsqueeze_2 = None
+    unsqueeze_4 = add_1.unsqueeze(0);  add_1 = None
+    unsqueeze_5 = unsqueeze_4.unsqueeze(1);  unsqueeze_4 = None
+    unsqueeze_6 = unsqueeze_5.unsqueeze(2);  unsqueeze_5 = None
+    new_ones = unsqueeze_3.new_ones([], dtype=torch.bool)
+    getitem = cumsum[unsqueeze, unsqueeze_3]
+    getitem_1 = cumsum[unsqueeze, unsqueeze_6];  cumsum = None
+    eq = getitem == getitem_1;  getitem = getitem_1 = None
+    to = eq.to(device=device, dtype=torch.bool);  eq = None
+    and_ = new_ones & to;  new_ones = to = None
+    getitem = expand[unsqueeze, unsqueeze_3];  unsqueeze_3 = None
+    getitem_2 = expand[unsqueeze, unsqueeze_6];  unsqueeze = unsqueeze_6 = None
+    le = getitem_2 <= getitem;  getitem_2 = getitem = None
+    to = le.to(device=device, dtype=torch.bool)
+    and_ = and_ & to
+    return and_.expand([size, -1, 16, 16])
 
 
 class Stage0(torch.nn.Module):
@@ -141,8 +63,8 @@ class Stage0(torch.nn.Module):
     Inputs, in order (shapes at the traced microbatch 2; the batch dim may take any size):
         input_ids: int64[2, 16], batch dim 0, model input 0
     Outputs, in order:
-        transformer_expand: bool[2, 1, 16, 16], batch dim 0, to stage 1
-        h_0_add: float32[2, 16, 32], batch dim 0, to stage 1
+        causal_mask: bool[2, 1, 16, 16], batch dim 0, to stage 1
+        h_0_hidden_states: float32[2, 16, 32], batch dim 0, to stage 1
         h_0_mlp_out: float32[2, 16, 32], batch dim 0, to stage 1
     """
 
@@ -162,60 +84,19 @@ class Stage0(torch.nn.Module):
     def forward(self, input_ids):
         device = input_ids.device
         size = input_ids.size(0)
-        view = input_ids.view([-1, 16]);  input_ids = None
-        wte = self.model.transformer.wte(view);  view = None
+        input_ids = input_ids.view([-1, 16])
+        inputs_embeds = self.model.transformer.wte(input_ids)
         arange = torch.arange(16, device=device)
-        add = arange + 0;  arange = None
-        unsqueeze = add.unsqueeze(0);  add = None
-        wpe = self.model.transformer.wpe(unsqueeze)
-        torch.ops.aten._assert_tensor_metadata.default(wpe, dtype=torch.float32, device=device, layout=torch.strided)
-        to = wpe.to(device=device, dtype=torch.float32);  wpe = None
-        add_1 = wte + to;  wte = to = None
-        expand = unsqueeze.expand([size, -1])
-        getitem = expand[:]
-        getitem_1 = getitem[:, :1];  getitem = None
-        sub = getitem_1 - 1;  getitem_1 = None
-        diff = torch.diff(expand, 1, -1, sub);  expand = sub = None
-        ne = diff != 1;  diff = None
-        cumsum = torch.cumsum(ne, -1);  ne = None
-        expand_1 = unsqueeze.expand([size, -1]);  unsqueeze = None
-        arange_1 = torch.arange(size, device=device)
-        arange_2 = torch.arange(1, device=device)
-        arange_3 = torch.arange(16, device=device)
-        add_2 = arange_3 + 0;  arange_3 = None
-        arange_4 = torch.arange(16, device=device)
-        add_3 = arange_4 + 0;  arange_4 = None
-        getitem_2 = arange_1[:];  arange_1 = None
-        unsqueeze_1 = getitem_2.unsqueeze(1);  getitem_2 = None
-        unsqueeze_2 = unsqueeze_1.unsqueeze(2);  unsqueeze_1 = None
-        unsqueeze_3 = unsqueeze_2.unsqueeze(3);  unsqueeze_2 = None
-        unsqueeze_4 = arange_2.unsqueeze(0);  arange_2 = None
-        unsqueeze_5 = unsqueeze_4.unsqueeze(2);  unsqueeze_4 = None
-        unsqueeze_5.unsqueeze(3);  unsqueeze_5 = None
-        unsqueeze_7 = add_2.unsqueeze(0);  add_2 = None
-        unsqueeze_8 = unsqueeze_7.unsqueeze(1);  unsqueeze_7 = None
-        unsqueeze_9 = unsqueeze_8.unsqueeze(3);  unsqueeze_8 = None
-        unsqueeze_10 = add_3.unsqueeze(0);  add_3 = None
-        unsqueeze_11 = unsqueeze_10.unsqueeze(1);  unsqueeze_10 = None
-        unsqueeze_12 = unsqueeze_11.unsqueeze(2);  unsqueeze_11 = None
-        new_ones = unsqueeze_9.new_ones([], dtype=torch.bool)
-        getitem_3 = cumsum[unsqueeze_3, unsqueeze_9]
-        getitem_4 = cumsum[unsqueeze_3, unsqueeze_12];  cumsum = None
-        eq = getitem_3 == getitem_4;  getitem_3 = getitem_4 = None
-        torch.ops.aten._assert_tensor_metadata.default(eq, dtype=torch.bool, device=device, layout=torch.strided)
-        to_1 = eq.to(device=device, dtype=torch.bool);  eq = None
-        and_ = new_ones & to_1;  new_ones = to_1 = None
-        getitem_5 = expand_1[unsqueeze_3, unsqueeze_9];  unsqueeze_9 = None
-        getitem_6 = expand_1[unsqueeze_3, unsqueeze_12];  unsqueeze_3 = unsqueeze_12 = expand_1 = None
-        le = getitem_6 <= getitem_5;  getitem_6 = getitem_5 = None
-        torch.ops.aten._assert_tensor_metadata.default(le, dtype=torch.bool, device=device, layout=torch.strided)
-        to_2 = le.to(device=device, dtype=torch.bool);  device = le = None
-        and__1 = and_ & to_2;  and_ = to_2 = None
-        transformer_expand = and__1.expand([size, -1, 16, 16]);  size = and__1 = None
-        dropout = F.dropout(add_1, 0.0, self.training);  add_1 = None
-        h_0_ln_1 = self.model.transformer.h["0"].ln_1(dropout)
-        h_0_attn = self.model.transformer.h["0"].attn(h_0_ln_1, transformer_expand);  h_0_ln_1 = None
-        h_0_add = h_0_attn + dropout;  dropout = h_0_attn = None
-        h_0_ln_2 = self.model.transformer.h["0"].ln_2(h_0_add)
-        h_0_mlp_out = self.model.transformer.h["0"].mlp(h_0_ln_2);  h_0_ln_2 = None
-        return (transformer_expand, h_0_add, h_0_mlp_out)
+        position_ids = arange + 0;  arange = None
+        position_ids = position_ids.unsqueeze(0)
+        position_embeds = self.model.transformer.wpe(position_ids)
+        position_embeds = position_embeds.to(device=device, dtype=torch.float32)
+        hidden_states = inputs_embeds + position_embeds;  inputs_embeds = position_embeds = None
+        causal_mask = create_causal_mask(position_ids, size);  position_ids = None
+        hidden_states = F.dropout(hidden_states, 0.0, self.training)
+        hidden_states_1 = self.model.transformer.h["0"].ln_1(hidden_states)
+        attn_output = self.model.transformer.h["0"].attn(hidden_states_1, causal_mask);  hidden_states_1 = None
+        h_0_hidden_states = attn_output + hidden_states;  attn_output = None
+        hidden_states = self.model.transformer.h["0"].ln_2(h_0_hidden_states)
+        h_0_mlp_out = self.model.transformer.h["0"].mlp(hidden_states)
+        return (causal_mask, h_0_hidden_states, h_0_mlp_out)

@@ -4,130 +4,12 @@ Do not edit: fxpipe.codegen.load_stage checks this file against the sha256 in ma
 Rebuild with `fxpipe partition` instead."""
 
 import torch
-import torch.nn.functional as F
 
+from fxpipe.codegen.shared import import_shared
 
-class Conv1D(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.attn.c_attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 96))
-        self.bias = torch.nn.Parameter(torch.empty(96))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 96]);  addmm = size = None
-        return view_1
-
-
-class Conv1D_2(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.attn.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 32]);  addmm = size = None
-        return view_1
-
-
-class Conv1D_3(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.mlp.c_fc."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 128))
-        self.bias = torch.nn.Parameter(torch.empty(128))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 128]);  addmm = size = None
-        return view_1
-
-
-class NewGELUActivation(torch.nn.Module):
-    """NewGELUActivation (transformers.activations) as traced, at model.transformer.h.1.mlp.act."""
-
-    def forward(self, x):
-        mul = x * 0.5
-        pow_1 = x ** 3.0
-        mul_1 = pow_1 * 0.044715;  pow_1 = None
-        add = x + mul_1;  x = mul_1 = None
-        mul_2 = add * 0.7978845608028654;  add = None
-        tanh = torch.tanh(mul_2);  mul_2 = None
-        add_1 = tanh + 1.0;  tanh = None
-        mul_3 = mul * add_1;  mul = add_1 = None
-        return mul_3
-
-
-class Conv1D_4(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.1.mlp.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(128, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 128]);  x = None
-        addmm = torch.addmm(self.bias, view, self.weight);  view = None
-        view_1 = addmm.view([size, 16, 32]);  addmm = size = None
-        return view_1
-
-
-class GPT2Attention(torch.nn.Module):
-    """GPT2Attention (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.1.attn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_attn = Conv1D()
-        self.c_proj = Conv1D_2()
-
-    def forward(self, x, transformer_expand):
-        size = x.size(0)
-        c_attn = self.c_attn(x);  x = None
-        split_0, split_1, split_2 = c_attn.split(32, 2);  c_attn = None
-        view = split_1.view([size, 16, -1, 8]);  split_1 = None
-        transpose = view.transpose(1, 2);  view = None
-        view_1 = split_2.view([size, 16, -1, 8]);  split_2 = None
-        transpose_1 = view_1.transpose(1, 2);  view_1 = None
-        view_2 = split_0.view([size, 16, -1, 8]);  split_0 = None
-        transpose_2 = view_2.transpose(1, 2);  view_2 = None
-        scaled_dot_product_attention = F.scaled_dot_product_attention(transpose_2, transpose, transpose_1, transformer_expand, scale=0.3535533905932738);  transpose_2 = transpose = transpose_1 = transformer_expand = None
-        reshape = scaled_dot_product_attention.reshape([size, -1, 16, 8]);  scaled_dot_product_attention = None
-        transpose_3 = reshape.transpose(1, 2);  reshape = None
-        reshape_1 = transpose_3.reshape([size, 16, -1]);  size = transpose_3 = None
-        c_proj = self.c_proj(reshape_1);  reshape_1 = None
-        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
-        return dropout
-
-
-class GPT2MLP(torch.nn.Module):
-    """GPT2MLP (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.1.mlp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_fc = Conv1D_3()
-        self.c_proj = Conv1D_4()
-        self.act = NewGELUActivation()
-
-    def forward(self, x):
-        c_fc = self.c_fc(x);  x = None
-        act = self.act(c_fc);  c_fc = None
-        c_proj = self.c_proj(act);  act = None
-        dropout = F.dropout(c_proj, 0.0, self.training);  c_proj = None
-        return dropout
+_shared = import_shared(__file__)  # shared.py beside this file: classes several stages use
+GPT2Attention = _shared.GPT2Attention
+GPT2MLP = _shared.GPT2MLP
 
 
 class GPT2Block(torch.nn.Module):
@@ -140,14 +22,13 @@ class GPT2Block(torch.nn.Module):
         self.ln_2 = torch.nn.LayerNorm((32,))
         self.mlp = GPT2MLP()
 
-    def forward(self, x, transformer_expand):
-        ln_1 = self.ln_1(x)
-        attn = self.attn(ln_1, transformer_expand);  ln_1 = transformer_expand = None
-        add = attn + x;  x = attn = None
-        ln_2 = self.ln_2(add)
-        mlp = self.mlp(ln_2);  ln_2 = None
-        add_1 = add + mlp;  add = mlp = None
-        return add_1
+    def forward(self, hidden_states, causal_mask):
+        hidden_states_1 = self.ln_1(hidden_states)
+        attn_output = self.attn(hidden_states_1, causal_mask);  hidden_states_1 = None
+        hidden_states = attn_output + hidden_states;  attn_output = None
+        hidden_states_2 = self.ln_2(hidden_states)
+        feed_forward_hidden_states = self.mlp(hidden_states_2)
+        return hidden_states + feed_forward_hidden_states
 
 
 class Stage1(torch.nn.Module):
@@ -158,11 +39,11 @@ class Stage1(torch.nn.Module):
 
     Inputs, in order (shapes at the traced microbatch 2; the batch dim may take any size):
         input_ids: int64[2, 16], batch dim 0, model input 0
-        transformer_expand: bool[2, 1, 16, 16], batch dim 0, from stage 0
-        h_0_add: float32[2, 16, 32], batch dim 0, from stage 0
+        causal_mask: bool[2, 1, 16, 16], batch dim 0, from stage 0
+        h_0_hidden_states: float32[2, 16, 32], batch dim 0, from stage 0
         h_0_mlp_out: float32[2, 16, 32], batch dim 0, from stage 0
     Outputs, in order:
-        model_out: float32[2, 16, 64], batch dim 0, model output 0
+        logits: float32[2, 16, 64], batch dim 0, model output 0
     """
 
     def __init__(self) -> None:
@@ -173,11 +54,11 @@ class Stage1(torch.nn.Module):
         self.model.transformer.ln_f = torch.nn.LayerNorm((32,))
         self.model.lm_head = torch.nn.Linear(32, 64, bias=False)
 
-    def forward(self, input_ids, transformer_expand, h_0_add, h_0_mlp_out):
-        add = h_0_add + h_0_mlp_out;  h_0_add = h_0_mlp_out = None
-        h_1 = self.model.transformer.h["1"](add, transformer_expand);  add = transformer_expand = None
-        ln_f = self.model.transformer.ln_f(h_1);  h_1 = None
-        view = ln_f.view([-1, 16, 32]);  ln_f = None
-        getitem = view[:];  view = None
-        model_out = self.model.lm_head(getitem);  getitem = None
-        return (model_out,)
+    def forward(self, input_ids, causal_mask, h_0_hidden_states, h_0_mlp_out):
+        hidden_states = h_0_hidden_states + h_0_mlp_out
+        hidden_states = self.model.transformer.h["1"](hidden_states, causal_mask)
+        hidden_states = self.model.transformer.ln_f(hidden_states)
+        hidden_states = hidden_states.view([-1, 16, 32])
+        hidden_states = hidden_states[:]
+        logits = self.model.lm_head(hidden_states)
+        return (logits,)
