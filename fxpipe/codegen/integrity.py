@@ -114,14 +114,6 @@ class CheckedBuild:
     weights: Mapping[int, CheckedFile]
     shared: CheckedFile | None = None  # the shared classes, when a checked stage imports them
 
-    def shared_module(self) -> ModuleType:
-        """The build's shared classes run from their checked bytes (Note [classes several stages share])."""
-        from fxpipe.codegen.shared import load_shared
-
-        if self.shared is None:
-            raise BuildDirError(f"{self.build_dir}: the shared classes were not checked")
-        return load_shared(self.shared)
-
     def model_module(self) -> ModuleType:
         """The model file, imported from its checked bytes (see ``fxpipe.modelfile.import_model_bytes``)."""
         from fxpipe.modelfile import import_model_bytes

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.codegen.shared import loading
+from fxpipe.codegen.shared import loading, shared_module
 from fxpipe.codegen.stage_init import initialise_stage
 from fxpipe.errors import BuildDirError
 from fxpipe.modelfile import checked_model_import
@@ -48,7 +48,7 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
         model = build.model_module()
         # the same stage source over another model file holds other classes (Note [what is hashed is what runs])
         name += f"_{build.manifest.model_sha256[:16]}"
-    shared = build.shared_module() if sm.imports_shared else None  # Note [classes several stages share]
+    shared = shared_module(build) if sm.imports_shared else None  # Note [classes several stages share]
     if shared is not None and build.shared is not None:
         name += f"_{build.shared.sha256[:16]}"
     module = sys.modules.get(name)

@@ -24,14 +24,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
-
+from fxpipe.codegen.integrity import CheckedBuild, CheckedFile, check_shared
 from fxpipe.errors import BuildDirError
 
-if TYPE_CHECKING:
-    from fxpipe.codegen.integrity import CheckedFile
-
-__all__ = ["SHARED_SOURCE", "import_shared", "load_shared", "loading"]
+__all__ = ["SHARED_SOURCE", "import_shared", "load_shared", "shared_module", "loading"]
 
 SHARED_SOURCE = "shared.py"
 _LOADING: dict[str, ModuleType] = {}  # folder of the stage files being loaded -> its build's shared module
@@ -58,6 +54,13 @@ def load_shared(checked: CheckedFile) -> ModuleType:
     return module
 
 
+def shared_module(build: CheckedBuild) -> ModuleType:
+    """``build``'s shared classes run from their checked bytes."""
+    if build.shared is None:
+        raise BuildDirError(f"{build.build_dir}: the shared classes were not checked")
+    return load_shared(build.shared)
+
+
 @contextmanager
 def loading(folder: str | Path, module: ModuleType) -> Iterator[None]:
     """While a stage file of ``folder`` runs, ``import_shared`` gives it ``module`` (checked already)."""
@@ -80,6 +83,4 @@ def import_shared(stage_file: str) -> ModuleType:
     module = _LOADING.get(str(folder))
     if module is not None:
         return module
-    from fxpipe.codegen.integrity import check_shared
-
     return load_shared(check_shared(folder))
