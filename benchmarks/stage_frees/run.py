@@ -85,6 +85,8 @@ def measure(name: str, factory: Any, batch: int, seq: int, root: Path) -> list[d
             frees.RULE = "needed"
         builds[rule] = (out, manifest)
         texts[rule] = [(out / sm.source).read_text() for sm in manifest.stages]
+        shared = (out / manifest.shared_source).read_text() if manifest.shared_source else ""
+        texts[rule].append(shared)  # the classes the stages share (Note [classes several stages share])
     rows = []
     values: dict[str, dict[str, torch.Tensor]] = {rule: dict(zip(("input_ids", "attention_mask"), inputs))
                                                   for rule in RULES}
@@ -104,6 +106,10 @@ def measure(name: str, factory: Any, batch: int, seq: int, root: Path) -> list[d
             for t in manifest.stages[i].outputs:
                 torch.testing.assert_close(values[rule][t.name], values["all"][t.name], rtol=0, atol=0)
         rows.append(row)
+    rows.append({"model": name, "stage": "shared.py", **{f"{rule}_lines": len(texts[rule][-1].splitlines())
+                                                          for rule in RULES},
+                 **{f"{rule}_free_lines": sum(" = None" in ln for ln in texts[rule][-1].splitlines())
+                    for rule in RULES}})
     return rows
 
 
@@ -122,6 +128,10 @@ def main() -> None:
     lines = ["| model | stage | no-grad peak MiB: fx / kept / none | train peak MiB: fx / kept / none "
              "| lines: fx / kept | free lines: fx / kept |", "|---|---|---|---|---|---|"]
     for r in rows:
+        if r["stage"] == "shared.py":
+            lines.append(f"| {r['model']} | shared.py | | | {r['all_lines']} / {r['needed_lines']} "
+                         f"| {r['all_free_lines']} / {r['needed_free_lines']} |")
+            continue
         lines.append(f"| {r['model']} | {r['stage']} | {r['all_no_grad'] / mib:.2f} / {r['needed_no_grad'] / mib:.2f} / "
                      f"{r['none_no_grad'] / mib:.2f} | {r['all_train'] / mib:.2f} / {r['needed_train'] / mib:.2f} / "
                      f"{r['none_train'] / mib:.2f} | {r['all_lines']} / {r['needed_lines']} "

@@ -1,13 +1,20 @@
-"""Render one stage as a readable Python file: generated module classes, then the stage's ``nn.Module``.
+"""Render a build's stages as readable Python files: generated functions and module classes, then each stage's
+``nn.Module``; what several stages use goes once into ``shared.py``.
 
 The stage graph is first written the way people write PyTorch (Note [exact operator
-rewrites] in :mod:`fxpipe.codegen.operators`), then given its module structure back
-(Note [outlining module calls] in :mod:`fxpipe.codegen.outline`): each whole module call
-becomes a submodule call, identical blocks share one generated class (Note [one class per
-distinct body] in :mod:`fxpipe.codegen.classes`), and ``torch.nn`` layers appear as
-themselves. ``__init__`` builds exactly what the stage owns under the original module
-paths, so its ``state_dict()`` keys are the original model's. ``forward`` drops each
-value after its last use (``x = None``), as torch.fx does.
+rewrites] in :mod:`fxpipe.codegen.operators`; Note [identity conversions] in
+:mod:`fxpipe.codegen.aliases`), then given its module structure back (Note [outlining module
+calls] in :mod:`fxpipe.codegen.outline`): each whole module call becomes a submodule call,
+identical blocks share one generated class (Note [one class per distinct body] in
+:mod:`fxpipe.codegen.classes`), ``torch.nn`` layers appear as themselves, and a line that
+called a helper function calls a generated one (Note [helper calls] in
+:mod:`fxpipe.codegen.functions`). Values take the names the source gave them (Note [names
+from the source] in :mod:`fxpipe.codegen.statements`). ``__init__`` builds exactly what the
+stage owns under the original module paths, so its ``state_dict()`` keys are the original
+model's. ``forward`` drops a value after its last use (``x = None``) where that lowers its
+peak memory (Note [frees that matter] in :mod:`fxpipe.codegen.frees`). A class or function
+that several stages use is written once, into ``shared.py`` (Note [classes several stages
+share] in :mod:`fxpipe.codegen.shared`).
 """
 
 from __future__ import annotations

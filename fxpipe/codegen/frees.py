@@ -102,7 +102,7 @@ class _Storages:
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         keys = [storage_of(v) for v in tensors]
         if tensors and all(k is not None for k in keys):
-            return tuple(dict.fromkeys(keys))  # type: ignore[arg-type]
+            return tuple(dict.fromkeys(keys))
         if _is_view(node):  # no traced value to tell: a view holds what its input holds
             return self.held.get(node.args[0], ())  # type: ignore[arg-type]
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \

@@ -122,6 +122,7 @@ def _outline(graph: fx.Graph, statement: Statement, members: list[fx.Node], name
         env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
         env[a].meta[NAME_KEY] = "size"
     for a in devices:
+        assert tensor is not None  # devices is empty without one
         env[a] = body.call_function(getattr, (env[tensor], "device"))
         env[a].meta[NAME_KEY] = "device"
     for m in members:

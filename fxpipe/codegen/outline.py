@@ -237,6 +237,7 @@ class _Outliner:
             env[a] = body.get_attr(str(a.target))  # a parameter, or the module's own training flag
             env[a].meta.update(a.meta)
         for a in devices:
+            assert device_source is not None  # devices is empty without one
             env[a] = body.call_function(getattr, (env[device_source], "device"))
             env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", SPEC_KEY)})
             env[a].meta[NAME_KEY] = "device"

@@ -155,7 +155,7 @@ def source_names(graph: fx.Graph, depth: int = 0) -> dict[fx.Node, str]:
                 break
     for node in nodes:
         if node not in names and is_identity_conversion(node) and node.args[0] in names:
-            names[node] = names[node.args[0]]  # type: ignore[index]
+            names[node] = names[node.args[0]]
     return names
 
 
