@@ -22,7 +22,7 @@ from fxpipe.optionspec import add_arguments, from_namespace
 from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.search.args import add_cluster_arguments
 from fxpipe.tracer.trace_options import ModelTraceOptions
-from fxpipe.unexpected import internal_error_line, print_safely
+from fxpipe.unexpected import exits_raise, internal_error_line, print_safely
 
 __all__ = ["main", "build_parser"]
 
@@ -382,8 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from fxpipe.tracer.progress import reporting
 
-        # the long phases: progress on a terminal, else one line each on stdout (stderr keeps only errors)
-        with reporting(sys.stderr, lines=sys.stdout):
+        # the long phases: progress on a terminal, else one line each on stdout (stderr keeps only errors);
+        # a model's os._exit() is an error, never a silent exit 0 (Note [os._exit in user code])
+        with reporting(sys.stderr, lines=sys.stdout), exits_raise():
             return int(args.func(args) or 0)
     except FxpipeError as exc:
         if args.debug:

@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
 from fxpipe.errors import ModelFileError
+from fxpipe.unexpected import ExitCalled, exits_raise
 
 if TYPE_CHECKING:
     from fxpipe.model_inputs import ModelInputs
@@ -87,7 +88,8 @@ def _execute(path: Path, name: str, data: bytes) -> ModuleType:
     previous = sys.modules.get(name)
     sys.modules[name] = module
     try:
-        exec(compile(data, str(path), "exec"), module.__dict__)  # noqa: S102 - the user's own model file
+        with exits_raise():  # os._exit() at import is an error, not a silent exit 0 (Note [os._exit in user code])
+            exec(compile(data, str(path), "exec"), module.__dict__)  # noqa: S102 - the user's own model file
     except BaseException as exc:
         if previous is None:
             del sys.modules[name]
@@ -102,6 +104,8 @@ def _execute(path: Path, name: str, data: bytes) -> ModuleType:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"it called sys.exit({exc.code!r}); a model file must define functions, not end the program"
+    if isinstance(exc, ExitCalled):
+        return f"it called os._exit({exc.code!r}); a model file must define functions, not end the program"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -126,8 +130,9 @@ class ModelSource:
         if not callable(fn):
             raise ModelFileError(f"{self.path.name} defines no function {name}()")
         try:
-            return fn(*args)
-        except (Exception, SystemExit) as exc:
+            with exits_raise():
+                return fn(*args)
+        except (Exception, SystemExit, ExitCalled) as exc:
             raise ModelFileError(f"{self.path.name}:{name}() raised {_describe(exc)}") from exc
 
     def build_model(self) -> Any:

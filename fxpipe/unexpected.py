@@ -6,17 +6,30 @@ exception's type and the first line of its message, and, when it was raised in t
 user's code (a model file, a generated stage file: anything outside fxpipe, the standard
 library and installed packages), the place it was raised. ``sys.exit()`` called by such
 code reads as what it is.
+
+Note [os._exit in user code]: ``os._exit(0)`` in a model file (at import, in
+``build_model``, in a traced ``forward``) would end the process with status 0 having done
+nothing, and no ``except`` can stop it. While fxpipe runs user code it replaces
+``os._exit`` (and ``posix._exit``) with a function that raises ``ExitCalled``, a
+``BaseException`` like ``SystemExit``, in the thread that runs under ``exits_raise()``;
+the CLI and the model-file loader then report it as one error line with a non-zero exit.
+Any other thread's call, and a call after the block, ends the process as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import posix
 import sys
 import sysconfig
+import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
-__all__ = ["internal_error_line", "user_frame", "print_safely"]
+__all__ = ["internal_error_line", "user_frame", "print_safely", "ExitCalled", "exits_raise"]
 
 _MAX_MESSAGE = 300
 
@@ -47,9 +60,49 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return found
 
 
+class ExitCalled(BaseException):
+    """``os._exit(code)`` was called by code running under ``exits_raise()`` (Note [os._exit in user code])."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"os._exit({code!r}) was called")
+        self.code = code
+
+
+_REAL_EXIT = os._exit
+_GUARDED = threading.local()
+_LOCK = threading.Lock()
+_ACTIVE = [0]  # blocks open in any thread; os._exit is replaced while this is > 0
+
+
+def _exit(status: int) -> NoReturn:
+    if getattr(_GUARDED, "depth", 0):
+        raise ExitCalled(status)
+    _REAL_EXIT(status)
+
+
+@contextlib.contextmanager
+def exits_raise() -> Iterator[None]:
+    """Inside the block, ``os._exit(code)`` called by this thread raises ``ExitCalled(code)``."""
+    with _LOCK:
+        if _ACTIVE[0] == 0:
+            os._exit = posix._exit = _exit
+        _ACTIVE[0] += 1
+    _GUARDED.depth = getattr(_GUARDED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _GUARDED.depth -= 1
+        with _LOCK:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                os._exit = posix._exit = _REAL_EXIT
+
+
 def _message(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"sys.exit({exc.code!r}) was called"
+    if isinstance(exc, ExitCalled):
+        return str(exc)
     lines = str(exc).strip().splitlines()
     text = lines[0].strip() if lines else ""
     if len(lines) > 1 or len(text) > _MAX_MESSAGE:
