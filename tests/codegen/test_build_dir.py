@@ -122,3 +122,23 @@ def test_read_only_parent_is_refused(tmp_path: Path) -> None:
             check_build_target(parent / "build")
     finally:
         parent.chmod(0o755)
+
+
+@pytest.mark.parametrize("manifest", [None, "{not json", '{"schema_version": 1}'])
+def test_a_folder_of_build_file_names_without_a_readable_manifest_is_refused(manifest: str | None,
+                                                                              tmp_path: Path) -> None:
+    """A user's report.html and profile.json (names a build also holds) are never replaced (#35 item 10)."""
+    (tmp_path / "report.html").write_text("<p>my report</p>")
+    (tmp_path / "profile.json").write_text("{}")
+    if manifest is not None:
+        (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(BuildDirError, match="not a build fxpipe wrote"):
+        check_build_target(tmp_path)
+    assert (tmp_path / "report.html").read_text() == "<p>my report</p>"
+
+
+def test_an_empty_folder_and_a_build_may_be_replaced(traced: Any, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    assert check_build_target(tmp_path / "empty") == tmp_path / "empty"
+    _write(traced, tmp_path / "build", 2)
+    assert check_build_target(tmp_path / "build") == tmp_path / "build"
