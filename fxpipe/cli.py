@@ -23,6 +23,7 @@ from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.search.args import add_cluster_arguments
 from fxpipe.tracer.trace_options import ModelTraceOptions
 from fxpipe.unexpected import exits_raise, internal_error_line, print_safely
+from fxpipe.userfiles import check_regular
 
 __all__ = ["main", "build_parser"]
 
@@ -231,8 +232,7 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
 
     d = Path(build_dir)
     for name in ("plan.json", "profile.json"):
-        if (d / name).exists() and not (d / name).is_file():
-            raise BuildDirError(f"{d / name} is not a regular file; rebuild with `fxpipe partition`")
+        check_regular(d / name, name, BuildDirError, "rebuild with `fxpipe partition`")
         if not (d / name).is_file():
             raise BuildDirError(f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first")
     return PartitionPlan.from_json(d / "plan.json"), ModelProfile.from_json(d / "profile.json")

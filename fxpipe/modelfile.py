@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
-from fxpipe.errors import ModelFileError
+from fxpipe.errors import FxpipeError, ModelFileError
 from fxpipe.unexpected import ExitCalled, exits_raise
+from fxpipe.userfiles import open_regular, read_regular
 
 if TYPE_CHECKING:
     from fxpipe.model_inputs import ModelInputs
@@ -33,7 +35,7 @@ __all__ = ["ModelSource", "load_model_file", "import_model_module", "import_mode
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a file's bytes."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "file", FxpipeError), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -51,15 +53,16 @@ def import_model_module(path: str | Path) -> ModuleType:
     same objects whether the tracer, a generated stage file or a test imports them.
     """
     path = Path(path).resolve()
-    if not path.is_file():
-        what = "is not a regular file" if path.exists() else "does not exist"
-        raise ModelFileError(f"model file {str(path)!r} {what}")
+    try:  # a FIFO is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
+        data = read_regular(path, "model file", ModelFileError)
+    except FileNotFoundError:
+        raise ModelFileError(f"model file {str(path)!r} does not exist") from None
     name = _module_name(path)
     if name in sys.modules:
         return sys.modules[name]
     if path.suffix != ".py":
         raise ModelFileError(f"cannot import {str(path)!r}: not a Python file")
-    return _execute(path, name, path.read_bytes())
+    return _execute(path, name, data)
 
 
 def import_model_bytes(path: str | Path, data: bytes) -> ModuleType:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import BuildDirError
+from fxpipe.userfiles import open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -61,17 +61,9 @@ class CheckedFile:
 def _open_regular(path: Path, what: str) -> int:
     """A read-only descriptor of ``path``, refused unless it is a regular file; never blocks."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return open_regular(path, what, BuildDirError, _REBUILD)  # Note [regular files only] in fxpipe.userfiles
     except FileNotFoundError:
         raise BuildDirError(f"{what} {str(path)!r} is missing; {_REBUILD}") from None
-    except OSError as exc:
-        raise BuildDirError(f"cannot open {what} {str(path)!r}: {exc.strerror or exc}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise BuildDirError(f"{what} {str(path)!r} is {kind}, not a regular file; {_REBUILD}")
-    return fd
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -156,7 +156,8 @@ def test_bad_model_files(name: str, tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_model_file_that_is_not_a_file(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "model.py"
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
-    assert "is not a regular file" in _one_line(capsys, ["trace", str(path)])
+    kind = "a FIFO" if kind == "fifo" else "a directory"
+    assert f"is {kind}, not a regular file" in _one_line(capsys, ["trace", str(path)])
 
 
 def test_an_unexpected_error_is_one_line_naming_the_phase(profile: Path, tmp_path: Path, monkeypatch,

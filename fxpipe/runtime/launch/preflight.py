@@ -26,6 +26,7 @@ from fxpipe.runtime.train.data_iter import EVAL_FN, TRAIN_FN, RankInfo, batch_st
 from fxpipe.runtime.pipeline.microbatch import check_divisible
 from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.train.log import check_tensorboard
+from fxpipe.userfiles import check_regular
 
 __all__ = ["preflight"]
 
@@ -86,6 +87,11 @@ def preflight(build_dir: Path, manifest: Manifest, options: RunOptions, world_si
         eval_fn = find_batches(source, t.eval_data, EVAL_FN)
         if eval_fn is not None:
             _check_batch(eval_fn, manifest, batch, dims, EVAL_FN)
+    if t.checkpoint_dir is not None:
+        from fxpipe.runtime.train.checkpoint import RECORD_NAME
+
+        check_regular(Path(t.checkpoint_dir) / RECORD_NAME, "the checkpoint record", CheckpointError,
+                      "remove it, or choose another --checkpoint-dir")  # Note [regular files only]
     if t.resume and t.checkpoint_dir is not None:
         from fxpipe.runtime.train.checkpoint import RECORD_NAME
         from fxpipe.runtime.train.commit import read_record
