@@ -23,7 +23,7 @@ from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.search.args import add_cluster_arguments
 from fxpipe.tracer.trace_options import ModelTraceOptions
 from fxpipe.unexpected import exits_raise, internal_error_line, print_safely
-from fxpipe.userfiles import check_regular
+from fxpipe.userfiles import check_regular, refuse_overwrite
 
 __all__ = ["main", "build_parser"]
 
@@ -117,12 +117,14 @@ def _microbatching(batch_size: int | None, microbatches: int | None, stages: int
     return b, m
 
 
-def _write_artifact(out_arg: str, text: str) -> Path:
-    """Write ``text`` to ``--out`` whole or not at all; an unwritable path is one error line."""
+def _write_artifact(out_arg: str, text: str, reads: Sequence[str | Path] = (), option: str = "--out") -> Path:
+    """Write ``text`` to ``--out`` whole or not at all, never over a file the verb ``reads``; an unwritable
+    path is one error line."""
     from fxpipe.codegen.builddir import replace_file
     from fxpipe.errors import ConfigError
 
     out = Path(out_arg)
+    refuse_overwrite(out, reads, option, ConfigError)
     if out.is_dir():
         raise ConfigError(f"--out {out_arg!r} is a directory; name a file, e.g. {str(out / 'out.json')!r}")
     try:
@@ -139,7 +141,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     source = _load_source(args)
     traced = _trace(args, source, args.batch_size)
     _enter("writing the profile")
-    out = _write_artifact(args.out, traced.profile.to_json())
+    out = _write_artifact(args.out, traced.profile.to_json(), reads=[source.path])
     _enter("printing the profile")
     console = _console()
     print_profile_table(traced.profile, console=console)
@@ -167,12 +169,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                   time_limit=options.time_limit)
         from fxpipe.jsonio import dump_json
 
-        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"))
+        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"),
+                        reads=[args.profile])
     else:
         stages = _check_stages(options.stages)
         plan = _plan(options, profile, stages, stages if options.microbatches is None else options.microbatches)
     _enter("writing the plan")
-    out = _write_artifact(args.out, plan.to_json())
+    out = _write_artifact(args.out, plan.to_json(), reads=[args.profile])
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, profile, console=console)
@@ -181,7 +184,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from fxpipe.partitioner.report.html import render_html_report
 
         _enter("writing the report")
-        console.print(f"[green]wrote[/] {_write_artifact(args.html, render_html_report(plan, profile))}")
+        html = _write_artifact(args.html, render_html_report(plan, profile), reads=[args.profile, out], option="--html")
+        console.print(f"[green]wrote[/] {html}")
     return 0
 
 

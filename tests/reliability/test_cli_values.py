@@ -185,3 +185,16 @@ def test_a_closed_stdout_ends_a_verb_quietly(profile: Path, tmp_path: Path, monk
     monkeypatch.setattr(fxpipe.partitioner, "print_plan_report", closed)
     assert main(["plan", str(profile), "--stages", "2", "--out", str(tmp_path / "p.json")]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_an_output_over_its_input_is_refused(profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace model.py --out model.py`` and ``plan p.json --out p.json`` would destroy what they read (#35 item 10b)."""
+    model = tmp_path / "model.py"
+    model.write_text(Path(MLP).read_text())
+    assert "writing it would destroy its input" in _one_line(capsys, ["trace", str(model), "--out", str(model)])
+    assert model.read_text() == Path(MLP).read_text()
+    mine = tmp_path / "profile.json"
+    mine.write_bytes(profile.read_bytes())
+    assert "writing it would destroy its input" in _one_line(capsys, ["plan", str(mine), "--stages", "2",
+                                                                       "--out", str(mine)])
+    assert mine.read_bytes() == profile.read_bytes()
