@@ -22,8 +22,8 @@ from fxpipe.optionspec import add_arguments, from_namespace
 from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.search.args import add_cluster_arguments
 from fxpipe.tracer.trace_options import ModelTraceOptions
-from fxpipe.unexpected import exits_raise, internal_error_line, print_safely
-from fxpipe.userfiles import check_regular, refuse_overwrite
+from fxpipe.unexpected import SignalStop, exits_raise, internal_error_line, one_line, print_safely
+from fxpipe.userfiles import check_regular, refuse_overwrite, shown
 
 __all__ = ["main", "build_parser"]
 
@@ -57,6 +57,13 @@ def _console() -> Any:
 
     # Piped output (CI logs, files) gets room for the tables instead of rich's 80 columns.
     return Console(width=None if sys.stdout.isatty() else 132)
+
+
+def _shown(path: str | Path) -> str:
+    """A path for a rich console line: escaped if it holds a newline (``userfiles.shown``), and never read as markup."""
+    from rich.markup import escape
+
+    return escape(shown(path))
 
 
 def _load_source(args: argparse.Namespace) -> Any:
@@ -147,7 +154,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print_profile_table(traced.profile, console=console)
     for reason in traced.profile.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
-    console.print(f"[green]wrote[/] {out} ({len(traced.profile.units)} units, frontend {traced.frontend})")
+    console.print(f"[green]wrote[/] {_shown(out)} ({len(traced.profile.units)} units, frontend {traced.frontend})")
     return 0
 
 
@@ -179,13 +186,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, profile, console=console)
-    console.print(f"[green]wrote[/] {out}")
+    console.print(f"[green]wrote[/] {_shown(out)}")
     if args.html:
         from fxpipe.partitioner.report.html import render_html_report
 
         _enter("writing the report")
         html = _write_artifact(args.html, render_html_report(plan, profile), reads=[args.profile, out], option="--html")
-        console.print(f"[green]wrote[/] {html}")
+        console.print(f"[green]wrote[/] {_shown(html)}")
     return 0
 
 
@@ -225,7 +232,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
         console.print(f"[yellow]skipped[/] {reason}")
     placed = (f"{plan.num_stages} stages" if plan.virtual_stages == 1 else
               f"{plan.num_stages} stages, {plan.virtual_stages} per rank on {plan.num_ranks} ranks")
-    console.print(f"[green]wrote[/] build directory {out}/ ({placed}; open {out}/report.html)")
+    console.print(f"[green]wrote[/] build directory {_shown(out)}/ ({placed}; open {_shown(out / 'report.html')})")
     return 0
 
 
@@ -258,7 +265,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print_measurement(plan, measured, console)
     if args.html:
         path = write_report(args.build_dir, plan, profile, measured=measured)
-        console.print(f"[green]wrote[/] {path}")
+        console.print(f"[green]wrote[/] {_shown(path)}")
     return 0
 
 
@@ -307,7 +314,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _enter("exporting the checkpoint")
     state = export_checkpoint(args.checkpoint_dir, args.out)
-    print(f"wrote {args.out}: {len(state)} tensors under the original model's keys")
+    print(f"wrote {shown(args.out)}: {len(state)} tensors under the original model's keys")
     return 0
 
 
@@ -393,17 +400,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FxpipeError as exc:
         if args.debug:
             raise
-        print_safely(f"error: {exc}")
+        print_safely(f"error: {exc if exc.multiline else one_line(str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         print_safely("error: interrupted")
         return 130
+    except SignalStop as exc:  # fxpipe run: Note [stopping fxpipe run]
+        print_safely(f"error: {exc}; the job and its temporary files were removed")
+        return 128 + exc.signum
     except BrokenPipeError:
         return _output_closed()
     except BaseException as exc:  # a bug, or SystemExit from a model file: one line, never a traceback
         if args.debug:
             raise
-        print_safely(f"error: {internal_error_line(exc, _PHASE[0])}")
+        print_safely(f"error: {one_line(internal_error_line(exc, _PHASE[0]))}")
         return 2
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posix
+import signal
 import sys
 import sysconfig
 import threading
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-__all__ = ["internal_error_line", "user_frame", "print_safely", "ExitCalled", "exits_raise"]
+__all__ = ["internal_error_line", "user_frame", "print_safely", "one_line", "ExitCalled", "exits_raise", "SignalStop"]
 
 _MAX_MESSAGE = 300
 
@@ -58,6 +59,16 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
         if not resolved.startswith(roots):
             found = frame
     return found
+
+
+class SignalStop(BaseException):
+    """A termination signal (``SIGTERM``, ``SIGHUP``) asked this process to stop; raised by the handler of a
+    process that cleans up first (``fxpipe run``: Note [stopping fxpipe run] in ``fxpipe.runtime.launch.launcher``)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+        super().__init__(f"stopped by {self.name}")
 
 
 class ExitCalled(BaseException):
@@ -115,6 +126,12 @@ def internal_error_line(exc: BaseException, phase: str) -> str:
     frame = user_frame(exc)
     where = f"at {Path(frame.filename).name}:{frame.lineno} in {frame.name}; " if frame is not None else ""
     return f"internal error while {phase}: {_message(exc)} ({where}rerun with --debug)"
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\n``, ``\\x1b``, ...), so a path or a
+    message that holds a newline prints as one line and cannot forge another (``error: ...``)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def print_safely(line: str, stream: TextIO | None = None) -> None:

@@ -22,7 +22,14 @@ from pathlib import Path
 
 from fxpipe.errors import FxpipeError
 
-__all__ = ["open_regular", "read_regular", "check_regular", "refuse_overwrite", "kind_of"]
+__all__ = ["open_regular", "read_regular", "check_regular", "refuse_overwrite", "kind_of", "shown"]
+
+
+def shown(path: str | Path) -> str:
+    """``path`` for a message: as it is, or quoted with its newlines and control characters escaped, so a
+    name like ``"b\\nerror: ..."`` cannot print a line of its own."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
 
 
 def kind_of(mode: int) -> str:

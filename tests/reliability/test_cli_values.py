@@ -70,6 +70,7 @@ RUN_VALUES = [
     (["--lr", "-1"], "--lr must be a number >= 0"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
     (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "1e12"], "--timeout must be at most 1e+08 seconds"),
     (["--microbatches", "0"], "--microbatches must be an int >= 1"),
     (["--batch-size", "0"], "--batch-size must be an int >= 1"),
     (["--dp", "0"], "--dp must be an int >= 1"),

@@ -40,6 +40,7 @@ from fxpipe.runtime.pipeline.p2p import peer_error
 from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
 from fxpipe.runtime.pipeline.runner import PipelineRunner
 from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted
+from fxpipe.userfiles import shown
 from fxpipe.runtime.train.checkpoint import (has_checkpoint, load_training_checkpoint, restore_training_state,
                                              save_training_checkpoint, training_state)
 
@@ -230,7 +231,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             record.to_json(path)
             pred = record.predicted_step_ms
             print(f"median step {record.median_step_ms:.2f} ms"
-                  + (f" (plan predicted {pred:.2f} ms)" if pred is not None else "") + f"; wrote {path}", flush=True)
+                  + (f" (plan predicted {pred:.2f} ms)" if pred is not None else "") + f"; wrote {shown(path)}", flush=True)
         return record
 
 
