@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -166,7 +168,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _check_stages(args.stages)
     options = from_namespace(PlanOptions, args)
     _enter("reading the profile")
-    profile = ModelProfile.from_json(args.profile)
+    if args.profile.endswith(".py") or re.search(r"\.py:\w+$", args.profile):
+        from fxpipe.errors import ProfileError
+
+        raise ProfileError(f"`fxpipe plan` takes a profile.json written by `fxpipe trace`, not a model file "
+                           f"({shown(args.profile)}); `fxpipe partition MODEL.py --stages N` traces, plans and "
+                           "writes the build in one go, `fxpipe trace MODEL.py` writes the profile")
+    profile = ModelProfile.from_json(Path(args.profile))  # a Path: a file named {exp1} is never read as JSON text
     if args.devices is not None:
         from fxpipe.partitioner.search.configurations import plan_configuration
 
@@ -321,8 +329,47 @@ def cmd_export(args: argparse.Namespace) -> int:
 # -- entry point ---------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (no usage dump) that names the verb an option belongs to
+    when it was given to another (``partition --optimizer adamw``: ``fxpipe run`` trains with AdamW)."""
+
+    verbs: dict[str, argparse.ArgumentParser] = {}
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, one_line(f"error: {self.prog}: {_elsewhere(self, message) or message}; "
+                              f"see `{self.prog} --help`") + "\n")
+
+
+def _help(parser: argparse.ArgumentParser, flag: str) -> str:
+    action = parser._option_string_actions[flag]
+    return (action.help or "").split(" (default")[0] % {"choices": ", ".join(map(str, action.choices or ()))}
+
+
+def _elsewhere(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """The error for a flag (and value) that ``parser`` refuses and another verb takes; ``None`` if none does."""
+    choice = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '([^']*)'", message)
+    if choice:
+        wanted: list[tuple[str, str | None]] = [(choice.group(1), choice.group(2))]
+    elif message.startswith("unrecognized arguments: "):
+        wanted = [(word.split("=")[0], None) for word in message.split()[2:] if word.startswith("-")]
+    else:
+        return None
+    for flag, value in wanted:
+        for other in _Parser.verbs.values():
+            action = other._option_string_actions.get(flag)
+            if other is parser or action is None or not (value is None or action.choices is None
+                                                        or value in action.choices):
+                continue
+            given = flag if value is None else f"{flag} {value}"
+            text = f"`{given}` is an option of `{other.prog}` ({_help(other, flag)})"
+            if flag in parser._option_string_actions:
+                text += f"; here {flag} is the {_help(parser, flag)}"
+            return text
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fxpipe",
         description="Ahead-of-time pipeline-parallel compiler for PyTorch.",
     )
@@ -383,12 +430,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint_dir", help="a --checkpoint-dir of `fxpipe run`")
     p.add_argument("--out", default="model.safetensors", help="the file to write (default model.safetensors)")
     p.set_defaults(func=cmd_export)
+    _Parser.verbs = dict(sub.choices)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _standard_streams()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except FxpipeError as exc:  # a flag's own parser (--betas 0.9, --memory-limit lots)
+        print_safely(one_line(f"error: {exc}"))
+        return exc.exit_code
+    if extra:
+        _Parser.verbs[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
     _enter(f"running `fxpipe {args.verb}`")
     try:
         from fxpipe.tracer.progress import reporting
@@ -415,6 +470,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print_safely(f"error: {one_line(internal_error_line(exc, _PHASE[0]))}")
         return 2
+
+
+def _standard_streams() -> None:
+    """A standard stream that was closed before the process started (``fxpipe verify build >&-``) is ``None``
+    in Python: point it at /dev/null, so that the verb still runs and its exit code still says the result."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - for the process's life
 
 
 def _output_closed() -> int:

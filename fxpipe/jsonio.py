@@ -35,9 +35,11 @@ def dump_json(data: dict[str, Any], path: str | Path | None = None, *, what: str
 
 
 def load_json(source: str | Path, what: str, error: type[FxpipeError]) -> dict[str, Any]:
-    """Parse a JSON object from a path or from JSON text; ``what`` names it in errors."""
+    """Parse a JSON object from a path or from JSON text; ``what`` names it in errors.
+
+    A ``Path`` is always a file (a folder named ``{exp1}`` too); a ``str`` is JSON text when it starts with ``{``."""
     text = str(source)
-    if not text.lstrip().startswith("{"):
+    if isinstance(source, Path) or not text.lstrip().startswith("{"):
         path = Path(source)
         try:  # a FIFO or a device is refused, never read (Note [regular files only] in fxpipe.userfiles)
             text = read_regular(path, f"{what} file", error).decode("utf-8")

@@ -26,7 +26,7 @@ from typing import Iterator
 
 from fxpipe.errors import BuildDirError
 
-__all__ = ["check_build_target", "staged_build_dir", "replace_file"]
+__all__ = ["check_build_target", "staged_build_dir", "replace_file", "normalize_modes"]
 
 # What fxpipe writes into a build directory: the build itself, and run.json of `fxpipe run`.
 _BUILD_FILES = re.compile(r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|__pycache__")
@@ -95,12 +95,23 @@ def staged_build_dir(out_dir: str | Path) -> Iterator[Path]:
         raise BuildDirError(f"cannot write the build directory {str(out)!r}: {_reason(exc)}") from None
     try:
         yield tmp
+        normalize_modes(tmp)
         _swap(tmp, out)
     except OSError as exc:
         raise BuildDirError(f"writing the build directory {str(out)!r} failed, the previous build (if any) is "
                             f"unchanged: {_reason(exc)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def normalize_modes(folder: Path) -> None:
+    """Give every file in ``folder`` the mode a plain ``open()`` would (``0o666`` less the umask): safetensors
+    writes its files ``0600``, so a build's weights could not be read by the users its sources can."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~mask)
 
 
 def _sibling(out: Path, kind: str) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import BuildDirError
-from fxpipe.userfiles import open_regular
+from fxpipe.userfiles import open_regular, shown
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
     from fxpipe.modelfile import ModelSource
     from fxpipe.partitioner import PartitionPlan
 
-__all__ = ["CheckedFile", "CheckedBuild", "check_build", "read_checked_file", "model_import_needed"]
+__all__ = ["CheckedFile", "CheckedBuild", "check_build", "read_checked_file", "model_import_needed",
+           "TorchVersionWarning", "warn_if_other_torch"]
 
 _MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
 _BLOCK = 1 << 20
@@ -189,6 +191,7 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
     """
     build_dir = Path(build_dir)
     manifest = manifest if manifest is not None else Manifest.from_json(build_dir)
+    warn_if_other_torch(manifest, build_dir)
     indices = range(manifest.num_stages) if stages is None else [manifest.stage(i).index for i in stages]
     model_file = None
     if model:
@@ -215,6 +218,22 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
         if weights:
             tensors[i] = read_checked_file(build_dir / sm.weights, sm.weights_sha256, "stage weights", keep=False)
     return CheckedBuild(build_dir, manifest, model_file, plan_file, sources, tensors)
+
+
+class TorchVersionWarning(UserWarning):
+    """A build is used under another torch release than the one that built it."""
+
+
+def warn_if_other_torch(manifest: Manifest, build_dir: str | Path) -> None:
+    """Warn (``TorchVersionWarning``) when ``build_dir`` was built by another torch release (its local
+    part, ``+cpu``, aside): its stages' code was emitted for the operators of that release."""
+    import torch
+
+    built, here = manifest.torch_version.split("+")[0], torch.__version__.split("+")[0]
+    if built and built != here:
+        warnings.warn(f"fxpipe: {shown(build_dir)} was built with torch {built}, this is torch {here}; its stages' "
+                      "code was emitted for the other release: if loading, verify or training fails, rebuild it "
+                      "with `fxpipe partition`", TorchVersionWarning, stacklevel=3)
 
 
 def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tensor]:

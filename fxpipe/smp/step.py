@@ -125,7 +125,7 @@ def step(fn: F) -> F:
             raise ConfigError("a @step function was called before any DistributedModel exists; wrap the model "
                               "first: model = fxpipe.DistributedModel(model)")
         M = st.config.microbatches
-        per_mb = split_targets((args, kwargs), M)
+        per_mb = split_targets((args, kwargs), M, setting="'microbatches' in fxpipe.init's config")
         model._begin_step()
         results = []
         try:

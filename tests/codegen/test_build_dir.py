@@ -142,3 +142,12 @@ def test_an_empty_folder_and_a_build_may_be_replaced(traced: Any, tmp_path: Path
     assert check_build_target(tmp_path / "empty") == tmp_path / "empty"
     _write(traced, tmp_path / "build", 2)
     assert check_build_target(tmp_path / "build") == tmp_path / "build"
+
+
+def test_every_file_of_a_build_has_the_same_mode(traced: Any, tmp_path: Path) -> None:
+    """The weights too (safetensors writes 0600): another user who can read the sources can load the build."""
+    _write(traced, tmp_path / "build", 2)
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "build").iterdir()}
+    assert set(modes.values()) == {0o666 & ~mask}, modes

@@ -143,3 +143,22 @@ def test_package_root_exposes_the_seed_surface() -> None:
     assert not missing, f"fxpipe does not re-export {missing}"
     assert fxpipe.amp.GradScaler is api.GradScaler
     assert fxpipe.partition is fxpipe.tracer.partition
+
+
+def test_an_uneven_batch_names_the_config_key_not_a_cli_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seed-API user sets 'microbatches' in fxpipe.init's config; there is no --microbatches (#35 item 16)."""
+    import importlib
+    from types import SimpleNamespace
+
+    step_module = importlib.import_module("fxpipe.smp.step")
+    monkeypatch.setattr(step_module, "current",
+                        lambda: SimpleNamespace(model=object(), config=SimpleNamespace(microbatches=3)))
+
+    @step_module.step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with pytest.raises(ConfigError) as info:
+        train(torch.zeros(4, 2))
+    assert "set 'microbatches' in fxpipe.init's config to one of [1, 2, 4]" in str(info.value)
+    assert "--microbatches" not in str(info.value)

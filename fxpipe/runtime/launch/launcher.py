@@ -114,9 +114,12 @@ def torchrun_command(build_dir: str | Path, nproc: int, port: int, worker_args: 
 def _torchrun_args(build_dir: str | Path, nproc: int, port: int, worker_args: list[str],
                    log_dir: Path | None = None) -> list[str]:
     logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
+    where = str(build_dir)
+    if where.startswith("-"):  # a build named "-b" is a path to the worker's parser, not an option
+        where = os.path.join(".", where)
     return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-conf", "is_host=1", "--max-restarts", "0", *logs,
-            "-m", "fxpipe.runtime.launch.worker", str(build_dir), *worker_args]
+            "-m", "fxpipe.runtime.launch.worker", where, *worker_args]
 
 
 @dataclass

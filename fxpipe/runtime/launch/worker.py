@@ -66,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.pop(PARENT_PID_ENV, None)  # not for this rank's own children
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    if job_dir() is not None:  # fxpipe run warned once, in the launcher
+        import warnings
+
+        from fxpipe.codegen.integrity import TorchVersionWarning
+
+        warnings.simplefilter("ignore", TorchVersionWarning)
     try:
         from fxpipe.runtime.train.loop import train
 

@@ -259,6 +259,9 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, torch
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         save_file(state, str(tmp), metadata={"format": "pt", "source": "fxpipe export"})
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors writes 0600; a model file is shared like any other
         os.replace(tmp, target)
     except OSError as exc:
         raise CheckpointError(f"cannot write --out {str(out)!r}: {exc.strerror or exc}") from None
