@@ -117,3 +117,18 @@ def test_a_rendezvous_that_cannot_listen_fails_at_once(leaf_copy: Path, monkeypa
     finally:
         busy.close()
     assert time.monotonic() - start < 60
+
+
+def test_start_up_says_what_it_is_doing_phase_by_phase(leaf_copy: Path) -> None:
+    """Not 45 s of silence: each start-up phase has its line, in order, before the first step's (#35 item 17).
+
+    Piped (not a terminal), on standard output: standard error keeps only an error line."""
+    proc = _run(leaf_copy, "--steps", "2", "--timeout", "60", "--log-every", "5")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    expected = ["fxpipe: check (", "fxpipe: start 2 ranks: each imports torch", "fxpipe: rank 0 of 2 is up; loading",
+                "fxpipe: stages loaded, process group up; first step (", "fxpipe run: 2 stages on 2 ranks",
+                "fxpipe: first step done in ", "step    2/2"]
+    lines = proc.stdout.splitlines()
+    found = [next((i for i, line in enumerate(lines) if line.startswith(e)), None) for e in expected]
+    assert None not in found and found == sorted(found), proc.stdout
+    assert "s after launch)" in lines[found[2]]

@@ -26,6 +26,16 @@ the agent picks itself (``127.0.0.1:0``, the store's host by configuration), so 
 be taken between choosing it and using it, and a rendezvous that cannot start fails at
 once instead of waiting for the timeout as a client of whatever holds the port.
 
+Note [start-up phases]: a job spends from 45 s to minutes before its first step (every
+rank imports torch, loads and checks its stages, joins the process group, allocates in
+the first step), so each phase says what it is doing as it starts: the launcher's ``check``
+(the build and the first batch, a ``phase`` of ``fxpipe.tracer.progress`` as in ``fxpipe
+partition``) and ``start N ranks`` (on the same stream: standard error on a terminal,
+else standard output, so that standard error keeps only the error line), then rank 0's
+own lines, in order with the rest of its output (``fxpipe.runtime.train.log.start_up_note``,
+timed from the launch): when it is up and loads its stages, when every rank has loaded and
+the first step runs, and when that step is done if its log line comes later.
+
 Note [stopping fxpipe run]: ``SIGTERM`` and ``SIGHUP`` to the launcher stop the job as
 Ctrl-C does (``become_launcher``): the agent is asked to stop its workers, the temporary
 folder is removed, and ``fxpipe run`` prints ``error: stopped by SIGTERM ...`` and exits
@@ -70,8 +80,9 @@ from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV
 from fxpipe.runtime.launch.reports import JOB_DIR_ENV, RankError, read_agent_failures, read_rank_errors
 from fxpipe.runtime.train.run_options import RunOptions, with_plan_defaults
 from fxpipe.runtime.train.run_record import RunRecord
-from fxpipe.runtime.train.log import PROGRESS_ENV, ProgressBar
+from fxpipe.runtime.train.log import PROGRESS_ENV, STARTED_ENV, ProgressBar
 from fxpipe.runtime.launch.worker import DEBUG_ENV
+from fxpipe.tracer.progress import note, phase
 from fxpipe.unexpected import SignalStop
 
 __all__ = ["run_build", "torchrun_command", "free_port", "become_launcher"]
@@ -173,16 +184,19 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     >>> result.losses, result.step_seconds  # doctest: +SKIP
     """
     build_dir = Path(build_dir)
-    manifest = Manifest.from_json(build_dir)
-    checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
-    # the plan's replicas and sharding where the options leave them open; checks the options that need
-    # 2+ replicas before any process starts
-    options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
-    replicas = options.dp or 1
-    _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
-    from fxpipe.runtime.launch.preflight import preflight
+    sinks = (sys.stdout, sys.stderr)  # before any phase's live display replaces them (Note [start-up phases])
+    with phase("check") as checking:
+        manifest = Manifest.from_json(build_dir)
+        checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+        # the plan's replicas and sharding where the options leave them open; checks the options that need
+        # 2+ replicas before any process starts
+        options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
+        replicas = options.dp or 1
+        _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
+        from fxpipe.runtime.launch.preflight import preflight
 
-    options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+        options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+        checking.detail = "the build's files, the model file, the first batch"
     out = build_dir / "run.json"
     out.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-", ignore_cleanup_errors=True) as tmp:
@@ -192,8 +206,11 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
         (folder / "reports").mkdir()
         args = _torchrun_args(build_dir, manifest.num_ranks * replicas, 0, ["--options", str(options_file)],
                               log_dir=folder / "torchelastic")
+        if not quiet:
+            note(f"start {manifest.num_ranks * replicas} ranks: each imports torch, loads its stages and joins the "
+                 "process group")
         job = _start([sys.executable, "-m", "fxpipe.runtime.launch.agent", *args], quiet, debug, folder / "reports",
-                     build_dir)
+                     build_dir, sinks)
         returncode = _wait(job)
         reported, failures = job.errors(), job.failures()
     if returncode == 0 and out.is_file():
@@ -219,7 +236,8 @@ def _check_world(device: Any, stages: int, replicas: int) -> None:
             f"run --dp {max(gpus // stages, 1)} (the plan's replicas are the default), or --device cpu")
 
 
-def _start(cmd: list[str], quiet: bool, debug: bool, reports: Path | None = None, build_dir: Path | None = None) -> _Job:
+def _start(cmd: list[str], quiet: bool, debug: bool, reports: Path | None = None, build_dir: Path | None = None,
+           sinks: tuple[IO[str] | None, IO[str] | None] | None = None) -> _Job:
     # torchrun would set OMP_NUM_THREADS=1 anyway, with a banner; set it quietly instead.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), PARENT_PID_ENV: str(os.getpid()),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(_SHUTDOWN_S)}
@@ -227,13 +245,15 @@ def _start(cmd: list[str], quiet: bool, debug: bool, reports: Path | None = None
     env.pop(JOB_DIR_ENV, None)
     if reports is not None:
         env[JOB_DIR_ENV] = str(reports)
+        env[STARTED_ENV] = repr(time.time())  # rank 0's start-up lines say how long since (Note [start-up phases])
     env[PROGRESS_ENV] = "1" if not quiet and sys.stdout is not None and sys.stdout.isatty() else "0"
     if debug:
         env[DEBUG_ENV] = "1"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                             env=isolated_env(env, str(build_dir)) if build_dir is not None else env)
     job = _Job(proc, reports)
-    for stream, sink in ((proc.stdout, None if quiet else sys.stdout), (proc.stderr, None if quiet else sys.stderr)):
+    out, err = sinks if sinks is not None else (sys.stdout, sys.stderr)
+    for stream, sink in ((proc.stdout, None if quiet else out), (proc.stderr, None if quiet else err)):
         assert stream is not None
         job.threads.append(threading.Thread(target=_tee, args=(job, stream, sink), daemon=True))
         job.threads[-1].start()

@@ -87,3 +87,4 @@ def read_agent_failures(folder: Path) -> list[dict[str, Any]]:
     except (OSError, ValueError):
         return []
     return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+

@@ -39,7 +39,7 @@ from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.pipeline.p2p import peer_error
 from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
 from fxpipe.runtime.pipeline.runner import PipelineRunner
-from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted
+from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted, start_up_note
 from fxpipe.userfiles import shown
 from fxpipe.runtime.train.checkpoint import (has_checkpoint, load_training_checkpoint, restore_training_state,
                                              save_training_checkpoint, training_state)
@@ -113,6 +113,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     eval_fn = find_batches(source, t.eval_data, EVAL_FN) or train_fn
     target_dims = target_batch_dims(source, batch) if source.has_loss_fn and source.has(source.targets_fn) else None
     lr = options.lr
+    lead_rank = os.environ.get("RANK", "0") == "0"
+    if lead_rank:  # Note [start-up phases] in fxpipe.runtime.launch.launcher
+        start_up_note(f"rank 0 of {world} is up; loading its stages and joining the process group")
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
                         microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
                         scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
@@ -124,6 +127,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         schedule = runner.schedule.name
         info = rank_info(runner)
         lead = runner.rank == 0
+        if lead:
+            start_up_note("stages loaded, process group up; first step")
         samples = batch * replicas
         history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
         first = position = 0
@@ -161,6 +166,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             start = time.perf_counter()
             loss = runner.step(inputs, targets)
             seconds.append(time.perf_counter() - start)
+            if k == first and runner.rank == 0 and not (k + 1) % t.log_every == 0 and k + 1 != options.steps:
+                start_up_note(f"first step done in {seconds[-1]:.2f} s")  # its log line comes later
             window.append(seconds[-1])
             history["losses"].append(_mean_over_replicas(loss, runner))  # outside the timed step
             history["lrs"].append(float(lr_now))
