@@ -13,7 +13,8 @@ nothing, and no ``except`` can stop it. While fxpipe runs user code it replaces
 ``os._exit`` (and ``posix._exit``) with a function that raises ``ExitCalled``, a
 ``BaseException`` like ``SystemExit``, in the thread that runs under ``exits_raise()``;
 the CLI and the model-file loader then report it as one error line with a non-zero exit.
-Any other thread's call, and a call after the block, ends the process as before.
+Any other thread's call, a call after the block, and a call in a process forked inside
+it (``multiprocessing`` ends its children with ``os._exit``) end the process as before.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ def _exit(status: int) -> NoReturn:
     if getattr(_GUARDED, "depth", 0):
         raise ExitCalled(status)
     _REAL_EXIT(status)
+
+
+def _forked() -> None:
+    """A forked child (multiprocessing, a compile worker) ends with ``os._exit``: it must really end there."""
+    _GUARDED.depth = 0
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager

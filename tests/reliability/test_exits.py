@@ -72,3 +72,13 @@ def test_os_exit_outside_user_code_still_exits() -> None:
             "os._exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=fxpipe_env(), timeout=60)
     assert proc.returncode == 3 and proc.stdout.strip() == "5"
+
+
+def test_a_child_forked_inside_the_guard_still_exits() -> None:
+    """multiprocessing's fork start method ends each child with os._exit: the child must end there, not run on."""
+    code = ("import multiprocessing as mp\nfrom fxpipe.unexpected import exits_raise\n"
+            "def work():\n    pass\n"
+            "with exits_raise():\n    p = mp.get_context('fork').Process(target=work)\n    p.start()\n    p.join(60)\n"
+            "    print('child exit code', p.exitcode)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=fxpipe_env(), timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "child exit code 0", (proc.stdout, proc.stderr)
