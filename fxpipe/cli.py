@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,7 +24,8 @@ from fxpipe.optionspec import add_arguments, from_namespace
 from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.search.args import add_cluster_arguments
 from fxpipe.tracer.trace_options import ModelTraceOptions
-from fxpipe.unexpected import internal_error_line, print_safely
+from fxpipe.unexpected import SignalStop, exits_raise, internal_error_line, one_line, print_safely
+from fxpipe.userfiles import check_regular, refuse_overwrite, shown
 
 __all__ = ["main", "build_parser"]
 
@@ -56,6 +59,13 @@ def _console() -> Any:
 
     # Piped output (CI logs, files) gets room for the tables instead of rich's 80 columns.
     return Console(width=None if sys.stdout.isatty() else 132)
+
+
+def _shown(path: str | Path) -> str:
+    """A path for a rich console line: escaped if it holds a newline (``userfiles.shown``), and never read as markup."""
+    from rich.markup import escape
+
+    return escape(shown(path))
 
 
 def _load_source(args: argparse.Namespace) -> Any:
@@ -116,12 +126,14 @@ def _microbatching(batch_size: int | None, microbatches: int | None, stages: int
     return b, m
 
 
-def _write_artifact(out_arg: str, text: str) -> Path:
-    """Write ``text`` to ``--out`` whole or not at all; an unwritable path is one error line."""
+def _write_artifact(out_arg: str, text: str, reads: Sequence[str | Path] = (), option: str = "--out") -> Path:
+    """Write ``text`` to ``--out`` whole or not at all, never over a file the verb ``reads``; an unwritable
+    path is one error line."""
     from fxpipe.codegen.builddir import replace_file
     from fxpipe.errors import ConfigError
 
     out = Path(out_arg)
+    refuse_overwrite(out, reads, option, ConfigError)
     if out.is_dir():
         raise ConfigError(f"--out {out_arg!r} is a directory; name a file, e.g. {str(out / 'out.json')!r}")
     try:
@@ -138,13 +150,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     source = _load_source(args)
     traced = _trace(args, source, args.batch_size)
     _enter("writing the profile")
-    out = _write_artifact(args.out, traced.profile.to_json())
+    out = _write_artifact(args.out, traced.profile.to_json(), reads=[source.path])
     _enter("printing the profile")
     console = _console()
     print_profile_table(traced.profile, console=console)
     for reason in traced.profile.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
-    console.print(f"[green]wrote[/] {out} ({len(traced.profile.units)} units, frontend {traced.frontend})")
+    console.print(f"[green]wrote[/] {_shown(out)} ({len(traced.profile.units)} units, frontend {traced.frontend})")
     return 0
 
 
@@ -156,7 +168,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _check_stages(args.stages)
     options = from_namespace(PlanOptions, args)
     _enter("reading the profile")
-    profile = ModelProfile.from_json(args.profile)
+    if args.profile.endswith(".py") or re.search(r"\.py:\w+$", args.profile):
+        from fxpipe.errors import ProfileError
+
+        raise ProfileError(f"`fxpipe plan` takes a profile.json written by `fxpipe trace`, not a model file "
+                           f"({shown(args.profile)}); `fxpipe partition MODEL.py --stages N` traces, plans and "
+                           "writes the build in one go, `fxpipe trace MODEL.py` writes the profile")
+    profile = ModelProfile.from_json(Path(args.profile))  # a Path: a file named {exp1} is never read as JSON text
     if args.devices is not None:
         from fxpipe.partitioner.search.configurations import plan_configuration
 
@@ -166,21 +184,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                   time_limit=options.time_limit)
         from fxpipe.jsonio import dump_json
 
-        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"))
+        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"),
+                        reads=[args.profile])
     else:
         stages = _check_stages(options.stages)
         plan = _plan(options, profile, stages, stages if options.microbatches is None else options.microbatches)
     _enter("writing the plan")
-    out = _write_artifact(args.out, plan.to_json())
+    out = _write_artifact(args.out, plan.to_json(), reads=[args.profile])
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, profile, console=console)
-    console.print(f"[green]wrote[/] {out}")
+    console.print(f"[green]wrote[/] {_shown(out)}")
     if args.html:
         from fxpipe.partitioner.report.html import render_html_report
 
         _enter("writing the report")
-        console.print(f"[green]wrote[/] {_write_artifact(args.html, render_html_report(plan, profile))}")
+        html = _write_artifact(args.html, render_html_report(plan, profile), reads=[args.profile, out], option="--html")
+        console.print(f"[green]wrote[/] {_shown(html)}")
     return 0
 
 
@@ -220,7 +240,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
         console.print(f"[yellow]skipped[/] {reason}")
     placed = (f"{plan.num_stages} stages" if plan.virtual_stages == 1 else
               f"{plan.num_stages} stages, {plan.virtual_stages} per rank on {plan.num_ranks} ranks")
-    console.print(f"[green]wrote[/] build directory {out}/ ({placed}; open {out}/report.html)")
+    console.print(f"[green]wrote[/] build directory {_shown(out)}/ ({placed}; open {_shown(out / 'report.html')})")
     return 0
 
 
@@ -231,8 +251,7 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
 
     d = Path(build_dir)
     for name in ("plan.json", "profile.json"):
-        if (d / name).exists() and not (d / name).is_file():
-            raise BuildDirError(f"{d / name} is not a regular file; rebuild with `fxpipe partition`")
+        check_regular(d / name, name, BuildDirError, "rebuild with `fxpipe partition`")
         if not (d / name).is_file():
             raise BuildDirError(f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first")
     return PartitionPlan.from_json(d / "plan.json"), ModelProfile.from_json(d / "profile.json")
@@ -256,7 +275,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print_measurement(plan, measured, console)
     if args.html:
         path = write_report(args.build_dir, plan, profile, measured=measured)
-        console.print(f"[green]wrote[/] {path}")
+        console.print(f"[green]wrote[/] {_shown(path)}")
     return 0
 
 
@@ -310,15 +329,54 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _enter("exporting the checkpoint")
     state = export_checkpoint(args.checkpoint_dir, args.out)
-    print(f"wrote {args.out}: {len(state)} tensors under the original model's keys")
+    print(f"wrote {shown(args.out)}: {len(state)} tensors under the original model's keys")
     return 0
 
 
 # -- entry point ---------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (no usage dump) that names the verb an option belongs to
+    when it was given to another (``partition --optimizer adamw``: ``fxpipe run`` trains with AdamW)."""
+
+    verbs: dict[str, argparse.ArgumentParser] = {}
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, one_line(f"error: {self.prog}: {_elsewhere(self, message) or message}; "
+                              f"see `{self.prog} --help`") + "\n")
+
+
+def _help(parser: argparse.ArgumentParser, flag: str) -> str:
+    action = parser._option_string_actions[flag]
+    return (action.help or "").split(" (default")[0] % {"choices": ", ".join(map(str, action.choices or ()))}
+
+
+def _elsewhere(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """The error for a flag (and value) that ``parser`` refuses and another verb takes; ``None`` if none does."""
+    choice = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '([^']*)'", message)
+    if choice:
+        wanted: list[tuple[str, str | None]] = [(choice.group(1), choice.group(2))]
+    elif message.startswith("unrecognized arguments: "):
+        wanted = [(word.split("=")[0], None) for word in message.split()[2:] if word.startswith("-")]
+    else:
+        return None
+    for flag, value in wanted:
+        for other in _Parser.verbs.values():
+            action = other._option_string_actions.get(flag)
+            if other is parser or action is None or not (value is None or action.choices is None
+                                                        or value in action.choices):
+                continue
+            given = flag if value is None else f"{flag} {value}"
+            text = f"`{given}` is an option of `{other.prog}` ({_help(other, flag)})"
+            if flag in parser._option_string_actions:
+                text += f"; here {flag} is the {_help(parser, flag)}"
+            return text
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fxpipe",
         description="Ahead-of-time pipeline-parallel compiler for PyTorch.",
     )
@@ -379,34 +437,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint_dir", help="a --checkpoint-dir of `fxpipe run`")
     p.add_argument("--out", default="model.safetensors", help="the file to write (default model.safetensors)")
     p.set_defaults(func=cmd_export)
+    _Parser.verbs = dict(sub.choices)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _standard_streams()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except FxpipeError as exc:  # a flag's own parser (--betas 0.9, --memory-limit lots)
+        print_safely(one_line(f"error: {exc}"))
+        return exc.exit_code
+    if extra:
+        _Parser.verbs[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
     _enter(f"running `fxpipe {args.verb}`")
     try:
         from fxpipe.tracer.progress import reporting
 
-        # the long phases: progress on a terminal, else one line each on stdout (stderr keeps only errors)
-        with reporting(sys.stderr, lines=sys.stdout):
+        # the long phases: progress on a terminal, else one line each on stdout (stderr keeps only errors);
+        # a model's os._exit() is an error, never a silent exit 0 (Note [os._exit in user code])
+        with reporting(sys.stderr, lines=sys.stdout), exits_raise():
             return int(args.func(args) or 0)
     except FxpipeError as exc:
         if args.debug:
             raise
-        print_safely(f"error: {exc}")
+        print_safely(f"error: {exc if exc.multiline else one_line(str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         print_safely("error: interrupted")
         return 130
+    except SignalStop as exc:  # fxpipe run: Note [stopping fxpipe run]
+        print_safely(f"error: {exc}; the job and its temporary files were removed")
+        return 128 + exc.signum
     except BrokenPipeError:
         return _output_closed()
     except BaseException as exc:  # a bug, or SystemExit from a model file: one line, never a traceback
         if args.debug:
             raise
-        print_safely(f"error: {internal_error_line(exc, _PHASE[0])}")
+        print_safely(f"error: {one_line(internal_error_line(exc, _PHASE[0]))}")
         return 2
+
+
+def _standard_streams() -> None:
+    """A standard stream that was closed before the process started (``fxpipe verify build >&-``) is ``None``
+    in Python: point it at /dev/null, so that the verb still runs and its exit code still says the result."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - for the process's life
 
 
 def _output_closed() -> int:

@@ -31,9 +31,14 @@ __all__ = [
 
 
 class FxpipeError(Exception):
-    """Base class of errors whose message tells the user what to change."""
+    """Base class of errors whose message tells the user what to change.
+
+    The CLI prints the message as one line, with any character that is not printable (a
+    newline in a path) escaped, unless the class sets ``multiline`` (a report laid out over
+    lines on purpose, such as a schedule's grid)."""
 
     exit_code: int = 2
+    multiline: bool = False
 
 
 class ModelFileError(FxpipeError):
@@ -42,6 +47,8 @@ class ModelFileError(FxpipeError):
 
 class TraceError(FxpipeError):
     """Neither front end could trace the model."""
+
+    multiline = True  # one line per front end, then the fix
 
 
 class ProfileError(FxpipeError):
@@ -86,6 +93,8 @@ class PeerError(FxpipeError):
 
 class ScheduleError(RuntimeSetupError):
     """A schedule would compute the wrong thing or deadlock."""
+
+    multiline = True  # the action lists as a grid, the failing action marked
 
 
 class StepError(FxpipeError):

@@ -14,6 +14,7 @@ from typing import Any
 
 from fxpipe.errors import FxpipeError
 from fxpipe.schema import find_non_finite
+from fxpipe.userfiles import read_regular
 
 __all__ = ["dump_json", "load_json", "check_schema_version"]
 
@@ -34,18 +35,18 @@ def dump_json(data: dict[str, Any], path: str | Path | None = None, *, what: str
 
 
 def load_json(source: str | Path, what: str, error: type[FxpipeError]) -> dict[str, Any]:
-    """Parse a JSON object from a path or from JSON text; ``what`` names it in errors."""
+    """Parse a JSON object from a path or from JSON text; ``what`` names it in errors.
+
+    A ``Path`` is always a file (a folder named ``{exp1}`` too); a ``str`` is JSON text when it starts with ``{``."""
     text = str(source)
-    if not text.lstrip().startswith("{"):
+    if isinstance(source, Path) or not text.lstrip().startswith("{"):
         path = Path(source)
-        if not path.is_file():  # a FIFO or a device is refused, never read (it could block)
-            raise error(f"{what} file {str(path)!r} {'is not a regular file' if path.exists() else 'does not exist'}")
-        try:
-            text = path.read_text(encoding="utf-8")
+        try:  # a FIFO or a device is refused, never read (Note [regular files only] in fxpipe.userfiles)
+            text = read_regular(path, f"{what} file", error).decode("utf-8")
+        except FileNotFoundError:
+            raise error(f"{what} file {str(path)!r} does not exist") from None
         except UnicodeDecodeError as exc:
             raise error(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        except OSError as exc:
-            raise error(f"cannot read {what} file {str(path)!r}: {exc.strerror or exc}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from fxpipe.errors import ModelFileError
+from fxpipe.errors import FxpipeError, ModelFileError
+from fxpipe.unexpected import ExitCalled, exits_raise
+from fxpipe.userfiles import open_regular, read_regular
 
 if TYPE_CHECKING:
     from fxpipe.model_inputs import ModelInputs
@@ -34,7 +37,7 @@ __all__ = ["ModelSource", "load_model_file", "import_model_module", "import_mode
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a file's bytes."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "file", FxpipeError), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -62,12 +65,12 @@ def import_model_module(path: str | Path) -> ModuleType:
     pinned = _pinned.get(name)
     if pinned is not None:
         return pinned
-    if not path.is_file():
-        what = "is not a regular file" if path.exists() else "does not exist"
-        raise ModelFileError(f"model file {str(path)!r} {what}")
+    try:  # a FIFO is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
+        data = read_regular(path, "model file", ModelFileError)
+    except FileNotFoundError:
+        raise ModelFileError(f"model file {str(path)!r} does not exist") from None
     if path.suffix != ".py":
         raise ModelFileError(f"cannot import {str(path)!r}: not a Python file")
-    data = path.read_bytes()
     module = sys.modules.get(name)
     if module is not None and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest():
         return module
@@ -118,7 +121,8 @@ def _execute(path: Path, name: str, data: bytes) -> ModuleType:
     previous = sys.modules.get(name)
     sys.modules[name] = module
     try:
-        exec(compile(data, str(path), "exec"), module.__dict__)  # noqa: S102 - the user's own model file
+        with exits_raise():  # os._exit() at import is an error, not a silent exit 0 (Note [os._exit in user code])
+            exec(compile(data, str(path), "exec"), module.__dict__)  # noqa: S102 - the user's own model file
     except BaseException as exc:
         if previous is None:
             del sys.modules[name]
@@ -133,6 +137,8 @@ def _execute(path: Path, name: str, data: bytes) -> ModuleType:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"it called sys.exit({exc.code!r}); a model file must define functions, not end the program"
+    if isinstance(exc, ExitCalled):
+        return f"it called os._exit({exc.code!r}); a model file must define functions, not end the program"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -157,8 +163,9 @@ class ModelSource:
         if not callable(fn):
             raise ModelFileError(f"{self.path.name} defines no function {name}()")
         try:
-            return fn(*args)
-        except (Exception, SystemExit) as exc:
+            with exits_raise():
+                return fn(*args)
+        except (Exception, SystemExit, ExitCalled) as exc:
             raise ModelFileError(f"{self.path.name}:{name}() raised {_describe(exc)}") from exc
 
     def build_model(self) -> Any:

@@ -11,20 +11,35 @@ A fault of the user's disk (full, over quota, read-only, failing) is no internal
 ``internal_error_line`` says so in one line, ``OSError`` and errno named, with the file when
 known (``disk_error``: the ``OSError`` itself, one it was raised from, or an error of
 safetensors' writer that carries its ``os error N``).
+
+Note [os._exit in user code]: ``os._exit(0)`` in a model file (at import, in
+``build_model``, in a traced ``forward``) would end the process with status 0 having done
+nothing, and no ``except`` can stop it. While fxpipe runs user code it replaces
+``os._exit`` (and ``posix._exit``) with a function that raises ``ExitCalled``, a
+``BaseException`` like ``SystemExit``, in the thread that runs under ``exits_raise()``;
+the CLI and the model-file loader then report it as one error line with a non-zero exit.
+Any other thread's call, a call after the block, and a call in a process forked inside
+it (``multiprocessing`` ends its children with ``os._exit``) end the process as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import posix
 import re
+import signal
 import sys
 import sysconfig
+import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
-__all__ = ["internal_error_line", "user_frame", "print_safely", "disk_error", "disk_error_line"]
+__all__ = ["internal_error_line", "user_frame", "print_safely", "disk_error", "disk_error_line", "one_line",
+           "ExitCalled", "exits_raise", "SignalStop"]
 
 _MAX_MESSAGE = 300
 
@@ -63,9 +78,67 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return found
 
 
+class SignalStop(BaseException):
+    """A termination signal (``SIGTERM``, ``SIGHUP``) asked this process to stop; raised by the handler of a
+    process that cleans up first (``fxpipe run``: Note [stopping fxpipe run] in ``fxpipe.runtime.launch.launcher``)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+        super().__init__(f"stopped by {self.name}")
+
+
+class ExitCalled(BaseException):
+    """``os._exit(code)`` was called by code running under ``exits_raise()`` (Note [os._exit in user code])."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"os._exit({code!r}) was called")
+        self.code = code
+
+
+_REAL_EXIT = os._exit
+_GUARDED = threading.local()
+_LOCK = threading.Lock()
+_ACTIVE = [0]  # blocks open in any thread; os._exit is replaced while this is > 0
+
+
+def _exit(status: int) -> NoReturn:
+    if getattr(_GUARDED, "depth", 0):
+        raise ExitCalled(status)
+    _REAL_EXIT(status)
+
+
+def _forked() -> None:
+    """A forked child (multiprocessing, a compile worker) ends with ``os._exit``: it must really end there."""
+    _GUARDED.depth = 0
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+@contextlib.contextmanager
+def exits_raise() -> Iterator[None]:
+    """Inside the block, ``os._exit(code)`` called by this thread raises ``ExitCalled(code)``."""
+    with _LOCK:
+        if _ACTIVE[0] == 0:
+            os._exit = posix._exit = _exit
+        _ACTIVE[0] += 1
+    _GUARDED.depth = getattr(_GUARDED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _GUARDED.depth -= 1
+        with _LOCK:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                os._exit = posix._exit = _REAL_EXIT
+
+
 def _message(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"sys.exit({exc.code!r}) was called"
+    if isinstance(exc, ExitCalled):
+        return str(exc)
     lines = str(exc).strip().splitlines()
     text = lines[0].strip() if lines else ""
     if len(lines) > 1 or len(text) > _MAX_MESSAGE:
@@ -116,6 +189,12 @@ def internal_error_line(exc: BaseException, phase: str) -> str:
     frame = user_frame(exc)
     where = f"at {Path(frame.filename).name}:{frame.lineno} in {frame.name}; " if frame is not None else ""
     return f"internal error while {phase}: {_message(exc)} ({where}rerun with --debug)"
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\n``, ``\\x1b``, ...), so a path or a
+    message that holds a newline prints as one line and cannot forge another (``error: ...``)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def print_safely(line: str, stream: TextIO | None = None) -> None:

@@ -3,8 +3,8 @@ back through others, and a worker loads the runtime, not the compiler.
 
 Note [layers]: fxpipe's packages form one order, lowest first::
 
-    errors, schema, jsonio, graphmeta, model_inputs, modelfile, calibration_data, optionspec, unexpected, _lazy
-        (the base)
+    errors, schema, jsonio, graphmeta, model_inputs, modelfile, calibration_data, optionspec, unexpected, userfiles,
+    _lazy (the base)
     < tracer < partitioner < codegen < runtime < {smp, sharding} < cli
 
 A module may import its own layer and any below it, never one above; ``smp`` and ``sharding`` are
@@ -25,8 +25,8 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fxpipe"
 
-BASE = {"errors", "schema", "jsonio", "graphmeta", "model_inputs", "modelfile", "unexpected", "calibration_data", "optionspec",
-        "_lazy"}
+BASE = {"errors", "schema", "jsonio", "graphmeta", "model_inputs", "modelfile", "unexpected", "calibration_data", "optionspec", "userfiles",
+        "userfiles", "_lazy"}
 RANK = {**dict.fromkeys(BASE, 0), "tracer": 1, "partitioner": 2, "codegen": 3, "runtime": 4, "smp": 5,
         "sharding": 5, "cli": 6}
 FACADE = {"fxpipe", "fxpipe.__main__", "fxpipe.amp"}

@@ -8,9 +8,10 @@ written (and, for ``write_build_dir``, checked against the model: Note [safety n
 removes the sibling and leaves the previous build byte-identical; a successful write drops every file of the
 previous build, so no stale ``stage_3.py`` of a 4-stage build outlives a 2-stage
 one. The swap is two renames (old aside, new in) followed by removing the old
-build. An existing directory is replaced only if it is a build directory (it holds
-a ``manifest.json``) or empty, and holds nothing but what fxpipe writes into one, so
-``--out .`` never deletes a user's files.
+build. An existing directory is replaced only if it is empty, or a build directory
+(it holds a ``manifest.json`` that this fxpipe reads) that holds nothing but what fxpipe
+writes into one, so neither ``--out .`` nor a folder of the user's ``report.html`` and
+``profile.json`` is ever deleted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Iterator
 
 from fxpipe.errors import BuildDirError
 
-__all__ = ["check_build_target", "staged_build_dir", "replace_file"]
+__all__ = ["check_build_target", "staged_build_dir", "replace_file", "normalize_modes"]
 
 # What fxpipe writes into a build directory: the build itself, and run.json of `fxpipe run`.
 _BUILD_FILES = re.compile(r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|shared\.py"
@@ -53,6 +54,8 @@ def check_build_target(out_dir: str | Path) -> Path:
             raise BuildDirError(f"--out {str(out_dir)!r} holds files that are not part of an fxpipe build "
                                 f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); a build replaces "
                                 "its directory as a whole, so choose a new or empty directory")
+        if entries:
+            _check_is_build(out, out_dir)
         if not os.access(out, os.W_OK | os.X_OK):
             raise BuildDirError(f"the build directory {str(out)!r} is not writable; choose another --out")
     parent = next((p for p in out.parents if p.exists()), None)
@@ -60,6 +63,18 @@ def check_build_target(out_dir: str | Path) -> Path:
         raise BuildDirError(f"cannot create the build directory {str(out)!r}: {str(parent)!r} is "
                             f"{'not a directory' if not parent.is_dir() else 'not writable'}; choose another --out")
     return out
+
+
+def _check_is_build(out: Path, out_dir: str | Path) -> None:
+    """Refuse a non-empty folder that is not a build this fxpipe wrote (its manifest is missing or unreadable)."""
+    from fxpipe.codegen.manifest import Manifest
+
+    try:
+        Manifest.from_json(out / "manifest.json")
+    except BuildDirError as exc:
+        what = "has no manifest.json" if not (out / "manifest.json").exists() else f"has a manifest it cannot read ({exc})"
+        raise BuildDirError(f"--out {str(out_dir)!r} is not empty and {what}, so it is not a build fxpipe wrote; "
+                            "a build replaces its directory as a whole, so choose a new or empty directory") from None
 
 
 @contextlib.contextmanager
@@ -81,12 +96,23 @@ def staged_build_dir(out_dir: str | Path) -> Iterator[Path]:
         raise BuildDirError(f"cannot write the build directory {str(out)!r}: {_reason(exc)}") from None
     try:
         yield tmp
+        normalize_modes(tmp)
         _swap(tmp, out)
     except OSError as exc:
         raise BuildDirError(f"writing the build directory {str(out)!r} failed, the previous build (if any) is "
                             f"unchanged: {_reason(exc)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def normalize_modes(folder: Path) -> None:
+    """Give every file in ``folder`` the mode a plain ``open()`` would (``0o666`` less the umask): safetensors
+    writes its files ``0600``, so a build's weights could not be read by the users its sources can."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~mask)
 
 
 def _sibling(out: Path, kind: str) -> Path:

@@ -37,6 +37,7 @@ from fxpipe.codegen.ownership import StageState, tensor_aliases
 from fxpipe.errors import WeightsError
 from fxpipe.graphmeta import BUFFER_VALUES_KEY, LIFTED_CONSTANT_PREFIX
 from fxpipe.tracer.meta import SKIPPED_ON_META
+from fxpipe.userfiles import check_regular
 
 if TYPE_CHECKING:
     from fxpipe.tracer.traced import TracedModel
@@ -87,6 +88,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if path.is_dir():
         return _open_directory(path)
+    check_regular(path, "--weights", WeightsError)  # Note [regular files only] in fxpipe.userfiles
     if not path.is_file():
         raise WeightsError(f"--weights {path}: no such file or directory")
     if path.suffix == ".safetensors":
@@ -130,6 +132,7 @@ def _open_safetensors(files: list[Path], path: Path, expected: dict[str, Path] |
     where: dict[str, Path] = {}
     ranges: dict[str, tuple[torch.dtype, int, int]] = {}
     for file in files:
+        check_regular(file, f"--weights {path}: shard", WeightsError)
         if not file.is_file():
             raise WeightsError(f"--weights {path}: shard {file.name} named by the index is missing")
         try:

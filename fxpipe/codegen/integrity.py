@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import BuildDirError
+from fxpipe.userfiles import open_regular, shown
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
     from fxpipe.modelfile import ModelSource
     from fxpipe.partitioner import PartitionPlan
 
-__all__ = ["CheckedFile", "CheckedBuild", "check_build", "check_shared", "read_checked_file", "model_import_needed"]
+__all__ = ["CheckedFile", "CheckedBuild", "check_build", "check_shared", "read_checked_file", "model_import_needed",
+           "TorchVersionWarning", "warn_if_other_torch"]
 
 _MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
 _BLOCK = 1 << 20
@@ -61,17 +63,9 @@ class CheckedFile:
 def _open_regular(path: Path, what: str) -> int:
     """A read-only descriptor of ``path``, refused unless it is a regular file; never blocks."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return open_regular(path, what, BuildDirError, _REBUILD)  # Note [regular files only] in fxpipe.userfiles
     except FileNotFoundError:
         raise BuildDirError(f"{what} {str(path)!r} is missing; {_REBUILD}") from None
-    except OSError as exc:
-        raise BuildDirError(f"cannot open {what} {str(path)!r}: {exc.strerror or exc}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise BuildDirError(f"{what} {str(path)!r} is {kind}, not a regular file; {_REBUILD}")
-    return fd
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -201,6 +195,7 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
     """
     build_dir = Path(build_dir)
     manifest = manifest if manifest is not None else Manifest.from_json(build_dir)
+    warn_if_other_torch(manifest, build_dir)
     indices = range(manifest.num_stages) if stages is None else [manifest.stage(i).index for i in stages]
     model_file = None
     if model:
@@ -239,6 +234,22 @@ def check_shared(build_dir: str | Path) -> CheckedFile:
     if not manifest.shared_source:
         raise BuildDirError(f"{build_dir}/manifest.json names no shared classes; {_REBUILD}")
     return read_checked_file(build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes")
+
+
+class TorchVersionWarning(UserWarning):
+    """A build is used under another torch release than the one that built it."""
+
+
+def warn_if_other_torch(manifest: Manifest, build_dir: str | Path) -> None:
+    """Warn (``TorchVersionWarning``) when ``build_dir`` was built by another torch release (its local
+    part, ``+cpu``, aside): its stages' code was emitted for the operators of that release."""
+    import torch
+
+    built, here = manifest.torch_version.split("+")[0], torch.__version__.split("+")[0]
+    if built and built != here:
+        warnings.warn(f"fxpipe: {shown(build_dir)} was built with torch {built}, this is torch {here}; its stages' "
+                      "code was emitted for the other release: if loading, verify or training fails, rebuild it "
+                      "with `fxpipe partition`", TorchVersionWarning, stacklevel=3)
 
 
 def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tensor]:

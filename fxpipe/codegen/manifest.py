@@ -23,6 +23,7 @@ from typing import Any
 from fxpipe.errors import BuildDirError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
+from fxpipe.userfiles import check_regular
 from fxpipe.tracer.call import CallSpec
 
 __all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "InitModel", "Manifest"]
@@ -280,8 +281,8 @@ class Manifest:
             path = Path(path)
             if path.is_dir():
                 path = path / "manifest.json"
-            if path.exists() and not path.is_file():  # a FIFO or a device: never read (it could block)
-                raise BuildDirError(f"{str(path)!r} is not a regular file; rebuild with `fxpipe partition`")
+            # a FIFO or a device: never read (it could block; Note [regular files only] in fxpipe.userfiles)
+            check_regular(path, "manifest", BuildDirError, "rebuild with `fxpipe partition`")
             if not path.is_file():
                 raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by "
                                     "`fxpipe partition`?")

@@ -38,6 +38,7 @@ from fxpipe.runtime.train.commit import (
     write_record,
 )
 from fxpipe.smp.state import current
+from fxpipe.userfiles import check_regular
 
 __all__ = ["CheckpointError", "save", "load", "checkpoint_path"]
 
@@ -204,6 +205,7 @@ def _torch_load(path: Path, map_location: Any, mmap: bool) -> Any:
     """``torch.load(weights_only=True)``; a full checkpoint is memory-mapped, so a rank that takes only its
     stage's keys from it (a model built on meta) reads only those pages (a file in torch's legacy
     format cannot be mapped: read whole)."""
+    check_regular(path, "checkpoint file", CheckpointError)  # never wait on a FIFO (Note [regular files only])
     if mmap:
         try:
             return torch.load(path, map_location=map_location, weights_only=True, mmap=True)

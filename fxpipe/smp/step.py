@@ -129,7 +129,7 @@ def step(fn: F) -> F:
                               "first: model = fxpipe.DistributedModel(model)")
         M = st.config.microbatches
         args, kwargs = first_stage_batch(fn, args, kwargs)  # Note [one batch per pipeline]
-        per_mb = split_targets((args, kwargs), M)
+        per_mb = split_targets((args, kwargs), M, setting="'microbatches' in fxpipe.init's config")
         model._begin_step()
         results = []
         try:

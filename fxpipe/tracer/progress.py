@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Iterator
 
-__all__ = ["phase", "progress_iter", "reporting", "Phase"]
+__all__ = ["phase", "progress_iter", "reporting", "Phase", "note"]
 
 
 @dataclass
@@ -109,6 +109,18 @@ def phase(name: str) -> Iterator[Phase]:
                 reporter.console.print(f"[dim]{text}[/]", highlight=False)
             else:
                 print(text, file=reporter.stream, flush=True)
+
+
+def note(text: str) -> None:
+    """Say ``fxpipe: <text>`` once, where the phases are reported (a step that begins and is not timed here,
+    such as a job that reports its own phases); nothing outside :func:`reporting`."""
+    reporter = _REPORTER[-1] if _REPORTER else None
+    if reporter is None:
+        return
+    if reporter.terminal:
+        reporter.console.print(f"[dim]fxpipe: {text}[/]", highlight=False, soft_wrap=True)
+    else:
+        print(f"fxpipe: {text}", file=reporter.stream, flush=True)
 
 
 def progress_iter(items: Iterable[Any], description: str, enabled: bool, total: int) -> Iterable[Any]:

@@ -154,3 +154,32 @@ def test_a_class_two_stages_use_is_written_once_in_shared_py(tmp_path: Path) -> 
     assert load_checked_stage(CheckedBuild.from_memory(files, [1], tmp_path / "elsewhere"), 1) is not None
     with pytest.raises(BuildDirError, match="shared classes shared.py is missing from the build"):
         CheckedBuild.from_memory({k: v for k, v in files.items() if k != "shared.py"}, [1], tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("manifest", [None, "{not json", '{"schema_version": 1}'])
+def test_a_folder_of_build_file_names_without_a_readable_manifest_is_refused(manifest: str | None,
+                                                                              tmp_path: Path) -> None:
+    """A user's report.html and profile.json (names a build also holds) are never replaced (#35 item 10)."""
+    (tmp_path / "report.html").write_text("<p>my report</p>")
+    (tmp_path / "profile.json").write_text("{}")
+    if manifest is not None:
+        (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(BuildDirError, match="not a build fxpipe wrote"):
+        check_build_target(tmp_path)
+    assert (tmp_path / "report.html").read_text() == "<p>my report</p>"
+
+
+def test_an_empty_folder_and_a_build_may_be_replaced(traced: Any, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    assert check_build_target(tmp_path / "empty") == tmp_path / "empty"
+    _write(traced, tmp_path / "build", 2)
+    assert check_build_target(tmp_path / "build") == tmp_path / "build"
+
+
+def test_every_file_of_a_build_has_the_same_mode(traced: Any, tmp_path: Path) -> None:
+    """The weights too (safetensors writes 0600): another user who can read the sources can load the build."""
+    _write(traced, tmp_path / "build", 2)
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "build").iterdir()}
+    assert set(modes.values()) == {0o666 & ~mask}, modes

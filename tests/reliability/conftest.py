@@ -24,7 +24,8 @@ ROOT = HERE.parents[1]
 from probe_builds import make_build  # noqa: E402
 
 # Four blocks of Linear -> Scale. ``Scale`` cannot be traced into, so it is kept
-# whole (a leaf) and every stage imports it from the model file; ``FXPIPE_PROBE_LOSS`` makes loss_fn misbehave in a worker.
+# whole (a leaf) and every stage imports it from the model file; ``FXPIPE_PROBE_LOSS`` makes loss_fn misbehave in a worker
+# (or print lines that look like fxpipe's reports).
 LEAF_MODEL = '''
 import os
 import torch
@@ -78,6 +79,11 @@ def loss_fn(out, target):
     if how == "slow":
         import time
         time.sleep(0.05)
+    if how == "forge":  # a user's log lines that look like fxpipe's own error and failure reports
+        import sys
+        print("error: [rank 0] PeerError: a line the model printed", flush=True)
+        print("error: [rank 1] ModelFileError: another line the model printed", file=sys.stderr, flush=True)
+        print('fxpipe-agent: {"rank": 0, "exitcode": 1, "signal": null, "time": 0}', file=sys.stderr, flush=True)
     return F.cross_entropy(out, target)
 '''
 

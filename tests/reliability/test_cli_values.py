@@ -70,6 +70,7 @@ RUN_VALUES = [
     (["--lr", "-1"], "--lr must be a number >= 0"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
     (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "1e12"], "--timeout must be at most 1e+08 seconds"),
     (["--microbatches", "0"], "--microbatches must be an int >= 1"),
     (["--batch-size", "0"], "--batch-size must be an int >= 1"),
     (["--dp", "0"], "--dp must be an int >= 1"),
@@ -156,7 +157,8 @@ def test_bad_model_files(name: str, tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_model_file_that_is_not_a_file(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "model.py"
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
-    assert "is not a regular file" in _one_line(capsys, ["trace", str(path)])
+    kind = "a FIFO" if kind == "fifo" else "a directory"
+    assert f"is {kind}, not a regular file" in _one_line(capsys, ["trace", str(path)])
 
 
 def test_an_unexpected_error_is_one_line_naming_the_phase(profile: Path, tmp_path: Path, monkeypatch,
@@ -184,3 +186,71 @@ def test_a_closed_stdout_ends_a_verb_quietly(profile: Path, tmp_path: Path, monk
     monkeypatch.setattr(fxpipe.partitioner, "print_plan_report", closed)
     assert main(["plan", str(profile), "--stages", "2", "--out", str(tmp_path / "p.json")]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_an_output_over_its_input_is_refused(profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace model.py --out model.py`` and ``plan p.json --out p.json`` would destroy what they read (#35 item 10b)."""
+    model = tmp_path / "model.py"
+    model.write_text(Path(MLP).read_text())
+    assert "writing it would destroy its input" in _one_line(capsys, ["trace", str(model), "--out", str(model)])
+    assert model.read_text() == Path(MLP).read_text()
+    mine = tmp_path / "profile.json"
+    mine.write_bytes(profile.read_bytes())
+    assert "writing it would destroy its input" in _one_line(capsys, ["plan", str(mine), "--stages", "2",
+                                                                       "--out", str(mine)])
+    assert mine.read_bytes() == profile.read_bytes()
+
+
+def test_plan_given_a_model_file_says_which_verb_takes_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line(capsys, ["plan", MLP, "--stages", "2", "--out", str(tmp_path / "p.json")])
+    assert "`fxpipe plan` takes a profile.json" in err and "fxpipe partition MODEL.py" in err and "JSON" not in err
+
+
+def test_an_option_of_another_verb_is_one_line_naming_that_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not argparse's usage dump: ``partition --optimizer adamw`` (partition's --optimizer is the memory model's)."""
+    with pytest.raises(SystemExit) as info:
+        main(["partition", MLP, "--stages", "2", "--optimizer", "adamw", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+    assert "`--optimizer adamw` is an option of `fxpipe run`" in err
+    with pytest.raises(SystemExit):
+        main(["partition", MLP, "--stages", "2", "--lr", "0.1"])
+    assert "`--lr` is an option of `fxpipe run`" in capsys.readouterr().err
+
+
+def test_a_flag_whose_own_parser_refuses_it_is_one_line(mlp_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--betas wants two numbers like 0.9,0.999, got '0.9'" in _one_line(capsys, ["run", str(mlp_copy),
+                                                                                    "--betas", "0.9"])
+
+
+def test_paths_that_start_with_a_brace_are_paths(mlp_project: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out '{exp1}'`` and then verify, report and plan of it: never read as JSON text (#35 item 16)."""
+    import shutil
+
+    build = tmp_path / "{exp1}"
+    shutil.copytree(mlp_project / "build", build)
+    shutil.copy(mlp_project / "model.py", tmp_path / "model.py")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # relative paths, as a user types them
+    try:
+        assert main(["verify", "{exp1}"]) == 0
+        assert main(["report", "{exp1}"]) == 0
+        assert main(["plan", "{exp1}/profile.json", "--stages", "2", "--out", "{exp2}.json"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert "error" not in capsys.readouterr().err
+    assert (tmp_path / "{exp2}.json").is_file()
+
+
+@pytest.mark.parametrize("verb", ["verify", "report"])
+def test_a_closed_standard_output_still_runs_the_verb(verb: str, mlp_copy: Path) -> None:
+    """``fxpipe verify build >&-``: the exit code still says the result."""
+    import subprocess
+    import sys
+
+    from procs import fxpipe_env
+
+    proc = subprocess.run(f'"{sys.executable}" -m fxpipe {verb} "{mlp_copy}" >&-', shell=True, capture_output=False,
+                          stderr=subprocess.PIPE, text=True, env=fxpipe_env(), timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

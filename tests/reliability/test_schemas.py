@@ -44,7 +44,7 @@ def _fifo(path: Path) -> None:
 WHOLE_FILE = {  # damage to any JSON artifact
     "not UTF-8": (_write_bytes(b"\xff\xfe\x00 garbage"), "is not UTF-8 text"),
     "empty": (_write_bytes(b""), "is not valid JSON"),
-    "a FIFO": (_fifo, "is not a regular file"),
+    "a FIFO": (_fifo, "is a FIFO, not a regular file"),
     "a JSON list": (_write_bytes(b"[1, 2]"), "must be a JSON object"),
 }
 

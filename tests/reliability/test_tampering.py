@@ -247,3 +247,19 @@ def test_weights_swapped_after_the_check_are_refused(leaf_copy: Path, monkeypatc
     monkeypatch.setattr("fxpipe.codegen.load.check_build", check_then_swap)
     with pytest.raises(BuildDirError, match="changed while it was being loaded"):
         load_stage(leaf_copy, 1)
+
+
+def test_a_build_of_another_torch_release_is_used_with_a_warning(mlp_copy: Path) -> None:
+    """The manifest records the torch that built it; another release gets one warning, the same none (#35 item 16)."""
+    import warnings
+
+    from fxpipe.codegen.integrity import TorchVersionWarning, check_build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TorchVersionWarning)
+        check_build(mlp_copy)  # built by this torch: no warning
+    data = json.loads((mlp_copy / "manifest.json").read_text())
+    data["torch_version"] = "1.13.1+cu117"
+    (mlp_copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.warns(TorchVersionWarning, match=r"was built with torch 1\.13\.1, this is torch"):
+        load_stage(mlp_copy, 0)

@@ -160,3 +160,14 @@ def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(t
         opt.step()
         want.append(sum(float(v) for v in losses) / 2)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))
+
+
+def test_a_build_named_like_an_option_reaches_the_worker_as_a_path() -> None:
+    """``fxpipe run ./-b``: the workers' parser must not take ``-b`` for an option (#35 item 16)."""
+    from fxpipe.runtime.launch.launcher import _torchrun_args
+    from fxpipe.runtime.launch.worker import parse_args
+
+    args = _torchrun_args(Path("-b"), 2, 0, ["--steps", "2"])
+    worker = args[args.index("fxpipe.runtime.launch.worker") + 1:]
+    parsed = parse_args(worker)
+    assert parsed.build_dir == Path("-b") and parsed.steps == 2

@@ -68,3 +68,9 @@ def test_the_build_plan_is_read_and_checked_before_training(tmp_path: Path) -> N
     manifest.to_json(tmp_path / "manifest.json")  # a build written before plan.json was hashed: still validated
     with pytest.raises(BuildDirError, match=r"plan.json: plan prediction.step_ms\['1f1b'\]: expected a number"):
         read_build_plan(tmp_path)
+
+
+def test_run_json_into_a_removed_build_directory_is_one_error(tmp_path: Path) -> None:
+    """A build directory removed while the job ran: a BuildDirError naming it, not an internal FileNotFoundError."""
+    with pytest.raises(BuildDirError, match=r"its folder .*gone.* no longer exists \(was it removed while the job ran"):
+        RECORD.to_json(tmp_path / "gone" / "run.json")

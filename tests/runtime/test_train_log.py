@@ -26,7 +26,7 @@ def test_the_launcher_redraws_the_bar_in_place_and_keeps_plain_lines() -> None:
     lines = [progress_line(1, 3, 4.0, 2.0) + "\n", "step    1/3  loss 4.0\n", progress_line(2, 3, 3.5, 1.0) + "\n",
              progress_line(3, 3, 3.0, 0.0) + "\n", "median step 1.00 ms\n"]
     sink = io.StringIO()
-    _tee(_Job(proc=None, show_errors=False), iter(lines), sink)  # type: ignore[arg-type]
+    _tee(_Job(proc=None), iter(lines), sink)  # type: ignore[arg-type]
     bars = [render_progress(line) for line in lines]
     assert sink.getvalue() == (f"{CLEAR}{bars[0]}{CLEAR}step    1/3  loss 4.0\n{CLEAR}{bars[2]}{CLEAR}{bars[3]}\n"
                                "median step 1.00 ms\n")

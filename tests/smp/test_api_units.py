@@ -167,3 +167,22 @@ def test_configs_of_the_ranks_are_compared_key_by_key(tmp_path: Path) -> None:
     assert first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "b"))]) is None
     message = first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "c"))])
     assert message.startswith(f"config 'plan' differs across ranks (rank 0: '{tmp_path / 'a'}' (manifest ")
+
+
+def test_an_uneven_batch_names_the_config_key_not_a_cli_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seed-API user sets 'microbatches' in fxpipe.init's config; there is no --microbatches (#35 item 16)."""
+    import importlib
+    from types import SimpleNamespace
+
+    step_module = importlib.import_module("fxpipe.smp.step")
+    monkeypatch.setattr(step_module, "current",
+                        lambda: SimpleNamespace(model=object(), config=SimpleNamespace(microbatches=3)))
+
+    @step_module.step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with pytest.raises(ConfigError) as info:
+        train(torch.zeros(4, 2))
+    assert "set 'microbatches' in fxpipe.init's config to one of [1, 2, 4]" in str(info.value)
+    assert "--microbatches" not in str(info.value)

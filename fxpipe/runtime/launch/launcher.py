@@ -9,15 +9,37 @@ same entry point (``torchrun_command``).
 
 Note [ending a job]: the build directory is checked against its manifest before any
 process starts (the weights by the rank that loads them). The workers' output is passed
-on; their ``error: [rank R]`` lines and the agent's failure lines are kept, not shown, and
-the root cause is raised as one error: the first error that is not a peer's reaction to
-it, else a rank that died without a word (killed by a signal: which one; or an exit
-code), else a peer's report. The job ends within seconds of the first failure: torchrun
-waits 30 s for a rank that ignores ``SIGTERM`` (a stopped one) when a peer failed (its
+on and never read for control: each failed rank, and the agent, report into the job's
+folder (Note [reports, not output] in ``fxpipe.runtime.launch.reports``), and the root
+cause is raised as one error: the first error that is not a peer's reaction to it, else a
+rank that died without a word (killed by a signal: which one; or an exit code), else a
+peer's report. The job ends within seconds of the first failure: torchrun waits 30 s for
+a rank that ignores ``SIGTERM`` (a stopped one) when a peer failed (its
 ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, set to ``_SHUTDOWN_S`` here, only applies when the agent
-itself is signalled), so ``_GRACE_S`` after the first error line the launcher kills the
-agent, and every worker dies with it (``fxpipe.runtime.launch.lifeline``). When our own standard output is closed (``fxpipe run … |
-head``), the job is stopped quietly and ``BrokenPipeError`` is raised.
+itself is signalled), so ``_GRACE_S`` after the first report the launcher kills the
+agent, and every worker dies with it (``fxpipe.runtime.launch.lifeline``). When our own
+standard output is closed (``fxpipe run … | head``), the job is stopped quietly and
+``BrokenPipeError`` is raised. Everything a job writes outside the build (the options
+file, the reports, torchrun's log folder: ``--log-dir``) lies in one ``fxpipe-run-*``
+temporary folder, removed however the job ends. The rendezvous store listens on a port
+the agent picks itself (``127.0.0.1:0``, the store's host by configuration), so no port can
+be taken between choosing it and using it, and a rendezvous that cannot start fails at
+once instead of waiting for the timeout as a client of whatever holds the port.
+
+Note [start-up phases]: a job spends from 45 s to minutes before its first step (every
+rank imports torch, loads and checks its stages, joins the process group, allocates in
+the first step), so each phase says what it is doing as it starts: the launcher's ``check``
+(the build and the first batch, a ``phase`` of ``fxpipe.tracer.progress`` as in ``fxpipe
+partition``) and ``start N ranks`` (on the same stream: standard error on a terminal,
+else standard output, so that standard error keeps only the error line), then rank 0's
+own lines, in order with the rest of its output (``fxpipe.runtime.train.log.start_up_note``,
+timed from the launch): when it is up and loads its stages, when every rank has loaded and
+the first step runs, and when that step is done if its log line comes later.
+
+Note [stopping fxpipe run]: ``SIGTERM`` and ``SIGHUP`` to the launcher stop the job as
+Ctrl-C does (``become_launcher``): the agent is asked to stop its workers, the temporary
+folder is removed, and ``fxpipe run`` prints ``error: stopped by SIGTERM ...`` and exits
+128 + the signal's number.
 
 Note [Ctrl-C]: ``fxpipe run`` stops the job on ``SIGINT`` (exit 130, ``error:
 interrupted``) however it was started. A process inherits an ignored ``SIGINT`` (and a
@@ -36,7 +58,6 @@ and the agent was killed at ``_STOP_S`` rather than ending on its own).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import socket
@@ -53,14 +74,16 @@ from fxpipe import errors
 from fxpipe.codegen.integrity import check_build
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.launch.agent import AGENT_PREFIX
 from fxpipe.runtime.pipeline.groups import pick_device
+from fxpipe.runtime.launch.isolation import isolated_env
 from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV
+from fxpipe.runtime.launch.reports import JOB_DIR_ENV, RankError, read_agent_failures, read_rank_errors
 from fxpipe.runtime.train.run_options import RunOptions, with_plan_defaults
 from fxpipe.runtime.train.run_record import RunRecord, build_sha256
-from fxpipe.unexpected import print_safely
-from fxpipe.runtime.train.log import PROGRESS_ENV, ProgressBar
-from fxpipe.runtime.launch.worker import DEBUG_ENV, ERROR_PREFIX
+from fxpipe.runtime.train.log import PROGRESS_ENV, STARTED_ENV, ProgressBar
+from fxpipe.runtime.launch.worker import DEBUG_ENV
+from fxpipe.tracer.progress import note, phase
+from fxpipe.unexpected import SignalStop, print_safely
 
 __all__ = ["run_build", "torchrun_command", "free_port", "become_launcher"]
 
@@ -82,55 +105,59 @@ def become_launcher() -> None:
     out of the garbage collector. For the main thread of a process that exists to run one job
     (not for a caller of ``run_build``: both are process-wide)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # Note [stopping fxpipe run]
+        signal.signal(sig, _stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     import fxpipe.runtime.launch.preflight  # noqa: F401  (imports torch, as the launcher does anyway: frozen with the rest)
 
     gc.freeze()
 
 
+def _stop(signum: int, frame: Any) -> None:
+    raise SignalStop(signum)
+
+
 def torchrun_command(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:
-    """The torchrun command line that starts ``nproc`` workers on this machine."""
+    """The torchrun command line that starts ``nproc`` workers on this machine (``port`` 0: any free one)."""
     return [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(build_dir, nproc, port, worker_args)]
 
 
-def _torchrun_args(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:
+def _torchrun_args(build_dir: str | Path, nproc: int, port: int, worker_args: list[str],
+                   log_dir: Path | None = None) -> list[str]:
+    logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
+    where = str(build_dir)
+    if where.startswith("-"):  # a build named "-b" is a path to the worker's parser, not an option
+        where = os.path.join(".", where)
     return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "fxpipe.runtime.launch.worker", str(build_dir), *worker_args]
+            f"127.0.0.1:{port}", "--rdzv-conf", "is_host=1", "--max-restarts", "0", *logs,
+            "-m", "fxpipe.runtime.launch.worker", where, *worker_args]
 
 
 @dataclass
 class _Job:
-    """One running torchrun job and what its output said."""
+    """One running torchrun job, and the folder its ranks and agent report into (Note [reports, not output])."""
 
     proc: subprocess.Popen[str]
-    show_errors: bool
-    errors: list[str] = field(default_factory=list)           # the workers' "error: [rank R] ..." lines
-    failures: list[dict[str, Any]] = field(default_factory=list)  # the agent's failure records
+    reports: Path | None = None
     first_error_at: float | None = None
     output_closed: threading.Event = field(default_factory=threading.Event)
     log_lost: str | None = None  # why a stream of the log could not be written (a full disk)
     threads: list[threading.Thread] = field(default_factory=list)
 
+    def errors(self) -> list[RankError]:
+        return read_rank_errors(self.reports) if self.reports is not None else []
+
+    def failures(self) -> list[dict[str, Any]]:
+        return read_agent_failures(self.reports) if self.reports is not None else []
+
 
 def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
-    """Copy ``stream`` to ``sink`` line by line, keeping (not showing) error and failure lines;
+    """Copy ``stream`` to ``sink`` line by line (nothing in it is read for control: Note [reports, not output]);
     a closed ``sink`` sets ``job.output_closed`` and the rest is drained unseen. A ``sink`` that
     fails otherwise (a full disk under the log file) loses the rest of its lines but not the job:
     training goes on, and ``job.log_lost`` says why (once on standard error now, and at the end)."""
     bar = ProgressBar()  # a worker's progress lines, drawn in place (fxpipe.runtime.train.log)
     for line in stream:
-        if line.startswith(AGENT_PREFIX):
-            try:
-                job.failures.append(json.loads(line[len(AGENT_PREFIX):]))
-            except ValueError:
-                pass
-            continue
-        if line.startswith(ERROR_PREFIX):
-            job.errors.append(line.strip())
-            if job.first_error_at is None:
-                job.first_error_at = time.monotonic()
-            if not job.show_errors:
-                continue
         if sink is None:
             continue
         try:
@@ -166,32 +193,46 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     >>> result.losses, result.step_seconds  # doctest: +SKIP
     """
     build_dir = Path(build_dir)
-    manifest = Manifest.from_json(build_dir)
-    checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
-    # the plan's replicas and sharding where the options leave them open; checks the options that need
-    # 2+ replicas before any process starts
-    options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
-    replicas = options.dp or 1
-    _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
-    from fxpipe.runtime.launch.preflight import preflight
+    sinks = (sys.stdout, sys.stderr)  # before any phase's live display replaces them (Note [start-up phases])
+    with phase("check") as checking:
+        manifest = Manifest.from_json(build_dir)
+        checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+        # the plan's replicas and sharding where the options leave them open; checks the options that need
+        # 2+ replicas before any process starts
+        options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
+        replicas = options.dp or 1
+        _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
+        from fxpipe.runtime.launch.preflight import preflight
 
-    options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+        options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+        checking.detail = "the build's files, the model file, the first batch"
     ran = build_sha256(build_dir)  # Note [a record names its build]
     out = build_dir / "run.json"
     out.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as tmp:
-        options_file = Path(tmp) / "run_options.json"
+    with tempfile.TemporaryDirectory(prefix="fxpipe-run-", ignore_cleanup_errors=True) as tmp:
+        folder = Path(tmp)
+        options_file = folder / "run_options.json"
         options.to_json(options_file)
-        args = _torchrun_args(build_dir, manifest.num_ranks * replicas, free_port(), ["--options", str(options_file)])
-        job = _start([sys.executable, "-m", "fxpipe.runtime.launch.agent", *args], quiet, debug)
+        (folder / "reports").mkdir()
+        args = _torchrun_args(build_dir, manifest.num_ranks * replicas, 0, ["--options", str(options_file)],
+                              log_dir=folder / "torchelastic")
+        if not quiet:
+            note(f"start {manifest.num_ranks * replicas} ranks: each imports torch, loads its stages and joins the "
+                 "process group")
+        job = _start([sys.executable, "-m", "fxpipe.runtime.launch.agent", *args], quiet, debug, folder / "reports",
+                     build_dir, sinks)
         returncode = _wait(job)
+        reported, failures = job.errors(), job.failures()
     if job.log_lost is not None:
         print_safely(f"fxpipe run: the log is incomplete: {job.log_lost}")
-    if returncode == 0:
+    if returncode == 0 and build_dir.is_dir():
         return _own_record(build_dir, out, ran)
     if job.output_closed.is_set():
         raise BrokenPipeError("standard output was closed; the job was stopped")
-    raise root_cause(job.errors, job.failures, returncode)
+    if returncode == 0 and not reported and not failures and not build_dir.is_dir():
+        raise errors.BuildDirError(f"the build directory {str(build_dir)!r} was removed while the job ran; "
+                                   "nothing was recorded")
+    raise root_cause(reported, failures, returncode)
 
 
 def _own_record(build_dir: Path, out: Path, ran: str | None) -> RunRecord:
@@ -217,17 +258,24 @@ def _check_world(device: Any, stages: int, replicas: int) -> None:
             f"run --dp {max(gpus // stages, 1)} (the plan's replicas are the default), or --device cpu")
 
 
-def _start(cmd: list[str], quiet: bool, debug: bool) -> _Job:
+def _start(cmd: list[str], quiet: bool, debug: bool, reports: Path | None = None, build_dir: Path | None = None,
+           sinks: tuple[IO[str] | None, IO[str] | None] | None = None) -> _Job:
     # torchrun would set OMP_NUM_THREADS=1 anyway, with a banner; set it quietly instead.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), PARENT_PID_ENV: str(os.getpid()),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(_SHUTDOWN_S)}
     env.pop(DEBUG_ENV, None)
-    env[PROGRESS_ENV] = "1" if not quiet and sys.stdout.isatty() else "0"
+    env.pop(JOB_DIR_ENV, None)
+    if reports is not None:
+        env[JOB_DIR_ENV] = str(reports)
+        env[STARTED_ENV] = repr(time.time())  # rank 0's start-up lines say how long since (Note [start-up phases])
+    env[PROGRESS_ENV] = "1" if not quiet and sys.stdout is not None and sys.stdout.isatty() else "0"
     if debug:
         env[DEBUG_ENV] = "1"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-    job = _Job(proc, show_errors=debug)
-    for stream, sink in ((proc.stdout, None if quiet else sys.stdout), (proc.stderr, None if quiet else sys.stderr)):
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                            env=isolated_env(env, str(build_dir)) if build_dir is not None else env)
+    job = _Job(proc, reports)
+    out, err = sinks if sinks is not None else (sys.stdout, sys.stderr)
+    for stream, sink in ((proc.stdout, None if quiet else out), (proc.stderr, None if quiet else err)):
         assert stream is not None
         job.threads.append(threading.Thread(target=_tee, args=(job, stream, sink), daemon=True))
         job.threads[-1].start()
@@ -245,17 +293,19 @@ def _wait(job: _Job) -> int:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
+            if job.first_error_at is None and job.errors():
+                job.first_error_at = now
             if stop_at is None and job.output_closed.is_set():
                 job.proc.send_signal(signal.SIGTERM)  # the agent stops its workers and exits
                 stop_at = now + _STOP_S
             if (stop_at is not None and now > stop_at) or (
                     job.first_error_at is not None and now > job.first_error_at + _GRACE_S):
                 job.proc.kill()  # every worker dies with the agent (fxpipe.runtime.launch.lifeline)
-    except BaseException:  # KeyboardInterrupt: stop the job before giving up on it
-        job.proc.send_signal(signal.SIGTERM)
+    except BaseException:  # KeyboardInterrupt, SignalStop: stop the job before giving up on it
         try:
+            job.proc.send_signal(signal.SIGTERM)
             job.proc.wait(timeout=_STOP_S)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt, SignalStop):  # a second signal: stop at once
             job.proc.kill()
             job.proc.wait()
         raise
@@ -266,16 +316,9 @@ def _wait(job: _Job) -> int:
     return returncode
 
 
-def _parse(line: str) -> tuple[int | None, type[FxpipeError], str]:
-    """``error: [rank R] Kind: message`` -> (R, the error class, message)."""
-    head, _, message = line[len(ERROR_PREFIX):].partition(" ")  # "R]" and "Kind: message"
-    rank_text = head.rstrip("]")
-    rank = int(rank_text) if rank_text.isdigit() else None
-    kind, _, text = message.partition(": ")
-    cls = getattr(errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, FxpipeError):
-        return rank, cls, text
-    return rank, FxpipeError, message  # "internal error while ...", "interrupted"
+def _kind(report: RankError) -> type[FxpipeError]:
+    cls = getattr(errors, report.kind or "", None)
+    return cls if isinstance(cls, type) and issubclass(cls, FxpipeError) else FxpipeError
 
 
 def _with_rank(rank: int | None, text: str) -> str:
@@ -291,22 +334,22 @@ def _death(failure: dict[str, Any]) -> str:
     return f"rank {rank} exited with code {code} without an fxpipe error; its output above may say why"
 
 
-def root_cause(lines: list[str], failures: list[dict[str, Any]], returncode: int) -> FxpipeError:
-    """The error to raise for a failed job (Note [ending a job])."""
-    parsed = [_parse(line) for line in lines]
-    real = [p for p in parsed if p[1] is not errors.PeerError]
+def root_cause(reports: list[RankError], failures: list[dict[str, Any]], returncode: int) -> FxpipeError:
+    """The error to raise for a failed job (Note [ending a job]); ``reports`` earliest first."""
+    real = [r for r in reports if _kind(r) is not errors.PeerError]
     if real:
-        rank, cls, text = real[0]
-        return cls(_with_rank(rank, text))
-    explained = {rank for rank, _, _ in parsed}
+        return _kind(real[0])(_with_rank(real[0].rank, real[0].message))
+    agent = next((f for f in failures if "agent_error" in f), None)
+    if agent is not None:
+        return errors.RuntimeSetupError(f"torchrun's agent could not start the job: {agent['agent_error']}")
+    explained = {r.rank for r in reports}
     # the first to fail; on a tie, not one that the agent's own SIGTERM may have ended
     silent = sorted((f for f in failures if f.get("rank") not in explained),
                     key=lambda f: (f.get("time") or 0, f.get("signal") == "SIGTERM"))
     if silent:
         return errors.PeerError(_death(silent[0]))
-    if parsed:
-        rank, cls, text = parsed[0]
-        return cls(_with_rank(rank, text))
+    if reports:
+        return _kind(reports[0])(_with_rank(reports[0].rank, reports[0].message))
     if returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else -returncode
         return errors.PeerError(f"the torchrun agent was killed by {name}; every worker stopped with it")

@@ -31,6 +31,7 @@ from fxpipe.runtime.train.data_iter import EVAL_FN, TRAIN_FN, RankInfo, batch_st
 from fxpipe.runtime.pipeline.microbatch import check_divisible
 from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.train.log import check_tensorboard
+from fxpipe.userfiles import check_regular
 
 __all__ = ["preflight"]
 
@@ -118,8 +119,12 @@ def _check_checkpoint(build_dir: Path, manifest: Manifest, options: RunOptions, 
     from fxpipe.runtime.train.resume import build_identity, check_resume
     from fxpipe.runtime.train.run_record import build_sha256
 
+    from fxpipe.runtime.train.checkpoint import RECORD_NAME
+
     t = options.training
     assert t.checkpoint_dir is not None
+    check_regular(Path(t.checkpoint_dir) / RECORD_NAME, "the checkpoint record", CheckpointError,
+                  "remove it, or choose another --checkpoint-dir")  # Note [regular files only]
     record = check_checkpoint_dir(t.checkpoint_dir, t.resume)
     if not t.resume or record is None:
         return

@@ -3,27 +3,36 @@
 The run flags are ``fxpipe run``'s (``fxpipe.runtime.train.run_options.add_run_arguments``), or
 ``--options PATH`` with a ``RunOptions`` JSON file (what ``fxpipe run`` passes), or both:
 flags override the file. ``fxpipe.runtime.train.loop.train`` does the work. Any failure
-prints one ``error: [rank R] …`` line and exits 2: ``Kind: message`` for a user-facing
-``FxpipeError``, ``internal error while <phase>: <Type>: <message> (…)`` for anything
-else (a model file's ``loss_fn`` raising, a bug), with the traceback before it only when
-``FXPIPE_DEBUG=1`` (``fxpipe --debug run``). The launcher (``fxpipe.runtime.launch.launcher``)
-reads these lines back. The process dies with its parent, the torchrun agent
-(``fxpipe.runtime.launch.lifeline``).
+exits 2 and is reported as ``Kind: message`` for a user-facing ``FxpipeError``, ``internal
+error while <phase>: <Type>: <message> (…)`` for anything else (a model file's ``loss_fn``
+raising, a bug): into the job's folder when the launcher (``fxpipe.runtime.launch.launcher``)
+gave one (Note [reports, not output] in ``fxpipe.runtime.launch.reports``), else as one
+``error: [rank R] …`` line; with the traceback before it only when ``FXPIPE_DEBUG=1``
+(``fxpipe --debug run``), which also prints the line. The process dies with its parent, the
+torchrun agent (``fxpipe.runtime.launch.lifeline``), and imports only the build's checked
+files and installed packages (Note [isolated workers] in ``fxpipe.runtime.launch.isolation``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import traceback
-from collections.abc import Sequence
-from pathlib import Path
 
-from fxpipe.errors import FxpipeError
-from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV, expected_parent_from_env, tie_to_parent
-from fxpipe.runtime.train.run_options import add_run_arguments, run_options_from_args
-from fxpipe.unexpected import internal_error_line, print_safely
+if __name__ == "__main__":  # Note [isolated workers] in fxpipe.runtime.launch.isolation: before any other import
+    from fxpipe.runtime.launch.isolation import isolate_sys_path
+
+    isolate_sys_path(sys.argv[1] if len(sys.argv) > 1 else None)
+
+import argparse  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from fxpipe.errors import FxpipeError  # noqa: E402
+from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV, expected_parent_from_env, tie_to_parent  # noqa: E402
+from fxpipe.runtime.launch.reports import job_dir, write_rank_error  # noqa: E402
+from fxpipe.runtime.train.run_options import add_run_arguments, run_options_from_args  # noqa: E402
+from fxpipe.unexpected import internal_error_line, one_line, print_safely  # noqa: E402
 
 __all__ = ["main", "parse_args", "ERROR_PREFIX", "DEBUG_ENV"]
 
@@ -57,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.pop(PARENT_PID_ENV, None)  # not for this rank's own children
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    if job_dir() is not None:  # fxpipe run warned once, in the launcher
+        import warnings
+
+        from fxpipe.codegen.integrity import TorchVersionWarning
+
+        warnings.simplefilter("ignore", TorchVersionWarning)
     try:
         from fxpipe.runtime.train.loop import train
 
@@ -64,17 +79,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FxpipeError as exc:
         if os.environ.get(DEBUG_ENV) == "1":
             traceback.print_exc()
-        print_safely(f"{ERROR_PREFIX}{rank}] {type(exc).__name__}: {exc}")
+        _report(rank, type(exc).__name__, str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
-        print_safely(f"{ERROR_PREFIX}{rank}] interrupted")
+        _report(rank, None, "interrupted")
         return 130
     except BaseException as exc:  # a model file's code, sys.exit() in it, or a bug: one line, never a traceback
         if os.environ.get(DEBUG_ENV) == "1":
             traceback.print_exc()
-        print_safely(f"{ERROR_PREFIX}{rank}] {internal_error_line(exc, _phase(exc))}")
+        _report(rank, None, internal_error_line(exc, _phase(exc)))
         return 2
     return 0
+
+
+def _report(rank: str, kind: str | None, message: str) -> None:
+    """Tell the launcher (Note [reports, not output]); print the line when there is none to tell, or when debugging."""
+    folder = job_dir()
+    if folder is not None:
+        write_rank_error(folder, rank, kind, message)
+    if folder is None or os.environ.get(DEBUG_ENV) == "1":
+        print_safely(one_line(f"{ERROR_PREFIX}{rank}] {kind + ': ' if kind else ''}{message}"))
 
 
 if __name__ == "__main__":

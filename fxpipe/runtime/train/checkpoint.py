@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError
+from fxpipe.userfiles import check_regular, refuse_overwrite
 from fxpipe.runtime.dataparallel.state_dict import gather_if_sharded, load_stage_state_dict, shard_optimizer_state
 from fxpipe.runtime.train.commit import CommitRecord, Part, check_part, clean_stale, new_token, publish, read_record, \
     write_pending, write_record
@@ -126,6 +127,8 @@ def save_training_checkpoint(directory: str | Path, rank: int, world: int, state
     part: Part | None = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        check_regular(record_file, "the checkpoint record", CheckpointError, "remove it, or choose another "
+                      "--checkpoint-dir")  # never replaced, never waited on (Note [regular files only])
         committed = _quiet_record(record_file)
         keep = committed.parts[str(rank)].pending if committed and str(rank) in committed.parts else None
         clean_stale(path, keep=keep)
@@ -302,16 +305,40 @@ def gather_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, torch.Tensor]:
     """Write the whole model's state dict of the checkpoint in ``directory`` to ``out`` (safetensors),
-    loadable by ``build_model().load_state_dict(safetensors.torch.load_file(out))``; returns it."""
+    loadable by ``build_model().load_state_dict(safetensors.torch.load_file(out))``; returns it.
+
+    ``out`` is written whole or not at all, and never over a file of the checkpoint (Note [regular
+    files only] in ``fxpipe.userfiles``)."""
     from safetensors.torch import save_file
 
+    directory, target = Path(directory), Path(out)
+    if not (directory / RECORD_NAME).exists() and not (directory / RECORD_NAME).is_symlink():
+        what = "a build directory" if (directory / "manifest.json").exists() else "not a checkpoint"
+        raise CheckpointError(f"{str(directory)!r} is {what} (it has no {RECORD_NAME}); `fxpipe export` reads the "
+                              f"--checkpoint-dir that `fxpipe run BUILD --checkpoint-dir DIR` wrote")
+    record = _record(directory)
+    inputs = [directory, directory / RECORD_NAME, *(directory / p.file for p in record.parts.values()),
+              *(directory / p.pending for p in record.parts.values())]
+    refuse_overwrite(target, inputs, "--out", CheckpointError)
+    if target.is_dir():
+        raise CheckpointError(f"--out {str(out)!r} is a directory; name a file, e.g. {str(target / 'model.safetensors')!r}")
+    check_regular(target, "--out", CheckpointError, "name a new file or a regular one to replace")
     state = {k: v.contiguous().clone() for k, v in gather_state_dict(directory).items()}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{new_token()}.fxpipe-tmp"
     try:
-        save_file(state, str(out), metadata={"format": "pt", "source": "fxpipe export"})
-    except Exception as exc:  # a full disk: an OSError that names the file (safetensors' error does not)
-        fault = disk_error(exc)
-        if fault is None:
-            raise
-        raise OSError(fault.errno, fault.strerror, str(out)) from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp), metadata={"format": "pt", "source": "fxpipe export"})
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # safetensors writes 0600; a model file is shared like any other
+        os.replace(tmp, target)
+    except Exception as exc:
+        fault = disk_error(exc)  # a full disk: an OSError that names the file (safetensors' error does not)
+        if fault is not None:
+            raise OSError(fault.errno, fault.strerror, str(out)) from None
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write --out {str(out)!r}: {exc.strerror or exc}") from None
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
     return state

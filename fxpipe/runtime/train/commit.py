@@ -35,6 +35,7 @@ import torch
 
 from fxpipe.errors import CheckpointError
 from fxpipe.schema import NonNegInt, read_dataclass
+from fxpipe.userfiles import open_regular, read_regular
 
 __all__ = ["Part", "CommitRecord", "record_path", "write_pending", "write_record", "read_record", "publish",
            "check_part", "clean_stale", "new_token", "RECORD_FORMAT"]
@@ -98,7 +99,7 @@ def _tmp(path: Path, token: str) -> Path:
 
 def _sha256(path: Path) -> tuple[str, int]:
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "checkpoint file", CheckpointError), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
             size += len(block)
@@ -175,11 +176,12 @@ def write_record(path: Path, record: CommitRecord, token: str) -> None:
 
 def read_record(path: Path) -> CommitRecord | None:
     """The commit record at ``path``; ``None`` when there is none."""
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a FIFO in its place is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
+        text = read_regular(path, "the checkpoint record", CheckpointError,
+                            "remove it, or choose another --checkpoint-dir").decode("utf-8")
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise CheckpointError(f"cannot read the checkpoint record {path}: {exc}") from None
     return CommitRecord.from_json(text, str(path))
 
@@ -192,9 +194,10 @@ def publish(path: Path, part: Part) -> None:
 
 def _matches(path: Path, part: Part) -> bool | None:
     """Whether ``path`` holds exactly ``part`` (``None``: there is no such file)."""
-    if not path.is_file():
+    try:
+        sha, size = _sha256(path)  # a FIFO or a directory in its place is refused
+    except FileNotFoundError:
         return None
-    sha, size = _sha256(path)
     return sha == part.sha256 and size == part.bytes
 
 

@@ -21,11 +21,26 @@ from typing import IO
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["PROGRESS_PREFIX", "PROGRESS_ENV", "progress_line", "render_progress", "ProgressBar",
-           "check_tensorboard", "TensorBoardLog"]
+__all__ = ["PROGRESS_PREFIX", "PROGRESS_ENV", "STARTED_ENV", "progress_line", "render_progress", "ProgressBar",
+           "check_tensorboard", "TensorBoardLog", "start_up_note"]
 
 PROGRESS_PREFIX = "fxpipe-progress: "
 PROGRESS_ENV = "FXPIPE_PROGRESS"  # "1": the launcher draws a progress bar from the workers' progress lines
+STARTED_ENV = "FXPIPE_RUN_STARTED"  # when fxpipe run started the job (time.time()), for the start-up lines
+
+
+def start_up_note(what: str) -> None:
+    """Rank 0's line for a start-up phase under ``fxpipe run`` (Note [start-up phases] in
+    ``fxpipe.runtime.launch.launcher``): ``fxpipe: <what> (12.3 s after launch)``; nothing elsewhere."""
+    import time
+
+    started = os.environ.get(STARTED_ENV)
+    try:
+        since = time.time() - float(started) if started else None
+    except ValueError:
+        since = None
+    if since is not None:
+        print(f"fxpipe: {what} ({since:.1f} s after launch)", flush=True)
 
 
 def progress_wanted() -> bool:

@@ -46,7 +46,8 @@ from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.pipeline.p2p import peer_error
 from fxpipe.runtime.train.run_record import RunRecord, build_sha256, read_build_plan, write_run_record
 from fxpipe.runtime.pipeline.runner import PipelineRunner
-from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted
+from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted, start_up_note
+from fxpipe.userfiles import shown
 from fxpipe.runtime.train.checkpoint import (check_checkpoint_dir, load_training_checkpoint, restore_training_state,
                                              save_training_checkpoint, training_state)
 from fxpipe.runtime.train.divergence import (agree, divergence_error, finite_or_none, non_finite_parameters,
@@ -130,6 +131,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     target_dims = target_batch_dims(source, batch) if source.has_loss_fn and source.has(source.targets_fn) else None
     lr = options.lr
     settings = run_settings(options, batch, microbatches)
+    lead_rank = os.environ.get("RANK", "0") == "0"
+    if lead_rank:  # Note [start-up phases] in fxpipe.runtime.launch.launcher
+        start_up_note(f"rank 0 of {world} is up; loading its stages and joining the process group")
     with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
                         microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
                         scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
@@ -141,6 +145,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         schedule = runner.schedule.name
         info = rank_info(runner)
         lead = runner.rank == 0
+        if lead:
+            start_up_note("stages loaded, process group up; first step")
         samples = batch * replicas
         history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
         first = position = 0
@@ -191,6 +197,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             start = time.perf_counter()
             loss = runner.step(inputs, targets)
             seconds.append(time.perf_counter() - start)
+            if k == first and runner.rank == 0 and not (k + 1) % t.log_every == 0 and k + 1 != options.steps:
+                start_up_note(f"first step done in {seconds[-1]:.2f} s")  # its log line comes later
             window.append(seconds[-1])
             done = k + 1
             loss = _mean_over_replicas(loss, runner)  # outside the timed step
@@ -203,14 +211,14 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             history["lrs"].append(float(lr_now))
             if norm is not None:
                 history["grad_norms"].append(finite_or_none(norm))
-            shown = loss if math.isfinite(loss) else float("nan")
+            logged = loss if math.isfinite(loss) else float("nan")
             if board is not None:
                 board.scalars(done, {"train/loss": finite_or_none(loss), "train/lr": lr_now,
                                      "train/grad_norm": finite_or_none(norm),
                                      "train/samples_per_s": samples / seconds[-1], "train/step_ms": seconds[-1] * 1e3,
                                      "train/loss_scale": runner.scaler.scale if runner.scaler is not None else None})
             if progress:
-                print(progress_line(done, options.steps, shown,
+                print(progress_line(done, options.steps, logged,
                                     statistics.median(seconds) * (options.steps - done)), flush=True)
             if lead and runner.scaler is not None and runner.scaler.skipped:
                 print(f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
@@ -285,7 +293,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                     said = " (the plan's analytic CPU estimate ranks splits, it predicts no time: --measure-times does)"
                 else:
                     said = ""
-                print(f"median step {record.median_step_ms:.2f} ms{said}; wrote {path}", flush=True)
+                print(f"median step {record.median_step_ms:.2f} ms{said}; wrote {shown(path)}", flush=True)
             return record
         failed: BaseException | None = None
         if lead:

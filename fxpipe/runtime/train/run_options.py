@@ -49,6 +49,7 @@ __all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFA
 RUN_OPTIONS_SCHEMA_VERSION = 1
 DEFAULT_SCHEDULE = "1f1b"  # what a build that names no schedule runs (one stage per rank)
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 1e8  # far below what a process group's timeout (int64 nanoseconds, a C int elsewhere) overflows at
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -115,6 +116,9 @@ class RunOptions(Options):
             raise ConfigError(f"--precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if not _is_number(self.timeout_s) or self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"--timeout must be at most {MAX_TIMEOUT_S:g} seconds (about 3 years; torch's process "
+                              f"groups count it in nanoseconds), got {self.timeout_s!r}")
         if self.device is not None and not (isinstance(self.device, str) and _DEVICE.fullmatch(self.device)):
             raise ConfigError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}; "
                               "leave it out to use cuda when available, else cpu")

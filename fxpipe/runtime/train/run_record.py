@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxpipe.errors import BuildDirError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.userfiles import shown
 from fxpipe.schema import read_dataclass
 
 if TYPE_CHECKING:
@@ -89,7 +90,17 @@ class RunRecord:
         return read_dataclass(cls, data, "run.json", BuildDirError)
 
     def to_json(self, path: str | Path | None = None) -> str:
-        return dump_json(self.to_dict(), path)
+        """The record as JSON text, also written to ``path`` when given (an unwritable one is a ``BuildDirError``)."""
+        text = dump_json(self.to_dict(), what="run.json", error=BuildDirError)
+        if path is not None:
+            folder = Path(path).parent
+            try:
+                Path(path).write_text(text + "\n")
+            except OSError as exc:
+                why = (f"its folder {shown(folder)} no longer exists (was it removed while the job ran?)"
+                       if not folder.exists() else exc.strerror or str(exc))
+                raise BuildDirError(f"cannot write {shown(path)}: {why}; the run's record is lost") from None
+        return text
 
     @classmethod
     def from_json(cls, source: str | Path) -> RunRecord:
