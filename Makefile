@@ -17,7 +17,7 @@ STAMP := $(VENV)/.fxpipe-installed
 CONSTRAINTS := $(VENV)/constraints.txt
 DEMO_OUT ?= build/demo
 
-.PHONY: demo test test-heavy setup clean bench typecheck zoo
+.PHONY: demo test test-heavy setup clean bench typecheck zoo format
 
 setup: $(STAMP)
 
@@ -38,6 +38,9 @@ test-heavy: $(STAMP)
 
 zoo: $(STAMP)
 	FXPIPE_ZOO=full $(PY) -m pytest -q tests/zoo
+
+format: $(STAMP)
+	$(PY) -m ruff format .
 
 typecheck: $(STAMP)
 	$(PY) -m mypy fxpipe

@@ -23,7 +23,9 @@ class Branchy(nn.Module):
         self.enc_x = nn.Sequential(nn.Linear(X_FEATURES, HIDDEN), nn.Tanh())
         self.enc_y = nn.Sequential(nn.Linear(Y_FEATURES, HIDDEN), nn.ReLU())
         self.left = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN))
-        self.right = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+        self.right = nn.Sequential(
+            nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN)
+        )
         self.merge = nn.Linear(2 * HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, OUT)
 
@@ -40,7 +42,10 @@ def build_model() -> nn.Module:
 
 def example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
-    return (torch.randn(batch_size, X_FEATURES, generator=g), torch.randn(batch_size, Y_FEATURES, generator=g))
+    return (
+        torch.randn(batch_size, X_FEATURES, generator=g),
+        torch.randn(batch_size, Y_FEATURES, generator=g),
+    )
 
 
 def example_targets(batch_size: int) -> torch.Tensor:

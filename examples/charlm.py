@@ -86,11 +86,14 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def _batches(data: torch.Tensor, batch_size: int, rank_info: Any, g: torch.Generator,
-             count: int | None) -> Iterator[tuple[Any, Any]]:
+def _batches(
+    data: torch.Tensor, batch_size: int, rank_info: Any, g: torch.Generator, count: int | None
+) -> Iterator[tuple[Any, Any]]:
     n = 0
     while count is None or n < count:
-        starts = torch.randint(0, len(data) - BLOCK - 1, (batch_size,), generator=g)  # drawn on every rank
+        starts = torch.randint(
+            0, len(data) - BLOCK - 1, (batch_size,), generator=g
+        )  # drawn on every rank
         x, y = _windows(data, starts)
         yield (x if rank_info.needs_inputs else None), (y if rank_info.needs_targets else None)
         n += 1
@@ -107,4 +110,4 @@ def eval_batches(batch_size: int, rank_info: Any) -> Iterator[tuple[Any, Any]]:
     """Fixed windows of the held-out last 10% of the text."""
     data = _text()
     g = torch.Generator().manual_seed(7 + rank_info.replica)
-    return _batches(data[int(0.9 * len(data)):], batch_size, rank_info, g, 8)
+    return _batches(data[int(0.9 * len(data)) :], batch_size, rank_info, g, 8)

@@ -74,8 +74,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer returning logits of shape (batch, seq, vocab)."""
 
-    def __init__(self, vocab: int = VOCAB, block: int = BLOCK, width: int = WIDTH,
-                 heads: int = HEADS, layers: int = LAYERS) -> None:
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        block: int = BLOCK,
+        width: int = WIDTH,
+        heads: int = HEADS,
+        layers: int = LAYERS,
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Parameter(torch.randn(1, block, width) * 0.02)
@@ -97,7 +103,9 @@ def build_model() -> nn.Module:
     return GPT()
 
 
-def example_inputs(batch_size: int, vocab: int = VOCAB, block: int = BLOCK) -> tuple[torch.Tensor, ...]:
+def example_inputs(
+    batch_size: int, vocab: int = VOCAB, block: int = BLOCK
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
     return (torch.randint(0, vocab, (batch_size, block), generator=g),)
 

@@ -25,8 +25,19 @@ def build_model() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=1, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -35,10 +46,25 @@ def build_bart() -> nn.Module:
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
-    config = BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
-                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
-                        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
     return BartForConditionalGeneration(config)
 
 
@@ -49,7 +75,7 @@ def _ids(batch_size: int, seq: int, seed: int) -> torch.Tensor:
 def _mask(batch_size: int) -> torch.Tensor:
     """Ones, but the last sample pads its final quarter."""
     mask = torch.ones(batch_size, SEQ, dtype=torch.long)
-    mask[-1, SEQ - SEQ // 4:] = 0
+    mask[-1, SEQ - SEQ // 4 :] = 0
     return mask
 
 
@@ -61,4 +87,8 @@ def example_inputs(batch_size: int) -> dict[str, torch.Tensor]:
 
 def bart_inputs(batch_size: int) -> dict[str, torch.Tensor]:
     """Source ids and mask, and target ids as ``labels`` (8 tokens)."""
-    return {"input_ids": _ids(batch_size, SEQ, 1), "attention_mask": _mask(batch_size), "labels": _ids(batch_size, 8, 2)}
+    return {
+        "input_ids": _ids(batch_size, SEQ, 1),
+        "attention_mask": _mask(batch_size),
+        "labels": _ids(batch_size, 8, 2),
+    }

@@ -27,14 +27,25 @@ class GPT2Logits(nn.Module):
         return self.model(input_ids, use_cache=False).logits
 
 
-def build_gpt2(layers: int = 2, width: int = 32, heads: int = 4, vocab: int = VOCAB,
-               positions: int = 32) -> nn.Module:
+def build_gpt2(
+    layers: int = 2, width: int = 32, heads: int = 4, vocab: int = VOCAB, positions: int = 32
+) -> nn.Module:
     """A randomly initialised GPT-2 LM (tied wte/lm_head) wrapped to return logits."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2Logits(GPT2LMHeadModel(config))
 
 
@@ -47,9 +58,16 @@ def build_bert(layers: int = 2, width: int = 32, heads: int = 4, vocab: int = VO
     """A randomly initialised ``BertModel`` (with pooler) and no dropout."""
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=4 * width, max_position_embeddings=64,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertModel(config)
 
 
@@ -67,7 +85,7 @@ def bert_inputs(batch_size: int, seq: int = SEQ) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
     mask = torch.ones(batch_size, seq, dtype=torch.long)
-    mask[-1, seq - seq // 4:] = 0
+    mask[-1, seq - seq // 4 :] = 0
     return ids, mask
 
 

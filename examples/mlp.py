@@ -15,13 +15,18 @@ CLASSES = 10
 class MLP(nn.Module):
     """``LAYERS`` hidden Linear+ReLU layers and a classifier head."""
 
-    def __init__(self, in_features: int = IN_FEATURES, hidden: int = HIDDEN,
-                 layers: int = LAYERS, classes: int = CLASSES) -> None:
+    def __init__(
+        self,
+        in_features: int = IN_FEATURES,
+        hidden: int = HIDDEN,
+        layers: int = LAYERS,
+        classes: int = CLASSES,
+    ) -> None:
         super().__init__()
         dims = [in_features] + [hidden] * layers
-        self.layers = nn.Sequential(*(
-            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(dims[:-1], dims[1:])
-        ))
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(dims[:-1], dims[1:]))
+        )
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -35,8 +37,11 @@ class ResNet(nn.Module):
 
     def __init__(self, classes: int = CLASSES, widths: tuple[int, ...] = (8, 16, 32)) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(CHANNELS, widths[0], 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(CHANNELS, widths[0], 3, padding=1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(),
+        )
         blocks: list[nn.Module] = []
         cin = widths[0]
         for i, w in enumerate(widths):

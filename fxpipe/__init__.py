@@ -24,17 +24,42 @@ _LAZY: dict[str, str] = {
     # compiler
     **dict.fromkeys(("trace_model", "trace_model_file", "ModelProfile", "partition"), "tracer"),
     **dict.fromkeys(("plan_partition", "PartitionPlan", "CostModel"), "partitioner"),
-    **dict.fromkeys(("write_build_dir", "load_stage", "load_pipeline", "verify_build", "Manifest"), "codegen"),
+    **dict.fromkeys(
+        ("write_build_dir", "load_stage", "load_pipeline", "verify_build", "Manifest"), "codegen"
+    ),
     "PipelineRunner": "runtime",
     "load_model_file": "modelfile",
     # the seed documents' training API
-    **dict.fromkeys((
-        "init", "step", "StepOutput", "DistributedModel", "DistributedOptimizer", "save", "load",
-        "rank", "size", "local_rank", "local_size", "mp_rank", "mp_size", "dp_rank", "dp_size",
-        "barrier", "broadcast", "is_initialized", "is_tracing",
-        "get_world_process_group", "get_mp_process_group", "get_dp_process_group", "shutdown",
-        "StepError", "CheckpointError",
-    ), "smp"),
+    **dict.fromkeys(
+        (
+            "init",
+            "step",
+            "StepOutput",
+            "DistributedModel",
+            "DistributedOptimizer",
+            "save",
+            "load",
+            "rank",
+            "size",
+            "local_rank",
+            "local_size",
+            "mp_rank",
+            "mp_size",
+            "dp_rank",
+            "dp_size",
+            "barrier",
+            "broadcast",
+            "is_initialized",
+            "is_tracing",
+            "get_world_process_group",
+            "get_mp_process_group",
+            "get_dp_process_group",
+            "shutdown",
+            "StepError",
+            "CheckpointError",
+        ),
+        "smp",
+    ),
 }
 _SUBMODULES = ("amp", "smp", "tracer", "partitioner", "codegen", "runtime", "errors", "modelfile")
 

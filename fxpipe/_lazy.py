@@ -9,8 +9,11 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(namespace: dict[str, Any], names: dict[str, str], submodules: Iterable[str] = (),
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    namespace: dict[str, Any],
+    names: dict[str, str],
+    submodules: Iterable[str] = (),
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for the package whose ``globals()`` is ``namespace``:
     ``name`` is imported from its submodule ``names[name]`` (a path relative to the package,
     e.g. ``"tracer.api"``, or an absolute one starting with ``fxpipe.``) when first asked for,
@@ -22,7 +25,9 @@ def lazy_exports(namespace: dict[str, Any], names: dict[str, str], submodules: I
         if name in modules:
             value = importlib.import_module(f"{package}.{name}")
         elif name in names:
-            module = names[name] if names[name].startswith("fxpipe.") else f"{package}.{names[name]}"
+            module = (
+                names[name] if names[name].startswith("fxpipe.") else f"{package}.{names[name]}"
+            )
             value = getattr(importlib.import_module(module), name)
         else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

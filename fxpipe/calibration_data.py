@@ -30,8 +30,17 @@ from typing import Any, Union
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["Provenance", "Constant", "CALIBRATION_FILE", "CALIBRATION_SCHEMA_VERSION", "hosts", "names",
-           "constants", "values", "all_constants"]
+__all__ = [
+    "Provenance",
+    "Constant",
+    "CALIBRATION_FILE",
+    "CALIBRATION_SCHEMA_VERSION",
+    "hosts",
+    "names",
+    "constants",
+    "values",
+    "all_constants",
+]
 
 CALIBRATION_FILE = "calibration.json"  # beside this module, in the package
 CALIBRATION_SCHEMA_VERSION = 1
@@ -46,9 +55,9 @@ class Provenance:
     """Where a constant comes from (Note [calibration data])."""
 
     benchmark: str  # the script or method that measured it; "none" for an assumption
-    host: str       # a key of the file's ``hosts``
-    date: str       # when the value was set (YYYY-MM-DD), or "unknown"
-    how: str        # what was measured and how the value follows from it
+    host: str  # a key of the file's ``hosts``
+    date: str  # when the value was set (YYYY-MM-DD), or "unknown"
+    how: str  # what was measured and how the value follows from it
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,10 @@ def _document() -> dict[str, Any]:
     text = resources.files("fxpipe").joinpath(CALIBRATION_FILE).read_text(encoding="utf-8")
     doc = json.loads(text)
     if doc.get("schema_version") != CALIBRATION_SCHEMA_VERSION:
-        raise ConfigError(f"fxpipe/{CALIBRATION_FILE} has schema version {doc.get('schema_version')!r}, this fxpipe "
-                          f"reads {CALIBRATION_SCHEMA_VERSION}; reinstall fxpipe")
+        raise ConfigError(
+            f"fxpipe/{CALIBRATION_FILE} has schema version {doc.get('schema_version')!r}, this fxpipe "
+            f"reads {CALIBRATION_SCHEMA_VERSION}; reinstall fxpipe"
+        )
     known = doc.get("hosts", {})
     for section in _SECTIONS:
         for name, group in doc.get(section, {}).items():
@@ -82,25 +93,36 @@ def _check(group: dict[str, Any], path: str, known_hosts: dict[str, str]) -> Non
     for key, entry in group.items():
         where = f"{path}.{key}"
         if not isinstance(entry, dict):
-            raise ConfigError(f"fxpipe/{CALIBRATION_FILE}: {where} is {entry!r}, not an entry or a group")
+            raise ConfigError(
+                f"fxpipe/{CALIBRATION_FILE}: {where} is {entry!r}, not an entry or a group"
+            )
         if "value" not in entry:
             _check(entry, where, known_hosts)
             continue
         prov = entry.get("provenance", {})
-        missing = [k for k in ("unit", "provenance") if k not in entry] + [k for k in _PROVENANCE if not prov.get(k)]
+        missing = [k for k in ("unit", "provenance") if k not in entry] + [
+            k for k in _PROVENANCE if not prov.get(k)
+        ]
         if missing or not isinstance(entry["value"], (bool, int, float)):
-            raise ConfigError(f"fxpipe/{CALIBRATION_FILE}: {where} lacks {', '.join(missing) or 'a numeric value'}")
+            raise ConfigError(
+                f"fxpipe/{CALIBRATION_FILE}: {where} lacks {', '.join(missing) or 'a numeric value'}"
+            )
         if prov["host"] not in known_hosts:
-            raise ConfigError(f"fxpipe/{CALIBRATION_FILE}: {where} names host {prov['host']!r}, "
-                              f"not one of {sorted(known_hosts)}")
+            raise ConfigError(
+                f"fxpipe/{CALIBRATION_FILE}: {where} names host {prov['host']!r}, "
+                f"not one of {sorted(known_hosts)}"
+            )
 
 
 def _constants(group: dict[str, Any]) -> Group:
     out: Group = {}
     for key, entry in group.items():
         if "value" in entry:
-            out[key] = Constant(entry["value"], entry["unit"], Provenance(**{k: entry["provenance"][k]
-                                                                             for k in _PROVENANCE}))
+            out[key] = Constant(
+                entry["value"],
+                entry["unit"],
+                Provenance(**{k: entry["provenance"][k] for k in _PROVENANCE}),
+            )
         else:
             out[key] = _constants(entry)
     return out
@@ -121,23 +143,31 @@ def constants(section: str, name: str) -> Group:
     constants (``op_extra_s``) is a dict of its own."""
     preset = _section(section).get(name)
     if preset is None:
-        raise ConfigError(f"fxpipe/{CALIBRATION_FILE} has no {section} entry {name!r}; "
-                          f"it has {sorted(_section(section))}")
+        raise ConfigError(
+            f"fxpipe/{CALIBRATION_FILE} has no {section} entry {name!r}; "
+            f"it has {sorted(_section(section))}"
+        )
     return _constants(preset)
 
 
 def values(section: str, name: str) -> dict[str, Any]:
     """The values alone of ``constants(section, name)``, groups as dicts (in file order)."""
+
     def plain(group: Group) -> dict[str, Any]:
         return {k: c.value if isinstance(c, Constant) else plain(c) for k, c in group.items()}
+
     return plain(constants(section, name))
 
 
 def all_constants() -> Iterator[tuple[str, Constant]]:
     """Every constant in the file with its dotted path, e.g. ``runtime_costs.cpu.action_ms``."""
+
     def walk(group: Group, path: str) -> Iterator[tuple[str, Constant]]:
         for key, c in group.items():
-            yield from ((f"{path}.{key}", c),) if isinstance(c, Constant) else walk(c, f"{path}.{key}")
+            yield from (
+                ((f"{path}.{key}", c),) if isinstance(c, Constant) else walk(c, f"{path}.{key}")
+            )
+
     for section in _SECTIONS:
         for name in names(section):
             yield from walk(constants(section, name), f"{section}.{name}")

@@ -47,7 +47,9 @@ def _cluster_search(args: argparse.Namespace, profile: Any) -> Any:
 
 # -- verbs ---------------------------------------------------------------------
 
-_PHASE = ["starting"]  # what the running verb is doing, for the one-line report of an unexpected error
+_PHASE = [
+    "starting"
+]  # what the running verb is doing, for the one-line report of an unexpected error
 
 
 def _enter(phase: str) -> None:
@@ -80,7 +82,9 @@ def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
     from fxpipe.tracer import trace_model_file
 
     _enter("tracing")
-    return trace_model_file(source, batch_size, **from_namespace(ModelTraceOptions, args).trace_kwargs())
+    return trace_model_file(
+        source, batch_size, **from_namespace(ModelTraceOptions, args).trace_kwargs()
+    )
 
 
 def _plan(options: PlanOptions, profile: Any, stages: int, microbatches: int) -> Any:
@@ -92,9 +96,17 @@ def _plan(options: PlanOptions, profile: Any, stages: int, microbatches: int) ->
 
     with phase("solve") as solving:
         plan = plan_partition(
-            profile, stages, solver=options.solver, schedule=options.schedule, microbatches=microbatches,
-            cost=cost, memory_limit=options.memory_limit_bytes, time_limit=options.time_limit,
-            optimize=options.optimize, virtual_stages=options.virtual_stages, split_at=options.split_at,
+            profile,
+            stages,
+            solver=options.solver,
+            schedule=options.schedule,
+            microbatches=microbatches,
+            cost=cost,
+            memory_limit=options.memory_limit_bytes,
+            time_limit=options.time_limit,
+            optimize=options.optimize,
+            virtual_stages=options.virtual_stages,
+            split_at=options.split_at,
         )
         solving.detail = f"{plan.solver}, {len(profile.units)} units into {plan.num_stages} stages"
     return plan
@@ -110,7 +122,9 @@ def _check_stages(stages: int | None) -> int:
     return stages
 
 
-def _microbatching(batch_size: int | None, microbatches: int | None, stages: int | None) -> tuple[int, int]:
+def _microbatching(
+    batch_size: int | None, microbatches: int | None, stages: int | None
+) -> tuple[int, int]:
     from fxpipe.errors import PartitionError
 
     stages = _check_stages(stages)
@@ -126,7 +140,9 @@ def _microbatching(batch_size: int | None, microbatches: int | None, stages: int
     return b, m
 
 
-def _write_artifact(out_arg: str, text: str, reads: Sequence[str | Path] = (), option: str = "--out") -> Path:
+def _write_artifact(
+    out_arg: str, text: str, reads: Sequence[str | Path] = (), option: str = "--out"
+) -> Path:
     """Write ``text`` to ``--out`` whole or not at all, never over a file the verb ``reads``; an unwritable
     path is one error line."""
     from fxpipe.codegen.builddir import replace_file
@@ -135,11 +151,15 @@ def _write_artifact(out_arg: str, text: str, reads: Sequence[str | Path] = (), o
     out = Path(out_arg)
     refuse_overwrite(out, reads, option, ConfigError)
     if out.is_dir():
-        raise ConfigError(f"--out {out_arg!r} is a directory; name a file, e.g. {str(out / 'out.json')!r}")
+        raise ConfigError(
+            f"--out {out_arg!r} is a directory; name a file, e.g. {str(out / 'out.json')!r}"
+        )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"--out {out_arg!r}: cannot create its folder: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"--out {out_arg!r}: cannot create its folder: {exc.strerror or exc}"
+        ) from None
     replace_file(out, text + "\n")
     return out
 
@@ -156,7 +176,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print_profile_table(traced.profile, console=console)
     for reason in traced.profile.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
-    console.print(f"[green]wrote[/] {_shown(out)} ({len(traced.profile.units)} units, frontend {traced.frontend})")
+    console.print(
+        f"[green]wrote[/] {_shown(out)} ({len(traced.profile.units)} units, frontend {traced.frontend})"
+    )
     return 0
 
 
@@ -171,24 +193,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profile.endswith(".py") or re.search(r"\.py:\w+$", args.profile):
         from fxpipe.errors import ProfileError
 
-        raise ProfileError(f"`fxpipe plan` takes a profile.json written by `fxpipe trace`, not a model file "
-                           f"({shown(args.profile)}); `fxpipe partition MODEL.py --stages N` traces, plans and "
-                           "writes the build in one go, `fxpipe trace MODEL.py` writes the profile")
-    profile = ModelProfile.from_json(Path(args.profile))  # a Path: a file named {exp1} is never read as JSON text
+        raise ProfileError(
+            f"`fxpipe plan` takes a profile.json written by `fxpipe trace`, not a model file "
+            f"({shown(args.profile)}); `fxpipe partition MODEL.py --stages N` traces, plans and "
+            "writes the build in one go, `fxpipe trace MODEL.py` writes the profile"
+        )
+    profile = ModelProfile.from_json(
+        Path(args.profile)
+    )  # a Path: a file named {exp1} is never read as JSON text
     if args.devices is not None:
         from fxpipe.partitioner.search.configurations import plan_configuration
 
         result = _cluster_search(args, profile)
         _enter("planning the best configuration")
-        plan = plan_configuration(profile, result.cluster, result.best.config, optimizer=options.optimizer,
-                                  time_limit=options.time_limit)
+        plan = plan_configuration(
+            profile,
+            result.cluster,
+            result.best.config,
+            optimizer=options.optimizer,
+            time_limit=options.time_limit,
+        )
         from fxpipe.jsonio import dump_json
 
-        _write_artifact(str(Path(args.out).with_suffix(".search.json")), dump_json(result.to_dict(), what="search"),
-                        reads=[args.profile])
+        _write_artifact(
+            str(Path(args.out).with_suffix(".search.json")),
+            dump_json(result.to_dict(), what="search"),
+            reads=[args.profile],
+        )
     else:
         stages = _check_stages(options.stages)
-        plan = _plan(options, profile, stages, stages if options.microbatches is None else options.microbatches)
+        plan = _plan(
+            options,
+            profile,
+            stages,
+            stages if options.microbatches is None else options.microbatches,
+        )
     _enter("writing the plan")
     out = _write_artifact(args.out, plan.to_json(), reads=[args.profile])
     _enter("printing the plan")
@@ -199,7 +238,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from fxpipe.partitioner.report.html import render_html_report
 
         _enter("writing the report")
-        html = _write_artifact(args.html, render_html_report(plan, profile), reads=[args.profile, out], option="--html")
+        html = _write_artifact(
+            args.html, render_html_report(plan, profile), reads=[args.profile, out], option="--html"
+        )
         console.print(f"[green]wrote[/] {_shown(html)}")
     return 0
 
@@ -222,8 +263,13 @@ def cmd_partition(args: argparse.Namespace) -> int:
         if best.microbatch_size != traced.profile.batch_size:
             traced = _trace(args, source, best.microbatch_size)
         _enter("planning the best configuration")
-        plan = plan_configuration(traced.profile, result.cluster, best, optimizer=options.optimizer,
-                                  time_limit=options.time_limit)
+        plan = plan_configuration(
+            traced.profile,
+            result.cluster,
+            best,
+            optimizer=options.optimizer,
+            time_limit=options.time_limit,
+        )
     else:
         batch, micro = _microbatching(args.batch_size, options.microbatches, options.stages)
         check_build_target(out)  # before minutes of tracing; write_build_dir checks again
@@ -231,16 +277,29 @@ def cmd_partition(args: argparse.Namespace) -> int:
         traced = _trace(args, source, batch // micro)
         plan = _plan(options, traced.profile, _check_stages(options.stages), micro)
     _enter("emitting the build directory")
-    manifest = write_build_dir(traced, plan, out, source, batch_size=batch, microbatches=micro,
-                               check=not args.no_check, weights=args.weights)
+    manifest = write_build_dir(
+        traced,
+        plan,
+        out,
+        source,
+        batch_size=batch,
+        microbatches=micro,
+        check=not args.no_check,
+        weights=args.weights,
+    )
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
     for reason in manifest.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
-    placed = (f"{plan.num_stages} stages" if plan.virtual_stages == 1 else
-              f"{plan.num_stages} stages, {plan.virtual_stages} per rank on {plan.num_ranks} ranks")
-    console.print(f"[green]wrote[/] build directory {_shown(out)}/ ({placed}; open {_shown(out / 'report.html')})")
+    placed = (
+        f"{plan.num_stages} stages"
+        if plan.virtual_stages == 1
+        else f"{plan.num_stages} stages, {plan.virtual_stages} per rank on {plan.num_ranks} ranks"
+    )
+    console.print(
+        f"[green]wrote[/] build directory {_shown(out)}/ ({placed}; open {_shown(out / 'report.html')})"
+    )
     return 0
 
 
@@ -253,7 +312,9 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
     for name in ("plan.json", "profile.json"):
         check_regular(d / name, name, BuildDirError, "rebuild with `fxpipe partition`")
         if not (d / name).is_file():
-            raise BuildDirError(f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first")
+            raise BuildDirError(
+                f"{d / name} does not exist: run `fxpipe partition MODEL --out {d}` first"
+            )
     return PartitionPlan.from_json(d / "plan.json"), ModelProfile.from_json(d / "profile.json")
 
 
@@ -289,12 +350,22 @@ def _measured(build_dir: Path, num_stages: int) -> tuple[Any, str | None]:
     if not (build_dir / "run.json").is_file():
         return None, None
     run = RunRecord.from_json(build_dir / "run.json")
-    if (run.build_sha256 is not None and run.build_sha256 != build_sha256(build_dir)) or run.num_stages != num_stages:
-        return None, (f"{build_dir / 'run.json'} is a run of another build ({run.num_stages} stages; this plan has "
-                      f"{num_stages}), not set beside this plan: run `fxpipe run {build_dir}` to measure this one")
-    return Measurement(step_ms=run.median_step_ms, peak_tensor_bytes=run.peak_tensor_bytes, schedule=run.schedule,
-                       microbatches=run.microbatches, world_size=run.world_size, device=run.device,
-                       predicted_step_ms=run.predicted_step_ms), None
+    if (
+        run.build_sha256 is not None and run.build_sha256 != build_sha256(build_dir)
+    ) or run.num_stages != num_stages:
+        return None, (
+            f"{build_dir / 'run.json'} is a run of another build ({run.num_stages} stages; this plan has "
+            f"{num_stages}), not set beside this plan: run `fxpipe run {build_dir}` to measure this one"
+        )
+    return Measurement(
+        step_ms=run.median_step_ms,
+        peak_tensor_bytes=run.peak_tensor_bytes,
+        schedule=run.schedule,
+        microbatches=run.microbatches,
+        world_size=run.world_size,
+        device=run.device,
+        predicted_step_ms=run.predicted_step_ms,
+    ), None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -320,7 +391,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     become_launcher()  # Ctrl-C stops the job however this process was started (launch.py, Note [Ctrl-C])
     _enter("launching")
-    run_build(args.build_dir, run_options_from_args(args), debug=args.debug, explicit=explicit_fields(args))
+    run_build(
+        args.build_dir,
+        run_options_from_args(args),
+        debug=args.debug,
+        explicit=explicit_fields(args),
+    )
     return 0
 
 
@@ -343,13 +419,21 @@ class _Parser(argparse.ArgumentParser):
     verbs: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, one_line(f"error: {self.prog}: {_elsewhere(self, message) or message}; "
-                              f"see `{self.prog} --help`") + "\n")
+        self.exit(
+            2,
+            one_line(
+                f"error: {self.prog}: {_elsewhere(self, message) or message}; "
+                f"see `{self.prog} --help`"
+            )
+            + "\n",
+        )
 
 
 def _help(parser: argparse.ArgumentParser, flag: str) -> str:
     action = parser._option_string_actions[flag]
-    return (action.help or "").split(" (default")[0] % {"choices": ", ".join(map(str, action.choices or ()))}
+    return (action.help or "").split(" (default")[0] % {
+        "choices": ", ".join(map(str, action.choices or ()))
+    }
 
 
 def _elsewhere(parser: argparse.ArgumentParser, message: str) -> str | None:
@@ -358,14 +442,19 @@ def _elsewhere(parser: argparse.ArgumentParser, message: str) -> str | None:
     if choice:
         wanted: list[tuple[str, str | None]] = [(choice.group(1), choice.group(2))]
     elif message.startswith("unrecognized arguments: "):
-        wanted = [(word.split("=")[0], None) for word in message.split()[2:] if word.startswith("-")]
+        wanted = [
+            (word.split("=")[0], None) for word in message.split()[2:] if word.startswith("-")
+        ]
     else:
         return None
     for flag, value in wanted:
         for other in _Parser.verbs.values():
             action = other._option_string_actions.get(flag)
-            if other is parser or action is None or not (value is None or action.choices is None
-                                                        or value in action.choices):
+            if (
+                other is parser
+                or action is None
+                or not (value is None or action.choices is None or value in action.choices)
+            ):
                 continue
             given = flag if value is None else f"{flag} {value}"
             text = f"`{given}` is an option of `{other.prog}` ({_help(other, flag)})"
@@ -386,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="trace and profile a model file; write profile.json")
     _add_model_options(p)
     p.add_argument("--batch-size", type=int, default=2, help="batch size to trace at (default 2)")
-    p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    p.add_argument(
+        "--out", default="profile.json", help="where to write the profile (default profile.json)"
+    )
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("plan", help="plan stages from a saved profile.json; write plan.json")
@@ -394,48 +485,84 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, PlanOptions)
     add_cluster_arguments(p)
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
-    p.add_argument("--html", metavar="PATH", help="also write the self-contained HTML report to PATH")
+    p.add_argument(
+        "--html", metavar="PATH", help="also write the self-contained HTML report to PATH"
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("partition", help="trace + plan + emit the build directory")
     _add_model_options(p)
     add_arguments(p, PlanOptions)
     add_cluster_arguments(p)
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="batch of one pipeline replica per step (default 2 x microbatches)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="batch of one pipeline replica per step (default 2 x microbatches)",
+    )
     p.add_argument("--out", default="build", help="the build directory to write (default build)")
-    p.add_argument("--no-check", action="store_true",
-                   help="write the build without first checking, in this process, that the stages equal the model "
-                        "in train and eval mode (the check holds the model's weights twice)")
-    p.add_argument("--weights", metavar="PATH", default=None,
-                   help="with --device meta: the checkpoint each stage's weights are read from (a .safetensors "
-                        "file, a directory of safetensors shards with an index JSON, or a torch.save'd state dict); "
-                        "without it a meta build writes no parameters and each stage initialises itself at load")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="write the build without first checking, in this process, that the stages equal the model "
+        "in train and eval mode (the check holds the model's weights twice)",
+    )
+    p.add_argument(
+        "--weights",
+        metavar="PATH",
+        default=None,
+        help="with --device meta: the checkpoint each stage's weights are read from (a .safetensors "
+        "file, a directory of safetensors shards with an index JSON, or a torch.save'd state dict); "
+        "without it a meta build writes no parameters and each stage initialises itself at load",
+    )
     p.set_defaults(func=cmd_partition)
 
-    p = sub.add_parser("report", help="print a build directory's plan again (beside run.json's measurements)")
+    p = sub.add_parser(
+        "report", help="print a build directory's plan again (beside run.json's measurements)"
+    )
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
     p.add_argument("--html", action="store_true", help="(re)write report.html")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("verify", help="check the stages against the original model in one process, in train and "
-                                      "eval mode")
+    p = sub.add_parser(
+        "verify",
+        help="check the stages against the original model in one process, in train and eval mode",
+    )
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance, times each tensor's largest magnitude (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance added to it (default 1e-5)")
-    p.add_argument("--all", action="store_true", help="list every output, gradient and buffer (default: the worst)")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-4,
+        help="relative tolerance, times each tensor's largest magnitude (default 1e-4)",
+    )
+    p.add_argument(
+        "--atol", type=float, default=1e-5, help="absolute tolerance added to it (default 1e-5)"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="list every output, gradient and buffer (default: the worst)",
+    )
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("run", help="train the build with torchrun, one process per stage and replica")
+    p = sub.add_parser(
+        "run", help="train the build with torchrun, one process per stage and replica"
+    )
     p.add_argument("build_dir", help="a build directory written by `fxpipe partition`")
-    from fxpipe.runtime.train.run_options import add_run_arguments  # the flags the worker entry point reads too
+    from fxpipe.runtime.train.run_options import (
+        add_run_arguments,
+    )  # the flags the worker entry point reads too
 
     add_run_arguments(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("export", help="gather a training checkpoint's stages into one safetensors state dict")
+    p = sub.add_parser(
+        "export", help="gather a training checkpoint's stages into one safetensors state dict"
+    )
     p.add_argument("checkpoint_dir", help="a --checkpoint-dir of `fxpipe run`")
-    p.add_argument("--out", default="model.safetensors", help="the file to write (default model.safetensors)")
+    p.add_argument(
+        "--out", default="model.safetensors", help="the file to write (default model.safetensors)"
+    )
     p.set_defaults(func=cmd_export)
     _Parser.verbs = dict(sub.choices)
     return parser
@@ -472,7 +599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + exc.signum
     except BrokenPipeError:
         return _output_closed()
-    except BaseException as exc:  # a bug, or SystemExit from a model file: one line, never a traceback
+    except (
+        BaseException
+    ) as exc:  # a bug, or SystemExit from a model file: one line, never a traceback
         if args.debug:
             raise
         print_safely(f"error: {one_line(internal_error_line(exc, _PHASE[0]))}")

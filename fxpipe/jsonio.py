@@ -19,8 +19,13 @@ from fxpipe.userfiles import read_regular
 __all__ = ["dump_json", "load_json", "check_schema_version"]
 
 
-def dump_json(data: dict[str, Any], path: str | Path | None = None, *, what: str = "data",
-              error: type[FxpipeError] = FxpipeError) -> str:
+def dump_json(
+    data: dict[str, Any],
+    path: str | Path | None = None,
+    *,
+    what: str = "data",
+    error: type[FxpipeError] = FxpipeError,
+) -> str:
     """``data`` as indented JSON text, also written to ``path`` when given.
 
     A ``NaN`` or infinite number anywhere in ``data`` raises ``error`` naming its field.
@@ -56,8 +61,15 @@ def load_json(source: str | Path, what: str, error: type[FxpipeError]) -> dict[s
     return data
 
 
-def check_schema_version(data: dict[str, Any], supported: int, what: str, error: type[FxpipeError], *,
-                         oldest: int | None = None, remedy: str = "") -> int:
+def check_schema_version(
+    data: dict[str, Any],
+    supported: int,
+    what: str,
+    error: type[FxpipeError],
+    *,
+    oldest: int | None = None,
+    remedy: str = "",
+) -> int:
     """The artifact's schema version (``supported`` when it has none), refusing one that is
     not an integer, newer than ``supported`` or older than ``oldest`` (default: ``supported``);
     ``remedy`` says how to write a current one."""
@@ -65,17 +77,27 @@ def check_schema_version(data: dict[str, Any], supported: int, what: str, error:
     oldest = supported if oldest is None else oldest
     hint = f"; {remedy}" if remedy else ""
     if isinstance(version, bool) or not isinstance(version, int):
-        raise error(f"{what} schema_version must be an integer such as {supported}, got {json.dumps(version)}{hint}")
+        raise error(
+            f"{what} schema_version must be an integer such as {supported}, got {json.dumps(version)}{hint}"
+        )
     if version > supported:
-        raise error(f"{what} schema version {version} is newer than this fxpipe understands "
-                    f"({supported}); upgrade fxpipe" + (f", or {remedy}" if remedy else ""))
+        raise error(
+            f"{what} schema version {version} is newer than this fxpipe understands "
+            f"({supported}); upgrade fxpipe" + (f", or {remedy}" if remedy else "")
+        )
     if version < oldest:
-        readable = f"version {supported}" if oldest == supported else f"versions {oldest} to {supported}"
-        raise error(f"{what} schema version {version} is older than this fxpipe reads ({readable}){hint}")
+        readable = (
+            f"version {supported}" if oldest == supported else f"versions {oldest} to {supported}"
+        )
+        raise error(
+            f"{what} schema version {version} is older than this fxpipe reads ({readable}){hint}"
+        )
     return version
 
 
-def refuse_unknown_fields(cls: type, data: dict[str, Any], what: str, error: type[FxpipeError]) -> None:
+def refuse_unknown_fields(
+    cls: type, data: dict[str, Any], what: str, error: type[FxpipeError]
+) -> None:
     """Refuse keys of ``data`` that are not fields of the dataclass ``cls`` (missing ones take defaults)."""
     from dataclasses import fields
 

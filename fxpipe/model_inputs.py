@@ -31,15 +31,27 @@ class ModelInputs:
 
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> ModelInputs:
         """The same call with ``fn`` applied to every tensor argument."""
+
         def f(x: Any) -> Any:
             return fn(x) if isinstance(x, torch.Tensor) else x
-        return ModelInputs(tuple(f(a) for a in self.args), {k: f(v) for k, v in self.kwargs.items()})
+
+        return ModelInputs(
+            tuple(f(a) for a in self.args), {k: f(v) for k, v in self.kwargs.items()}
+        )
 
     def describe(self) -> str:
         """``float32[2, 5], attention_mask=int64[2, 5], use_cache=False``: for messages."""
+
         def show(x: Any) -> str:
-            return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}" if isinstance(x, torch.Tensor) else show_value(x)
-        return ", ".join([show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs.items()])
+            return (
+                f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+                if isinstance(x, torch.Tensor)
+                else show_value(x)
+            )
+
+        return ", ".join(
+            [show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs.items()]
+        )
 
 
 def is_literal(value: Any) -> bool:
@@ -51,10 +63,12 @@ def is_literal(value: Any) -> bool:
 def _check_argument(name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor) or is_literal(value):
         return
-    kind = ("tensors inside a " if any(isinstance(v, torch.Tensor) for v in _leaves(value)) else "a ")
-    raise ValueError(f"argument {name} is {kind}{type(value).__name__}; the inputs may be tensors and plain "
-                     "constants (None, bool, int, float, str): pass each tensor as an argument of its own and "
-                     "build other objects into the model")
+    kind = "tensors inside a " if any(isinstance(v, torch.Tensor) for v in _leaves(value)) else "a "
+    raise ValueError(
+        f"argument {name} is {kind}{type(value).__name__}; the inputs may be tensors and plain "
+        "constants (None, bool, int, float, str): pass each tensor as an argument of its own and "
+        "build other objects into the model"
+    )
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -79,14 +93,20 @@ def parse_model_inputs(value: Any) -> ModelInputs:
         call = ModelInputs((value,))
     elif isinstance(value, Mapping):
         call = ModelInputs((), dict(value))
-    elif (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], (tuple, list))
-          and isinstance(value[1], Mapping)):
+    elif (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and isinstance(value[0], (tuple, list))
+        and isinstance(value[1], Mapping)
+    ):
         call = ModelInputs(tuple(value[0]), dict(value[1]))
     elif isinstance(value, (tuple, list)):
         call = ModelInputs(tuple(value))
     else:
-        raise ValueError(f"got {type(value).__name__} {value!r:.40}; return a tuple of positional arguments, a dict of keyword "
-                         "arguments or an (args, kwargs) pair")
+        raise ValueError(
+            f"got {type(value).__name__} {value!r:.40}; return a tuple of positional arguments, a dict of keyword "
+            "arguments or an (args, kwargs) pair"
+        )
     for key in call.kwargs:
         if not isinstance(key, str):
             raise ValueError(f"keyword argument names must be strings, got {key!r}")
@@ -95,8 +115,10 @@ def parse_model_inputs(value: Any) -> ModelInputs:
     for k, v in call.kwargs.items():
         _check_argument(repr(k), v)
     if not any(isinstance(x, torch.Tensor) for x in (*call.args, *call.kwargs.values())):
-        raise ValueError(f"no argument is a tensor ({call.describe() or 'no arguments'}); pass the model's tensor "
-                         "inputs")
+        raise ValueError(
+            f"no argument is a tensor ({call.describe() or 'no arguments'}); pass the model's tensor "
+            "inputs"
+        )
     return call
 
 

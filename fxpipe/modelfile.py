@@ -30,8 +30,14 @@ from fxpipe.userfiles import open_regular, read_regular
 if TYPE_CHECKING:
     from fxpipe.model_inputs import ModelInputs
 
-__all__ = ["ModelSource", "load_model_file", "import_model_module", "import_model_bytes", "checked_model_import",
-           "file_sha256"]
+__all__ = [
+    "ModelSource",
+    "load_model_file",
+    "import_model_module",
+    "import_model_bytes",
+    "checked_model_import",
+    "file_sha256",
+]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -72,7 +78,10 @@ def import_model_module(path: str | Path) -> ModuleType:
     if path.suffix != ".py":
         raise ModelFileError(f"cannot import {str(path)!r}: not a Python file")
     module = sys.modules.get(name)
-    if module is not None and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest():
+    if (
+        module is not None
+        and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest()
+    ):
         return module
     return _execute(path, name, data)
 
@@ -87,7 +96,10 @@ def import_model_bytes(path: str | Path, data: bytes) -> ModuleType:
     path = Path(path).resolve()
     name = _module_name(path)
     module = sys.modules.get(name)
-    if module is not None and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest():
+    if (
+        module is not None
+        and getattr(module, "__fxpipe_sha256__", None) == hashlib.sha256(data).hexdigest()
+    ):
         return module
     return _execute(path, name, data)
 
@@ -121,7 +133,9 @@ def _execute(path: Path, name: str, data: bytes) -> ModuleType:
     previous = sys.modules.get(name)
     sys.modules[name] = module
     try:
-        with exits_raise():  # os._exit() at import is an error, not a silent exit 0 (Note [os._exit in user code])
+        with (
+            exits_raise()
+        ):  # os._exit() at import is an error, not a silent exit 0 (Note [os._exit in user code])
             exec(compile(data, str(path), "exec"), module.__dict__)  # noqa: S102 - the user's own model file
     except BaseException as exc:
         if previous is None:
@@ -186,14 +200,18 @@ class ModelSource:
         try:
             return parse_model_inputs(value)
         except ValueError as exc:
-            raise ModelFileError(f"{self.path.name}:{self.inputs_fn}({batch_size}): {exc}") from None
+            raise ModelFileError(
+                f"{self.path.name}:{self.inputs_fn}({batch_size}): {exc}"
+            ) from None
 
     def example_inputs(self, batch_size: int) -> tuple[Any, ...]:
         """The positional arguments of ``example_call``, for model files that pass no keyword arguments."""
         call = self.example_call(batch_size)
         if call.kwargs:
-            raise ModelFileError(f"{self.path.name}:{self.inputs_fn}({batch_size}) passes keyword arguments "
-                                 f"({', '.join(call.kwargs)}); use ModelSource.example_call for the whole call")
+            raise ModelFileError(
+                f"{self.path.name}:{self.inputs_fn}({batch_size}) passes keyword arguments "
+                f"({', '.join(call.kwargs)}); use ModelSource.example_call for the whole call"
+            )
         return call.args
 
     def has(self, name: str) -> bool:
@@ -211,12 +229,19 @@ class ModelSource:
     def loss_fn(self) -> Callable[..., Any]:
         fn = getattr(self.module, self.loss_fn_name, None)
         if not callable(fn):
-            raise ModelFileError(f"{self.path.name} defines no {self.loss_fn_name}(output, target); training needs one")
+            raise ModelFileError(
+                f"{self.path.name} defines no {self.loss_fn_name}(output, target); training needs one"
+            )
         return fn
 
 
-def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: str | None = None, *,
-                    data: bytes | None = None) -> ModelSource:
+def load_model_file(
+    spec: str | Path,
+    model_fn: str | None = None,
+    inputs_fn: str | None = None,
+    *,
+    data: bytes | None = None,
+) -> ModelSource:
     """Load ``path.py`` or ``path.py:model_fn`` and check that its functions exist.
 
     ``data``: the file's bytes, already checked (``import_model_bytes``); the file is not read.
@@ -236,5 +261,7 @@ def load_model_file(spec: str | Path, model_fn: str | None = None, inputs_fn: st
     )
     for name in (source.model_fn, source.inputs_fn):
         if not source.has(name):
-            raise ModelFileError(f"{path.name} defines no function {name}(); see the model-file contract in docs/model-file.md")
+            raise ModelFileError(
+                f"{path.name} defines no function {name}(); see the model-file contract in docs/model-file.md"
+            )
     return source

@@ -48,8 +48,22 @@ from typing import Any, ClassVar, TypeVar
 from fxpipe.errors import ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json, refuse_unknown_fields
 
-__all__ = ["Option", "Switch", "Options", "option", "group", "same_as", "add_arguments", "namespace_values",
-           "from_namespace", "groups_of", "seed_keys", "choices_of", "flags_of", "option_of"]
+__all__ = [
+    "Option",
+    "Switch",
+    "Options",
+    "option",
+    "group",
+    "same_as",
+    "add_arguments",
+    "namespace_values",
+    "from_namespace",
+    "groups_of",
+    "seed_keys",
+    "choices_of",
+    "flags_of",
+    "option_of",
+]
 
 T = TypeVar("T")
 _OPTION = "fxpipe.option"
@@ -89,11 +103,23 @@ class Option:
         return self.flag if isinstance(self.flag, str) else "--" + name.replace("_", "-")
 
 
-def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, flag: str | bool = True,
-           aliases: tuple[str, ...] = (), metavar: str | None = None, choices: tuple[Any, ...] | None = None,
-           parse_choices: bool = True, parse: Callable[[str], Any] | None = None, none_means: str | None = None,
-           default_text: str | None = None, seed_key: str | None = None, switches: tuple[Switch, ...] = (),
-           repeat: bool = False) -> Any:
+def option(
+    default: Any = MISSING,
+    *,
+    help: str,
+    default_factory: Any = MISSING,
+    flag: str | bool = True,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    choices: tuple[Any, ...] | None = None,
+    parse_choices: bool = True,
+    parse: Callable[[str], Any] | None = None,
+    none_means: str | None = None,
+    default_text: str | None = None,
+    seed_key: str | None = None,
+    switches: tuple[Switch, ...] = (),
+    repeat: bool = False,
+) -> Any:
     """A dataclass field that is an option: its ``default`` and how users give it.
 
     ``help`` is the flag's help (``%(choices)s`` expands); ``flag`` the command-line flag
@@ -106,9 +132,20 @@ def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING,
     ``fxpipe.init``'s config that sets it. ``switches``: flags without a value that set it to
     one value. ``repeat``: a flag given once per item of a tuple (argparse's ``append``).
     """
-    spec = Option(help=help, flag=flag, aliases=aliases, metavar=metavar, choices=choices,
-                  parse_choices=parse_choices, parse=parse, none_means=none_means, default_text=default_text,
-                  seed_key=seed_key, switches=switches, repeat=repeat)
+    spec = Option(
+        help=help,
+        flag=flag,
+        aliases=aliases,
+        metavar=metavar,
+        choices=choices,
+        parse_choices=parse_choices,
+        parse=parse,
+        none_means=none_means,
+        default_text=default_text,
+        seed_key=seed_key,
+        switches=switches,
+        repeat=repeat,
+    )
     return field(default=default, default_factory=default_factory, metadata={_OPTION: spec})
 
 
@@ -125,7 +162,9 @@ def same_as(cls: type, name: str, **changes: Any) -> Any:
     ``DataParallelOptions``."""
     source = next(f for f in dataclasses.fields(cls) if f.name == name)
     spec = dataclasses.replace(source.metadata[_OPTION], **changes)
-    return field(default=source.default, default_factory=source.default_factory, metadata={_OPTION: spec})
+    return field(
+        default=source.default, default_factory=source.default_factory, metadata={_OPTION: spec}
+    )
 
 
 def option_of(cls: type, name: str) -> Option:
@@ -155,8 +194,13 @@ class Options:
             out["schema_version"] = self.json_schema_version
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            out[f.name] = (value.to_dict() if _GROUP in f.metadata else
-                           list(value) if isinstance(value, tuple) else value)
+            out[f.name] = (
+                value.to_dict()
+                if _GROUP in f.metadata
+                else list(value)
+                if isinstance(value, tuple)
+                else value
+            )
         return out
 
     @classmethod
@@ -198,7 +242,9 @@ def _scalar(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def _options(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], Option, Any]]:
+def _options(
+    cls: type, prefix: str = ""
+) -> Iterator[tuple[str, dataclasses.Field[Any], Option, Any]]:
     """``(dotted path, field, Option, scalar type)`` of every option of ``cls``, its groups' included."""
     for f in dataclasses.fields(cls):
         if _GROUP in f.metadata:
@@ -226,8 +272,14 @@ def _shown(spec: Option, default: Any) -> str | None:
     return str(default)
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
-                  title: str | None = None, only: tuple[str, ...] | None = None, suppress: bool = False) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    title: str | None = None,
+    only: tuple[str, ...] | None = None,
+    suppress: bool = False,
+) -> None:
     """Add the flags of ``cls``'s options (its groups' too) to ``parser``, in a group ``title``
     if given, or only those whose dotted path is in ``only``.
 
@@ -247,21 +299,51 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         missing = argparse.SUPPRESS if suppress else default
         if kind is bool:
             if suppress:
-                target.add_argument(flag, *spec.aliases, dest=path, action="store_const", const=True,
-                                    default=missing, help=text)
+                target.add_argument(
+                    flag,
+                    *spec.aliases,
+                    dest=path,
+                    action="store_const",
+                    const=True,
+                    default=missing,
+                    help=text,
+                )
             else:
                 target.add_argument(flag, *spec.aliases, dest=path, action="store_true", help=text)
         elif spec.repeat:
-            target.add_argument(flag, *spec.aliases, dest=path, action="append",
-                                default=missing if suppress else list(default), metavar=spec.metavar, help=text)
+            target.add_argument(
+                flag,
+                *spec.aliases,
+                dest=path,
+                action="append",
+                default=missing if suppress else list(default),
+                metavar=spec.metavar,
+                help=text,
+            )
         else:
-            parse = spec.parse or (kind if kind in (int, float) else None)  # None: the text as it is
+            parse = spec.parse or (
+                kind if kind in (int, float) else None
+            )  # None: the text as it is
             typed: dict[str, Any] = {"type": parse} if parse is not None else {}
-            target.add_argument(flag, *spec.aliases, dest=path, metavar=spec.metavar, default=missing, help=text,
-                                choices=spec.choices if spec.parse_choices else None, **typed)
+            target.add_argument(
+                flag,
+                *spec.aliases,
+                dest=path,
+                metavar=spec.metavar,
+                default=missing,
+                help=text,
+                choices=spec.choices if spec.parse_choices else None,
+                **typed,
+            )
         for switch in spec.switches:
-            target.add_argument(switch.flag, dest=path, action="store_const", const=switch.value,
-                                default=argparse.SUPPRESS, help=switch.help)
+            target.add_argument(
+                switch.flag,
+                dest=path,
+                action="store_const",
+                const=switch.value,
+                default=argparse.SUPPRESS,
+                help=switch.help,
+            )
 
 
 def namespace_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -293,8 +375,11 @@ def groups_of(cls: type) -> dict[str, type]:
 
 def seed_keys(cls: type) -> dict[str, str]:
     """``{seed-config key: field name}`` of ``cls``'s options that ``fxpipe.init``'s config sets."""
-    return {spec.seed_key: f.name for f in dataclasses.fields(cls)
-            if (spec := f.metadata.get(_OPTION)) is not None and spec.seed_key is not None}
+    return {
+        spec.seed_key: f.name
+        for f in dataclasses.fields(cls)
+        if (spec := f.metadata.get(_OPTION)) is not None and spec.seed_key is not None
+    }
 
 
 def flags_of(cls: type) -> list[str]:

@@ -36,7 +36,14 @@ from typing import Annotated, Any, TypeVar
 
 from fxpipe.errors import FxpipeError
 
-__all__ = ["AtLeast", "NonNegInt", "PositiveInt", "NonNegFloat", "read_dataclass", "find_non_finite"]
+__all__ = [
+    "AtLeast",
+    "NonNegInt",
+    "PositiveInt",
+    "NonNegFloat",
+    "read_dataclass",
+    "find_non_finite",
+]
 
 T = TypeVar("T")
 
@@ -121,7 +128,9 @@ def _read(hint: Any, value: Any) -> Any:
         out = _read(base, value)
         for m in meta:
             if isinstance(m, AtLeast) and out < m.minimum:
-                raise _Bad(f"expected {_NAMES.get(base, 'a number')} >= {m.minimum:g}, got {_show(value)}")
+                raise _Bad(
+                    f"expected {_NAMES.get(base, 'a number')} >= {m.minimum:g}, got {_show(value)}"
+                )
         return out
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)

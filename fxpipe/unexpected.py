@@ -38,18 +38,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-__all__ = ["internal_error_line", "user_frame", "print_safely", "disk_error", "disk_error_line", "one_line",
-           "ExitCalled", "exits_raise", "SignalStop"]
+__all__ = [
+    "internal_error_line",
+    "user_frame",
+    "print_safely",
+    "disk_error",
+    "disk_error_line",
+    "one_line",
+    "ExitCalled",
+    "exits_raise",
+    "SignalStop",
+]
 
 _MAX_MESSAGE = 300
 
 # errno -> what it says about the disk
-_DISK_FAULTS = {errno.ENOSPC: "the disk is full: free space there, or write elsewhere",
-                errno.EDQUOT: "the disk quota is used up: free space there, or write elsewhere",
-                errno.EROFS: "the file system is read-only: write elsewhere",
-                errno.EFBIG: "the file is larger than the file system allows: write elsewhere",
-                errno.EIO: "the disk reported an input/output error: check the disk, or write elsewhere"}
-_OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error (safetensors) names it
+_DISK_FAULTS = {
+    errno.ENOSPC: "the disk is full: free space there, or write elsewhere",
+    errno.EDQUOT: "the disk quota is used up: free space there, or write elsewhere",
+    errno.EROFS: "the file system is read-only: write elsewhere",
+    errno.EFBIG: "the file is larger than the file system allows: write elsewhere",
+    errno.EIO: "the disk reported an input/output error: check the disk, or write elsewhere",
+}
+_OS_ERROR_NUMBER = re.compile(
+    r"\(os error (\d+)\)"
+)  # how Rust's std::io::Error (safetensors) names it
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -84,7 +97,11 @@ class SignalStop(BaseException):
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
-        self.name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+        self.name = (
+            signal.Signals(signum).name
+            if signum in signal.Signals._value2member_map_
+            else str(signum)
+        )
         super().__init__(f"stopped by {self.name}")
 
 
@@ -176,8 +193,10 @@ def disk_error_line(exc: BaseException, phase: str) -> str | None:
     number = fault.errno if fault.errno is not None else 0
     name = errno.errorcode.get(number, str(number))
     where = f": {fault.filename!r}" if fault.filename else ""
-    return (f"OSError [Errno {number} {name}] {fault.strerror or os.strerror(number)}{where} while {phase}: "
-            f"{_DISK_FAULTS[number]}")
+    return (
+        f"OSError [Errno {number} {name}] {fault.strerror or os.strerror(number)}{where} while {phase}: "
+        f"{_DISK_FAULTS[number]}"
+    )
 
 
 def internal_error_line(exc: BaseException, phase: str) -> str:
@@ -187,14 +206,22 @@ def internal_error_line(exc: BaseException, phase: str) -> str:
     if disk is not None:
         return disk
     frame = user_frame(exc)
-    where = f"at {Path(frame.filename).name}:{frame.lineno} in {frame.name}; " if frame is not None else ""
+    where = (
+        f"at {Path(frame.filename).name}:{frame.lineno} in {frame.name}; "
+        if frame is not None
+        else ""
+    )
     return f"internal error while {phase}: {_message(exc)} ({where}rerun with --debug)"
 
 
 def one_line(text: str) -> str:
     """``text`` with every character that is not printable escaped (``\\n``, ``\\x1b``, ...), so a path or a
     message that holds a newline prints as one line and cannot forge another (``error: ...``)."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return (
+        text
+        if text.isprintable()
+        else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    )
 
 
 def print_safely(line: str, stream: TextIO | None = None) -> None:

@@ -34,14 +34,22 @@ def shown(path: str | Path) -> str:
 
 def kind_of(mode: int) -> str:
     """What a file of ``mode`` is, in words ("a FIFO", "a directory", ...)."""
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a regular file"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def _refusal(path: str | Path, what: str, mode: int, error: type[FxpipeError], remedy: str) -> FxpipeError:
+def _refusal(
+    path: str | Path, what: str, mode: int, error: type[FxpipeError], remedy: str
+) -> FxpipeError:
     hint = f"; {remedy}" if remedy else ""
     return error(f"{what} {str(path)!r} is {kind_of(mode)}, not a regular file{hint}")
 
@@ -91,12 +99,16 @@ def _same(a: Path, b: Path) -> bool:
         return a.absolute() == b.absolute()
 
 
-def refuse_overwrite(out: str | Path, inputs: Iterable[str | Path], option: str, error: type[FxpipeError]) -> None:
+def refuse_overwrite(
+    out: str | Path, inputs: Iterable[str | Path], option: str, error: type[FxpipeError]
+) -> None:
     """Refuse writing ``out`` (given as ``option``) when it is one of ``inputs`` (the same file, also through a link
     or another name), or an input folder itself."""
     out_path = Path(out)
     for item in inputs:
         src = Path(item)
         if _same(out_path, src):
-            raise error(f"{option} {str(out)!r} is {'the folder' if src.is_dir() else 'a file'} this command reads "
-                        f"({str(src)!r}); writing it would destroy its input, so choose another {option}")
+            raise error(
+                f"{option} {str(out)!r} is {'the folder' if src.is_dir() else 'a file'} this command reads "
+                f"({str(src)!r}); writing it would destroy its input, so choose another {option}"
+            )

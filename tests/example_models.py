@@ -17,4 +17,6 @@ EXAMPLES: dict[str, Path] = {
     "branchy": EXAMPLES_DIR / "branchy.py",
 }
 HF_MODELS = EXAMPLES_DIR / "hf_models.py"  # GPT-2 by default; build_bert/bert_inputs for BERT
-HF_LM = EXAMPLES_DIR / "hf_lm.py"  # unwrapped GPT-2 (build_bart/bart_inputs: BART), keyword inputs, labels=, no loss_fn
+HF_LM = (
+    EXAMPLES_DIR / "hf_lm.py"
+)  # unwrapped GPT-2 (build_bart/bart_inputs: BART), keyword inputs, labels=, no loss_fn

@@ -24,8 +24,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 WIDTH = 16
-SPLITS = {"build_model": ("act", "c"), "build_functional": ("act", "c"), "build_view_write": ("b", "c"),
-          "build_residual_stream": ("blocks.1", "blocks.3"), "build_eval_only": ("b", "c")}
+SPLITS = {
+    "build_model": ("act", "c"),
+    "build_functional": ("act", "c"),
+    "build_view_write": ("b", "c"),
+    "build_residual_stream": ("blocks.1", "blocks.3"),
+    "build_eval_only": ("b", "c"),
+}
 
 
 class SkipAroundInPlace(nn.Module):
@@ -71,7 +76,9 @@ class Block(nn.Module):
         self.scale = 0.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(self.norm(x * self.scale)))  # saves no x: `h += block(h)` may change it
+        return torch.tanh(
+            self.fc(self.norm(x * self.scale))
+        )  # saves no x: `h += block(h)` may change it
 
 
 class ResidualStream(nn.Module):

@@ -17,7 +17,11 @@ EXAMPLES = ROOT / "examples"
 
 def _fxpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fxpipe", *args], capture_output=True, text=True, cwd=cwd, timeout=300,
+        [sys.executable, "-m", "fxpipe", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
     )
 
 
@@ -28,7 +32,10 @@ def test_trace_writes_profile_and_prints_table(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["batch_size"] == 4
     assert len(data["units"]) >= 3
-    assert all({"name", "fwd_ms", "bwd_ms", "param_bytes", "activation_bytes", "outputs"} <= set(u) for u in data["units"])
+    assert all(
+        {"name", "fwd_ms", "bwd_ms", "param_bytes", "activation_bytes", "outputs"} <= set(u)
+        for u in data["units"]
+    )
     assert "wrote" in proc.stdout
 
 
@@ -42,7 +49,9 @@ def test_trace_writes_profile_and_prints_table(tmp_path: Path) -> None:
         (["verify", "no-such-build-dir"], "does not exist"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_exit_2(
+    args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     import os
 
     cwd = os.getcwd()
@@ -58,7 +67,9 @@ def test_bad_input_is_one_line_exit_2(args: list[str], fragment: str, capsys: py
     assert "Traceback" not in err
 
 
-def test_model_that_raises_and_wrong_input_types(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_that_raises_and_wrong_input_types(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
         "import torch\n"
@@ -72,7 +83,10 @@ def test_model_that_raises_and_wrong_input_types(tmp_path: Path, capsys: pytest.
     assert "boom in init" in err and len(err.strip().splitlines()) == 1
     assert main(["trace", f"{bad}:other_model", "--inputs-fn", "bad_inputs"]) == 2
     err = capsys.readouterr().err
-    assert "return a tuple of positional arguments, a dict of keyword arguments" in err and len(err.strip().splitlines()) == 1
+    assert (
+        "return a tuple of positional arguments, a dict of keyword arguments" in err
+        and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_debug_flag_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,59 +96,134 @@ def test_debug_flag_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--debug", "trace", "does/not/exist.py"])
 
 
-def test_plan_with_dp_prices_the_gradient_all_reduce(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_with_dp_prices_the_gradient_all_reduce(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     profile = tmp_path / "profile.json"
-    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    assert (
+        main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    )
     plans = {}
-    for name, extra in {"single": [], "dp2": ["--dp", "2"], "dp2_fp16": ["--dp", "2", "--comm-hook", "fp16"],
-                        "dp2_powersgd": ["--dp", "2", "--comm-hook", "powersgd", "--powersgd-rank", "2"]}.items():
+    for name, extra in {
+        "single": [],
+        "dp2": ["--dp", "2"],
+        "dp2_fp16": ["--dp", "2", "--comm-hook", "fp16"],
+        "dp2_powersgd": ["--dp", "2", "--comm-hook", "powersgd", "--powersgd-rank", "2"],
+    }.items():
         out = tmp_path / f"{name}.json"
         # one split for all: the cheapest split may move with the data-parallel costs (DDP's pass per tensor)
-        assert main(["plan", str(profile), "--stages", "2", "--solver", "dp", "--split-at", "layers.1.0",
-                     "--out", str(out), *extra]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    str(profile),
+                    "--stages",
+                    "2",
+                    "--solver",
+                    "dp",
+                    "--split-at",
+                    "layers.1.0",
+                    "--out",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         plans[name] = json.loads(out.read_text())
     capsys.readouterr()
     assert {p["stages"][1]["units"][0] for p in plans.values()} == {"layers.1.0"}
     assert plans["single"]["cost"]["dp_replicas"] == 1
-    assert plans["dp2_powersgd"]["cost"].items() >= {"dp_replicas": 2, "comm_hook": "powersgd",
-                                                     "powersgd_rank": 2}.items()
-    overhead = {k: p["prediction"]["step_overhead_ms"]["dp_all_reduce_ms"] for k, p in plans.items()}
+    assert (
+        plans["dp2_powersgd"]["cost"].items()
+        >= {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 2}.items()
+    )
+    overhead = {
+        k: p["prediction"]["step_overhead_ms"]["dp_all_reduce_ms"] for k, p in plans.items()
+    }
     step = {k: p["prediction"]["step_ms"]["1f1b"] for k, p in plans.items()}
     assert overhead["single"] == 0 and overhead["dp2"] > overhead["dp2_fp16"] > 0
     # the all-reduce is per step, not per microbatch: the stages' microbatch figures stay as they were
     per_step = ("dp_allreduce_ms", "dp_bytes")
-    per_microbatch = [{k: v for k, v in s.items() if k not in per_step} for s in plans["dp2"]["stages"]]
-    assert [{k: v for k, v in s.items() if k not in per_step} for s in plans["single"]["stages"]] == per_microbatch
+    per_microbatch = [
+        {k: v for k, v in s.items() if k not in per_step} for s in plans["dp2"]["stages"]
+    ]
+    assert [
+        {k: v for k, v in s.items() if k not in per_step} for s in plans["single"]["stages"]
+    ] == per_microbatch
     assert all(s["dp_allreduce_ms"] == 0 for s in plans["single"]["stages"])
     assert all(s["dp_allreduce_ms"] > 0 for s in plans["dp2"]["stages"])
     assert step["dp2"] == pytest.approx(step["single"] + overhead["dp2"])
 
 
-def test_plan_for_a_schedule_with_virtual_stages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_for_a_schedule_with_virtual_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     profile = tmp_path / "profile.json"
-    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    assert (
+        main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    )
     out = tmp_path / "zbv.json"
-    assert main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--out", str(out)]) == 0
+    assert (
+        main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--out", str(out)]) == 0
+    )
     plan = json.loads(out.read_text())
     assert (plan["virtual_stages"], plan["placement"], plan["num_stages"]) == (2, "v", 4)
-    assert [s["rank"] for s in plan["stages"]] == [0, 1, 1, 0] and set(plan["prediction"]["step_ms"]) == {"zbv", "dualpipev"}
-    assert "optimal for: planned for the predicted step time of zbv" in " ".join(capsys.readouterr().out.split())
+    assert [s["rank"] for s in plan["stages"]] == [0, 1, 1, 0] and set(
+        plan["prediction"]["step_ms"]
+    ) == {"zbv", "dualpipev"}
+    assert "optimal for: planned for the predicted step time of zbv" in " ".join(
+        capsys.readouterr().out.split()
+    )
     auto = tmp_path / "auto.json"
-    assert main(["plan", str(profile), "--stages", "2", "--schedule", "auto", "--virtual-stages", "2",
-                 "--out", str(auto)]) == 0
-    assert {o["schedule"] for o in json.loads(auto.read_text())["alternatives"]} == {"interleaved-1f1b", "zbv",
-                                                                                  "dualpipev"}
+    assert (
+        main(
+            [
+                "plan",
+                str(profile),
+                "--stages",
+                "2",
+                "--schedule",
+                "auto",
+                "--virtual-stages",
+                "2",
+                "--out",
+                str(auto),
+            ]
+        )
+        == 0
+    )
+    assert {o["schedule"] for o in json.loads(auto.read_text())["alternatives"]} == {
+        "interleaved-1f1b",
+        "zbv",
+        "dualpipev",
+    }
     assert "schedules planned by --schedule auto" in capsys.readouterr().out
-    assert main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--virtual-stages", "3"]) == 2
+    assert (
+        main(["plan", str(profile), "--stages", "2", "--schedule", "zbv", "--virtual-stages", "3"])
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "'zbv' runs 2 stages per rank, not --virtual-stages 3" in err and len(err.strip().splitlines()) == 1
+    assert (
+        "'zbv' runs 2 stages per rank, not --virtual-stages 3" in err
+        and len(err.strip().splitlines()) == 1
+    )
 
 
-def test_bad_dp_options_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_dp_options_are_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     profile = tmp_path / "profile.json"
-    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    assert (
+        main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
+    )
     capsys.readouterr()
-    assert main(["plan", str(profile), "--stages", "2", "--dp", "0", "--out", str(tmp_path / "p.json")]) == 2
+    assert (
+        main(
+            ["plan", str(profile), "--stages", "2", "--dp", "0", "--out", str(tmp_path / "p.json")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "dp_replicas must be an int >= 1, got 0" in err and len(err.strip().splitlines()) == 1
     assert main(["plan", str(profile), "--stages", "2", "--dp", "2", "--comm-hook", "zip"]) == 2
@@ -143,8 +232,9 @@ def test_bad_dp_options_are_one_line_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_model_that_rejects_its_inputs_is_one_line_exit_2(tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_that_rejects_its_inputs_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad_shape.py"
     bad.write_text(
         "import torch\n"
@@ -154,7 +244,9 @@ def test_model_that_rejects_its_inputs_is_one_line_exit_2(tmp_path: Path,
     )
     assert main(["trace", str(bad), "--batch-size", "3", "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (
+        err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    )
     assert "bad_shape.py" in err and "Linear raised on its example inputs (float32[3, 5])" in err
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x4)" in err
     assert main(["trace", str(bad), "--inputs-fn", "text_inputs"]) == 2
@@ -162,7 +254,9 @@ def test_model_that_rejects_its_inputs_is_one_line_exit_2(tmp_path: Path,
     assert "no argument is a tensor ('hello')" in err and len(err.strip().splitlines()) == 1
 
 
-def test_sequence_first_model_partitions_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sequence_first_model_partitions_and_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = tmp_path / "seq_first.py"
     model.write_text(
         "import torch\nimport torch.nn as nn\n"
@@ -178,39 +272,103 @@ def test_sequence_first_model_partitions_and_verifies(tmp_path: Path, capsys: py
         "def loss_fn(out, target):\n    return ((out - target) ** 2).mean()\n"
     )
     build = tmp_path / "build"
-    assert main(["partition", str(model), "--stages", "2", "--batch-size", "4", "--out", str(build)]) == 0
+    assert (
+        main(["partition", str(model), "--stages", "2", "--batch-size", "4", "--out", str(build)])
+        == 0
+    )
     manifest = json.loads((build / "manifest.json").read_text())
-    assert [(t["shape"], t["batch_dim"]) for t in manifest["inputs"]] == [([6, 2, 8], 1), ([6, 6], None)]
+    assert [(t["shape"], t["batch_dim"]) for t in manifest["inputs"]] == [
+        ([6, 2, 8], 1),
+        ([6, 6], None),
+    ]
     assert main(["verify", str(build)]) == 0
     assert "OK" in capsys.readouterr().out
 
 
-def test_memory_limit_holds_over_the_whole_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_memory_limit_holds_over_the_whole_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Note [fitting memory over time]: a limit the stage bound meets but the schedule walk does not is one line."""
     profile = tmp_path / "profile.json"
-    assert main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "4", "--out", str(profile)]) == 0
+    assert (
+        main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "4", "--out", str(profile)]) == 0
+    )
     out = tmp_path / "plan.json"
-    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--out", str(out)]) == 0
+    assert (
+        main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--out", str(out)]) == 0
+    )
     unlimited = json.loads(out.read_text())
     own_walk = max(unlimited["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"])
     units = [u for stage in unlimited["stages"] for u in stage["units"]]
     peaks = []  # every split: the stage bound's rank memory and the walk's, under 1F1B
     for first in units[1:]:
-        assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--split-at", first,
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    str(profile),
+                    "--stages",
+                    "2",
+                    "--microbatches",
+                    "4",
+                    "--split-at",
+                    first,
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         plan = json.loads(out.read_text())
-        peaks.append((max(plan["rank_memory_bytes"]), max(plan["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"])))
-    assert all(walk > bound for bound, walk in peaks)  # the walk counts what the stage bound leaves out
+        peaks.append(
+            (
+                max(plan["rank_memory_bytes"]),
+                max(plan["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"]),
+            )
+        )
+    assert all(
+        walk > bound for bound, walk in peaks
+    )  # the walk counts what the stage bound leaves out
     walked = min(walk for _, walk in peaks)
     limit = walked - 1  # the stage bound of some split meets it, no split's walk does
     assert min(bound for bound, _ in peaks) <= limit
     capsys.readouterr()
-    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(limit),
-                 "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(profile),
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--memory-limit",
+                str(limit),
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "over the whole step" in err and len(err.strip().splitlines()) == 1
-    assert main(["plan", str(profile), "--stages", "2", "--microbatches", "4", "--memory-limit", str(own_walk),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(profile),
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--memory-limit",
+                str(own_walk),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     fitted = json.loads(out.read_text())
     assert max(fitted["prediction"]["peak_memory_bytes_by_schedule"]["1f1b"]) <= own_walk
     assert "peak memory over the step" in fitted["status"]

@@ -30,10 +30,14 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
         key = " ".join(action.option_strings) or action.dest
-        out[key] = {"dest": action.dest, "default": _jsonable(action.default),
-                    "choices": _jsonable(list(action.choices)) if action.choices is not None else None,
-                    "action": type(action).__name__, "const": _jsonable(action.const),
-                    "type": getattr(action.type, "__name__", None) if action.type is not None else None}
+        out[key] = {
+            "dest": action.dest,
+            "default": _jsonable(action.default),
+            "choices": _jsonable(list(action.choices)) if action.choices is not None else None,
+            "action": type(action).__name__,
+            "const": _jsonable(action.const),
+            "type": getattr(action.type, "__name__", None) if action.type is not None else None,
+        }
     return out
 
 
@@ -69,13 +73,21 @@ def current() -> dict[str, dict[str, dict[str, Any]]]:
 def _reading(spec: dict[str, Any]) -> dict[str, Any]:
     """What a user sees of a flag: ``type=str`` and no type read it alike, and ``dest`` is the
     namespace's name for it, the parser's own business (``--leaf`` fills ``leaves``)."""
-    return {**{k: v for k, v in spec.items() if k != "dest"}, "type": None if spec["type"] == "str" else spec["type"]}
+    return {
+        **{k: v for k, v in spec.items() if k != "dest"},
+        "type": None if spec["type"] == "str" else spec["type"],
+    }
 
 
 def test_every_verb_keeps_its_flags_and_defaults() -> None:
-    expected = {verb: {flag: _reading(spec) for flag, spec in flags.items()}
-                for verb, flags in json.loads(SNAPSHOT.read_text()).items()}
-    got = {verb: {flag: _reading(spec) for flag, spec in flags.items()} for verb, flags in current().items()}
+    expected = {
+        verb: {flag: _reading(spec) for flag, spec in flags.items()}
+        for verb, flags in json.loads(SNAPSHOT.read_text()).items()
+    }
+    got = {
+        verb: {flag: _reading(spec) for flag, spec in flags.items()}
+        for verb, flags in current().items()
+    }
     assert set(got) == set(expected)
     for verb in expected:
         assert set(got[verb]) == set(expected[verb]), verb

@@ -37,7 +37,9 @@ def test_relative_links_resolve(page: Path) -> None:
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
-            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            broken.append(
+                f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}"
+            )
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)

@@ -25,10 +25,30 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fxpipe"
 
-BASE = {"errors", "schema", "jsonio", "graphmeta", "model_inputs", "modelfile", "unexpected", "calibration_data", "optionspec", "userfiles",
-        "userfiles", "_lazy"}
-RANK = {**dict.fromkeys(BASE, 0), "tracer": 1, "partitioner": 2, "codegen": 3, "runtime": 4, "smp": 5,
-        "sharding": 5, "cli": 6}
+BASE = {
+    "errors",
+    "schema",
+    "jsonio",
+    "graphmeta",
+    "model_inputs",
+    "modelfile",
+    "unexpected",
+    "calibration_data",
+    "optionspec",
+    "userfiles",
+    "userfiles",
+    "_lazy",
+}
+RANK = {
+    **dict.fromkeys(BASE, 0),
+    "tracer": 1,
+    "partitioner": 2,
+    "codegen": 3,
+    "runtime": 4,
+    "smp": 5,
+    "sharding": 5,
+    "cli": 6,
+}
 FACADE = {"fxpipe", "fxpipe.__main__", "fxpipe.amp"}
 
 
@@ -88,27 +108,51 @@ def test_layers_point_down() -> None:
         assert a in RANK and b in RANK, f"{src} or {dst} is in no layer: add it to Note [layers]"
         if RANK[b] > RANK[a] or (RANK[a] == RANK[b] == 5 and a != b):
             wrong.append(f"{src} imports {dst}")
-    assert not wrong, "imports against the layer order (Note [layers]):\n" + "\n".join(sorted(wrong))
+    assert not wrong, "imports against the layer order (Note [layers]):\n" + "\n".join(
+        sorted(wrong)
+    )
 
 
 def test_no_import_cycles() -> None:
     graph = _graph()
     graph.remove_nodes_from(FACADE)
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
-    assert not cycles, "modules that import each other, directly or through others:\n" + "\n".join(map(str, cycles))
+    assert not cycles, "modules that import each other, directly or through others:\n" + "\n".join(
+        map(str, cycles)
+    )
 
 
 def test_worker_loads_the_runtime_not_the_compiler() -> None:
     """A training rank imports the runtime and what stages need: no solver, no tracer front end, no
     report, no seed API -- and not OR-Tools."""
-    code = ("import sys, fxpipe.runtime.launch.worker, fxpipe.runtime.train.loop; "
-            "print('\\n'.join(m for m in sys.modules if m.startswith(('fxpipe', 'ortools'))))")
-    loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                text=True).stdout.split())
-    compiler = {m for m in loaded if m.startswith(("fxpipe.partitioner.solve", "fxpipe.partitioner.search.configurations",
-                                                    "fxpipe.partitioner.report.terminal", "fxpipe.smp", "fxpipe.sharding",
-                                                    "fxpipe.cli", "ortools", "fxpipe.codegen.build",
-                                                    "fxpipe.codegen.emit", "fxpipe.codegen.split",
-                                                    "fxpipe.tracer.api", "fxpipe.tracer.symbolic",
-                                                    "fxpipe.tracer.export_frontend"))}
+    code = (
+        "import sys, fxpipe.runtime.launch.worker, fxpipe.runtime.train.loop; "
+        "print('\\n'.join(m for m in sys.modules if m.startswith(('fxpipe', 'ortools'))))"
+    )
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", code], check=True, capture_output=True, text=True
+        ).stdout.split()
+    )
+    compiler = {
+        m
+        for m in loaded
+        if m.startswith(
+            (
+                "fxpipe.partitioner.solve",
+                "fxpipe.partitioner.search.configurations",
+                "fxpipe.partitioner.report.terminal",
+                "fxpipe.smp",
+                "fxpipe.sharding",
+                "fxpipe.cli",
+                "ortools",
+                "fxpipe.codegen.build",
+                "fxpipe.codegen.emit",
+                "fxpipe.codegen.split",
+                "fxpipe.tracer.api",
+                "fxpipe.tracer.symbolic",
+                "fxpipe.tracer.export_frontend",
+            )
+        )
+    }
     assert not compiler, f"a worker imports the compiler: {sorted(compiler)}"

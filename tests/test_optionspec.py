@@ -11,16 +11,32 @@ from typing import ClassVar
 import pytest
 
 from fxpipe.errors import ConfigError
-from fxpipe.optionspec import (Options, Switch, add_arguments, flags_of, from_namespace, group, namespace_values,
-                               option, option_of, same_as, seed_keys)
+from fxpipe.optionspec import (
+    Options,
+    Switch,
+    add_arguments,
+    flags_of,
+    from_namespace,
+    group,
+    namespace_values,
+    option,
+    option_of,
+    same_as,
+    seed_keys,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Inner(Options):
     what: ClassVar[str] = "inner options"
 
-    hook: str = option("allreduce", choices=("allreduce", "fp16"), help="hook: %(choices)s", seed_key="comm_hook",
-                       switches=(Switch("--half", "fp16", "the same as --hook fp16"),))
+    hook: str = option(
+        "allreduce",
+        choices=("allreduce", "fp16"),
+        help="hook: %(choices)s",
+        seed_key="comm_hook",
+        switches=(Switch("--half", "fp16", "the same as --hook fp16"),),
+    )
     rank: int | None = option(None, metavar="K", none_means="none", help="a rank")
     quiet: bool = option(False, help="say less")
     hidden: float = option(1.5, flag=False, help="JSON only")
@@ -49,7 +65,9 @@ def _parser(cls: type, **kwargs: object) -> argparse.ArgumentParser:
 def test_flags_come_from_the_fields() -> None:
     assert flags_of(_Outer) == ["--count", "-n", "--names", "--hook", "--half", "--rank", "--quiet"]
     parser = _parser(_Outer)
-    got = from_namespace(_Outer, parser.parse_args(["-n", "3", "--names", "a", "--names", "b", "--half", "--quiet"]))
+    got = from_namespace(
+        _Outer, parser.parse_args(["-n", "3", "--names", "a", "--names", "b", "--half", "--quiet"])
+    )
     assert got == _Outer(steps=3, names=("a", "b"), inner=_Inner(hook="fp16", quiet=True))
     assert from_namespace(_Outer, parser.parse_args([])) == _Outer()
     text = " ".join(parser.format_help().split())
@@ -57,7 +75,9 @@ def test_flags_come_from_the_fields() -> None:
     assert "steps (default: 10)" in text and "--hidden" not in text
     with pytest.raises(SystemExit):  # declared choices are argparse's
         parser.parse_args(["--hook", "int8"])
-    with pytest.raises(ConfigError, match="--count must be >= 1, got 0"):  # validation is the class's
+    with pytest.raises(
+        ConfigError, match="--count must be >= 1, got 0"
+    ):  # validation is the class's
         from_namespace(_Outer, parser.parse_args(["--count", "0"]))
 
 
@@ -73,8 +93,12 @@ def test_suppressed_flags_name_only_what_was_given() -> None:
 def test_the_json_form() -> None:
     value = _Outer(steps=4, names=("x",), inner=_Inner(rank=2, hidden=2.5))
     data = value.to_dict()
-    assert data == {"schema_version": 3, "steps": 4, "names": ["x"],
-                    "inner": {"hook": "allreduce", "rank": 2, "quiet": False, "hidden": 2.5}}
+    assert data == {
+        "schema_version": 3,
+        "steps": 4,
+        "names": ["x"],
+        "inner": {"hook": "allreduce", "rank": 2, "quiet": False, "hidden": 2.5},
+    }
     assert _Outer.from_json(value.to_json()).inner == value.inner
     assert _Outer.from_dict({"inner": {"rank": 1}}) == _Outer(inner=_Inner(rank=1))
     with pytest.raises(ConfigError, match=r"unknown outer options \['stpes'\]"):
@@ -105,7 +129,14 @@ def test_the_data_parallel_options_are_the_cost_models() -> None:
     from fxpipe.partitioner.plan_options import PlanOptions
     from fxpipe.runtime.dataparallel import DataParallelOptions
 
-    shared = ("comm_hook", "powersgd_rank", "shard", "shard_reduce", "shard_param_dtype", "shard_reduce_dtype")
+    shared = (
+        "comm_hook",
+        "powersgd_rank",
+        "shard",
+        "shard_reduce",
+        "shard_param_dtype",
+        "shard_reduce_dtype",
+    )
     for name in shared:
         declared = option_of(CostModel, name)
         assert option_of(DataParallelOptions, name).help == declared.help
@@ -122,13 +153,32 @@ def test_the_seed_config_keys_are_kept() -> None:
     with pytest.raises(ConfigError) as info:
         Config.from_dict({"partitions": 2, "nope": 1})
     accepted = str(info.value).split("accepts ")[1]
-    for key in ("partitions", "microbatches", "pipeline", "virtual_stages", "auto_partition", "default_partition",
-                "optimize", "ddp", "plan", "comm_hook", "powersgd_rank", "shard_optimizer_state", "shard",
-                "shard_reduce", "shard_wrap", "shard_min_params", "shard_param_dtype", "shard_reduce_dtype",
-                "weights"):
+    for key in (
+        "partitions",
+        "microbatches",
+        "pipeline",
+        "virtual_stages",
+        "auto_partition",
+        "default_partition",
+        "optimize",
+        "ddp",
+        "plan",
+        "comm_hook",
+        "powersgd_rank",
+        "shard_optimizer_state",
+        "shard",
+        "shard_reduce",
+        "shard_wrap",
+        "shard_min_params",
+        "shard_param_dtype",
+        "shard_reduce_dtype",
+        "weights",
+    ):
         assert repr(key) in accepted
     assert "data_parallel" not in accepted
-    config = Config.from_dict({"partitions": 2, "ddp": True, "comm_hook": "fp16", "shard_reduce_dtype": None})
+    config = Config.from_dict(
+        {"partitions": 2, "ddp": True, "comm_hook": "fp16", "shard_reduce_dtype": None}
+    )
     assert config.data_parallel.comm_hook == "fp16" and config.check_world(4) == 2
 
 

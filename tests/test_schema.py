@@ -32,38 +32,59 @@ class Root:
     pair: tuple[int, str] | None = None
 
 
-GOOD = {"count": 2, "ratio": 0.5, "flag": True, "leaves": [{"size": 3}, {"size": 4, "label": "x"}],
-        "sizes": {"a": [1, 2]}, "pair": [1, "one"], "unknown": "ignored"}
+GOOD = {
+    "count": 2,
+    "ratio": 0.5,
+    "flag": True,
+    "leaves": [{"size": 3}, {"size": 4, "label": "x"}],
+    "sizes": {"a": [1, 2]},
+    "pair": [1, "one"],
+    "unknown": "ignored",
+}
 
 
 def test_reads_nested_values_into_dataclasses_and_tuples() -> None:
     got = read_dataclass(Root, GOOD, "root", ProfileError)
-    assert got == Root(count=2, ratio=0.5, flag=True, leaves=(Leaf(3), Leaf(4, "x")), sizes={"a": (1, 2)},
-                       pair=(1, "one"))
+    assert got == Root(
+        count=2,
+        ratio=0.5,
+        flag=True,
+        leaves=(Leaf(3), Leaf(4, "x")),
+        sizes={"a": (1, 2)},
+        pair=(1, "one"),
+    )
     assert isinstance(read_dataclass(Root, dict(GOOD, ratio=1), "root", ProfileError).ratio, float)
-    assert read_dataclass(Root, dict(GOOD, count=3.0), "root", ProfileError).count == 3  # an integral number
+    assert (
+        read_dataclass(Root, dict(GOOD, count=3.0), "root", ProfileError).count == 3
+    )  # an integral number
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"count": "2"}, "root count: expected an integer, got '2'"),
-    ({"count": 0}, "root count: expected an integer >= 1, got 0"),
-    ({"count": 2.5}, "root count: expected an integer, got 2.5"),
-    ({"count": True}, "root count: expected an integer, got true"),
-    ({"ratio": "fast"}, "root ratio: expected a number, got 'fast'"),
-    ({"ratio": math.nan}, "root ratio: expected a finite number, got NaN"),
-    ({"ratio": -math.inf}, "root ratio: expected a finite number, got -Infinity"),
-    ({"ratio": -0.5}, "root ratio: expected a number >= 0, got -0.5"),
-    ({"flag": 1}, "root flag: expected true or false, got 1"),
-    ({"leaves": None}, "root leaves: expected a list, got null"),
-    ({"leaves": {"size": 1}}, "root leaves: expected a list, got an object"),
-    ({"leaves": [{"size": 1}, 7]}, "root leaves[1]: expected an object, got 7"),
-    ({"leaves": [{"size": -1}]}, "root leaves[0].size: expected an integer >= 0, got -1"),
-    ({"leaves": [{"label": "x"}]}, "root leaves[0]: missing the field 'size'"),
-    ({"leaves": [{"size": 1, "label": 5}]}, "root leaves[0].label: expected a string, got 5"),
-    ({"leaves": [{"size": 1, "label": "forbidden"}]}, "root leaves[0]: the label 'forbidden' is reserved"),
-    ({"sizes": {"a": [1, "b"]}}, "root sizes['a'][1]: expected an integer, got 'b'"),
-    ({"pair": [1]}, "root pair: expected a list of 2 items, got 1"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"count": "2"}, "root count: expected an integer, got '2'"),
+        ({"count": 0}, "root count: expected an integer >= 1, got 0"),
+        ({"count": 2.5}, "root count: expected an integer, got 2.5"),
+        ({"count": True}, "root count: expected an integer, got true"),
+        ({"ratio": "fast"}, "root ratio: expected a number, got 'fast'"),
+        ({"ratio": math.nan}, "root ratio: expected a finite number, got NaN"),
+        ({"ratio": -math.inf}, "root ratio: expected a finite number, got -Infinity"),
+        ({"ratio": -0.5}, "root ratio: expected a number >= 0, got -0.5"),
+        ({"flag": 1}, "root flag: expected true or false, got 1"),
+        ({"leaves": None}, "root leaves: expected a list, got null"),
+        ({"leaves": {"size": 1}}, "root leaves: expected a list, got an object"),
+        ({"leaves": [{"size": 1}, 7]}, "root leaves[1]: expected an object, got 7"),
+        ({"leaves": [{"size": -1}]}, "root leaves[0].size: expected an integer >= 0, got -1"),
+        ({"leaves": [{"label": "x"}]}, "root leaves[0]: missing the field 'size'"),
+        ({"leaves": [{"size": 1, "label": 5}]}, "root leaves[0].label: expected a string, got 5"),
+        (
+            {"leaves": [{"size": 1, "label": "forbidden"}]},
+            "root leaves[0]: the label 'forbidden' is reserved",
+        ),
+        ({"sizes": {"a": [1, "b"]}}, "root sizes['a'][1]: expected an integer, got 'b'"),
+        ({"pair": [1]}, "root pair: expected a list of 2 items, got 1"),
+    ],
+)
 def test_each_wrong_value_is_one_line_naming_its_path(change: dict, message: str) -> None:
     with pytest.raises(ProfileError) as info:
         read_dataclass(Root, {**GOOD, **change}, "root", ProfileError)
@@ -90,14 +111,22 @@ def test_dump_json_refuses_nan_and_infinity(tmp_path) -> None:
     assert dump_json({"a": [1, 2.5]}) == '{\n "a": [\n  1,\n  2.5\n ]\n}'
 
 
-@pytest.mark.parametrize(("version", "message"), [
-    ("1", 'plan schema_version must be an integer such as 2, got "1"; re-plan'),
-    (True, "plan schema_version must be an integer such as 2, got true; re-plan"),
-    (3, "plan schema version 3 is newer than this fxpipe understands (2); upgrade fxpipe, or re-plan"),
-    (0, "plan schema version 0 is older than this fxpipe reads (versions 1 to 2); re-plan"),
-])
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [
+        ("1", 'plan schema_version must be an integer such as 2, got "1"; re-plan'),
+        (True, "plan schema_version must be an integer such as 2, got true; re-plan"),
+        (
+            3,
+            "plan schema version 3 is newer than this fxpipe understands (2); upgrade fxpipe, or re-plan",
+        ),
+        (0, "plan schema version 0 is older than this fxpipe reads (versions 1 to 2); re-plan"),
+    ],
+)
 def test_schema_version_messages(version: object, message: str) -> None:
     with pytest.raises(FxpipeError) as info:
-        check_schema_version({"schema_version": version}, 2, "plan", FxpipeError, oldest=1, remedy="re-plan")
+        check_schema_version(
+            {"schema_version": version}, 2, "plan", FxpipeError, oldest=1, remedy="re-plan"
+        )
     assert str(info.value) == message
     assert check_schema_version({}, 2, "plan", FxpipeError) == 2

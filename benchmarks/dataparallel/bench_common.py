@@ -26,13 +26,26 @@ def manifest(width: int, layers: int, batch: int, microbatches: int) -> Manifest
     h = BoundaryTensor("h", (mb, width), "float32", 0, 0, (1,), True)
     y = BoundaryTensor("y", (mb, width), "float32", 0, 1, (), True, 0)
     keys = tuple(k for i in range(layers) for k in (f"{2 * i}.weight", f"{2 * i}.bias"))
-    stages = tuple(StageManifest(i, "Sequential", f"stage_{i}.py", f"stage_{i}.safetensors", "", "", ins, outs, keys)
-                   for i, (ins, outs) in enumerate((((x,), (h,)), ((h,), (y,)))))
-    return Manifest(model_file="", model_fn="", model_sha256="", stages=stages, batch_size=batch,
-                    microbatch_size=mb, inputs=(x,))
+    stages = tuple(
+        StageManifest(
+            i, "Sequential", f"stage_{i}.py", f"stage_{i}.safetensors", "", "", ins, outs, keys
+        )
+        for i, (ins, outs) in enumerate((((x,), (h,)), ((h,), (y,))))
+    )
+    return Manifest(
+        model_file="",
+        model_fn="",
+        model_sha256="",
+        stages=stages,
+        batch_size=batch,
+        microbatch_size=mb,
+        inputs=(x,),
+    )
 
 
-def timed_steps(runner: Any, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, steps: int) -> list[float]:
+def timed_steps(
+    runner: Any, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, steps: int
+) -> list[float]:
     """Seconds of each of ``steps`` training steps, every rank starting each one together."""
     seconds = []
     for _ in range(steps):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-MODEL = '''
+MODEL = """
 import torch
 import torch.nn as nn
 
@@ -37,9 +37,9 @@ def build_model():
 
 def example_inputs(batch_size):
     return (torch.randn(batch_size, WIDTH),)
-'''
+"""
 
-MEASURE = '''
+MEASURE = """
 import sys, time
 import torch
 from fxpipe.codegen import load_stage
@@ -59,12 +59,14 @@ else:
 touched = sum(float(t.float().sum()) for t in obj.state_dict().values())  # weights really in memory
 seconds = time.perf_counter() - start
 print(status_kib("VmHWM") - before, seconds)
-'''
+"""
 
 
 def measure(*args: str) -> tuple[float, float]:
     """(peak RSS growth in MiB, seconds) of one fresh process."""
-    out = subprocess.run([sys.executable, "-c", MEASURE, *args], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, *args], capture_output=True, text=True, check=True
+    )
     kib, seconds = out.stdout.split()[-2:]
     return int(kib) / 1024, float(seconds)
 
@@ -101,26 +103,42 @@ def main() -> None:
         stages = []
         for sm in manifest.stages:
             mib, seconds = median("stage", str(build), str(sm.index))
-            stages.append({"stage": sm.index, "weights_mib": round((build / sm.weights).stat().st_size / 2**20, 1),
-                           "peak_rss_mib": round(mib, 1), "seconds": round(seconds, 4),
-                           "memory_ratio": round(mib / whole_mib, 3), "time_ratio": round(seconds / whole_s, 3)})
+            stages.append(
+                {
+                    "stage": sm.index,
+                    "weights_mib": round((build / sm.weights).stat().st_size / 2**20, 1),
+                    "peak_rss_mib": round(mib, 1),
+                    "seconds": round(seconds, 4),
+                    "memory_ratio": round(mib / whole_mib, 3),
+                    "time_ratio": round(seconds / whole_s, 3),
+                }
+            )
 
     results = {
         "model": f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, fp32",
-        "weights_mib": round(weights_mib, 1), "stages": args.stages, "repeat": args.repeat,
+        "weights_mib": round(weights_mib, 1),
+        "stages": args.stages,
+        "repeat": args.repeat,
         "whole_model": {"peak_rss_mib": round(whole_mib, 1), "seconds": round(whole_s, 4)},
         "load_stage": stages,
         "machine": f"{platform.machine()}, {platform.python_version()}, torch {__import__('torch').__version__}",
     }
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    lines = [f"# load_stage vs building the whole model: {results['model']} ({results['weights_mib']} MiB)", "",
-             f"Median of {args.repeat} fresh processes each; peak RSS growth = VmHWM - VmRSS before the call.", "",
-             f"Whole model `build_model()`: {whole_mib:.1f} MiB, {whole_s * 1000:.0f} ms", "",
-             "| stage | weights MiB | peak RSS MiB | time ms | memory ratio | time ratio |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# load_stage vs building the whole model: {results['model']} ({results['weights_mib']} MiB)",
+        "",
+        f"Median of {args.repeat} fresh processes each; peak RSS growth = VmHWM - VmRSS before the call.",
+        "",
+        f"Whole model `build_model()`: {whole_mib:.1f} MiB, {whole_s * 1000:.0f} ms",
+        "",
+        "| stage | weights MiB | peak RSS MiB | time ms | memory ratio | time ratio |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in stages:
-        lines.append(f"| {s['stage']} | {s['weights_mib']} | {s['peak_rss_mib']} | {s['seconds'] * 1000:.0f} | "
-                     f"{s['memory_ratio']} | {s['time_ratio']} |")
+        lines.append(
+            f"| {s['stage']} | {s['weights_mib']} | {s['peak_rss_mib']} | {s['seconds'] * 1000:.0f} | "
+            f"{s['memory_ratio']} | {s['time_ratio']} |"
+        )
     lines += ["", f"Machine: {results['machine']}"]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

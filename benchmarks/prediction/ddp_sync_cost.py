@@ -55,7 +55,10 @@ def _rank(rank: int, port: int, passes: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
 
-    sizes, calls = [], []  # per variant: (tensors, bytes), (the sync pass, a plain all-reduce of its bytes)
+    sizes, calls = (
+        [],
+        [],
+    )  # per variant: (tensors, bytes), (the sync pass, a plain all-reduce of its bytes)
     for tensors in VARIANTS:
         stage = _stage(tensors)
         sync = DataParallelStage(stage, None, DataParallelOptions(), torch.device("cpu"))
@@ -66,7 +69,9 @@ def _rank(rank: int, port: int, passes: int, queue: Any) -> None:
         sizes.append((len(params), flat.numel() * 4))
         calls.append((sync.sync_gradients, functools.partial(dist.all_reduce, flat)))
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in calls]
-    for i in range(passes + 5):  # in rounds over the variants: a slow moment of the host falls on all of them
+    for i in range(
+        passes + 5
+    ):  # in rounds over the variants: a slow moment of the host falls on all of them
         for pair, got in zip(calls, times):
             for call, into in zip(pair, got):
                 dist.barrier()
@@ -74,9 +79,15 @@ def _rank(rank: int, port: int, passes: int, queue: Any) -> None:
                 call()
                 if i >= 5:
                     into.append((time.perf_counter() - t) * 1e3)
-    rows = [{"tensors": n, "bytes": nbytes, "sync_ms": statistics.median(sync_times),
-             "all_reduce_ms": statistics.median(reduce_times)}
-            for (n, nbytes), (sync_times, reduce_times) in zip(sizes, times)]
+    rows = [
+        {
+            "tensors": n,
+            "bytes": nbytes,
+            "sync_ms": statistics.median(sync_times),
+            "all_reduce_ms": statistics.median(reduce_times),
+        }
+        for (n, nbytes), (sync_times, reduce_times) in zip(sizes, times)
+    ]
     queue.put((rank, rows))
     dist.destroy_process_group()
 
@@ -92,16 +103,23 @@ def _predicted(nbytes: int, tensors: int) -> tuple[float, float]:
 
 
 def _markdown(rows: list[dict[str, Any]], passes: int) -> str:
-    lines = ["# DDP's synchronising pass vs a plain all-reduce", "",
-             f"2 gloo processes, one thread each, median of {passes} passes; per rank 'rank 0, rank 1'. "
-             "Predicted: the step model's all-reduce (link time + `collective_ms` per ring hop) and the "
-             "whole pass (+ `dp_sync_ms` + `dp_sync_tensor_ms` per tensor, Note [data-parallel sync cost]).", "",
-             "| tensors | bytes | sync pass ms | plain all-reduce ms | predicted all-reduce ms | predicted pass ms | "
-             "measured / predicted pass |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# DDP's synchronising pass vs a plain all-reduce",
+        "",
+        f"2 gloo processes, one thread each, median of {passes} passes; per rank 'rank 0, rank 1'. "
+        "Predicted: the step model's all-reduce (link time + `collective_ms` per ring hop) and the "
+        "whole pass (+ `dp_sync_ms` + `dp_sync_tensor_ms` per tensor, Note [data-parallel sync cost]).",
+        "",
+        "| tensors | bytes | sync pass ms | plain all-reduce ms | predicted all-reduce ms | predicted pass ms | "
+        "measured / predicted pass |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['tensors']} | {r['bytes']:,} | {r['sync_ms'][0]:.2f}, {r['sync_ms'][1]:.2f} | "
-                     f"{r['all_reduce_ms'][0]:.2f}, {r['all_reduce_ms'][1]:.2f} | {r['predicted_all_reduce_ms']:.2f} | "
-                     f"{r['predicted_pass_ms']:.2f} | {max(r['sync_ms']) / r['predicted_pass_ms']:.2f} |")
+        lines.append(
+            f"| {r['tensors']} | {r['bytes']:,} | {r['sync_ms'][0]:.2f}, {r['sync_ms'][1]:.2f} | "
+            f"{r['all_reduce_ms'][0]:.2f}, {r['all_reduce_ms'][1]:.2f} | {r['predicted_all_reduce_ms']:.2f} | "
+            f"{r['predicted_pass_ms']:.2f} | {max(r['sync_ms']) / r['predicted_pass_ms']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -128,11 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r0, r1 in zip(got[0], got[1]):
         reduce, whole = _predicted(r0["bytes"], r0["tensors"])
-        rows.append({"tensors": r0["tensors"], "bytes": r0["bytes"], "sync_ms": [r0["sync_ms"], r1["sync_ms"]],
-                     "all_reduce_ms": [r0["all_reduce_ms"], r1["all_reduce_ms"]],
-                     "predicted_all_reduce_ms": reduce, "predicted_pass_ms": whole})
+        rows.append(
+            {
+                "tensors": r0["tensors"],
+                "bytes": r0["bytes"],
+                "sync_ms": [r0["sync_ms"], r1["sync_ms"]],
+                "all_reduce_ms": [r0["all_reduce_ms"], r1["all_reduce_ms"]],
+                "predicted_all_reduce_ms": reduce,
+                "predicted_pass_ms": whole,
+            }
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ddp_sync_cost.json").write_text(json.dumps({"rows": rows, "passes": args.passes}, indent=1) + "\n")
+    (args.out / "ddp_sync_cost.json").write_text(
+        json.dumps({"rows": rows, "passes": args.passes}, indent=1) + "\n"
+    )
     text = _markdown(rows, args.passes)
     (args.out / "ddp_sync_cost.md").write_text(text)
     print(text)

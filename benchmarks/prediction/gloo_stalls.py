@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-MESSAGE_FLOATS = 2048   # 8 KiB: the tiny GPT's activation per microbatch of 2
+MESSAGE_FLOATS = 2048  # 8 KiB: the tiny GPT's activation per microbatch of 2
 LABELS = {"compute_alone": "compute, no messages"}
-STALL_MS = 1.0          # a posting call or a compute this much longer than usual waited for a core
+STALL_MS = 1.0  # a posting call or a compute this much longer than usual waited for a core
 
 
 def _compute(x: Any, w: Any) -> Any:
@@ -50,9 +50,14 @@ def _threads() -> dict[str, tuple[float, int]]:
     out: dict[str, tuple[float, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, fields = (
+            stat[stat.index("(") + 1 : stat.rindex(")")],
+            stat[stat.rindex(")") + 2 :].split(),
+        )
         status = Path(f"/proc/self/task/{tid}/status").read_text()
-        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+        switches = sum(
+            int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line
+        )
         cpu, n = out.get(name, (0.0, 0))
         out[name] = (cpu + (int(fields[11]) + int(fields[12])) / tick, n + switches)
     return out
@@ -60,8 +65,12 @@ def _threads() -> dict[str, tuple[float, int]]:
 
 def _summary(ms: list[float]) -> dict[str, float]:
     s = sorted(ms)
-    return {"median_ms": statistics.median(s), "mean_ms": statistics.fmean(s), "p99_ms": s[int(0.99 * (len(s) - 1))],
-            "stalled_share": sum(v > STALL_MS for v in s) / len(s)}
+    return {
+        "median_ms": statistics.median(s),
+        "mean_ms": statistics.fmean(s),
+        "p99_ms": s[int(0.99 * (len(s) - 1))],
+        "stalled_share": sum(v > STALL_MS for v in s) / len(s),
+    }
 
 
 def _rank(rank: int, port: int, iterations: int, queue: Any) -> None:
@@ -95,7 +104,12 @@ def _rank(rank: int, port: int, iterations: int, queue: Any) -> None:
         t3 = time.perf_counter()
         receives.pop(0).wait()
         t4 = time.perf_counter()
-        for key, a, b in (("irecv", t0, t1), ("compute", t1, t2), ("isend", t2, t3), ("wait", t3, t4)):
+        for key, a, b in (
+            ("irecv", t0, t1),
+            ("compute", t1, t2),
+            ("isend", t2, t3),
+            ("wait", t3, t4),
+        ):
             times[key].append((b - a) * 1e3)
         if len(sends) > 3:
             sends.pop(0).wait()
@@ -103,10 +117,22 @@ def _rank(rank: int, port: int, iterations: int, queue: Any) -> None:
     sends.append(dist.isend(out, peer))  # matches the receive each rank still has posted
     for work in [*sends, *receives]:
         work.wait()
-    threads = {name: {"cpu_s": cpu - before.get(name, (0.0, 0))[0], "switches": n - before.get(name, (0.0, 0))[1]}
-               for name, (cpu, n) in after.items()}
-    queue.put({"rank": rank, "compute_alone": _summary(alone), **{k: _summary(v) for k, v in times.items()},
-               "messages": 2 * iterations, "threads": threads})
+    threads = {
+        name: {
+            "cpu_s": cpu - before.get(name, (0.0, 0))[0],
+            "switches": n - before.get(name, (0.0, 0))[1],
+        }
+        for name, (cpu, n) in after.items()
+    }
+    queue.put(
+        {
+            "rank": rank,
+            "compute_alone": _summary(alone),
+            **{k: _summary(v) for k, v in times.items()},
+            "messages": 2 * iterations,
+            "threads": threads,
+        }
+    )
     dist.destroy_process_group()
 
 
@@ -133,7 +159,11 @@ def _time_slice(cores: int) -> dict[str, float]:
     gaps = [g for _ in procs for g in queue.get(timeout=120)]
     for p in procs:
         p.join(30)
-    return {"processes": cores + 1, "gaps": len(gaps), "median_gap_ms": statistics.median(gaps) if gaps else 0.0}
+    return {
+        "processes": cores + 1,
+        "gaps": len(gaps),
+        "median_gap_ms": statistics.median(gaps) if gaps else 0.0,
+    }
 
 
 def measure(iterations: int) -> dict[str, Any]:
@@ -152,8 +182,13 @@ def measure(iterations: int) -> dict[str, Any]:
     for p in procs:
         p.join(60)
     cores = len(os.sched_getaffinity(0))
-    return {"iterations": iterations, "message_bytes": 4 * MESSAGE_FLOATS, "cores": cores,
-            "ranks": ranks, "time_slice": _time_slice(cores)}
+    return {
+        "iterations": iterations,
+        "message_bytes": 4 * MESSAGE_FLOATS,
+        "cores": cores,
+        "ranks": ranks,
+        "time_slice": _time_slice(cores),
+    }
 
 
 def _markdown(result: dict[str, Any]) -> list[str]:
@@ -161,28 +196,44 @@ def _markdown(result: dict[str, Any]) -> list[str]:
 
     ts = result["time_slice"]
     posting = statistics.fmean(r[k]["mean_ms"] for r in result["ranks"] for k in ("irecv", "isend"))
-    lines = ["# gloo point-to-point calls while both ranks compute", "",
-             f"2 ranks, gloo on 127.0.0.1, one thread each, {result['cores']} cores; {result['iterations']} iterations "
-             f"of: post the next receive, compute (~1 ms), send {result['message_bytes']} bytes, wait for the "
-             f"current receive. 'stalled': the call took over {STALL_MS:g} ms. A posting call (irecv or isend, "
-             f"both ranks) took {posting:.3f} ms in the mean; the step model charges "
-             f"{RUNTIME_COSTS['cpu'].message_ms} ms per message on each end (`RuntimeCosts.message_ms`), plus "
-             f"{RUNTIME_COSTS['cpu'].message_stall_ms} ms where an action starts on busy cores, as here "
-             "(`message_stall_ms`, Note [message stalls]).", "",
-             "| rank | call | median ms | mean ms | p99 ms | stalled |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# gloo point-to-point calls while both ranks compute",
+        "",
+        f"2 ranks, gloo on 127.0.0.1, one thread each, {result['cores']} cores; {result['iterations']} iterations "
+        f"of: post the next receive, compute (~1 ms), send {result['message_bytes']} bytes, wait for the "
+        f"current receive. 'stalled': the call took over {STALL_MS:g} ms. A posting call (irecv or isend, "
+        f"both ranks) took {posting:.3f} ms in the mean; the step model charges "
+        f"{RUNTIME_COSTS['cpu'].message_ms} ms per message on each end (`RuntimeCosts.message_ms`), plus "
+        f"{RUNTIME_COSTS['cpu'].message_stall_ms} ms where an action starts on busy cores, as here "
+        "(`message_stall_ms`, Note [message stalls]).",
+        "",
+        "| rank | call | median ms | mean ms | p99 ms | stalled |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["ranks"]:
         for key in ("irecv", "isend", "wait", "compute", "compute_alone"):
             s = r[key]
-            lines.append(f"| {r['rank']} | {LABELS.get(key, key)} | "
-                         f"{s['median_ms']:.3f} | {s['mean_ms']:.3f} | {s['p99_ms']:.2f} | {s['stalled_share']:.1%} |")
-    lines += ["", "| rank | thread | CPU ms per message | context switches per message |", "|---|---|---|---|"]
+            lines.append(
+                f"| {r['rank']} | {LABELS.get(key, key)} | "
+                f"{s['median_ms']:.3f} | {s['mean_ms']:.3f} | {s['p99_ms']:.2f} | {s['stalled_share']:.1%} |"
+            )
+    lines += [
+        "",
+        "| rank | thread | CPU ms per message | context switches per message |",
+        "|---|---|---|---|",
+    ]
     for r in result["ranks"]:
         for name, t in sorted(r["threads"].items(), key=lambda kv: -kv[1]["cpu_s"]):
             if t["cpu_s"] > 0 or name.startswith("gloo"):
-                lines.append(f"| {r['rank']} | {name} | {1e3 * t['cpu_s'] / r['messages']:.3f} | "
-                             f"{t['switches'] / r['messages']:.2f} |")
-    lines += ["", f"Scheduler time slice: {ts['processes']} spinning processes on {result['cores']} cores were kept "
-              f"off a core {ts['gaps']} times, for a median {ts['median_gap_ms']:.2f} ms each."]
+                lines.append(
+                    f"| {r['rank']} | {name} | {1e3 * t['cpu_s'] / r['messages']:.3f} | "
+                    f"{t['switches'] / r['messages']:.2f} |"
+                )
+    lines += [
+        "",
+        f"Scheduler time slice: {ts['processes']} spinning processes on {result['cores']} cores were kept "
+        f"off a core {ts['gaps']} times, for a median {ts['median_gap_ms']:.2f} ms each.",
+    ]
     return lines
 
 

@@ -49,26 +49,44 @@ def summarize(pairs: list[tuple[float, float]]) -> dict[str, Any]:
     for low, high in ((1.0, 1.05), (1.05, 1.2), (1.2, 1.5), (1.5, 10.0)):
         inside = [(c, p) for c, p in pairs if low * fastest <= p < high * fastest]
         if inside:
-            bands.append({"probe_slowdown": [low, high], "pairs": len(inside),
-                          "probe_median": statistics.median(p / fastest for _, p in inside),
-                          "gauge_median": statistics.median(c / reference for c, _ in inside)})
-    return {"pairs": [list(p) for p in pairs], "probe_fastest_ms": fastest, "quiet_pairs": len(quiet),
-            "call_ms_quiet": reference, "CPU_CALL_MS_in_use": CPU_CALL_MS,
-            "correlation": statistics.correlation(calls, probes), "bands": bands}
+            bands.append(
+                {
+                    "probe_slowdown": [low, high],
+                    "pairs": len(inside),
+                    "probe_median": statistics.median(p / fastest for _, p in inside),
+                    "gauge_median": statistics.median(c / reference for c, _ in inside),
+                }
+            )
+    return {
+        "pairs": [list(p) for p in pairs],
+        "probe_fastest_ms": fastest,
+        "quiet_pairs": len(quiet),
+        "call_ms_quiet": reference,
+        "CPU_CALL_MS_in_use": CPU_CALL_MS,
+        "correlation": statistics.correlation(calls, probes),
+        "bands": bands,
+    }
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    lines = ["# Host-speed gauge against the speed probe", "",
-             f"{len(result['pairs'])} pairs (gauge: `gauge_call_ms` forward + backward; probe: "
-             "configurations.py's `_probe_ms`). "
-             f"Fastest probe {result['probe_fastest_ms']:.2f} ms; gauge at the quiet speed (probe within 5% of "
-             f"its fastest, {result['quiet_pairs']} pairs): **{result['call_ms_quiet'] * 1e3:.1f} us** "
-             f"(`CPU_CALL_MS` in use: {result['CPU_CALL_MS_in_use'] * 1e3:.1f} us). "
-             f"Correlation of gauge and probe over all pairs: {result['correlation']:.2f}.", "",
-             "| probe / its fastest | pairs | probe slowdown (median) | gauge slowdown (median) |", "|---|---|---|---|"]
+    lines = [
+        "# Host-speed gauge against the speed probe",
+        "",
+        f"{len(result['pairs'])} pairs (gauge: `gauge_call_ms` forward + backward; probe: "
+        "configurations.py's `_probe_ms`). "
+        f"Fastest probe {result['probe_fastest_ms']:.2f} ms; gauge at the quiet speed (probe within 5% of "
+        f"its fastest, {result['quiet_pairs']} pairs): **{result['call_ms_quiet'] * 1e3:.1f} us** "
+        f"(`CPU_CALL_MS` in use: {result['CPU_CALL_MS_in_use'] * 1e3:.1f} us). "
+        f"Correlation of gauge and probe over all pairs: {result['correlation']:.2f}.",
+        "",
+        "| probe / its fastest | pairs | probe slowdown (median) | gauge slowdown (median) |",
+        "|---|---|---|---|",
+    ]
     for b in result["bands"]:
         low, high = b["probe_slowdown"]
-        lines.append(f"| {low:.2f}-{high:.2f} | {b['pairs']} | {b['probe_median']:.2f} | {b['gauge_median']:.2f} |")
+        lines.append(
+            f"| {low:.2f}-{high:.2f} | {b['pairs']} | {b['probe_median']:.2f} | {b['gauge_median']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -36,7 +36,9 @@ def _worker(rank: int, port: int, conn: Connection) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
     peer = 1 - rank
     x, w = torch.randn(64, 256), torch.randn(256, 256) / 16
     out, into = torch.zeros(FLOATS), torch.zeros(FLOATS)
@@ -122,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with MessageProbe(args.iterations) as probe:
         times = [probe.measure() for _ in range(args.probes)]
-    print(" ".join(f"{t:.2f}" for t in times), f"ms per iteration (median {statistics.median(times):.2f})")
+    print(
+        " ".join(f"{t:.2f}" for t in times),
+        f"ms per iteration (median {statistics.median(times):.2f})",
+    )
     return 0
 
 

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = {"gpt": (ROOT / "examples", "gpt", (2, 8)),
-         "gpt_medium": (ROOT / "benchmarks" / "runtime", "gpt_medium", (1, 4))}
+CASES = {
+    "gpt": (ROOT / "examples", "gpt", (2, 8)),
+    "gpt_medium": (ROOT / "benchmarks" / "runtime", "gpt_medium", (1, 4)),
+}
 BLOCKS = (1, 2, 4)
 
 
@@ -90,37 +92,63 @@ def main(argv: list[str] | None = None) -> int:
             for n in BLOCKS:
                 blocks = torch.nn.Sequential(*model.blocks[:n])
                 t = _measure(blocks, x0, args.repeats)
-                row = {"model": name, "microbatch": mb, "blocks": n, "saved": _saved(blocks, x0), **t,
-                       "region_f": t["cf"] - t["f"], "region_b": (t["cfb"] - t["cf"]) - (t["fb"] - t["f"]) - t["f"]}
+                row = {
+                    "model": name,
+                    "microbatch": mb,
+                    "blocks": n,
+                    "saved": _saved(blocks, x0),
+                    **t,
+                    "region_f": t["cf"] - t["f"],
+                    "region_b": (t["cfb"] - t["cf"]) - (t["fb"] - t["f"]) - t["f"],
+                }
                 rows.append(row)
-                print(f"{name} mb {mb} blocks {n}: saved {row['saved']}, forward {t['f']:.3f} ms, "
-                      f"region F +{row['region_f']:.3f}, B beyond a forward +{row['region_b']:.3f}", flush=True)
+                print(
+                    f"{name} mb {mb} blocks {n}: saved {row['saved']}, forward {t['f']:.3f} ms, "
+                    f"region F +{row['region_f']:.3f}, B beyond a forward +{row['region_b']:.3f}",
+                    flush=True,
+                )
     cpu = RUNTIME_COSTS["cpu"]
     groups = {"all": rows, **{name: [r for r in rows if r["model"] == name] for name in CASES}}
     fits = {g: {"F": _fit(rs, "region_f"), "B": _fit(rs, "region_b")} for g, rs in groups.items()}
-    model_terms = {"F": (cpu.recompute_fwd_ms, cpu.recompute_fwd_saved_ms),
-                   "B": (cpu.recompute_bwd_ms, cpu.recompute_bwd_saved_ms)}
-    lines = ["# Recompute cost: one checkpoint region against the forward it repeats", "",
-             f"One thread, median of {args.repeats} alternating runs. 'F': the region's forward minus the plain "
-             "forward; 'B': its backward minus the plain backward minus one forward (the recomputation the "
-             "stage costs already charge). Predicted: RUNTIME_COSTS['cpu'] (fixed + per saved tensor).", "",
-             "| model | microbatch | blocks | saved tensors | forward ms | backward ms | F measured | F predicted "
-             "| B measured | B predicted | region / forward |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    model_terms = {
+        "F": (cpu.recompute_fwd_ms, cpu.recompute_fwd_saved_ms),
+        "B": (cpu.recompute_bwd_ms, cpu.recompute_bwd_saved_ms),
+    }
+    lines = [
+        "# Recompute cost: one checkpoint region against the forward it repeats",
+        "",
+        f"One thread, median of {args.repeats} alternating runs. 'F': the region's forward minus the plain "
+        "forward; 'B': its backward minus the plain backward minus one forward (the recomputation the "
+        "stage costs already charge). Predicted: RUNTIME_COSTS['cpu'] (fixed + per saved tensor).",
+        "",
+        "| model | microbatch | blocks | saved tensors | forward ms | backward ms | F measured | F predicted "
+        "| B measured | B predicted | region / forward |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         pf = cpu.recompute_fwd_ms + r["saved"] * cpu.recompute_fwd_saved_ms
         pb = cpu.recompute_bwd_ms + r["saved"] * cpu.recompute_bwd_saved_ms
-        lines.append(f"| {r['model']} | {r['microbatch']} | {r['blocks']} | {r['saved']} | {r['f']:.3f} | "
-                     f"{r['fb'] - r['f']:.3f} | {r['region_f']:.3f} | {pf:.3f} | {r['region_b']:.3f} | {pb:.3f} | "
-                     f"{(r['cfb'] - r['fb']) / r['f']:.2f} |")
-    lines += ["", "| rows | action | fitted fixed ms | fitted ms per saved tensor | RUNTIME_COSTS fixed | per saved |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['model']} | {r['microbatch']} | {r['blocks']} | {r['saved']} | {r['f']:.3f} | "
+            f"{r['fb'] - r['f']:.3f} | {r['region_f']:.3f} | {pf:.3f} | {r['region_b']:.3f} | {pb:.3f} | "
+            f"{(r['cfb'] - r['fb']) / r['f']:.2f} |"
+        )
+    lines += [
+        "",
+        "| rows | action | fitted fixed ms | fitted ms per saved tensor | RUNTIME_COSTS fixed | per saved |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in groups:
         for k in ("F", "B"):
-            lines.append(f"| {g} | {k} | {fits[g][k][0]:.3f} | {fits[g][k][1]:.4f} | {model_terms[k][0]:.3f} | "
-                         f"{model_terms[k][1]:.4f} |")
+            lines.append(
+                f"| {g} | {k} | {fits[g][k][0]:.3f} | {fits[g][k][1]:.4f} | {model_terms[k][0]:.3f} | "
+                f"{model_terms[k][1]:.4f} |"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "recompute_cost.md").write_text("\n".join(lines) + "\n")
-    (args.out / "recompute_cost.json").write_text(json.dumps({"rows": rows, "fits": fits}, indent=1) + "\n")
+    (args.out / "recompute_cost.json").write_text(
+        json.dumps({"rows": rows, "fits": fits}, indent=1) + "\n"
+    )
     print("\n".join(lines[-8:]))
     return 0
 

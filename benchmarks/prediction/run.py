@@ -57,7 +57,9 @@ def _trace(model_file: Path, batch: int, microbatches: int, timing: str) -> Any:
     source = load_model_file(model_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the GPTs' attention is kept as a leaf, with a warning
-        traced = trace_model_file(source, batch // microbatches, measure_times=timing == "measured", progress=False)
+        traced = trace_model_file(
+            source, batch // microbatches, measure_times=timing == "measured", progress=False
+        )
     return source, traced
 
 
@@ -72,7 +74,9 @@ def _build(model_file: Path, out: Path, batch: int, microbatches: int, timing: s
     return plan.prediction
 
 
-def _repredict(model_file: Path, build: Path, batch: int, microbatches: int, timing: str) -> Prediction:
+def _repredict(
+    model_file: Path, build: Path, batch: int, microbatches: int, timing: str
+) -> Prediction:
     """A new prediction for the assignment of ``build``'s plan (same split as the measurement)."""
     from fxpipe.partitioner import PartitionPlan, build_problem
     from fxpipe.partitioner.prediction import predict, runtime_costs_for
@@ -88,30 +92,50 @@ def _repredict(model_file: Path, build: Path, batch: int, microbatches: int, tim
 
 def _baseline_rss() -> int:
     """Peak RSS of a process that imports torch and fxpipe's runtime and joins a 1-rank gloo group."""
-    code = ("import os, resource, torch, torch.distributed as dist, fxpipe.runtime, fxpipe.codegen\n"
-            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
-            "dist.init_process_group('gloo', rank=0, world_size=1)\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    code = (
+        "import os, resource, torch, torch.distributed as dist, fxpipe.runtime, fxpipe.codegen\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    )
     from fxpipe.runtime.launch.launcher import free_port
 
     env = {**os.environ, "PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def _row(name: str, timing: str, schedule: str, pred: Prediction, run: dict[str, Any],
-         base_rss: int, load: float) -> dict[str, Any]:
+def _row(
+    name: str,
+    timing: str,
+    schedule: str,
+    pred: Prediction,
+    run: dict[str, Any],
+    base_rss: int,
+    load: float,
+) -> dict[str, Any]:
     predicted = pred.step_ms[schedule]
     measured = run["median_step_ms"]
     mem_pred = list(pred.peak_memory_bytes_by_schedule[schedule])
     mem_meas = run.get("peak_memory_bytes") or []
-    tensors = run.get("peak_tensor_bytes") or []  # absent in runs made before the worker measured it
+    tensors = (
+        run.get("peak_tensor_bytes") or []
+    )  # absent in runs made before the worker measured it
     return {
-        "model": name, "timing": timing, "schedule": schedule,
-        "measured_step_ms": measured, "predicted_step_ms": predicted, "ratio": measured / predicted,
+        "model": name,
+        "timing": timing,
+        "schedule": schedule,
+        "measured_step_ms": measured,
+        "predicted_step_ms": predicted,
+        "ratio": measured / predicted,
         "within_goal": GOAL[0] <= measured / predicted <= GOAL[1],
         "predicted_pipeline_ms": pred.pipeline_ms[schedule],
-        "predicted_step_overhead_ms": {**asdict(pred.step_overhead_ms), "total_ms": pred.step_overhead_ms.total_ms},
+        "predicted_step_overhead_ms": {
+            **asdict(pred.step_overhead_ms),
+            "total_ms": pred.step_overhead_ms.total_ms,
+        },
         "step_seconds": run.get("step_seconds"),
         "run_medians_ms": run.get("run_medians_ms"),
         "load_average_1min": load,
@@ -119,20 +143,34 @@ def _row(name: str, timing: str, schedule: str, pred: Prediction, run: dict[str,
         "measured_peak_rss_bytes": mem_meas,
         "measured_rss_above_runtime_bytes": [m - base_rss for m in mem_meas],
         "measured_peak_tensor_bytes": tensors,
-        "tensor_memory_ratio": [m / p if p else None for m, p in zip(tensors, mem_pred)] if tensors else None,
+        "tensor_memory_ratio": [m / p if p else None for m, p in zip(tensors, mem_pred)]
+        if tensors
+        else None,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="torchrun jobs per configuration; the measurement is the median of their medians")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="torchrun jobs per configuration; the measurement is the median of their medians",
+    )
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
-    p.add_argument("--builds", type=Path, default=None, help="keep build directories here (default: a temp dir)")
-    p.add_argument("--repredict", action="store_true",
-                   help="re-predict for the saved builds' splits; keep results.json's measurements")
+    p.add_argument(
+        "--builds",
+        type=Path,
+        default=None,
+        help="keep build directories here (default: a temp dir)",
+    )
+    p.add_argument(
+        "--repredict",
+        action="store_true",
+        help="re-predict for the saved builds' splits; keep results.json's measurements",
+    )
     args = p.parse_args(argv)
     from fxpipe.runtime.launch.launcher import run_build
     from fxpipe.runtime.train.run_options import RunOptions
@@ -158,27 +196,57 @@ def main(argv: list[str] | None = None) -> int:
             for schedule in SCHEDULES:
                 if args.repredict:
                     r = measured[(name, timing, schedule)]
-                    run = {"median_step_ms": r["measured_step_ms"], "peak_memory_bytes": r["measured_peak_rss_bytes"],
-                           "peak_tensor_bytes": r.get("measured_peak_tensor_bytes"), "step_seconds": r["step_seconds"]}
+                    run = {
+                        "median_step_ms": r["measured_step_ms"],
+                        "peak_memory_bytes": r["measured_peak_rss_bytes"],
+                        "peak_tensor_bytes": r.get("measured_peak_tensor_bytes"),
+                        "step_seconds": r["step_seconds"],
+                    }
                     load = r.get("load_average_1min", float("nan"))
                 else:
-                    options = RunOptions(steps=args.steps, schedule=schedule, microbatches=microbatches,
-                                         batch_size=batch)
+                    options = RunOptions(
+                        steps=args.steps,
+                        schedule=schedule,
+                        microbatches=microbatches,
+                        batch_size=batch,
+                    )
                     runs = [run_build(build, options, quiet=True) for _ in range(args.repeats)]
                     medians = sorted(r.median_step_ms for r in runs)
-                    run = {**runs[0].to_dict(), "median_step_ms": statistics.median(medians), "run_medians_ms": medians}
+                    run = {
+                        **runs[0].to_dict(),
+                        "median_step_ms": statistics.median(medians),
+                        "run_medians_ms": medians,
+                    }
                     load = os.getloadavg()[0]
                 row = _row(name, timing, schedule, pred, run, base_rss, load)
                 rows.append(row)
-                print(f"{name:11s} {timing:8s} {schedule:5s} measured {row['measured_step_ms']:8.2f} ms  "
-                      f"predicted {row['predicted_step_ms']:8.2f} ms  ratio {row['ratio']:.2f}", flush=True)
+                print(
+                    f"{name:11s} {timing:8s} {schedule:5s} measured {row['measured_step_ms']:8.2f} ms  "
+                    f"predicted {row['predicted_step_ms']:8.2f} ms  ratio {row['ratio']:.2f}",
+                    flush=True,
+                )
     result = {
-        "rows": rows, "goal_ratio": list(GOAL), "steps": args.steps, "repeats": args.repeats, "stages": STAGES,
-        "models": {n: {"file": str(MODELS[n][0].relative_to(ROOT)), "batch_size": MODELS[n][1],
-                       "microbatches": MODELS[n][2]} for n in names},
+        "rows": rows,
+        "goal_ratio": list(GOAL),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "stages": STAGES,
+        "models": {
+            n: {
+                "file": str(MODELS[n][0].relative_to(ROOT)),
+                "batch_size": MODELS[n][1],
+                "microbatches": MODELS[n][2],
+            }
+            for n in names
+        },
         "runtime_rss_bytes": base_rss,
-        "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                        "cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform()},
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "platform": platform.platform(),
+        },
         "seconds": time.perf_counter() - started,
         "repredicted": bool(args.repredict),
         "builds": str(builds),
@@ -196,44 +264,67 @@ def _range(row: dict[str, Any]) -> str:
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    mib = 2 ** 20
-    lines = ["# Prediction benchmark results", "",
-             f"2 stages on 2 torchrun ranks (gloo, CPU, one thread each), SGD, {result['steps']} steps, median "
-             f"step excluding the first, median over {result.get('repeats', 1)} jobs (their range shows the "
-             "machine's noise). Ratio = measured / predicted; goal (prediction within 25% of the measurement) "
-             f"{result['goal_ratio'][0]}-{result['goal_ratio'][1]}. See README.md for the method.", "",
-             "| model | batch = M x mb | timing | schedule | measured ms | range of jobs ms | predicted ms | ratio "
-             "| in goal | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    mib = 2**20
+    lines = [
+        "# Prediction benchmark results",
+        "",
+        f"2 stages on 2 torchrun ranks (gloo, CPU, one thread each), SGD, {result['steps']} steps, median "
+        f"step excluding the first, median over {result.get('repeats', 1)} jobs (their range shows the "
+        "machine's noise). Ratio = measured / predicted; goal (prediction within 25% of the measurement) "
+        f"{result['goal_ratio'][0]}-{result['goal_ratio'][1]}. See README.md for the method.",
+        "",
+        "| model | batch = M x mb | timing | schedule | measured ms | range of jobs ms | predicted ms | ratio "
+        "| in goal | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         m = result["models"][r["model"]]
-        lines.append(f"| {r['model']} | {m['batch_size']} = {m['microbatches']} x "
-                     f"{m['batch_size'] // m['microbatches']} | {r['timing']} | {r['schedule']} | "
-                     f"{r['measured_step_ms']:.2f} | {_range(r)} | {r['predicted_step_ms']:.2f} | {r['ratio']:.2f} | "
-                     f"{'yes' if r['within_goal'] else 'NO'} | {r.get('load_average_1min', float('nan')):.1f} |")
+        lines.append(
+            f"| {r['model']} | {m['batch_size']} = {m['microbatches']} x "
+            f"{m['batch_size'] // m['microbatches']} | {r['timing']} | {r['schedule']} | "
+            f"{r['measured_step_ms']:.2f} | {_range(r)} | {r['predicted_step_ms']:.2f} | {r['ratio']:.2f} | "
+            f"{'yes' if r['within_goal'] else 'NO'} | {r.get('load_average_1min', float('nan')):.1f} |"
+        )
     inside = sum(r["within_goal"] for r in result["rows"])
-    lines += ["", f"{inside} of {len(result['rows'])} ratios within the goal.", "",
-              "Peak memory per rank (MiB). Predicted = the plan's stage memory (params, grads, optimizer state, "
-              "activations, boundary buffers); measured tensors = peak bytes of live tensor storages over one "
-              "extra step after the timed ones (fxpipe.runtime.pipeline.peak_memory), and ratio = measured / predicted; "
-              "RSS = peak resident set size, and that minus the RSS of a process that only loads torch + the "
-              f"runtime and joins gloo ({result['runtime_rss_bytes'] / mib:.0f} MiB), far above the model's "
-              "tensors on CPU.", "",
-              "| model | timing | schedule | predicted rank 0, 1 | measured tensors rank 0, 1 | ratio rank 0, 1 "
-              "| measured RSS rank 0, 1 | RSS above runtime rank 0, 1 |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"{inside} of {len(result['rows'])} ratios within the goal.",
+        "",
+        "Peak memory per rank (MiB). Predicted = the plan's stage memory (params, grads, optimizer state, "
+        "activations, boundary buffers); measured tensors = peak bytes of live tensor storages over one "
+        "extra step after the timed ones (fxpipe.runtime.pipeline.peak_memory), and ratio = measured / predicted; "
+        "RSS = peak resident set size, and that minus the RSS of a process that only loads torch + the "
+        f"runtime and joins gloo ({result['runtime_rss_bytes'] / mib:.0f} MiB), far above the model's "
+        "tensors on CPU.",
+        "",
+        "| model | timing | schedule | predicted rank 0, 1 | measured tensors rank 0, 1 | ratio rank 0, 1 "
+        "| measured RSS rank 0, 1 | RSS above runtime rank 0, 1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         pred = ", ".join(f"{b / mib:.2f}" for b in r["predicted_stage_memory_bytes"])
-        tensors = ", ".join(f"{b / mib:.2f}" for b in r.get("measured_peak_tensor_bytes") or []) or "n/a"
-        ratio = ", ".join("n/a" if x is None else f"{x:.2f}" for x in r.get("tensor_memory_ratio") or []) or "n/a"
+        tensors = (
+            ", ".join(f"{b / mib:.2f}" for b in r.get("measured_peak_tensor_bytes") or []) or "n/a"
+        )
+        ratio = (
+            ", ".join(
+                "n/a" if x is None else f"{x:.2f}" for x in r.get("tensor_memory_ratio") or []
+            )
+            or "n/a"
+        )
         meas = ", ".join(f"{b / mib:.0f}" for b in r["measured_peak_rss_bytes"])
         above = ", ".join(f"{b / mib:.0f}" for b in r["measured_rss_above_runtime_bytes"])
-        lines.append(f"| {r['model']} | {r['timing']} | {r['schedule']} | {pred} | {tensors} | {ratio} | {meas} "
-                     f"| {above} |")
+        lines.append(
+            f"| {r['model']} | {r['timing']} | {r['schedule']} | {pred} | {tensors} | {ratio} | {meas} "
+            f"| {above} |"
+        )
     env = result["environment"]
-    lines += ["", f"torch {env['torch']}, {env['cpus']} CPUs, load average at the end "
-              f"{', '.join(f'{x:.2f}' for x in env['load_average'])}; "
-              f"{'re-predicted on saved measurements' if result['repredicted'] else 'measured and predicted together'}."]
+    lines += [
+        "",
+        f"torch {env['torch']}, {env['cpus']} CPUs, load average at the end "
+        f"{', '.join(f'{x:.2f}' for x in env['load_average'])}; "
+        f"{'re-predicted on saved measurements' if result['repredicted'] else 'measured and predicted together'}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

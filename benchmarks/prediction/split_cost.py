@@ -29,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--model", choices=("gpt_medium", "gpt"), default="gpt_medium",
-                   help="benchmarks/runtime/gpt_medium.py or the tiny examples/gpt.py")
+    p.add_argument(
+        "--model",
+        choices=("gpt_medium", "gpt"),
+        default="gpt_medium",
+        help="benchmarks/runtime/gpt_medium.py or the tiny examples/gpt.py",
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -46,10 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     import gpt_medium
 
     if args.model == "gpt_medium":
-        model, model_file, block, width = (gpt_medium.build_model(), ROOT / "benchmarks" / "runtime" / "gpt_medium.py",
-                                           gpt_medium.BLOCK, gpt_medium.WIDTH)
+        model, model_file, block, width = (
+            gpt_medium.build_model(),
+            ROOT / "benchmarks" / "runtime" / "gpt_medium.py",
+            gpt_medium.BLOCK,
+            gpt_medium.WIDTH,
+        )
     else:
-        model, model_file, block, width = gpt.build_model(), ROOT / "examples" / "gpt.py", gpt.BLOCK, gpt.WIDTH
+        model, model_file, block, width = (
+            gpt.build_model(),
+            ROOT / "examples" / "gpt.py",
+            gpt.BLOCK,
+            gpt.WIDTH,
+        )
     blocks = torch.nn.Sequential(*model.blocks)
     params = list(blocks.parameters())
     split = SplitBackward(params)
@@ -79,15 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     w = statistics.median(x[1] for x in parts) * 1e3
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        profile = trace_model_file(load_model_file(model_file), args.microbatch, progress=False).profile
+        profile = trace_model_file(
+            load_model_file(model_file), args.microbatch, progress=False
+        ).profile
     units = [u for u in profile.units if u.name.startswith("blocks")]
     bwd, weight = sum(u.bwd_ms for u in units), sum(u.bwd_weight_ms for u in units)
     rt = RUNTIME_COSTS["cpu"]
-    fixed = rt.split_ms + rt.split_unit_ms * len(units) + rt.weight_call_ms * sum(bool(u.params) for u in units)
-    print(f"measured: fused backward {full:.2f} ms; split B {b:.2f} + W {w:.2f} = {b + w:.2f} ms "
-          f"({(b + w) / full:.2f}x fused); B share {b / (b + w):.2f}")
-    print(f"profile ({profile.timing}): backward {bwd:.2f} ms, W share {weight / bwd:.2f}; "
-          f"the prediction's fixed split costs {fixed:.2f} ms ({len(units)} units)")
+    fixed = (
+        rt.split_ms
+        + rt.split_unit_ms * len(units)
+        + rt.weight_call_ms * sum(bool(u.params) for u in units)
+    )
+    print(
+        f"measured: fused backward {full:.2f} ms; split B {b:.2f} + W {w:.2f} = {b + w:.2f} ms "
+        f"({(b + w) / full:.2f}x fused); B share {b / (b + w):.2f}"
+    )
+    print(
+        f"profile ({profile.timing}): backward {bwd:.2f} ms, W share {weight / bwd:.2f}; "
+        f"the prediction's fixed split costs {fixed:.2f} ms ({len(units)} units)"
+    )
     return 0
 
 

@@ -29,10 +29,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = {"gpt": (ROOT / "examples" / "gpt.py", 8, 4),
-          "gpt_medium": (ROOT / "benchmarks" / "runtime" / "gpt_medium.py", 16, 4)}
-SEGMENTS = ("before first action", "actions (busy)", "last sends", "tied all-reduce", "loss broadcast",
-            "optimizer step", "step")
+MODELS = {
+    "gpt": (ROOT / "examples" / "gpt.py", 8, 4),
+    "gpt_medium": (ROOT / "benchmarks" / "runtime" / "gpt_medium.py", 16, 4),
+}
+SEGMENTS = (
+    "before first action",
+    "actions (busy)",
+    "last sends",
+    "tied all-reduce",
+    "loss broadcast",
+    "optimizer step",
+    "step",
+)
 COLLECTIVES = ("tied all-reduce", "loss broadcast")  # measured / predicted: the rank that came last
 
 
@@ -50,8 +59,13 @@ def _rank(rank: int, port: int, build: str, model_file: str, steps: int, out: An
     source = load_model_file(Path(model_file))
     plan = json.loads((Path(build) / "plan.json").read_text())
     M = plan["microbatches"]
-    runner = PipelineRunner(build, source.loss_fn, microbatches=M, schedule=plan["schedule"],
-                            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01))
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=M,
+        schedule=plan["schedule"],
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01),
+    )
     batch = M * plan["microbatch_size"]
     x, y = source.example_inputs(batch), source.example_targets(batch)
     timed: dict[str, float] = {}
@@ -65,6 +79,7 @@ def _rank(rank: int, port: int, build: str, model_file: str, steps: int, out: An
                 return inner(*args, **kwargs)
             finally:
                 timed[label] = timed.get(label, 0.0) + time.perf_counter() - t
+
         setattr(owner, name, timer)
 
     wrap(runner.executor.comm, "finish", "last sends")
@@ -81,8 +96,14 @@ def _rank(rank: int, port: int, build: str, model_file: str, steps: int, out: An
         runner.step(x, y)
         t1 = time.perf_counter()
         acts = runner.executor.last_step
-        rows.append({**timed, "step": t1 - t0, "before first action": acts[0].start - t0 if acts else 0.0,
-                     "actions (busy)": sum(a.end - a.start for a in acts)})
+        rows.append(
+            {
+                **timed,
+                "step": t1 - t0,
+                "before first action": acts[0].start - t0 if acts else 0.0,
+                "actions (busy)": sum(a.end - a.start for a in acts),
+            }
+        )
     out.put((rank, {k: statistics.median(r.get(k, 0.0) for r in rows) * 1e3 for k in SEGMENTS}))
     dist.destroy_process_group()
 
@@ -107,7 +128,10 @@ def _measure(model: str, schedule: str, steps: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(build), str(model_file), steps, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, str(build), str(model_file), steps, queue))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     got = dict(queue.get(timeout=600) for _ in procs)
@@ -118,27 +142,43 @@ def _measure(model: str, schedule: str, steps: int) -> dict[str, Any]:
     from fxpipe.partitioner import build_problem
     from fxpipe.partitioner.prediction import RUNTIME_COSTS, simulate_plan
 
-    problem = build_problem(traced.profile, 2, schedule=schedule, microbatches=micro, cost=plan.cost)
+    problem = build_problem(
+        traced.profile, 2, schedule=schedule, microbatches=micro, cost=plan.cost
+    )
     assignment = tuple(plan.stage_of(u.name) for u in traced.profile.units)
     line = simulate_plan(problem, assignment, RUNTIME_COSTS["cpu"], schedule)
     over = pred.step_overhead_ms
-    predicted = {"actions (busy)": line.busy_ms(), "tied all-reduce": over.tied_all_reduce_ms,
-                 "loss broadcast": over.loss_broadcast_ms, "optimizer step": over.optimizer_ms,
-                 "before first action": over.fixed_ms, "step": pred.step_ms[schedule]}
-    return {"model": model, "schedule": schedule, "measured": [got[0], got[1]], "predicted": predicted,
-            "load_average_1min": os.getloadavg()[0]}
+    predicted = {
+        "actions (busy)": line.busy_ms(),
+        "tied all-reduce": over.tied_all_reduce_ms,
+        "loss broadcast": over.loss_broadcast_ms,
+        "optimizer step": over.optimizer_ms,
+        "before first action": over.fixed_ms,
+        "step": pred.step_ms[schedule],
+    }
+    return {
+        "model": model,
+        "schedule": schedule,
+        "measured": [got[0], got[1]],
+        "predicted": predicted,
+        "load_average_1min": os.getloadavg()[0],
+    }
 
 
 def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
-    lines = ["# Where a step goes: measured per rank vs predicted", "",
-             f"2 ranks, gloo, one thread each, SGD, median of {steps} steps; unit times measured before the run. "
-             "'busy' is the actions' compute after their receives arrived; predicted busy is the simulated "
-             "actions' time per rank (runtime costs included); the fixed Python per step is set against the "
-             "time before the first action (rank 1's also waits for its first input). The tied all-reduce "
-             "and the loss broadcast are collectives: the rank that comes first waits there for the other, "
-             "so the later rank's figure is the collective's own time.", "",
-             "| model | schedule | part | rank 0 ms | rank 1 ms | predicted ms | measured / predicted |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Where a step goes: measured per rank vs predicted",
+        "",
+        f"2 ranks, gloo, one thread each, SGD, median of {steps} steps; unit times measured before the run. "
+        "'busy' is the actions' compute after their receives arrived; predicted busy is the simulated "
+        "actions' time per rank (runtime costs included); the fixed Python per step is set against the "
+        "time before the first action (rank 1's also waits for its first input). The tied all-reduce "
+        "and the loss broadcast are collectives: the rank that comes first waits there for the other, "
+        "so the later rank's figure is the collective's own time.",
+        "",
+        "| model | schedule | part | rank 0 ms | rank 1 ms | predicted ms | measured / predicted |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for seg in SEGMENTS:
             m0, m1 = r["measured"][0][seg], r["measured"][1][seg]
@@ -147,26 +187,39 @@ def _markdown(rows: list[dict[str, Any]], steps: int) -> str:
                 ratio = max(m0 / p[0] if p[0] else 0.0, m1 / p[1] if p[1] else 0.0)
                 ptext = ", ".join(f"{x:.2f}" for x in p)
             else:  # a collective: the later rank's time is its own, the earlier one's includes the wait
-                ratio = (min(m0, m1) if seg in COLLECTIVES else max(m0, m1)) / p if p else float("nan")
+                ratio = (
+                    (min(m0, m1) if seg in COLLECTIVES else max(m0, m1)) / p if p else float("nan")
+                )
                 ptext = f"{p:.2f}" if p is not None else ""
-            lines.append(f"| {r['model']} | {r['schedule']} | {seg} | {m0:.2f} | {m1:.2f} | {ptext} | "
-                         f"{ratio:.2f} |" if p is not None else
-                         f"| {r['model']} | {r['schedule']} | {seg} | {m0:.2f} | {m1:.2f} | | |")
+            lines.append(
+                f"| {r['model']} | {r['schedule']} | {seg} | {m0:.2f} | {m1:.2f} | {ptext} | "
+                f"{ratio:.2f} |"
+                if p is not None
+                else f"| {r['model']} | {r['schedule']} | {seg} | {m0:.2f} | {m1:.2f} | | |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt,gpt_medium", help=f"comma-separated, of {sorted(MODELS)}")
+    p.add_argument(
+        "--models", default="gpt,gpt_medium", help=f"comma-separated, of {sorted(MODELS)}"
+    )
     p.add_argument("--schedules", default="gpipe,1f1b,zb-h1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
-    rows = [_measure(m, s, args.steps) for m in args.models.split(",") for s in args.schedules.split(",")]
+    rows = [
+        _measure(m, s, args.steps)
+        for m in args.models.split(",")
+        for s in args.schedules.split(",")
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_segments.json").write_text(json.dumps({"rows": rows, "steps": args.steps}, indent=1) + "\n")
+    (args.out / "step_segments.json").write_text(
+        json.dumps({"rows": rows, "steps": args.steps}, indent=1) + "\n"
+    )
     (args.out / "step_segments.md").write_text(_markdown(rows, args.steps))
     print(_markdown(rows, args.steps))
     return 0

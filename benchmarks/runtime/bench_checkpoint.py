@@ -28,9 +28,19 @@ from fxpipe.runtime.train.checkpoint import load_training_checkpoint, save_train
 def _state(megabytes: int) -> dict:
     n = megabytes * (1 << 20) // 4 // 3
     model = {"w": torch.randn(n)}
-    optimizer = {"state": {0: {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n), "step": torch.tensor(3.0)}},
-                 "param_groups": [{"lr": 1e-3, "params": [0]}]}
-    return {"step": 3, "data_position": 3, "model": model, "optimizer": optimizer, "history": {"losses": [1.0]}}
+    optimizer = {
+        "state": {
+            0: {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n), "step": torch.tensor(3.0)}
+        },
+        "param_groups": [{"lr": 1e-3, "params": [0]}],
+    }
+    return {
+        "step": 3,
+        "data_position": 3,
+        "model": model,
+        "optimizer": optimizer,
+        "history": {"losses": [1.0]},
+    }
 
 
 def measure(megabytes: int, repeats: int = 3) -> dict:
@@ -46,8 +56,13 @@ def measure(megabytes: int, repeats: int = 3) -> dict:
             loads.append(time.perf_counter() - start)
     gb = megabytes / 1024
     save, load = statistics.median(saves), statistics.median(loads)
-    return {"megabytes": megabytes, "save_s": save, "load_s": load, "save_s_per_gb": save / gb,
-            "load_s_per_gb": load / gb}
+    return {
+        "megabytes": megabytes,
+        "save_s": save,
+        "load_s": load,
+        "save_s_per_gb": save / gb,
+        "load_s_per_gb": load / gb,
+    }
 
 
 def main() -> None:
@@ -58,8 +73,11 @@ def main() -> None:
     rows = [measure(s) for s in args.sizes_mb]
     (args.out / "checkpoint.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = ["| part size | save (s) | load (s) | save s/GB | load s/GB |", "|---|---|---|---|---|"]
-    lines += [f"| {r['megabytes']} MB | {r['save_s']:.3f} | {r['load_s']:.3f} | {r['save_s_per_gb']:.2f} | "
-              f"{r['load_s_per_gb']:.2f} |" for r in rows]
+    lines += [
+        f"| {r['megabytes']} MB | {r['save_s']:.3f} | {r['load_s']:.3f} | {r['save_s_per_gb']:.2f} | "
+        f"{r['load_s_per_gb']:.2f} |"
+        for r in rows
+    ]
     (args.out / "checkpoint.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

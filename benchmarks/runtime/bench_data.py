@@ -57,15 +57,19 @@ def _worker(build_dir: Path, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     source = model_source(build_dir, Manifest.from_json(build_dir))
-    runner = PipelineRunner(build_dir, source.loss_fn, microbatches=MICROBATCHES,
-                            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01))
+    runner = PipelineRunner(
+        build_dir,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01),
+    )
     train_fn = find_batches(source, None, TRAIN_FN)
     assert train_fn is not None, f"{MODEL} has no {TRAIN_FN}"
     stream = batch_stream(train_fn, runner.manifest, BATCH, rank_info(runner))
     fixed = next(stream)
     times: dict[str, list[float]] = {"data": [], "fixed": []}
     for k in range(WARMUP + steps):
-        for mode in (("data", "fixed") if k % 2 == 0 else ("fixed", "data")):
+        for mode in ("data", "fixed") if k % 2 == 0 else ("fixed", "data"):
             dist.barrier()
             start = time.perf_counter()
             runner.step(*(next(stream) if mode == "data" else fixed))
@@ -93,17 +97,45 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fxpipe-data-bench-") as tmp:
         build_dir = Path(tmp) / "charlm"
         subprocess.run([sys.executable, __file__, "--build", str(build_dir)], check=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
-                        "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker", str(build_dir),
-                        "--steps", str(args.steps)], check=True, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}",
+                __file__,
+                "--worker",
+                str(build_dir),
+                "--steps",
+                str(args.steps),
+            ],
+            check=True,
+            stderr=subprocess.DEVNULL,
+        )
         times = json.loads((build_dir / "data_path.json").read_text())
     data, fixed = (statistics.median(times[m]) * 1e3 for m in ("data", "fixed"))
-    row = {"model": "charlm (examples/charlm.py)", "ranks": 2, "batch_size": BATCH, "microbatches": MICROBATCHES,
-           "steps": args.steps, "data_step_ms": data, "fixed_step_ms": fixed, "data_over_fixed": data / fixed}
+    row = {
+        "model": "charlm (examples/charlm.py)",
+        "ranks": 2,
+        "batch_size": BATCH,
+        "microbatches": MICROBATCHES,
+        "steps": args.steps,
+        "data_step_ms": data,
+        "fixed_step_ms": fixed,
+        "data_over_fixed": data / fixed,
+    }
     (args.out / "data.json").write_text(json.dumps(row, indent=1) + "\n")
-    lines = ["| model | batch | train_batches step (ms) | fixed batch step (ms) | data / fixed |", "|---|---|---|---|---|",
-             f"| {row['model']} | {BATCH} = {MICROBATCHES} x {BATCH // MICROBATCHES} | {data:.2f} | {fixed:.2f} | "
-             f"{data / fixed:.3f} |"]
+    lines = [
+        "| model | batch | train_batches step (ms) | fixed batch step (ms) | data / fixed |",
+        "|---|---|---|---|---|",
+        f"| {row['model']} | {BATCH} = {MICROBATCHES} x {BATCH // MICROBATCHES} | {data:.2f} | {fixed:.2f} | "
+        f"{data / fixed:.3f} |",
+    ]
     (args.out / "data.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

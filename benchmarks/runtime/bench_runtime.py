@@ -82,8 +82,13 @@ def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
 
     out = {}
     for name in SCHEDULES:
-        fx = PipelineRunner(build_dir, source.loss_fn, schedule=name, microbatches=microbatches,
-                            optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR))
+        fx = PipelineRunner(
+            build_dir,
+            source.loss_fn,
+            schedule=name,
+            microbatches=microbatches,
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+        )
         module = load_stage(build_dir, rank)
         stage = PipelineStage(Unwrap(module) if last else module, rank, world, torch.device("cpu"))
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
@@ -92,7 +97,11 @@ def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
 
         # Tied parameters (GPT's wte/lm_head) live on both ranks: training them correctly needs their
         # gradients summed, which fxpipe does for you; pipelining needs it written by hand, as here.
-        tied = [module.get_parameter(tie.keys[tie.stages.index(rank)]) for tie in manifest.ties if rank in tie.stages]
+        tied = [
+            module.get_parameter(tie.keys[tie.stages.index(rank)])
+            for tie in manifest.ties
+            if rank in tie.stages
+        ]
 
         def pp_step() -> float:
             opt.zero_grad()
@@ -107,12 +116,18 @@ def _worker(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
             return float(torch.stack(losses).mean()) if losses else float("nan")
 
         times = {"fxpipe": [], "pipelining": []}
-        first = {"fxpipe": fx.step(inputs, targets), "pipelining": pp_step()}  # warm-up; step-1 loss
+        first = {
+            "fxpipe": fx.step(inputs, targets),
+            "pipelining": pp_step(),
+        }  # warm-up; step-1 loss
         for _ in range(2):
             fx.step(inputs, targets)
             pp_step()
         for _ in range(steps):
-            for label, fn in (("fxpipe", lambda: fx.step(inputs, targets)), ("pipelining", pp_step)):
+            for label, fn in (
+                ("fxpipe", lambda: fx.step(inputs, targets)),
+                ("pipelining", pp_step),
+            ):
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
@@ -147,27 +162,74 @@ def _single(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
             (source.loss_fn(model(*mb), t) / microbatches).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_ms": statistics.median(times[3:]) * 1e3, "peak_rss": _rss_peak(), "base_rss": base}))
+    print(
+        json.dumps(
+            {
+                "step_ms": statistics.median(times[3:]) * 1e3,
+                "peak_rss": _rss_peak(),
+                "base_rss": base,
+            }
+        )
+    )
 
 
-def _bench(name: str, model_file: Path, batch: int, microbatches: int, steps: int, tmp: Path) -> dict:
+def _bench(
+    name: str, model_file: Path, batch: int, microbatches: int, steps: int, tmp: Path
+) -> dict:
     from fxpipe.runtime.launch.launcher import free_port, run_build
     from fxpipe.runtime.train.run_options import RunOptions
 
     build_dir = tmp / name.split()[0]
     py = sys.executable
-    subprocess.run([py, __file__, "--build", str(model_file), str(build_dir), str(batch), str(microbatches)], check=True)
-    subprocess.run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker", str(build_dir),
-                    str(steps), str(microbatches), str(batch)], check=True, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [py, __file__, "--build", str(model_file), str(build_dir), str(batch), str(microbatches)],
+        check=True,
+    )
+    subprocess.run(
+        [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            __file__,
+            "--worker",
+            str(build_dir),
+            str(steps),
+            str(microbatches),
+            str(batch),
+        ],
+        check=True,
+        stderr=subprocess.DEVNULL,
+    )
     side = json.loads((build_dir / "sidebyside.json").read_text())
-    single = json.loads(subprocess.run([py, __file__, "--single", str(build_dir), str(steps), str(microbatches),
-                                        str(batch)], check=True, capture_output=True, text=True).stdout)
+    single = json.loads(
+        subprocess.run(
+            [py, __file__, "--single", str(build_dir), str(steps), str(microbatches), str(batch)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     plan = json.loads((build_dir / "plan.json").read_text())
-    result = {"model": name, "batch_size": batch, "microbatches": microbatches, "ranks": 2, "backend": "gloo",
-              "stage_units": [len(s["units"]) for s in plan["stages"]], "schedules": {},
-              "one_process": {"step_ms": single["step_ms"], "peak_rss_bytes": single["peak_rss"],
-                              "rss_after_import_bytes": single["base_rss"]}}
+    result = {
+        "model": name,
+        "batch_size": batch,
+        "microbatches": microbatches,
+        "ranks": 2,
+        "backend": "gloo",
+        "stage_units": [len(s["units"]) for s in plan["stages"]],
+        "schedules": {},
+        "one_process": {
+            "step_ms": single["step_ms"],
+            "peak_rss_bytes": single["peak_rss"],
+            "rss_after_import_bytes": single["base_rss"],
+        },
+    }
     for sched in SCHEDULES:
         options = RunOptions(steps=steps, schedule=sched, microbatches=microbatches, lr=LR)
         run = run_build(build_dir, options, quiet=True)
@@ -175,9 +237,12 @@ def _bench(name: str, model_file: Path, batch: int, microbatches: int, steps: in
         pp = statistics.median(side[sched]["times"]["pipelining"]) * 1e3
         pred = run.predicted_step_ms
         result["schedules"][sched] = {
-            "fxpipe_step_ms": fx, "pipelining_step_ms": pp, "fxpipe_over_pipelining": fx / pp,
+            "fxpipe_step_ms": fx,
+            "pipelining_step_ms": pp,
+            "fxpipe_over_pipelining": fx / pp,
             "first_loss": side[sched]["first_loss"],
-            "run_build_median_step_ms": run.median_step_ms, "predicted_step_ms": pred,
+            "run_build_median_step_ms": run.median_step_ms,
+            "predicted_step_ms": pred,
             "measured_over_predicted": run.median_step_ms / pred if pred else None,
             "peak_rss_bytes_per_rank": list(run.peak_memory_bytes),
         }
@@ -186,25 +251,42 @@ def _bench(name: str, model_file: Path, batch: int, microbatches: int, steps: in
 
 def _markdown(results: list[dict]) -> str:
     mib = 1 << 20
-    lines = ["# Runtime benchmark results", "",
-             "2 ranks, gloo on 127.0.0.1, CPU, one thread per rank, SGD; medians over the timed steps. "
-             "See README.md for the method.", "",
-             "| model | schedule | fxpipe ms | pipelining ms | fxpipe / pipelining | run_build ms | "
-             "plan predicted ms | measured / predicted |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Runtime benchmark results",
+        "",
+        "2 ranks, gloo on 127.0.0.1, CPU, one thread per rank, SGD; medians over the timed steps. "
+        "See README.md for the method.",
+        "",
+        "| model | schedule | fxpipe ms | pipelining ms | fxpipe / pipelining | run_build ms | "
+        "plan predicted ms | measured / predicted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for s, v in r["schedules"].items():
             pred = f"{v['predicted_step_ms']:.2f}" if v["predicted_step_ms"] else "n/a"
             ratio = f"{v['measured_over_predicted']:.2f}" if v["measured_over_predicted"] else "n/a"
-            lines.append(f"| {r['model']} | {s} | {v['fxpipe_step_ms']:.2f} | {v['pipelining_step_ms']:.2f} | "
-                         f"{v['fxpipe_over_pipelining']:.2f} | {v['run_build_median_step_ms']:.2f} | {pred} | {ratio} |")
-    lines += ["", "Peak resident memory (MiB; the torch runtime alone is the 'after import' figure):", "",
-              "| model | one process (after import) | one process peak | rank 0 peak (gpipe, 1f1b) | "
-              "rank 1 peak (gpipe, 1f1b) |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {r['model']} | {s} | {v['fxpipe_step_ms']:.2f} | {v['pipelining_step_ms']:.2f} | "
+                f"{v['fxpipe_over_pipelining']:.2f} | {v['run_build_median_step_ms']:.2f} | {pred} | {ratio} |"
+            )
+    lines += [
+        "",
+        "Peak resident memory (MiB; the torch runtime alone is the 'after import' figure):",
+        "",
+        "| model | one process (after import) | one process peak | rank 0 peak (gpipe, 1f1b) | "
+        "rank 1 peak (gpipe, 1f1b) |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         one = r["one_process"]
-        g, f = r["schedules"]["gpipe"]["peak_rss_bytes_per_rank"], r["schedules"]["1f1b"]["peak_rss_bytes_per_rank"]
-        lines.append(f"| {r['model']} | {one['rss_after_import_bytes'] / mib:.0f} | {one['peak_rss_bytes'] / mib:.0f} | "
-                     f"{g[0] / mib:.0f}, {f[0] / mib:.0f} | {g[1] / mib:.0f}, {f[1] / mib:.0f} |")
+        g, f = (
+            r["schedules"]["gpipe"]["peak_rss_bytes_per_rank"],
+            r["schedules"]["1f1b"]["peak_rss_bytes_per_rank"],
+        )
+        lines.append(
+            f"| {r['model']} | {one['rss_after_import_bytes'] / mib:.0f} | {one['peak_rss_bytes'] / mib:.0f} | "
+            f"{g[0] / mib:.0f}, {f[0] / mib:.0f} | {g[1] / mib:.0f}, {f[1] / mib:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -224,10 +306,18 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        results = [_bench(name, f, b, m, args.steps, Path(tmp)) for name, (f, b, m) in MODELS.items()]
-    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "steps": args.steps,
-            "note": "shared 2-core machine; other jobs may have been running"}
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        results = [
+            _bench(name, f, b, m, args.steps, Path(tmp)) for name, (f, b, m) in MODELS.items()
+        ]
+    meta = {
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "steps": args.steps,
+        "note": "shared 2-core machine; other jobs may have been running",
+    }
+    (args.out / "results.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
+    )
     (args.out / "results.md").write_text(_markdown(results))
     print(_markdown(results))
 

@@ -36,11 +36,19 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = {"gpt_medium": ROOT / "benchmarks" / "runtime" / "gpt_medium.py", "gpt": ROOT / "examples" / "gpt.py"}
+MODELS = {
+    "gpt_medium": ROOT / "benchmarks" / "runtime" / "gpt_medium.py",
+    "gpt": ROOT / "examples" / "gpt.py",
+}
 RANKS, BATCH, LR = 2, 16, 0.01
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
-PEERS = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-         "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+PEERS = {
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 
 
 def _peer_runs(name: str, microbatches: int) -> bool:
@@ -62,8 +70,14 @@ def _build(model_file: Path, root: Path, microbatches: int) -> None:
     traced = trace_model_file(source, BATCH // microbatches, measure_times=True)
     for name in SCHEDULES:
         plan = plan_partition(traced.profile, RANKS, microbatches=microbatches, schedule=name)
-        write_build_dir(traced, plan, root / f"{name}-m{microbatches}", source, batch_size=BATCH,
-                        microbatches=microbatches)
+        write_build_dir(
+            traced,
+            plan,
+            root / f"{name}-m{microbatches}",
+            source,
+            batch_size=BATCH,
+            microbatches=microbatches,
+        )
 
 
 class _PeerStage(torch.nn.Module):
@@ -102,7 +116,9 @@ def _carried(manifest, index: int) -> list[str]:
     if index == 0:
         return [t.name for t in manifest.inputs]
     later = {t.name for s in manifest.stages[index:] for t in s.inputs}
-    made = [t.name for t in manifest.inputs] + [o.name for s in manifest.stages[:index] for o in s.outputs]
+    made = [t.name for t in manifest.inputs] + [
+        o.name for s in manifest.stages[:index] for o in s.outputs
+    ]
     return [n for n in dict.fromkeys(made) if n in later]
 
 
@@ -119,11 +135,18 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
     modules = {s: load_stage(build_dir, s) for s in mine}
     last = manifest.num_stages - 1
     split = name in ("zb-h1", "zbv", "dualpipev")
-    stages = [pp.PipelineStage(_PeerStage(modules[s], manifest, s, split), s, manifest.num_stages, torch.device("cpu"))
-              for s in mine]
+    stages = [
+        pp.PipelineStage(
+            _PeerStage(modules[s], manifest, s, split), s, manifest.num_stages, torch.device("cpu")
+        )
+        for s in mine
+    ]
     cls = getattr(pp, PEERS[name])
-    sched = cls(stages[0] if len(stages) == 1 and name == "1f1b" else stages, n_microbatches=microbatches,
-                loss_fn=source.loss_fn)
+    sched = cls(
+        stages[0] if len(stages) == 1 and name == "1f1b" else stages,
+        n_microbatches=microbatches,
+        loss_fn=source.loss_fn,
+    )
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     # Tied parameters (GPT's wte/lm_head): sum every copy's gradient (fxpipe does this by itself)
@@ -142,7 +165,7 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
         kwargs = {"target": targets, "losses": losses} if last in mine else {}
         args = inputs if 0 in mine else ()
         sched.step(*args, **kwargs)
-        for copies, spans, shape in ties:   # every copy gets the sum of all copies' gradients
+        for copies, spans, shape in ties:  # every copy gets the sum of all copies' gradients
             total = sum(p.grad for p in copies).clone() if copies else torch.zeros(shape or ())
             if spans:
                 dist.all_reduce(total)
@@ -169,12 +192,18 @@ def _worker(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
     for build_dir in sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()):
         name, m = build_dir.name.rsplit("-m", 1)
         M = int(m)
-        fx = PipelineRunner(build_dir, source.loss_fn, microbatches=M,
-                            optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR))
+        fx = PipelineRunner(
+            build_dir,
+            source.loss_fn,
+            microbatches=M,
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+        )
         peer = _peer(build_dir, name, M, source, rank) if _peer_runs(name, M) else None
         times: dict[str, list[float]] = {"fxpipe": [], "peer": []}
         busy: list[float] = []
-        runs = [("fxpipe", lambda: fx.step(inputs, targets))] + ([("peer", peer)] if peer is not None else [])
+        runs = [("fxpipe", lambda: fx.step(inputs, targets))] + (
+            [("peer", peer)] if peer is not None else []
+        )
         for _ in range(3):
             for _, fn in runs:
                 fn()
@@ -205,7 +234,9 @@ def _profiles(model_file: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     source = load_model_file(model_file)
     for m in (RANKS, 2 * RANKS):
-        trace_model_file(source, BATCH // m, measure_times=True).profile.to_json(out / f"profile-m{m}.json")
+        trace_model_file(source, BATCH // m, measure_times=True).profile.to_json(
+            out / f"profile-m{m}.json"
+        )
 
 
 def _repriced(plan, profile_path: Path):
@@ -216,8 +247,14 @@ def _repriced(plan, profile_path: Path):
     from fxpipe.tracer.profile import ModelProfile
 
     profile = ModelProfile.from_json(profile_path)
-    problem = build_problem(profile, plan.num_ranks, schedule=plan.schedule, microbatches=plan.microbatches,
-                            cost=plan.cost, virtual_stages=plan.virtual_stages)
+    problem = build_problem(
+        profile,
+        plan.num_ranks,
+        schedule=plan.schedule,
+        microbatches=plan.microbatches,
+        cost=plan.cost,
+        virtual_stages=plan.virtual_stages,
+    )
     assignment = tuple(plan.stage_of(u.name) for u in profile.units)
     return replace(plan, prediction=predict(problem, assignment, profile.batch_size))
 
@@ -242,13 +279,23 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
             wall = max(r["times"]["fxpipe"][k] for r in per_rank)
             bubbles.append(1.0 - sum(r["busy"][k] for r in per_rank) / (len(per_rank) * wall))
         pred = plan.predicted_step_ms(name, microbatches=int(m))
-        rows.append({"schedule": name, "microbatches": int(m), "virtual_stages": plan.virtual_stages,
-                     "fxpipe_step_ms": step_ms, "peer": PEERS[name], "peer_step_ms": peer_ms,
-                     "fxpipe_over_peer": step_ms / peer_ms if peer_ms else None, "measured_bubble": statistics.median(bubbles),
-                     "predicted_bubble": plan.prediction.bubble if plan.prediction else None,
-                     "predicted_step_ms": pred, "measured_over_predicted": step_ms / pred if pred else None,
-                     "predicted_at_build_ms": planned,
-                     "stage_ranks": list(plan.stage_ranks)})
+        rows.append(
+            {
+                "schedule": name,
+                "microbatches": int(m),
+                "virtual_stages": plan.virtual_stages,
+                "fxpipe_step_ms": step_ms,
+                "peer": PEERS[name],
+                "peer_step_ms": peer_ms,
+                "fxpipe_over_peer": step_ms / peer_ms if peer_ms else None,
+                "measured_bubble": statistics.median(bubbles),
+                "predicted_bubble": plan.prediction.bubble if plan.prediction else None,
+                "predicted_step_ms": pred,
+                "measured_over_predicted": step_ms / pred if pred else None,
+                "predicted_at_build_ms": planned,
+                "stage_ranks": list(plan.stage_ranks),
+            }
+        )
     base = {r["microbatches"]: r["fxpipe_step_ms"] for r in rows if r["schedule"] == "1f1b"}
     for r in rows:
         r["step_over_1f1b"] = r["fxpipe_step_ms"] / base[r["microbatches"]]
@@ -257,31 +304,54 @@ def _summary(root: Path, raw_path: Path, profiles: Path | None = None) -> list[d
 
 def _markdown(rows: list[dict], model: str, steps: int) -> str:
     """The results table."""
-    lines = [f"# Schedules benchmark ({model}, batch {BATCH}, {RANKS} ranks)", "",
-             f"gloo on 127.0.0.1, CPU, one thread per rank, SGD; medians over {steps} timed steps, fxpipe and "
-             "the peer alternating, each step between barriers. Predicted: each plan's split priced with unit "
-             "times measured right before the timing (see README.md for the method).", "",
-             "| schedule | M | V | fxpipe ms | peer | peer ms | fxpipe / peer | bubble (measured) | "
-             "bubble (predicted) | step / fxpipe 1f1b | predicted ms | measured / predicted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Schedules benchmark ({model}, batch {BATCH}, {RANKS} ranks)",
+        "",
+        f"gloo on 127.0.0.1, CPU, one thread per rank, SGD; medians over {steps} timed steps, fxpipe and "
+        "the peer alternating, each step between barriers. Predicted: each plan's split priced with unit "
+        "times measured right before the timing (see README.md for the method).",
+        "",
+        "| schedule | M | V | fxpipe ms | peer | peer ms | fxpipe / peer | bubble (measured) | "
+        "bubble (predicted) | step / fxpipe 1f1b | predicted ms | measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["microbatches"], SCHEDULES.index(r["schedule"]))):
         pred = f"{r['predicted_step_ms']:.2f}" if r["predicted_step_ms"] else "n/a"
         ratio = f"{r['measured_over_predicted']:.2f}" if r["measured_over_predicted"] else "n/a"
         pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else ""
         peer_ms = f"{r['peer_step_ms']:.2f}" if r["peer_step_ms"] else "n/a (needs M >= 2S)"
         over = f"{r['fxpipe_over_peer']:.2f}" if r["fxpipe_over_peer"] else "n/a"
-        lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['virtual_stages']} | {r['fxpipe_step_ms']:.2f} | "
-                     f"{r['peer']} | {peer_ms} | {over} | "
-                     f"{r['measured_bubble']:.1%} | {pb} | {r['step_over_1f1b']:.2f} | {pred} | {ratio} |")
+        lines.append(
+            f"| {r['schedule']} | {r['microbatches']} | {r['virtual_stages']} | {r['fxpipe_step_ms']:.2f} | "
+            f"{r['peer']} | {peer_ms} | {over} | "
+            f"{r['measured_bubble']:.1%} | {pb} | {r['step_over_1f1b']:.2f} | {pred} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def _time(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
     from fxpipe.runtime.launch.launcher import free_port
 
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--rdzv-backend",
-                    "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, "--worker", str(root),
-                    str(steps), str(model_file), str(raw_out)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(RANKS),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            __file__,
+            "--worker",
+            str(root),
+            str(steps),
+            str(model_file),
+            str(raw_out),
+        ],
+        check=True,
+    )
 
 
 def main() -> None:
@@ -298,22 +368,42 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt_medium")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
-    p.add_argument("--build-to", type=Path, help="only write the build directories into this folder")
+    p.add_argument(
+        "--build-to", type=Path, help="only write the build directories into this folder"
+    )
     p.add_argument("--from-builds", type=Path, help="use the build directories in this folder")
-    p.add_argument("--raw-out", type=Path, help="with --from-builds: only time them, writing the raw times here")
-    p.add_argument("--profile-out", type=Path, help="also trace the model here, unit times measured, into this folder")
-    p.add_argument("--raw", type=Path, help="with --from-builds: the raw times of a --raw-out run to tabulate")
-    p.add_argument("--profiles", type=Path, help="profiles from --profile-out to price the plans with")
+    p.add_argument(
+        "--raw-out",
+        type=Path,
+        help="with --from-builds: only time them, writing the raw times here",
+    )
+    p.add_argument(
+        "--profile-out",
+        type=Path,
+        help="also trace the model here, unit times measured, into this folder",
+    )
+    p.add_argument(
+        "--raw", type=Path, help="with --from-builds: the raw times of a --raw-out run to tabulate"
+    )
+    p.add_argument(
+        "--profiles", type=Path, help="profiles from --profile-out to price the plans with"
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_file = MODELS[args.model]
     if args.profile_out:
-        subprocess.run([sys.executable, __file__, "--trace", str(model_file), str(args.profile_out)], check=True)
+        subprocess.run(
+            [sys.executable, __file__, "--trace", str(model_file), str(args.profile_out)],
+            check=True,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         root = args.from_builds or args.build_to or Path(tmp)
         if args.from_builds is None:
             for m in (RANKS, 2 * RANKS):
-                subprocess.run([sys.executable, __file__, "--build", str(model_file), str(root), str(m)], check=True)
+                subprocess.run(
+                    [sys.executable, __file__, "--build", str(model_file), str(root), str(m)],
+                    check=True,
+                )
             if args.build_to is not None:
                 return
         if args.raw_out is not None:
@@ -323,10 +413,18 @@ def main() -> None:
         if args.raw is None:
             _time(root, args.steps, model_file, raw)
         rows = _summary(root, raw, args.profiles)
-    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "steps": args.steps, "model": args.model,
-            "load_average": os.getloadavg(), "note": "shared 2-core machine; other jobs may have been running"}
+    meta = {
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "steps": args.steps,
+        "model": args.model,
+        "load_average": os.getloadavg(),
+        "note": "shared 2-core machine; other jobs may have been running",
+    }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    (args.out / "schedules.json").write_text(
+        json.dumps({"meta": meta, "results": rows}, indent=1) + "\n"
+    )
     text = _markdown(rows, args.model, args.steps)
     (args.out / "schedules.md").write_text(text)
     print(text)

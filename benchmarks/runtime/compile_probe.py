@@ -75,7 +75,10 @@ def _stage_and_inputs(name: str, device: str, builds: Path) -> tuple[Any, tuple[
     build = builds / name
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
     stage = load_stage(build, 0, device=device)
-    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in source.example_inputs(batch // micro))
+    inputs = tuple(
+        x.to(device) if isinstance(x, torch.Tensor) else x
+        for x in source.example_inputs(batch // micro)
+    )
     return stage, inputs
 
 
@@ -86,6 +89,7 @@ def _variants(stage: Any, inputs: tuple[Any, ...], device: str, iters: int) -> l
     compiled = torch.compile(stage)
     for precision in ("fp32", "bf16"):
         for label, module in (("eager", stage), ("compiled", compiled)):
+
             def autocast() -> Any:
                 return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -97,27 +101,45 @@ def _variants(stage: Any, inputs: tuple[Any, ...], device: str, iters: int) -> l
                 with autocast():
                     out = module(*inputs)
                 outs = out if isinstance(out, tuple) else (out,)
-                sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
+                sum(
+                    o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad
+                ).backward()
                 stage.zero_grad(set_to_none=True)
 
             f_first, f_ms = _timed(forward, device, iters)
             fb_first, fb_ms = _timed(forward_backward, device, iters)
-            rows.append({"variant": label, "precision": precision, "forward_ms": f_ms, "forward_first_ms": f_first,
-                         "forward_backward_ms": fb_ms, "forward_backward_first_ms": fb_first})
+            rows.append(
+                {
+                    "variant": label,
+                    "precision": precision,
+                    "forward_ms": f_ms,
+                    "forward_first_ms": f_first,
+                    "forward_backward_ms": fb_ms,
+                    "forward_backward_first_ms": fb_first,
+                }
+            )
     return rows
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    lines = [f"# One stage, eager vs torch.compile ({result['device_name']}, torch {result['torch']})", "",
-             f"{result['model']}, stage 0 of 2, one microbatch; median of {result['iters']} calls after 3 warm-ups; "
-             "'first' is the first call alone (the compile, for compiled rows).", "",
-             "| variant | precision | forward ms | fwd+bwd ms | first fwd ms | first fwd+bwd ms | fwd+bwd vs eager |",
-             "|---|---|---|---|---|---|---|"]
-    eager = {r["precision"]: r["forward_backward_ms"] for r in result["rows"] if r["variant"] == "eager"}
+    lines = [
+        f"# One stage, eager vs torch.compile ({result['device_name']}, torch {result['torch']})",
+        "",
+        f"{result['model']}, stage 0 of 2, one microbatch; median of {result['iters']} calls after 3 warm-ups; "
+        "'first' is the first call alone (the compile, for compiled rows).",
+        "",
+        "| variant | precision | forward ms | fwd+bwd ms | first fwd ms | first fwd+bwd ms | fwd+bwd vs eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    eager = {
+        r["precision"]: r["forward_backward_ms"] for r in result["rows"] if r["variant"] == "eager"
+    }
     for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['precision']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} "
-                     f"| {r['forward_first_ms']:.0f} | {r['forward_backward_first_ms']:.0f} "
-                     f"| {r['forward_backward_ms'] / eager[r['precision']]:.2f} |")
+        lines.append(
+            f"| {r['variant']} | {r['precision']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} "
+            f"| {r['forward_first_ms']:.0f} | {r['forward_backward_first_ms']:.0f} "
+            f"| {r['forward_backward_ms'] / eager[r['precision']]:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -136,8 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         stage, inputs = _stage_and_inputs(args.model, args.device, Path(tmp))
         rows = _variants(stage, inputs, args.device, args.iters)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"model": args.model, "device": args.device, "device_name": name, "torch": torch.__version__,
-              "iters": args.iters, "rows": rows}
+    result = {
+        "model": args.model,
+        "device": args.device,
+        "device_name": name,
+        "torch": torch.__version__,
+        "iters": args.iters,
+        "rows": rows,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compile_probe.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "compile_probe.md").write_text(_markdown(result))

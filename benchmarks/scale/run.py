@@ -59,10 +59,18 @@ def worker_fxpipe(size: str, device: str) -> dict:
     t1 = time.perf_counter()
     plan = plan_partition(traced.profile, STAGES, microbatches=STAGES)
     t2 = time.perf_counter()
-    return {"trace_s": t1 - t0, "plan_s": t2 - t1, "total_s": t2 - t0, "peak_rss": _peak_rss(),
-            "units": len(traced.profile.units), "param_bytes": traced.profile.total_param_bytes,
-            "stages": plan.num_stages, "solver": plan.solver, "optimal": plan.optimal,
-            "bottleneck_ms": plan.bottleneck_ms}
+    return {
+        "trace_s": t1 - t0,
+        "plan_s": t2 - t1,
+        "total_s": t2 - t0,
+        "peak_rss": _peak_rss(),
+        "units": len(traced.profile.units),
+        "param_bytes": traced.profile.total_param_bytes,
+        "stages": plan.num_stages,
+        "solver": plan.solver,
+        "optimal": plan.optimal,
+        "bottleneck_ms": plan.bottleneck_ms,
+    }
 
 
 def worker_pipelining(size: str) -> dict:
@@ -78,7 +86,9 @@ def worker_pipelining(size: str) -> dict:
         model = llama.Llama(shape)
     ids = torch.zeros(1, llama.SEQ, dtype=torch.long, device="meta")
     stages = min(STAGES, shape.layers)
-    spec = {f"layers.{round(i * shape.layers / stages)}": SplitPoint.BEGINNING for i in range(1, stages)}
+    spec = {
+        f"layers.{round(i * shape.layers / stages)}": SplitPoint.BEGINNING for i in range(1, stages)
+    }
     pipe = pipeline(model, mb_args=(ids,), split_spec=spec)
     t1 = time.perf_counter()
     return {"total_s": t1 - t0, "peak_rss": _peak_rss(), "stages": pipe.num_stages}
@@ -100,16 +110,25 @@ def write_checkpoint(size: str, folder: Path, shards: int = 4) -> int:
     weight_map, total = {}, 0
     per = -(-len(state) // shards)
     for i in range(shards):
-        part = state[i * per:(i + 1) * per]
+        part = state[i * per : (i + 1) * per]
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
 
         def fetch(shape: tuple[int, ...], dtype: torch.dtype, seed: int):
-            return lambda: torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 0.02
+            return lambda: (
+                torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+                * 0.02
+            )
 
-        write_streamed(folder / name, [(k, s, d, fetch(s, d, j)) for j, (k, s, d) in enumerate(part)], {"format": "pt"})
+        write_streamed(
+            folder / name,
+            [(k, s, d, fetch(s, d, j)) for j, (k, s, d) in enumerate(part)],
+            {"format": "pt"},
+        )
         weight_map.update({k: name for k, _, _ in part})
         total += (folder / name).stat().st_size
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -123,15 +142,25 @@ def worker_emit(size: str, checkpoint: str, out: str) -> dict:
     traced = trace_model_file(source, 1, progress=False, trace_device="meta")
     plan = plan_partition(traced.profile, STAGES, microbatches=STAGES)
     before = _rss_bytes("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark (VmHWM) to the current RSS
+    Path("/proc/self/clear_refs").write_text(
+        "5"
+    )  # reset the high-water mark (VmHWM) to the current RSS
     t0 = time.perf_counter()
-    manifest = write_build_dir(traced, plan, out, source, batch_size=STAGES, microbatches=STAGES, weights=checkpoint)
+    manifest = write_build_dir(
+        traced, plan, out, source, batch_size=STAGES, microbatches=STAGES, weights=checkpoint
+    )
     t1 = time.perf_counter()
     peak = _rss_bytes("VmHWM")
     stage_bytes = [(Path(out) / sm.weights).stat().st_size for sm in manifest.stages]
-    return {"emit_s": t1 - t0, "rss_before": before, "peak_rss_during_emit": peak, "emit_rss_increase": peak - before,
-            "largest_stage_bytes": max(stage_bytes), "total_stage_bytes": sum(stage_bytes),
-            "process_peak_rss": _peak_rss()}
+    return {
+        "emit_s": t1 - t0,
+        "rss_before": before,
+        "peak_rss_during_emit": peak,
+        "emit_rss_increase": peak - before,
+        "largest_stage_bytes": max(stage_bytes),
+        "total_stage_bytes": sum(stage_bytes),
+        "process_peak_rss": _peak_rss(),
+    }
 
 
 def worker_partition(size: str, out: str) -> dict:
@@ -144,15 +173,31 @@ def worker_partition(size: str, out: str) -> dict:
 
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        code = cli(["partition", f"{MODEL}:build_{size}", "--device", "meta", "--stages", str(STAGES), "--out", out])
+        code = cli(
+            [
+                "partition",
+                f"{MODEL}:build_{size}",
+                "--device",
+                "meta",
+                "--stages",
+                str(STAGES),
+                "--out",
+                out,
+            ]
+        )
     t1 = time.perf_counter()
     if code != 0:
         raise SystemExit(f"fxpipe partition exited with {code}")
     manifest = Manifest.from_json(out)
     stage_bytes = [(Path(out) / sm.weights).stat().st_size for sm in manifest.stages]
-    return {"partition_s": t1 - t0, "peak_rss": _peak_rss(), "stages": manifest.num_stages,
-            "weights": manifest.weights, "build_bytes": sum(f.stat().st_size for f in Path(out).iterdir()),
-            "stage_weight_bytes": sum(stage_bytes)}
+    return {
+        "partition_s": t1 - t0,
+        "peak_rss": _peak_rss(),
+        "stages": manifest.num_stages,
+        "weights": manifest.weights,
+        "build_bytes": sum(f.stat().st_size for f in Path(out).iterdir()),
+        "stage_weight_bytes": sum(stage_bytes),
+    }
 
 
 def _run_worker(*args: str, timeout: float = 1800) -> dict:
@@ -163,7 +208,11 @@ def _run_worker(*args: str, timeout: float = 1800) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "process_wall_s": wall, "load_avg": load}
+        return {
+            "error": (done.stderr.strip().splitlines() or ["?"])[-1],
+            "process_wall_s": wall,
+            "load_avg": load,
+        }
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result.update(process_wall_s=wall, load_avg=load)
     return result
@@ -177,82 +226,126 @@ def _load(row: dict) -> str:
     return f"{row['load_avg']:.1f}" if "load_avg" in row else "n/r"
 
 
-def _markdown(rows: list[dict], emit: list[dict], meta: dict, partition: list[dict] | None = None) -> str:
+def _markdown(
+    rows: list[dict], emit: list[dict], meta: dict, partition: list[dict] | None = None
+) -> str:
     lines = [
-        "# Scale benchmark results", "",
+        "# Scale benchmark results",
+        "",
         f"Machine: {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}; {meta['date']}. "
         f"Trace at microbatch 1, sequence {meta['seq']}, planned into {STAGES} stages "
         f"(pipelining: split at layer starts, at most {STAGES} stages). Peak RSS is the whole "
         "subprocess's (Python + torch imports included); `wall` is the subprocess's wall time, imports included; "
         "`load` is the machine's 1-minute load average when the row started (2 cores: above 2, other jobs were "
-        "running and the seconds are inflated; n/r: not recorded).", "",
+        "running and the seconds are inflated; n/r: not recorded).",
+        "",
         "| model | params | tool | tensors | units | trace s | plan s | trace+plan s | wall s | peak RSS GB | load | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | | | | | "
-                         f"{r.get('process_wall_s', 0):.1f} | | {_load(r)} | failed: {r['error'][:120]} |")
+            lines.append(
+                f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | | | | | "
+                f"{r.get('process_wall_s', 0):.1f} | | {_load(r)} | failed: {r['error'][:120]} |"
+            )
             continue
         trace = f"{r['trace_s']:.1f}" if "trace_s" in r else ""
         plan = f"{r['plan_s']:.1f}" if "plan_s" in r else ""
-        note = f"{r['stages']} stages" + (f", {r['solver']}{' (optimal)' if r.get('optimal') else ''}"
-                                          if "solver" in r else "")
-        lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | {r.get('units', '')} | "
-                     f"{trace} | {plan} | {r['total_s']:.1f} | {r['process_wall_s']:.1f} | {_gb(r['peak_rss'])} | "
-                     f"{_load(r)} | {note} |")
+        note = f"{r['stages']} stages" + (
+            f", {r['solver']}{' (optimal)' if r.get('optimal') else ''}" if "solver" in r else ""
+        )
+        lines.append(
+            f"| {r['size']} | {r['params_b']:.2f}B | {r['tool']} | {r['tensors']} | {r.get('units', '')} | "
+            f"{trace} | {plan} | {r['total_s']:.1f} | {r['process_wall_s']:.1f} | {_gb(r['peak_rss'])} | "
+            f"{_load(r)} | {note} |"
+        )
     if partition:  # None or []: no such rows
-        lines += ["", "## The whole `fxpipe partition --device meta` (no --weights)", "",
-                  f"`fxpipe partition llama.py:build_SIZE --device meta --stages {STAGES} --out DIR` run in-process "
-                  "(trace, count, solve, emit the stage sources, the manifest and the buffers; no parameter is "
-                  "written: each stage initialises itself at load). `partition s`: the CLI call; `wall s`: the "
-                  "subprocess, imports included; peak RSS: the subprocess's.", "",
-                  "| model | params | partition s | wall s | peak RSS GB | stages | build MB | stage weights MB (buffers) "
-                  "| load |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## The whole `fxpipe partition --device meta` (no --weights)",
+            "",
+            f"`fxpipe partition llama.py:build_SIZE --device meta --stages {STAGES} --out DIR` run in-process "
+            "(trace, count, solve, emit the stage sources, the manifest and the buffers; no parameter is "
+            "written: each stage initialises itself at load). `partition s`: the CLI call; `wall s`: the "
+            "subprocess, imports included; peak RSS: the subprocess's.",
+            "",
+            "| model | params | partition s | wall s | peak RSS GB | stages | build MB | stage weights MB (buffers) "
+            "| load |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in partition:
             if "error" in r:
-                lines.append(f"| {r['size']} | {r['params_b']:.2f}B | | {r.get('process_wall_s', 0):.1f} | | | | | "
-                             f"{_load(r)} | failed: {r['error'][:120]} |")
+                lines.append(
+                    f"| {r['size']} | {r['params_b']:.2f}B | | {r.get('process_wall_s', 0):.1f} | | | | | "
+                    f"{_load(r)} | failed: {r['error'][:120]} |"
+                )
                 continue
-            lines.append(f"| {r['size']} | {r['params_b']:.2f}B | {r['partition_s']:.1f} | {r['process_wall_s']:.1f} | "
-                         f"{_gb(r['peak_rss'])} | {r['stages']} | {r['build_bytes'] / 1e6:.1f} | "
-                         f"{r['stage_weight_bytes'] / 1e6:.1f} | {_load(r)} |")
+            lines.append(
+                f"| {r['size']} | {r['params_b']:.2f}B | {r['partition_s']:.1f} | {r['process_wall_s']:.1f} | "
+                f"{_gb(r['peak_rss'])} | {r['stages']} | {r['build_bytes'] / 1e6:.1f} | "
+                f"{r['stage_weight_bytes'] / 1e6:.1f} | {_load(r)} |"
+            )
     if emit:
-        lines += ["", "## Emit from a sharded checkpoint", "",
-                  "`write_build_dir(..., weights=<4 safetensors shards + index>)` after a meta trace and plan; "
-                  "RSS increase = the high-water mark during emit minus the RSS just before it.", "",
-                  "| model | checkpoint GB | emit s | RSS before GB | RSS increase during emit GB | "
-                  "largest stage GB | increase / largest stage | process peak RSS GB | load |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Emit from a sharded checkpoint",
+            "",
+            "`write_build_dir(..., weights=<4 safetensors shards + index>)` after a meta trace and plan; "
+            "RSS increase = the high-water mark during emit minus the RSS just before it.",
+            "",
+            "| model | checkpoint GB | emit s | RSS before GB | RSS increase during emit GB | "
+            "largest stage GB | increase / largest stage | process peak RSS GB | load |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for e in emit:
             if "error" in e:
                 lines.append(f"| {e['size']} | | | | | | failed: {e['error'][:120]} |")
                 continue
-            lines.append(f"| {e['size']} | {_gb(e['checkpoint_bytes'])} | {e['emit_s']:.1f} | {_gb(e['rss_before'])} | "
-                         f"{_gb(e['emit_rss_increase'])} | {_gb(e['largest_stage_bytes'])} | "
-                         f"{e['emit_rss_increase'] / e['largest_stage_bytes']:.2f} | {_gb(e['process_peak_rss'])} | "
-                         f"{_load(e)} |")
+            lines.append(
+                f"| {e['size']} | {_gb(e['checkpoint_bytes'])} | {e['emit_s']:.1f} | {_gb(e['rss_before'])} | "
+                f"{_gb(e['emit_rss_increase'])} | {_gb(e['largest_stage_bytes'])} | "
+                f"{e['emit_rss_increase'] / e['largest_stage_bytes']:.2f} | {_gb(e['process_peak_rss'])} | "
+                f"{_load(e)} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="125m,1b,7b,70b")
-    parser.add_argument("--real", default="125m", help="sizes also traced with real tensors (comma list; '' none)")
-    parser.add_argument("--no-pipelining", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument(
+        "--real", default="125m", help="sizes also traced with real tensors (comma list; '' none)"
+    )
+    parser.add_argument(
+        "--no-pipelining", action="store_true", help="skip torch.distributed.pipelining"
+    )
     parser.add_argument("--emit", default="1b", help="sizes to emit from a checkpoint ('' none)")
-    parser.add_argument("--partition", default="70b",
-                        help="sizes run through the whole `fxpipe partition --device meta` ('' none)")
-    parser.add_argument("--scratch", default="/tmp/fxpipe-scale", help="folder for checkpoints and builds")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the rows of results.json that this run does not measure again")
+    parser.add_argument(
+        "--partition",
+        default="70b",
+        help="sizes run through the whole `fxpipe partition --device meta` ('' none)",
+    )
+    parser.add_argument(
+        "--scratch", default="/tmp/fxpipe-scale", help="folder for checkpoints and builds"
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of results.json that this run does not measure again",
+    )
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     if args.worker:
         kind, *rest = args.worker
-        result = {"fxpipe": worker_fxpipe, "pipelining": worker_pipelining, "emit": worker_emit,
-                  "partition": worker_partition}[kind](*rest)
+        result = {
+            "fxpipe": worker_fxpipe,
+            "pipelining": worker_pipelining,
+            "emit": worker_emit,
+            "partition": worker_partition,
+        }[kind](*rest)
         print(json.dumps(result))
         return
 
@@ -274,7 +367,11 @@ def main() -> None:
             print(f"{size} {tool} {tensors} ...", flush=True)
             r = _run_worker(*worker)
             r.update(size=size, tool=tool, tensors=tensors, params_b=params_b)
-            print("   ", {k: v for k, v in r.items() if k not in ("size", "tool", "tensors")}, flush=True)
+            print(
+                "   ",
+                {k: v for k, v in r.items() if k not in ("size", "tool", "tensors")},
+                flush=True,
+            )
             rows.append(r)
     scratch = Path(args.scratch)
     partition: list[dict] = []
@@ -313,9 +410,18 @@ def main() -> None:
         partition = partition or old.get("partition", [])
         order = {s: i for i, s in enumerate(llama.SHAPES)}
         rows.sort(key=lambda r: order[r["size"]])
-    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seq": llama.SEQ, "stages": STAGES}
-    (HERE / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "emit": emit, "partition": partition}, indent=2) + "\n")
+    meta = {
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seq": llama.SEQ,
+        "stages": STAGES,
+    }
+    (HERE / "results.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "emit": emit, "partition": partition}, indent=2)
+        + "\n"
+    )
     (HERE / "results.md").write_text(_markdown(rows, emit, meta, partition))
     print((HERE / "results.md").read_text())
 

@@ -37,9 +37,19 @@ def llama(seq: int) -> tuple[torch.nn.Module, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2 * seq,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2 * seq,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        use_cache=False,
+    )
     return LlamaForCausalLM(config).train(), lambda b: _tokens(b, seq, with_mask=True)
 
 
@@ -47,8 +57,19 @@ def gpt2(seq: int) -> tuple[torch.nn.Module, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=1000, n_positions=2 * seq, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=1, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=1000,
+        n_positions=2 * seq,
+        n_embd=256,
+        n_layer=4,
+        n_head=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return GPT2LMHeadModel(config).train(), lambda b: _tokens(b, seq, with_mask=False)
 
 
@@ -57,11 +78,13 @@ def _tokens(batch: int, seq: int, with_mask: bool) -> tuple[torch.Tensor, ...]:
     if not with_mask:
         return (ids,)
     mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[-1, seq - seq // 4:] = 0
+    mask[-1, seq - seq // 4 :] = 0
     return ids, mask
 
 
-def peak(stage: torch.nn.Module, inputs: list[torch.Tensor], grad: bool) -> tuple[int, list[torch.Tensor]]:
+def peak(
+    stage: torch.nn.Module, inputs: list[torch.Tensor], grad: bool
+) -> tuple[int, list[torch.Tensor]]:
     tracker = TensorMemoryTracker()
     with torch.set_grad_enabled(grad), tracker:
         outputs = stage(*inputs)
@@ -80,16 +103,21 @@ def measure(name: str, factory: Any, batch: int, seq: int, root: Path) -> list[d
         frees.RULE = rule
         try:
             out = root / f"{name}_{rule}"
-            manifest = write_build_dir(traced, plan, out, None, batch_size=batch, microbatches=1, check=False)
+            manifest = write_build_dir(
+                traced, plan, out, None, batch_size=batch, microbatches=1, check=False
+            )
         finally:
             frees.RULE = "needed"
         builds[rule] = (out, manifest)
         texts[rule] = [(out / sm.source).read_text() for sm in manifest.stages]
         shared = (out / manifest.shared_source).read_text() if manifest.shared_source else ""
-        texts[rule].append(shared)  # the classes the stages share (Note [classes several stages share])
+        texts[rule].append(
+            shared
+        )  # the classes the stages share (Note [classes several stages share])
     rows = []
-    values: dict[str, dict[str, torch.Tensor]] = {rule: dict(zip(("input_ids", "attention_mask"), inputs))
-                                                  for rule in RULES}
+    values: dict[str, dict[str, torch.Tensor]] = {
+        rule: dict(zip(("input_ids", "attention_mask"), inputs)) for rule in RULES
+    }
     for i, sm in enumerate(builds["all"][1].stages):
         row: dict[str, Any] = {"model": name, "stage": i, "batch": batch, "seq": seq}
         for rule in RULES:
@@ -104,12 +132,21 @@ def measure(name: str, factory: Any, batch: int, seq: int, root: Path) -> list[d
             row[f"{rule}_free_lines"] = sum(" = None" in ln for ln in text.splitlines())
         for rule in RULES[1:]:
             for t in manifest.stages[i].outputs:
-                torch.testing.assert_close(values[rule][t.name], values["all"][t.name], rtol=0, atol=0)
+                torch.testing.assert_close(
+                    values[rule][t.name], values["all"][t.name], rtol=0, atol=0
+                )
         rows.append(row)
-    rows.append({"model": name, "stage": "shared.py", **{f"{rule}_lines": len(texts[rule][-1].splitlines())
-                                                          for rule in RULES},
-                 **{f"{rule}_free_lines": sum(" = None" in ln for ln in texts[rule][-1].splitlines())
-                    for rule in RULES}})
+    rows.append(
+        {
+            "model": name,
+            "stage": "shared.py",
+            **{f"{rule}_lines": len(texts[rule][-1].splitlines()) for rule in RULES},
+            **{
+                f"{rule}_free_lines": sum(" = None" in ln for ln in texts[rule][-1].splitlines())
+                for rule in RULES
+            },
+        }
+    )
     return rows
 
 
@@ -125,20 +162,29 @@ def main() -> None:
     here = Path(__file__).parent
     (here / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     mib = 1 << 20
-    lines = ["| model | stage | no-grad peak MiB: fx / kept / none | train peak MiB: fx / kept / none "
-             "| lines: fx / kept | free lines: fx / kept |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| model | stage | no-grad peak MiB: fx / kept / none | train peak MiB: fx / kept / none "
+        "| lines: fx / kept | free lines: fx / kept |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["stage"] == "shared.py":
-            lines.append(f"| {r['model']} | shared.py | | | {r['all_lines']} / {r['needed_lines']} "
-                         f"| {r['all_free_lines']} / {r['needed_free_lines']} |")
+            lines.append(
+                f"| {r['model']} | shared.py | | | {r['all_lines']} / {r['needed_lines']} "
+                f"| {r['all_free_lines']} / {r['needed_free_lines']} |"
+            )
             continue
-        lines.append(f"| {r['model']} | {r['stage']} | {r['all_no_grad'] / mib:.2f} / {r['needed_no_grad'] / mib:.2f} / "
-                     f"{r['none_no_grad'] / mib:.2f} | {r['all_train'] / mib:.2f} / {r['needed_train'] / mib:.2f} / "
-                     f"{r['none_train'] / mib:.2f} | {r['all_lines']} / {r['needed_lines']} "
-                     f"| {r['all_free_lines']} / {r['needed_free_lines']} |")
+        lines.append(
+            f"| {r['model']} | {r['stage']} | {r['all_no_grad'] / mib:.2f} / {r['needed_no_grad'] / mib:.2f} / "
+            f"{r['none_no_grad'] / mib:.2f} | {r['all_train'] / mib:.2f} / {r['needed_train'] / mib:.2f} / "
+            f"{r['none_train'] / mib:.2f} | {r['all_lines']} / {r['needed_lines']} "
+            f"| {r['all_free_lines']} / {r['needed_free_lines']} |"
+        )
     table = "\n".join(lines)
-    (here / "results.md").write_text(f"batch {args.batch}, sequence {args.seq}, 2 stages, CPU, torch "
-                                     f"{torch.__version__}\n\n{table}\n")
+    (here / "results.md").write_text(
+        f"batch {args.batch}, sequence {args.seq}, 2 stages, CPU, torch "
+        f"{torch.__version__}\n\n{table}\n"
+    )
     print(table)
 
 

@@ -37,11 +37,20 @@ def _cases() -> list[tuple[str, Callable[[], torch.nn.Module], tuple[torch.Tenso
         cases.append((name, source.build_model, source.example_inputs(4), 4))
     cases.append(("hf-gpt2-tiny", hf_models.build_gpt2, hf_models.example_inputs(4), 4))
     cases.append(("hf-bert-tiny", hf_models.build_bert, hf_models.bert_inputs(4), 4))
-    cases.append(("gpt2-small (12x768, seq 128)", hf_models.build_gpt2_small, hf_models.gpt2_small_inputs(1), 1))
+    cases.append(
+        (
+            "gpt2-small (12x768, seq 128)",
+            hf_models.build_gpt2_small,
+            hf_models.gpt2_small_inputs(1),
+            1,
+        )
+    )
     return cases
 
 
-def _run(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Tensor, ...], measured: bool) -> dict[str, Any]:
+def _run(
+    build: Callable[[], torch.nn.Module], inputs: tuple[torch.Tensor, ...], measured: bool
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build()
     with warnings.catch_warnings():
@@ -64,7 +73,9 @@ def _run(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Tensor, ...],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--skip-measured-gpt2", action="store_true", help="skip the slow measured GPT-2 small run")
+    parser.add_argument(
+        "--skip-measured-gpt2", action="store_true", help="skip the slow measured GPT-2 small run"
+    )
     args = parser.parse_args()
     rows = []
     for name, build, inputs, batch in _cases():
@@ -74,16 +85,28 @@ def main() -> None:
             row = {"model": name, "batch": batch, **_run(build, inputs, measured)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "target_gpt2_small_analytic_s": TARGET_GPT2_ANALYTIC_S}
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "target_gpt2_small_analytic_s": TARGET_GPT2_ANALYTIC_S,
+    }
     (HERE / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
-    lines = ["# Trace benchmark results", "",
-             f"torch {meta['torch']}, Python {meta['python']}, {meta['threads']} threads (CPU). "
-             f"Target: GPT-2 small analytic trace under {TARGET_GPT2_ANALYTIC_S:.0f} s.", "",
-             "| model | batch | mode | front end | seconds | units | edges | fwd ms | bwd ms | params MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['batch']} | {r['mode']} | {r['frontend']} | {r['seconds']} | {r['units']} | "
-              f"{r['edges']} | {r['fwd_ms_total']} | {r['bwd_ms_total']} | {r['param_mib']} |" for r in rows]
+    lines = [
+        "# Trace benchmark results",
+        "",
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['threads']} threads (CPU). "
+        f"Target: GPT-2 small analytic trace under {TARGET_GPT2_ANALYTIC_S:.0f} s.",
+        "",
+        "| model | batch | mode | front end | seconds | units | edges | fwd ms | bwd ms | params MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['batch']} | {r['mode']} | {r['frontend']} | {r['seconds']} | {r['units']} | "
+        f"{r['edges']} | {r['fwd_ms_total']} | {r['bwd_ms_total']} | {r['param_mib']} |"
+        for r in rows
+    ]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
 
 

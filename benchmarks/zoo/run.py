@@ -50,14 +50,32 @@ MICROBATCH = 2
 # the block that starts the second stage: the middle of each model's stack of blocks
 # (for encoder-decoders the decoder, for CNNs the middle stage)
 SPLIT_AT = {
-    "llama": "model.layers.2", "mistral": "model.layers.2", "qwen2": "model.layers.2", "gemma2": "model.layers.2",
-    "phi3": "model.layers.2", "mixtral": "model.layers.2", "gpt_neox": "gpt_neox.layers.2",
-    "opt": "model.decoder.layers.2", "falcon": "transformer.h.2", "bloom": "transformer.h.2",
-    "gptj": "transformer.h.2", "gpt2": "transformer.h.2", "bert_mlm": "bert.encoder.layer.2", "t5": "decoder",
-    "bart": "model.decoder", "vit_hf": "vit.layers.2",
-    "convnext": "features.3", "densenet": "features.denseblock2", "efficientnet": "features.3",
-    "mobilenet_v2": "features.4", "googlenet": "inception4a", "regnet": "trunk_output.block2", "resnet": "layer3",
-    "resnet18": "layer3", "transformer_encoder": "encoder.layers.2", "vit_mha": "encoder.layers.encoder_layer_2",
+    "llama": "model.layers.2",
+    "mistral": "model.layers.2",
+    "qwen2": "model.layers.2",
+    "gemma2": "model.layers.2",
+    "phi3": "model.layers.2",
+    "mixtral": "model.layers.2",
+    "gpt_neox": "gpt_neox.layers.2",
+    "opt": "model.decoder.layers.2",
+    "falcon": "transformer.h.2",
+    "bloom": "transformer.h.2",
+    "gptj": "transformer.h.2",
+    "gpt2": "transformer.h.2",
+    "bert_mlm": "bert.encoder.layer.2",
+    "t5": "decoder",
+    "bart": "model.decoder",
+    "vit_hf": "vit.layers.2",
+    "convnext": "features.3",
+    "densenet": "features.denseblock2",
+    "efficientnet": "features.3",
+    "mobilenet_v2": "features.4",
+    "googlenet": "inception4a",
+    "regnet": "trunk_output.block2",
+    "resnet": "layer3",
+    "resnet18": "layer3",
+    "transformer_encoder": "encoder.layers.2",
+    "vit_mha": "encoder.layers.encoder_layer_2",
     "vit_timm": "blocks.2",
 }
 
@@ -89,7 +107,9 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 want = module(*inputs)
-            module.get_submodule(row["split_at"])  # a missing name is this script's error, not pipelining's
+            module.get_submodule(
+                row["split_at"]
+            )  # a missing name is this script's error, not pipelining's
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 pipe = pipeline(module, inputs, split_spec={row["split_at"]: SplitPoint.BEGINNING})
@@ -97,8 +117,11 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
                 torch.manual_seed(0)
                 got = pipe(*inputs)
             err, ok = _max_abs(got, want)
-            result = {"status": "ok" if ok and pipe.num_stages == 2 else "mismatch", "stages": pipe.num_stages,
-                      "max_abs": err}
+            result = {
+                "status": "ok" if ok and pipe.num_stages == 2 else "mismatch",
+                "stages": pipe.num_stages,
+                "max_abs": err,
+            }
         except Exception as exc:  # noqa: BLE001 - a failure is a row
             result = {"status": "error", **describe_error(exc)}
         result["seconds"] = round(time.perf_counter() - start, 2)
@@ -119,23 +142,42 @@ def fxpipe_side(model: ZooModel, train: bool) -> dict[str, Any]:
             return None
         return s.get("max_abs") if s["status"] in ("ok", "mismatch") else f"{s['error_type']}"
 
-    first_problem = next((_problem(k, s) for k, s in steps.items()
-                          if s["status"] in ("error", "mismatch") and k not in ("kwargs", "labels")), None)
-    verified = all(steps.get(k, {}).get("status") == "ok" for k in ("partition@2", "train@2", "eval@2"))
+    first_problem = next(
+        (
+            _problem(k, s)
+            for k, s in steps.items()
+            if s["status"] in ("error", "mismatch") and k not in ("kwargs", "labels")
+        ),
+        None,
+    )
+    verified = all(
+        steps.get(k, {}).get("status") == "ok" for k in ("partition@2", "train@2", "eval@2")
+    )
     trains = None if "run" not in steps else steps["run"]["status"] == "ok"
-    return {"frontend": row.get("frontend"), "units": row.get("units"),
-            "trace_s": steps.get("trace", {}).get("seconds"), "verify_train": err("train@2"),
-            "verify_eval": err("eval@2"), "trains": trains, "kwargs": steps.get("kwargs", {}).get("status"),
-            "handles": verified and trains is not False, "first_problem": first_problem, "seconds": row["seconds"],
-            "steps": steps}
+    return {
+        "frontend": row.get("frontend"),
+        "units": row.get("units"),
+        "trace_s": steps.get("trace", {}).get("seconds"),
+        "verify_train": err("train@2"),
+        "verify_eval": err("eval@2"),
+        "trains": trains,
+        "kwargs": steps.get("kwargs", {}).get("status"),
+        "handles": verified and trains is not False,
+        "first_problem": first_problem,
+        "seconds": row["seconds"],
+        "steps": steps,
+    }
 
 
 def _problem(step: str, s: dict[str, Any]) -> str:
     """One line for the first failing step: its error, or the tensor furthest off."""
     if s["status"] == "mismatch":
         return f"{step}: differs by {s['max_abs']:.2g} ({s['worst']})"
-    return f"{step}: {s['error_type']}: {s.get('cause') or s['error']}" if step == "run" else \
-        f"{step}: {s['error_type']}: {s['error']}"
+    return (
+        f"{step}: {s['error_type']}: {s.get('cause') or s['error']}"
+        if step == "run"
+        else f"{step}: {s['error_type']}: {s['error']}"
+    )
 
 
 def _fmt_err(v: Any) -> str:
@@ -162,8 +204,13 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         f"atol {ATOL:g}; * = the model has dropout or stochastic depth.",
         "",
         f"**pipelining `pipeline()` handles {pp} of {n}**"
-        + (f"; **fxpipe handles {fx} of {len(fx_rows)}** (partitions at 2 stages and matches in train and eval mode"
-           + (", and trains" if meta.get("train") else "; `fxpipe run` not tried") + ")." if fx_rows else "."),
+        + (
+            f"; **fxpipe handles {fx} of {len(fx_rows)}** (partitions at 2 stages and matches in train and eval mode"
+            + (", and trains" if meta.get("train") else "; `fxpipe run` not tried")
+            + ")."
+            if fx_rows
+            else "."
+        ),
         "",
         "| model | split at | pipelining | pp err (eval) | pp err (train) | fxpipe front end | units | trace s "
         "| fxpipe err train | fxpipe err eval | trains | fxpipe | first fxpipe problem |",
@@ -178,32 +225,54 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
                 return "-"
             return _fmt_err(s["max_abs"]) if s["status"] != "error" else f"{s['error_type']}"
 
-        lines.append("| " + " | ".join([
-            r["name"] + (" *" if r.get("dropout") else ""), f"`{p.get('split_at', '-')}`",
-            ("yes" if p.get("handles") else "**no**") if p else "-", pp_cell("eval"), pp_cell("train"),
-            str(f.get("frontend") or "-"), str(f.get("units") or "-"),
-            "-" if f.get("trace_s") is None else f"{f['trace_s']:.1f}",
-            _fmt_err(f.get("verify_train")), _fmt_err(f.get("verify_eval")),
-            {True: "yes", False: "**no**", None: "-"}[f.get("trains")],
-            ("yes" if f.get("handles") else "**no**") if f else "-",
-            (f.get("first_problem") or "")[:110].replace("|", "/"),
-        ]) + " |")
-    errors = [(r["name"], r["pipelining"]["eval"]) for r in rows
-              if r.get("pipelining") and r["pipelining"]["eval"]["status"] == "error"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["name"] + (" *" if r.get("dropout") else ""),
+                    f"`{p.get('split_at', '-')}`",
+                    ("yes" if p.get("handles") else "**no**") if p else "-",
+                    pp_cell("eval"),
+                    pp_cell("train"),
+                    str(f.get("frontend") or "-"),
+                    str(f.get("units") or "-"),
+                    "-" if f.get("trace_s") is None else f"{f['trace_s']:.1f}",
+                    _fmt_err(f.get("verify_train")),
+                    _fmt_err(f.get("verify_eval")),
+                    {True: "yes", False: "**no**", None: "-"}[f.get("trains")],
+                    ("yes" if f.get("handles") else "**no**") if f else "-",
+                    (f.get("first_problem") or "")[:110].replace("|", "/"),
+                ]
+            )
+            + " |"
+        )
+    errors = [
+        (r["name"], r["pipelining"]["eval"])
+        for r in rows
+        if r.get("pipelining") and r["pipelining"]["eval"]["status"] == "error"
+    ]
     if errors:
         lines += ["", "pipelining errors (eval mode):", ""]
-        lines += [f"- {name}: {e['error_type']}: {e['error'][:200]}" + (f" (cause: {e['cause'][:200]})"
-                                                                          if e.get("cause") else "")
-                  for name, e in errors]
+        lines += [
+            f"- {name}: {e['error_type']}: {e['error'][:200]}"
+            + (f" (cause: {e['cause'][:200]})" if e.get("cause") else "")
+            for name, e in errors
+        ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
 def _meta(train: bool, start: float) -> dict[str, Any]:
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - start, 1),
-            "train": train, "date": time.strftime("%Y-%m-%d")}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "train": train,
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,9 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="zoo models (default: all)")
     parser.add_argument("--no-fxpipe", action="store_true", help="only the pipelining side")
     parser.add_argument("--no-pipelining", action="store_true", help="only the fxpipe side")
-    parser.add_argument("--train", action="store_true", help="fxpipe side: also `fxpipe run --steps 2` (~20-60 s each)")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="fxpipe side: also `fxpipe run --steps 2` (~20-60 s each)",
+    )
     parser.add_argument("--out", default=str(HERE), help="folder for results.json / results.md")
-    parser.add_argument("--render", action="store_true", help="only rewrite results.md from results.json")
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite results.md from results.json"
+    )
     args = parser.parse_args(argv)
     if args.render:
         saved = json.loads((Path(args.out) / "results.json").read_text())
@@ -222,17 +297,29 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = []
     for model in select(args.names):
-        row: dict[str, Any] = {"name": model.name, "dropout": model.dropout, "spec": str(
-            Path(model.spec).relative_to(ROOT)) if model.spec.startswith(str(ROOT)) else model.spec}
+        row: dict[str, Any] = {
+            "name": model.name,
+            "dropout": model.dropout,
+            "spec": str(Path(model.spec).relative_to(ROOT))
+            if model.spec.startswith(str(ROOT))
+            else model.spec,
+        }
         if not args.no_pipelining:
             row["pipelining"] = pipelining_side(model)
         if not args.no_fxpipe:
             row["fxpipe"] = fxpipe_side(model, args.train)
         rows.append(row)
         p, f = row.get("pipelining", {}), row.get("fxpipe", {})
-        print(f"{model.name:20s} pipelining {'yes' if p.get('handles') else 'no ':3s} "
-              f"fxpipe {'yes' if f.get('handles') else 'no ':3s} {f.get('first_problem') or ''}"[:160], flush=True)
-        write_results(rows, _meta(args.train, start), Path(args.out))  # after every model: a cut-off run keeps its rows
+        print(
+            f"{model.name:20s} pipelining {'yes' if p.get('handles') else 'no ':3s} "
+            f"fxpipe {'yes' if f.get('handles') else 'no ':3s} {f.get('first_problem') or ''}"[
+                :160
+            ],
+            flush=True,
+        )
+        write_results(
+            rows, _meta(args.train, start), Path(args.out)
+        )  # after every model: a cut-off run keeps its rows
     print(f"wrote {Path(args.out) / 'results.md'}")
     return 0
 

@@ -32,8 +32,15 @@ MIN_NUM_PARAMS = 1e6 * (D_MODEL / 512) ** 2
 
 
 def transformer() -> nn.Transformer:
-    return nn.Transformer(d_model=D_MODEL, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
-                          dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True)
+    return nn.Transformer(
+        d_model=D_MODEL,
+        nhead=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dim_feedforward=4 * D_MODEL,
+        dropout=0.0,
+        batch_first=True,
+    )
 
 
 def check_wrapping(rank: int, world_size: int) -> dict[str, Any]:
@@ -43,7 +50,6 @@ def check_wrapping(rank: int, world_size: int) -> dict[str, Any]:
     group = dist.group.WORLD
     fsdp_params = dict(mixed_precision=True, flatten_parameters=True)
     with enable_wrap(wrapper_cls=FSDP, process_group=group, **fsdp_params):
-
         # Wraps layer in FSDP by default if within context
         l1 = wrap(torch.nn.Linear(5, 5))
         assert isinstance(l1, FSDP)
@@ -58,13 +64,18 @@ def check_wrapping(rank: int, world_size: int) -> dict[str, Any]:
             assert isinstance(l.linear2, FSDP)
             assert not isinstance(l.self_attn, FSDP)  # self attention is not auto-wrapped
     outside = wrap(nn.Linear(2, 2))
-    return {"wrapped": sorted(name for name, m in l2.named_modules() if isinstance(m, FSDP)),
-            "outside_context": type(outside).__name__}
+    return {
+        "wrapped": sorted(name for name, m in l2.named_modules() if isinstance(m, FSDP)),
+        "outside_context": type(outside).__name__,
+    }
 
 
 def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
-    return [(torch.randn(2, 5, D_MODEL, generator=g), torch.randn(2, 3, D_MODEL, generator=g)) for _ in range(STEPS)]
+    return [
+        (torch.randn(2, 5, D_MODEL, generator=g), torch.randn(2, 3, D_MODEL, generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def train(rank: int, world_size: int, sharded: bool) -> dict[str, Any]:
@@ -90,7 +101,13 @@ def train(rank: int, world_size: int, sharded: bool) -> dict[str, Any]:
 def main() -> None:
     wrapped = spawn(check_wrapping)[0]
     print(f"FairScale's assertions hold; FSDP units: {wrapped['wrapped']}")
-    check_against_ddp("auto_wrap(Transformer) in FSDP", spawn(train, True), spawn(train, False), rtol=1e-4, atol=1e-5)
+    check_against_ddp(
+        "auto_wrap(Transformer) in FSDP",
+        spawn(train, True),
+        spawn(train, False),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 if __name__ == "__main__":

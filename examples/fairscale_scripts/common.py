@@ -34,7 +34,9 @@ def dist_init(rank: int, world_size: int) -> None:
 
 
 def myAwesomeModel() -> nn.Module:  # noqa: N802 - FairScale's example name
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
 
 
 def mySuperFastDataloader(rank: int, epoch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # noqa: N802
@@ -51,12 +53,23 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole weights under its own keys (a sharded model gathers them; DDP's prefix dropped)."""
     sd = model.state_dict()
-    return {k.removeprefix("module."): (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-            for k, v in sd.items()}
+    return {
+        k.removeprefix("module."): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+        .detach()
+        .cpu()
+        .clone()
+        for k, v in sd.items()
+    }
 
 
-def train_ddp(rank: int, world_size: int, epochs: int, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
-              amp: bool = False, **optim_args: Any) -> dict[str, Any]:
+def train_ddp(
+    rank: int,
+    world_size: int,
+    epochs: int,
+    optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+    amp: bool = False,
+    **optim_args: Any,
+) -> dict[str, Any]:
     """The reference: the same loop under plain DistributedDataParallel."""
     dist_init(rank, world_size)
     model = DDP(myAwesomeModel())
@@ -100,11 +113,22 @@ def spawn(fn: Callable[..., dict[str, Any]], *args: Any) -> list[dict[str, Any]]
         return [torch.load(f"{out}/rank_{r}.pt", weights_only=True) for r in range(WORLD_SIZE)]
 
 
-def check_against_ddp(name: str, results: list[dict[str, Any]], reference: list[dict[str, Any]],
-                      rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def check_against_ddp(
+    name: str,
+    results: list[dict[str, Any]],
+    reference: list[dict[str, Any]],
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
     """Every rank's weights equal plain DDP's after the same training; print the losses."""
     for rank, (got, want) in enumerate(zip(results, reference)):
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=rtol, atol=atol)
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=rtol, atol=atol
+        )
         for key, value in want["state"].items():
-            torch.testing.assert_close(got["state"][key], value, rtol=rtol, atol=atol, msg=f"{key} on rank {rank}")
-    print(f"{name}: losses {[round(x, 4) for x in results[0]['losses']]} equal plain DDP's on {WORLD_SIZE} ranks")
+            torch.testing.assert_close(
+                got["state"][key], value, rtol=rtol, atol=atol, msg=f"{key} on rank {rank}"
+            )
+    print(
+        f"{name}: losses {[round(x, 4) for x in results[0]['losses']]} equal plain DDP's on {WORLD_SIZE} ranks"
+    )

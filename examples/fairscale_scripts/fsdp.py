@@ -16,8 +16,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (EPOCHS, check_against_ddp, dist_init, full_state, loss_fn, myAwesomeModel,  # noqa: E402
-                    mySuperFastDataloader, spawn, train_ddp)
+from common import (
+    EPOCHS,
+    check_against_ddp,
+    dist_init,
+    full_state,
+    loss_fn,
+    myAwesomeModel,  # noqa: E402
+    mySuperFastDataloader,
+    spawn,
+    train_ddp,
+)
 
 from fxpipe.sharding import FullyShardedDataParallel as FSDP  # noqa: E402
 

@@ -19,8 +19,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (EPOCHS, check_against_ddp, dist_init, full_state, loss_fn, myAwesomeModel,  # noqa: E402
-                    mySuperFastDataloader, spawn, train_ddp)
+from common import (
+    EPOCHS,
+    check_against_ddp,
+    dist_init,
+    full_state,
+    loss_fn,
+    myAwesomeModel,  # noqa: E402
+    mySuperFastDataloader,
+    spawn,
+    train_ddp,
+)
 
 from fxpipe.sharding import OSS, ShardedGradScaler  # noqa: E402
 from fxpipe.sharding import ShardedDataParallel as ShardedDDP  # noqa: E402
@@ -49,8 +58,12 @@ def train(rank: int, world_size: int, epochs: int, overflow: bool = False) -> di
 
             # Scales loss.  Calls backward() on scaled loss to create scaled gradients.
             scaler.scale(loss).backward()
-            if overflow and rank == 1 and not scales:  # this rank's shard of the gradients overflows
-                next(p for p in model.parameters() if p.grad is not None).grad.to_local().fill_(float("inf"))
+            if (
+                overflow and rank == 1 and not scales
+            ):  # this rank's shard of the gradients overflows
+                next(p for p in model.parameters() if p.grad is not None).grad.to_local().fill_(
+                    float("inf")
+                )
 
             # scaler.step() first unscales the gradients of the optimizer's assigned params.
             # If these gradients do not contain infs or NaNs, optimizer.step() is then called,
@@ -69,8 +82,13 @@ def main() -> None:
         results = spawn(train, EPOCHS, True)
         print("scales per step:", [r["scales"] for r in results])
         return
-    check_against_ddp("OSS + ShardedDDP + ShardedGradScaler (autocast float16)", spawn(train, EPOCHS),
-                      spawn(train_ddp, EPOCHS, torch.optim.SGD, True), rtol=1e-3, atol=1e-4)
+    check_against_ddp(
+        "OSS + ShardedDDP + ShardedGradScaler (autocast float16)",
+        spawn(train, EPOCHS),
+        spawn(train_ddp, EPOCHS, torch.optim.SGD, True),
+        rtol=1e-3,
+        atol=1e-4,
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (EPOCHS, check_against_ddp, dist_init, full_state, loss_fn, myAwesomeModel,  # noqa: E402
-                    mySuperFastDataloader, spawn, train_ddp)
+from common import (
+    EPOCHS,
+    check_against_ddp,
+    dist_init,
+    full_state,
+    loss_fn,
+    myAwesomeModel,  # noqa: E402
+    mySuperFastDataloader,
+    spawn,
+    train_ddp,
+)
 
 from fxpipe.sharding import OSS  # noqa: E402
 from fxpipe.sharding import ShardedDataParallel as ShardedDDP  # noqa: E402
@@ -58,8 +67,11 @@ def train(rank: int, world_size: int, epochs: int, use_ddp: bool = False) -> dic
 
 def main() -> None:
     use_ddp = "--ddp" in sys.argv
-    check_against_ddp("OSS + " + ("DDP" if use_ddp else "ShardedDDP"), spawn(train, EPOCHS, use_ddp),
-                      spawn(train_ddp, EPOCHS))
+    check_against_ddp(
+        "OSS + " + ("DDP" if use_ddp else "ShardedDDP"),
+        spawn(train, EPOCHS, use_ddp),
+        spawn(train_ddp, EPOCHS),
+    )
 
 
 if __name__ == "__main__":

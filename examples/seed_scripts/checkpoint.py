@@ -69,14 +69,20 @@ def save_checkpoints(model: Any, optimizer: Any, directory: str) -> None:
         # the library creates `checkpoint.pt_{mp_rank}` for each mp rank
         model_dict = model.local_state_dict()  # save the partial model
         opt_dict = optimizer.local_state_dict()  # save the partial optimizer state
-        smp.save({"model_state_dict": model_dict, "optimizer_state_dict": opt_dict},
-                 os.path.join(directory, "partial.pt"), partial=True)
+        smp.save(
+            {"model_state_dict": model_dict, "optimizer_state_dict": opt_dict},
+            os.path.join(directory, "partial.pt"),
+            partial=True,
+        )
     # To save the full model
     if smp.dp_rank() == 0:
         model_dict = model.state_dict()  # save the full model
         opt_dict = optimizer.state_dict()  # save the full optimizer state
-        smp.save({"model_state_dict": model_dict, "optimizer_state_dict": opt_dict},
-                 os.path.join(directory, "full.pt"), partial=False)
+        smp.save(
+            {"model_state_dict": model_dict, "optimizer_state_dict": opt_dict},
+            os.path.join(directory, "full.pt"),
+            partial=False,
+        )
     smp.barrier()
 
 

@@ -28,7 +28,9 @@ def train_step(model, scaler, data, target):
 def main(steps: int = 3, inject_inf_at: int = 1) -> dict[str, Any]:
     smp.init({"partitions": 2, "microbatches": 2})
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(optimizer)

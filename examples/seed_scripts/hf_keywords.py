@@ -23,8 +23,19 @@ VOCAB, SEQ = 64, 12
 def build_model() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=1, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -36,7 +47,7 @@ def batches(steps: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     for _ in range(2):
         ids = torch.randint(3, VOCAB, (batch_size, SEQ), generator=g)
         mask = torch.ones(batch_size, SEQ, dtype=torch.long)
-        mask[-1, SEQ - 3:] = 0
+        mask[-1, SEQ - 3 :] = 0
         data.append({"input_ids": ids, "attention_mask": mask, "labels": ids})
     return [data[i % 2] for i in range(steps)]
 
@@ -48,7 +59,9 @@ def train_step(model, batch):
     return out.loss
 
 
-def main(config: dict[str, Any] | None = None, steps: int = 3, batch_size: int = 4) -> dict[str, Any]:
+def main(
+    config: dict[str, Any] | None = None, steps: int = 3, batch_size: int = 4
+) -> dict[str, Any]:
     smp.init(config or {"partitions": 2, "microbatches": 2})
     torch.manual_seed(0)
     model = smp.DistributedModel(build_model())

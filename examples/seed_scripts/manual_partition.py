@@ -18,7 +18,13 @@ import torch.nn.functional as F
 
 import fxpipe as smp  # was: import smdistributed.modelparallel.torch as smp
 
-CONFIG = {"partitions": 2, "microbatches": 2, "pipeline": "simple", "auto_partition": False, "default_partition": 1}
+CONFIG = {
+    "partitions": 2,
+    "microbatches": 2,
+    "pipeline": "simple",
+    "auto_partition": False,
+    "default_partition": 1,
+}
 
 
 def child(width: int) -> nn.Module:
@@ -29,11 +35,11 @@ class Model(torch.nn.Module):
     def __init__(self, width: int = 16):
         super().__init__()
         with smp.partition(0):
-            self.child0 = child(width)            # child0 on partition 0
+            self.child0 = child(width)  # child0 on partition 0
             with smp.partition(1):
-                self.child1 = child(width)        # child1 on partition 1
-            self.child2 = child(width)            # child2 on partition 0
-        self.child3 = nn.Linear(width, 4)         # child3 on default_partition (1)
+                self.child1 = child(width)  # child1 on partition 1
+            self.child2 = child(width)  # child2 on partition 0
+        self.child3 = nn.Linear(width, 4)  # child3 on default_partition (1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.child3(self.child1(self.child2(self.child0(x))))
@@ -46,10 +52,17 @@ def train_step(model, data, target):
     return loss
 
 
-def data(steps: int, batch_size: int = 8, width: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(
+    steps: int, batch_size: int = 8, width: int = 16
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(batch_size, width, generator=g), torch.randint(0, 4, (batch_size,), generator=g))
-            for _ in range(steps)]
+    return [
+        (
+            torch.randn(batch_size, width, generator=g),
+            torch.randint(0, 4, (batch_size,), generator=g),
+        )
+        for _ in range(steps)
+    ]
 
 
 def main(config: dict[str, Any] | None = None, steps: int = 3) -> dict[str, Any]:

@@ -38,8 +38,13 @@ class Net(nn.Module):
 def batches(steps: int, batch_size: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed synthetic data set (the same on every rank)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch_size, 1, 12, 12, generator=g), torch.randint(0, 10, (batch_size,), generator=g))
-            for _ in range(steps)]
+    return [
+        (
+            torch.randn(batch_size, 1, 12, 12, generator=g),
+            torch.randint(0, 10, (batch_size,), generator=g),
+        )
+        for _ in range(steps)
+    ]
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -90,8 +95,12 @@ def test(model, test_loader) -> tuple[float, int]:
     return test_loss / sum(len(t) for _, t in test_loader), correct
 
 
-def main(config: dict[str, Any] | None = None, optimizer_name: str = "sgd", steps: int = 4,
-         batch_size: int = 8) -> dict[str, Any]:
+def main(
+    config: dict[str, Any] | None = None,
+    optimizer_name: str = "sgd",
+    steps: int = 4,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     smp.init(config or {"partitions": 2, "microbatches": 4, "pipeline": "interleaved"})
     torch.manual_seed(0)
     model = Net()
@@ -101,9 +110,16 @@ def main(config: dict[str, Any] | None = None, optimizer_name: str = "sgd", step
     losses = train(model, batches(steps, batch_size), optimizer)
     test_loss, correct = test(model, batches(2, batch_size, seed=2))
     if smp.rank() == 0:
-        print(f"losses: {[round(x, 4) for x in losses]}; test loss {test_loss:.4f}, {correct} correct")
-    return {"losses": losses, "test": (test_loss, correct), "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "local_keys": [k for k, _ in model.local_named_parameters()]}
+        print(
+            f"losses: {[round(x, 4) for x in losses]}; test loss {test_loss:.4f}, {correct} correct"
+        )
+    return {
+        "losses": losses,
+        "test": (test_loss, correct),
+        "state_dict": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "local_keys": [k for k, _ in model.local_named_parameters()],
+    }
 
 
 if __name__ == "__main__":
@@ -112,4 +128,6 @@ if __name__ == "__main__":
     parser.add_argument("--pipeline", choices=["simple", "interleaved"], default="interleaved")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    main({"partitions": 2, "microbatches": 4, "pipeline": args.pipeline}, args.optimizer, args.steps)
+    main(
+        {"partitions": 2, "microbatches": 4, "pipeline": args.pipeline}, args.optimizer, args.steps
+    )

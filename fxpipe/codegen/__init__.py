@@ -19,7 +19,14 @@ if TYPE_CHECKING:
     from fxpipe.codegen.builddir import check_build_target
     from fxpipe.codegen.integrity import CheckedBuild, check_build
     from fxpipe.codegen.load import load_stage, read_manifest
-    from fxpipe.codegen.manifest import INPUT, MANIFEST_SCHEMA_VERSION, BoundaryTensor, Manifest, StageManifest, Tie
+    from fxpipe.codegen.manifest import (
+        INPUT,
+        MANIFEST_SCHEMA_VERSION,
+        BoundaryTensor,
+        Manifest,
+        StageManifest,
+        Tie,
+    )
     from fxpipe.codegen.pipeline import Pipeline, load_pipeline
     from fxpipe.codegen.split import SplitGraph, StageGraph, split_graph
     from fxpipe.codegen.verify import VerifyReport, print_verify_report, verify_build
@@ -29,8 +36,10 @@ _LAZY = {
     "check_build_target": "builddir",
     **dict.fromkeys(("CheckedBuild", "check_build"), "integrity"),
     **dict.fromkeys(("load_stage", "read_manifest"), "load"),
-    **dict.fromkeys(("INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "Manifest", "StageManifest", "Tie"),
-                    "manifest"),
+    **dict.fromkeys(
+        ("INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "Manifest", "StageManifest", "Tie"),
+        "manifest",
+    ),
     **dict.fromkeys(("Pipeline", "load_pipeline"), "pipeline"),
     **dict.fromkeys(("SplitGraph", "StageGraph", "split_graph"), "split"),
     **dict.fromkeys(("VerifyReport", "print_verify_report", "verify_build"), "verify"),

@@ -28,14 +28,42 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpipe.codegen.scopes import scope_stack
 
-__all__ = ["drop_metadata_asserts", "drop_unused_pure", "is_identity_conversion", "reroute_identity_conversions", "storage_of",
-           "VIEW_METHODS"]
+__all__ = [
+    "drop_metadata_asserts",
+    "drop_unused_pure",
+    "is_identity_conversion",
+    "reroute_identity_conversions",
+    "storage_of",
+    "VIEW_METHODS",
+]
 
 _ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
 _TO = ("to", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool", "contiguous")
-VIEW_METHODS = frozenset({"view", "view_as", "transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
-                          "t", "narrow", "select", "split", "chunk", "unbind", "detach", "unflatten", "movedim",
-                          "swapaxes", "diagonal", "as_strided", "unfold"})
+VIEW_METHODS = frozenset(
+    {
+        "view",
+        "view_as",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "t",
+        "narrow",
+        "select",
+        "split",
+        "chunk",
+        "unbind",
+        "detach",
+        "unflatten",
+        "movedim",
+        "swapaxes",
+        "diagonal",
+        "as_strided",
+        "unfold",
+    }
+)
 
 
 def drop_metadata_asserts(graph: fx.Graph) -> None:
@@ -45,12 +73,45 @@ def drop_metadata_asserts(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-_PURE_METHODS = VIEW_METHODS | {"size", "dim", "numel", "stride", "new_ones", "new_zeros", "new_full", "new_empty",
-                                "to", "type_as", "contiguous", "clone", "reshape", "flatten"}
-_PURE_FUNCTIONS = (operator.getitem, getattr, operator.add, operator.sub, operator.mul, operator.truediv,
-                   operator.floordiv, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
-                   operator.ge, operator.and_, operator.or_, torch.arange, torch.zeros, torch.ones, torch.full,
-                   torch.empty)
+_PURE_METHODS = VIEW_METHODS | {
+    "size",
+    "dim",
+    "numel",
+    "stride",
+    "new_ones",
+    "new_zeros",
+    "new_full",
+    "new_empty",
+    "to",
+    "type_as",
+    "contiguous",
+    "clone",
+    "reshape",
+    "flatten",
+}
+_PURE_FUNCTIONS = (
+    operator.getitem,
+    getattr,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.floordiv,
+    operator.neg,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.and_,
+    operator.or_,
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+)
 
 
 def drop_unused_pure(graph: fx.Graph) -> None:
@@ -59,8 +120,9 @@ def drop_unused_pure(graph: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         if node.users:
             continue
-        pure = (node.op == "call_method" and node.target in _PURE_METHODS) \
-            or (node.op == "call_function" and node.target in _PURE_FUNCTIONS)
+        pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
+            node.op == "call_function" and node.target in _PURE_FUNCTIONS
+        )
         if pure:
             graph.erase_node(node)
 
@@ -83,14 +145,22 @@ def is_identity_conversion(node: fx.Node) -> bool:
     if node.op == "call_method":
         if node.target not in _TO:
             return False
-    elif not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-              and node.target._opname in ("to", "_to_copy", "contiguous")):
+    elif not (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target._opname in ("to", "_to_copy", "contiguous")
+    ):
         return False
     source, val, src_val = node.args[0], node.meta.get("val"), node.args[0].meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(src_val, torch.Tensor):
         return False
     same = storage_of(node) is not None and storage_of(node) == storage_of(source)
-    return same and val.dtype == src_val.dtype and val.shape == src_val.shape and val.stride() == src_val.stride()
+    return (
+        same
+        and val.dtype == src_val.dtype
+        and val.shape == src_val.shape
+        and val.stride() == src_val.stride()
+    )
 
 
 def reroute_identity_conversions(graph: fx.Graph) -> None:

@@ -21,14 +21,27 @@ import torch.nn as nn
 
 from fxpipe.graphmeta import CONSTANTS_KEY
 from fxpipe.codegen.builddir import replace_file, staged_build_dir
-from fxpipe.codegen.checkpoint_weights import MetaWeights, build_meta_weights, meta_skipped_checks, write_meta_stage
+from fxpipe.codegen.checkpoint_weights import (
+    MetaWeights,
+    build_meta_weights,
+    meta_skipped_checks,
+    write_meta_stage,
+)
 from fxpipe.codegen.emit import emit_stages
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
 from fxpipe.codegen.outputs import dump_output_spec
 from fxpipe.codegen.safety import check_equivalence
 from fxpipe.codegen.shared import SHARED_SOURCE
 from fxpipe.codegen.split import SplitGraph, split_graph
-from fxpipe.codegen.ownership import BUFFER, CONSTANT, PARAMETER, alias_chooser, save_weights, stage_state, tied_groups
+from fxpipe.codegen.ownership import (
+    BUFFER,
+    CONSTANT,
+    PARAMETER,
+    alias_chooser,
+    save_weights,
+    stage_state,
+    tied_groups,
+)
 from fxpipe.errors import CodegenError
 from fxpipe.modelfile import ModelSource, file_sha256
 from fxpipe.tracer.progress import phase
@@ -43,9 +56,17 @@ if TYPE_CHECKING:
 __all__ = ["write_build_dir", "emit_build", "write_report"]
 
 
-def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Path, source: ModelSource | None, *,
-                    batch_size: int, microbatches: int, check: bool = True,
-                    weights: str | Path | None = None) -> Manifest:
+def write_build_dir(
+    traced: TracedModel,
+    plan: PartitionPlan,
+    out_dir: str | Path,
+    source: ModelSource | None,
+    *,
+    batch_size: int,
+    microbatches: int,
+    check: bool = True,
+    weights: str | Path | None = None,
+) -> Manifest:
     """Write the whole build directory of ``plan`` for ``traced`` to ``out_dir``; return its manifest.
 
     ``out_dir`` gets ``stage_<i>.py``, ``stage_<i>.safetensors`` (one pair per stage: with
@@ -74,34 +95,58 @@ def write_build_dir(traced: TracedModel, plan: PartitionPlan, out_dir: str | Pat
     stage_of_unit = {u: s for s, units in enumerate(units_of_stage) for u in units}
     missing = sorted({u for u in traced.unit_of_node.values() if u not in stage_of_unit})
     if missing:
-        raise CodegenError(f"the plan places no stage for units {missing[:5]} of the traced model; "
-                           "was it planned from another profile?")
+        raise CodegenError(
+            f"the plan places no stage for units {missing[:5]} of the traced model; "
+            "was it planned from another profile?"
+        )
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
     meta = build_meta_weights(traced, weights)
     with staged_build_dir(out_dir) as staging:
         with phase("emit") as emitted:
             emitted.detail = f"{plan.num_stages} stages"
-            manifest, split = _emit_files(traced.graph_module, traced.model, stage_of_node, plan.num_stages,
-                                          Path(out_dir), staging, source=source,
-                                          microbatch=traced.profile.batch_size,
-                                          batch_size=batch_size, microbatches=microbatches,
-                                          user_leaf_args=traced.user_leaf_args, output_spec=traced.output_spec,
-                                          frontend=traced.frontend, units_of_stage=units_of_stage,
-                                          call=traced.call, stage_ranks=plan.stage_ranks,
-                                          schedule=plan.schedule, meta_weights=meta)
+            manifest, split = _emit_files(
+                traced.graph_module,
+                traced.model,
+                stage_of_node,
+                plan.num_stages,
+                Path(out_dir),
+                staging,
+                source=source,
+                microbatch=traced.profile.batch_size,
+                batch_size=batch_size,
+                microbatches=microbatches,
+                user_leaf_args=traced.user_leaf_args,
+                output_spec=traced.output_spec,
+                frontend=traced.frontend,
+                units_of_stage=units_of_stage,
+                call=traced.call,
+                stage_ranks=plan.stage_ranks,
+                schedule=plan.schedule,
+                meta_weights=meta,
+            )
             plan.to_json(staging / "plan.json")
-            manifest = replace(manifest, plan_sha256=file_sha256(staging / "plan.json"))  # checked before it is read
+            manifest = replace(
+                manifest, plan_sha256=file_sha256(staging / "plan.json")
+            )  # checked before it is read
             manifest.to_json(staging / "manifest.json")
             traced.profile.to_json(staging / "profile.json")
-            (staging / "report.html").write_text(render_html_report(plan, traced.profile), encoding="utf-8")
-        if check and meta is None:  # before the swap: a refused build leaves the previous one in place
+            (staging / "report.html").write_text(
+                render_html_report(plan, traced.profile), encoding="utf-8"
+            )
+        if (
+            check and meta is None
+        ):  # before the swap: a refused build leaves the previous one in place
             with phase("check"):
                 check_equivalence(staging, manifest, traced, split.sources)
     return manifest
 
 
-def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfile,
-                 measured: Measurement | None = None) -> Path:
+def write_report(
+    build_dir: str | Path,
+    plan: PartitionPlan,
+    profile: ModelProfile,
+    measured: Measurement | None = None,
+) -> Path:
     """(Re)write ``report.html`` of ``build_dir`` whole (``fxpipe report --html``), with a run's
     ``measured`` figures beside the prediction; return its path."""
     from fxpipe.partitioner.report.html import render_html_report
@@ -111,42 +156,95 @@ def write_report(build_dir: str | Path, plan: PartitionPlan, profile: ModelProfi
     return path
 
 
-def emit_build(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
-               out_dir: str | Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
-               microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None = None,
-               output_spec: Any = None, frontend: str = "symbolic",
-               units_of_stage: list[tuple[str, ...]] | None = None, call: CallSpec | None = None,
-               stage_ranks: tuple[int, ...] | None = None, schedule: str | None = None) -> Manifest:
+def emit_build(
+    gm: fx.GraphModule,
+    model: nn.Module,
+    stage_of_node: Mapping[str, int],
+    num_stages: int,
+    out_dir: str | Path,
+    *,
+    source: ModelSource | None,
+    microbatch: int,
+    batch_size: int,
+    microbatches: int,
+    user_leaf_args: Mapping[str, tuple[tuple, dict]] | None = None,
+    output_spec: Any = None,
+    frontend: str = "symbolic",
+    units_of_stage: list[tuple[str, ...]] | None = None,
+    call: CallSpec | None = None,
+    stage_ranks: tuple[int, ...] | None = None,
+    schedule: str | None = None,
+) -> Manifest:
     """Split ``gm`` by ``stage_of_node`` and write the stages and the manifest to ``out_dir``,
     replacing it as a whole (see ``write_build_dir``). ``call``: how the model's call binds to
     the graph's placeholders (``TracedModel.call``; ``None``: positionally). ``stage_ranks``: the
     pipeline rank of each stage (default: stage i on rank i)."""
     with staged_build_dir(out_dir) as staging:
-        return _emit_files(gm, model, stage_of_node, num_stages, Path(out_dir), staging, source=source,
-                           microbatch=microbatch, batch_size=batch_size, microbatches=microbatches,
-                           user_leaf_args=user_leaf_args, output_spec=output_spec, frontend=frontend,
-                           units_of_stage=units_of_stage, call=call, stage_ranks=stage_ranks,
-                           schedule=schedule)[0]
+        return _emit_files(
+            gm,
+            model,
+            stage_of_node,
+            num_stages,
+            Path(out_dir),
+            staging,
+            source=source,
+            microbatch=microbatch,
+            batch_size=batch_size,
+            microbatches=microbatches,
+            user_leaf_args=user_leaf_args,
+            output_spec=output_spec,
+            frontend=frontend,
+            units_of_stage=units_of_stage,
+            call=call,
+            stage_ranks=stage_ranks,
+            schedule=schedule,
+        )[0]
 
 
-def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str, int], num_stages: int,
-                out: Path, staging: Path, *, source: ModelSource | None, microbatch: int, batch_size: int,
-                microbatches: int, user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
-                output_spec: Any, frontend: str, units_of_stage: list[tuple[str, ...]] | None,
-                call: CallSpec | None, stage_ranks: tuple[int, ...] | None = None,
-                schedule: str | None = None, meta_weights: MetaWeights | None = None) -> tuple[Manifest, SplitGraph]:
+def _emit_files(
+    gm: fx.GraphModule,
+    model: nn.Module,
+    stage_of_node: Mapping[str, int],
+    num_stages: int,
+    out: Path,
+    staging: Path,
+    *,
+    source: ModelSource | None,
+    microbatch: int,
+    batch_size: int,
+    microbatches: int,
+    user_leaf_args: Mapping[str, tuple[tuple, dict]] | None,
+    output_spec: Any,
+    frontend: str,
+    units_of_stage: list[tuple[str, ...]] | None,
+    call: CallSpec | None,
+    stage_ranks: tuple[int, ...] | None = None,
+    schedule: str | None = None,
+    meta_weights: MetaWeights | None = None,
+) -> tuple[Manifest, SplitGraph]:
     """Write the stage files and the manifest into ``staging``; paths in them are relative to
     ``out``, the directory ``staging`` becomes. Returns the manifest and the split it was written from."""
     if batch_size != microbatch * microbatches:
-        raise CodegenError(f"the model was traced at microbatch {microbatch}, but batch_size {batch_size} / "
-                           f"microbatches {microbatches} is not that; trace at batch_size // microbatches")
+        raise CodegenError(
+            f"the model was traced at microbatch {microbatch}, but batch_size {batch_size} / "
+            f"microbatches {microbatches} is not that; trace at batch_size // microbatches"
+        )
     split = split_graph(gm, stage_of_node, num_stages, alias_chooser(gm, model))
     constants = set(gm.meta.get(CONSTANTS_KEY, ()))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     label = f"{source.model_fn}() in {source.path.name}" if source else type(model).__name__
     states = [stage_state(gm, model, sg.modules, sg.attrs, constants) for sg in split.stages]
-    sources, shared = emit_stages(split, states, gm, microbatch=microbatch, model_label=label,
-                                  user_leaf_args=user_leaf_args or {}, module_order=order, model=model, build_dir=out)
+    sources, shared = emit_stages(
+        split,
+        states,
+        gm,
+        microbatch=microbatch,
+        model_label=label,
+        user_leaf_args=user_leaf_args or {},
+        module_order=order,
+        model=model,
+        build_dir=out,
+    )
     shared_sha256 = ""
     if shared is not None:  # Note [classes several stages share]
         (staging / SHARED_SOURCE).write_text(shared.text)
@@ -160,26 +258,53 @@ def _emit_files(gm: fx.GraphModule, model: nn.Module, stage_of_node: Mapping[str
         else:
             write_meta_stage(state, st, meta_weights)
         units = units_of_stage[sg.index] if units_of_stage else ()
-        stages.append(StageManifest(
-            index=sg.index, class_name=src.class_name, source=py.name, weights=st.name,
-            source_sha256=file_sha256(py), weights_sha256=file_sha256(st),
-            inputs=tuple(split.boundary[k] for k in sg.inputs), outputs=tuple(split.boundary[k] for k in sg.outputs),
-            parameters=state.keys(PARAMETER), buffers=state.keys(BUFFER), constants=state.keys(CONSTANT),
-            units=tuple(units), mutated_inputs=sg.mutated, imports_shared=src.imports_shared,
-            imports_model_file=src.imports_model_file or (src.imports_shared and shared is not None
-                                                          and shared.imports_model_file),
-            rank=stage_ranks[sg.index] if stage_ranks and stage_ranks[sg.index] != sg.index else None))
+        stages.append(
+            StageManifest(
+                index=sg.index,
+                class_name=src.class_name,
+                source=py.name,
+                weights=st.name,
+                source_sha256=file_sha256(py),
+                weights_sha256=file_sha256(st),
+                inputs=tuple(split.boundary[k] for k in sg.inputs),
+                outputs=tuple(split.boundary[k] for k in sg.outputs),
+                parameters=state.keys(PARAMETER),
+                buffers=state.keys(BUFFER),
+                constants=state.keys(CONSTANT),
+                units=tuple(units),
+                mutated_inputs=sg.mutated,
+                imports_shared=src.imports_shared,
+                imports_model_file=src.imports_model_file
+                or (src.imports_shared and shared is not None and shared.imports_model_file),
+                rank=stage_ranks[sg.index]
+                if stage_ranks and stage_ranks[sg.index] != sg.index
+                else None,
+            )
+        )
     spec_json, output_modules = dump_output_spec(output_spec)
     manifest = Manifest(
-        model_file=model_file_reference(source.path, out) if source else "", model_fn=source.model_fn if source else "",
-        model_sha256=source.sha256 if source else "", stages=tuple(stages), batch_size=batch_size,
-        microbatch_size=microbatch, inputs=tuple(split.boundary[k] for k in split.model_inputs),
-        ties=tied_groups(states), inputs_fn=source.inputs_fn if source else "example_inputs",
-        frontend=frontend, output_spec=spec_json, output_modules=output_modules, call=call,
-        microbatches=microbatches, training=model.training, torch_version=torch.__version__,
-        schedule=schedule, weights=meta_weights.source if meta_weights else "model",
-        skipped_checks=meta_skipped_checks(meta_weights), init_models=meta_weights.init_models if meta_weights else (),
-        shared_source=SHARED_SOURCE if shared is not None else "", shared_sha256=shared_sha256)
+        model_file=model_file_reference(source.path, out) if source else "",
+        model_fn=source.model_fn if source else "",
+        model_sha256=source.sha256 if source else "",
+        stages=tuple(stages),
+        batch_size=batch_size,
+        microbatch_size=microbatch,
+        inputs=tuple(split.boundary[k] for k in split.model_inputs),
+        ties=tied_groups(states),
+        inputs_fn=source.inputs_fn if source else "example_inputs",
+        frontend=frontend,
+        output_spec=spec_json,
+        output_modules=output_modules,
+        call=call,
+        microbatches=microbatches,
+        training=model.training,
+        torch_version=torch.__version__,
+        schedule=schedule,
+        weights=meta_weights.source if meta_weights else "model",
+        skipped_checks=meta_skipped_checks(meta_weights),
+        init_models=meta_weights.init_models if meta_weights else (),
+        shared_source=SHARED_SOURCE if shared is not None else "",
+        shared_sha256=shared_sha256,
+    )
     manifest.to_json(staging / "manifest.json")
     return manifest, split
-

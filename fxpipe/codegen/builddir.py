@@ -29,8 +29,10 @@ from fxpipe.errors import BuildDirError
 __all__ = ["check_build_target", "staged_build_dir", "replace_file", "normalize_modes"]
 
 # What fxpipe writes into a build directory: the build itself, and run.json of `fxpipe run`.
-_BUILD_FILES = re.compile(r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|shared\.py"
-                          r"|__pycache__")
+_BUILD_FILES = re.compile(
+    r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|shared\.py"
+    r"|__pycache__"
+)
 
 
 def _target(out_dir: str | Path) -> Path:
@@ -46,22 +48,30 @@ def check_build_target(out_dir: str | Path) -> Path:
     """
     out = _target(out_dir)
     if out.exists() and not out.is_dir():
-        raise BuildDirError(f"--out {str(out_dir)!r} is a file, not a directory; choose a directory for the build")
+        raise BuildDirError(
+            f"--out {str(out_dir)!r} is a file, not a directory; choose a directory for the build"
+        )
     if out.is_dir():
         entries = sorted(p.name for p in out.iterdir())
         foreign = [name for name in entries if not _BUILD_FILES.fullmatch(name)]
         if foreign:
-            raise BuildDirError(f"--out {str(out_dir)!r} holds files that are not part of an fxpipe build "
-                                f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); a build replaces "
-                                "its directory as a whole, so choose a new or empty directory")
+            raise BuildDirError(
+                f"--out {str(out_dir)!r} holds files that are not part of an fxpipe build "
+                f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); a build replaces "
+                "its directory as a whole, so choose a new or empty directory"
+            )
         if entries:
             _check_is_build(out, out_dir)
         if not os.access(out, os.W_OK | os.X_OK):
-            raise BuildDirError(f"the build directory {str(out)!r} is not writable; choose another --out")
+            raise BuildDirError(
+                f"the build directory {str(out)!r} is not writable; choose another --out"
+            )
     parent = next((p for p in out.parents if p.exists()), None)
     if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
-        raise BuildDirError(f"cannot create the build directory {str(out)!r}: {str(parent)!r} is "
-                            f"{'not a directory' if not parent.is_dir() else 'not writable'}; choose another --out")
+        raise BuildDirError(
+            f"cannot create the build directory {str(out)!r}: {str(parent)!r} is "
+            f"{'not a directory' if not parent.is_dir() else 'not writable'}; choose another --out"
+        )
     return out
 
 
@@ -72,9 +82,15 @@ def _check_is_build(out: Path, out_dir: str | Path) -> None:
     try:
         Manifest.from_json(out / "manifest.json")
     except BuildDirError as exc:
-        what = "has no manifest.json" if not (out / "manifest.json").exists() else f"has a manifest it cannot read ({exc})"
-        raise BuildDirError(f"--out {str(out_dir)!r} is not empty and {what}, so it is not a build fxpipe wrote; "
-                            "a build replaces its directory as a whole, so choose a new or empty directory") from None
+        what = (
+            "has no manifest.json"
+            if not (out / "manifest.json").exists()
+            else f"has a manifest it cannot read ({exc})"
+        )
+        raise BuildDirError(
+            f"--out {str(out_dir)!r} is not empty and {what}, so it is not a build fxpipe wrote; "
+            "a build replaces its directory as a whole, so choose a new or empty directory"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -93,14 +109,18 @@ def staged_build_dir(out_dir: str | Path) -> Iterator[Path]:
         tmp = _sibling(out, "tmp")
         os.mkdir(tmp)
     except OSError as exc:
-        raise BuildDirError(f"cannot write the build directory {str(out)!r}: {_reason(exc)}") from None
+        raise BuildDirError(
+            f"cannot write the build directory {str(out)!r}: {_reason(exc)}"
+        ) from None
     try:
         yield tmp
         normalize_modes(tmp)
         _swap(tmp, out)
     except OSError as exc:
-        raise BuildDirError(f"writing the build directory {str(out)!r} failed, the previous build (if any) is "
-                            f"unchanged: {_reason(exc)}") from None
+        raise BuildDirError(
+            f"writing the build directory {str(out)!r} failed, the previous build (if any) is "
+            f"unchanged: {_reason(exc)}"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

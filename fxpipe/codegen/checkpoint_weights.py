@@ -42,15 +42,38 @@ from fxpipe.userfiles import check_regular
 if TYPE_CHECKING:
     from fxpipe.tracer.traced import TracedModel
 
-__all__ = ["Checkpoint", "open_checkpoint", "MetaWeights", "meta_weights", "build_meta_weights", "meta_skipped_checks",
-           "write_streamed", "write_meta_stage", "load_into_stage", "SKIPPED_SAFETY_NET"]
+__all__ = [
+    "Checkpoint",
+    "open_checkpoint",
+    "MetaWeights",
+    "meta_weights",
+    "build_meta_weights",
+    "meta_skipped_checks",
+    "write_streamed",
+    "write_meta_stage",
+    "load_into_stage",
+    "SKIPPED_SAFETY_NET",
+]
 
-SKIPPED_SAFETY_NET = ("safety net (the stages against the model, train and eval mode): a meta model holds no values; "
-                      "run `fxpipe verify` on a build made from a checkpoint")
+SKIPPED_SAFETY_NET = (
+    "safety net (the stages against the model, train and eval mode): a meta model holds no values; "
+    "run `fxpipe verify` on a build made from a checkpoint"
+)
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 _INDEX_SUFFIX = ".safetensors.index.json"
 _SHOWN = 5  # keys named per kind of problem
 
@@ -79,7 +102,9 @@ class Checkpoint:
         with open(self.files[key], "rb") as f:
             f.seek(start)
             if f.readinto(data.numpy().data) != end - start:
-                raise WeightsError(f"--weights {self.files[key]}: tensor {key!r} is cut short; the file is damaged")
+                raise WeightsError(
+                    f"--weights {self.files[key]}: tensor {key!r} is cut short; the file is damaged"
+                )
         return data.view(dtype).reshape(self.shapes[key])
 
 
@@ -99,18 +124,26 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 def _open_directory(path: Path) -> Checkpoint:
     indexes = sorted(path.glob(f"*{_INDEX_SUFFIX}"))
     if len(indexes) > 1:
-        raise WeightsError(f"--weights {path}: several index files ({[p.name for p in indexes]}); name one shard set")
+        raise WeightsError(
+            f"--weights {path}: several index files ({[p.name for p in indexes]}); name one shard set"
+        )
     if indexes:
         try:
             weight_map = json.loads(indexes[0].read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise WeightsError(f"--weights {indexes[0]}: not a safetensors index ({type(exc).__name__}: {exc}); "
-                               'expected {"weight_map": {key: shard file}}') from None
+            raise WeightsError(
+                f"--weights {indexes[0]}: not a safetensors index ({type(exc).__name__}: {exc}); "
+                'expected {"weight_map": {key: shard file}}'
+            ) from None
         files = sorted({path / str(f) for f in weight_map.values()})
-        return _open_safetensors(files, path, expected={k: path / str(f) for k, f in weight_map.items()})
+        return _open_safetensors(
+            files, path, expected={k: path / str(f) for k, f in weight_map.items()}
+        )
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise WeightsError(f"--weights {path}: a directory with no *.safetensors files and no {_INDEX_SUFFIX}")
+        raise WeightsError(
+            f"--weights {path}: a directory with no *.safetensors files and no {_INDEX_SUFFIX}"
+        )
     return _open_safetensors(files, path)
 
 
@@ -126,7 +159,9 @@ def _safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + size
 
 
-def _open_safetensors(files: list[Path], path: Path, expected: dict[str, Path] | None = None) -> Checkpoint:
+def _open_safetensors(
+    files: list[Path], path: Path, expected: dict[str, Path] | None = None
+) -> Checkpoint:
     dtypes = {name: dtype for dtype, name in _ST_DTYPES.items()}
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Path] = {}
@@ -141,19 +176,24 @@ def _open_safetensors(files: list[Path], path: Path, expected: dict[str, Path] |
                 if key == "__metadata__":
                     continue
                 if key in where:
-                    raise WeightsError(f"--weights {path}: key {key!r} is in both {where[key].name} and {file.name}")
+                    raise WeightsError(
+                        f"--weights {path}: key {key!r} is in both {where[key].name} and {file.name}"
+                    )
                 begin, end = entry["data_offsets"]
                 shapes[key], where[key] = tuple(int(d) for d in entry["shape"]), file
                 ranges[key] = (dtypes[entry["dtype"]], base + int(begin), base + int(end))
         except WeightsError:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged header: any of JSON, key and type errors
-            raise WeightsError(f"--weights {file}: not a readable safetensors file ({type(exc).__name__}: {exc})") \
-                from None
+            raise WeightsError(
+                f"--weights {file}: not a readable safetensors file ({type(exc).__name__}: {exc})"
+            ) from None
     if expected is not None:
         wrong = sorted(k for k, f in expected.items() if where.get(k) != f)
         if wrong:
-            raise WeightsError(f"--weights {path}: the index places {wrong[:_SHOWN]} in shards that do not hold them")
+            raise WeightsError(
+                f"--weights {path}: the index places {wrong[:_SHOWN]} in shards that do not hold them"
+            )
     return Checkpoint(path=path, shapes=shapes, files=where, _ranges=ranges)
 
 
@@ -164,14 +204,23 @@ def _open_torch_save(path: Path) -> Checkpoint:
         except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
             state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickle and zip errors alike
-        raise WeightsError(f"--weights {path}: not a safetensors file and not loadable with torch.load("
-                           f"weights_only=True) ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                 for k, v in state.items()):
-        raise WeightsError(f"--weights {path}: holds a {type(state).__name__}, not a state dict of tensors; save "
-                           "model.state_dict()")
-    return Checkpoint(path=path, shapes={k: tuple(v.shape) for k, v in state.items()},
-                      files={k: path for k in state}, _state=state)
+        raise WeightsError(
+            f"--weights {path}: not a safetensors file and not loadable with torch.load("
+            f"weights_only=True) ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        ) from None
+    if not isinstance(state, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise WeightsError(
+            f"--weights {path}: holds a {type(state).__name__}, not a state dict of tensors; save "
+            "model.state_dict()"
+        )
+    return Checkpoint(
+        path=path,
+        shapes={k: tuple(v.shape) for k, v in state.items()},
+        files={k: path for k in state},
+        _state=state,
+    )
 
 
 @dataclass(frozen=True)
@@ -191,7 +240,9 @@ class MetaWeights:
         return "checkpoint" if self.checkpoint is not None else "init"
 
 
-def meta_weights(model: nn.Module, buffers: Mapping[str, torch.Tensor], weights: str | Path | None) -> MetaWeights:
+def meta_weights(
+    model: nn.Module, buffers: Mapping[str, torch.Tensor], weights: str | Path | None
+) -> MetaWeights:
     """Check ``weights`` against ``model`` and say where each key is read from (Note [stage weights from a
     checkpoint]); one :class:`WeightsError` line names every missing, unexpected or mis-shaped key."""
     if weights is None:
@@ -211,12 +262,20 @@ def meta_weights(model: nn.Module, buffers: Mapping[str, torch.Tensor], weights:
             misshaped.append(f"{found} {list(checkpoint.shapes[found])} (model: {list(t.shape)})")
     known = {k for t in state.values() for k in groups.get(id(t), [])} | set(state)
     unexpected = sorted(set(checkpoint.shapes) - known)
-    problems = [f"{what} {len(keys)} key{'s' if len(keys) > 1 else ''}: {', '.join(keys[:_SHOWN])}"
-                f"{', …' if len(keys) > _SHOWN else ''}"
-                for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
-                if keys]
+    problems = [
+        f"{what} {len(keys)} key{'s' if len(keys) > 1 else ''}: {', '.join(keys[:_SHOWN])}"
+        f"{', …' if len(keys) > _SHOWN else ''}"
+        for what, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mis-shaped", misshaped),
+        )
+        if keys
+    ]
     if problems:
-        raise WeightsError(f"--weights {checkpoint.path} does not fit {type(model).__name__}: {'; '.join(problems)}")
+        raise WeightsError(
+            f"--weights {checkpoint.path} does not fit {type(model).__name__}: {'; '.join(problems)}"
+        )
     return MetaWeights(checkpoint, key_of, dict(buffers))
 
 
@@ -229,7 +288,9 @@ def load_into_stage(stages: Iterable[nn.Module], model: nn.Module, weights: str 
     copied = 0
     with torch.no_grad():
         for stage in stages:
-            for key, t in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
+            for key, t in list(stage.named_parameters(remove_duplicate=False)) + list(
+                stage.named_buffers()
+            ):
                 source = found.key_of.get(key)
                 if source is not None:
                     t.copy_(found.checkpoint.tensor(source))
@@ -241,8 +302,10 @@ def build_meta_weights(traced: TracedModel, weights: str | Path | None) -> MetaW
     """Where the stages of ``traced`` get their tensors: ``None`` for a real model (from the model itself)."""
     if not traced.profile.meta:
         if weights is not None:
-            raise WeightsError(f"--weights {weights} is for models traced on the meta device; add --device meta "
-                               "(or load the checkpoint in the model file)")
+            raise WeightsError(
+                f"--weights {weights} is for models traced on the meta device; add --device meta "
+                "(or load the checkpoint in the model file)"
+            )
         return None
     return meta_weights(traced.model, traced.graph_module.meta.get(BUFFER_VALUES_KEY, {}), weights)
 
@@ -252,9 +315,13 @@ def meta_skipped_checks(weights: MetaWeights | None) -> tuple[str, ...]:
     return () if weights is None else (*SKIPPED_ON_META, SKIPPED_SAFETY_NET)
 
 
-def write_streamed(path: Path, entries: Iterable[tuple[str, torch.Size | tuple[int, ...], torch.dtype,
-                                                       Callable[[], torch.Tensor]]],
-                   metadata: Mapping[str, str]) -> None:
+def write_streamed(
+    path: Path,
+    entries: Iterable[
+        tuple[str, torch.Size | tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
+    ],
+    metadata: Mapping[str, str],
+) -> None:
     """Write a safetensors file whose tensors are fetched one at a time: ``(key, shape, dtype, fetch)``.
 
     The header is written first (shapes and dtypes are known); each tensor is then fetched,
@@ -267,7 +334,11 @@ def write_streamed(path: Path, entries: Iterable[tuple[str, torch.Size | tuple[i
         if dtype not in _ST_DTYPES:
             raise WeightsError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
         size = math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[key] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -277,7 +348,9 @@ def write_streamed(path: Path, entries: Iterable[tuple[str, torch.Size | tuple[i
         for key, shape, dtype, fetch in items:
             t = fetch().detach()
             if tuple(t.shape) != tuple(shape):
-                raise WeightsError(f"tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}")
+                raise WeightsError(
+                    f"tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}"
+                )
             t = t.to(device="cpu", dtype=dtype).contiguous()
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
             del t
@@ -291,22 +364,30 @@ def write_meta_stage(state: StageState, path: Path, weights: MetaWeights) -> tup
     for e in state.stored:
         shape, dtype = tuple(e.tensor.shape), e.tensor.dtype
         if e.key in weights.key_of and weights.checkpoint is not None:
-            entries.append((e.key, shape, dtype, _reader(weights.checkpoint, weights.key_of[e.key])))
+            entries.append(
+                (e.key, shape, dtype, _reader(weights.checkpoint, weights.key_of[e.key]))
+            )
         elif e.key in weights.buffers or not e.tensor.is_meta:
             value = weights.buffers.get(e.key, e.tensor)
             entries.append((e.key, shape, dtype, _constant(value)))
         elif weights.checkpoint is None and e.kind != "constant":
             left.append(e.key)
         elif e.key.startswith(LIFTED_CONSTANT_PREFIX):
-            raise WeightsError(f"{e.key!r} is a tensor the model makes in forward from Python values (torch.tensor(...) "
-                               "or indexing with a list, e.g. x[..., [-2], :]); torch.export made it on the meta device, "
-                               "where its value is lost. Trace on cpu, or make it a buffer the model file builds on "
-                               "the CPU (fxpipe puts only parameters on meta)")
+            raise WeightsError(
+                f"{e.key!r} is a tensor the model makes in forward from Python values (torch.tensor(...) "
+                "or indexing with a list, e.g. x[..., [-2], :]); torch.export made it on the meta device, "
+                "where its value is lost. Trace on cpu, or make it a buffer the model file builds on "
+                "the CPU (fxpipe puts only parameters on meta)"
+            )
         else:
-            raise WeightsError(f"{e.key!r} is a {e.kind} with no value: the model built it on the meta device and "
-                               "no checkpoint holds it; let the model file build its buffers on the CPU (fxpipe puts "
-                               "only parameters on meta) or trace on cpu")
-    write_streamed(path, entries, {"format": "pt", "written_by": "fxpipe", "weights": weights.source})
+            raise WeightsError(
+                f"{e.key!r} is a {e.kind} with no value: the model built it on the meta device and "
+                "no checkpoint holds it; let the model file build its buffers on the CPU (fxpipe puts "
+                "only parameters on meta) or trace on cpu"
+            )
+    write_streamed(
+        path, entries, {"format": "pt", "written_by": "fxpipe", "weights": weights.source}
+    )
     return tuple(left)
 
 

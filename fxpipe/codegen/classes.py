@@ -56,13 +56,17 @@ class ModuleTree:
     aliases: Mapping[str, str]
     order: Mapping[str, int]
     ctors: dict[str, str] = field(default_factory=dict)
-    dict_paths: set[str] = field(default_factory=set)  # containers written as ModuleDict: children as h["3"]
-    classes: set[str] = field(default_factory=set)  # paths built by a generated class (never a ModuleDict)
+    dict_paths: set[str] = field(
+        default_factory=set
+    )  # containers written as ModuleDict: children as h["3"]
+    classes: set[str] = field(
+        default_factory=set
+    )  # paths built by a generated class (never a ModuleDict)
 
     def expr(self, base: str, path: str) -> str:
         """``self...`` for the module or tensor at ``path``, seen from the module at ``base``."""
         expr, current = "self", base
-        for part in (path[len(base) + 1:] if base else path).split(".") if path != base else ():
+        for part in (path[len(base) + 1 :] if base else path).split(".") if path != base else ():
             if current in self.dict_paths:
                 expr = f'{expr}["{part}"]'
             elif is_plain_name(part):
@@ -75,9 +79,11 @@ class ModuleTree:
     def held(self, container: str) -> list[str]:
         """Paths directly under ``container`` that the stage builds something at."""
         prefix = f"{container}." if container else ""
-        found = {prefix + path[len(prefix):].split(".")[0]
-                 for path in list(self.ctors) + [_parent(e.key) for e in self.tensors]
-                 if path.startswith(prefix) and path != container}
+        found = {
+            prefix + path[len(prefix) :].split(".")[0]
+            for path in list(self.ctors) + [_parent(e.key) for e in self.tensors]
+            if path.startswith(prefix) and path != container
+        }
         return sorted(found)
 
     def mark_indexed_containers(self) -> None:
@@ -85,8 +91,12 @@ class ModuleTree:
         for path in {_parent(p) for p in list(self.ctors) + [_parent(e.key) for e in self.tensors]}:
             while path:
                 module = _get(self.model, path)
-                if path not in self.ctors and path not in self.classes and isinstance(module, _INDEXED) \
-                        and all(c.rpartition(".")[2].isdigit() for c in self.held(path)):
+                if (
+                    path not in self.ctors
+                    and path not in self.classes
+                    and isinstance(module, _INDEXED)
+                    and all(c.rpartition(".")[2].isdigit() for c in self.held(path))
+                ):
                     self.dict_paths.add(path)
                 path = _parent(path)
 
@@ -104,11 +114,16 @@ class ModuleTree:
 
         At the stage level (``stage``), aliases of tied tensors are left to ``tie_weights()``.
         """
-        mine = [e for e in self.tensors if _under(e.key, base) and not self._covered(e.key, base) and not e.leaf]
+        mine = [
+            e
+            for e in self.tensors
+            if _under(e.key, base) and not self._covered(e.key, base) and not e.leaf
+        ]
         tensors = [e for e in mine if not (stage and e.key in self.aliases)]
         needed: set[str] = set()
-        for path in [p for p in self.ctors if _under(p, base) and p != base and not self._covered(p, base)] \
-                + [_parent(e.key) for e in mine]:  # an alias's owner too: tie_weights() sets it there
+        for path in [
+            p for p in self.ctors if _under(p, base) and p != base and not self._covered(p, base)
+        ] + [_parent(e.key) for e in mine]:  # an alias's owner too: tie_weights() sets it there
             while path and path != base:
                 needed.add(path)
                 path = _parent(path)
@@ -131,16 +146,23 @@ class ModuleTree:
             if e.kind == PARAMETER:
                 grad = "" if e.tensor.requires_grad else ", requires_grad=False"
                 value = f"torch.nn.Parameter({_empty(e.tensor)}{grad})"
-                lines.append(f"{target}.{name} = {value}" if is_plain_name(name)
-                             else f'{target}.register_parameter("{name}", {value})')
+                lines.append(
+                    f"{target}.{name} = {value}"
+                    if is_plain_name(name)
+                    else f'{target}.register_parameter("{name}", {value})'
+                )
             else:
                 persistent = "" if e.kind == BUFFER else ", persistent=False"
                 lines.append(f'{target}.register_buffer("{name}", {_empty(e.tensor)}{persistent})')
         return lines
 
-    def _module_dict(self, path: str, needed: set[str], tensors: list[TensorEntry]) -> tuple[str, list[str]]:
+    def _module_dict(
+        self, path: str, needed: set[str], tensors: list[TensorEntry]
+    ) -> tuple[str, list[str]]:
         """The ModuleDict holding the leading children that a constructor builds (the rest are added after)."""
-        children = sorted((p for p in needed if _parent(p) == path), key=lambda p: int(p.rpartition(".")[2]))
+        children = sorted(
+            (p for p in needed if _parent(p) == path), key=lambda p: int(p.rpartition(".")[2])
+        )
         built: list[str] = []
         for child in children:
             if child not in self.ctors:
@@ -148,7 +170,10 @@ class ModuleTree:
             built.append(child)
         if not built or any(_parent(e.key) == path for e in tensors):
             return "torch.nn.ModuleDict()", []
-        return f"torch.nn.ModuleDict({numbered_dict({c.rpartition('.')[2]: self.ctors[c] for c in built})})", built
+        return (
+            f"torch.nn.ModuleDict({numbered_dict({c.rpartition('.')[2]: self.ctors[c] for c in built})})",
+            built,
+        )
 
     def _set_child(self, base: str, path: str, value: str) -> str:
         parent, _, name = path.rpartition(".")
@@ -196,13 +221,23 @@ class ClassRegistry:
         self.imports = imports
         self.taken = set(taken) | set(imports.names)
         self.by_text: dict[str, str] = {}
-        self.sources: dict[str, tuple[str, list[str], list[str]]] = {}  # name -> (doc subject, init, forward)
+        self.sources: dict[
+            str, tuple[str, list[str], list[str]]
+        ] = {}  # name -> (doc subject, init, forward)
         self.instances: dict[str, list[str]] = {}
-        self.stacks: dict[str, tuple[str, list[str]]] = {}  # stack class -> (block class, argument names)
+        self.stacks: dict[
+            str, tuple[str, list[str]]
+        ] = {}  # stack class -> (block class, argument names)
         self.params: dict[str, list[str]] = {}  # class -> forward's argument names
-        self.peaks: dict[str, Bytes] = {}  # class -> its forward's modelled peak (Note [frees that matter])
-        self.users: dict[str, set[int]] = {}  # class, stack class or function -> the stages that use it
-        self.functions: dict[str, list[str]] = {}  # generated function -> its lines (Note [helper calls])
+        self.peaks: dict[
+            str, Bytes
+        ] = {}  # class -> its forward's modelled peak (Note [frees that matter])
+        self.users: dict[
+            str, set[int]
+        ] = {}  # class, stack class or function -> the stages that use it
+        self.functions: dict[
+            str, list[str]
+        ] = {}  # generated function -> its lines (Note [helper calls])
 
     def fresh(self, wanted: str) -> str:
         name = unique_name(wanted, self.taken | set(self.imports.names))
@@ -213,16 +248,33 @@ class ClassRegistry:
     def add_function(self, function: GeneratedFunction, stage: int) -> str:
         """Name ``function`` (Note [helper calls]): an identical earlier one's name, or a fresh one; ``stage`` uses it."""
         attr: Callable[[str], str] = lambda target: target  # noqa: E731 - a function reads no attribute
-        positional = [f"arg{i}" for i, n in enumerate(function.graph.nodes) if n.op == "placeholder"]
-        key = "def\n" + "\n".join(render_function(function.graph, self.imports, attr, arg_names=positional,
-                                                   workspace=self.function_peak, name="f", method=False)[0])
+        positional = [
+            f"arg{i}" for i, n in enumerate(function.graph.nodes) if n.op == "placeholder"
+        ]
+        key = "def\n" + "\n".join(
+            render_function(
+                function.graph,
+                self.imports,
+                attr,
+                arg_names=positional,
+                workspace=self.function_peak,
+                name="f",
+                method=False,
+            )[0]
+        )
         name = self.by_text.get(key)
         if name is None:
             name = self.fresh(function.wanted)
             self.by_text[key] = name
             function.name = name
             self.functions[name], self.peaks[name] = render_function(
-                function.graph, self.imports, attr, workspace=self.function_peak, name=name, method=False)
+                function.graph,
+                self.imports,
+                attr,
+                workspace=self.function_peak,
+                name=name,
+                method=False,
+            )
         function.name = name
         self.users.setdefault(name, set()).add(stage)
         return name
@@ -254,10 +306,18 @@ class ClassRegistry:
         for name, (subject, init, forward) in self.sources.items():
             if name in wanted:
                 where = ", ".join(module_ranges(self.instances[name]))
-                out += [f"class {name}(torch.nn.Module):", f'{INDENT}"""{subject} as traced, at {where}."""', ""]
+                out += [
+                    f"class {name}(torch.nn.Module):",
+                    f'{INDENT}"""{subject} as traced, at {where}."""',
+                    "",
+                ]
                 if init:
-                    out += [f"{INDENT}def __init__(self) -> None:", f"{INDENT * 2}super().__init__()",
-                            *(INDENT * 2 + ln for ln in init), ""]
+                    out += [
+                        f"{INDENT}def __init__(self) -> None:",
+                        f"{INDENT * 2}super().__init__()",
+                        *(INDENT * 2 + ln for ln in init),
+                        "",
+                    ]
                 out += [INDENT + ln for ln in forward] + ["", ""]
             for stack, (block, params) in self.stacks.items():
                 if block == name and stack in wanted:
@@ -289,7 +349,9 @@ class ClassWriter:
         if sequential is not None:
             self.tree.ctors[body.path] = sequential
             return "torch.nn.Sequential"
-        for container, paths in stack_runs(body.graph, self.class_of, self.tree.held, within=body.path).items():
+        for container, paths in stack_runs(
+            body.graph, self.class_of, self.tree.held, within=body.path
+        ).items():
             self.stack(container, paths)
         for function in outline_helper_calls(body.graph):
             self.registry.add_function(function, self.stage)
@@ -298,17 +360,25 @@ class ClassWriter:
         init = self.tree.init_lines(body.path, stage=False)
         attr: Callable[[str], str] = lambda target: self.tree.expr(body.path, target)  # noqa: E731
         positional = [f"arg{i}" for i, n in enumerate(body.graph.nodes) if n.op == "placeholder"]
-        key = "\n".join(init + render_forward(body.graph, self.imports, attr, arg_names=positional,
-                                               workspace=self.workspace))
+        key = "\n".join(
+            init
+            + render_forward(
+                body.graph, self.imports, attr, arg_names=positional, workspace=self.workspace
+            )
+        )
         registry = self.registry
         name = registry.by_text.get(key)
         if name is None:
             name = registry.fresh(body.module_type.__name__)
             registry.by_text[key] = name
             subject = _describe_class(body.module_type)
-            forward, registry.peaks[name] = render_function(body.graph, self.imports, attr, workspace=self.workspace)
+            forward, registry.peaks[name] = render_function(
+                body.graph, self.imports, attr, workspace=self.workspace
+            )
             registry.sources[name] = (subject, init, forward)
-            registry.params[name] = forward[0].removeprefix("def forward(self").removesuffix("):").split(", ")[1:]
+            registry.params[name] = (
+                forward[0].removeprefix("def forward(self").removesuffix("):").split(", ")[1:]
+            )
             registry.instances[name] = []
         registry.instances[name].append(body.path)
         self._use(name)
@@ -337,11 +407,18 @@ class ClassWriter:
             return None
         nodes = [n for n in body.graph.nodes if n.op not in ("get_attr",)]
         children = [f"{body.path}.{i}" for i in range(len(module))]
-        if len(nodes) != len(children) + 2 or [n.op for n in nodes[1:-1]] != ["call_module"] * len(children):
+        if len(nodes) != len(children) + 2 or [n.op for n in nodes[1:-1]] != ["call_module"] * len(
+            children
+        ):
             return None
         previous = nodes[0]
         for node, child in zip(nodes[1:-1], children):
-            if str(node.target) != child or tuple(node.args) != (previous,) or node.kwargs or child not in self.tree.ctors:
+            if (
+                str(node.target) != child
+                or tuple(node.args) != (previous,)
+                or node.kwargs
+                or child not in self.tree.ctors
+            ):
                 return None
             previous = node
         if nodes[-1].args[0] is not previous:
@@ -380,9 +457,14 @@ def _describe_class(cls: type) -> str:
 def _stack_source(stack: str, block: str, names: list[str]) -> list[str]:
     args = ", ".join(names)
     rest = "".join(f", {n}" for n in names[1:])
-    return [f"class {stack}(torch.nn.ModuleDict):",
-            f'{INDENT}"""{block} modules run in order, each on the output of the one before."""', "",
-            f"{INDENT}def forward(self, {args}):",
-            f"{INDENT * 2}for block in self.values():",
-            f"{INDENT * 3}{names[0]} = block({names[0]}{rest})",
-            f"{INDENT * 2}return {names[0]}", "", ""]
+    return [
+        f"class {stack}(torch.nn.ModuleDict):",
+        f'{INDENT}"""{block} modules run in order, each on the output of the one before."""',
+        "",
+        f"{INDENT}def forward(self, {args}):",
+        f"{INDENT * 2}for block in self.values():",
+        f"{INDENT * 3}{names[0]} = block({names[0]}{rest})",
+        f"{INDENT * 2}return {names[0]}",
+        "",
+        "",
+    ]

@@ -32,13 +32,26 @@ from torch.utils._pytree import tree_leaves
 
 from fxpipe.tracer.modes import modes_restored
 
-__all__ = ["TensorError", "ModeComparison", "compare_tensor", "compare_in_mode", "probe_loss", "mode_name",
-           "rows_by_error", "state_kept", "Run", "RTOL", "ATOL"]
+__all__ = [
+    "TensorError",
+    "ModeComparison",
+    "compare_tensor",
+    "compare_in_mode",
+    "probe_loss",
+    "mode_name",
+    "rows_by_error",
+    "state_kept",
+    "Run",
+    "RTOL",
+    "ATOL",
+]
 
 RTOL = 1e-4
 ATOL = 1e-5
 Loss = Callable[[Any], "torch.Tensor | None"]
-Run = Callable[[nn.Module], Any]  # calls a model (or pipeline) on the example inputs, returns its output
+Run = Callable[
+    [nn.Module], Any
+]  # calls a model (or pipeline) on the example inputs, returns its output
 
 
 @dataclass(frozen=True)
@@ -88,8 +101,10 @@ class ModeComparison:
             return f"max abs {max((e.max_abs for e in rows), default=0.0):.3g}"
 
         status = "OK" if self.ok else f"MISMATCH ({len(self.failing)} of {len(self.rows)} tensors)"
-        return (f"{self.mode} mode {status}: {len(self.outputs)} outputs {most(self.outputs)}; {len(self.grads)} "
-                f"parameter gradients {most(self.grads)}; {len(self.buffers)} buffers {most(self.buffers)}")
+        return (
+            f"{self.mode} mode {status}: {len(self.outputs)} outputs {most(self.outputs)}; {len(self.grads)} "
+            f"parameter gradients {most(self.grads)}; {len(self.buffers)} buffers {most(self.buffers)}"
+        )
 
 
 def mode_name(training: bool) -> str:
@@ -101,7 +116,9 @@ def rows_by_error(rows: Sequence[TensorError]) -> list[TensorError]:
     return sorted(rows, key=lambda e: (e.ok, -e.max_abs if math.isfinite(e.max_abs) else -math.inf))
 
 
-def compare_tensor(name: str, got: Any, want: Any, rtol: float = RTOL, atol: float = ATOL) -> TensorError:
+def compare_tensor(
+    name: str, got: Any, want: Any, rtol: float = RTOL, atol: float = ATOL
+) -> TensorError:
     """One tensor of the pipeline against the model's (Note [one comparison rule]); a missing gradient counts
     as zeros, NaN equals NaN."""
     if got is None or want is None:
@@ -117,24 +134,34 @@ def compare_tensor(name: str, got: Any, want: Any, rtol: float = RTOL, atol: flo
     if not want.is_floating_point() and not want.is_complex():
         same = bool(torch.equal(got.detach().cpu(), want.detach().cpu()))
         return TensorError(name, 0.0 if same else math.inf, 0.0 if same else math.inf, same)
-    if want.numel() == 0 or (got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)):
+    if want.numel() == 0 or (
+        got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)
+    ):
         w = want.detach()
         scale = float(torch.where(torch.isfinite(w), w.abs(), 0.0).max()) if w.numel() else 0.0
-        return TensorError(name, 0.0, 0.0, True, atol + rtol * scale)  # the usual case, in one cheap pass
-    dtype = torch.promote_types(want.dtype, torch.float32)  # exact enough, and half the memory of float64
+        return TensorError(
+            name, 0.0, 0.0, True, atol + rtol * scale
+        )  # the usual case, in one cheap pass
+    dtype = torch.promote_types(
+        want.dtype, torch.float32
+    )  # exact enough, and half the memory of float64
     g, w = got.detach().to(want.device, dtype), want.detach().to(dtype)
     same = (torch.isnan(g) & torch.isnan(w)) | (g == w)  # equal infinities too
     diff = torch.where(same, 0.0, (g - w).abs().nan_to_num(nan=math.inf, posinf=math.inf))
     max_abs = float(diff.max())
     scale = float(torch.where(torch.isfinite(w), w.abs(), 0.0).max())
     allowed = atol + rtol * scale
-    return TensorError(name, max_abs, max_abs / scale if scale > 0 else max_abs, max_abs <= allowed, allowed)
+    return TensorError(
+        name, max_abs, max_abs / scale if scale > 0 else max_abs, max_abs <= allowed, allowed
+    )
 
 
 def probe_loss(output: Any) -> torch.Tensor | None:
     """A scalar that every floating output element moves: each output times fixed random weights, summed
     (a plain sum would miss errors that keep the sum, e.g. in a softmax). None without a floating output."""
-    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [
+        t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     if not floats:
         return None
     gen = torch.Generator().manual_seed(1234)
@@ -162,7 +189,9 @@ class _Run:
     buffers: dict[str, torch.Tensor]
 
 
-def _named_tensors(modules: Sequence[nn.Module]) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
+def _named_tensors(
+    modules: Sequence[nn.Module],
+) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
     params: dict[str, nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
     for m in modules:
@@ -171,8 +200,14 @@ def _named_tensors(modules: Sequence[nn.Module]) -> tuple[dict[str, nn.Parameter
     return params, buffers
 
 
-def _run(model: nn.Module, parts: Sequence[nn.Module], run: Run, loss: Loss, seed: int,
-         devices: list[torch.device]) -> _Run:
+def _run(
+    model: nn.Module,
+    parts: Sequence[nn.Module],
+    run: Run,
+    loss: Loss,
+    seed: int,
+    devices: list[torch.device],
+) -> _Run:
     params, buffers = _named_tensors(parts)
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         torch.manual_seed(seed)
@@ -183,35 +218,74 @@ def _run(model: nn.Module, parts: Sequence[nn.Module], run: Run, loss: Loss, see
         if value is not None and value.requires_grad and unique:
             for p, g in zip(unique, torch.autograd.grad(value, unique, allow_unused=True)):
                 grads_by_id[id(p)] = g
-    return _Run(outputs=tree_leaves(output), grads={k: grads_by_id.get(id(p)) for k, p in params.items()},
-                buffers={k: b.detach().clone() for k, b in buffers.items()})
+    return _Run(
+        outputs=tree_leaves(output),
+        grads={k: grads_by_id.get(id(p)) for k, p in params.items()},
+        buffers={k: b.detach().clone() for k, b in buffers.items()},
+    )
 
 
-def compare_in_mode(reference: nn.Module, pipeline: nn.Module, stages: Sequence[nn.Module], run: Run, *,
-                    training: bool, loss: Loss = probe_loss, rtol: float = RTOL, atol: float = ATOL,
-                    seed: int = 0) -> ModeComparison:
+def compare_in_mode(
+    reference: nn.Module,
+    pipeline: nn.Module,
+    stages: Sequence[nn.Module],
+    run: Run,
+    *,
+    training: bool,
+    loss: Loss = probe_loss,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    seed: int = 0,
+) -> ModeComparison:
     """Run ``reference`` and ``pipeline`` (whose parameters live in ``stages``, under the reference's keys) in
     one mode from the same seed, each as ``run(model)`` does (the example call); compare outputs, parameter
     gradients and buffers (see the module docstring)."""
-    devices = sorted({t.device for t in list(reference.parameters()) + list(reference.buffers())
-                      if t.device.type == "cuda"}, key=str)
+    devices = sorted(
+        {
+            t.device
+            for t in list(reference.parameters()) + list(reference.buffers())
+            if t.device.type == "cuda"
+        },
+        key=str,
+    )
     with state_kept(reference), state_kept(pipeline):
         reference.train(training)
         pipeline.train(training)
         want = _run(reference, [reference], run, loss, seed, devices)
         got = _run(pipeline, stages, run, loss, seed, devices)
-    outputs = [compare_tensor(f"output[{i}]", g, w, rtol, atol) for i, (g, w) in enumerate(zip(got.outputs, want.outputs))]
+    outputs = [
+        compare_tensor(f"output[{i}]", g, w, rtol, atol)
+        for i, (g, w) in enumerate(zip(got.outputs, want.outputs))
+    ]
     if len(got.outputs) != len(want.outputs):
-        outputs.append(TensorError(f"output count ({len(got.outputs)} vs {len(want.outputs)})", math.inf, math.inf,
-                                   False))
+        outputs.append(
+            TensorError(
+                f"output count ({len(got.outputs)} vs {len(want.outputs)})",
+                math.inf,
+                math.inf,
+                False,
+            )
+        )
     aliases: dict[int, list[str]] = {}
     for key, p in reference.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(key)
     grads = []
     for key, p in reference.named_parameters():
         held = next((k for k in aliases[id(p)] if k in got.grads), None)
-        grads.append(compare_tensor(f"grad {key}", None if held is None else got.grads[held], want.grads.get(key),
-                                    rtol, atol))
-    buffers = [compare_tensor(f"buffer {key}", got.buffers[key], value, rtol, atol)
-               for key, value in want.buffers.items() if key in got.buffers]
-    return ModeComparison(training=training, outputs=tuple(outputs), grads=tuple(grads), buffers=tuple(buffers))
+        grads.append(
+            compare_tensor(
+                f"grad {key}",
+                None if held is None else got.grads[held],
+                want.grads.get(key),
+                rtol,
+                atol,
+            )
+        )
+    buffers = [
+        compare_tensor(f"buffer {key}", got.buffers[key], value, rtol, atol)
+        for key, value in want.buffers.items()
+        if key in got.buffers
+    ]
+    return ModeComparison(
+        training=training, outputs=tuple(outputs), grads=tuple(grads), buffers=tuple(buffers)
+    )

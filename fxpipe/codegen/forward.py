@@ -40,12 +40,33 @@ from fxpipe.tracer.modes import guard_of, is_training_flag, train_or_eval
 __all__ = ["render_forward", "render_function", "run_blocks", "base_name", "GeneratedFunction"]
 
 
-_BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/", operator.floordiv: "//",
-           operator.mod: "%", operator.pow: "**", operator.matmul: "@", operator.and_: "&", operator.or_: "|",
-           operator.xor: "^", operator.lshift: "<<", operator.rshift: ">>", operator.eq: "==", operator.ne: "!=",
-           operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">="}
+_BINARY = {
+    operator.add: "+",
+    operator.sub: "-",
+    operator.mul: "*",
+    operator.truediv: "/",
+    operator.floordiv: "//",
+    operator.mod: "%",
+    operator.pow: "**",
+    operator.matmul: "@",
+    operator.and_: "&",
+    operator.or_: "|",
+    operator.xor: "^",
+    operator.lshift: "<<",
+    operator.rshift: ">>",
+    operator.eq: "==",
+    operator.ne: "!=",
+    operator.lt: "<",
+    operator.le: "<=",
+    operator.gt: ">",
+    operator.ge: ">=",
+}
 _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~", operator.not_: "not "}
-_RESERVED = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | {"self", "torch", "F", "math", "operator", "os", "i"}
+_RESERVED = (
+    frozenset(dir(builtins))
+    | frozenset(keyword.kwlist)
+    | {"self", "torch", "F", "math", "operator", "os", "i"}
+)
 _SIMPLE = re.compile(r"^[\w.]+$|^\w[\w.]*\[[^\[\]]*\]$")
 
 
@@ -69,7 +90,9 @@ class GeneratedFunction:
         self.__name__ = wanted
 
     def __call__(self, *args: Any) -> Any:
-        raise RuntimeError(f"{self.name} is written into the stage source, not run while building it")
+        raise RuntimeError(
+            f"{self.name} is written into the stage source, not run while building it"
+        )
 
     def __repr__(self) -> str:
         return f"<generated function {self.name}>"
@@ -112,17 +135,29 @@ def _unpacked(node: fx.Node) -> list[fx.Node | None] | None:
         return None
     slots: list[fx.Node | None] = [None] * n
     for user in node.users:
-        if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node
-                and isinstance(user.args[1], int) and 0 <= user.args[1] < n and slots[user.args[1]] is None):
+        if not (
+            user.op == "call_function"
+            and user.target is operator.getitem
+            and user.args[0] is node
+            and isinstance(user.args[1], int)
+            and 0 <= user.args[1] < n
+            and slots[user.args[1]] is None
+        ):
             return None
         slots[user.args[1]] = user
     return slots
 
 
 class _Renderer:
-    def __init__(self, graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str],
-                 reserved: set[str], arg_names: list[str] | None,
-                 workspace: Callable[[fx.Node], Bytes | None] | None = None) -> None:
+    def __init__(
+        self,
+        graph: fx.Graph,
+        imports: ImportTable,
+        attr: Callable[[str], str],
+        reserved: set[str],
+        arg_names: list[str] | None,
+        workspace: Callable[[fx.Node], Bytes | None] | None = None,
+    ) -> None:
         self.graph = graph
         self.workspace = workspace
         self.peak: Bytes = (0, 0)
@@ -130,14 +165,23 @@ class _Renderer:
         self.attr = attr
         self.names: dict[fx.Node, str] = {}
         self.inline: dict[fx.Node, str] = {}
-        self.functions = {n: self.function(n.target) for n in graph.nodes if n.op == "call_function"
-                          and n.target not in _BINARY and n.target not in _UNARY
-                          and n.target not in (operator.getitem, operator.setitem, getattr, run_blocks,
-                                               train_or_eval)}
-        namer = _Names(reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()})
+        self.functions = {
+            n: self.function(n.target)
+            for n in graph.nodes
+            if n.op == "call_function"
+            and n.target not in _BINARY
+            and n.target not in _UNARY
+            and n.target
+            not in (operator.getitem, operator.setitem, getattr, run_blocks, train_or_eval)
+        }
+        namer = _Names(
+            reserved | {ref.split(".")[0].split("(")[0] for ref in self.functions.values()}
+        )
         given = iter(arg_names or ())
         nodes = list(graph.nodes)
-        at = {n: i for i, n in enumerate(nodes)}  # where each value is assigned: an unpacked item at its tuple's line
+        at = {
+            n: i for i, n in enumerate(nodes)
+        }  # where each value is assigned: an unpacked item at its tuple's line
         for node in nodes:
             for slot in _unpacked(node) or ():
                 if slot is not None:
@@ -167,8 +211,13 @@ class _Renderer:
         if NAME_KEY in node.meta:
             return str(node.meta[NAME_KEY])
         source = node.args[0] if node.args else None
-        if (node.op == "call_function" and node.target is operator.getitem and isinstance(source, fx.Node)
-                and source in self.names and isinstance(node.args[1], int)):
+        if (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(source, fx.Node)
+            and source in self.names
+            and isinstance(node.args[1], int)
+        ):
             return f"{self.names[source]}_{node.args[1]}"
         return base_name(node.name)
 
@@ -204,7 +253,11 @@ class _Renderer:
                 return ":".join(parts) + ("" if i.step is None else f":{self.value(i.step)}")
             return self.value(i)
 
-        if isinstance(idx, tuple) and len(idx) == 1 and (isinstance(idx[0], (slice, int)) or idx[0] in (None, ...)):
+        if (
+            isinstance(idx, tuple)
+            and len(idx) == 1
+            and (isinstance(idx[0], (slice, int)) or idx[0] in (None, ...))
+        ):
             return one(idx[0])  # x[(slice(a, b),)] is x[a:b]
         if isinstance(idx, tuple):
             return ", ".join(one(i) for i in idx) + ("," if len(idx) == 1 else "") if idx else "()"
@@ -212,7 +265,9 @@ class _Renderer:
 
     def operand(self, a: Any) -> str:
         text = self.value(a)
-        return text if _SIMPLE.match(text) or (isinstance(a, (int, float)) and a >= 0) else f"({text})"
+        return (
+            text if _SIMPLE.match(text) or (isinstance(a, (int, float)) and a >= 0) else f"({text})"
+        )
 
     def call_args(self, args: tuple, kwargs: dict) -> str:
         parts = [self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()]
@@ -221,9 +276,13 @@ class _Renderer:
     def function(self, fn: Any) -> str:
         if isinstance(fn, GeneratedFunction):
             return fn.name
-        if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        if isinstance(
+            fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+        ):
             return self.imports.op(fn)
-        if getattr(fn, "__module__", None) == "_operator":  # operator.iadd(a, b), not `from _operator import iadd`
+        if (
+            getattr(fn, "__module__", None) == "_operator"
+        ):  # operator.iadd(a, b), not `from _operator import iadd`
             self.imports.modules.add("operator")
             return f"operator.{fn.__name__}"
         ref = self.imports.ref(fn)
@@ -247,7 +306,9 @@ class _Renderer:
             return f"{_UNARY[fn]}{self.operand(args[0])}"
         if fn is operator.getitem and len(args) == 2 and not kwargs:
             return f"{self.operand(args[0])}[{self.index(args[1])}]"
-        if fn is operator.setitem and len(args) == 3 and not kwargs and not node.users:  # a statement
+        if (
+            fn is operator.setitem and len(args) == 3 and not kwargs and not node.users
+        ):  # a statement
             return f"{self.operand(args[0])}[{self.index(args[1])}] = {self.value(args[2])}"
         if fn is getattr and len(args) == 2 and isinstance(args[1], str) and args[1].isidentifier():
             return f"{self.operand(args[0])}.{args[1]}"
@@ -272,7 +333,9 @@ class _Renderer:
                 freed.setdefault(user, []).append(self.names[value])
         params: list[str] = []
         lines: list[str] = []
-        guards: list[bool | None] = []  # per line: the mode it runs in (Note [both modes in one graph])
+        guards: list[
+            bool | None
+        ] = []  # per line: the mode it runs in (Note [both modes in one graph])
         skipped: set[fx.Node] = set()
         for i, node in enumerate(nodes):
             if node.op == "placeholder":
@@ -282,7 +345,7 @@ class _Renderer:
                 continue
             if node.op == "output":
                 ret = self._return(node, lines, nodes[i - 1] if i else None, guards)
-                guards = guards[:len(lines)]
+                guards = guards[: len(lines)]
                 lines.append(ret)
                 guards.append(None)
                 continue
@@ -297,11 +360,17 @@ class _Renderer:
                 targets = ", ".join("_" if s is None else self.names[s] for s in slots)
                 line = f"{targets}{',' if len(slots) == 1 else ''} = {self.expr(node)}"
                 taken = {self.names[node]} | {self.names[s] for s in slots if s is not None}
-                frees = [n for n in freed.get(node, []) + [n for s in slots if s is not None for n in freed.get(s, [])]
-                         if n not in taken]
+                frees = [
+                    n
+                    for n in freed.get(node, [])
+                    + [n for s in slots if s is not None for n in freed.get(s, [])]
+                    if n not in taken
+                ]
             elif node.users:
                 line = f"{self.names[node]} = {self.expr(node)}"
-                frees = [n for n in freed.get(node, []) if n != self.names[node]]  # a name it takes again
+                frees = [
+                    n for n in freed.get(node, []) if n != self.names[node]
+                ]  # a name it takes again
             else:
                 line = self.expr(node)
                 frees = freed.get(node, [])
@@ -317,15 +386,25 @@ class _Renderer:
         position: dict[fx.Node, int] = {}
         unpacked: set[fx.Node] = set()
         for node in nodes:
-            if node.op in ("placeholder", "output", "get_attr") or node in self.inline or node in position:
+            if (
+                node.op in ("placeholder", "output", "get_attr")
+                or node in self.inline
+                or node in position
+            ):
                 continue
             position[node] = len(statements)
-            slots = None if node.op == "call_function" and node.target is run_blocks else _unpacked(node)
+            slots = (
+                None
+                if node.op == "call_function" and node.target is run_blocks
+                else _unpacked(node)
+            )
             if slots is not None:
                 unpacked.add(node)
                 position.update((s, len(statements)) for s in slots if s is not None)
             statements.append(node)
-        natural: dict[fx.Node, int] = {}  # where a value is let go without a free: its name is taken again
+        natural: dict[
+            fx.Node, int
+        ] = {}  # where a value is let go without a free: its name is taken again
         holder: dict[str, fx.Node] = {}
         for node in nodes:
             if node not in position or node in unpacked or not node.users:
@@ -341,7 +420,9 @@ class _Renderer:
                 return position[value]
             return natural.get(value, end)
 
-        candidates = {v: position[u] for v, u in last_use.items() if u.op != "output" and u in position}
+        candidates = {
+            v: position[u] for v, u in last_use.items() if u.op != "output" and u in position
+        }
         plan = plan_frees(self.graph, statements, position, candidates, released, self.workspace)
         self.peak = plan.peak
         return set(plan.kept)
@@ -351,18 +432,33 @@ class _Renderer:
         container, start, stop, x, *rest = node.args
         name, first = self.names[node], self.value(x)
         call = ", ".join([name] + [self.value(a) for a in rest])
-        head = [] if name == first else [f"{name} = {first}" + (f";  {first} = None" if first in frees else "")]
-        lines = head + [f"for i in range({start}, {stop}):",
-                        f"    {name} = {self.attr(str(container))}[str(i)]({call})"]
+        head = (
+            []
+            if name == first
+            else [f"{name} = {first}" + (f";  {first} = None" if first in frees else "")]
+        )
+        lines = head + [
+            f"for i in range({start}, {stop}):",
+            f"    {name} = {self.attr(str(container))}[str(i)]({call})",
+        ]
         after = [f for f in frees if f not in (first, name)]
         return lines + ([f"{' = '.join(after)} = None"] if after else [])
 
-    def _return(self, node: fx.Node, lines: list[str], previous: fx.Node | None, guards: list[bool | None]) -> str:
+    def _return(
+        self, node: fx.Node, lines: list[str], previous: fx.Node | None, guards: list[bool | None]
+    ) -> str:
         out = node.args[0]
-        if isinstance(out, fx.Node) and out is previous and len(out.users) == 1 and out in self.names \
-                and lines and guards[-1] is None and lines[-1].startswith(f"{self.names[out]} = ") \
-                and ";" not in lines[-1]:
-            return "return " + lines.pop()[len(self.names[out]) + 3:]
+        if (
+            isinstance(out, fx.Node)
+            and out is previous
+            and len(out.users) == 1
+            and out in self.names
+            and lines
+            and guards[-1] is None
+            and lines[-1].startswith(f"{self.names[out]} = ")
+            and ";" not in lines[-1]
+        ):
+            return "return " + lines.pop()[len(self.names[out]) + 3 :]
         return f"return {self.value(out)}"
 
 
@@ -370,7 +466,12 @@ def _may_rebind(held: fx.Node, node: fx.Node, dead: bool) -> bool:
     """Whether ``node`` may take the name of ``held``, as hand-written code reassigns ``hidden_states``:
     ``held`` is read no more after ``node``'s line (``dead``), neither runs in one mode only, and a
     ``run_blocks`` loop, which reads its other arguments on every pass, takes only its input's name."""
-    if not dead or node.op == "placeholder" or guard_of(held) is not None or guard_of(node) is not None:
+    if (
+        not dead
+        or node.op == "placeholder"
+        or guard_of(held) is not None
+        or guard_of(node) is not None
+    ):
         return False
     if node.op == "call_function" and node.target is run_blocks:
         return len(node.args) > 3 and node.args[3] is held
@@ -398,22 +499,37 @@ def _guarded(lines: list[str], guards: list[bool | None]) -> list[str]:
     return out
 
 
-def render_forward(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,
-                   reserved: set[str] | None = None, arg_names: list[str] | None = None,
-                   workspace: Callable[[fx.Node], Bytes | None] | None = None) -> list[str]:
+def render_forward(
+    graph: fx.Graph,
+    imports: ImportTable,
+    attr: Callable[[str], str],
+    *,
+    reserved: set[str] | None = None,
+    arg_names: list[str] | None = None,
+    workspace: Callable[[fx.Node], Bytes | None] | None = None,
+) -> list[str]:
     """``def forward(self, ...):`` and its body, one source line per list item (indented 4 within the def).
 
     ``attr(target)`` writes a ``get_attr`` / ``call_module`` target as an expression
     (e.g. ``self.h["3"].attn``); ``arg_names`` overrides the names of the arguments;
     ``workspace(node)``: the modelled peak of a call of a generated class (Note [frees that matter]).
     """
-    return render_function(graph, imports, attr, reserved=reserved, arg_names=arg_names, workspace=workspace)[0]
+    return render_function(
+        graph, imports, attr, reserved=reserved, arg_names=arg_names, workspace=workspace
+    )[0]
 
 
-def render_function(graph: fx.Graph, imports: ImportTable, attr: Callable[[str], str], *,
-                    reserved: set[str] | None = None, arg_names: list[str] | None = None,
-                    workspace: Callable[[fx.Node], Bytes | None] | None = None, name: str = "forward",
-                    method: bool = True) -> tuple[list[str], Bytes]:
+def render_function(
+    graph: fx.Graph,
+    imports: ImportTable,
+    attr: Callable[[str], str],
+    *,
+    reserved: set[str] | None = None,
+    arg_names: list[str] | None = None,
+    workspace: Callable[[fx.Node], Bytes | None] | None = None,
+    name: str = "forward",
+    method: bool = True,
+) -> tuple[list[str], Bytes]:
     """``render_forward``'s lines and the modelled peak of the function (Note [frees that matter]); ``name`` and
     ``method``: ``def name(...)`` without ``self`` for a module-level function."""
     renderer = _Renderer(graph, imports, attr, (reserved or set()) | {name}, arg_names, workspace)

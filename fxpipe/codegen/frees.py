@@ -73,8 +73,12 @@ def _bytes(spec: Any) -> Bytes:
 def _is_view(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in VIEW_METHODS or is_identity_conversion(node)
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
-            and not isinstance(node.args[0].meta.get("val"), (tuple, list)):
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and not isinstance(node.args[0].meta.get("val"), (tuple, list))
+    ):
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index)
     return False
@@ -93,7 +97,9 @@ class _Storages:
             specs = _listed(node.meta.get(SPEC_KEY))
             for i, key in enumerate(keys):
                 if key not in self.size:
-                    self.size[key] = _bytes(specs[i]) if len(specs) == len(keys) else _bytes(specs[0])
+                    self.size[key] = (
+                        _bytes(specs[i]) if len(specs) == len(keys) else _bytes(specs[0])
+                    )
                     if node.op in ("placeholder", "get_attr"):
                         self.external.add(key)
 
@@ -105,16 +111,25 @@ class _Storages:
             return tuple(dict.fromkeys(keys))
         if _is_view(node):  # no traced value to tell: a view holds what its input holds
             return self.held.get(node.args[0], ())  # type: ignore[arg-type]
-        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
-                and isinstance(node.args[1], int):
+        if (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node)
+            and isinstance(node.args[1], int)
+        ):
             return ((node.args[0], node.args[1]),)
         specs = _listed(node.meta.get(SPEC_KEY))
         return tuple((node, i) for i, s in enumerate(specs) if isinstance(s, TensorSpec))
 
 
-def plan_frees(graph: fx.Graph, statements: list[fx.Node], position: Mapping[fx.Node, int],
-               candidates: Mapping[fx.Node, int], released: Callable[[fx.Node], int],
-               workspace: Callable[[fx.Node], Bytes | None] | None = None) -> FreePlan:
+def plan_frees(
+    graph: fx.Graph,
+    statements: list[fx.Node],
+    position: Mapping[fx.Node, int],
+    candidates: Mapping[fx.Node, int],
+    released: Callable[[fx.Node], int],
+    workspace: Callable[[fx.Node], Bytes | None] | None = None,
+) -> FreePlan:
     """The frees among ``candidates`` (value -> position of the statement after which it would be freed) that
     the modelled peak needs (Note [frees that matter]).
 
@@ -139,16 +154,22 @@ def plan_frees(graph: fx.Graph, statements: list[fx.Node], position: Mapping[fx.
     extra: list[Bytes] = []
     for node in statements:
         need = workspace(node) if workspace is not None else None
-        out = _sum(storages.size.get(k, _ZERO) for k in storages.held[node] if k not in storages.external)
-        extra.append(_ZERO if need is None else (max(need[0] - out[0], 0), max(need[1] - out[1], 0)))
+        out = _sum(
+            storages.size.get(k, _ZERO) for k in storages.held[node] if k not in storages.external
+        )
+        extra.append(
+            _ZERO if need is None else (max(need[0] - out[0], 0), max(need[1] - out[1], 0))
+        )
     live = [[0, 0] for _ in range(end)]
     for key, start in made.items():
         size = storages.size.get(key, _ZERO)
         for s in range(start, min(max(stop[v] for v in holders[key]), end - 1) + 1):
             live[s][0] += size[0]
             live[s][1] += size[1]
-    best = (max((live[s][0] + extra[s][0] for s in range(end)), default=0),
-            max((live[s][1] + extra[s][1] for s in range(end)), default=0))
+    best = (
+        max((live[s][0] + extra[s][0] for s in range(end)), default=0),
+        max((live[s][1] + extra[s][1] for s in range(end)), default=0),
+    )
     kept = dict(candidates)
     if RULE != "needed":
         return FreePlan(kept if RULE == "all" else {}, best)
@@ -156,7 +177,9 @@ def plan_frees(graph: fx.Graph, statements: list[fx.Node], position: Mapping[fx.
     def owned(value: fx.Node) -> list[Hashable]:
         return [k for k in storages.held.get(value, ()) if k in made]
 
-    order = sorted(kept, key=lambda v: (_sum(storages.size.get(k, _ZERO) for k in owned(v)), -kept[v]))
+    order = sorted(
+        kept, key=lambda v: (_sum(storages.size.get(k, _ZERO) for k in owned(v)), -kept[v])
+    )
     for value in order:
         if value not in stop or natural[value] <= kept[value]:
             del kept[value]  # it holds nothing of this function's, or is let go there anyway
@@ -169,8 +192,11 @@ def plan_frees(graph: fx.Graph, statements: list[fx.Node], position: Mapping[fx.
                 g = grow.setdefault(s, [0, 0])
                 g[0] += size[0]
                 g[1] += size[1]
-        if all(live[s][0] + extra[s][0] + g[0] <= best[0] and live[s][1] + extra[s][1] + g[1] <= best[1]
-               for s, g in grow.items()):
+        if all(
+            live[s][0] + extra[s][0] + g[0] <= best[0]
+            and live[s][1] + extra[s][1] + g[1] <= best[1]
+            for s, g in grow.items()
+        ):
             del kept[value]
             stop[value] = natural[value]
             for s, g in grow.items():

@@ -35,8 +35,14 @@ import torch.fx as fx
 
 from fxpipe.codegen.forward import GeneratedFunction, base_name
 from fxpipe.codegen.outline import is_device, is_metadata, size_inputs, share_sizes
-from fxpipe.codegen.statements import (SOURCE_NAME_KEY, STATEMENT_KEY, Statement, name_from_source, result_names,
-                                       statement_of)
+from fxpipe.codegen.statements import (
+    SOURCE_NAME_KEY,
+    STATEMENT_KEY,
+    Statement,
+    name_from_source,
+    result_names,
+    statement_of,
+)
 from fxpipe.graphmeta import ARITY_KEY, NAME_KEY, SPEC_KEY
 from fxpipe.tracer.modes import guard_of, is_training_flag
 
@@ -44,8 +50,18 @@ __all__ = ["GeneratedFunction", "outline_helper_calls", "MIN_NODES"]
 
 MIN_NODES = 5
 _CALL = re.compile(r"=\s*(?P<fn>[A-Za-z_]\w*)\s*\(")
-_NOT_HELPERS = frozenset(dir(builtins)) | {"torch", "F", "nn", "math", "operator", "np", "functional", "self",
-                                           "super", "cls"}
+_NOT_HELPERS = frozenset(dir(builtins)) | {
+    "torch",
+    "F",
+    "nn",
+    "math",
+    "operator",
+    "np",
+    "functional",
+    "self",
+    "super",
+    "cls",
+}
 
 
 def _helper(statement: Statement) -> str | None:
@@ -77,18 +93,24 @@ def outline_helper_calls(graph: fx.Graph) -> list[GeneratedFunction]:
 
 
 def _eligible(node: fx.Node) -> bool:
-    return (node.op in ("call_function", "call_method") and STATEMENT_KEY not in node.meta
-            and guard_of(node) is None and not isinstance(node.target, GeneratedFunction)
-            and not any(is_training_flag(a) for a in node.all_input_nodes))
+    return (
+        node.op in ("call_function", "call_method")
+        and STATEMENT_KEY not in node.meta
+        and guard_of(node) is None
+        and not isinstance(node.target, GeneratedFunction)
+        and not any(is_training_flag(a) for a in node.all_input_nodes)
+    )
 
 
-def _outline(graph: fx.Graph, statement: Statement, members: list[fx.Node], name: str) -> GeneratedFunction | None:
+def _outline(
+    graph: fx.Graph, statement: Statement, members: list[fx.Node], name: str
+) -> GeneratedFunction | None:
     if not all(_eligible(m) for m in members):
         return None
     order = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     first, last = order.index(members[0]), order.index(members[-1])
     inside = set(members)
-    between = [n for n in order[first:last + 1] if n not in inside]
+    between = [n for n in order[first : last + 1] if n not in inside]
     if any(not is_metadata(n) or any(a in inside for a in n.all_input_nodes) for n in between):
         return None
     for n in between:  # size reads that sit in the run: read before it (they read nothing of it)
@@ -99,11 +121,17 @@ def _outline(graph: fx.Graph, statement: Statement, members: list[fx.Node], name
             if a not in inside:
                 inputs.setdefault(a, None)
     outputs = [m for m in members if any(u not in inside for u in m.users)]
-    if not outputs or any(a.op == "get_attr" and not isinstance(a.meta.get("val"), torch.Tensor) for a in inputs):
+    if not outputs or any(
+        a.op == "get_attr" and not isinstance(a.meta.get("val"), torch.Tensor) for a in inputs
+    ):
         return None
     sizes = size_inputs(list(inputs))
-    written = _call_arguments(statement.frame.code, name)  # the order the line passes them in, where it says
-    args = sorted((a for a in inputs if a not in sizes), key=lambda a: written.get(_name(a), len(written)))
+    written = _call_arguments(
+        statement.frame.code, name
+    )  # the order the line passes them in, where it says
+    args = sorted(
+        (a for a in inputs if a not in sizes), key=lambda a: written.get(_name(a), len(written))
+    )
     devices = [a for a in args if is_device(a)]
     tensor = next((a for a in args if a not in devices and _is_tensor(a)), None)
     if tensor is not None:
@@ -153,7 +181,9 @@ def _outline(graph: fx.Graph, statement: Statement, members: list[fx.Node], name
             out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
             anchor = item
     given = [call] if len(outputs) == 1 else [n for n in call.users]
-    for node, target in result_names(statement, given).items():  # a later call's arguments take these names
+    for node, target in result_names(
+        statement, given
+    ).items():  # a later call's arguments take these names
         node.meta[NAME_KEY] = target
     for m in reversed(members):
         graph.erase_node(m)
@@ -172,7 +202,7 @@ def _call_arguments(code: str, name: str) -> dict[str, int]:
     start = code.find(name + "(")
     if start < 0:
         return {}
-    text = code[start + len(name) + 1:]
+    text = code[start + len(name) + 1 :]
     names = [t.strip() for t in text.split(")")[0].split(",")]
     return {n: i for i, n in enumerate(names) if n.isidentifier()}
 
@@ -180,4 +210,6 @@ def _call_arguments(code: str, name: str) -> dict[str, int]:
 def _is_tensor(node: fx.Node) -> bool:
     from fxpipe.tracer.profile import TensorSpec
 
-    return isinstance(node.meta.get("val"), torch.Tensor) or isinstance(node.meta.get(SPEC_KEY), TensorSpec)
+    return isinstance(node.meta.get("val"), torch.Tensor) or isinstance(
+        node.meta.get(SPEC_KEY), TensorSpec
+    )

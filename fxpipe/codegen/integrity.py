@@ -41,8 +41,16 @@ if TYPE_CHECKING:
     from fxpipe.modelfile import ModelSource
     from fxpipe.partitioner import PartitionPlan
 
-__all__ = ["CheckedFile", "CheckedBuild", "check_build", "check_shared", "read_checked_file", "model_import_needed",
-           "TorchVersionWarning", "warn_if_other_torch"]
+__all__ = [
+    "CheckedFile",
+    "CheckedBuild",
+    "check_build",
+    "check_shared",
+    "read_checked_file",
+    "model_import_needed",
+    "TorchVersionWarning",
+    "warn_if_other_torch",
+]
 
 _MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
 _BLOCK = 1 << 20
@@ -63,7 +71,9 @@ class CheckedFile:
 def _open_regular(path: Path, what: str) -> int:
     """A read-only descriptor of ``path``, refused unless it is a regular file; never blocks."""
     try:
-        return open_regular(path, what, BuildDirError, _REBUILD)  # Note [regular files only] in fxpipe.userfiles
+        return open_regular(
+            path, what, BuildDirError, _REBUILD
+        )  # Note [regular files only] in fxpipe.userfiles
     except FileNotFoundError:
         raise BuildDirError(f"{what} {str(path)!r} is missing; {_REBUILD}") from None
 
@@ -72,7 +82,9 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def read_checked_file(path: str | Path, expected: str, what: str, *, keep: bool = True) -> CheckedFile:
+def read_checked_file(
+    path: str | Path, expected: str, what: str, *, keep: bool = True
+) -> CheckedFile:
     """Hash ``path`` and refuse it unless its sha256 is ``expected``; ``keep``: return its bytes too.
 
     ``what`` names the file in messages ("stage source", "model file", ...).
@@ -91,8 +103,10 @@ def read_checked_file(path: str | Path, expected: str, what: str, *, keep: bool 
         raise BuildDirError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
     actual = h.hexdigest()
     if actual != expected:
-        raise BuildDirError(f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
-                            f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`")
+        raise BuildDirError(
+            f"{what} {path.name} has sha256 {actual[:12]}…, but manifest.json expects "
+            f"{expected[:12]}…: the file changed after it was built; rebuild with `fxpipe partition`"
+        )
     return CheckedFile(path, actual, b"".join(chunks) if keep else None, _identity(st))
 
 
@@ -121,7 +135,9 @@ class CheckedBuild:
         from fxpipe.modelfile import load_model_file
 
         model, m = self._model(), self.manifest
-        return load_model_file(model.path, model_fn=m.model_fn or None, inputs_fn=m.inputs_fn or None, data=model.data)
+        return load_model_file(
+            model.path, model_fn=m.model_fn or None, inputs_fn=m.inputs_fn or None, data=model.data
+        )
 
     def read_plan(self) -> PartitionPlan | None:
         """``plan.json`` parsed from its checked bytes (``None`` when the build has none)."""
@@ -141,13 +157,17 @@ class CheckedBuild:
             raise KeyError(f"stage {index}'s source was not checked")
         return self.sources[index]
 
-    def load_weights(self, index: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def load_weights(
+        self, index: int, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
         """Stage ``index``'s tensors from its checked weights file (Note [check before use])."""
         checked = self.weights[index]
         return _load_safetensors(checked, str(device))
 
     @classmethod
-    def from_memory(cls, files: Mapping[str, bytes], stages: Iterable[int], where: str | Path) -> CheckedBuild:
+    def from_memory(
+        cls, files: Mapping[str, bytes], stages: Iterable[int], where: str | Path
+    ) -> CheckedBuild:
         """A build held in memory (file name -> bytes: ``manifest.json``, ``plan.json`` and the given
         stages' files), checked against its manifest like a directory; ``where`` is the folder the
         files are said to be in (tracebacks name the stage sources there). Nothing touches the disk."""
@@ -161,9 +181,13 @@ class CheckedBuild:
                 raise BuildDirError(f"{what} {name} is missing from the build")
             data = files[name]
             actual = hashlib.sha256(data).hexdigest()
-            if actual != expected and (expected or what != "plan"):  # an older build records no plan hash
-                raise BuildDirError(f"{what} {name} has sha256 {actual[:12]}…, but manifest.json expects "
-                                    f"{expected[:12]}…")
+            if actual != expected and (
+                expected or what != "plan"
+            ):  # an older build records no plan hash
+                raise BuildDirError(
+                    f"{what} {name} has sha256 {actual[:12]}…, but manifest.json expects "
+                    f"{expected[:12]}…"
+                )
             return CheckedFile(where / name, actual, data, (0, 0, len(data), 0))
 
         plan = check("plan.json", manifest.plan_sha256, "plan") if "plan.json" in files else None
@@ -183,8 +207,15 @@ class CheckedBuild:
         return self.model
 
 
-def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, model: bool = True,
-                plan: bool = True, weights: bool = True, manifest: Manifest | None = None) -> CheckedBuild:
+def check_build(
+    build_dir: str | Path,
+    stages: Iterable[int] | None = None,
+    *,
+    model: bool = True,
+    plan: bool = True,
+    weights: bool = True,
+    manifest: Manifest | None = None,
+) -> CheckedBuild:
     """Read ``build_dir``'s manifest and check the files asked for against it (Note [check before use]).
 
     ``stages``: the stages whose source (and, with ``weights``, weights) to check, with the shared
@@ -196,15 +227,21 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
     build_dir = Path(build_dir)
     manifest = manifest if manifest is not None else Manifest.from_json(build_dir)
     warn_if_other_torch(manifest, build_dir)
-    indices = range(manifest.num_stages) if stages is None else [manifest.stage(i).index for i in stages]
+    indices = (
+        range(manifest.num_stages) if stages is None else [manifest.stage(i).index for i in stages]
+    )
     model_file = None
     if model:
         if not manifest.model_file:
             raise BuildDirError(f"{build_dir}/manifest.json names no model file; it is needed here")
         if not manifest.model_sha256:
-            raise BuildDirError(f"{build_dir}/manifest.json names the model file {manifest.model_file!r} but "
-                                f"records no sha256 for it, so it cannot be checked; {_REBUILD}")
-        model_file = read_checked_file(manifest.model_path(build_dir), manifest.model_sha256, "model file")
+            raise BuildDirError(
+                f"{build_dir}/manifest.json names the model file {manifest.model_file!r} but "
+                f"records no sha256 for it, so it cannot be checked; {_REBUILD}"
+            )
+        model_file = read_checked_file(
+            manifest.model_path(build_dir), manifest.model_sha256, "model file"
+        )
     plan_file = None
     plan_path = build_dir / "plan.json"
     if plan and (manifest.plan_sha256 or plan_path.exists() or plan_path.is_symlink()):
@@ -214,16 +251,22 @@ def check_build(build_dir: str | Path, stages: Iterable[int] | None = None, *, m
             fd = _open_regular(plan_path, "plan")
             with os.fdopen(fd, "rb") as f:
                 data = f.read()
-            plan_file = CheckedFile(plan_path, hashlib.sha256(data).hexdigest(), data, _identity(os.stat(plan_path)))
+            plan_file = CheckedFile(
+                plan_path, hashlib.sha256(data).hexdigest(), data, _identity(os.stat(plan_path))
+            )
     sources, tensors = {}, {}
     for i in indices:
         sm = manifest.stages[i]
         sources[i] = read_checked_file(build_dir / sm.source, sm.source_sha256, "stage source")
         if weights:
-            tensors[i] = read_checked_file(build_dir / sm.weights, sm.weights_sha256, "stage weights", keep=False)
+            tensors[i] = read_checked_file(
+                build_dir / sm.weights, sm.weights_sha256, "stage weights", keep=False
+            )
     shared = None
     if any(manifest.stages[i].imports_shared for i in indices):
-        shared = read_checked_file(build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes")
+        shared = read_checked_file(
+            build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes"
+        )
     return CheckedBuild(build_dir, manifest, model_file, plan_file, sources, tensors, shared)
 
 
@@ -233,7 +276,9 @@ def check_shared(build_dir: str | Path) -> CheckedFile:
     manifest = Manifest.from_json(build_dir)
     if not manifest.shared_source:
         raise BuildDirError(f"{build_dir}/manifest.json names no shared classes; {_REBUILD}")
-    return read_checked_file(build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes")
+    return read_checked_file(
+        build_dir / manifest.shared_source, manifest.shared_sha256, "shared classes"
+    )
 
 
 class TorchVersionWarning(UserWarning):
@@ -247,9 +292,13 @@ def warn_if_other_torch(manifest: Manifest, build_dir: str | Path) -> None:
 
     built, here = manifest.torch_version.split("+")[0], torch.__version__.split("+")[0]
     if built and built != here:
-        warnings.warn(f"fxpipe: {shown(build_dir)} was built with torch {built}, this is torch {here}; its stages' "
-                      "code was emitted for the other release: if loading, verify or training fails, rebuild it "
-                      "with `fxpipe partition`", TorchVersionWarning, stacklevel=3)
+        warnings.warn(
+            f"fxpipe: {shown(build_dir)} was built with torch {built}, this is torch {here}; its stages' "
+            "code was emitted for the other release: if loading, verify or training fails, rebuild it "
+            "with `fxpipe partition`",
+            TorchVersionWarning,
+            stacklevel=3,
+        )
 
 
 def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tensor]:
@@ -267,14 +316,20 @@ def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tens
         _check_header(fd, size, what)
         proc = Path(f"/proc/self/fd/{fd}")
         try:
-            if proc.exists():  # the very file that was checked, even if its name now points elsewhere
+            if (
+                proc.exists()
+            ):  # the very file that was checked, even if its name now points elsewhere
                 return load_file(str(proc), device=device)
             with os.fdopen(os.dup(fd), "rb") as f:
                 return {k: v.to(device) for k, v in load(f.read()).items()}
         except BuildDirError:
             raise
-        except Exception as exc:  # safetensors' SafetensorError, a bad dtype, a device that does not exist
-            raise BuildDirError(f"cannot read {what}: {type(exc).__name__}: {exc}; {_REBUILD}") from None
+        except (
+            Exception
+        ) as exc:  # safetensors' SafetensorError, a bad dtype, a device that does not exist
+            raise BuildDirError(
+                f"cannot read {what}: {type(exc).__name__}: {exc}; {_REBUILD}"
+            ) from None
     finally:
         os.close(fd)
 
@@ -282,11 +337,13 @@ def _load_safetensors(checked: CheckedFile, device: str) -> dict[str, torch.Tens
 def _load_safetensors_bytes(data: bytes, device: str, what: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
-    _check_header_bytes(data[:8], lambda n: data[8:8 + n], len(data), what)
+    _check_header_bytes(data[:8], lambda n: data[8 : 8 + n], len(data), what)
     try:
         return {k: v.to(device) for k, v in load(data).items()}
     except Exception as exc:
-        raise BuildDirError(f"cannot read {what}: {type(exc).__name__}: {exc}; {_REBUILD}") from None
+        raise BuildDirError(
+            f"cannot read {what}: {type(exc).__name__}: {exc}; {_REBUILD}"
+        ) from None
 
 
 def _check_header(fd: int, size: int, what: str) -> None:
@@ -300,11 +357,15 @@ def _check_header_bytes(head: bytes, read: Callable[[int], bytes], size: int, wh
         raise BuildDirError(f"{what} has no safetensors header ({size} bytes); {_REBUILD}")
     n = int.from_bytes(head, "little")
     if n > min(size - 8, _MAX_HEADER):
-        raise BuildDirError(f"{what}: its safetensors header claims {n} bytes, but the file has {size}; {_REBUILD}")
+        raise BuildDirError(
+            f"{what}: its safetensors header claims {n} bytes, but the file has {size}; {_REBUILD}"
+        )
     try:
         header = json.loads(read(n))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BuildDirError(f"{what}: its safetensors header is not valid JSON ({exc}); {_REBUILD}") from None
+        raise BuildDirError(
+            f"{what}: its safetensors header is not valid JSON ({exc}); {_REBUILD}"
+        ) from None
     if not isinstance(header, dict):
         raise BuildDirError(f"{what}: its safetensors header is not a JSON object; {_REBUILD}")
     data = size - 8 - n
@@ -312,14 +373,19 @@ def _check_header_bytes(head: bytes, read: Callable[[int], bytes], size: int, wh
         if key == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):
-            raise BuildDirError(f"{what}: tensor {key!r} lies outside the file ({offsets!r}, {data} data bytes); "
-                                f"{_REBUILD}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data
+        ):
+            raise BuildDirError(
+                f"{what}: tensor {key!r} lies outside the file ({offsets!r}, {data} data bytes); "
+                f"{_REBUILD}"
+            )
 
 
 def model_import_needed(manifest: Manifest, stages: Iterable[int]) -> bool:
     """Whether any of ``stages`` imports user classes from the build's model file (a build made
     in-process from a module, with no model file, imports them from modules already loaded)."""
     return bool(manifest.model_file) and any(manifest.stage(i).imports_model_file for i in stages)
-

@@ -44,11 +44,15 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
     assert checked.data is not None
     name = f"fxpipe_stage_{sm.index}_{sm.source_sha256[:16]}"
     model = None
-    if model_import_needed(build.manifest, [index]):  # classes from the model file: imported from its checked bytes
+    if model_import_needed(
+        build.manifest, [index]
+    ):  # classes from the model file: imported from its checked bytes
         model = build.model_module()
         # the same stage source over another model file holds other classes (Note [what is hashed is what runs])
         name += f"_{build.manifest.model_sha256[:16]}"
-    shared = shared_module(build) if sm.imports_shared else None  # Note [classes several stages share]
+    shared = (
+        shared_module(build) if sm.imports_shared else None
+    )  # Note [classes several stages share]
     if shared is not None and build.shared is not None:
         name += f"_{build.shared.sha256[:16]}"
     module = sys.modules.get(name)
@@ -67,7 +71,9 @@ def _stage_class(build: CheckedBuild, index: int) -> type[nn.Module]:
         sys.modules[name] = module
     cls = getattr(module, sm.class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise BuildDirError(f"{sm.source} defines no nn.Module class {sm.class_name!r}; the build directory is broken")
+        raise BuildDirError(
+            f"{sm.source} defines no nn.Module class {sm.class_name!r}; the build directory is broken"
+        )
     return cls
 
 
@@ -75,7 +81,9 @@ def _set_tensor(module: nn.Module, key: str, value: torch.Tensor) -> None:
     owner_path, _, name = key.rpartition(".")
     owner = module.get_submodule(owner_path)
     if isinstance(value, nn.Parameter) or name in owner._parameters:
-        owner.register_parameter(name, value if isinstance(value, nn.Parameter) else nn.Parameter(value))
+        owner.register_parameter(
+            name, value if isinstance(value, nn.Parameter) else nn.Parameter(value)
+        )
     else:
         owner._buffers[name] = value
 
@@ -100,12 +108,19 @@ def load_stage(build_dir: str | Path, index: int, device: str | torch.device = "
     """
     manifest = read_manifest(build_dir)
     manifest.stage(index)
-    build = check_build(build_dir, [index], model=model_import_needed(manifest, [index]), plan=False,
-                        manifest=manifest)
+    build = check_build(
+        build_dir,
+        [index],
+        model=model_import_needed(manifest, [index]),
+        plan=False,
+        manifest=manifest,
+    )
     return load_checked_stage(build, index, device)
 
 
-def load_checked_stage(build: CheckedBuild, index: int, device: str | torch.device = "cpu") -> nn.Module:
+def load_checked_stage(
+    build: CheckedBuild, index: int, device: str | torch.device = "cpu"
+) -> nn.Module:
     """``load_stage`` on files ``check_build`` has checked (stage ``index``'s source and weights among them)."""
     sm = build.manifest.stage(index)
     cls = _stage_class(build, index)
@@ -113,17 +128,34 @@ def load_checked_stage(build: CheckedBuild, index: int, device: str | torch.devi
         module = cls()
     tensors = build.load_weights(index, device)
     persistent = set(module.state_dict(keep_vars=True))
-    result = module.load_state_dict({k: v for k, v in tensors.items() if k in persistent}, strict=False, assign=True)
+    result = module.load_state_dict(
+        {k: v for k, v in tensors.items() if k in persistent}, strict=False, assign=True
+    )
     for key in set(tensors) - persistent:
         _set_tensor(module, key, tensors[key])
     _tie_weights(module)
-    if build.manifest.weights == "init":  # a meta build without --weights (Note [each stage initialises itself])
-        initialise_stage(module, index, build.manifest.ties, device=device,
-                         init_models=build.manifest.init_models)
+    if (
+        build.manifest.weights == "init"
+    ):  # a meta build without --weights (Note [each stage initialises itself])
+        initialise_stage(
+            module,
+            index,
+            build.manifest.ties,
+            device=device,
+            init_models=build.manifest.init_models,
+        )
     if result.unexpected_keys:
-        raise BuildDirError(f"{sm.weights} holds keys {result.unexpected_keys[:5]} that {sm.class_name} does not have")
-    left = [k for k, t in list(module.named_parameters(remove_duplicate=False))
-            + list(module.named_buffers(remove_duplicate=False)) if t.is_meta]
+        raise BuildDirError(
+            f"{sm.weights} holds keys {result.unexpected_keys[:5]} that {sm.class_name} does not have"
+        )
+    left = [
+        k
+        for k, t in list(module.named_parameters(remove_duplicate=False))
+        + list(module.named_buffers(remove_duplicate=False))
+        if t.is_meta
+    ]
     if left:
-        raise BuildDirError(f"{sm.weights} has no values for {left[:5]} of stage {index}; rebuild the directory")
+        raise BuildDirError(
+            f"{sm.weights} has no values for {left[:5]} of stage {index}; rebuild the directory"
+        )
     return module

@@ -26,7 +26,16 @@ from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
 from fxpipe.userfiles import check_regular
 from fxpipe.tracer.call import CallSpec
 
-__all__ = ["model_file_reference", "INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "StageManifest", "Tie", "InitModel", "Manifest"]
+__all__ = [
+    "model_file_reference",
+    "INPUT",
+    "MANIFEST_SCHEMA_VERSION",
+    "BoundaryTensor",
+    "StageManifest",
+    "Tie",
+    "InitModel",
+    "Manifest",
+]
 
 # 2: microbatches, training and torch_version are fields (were ``extra``); 3: each stage lists the
 # inputs it changes in place (``mutated_inputs``): run without that list, such a stage changed a
@@ -78,8 +87,10 @@ class BoundaryTensor:
         object.__setattr__(self, "shape", tuple(self.shape))
         object.__setattr__(self, "consumers", tuple(self.consumers))
         if self.producer < INPUT:
-            raise BuildDirError(f"tensor {self.name!r}: producer {self.producer} is neither a stage index nor "
-                                f"{INPUT} (a model input)")
+            raise BuildDirError(
+                f"tensor {self.name!r}: producer {self.producer} is neither a stage index nor "
+                f"{INPUT} (a model input)"
+            )
 
     def shape_at(self, microbatch: int, traced_microbatch: int) -> tuple[int, ...]:
         """The shape at another microbatch size (scaled along ``batch_dim``)."""
@@ -88,8 +99,10 @@ class BoundaryTensor:
         shape = list(self.shape)
         per_sample, rem = divmod(shape[self.batch_dim], traced_microbatch)
         if rem:
-            raise BuildDirError(f"tensor {self.name!r}: dim {self.batch_dim} of {self.shape} "
-                                f"is not a multiple of the traced microbatch {traced_microbatch}")
+            raise BuildDirError(
+                f"tensor {self.name!r}: dim {self.batch_dim} of {self.shape} "
+                f"is not a multiple of the traced microbatch {traced_microbatch}"
+            )
         shape[self.batch_dim] = per_sample * microbatch
         return tuple(shape)
 
@@ -109,23 +122,46 @@ class StageManifest:
     parameters: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
     units: tuple[str, ...] = ()
-    constants: tuple[str, ...] = ()  # non-persistent buffers: in the weights file, not in state_dict()
-    imports_model_file: bool = False  # its source imports user classes from the model file (hash-checked too)
+    constants: tuple[
+        str, ...
+    ] = ()  # non-persistent buffers: in the weights file, not in state_dict()
+    imports_model_file: bool = (
+        False  # its source imports user classes from the model file (hash-checked too)
+    )
     rank: NonNegInt | None = None  # the pipeline rank that runs this stage (chunk); None: its index
-    mutated_inputs: tuple[str, ...] = ()  # inputs it changes in place: each run gets copies of its own
-    imports_shared: bool = False  # its source imports classes from the build's shared source (hash-checked too)
+    mutated_inputs: tuple[
+        str, ...
+    ] = ()  # inputs it changes in place: each run gets copies of its own
+    imports_shared: bool = (
+        False  # its source imports classes from the build's shared source (hash-checked too)
+    )
 
     def __post_init__(self) -> None:
-        for name in ("inputs", "outputs", "parameters", "buffers", "units", "constants", "mutated_inputs"):
+        for name in (
+            "inputs",
+            "outputs",
+            "parameters",
+            "buffers",
+            "units",
+            "constants",
+            "mutated_inputs",
+        ):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         unknown = set(self.mutated_inputs) - {t.name for t in self.inputs}
         if unknown:
-            raise BuildDirError(f"stage {self.index}: mutated_inputs {sorted(unknown)} are not inputs of the stage")
-        for name in ("source", "weights"):  # files of the build directory itself, never a path out of it
+            raise BuildDirError(
+                f"stage {self.index}: mutated_inputs {sorted(unknown)} are not inputs of the stage"
+            )
+        for name in (
+            "source",
+            "weights",
+        ):  # files of the build directory itself, never a path out of it
             value = getattr(self, name)
             if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
-                raise BuildDirError(f"stage {self.index}: {name} {value!r} is not a file name inside the build "
-                                    "directory")
+                raise BuildDirError(
+                    f"stage {self.index}: {name} {value!r} is not a file name inside the build "
+                    "directory"
+                )
 
     @property
     def pipeline_rank(self) -> int:
@@ -196,12 +232,20 @@ class Manifest:
     torch_version: str = ""
     call: CallSpec | None = None
     output_modules: tuple[str, ...] = ()
-    plan_sha256: str = ""  # of plan.json ("" in builds without one, and in builds written before it was recorded)
+    plan_sha256: str = (
+        ""  # of plan.json ("" in builds without one, and in builds written before it was recorded)
+    )
     schedule: str | None = None
-    weights: str = "model"  # "model" | "checkpoint" | "init" (Note [stage weights from a checkpoint])
+    weights: str = (
+        "model"  # "model" | "checkpoint" | "init" (Note [stage weights from a checkpoint])
+    )
     skipped_checks: tuple[str, ...] = ()
-    init_models: tuple[InitModel, ...] = ()  # with weights "init": transformers models that initialise their tensors
-    shared_source: str = ""  # the classes several stages use (Note [classes several stages share]); "" if none
+    init_models: tuple[
+        InitModel, ...
+    ] = ()  # with weights "init": transformers models that initialise their tensors
+    shared_source: str = (
+        ""  # the classes several stages use (Note [classes several stages share]); "" if none
+    )
     shared_sha256: str = ""
 
     def __post_init__(self) -> None:
@@ -212,24 +256,39 @@ class Manifest:
         object.__setattr__(self, "output_modules", tuple(self.output_modules))
         object.__setattr__(self, "init_models", tuple(self.init_models))
         if self.call is not None and len(self.call.inputs) != len(self.inputs):
-            raise BuildDirError(f"the manifest's call names {len(self.call.inputs)} tensor inputs but it lists "
-                                f"{len(self.inputs)} model inputs")
+            raise BuildDirError(
+                f"the manifest's call names {len(self.call.inputs)} tensor inputs but it lists "
+                f"{len(self.inputs)} model inputs"
+            )
         if not self.microbatches:
-            object.__setattr__(self, "microbatches", max(self.batch_size // self.microbatch_size, 1))
+            object.__setattr__(
+                self, "microbatches", max(self.batch_size // self.microbatch_size, 1)
+            )
         for i, s in enumerate(self.stages):
             if s.index != i:
                 raise BuildDirError(f"manifest stage {i} says it is stage {s.index}")
-        if self.shared_source and (self.shared_source in (".", "..") or any(c in self.shared_source for c in "/\\\0")):
-            raise BuildDirError(f"shared_source {self.shared_source!r} is not a file name inside the build directory")
+        if self.shared_source and (
+            self.shared_source in (".", "..") or any(c in self.shared_source for c in "/\\\0")
+        ):
+            raise BuildDirError(
+                f"shared_source {self.shared_source!r} is not a file name inside the build directory"
+            )
         needing = [s.index for s in self.stages if s.imports_shared]
         if needing and not (self.shared_source and self.shared_sha256):
-            raise BuildDirError(f"stages {needing} import the build's shared classes, but the manifest names no "
-                                "shared source with its sha256; rebuild the directory")
+            raise BuildDirError(
+                f"stages {needing} import the build's shared classes, but the manifest names no "
+                "shared source with its sha256; rebuild the directory"
+            )
         ranks = self.stage_ranks
-        if ranks and (set(ranks) != set(range(max(ranks) + 1)) or len(ranks) % (max(ranks) + 1)
-                      or any(ranks.count(r) != len(ranks) // (max(ranks) + 1) for r in set(ranks))):
-            raise BuildDirError(f"manifest stage ranks {list(ranks)} do not give every rank 0..{max(ranks)} the same "
-                                "number of stages; rebuild the directory")
+        if ranks and (
+            set(ranks) != set(range(max(ranks) + 1))
+            or len(ranks) % (max(ranks) + 1)
+            or any(ranks.count(r) != len(ranks) // (max(ranks) + 1) for r in set(ranks))
+        ):
+            raise BuildDirError(
+                f"manifest stage ranks {list(ranks)} do not give every rank 0..{max(ranks)} the same "
+                "number of stages; rebuild the directory"
+            )
 
     @property
     def stage_ranks(self) -> tuple[int, ...]:
@@ -255,7 +314,11 @@ class Manifest:
     @property
     def call_spec(self) -> CallSpec:
         """How a call binds to the model inputs (``call``, else positionally in the inputs' order)."""
-        return self.call if self.call is not None else CallSpec.positional([t.name for t in self.inputs])
+        return (
+            self.call
+            if self.call is not None
+            else CallSpec.positional([t.name for t in self.inputs])
+        )
 
     @property
     def num_stages(self) -> int:
@@ -284,14 +347,24 @@ class Manifest:
             # a FIFO or a device: never read (it could block; Note [regular files only] in fxpipe.userfiles)
             check_regular(path, "manifest", BuildDirError, "rebuild with `fxpipe partition`")
             if not path.is_file():
-                raise BuildDirError(f"{str(path)!r} does not exist: is this a build directory written by "
-                                    "`fxpipe partition`?")
+                raise BuildDirError(
+                    f"{str(path)!r} does not exist: is this a build directory written by "
+                    "`fxpipe partition`?"
+                )
             what = f"manifest {path}"
             data = load_json(path, what, BuildDirError)
         if "schema_version" not in data:
-            raise BuildDirError(f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`")
-        check_schema_version(data, MANIFEST_SCHEMA_VERSION, what, BuildDirError, oldest=OLDEST_MANIFEST_SCHEMA_VERSION,
-                             remedy="rebuild it with this fxpipe's `fxpipe partition`")
+            raise BuildDirError(
+                f"{what} has no schema_version; rebuild it with this fxpipe's `fxpipe partition`"
+            )
+        check_schema_version(
+            data,
+            MANIFEST_SCHEMA_VERSION,
+            what,
+            BuildDirError,
+            oldest=OLDEST_MANIFEST_SCHEMA_VERSION,
+            remedy="rebuild it with this fxpipe's `fxpipe partition`",
+        )
         manifest = read_dataclass(cls, data, what, BuildDirError)
         if not manifest.stages:
             raise BuildDirError(f"{what} lists no stages; rebuild it with `fxpipe partition`")

@@ -68,10 +68,14 @@ def boundary_names(gm: fx.GraphModule, crossing: Iterable[str] | None = None) ->
     (all of them by default), unique among those."""
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     members = scope_members(nodes)
-    for node in nodes:  # a leaf module call is a scope of its own: its result is that module's output
+    for (
+        node
+    ) in nodes:  # a leaf module call is a scope of its own: its result is that module's output
         if node.op == "call_module":
             members[_leaf(node)] = [node, *(u for u in node.users if is_indexer(u))]
-    shorts = short_paths([path for _, path in members] + [str(n.meta.get(PATH_KEY, "")) for n in nodes])
+    shorts = short_paths(
+        [path for _, path in members] + [str(n.meta.get(PATH_KEY, "")) for n in nodes]
+    )
     outputs = {scope: _outputs(ms) for scope, ms in members.items()}
     source = _SourceNames(gm.graph)
     result: dict[str, str] = {}
@@ -82,7 +86,9 @@ def boundary_names(gm: fx.GraphModule, crossing: Iterable[str] | None = None) ->
     wanted = None if crossing is None else set(crossing)
     for node in nodes:
         if wanted is None or node.name in wanted:
-            result[node.name] = unique_name(_identifier(_name_of(node, outputs, shorts, source)), used)
+            result[node.name] = unique_name(
+                _identifier(_name_of(node, outputs, shorts, source)), used
+            )
     return result
 
 
@@ -110,8 +116,12 @@ class _SourceNames:
         return self.names.get(node)
 
 
-def _name_of(node: fx.Node, outputs: Mapping[Scope, list[fx.Node]], shorts: Mapping[str, str],
-             source: _SourceNames) -> str:
+def _name_of(
+    node: fx.Node,
+    outputs: Mapping[Scope, list[fx.Node]],
+    shorts: Mapping[str, str],
+    source: _SourceNames,
+) -> str:
     owners = list(scope_stack(node))
     indexed = node.args[0] if is_indexer(node) else node
     if isinstance(indexed, fx.Node) and indexed.op == "call_module":
@@ -149,7 +159,7 @@ def module_ranges(paths: Iterable[str]) -> list[str]:
             groups.setdefault((path, ""), [])
             continue
         i = digits[-1]
-        groups.setdefault((".".join(parts[:i]), ".".join(parts[i + 1:])), []).append(int(parts[i]))
+        groups.setdefault((".".join(parts[:i]), ".".join(parts[i + 1 :])), []).append(int(parts[i]))
     out = []
     for (prefix, suffix), numbers in groups.items():
         if not numbers:
@@ -167,7 +177,9 @@ def module_ranges(paths: Iterable[str]) -> list[str]:
     return out
 
 
-def describe_modules(gm: fx.GraphModule, owned: set[str], module_order: Mapping[str, int]) -> tuple[list[str], list[str]]:
+def describe_modules(
+    gm: fx.GraphModule, owned: set[str], module_order: Mapping[str, int]
+) -> tuple[list[str], list[str]]:
     """``(whole, partial)`` module paths of a stage that owns the nodes named ``owned``.
 
     ``whole``: the outermost modules all of whose nodes the stage owns; ``partial``: modules
@@ -188,7 +200,12 @@ def describe_modules(gm: fx.GraphModule, owned: set[str], module_order: Mapping[
                 mine[prefix] = mine.get(prefix, 0) + 1
         if path and node.name in owned:
             direct[path] = direct.get(path, 0) + 1
-    whole = [p for p in mine if mine[p] == total[p] and mine.get(p.rpartition(".")[0], 0) != total.get(p.rpartition(".")[0], -1)]
+    whole = [
+        p
+        for p in mine
+        if mine[p] == total[p]
+        and mine.get(p.rpartition(".")[0], 0) != total.get(p.rpartition(".")[0], -1)
+    ]
     partial = [p for p in direct if mine[p] != total[p]]
-    order = (lambda p: (module_order.get(p, len(module_order)), p))
+    order = lambda p: (module_order.get(p, len(module_order)), p)
     return module_ranges(sorted(whole, key=order)), module_ranges(sorted(partial, key=order))

@@ -48,12 +48,29 @@ from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.tracer.modes import guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
 
-__all__ = ["Body", "Outline", "outline_stage", "stack_runs", "is_metadata", "is_device", "size_inputs", "share_sizes"]
+__all__ = [
+    "Body",
+    "Outline",
+    "outline_stage",
+    "stack_runs",
+    "is_metadata",
+    "is_device",
+    "size_inputs",
+    "share_sizes",
+]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _SIZE_METHODS = ("size", "dim", "numel", "stride")
-_INT_OPS = (operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
-            operator.mod, operator.neg)
+_INT_OPS = (
+    operator.getitem,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.floordiv,
+    operator.truediv,
+    operator.mod,
+    operator.neg,
+)
 
 
 @dataclass
@@ -72,7 +89,9 @@ class Outline:
 
     graph: fx.Graph
     bodies: dict[str, Body] = field(default_factory=dict)  # by module path, deepest first
-    torch_layers: set[str] = field(default_factory=set)  # calls written as the torch.nn layer itself
+    torch_layers: set[str] = field(
+        default_factory=set
+    )  # calls written as the torch.nn layer itself
 
 
 def is_metadata(node: fx.Node) -> bool:
@@ -93,9 +112,16 @@ def _compute(graph: fx.Graph) -> list[fx.Node]:
 
 
 class _Outliner:
-    def __init__(self, graph: fx.Graph, model: nn.Module, owned: set[str],
-                 original: Mapping[Scope, set[str]], leaves: set[str], is_subgraph: Callable[[str], bool],
-                 buildable: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        graph: fx.Graph,
+        model: nn.Module,
+        owned: set[str],
+        original: Mapping[Scope, set[str]],
+        leaves: set[str],
+        is_subgraph: Callable[[str], bool],
+        buildable: Callable[[str], bool],
+    ) -> None:
         self.graph = graph
         self.model = model
         self.buildable = buildable
@@ -107,7 +133,9 @@ class _Outliner:
         for node in nodes:
             if node.op == "call_module":
                 node.meta.setdefault(NAME_KEY, shorts[str(node.target)])
-        for node in reversed(nodes):  # users before the node: free nodes join their users' common scope
+        for node in reversed(
+            nodes
+        ):  # users before the node: free nodes join their users' common scope
             origin = node.meta.get(ORIGIN_KEY)
             if origin is not None and origin in owned and scope_stack(node):
                 self.stack[node] = scope_stack(node)
@@ -122,16 +150,28 @@ class _Outliner:
         paths: dict[str, int] = {}
         for _, path in keys:
             paths[path] = paths.get(path, 0) + 1
-        self.candidates = {s for s, ms in keys.items()
-                           if paths[s[1]] == 1 and s[1] not in leaves and _module(model, s[1]) is not None
-                           and original.get(s, set()) <= owned
-                           and not any(a.op == "get_attr" and is_subgraph(str(a.target))
-                                       for m in ms for a in m.all_input_nodes)}
-        self.stack = {n: tuple(s for s in st if s in self.candidates) for n, st in self.stack.items()}
+        self.candidates = {
+            s
+            for s, ms in keys.items()
+            if paths[s[1]] == 1
+            and s[1] not in leaves
+            and _module(model, s[1]) is not None
+            and original.get(s, set()) <= owned
+            and not any(
+                a.op == "get_attr" and is_subgraph(str(a.target))
+                for m in ms
+                for a in m.all_input_nodes
+            )
+        }
+        self.stack = {
+            n: tuple(s for s in st if s in self.candidates) for n, st in self.stack.items()
+        }
 
     def _hoist_attrs(self) -> None:
         """get_attr nodes first (after the placeholders): they are read where used, never computed."""
-        anchor = next((n for n in self.graph.nodes if n.op not in ("placeholder", "get_attr")), None)
+        anchor = next(
+            (n for n in self.graph.nodes if n.op not in ("placeholder", "get_attr")), None
+        )
         if anchor is None:
             return
         for node in list(self.graph.nodes):
@@ -153,13 +193,13 @@ class _Outliner:
         inside = set(members)
         order = _compute(self.graph)
         first, last = order.index(members[0]), order.index(members[-1])
-        interlopers = [n for n in order[first:last + 1] if n not in inside]
+        interlopers = [n for n in order[first : last + 1] if n not in inside]
         if not interlopers:
             return True
         if not all(is_metadata(n) for n in interlopers):
             return False
         after: set[fx.Node] = set()
-        for n in order[first:last + 1]:
+        for n in order[first : last + 1]:
             if n not in inside and any(a in inside or a in after for a in n.all_input_nodes):
                 after.add(n)
         if any(a in after for m in members for a in m.all_input_nodes):
@@ -179,7 +219,9 @@ class _Outliner:
         for node, stack in self.stack.items():
             for scope in stack:
                 first[scope] = min(first.get(scope, len(position)), position[node])
-        ordered = sorted(self.candidates, key=lambda s: (-len(s[1].split(".")), first[s]))  # deepest first
+        ordered = sorted(
+            self.candidates, key=lambda s: (-len(s[1].split(".")), first[s])
+        )  # deepest first
         for _ in range(2):  # make every run contiguous, or drop the scope
             for scope in ordered:
                 if scope in self.candidates and not self.make_contiguous(scope):
@@ -196,16 +238,23 @@ class _Outliner:
         assert module is not None
         inside = set(members)
         stack = self.stack[members[0]]
-        parent = stack[:stack.index(scope)]
-        attrs_inside = [a for a in _inputs(members) if is_training_flag(a)
-                        or (a.op == "get_attr" and str(a.target).startswith(path + "."))]
+        parent = stack[: stack.index(scope)]
+        attrs_inside = [
+            a
+            for a in _inputs(members)
+            if is_training_flag(a) or (a.op == "get_attr" and str(a.target).startswith(path + "."))
+        ]
         inputs = [a for a in _inputs(members) if a not in attrs_inside]
         outputs = [m for m in members if any(u not in inside for u in m.users)]
         guards = {guard_of(m) for m in members}
         if any(guard_of(o) is not None for o in outputs) and len(guards) > 1:
-            self.drop(scope)  # a value of one mode leaves the call: it stays flat where its guard is written
+            self.drop(
+                scope
+            )  # a value of one mode leaves the call: it stays flat where its guard is written
             return
-        torch_input = torch_layer_input(members, module, path, {a for a in attrs_inside if not is_training_flag(a)})
+        torch_input = torch_layer_input(
+            members, module, path, {a for a in attrs_inside if not is_training_flag(a)}
+        )
         if torch_input is not None and len(outputs) == 1 and self.buildable(path):
             self._replace(members, outputs, path, (torch_input,), parent, inputs + attrs_inside)
             self.result.torch_layers.add(path)
@@ -218,9 +267,12 @@ class _Outliner:
         sizes = size_inputs(inputs)
         args = [a for a in inputs if a not in sizes]
         devices = [a for a in args if is_device(a)]
-        device_source = next((a for a in args if a not in devices and _is_tensor(a)), None) \
-            or next((a for a in attrs_inside if a.op == "get_attr" and _is_tensor(a)), None)
-        if device_source is not None:  # read where the body runs: one of its tensors is on that device
+        device_source = next((a for a in args if a not in devices and _is_tensor(a)), None) or next(
+            (a for a in attrs_inside if a.op == "get_attr" and _is_tensor(a)), None
+        )
+        if (
+            device_source is not None
+        ):  # read where the body runs: one of its tensors is on that device
             args = [a for a in args if a not in devices]
         else:
             devices = []
@@ -244,19 +296,28 @@ class _Outliner:
         for m in members:
             env[m] = body.node_copy(m, lambda x: env[x])
             if m.op == "call_module" and str(m.target).startswith(path + "."):
-                env[m].meta[NAME_KEY] = str(m.target)[len(path) + 1:].replace(".", "_")
+                env[m].meta[NAME_KEY] = str(m.target)[len(path) + 1 :].replace(".", "_")
         body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
         used = share_sizes(body)
         args = [a for a in args if used[env[a]]]
         for ph in [n for n in body.nodes if n.op == "placeholder" and not used[n]]:
             body.erase_node(ph)
         body.lint()
-        depth = next((scope_stack(m).index(scope) + 1 for m in members if scope in scope_stack(m)), 0)
+        depth = next(
+            (scope_stack(m).index(scope) + 1 for m in members if scope in scope_stack(m)), 0
+        )
         self.result.bodies[path] = Body(path, type(module), body, depth)
         self._replace(members, outputs, path, tuple(args), parent, inputs + attrs_inside)
 
-    def _replace(self, members: list[fx.Node], outputs: list[fx.Node], path: str, args: tuple,
-                 parent: tuple[Scope, ...], read: list[fx.Node]) -> None:
+    def _replace(
+        self,
+        members: list[fx.Node],
+        outputs: list[fx.Node],
+        path: str,
+        args: tuple,
+        parent: tuple[Scope, ...],
+        read: list[fx.Node],
+    ) -> None:
         """Put ``call_module(path, args)`` where the run of ``members`` was; drop what only the run read."""
         inside = set(members)
         with self.graph.inserting_before(members[0]):
@@ -265,7 +326,9 @@ class _Outliner:
         if len(guards) == 1 and None not in guards:  # a call made in one mode only
             call.meta[GUARD_KEY] = guards.pop()
         parent_path = parent[-1][1] if parent else ""
-        call.meta[NAME_KEY] = (path[len(parent_path) + 1:] if parent_path else short_paths([path])[path]).replace(".", "_")
+        call.meta[NAME_KEY] = (
+            path[len(parent_path) + 1 :] if parent_path else short_paths([path])[path]
+        ).replace(".", "_")
         statement = _call_statement(members, path)
         if statement is not None:
             call.meta[STATEMENT_KEY] = statement
@@ -279,7 +342,9 @@ class _Outliner:
             for i, out in enumerate(outputs):
                 with self.graph.inserting_after(anchor):
                     item = self.graph.call_function(operator.getitem, (call, i))
-                item.meta.update({k: v for k, v in out.meta.items() if k in ("val", SPEC_KEY, GUARD_KEY)})
+                item.meta.update(
+                    {k: v for k, v in out.meta.items() if k in ("val", SPEC_KEY, GUARD_KEY)}
+                )
                 if statement is not None:
                     item.meta[STATEMENT_KEY] = statement
                 self.stack[item] = parent
@@ -325,7 +390,9 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
 
 
 def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor) or isinstance(node.meta.get(SPEC_KEY), TensorSpec)
+    return isinstance(node.meta.get("val"), torch.Tensor) or isinstance(
+        node.meta.get(SPEC_KEY), TensorSpec
+    )
 
 
 def _call_statement(members: list[fx.Node], path: str) -> Statement | None:
@@ -347,9 +414,16 @@ def _first_parameter(module: nn.Module) -> str:
         params = list(inspect.signature(type(module).forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return "x"
-    first = next((p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
-    if first is None or not first.name.isidentifier() or keyword.iskeyword(first.name) \
-            or hasattr(builtins, first.name) or first.name.startswith("_"):
+    first = next(
+        (p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None
+    )
+    if (
+        first is None
+        or not first.name.isidentifier()
+        or keyword.iskeyword(first.name)
+        or hasattr(builtins, first.name)
+        or first.name.startswith("_")
+    ):
         return "x"
     return first.name
 
@@ -370,18 +444,29 @@ def _symbol(node: fx.Node) -> str | None:
     val = node.meta.get("val")
     if isinstance(val, torch.SymInt):
         return str(val)
-    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
+    if (
+        node.op == "call_method"
+        and node.target == "size"
+        and len(node.args) == 2
+        and isinstance(node.args[0], fx.Node)
+    ):
         shape = getattr(node.args[0].meta.get("val"), "shape", None)
         dim = node.args[1]
-        if shape is not None and isinstance(dim, int) and -len(shape) <= dim < len(shape) \
-                and isinstance(shape[dim], torch.SymInt):
+        if (
+            shape is not None
+            and isinstance(dim, int)
+            and -len(shape) <= dim < len(shape)
+            and isinstance(shape[dim], torch.SymInt)
+        ):
             return str(shape[dim])
     return None
 
 
 def _dims_of(node: fx.Node, symbol: str) -> list[int]:
     shape = getattr(node.meta.get("val"), "shape", ())
-    return [d for d, size in enumerate(shape) if isinstance(size, torch.SymInt) and str(size) == symbol]
+    return [
+        d for d, size in enumerate(shape) if isinstance(size, torch.SymInt) and str(size) == symbol
+    ]
 
 
 def share_sizes(body: fx.Graph) -> dict[fx.Node, bool]:
@@ -405,8 +490,13 @@ def size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
     tensors = [a for a in inputs if _is_tensor(a)]
     found: dict[fx.Node, tuple[fx.Node, int]] = {}
     for a in inputs:
-        if a.op == "call_method" and a.target == "size" and len(a.args) == 2 and a.args[0] in tensors \
-                and isinstance(a.args[1], int):
+        if (
+            a.op == "call_method"
+            and a.target == "size"
+            and len(a.args) == 2
+            and a.args[0] in tensors
+            and isinstance(a.args[1], int)
+        ):
             found[a] = (a.args[0], a.args[1])  # type: ignore[assignment]
             continue
         symbol = _symbol(a)
@@ -420,8 +510,16 @@ def size_inputs(inputs: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
     return found
 
 
-def outline_stage(graph: fx.Graph, model: nn.Module, *, owned: set[str], original: Mapping[Scope, set[str]],
-                  leaves: set[str], is_subgraph: Callable[[str], bool], buildable: Callable[[str], bool]) -> Outline:
+def outline_stage(
+    graph: fx.Graph,
+    model: nn.Module,
+    *,
+    owned: set[str],
+    original: Mapping[Scope, set[str]],
+    leaves: set[str],
+    is_subgraph: Callable[[str], bool],
+    buildable: Callable[[str], bool],
+) -> Outline:
     """Outline every whole module call of ``graph`` (changed in place); see Note [outlining module calls].
 
     ``owned``: names of the original nodes this stage holds; ``original``: every scope of the
@@ -433,8 +531,12 @@ def outline_stage(graph: fx.Graph, model: nn.Module, *, owned: set[str], origina
     return _Outliner(graph, model, owned, original, leaves, is_subgraph, buildable).run()
 
 
-def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str], list[str]],
-               within: str | None = None) -> dict[str, list[str]]:
+def stack_runs(
+    graph: fx.Graph,
+    class_of: Mapping[str, str],
+    held: Callable[[str], list[str]],
+    within: str | None = None,
+) -> dict[str, list[str]]:
     """Replace runs of chained calls ``P.i(x, *rest)``, ``P.(i+1)(that, *rest)``, ... of one class by one call.
 
     ``within``: the module path whose forward ``graph`` is; its own children are never replaced by a
@@ -461,7 +563,9 @@ def stack_runs(graph: fx.Graph, class_of: Mapping[str, str], held: Callable[[str
             continue
         paths = [str(n.target) for n in run]
         whole = sorted(held(container)) == sorted(paths)
-        if not container or (not whole and len(run) < 3):  # the root is no container to loop over or call
+        if not container or (
+            not whole and len(run) < 3
+        ):  # the root is no container to loop over or call
             continue
         with graph.inserting_before(run[0]):
             if whole:
@@ -487,7 +591,15 @@ def _chains(prev: fx.Node, node: fx.Node, first: fx.Node, class_of: Mapping[str,
     a, b = str(prev.target), str(node.target)
     pa, _, ia = a.rpartition(".")
     pb, _, ib = b.rpartition(".")
-    return (pa == pb and ia.isdigit() and ib.isdigit() and int(ib) == int(ia) + 1
-            and a in class_of and class_of.get(a) == class_of.get(b) and ARITY_KEY not in prev.meta
-            and node.args[:1] == (prev,) and tuple(node.args[1:]) == tuple(first.args[1:])
-            and list(prev.users) == [node])
+    return (
+        pa == pb
+        and ia.isdigit()
+        and ib.isdigit()
+        and int(ib) == int(ia) + 1
+        and a in class_of
+        and class_of.get(a) == class_of.get(b)
+        and ARITY_KEY not in prev.meta
+        and node.args[:1] == (prev,)
+        and tuple(node.args[1:]) == tuple(first.args[1:])
+        and list(prev.users) == [node]
+    )

@@ -52,8 +52,11 @@ def dump_output_spec(spec: pytree.TreeSpec | None) -> tuple[str | None, tuple[st
     try:
         text = pytree.treespec_dumps(spec)
     except Exception as exc:  # noqa: BLE001 - a container type pytree cannot serialize
-        warnings.warn(f"cannot serialize the model's output structure ({exc}); the build will return a flat "
-                      "tuple of tensors", stacklevel=4)
+        warnings.warn(
+            f"cannot serialize the model's output structure ({exc}); the build will return a flat "
+            "tuple of tensors",
+            stacklevel=4,
+        )
         return None, ()
     return text, tuple(dict.fromkeys(_container_modules(spec)))
 
@@ -64,13 +67,16 @@ def _loads(text: str, modules: tuple[str, ...]) -> pytree.TreeSpec:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise BuildDirError(f"the model's output is a container from {name!r}, which cannot be imported here "
-                                f"({exc}); install it where the build runs") from exc
+            raise BuildDirError(
+                f"the model's output is a container from {name!r}, which cannot be imported here "
+                f"({exc}); install it where the build runs"
+            ) from exc
     return pytree.treespec_loads(text)
 
 
-def load_output_spec(manifest: Manifest, build_dir: str | Path | None = None,
-                     build: CheckedBuild | None = None) -> pytree.TreeSpec | None:
+def load_output_spec(
+    manifest: Manifest, build_dir: str | Path | None = None, build: CheckedBuild | None = None
+) -> pytree.TreeSpec | None:
     """The manifest's output spec (``None``: the build returns a flat tuple), after importing the
     modules that register its containers (see the Note); with ``build_dir`` (or an already
     checked ``build``), the model file too when that is still needed, imported from its checked
@@ -83,8 +89,10 @@ def load_output_spec(manifest: Manifest, build_dir: str | Path | None = None,
         raise
     except Exception as first:  # noqa: BLE001 - a container registered by the model file itself
         if (build is None and build_dir is None) or not manifest.model_file:
-            raise BuildDirError(f"cannot rebuild the model's output structure from manifest.json: {first}; import "
-                                "the module that defines its container type first") from first
+            raise BuildDirError(
+                f"cannot rebuild the model's output structure from manifest.json: {first}; import "
+                "the module that defines its container type first"
+            ) from first
         if build is None or build.model is None:
             from fxpipe.codegen.integrity import check_build
 
@@ -94,7 +102,9 @@ def load_output_spec(manifest: Manifest, build_dir: str | Path | None = None,
         try:
             return _loads(manifest.output_spec, manifest.output_modules)
         except Exception as exc:  # noqa: BLE001 - reported with the build's context
-            raise BuildDirError(f"cannot rebuild the model's output structure from manifest.json: {exc}") from exc
+            raise BuildDirError(
+                f"cannot rebuild the model's output structure from manifest.json: {exc}"
+            ) from exc
 
 
 def rebuild_output(manifest: Manifest, flat: list[Any], build_dir: str | Path | None = None) -> Any:

@@ -22,7 +22,15 @@ from fxpipe.codegen.manifest import Tie
 from fxpipe.errors import CodegenError
 from fxpipe.unexpected import disk_error
 
-__all__ = ["TensorEntry", "StageState", "stage_state", "tensor_aliases", "tied_groups", "save_weights", "alias_chooser"]
+__all__ = [
+    "TensorEntry",
+    "StageState",
+    "stage_state",
+    "tensor_aliases",
+    "tied_groups",
+    "save_weights",
+    "alias_chooser",
+]
 
 PARAMETER, BUFFER, CONSTANT = "parameter", "buffer", "constant"
 
@@ -57,7 +65,9 @@ class StageState:
 def tensor_aliases(model: nn.Module) -> dict[int, list[str]]:
     """``id(tensor) -> every key naming it`` over the model's parameters and buffers, in model order."""
     groups: dict[int, list[str]] = {}
-    for key, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    for key, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
         groups.setdefault(id(t), []).append(key)
     return groups
 
@@ -102,7 +112,9 @@ def _fetch(gm: fx.GraphModule, model: nn.Module, target: str) -> object:
             return obj
         except AttributeError:
             continue
-    raise CodegenError(f"get_attr target {target!r} is neither on the traced graph module nor on the model")
+    raise CodegenError(
+        f"get_attr target {target!r} is neither on the traced graph module nor on the model"
+    )
 
 
 def _persistent(model: nn.Module, key: str, constants: set[str]) -> bool:
@@ -116,8 +128,13 @@ def _persistent(model: nn.Module, key: str, constants: set[str]) -> bool:
     return name in owner._buffers and name not in owner._non_persistent_buffers_set
 
 
-def stage_state(gm: fx.GraphModule, model: nn.Module, modules: Iterable[str], attrs: Iterable[str],
-                constants: set[str]) -> StageState:
+def stage_state(
+    gm: fx.GraphModule,
+    model: nn.Module,
+    modules: Iterable[str],
+    attrs: Iterable[str],
+    constants: set[str],
+) -> StageState:
     """The tensors a stage owns: everything inside its leaf modules plus its ``get_attr`` tensors."""
     found: dict[str, TensorEntry] = {}
     for path in modules:
@@ -134,15 +151,21 @@ def stage_state(gm: fx.GraphModule, model: nn.Module, modules: Iterable[str], at
         if target in found:
             continue
         if not isinstance(obj, torch.Tensor):
-            raise CodegenError(f"get_attr target {target!r} is a {type(obj).__name__}; expected a tensor or module")
+            raise CodegenError(
+                f"get_attr target {target!r} is a {type(obj).__name__}; expected a tensor or module"
+            )
         if isinstance(obj, nn.Parameter):
             kind = PARAMETER
         else:
             kind = BUFFER if _persistent(model, target, constants) else CONSTANT
         found[target] = TensorEntry(target, obj, kind, False)
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    named = list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    )
     order = {k: i for i, (k, _) in enumerate(named)}
-    entries = sorted(found.values(), key=lambda e: (order.get(e.key, len(order)), e.key))  # model order
+    entries = sorted(
+        found.values(), key=lambda e: (order.get(e.key, len(order)), e.key)
+    )  # model order
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for e in entries:
@@ -160,7 +183,11 @@ def tied_groups(states: list[StageState]) -> tuple[Tie, ...]:
         for e in state.stored:
             if e.kind == PARAMETER:
                 holders.setdefault(id(e.tensor), []).append((s, e.key))
-    ties = [Tie(stages=tuple(s for s, _ in h), keys=tuple(k for _, k in h)) for h in holders.values() if len(h) > 1]
+    ties = [
+        Tie(stages=tuple(s for s, _ in h), keys=tuple(k for _, k in h))
+        for h in holders.values()
+        if len(h) > 1
+    ]
     return tuple(sorted(ties, key=lambda t: (t.stages, t.keys)))
 
 

@@ -37,8 +37,13 @@ class Pipeline(nn.Module):
     ``verify`` checks what a distributed run computes, gradients summed where the runtime sums them.
     """
 
-    def __init__(self, manifest: Manifest, stages: list[nn.Module], build_dir: str | Path = ".",
-                 build: CheckedBuild | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        stages: list[nn.Module],
+        build_dir: str | Path = ".",
+        build: CheckedBuild | None = None,
+    ) -> None:
         super().__init__()
         self.manifest = manifest
         self.stages = nn.ModuleList(stages)
@@ -51,7 +56,9 @@ class Pipeline(nn.Module):
         values: dict[tuple[int, str], Any] = {}  # each tensor as its producer made it
         for t, x in zip(m.inputs, inputs):
             values[(t.producer, t.name)] = x
-        held: dict[tuple[int, str, int], Any] = {}  # a stage's own copy of what it receives (once per tensor)
+        held: dict[
+            tuple[int, str, int], Any
+        ] = {}  # a stage's own copy of what it receives (once per tensor)
 
         def given(t: BoundaryTensor, sm: StageManifest) -> Any:
             key = (t.producer, t.name, sm.index)
@@ -64,8 +71,12 @@ class Pipeline(nn.Module):
             for t, v in zip(sm.outputs, outs):
                 values[(t.producer, t.name)] = v
         last = m.stages[-1]  # the runtime's loss runs there, on the model outputs it holds
-        flat = {t.model_output: values[(t.producer, t.name)] if sm is last else given(t, last)
-                for sm in m.stages for t in sm.outputs if t.model_output is not None}
+        flat = {
+            t.model_output: values[(t.producer, t.name)] if sm is last else given(t, last)
+            for sm in m.stages
+            for t in sm.outputs
+            if t.model_output is not None
+        }
         result = [flat[k] for k in range(len(flat))]
         if self._spec is None:
             return tuple(result)
@@ -92,8 +103,12 @@ def load_pipeline(build_dir: str | Path, device: str | torch.device = "cpu") -> 
         loss = load_pipeline("hf_build")(input_ids=ids, attention_mask=mask, labels=ids).loss
     """
     manifest = read_manifest(build_dir)
-    build = check_build(build_dir, plan=False, model=model_import_needed(manifest, range(manifest.num_stages)),
-                        manifest=manifest)
+    build = check_build(
+        build_dir,
+        plan=False,
+        model=model_import_needed(manifest, range(manifest.num_stages)),
+        manifest=manifest,
+    )
     return load_checked_pipeline(build, device)
 
 

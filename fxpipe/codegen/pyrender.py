@@ -23,13 +23,24 @@ from fxpipe.codegen.custom_ops import import_for, op_qualname
 from fxpipe.codegen.manifest import model_file_reference
 from fxpipe.errors import CodegenError
 
-__all__ = ["ImportTable", "render_literal", "attr_expr", "is_plain_name", "MODEL_ALIAS", "MODEL_MODULE_PREFIX"]
+__all__ = [
+    "ImportTable",
+    "render_literal",
+    "attr_expr",
+    "is_plain_name",
+    "MODEL_ALIAS",
+    "MODEL_MODULE_PREFIX",
+]
 
 MODEL_ALIAS = "_model"
-MODEL_MODULE_PREFIX = "fxpipe_model_"  # module names under which fxpipe.modelfile imports model files
+MODEL_MODULE_PREFIX = (
+    "fxpipe_model_"  # module names under which fxpipe.modelfile imports model files
+)
 
 
-_MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module()))  # methods and instance attributes
+_MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(
+    vars(nn.Module())
+)  # methods and instance attributes
 
 
 def is_plain_name(name: str) -> bool:
@@ -55,7 +66,9 @@ class ImportTable:
         self.aliases: dict[str, str] = {}  # module-level `name = expression` lines
         self.functional = False  # whether `import torch.nn.functional as F` is needed
         self.reserved: set[str] = set()  # names defined in the generated file itself (its classes)
-        self.model_ops: set[str] = set()  # operators the model file registers: a file calling one imports it
+        self.model_ops: set[str] = (
+            set()
+        )  # operators the model file registers: a file calling one imports it
 
     def ref(self, obj: Any) -> str:
         """An expression that names ``obj`` (a class or function), adding the import it needs."""
@@ -66,21 +79,25 @@ class ImportTable:
             if public is not None:
                 return public
         if not module or not qualname or "<locals>" in qualname:
-            raise CodegenError(f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
-                               f"name {qualname!r}); define it at the top level of the model file")
+            raise CodegenError(
+                f"{obj!r} cannot be imported by a generated stage (module {module!r}, "
+                f"name {qualname!r}); define it at the top level of the model file"
+            )
         if module.startswith(MODEL_MODULE_PREFIX):
             self._use_model_file(module, qualname)
             return f"{MODEL_ALIAS}.{qualname}"
         if module == "builtins":
             return qualname
         if module == "__main__" or not _importable(module, qualname, obj):
-            raise CodegenError(f"{module}.{qualname} is not importable from a generated stage; "
-                               "define it in the model file or an installed package")
+            raise CodegenError(
+                f"{module}.{qualname} is not importable from a generated stage; "
+                "define it in the model file or an installed package"
+            )
         top = qualname.split(".")[0]
         taken = top in self.reserved or (top in self.names and self.names[top] != (module, top))
         local = f"{module.replace('.', '_')}_{top}" if taken else top
         self.names[local] = (module, top)
-        return local + qualname[len(top):]
+        return local + qualname[len(top) :]
 
     def op(self, op: Any) -> str:
         """``torch.ops.<namespace>.<name>[.<overload>]`` for a dispatcher or higher-order operator, adding the
@@ -103,7 +120,9 @@ class ImportTable:
         if path is None:
             raise CodegenError(f"cannot find the model file that defines {what}")
         if self.model_file not in (None, path):
-            raise CodegenError(f"a stage uses objects from two model files: {self.model_file} and {path}")
+            raise CodegenError(
+                f"a stage uses objects from two model files: {self.model_file} and {path}"
+            )
         self.model_file = path
 
     def lines(self, build_dir: Path | None = None, used: set[str] | None = None) -> list[str]:
@@ -126,10 +145,16 @@ class ImportTable:
             out.append("import torch.nn.functional as F")
         for local, (module, name) in sorted(self.names.items()):
             if used is None or local in used:
-                out.append(f"from {module} import {name}" + (f" as {local}" if local != name else ""))
+                out.append(
+                    f"from {module} import {name}" + (f" as {local}" if local != name else "")
+                )
         if model_file is not None:
-            out += ["", "from fxpipe.modelfile import import_model_module", "",
-                    f"{MODEL_ALIAS} = import_model_module({where})  # classes and functions of the model file"]
+            out += [
+                "",
+                "from fxpipe.modelfile import import_model_module",
+                "",
+                f"{MODEL_ALIAS} = import_model_module({where})  # classes and functions of the model file",
+            ]
         aliases = sorted((n, e) for n, e in self.aliases.items() if used is None or n in used)
         if aliases:
             out += [""] + [f"{name} = {expr}" for name, expr in aliases]
@@ -185,11 +210,22 @@ def render_literal(value: Any, imports: ImportTable) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(render_literal(v, imports) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{render_literal(k, imports)}: {render_literal(v, imports)}"
-                               for k, v in value.items()) + "}"
+        return (
+            "{"
+            + ", ".join(
+                f"{render_literal(k, imports)}: {render_literal(v, imports)}"
+                for k, v in value.items()
+            )
+            + "}"
+        )
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        args = ", ".join(f"{f.name}={render_literal(getattr(value, f.name), imports)}"
-                         for f in dataclasses.fields(value) if f.init)
+        args = ", ".join(
+            f"{f.name}={render_literal(getattr(value, f.name), imports)}"
+            for f in dataclasses.fields(value)
+            if f.init
+        )
         return f"{imports.ref(type(value))}({args})"
-    raise CodegenError(f"cannot write the constructor argument {value!r} ({type(value).__name__}) as Python source; "
-                       "use ints, floats, strings, bools, None, tuples, lists, dicts or dataclasses")
+    raise CodegenError(
+        f"cannot write the constructor argument {value!r} ({type(value).__name__}) as Python source; "
+        "use ints, floats, strings, bools, None, tuples, lists, dicts or dataclasses"
+    )

@@ -24,8 +24,15 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from fxpipe.codegen.equivalence import (ModeComparison, Run, compare_in_mode, compare_tensor, mode_name, probe_loss,
-                                       state_kept)
+from fxpipe.codegen.equivalence import (
+    ModeComparison,
+    Run,
+    compare_in_mode,
+    compare_tensor,
+    mode_name,
+    probe_loss,
+    state_kept,
+)
 from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import EquivalenceError
@@ -38,19 +45,30 @@ _SEED = 0
 _SKIP = "the build was not written (--no-check / check=False writes it unchecked)"
 
 
-def check_equivalence(build_dir: Path, manifest: Manifest, traced: TracedModel, sources: Mapping[str, str]) -> None:
+def check_equivalence(
+    build_dir: Path, manifest: Manifest, traced: TracedModel, sources: Mapping[str, str]
+) -> None:
     """Refuse the build in ``build_dir`` unless its stages equal ``traced.model`` in both modes (Note [safety net]).
 
     ``sources`` maps each boundary tensor's name to the traced node that computes it
     (``SplitGraph.sources``). Raises :class:`EquivalenceError` with one line.
     """
     model = traced.model
-    device = next((t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu"))
+    device = next(
+        (t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu")
+    )
     try:
         pipeline = load_pipeline(build_dir, device=device)
         for training in (True, False):
-            result = compare_in_mode(model, pipeline, list(pipeline.stages), _example_call(traced),
-                                     training=training, loss=probe_loss, seed=_SEED)
+            result = compare_in_mode(
+                model,
+                pipeline,
+                list(pipeline.stages),
+                _example_call(traced),
+                training=training,
+                loss=probe_loss,
+                seed=_SEED,
+            )
             if not result.ok:
                 raise EquivalenceError(_explain(result, traced, pipeline, manifest, sources))
     finally:
@@ -65,8 +83,13 @@ def _example_call(traced: TracedModel) -> Run:
     return traced.call.call_of(inputs)
 
 
-def _explain(result: ModeComparison, traced: TracedModel, pipeline: nn.Module, manifest: Manifest,
-             sources: Mapping[str, str]) -> str:
+def _explain(
+    result: ModeComparison,
+    traced: TracedModel,
+    pipeline: nn.Module,
+    manifest: Manifest,
+    sources: Mapping[str, str],
+) -> str:
     mode = mode_name(result.training)
     graph_values, stage_outputs = _values(traced, pipeline, result.training)
     for sm, outs in zip(manifest.stages, stage_outputs):
@@ -77,20 +100,34 @@ def _explain(result: ModeComparison, traced: TracedModel, pipeline: nn.Module, m
             err = compare_tensor(t.name, got, graph_values[node])
             if not err.ok:
                 unit = traced.unit_of_node.get(node, "?")
-                where = f"to stage {', '.join(map(str, t.consumers))}" if t.consumers else "a model output"
-                return (f"the emitted stages differ from the model in {mode} mode: {t.name!r} (stage {sm.index}, "
-                        f"{where}), made by unit {unit!r}, is off by {err.max_abs:.3g}; {_SKIP}")
+                where = (
+                    f"to stage {', '.join(map(str, t.consumers))}"
+                    if t.consumers
+                    else "a model output"
+                )
+                return (
+                    f"the emitted stages differ from the model in {mode} mode: {t.name!r} (stage {sm.index}, "
+                    f"{where}), made by unit {unit!r}, is off by {err.max_abs:.3g}; {_SKIP}"
+                )
     worst = result.worst
     assert worst is not None
-    if worst.name.startswith("output") and not _graph_matches_model(traced, graph_values, result.training):
-        return (f"the traced graph differs from the model in {mode} mode ({worst.name} off by {worst.max_abs:.3g}): "
-                f"the trace did not capture what the model computes; {_SKIP}")
+    if worst.name.startswith("output") and not _graph_matches_model(
+        traced, graph_values, result.training
+    ):
+        return (
+            f"the traced graph differs from the model in {mode} mode ({worst.name} off by {worst.max_abs:.3g}): "
+            f"the trace did not capture what the model computes; {_SKIP}"
+        )
     owner = _unit_of_tensor(traced, worst.name.split(" ", 1)[-1])
-    return (f"the emitted stages differ from the model in {mode} mode: {worst.name} is off by {worst.max_abs:.3g}"
-            f"{f' (unit {owner!r})' if owner else ''}; {_SKIP}")
+    return (
+        f"the emitted stages differ from the model in {mode} mode: {worst.name} is off by {worst.max_abs:.3g}"
+        f"{f' (unit {owner!r})' if owner else ''}; {_SKIP}"
+    )
 
 
-def _values(traced: TracedModel, pipeline: nn.Module, training: bool) -> tuple[dict[str, Any], list[Sequence[Any]]]:
+def _values(
+    traced: TracedModel, pipeline: nn.Module, training: bool
+) -> tuple[dict[str, Any], list[Sequence[Any]]]:
     """The traced graph's value at every node and every stage's outputs, in one mode, from the check's seed
     (with autograd on, as in the comparison: without it, eval-mode attention layers take a fused fast path)."""
     model, inputs = traced.model, traced.example_inputs
@@ -99,8 +136,10 @@ def _values(traced: TracedModel, pipeline: nn.Module, training: bool) -> tuple[d
         torch.manual_seed(_SEED)
         env = run_in_mode(traced.graph_module, inputs, training)
     captured: list[Sequence[Any]] = []
-    hooks = [stage.register_forward_hook(lambda _m, _a, out: captured.append(tuple(out)))
-             for stage in pipeline.stages]  # type: ignore[union-attr]
+    hooks = [
+        stage.register_forward_hook(lambda _m, _a, out: captured.append(tuple(out)))
+        for stage in pipeline.stages  # type: ignore[union-attr]
+    ]
     try:
         with modes_restored(pipeline), torch.random.fork_rng(devices=[]), torch.enable_grad():
             pipeline.train(training)
@@ -112,7 +151,9 @@ def _values(traced: TracedModel, pipeline: nn.Module, training: bool) -> tuple[d
     return {n.name: v for n, v in env.items()}, captured
 
 
-def _graph_matches_model(traced: TracedModel, graph_values: Mapping[str, Any], training: bool) -> bool:
+def _graph_matches_model(
+    traced: TracedModel, graph_values: Mapping[str, Any], training: bool
+) -> bool:
     model = traced.model
     with state_kept(model), torch.random.fork_rng(devices=[]), torch.enable_grad():
         model.train(training)

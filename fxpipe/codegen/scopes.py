@@ -28,9 +28,14 @@ _CALL_SUFFIX = re.compile(r"@\d+$")
 
 def is_indexer(node: fx.Node) -> bool:
     """``x[k]`` / ``getattr(x, name)`` with a constant key on a computed value."""
-    return (node.op == "call_function" and node.target in (operator.getitem, getattr) and len(node.args) == 2
-            and isinstance(node.args[0], fx.Node) and node.args[0].op in ("call_function", "call_method", "call_module")
-            and not isinstance(node.args[1], fx.Node))
+    return (
+        node.op == "call_function"
+        and node.target in (operator.getitem, getattr)
+        and len(node.args) == 2
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op in ("call_function", "call_method", "call_module")
+        and not isinstance(node.args[1], fx.Node)
+    )
 
 
 def _own_stack(node: fx.Node) -> tuple[Scope, ...] | None:

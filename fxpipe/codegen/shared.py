@@ -30,7 +30,9 @@ from fxpipe.errors import BuildDirError
 __all__ = ["SHARED_SOURCE", "import_shared", "load_shared", "shared_module", "loading"]
 
 SHARED_SOURCE = "shared.py"
-_LOADING: dict[str, ModuleType] = {}  # folder of the stage files being loaded -> its build's shared module
+_LOADING: dict[
+    str, ModuleType
+] = {}  # folder of the stage files being loaded -> its build's shared module
 
 
 def load_shared(checked: CheckedFile) -> ModuleType:
@@ -49,8 +51,10 @@ def load_shared(checked: CheckedFile) -> ModuleType:
         exec(compile(checked.data, str(checked.path), "exec"), module.__dict__)  # noqa: S102 - hash-checked
     except Exception as exc:
         del sys.modules[name]
-        raise BuildDirError(f"{checked.path.name} failed to run: {type(exc).__name__}: {exc}; rebuild the "
-                            "directory with `fxpipe partition`") from exc
+        raise BuildDirError(
+            f"{checked.path.name} failed to run: {type(exc).__name__}: {exc}; rebuild the "
+            "directory with `fxpipe partition`"
+        ) from exc
     return module
 
 

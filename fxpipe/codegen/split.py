@@ -105,8 +105,12 @@ def _size_args(node: fx.Node) -> tuple[fx.Node, int] | None:
         t, d = node.args[0], node.args[1]
     elif node.op == "call_method" and node.target == "size" and len(node.args) == 2:
         t, d = node.args
-    elif (node.op == "call_function" and node.target is operator.getitem
-          and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], int)):
+    elif (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and isinstance(node.args[1], int)
+    ):
         src = node.args[0]
         if src.op == "call_method" and src.target == "size" and len(src.args) == 1:
             t, d = src.args[0], node.args[1]
@@ -135,8 +139,13 @@ def _same_symbol(a: fx.Node, da: int, b: fx.Node, db: int) -> bool:
 class _Splitter:
     """Builds all stage graphs; see the module notes for the rules it follows."""
 
-    def __init__(self, gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int,
-                 attr_name: Callable[[str, Iterable[str]], str] | None) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        stage_of: Mapping[str, int],
+        num_stages: int,
+        attr_name: Callable[[str, Iterable[str]], str] | None,
+    ) -> None:
         self.gm = gm
         self.nodes = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
@@ -148,13 +157,22 @@ class _Splitter:
         for n in self.nodes:
             if n.op in ("call_function", "call_method", "call_module"):
                 if n.name not in stage_of:
-                    raise CodegenError(f"node {n.name!r} ({n.format_node()}) has no stage; the plan must place "
-                                       "every unit of the traced model")
+                    raise CodegenError(
+                        f"node {n.name!r} ({n.format_node()}) has no stage; the plan must place "
+                        "every unit of the traced model"
+                    )
                 s = stage_of[n.name]
                 if not 0 <= s < num_stages:
-                    raise CodegenError(f"node {n.name!r} is placed on stage {s}, expected 0..{num_stages - 1}")
+                    raise CodegenError(
+                        f"node {n.name!r} is placed on stage {s}, expected 0..{num_stages - 1}"
+                    )
                 self.stage_of[n] = s
-        crossing = {a.name for n, s in self.stage_of.items() for a in n.all_input_nodes if self.stage_of.get(a, s) != s}
+        crossing = {
+            a.name
+            for n, s in self.stage_of.items()
+            for a in n.all_input_nodes
+            if self.stage_of.get(a, s) != s
+        }
         crossing.update(a.name for a in self.output.all_input_nodes)
         self.names = boundary_names(gm, crossing)
         self.graphs = [fx.Graph() for _ in range(num_stages)]
@@ -183,7 +201,9 @@ class _Splitter:
         if a in env:
             return env[a]
         g = self.graphs[s]
-        if is_training_flag(a):  # the stage's own flag: no tensor to own (Note [modes across stages])
+        if is_training_flag(
+            a
+        ):  # the stage's own flag: no tensor to own (Note [modes across stages])
             env[a] = g.create_node("get_attr", TRAINING_ATTR)
             env[a].meta.update(a.meta)
         elif a.op == "get_attr":
@@ -211,8 +231,10 @@ class _Splitter:
             raise CodegenError(f"value {a.name!r} ({a.format_node()}) has no producing stage")
         spec = _spec(a)
         if isinstance(spec, tuple):
-            raise CodegenError(f"tuple value {a.name!r} crosses from stage {producer} to stage {s}; "
-                               "the tracer must keep a tuple and its getitem nodes in one unit")
+            raise CodegenError(
+                f"tuple value {a.name!r} crosses from stage {producer} to stage {s}; "
+                "the tracer must keep a tuple and its getitem nodes in one unit"
+            )
         g = self.graphs[s]
         size = _size_args(a)
         if size is not None:
@@ -221,14 +243,22 @@ class _Splitter:
                 return self._size_node(s, a, self.value(s, t), d)
             if _spec(t).batch_dim != d:
                 return int(_spec(t).shape[d])  # a non-batch dimension never changes
-            candidates = sorted((n for n in list(self.env[s]) + self.placeholders
-                                 if n.op != "get_attr" and _is_tensor(n)), key=self.order.__getitem__)
+            candidates = sorted(
+                (
+                    n
+                    for n in list(self.env[s]) + self.placeholders
+                    if n.op != "get_attr" and _is_tensor(n)
+                ),
+                key=self.order.__getitem__,
+            )
             for c in candidates:
                 bd = _spec(c).batch_dim
                 if bd is not None and _same_symbol(t, d, c, bd):
                     return self._size_node(s, a, self.value(s, c), bd)
-        elif all(not isinstance(x, fx.Node) or not _is_tensor(x) or self._available(s, x)
-                 for x in a.all_input_nodes):
+        elif all(
+            not isinstance(x, fx.Node) or not _is_tensor(x) or self._available(s, x)
+            for x in a.all_input_nodes
+        ):
             return self.graphs[s].node_copy(a, lambda x: self.value(s, x))
         ph = self._placeholder(s, int_tensor_name(self.bname(a)), None)
         self.int_imports[s][a] = ph
@@ -248,18 +278,21 @@ class _Splitter:
                 if a in self.stage_of and self.stage_of[a] > s:
                     raise CodegenError(
                         f"the plan is not in dependency order: {a.name!r} on stage {self.stage_of[a]} feeds "
-                        f"{n.name!r} on stage {s}; a partition must send values only to later stages")
+                        f"{n.name!r} on stage {s}; a partition must send values only to later stages"
+                    )
                 if a in self.stage_of and self.stage_of[a] != s and guard_of(a) is not None:
                     mode = "train" if guard_of(a) else "eval"
                     raise CodegenError(
                         f"{a.name!r} runs in {mode} mode only, so it cannot be sent from stage {self.stage_of[a]} "
-                        f"to {n.name!r} on stage {s}; the plan must keep a mode-guarded region on one stage")
+                        f"to {n.name!r} on stage {s}; the plan must keep a mode-guarded region on one stage"
+                    )
         for s in range(self.num_stages):
             owned = [n for n in self.nodes if self.stage_of.get(n) == s]
             for n in owned:  # declare the tensor inputs first so sizes can be read from them
                 for a in n.all_input_nodes:
-                    if (a.op == "placeholder" or (_is_tensor(a) and a in self.stage_of
-                                                  and self.stage_of[a] != s)):
+                    if a.op == "placeholder" or (
+                        _is_tensor(a) and a in self.stage_of and self.stage_of[a] != s
+                    ):
                         self.value(s, a)
             for n in owned:
                 copy = self.graphs[s].node_copy(n, functools.partial(self.value, s))
@@ -277,10 +310,14 @@ class _Splitter:
         last = self.num_stages - 1
         flat = self.output.args[0]
         if not isinstance(flat, (tuple, list)):
-            raise CodegenError("the traced graph must return a flat tuple of tensors (normalized graph)")
+            raise CodegenError(
+                "the traced graph must return a flat tuple of tensors (normalized graph)"
+            )
         for k, v in enumerate(flat):
             if not isinstance(v, fx.Node):
-                raise CodegenError(f"model output {k} is the constant {v!r}; only tensor outputs are supported")
+                raise CodegenError(
+                    f"model output {k} is the constant {v!r}; only tensor outputs are supported"
+                )
             s = self.stage_of.get(v, last)
             if v not in self.stage_of:
                 self.value(last, v)
@@ -296,15 +333,27 @@ class _Splitter:
         for s, g in enumerate(self.graphs):
             values = []
             for a in sorted(outputs[s], key=self.order.__getitem__):
-                if any(a in self.imports[c] for c in range(self.num_stages)) or outputs[s][a] or a not in self.stage_of:
+                if (
+                    any(a in self.imports[c] for c in range(self.num_stages))
+                    or outputs[s][a]
+                    or a not in self.stage_of
+                ):
                     values.extend([self.env[s][a]] * max(1, len(outputs[s][a])))
                 if any(a in self.int_imports[c] for c in range(self.num_stages)):
-                    values.append(g.call_function(torch.tensor, (self.env[s][a],), {"dtype": torch.int64},
-                                                  name=int_tensor_name(self.bname(a))))
+                    values.append(
+                        g.call_function(
+                            torch.tensor,
+                            (self.env[s][a],),
+                            {"dtype": torch.int64},
+                            name=int_tensor_name(self.bname(a)),
+                        )
+                    )
             g.output(tuple(values))
             self._sort_placeholders(s)
             _rewrite_devices(g)
-            record_frames(g)  # what names its values (Note [names from the source]); the trace text goes
+            record_frames(
+                g
+            )  # what names its values (Note [names from the source]); the trace text goes
             for node in g.nodes:
                 node.meta.pop("stack_trace", None)
             g.lint()
@@ -320,14 +369,22 @@ class _Splitter:
 
     def _input_names(self, s: int) -> list[str]:
         entries: list[tuple[float, str]] = [(self.order[a], self.bname(a)) for a in self.imports[s]]
-        entries += [(self.order[a] + 0.5, int_tensor_name(self.bname(a))) for a in self.int_imports[s]]
+        entries += [
+            (self.order[a] + 0.5, int_tensor_name(self.bname(a))) for a in self.int_imports[s]
+        ]
         return [name for _, name in sorted(entries)]
 
     def _mutated(self, s: int) -> tuple[str, ...]:
         """The boundary names of the tensors stage ``s`` receives and changes in place."""
         changed = self.gm.meta.get(MUTATIONS_KEY, {})
-        hit = {a for n, stage in self.stage_of.items() if stage == s for a in changed.get(n.name, ())}
-        return tuple(self.bname(a) for a in sorted(self.imports[s], key=self.order.__getitem__) if a.name in hit)
+        hit = {
+            a for n, stage in self.stage_of.items() if stage == s for a in changed.get(n.name, ())
+        }
+        return tuple(
+            self.bname(a)
+            for a in sorted(self.imports[s], key=self.order.__getitem__)
+            if a.name in hit
+        )
 
     def _result(self, outputs: list[dict[fx.Node, list[int]]]) -> SplitGraph:
         boundary: dict[str, BoundaryTensor] = {}
@@ -344,7 +401,9 @@ class _Splitter:
                     # a model input or attribute returned as is is keyed apart from the input itself
                     name = self.bname(a)
                     key = name if a in self.stage_of else f"{name}@{indices[0]}"
-                    boundary[key] = _boundary(name, spec, s, consumers, indices[0] if indices else None)
+                    boundary[key] = _boundary(
+                        name, spec, s, consumers, indices[0] if indices else None
+                    )
                     stage_outputs[s].append(key)
                     for k in indices[1:]:
                         stage_outputs[s].append(f"{name}@{k}")
@@ -352,29 +411,57 @@ class _Splitter:
                 int_consumers = tuple(c for c in range(self.num_stages) if a in self.int_imports[c])
                 if int_consumers:
                     name = int_tensor_name(self.bname(a))
-                    boundary[name] = BoundaryTensor(name=name, shape=(), dtype="int64", batch_dim=None, producer=s,
-                                                    consumers=int_consumers, requires_grad=False)
+                    boundary[name] = BoundaryTensor(
+                        name=name,
+                        shape=(),
+                        dtype="int64",
+                        batch_dim=None,
+                        producer=s,
+                        consumers=int_consumers,
+                        requires_grad=False,
+                    )
                     stage_outputs[s].append(name)
         for ph in self.placeholders:
             consumers = tuple(c for c in range(self.num_stages) if ph in self.imports[c])
             boundary[self.bname(ph)] = _boundary(self.bname(ph), _spec(ph), INPUT, consumers, None)
         stages = tuple(
-            StageGraph(index=s, graph=self.graphs[s], inputs=tuple(self._input_names(s)),
-                       outputs=tuple(stage_outputs[s]), modules=tuple(self.modules[s]), attrs=tuple(self.attrs[s]),
-                       nodes=tuple(n.name for n in self.nodes if self.stage_of.get(n) == s),
-                       mutated=self._mutated(s))
-            for s in range(self.num_stages))
-        return SplitGraph(stages=stages, boundary=boundary, model_inputs=tuple(self.bname(p) for p in self.placeholders),
-                          sources=sources)
+            StageGraph(
+                index=s,
+                graph=self.graphs[s],
+                inputs=tuple(self._input_names(s)),
+                outputs=tuple(stage_outputs[s]),
+                modules=tuple(self.modules[s]),
+                attrs=tuple(self.attrs[s]),
+                nodes=tuple(n.name for n in self.nodes if self.stage_of.get(n) == s),
+                mutated=self._mutated(s),
+            )
+            for s in range(self.num_stages)
+        )
+        return SplitGraph(
+            stages=stages,
+            boundary=boundary,
+            model_inputs=tuple(self.bname(p) for p in self.placeholders),
+            sources=sources,
+        )
 
 
-def _boundary(name: str, spec: Any, producer: int, consumers: tuple[int, ...],
-              model_output: int | None) -> BoundaryTensor:
+def _boundary(
+    name: str, spec: Any, producer: int, consumers: tuple[int, ...], model_output: int | None
+) -> BoundaryTensor:
     if not isinstance(spec, TensorSpec):
-        raise CodegenError(f"value {name!r} crosses a stage boundary but is not a tensor (spec {spec!r})")
-    return BoundaryTensor(name=name, shape=spec.shape, dtype=spec.dtype, batch_dim=spec.batch_dim,
-                          producer=producer, consumers=consumers, requires_grad=spec.requires_grad,
-                          model_output=model_output)
+        raise CodegenError(
+            f"value {name!r} crosses a stage boundary but is not a tensor (spec {spec!r})"
+        )
+    return BoundaryTensor(
+        name=name,
+        shape=spec.shape,
+        dtype=spec.dtype,
+        batch_dim=spec.batch_dim,
+        producer=producer,
+        consumers=consumers,
+        requires_grad=spec.requires_grad,
+        model_output=model_output,
+    )
 
 
 def _rewrite_devices(g: fx.Graph, is_tensor: Callable[[fx.Node], bool] = _is_tensor) -> None:
@@ -405,12 +492,18 @@ def _rewrite_devices(g: fx.Graph, is_tensor: Callable[[fx.Node], bool] = _is_ten
 
 def _has_device(args: Any, kwargs: Any) -> bool:
     found = []
-    fx.node.map_aggregate((args, kwargs), lambda x: found.append(x) if isinstance(x, torch.device) else x)
+    fx.node.map_aggregate(
+        (args, kwargs), lambda x: found.append(x) if isinstance(x, torch.device) else x
+    )
     return bool(found)
 
 
-def split_graph(gm: fx.GraphModule, stage_of_node: Mapping[str, int], num_stages: int,
-                attr_name: Callable[[str, Iterable[str]], str] | None = None) -> SplitGraph:
+def split_graph(
+    gm: fx.GraphModule,
+    stage_of_node: Mapping[str, int],
+    num_stages: int,
+    attr_name: Callable[[str, Iterable[str]], str] | None = None,
+) -> SplitGraph:
     """Split a normalized traced graph into ``num_stages`` stage graphs.
 
     ``stage_of_node`` maps every call node's name to its stage (get_attr and
@@ -421,7 +514,9 @@ def split_graph(gm: fx.GraphModule, stage_of_node: Mapping[str, int], num_stages
     """
     if num_stages < 1:
         raise CodegenError(f"num_stages must be >= 1, got {num_stages}")
-    for sub in gm.modules():  # the subgraphs of higher-order ops (autocast, no_grad regions) bake devices too
+    for sub in (
+        gm.modules()
+    ):  # the subgraphs of higher-order ops (autocast, no_grad regions) bake devices too
         if sub is not gm and isinstance(sub, fx.GraphModule):
             _rewrite_devices(sub.graph, lambda n: isinstance(n.meta.get("val"), torch.Tensor))
             sub.recompile()

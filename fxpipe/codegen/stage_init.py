@@ -63,8 +63,11 @@ def _materialise(module: nn.Module) -> dict[int, str]:
                     continue
                 if id(t) not in done:
                     value = torch.empty_like(t, device="cpu")
-                    done[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) \
-                        if isinstance(t, nn.Parameter) else value
+                    done[id(t)] = (
+                        nn.Parameter(value, requires_grad=t.requires_grad)
+                        if isinstance(t, nn.Parameter)
+                        else value
+                    )
                     made[id(done[id(t)])] = f"{path}.{name}" if path else name
                 table[name] = done[id(t)]
     return made
@@ -78,8 +81,15 @@ def _initialiser(owner: nn.Module) -> object | None:
     return None
 
 
-def initialise_stage(module: nn.Module, index: int, ties: Iterable[Tie] = (), *, seed: int = 0,
-                     device: str | torch.device = "cpu", init_models: Iterable[InitModel] = ()) -> nn.Module:
+def initialise_stage(
+    module: nn.Module,
+    index: int,
+    ties: Iterable[Tie] = (),
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    init_models: Iterable[InitModel] = (),
+) -> nn.Module:
     """Initialise the tensors of stage ``index`` that are still on meta (Note [each stage initialises
     itself]), in place, and move the stage to ``device``."""
     made = _materialise(module)
@@ -94,8 +104,11 @@ def initialise_stage(module: nn.Module, index: int, ties: Iterable[Tie] = (), *,
             covered |= _transformers_init(module, made, spec, hf)
             models.append((spec, hf))
         for owner in module.modules():
-            own = [t for t in list(owner._parameters.values()) + list(owner._buffers.values())
-                   if t is not None and id(t) in made and id(t) not in covered]
+            own = [
+                t
+                for t in list(owner._parameters.values()) + list(owner._buffers.values())
+                if t is not None and id(t) in made and id(t) not in covered
+            ]
             init = _initialiser(owner)
             if own and init is not None:
                 with torch.no_grad():
@@ -107,9 +120,12 @@ def initialise_stage(module: nn.Module, index: int, ties: Iterable[Tie] = (), *,
             for t in rest:
                 t.normal_(0.0, FALLBACK_STD) if t.is_floating_point() else t.zero_()
     if rest:
-        warnings.warn(f"fxpipe: stage {index}: {len(rest)} tensors have no module initialiser "
-                      f"({sorted(made[id(t)] for t in rest)[:3]}...); drawn from N(0, {FALLBACK_STD}) "
-                      "(integers: zero)", stacklevel=2)
+        warnings.warn(
+            f"fxpipe: stage {index}: {len(rest)} tensors have no module initialiser "
+            f"({sorted(made[id(t)] for t in rest)[:3]}...); drawn from N(0, {FALLBACK_STD}) "
+            "(integers: zero)",
+            stacklevel=2,
+        )
     _tie(module, made, ties, seed, models)
     return module.to(device)
 
@@ -126,8 +142,14 @@ def transformers_init_models(model: nn.Module) -> tuple[InitModel, ...]:
         if not isinstance(m, PreTrainedModel) or any(_under(path, f.prefix) for f in found):
             continue
         config = m.config
-        found.append(InitModel(prefix=path, model_class=_qualname(type(m)), config_class=_qualname(type(config)),
-                               config=json.dumps(config.to_dict(), sort_keys=True, default=str)))
+        found.append(
+            InitModel(
+                prefix=path,
+                model_class=_qualname(type(m)),
+                config_class=_qualname(type(config)),
+                config=json.dumps(config.to_dict(), sort_keys=True, default=str),
+            )
+        )
     return tuple(found)
 
 
@@ -153,19 +175,27 @@ def _build_on_meta(spec: InitModel) -> nn.Module:
 
     try:
         cls, config_cls = _resolve(spec.model_class), _resolve(spec.config_class)
-        if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)
-                and isinstance(config_cls, type) and issubclass(config_cls, PretrainedConfig)):
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, PreTrainedModel)
+            and isinstance(config_cls, type)
+            and issubclass(config_cls, PretrainedConfig)
+        ):
             raise TypeError(f"{spec.model_class} is not a transformers PreTrainedModel")
         config = config_cls.from_dict(json.loads(spec.config))
         with torch.device("meta"):
             return cls(config)
     except Exception as exc:  # noqa: BLE001 - an import, a config or a constructor error alike
-        raise BuildDirError(f"cannot build {spec.model_class} on meta to initialise its stage tensors "
-                            f"({type(exc).__name__}: {exc}); install the transformers version that built it, "
-                            "or pass --weights") from None
+        raise BuildDirError(
+            f"cannot build {spec.model_class} on meta to initialise its stage tensors "
+            f"({type(exc).__name__}: {exc}); install the transformers version that built it, "
+            "or pass --weights"
+        ) from None
 
 
-def _transformers_init(module: nn.Module, made: dict[int, str], spec: InitModel, hf: nn.Module) -> set[int]:
+def _transformers_init(
+    module: nn.Module, made: dict[int, str], spec: InitModel, hf: nn.Module
+) -> set[int]:
     """Run ``hf``'s own ``initialize_weights`` with this stage's tensors in place of its meta ones;
     the ids of the tensors it wrote (Note [each stage initialises itself])."""
     mine = _swap_in(module, made, spec, hf)
@@ -180,13 +210,15 @@ def _transformers_init(module: nn.Module, made: dict[int, str], spec: InitModel,
     return {id(t) for t in mine if not (t.is_floating_point() and bool(torch.isnan(t).any()))}
 
 
-def _swap_in(module: nn.Module, made: dict[int, str], spec: InitModel, hf: nn.Module) -> list[torch.Tensor]:
+def _swap_in(
+    module: nn.Module, made: dict[int, str], spec: InitModel, hf: nn.Module
+) -> list[torch.Tensor]:
     """Put the stage's materialised tensors under ``spec.prefix`` into ``hf`` at the same keys."""
     mine: list[torch.Tensor] = []
     for key, t in _named_tensors(module):
         if id(t) not in made or not _under(key, spec.prefix):
             continue
-        table = _table_of(hf, key[len(spec.prefix) + 1:] if spec.prefix else key)
+        table = _table_of(hf, key[len(spec.prefix) + 1 :] if spec.prefix else key)
         if table is None:
             continue
         owner_table, name = table
@@ -210,11 +242,18 @@ def _table_of(model: nn.Module, key: str) -> tuple[dict[str, Any], str] | None:
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    )
 
 
-def _tie(module: nn.Module, made: dict[int, str], ties: Iterable[Tie], seed: int,
-         models: list[tuple[InitModel, nn.Module]]) -> None:
+def _tie(
+    module: nn.Module,
+    made: dict[int, str],
+    ties: Iterable[Tie],
+    seed: int,
+    models: list[tuple[InitModel, nn.Module]],
+) -> None:
     """Give every parameter tied across stages the same values in each stage (Note [each stage initialises itself])."""
     named = dict(_named_tensors(module))
     for tie in ties:
@@ -230,13 +269,15 @@ def _tie(module: nn.Module, made: dict[int, str], ties: Iterable[Tie], seed: int
                         t.copy_(torch.randn(t.shape, dtype=t.dtype) * TIED_STD)
 
 
-def _tie_by_transformers(t: torch.Tensor, first: str, models: list[tuple[InitModel, nn.Module]]) -> bool:
+def _tie_by_transformers(
+    t: torch.Tensor, first: str, models: list[tuple[InitModel, nn.Module]]
+) -> bool:
     """Initialise ``t`` as ``_init_weights`` initialises the module owning ``first``, alone (its other
     tensors set aside on meta); False when no transformers model holds ``first``."""
     for spec, hf in models:
         if not _under(first, spec.prefix):
             continue
-        rel = first[len(spec.prefix) + 1:] if spec.prefix else first
+        rel = first[len(spec.prefix) + 1 :] if spec.prefix else first
         table = _table_of(hf, rel)
         if table is None:
             return False

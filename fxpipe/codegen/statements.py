@@ -34,17 +34,32 @@ from fxpipe.codegen.aliases import is_identity_conversion
 from fxpipe.codegen.scopes import scope_stack
 from fxpipe.graphmeta import NAME_KEY
 
-__all__ = ["Frame", "Statement", "FRAMES_KEY", "STATEMENT_KEY", "SOURCE_NAME_KEY", "record_frames", "frames_of",
-           "statement_of", "statement_at", "assigned_names", "result_names", "source_names", "name_from_source"]
+__all__ = [
+    "Frame",
+    "Statement",
+    "FRAMES_KEY",
+    "STATEMENT_KEY",
+    "SOURCE_NAME_KEY",
+    "record_frames",
+    "frames_of",
+    "statement_of",
+    "statement_at",
+    "assigned_names",
+    "result_names",
+    "source_names",
+    "name_from_source",
+]
 
-FRAMES_KEY = "fxpipe_frames"        # node.meta: tuple[Frame, ...], the root's forward first
+FRAMES_KEY = "fxpipe_frames"  # node.meta: tuple[Frame, ...], the root's forward first
 STATEMENT_KEY = "fxpipe_statement"  # node.meta: the Statement an outlined call is made in
 SOURCE_NAME_KEY = "fxpipe_source_name"  # node.meta: its name in the stage's flat graph (outline names arguments so)
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _FILE_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$')
-_ASSIGN = re.compile(r"^\(?\s*(?P<targets>\*?[A-Za-z_]\w*(?:\s*,\s*\*?[A-Za-z_]\w*)*)\s*,?\s*\)?\s*"
-                     r"(?::[^=]*)?(?:\*\*|//|>>|<<|[-+*/%@&|^])?=(?!=)")
+_ASSIGN = re.compile(
+    r"^\(?\s*(?P<targets>\*?[A-Za-z_]\w*(?:\s*,\s*\*?[A-Za-z_]\w*)*)\s*,?\s*\)?\s*"
+    r"(?::[^=]*)?(?:\*\*|//|>>|<<|[-+*/%@&|^])?=(?!=)"
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,11 @@ def _parse(text: str) -> tuple[Frame, ...]:
         m = _FILE_LINE.match(line)
         if m is None:
             continue
-        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FILE_LINE.match(lines[i + 1]) else ""
+        code = (
+            lines[i + 1].strip()
+            if i + 1 < len(lines) and not _FILE_LINE.match(lines[i + 1])
+            else ""
+        )
         frames.append(Frame(m["file"], int(m["line"]), code))
     return tuple(frames)
 
@@ -181,8 +200,11 @@ def result_names(statement: Statement, results: list[fx.Node]) -> dict[fx.Node, 
     if not targets or not results:
         return {}
     if len(targets) == 1:
-        pairs = [(results[0], targets[0])] if len(results) == 1 else \
-            [(r, f"{targets[0]}_{i}") for i, r in enumerate(results)]
+        pairs = (
+            [(results[0], targets[0])]
+            if len(results) == 1
+            else [(r, f"{targets[0]}_{i}") for i, r in enumerate(results)]
+        )
     elif len(results) == len(targets):
         pairs = list(zip(results, targets))
     else:
@@ -191,9 +213,13 @@ def result_names(statement: Statement, results: list[fx.Node]) -> dict[fx.Node, 
     return {node: target for node, target in pairs if target != "_" and not target.startswith("_")}
 
 
-def _name_results(statement: Statement, members: list[fx.Node], inside: set[fx.Node]) -> dict[fx.Node, str]:
+def _name_results(
+    statement: Statement, members: list[fx.Node], inside: set[fx.Node]
+) -> dict[fx.Node, str]:
     results = [m for m in members if any(u not in inside for u in m.users)]
-    if len(results) > 1:  # a conversion that is its input itself is a result by aliasing, not by assignment
+    if (
+        len(results) > 1
+    ):  # a conversion that is its input itself is a result by aliasing, not by assignment
         results = [m for m in results if not is_identity_conversion(m)] or results
     return result_names(statement, results)
 

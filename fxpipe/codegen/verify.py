@@ -19,7 +19,13 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fxpipe.codegen.equivalence import ModeComparison, TensorError, compare_in_mode, probe_loss, rows_by_error
+from fxpipe.codegen.equivalence import (
+    ModeComparison,
+    TensorError,
+    compare_in_mode,
+    probe_loss,
+    rows_by_error,
+)
 from fxpipe.codegen.integrity import CheckedBuild, check_build
 from fxpipe.codegen.load import read_manifest
 from fxpipe.codegen.pipeline import load_checked_pipeline
@@ -55,9 +61,11 @@ class VerifyReport:
         """One line per mode, then the verdict."""
         lines = [m.summary() for m in self.modes]
         verdict = "OK" if self.ok else "MISMATCH"
-        lines.append(f"{verdict}: the stages {'equal' if self.ok else 'differ from'} the model in "
-                     f"{' and '.join(m.mode for m in self.modes)} mode (per tensor, max abs error <= atol "
-                     f"{self.atol:g} + rtol {self.rtol:g} x its largest magnitude; loss {self.loss})")
+        lines.append(
+            f"{verdict}: the stages {'equal' if self.ok else 'differ from'} the model in "
+            f"{' and '.join(m.mode for m in self.modes)} mode (per tensor, max abs error <= atol "
+            f"{self.atol:g} + rtol {self.rtol:g} x its largest magnitude; loss {self.loss})"
+        )
         return "\n".join(lines)
 
 
@@ -66,11 +74,15 @@ def _checked_build(build_dir: Path) -> tuple[CheckedBuild, ModelSource]:
     ``fxpipe.codegen.integrity``), and the model file imported from its checked bytes."""
     manifest = read_manifest(build_dir)
     if not manifest.model_file:
-        raise BuildDirError(f"{build_dir} records no model file, so there is no original model to compare with")
+        raise BuildDirError(
+            f"{build_dir} records no model file, so there is no original model to compare with"
+        )
     if manifest.weights == "init":
-        raise BuildDirError(f"{build_dir} was built on the meta device without --weights: each stage initialises "
-                            "itself at load, so there are no weights to give the model; verify a build made with "
-                            "--weights CHECKPOINT")
+        raise BuildDirError(
+            f"{build_dir} was built on the meta device without --weights: each stage initialises "
+            "itself at load, so there are no weights to give the model; verify a build made with "
+            "--weights CHECKPOINT"
+        )
     build = check_build(build_dir, plan=False, manifest=manifest)
     return build, build.model_source()
 
@@ -105,9 +117,13 @@ def _loss(source: Any, batch_size: int) -> tuple[Callable[[Any], torch.Tensor | 
         try:
             return source.loss_fn(output, targets)
         except Exception as exc:  # e.g. a model file whose loss_fn is for another of its models
-            warnings.warn(f"{source.loss_fn_name}() failed on this model's output ({type(exc).__name__}: {exc}); "
-                          "verifying gradients of a weighted sum of the outputs instead", stacklevel=2)
+            warnings.warn(
+                f"{source.loss_fn_name}() failed on this model's output ({type(exc).__name__}: {exc}); "
+                "verifying gradients of a weighted sum of the outputs instead",
+                stacklevel=2,
+            )
             return probe_loss(output)
+
     return loss, f"{source.loss_fn_name}()"
 
 
@@ -125,13 +141,25 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     pipeline = load_checked_pipeline(build)
     call = source.example_call(manifest.batch_size)
     loss, loss_name = _loss(source, manifest.batch_size)
-    modes = tuple(compare_in_mode(reference, pipeline, list(pipeline.stages), call, training=training,
-                                  loss=loss, rtol=rtol, atol=atol) for training in (True, False))
+    modes = tuple(
+        compare_in_mode(
+            reference,
+            pipeline,
+            list(pipeline.stages),
+            call,
+            training=training,
+            loss=loss,
+            rtol=rtol,
+            atol=atol,
+        )
+        for training in (True, False)
+    )
     return VerifyReport(modes=modes, rtol=rtol, atol=atol, loss=loss_name)
 
 
-def print_verify_report(report: VerifyReport, console: Any = None, *, all_rows: bool = False,
-                        shown: int = 8) -> None:
+def print_verify_report(
+    report: VerifyReport, console: Any = None, *, all_rows: bool = False, shown: int = 8
+) -> None:
     """Print, per mode, the ``shown`` tensors furthest off (failing first; every tensor with ``all_rows``),
     then one summary line per mode and the verdict."""
     from rich.console import Console
@@ -140,13 +168,20 @@ def print_verify_report(report: VerifyReport, console: Any = None, *, all_rows: 
     console = console or Console()
     for m in report.modes:
         rows = m.rows if all_rows else rows_by_error(m.rows)[:shown]
-        what = "every tensor" if all_rows else f"the {len(rows)} of {len(m.rows)} tensors furthest off"
+        what = (
+            "every tensor" if all_rows else f"the {len(rows)} of {len(m.rows)} tensors furthest off"
+        )
         table = Table(title=f"{m.mode} mode: {what} (loss: {report.loss})", title_justify="left")
         for column in ("tensor", "max abs error", "allowed", "error / max |value|", ""):
             table.add_column(column, justify="left" if column == "tensor" else "right")
         for e in rows:  # the verdict is max abs error <= allowed (Note [one comparison rule])
-            table.add_row(e.name, f"{e.max_abs:.3g}", f"{e.allowed:.3g}", f"{e.max_rel:.3g}",
-                          "[green]ok[/]" if e.ok else "[red]MISMATCH[/]")
+            table.add_row(
+                e.name,
+                f"{e.max_abs:.3g}",
+                f"{e.allowed:.3g}",
+                f"{e.max_rel:.3g}",
+                "[green]ok[/]" if e.ok else "[red]MISMATCH[/]",
+            )
         console.print(table)
     for line in report.summary().splitlines():
         console.print(("[green]" if report.ok else "[red]") + line + "[/]")

@@ -15,35 +15,82 @@ from typing import TYPE_CHECKING
 from fxpipe._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from fxpipe.partitioner.solve.baselines import BASELINES, greedy_split, params_split, run_baseline, uniform_split
+    from fxpipe.partitioner.solve.baselines import (
+        BASELINES,
+        greedy_split,
+        params_split,
+        run_baseline,
+        uniform_split,
+    )
     from fxpipe.partitioner.solve.solution import lower_bound
-    from fxpipe.partitioner.cost import LINK_PRESETS, OPTIMIZER_STATE_FACTOR, CostModel, format_size, parse_size
+    from fxpipe.partitioner.cost import (
+        LINK_PRESETS,
+        OPTIMIZER_STATE_FACTOR,
+        CostModel,
+        format_size,
+        parse_size,
+    )
     from fxpipe.partitioner.solve.cpsat import solve_dag_cpsat
     from fxpipe.partitioner.solve.dp import min_memory_limit, solve_chain_dp
     from fxpipe.partitioner.report.html import render_html_report, write_html_report
     from fxpipe.partitioner.plan import BaselineReport, PartitionPlan, StageMemory, StagePlan
     from fxpipe.partitioner.solve.planner import SOLVERS, plan_partition
-    from fxpipe.partitioner.prediction import (RUNTIME_COSTS, Prediction, RuntimeCosts, StepOverheads, predict,
-                                               step_overheads)
-    from fxpipe.partitioner.problem import (Evaluation, PartitionProblem, StageCost, assignment_violations,
-                                            build_problem, evaluate)
+    from fxpipe.partitioner.prediction import (
+        RUNTIME_COSTS,
+        Prediction,
+        RuntimeCosts,
+        StepOverheads,
+        predict,
+        step_overheads,
+    )
+    from fxpipe.partitioner.problem import (
+        Evaluation,
+        PartitionProblem,
+        StageCost,
+        assignment_violations,
+        build_problem,
+        evaluate,
+    )
     from fxpipe.partitioner.report.terminal import print_plan_report
     from fxpipe.partitioner.schedule import SCHEDULE_NAMES, ScheduleOp, Timeline, stage_order
     from fxpipe.partitioner.solve.solution import Solution
 
 _LAZY = {
-    **dict.fromkeys(("BASELINES", "greedy_split", "params_split", "run_baseline", "uniform_split"), "solve.baselines"),
+    **dict.fromkeys(
+        ("BASELINES", "greedy_split", "params_split", "run_baseline", "uniform_split"),
+        "solve.baselines",
+    ),
     "lower_bound": "solve.solution",
-    **dict.fromkeys(("LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "CostModel", "format_size", "parse_size"), "cost"),
+    **dict.fromkeys(
+        ("LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "CostModel", "format_size", "parse_size"), "cost"
+    ),
     "solve_dag_cpsat": "solve.cpsat",
     **dict.fromkeys(("min_memory_limit", "solve_chain_dp"), "solve.dp"),
     **dict.fromkeys(("render_html_report", "write_html_report"), "report.html"),
     **dict.fromkeys(("BaselineReport", "PartitionPlan", "StageMemory", "StagePlan"), "plan"),
     **dict.fromkeys(("SOLVERS", "plan_partition"), "solve.planner"),
-    **dict.fromkeys(("RUNTIME_COSTS", "Prediction", "RuntimeCosts", "StepOverheads", "predict", "step_overheads"),
-                    "prediction"),
-    **dict.fromkeys(("Evaluation", "PartitionProblem", "StageCost", "assignment_violations", "build_problem",
-                     "evaluate"), "problem"),
+    **dict.fromkeys(
+        (
+            "RUNTIME_COSTS",
+            "Prediction",
+            "RuntimeCosts",
+            "StepOverheads",
+            "predict",
+            "step_overheads",
+        ),
+        "prediction",
+    ),
+    **dict.fromkeys(
+        (
+            "Evaluation",
+            "PartitionProblem",
+            "StageCost",
+            "assignment_violations",
+            "build_problem",
+            "evaluate",
+        ),
+        "problem",
+    ),
     "print_plan_report": "report.terminal",
     **dict.fromkeys(("SCHEDULE_NAMES", "ScheduleOp", "Timeline", "stage_order"), "schedule"),
     "Solution": "solve.solution",

@@ -79,11 +79,26 @@ from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.optionspec import option
 from fxpipe.schema import read_dataclass
 
-__all__ = ["CostModel", "AllReduceTraffic", "DataParallelTraffic", "LINK_PRESETS", "OPTIMIZER_STATE_FACTOR",
-           "DEFAULT_LINKS", "default_link",
-           "COMM_HOOKS", "SHARD_LEVELS", "SHARD_REDUCE", "SHARD_DTYPES", "PRECISIONS",
-           "POWERSGD_MIN_COMPRESSION_RATE", "DEFAULT_BUCKET_BYTES", "ddp_buckets",
-           "parse_size", "format_size", "ring_hops"]
+__all__ = [
+    "CostModel",
+    "AllReduceTraffic",
+    "DataParallelTraffic",
+    "LINK_PRESETS",
+    "OPTIMIZER_STATE_FACTOR",
+    "DEFAULT_LINKS",
+    "default_link",
+    "COMM_HOOKS",
+    "SHARD_LEVELS",
+    "SHARD_REDUCE",
+    "SHARD_DTYPES",
+    "PRECISIONS",
+    "POWERSGD_MIN_COMPRESSION_RATE",
+    "DEFAULT_BUCKET_BYTES",
+    "ddp_buckets",
+    "parse_size",
+    "format_size",
+    "ring_hops",
+]
 
 
 def _link(name: str) -> tuple[float, float]:
@@ -122,7 +137,13 @@ _WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PRECISIONS = tuple(_WIRE_BYTES)
 
 # All-reduces each hook issues per DDP bucket (Note [hook pricing]).
-_ALLREDUCES_PER_BUCKET = {"allreduce": 1, "fp16": 1, "bf16": 1, "powersgd": 3, "batched_powersgd": 2}
+_ALLREDUCES_PER_BUCKET = {
+    "allreduce": 1,
+    "fp16": 1,
+    "bf16": 1,
+    "powersgd": 3,
+    "batched_powersgd": 2,
+}
 
 # PowerSGDState's default ``min_compression_rate``, which fxpipe's runtime keeps.
 POWERSGD_MIN_COMPRESSION_RATE = 2
@@ -131,10 +152,20 @@ POWERSGD_MIN_COMPRESSION_RATE = 2
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -217,8 +248,12 @@ class DataParallelTraffic:
         if replicas <= 1:
             return 0.0
         share = (replicas - 1) / replicas
-        return share * (2 * self.all_reduce_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
-                        + self.broadcast_bytes)
+        return share * (
+            2 * self.all_reduce_bytes
+            + self.all_gather_bytes
+            + self.reduce_scatter_bytes
+            + self.broadcast_bytes
+        )
 
 
 def ddp_buckets(param_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -294,35 +329,69 @@ class CostModel:
     dp_replicas: int = 1
     # The data-parallel options priced here are declared here, once (Note [options declared once] in
     # fxpipe.optionspec): fxpipe.runtime.dataparallel.DataParallelOptions and PlanOptions take them over.
-    comm_hook: str = option("allreduce", choices=COMM_HOOKS, parse_choices=False, metavar="HOOK",
-                            help=f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}")
-    powersgd_rank: int = option(1, metavar="K", help="PowerSGD matrix approximation rank (with --comm-hook "
-                                                     "powersgd/batched_powersgd)")
+    comm_hook: str = option(
+        "allreduce",
+        choices=COMM_HOOKS,
+        parse_choices=False,
+        metavar="HOOK",
+        help=f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}",
+    )
+    powersgd_rank: int = option(
+        1,
+        metavar="K",
+        help="PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)",
+    )
     dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    shard: str = option("none", choices=SHARD_LEVELS, metavar="LEVEL",
-                        help="shard training state over the data-parallel replicas: none, optimizer (ZeRO-1: "
-                             "ZeroRedundancyOptimizer), grad-op (gradients too: FSDP2, ZeRO-2), full (parameters too: "
-                             "FSDP2, ZeRO-3); the plan prices each rank's memory and traffic")
-    shard_reduce: str = option("step", choices=SHARD_REDUCE, metavar="WHEN",
-                               help="with --shard grad-op/full: reduce-scatter the gradients once per step or after "
-                                    "every microbatch (gradients kept sharded, M times the traffic)")
-    shard_param_dtype: str | None = option(None, choices=SHARD_DTYPES, metavar="DTYPE", none_means="the parameters'",
-                                           help="with --shard grad-op/full: gather and compute in this dtype "
-                                                "(FSDP2's MixedPrecisionPolicy)")
-    shard_reduce_dtype: str | None = option(None, choices=SHARD_DTYPES, metavar="DTYPE",
-                                            none_means="--shard-param-dtype's",
-                                            help="with --shard grad-op/full: reduce-scatter the gradients in this "
-                                                 "dtype")
-    node_size: int = 0                          # devices per node; 0: all on one node (Note [cluster links])
-    inter_link_bandwidth: float | None = None   # between nodes; None: the link above
+    shard: str = option(
+        "none",
+        choices=SHARD_LEVELS,
+        metavar="LEVEL",
+        help="shard training state over the data-parallel replicas: none, optimizer (ZeRO-1: "
+        "ZeroRedundancyOptimizer), grad-op (gradients too: FSDP2, ZeRO-2), full (parameters too: "
+        "FSDP2, ZeRO-3); the plan prices each rank's memory and traffic",
+    )
+    shard_reduce: str = option(
+        "step",
+        choices=SHARD_REDUCE,
+        metavar="WHEN",
+        help="with --shard grad-op/full: reduce-scatter the gradients once per step or after "
+        "every microbatch (gradients kept sharded, M times the traffic)",
+    )
+    shard_param_dtype: str | None = option(
+        None,
+        choices=SHARD_DTYPES,
+        metavar="DTYPE",
+        none_means="the parameters'",
+        help="with --shard grad-op/full: gather and compute in this dtype "
+        "(FSDP2's MixedPrecisionPolicy)",
+    )
+    shard_reduce_dtype: str | None = option(
+        None,
+        choices=SHARD_DTYPES,
+        metavar="DTYPE",
+        none_means="--shard-param-dtype's",
+        help="with --shard grad-op/full: reduce-scatter the gradients in this dtype",
+    )
+    node_size: int = 0  # devices per node; 0: all on one node (Note [cluster links])
+    inter_link_bandwidth: float | None = None  # between nodes; None: the link above
     inter_link_latency: float | None = None
-    recompute: tuple[bool, ...] = field(default=())  # per stage: recompute activations in backward; (): none
-    precision: str = option("fp32", choices=PRECISIONS, metavar="P",  # fp32 boundary tensors travel in it (wire_bytes)
-                            help="autocast precision of each stage's forward and the loss: %(choices)s; boundary "
-                                 "tensors travel in it (bf16/fp16: half the bytes)")
+    recompute: tuple[bool, ...] = field(
+        default=()
+    )  # per stage: recompute activations in backward; (): none
+    precision: str = option(
+        "fp32",
+        choices=PRECISIONS,
+        metavar="P",  # fp32 boundary tensors travel in it (wire_bytes)
+        help="autocast precision of each stage's forward and the loss: %(choices)s; boundary "
+        "tensors travel in it (bf16/fp16: half the bytes)",
+    )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "device_speed", tuple(_number("device_speed factor", s) for s in self.device_speed))
+        object.__setattr__(
+            self,
+            "device_speed",
+            tuple(_number("device_speed factor", s) for s in self.device_speed),
+        )
         if not _number("link_bandwidth", self.link_bandwidth) > 0:
             raise ConfigError(f"link_bandwidth must be > 0 bytes/s, got {self.link_bandwidth}")
         if not _number("link_latency", self.link_latency) >= 0:
@@ -334,40 +403,74 @@ class CostModel:
         if any(s <= 0 for s in self.device_speed):
             raise ConfigError(f"device_speed factors must be > 0, got {self.device_speed}")
         if not isinstance(self.dp_replicas, int) or self.dp_replicas < 1:
-            raise ConfigError(f"dp_replicas must be an int >= 1, got {self.dp_replicas!r}; use 1 for no data parallelism")
+            raise ConfigError(
+                f"dp_replicas must be an int >= 1, got {self.dp_replicas!r}; use 1 for no data parallelism"
+            )
         if self.comm_hook not in COMM_HOOKS:
-            raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)}")
+            raise ConfigError(
+                f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)}"
+            )
         if not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
             raise ConfigError(f"powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}")
         if not isinstance(self.dp_bucket_bytes, int) or self.dp_bucket_bytes < 1:
-            raise ConfigError(f"dp_bucket_bytes must be an int >= 1, got {self.dp_bucket_bytes!r}; "
-                              f"DDP's default bucket_cap_mb=25 is {DEFAULT_BUCKET_BYTES}")
+            raise ConfigError(
+                f"dp_bucket_bytes must be an int >= 1, got {self.dp_bucket_bytes!r}; "
+                f"DDP's default bucket_cap_mb=25 is {DEFAULT_BUCKET_BYTES}"
+            )
         if self.shard not in SHARD_LEVELS:
-            raise ConfigError(f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}")
+            raise ConfigError(
+                f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}"
+            )
         if self.shard_reduce not in SHARD_REDUCE:
-            raise ConfigError(f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(SHARD_REDUCE)}")
+            raise ConfigError(
+                f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(SHARD_REDUCE)}"
+            )
         object.__setattr__(self, "recompute", tuple(self.recompute))
         if not all(isinstance(r, bool) for r in self.recompute):
-            raise ConfigError(f"recompute must list one true/false per stage, got {self.recompute!r}")
-        if not isinstance(self.node_size, int) or isinstance(self.node_size, bool) or self.node_size < 0:
-            raise ConfigError(f"node_size must be an int >= 0 (0: one node), got {self.node_size!r}")
-        if self.inter_link_bandwidth is not None and not _number("inter_link_bandwidth", self.inter_link_bandwidth) > 0:
-            raise ConfigError(f"inter_link_bandwidth must be > 0 bytes/s, got {self.inter_link_bandwidth}")
-        if self.inter_link_latency is not None and not _number("inter_link_latency", self.inter_link_latency) >= 0:
+            raise ConfigError(
+                f"recompute must list one true/false per stage, got {self.recompute!r}"
+            )
+        if (
+            not isinstance(self.node_size, int)
+            or isinstance(self.node_size, bool)
+            or self.node_size < 0
+        ):
+            raise ConfigError(
+                f"node_size must be an int >= 0 (0: one node), got {self.node_size!r}"
+            )
+        if (
+            self.inter_link_bandwidth is not None
+            and not _number("inter_link_bandwidth", self.inter_link_bandwidth) > 0
+        ):
+            raise ConfigError(
+                f"inter_link_bandwidth must be > 0 bytes/s, got {self.inter_link_bandwidth}"
+            )
+        if (
+            self.inter_link_latency is not None
+            and not _number("inter_link_latency", self.inter_link_latency) >= 0
+        ):
             raise ConfigError(f"inter_link_latency must be >= 0 s, got {self.inter_link_latency}")
         if self.precision not in _WIRE_BYTES:
-            raise ConfigError(f"precision must be one of {list(_WIRE_BYTES)}, got {self.precision!r}")
+            raise ConfigError(
+                f"precision must be one of {list(_WIRE_BYTES)}, got {self.precision!r}"
+            )
         for key in ("shard_param_dtype", "shard_reduce_dtype"):
             if getattr(self, key) not in (None, *_DTYPE_BYTES):
-                raise ConfigError(f"{key} must be one of {sorted(_DTYPE_BYTES)} or None, got {getattr(self, key)!r}")
+                raise ConfigError(
+                    f"{key} must be one of {sorted(_DTYPE_BYTES)} or None, got {getattr(self, key)!r}"
+                )
 
     @classmethod
     def preset(cls, link: str, **overrides: Any) -> CostModel:
         """A cost model with the bandwidth and latency of a named link (see ``LINK_PRESETS``)."""
         if link not in LINK_PRESETS:
-            raise ConfigError(f"unknown link preset {link!r}; expected one of {sorted(LINK_PRESETS)}")
+            raise ConfigError(
+                f"unknown link preset {link!r}; expected one of {sorted(LINK_PRESETS)}"
+            )
         bandwidth, latency = LINK_PRESETS[link]
-        return cls(**{"link_bandwidth": bandwidth, "link_latency": latency, "link": link, **overrides})
+        return cls(
+            **{"link_bandwidth": bandwidth, "link_latency": latency, "link": link, **overrides}
+        )
 
     @property
     def optimizer_factor(self) -> int:
@@ -383,8 +486,10 @@ class CostModel:
         return (nbytes / self.link_bandwidth + self.link_latency) * 1e3
 
     def _inter(self) -> tuple[float, float]:
-        return (self.link_bandwidth if self.inter_link_bandwidth is None else self.inter_link_bandwidth,
-                self.link_latency if self.inter_link_latency is None else self.inter_link_latency)
+        return (
+            self.link_bandwidth if self.inter_link_bandwidth is None else self.inter_link_bandwidth,
+            self.link_latency if self.inter_link_latency is None else self.inter_link_latency,
+        )
 
     def crosses_nodes(self, rank_a: int, rank_b: int, num_ranks: int) -> bool:
         """Whether pipeline ranks ``rank_a`` and ``rank_b`` sit on different nodes in some
@@ -393,8 +498,10 @@ class CostModel:
         if n <= 0:
             return False
         period = n // math.gcd(num_ranks, n)  # k x num_ranks mod n repeats with this period
-        return any((k * num_ranks + rank_a) // n != (k * num_ranks + rank_b) // n
-                   for k in range(min(self.dp_replicas, period)))
+        return any(
+            (k * num_ranks + rank_a) // n != (k * num_ranks + rank_b) // n
+            for k in range(min(self.dp_replicas, period))
+        )
 
     def p2p_ms(self, nbytes: float, rank_a: int, rank_b: int, num_ranks: int) -> float:
         """One message of ``nbytes`` between pipeline ranks, in ms: on the inter-node link when
@@ -416,8 +523,10 @@ class CostModel:
         if not self.recompute:
             return (False,) * num_stages
         if len(self.recompute) != num_stages:
-            raise PartitionError(f"recompute lists {len(self.recompute)} stages but there are {num_stages}; "
-                                 "give one flag per stage or none")
+            raise PartitionError(
+                f"recompute lists {len(self.recompute)} stages but there are {num_stages}; "
+                "give one flag per stage or none"
+            )
         return self.recompute
 
     def gradient_bytes(self, param_bytes: int, shape: Sequence[int] | None = None) -> float:
@@ -431,20 +540,29 @@ class CostModel:
             return _batched_powersgd_bytes(param_bytes, self.powersgd_rank)
         return float(param_bytes)
 
-    def dp_traffic(self, param_bytes: Sequence[int],
-                   shapes: Sequence[Sequence[int] | None] | None = None) -> AllReduceTraffic:
+    def dp_traffic(
+        self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None
+    ) -> AllReduceTraffic:
         """What one replica of a stage with these parameters sends per step (Note [hook pricing]).
 
         ``shapes[i]`` is the shape of parameter ``i`` (``None`` or no ``shapes``: unknown).
         """
         if shapes is not None and len(shapes) != len(param_bytes):
-            raise PartitionError(f"{len(shapes)} parameter shapes given for {len(param_bytes)} parameters; "
-                                 "give one shape (or None) per parameter")
+            raise PartitionError(
+                f"{len(shapes)} parameter shapes given for {len(param_bytes)} parameters; "
+                "give one shape (or None) per parameter"
+            )
         key = None if shapes is None else tuple(None if sh is None else tuple(sh) for sh in shapes)
-        return _dp_traffic(self.comm_hook, self.powersgd_rank, self.dp_bucket_bytes, tuple(param_bytes), key)
+        return _dp_traffic(
+            self.comm_hook, self.powersgd_rank, self.dp_bucket_bytes, tuple(param_bytes), key
+        )
 
-    def allreduce_ms(self, param_bytes: Sequence[int],
-                     shapes: Sequence[Sequence[int] | None] | None = None, num_ranks: int | None = None) -> float:
+    def allreduce_ms(
+        self,
+        param_bytes: Sequence[int],
+        shapes: Sequence[Sequence[int] | None] | None = None,
+        num_ranks: int | None = None,
+    ) -> float:
         """One step's data-parallel gradient all-reduce of parameters of these sizes, in ms.
 
         Ring all-reduce over ``dp_replicas``: ``2(R-1)/R x wire bytes / link_bandwidth +
@@ -504,7 +622,9 @@ class CostModel:
         """(parameters, gradients, optimizer state) bytes per rank of a stage with ``param_bytes``."""
         return tuple(int(round(share * param_bytes)) for share in self.state_shares())  # type: ignore[return-value]
 
-    def _padded(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None) -> float:
+    def _padded(
+        self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None
+    ) -> float:
         """Bytes of the parameters with each first dimension padded to a multiple of R (FSDP2's shards)."""
         R, total = self.dp_replicas, 0.0
         for i, b in enumerate(param_bytes):
@@ -515,8 +635,12 @@ class CostModel:
                 total += b
         return total
 
-    def shard_traffic(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
-                      microbatches: int = 1) -> DataParallelTraffic:
+    def shard_traffic(
+        self,
+        param_bytes: Sequence[int],
+        shapes: Sequence[Sequence[int] | None] | None = None,
+        microbatches: int = 1,
+    ) -> DataParallelTraffic:
         """What one replica of a stage sends per step at this sharding level (Note [sharding pricing])."""
         if self.dp_replicas <= 1 or not param_bytes:
             return DataParallelTraffic()
@@ -525,19 +649,29 @@ class CostModel:
         if self.shard == "none":
             return DataParallelTraffic(all_reduce_bytes=ddp.wire_bytes, collectives=ddp.allreduces)
         if self.shard == "optimizer":
-            return DataParallelTraffic(all_reduce_bytes=ddp.wire_bytes, broadcast_bytes=float(sum(param_bytes)),
-                                       collectives=ddp.allreduces + len(param_bytes))
+            return DataParallelTraffic(
+                all_reduce_bytes=ddp.wire_bytes,
+                broadcast_bytes=float(sum(param_bytes)),
+                collectives=ddp.allreduces + len(param_bytes),
+            )
         M = microbatches
         gathers = 1 if self.shard == "grad-op" else 2 * M
         scatters = 1 if self.shard_reduce == "step" else M
         padded = self._padded(param_bytes, shapes)
         reduce_dtype = self.shard_reduce_dtype or self.shard_param_dtype
-        return DataParallelTraffic(all_gather_bytes=gathers * padded * self._scale(self.shard_param_dtype),
-                                   reduce_scatter_bytes=scatters * padded * self._scale(reduce_dtype),
-                                   collectives=gathers + scatters)
+        return DataParallelTraffic(
+            all_gather_bytes=gathers * padded * self._scale(self.shard_param_dtype),
+            reduce_scatter_bytes=scatters * padded * self._scale(reduce_dtype),
+            collectives=gathers + scatters,
+        )
 
-    def dp_comm_ms(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
-                   microbatches: int = 1, num_ranks: int | None = None) -> float:
+    def dp_comm_ms(
+        self,
+        param_bytes: Sequence[int],
+        shapes: Sequence[Sequence[int] | None] | None = None,
+        microbatches: int = 1,
+        num_ranks: int | None = None,
+    ) -> float:
         """One step's data-parallel communication of a stage, in ms: the all-reduce
         (``allreduce_ms``) without sharding, else the level's collectives on the dp link
         (``dp_link``: between nodes when a pipeline of ``num_ranks`` and its replicas span them)."""
@@ -545,25 +679,42 @@ class CostModel:
             return self.allreduce_ms(param_bytes, shapes, num_ranks)
         traffic = self.shard_traffic(param_bytes, shapes, microbatches)
         bandwidth, latency = self.dp_link(num_ranks)
-        return (traffic.wire_bytes(self.dp_replicas) / bandwidth + self._hops(param_bytes, shapes, traffic) * latency) * 1e3
+        return (
+            traffic.wire_bytes(self.dp_replicas) / bandwidth
+            + self._hops(param_bytes, shapes, traffic) * latency
+        ) * 1e3
 
-    def dp_hops(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None = None,
-                microbatches: int = 1) -> int:
+    def dp_hops(
+        self,
+        param_bytes: Sequence[int],
+        shapes: Sequence[Sequence[int] | None] | None = None,
+        microbatches: int = 1,
+    ) -> int:
         """Ring hops of one step's data-parallel collectives of a stage (Note [ring hops]); 0 without replicas."""
         R = self.dp_replicas
         if R <= 1 or not param_bytes:
             return 0
         if not self._sharded:
             return self.dp_traffic(param_bytes, shapes).allreduces * ring_hops("all_reduce", R)
-        return self._hops(param_bytes, shapes, self.shard_traffic(param_bytes, shapes, microbatches))
+        return self._hops(
+            param_bytes, shapes, self.shard_traffic(param_bytes, shapes, microbatches)
+        )
 
-    def _hops(self, param_bytes: Sequence[int], shapes: Sequence[Sequence[int] | None] | None,
-              traffic: DataParallelTraffic) -> int:
+    def _hops(
+        self,
+        param_bytes: Sequence[int],
+        shapes: Sequence[Sequence[int] | None] | None,
+        traffic: DataParallelTraffic,
+    ) -> int:
         """Ring hops of a sharded step's collectives (Note [ring hops]): every collective R-1,
         the all-reduces of ``optimizer`` sharding (the DDP hook's) twice that."""
         R = self.dp_replicas
-        all_reduces = self.dp_traffic(param_bytes, shapes).allreduces if self.shard == "optimizer" else 0
-        return (traffic.collectives - all_reduces) * ring_hops("broadcast", R) + all_reduces * ring_hops("all_reduce", R)
+        all_reduces = (
+            self.dp_traffic(param_bytes, shapes).allreduces if self.shard == "optimizer" else 0
+        )
+        return (traffic.collectives - all_reduces) * ring_hops(
+            "broadcast", R
+        ) + all_reduces * ring_hops("all_reduce", R)
 
     def speeds(self, num_stages: int) -> tuple[float, ...]:
         """Per-stage speed factors, checked against the stage count."""
@@ -589,8 +740,13 @@ class CostModel:
 
 
 @functools.lru_cache(maxsize=4096)
-def _dp_traffic(hook: str, rank: int, bucket_bytes: int, param_bytes: tuple[int, ...],
-                shapes: tuple[tuple[int, ...] | None, ...] | None) -> AllReduceTraffic:
+def _dp_traffic(
+    hook: str,
+    rank: int,
+    bucket_bytes: int,
+    param_bytes: tuple[int, ...],
+    shapes: tuple[tuple[int, ...] | None, ...] | None,
+) -> AllReduceTraffic:
     """``CostModel.dp_traffic`` of one stage (cached: a search prices the same stage many times)."""
     buckets = ddp_buckets(param_bytes, bucket_bytes)
     if hook == "batched_powersgd":
@@ -598,7 +754,10 @@ def _dp_traffic(hook: str, rank: int, bucket_bytes: int, param_bytes: tuple[int,
     elif hook in ("fp16", "bf16"):
         wire = sum(param_bytes) / 2
     elif hook == "powersgd":
-        wire = sum(_powersgd_bytes(b, shapes[i] if shapes is not None else None, rank) for i, b in enumerate(param_bytes))
+        wire = sum(
+            _powersgd_bytes(b, shapes[i] if shapes is not None else None, rank)
+            for i, b in enumerate(param_bytes)
+        )
     else:
         wire = float(sum(param_bytes))
     return AllReduceTraffic(wire_bytes=wire, allreduces=len(buckets) * _ALLREDUCES_PER_BUCKET[hook])

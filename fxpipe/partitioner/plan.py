@@ -43,8 +43,16 @@ from fxpipe.partitioner.prediction import Prediction
 from fxpipe.partitioner.schedule import ActionKind, Timeline, make_schedule, simulate_step
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 
-__all__ = ["StageMemory", "StagePlan", "BaselineReport", "ScheduleOption", "PartitionPlan", "PLAN_SCHEMA_VERSION",
-           "stage_timeline", "ANALYTIC_CPU"]
+__all__ = [
+    "StageMemory",
+    "StagePlan",
+    "BaselineReport",
+    "ScheduleOption",
+    "PartitionPlan",
+    "PLAN_SCHEMA_VERSION",
+    "stage_timeline",
+    "ANALYTIC_CPU",
+]
 
 ANALYTIC_CPU = "cpu analytic"  # ``PartitionPlan.unit_times`` of a plan whose steps are not times (Note [analytic CPU estimate])
 
@@ -95,8 +103,8 @@ class StagePlan:
     in_flight: NonNegInt = 1
     speed: NonNegFloat = 1.0
     dp_allreduce_ms: NonNegFloat = 0.0
-    bwd_weight_ms: NonNegFloat = 0.0   # of bwd_ms, the weight gradients (a zero-bubble schedule's W)
-    rank: NonNegInt | None = None      # the pipeline rank that runs it; None: its index
+    bwd_weight_ms: NonNegFloat = 0.0  # of bwd_ms, the weight gradients (a zero-bubble schedule's W)
+    rank: NonNegInt | None = None  # the pipeline rank that runs it; None: its index
     dp_bytes: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:
@@ -136,13 +144,16 @@ class ScheduleOption:
     feasible: bool = True
     chosen: bool = False
     note: str = ""
-    stage_times: tuple[tuple[NonNegFloat, NonNegFloat, NonNegFloat], ...] = ()  # per stage: F, B, W-part ms
+    stage_times: tuple[
+        tuple[NonNegFloat, NonNegFloat, NonNegFloat], ...
+    ] = ()  # per stage: F, B, W-part ms
 
     def timeline(self, microbatches: int) -> Timeline | None:
         """Its split's step timeline (communication in the stage times), for the report."""
         if not self.stage_times:
             return None
         return stage_timeline(self.schedule, self.virtual_stages, microbatches, self.stage_times)
+
 
 @dataclass(frozen=True)
 class PartitionPlan:
@@ -177,15 +188,19 @@ class PartitionPlan:
     schema_version: int = PLAN_SCHEMA_VERSION
     virtual_stages: PositiveInt = 1
     placement: str = "loop"
-    objective: str = "bottleneck"   # "step": the predicted step time of the schedule; older plans: the bottleneck
+    objective: str = (
+        "bottleneck"  # "step": the predicted step time of the schedule; older plans: the bottleneck
+    )
     rank_memory_bytes: tuple[NonNegInt, ...] = ()
-    alternatives: tuple[ScheduleOption, ...] = ()   # --schedule auto: every schedule it planned
+    alternatives: tuple[ScheduleOption, ...] = ()  # --schedule auto: every schedule it planned
     unit_times: str = ""  # the profile's unit times: "<trace device> <timing>", e.g. "cpu analytic"; "": not recorded
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
         if len(self.stages) != self.num_stages:
-            raise PartitionError(f"plan lists {len(self.stages)} stages but num_stages is {self.num_stages}")
+            raise PartitionError(
+                f"plan lists {len(self.stages)} stages but num_stages is {self.num_stages}"
+            )
         seen: set[str] = set()
         for i, s in enumerate(self.stages):
             if s.index != i:
@@ -195,11 +210,15 @@ class PartitionPlan:
                 raise PartitionError(f"units {sorted(dup)} are on more than one stage")
             seen.update(s.units)
         if self.prediction is not None and self.prediction.schedule != self.schedule:
-            raise PartitionError(f"the plan's schedule is {self.schedule!r} but its prediction is for "
-                                 f"{self.prediction.schedule!r}")
+            raise PartitionError(
+                f"the plan's schedule is {self.schedule!r} but its prediction is for "
+                f"{self.prediction.schedule!r}"
+            )
         if self.num_stages % self.virtual_stages:
-            raise PartitionError(f"the plan has {self.num_stages} stages, not a multiple of its "
-                                 f"{self.virtual_stages} virtual stages per rank")
+            raise PartitionError(
+                f"the plan has {self.num_stages} stages, not a multiple of its "
+                f"{self.virtual_stages} virtual stages per rank"
+            )
 
     @property
     def num_ranks(self) -> int:
@@ -209,12 +228,17 @@ class PartitionPlan:
     @property
     def stage_times(self) -> tuple[tuple[float, float, float], ...]:
         """Per stage: forward, backward (each with its messages) and the weight-gradient part, ms."""
-        return tuple((s.fwd_ms + s.comm_fwd_ms, s.bwd_ms + s.comm_bwd_ms, s.bwd_weight_ms) for s in self.stages)
+        return tuple(
+            (s.fwd_ms + s.comm_fwd_ms, s.bwd_ms + s.comm_bwd_ms, s.bwd_weight_ms)
+            for s in self.stages
+        )
 
     def timeline(self, schedule: str | None = None) -> Timeline:
         """The simulated step of this split under ``schedule`` (default the plan's), from the stage
         times alone (no runtime overheads): what the report draws."""
-        return stage_timeline(schedule or self.schedule, self.virtual_stages, self.microbatches, self.stage_times)
+        return stage_timeline(
+            schedule or self.schedule, self.virtual_stages, self.microbatches, self.stage_times
+        )
 
     @property
     def stage_ranks(self) -> tuple[int, ...]:
@@ -229,20 +253,31 @@ class PartitionPlan:
 
     def relative_step(self, schedule: str) -> float | None:
         """``schedule``'s predicted step over the plan's own (1.0 for the plan's schedule)."""
-        if self.prediction is None or schedule not in self.prediction.step_ms or not self.step_ms > 0:
+        if (
+            self.prediction is None
+            or schedule not in self.prediction.step_ms
+            or not self.step_ms > 0
+        ):
             return None
         return float(self.prediction.step_ms[schedule]) / self.step_ms
 
     @property
     def optimal_for(self) -> str:
         """What the plan is optimal for, in words (reports print it)."""
-        proven = "the bottleneck stage time is proven minimal" if self.optimal else \
-            (f"its bottleneck stage time, {self.bottleneck_ms:.4g} ms, is within {self.gap:.1%} of "
-             f"{self.lower_bound_ms:.4g} ms, a lower bound no split of these units can beat")
+        proven = (
+            "the bottleneck stage time is proven minimal"
+            if self.optimal
+            else (
+                f"its bottleneck stage time, {self.bottleneck_ms:.4g} ms, is within {self.gap:.1%} of "
+                f"{self.lower_bound_ms:.4g} ms, a lower bound no split of these units can beat"
+            )
+        )
         if self.objective != "step":
             return f"planned for the bottleneck stage time: {proven}"
-        return (f"planned for the predicted step time of {self.schedule} (chosen among candidate splits by the "
-                f"predicted step, not a proven optimum); {proven}")
+        return (
+            f"planned for the predicted step time of {self.schedule} (chosen among candidate splits by the "
+            f"predicted step, not a proven optimum); {proven}"
+        )
 
     @cached_property
     def _stage_index(self) -> dict[str, int]:
@@ -253,7 +288,9 @@ class PartitionPlan:
         try:
             return self._stage_index[unit_name]
         except KeyError:
-            raise PartitionError(f"unit {unit_name!r} is not in this plan; was it made from another profile?") from None
+            raise PartitionError(
+                f"unit {unit_name!r} is not in this plan; was it made from another profile?"
+            ) from None
 
     @property
     def assignment(self) -> dict[str, int]:
@@ -267,8 +304,16 @@ class PartitionPlan:
             raise PartitionError("this plan carries no prediction; re-plan it with `fxpipe plan`")
         return float(self.prediction.step_ms[self.schedule])
 
-    def predicted_step_ms(self, schedule: str, *, microbatches: int, dp_replicas: int = 1,
-                          comm_hook: str = "allreduce", powersgd_rank: int = 1, shard: str = "none") -> float | None:
+    def predicted_step_ms(
+        self,
+        schedule: str,
+        *,
+        microbatches: int,
+        dp_replicas: int = 1,
+        comm_hook: str = "allreduce",
+        powersgd_rank: int = 1,
+        shard: str = "none",
+    ) -> float | None:
         """The predicted step time under ``schedule`` if this plan was priced for a run like
         this one (``microbatches``; ``dp_replicas`` replicas whose all-reduce uses
         ``comm_hook`` with PowerSGD rank ``powersgd_rank``, sharded as ``shard``), else ``None``: a prediction
@@ -302,7 +347,9 @@ class PartitionPlan:
 
         Reads schema versions 1 and 2 and the documented minimal plan.
         """
-        check_schema_version(d, PLAN_SCHEMA_VERSION, "plan", PartitionError, oldest=_OLDEST_READABLE, remedy=_REMEDY)
+        check_schema_version(
+            d, PLAN_SCHEMA_VERSION, "plan", PartitionError, oldest=_OLDEST_READABLE, remedy=_REMEDY
+        )
         return read_dataclass(cls, _completed(d), "plan", PartitionError)
 
     @classmethod
@@ -311,8 +358,12 @@ class PartitionPlan:
         return cls.from_dict(load_json(source, "plan", PartitionError))
 
 
-def stage_timeline(schedule: str, virtual_stages: int, microbatches: int,
-                   stage_times: tuple[tuple[float, float, float], ...]) -> Timeline:
+def stage_timeline(
+    schedule: str,
+    virtual_stages: int,
+    microbatches: int,
+    stage_times: tuple[tuple[float, float, float], ...],
+) -> Timeline:
     """The step simulator (Note [step simulation]) on per-stage F, B and W-part times: a split
     backward runs ``B - W`` in ``B`` and ``W`` in ``W``."""
     ranks = len(stage_times) // virtual_stages
@@ -337,10 +388,17 @@ def _completed(d: dict[str, Any]) -> dict[str, Any]:
     data = dict(d, schema_version=PLAN_SCHEMA_VERSION)
     stages = data.get("stages")
     if isinstance(stages, list):
-        data["stages"] = [dict(s, index=s.get("index", i)) if isinstance(s, dict) else s for i, s in enumerate(stages)]
+        data["stages"] = [
+            dict(s, index=s.get("index", i)) if isinstance(s, dict) else s
+            for i, s in enumerate(stages)
+        ]
         data.setdefault("num_stages", len(stages))
     bottleneck, bound = data.get("bottleneck_ms"), data.get("lower_bound_ms")
-    if "gap" not in data and isinstance(bottleneck, (int, float)) and isinstance(bound, (int, float)):
+    if (
+        "gap" not in data
+        and isinstance(bottleneck, (int, float))
+        and isinstance(bound, (int, float))
+    ):
         data["gap"] = max(bottleneck - bound, 0.0) / bound if bound > 0 else 0.0
     data.setdefault("solver_bound_ms", None)
     data.setdefault("solve_seconds", 0.0)
@@ -348,6 +406,9 @@ def _completed(d: dict[str, Any]) -> dict[str, Any]:
     data.setdefault("microbatches", 1)
     prediction = data.get("prediction")
     if isinstance(prediction, dict):
-        data["prediction"] = dict(prediction, schedule=prediction.get("schedule", data["schedule"])) \
-            if prediction else None
+        data["prediction"] = (
+            dict(prediction, schedule=prediction.get("schedule", data["schedule"]))
+            if prediction
+            else None
+        )
     return data

@@ -20,7 +20,13 @@ from typing import Any, ClassVar
 
 from fxpipe.errors import ConfigError
 from fxpipe.optionspec import Options, option, same_as
-from fxpipe.partitioner.cost import LINK_PRESETS, OPTIMIZER_STATE_FACTOR, CostModel, default_link, parse_size
+from fxpipe.partitioner.cost import (
+    LINK_PRESETS,
+    OPTIMIZER_STATE_FACTOR,
+    CostModel,
+    default_link,
+    parse_size,
+)
 from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
 
 __all__ = ["PlanOptions", "SOLVER_NAMES", "OPTIMIZE"]
@@ -45,40 +51,82 @@ class PlanOptions(Options):
 
     what: ClassVar[str] = "plan options"
 
-    stages: int | None = option(None, metavar="N", none_means="none; give it, or --devices N",
-                                help="number of pipeline stages (or --devices N to search the stages, replicas "
-                                     "and the rest)")
-    microbatches: int | None = option(None, metavar="M", none_means="the number of stages",
-                                      help="microbatches per step")
+    stages: int | None = option(
+        None,
+        metavar="N",
+        none_means="none; give it, or --devices N",
+        help="number of pipeline stages (or --devices N to search the stages, replicas "
+        "and the rest)",
+    )
+    microbatches: int | None = option(
+        None, metavar="M", none_means="the number of stages", help="microbatches per step"
+    )
     solver: str = option("auto", choices=SOLVER_NAMES, help="partitioning solver: %(choices)s")
-    schedule: str = option("1f1b", choices=(*SCHEDULE_NAMES, AUTO),
-                           help="pipeline schedule to plan for: %(choices)s (auto: plan each, keep the fastest "
-                                "that fits)")
-    virtual_stages: int | None = option(None, metavar="V",
-                                        none_means="the schedule's least (1, or 2 for interleaved-1f1b and zbv)",
-                                        help="stages per rank: --stages N gives N x V stages, placed loop-style "
-                                             "(interleaved-1f1b) or V-shaped (zbv)")
-    memory_limit: str | None = option(None, metavar="SIZE", none_means="unbounded",
-                                      help="memory per device, e.g. 512MiB or 16GiB")
+    schedule: str = option(
+        "1f1b",
+        choices=(*SCHEDULE_NAMES, AUTO),
+        help="pipeline schedule to plan for: %(choices)s (auto: plan each, keep the fastest "
+        "that fits)",
+    )
+    virtual_stages: int | None = option(
+        None,
+        metavar="V",
+        none_means="the schedule's least (1, or 2 for interleaved-1f1b and zbv)",
+        help="stages per rank: --stages N gives N x V stages, placed loop-style "
+        "(interleaved-1f1b) or V-shaped (zbv)",
+    )
+    memory_limit: str | None = option(
+        None, metavar="SIZE", none_means="unbounded", help="memory per device, e.g. 512MiB or 16GiB"
+    )
     time_limit: float = option(10.0, metavar="S", help="CP-SAT time limit in seconds")
-    link: str | None = option(None, metavar="NAME", none_means="nvlink for a CUDA trace, loopback for a CPU one",
-                              help=f"link preset: {', '.join(LINK_PRESETS)}")
-    link_bandwidth: float | None = option(None, metavar="GB/S", none_means="the preset's",
-                                          help="link bandwidth in GB/s (overrides the preset)")
-    link_latency: float | None = option(None, metavar="US", none_means="the preset's",
-                                        help="per-message latency in microseconds (overrides the preset)")
-    optimizer: str = option("sgd", choices=tuple(OPTIMIZER_STATE_FACTOR),
-                            help="optimizer whose state the memory model counts: %(choices)s")
+    link: str | None = option(
+        None,
+        metavar="NAME",
+        none_means="nvlink for a CUDA trace, loopback for a CPU one",
+        help=f"link preset: {', '.join(LINK_PRESETS)}",
+    )
+    link_bandwidth: float | None = option(
+        None,
+        metavar="GB/S",
+        none_means="the preset's",
+        help="link bandwidth in GB/s (overrides the preset)",
+    )
+    link_latency: float | None = option(
+        None,
+        metavar="US",
+        none_means="the preset's",
+        help="per-message latency in microseconds (overrides the preset)",
+    )
+    optimizer: str = option(
+        "sgd",
+        choices=tuple(OPTIMIZER_STATE_FACTOR),
+        help="optimizer whose state the memory model counts: %(choices)s",
+    )
     precision: str = same_as(CostModel, "precision")
-    speed_factors: str | None = option(None, metavar="S1,S2,...", none_means="all 1",
-                                       help="comma-separated relative speed per stage device, e.g. 1,1,0.5")
-    optimize: str = option("speed", choices=OPTIMIZE,
-                           help="what the plan minimises: %(choices)s (memory: the least peak memory within 1%% of "
-                                "the fastest step)")
-    split_at: tuple[str, ...] = option((), repeat=True, metavar="MODULE",
-                                       help="start a stage at this module path (like pipelining's "
-                                            "SplitPoint.BEGINNING); repeatable, stages - 1 times")
-    dp: int = option(1, metavar="R", help="price each stage's gradient all-reduce over R pipeline replicas (1: none)")
+    speed_factors: str | None = option(
+        None,
+        metavar="S1,S2,...",
+        none_means="all 1",
+        help="comma-separated relative speed per stage device, e.g. 1,1,0.5",
+    )
+    optimize: str = option(
+        "speed",
+        choices=OPTIMIZE,
+        help="what the plan minimises: %(choices)s (memory: the least peak memory within 1%% of "
+        "the fastest step)",
+    )
+    split_at: tuple[str, ...] = option(
+        (),
+        repeat=True,
+        metavar="MODULE",
+        help="start a stage at this module path (like pipelining's "
+        "SplitPoint.BEGINNING); repeatable, stages - 1 times",
+    )
+    dp: int = option(
+        1,
+        metavar="R",
+        help="price each stage's gradient all-reduce over R pipeline replicas (1: none)",
+    )
     # a wrong value is the cost model's one error line, not argparse's usage message
     comm_hook: str = same_as(CostModel, "comm_hook")
     powersgd_rank: int = same_as(CostModel, "powersgd_rank")
@@ -87,11 +135,17 @@ class PlanOptions(Options):
     shard_param_dtype: str | None = same_as(CostModel, "shard_param_dtype", parse_choices=False)
 
     def __post_init__(self) -> None:
-        for flag, value in (("--link-bandwidth", self.link_bandwidth), ("--link-latency", self.link_latency),
-                            ("--time-limit", self.time_limit)):
+        for flag, value in (
+            ("--link-bandwidth", self.link_bandwidth),
+            ("--link-latency", self.link_latency),
+            ("--time-limit", self.time_limit),
+        ):
             if value is not None and not math.isfinite(value):  # nan/inf would end up in plan.json
                 raise ConfigError(f"{flag} must be a finite number, got {value}")
-        _ = self.device_speed, self.memory_limit_bytes  # each refuses a value it cannot read, naming its flag
+        _ = (
+            self.device_speed,
+            self.memory_limit_bytes,
+        )  # each refuses a value it cannot read, naming its flag
 
     @property
     def device_speed(self) -> tuple[float, ...]:
@@ -101,9 +155,13 @@ class PlanOptions(Options):
         try:
             speeds = tuple(float(s) for s in self.speed_factors.split(","))
         except ValueError:
-            raise ConfigError(f"--speed-factors {self.speed_factors!r} must be numbers separated by commas") from None
+            raise ConfigError(
+                f"--speed-factors {self.speed_factors!r} must be numbers separated by commas"
+            ) from None
         if not all(math.isfinite(s) and s > 0 for s in speeds):
-            raise ConfigError(f"--speed-factors {self.speed_factors!r} must be finite numbers > 0, e.g. 1,1,0.5")
+            raise ConfigError(
+                f"--speed-factors {self.speed_factors!r} must be finite numbers > 0, e.g. 1,1,0.5"
+            )
         return speeds
 
     @property
@@ -117,9 +175,13 @@ class PlanOptions(Options):
     def cost_model(self, trace_device: str) -> CostModel:
         """The cost model these options price with, for a profile traced on ``trace_device``
         (whose kind of device names the link when ``link`` does not)."""
-        if self.dp == 1 and (self.shard != "none" or self.shard_reduce != "step" or self.shard_param_dtype):
-            raise ConfigError("--shard, --shard-reduce and --shard-param-dtype divide state over data-parallel "
-                              "replicas, but --dp is 1; add --dp R (R >= 2) or drop them")
+        if self.dp == 1 and (
+            self.shard != "none" or self.shard_reduce != "step" or self.shard_param_dtype
+        ):
+            raise ConfigError(
+                "--shard, --shard-reduce and --shard-param-dtype divide state over data-parallel "
+                "replicas, but --dp is 1; add --dp R (R >= 2) or drop them"
+            )
         overrides: dict[str, Any] = {name: getattr(self, name) for name in _PRICED}
         overrides.update(dp_replicas=self.dp, device_speed=self.device_speed)
         if self.link_bandwidth is not None:
@@ -131,5 +193,9 @@ class PlanOptions(Options):
 
 # the fields the cost model takes as they are (optimizer, precision, comm_hook, shard, ...); not the link, whose
 # preset gives the bandwidth and latency that the flags override in GB/s and microseconds
-_PRICED = tuple(f.name for f in fields(PlanOptions) if f.name in {g.name for g in fields(CostModel)}
-                and f.name not in ("link", "link_bandwidth", "link_latency"))
+_PRICED = tuple(
+    f.name
+    for f in fields(PlanOptions)
+    if f.name in {g.name for g in fields(CostModel)}
+    and f.name not in ("link", "link_bandwidth", "link_latency")
+)

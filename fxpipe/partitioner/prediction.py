@@ -97,54 +97,106 @@ from dataclasses import asdict, dataclass, replace
 from fxpipe.calibration_data import names, values
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.problem import Evaluation, PartitionProblem, evaluate
-from fxpipe.partitioner.schedule import (Action, ActionKind, Link, Timeline, make_schedule, runnable_schedules,
-                                         simulate_step)
+from fxpipe.partitioner.schedule import (
+    Action,
+    ActionKind,
+    Link,
+    Timeline,
+    make_schedule,
+    runnable_schedules,
+    simulate_step,
+)
 from fxpipe.partitioner.schedule.memory_walk import schedule_memory_moments
 from fxpipe.schema import NonNegFloat, NonNegInt
 
-__all__ = ["RuntimeCosts", "RUNTIME_COSTS", "StepOverheads", "Prediction", "predict", "step_overheads",
-           "simulate_plan", "predicted_schedules", "shared_cores", "StageBytes", "stage_bytes", "rank_peak_memory",
-           "MemoryFloor", "rank_memory_floor", "runtime_costs_for", "at_host_speed"]
+__all__ = [
+    "RuntimeCosts",
+    "RUNTIME_COSTS",
+    "StepOverheads",
+    "Prediction",
+    "predict",
+    "step_overheads",
+    "simulate_plan",
+    "predicted_schedules",
+    "shared_cores",
+    "StageBytes",
+    "stage_bytes",
+    "rank_peak_memory",
+    "MemoryFloor",
+    "rank_memory_floor",
+    "runtime_costs_for",
+    "at_host_speed",
+]
 
-_LOSS_BYTES = 4                # the step's loss, broadcast from the last stage as one float32
+_LOSS_BYTES = 4  # the step's loss, broadcast from the last stage as one float32
 
 
 @dataclass(frozen=True)
 class RuntimeCosts:
     """Fixed costs of fxpipe's runtime beyond unit compute and link time (Note [step prediction])."""
 
-    action_ms: NonNegFloat = 0.0             # executor bookkeeping per F, B or W action (buffers, dicts, checks)
-    split_ms: NonNegFloat = 0.0              # a split B: finding the boundary nodes, keeping their gradients
-    split_unit_ms: NonNegFloat = 0.0         # ... plus this per unit of the stage (the graph walk)
-    weight_call_ms: NonNegFloat = 0.0        # W: one engine call per unit with parameters
-    split_factor: NonNegFloat = 1.0          # a split B + W over the fused backward (Note [split backward cost])
-    message_ms: NonNegFloat = 0.0            # CPU time per message to post and complete it, on each end
-    message_stall_ms: NonNegFloat = 0.0      # ... and the wait per message when every core is busy (Note [message stalls])
-    dp_sync_ms: NonNegFloat = 0.0            # DDP's synchronising pass per step, beyond its all-reduce's link time
-    dp_sync_tensor_ms: NonNegFloat = 0.0     # ... plus this per parameter tensor (Note [data-parallel sync cost])
-    collective_ms: NonNegFloat = 0.0         # per ring hop of a step-end collective, beyond its link time
-    loss_ms: NonNegFloat = 0.0               # loss forward + backward per microbatch, on the last stage
-    step_ms: NonNegFloat = 0.0               # Python per step: zero_grad, microbatch split, loss stack, ...
-    optimizer_step_ms: NonNegFloat = 0.0     # fixed cost of one optimizer.step() call
-    optimizer_tensor_ms: NonNegFloat = 0.0   # ... plus this per parameter tensor
-    optimizer_bytes_per_s: NonNegFloat = 0.0  # ... plus streaming weight, gradient and state; 0: free
-    rank_speed: NonNegFloat = 1.0            # share of a core each rank's Python and kernels get (``shared_cores``)
-    oversubscribed_rate: NonNegFloat = 1.0   # work a core does while ranks outnumber cores (Note [processor sharing])
-    recompute_fwd_ms: NonNegFloat = 0.0      # a recomputing stage's F: entering its checkpoint region
-    recompute_bwd_ms: NonNegFloat = 0.0      # ... its B: rebuilding the region's graph (Note [recompute cost])
+    action_ms: NonNegFloat = (
+        0.0  # executor bookkeeping per F, B or W action (buffers, dicts, checks)
+    )
+    split_ms: NonNegFloat = 0.0  # a split B: finding the boundary nodes, keeping their gradients
+    split_unit_ms: NonNegFloat = 0.0  # ... plus this per unit of the stage (the graph walk)
+    weight_call_ms: NonNegFloat = 0.0  # W: one engine call per unit with parameters
+    split_factor: NonNegFloat = (
+        1.0  # a split B + W over the fused backward (Note [split backward cost])
+    )
+    message_ms: NonNegFloat = 0.0  # CPU time per message to post and complete it, on each end
+    message_stall_ms: NonNegFloat = (
+        0.0  # ... and the wait per message when every core is busy (Note [message stalls])
+    )
+    dp_sync_ms: NonNegFloat = (
+        0.0  # DDP's synchronising pass per step, beyond its all-reduce's link time
+    )
+    dp_sync_tensor_ms: NonNegFloat = (
+        0.0  # ... plus this per parameter tensor (Note [data-parallel sync cost])
+    )
+    collective_ms: NonNegFloat = 0.0  # per ring hop of a step-end collective, beyond its link time
+    loss_ms: NonNegFloat = 0.0  # loss forward + backward per microbatch, on the last stage
+    step_ms: NonNegFloat = 0.0  # Python per step: zero_grad, microbatch split, loss stack, ...
+    optimizer_step_ms: NonNegFloat = 0.0  # fixed cost of one optimizer.step() call
+    optimizer_tensor_ms: NonNegFloat = 0.0  # ... plus this per parameter tensor
+    optimizer_bytes_per_s: NonNegFloat = (
+        0.0  # ... plus streaming weight, gradient and state; 0: free
+    )
+    rank_speed: NonNegFloat = (
+        1.0  # share of a core each rank's Python and kernels get (``shared_cores``)
+    )
+    oversubscribed_rate: NonNegFloat = (
+        1.0  # work a core does while ranks outnumber cores (Note [processor sharing])
+    )
+    recompute_fwd_ms: NonNegFloat = 0.0  # a recomputing stage's F: entering its checkpoint region
+    recompute_bwd_ms: NonNegFloat = (
+        0.0  # ... its B: rebuilding the region's graph (Note [recompute cost])
+    )
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
-    step_receives: bool = False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
-    workspace_bytes: NonNegInt = 0  # per rank, allocated by the device's libraries, not the model (cuBLAS workspaces)
-    host_slowdown: NonNegFloat = 1.0  # the CPU costs above are priced at this host's speed (``at_host_speed``)
-    step_resolution: NonNegFloat = 0.0  # predicted steps of two splits this close (relative) are not told apart
-                                        # (Note [planning for step time])
+    step_receives: bool = (
+        False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
+    )
+    workspace_bytes: NonNegInt = (
+        0  # per rank, allocated by the device's libraries, not the model (cuBLAS workspaces)
+    )
+    host_slowdown: NonNegFloat = (
+        1.0  # the CPU costs above are priced at this host's speed (``at_host_speed``)
+    )
+    step_resolution: NonNegFloat = (
+        0.0  # predicted steps of two splits this close (relative) are not told apart
+    )
+    # (Note [planning for step time])
 
     def __post_init__(self) -> None:
         if not self.rank_speed > 0:
-            raise PartitionError(f"rank_speed must be > 0 (a share of a core), got {self.rank_speed}")
+            raise PartitionError(
+                f"rank_speed must be > 0 (a share of a core), got {self.rank_speed}"
+            )
         if not 0 < self.oversubscribed_rate <= 1:
-            raise PartitionError(f"oversubscribed_rate must be in (0, 1], got {self.oversubscribed_rate}")
+            raise PartitionError(
+                f"oversubscribed_rate must be in (0, 1], got {self.oversubscribed_rate}"
+            )
         if not self.host_slowdown > 0:
             raise PartitionError(f"host_slowdown must be > 0, got {self.host_slowdown}")
 
@@ -160,10 +212,24 @@ class RuntimeCosts:
 
 # The fields that are CPU work on the rank's host, and so take longer on a slower one. Not the
 # gloo stalls (time slices of the OS scheduler) nor the ratios and sizes.
-_HOST_WORK_MS = ("action_ms", "split_ms", "split_unit_ms", "weight_call_ms", "message_ms", "dp_sync_ms",
-                 "dp_sync_tensor_ms", "collective_ms", "loss_ms", "step_ms", "optimizer_step_ms",
-                 "optimizer_tensor_ms", "recompute_fwd_ms", "recompute_bwd_ms", "recompute_fwd_saved_ms",
-                 "recompute_bwd_saved_ms")
+_HOST_WORK_MS = (
+    "action_ms",
+    "split_ms",
+    "split_unit_ms",
+    "weight_call_ms",
+    "message_ms",
+    "dp_sync_ms",
+    "dp_sync_tensor_ms",
+    "collective_ms",
+    "loss_ms",
+    "step_ms",
+    "optimizer_step_ms",
+    "optimizer_tensor_ms",
+    "recompute_fwd_ms",
+    "recompute_bwd_ms",
+    "recompute_fwd_saved_ms",
+    "recompute_bwd_saved_ms",
+)
 
 
 def at_host_speed(runtime: RuntimeCosts, slowdown: float) -> RuntimeCosts:
@@ -178,8 +244,12 @@ def at_host_speed(runtime: RuntimeCosts, slowdown: float) -> RuntimeCosts:
         raise PartitionError(f"a host's slowdown must be > 0, got {slowdown}")
     scale = slowdown / runtime.host_slowdown
     fields = {name: getattr(runtime, name) * scale for name in _HOST_WORK_MS}
-    return replace(runtime, **fields, optimizer_bytes_per_s=runtime.optimizer_bytes_per_s / scale,
-                   host_slowdown=slowdown)
+    return replace(
+        runtime,
+        **fields,
+        optimizer_bytes_per_s=runtime.optimizer_bytes_per_s / scale,
+        host_slowdown=slowdown,
+    )
 
 
 def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCosts:
@@ -195,8 +265,9 @@ def shared_cores(runtime: RuntimeCosts, processes: int, cores: int) -> RuntimeCo
 
 # Per trace device, from calibration.json (Note [calibration data] in fxpipe.calibration_data).
 # Link times are not here: the CostModel prices them (its link presets).
-RUNTIME_COSTS: dict[str, RuntimeCosts] = {name: RuntimeCosts(**values("runtime_costs", name))
-                                          for name in names("runtime_costs")}
+RUNTIME_COSTS: dict[str, RuntimeCosts] = {
+    name: RuntimeCosts(**values("runtime_costs", name)) for name in names("runtime_costs")
+}
 
 
 def runtime_costs_for(device: str, host_slowdown: float = 1.0) -> RuntimeCosts:
@@ -211,16 +282,23 @@ def runtime_costs_for(device: str, host_slowdown: float = 1.0) -> RuntimeCosts:
 class StepOverheads:
     """Milliseconds a step spends after the pipeline drains (Note [step prediction])."""
 
-    tied_all_reduce_ms: NonNegFloat = 0.0   # all-reduces of parameters held by several stages
-    loss_broadcast_ms: NonNegFloat = 0.0    # the loss, from the last stage to the others
-    optimizer_ms: NonNegFloat = 0.0         # the slowest stage's zero_grad + optimizer step
-    dp_all_reduce_ms: NonNegFloat = 0.0     # the slowest stage's data-parallel sync: all-reduce + DDP's pass, or sharded
-    fixed_ms: NonNegFloat = 0.0             # RuntimeCosts.step_ms
+    tied_all_reduce_ms: NonNegFloat = 0.0  # all-reduces of parameters held by several stages
+    loss_broadcast_ms: NonNegFloat = 0.0  # the loss, from the last stage to the others
+    optimizer_ms: NonNegFloat = 0.0  # the slowest stage's zero_grad + optimizer step
+    dp_all_reduce_ms: NonNegFloat = (
+        0.0  # the slowest stage's data-parallel sync: all-reduce + DDP's pass, or sharded
+    )
+    fixed_ms: NonNegFloat = 0.0  # RuntimeCosts.step_ms
 
     @property
     def total_ms(self) -> float:
-        return self.tied_all_reduce_ms + self.loss_broadcast_ms + self.optimizer_ms + self.dp_all_reduce_ms \
+        return (
+            self.tied_all_reduce_ms
+            + self.loss_broadcast_ms
+            + self.optimizer_ms
+            + self.dp_all_reduce_ms
             + self.fixed_ms
+        )
 
 
 @dataclass(frozen=True)
@@ -244,9 +322,16 @@ class Prediction:
     samples_per_step: NonNegInt
 
     def __post_init__(self) -> None:
-        for name in ("step_ms", "pipeline_ms", "bubble_by_schedule", "peak_memory_bytes_by_schedule"):
+        for name in (
+            "step_ms",
+            "pipeline_ms",
+            "bubble_by_schedule",
+            "peak_memory_bytes_by_schedule",
+        ):
             if self.schedule not in getattr(self, name):
-                raise PartitionError(f"prediction {name} has no entry for its schedule {self.schedule!r}")
+                raise PartitionError(
+                    f"prediction {name} has no entry for its schedule {self.schedule!r}"
+                )
 
     @property
     def bubble(self) -> float:
@@ -268,9 +353,11 @@ def predicted_schedules(problem: PartitionProblem) -> tuple[str, ...]:
     return (problem.schedule,) + tuple(n for n in names if n != problem.schedule)
 
 
-def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
-              ) -> tuple[list[int], list[int], list[int], list[int],
-                         dict[tuple[int, int], tuple[bool, float, float]]]:
+def _messages(
+    problem: PartitionProblem, assignment: tuple[int, ...]
+) -> tuple[
+    list[int], list[int], list[int], list[int], dict[tuple[int, int], tuple[bool, float, float]]
+]:
     """Per microbatch: messages each stage handles (sends and receives) in forward and in
     backward, and of them those it receives in forward and in backward; per link (a, d)
     between stages of different ranks: whether gradients come back, the link time of the
@@ -278,7 +365,10 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
     receives (Note [step prediction]; summed per receiver, as the runtime waits for them all)."""
     S, ranks = problem.num_stages, problem.stage_ranks
     n_fwd, n_bwd = [0] * S, [0] * S
-    fwd_bytes, bwd_bytes = [0] * S, [0] * S  # received by stage (activations) / by stage (gradients)
+    fwd_bytes, bwd_bytes = (
+        [0] * S,
+        [0] * S,
+    )  # received by stage (activations) / by stage (gradients)
     fwd_msgs, bwd_msgs = [0] * S, [0] * S
     pairs: dict[tuple[int, int], bool] = {}
     for t in problem.tensors:
@@ -301,11 +391,16 @@ def _messages(problem: PartitionProblem, assignment: tuple[int, ...]
     def link(nbytes: int, count: int, a: int, d: int) -> float:
         return cost.p2p_ms(nbytes, ranks[a], ranks[d], problem.num_ranks) if count else 0.0
 
-    for s in range(S - 1):  # a pipeline: each stage follows the one before (also when no tensor is profiled)
+    for s in range(
+        S - 1
+    ):  # a pipeline: each stage follows the one before (also when no tensor is profiled)
         pairs.setdefault((s, s + 1), True)
-    links = {(a, d): (grad, 0.0, 0.0) if ranks[a] == ranks[d] else
-             (grad, link(fwd_bytes[d], fwd_msgs[d], a, d), link(bwd_bytes[a], bwd_msgs[a], a, d))
-             for (a, d), grad in pairs.items()}
+    links = {
+        (a, d): (grad, 0.0, 0.0)
+        if ranks[a] == ranks[d]
+        else (grad, link(fwd_bytes[d], fwd_msgs[d], a, d), link(bwd_bytes[a], bwd_msgs[a], a, d))
+        for (a, d), grad in pairs.items()
+    }
     return n_fwd, n_bwd, fwd_msgs, bwd_msgs, links
 
 
@@ -321,7 +416,9 @@ def _stages_with_input_grads(problem: PartitionProblem, assignment: tuple[int, .
     return out
 
 
-def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts) -> StepOverheads:
+def step_overheads(
+    problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts
+) -> StepOverheads:
     """What a step spends after the pipeline drains (Note [step prediction]):
     all-reduces of parameters tied across ranks, the loss broadcast, the slowest rank's
     optimizer step, the slowest rank's data-parallel gradient all-reduce
@@ -332,10 +429,15 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
         for p in problem.unit_params[u]:
             ranks_of.setdefault(p, set()).add(problem.stage_ranks[s])
     collective = runtime.collective_ms / runtime.busy_speed  # CPU and wake-ups: shared like compute
-    tied = sum(2 * (len(rs) - 1) * (problem.cost.message_ms(problem.param_bytes[p]) + collective)
-               for p, rs in ranks_of.items() if len(rs) > 1)
+    tied = sum(
+        2 * (len(rs) - 1) * (problem.cost.message_ms(problem.param_bytes[p]) + collective)
+        for p, rs in ranks_of.items()
+        if len(rs) > 1
+    )
     broadcast = problem.cost.message_ms(_LOSS_BYTES) + collective if problem.num_ranks > 1 else 0.0
-    touched = 3 + 2 * problem.cost.optimizer_factor  # read weight and gradient, write weight; state in and out
+    touched = (
+        3 + 2 * problem.cost.optimizer_factor
+    )  # read weight and gradient, write weight; state in and out
     params_of: dict[int, list[int]] = {}
     for p, rs in ranks_of.items():
         for r in rs:
@@ -343,58 +445,118 @@ def step_overheads(problem: PartitionProblem, assignment: tuple[int, ...], runti
     optimizer = dp_all_reduce = 0.0
     for r in range(problem.num_ranks):
         mine = params_of.get(r, [])
-        sync_pass = (runtime.dp_sync_ms + len(mine) * runtime.dp_sync_tensor_ms) / runtime.busy_speed \
-            if problem.cost.ddp_synced and mine else 0.0  # Note [data-parallel sync cost]
-        dp_all_reduce = max(dp_all_reduce,
-                            problem.dp_allreduce_ms(mine) + problem.dp_hops(mine) * collective + sync_pass)
-        nbytes = sum(problem.param_bytes[p] for p in mine) / problem.cost.optimizer_shards  # sharded: its share
-        stream = touched * nbytes / runtime.optimizer_bytes_per_s * 1e3 if runtime.optimizer_bytes_per_s > 0 else 0.0
+        sync_pass = (
+            (runtime.dp_sync_ms + len(mine) * runtime.dp_sync_tensor_ms) / runtime.busy_speed
+            if problem.cost.ddp_synced and mine
+            else 0.0
+        )  # Note [data-parallel sync cost]
+        dp_all_reduce = max(
+            dp_all_reduce,
+            problem.dp_allreduce_ms(mine) + problem.dp_hops(mine) * collective + sync_pass,
+        )
+        nbytes = (
+            sum(problem.param_bytes[p] for p in mine) / problem.cost.optimizer_shards
+        )  # sharded: its share
+        stream = (
+            touched * nbytes / runtime.optimizer_bytes_per_s * 1e3
+            if runtime.optimizer_bytes_per_s > 0
+            else 0.0
+        )
         if mine:
-            optimizer = max(optimizer, runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream)
-    return StepOverheads(tied_all_reduce_ms=float(tied), loss_broadcast_ms=broadcast,
-                         optimizer_ms=optimizer / runtime.busy_speed, dp_all_reduce_ms=dp_all_reduce,
-                         fixed_ms=runtime.step_ms / runtime.busy_speed)
+            optimizer = max(
+                optimizer,
+                runtime.optimizer_step_ms + len(mine) * runtime.optimizer_tensor_ms + stream,
+            )
+    return StepOverheads(
+        tied_all_reduce_ms=float(tied),
+        loss_broadcast_ms=broadcast,
+        optimizer_ms=optimizer / runtime.busy_speed,
+        dp_all_reduce_ms=dp_all_reduce,
+        fixed_ms=runtime.step_ms / runtime.busy_speed,
+    )
 
 
-def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts,
-                  schedule: str | None = None, evaluation: Evaluation | None = None) -> Timeline:
+def simulate_plan(
+    problem: PartitionProblem,
+    assignment: tuple[int, ...],
+    runtime: RuntimeCosts,
+    schedule: str | None = None,
+    evaluation: Evaluation | None = None,
+) -> Timeline:
     """The simulated pipeline part of one step of ``assignment`` under ``schedule`` (default the
     problem's), with the runtime's per-action and per-message costs (Note [step prediction])."""
     name = schedule or problem.schedule
-    ev = evaluation if evaluation is not None else evaluate(problem, assignment)  # times do not depend on it
+    ev = (
+        evaluation if evaluation is not None else evaluate(problem, assignment)
+    )  # times do not depend on it
     n_fwd, n_bwd, recv_fwd, recv_bwd, links = _messages(problem, assignment)
     last = problem.num_stages - 1
     rt = runtime
     plan = make_schedule(name, problem.num_ranks, problem.microbatches, problem.virtual_stages)
     split = plan.split_backward()
     loss = [rt.loss_ms / 2 if s == last else 0.0 for s in range(problem.num_stages)]
-    units, weighted, saved = [0] * problem.num_stages, [0] * problem.num_stages, [0] * problem.num_stages
+    units, weighted, saved = (
+        [0] * problem.num_stages,
+        [0] * problem.num_stages,
+        [0] * problem.num_stages,
+    )
     for u, s in enumerate(assignment):
         units[s] += 1
         weighted[s] += bool(problem.unit_params[u])
         saved[s] += problem.saved_tensors[u] if problem.saved_tensors else 0
     recompute = problem.cost.recomputes(problem.num_stages)  # Note [recompute cost]
-    region_f = [rt.recompute_fwd_ms + n * rt.recompute_fwd_saved_ms if r else 0.0 for n, r in zip(saved, recompute)]
-    region_b = [rt.recompute_bwd_ms + n * rt.recompute_bwd_saved_ms if r else 0.0 for n, r in zip(saved, recompute)]
+    region_f = [
+        rt.recompute_fwd_ms + n * rt.recompute_fwd_saved_ms if r else 0.0
+        for n, r in zip(saved, recompute)
+    ]
+    region_b = [
+        rt.recompute_bwd_ms + n * rt.recompute_bwd_saved_ms if r else 0.0
+        for n, r in zip(saved, recompute)
+    ]
     # messages each action posts itself: all of them, or only its sends where every receive of the
     # step is posted when the step starts, the rank's prologue (Note [step prediction])
     at_fwd = [n - r for n, r in zip(n_fwd, recv_fwd)] if rt.step_receives else n_fwd
     at_bwd = [n - r for n, r in zip(n_bwd, recv_bwd)] if rt.step_receives else n_bwd
-    fwd = [st.fwd_ms + rt.action_ms + at_fwd[s] * rt.message_ms + loss[s] + region_f[s]
-           for s, st in enumerate(ev.stages)]
-    bwd = [st.bwd_ms + rt.action_ms + at_bwd[s] * rt.message_ms + loss[s] + region_b[s]
-           for s, st in enumerate(ev.stages)]
+    fwd = [
+        st.fwd_ms + rt.action_ms + at_fwd[s] * rt.message_ms + loss[s] + region_f[s]
+        for s, st in enumerate(ev.stages)
+    ]
+    bwd = [
+        st.bwd_ms + rt.action_ms + at_bwd[s] * rt.message_ms + loss[s] + region_b[s]
+        for s, st in enumerate(ev.stages)
+    ]
     graded = _stages_with_input_grads(problem, assignment)
     f = rt.split_factor
-    b_in = [b - st.bwd_ms + (st.bwd_ms - st.bwd_weight_ms) * f + rt.split_ms + units[s] * rt.split_unit_ms
-            if graded[s] else rt.action_ms + at_bwd[s] * rt.message_ms + loss[s] + rt.split_ms
-            for s, (b, st) in enumerate(zip(bwd, ev.stages))]
-    w = [st.bwd_weight_ms * f + rt.action_ms + weighted[s] * rt.weight_call_ms if graded[s]
-         else st.bwd_ms + rt.action_ms  # the whole backward in one engine call (split_backward.SplitBackward.inputs)
-         for s, st in enumerate(ev.stages)]
-    posting = [rt.message_ms * sum(recv_fwd[a.stage] if a.kind is ActionKind.FORWARD else recv_bwd[a.stage]
-                                   for a in acts if a.kind is not ActionKind.WEIGHT)
-               for acts in plan.actions] if rt.step_receives else []
+    b_in = [
+        b
+        - st.bwd_ms
+        + (st.bwd_ms - st.bwd_weight_ms) * f
+        + rt.split_ms
+        + units[s] * rt.split_unit_ms
+        if graded[s]
+        else rt.action_ms + at_bwd[s] * rt.message_ms + loss[s] + rt.split_ms
+        for s, (b, st) in enumerate(zip(bwd, ev.stages))
+    ]
+    w = [
+        st.bwd_weight_ms * f + rt.action_ms + weighted[s] * rt.weight_call_ms
+        if graded[s]
+        else st.bwd_ms
+        + rt.action_ms  # the whole backward in one engine call (split_backward.SplitBackward.inputs)
+        for s, st in enumerate(ev.stages)
+    ]
+    posting = (
+        [
+            rt.message_ms
+            * sum(
+                recv_fwd[a.stage] if a.kind is ActionKind.FORWARD else recv_bwd[a.stage]
+                for a in acts
+                if a.kind is not ActionKind.WEIGHT
+            )
+            for acts in plan.actions
+        ]
+        if rt.step_receives
+        else []
+    )
 
     def duration(a: Action) -> float:
         if a.kind is ActionKind.FORWARD:
@@ -412,30 +574,48 @@ def simulate_plan(problem: PartitionProblem, assignment: tuple[int, ...], runtim
             return 0.0
         return (n_fwd if a.kind is ActionKind.FORWARD else n_bwd)[a.stage] * rt.message_stall_ms
 
-    shared = rt.rank_speed * problem.num_ranks if rt.rank_speed < 1 else None  # cores of this pipeline's ranks
-    return simulate_step(plan, duration, links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
-                         delay=delay, cores=shared, oversubscribed_rate=rt.oversubscribed_rate,
-                         stall=stall if rt.message_stall_ms > 0 else None, prologue=posting)
+    shared = (
+        rt.rank_speed * problem.num_ranks if rt.rank_speed < 1 else None
+    )  # cores of this pipeline's ranks
+    return simulate_step(
+        plan,
+        duration,
+        links=[Link(a, d, g) for (a, d), (g, _, _) in sorted(links.items())],
+        delay=delay,
+        cores=shared,
+        oversubscribed_rate=rt.oversubscribed_rate,
+        stall=stall if rt.message_stall_ms > 0 else None,
+        prologue=posting,
+    )
 
 
 @dataclass(frozen=True)
 class StageBytes:
     """Bytes per microbatch of what one stage holds (Note [memory over time]), from the profile."""
 
-    activations: int = 0        # saved for backward per microbatch (0 where the stage recomputes)
-    outputs_sent: int = 0       # one microbatch's output messages to other ranks
-    grads_sent: int = 0         # one microbatch's input-gradient messages
-    weight_pending: int = 0     # gradients a split B keeps for its W
-    backward_temporary: int = 0  # alive while B runs: gradients of the widest unit's output and input
-    weight_temporary: int = 0   # alive while W runs (a stage whose split B makes no input gradient)
-    grads: int = 0              # the stage's parameter gradients (once they exist)
+    activations: int = 0  # saved for backward per microbatch (0 where the stage recomputes)
+    outputs_sent: int = 0  # one microbatch's output messages to other ranks
+    grads_sent: int = 0  # one microbatch's input-gradient messages
+    weight_pending: int = 0  # gradients a split B keeps for its W
+    backward_temporary: int = (
+        0  # alive while B runs: gradients of the widest unit's output and input
+    )
+    weight_temporary: int = 0  # alive while W runs (a stage whose split B makes no input gradient)
+    grads: int = 0  # the stage's parameter gradients (once they exist)
     activation_buffer: int = 0  # one receive buffer of the stage's inputs
-    gradient_buffer: int = 0    # one receive buffer of its output gradients
+    gradient_buffer: int = 0  # one receive buffer of its output gradients
 
     def per_count(self) -> tuple[int, ...]:
         """Bytes per unit of each ``Holding`` count, in its field order (receive buffers excluded)."""
-        return (self.activations, self.outputs_sent, self.grads_sent, self.weight_pending,
-                self.backward_temporary, self.weight_temporary, self.grads)
+        return (
+            self.activations,
+            self.outputs_sent,
+            self.grads_sent,
+            self.weight_pending,
+            self.backward_temporary,
+            self.weight_temporary,
+            self.grads,
+        )
 
 
 def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[StageBytes]:
@@ -480,17 +660,30 @@ def stage_bytes(problem: PartitionProblem, assignment: tuple[int, ...]) -> list[
     for s in range(S):
         temporary = 2 * widest[s] + param[s] + (act[s] if recompute[s] else 0)
         makes_input_grads = graded[s]
-        out.append(StageBytes(activations=0 if recompute[s] else act[s], outputs_sent=sent[s],
-                              grads_sent=recv_grad[s], weight_pending=pending[s] if makes_input_grads else 0,
-                              backward_temporary=temporary,
-                              weight_temporary=param[s] if makes_input_grads else temporary,
-                              grads=problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in params[s]))[1],
-                              activation_buffer=recv[s], gradient_buffer=sent_grad[s]))
+        out.append(
+            StageBytes(
+                activations=0 if recompute[s] else act[s],
+                outputs_sent=sent[s],
+                grads_sent=recv_grad[s],
+                weight_pending=pending[s] if makes_input_grads else 0,
+                backward_temporary=temporary,
+                weight_temporary=param[s] if makes_input_grads else temporary,
+                grads=problem.cost.stage_state_bytes(
+                    sum(problem.param_bytes[p] for p in params[s])
+                )[1],
+                activation_buffer=recv[s],
+                gradient_buffer=sent_grad[s],
+            )
+        )
     return out
 
 
-def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], schedule: str | None = None,
-                     runtime: RuntimeCosts | None = None) -> tuple[int, ...]:
+def rank_peak_memory(
+    problem: PartitionProblem,
+    assignment: tuple[int, ...],
+    schedule: str | None = None,
+    runtime: RuntimeCosts | None = None,
+) -> tuple[int, ...]:
     """Each rank's peak tensor bytes over one step under ``schedule`` (Note [memory over time]):
     training state of its distinct parameters, buffers, the step's inputs (every rank is handed
     the batch), the receive-buffer pools (as ``runtime`` posts receives; default
@@ -502,13 +695,16 @@ def rank_peak_memory(problem: PartitionProblem, assignment: tuple[int, ...], sch
     sizes = stage_bytes(problem, assignment)
     fixed, held = _rank_fixed_and_params(problem, assignment)
     out = []
-    moments = schedule_memory_moments(name, problem.num_ranks, problem.virtual_stages, problem.microbatches,
-                                      step_receives)
+    moments = schedule_memory_moments(
+        name, problem.num_ranks, problem.virtual_stages, problem.microbatches, step_receives
+    )
     for r, rank in enumerate(moments):
         weights, _, optimizer = problem.cost.stage_state_bytes(held[r])
         state = weights + optimizer  # gradients: per stage, at the moments they exist
-        pools = sum(na * sizes[s].activation_buffer + ng * sizes[s].gradient_buffer
-                    for s, na, ng in zip(rank.stages, rank.activation_buffers, rank.gradient_buffers))
+        pools = sum(
+            na * sizes[s].activation_buffer + ng * sizes[s].gradient_buffer
+            for s, na, ng in zip(rank.stages, rank.activation_buffers, rank.gradient_buffers)
+        )
         peak = rank.peak([sizes[s].per_count() for s in rank.stages])
         out.append(int(fixed[r] + state + pools + peak) + workspace)
     return tuple(out)
@@ -519,14 +715,19 @@ class MemoryFloor:
     """Per rank, bytes its schedule walk holds at some moment under every schedule
     (``rank_memory_floor``): bounds on ``rank_peak_memory`` from below, cheap to compute."""
 
-    always: tuple[int, ...]       # at every moment: weights, optimizer state, buffers, the step's inputs
-    at_end: tuple[int, ...]       # when the step ends: that, plus the gradients of every stage
-    activations: tuple[int, ...]  # beside ``always`` once: the most in-flight activations a stage keeps ...
-    recomputed: tuple[int, ...]   # ... or, where the stages recompute, one microbatch's, rebuilt in B
+    always: tuple[int, ...]  # at every moment: weights, optimizer state, buffers, the step's inputs
+    at_end: tuple[int, ...]  # when the step ends: that, plus the gradients of every stage
+    activations: tuple[
+        int, ...
+    ]  # beside ``always`` once: the most in-flight activations a stage keeps ...
+    recomputed: tuple[
+        int, ...
+    ]  # ... or, where the stages recompute, one microbatch's, rebuilt in B
 
 
-def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...],
-                      runtime: RuntimeCosts | None = None) -> MemoryFloor:
+def rank_memory_floor(
+    problem: PartitionProblem, assignment: tuple[int, ...], runtime: RuntimeCosts | None = None
+) -> MemoryFloor:
     """Lower bounds on each rank's walked peak (Note [memory over time]) that need no walk: sums
     over the units. The walk's last moment holds ``at_end``; the moment a stage's in-flight count
     peaks holds ``always`` plus its activations (one microbatch's during a recomputing B). The
@@ -550,11 +751,17 @@ def rank_memory_floor(problem: PartitionProblem, assignment: tuple[int, ...],
     for f, h in zip(fixed, held):
         weights, _, optimizer = problem.cost.stage_state_bytes(h)
         always.append(int(f + weights + optimizer) + workspace)
-    return MemoryFloor(always=tuple(always), at_end=tuple(a + g for a, g in zip(always, grads)),
-                       activations=tuple(kept), recomputed=tuple(rebuilt))
+    return MemoryFloor(
+        always=tuple(always),
+        at_end=tuple(a + g for a, g in zip(always, grads)),
+        activations=tuple(kept),
+        recomputed=tuple(rebuilt),
+    )
 
 
-def _rank_fixed_and_params(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[list[int], list[int]]:
+def _rank_fixed_and_params(
+    problem: PartitionProblem, assignment: tuple[int, ...]
+) -> tuple[list[int], list[int]]:
     """Per rank: bytes held whatever the schedule (its buffers, the step's inputs: every rank
     is handed the batch), and bytes of the distinct parameters it holds."""
     rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
@@ -566,8 +773,13 @@ def _rank_fixed_and_params(problem: PartitionProblem, assignment: tuple[int, ...
     return fixed, [sum(problem.param_bytes[p] for p in ps) for ps in rank_params]
 
 
-def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_size: int, *,
-            runtime: RuntimeCosts | None = None) -> Prediction:
+def predict(
+    problem: PartitionProblem,
+    assignment: tuple[int, ...],
+    microbatch_size: int,
+    *,
+    runtime: RuntimeCosts | None = None,
+) -> Prediction:
     """Step time under every schedule the split can run (simulated, plus per-step overheads),
     bubble, throughput and per-rank peak memory (Note [step prediction]).
 
@@ -586,6 +798,13 @@ def predict(problem: PartitionProblem, assignment: tuple[int, ...], microbatch_s
         step_ms[schedule] = line.step_ms + overhead.total_ms
         bubble[schedule] = line.bubble
         memory[schedule] = rank_peak_memory(problem, assignment, schedule, rt)
-    return Prediction(schedule=problem.schedule, step_ms=step_ms, pipeline_ms=pipeline_ms, bubble_by_schedule=bubble,
-                      peak_memory_bytes_by_schedule=memory, step_overhead_ms=overhead, runtime_costs=rt,
-                      samples_per_step=problem.microbatches * microbatch_size)
+    return Prediction(
+        schedule=problem.schedule,
+        step_ms=step_ms,
+        pipeline_ms=pipeline_ms,
+        bubble_by_schedule=bubble,
+        peak_memory_bytes_by_schedule=memory,
+        step_overhead_ms=overhead,
+        runtime_costs=rt,
+        samples_per_step=problem.microbatches * microbatch_size,
+    )

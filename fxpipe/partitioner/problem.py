@@ -67,9 +67,16 @@ from fxpipe.partitioner.schedule import SCHEDULE_NAMES, compatible, schedule_kin
 from fxpipe.partitioner.schedule.occupancy import schedule_in_flight
 from fxpipe.tracer.profile import ModelProfile
 
-__all__ = ["Tensor", "PartitionProblem", "StageCost", "Evaluation", "build_problem", "evaluate",
-           "assignment_violations", "in_flight"]
-
+__all__ = [
+    "Tensor",
+    "PartitionProblem",
+    "StageCost",
+    "Evaluation",
+    "build_problem",
+    "evaluate",
+    "assignment_violations",
+    "in_flight",
+]
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class PartitionProblem:
     activation_bytes: tuple[int, ...]
     buffer_bytes: tuple[int, ...]
     unit_params: tuple[tuple[int, ...], ...]  # indices into param_bytes
-    param_bytes: tuple[int, ...]              # size of each distinct parameter
+    param_bytes: tuple[int, ...]  # size of each distinct parameter
     param_names: tuple[str, ...]
     tensors: tuple[Tensor, ...]
     pins: tuple[int | None, ...]
@@ -103,13 +110,19 @@ class PartitionProblem:
     cost: CostModel = CostModel()
     memory_limit: int | None = None
     param_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per param_bytes entry; None: unknown
-    random_units: tuple[int, ...] = ()  # units that draw random numbers, in program order (Note [random order])
-    bwd_weight_ms: tuple[float, ...] = ()     # of bwd_ms, the weight gradients (a split W); () = none
-    virtual_stages: int = 1                   # stages (chunks) per rank
-    placement: str = "loop"                   # how the chunks sit on the ranks (schedule.placement)
-    output_bytes: tuple[int, ...] = ()        # per unit, its outputs' bytes per microbatch; () = unknown (0)
-    input_bytes: int = 0                      # the model's inputs per microbatch (Note [memory over time])
-    saved_tensors: tuple[int, ...] = ()       # per unit, tensors saved for backward per forward; () = unknown (0)
+    random_units: tuple[
+        int, ...
+    ] = ()  # units that draw random numbers, in program order (Note [random order])
+    bwd_weight_ms: tuple[float, ...] = ()  # of bwd_ms, the weight gradients (a split W); () = none
+    virtual_stages: int = 1  # stages (chunks) per rank
+    placement: str = "loop"  # how the chunks sit on the ranks (schedule.placement)
+    output_bytes: tuple[
+        int, ...
+    ] = ()  # per unit, its outputs' bytes per microbatch; () = unknown (0)
+    input_bytes: int = 0  # the model's inputs per microbatch (Note [memory over time])
+    saved_tensors: tuple[
+        int, ...
+    ] = ()  # per unit, tensors saved for backward per forward; () = unknown (0)
 
     @property
     def num_units(self) -> int:
@@ -158,7 +171,9 @@ class PartitionProblem:
 
     def in_flight(self, stage: int) -> int:
         """Microbatches ``stage`` holds at its peak under the schedule's action lists (Note [stage cost])."""
-        return schedule_in_flight(self.schedule, self.num_ranks, self.virtual_stages, self.microbatches)[stage]
+        return schedule_in_flight(
+            self.schedule, self.num_ranks, self.virtual_stages, self.microbatches
+        )[stage]
 
     def activations_held(self, stage: int) -> int:
         """Microbatches whose activations ``stage`` keeps at its peak: 1 where it recomputes, else ``in_flight``."""
@@ -173,7 +188,9 @@ class PartitionProblem:
         the gradient all-reduce, or the sharding level's collectives (Note [sharding pricing])."""
         mine = sorted(set(params))
         shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
-        return self.cost.dp_comm_ms([self.param_bytes[p] for p in mine], shapes, self.microbatches, self.num_ranks)
+        return self.cost.dp_comm_ms(
+            [self.param_bytes[p] for p in mine], shapes, self.microbatches, self.num_ranks
+        )
 
     def dp_hops(self, params: Iterable[int]) -> int:
         """Ring hops of the per-step data-parallel collectives of these parameters (``CostModel.dp_hops``)."""
@@ -185,7 +202,9 @@ class PartitionProblem:
         """Bytes one rank sends per step on the data-parallel link for these parameters."""
         mine = sorted(set(params))
         shapes = [self.param_shapes[p] if p < len(self.param_shapes) else None for p in mine]
-        traffic = self.cost.shard_traffic([self.param_bytes[p] for p in mine], shapes, self.microbatches)
+        traffic = self.cost.shard_traffic(
+            [self.param_bytes[p] for p in mine], shapes, self.microbatches
+        )
         return traffic.wire_bytes(self.cost.dp_replicas)
 
     @property
@@ -195,20 +214,33 @@ class PartitionProblem:
         return self.cost.state_factor
 
 
-def in_flight(schedule: str, microbatches: int, num_stages: int, stage: int, virtual_stages: int = 1) -> int:
+def in_flight(
+    schedule: str, microbatches: int, num_stages: int, stage: int, virtual_stages: int = 1
+) -> int:
     """Microbatches whose activations stage ``stage`` (of ``num_stages`` chunks) holds at its peak under ``schedule``."""
-    return schedule_in_flight(schedule, num_stages // virtual_stages, virtual_stages, microbatches)[stage]
+    return schedule_in_flight(schedule, num_stages // virtual_stages, virtual_stages, microbatches)[
+        stage
+    ]
 
 
-def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f1b", microbatches: int = 1,
-                  cost: CostModel | None = None, memory_limit: int | None = None,
-                  virtual_stages: int | None = None) -> PartitionProblem:
+def build_problem(
+    profile: ModelProfile,
+    num_stages: int,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    cost: CostModel | None = None,
+    memory_limit: int | None = None,
+    virtual_stages: int | None = None,
+) -> PartitionProblem:
     """Flatten ``profile`` for ``num_stages`` ranks of ``virtual_stages`` stages each (default: the
     schedule's least), checking the request is well posed. The problem's stages are the chunks."""
     cost = cost or CostModel()
     n = len(profile.units)
     if schedule not in SCHEDULE_NAMES:
-        raise PartitionError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
+        raise PartitionError(
+            f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}"
+        )
     if microbatches < 1:
         raise PartitionError(f"microbatches must be >= 1, got {microbatches}")
     if num_stages < 1:
@@ -217,7 +249,9 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
     v = kind.default_virtual if virtual_stages is None else virtual_stages
     try:
         kind.check_virtual(v)
-        schedule_in_flight(schedule, num_stages, v, microbatches)   # the schedule exists for these sizes
+        schedule_in_flight(
+            schedule, num_stages, v, microbatches
+        )  # the schedule exists for these sizes
     except ScheduleError as exc:
         raise PartitionError(str(exc)) from None
     ranks, num_stages = num_stages, num_stages * v
@@ -231,8 +265,10 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         raise PartitionError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
     cost.speeds(num_stages)
     if any(cost.recomputes(num_stages)) and kind.split_backward:
-        raise PartitionError(f"schedule {schedule!r} splits the backward, which fxpipe does not combine with "
-                             "activation recomputation; use 1f1b, gpipe or interleaved-1f1b, or recompute no stage")
+        raise PartitionError(
+            f"schedule {schedule!r} splits the backward, which fxpipe does not combine with "
+            "activation recomputation; use 1f1b, gpipe or interleaved-1f1b, or recompute no stage"
+        )
     index = profile.unit_index
     pins = tuple(u.pin for u in profile.units)
     for u in profile.units:
@@ -249,21 +285,30 @@ def build_problem(profile: ModelProfile, num_stages: int, *, schedule: str = "1f
         bwd_ms=tuple(float(u.bwd_ms) for u in profile.units),
         activation_bytes=tuple(int(u.activation_bytes) for u in profile.units),
         buffer_bytes=tuple(int(u.buffer_bytes) for u in profile.units),
-        unit_params=unit_params, param_bytes=param_bytes, param_names=param_names,
+        unit_params=unit_params,
+        param_bytes=param_bytes,
+        param_names=param_names,
         tensors=_tensors(profile, index),
-        pins=pins, num_stages=num_stages, schedule=schedule, microbatches=microbatches,
-        cost=cost, memory_limit=memory_limit,
+        pins=pins,
+        num_stages=num_stages,
+        schedule=schedule,
+        microbatches=microbatches,
+        cost=cost,
+        memory_limit=memory_limit,
         param_shapes=tuple(profile.param_shapes.get(name) for name in param_names),
         random_units=tuple(i for i, u in enumerate(profile.units) if u.random),
         bwd_weight_ms=tuple(float(u.bwd_weight_ms) for u in profile.units),
-        virtual_stages=v, placement=kind.placement,
+        virtual_stages=v,
+        placement=kind.placement,
         output_bytes=tuple(int(u.output_bytes) for u in profile.units),
         input_bytes=sum(int(spec.nbytes) for spec in profile.inputs),
         saved_tensors=tuple(int(u.saved_tensors or 0) for u in profile.units),
     )
 
 
-def _params(profile: ModelProfile) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[str, ...]]:
+def _params(
+    profile: ModelProfile,
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[str, ...]]:
     """Distinct parameters per unit. Tied names map to one parameter; a unit whose
     parameters the profile does not size is charged its ``param_bytes`` as a private one."""
     canonical: dict[str, str] = {}
@@ -337,9 +382,9 @@ class StageCost:
     boundary_bytes: int
     in_flight: int
     dp_allreduce_ms: float = 0.0  # per step, not per microbatch
-    bwd_weight_ms: float = 0.0    # of bwd_ms, the weight gradients (what a split W computes)
-    rank: int = 0                 # the pipeline rank that runs this stage
-    dp_bytes: float = 0.0         # bytes one rank sends per step on the data-parallel link
+    bwd_weight_ms: float = 0.0  # of bwd_ms, the weight gradients (what a split W computes)
+    rank: int = 0  # the pipeline rank that runs this stage
+    dp_bytes: float = 0.0  # bytes one rank sends per step on the data-parallel link
 
     @property
     def compute_ms(self) -> float:
@@ -355,8 +400,14 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> int:
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
-                + self.activation_bytes + self.boundary_bytes)
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.buffer_bytes
+            + self.activation_bytes
+            + self.boundary_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -372,7 +423,9 @@ class Evaluation:
 
     def __post_init__(self) -> None:
         if not self.rank_memory_bytes:
-            object.__setattr__(self, "rank_memory_bytes", tuple(s.memory_bytes for s in self.stages))
+            object.__setattr__(
+                self, "rank_memory_bytes", tuple(s.memory_bytes for s in self.stages)
+            )
 
     @property
     def bottleneck_ms(self) -> float:
@@ -438,19 +491,34 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
     recompute = problem.cost.recomputes(S)
     for s in range(S):
         pb = sum(problem.param_bytes[p] for p in params[s])
-        state = problem.cost.stage_state_bytes(pb)  # per rank: sharding divides it (Note [sharding pricing])
+        state = problem.cost.stage_state_bytes(
+            pb
+        )  # per rank: sharding divides it (Note [sharding pricing])
         k = problem.in_flight(s)
-        stages.append(StageCost(
-            fwd_ms=fwd[s] / speeds[s], bwd_ms=(bwd[s] + (fwd[s] if recompute[s] else 0.0)) / speeds[s],
-            comm_fwd_ms=cf[s], comm_bwd_ms=cb[s],
-            send_bytes=sent[s], recv_bytes=recv[s], messages=msgs[s],
-            param_bytes=state[0], grad_bytes=state[1], optimizer_bytes=state[2],
-            buffer_bytes=buf[s], activation_bytes=act[s] * problem.activations_held(s),
-            boundary_bytes=recv[s] * k + sent[s] * problem.microbatches + recv_grad[s] * problem.grads_held(s),
-            in_flight=k,
-            dp_allreduce_ms=problem.dp_allreduce_ms(params[s]), dp_bytes=problem.dp_wire_bytes(params[s]),
-            bwd_weight_ms=wgt[s] / speeds[s], rank=ranks[s],
-        ))
+        stages.append(
+            StageCost(
+                fwd_ms=fwd[s] / speeds[s],
+                bwd_ms=(bwd[s] + (fwd[s] if recompute[s] else 0.0)) / speeds[s],
+                comm_fwd_ms=cf[s],
+                comm_bwd_ms=cb[s],
+                send_bytes=sent[s],
+                recv_bytes=recv[s],
+                messages=msgs[s],
+                param_bytes=state[0],
+                grad_bytes=state[1],
+                optimizer_bytes=state[2],
+                buffer_bytes=buf[s],
+                activation_bytes=act[s] * problem.activations_held(s),
+                boundary_bytes=recv[s] * k
+                + sent[s] * problem.microbatches
+                + recv_grad[s] * problem.grads_held(s),
+                in_flight=k,
+                dp_allreduce_ms=problem.dp_allreduce_ms(params[s]),
+                dp_bytes=problem.dp_wire_bytes(params[s]),
+                bwd_weight_ms=wgt[s] / speeds[s],
+                rank=ranks[s],
+            )
+        )
     if problem.virtual_stages == 1:
         return Evaluation(tuple(stages))
     rank_params: list[set[int]] = [set() for _ in range(problem.num_ranks)]
@@ -459,12 +527,15 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> Evaluation
         rank_params[ranks[s]].update(params[s])
         rank_memory[ranks[s]] += st.buffer_bytes + st.activation_bytes + st.boundary_bytes
     for r, ps in enumerate(rank_params):
-        rank_memory[r] += int(round(sum(problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in ps)))))
+        rank_memory[r] += int(
+            round(sum(problem.cost.stage_state_bytes(sum(problem.param_bytes[p] for p in ps))))
+        )
     return Evaluation(tuple(stages), tuple(rank_memory))
 
 
-def assignment_violations(problem: PartitionProblem, assignment: Sequence[int],
-                          evaluation: Evaluation | None = None) -> list[str]:
+def assignment_violations(
+    problem: PartitionProblem, assignment: Sequence[int], evaluation: Evaluation | None = None
+) -> list[str]:
     """Why ``assignment`` is not a valid plan (empty list when it is): range, order, pins,
     empty stages, memory."""
     S = problem.num_stages
@@ -482,13 +553,17 @@ def assignment_violations(problem: PartitionProblem, assignment: Sequence[int],
     for t in problem.tensors:
         for c in t.consumers:
             if assignment[c] < assignment[t.producer]:
-                out.append(f"{problem.names[t.producer]!r} (stage {assignment[t.producer]}) feeds "
-                           f"{problem.names[c]!r} on earlier stage {assignment[c]}")
+                out.append(
+                    f"{problem.names[t.producer]!r} (stage {assignment[t.producer]}) feeds "
+                    f"{problem.names[c]!r} on earlier stage {assignment[c]}"
+                )
     last = None
     for u in problem.random_units:  # Note [random order]
         if last is not None and assignment[u] < assignment[last]:
-            out.append(f"{problem.names[u]!r} draws random numbers on stage {assignment[u]}, before "
-                       f"{problem.names[last]!r} on stage {assignment[last]} that draws them earlier in the program")
+            out.append(
+                f"{problem.names[u]!r} draws random numbers on stage {assignment[u]}, before "
+                f"{problem.names[last]!r} on stage {assignment[last]} that draws them earlier in the program"
+            )
         last = u if last is None or assignment[u] >= assignment[last] else last
     empty = sorted(set(range(S)) - set(assignment))
     if empty:

@@ -22,8 +22,22 @@ if TYPE_CHECKING:
     from fxpipe.runtime.train.run_options import RunOptions
     from fxpipe.runtime.train.run_record import RunRecord
     from fxpipe.runtime.pipeline.runner import PipelineRunner
-    from fxpipe.runtime.pipeline.schedule import Action, ActionKind, Schedule, gpipe, make_schedule, one_f_one_b
-    from fxpipe.runtime.pipeline.schedule import Link, ScheduleError, format_grid, max_in_flight, simulate, validate_schedule
+    from fxpipe.runtime.pipeline.schedule import (
+        Action,
+        ActionKind,
+        Schedule,
+        gpipe,
+        make_schedule,
+        one_f_one_b,
+    )
+    from fxpipe.runtime.pipeline.schedule import (
+        Link,
+        ScheduleError,
+        format_grid,
+        max_in_flight,
+        simulate,
+        validate_schedule,
+    )
 
 _LAZY = {
     "run_build": "launch.launcher",
@@ -31,9 +45,21 @@ _LAZY = {
     "RunOptions": "train.run_options",
     "RunRecord": "train.record",
     "PipelineRunner": "pipeline.runner",
-    **{name: "pipeline.schedule" for name in ("Action", "ActionKind", "Schedule", "gpipe", "make_schedule", "one_f_one_b")},
-    **{name: "pipeline.schedule" for name in ("Link", "ScheduleError", "format_grid", "max_in_flight", "simulate",
-                                     "validate_schedule")},
+    **{
+        name: "pipeline.schedule"
+        for name in ("Action", "ActionKind", "Schedule", "gpipe", "make_schedule", "one_f_one_b")
+    },
+    **{
+        name: "pipeline.schedule"
+        for name in (
+            "Link",
+            "ScheduleError",
+            "format_grid",
+            "max_in_flight",
+            "simulate",
+            "validate_schedule",
+        )
+    },
 }
 
 __all__ = [

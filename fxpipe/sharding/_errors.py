@@ -15,6 +15,8 @@ def refuse_unsupported(api: str, given: dict[str, tuple[Any, Any]], remedy: str 
     bad = {k: v for k, (v, ok) in given.items() if v != ok}
     if bad:
         shown = ", ".join(f"{k}={v!r}" for k, v in bad.items())
-        raise ConfigError(f"{api}: {shown} {'has' if len(bad) == 1 else 'have'} no counterpart in torch's "
-                          f"machinery that fxpipe.sharding builds on; leave {'it' if len(bad) == 1 else 'them'} "
-                          f"at the default{'' if not remedy else '; ' + remedy}")
+        raise ConfigError(
+            f"{api}: {shown} {'has' if len(bad) == 1 else 'have'} no counterpart in torch's "
+            f"machinery that fxpipe.sharding builds on; leave {'it' if len(bad) == 1 else 'them'} "
+            f"at the default{'' if not remedy else '; ' + remedy}"
+        )

@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.dataparallel.state_dict import gather_full, shard_like
@@ -44,9 +50,12 @@ from fxpipe.sharding.oss import OSS
 
 __all__ = ["FullyShardedDataParallel", "ShardedDataParallel"]
 
+
 def _mesh(group: dist.ProcessGroup | None, module: nn.Module) -> DeviceMesh:
     param = next(module.parameters(), None)
-    device = param.device.type if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        param.device.type if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     return DeviceMesh.from_group(_or_world(group), device)
 
 
@@ -77,20 +86,26 @@ class _ShardedModule(nn.Module, metaclass=_WrapInPlace):
 
     process_group: dist.ProcessGroup | None
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> Any:
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
         """The full state dict: whole tensors under the original keys (collective over the group, as
         FairScale's). Called by an enclosing module's ``state_dict`` it adds its shards, as FSDP2 does."""
         if args or destination is not None or prefix:
-            return nn.Module.state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+            return nn.Module.state_dict(
+                self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
         return gather_full(nn.Module.state_dict(self, keep_vars=keep_vars))
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict (whole tensors, original keys): each rank keeps its shards."""
         refuse_unsupported(f"{type(self).__name__}.load_state_dict", {"assign": (assign, False)})
         local = nn.Module.state_dict(self)
-        return nn.Module.load_state_dict(self, {k: shard_like(v, local[k]) if k in local else v
-                                                for k, v in state_dict.items()}, strict=strict)
+        return nn.Module.load_state_dict(
+            self,
+            {k: shard_like(v, local[k]) if k in local else v for k, v in state_dict.items()},
+            strict=strict,
+        )
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's shards (DTensors), for ``torch.distributed.checkpoint``."""
@@ -129,35 +144,72 @@ class FullyShardedDataParallel(_ShardedModule):
     reshard_after_forward: bool
 
     @staticmethod
-    def _shard(module: nn.Module, process_group: dist.ProcessGroup | None = None, reshard_after_forward: bool = True,
-               mixed_precision: bool = False, fp32_reduce_scatter: bool = False, flatten_parameters: bool = True,
-               move_params_to_cpu: bool = False, compute_dtype: torch.dtype | None = None,
-               buffer_dtype: torch.dtype | None = None, move_grads_to_cpu: bool | None = None,
-               bucket_cap_mb: int = 25, compute_device: torch.device | None = None,
-               no_broadcast_optim_state: bool = False, state_dict_device: torch.device | None = None,
-               clear_autocast_cache: bool = False, force_input_to_fp32: bool = False, verbose: bool = False,
-               cpu_offload: bool = False, **kwargs: Any) -> None:
+    def _shard(
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: bool = False,
+        fp32_reduce_scatter: bool = False,
+        flatten_parameters: bool = True,
+        move_params_to_cpu: bool = False,
+        compute_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
+        move_grads_to_cpu: bool | None = None,
+        bucket_cap_mb: int = 25,
+        compute_device: torch.device | None = None,
+        no_broadcast_optim_state: bool = False,
+        state_dict_device: torch.device | None = None,
+        clear_autocast_cache: bool = False,
+        force_input_to_fp32: bool = False,
+        verbose: bool = False,
+        cpu_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
         offload = move_params_to_cpu or cpu_offload
-        refuse_unsupported("FullyShardedDataParallel", {
-            "flatten_parameters": (flatten_parameters, True), "buffer_dtype": (buffer_dtype, None),
-            "move_grads_to_cpu": (move_grads_to_cpu, None if move_grads_to_cpu is None else offload),
-            "bucket_cap_mb": (bucket_cap_mb, 25), "no_broadcast_optim_state": (no_broadcast_optim_state, False),
-            "state_dict_device": (state_dict_device, None), "clear_autocast_cache": (clear_autocast_cache, False),
-            "force_input_to_fp32": (force_input_to_fp32, False), "verbose": (verbose, False),
-            **{k: (v, "(no such FairScale argument)") for k, v in kwargs.items()}})
+        refuse_unsupported(
+            "FullyShardedDataParallel",
+            {
+                "flatten_parameters": (flatten_parameters, True),
+                "buffer_dtype": (buffer_dtype, None),
+                "move_grads_to_cpu": (
+                    move_grads_to_cpu,
+                    None if move_grads_to_cpu is None else offload,
+                ),
+                "bucket_cap_mb": (bucket_cap_mb, 25),
+                "no_broadcast_optim_state": (no_broadcast_optim_state, False),
+                "state_dict_device": (state_dict_device, None),
+                "clear_autocast_cache": (clear_autocast_cache, False),
+                "force_input_to_fp32": (force_input_to_fp32, False),
+                "verbose": (verbose, False),
+                **{k: (v, "(no such FairScale argument)") for k, v in kwargs.items()},
+            },
+        )
         if compute_dtype is not None and not mixed_precision:
-            raise ConfigError("FullyShardedDataParallel: compute_dtype is used with mixed_precision=True")
+            raise ConfigError(
+                "FullyShardedDataParallel: compute_dtype is used with mixed_precision=True"
+            )
         if fp32_reduce_scatter and not mixed_precision:
-            raise ConfigError("FullyShardedDataParallel: fp32_reduce_scatter=True needs mixed_precision=True")
+            raise ConfigError(
+                "FullyShardedDataParallel: fp32_reduce_scatter=True needs mixed_precision=True"
+            )
         if compute_device is not None:
             module.to(compute_device)
         param_dtype = (compute_dtype or torch.float16) if mixed_precision else None
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                      reduce_dtype=torch.float32 if fp32_reduce_scatter else param_dtype)
-        if not isinstance(module, FSDPModule):  # sync_models_at_startup: inner units were synced by their own call
+        policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32 if fp32_reduce_scatter else param_dtype,
+        )
+        if not isinstance(
+            module, FSDPModule
+        ):  # sync_models_at_startup: inner units were synced by their own call
             broadcast_state(module, process_group)
-        fully_shard(module, mesh=_mesh(process_group, module), reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        fully_shard(
+            module,
+            mesh=_mesh(process_group, module),
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+        )
         module.mixed_precision = mixed_precision  # type: ignore[assignment]
         module.flatten_parameters = flatten_parameters  # type: ignore[assignment]
         module.reshard_after_forward = reshard_after_forward  # type: ignore[assignment]
@@ -176,19 +228,35 @@ class ShardedDataParallel(_ShardedModule):
     """
 
     @staticmethod
-    def _shard(module: nn.Module, sharded_optimizer: OSS | list[OSS], process_group: dist.ProcessGroup | None = None,
-               broadcast_buffers: bool = True, sync_models_at_startup: bool = True,
-               reduce_buffer_size: int = 2**23, auto_refresh_trainable: bool = True, reduce_fp16: bool = False,
-               warn_on_trainable_params_changed: bool = True) -> None:
-        refuse_unsupported("ShardedDataParallel", {
-            "reduce_buffer_size": (reduce_buffer_size, 2**23), "auto_refresh_trainable": (auto_refresh_trainable, True),
-            "reduce_fp16": (reduce_fp16, False),
-            "warn_on_trainable_params_changed": (warn_on_trainable_params_changed, True)},
-            "FSDP2 reduce-scatters each unit's gradients in one bucket, in the parameters' dtype")
-        optimizers = sharded_optimizer if isinstance(sharded_optimizer, list) else [sharded_optimizer]
+    def _shard(
+        module: nn.Module,
+        sharded_optimizer: OSS | list[OSS],
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+    ) -> None:
+        refuse_unsupported(
+            "ShardedDataParallel",
+            {
+                "reduce_buffer_size": (reduce_buffer_size, 2**23),
+                "auto_refresh_trainable": (auto_refresh_trainable, True),
+                "reduce_fp16": (reduce_fp16, False),
+                "warn_on_trainable_params_changed": (warn_on_trainable_params_changed, True),
+            },
+            "FSDP2 reduce-scatters each unit's gradients in one bucket, in the parameters' dtype",
+        )
+        optimizers = (
+            sharded_optimizer if isinstance(sharded_optimizer, list) else [sharded_optimizer]
+        )
         if len(optimizers) != 1 or not isinstance(optimizers[0], OSS):
-            raise ConfigError(f"ShardedDataParallel takes one fxpipe.sharding.OSS optimizer, got "
-                              f"{[type(o).__name__ for o in optimizers]}")
+            raise ConfigError(
+                f"ShardedDataParallel takes one fxpipe.sharding.OSS optimizer, got "
+                f"{[type(o).__name__ for o in optimizers]}"
+            )
         oss = optimizers[0]
         group = process_group if process_group is not None else oss.group
         if sync_models_at_startup:

@@ -35,18 +35,31 @@ class OSS(torch.optim.Optimizer):
     >>> optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-4)   # doctest: +SKIP
     """
 
-    def __init__(self, params: Iterable[Any], optim: type[torch.optim.Optimizer] = torch.optim.SGD,
-                 group: dist.ProcessGroup | None = None, broadcast_buffer_size: int = -1,
-                 broadcast_fp16: bool = False, force_broadcast_object: bool = False, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+        group: dist.ProcessGroup | None = None,
+        broadcast_buffer_size: int = -1,
+        broadcast_fp16: bool = False,
+        force_broadcast_object: bool = False,
+        **defaults: Any,
+    ) -> None:
         # torch.optim.Optimizer.__init__ is not called: every optimizer attribute is the inner optimizer's
-        refuse_unsupported("OSS", {"broadcast_buffer_size": (broadcast_buffer_size, -1),
-                                   "broadcast_fp16": (broadcast_fp16, False),
-                                   "force_broadcast_object": (force_broadcast_object, False)},
-                           "ZeroRedundancyOptimizer broadcasts each rank's updated share in the parameters' dtype")
+        refuse_unsupported(
+            "OSS",
+            {
+                "broadcast_buffer_size": (broadcast_buffer_size, -1),
+                "broadcast_fp16": (broadcast_fp16, False),
+                "force_broadcast_object": (force_broadcast_object, False),
+            },
+            "ZeroRedundancyOptimizer broadcasts each rank's updated share in the parameters' dtype",
+        )
         self.optim_class = optim
         self.group = group
-        self.inner: torch.optim.Optimizer = ZeroRedundancyOptimizer(list(params), optimizer_class=optim,
-                                                                    process_group=group, **defaults)
+        self.inner: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            list(params), optimizer_class=optim, process_group=group, **defaults
+        )
         self._consolidated: dict[str, Any] | None = None
 
     @property
@@ -75,8 +88,10 @@ class OSS(torch.optim.Optimizer):
         """Step ``params`` (the module's FSDP2 shards) from now on, with this OSS's class and options;
         ZeRO and its references to the unsharded parameters are dropped."""
         if len(self.inner.param_groups) != 1:
-            raise ConfigError(f"ShardedDataParallel needs an OSS with one parameter group, got "
-                              f"{len(self.inner.param_groups)}")
+            raise ConfigError(
+                f"ShardedDataParallel needs an OSS with one parameter group, got "
+                f"{len(self.inner.param_groups)}"
+            )
         options = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
         self.inner = self.optim_class(params, **options)
 
@@ -97,7 +112,11 @@ class OSS(torch.optim.Optimizer):
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Gather the whole optimizer state on global rank ``recipient_rank`` (collective over the group)."""
         if isinstance(self.inner, ZeroRedundancyOptimizer):
-            to = dist.get_group_rank(self.group, recipient_rank) if self.group is not None else recipient_rank
+            to = (
+                dist.get_group_rank(self.group, recipient_rank)
+                if self.group is not None
+                else recipient_rank
+            )
             self.inner.consolidate_state_dict(to=to)
             return
         from fxpipe.runtime.dataparallel.state_dict import gather_full
@@ -107,8 +126,11 @@ class OSS(torch.optim.Optimizer):
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The whole state, after ``consolidate_state_dict`` (on its recipient rank; with
         ``ShardedDataParallel``, on every rank)."""
-        refuse_unsupported("OSS.state_dict", {"all_ranks": (all_ranks, False)},
-                           "ZeroRedundancyOptimizer consolidates on one rank")
+        refuse_unsupported(
+            "OSS.state_dict",
+            {"all_ranks": (all_ranks, False)},
+            "ZeroRedundancyOptimizer consolidates on one rank",
+        )
         if isinstance(self.inner, ZeroRedundancyOptimizer):
             return self.inner.state_dict()
         if self._consolidated is None:

@@ -18,7 +18,11 @@ from typing import Any
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel.fsdp_units import WrapPolicy, auto_wrap_units, default_auto_wrap_policy
+from fxpipe.runtime.dataparallel.fsdp_units import (
+    WrapPolicy,
+    auto_wrap_units,
+    default_auto_wrap_policy,
+)
 
 __all__ = ["enable_wrap", "wrap", "auto_wrap", "default_auto_wrap_policy"]
 
@@ -26,11 +30,15 @@ _CONTEXT: list[tuple[WrapPolicy | None, dict[str, Any]]] = []
 
 
 @contextlib.contextmanager
-def enable_wrap(auto_wrap_policy: WrapPolicy | None = None, **wrapper_kwargs: Any) -> Iterator[None]:
+def enable_wrap(
+    auto_wrap_policy: WrapPolicy | None = None, **wrapper_kwargs: Any
+) -> Iterator[None]:
     """Inside, ``wrap`` and ``auto_wrap`` wrap with ``wrapper_cls`` (a keyword argument, required)
     and the other ``wrapper_kwargs``; ``auto_wrap_policy`` is ``auto_wrap``'s default policy."""
     if "wrapper_cls" not in wrapper_kwargs:
-        raise ConfigError("enable_wrap needs wrapper_cls=..., e.g. enable_wrap(wrapper_cls=FullyShardedDataParallel)")
+        raise ConfigError(
+            "enable_wrap needs wrapper_cls=..., e.g. enable_wrap(wrapper_cls=FullyShardedDataParallel)"
+        )
     if _CONTEXT:
         raise ConfigError("enable_wrap contexts cannot be nested")
     _CONTEXT.append((auto_wrap_policy, wrapper_kwargs))
@@ -49,8 +57,12 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
     return wrapper_cls(module, **options)
 
 
-def auto_wrap(module: nn.Module, auto_wrap_policy: WrapPolicy | None = None, min_num_params: float | None = None,
-              **kwargs: Any) -> nn.Module:
+def auto_wrap(
+    module: nn.Module,
+    auto_wrap_policy: WrapPolicy | None = None,
+    min_num_params: float | None = None,
+    **kwargs: Any,
+) -> nn.Module:
     """Wrap ``module``'s submodules (and ``module`` itself when the policy says so) inside
     ``enable_wrap``; ``min_num_params`` picks FairScale's default policy with that threshold.
     Returns ``module``. ``kwargs`` override the wrapper's options."""
@@ -60,8 +72,10 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: WrapPolicy | None = None, min
         raise ConfigError("auto_wrap: give auto_wrap_policy or min_num_params, not both")
     policy = auto_wrap_policy or _CONTEXT[-1][0]
     if min_num_params is not None or policy is None:
-        policy = functools.partial(default_auto_wrap_policy,
-                                   min_num_params=min_num_params if min_num_params is not None else 1e8)
+        policy = functools.partial(
+            default_auto_wrap_policy,
+            min_num_params=min_num_params if min_num_params is not None else 1e8,
+        )
     for unit in auto_wrap_units(module, policy):
         wrap(unit, **kwargs)
     return module

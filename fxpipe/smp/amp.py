@@ -31,12 +31,29 @@ class GradScaler(torch.amp.GradScaler):
         scaler.step(optimizer); scaler.update()   # after it
     """
 
-    def __init__(self, device: str | None = None, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        device: str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
         if device is None:
-            device = current().device.type if is_initialized() else ("cuda" if torch.cuda.is_available() else "cpu")
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+            device = (
+                current().device.type
+                if is_initialized()
+                else ("cuda" if torch.cuda.is_available() else "cpu")
+            )
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
 
     def _agree(self, optimizer: Any) -> None:
         """Replace this optimizer's found-inf flags by their maximum over the pipeline."""
@@ -47,7 +64,9 @@ class GradScaler(torch.amp.GradScaler):
         found = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in state["found_inf_per_device"].values():
             found = torch.maximum(found, flag.to(found.device))
-        if st.layout.world_size > 1:  # every stage of every replica: an inf anywhere skips the step everywhere
+        if (
+            st.layout.world_size > 1
+        ):  # every stage of every replica: an inf anywhere skips the step everywhere
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         state["found_inf_per_device"] = {found.device: found}
 

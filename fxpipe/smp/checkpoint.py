@@ -65,8 +65,9 @@ def _gather(mine: dict[str, Any], group: Any, size: int, doing: str) -> list[dic
         dist.all_gather_object(everyone, mine, group=group)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{doing}: another rank of the pipeline did not answer ({first}); nothing was "
-                              "committed") from None
+        raise CheckpointError(
+            f"{doing}: another rank of the pipeline did not answer ({first}); nothing was committed"
+        ) from None
     return everyone
 
 
@@ -76,7 +77,9 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def save(obj: Any, f: str | os.PathLike[str], partial: bool = True, pickle_protocol: int = 2) -> None:
+def save(
+    obj: Any, f: str | os.PathLike[str], partial: bool = True, pickle_protocol: int = 2
+) -> None:
     """Save ``obj`` like ``torch.save``: per stage (``partial``) or once for the whole model.
 
     Example::
@@ -95,7 +98,10 @@ def save(obj: Any, f: str | os.PathLike[str], partial: bool = True, pickle_proto
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         committed = _quiet_record(record_file)
-        clean_stale(path, keep=committed.parts[key].pending if committed and key in committed.parts else None)
+        clean_stale(
+            path,
+            keep=committed.parts[key].pending if committed and key in committed.parts else None,
+        )
         part = write_pending(obj, path, token, pickle_protocol)
         mine.update(ok=True, token=token, part=part)
     except Exception as exc:  # a full disk, an object torch.save cannot write: agreed on below
@@ -106,25 +112,36 @@ def save(obj: Any, f: str | os.PathLike[str], partial: bool = True, pickle_proto
         if part is not None:
             (path.parent / part.pending).unlink(missing_ok=True)
         where = f" on the rank of stage {failed[0]['key']}" if partial else ""
-        raise CheckpointError(f"saving checkpoint {os.fspath(f)} failed{where}: {failed[0]['error']}; no part of it "
-                              "was written, and the previous checkpoint (if any) is unchanged")
-    record = CommitRecord(id=everyone[0]["token"], partial=partial,
-                          num_parts=st.layout.num_stages if partial else 1,
-                          parts={m["key"]: m["part"] for m in everyone})
+        raise CheckpointError(
+            f"saving checkpoint {os.fspath(f)} failed{where}: {failed[0]['error']}; no part of it "
+            "was written, and the previous checkpoint (if any) is unchanged"
+        )
+    record = CommitRecord(
+        id=everyone[0]["token"],
+        partial=partial,
+        num_parts=st.layout.num_stages if partial else 1,
+        parts={m["key"]: m["part"] for m in everyone},
+    )
     assert part is not None
     try:
         write_record(record_file, record, token)
     except OSError as exc:
         existing = _quiet_record(record_file)
-        if existing is None or existing.id != record.id:  # not committed where this rank's part lives
+        if (
+            existing is None or existing.id != record.id
+        ):  # not committed where this rank's part lives
             (path.parent / part.pending).unlink(missing_ok=True)
-            raise CheckpointError(f"saving checkpoint {os.fspath(f)} failed: cannot write its record "
-                                  f"{record_file}: {_reason(exc)}") from None
+            raise CheckpointError(
+                f"saving checkpoint {os.fspath(f)} failed: cannot write its record "
+                f"{record_file}: {_reason(exc)}"
+            ) from None
     try:
         publish(path, part)
     except OSError as exc:
-        raise CheckpointError(f"checkpoint {os.fspath(f)} was committed, but renaming {path.name} into place failed "
-                              f"({_reason(exc)}); the next load finishes it") from None
+        raise CheckpointError(
+            f"checkpoint {os.fspath(f)} was committed, but renaming {path.name} into place failed "
+            f"({_reason(exc)}); the next load finishes it"
+        ) from None
 
 
 def _quiet_record(path: Path) -> CommitRecord | None:
@@ -134,23 +151,32 @@ def _quiet_record(path: Path) -> CommitRecord | None:
         return None
 
 
-def _check_local(f: str | os.PathLike[str], path: Path, key: str, partial: bool, st: Any) -> dict[str, Any]:
+def _check_local(
+    f: str | os.PathLike[str], path: Path, key: str, partial: bool, st: Any
+) -> dict[str, Any]:
     """This rank's verdict on its part: the record id it belongs to, or why it cannot be loaded."""
     try:
         record = read_record(record_path(f, partial))
         if record is None:
             if not path.is_file():
-                hint = (f"was it saved with partial=True by a job with {st.layout.num_stages} partitions?" if partial
-                        else "was it saved with partial=False? a partial checkpoint's files end in _<mp_rank>")
+                hint = (
+                    f"was it saved with partial=True by a job with {st.layout.num_stages} partitions?"
+                    if partial
+                    else "was it saved with partial=False? a partial checkpoint's files end in _<mp_rank>"
+                )
                 raise CheckpointError(f"checkpoint file {str(path)!r} does not exist; {hint}")
             return {"key": key, "id": None}
         if record.partial != partial:
-            raise CheckpointError(f"{record_path(f, partial)} describes a {'partial' if record.partial else 'full'} "
-                                  f"checkpoint; load it with partial={record.partial}")
+            raise CheckpointError(
+                f"{record_path(f, partial)} describes a {'partial' if record.partial else 'full'} "
+                f"checkpoint; load it with partial={record.partial}"
+            )
         if partial and record.num_parts != st.layout.num_stages:
-            raise CheckpointError(f"checkpoint {os.fspath(f)} was saved by a job with {record.num_parts} partitions, "
-                                  f"this one has {st.layout.num_stages}; load it with {record.num_parts} partitions, "
-                                  "or save and load a full checkpoint (partial=False)")
+            raise CheckpointError(
+                f"checkpoint {os.fspath(f)} was saved by a job with {record.num_parts} partitions, "
+                f"this one has {st.layout.num_stages}; load it with {record.num_parts} partitions, "
+                "or save and load a full checkpoint (partial=False)"
+            )
         check_part(path, record, key)
         clean_stale(path)
         return {"key": key, "id": record.id}
@@ -170,42 +196,56 @@ def load(f: str | os.PathLike[str], partial: bool = True, map_location: Any = No
         checkpoint = fxpipe.load("ckpt.pt", partial=True)
         model.load_state_dict(checkpoint["model_state_dict"])
     """
-    st = current() if partial else None  # a full checkpoint loads without fxpipe.init, as torch.load does
+    st = (
+        current() if partial else None
+    )  # a full checkpoint loads without fxpipe.init, as torch.load does
     path = checkpoint_path(f, partial)
     key = str(st.mp_rank) if st is not None else "0"
     group, size = _group(st, partial)
-    everyone = _gather(_check_local(f, path, key, partial, st), group, size, f"loading checkpoint {os.fspath(f)}")
+    everyone = _gather(
+        _check_local(f, path, key, partial, st), group, size, f"loading checkpoint {os.fspath(f)}"
+    )
     mine = next(m for m in everyone if m["key"] == key)
     if "error" in mine:
         raise CheckpointError(mine["error"])
     bad = next((m for m in everyone if "error" in m), None)
     if bad is not None:
-        raise CheckpointError(f"the part of stage {bad['key']} cannot be loaded, so neither can this one: "
-                              f"{bad['error']}")
+        raise CheckpointError(
+            f"the part of stage {bad['key']} cannot be loaded, so neither can this one: "
+            f"{bad['error']}"
+        )
     ids = {m["key"]: m["id"] for m in everyone}
     if len(set(ids.values())) > 1:
-        raise CheckpointError(f"the parts of checkpoint {os.fspath(f)} come from different saves ({ids}): a save "
-                              "was interrupted or a part was replaced; refusing to load a torn checkpoint")
+        raise CheckpointError(
+            f"the parts of checkpoint {os.fspath(f)} come from different saves ({ids}): a save "
+            "was interrupted or a part was replaced; refusing to load a torn checkpoint"
+        )
     if mine["id"] is None:
-        warnings.warn(f"checkpoint {path} has no commit record ({record_path(f, partial).name}; written by an older "
-                      "fxpipe or by torch.save), so it is loaded without checking that it is whole", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} has no commit record ({record_path(f, partial).name}; written by an older "
+            "fxpipe or by torch.save), so it is loaded without checking that it is whole",
+            stacklevel=2,
+        )
     try:
         return _torch_load(path, map_location, mmap=not partial)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"{path} holds objects other than tensors and plain data ({first}); fxpipe loads "
-                              "checkpoints with weights_only=True so they cannot run code. Save only state dicts, "
-                              "tensors, numbers and strings") from None
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain data ({first}); fxpipe loads "
+            "checkpoints with weights_only=True so they cannot run code. Save only state dicts, "
+            "tensors, numbers and strings"
+        ) from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-
 
 
 def _torch_load(path: Path, map_location: Any, mmap: bool) -> Any:
     """``torch.load(weights_only=True)``; a full checkpoint is memory-mapped, so a rank that takes only its
     stage's keys from it (a model built on meta) reads only those pages (a file in torch's legacy
     format cannot be mapped: read whole)."""
-    check_regular(path, "checkpoint file", CheckpointError)  # never wait on a FIFO (Note [regular files only])
+    check_regular(
+        path, "checkpoint file", CheckpointError
+    )  # never wait on a FIFO (Note [regular files only])
     if mmap:
         try:
             return torch.load(path, map_location=map_location, weights_only=True, mmap=True)

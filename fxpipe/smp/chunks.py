@@ -58,7 +58,9 @@ class RankChunks(nn.Module):
 
     def __init__(self, chunks: Mapping[int, nn.Module]) -> None:
         super().__init__()
-        self.chunks: dict[int, nn.Module] = dict(sorted(chunks.items()))  # a plain dict: merged below, not registered
+        self.chunks: dict[int, nn.Module] = dict(
+            sorted(chunks.items())
+        )  # a plain dict: merged below, not registered
         for chunk in self.chunks.values():
             _merge(self, chunk)
 
@@ -69,8 +71,10 @@ class RankChunks(nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise StepError("this rank runs several stages; call the DistributedModel inside a @step function, "
-                        "not its module")
+        raise StepError(
+            "this rank runs several stages; call the DistributedModel inside a @step function, "
+            "not its module"
+        )
 
 
 def _merge(into: nn.Module, src: nn.Module) -> None:
@@ -168,7 +172,9 @@ class _Aborted(BaseException):
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
-    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return [
+        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
+    ]
 
 
 class _autocast:
@@ -199,9 +205,19 @@ class _Inputs:
 class ChunkedDriver:
     """Runs the actions of this rank's chunks for one step (see the Note); one per step."""
 
-    def __init__(self, manifest: Manifest, routes: Routes, rank: int, chunks: Mapping[int, nn.Module], p2p: P2P,
-                 device: torch.device, schedule: str, microbatches: int, average: bool,
-                 calls: Sequence[_Call]) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        routes: Routes,
+        rank: int,
+        chunks: Mapping[int, nn.Module],
+        p2p: P2P,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+        average: bool,
+        calls: Sequence[_Call],
+    ) -> None:
         self.manifest, self.routes, self.device = manifest, routes, device
         self.calls = calls
         plan = make_schedule(schedule, manifest.num_ranks, microbatches, manifest.virtual_stages)
@@ -213,11 +229,23 @@ class ChunkedDriver:
         self.loss_stage = routes.loss_stage
         self.holds_loss = self.loss_stage in chunks
         self.comm = RankComm(p2p, device, False)
-        self.workers = {s: StageWorker(manifest, routes, s, m, p2p, device, False, comm=self.comm,
-                                       local_stages=tuple(chunks)) for s, m in chunks.items()}
+        self.workers = {
+            s: StageWorker(
+                manifest,
+                routes,
+                s,
+                m,
+                p2p,
+                device,
+                False,
+                comm=self.comm,
+                local_stages=tuple(chunks),
+            )
+            for s, m in chunks.items()
+        }
         self._outputs = {o.name: o for s in manifest.stages for o in s.outputs}
         self.inputs: dict[int, _Inputs] = {}
-        self.results: dict[int, Any] = {}     # loss rank: the model output of each microbatch
+        self.results: dict[int, Any] = {}  # loss rank: the model output of each microbatch
         self.user: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.requested: set[int] = set()
         self.backward_ran = False
@@ -227,16 +255,25 @@ class ChunkedDriver:
     def forward(self, m: int, inputs: Sequence[torch.Tensor]) -> Any:
         """Record ``model(...)`` of microbatch ``m``; its output (or placeholders off the loss rank)."""
         if m in self.inputs:
-            raise StepError(f"the model was called twice in microbatch {m}; call it once per @step function call")
+            raise StepError(
+                f"the model was called twice in microbatch {m}; call it once per @step function call"
+            )
         mb_size = microbatch_size(self.manifest, inputs)
         self.inputs[m] = _Inputs(inputs, mb_size, torch.is_grad_enabled(), _autocast_state())
         if not self.holds_loss:
-            return assemble_output(self.manifest, [placeholder(self.manifest, self._outputs[n], mb_size, self.device)
-                                                   for n in self.routes.model_outputs])
-        self.calls[m].pause()   # until F of the loss chunk has run (ChunkedDriver.walk)
+            return assemble_output(
+                self.manifest,
+                [
+                    placeholder(self.manifest, self._outputs[n], mb_size, self.device)
+                    for n in self.routes.model_outputs
+                ],
+            )
+        self.calls[m].pause()  # until F of the loss chunk has run (ChunkedDriver.walk)
         return self.results.pop(m)
 
-    def backward(self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
+    def backward(
+        self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
+    ) -> None:
         """Request ``B(m)``; on the loss rank ``tensors``/``grads`` are what to backpropagate."""
         check_backward_request(m, m in self.inputs, self.requested)
         if self.holds_loss:
@@ -256,9 +293,11 @@ class ChunkedDriver:
                     started += 1
                 got = self.inputs.get(m)
                 if got is None:
-                    raise StepError(f"microbatch {m} never called the model on pipeline rank "
-                                    f"{self.manifest.stage_ranks[a.stage]}; call model(...) exactly once in every "
-                                    "call of the @step function")
+                    raise StepError(
+                        f"microbatch {m} never called the model on pipeline rank "
+                        f"{self.manifest.stage_ranks[a.stage]}; call model(...) exactly once in every "
+                        "call of the @step function"
+                    )
                 with torch.set_grad_enabled(got.grad), _autocast(got.autocast):
                     worker.forward(m, got.tensors, got.mb_size)
                 if a.stage == self.loss_stage:
@@ -268,7 +307,9 @@ class ChunkedDriver:
                 if m not in self.requested:
                     worker.discard(m)  # forward only: no backward for this microbatch
                     continue
-                tensors, grads = self.user.pop(m, ([], [])) if a.stage == self.loss_stage else ([], [])
+                tensors, grads = (
+                    self.user.pop(m, ([], [])) if a.stage == self.loss_stage else ([], [])
+                )
                 worker.backward(m, tensors, grads, split=(a.stage, m) in self.split)
                 self.backward_ran = True
             elif worker.has_pending_weight(m):
@@ -283,10 +324,12 @@ class ChunkedDriver:
         return self.backward_ran
 
 
-def run_chunked_step(model: Any, fn: Callable[..., Any], per_mb: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
-                     ) -> list[Any]:
+def run_chunked_step(
+    model: Any, fn: Callable[..., Any], per_mb: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
+) -> list[Any]:
     """Run ``fn`` on every microbatch (``per_mb``: its arguments) with ``model``'s chunked schedule
     (see the Note); the calls' results in microbatch order. ``model`` is the ``DistributedModel``."""
+
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
         return lambda: fn(*args, **kwargs)
 
@@ -301,8 +344,10 @@ def run_chunked_step(model: Any, fn: Callable[..., Any], per_mb: Sequence[tuple[
         enter(0)  # up to its model(...): partitions at the first step, makes the step's driver
         driver = model._driver
         if driver is None:
-            raise StepError("microbatch 0 never called the model; call model(...) exactly once in every call of "
-                            "the @step function")
+            raise StepError(
+                "microbatch 0 never called the model; call model(...) exactly once in every call of "
+                "the @step function"
+            )
         driver.walk(enter)
         for m, call in enumerate(calls):
             if not call.done:

@@ -76,46 +76,72 @@ class Config:
 
     def __post_init__(self) -> None:
         if not _is_int(self.partitions) or self.partitions < 1:
-            raise ConfigError(f"config 'partitions' must be an int >= 1, got {self.partitions!r}; "
-                              "set it to the number of pipeline stages, e.g. {'partitions': 2}")
+            raise ConfigError(
+                f"config 'partitions' must be an int >= 1, got {self.partitions!r}; "
+                "set it to the number of pipeline stages, e.g. {'partitions': 2}"
+            )
         if not _is_int(self.microbatches) or self.microbatches < 1:
-            raise ConfigError(f"config 'microbatches' must be an int >= 1, got {self.microbatches!r}; "
-                              "e.g. {'microbatches': 4} (the batch size must be a multiple of it)")
+            raise ConfigError(
+                f"config 'microbatches' must be an int >= 1, got {self.microbatches!r}; "
+                "e.g. {'microbatches': 4} (the batch size must be a multiple of it)"
+            )
         if self.pipeline not in PIPELINES:
-            raise ConfigError(f"config 'pipeline' must be one of {sorted(PIPELINES)}, got {self.pipeline!r}; "
-                              "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B, "
-                              "'zb-h1' is zero bubble, 'interleaved-1f1b', 'zbv' and 'dualpipev' run 'virtual_stages' "
-                              "per process")
-        if self.virtual_stages is not None and (not _is_int(self.virtual_stages) or self.virtual_stages < 1):
-            raise ConfigError(f"config 'virtual_stages' must be an int >= 1, got {self.virtual_stages!r}; "
-                              "e.g. {'pipeline': 'interleaved-1f1b', 'virtual_stages': 2}")
+            raise ConfigError(
+                f"config 'pipeline' must be one of {sorted(PIPELINES)}, got {self.pipeline!r}; "
+                "'simple' runs all forwards then all backwards (GPipe), 'interleaved' is 1F1B, "
+                "'zb-h1' is zero bubble, 'interleaved-1f1b', 'zbv' and 'dualpipev' run 'virtual_stages' "
+                "per process"
+            )
+        if self.virtual_stages is not None and (
+            not _is_int(self.virtual_stages) or self.virtual_stages < 1
+        ):
+            raise ConfigError(
+                f"config 'virtual_stages' must be an int >= 1, got {self.virtual_stages!r}; "
+                "e.g. {'pipeline': 'interleaved-1f1b', 'virtual_stages': 2}"
+            )
         try:
             schedule_kind(self.schedule).check_virtual(self.chunks_per_rank)
         except ScheduleError as exc:
-            raise ConfigError(f"config 'virtual_stages': {str(exc).replace('--virtual-stages', 'virtual_stages')}"
-                              ) from None
+            raise ConfigError(
+                f"config 'virtual_stages': {str(exc).replace('--virtual-stages', 'virtual_stages')}"
+            ) from None
         for key in ("auto_partition", "ddp"):
             if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"config {key!r} must be True or False, got {getattr(self, key)!r}")
+                raise ConfigError(
+                    f"config {key!r} must be True or False, got {getattr(self, key)!r}"
+                )
         if not _is_int(self.default_partition) or not 0 <= self.default_partition < self.partitions:
-            raise ConfigError(f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
-                              f"got {self.default_partition!r}")
+            raise ConfigError(
+                f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
+                f"got {self.default_partition!r}"
+            )
         if not isinstance(self.data_parallel, DataParallelOptions):
-            raise ConfigError("config data_parallel must be DataParallelOptions, got "
-                              f"{type(self.data_parallel).__name__}")
+            raise ConfigError(
+                "config data_parallel must be DataParallelOptions, got "
+                f"{type(self.data_parallel).__name__}"
+            )
         if self.optimize not in ("speed", "memory"):
-            raise ConfigError(f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}")
+            raise ConfigError(
+                f"config 'optimize' must be 'speed' or 'memory', got {self.optimize!r}"
+            )
         if self.plan is not None:
-            if not isinstance(self.plan, (str, Path)) or not (Path(self.plan) / "manifest.json").is_file():
-                raise ConfigError(f"config 'plan' must be a build directory written by `fxpipe partition`, but "
-                                  f"{str(self.plan)!r} has no manifest.json; run `fxpipe partition MODEL_FILE "
-                                  f"--stages {self.partitions} --out DIR` first or drop 'plan'")
+            if (
+                not isinstance(self.plan, (str, Path))
+                or not (Path(self.plan) / "manifest.json").is_file()
+            ):
+                raise ConfigError(
+                    f"config 'plan' must be a build directory written by `fxpipe partition`, but "
+                    f"{str(self.plan)!r} has no manifest.json; run `fxpipe partition MODEL_FILE "
+                    f"--stages {self.partitions} --out DIR` first or drop 'plan'"
+                )
             object.__setattr__(self, "plan", str(self.plan))
         if self.weights is not None:
             if not isinstance(self.weights, (str, Path)) or not Path(self.weights).exists():
-                raise ConfigError(f"config 'weights' must be a checkpoint file or directory, but {self.weights!r} "
-                                  "does not exist; pass a .safetensors file, a directory of safetensors shards or a "
-                                  "torch.save'd state dict, or drop 'weights'")
+                raise ConfigError(
+                    f"config 'weights' must be a checkpoint file or directory, but {self.weights!r} "
+                    "does not exist; pass a .safetensors file, a directory of safetensors shards or a "
+                    "torch.save'd state dict, or drop 'weights'"
+                )
             object.__setattr__(self, "weights", str(self.weights))
 
     def data_parallel_options(self, **ddp_options: Any) -> DataParallelOptions:
@@ -130,7 +156,11 @@ class Config:
     @property
     def chunks_per_rank(self) -> int:
         """Stages (chunks) each process runs: ``virtual_stages``, or the schedule's least."""
-        return self.virtual_stages if self.virtual_stages is not None else schedule_kind(self.schedule).default_virtual
+        return (
+            self.virtual_stages
+            if self.virtual_stages is not None
+            else schedule_kind(self.schedule).default_virtual
+        )
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | None) -> Config:
@@ -142,32 +172,49 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; fxpipe.init accepts {known}")
         if "partitions" not in config:
-            raise ConfigError("config has no 'partitions': pass the number of pipeline stages, "
-                              "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})")
-        dp = DataParallelOptions(**{name: config.pop(key) for key, name in data_parallel.items() if key in config})
+            raise ConfigError(
+                "config has no 'partitions': pass the number of pipeline stages, "
+                "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})"
+            )
+        dp = DataParallelOptions(
+            **{name: config.pop(key) for key, name in data_parallel.items() if key in config}
+        )
         return cls(**config, data_parallel=dp)
 
     def check_world(self, world_size: int) -> int:
         """The number of data-parallel replicas for ``world_size`` processes (``ddp`` must allow more than one)."""
         if world_size % self.partitions:
-            raise ConfigError(f"'partitions' {self.partitions} does not divide the world size {world_size}; "
-                              f"launch a multiple of {self.partitions} processes "
-                              f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'")
+            raise ConfigError(
+                f"'partitions' {self.partitions} does not divide the world size {world_size}; "
+                f"launch a multiple of {self.partitions} processes "
+                f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'"
+            )
         replicas = world_size // self.partitions
         options = self.data_parallel
         shard = options.shard
         if replicas == 1 and shard != "none":
-            raise ConfigError(f"config shards training state ('shard': {shard!r}) over the data-parallel replicas, but "
-                              f"{world_size} processes for {self.partitions} partitions is one data-parallel replica; "
-                              f"launch a multiple of {self.partitions} processes with 'ddp': True, or drop the key")
-        if options.fsdp and (self.chunks_per_rank > 1 or schedule_kind(self.schedule).split_backward):
+            raise ConfigError(
+                f"config shards training state ('shard': {shard!r}) over the data-parallel replicas, but "
+                f"{world_size} processes for {self.partitions} partitions is one data-parallel replica; "
+                f"launch a multiple of {self.partitions} processes with 'ddp': True, or drop the key"
+            )
+        if options.fsdp and (
+            self.chunks_per_rank > 1 or schedule_kind(self.schedule).split_backward
+        ):
             # as the runtime (fxpipe.runtime.pipeline.runner): FSDP counts backwards through one stage per process
-            what = (f"{self.chunks_per_rank} stages per process" if self.chunks_per_rank > 1
-                    else "a backward split into input and weight gradients")
-            raise ConfigError(f"'shard': {shard!r} (FSDP) runs one stage per process with a whole backward, but "
-                              f"pipeline {self.pipeline!r} runs {what}; use 'shard': 'optimizer' or 'none', "
-                              "or pipeline '1f1b'")
+            what = (
+                f"{self.chunks_per_rank} stages per process"
+                if self.chunks_per_rank > 1
+                else "a backward split into input and weight gradients"
+            )
+            raise ConfigError(
+                f"'shard': {shard!r} (FSDP) runs one stage per process with a whole backward, but "
+                f"pipeline {self.pipeline!r} runs {what}; use 'shard': 'optimizer' or 'none', "
+                "or pipeline '1f1b'"
+            )
         if replicas > 1 and not self.ddp:
-            raise ConfigError(f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
-                              f"needs 'ddp': True; or launch exactly {self.partitions} processes")
+            raise ConfigError(
+                f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
+                f"needs 'ddp': True; or launch exactly {self.partitions} processes"
+            )
         return replicas

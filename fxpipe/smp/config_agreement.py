@@ -36,8 +36,11 @@ def _build_digest(plan: str) -> str:
 def _checkpoint_signature(weights: str) -> tuple[str, int]:
     path = Path(weights)
     try:
-        size = (sum(p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()) if path.is_dir()
-                else path.stat().st_size)
+        size = (
+            sum(p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file())
+            if path.is_dir()
+            else path.stat().st_size
+        )
     except OSError:
         size = -1
     return path.name, size
@@ -51,7 +54,9 @@ def config_values(cfg: Config) -> dict[str, tuple[Any, str]]:
             value = getattr(cfg, f.name)
             out[f.name] = (value, repr(value))
     keys = seed_keys(DataParallelOptions)
-    for key in sorted(keys, key=lambda k: k == "shard_optimizer_state"):  # the older spelling of 'shard' last
+    for key in sorted(
+        keys, key=lambda k: k == "shard_optimizer_state"
+    ):  # the older spelling of 'shard' last
         value = getattr(cfg.data_parallel, keys[key])
         out[key] = (value, repr(value))
     if cfg.plan is not None:
@@ -66,7 +71,9 @@ def config_values(cfg: Config) -> dict[str, tuple[Any, str]]:
 def _ranks(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    shown = ", ".join(map(str, ranks[:4])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 4 else "")
+    shown = ", ".join(map(str, ranks[:4])) + (
+        f", ... ({len(ranks)} ranks)" if len(ranks) > 4 else ""
+    )
     return f"ranks {shown}"
 
 
@@ -84,8 +91,10 @@ def first_difference(per_rank: list[dict[str, tuple[Any, str]]]) -> str | None:
         for rank, (_, shown) in enumerate(values):
             groups.setdefault(shown, []).append(rank)
         listed = ", ".join(f"{_ranks(ranks)}: {shown}" for shown, ranks in groups.items())
-        return (f"config {key!r} differs across ranks ({listed}); every rank must call fxpipe.init with the same "
-                "config")
+        return (
+            f"config {key!r} differs across ranks ({listed}); every rank must call fxpipe.init with the same "
+            "config"
+        )
     return None
 
 

@@ -37,30 +37,49 @@ from fxpipe.errors import StepError
 from fxpipe.runtime.pipeline.p2p import P2P
 from fxpipe.runtime.pipeline.routes import Routes
 from fxpipe.runtime.pipeline.schedule import Action, ActionKind, make_schedule
-from fxpipe.runtime.pipeline.stage_io import StageWorker, assemble_output, boundary_dtype, microbatch_size
+from fxpipe.runtime.pipeline.stage_io import (
+    StageWorker,
+    assemble_output,
+    boundary_dtype,
+    microbatch_size,
+)
 
-__all__ = ["StepError", "StepDriver", "microbatch_size", "placeholder", "user_grads", "check_backward_request"]
+__all__ = [
+    "StepError",
+    "StepDriver",
+    "microbatch_size",
+    "placeholder",
+    "user_grads",
+    "check_backward_request",
+]
 
 
 def check_backward_request(m: int, called: bool, requested: set[int]) -> None:
     """Refuse ``model.backward`` in microbatch ``m`` before ``model(...)`` (``called``) or a second time."""
     if not called:
-        raise StepError(f"model.backward was called in microbatch {m} before the model was called; "
-                        "call model(...) first, then model.backward(loss)")
+        raise StepError(
+            f"model.backward was called in microbatch {m} before the model was called; "
+            "call model(...) first, then model.backward(loss)"
+        )
     if m in requested:
-        raise StepError(f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
-                        "once (retain_graph is not supported)")
+        raise StepError(
+            f"model.backward was called twice in microbatch {m}; accumulate the losses and call it "
+            "once (retain_graph is not supported)"
+        )
 
 
-def placeholder(manifest: Manifest, spec: BoundaryTensor, mb_size: int, device: torch.device) -> torch.Tensor:
+def placeholder(
+    manifest: Manifest, spec: BoundaryTensor, mb_size: int, device: torch.device
+) -> torch.Tensor:
     """Zeros shaped like model output ``spec`` at ``mb_size``: what a rank without the loss stage returns."""
     dtype = boundary_dtype(spec.dtype)
     t = torch.zeros(spec.shape_at(mb_size, manifest.microbatch_size), dtype=dtype, device=device)
     return t.requires_grad_(True) if dtype.is_floating_point else t
 
 
-def user_grads(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None, scale: float
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def user_grads(
+    tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None, scale: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``model.backward(tensors, grads)``'s roots and their gradients (implicit ones for scalars), times ``scale``."""
     tensors = list(tensors)
     given = list(grads) if grads is not None else [None] * len(tensors)
@@ -70,8 +89,10 @@ def user_grads(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     for t, g in zip(tensors, given):
         if g is None:
             if t.numel() != 1:
-                raise StepError(f"model.backward: a tensor of shape {tuple(t.shape)} needs a grad_tensors "
-                                "entry (only one-element tensors, such as a loss, get an implicit gradient)")
+                raise StepError(
+                    f"model.backward: a tensor of shape {tuple(t.shape)} needs a grad_tensors "
+                    "entry (only one-element tensors, such as a loss, get an implicit gradient)"
+                )
             g = torch.ones_like(t)
         out.append(g * scale if scale != 1.0 else g)
     return tensors, out
@@ -80,8 +101,18 @@ def user_grads(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 class StepDriver:
     """Runs this rank's ``F``/``B`` actions of one step, in schedule order (see the Note)."""
 
-    def __init__(self, manifest: Manifest, routes: Routes, stage: int, module: nn.Module, p2p: P2P,
-                 device: torch.device, schedule: str, microbatches: int, average: bool) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        routes: Routes,
+        stage: int,
+        module: nn.Module,
+        p2p: P2P,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+        average: bool,
+    ) -> None:
         self.manifest, self.routes, self.stage = manifest, routes, stage
         self.device = device
         self.microbatches = microbatches
@@ -92,9 +123,11 @@ class StepDriver:
         self.split = plan.split_backward()
         self.worker = StageWorker(manifest, routes, stage, module, p2p, device, pair_sends=False)
         self.pos = 0
-        self.user: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # last stage: what to backprop
+        self.user: dict[
+            int, tuple[list[torch.Tensor], list[torch.Tensor]]
+        ] = {}  # last stage: what to backprop
         self.requested: set[int] = set()
-        self.finished: set[int] = set()   # microbatches whose user function returned
+        self.finished: set[int] = set()  # microbatches whose user function returned
         self.backward_ran = False
         self._outputs = {o.name: o for s in manifest.stages for o in s.outputs}
 
@@ -103,7 +136,9 @@ class StepDriver:
     def forward(self, m: int, inputs: Sequence[torch.Tensor]) -> Any:
         """``F(m)`` with the model inputs ``inputs``; the model output (or placeholders)."""
         if m in self.worker:
-            raise StepError(f"the model was called twice in microbatch {m}; call it once per @step function call")
+            raise StepError(
+                f"the model was called twice in microbatch {m}; call it once per @step function call"
+            )
         self._run_until(Action(self.stage, ActionKind.FORWARD, m))
         self.pos += 1
         mb_size = microbatch_size(self.manifest, inputs)
@@ -111,11 +146,15 @@ class StepDriver:
         if self.is_last:
             flat = self.worker.model_outputs(m)
         else:
-            flat = [placeholder(self.manifest, self._outputs[n], mb_size, self.device)
-                    for n in self.routes.model_outputs]
+            flat = [
+                placeholder(self.manifest, self._outputs[n], mb_size, self.device)
+                for n in self.routes.model_outputs
+            ]
         return assemble_output(self.manifest, flat)
 
-    def backward(self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
+    def backward(
+        self, m: int, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
+    ) -> None:
         """Request ``B(m)``; on the last stage ``tensors``/``grads`` are what to backpropagate."""
         check_backward_request(m, m in self.worker, self.requested)
         if self.is_last:
@@ -125,7 +164,9 @@ class StepDriver:
             action = self.actions[self.pos]
             if action.kind is ActionKind.BACKWARD and action.microbatch in self.requested:
                 self._backward(action.microbatch)
-            elif action.kind is ActionKind.WEIGHT and self.worker.has_pending_weight(action.microbatch):
+            elif action.kind is ActionKind.WEIGHT and self.worker.has_pending_weight(
+                action.microbatch
+            ):
                 self.worker.weight(action.microbatch)
             else:
                 break
@@ -152,12 +193,18 @@ class StepDriver:
             if action.kind is ActionKind.WEIGHT:
                 if self.worker.has_pending_weight(m):
                     self.worker.weight(m)
-                self.pos += 1      # else the microbatch ran forward only: nothing to do
+                self.pos += 1  # else the microbatch ran forward only: nothing to do
                 continue
             if action.kind is ActionKind.FORWARD:
-                what = "the step ended" if target is None else f"the model was called in microbatch {target.microbatch}"
-                raise StepError(f"{what}, but microbatch {m} never called the model on stage {self.stage}; call "
-                                "model(...) exactly once in every call of the @step function")
+                what = (
+                    "the step ended"
+                    if target is None
+                    else f"the model was called in microbatch {target.microbatch}"
+                )
+                raise StepError(
+                    f"{what}, but microbatch {m} never called the model on stage {self.stage}; call "
+                    "model(...) exactly once in every call of the @step function"
+                )
             if m in self.requested:
                 self._backward(m)
             elif m not in self.finished:
@@ -166,8 +213,10 @@ class StepDriver:
                 self.worker.discard(m)  # forward only: no backward for this microbatch
             self.pos += 1
         if target is not None:
-            raise StepError(f"{target} is not in this step's schedule: the @step function ran more microbatches "
-                            f"than the {self.microbatches} configured")
+            raise StepError(
+                f"{target} is not in this step's schedule: the @step function ran more microbatches "
+                f"than the {self.microbatches} configured"
+            )
 
     def _backward(self, m: int) -> None:
         tensors, grads = self.user.pop(m, ([], []))

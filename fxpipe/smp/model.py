@@ -46,7 +46,6 @@ from fxpipe.tracer.call import ModelInputs
 __all__ = ["DistributedModel", "DDPOptions"]
 
 
-
 # the seed's DDP options (DistributedModel's arguments) and the config's comm_hook / shard_optimizer_state keys
 DDPOptions = DataParallelOptions
 
@@ -65,31 +64,52 @@ class DistributedModel(nn.Module):
             return loss
     """
 
-    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
-                 trace_memory_usage: bool = False, average_grads_across_microbatches: bool = True,
-                 overlapping_allreduce: bool = True, backward_passes_per_step: int = 1, bucket_cap_mb: float = 25,
-                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "gpu",
+        trace_execution_times: bool = False,
+        trace_memory_usage: bool = False,
+        average_grads_across_microbatches: bool = True,
+        overlapping_allreduce: bool = True,
+        backward_passes_per_step: int = 1,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
         super().__init__()
         st = current()
         if st.model is not None:
-            raise ConfigError("only one model per process can be wrapped in DistributedModel; it already wraps a "
-                              f"{type(st.model.module).__name__}")
+            raise ConfigError(
+                "only one model per process can be wrapped in DistributedModel; it already wraps a "
+                f"{type(st.model.module).__name__}"
+            )
         if not isinstance(module, nn.Module):
-            raise ConfigError(f"DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
+            raise ConfigError(
+                f"DistributedModel wraps a torch.nn.Module, got {type(module).__name__}"
+            )
         self.module = module
-        self.trace_options = TraceOptions(resolve_trace_device(trace_device), trace_execution_times,
-                                          trace_memory_usage)
+        self.trace_options = TraceOptions(
+            resolve_trace_device(trace_device), trace_execution_times, trace_memory_usage
+        )
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.ddp_options = st.config.data_parallel_options(
-            overlapping_allreduce=overlapping_allreduce, backward_passes_per_step=backward_passes_per_step,
-            bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
-            gradient_as_bucket_view=gradient_as_bucket_view)
+            overlapping_allreduce=overlapping_allreduce,
+            backward_passes_per_step=backward_passes_per_step,
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         self.replicas = Replicas(self.ddp_options, st.layout.replicas, st.config.microbatches)
         self._build: StageBuild | None = None
-        self._pending_partial: tuple[dict[str, Any], bool, bool] | None = None  # (state, strict, partial)
+        self._pending_partial: tuple[dict[str, Any], bool, bool] | None = (
+            None  # (state, strict, partial)
+        )
         self._post_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = OrderedDict()
         self._driver: StepDriver | ChunkedDriver | None = None
-        self._calls: Any = None  # the step's microbatch calls, with several stages per rank (fxpipe.smp.chunks)
+        self._calls: Any = (
+            None  # the step's microbatch calls, with several stages per rank (fxpipe.smp.chunks)
+        )
         self._microbatch: int | None = None
         self._in_step = False
         self._param_names: dict[int, tuple[weakref.ref, str]] = {}
@@ -123,11 +143,15 @@ class DistributedModel(nn.Module):
 
     def _require_partitioned(self, what: str) -> StageBuild:
         if self._build is None:
-            raise StepError(f"{what} is only available after the model is partitioned, which happens at the "
-                            "first call of the @step function")
+            raise StepError(
+                f"{what} is only available after the model is partitioned, which happens at the "
+                "first call of the @step function"
+            )
         return self._build
 
-    def register_post_partition_hook(self, hook: Callable[[DistributedModel], None]) -> RemovableHandle:
+    def register_post_partition_hook(
+        self, hook: Callable[[DistributedModel], None]
+    ) -> RemovableHandle:
         """Run ``hook(model)`` right after partitioning, before the first forward; ``handle.remove()`` undoes it."""
         handle = RemovableHandle(self._post_hooks)
         self._post_hooks[handle.id] = hook
@@ -147,10 +171,14 @@ class DistributedModel(nn.Module):
 
     def _partition(self, inputs: ModelInputs) -> None:
         st = current()
-        tensors = [t for t in (*inputs.args, *inputs.kwargs.values()) if isinstance(t, torch.Tensor)]
+        tensors = [
+            t for t in (*inputs.args, *inputs.kwargs.values()) if isinstance(t, torch.Tensor)
+        ]
         if not tensors or tensors[0].dim() == 0:
-            raise StepError(f"the model must be called with tensors that have a batch dimension (dim 0), got "
-                            f"({inputs.describe()})")
+            raise StepError(
+                f"the model must be called with tensors that have a batch dimension (dim 0), got "
+                f"({inputs.describe()})"
+            )
         module = self.module
         self._record_names(module)
         batch = int(tensors[0].shape[0]) * st.config.microbatches
@@ -158,22 +186,39 @@ class DistributedModel(nn.Module):
         def tracing(flag: bool) -> None:
             st.tracing = flag
 
-        build = build_stage(module, inputs, st.config, self.trace_options, rank=st.rank, world=st.world_size,
-                            mp_rank=st.mp_rank, device=st.device, batch_size=batch,
-                            stage_of=st.layout.stage_of, on_trace=tracing, record=st.build_record(module),
-                            cost=CostModel(**self.ddp_options.cost_fields(st.layout.replicas)))
+        build = build_stage(
+            module,
+            inputs,
+            st.config,
+            self.trace_options,
+            rank=st.rank,
+            world=st.world_size,
+            mp_rank=st.mp_rank,
+            device=st.device,
+            batch_size=batch,
+            stage_of=st.layout.stage_of,
+            on_trace=tracing,
+            record=st.build_record(module),
+            cost=CostModel(**self.ddp_options.cost_fields(st.layout.replicas)),
+        )
         self.module = build.stage
         self._build = build
         self._routes = routes_from_manifest(build.manifest)
         self._groups = build_groups(st.layout, build.manifest, st.rank)
         group = st.mp_group if st.layout.replicas > 1 else None
-        self._p2p = P2P(st.rank, [st.layout.rank_of(r, st.dp_rank) for r in build.manifest.stage_ranks],
-                        st.timeout_s, group)  # by stage: a rank may run several
+        self._p2p = P2P(
+            st.rank,
+            [st.layout.rank_of(r, st.dp_rank) for r in build.manifest.stage_ranks],
+            st.timeout_s,
+            group,
+        )  # by stage: a rank may run several
         if self._pending_partial is not None:
             state, strict, partial = self._pending_partial
             self._pending_partial = None
             self.load_state_dict({**state, PARTIAL_KEY: True} if partial else state, strict=strict)
-        self.replicas.attach(self.module, st.dp_group, st.device)  # replicas start from replica 0's weights
+        self.replicas.attach(
+            self.module, st.dp_group, st.device
+        )  # replicas start from replica 0's weights
         for wrapped in st.optimizers:
             wrapped.localize(self)
         self.replicas.start_join(self._joinables())
@@ -193,7 +238,9 @@ class DistributedModel(nn.Module):
 
     def _begin_step(self) -> None:
         if self._in_step:
-            raise StepError("a @step function was called inside another @step function; call them one after another")
+            raise StepError(
+                "a @step function was called inside another @step function; call them one after another"
+            )
         self._in_step, self._driver = True, None
 
     def _set_microbatch(self, m: int | None) -> None:
@@ -226,8 +273,10 @@ class DistributedModel(nn.Module):
         must pass the same arguments (tensors may change, constants may not: ``CallError``).
         """
         if self._microbatch is None:
-            raise StepError("the DistributedModel was called outside a @step function; put model(...) and "
-                            "model.backward(loss) in a function decorated with @fxpipe.step")
+            raise StepError(
+                "the DistributedModel was called outside a @step function; put model(...) and "
+                "model.backward(loss) in a function decorated with @fxpipe.step"
+            )
         if self._build is None:
             self._partition(ModelInputs(args, kwargs))
         inputs = self.manifest.call_spec.bind(args, kwargs)
@@ -235,21 +284,43 @@ class DistributedModel(nn.Module):
             st = current()
             if self._calls is not None:
                 chunks = self._require_partitioned("model(...)").chunks
-                self._driver = ChunkedDriver(self.manifest, self._routes, st.mp_rank, chunks, self._p2p,
-                                             st.device, st.config.schedule, st.config.microbatches,
-                                             self.average_grads_across_microbatches, self._calls)
+                self._driver = ChunkedDriver(
+                    self.manifest,
+                    self._routes,
+                    st.mp_rank,
+                    chunks,
+                    self._p2p,
+                    st.device,
+                    st.config.schedule,
+                    st.config.microbatches,
+                    self.average_grads_across_microbatches,
+                    self._calls,
+                )
             else:
-                self._driver = StepDriver(self.manifest, self._routes, st.mp_rank, self.module, self._p2p,
-                                          st.device, st.config.schedule, st.config.microbatches,
-                                          self.average_grads_across_microbatches)
+                self._driver = StepDriver(
+                    self.manifest,
+                    self._routes,
+                    st.mp_rank,
+                    self.module,
+                    self._p2p,
+                    st.device,
+                    st.config.schedule,
+                    st.config.microbatches,
+                    self.average_grads_across_microbatches,
+                )
         return self._driver.forward(self._microbatch, inputs)
 
-    def backward(self, tensors: torch.Tensor | Sequence[torch.Tensor],
-                 grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None) -> None:
+    def backward(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         """Backpropagate through the pipeline, like ``torch.autograd.backward(tensors, grad_tensors)``."""
         if self._microbatch is None or self._driver is None:
-            raise StepError("model.backward was called outside a @step function, or before model(...) in it; call "
-                            "model.backward(loss) inside the @step function, after model(...)")
+            raise StepError(
+                "model.backward was called outside a @step function, or before model(...) in it; call "
+                "model.backward(loss) inside the @step function, after model(...)"
+            )
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if isinstance(grad_tensors, torch.Tensor):
             grad_tensors = [grad_tensors]
@@ -338,7 +409,10 @@ class DistributedModel(nn.Module):
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's part of the state dict, marked partial (``_smp_is_partial``)."""
         self._require_partitioned("local_state_dict()")
-        return {**stage_state_dict(self.module), PARTIAL_KEY: True}  # FSDP shards gathered (collective)
+        return {
+            **stage_state_dict(self.module),
+            PARTIAL_KEY: True,
+        }  # FSDP shards gathered (collective)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The full model's state dict with its original keys, gathered from every stage (on the CPU).
@@ -359,8 +433,12 @@ class DistributedModel(nn.Module):
         ordered.update({k: v for k, v in merged.items() if k not in ordered})
         return ordered
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
-                        assign: bool = False) -> Any:
+    def load_state_dict(  # type: ignore[override]
+        self,
+        state_dict: dict[str, Any],
+        strict: bool = True,
+        assign: bool = False,
+    ) -> Any:
         """Load a full or a partial (``local_state_dict``) state dict.
 
         Before partitioning a full one goes into the wrapped module and a partial one is
@@ -380,14 +458,19 @@ class DistributedModel(nn.Module):
         if partial:
             extra, missing = sorted(set(state) - mine), sorted(mine - set(state))
             if strict and (extra or missing):
-                raise ConfigError(f"the partial state dict does not match stage {current().mp_rank}: keys "
-                                  f"{(extra or missing)[:4]} are {'extra' if extra else 'missing'}. The partitioning "
-                                  "changed since it was saved; load a full checkpoint (saved with partial=False) "
-                                  "instead")
+                raise ConfigError(
+                    f"the partial state dict does not match stage {current().mp_rank}: keys "
+                    f"{(extra or missing)[:4]} are {'extra' if extra else 'missing'}. The partitioning "
+                    "changed since it was saved; load a full checkpoint (saved with partial=False) "
+                    "instead"
+                )
             return load_stage_state_dict(self.module, state, strict=strict, assign=assign)
         missing = sorted(mine - set(state))
         if strict and missing:
-            raise ConfigError(f"the state dict lacks keys {missing[:4]} of this model; pass strict=False to load "
-                              "it anyway")
-        return load_stage_state_dict(self.module, {k: v for k, v in state.items() if k in mine}, strict=strict,
-                                     assign=assign)
+            raise ConfigError(
+                f"the state dict lacks keys {missing[:4]} of this model; pass strict=False to load "
+                "it anyway"
+            )
+        return load_stage_state_dict(
+            self.module, {k: v for k, v in state.items() if k in mine}, strict=strict, assign=assign
+        )

@@ -84,7 +84,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
         optimizer = fxpipe.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise ConfigError(
+            f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     st = current()
     if st.optimizers.get(optimizer) is not None:
         return optimizer
@@ -110,10 +112,14 @@ def _seed_method(name: str) -> Callable[..., Any]:
         wrapped = current().optimizers.get(optimizer) if is_initialized() else None
         if wrapped is not None:
             return getattr(wrapped, name)(*args, **kwargs)
-        if hasattr(type(optimizer), name):  # after shutdown (through an LR scheduler's wrapper): plain torch
+        if hasattr(
+            type(optimizer), name
+        ):  # after shutdown (through an LR scheduler's wrapper): plain torch
             return getattr(type(optimizer), name)(optimizer, *args, **kwargs)
-        raise ConfigError(f"optimizer.{name}() of a DistributedOptimizer after fxpipe.shutdown(): wrap the "
-                          "optimizer again after fxpipe.init")
+        raise ConfigError(
+            f"optimizer.{name}() of a DistributedOptimizer after fxpipe.shutdown(): wrap the "
+            "optimizer again after fxpipe.init"
+        )
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = getattr(WrappedOptimizer, name).__doc__
@@ -134,7 +140,9 @@ class WrappedOptimizer:
         self.local_names: list[list[str]] = []
         self.pending: dict[str, Any] | None = None
         self.zero: ZeroRedundancyOptimizer | None = None
-        self._own_step = optimizer.__dict__.get("step")  # an LR scheduler's step wrapper made before us, if any
+        self._own_step = optimizer.__dict__.get(
+            "step"
+        )  # an LR scheduler's step wrapper made before us, if any
 
     def install(self) -> None:
         """Bind the seed's methods on the optimizer object (see Note [optimizer in place])."""
@@ -170,8 +178,10 @@ class WrappedOptimizer:
             for p in group["params"]:
                 key = model.original_key(p) or stage_ids.get(id(p))
                 if key is None:
-                    raise ConfigError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the "
-                                      "DistributedModel; build the optimizer over model.parameters()")
+                    raise ConfigError(
+                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the "
+                        "DistributedModel; build the optimizer over model.parameters()"
+                    )
                 keys.append(key)
                 if key in local:
                     params.append(local[key])
@@ -184,7 +194,11 @@ class WrappedOptimizer:
         self.keys = keys_per_group
         self.local_names = [[k for k in keys if k in local] for keys in keys_per_group]
         dp = model.replicas
-        if dp.stage is not None and dp.options.shard_optimizer_state and any(g["params"] for g in opt.param_groups):
+        if (
+            dp.stage is not None
+            and dp.options.shard_optimizer_state
+            and any(g["params"] for g in opt.param_groups)
+        ):
             self._shard(current().dp_group)
         if self.pending is not None:
             pending, self.pending = self.pending, None
@@ -196,8 +210,12 @@ class WrappedOptimizer:
         base = type(opt)
         state = base.state_dict(opt) if opt.state else None
         groups = [dict(g) for g in opt.param_groups]
-        self.zero = ZeroRedundancyOptimizer(groups, optimizer_class=base, process_group=group,
-                                            **_constructor_defaults(base, opt.defaults))
+        self.zero = ZeroRedundancyOptimizer(
+            groups,
+            optimizer_class=base,
+            process_group=group,
+            **_constructor_defaults(base, opt.defaults),
+        )
         if state is not None:
             self._load_local(state)
 
@@ -205,10 +223,12 @@ class WrappedOptimizer:
         """The optimizer step (on this replica's shard when sharded); refused inside an accumulation window."""
         st = current()
         if st.model is not None and st.model.partitioned and not st.model.replicas.synced:
-            raise StepError(f"optimizer.step() was called after {st.model.replicas.stage.passes} of "
-                            f"backward_passes_per_step={st.model.ddp_options.backward_passes_per_step} steps, before "
-                            "the gradients were averaged over the replicas; call it (and zero_grad) only every "
-                            "backward_passes_per_step-th step")
+            raise StepError(
+                f"optimizer.step() was called after {st.model.replicas.stage.passes} of "
+                f"backward_passes_per_step={st.model.ddp_options.backward_passes_per_step} steps, before "
+                "the gradients were averaged over the replicas; call it (and zero_grad) only every "
+                "backward_passes_per_step-th step"
+            )
         if self.zero is None:
             if self._own_step is not None:
                 return self._own_step(closure)
@@ -221,7 +241,9 @@ class WrappedOptimizer:
 
     def local_state_dict(self) -> dict[str, Any]:
         """This stage's optimizer state (torch's format), marked partial, with each parameter's key."""
-        sd = gather_if_sharded(type(self.optimizer).state_dict(self.optimizer))  # FSDP shards: whole (collective)
+        sd = gather_if_sharded(
+            type(self.optimizer).state_dict(self.optimizer)
+        )  # FSDP shards: whole (collective)
         if self.zero is not None:
             sd["state"] = self._gather_shards()
         if self.localized:
@@ -246,10 +268,14 @@ class WrappedOptimizer:
         """Load a torch-format state dict of the local parameters (into the ZeRO shard when sharded)."""
         base = type(self.optimizer)
         if self.zero is None:
-            base.load_state_dict(self.optimizer, shard_optimizer_state(sd, self.optimizer))  # FSDP: this rank's cut
+            base.load_state_dict(
+                self.optimizer, shard_optimizer_state(sd, self.optimizer)
+            )  # FSDP: this rank's cut
             return
         # ZeRO looks state up by position among the local parameters: renumber the saved ids 0..n-1
-        renumber = {old: new for new, old in enumerate(i for g in sd["param_groups"] for i in g["params"])}
+        renumber = {
+            old: new for new, old in enumerate(i for g in sd["param_groups"] for i in g["params"])
+        }
         groups = [{**g, "params": [renumber[i] for i in g["params"]]} for g in sd["param_groups"]]
         state = {renumber[i]: v for i, v in sd["state"].items() if i in renumber}
         base.load_state_dict(self.optimizer, {"state": {}, "param_groups": groups})  # the options
@@ -273,8 +299,12 @@ class WrappedOptimizer:
                         state.setdefault(index[name], part["state"][local_id])
         groups = []
         for own, group_keys in zip(mine["param_groups"], keys):
-            groups.append({**{k: v for k, v in own.items() if k != "params"},
-                           "params": [index[k] for k in group_keys]})
+            groups.append(
+                {
+                    **{k: v for k, v in own.items() if k != "params"},
+                    "params": [index[k] for k in group_keys],
+                }
+            )
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -290,24 +320,32 @@ class WrappedOptimizer:
             return
         if partial:
             if names is not None and names != self.local_names:
-                raise ConfigError(f"the partial optimizer state is for parameters {sum(names, [])[:4]}..., but this "
-                                  f"stage holds {sum(self.local_names, [])[:4]}...: the partitioning changed "
-                                  "since it was saved; load a full checkpoint (saved with partial=False) instead")
+                raise ConfigError(
+                    f"the partial optimizer state is for parameters {sum(names, [])[:4]}..., but this "
+                    f"stage holds {sum(self.local_names, [])[:4]}...: the partitioning changed "
+                    "since it was saved; load a full checkpoint (saved with partial=False) instead"
+                )
             self._load_local(sd)
             return
         keys = [k for group in (self.keys or []) for k in group]
-        if len(sd["param_groups"]) != len(self.local_names) or \
-                sum(len(g["params"]) for g in sd["param_groups"]) != len(keys):
-            raise ConfigError(f"the optimizer state has {sum(len(g['params']) for g in sd['param_groups'])} "
-                              f"parameters in {len(sd['param_groups'])} groups, but this optimizer was built over "
-                              f"{len(keys)} in {len(self.local_names)}; build it as when it was saved")
+        if len(sd["param_groups"]) != len(self.local_names) or sum(
+            len(g["params"]) for g in sd["param_groups"]
+        ) != len(keys):
+            raise ConfigError(
+                f"the optimizer state has {sum(len(g['params']) for g in sd['param_groups'])} "
+                f"parameters in {len(sd['param_groups'])} groups, but this optimizer was built over "
+                f"{len(keys)} in {len(self.local_names)}; build it as when it was saved"
+            )
         full_ids = [i for g in sd["param_groups"] for i in g["params"]]
         id_of = dict(zip(keys, full_ids))
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [id_of[n] for n in names]}
-                  for g, names in zip(sd["param_groups"], self.local_names)]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [id_of[n] for n in names]}
+            for g, names in zip(sd["param_groups"], self.local_names)
+        ]
         wanted = {i for g in groups for i in g["params"]}
-        self._load_local({"state": {i: s for i, s in sd["state"].items() if i in wanted},
-                          "param_groups": groups})
+        self._load_local(
+            {"state": {i: s for i, s in sd["state"].items() if i in wanted}, "param_groups": groups}
+        )
 
 
 _SEED_FUNCTIONS = {name: _seed_method(name) for name in _SEED_METHODS}

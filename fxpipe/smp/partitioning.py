@@ -51,8 +51,14 @@ from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
 from fxpipe.tracer.call import ModelInputs
 
-__all__ = ["TraceOptions", "StageBuild", "build_stage", "apply_partition_policy", "copy_module_values",
-           "resolve_trace_device"]
+__all__ = [
+    "TraceOptions",
+    "StageBuild",
+    "build_stage",
+    "apply_partition_policy",
+    "copy_module_values",
+    "resolve_trace_device",
+]
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,17 @@ def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfil
         if config.auto_partition:
             pin = None
         else:
-            pin = u.pin if u.pin is not None else (config.default_partition if u.module_path else None)
+            pin = (
+                u.pin
+                if u.pin is not None
+                else (config.default_partition if u.module_path else None)
+            )
         if pin is not None and pin >= config.partitions:
-            raise ConfigError(f"module {u.module_path!r} is in fxpipe.partition({pin}), but 'partitions' is "
-                              f"{config.partitions} (indices 0..{config.partitions - 1}); raise 'partitions' or "
-                              "change the partition index")
+            raise ConfigError(
+                f"module {u.module_path!r} is in fxpipe.partition({pin}), but 'partitions' is "
+                f"{config.partitions} (indices 0..{config.partitions - 1}); raise 'partitions' or "
+                "change the partition index"
+            )
         units.append(dataclasses.replace(u, pin=pin))
     return dataclasses.replace(profile, units=tuple(units))
 
@@ -100,27 +112,63 @@ def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfil
 _SHARED_FILES = ("manifest.json", "plan.json")  # what every rank gets besides its own stage's files
 
 
-def _plan_on_rank0(module: nn.Module, inputs: ModelInputs, config: Config, options: TraceOptions,
-                   batch_size: int, record: BuildRecord | None, cost: CostModel | None) -> dict[int, dict[str, bytes]]:
+def _plan_on_rank0(
+    module: nn.Module,
+    inputs: ModelInputs,
+    config: Config,
+    options: TraceOptions,
+    batch_size: int,
+    record: BuildRecord | None,
+    cost: CostModel | None,
+) -> dict[int, dict[str, bytes]]:
     """Trace, plan and emit; the files each rank needs, by mp rank (read into memory, the folder removed)."""
-    traced = trace_model(module, inputs, build_record=record, trace_device=options.trace_device,
-                         measure_times=options.measure_times, measure_memory=options.measure_memory, progress=False)
+    traced = trace_model(
+        module,
+        inputs,
+        build_record=record,
+        trace_device=options.trace_device,
+        measure_times=options.measure_times,
+        measure_memory=options.measure_memory,
+        progress=False,
+    )
     traced.profile = apply_partition_policy(traced.profile, config)
     v = config.chunks_per_rank
-    plan = plan_partition(traced.profile, config.partitions, schedule=config.schedule,
-                          microbatches=config.microbatches, optimize=config.optimize, cost=cost,
-                          virtual_stages=v if v > 1 else None)
+    plan = plan_partition(
+        traced.profile,
+        config.partitions,
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        optimize=config.optimize,
+        cost=cost,
+        virtual_stages=v if v > 1 else None,
+    )
     _remove_orphaned_scratch()
     with tempfile.TemporaryDirectory(prefix=f"{_SCRATCH}{os.getpid()}-") as scratch:
         out_dir = Path(scratch) / "build"
-        manifest = write_build_dir(traced, plan, out_dir, None, batch_size=batch_size,
-                                   microbatches=config.microbatches, check=options.check)
-        shared = (manifest.shared_source,) if manifest.shared_source else ()  # the classes several stages use
+        manifest = write_build_dir(
+            traced,
+            plan,
+            out_dir,
+            None,
+            batch_size=batch_size,
+            microbatches=config.microbatches,
+            check=options.check,
+        )
+        shared = (
+            (manifest.shared_source,) if manifest.shared_source else ()
+        )  # the classes several stages use
         common = {name: (out_dir / name).read_bytes() for name in (*_SHARED_FILES, *shared)}
-        by_rank: dict[int, dict[str, bytes]] = {}  # a pipeline rank's files: those of every stage it runs
+        by_rank: dict[
+            int, dict[str, bytes]
+        ] = {}  # a pipeline rank's files: those of every stage it runs
         for s, r in zip(manifest.stages, manifest.stage_ranks):
             files = by_rank.setdefault(r, dict(common))
-            files.update({s.source: (out_dir / s.source).read_bytes(), s.weights: (out_dir / s.weights).read_bytes()})
+            files.update(
+                {
+                    s.source: (out_dir / s.source).read_bytes(),
+                    s.weights: (out_dir / s.weights).read_bytes(),
+                }
+            )
         return by_rank
 
 
@@ -131,7 +179,7 @@ def _remove_orphaned_scratch() -> None:
     """Remove the build folders of first steps whose process was killed while writing one."""
     root = Path(tempfile.gettempdir())
     for folder in root.glob(f"{_SCRATCH}*-*"):
-        pid = folder.name[len(_SCRATCH):].split("-", 1)[0]
+        pid = folder.name[len(_SCRATCH) :].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -146,8 +194,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException | None, rank: int, world: int,
-                   stage_of: Any) -> dict[str, bytes]:
+def _scatter_build(
+    files_by_stage: dict[int, dict[str, bytes]] | BaseException | None,
+    rank: int,
+    world: int,
+    stage_of: Any,
+) -> dict[str, bytes]:
     """Send each rank the files of its stages (or rank 0's error, raised everywhere)."""
     if world == 1:
         box: list[Any] = [files_by_stage]
@@ -155,8 +207,12 @@ def _scatter_build(files_by_stage: dict[int, dict[str, bytes]] | BaseException |
         box = [None]
         payload = None
         if rank == 0:
-            payload = [files_by_stage if isinstance(files_by_stage, BaseException)
-                       else files_by_stage[stage_of(r)] for r in range(world)]  # type: ignore[index]
+            payload = [
+                files_by_stage
+                if isinstance(files_by_stage, BaseException)
+                else files_by_stage[stage_of(r)]  # type: ignore[index]
+                for r in range(world)
+            ]
         dist.scatter_object_list(box, payload, src=0)
     got = box[0]
     if isinstance(got, BaseException):
@@ -180,13 +236,17 @@ def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
             src = source.get(key)
             if src is None:
                 if key in params:
-                    raise ConfigError(f"{where} has parameter {key!r}, which the wrapped model does not have: the "
-                                      "plan was built from another model; rebuild it with `fxpipe partition` or "
-                                      "drop 'plan'")
+                    raise ConfigError(
+                        f"{where} has parameter {key!r}, which the wrapped model does not have: the "
+                        "plan was built from another model; rebuild it with `fxpipe partition` or "
+                        "drop 'plan'"
+                    )
                 continue  # a constant the stage computes itself
             if tuple(src.shape) != tuple(t.shape):
-                raise ConfigError(f"{where}: {key!r} has shape {tuple(t.shape)} but the wrapped model's is "
-                                  f"{tuple(src.shape)}; rebuild the plan from this model")
+                raise ConfigError(
+                    f"{where}: {key!r} has shape {tuple(t.shape)} but the wrapped model's is "
+                    f"{tuple(src.shape)}; rebuild the plan from this model"
+                )
             if src.is_meta:  # a model built on meta: the stage keeps its own (Note [each stage initialises itself])
                 continue
             t.copy_(src)
@@ -194,10 +254,22 @@ def copy_module_values(stage: nn.Module, module: nn.Module, where: str) -> None:
                 t.requires_grad_(src.requires_grad)
 
 
-def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options: TraceOptions, *,
-                rank: int, world: int, mp_rank: int, device: torch.device, batch_size: int,
-                stage_of: Any, on_trace: Any = None, record: BuildRecord | None = None,
-                cost: CostModel | None = None) -> StageBuild:
+def build_stage(
+    module: nn.Module,
+    inputs: ModelInputs,
+    config: Config,
+    options: TraceOptions,
+    *,
+    rank: int,
+    world: int,
+    mp_rank: int,
+    device: torch.device,
+    batch_size: int,
+    stage_of: Any,
+    on_trace: Any = None,
+    record: BuildRecord | None = None,
+    cost: CostModel | None = None,
+) -> StageBuild:
     """Partition ``module`` (see Note [one plan for every rank]) and load this rank's stage on ``device``.
 
     ``record``: constructor arguments and pins of ``module``'s submodules, for leaf modules
@@ -208,12 +280,23 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
         build_dir = Path(config.plan)
         manifest = Manifest.from_json(build_dir)
         if manifest.num_ranks != config.partitions:
-            raise ConfigError(f"the plan {str(build_dir)!r} runs on {manifest.num_ranks} ranks but 'partitions' is "
-                              f"{config.partitions}; set 'partitions': {manifest.num_ranks} or rebuild with "
-                              f"`fxpipe partition --stages {config.partitions}`")
-        resolve_schedule(config.schedule, manifest, config.microbatches)  # the plan's chunks fit the pipeline
-        plan = PartitionPlan.from_json(build_dir / "plan.json") if (build_dir / "plan.json").is_file() else None
-        chunks = {s: load_stage(build_dir, s, device=device) for s in _rank_stage_indices(manifest, mp_rank)}
+            raise ConfigError(
+                f"the plan {str(build_dir)!r} runs on {manifest.num_ranks} ranks but 'partitions' is "
+                f"{config.partitions}; set 'partitions': {manifest.num_ranks} or rebuild with "
+                f"`fxpipe partition --stages {config.partitions}`"
+            )
+        resolve_schedule(
+            config.schedule, manifest, config.microbatches
+        )  # the plan's chunks fit the pipeline
+        plan = (
+            PartitionPlan.from_json(build_dir / "plan.json")
+            if (build_dir / "plan.json").is_file()
+            else None
+        )
+        chunks = {
+            s: load_stage(build_dir, s, device=device)
+            for s in _rank_stage_indices(manifest, mp_rank)
+        }
         where = f"pipeline rank {mp_rank} of {build_dir}"
     else:
         result: dict[int, dict[str, bytes]] | BaseException | None = None
@@ -234,7 +317,9 @@ def build_stage(module: nn.Module, inputs: ModelInputs, config: Config, options:
     share_tied_parameters(chunks, manifest)
     for chunk in chunks.values():
         copy_module_values(chunk, module, where)
-    if config.weights is not None:  # each rank reads its own stages' tensors (Note [one plan for every rank])
+    if (
+        config.weights is not None
+    ):  # each rank reads its own stages' tensors (Note [one plan for every rank])
         try:
             load_into_stage(chunks.values(), module, config.weights)
         except WeightsError as exc:
@@ -249,8 +334,9 @@ def _rank_stage_indices(manifest: Manifest, mp_rank: int) -> list[int]:
     return [s for s, r in enumerate(manifest.stage_ranks) if r == mp_rank]
 
 
-def _load_stages_from_files(files: dict[str, bytes], mp_rank: int, device: torch.device,
-                            rank: int) -> tuple[Manifest, dict[int, nn.Module]]:
+def _load_stages_from_files(
+    files: dict[str, bytes], mp_rank: int, device: torch.device, rank: int
+) -> tuple[Manifest, dict[int, nn.Module]]:
     """``load_stage`` of this rank's stages on ``files`` held in memory (hash-checked all the same):
     nothing is written, so a rank killed at any moment leaves nothing behind.
 
@@ -259,14 +345,21 @@ def _load_stages_from_files(files: dict[str, bytes], mp_rank: int, device: torch
     """
     manifest = Manifest.from_json(files["manifest.json"].decode())
     indices = _rank_stage_indices(manifest, mp_rank)
-    build = CheckedBuild.from_memory(files, indices, Path(tempfile.gettempdir()) / f"fxpipe-first-step-r{rank}")
+    build = CheckedBuild.from_memory(
+        files, indices, Path(tempfile.gettempdir()) / f"fxpipe-first-step-r{rank}"
+    )
     chunks = {}
     for index in indices:
         chunks[index] = load_checked_stage(build, index, device=device)
         source = build.source(index)
         text = (source.data or b"").decode()
         # mtime None: linecache.checkcache keeps the entry although there is no such file
-        linecache.cache[str(source.path)] = (len(text), None, text.splitlines(keepends=True), str(source.path))
+        linecache.cache[str(source.path)] = (
+            len(text),
+            None,
+            text.splitlines(keepends=True),
+            str(source.path),
+        )
     return build.manifest, chunks
 
 
@@ -275,7 +368,9 @@ def resolve_trace_device(trace_device: str) -> str:
     if trace_device in ("gpu", "cuda"):
         if torch.cuda.is_available():
             return "cuda"
-        warnings.warn("trace_device='gpu' but CUDA is not available; tracing on the CPU", stacklevel=3)
+        warnings.warn(
+            "trace_device='gpu' but CUDA is not available; tracing on the CPU", stacklevel=3
+        )
         return "cpu"
     if trace_device != "cpu":
         raise ConfigError(f"trace_device must be 'gpu' or 'cpu', got {trace_device!r}")

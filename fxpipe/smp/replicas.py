@@ -47,7 +47,9 @@ class Replicas:
 
     # -- lifecycle (called by DistributedModel) ----------------------------------
 
-    def attach(self, module: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def attach(
+        self, module: nn.Module, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
         """Wrap the freshly partitioned stage in DDP or FSDP (collective over ``group``) and apply pending calls."""
         if self.replicas == 1:
             return
@@ -82,17 +84,23 @@ class Replicas:
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Register a DDP communication hook on the stage, now or right after partitioning."""
         if self.replicas == 1:
-            warnings.warn("register_comm_hook: this job has one data-parallel replica, so there is no DDP and the "
-                          "hook never runs; launch a multiple of 'partitions' processes with 'ddp': True",
-                          stacklevel=3)
+            warnings.warn(
+                "register_comm_hook: this job has one data-parallel replica, so there is no DDP and the "
+                "hook never runs; launch a multiple of 'partitions' processes with 'ddp': True",
+                stacklevel=3,
+            )
             return
         if self.options.comm_hook != "allreduce":
-            raise ConfigError(f"config 'comm_hook' is {self.options.comm_hook!r} and DDP accepts one hook per model; "
-                              "set 'comm_hook': 'allreduce' (the default) to register your own")
+            raise ConfigError(
+                f"config 'comm_hook' is {self.options.comm_hook!r} and DDP accepts one hook per model; "
+                "set 'comm_hook': 'allreduce' (the default) to register your own"
+            )
         if self.stage is not None:
             self.stage.register_comm_hook(state, hook)
         elif self._hook is not None:
-            raise ConfigError("register_comm_hook was already called; DDP accepts one communication hook per model")
+            raise ConfigError(
+                "register_comm_hook was already called; DDP accepts one communication hook per model"
+            )
         else:
             self._hook = (state, hook)
 
@@ -113,7 +121,9 @@ class Replicas:
     def join(self, joinables: Callable[[], Sequence[Any]], enable: bool = True) -> Iterator[None]:
         """DDP's ``join`` for uneven inputs; entered now, or right after partitioning if that is still to come."""
         if self._join is not None:
-            raise ConfigError("model.join() is already active; enter it once, around the whole training loop")
+            raise ConfigError(
+                "model.join() is already active; enter it once, around the whole training loop"
+            )
         self._join, self._join_enable = contextlib.ExitStack(), enable
         try:
             with self._join:

@@ -30,9 +30,28 @@ from fxpipe.tracer.pins import module_pins
 from fxpipe.tracer.record import BuildRecord, record_constructors
 
 __all__ = [
-    "init", "is_initialized", "is_tracing", "rank", "size", "local_rank", "local_size", "mp_rank", "mp_size",
-    "dp_rank", "dp_size", "barrier", "broadcast", "get_world_process_group", "get_mp_process_group",
-    "get_dp_process_group", "current", "shutdown", "APIState", "OptimizerRegistry", "WrappedOptimizer", "PARTIAL_KEY",
+    "init",
+    "is_initialized",
+    "is_tracing",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "mp_rank",
+    "mp_size",
+    "dp_rank",
+    "dp_size",
+    "barrier",
+    "broadcast",
+    "get_world_process_group",
+    "get_mp_process_group",
+    "get_dp_process_group",
+    "current",
+    "shutdown",
+    "APIState",
+    "OptimizerRegistry",
+    "WrappedOptimizer",
+    "PARTIAL_KEY",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -91,11 +110,15 @@ class APIState:
     owns_group: bool
     timeout_s: float = DEFAULT_TIMEOUT_S
     tracing: bool = False
-    model: Any = None                                  # the one DistributedModel
-    optimizers: OptimizerRegistry = field(default_factory=OptimizerRegistry)  # localized after partitioning
-    constructed: Any = field(default_factory=weakref.WeakKeyDictionary)  # module -> (args, kwargs) since init
+    model: Any = None  # the one DistributedModel
+    optimizers: OptimizerRegistry = field(
+        default_factory=OptimizerRegistry
+    )  # localized after partitioning
+    constructed: Any = field(
+        default_factory=weakref.WeakKeyDictionary
+    )  # module -> (args, kwargs) since init
     recorder: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    step_calls: int = 0        # @step calls, and whether their batch differed from the first stage's:
+    step_calls: int = 0  # @step calls, and whether their batch differed from the first stage's:
     warned_batch: bool = False  # Note [one batch per pipeline] in fxpipe.smp.step_batch
 
     def build_record(self, model: nn.Module) -> BuildRecord:
@@ -106,8 +129,11 @@ class APIState:
         stops here: the model is built, and ``nn.Module`` is left as it was.
         """
         self.recorder.close()
-        ctor_args = {path: self.constructed[m] for path, m in model.named_modules(remove_duplicate=False)
-                     if m in self.constructed}
+        ctor_args = {
+            path: self.constructed[m]
+            for path, m in model.named_modules(remove_duplicate=False)
+            if m in self.constructed
+        }
         return BuildRecord(ctor_args=ctor_args, pins=module_pins(model))
 
     @property
@@ -126,13 +152,19 @@ _GROUP_KEPT = False  # init created the default group, then refused its config
 def current() -> APIState:
     """The state set by ``init``; a clear error before it."""
     if _STATE is None:
-        raise ConfigError("fxpipe.init(config) has not been called: call it once at the top of the training script, "
-                          "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})")
+        raise ConfigError(
+            "fxpipe.init(config) has not been called: call it once at the top of the training script, "
+            "e.g. fxpipe.init({'partitions': 2, 'microbatches': 4})"
+        )
     return _STATE
 
 
-def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torch.device | None = None,
-         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init(
+    config: Mapping[str, Any] | Config | None = None,
+    *,
+    device: str | torch.device | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
     """Validate ``config``, join the torchrun job, check that every rank has the same config, and fix the
     rank layout.
 
@@ -145,8 +177,10 @@ def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torc
     cfg = config if isinstance(config, Config) else Config.from_dict(config)
     if _STATE is not None:
         if _STATE.config != cfg:
-            raise ConfigError(f"fxpipe.init was already called with {_STATE.config}; it cannot be called again with "
-                              f"another config {cfg} in the same process")
+            raise ConfigError(
+                f"fxpipe.init was already called with {_STATE.config}; it cannot be called again with "
+                f"another config {cfg} in the same process"
+            )
         return
     rank, world, local = this_rank()
     dev = pick_device(device, local)
@@ -161,14 +195,20 @@ def init(config: Mapping[str, Any] | Config | None = None, *, device: str | torc
     layout = RankLayout(cfg.partitions, replicas)
     mp_group, dp_group = _make_groups(layout, rank)
     _STATE = APIState(cfg, layout, rank, world, local, dev, mp_group, dp_group, owns, timeout_s)
-    _STATE.recorder.enter_context(record_constructors(_STATE.constructed))  # until partitioning or shutdown
+    _STATE.recorder.enter_context(
+        record_constructors(_STATE.constructed)
+    )  # until partitioning or shutdown
 
 
 def _make_groups(layout: RankLayout, rank: int) -> tuple[Any, Any]:
     """The pipeline (mp) and data-parallel groups of ``rank``, created on every rank in one order."""
     mp_group = dp_group = None
     for r in range(layout.replicas):
-        g = dist.new_group(list(layout.pipeline_ranks(r))) if layout.replicas > 1 else dist.group.WORLD
+        g = (
+            dist.new_group(list(layout.pipeline_ranks(r)))
+            if layout.replicas > 1
+            else dist.group.WORLD
+        )
         if r == layout.replica_of(rank):
             mp_group = g
     for s in range(layout.num_stages):
@@ -276,7 +316,9 @@ def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
     """
     st = current()
     if not 0 <= src < st.world_size:
-        raise RuntimeSetupError(f"broadcast source rank {src} is outside the world of {st.world_size} processes")
+        raise RuntimeSetupError(
+            f"broadcast source rank {src} is outside the world of {st.world_size} processes"
+        )
     box = [obj if st.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

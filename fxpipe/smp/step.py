@@ -50,8 +50,10 @@ class StepOutput:
 
     def _tensors(self, what: str) -> list[torch.Tensor]:
         if not all(isinstance(o, torch.Tensor) for o in self.outputs):
-            raise TypeError(f"StepOutput.{what}() needs tensors, but the step returned "
-                            f"{sorted({type(o).__name__ for o in self.outputs})}; use .outputs")
+            raise TypeError(
+                f"StepOutput.{what}() needs tensors, but the step returned "
+                f"{sorted({type(o).__name__ for o in self.outputs})}; use .outputs"
+            )
         return list(self.outputs)
 
     def stack(self) -> torch.Tensor:
@@ -81,12 +83,16 @@ def _share_results(results: list[Any]) -> list[Any]:
     if st.layout.num_stages == 1:
         return results
     manifest = st.model.manifest if st.model is not None and st.model.partitioned else None
-    loss_rank = manifest.stage_ranks[-1] if manifest is not None else st.layout.num_stages - 1  # the last stage's
+    loss_rank = (
+        manifest.stage_ranks[-1] if manifest is not None else st.layout.num_stages - 1
+    )  # the last stage's
     src = st.layout.rank_of(loss_rank, st.dp_rank)
     box: list[Any] = [[tree_map(_detach, r) for r in results] if st.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=st.mp_group if st.layout.replicas > 1 else None)
     device = st.device
-    return [tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, r) for r in box[0]]
+    return [
+        tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, r) for r in box[0]
+    ]
 
 
 def _wrap(results: list[Any]) -> Any:
@@ -125,15 +131,19 @@ def step(fn: F) -> F:
         st = current()
         model = st.model
         if model is None:
-            raise ConfigError("a @step function was called before any DistributedModel exists; wrap the model "
-                              "first: model = fxpipe.DistributedModel(model)")
+            raise ConfigError(
+                "a @step function was called before any DistributedModel exists; wrap the model "
+                "first: model = fxpipe.DistributedModel(model)"
+            )
         M = st.config.microbatches
         args, kwargs = first_stage_batch(fn, args, kwargs)  # Note [one batch per pipeline]
         per_mb = split_targets((args, kwargs), M, setting="'microbatches' in fxpipe.init's config")
         model._begin_step()
         results = []
         try:
-            if st.config.chunks_per_rank > 1:  # Note [chunked schedules in the seed API] in fxpipe.smp.chunks
+            if (
+                st.config.chunks_per_rank > 1
+            ):  # Note [chunked schedules in the seed API] in fxpipe.smp.chunks
                 results = run_chunked_step(model, fn, per_mb)
             for m, (a, k) in enumerate(per_mb if not results else ()):
                 model._set_microbatch(m)

@@ -44,13 +44,20 @@ from fxpipe.smp.state import APIState, current
 __all__ = ["first_stage_batch"]
 
 _VALUES = (bool, int, float, complex, str, bytes, type(None))
-_ALIGN = 16  # bytes: each tensor starts aligned in the packed buffer, so it can be viewed as its dtype
+_ALIGN = (
+    16  # bytes: each tensor starts aligned in the packed buffer, so it can be viewed as its dtype
+)
 
 
 def _describe(leaf: Any) -> tuple[Any, ...]:
     """What must be equal on every rank of a pipeline: a tensor's dtype and shape, a plain value, an object's type."""
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape), str(leaf.layout))
+        return (
+            "tensor",
+            str(leaf.dtype).removeprefix("torch."),
+            tuple(leaf.shape),
+            str(leaf.layout),
+        )
     if isinstance(leaf, _VALUES):
         return ("value", repr(leaf))
     return ("object", type(leaf).__qualname__)
@@ -58,7 +65,9 @@ def _describe(leaf: Any) -> tuple[Any, ...]:
 
 def _shown(d: tuple[Any, ...]) -> str:
     if d[0] == "tensor":
-        return f"a tensor of shape {d[2]}, {d[1]}" + ("" if d[3] == "torch.strided" else f" ({d[3]})")
+        return f"a tensor of shape {d[2]}, {d[1]}" + (
+            "" if d[3] == "torch.strided" else f" ({d[3]})"
+        )
     return d[1] if d[0] == "value" else f"a {d[1]}"
 
 
@@ -94,31 +103,46 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def _mismatch(st: APIState, group: Any, src: int, names: list[str], described: list[tuple[Any, ...]],
-              structure: str) -> StepError:
+def _mismatch(
+    st: APIState,
+    group: Any,
+    src: int,
+    names: list[str],
+    described: list[tuple[Any, ...]],
+    structure: str,
+) -> StepError:
     """The one-line error for arguments that differ across the pipeline (every rank builds the same one)."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (st.rank, structure, names, described), group=group)
     ranks = {r: (s, n, d) for r, s, n, d in everyone}
     first_structure, first_names, first_described = ranks[src]
-    tail = (f"; pass every rank of a pipeline a batch of the same structure, dtypes and shapes (rank {src}, the "
-            "first stage's, feeds the pipeline its values)")
+    tail = (
+        f"; pass every rank of a pipeline a batch of the same structure, dtypes and shapes (rank {src}, the "
+        "first stage's, feeds the pipeline its values)"
+    )
     for r, (s, n, d) in sorted(ranks.items()):
         if n != first_names:
-            return StepError(f"the @step function was called with ({', '.join(first_names)}) on rank {src} but "
-                             f"({', '.join(n)}) on rank {r}" + tail)
+            return StepError(
+                f"the @step function was called with ({', '.join(first_names)}) on rank {src} but "
+                f"({', '.join(n)}) on rank {r}" + tail
+            )
         if s != first_structure:
-            return StepError(f"the @step function's arguments are nested differently on rank {src} "
-                             f"({first_structure}) and on rank {r} ({s})" + tail)
+            return StepError(
+                f"the @step function's arguments are nested differently on rank {src} "
+                f"({first_structure}) and on rank {r} ({s})" + tail
+            )
         for name, want, got in zip(first_names, first_described, d):
             if want != got:
-                return StepError(f"the @step function's argument {name} is {_shown(want)} on rank {src} but "
-                                 f"{_shown(got)} on rank {r}" + tail)
+                return StepError(
+                    f"the @step function's argument {name} is {_shown(want)} on rank {src} but "
+                    f"{_shown(got)} on rank {r}" + tail
+                )
     return StepError("the @step function's arguments differ across the pipeline" + tail)
 
 
-def first_stage_batch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def first_stage_batch(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with the tensors of the first stage's rank of this pipeline (Note [one batch
     per pipeline]); collective over the pipeline."""
     st = current()
@@ -131,11 +155,15 @@ def first_stage_batch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     paths, leaves = [p for p, _ in flat], [x for _, x in flat]
     described = [_describe(x) for x in leaves]
     structure = " ".join(str(spec).split())
-    tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.layout == torch.strided]
+    tensors = [
+        i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.layout == torch.strided
+    ]
     device = _comm_device(st, group)
     doing = "comparing the @step function's arguments across the pipeline"
     try:
-        mine = torch.tensor([_digest(structure, described), *fingerprint(leaves[i] for i in tensors)], device=device)
+        mine = torch.tensor(
+            [_digest(structure, described), *fingerprint(leaves[i] for i in tensors)], device=device
+        )
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         everyone = [g.tolist() for g in gathered]
@@ -154,7 +182,7 @@ def first_stage_batch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         if st.rank == src:
             for i, off, n in zip(tensors, offsets, sizes):
-                buffer[off:off + n].copy_(_bytes(leaves[i]))
+                buffer[off : off + n].copy_(_bytes(leaves[i]))
         doing = "receiving the step's batch from the first stage"
         dist.broadcast(buffer, src=src, group=group)
     except RuntimeError as exc:
@@ -163,14 +191,17 @@ def first_stage_batch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         return args, kwargs
     for i, off, n in zip(tensors, offsets, sizes):
         own = leaves[i]
-        received = buffer[off:off + n].to(own.device).view(own.dtype).view(own.shape)
+        received = buffer[off : off + n].to(own.device).view(own.dtype).view(own.shape)
         leaves[i] = received.requires_grad_(True) if own.requires_grad else received
     if not st.warned_batch:
         st.warned_batch = True
-        warnings.warn(f"fxpipe: rank {st.rank}'s @step arguments differ from the first stage's (rank {src}) at call "
-                      f"{st.step_calls} of a @step function; the pipeline trains on the first stage's batch. Ranks of "
-                      "a pipeline load different rows when a DataLoader(shuffle=True) has no seeded generator "
-                      "(dropout draws random numbers on some ranks only): pass generator=torch.Generator()"
-                      ".manual_seed(seed) to it", stacklevel=3)
+        warnings.warn(
+            f"fxpipe: rank {st.rank}'s @step arguments differ from the first stage's (rank {src}) at call "
+            f"{st.step_calls} of a @step function; the pipeline trains on the first stage's batch. Ranks of "
+            "a pipeline load different rows when a DataLoader(shuffle=True) has no seeded generator "
+            "(dropout draws random numbers on some ranks only): pass generator=torch.Generator()"
+            ".manual_seed(seed) to it",
+            stacklevel=3,
+        )
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return tuple(new_args), dict(new_kwargs)

@@ -25,7 +25,13 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import ModelFileError, TraceError
 from fxpipe.modelfile import ModelSource
-from fxpipe.tracer.call import BoundCall, ModelInputs, bind_example, parse_model_inputs, tracing_call
+from fxpipe.tracer.call import (
+    BoundCall,
+    ModelInputs,
+    bind_example,
+    parse_model_inputs,
+    tracing_call,
+)
 from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.counting import UnitCounts, count_unit, count_units_once
 from fxpipe.tracer.device_memory import measure_memory_bytes
@@ -34,16 +40,36 @@ from fxpipe.tracer.timing import analytic_ms, time_units
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.frontends import trace_graph
-from fxpipe.tracer.meta import (META, SKIPPED_ON_META, build_on_meta, check_meta_options,
-                               cost_device_kernels, eager_mode, is_meta_model,
-                               move_to_meta)
+from fxpipe.tracer.meta import (
+    META,
+    SKIPPED_ON_META,
+    build_on_meta,
+    check_meta_options,
+    cost_device_kernels,
+    eager_mode,
+    is_meta_model,
+    move_to_meta,
+)
 from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
 from fxpipe.tracer.mutation import isolate_mutations
-from fxpipe.tracer.normalize import annotate_paths, drop_extra_placeholders, flatten_output, group_getitems, run_collect
+from fxpipe.tracer.normalize import (
+    annotate_paths,
+    drop_extra_placeholders,
+    flatten_output,
+    group_getitems,
+    run_collect,
+)
 from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
-from fxpipe.tracer.shapes import BatchDims, batch_size_of, describe_tensor, infer_batch_dims, propagate, resolve_batch_dims
+from fxpipe.tracer.shapes import (
+    BatchDims,
+    batch_size_of,
+    describe_tensor,
+    infer_batch_dims,
+    propagate,
+    resolve_batch_dims,
+)
 from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
@@ -68,8 +94,9 @@ def _preserved_state(model: nn.Module) -> Iterator[None]:
                     buffer.copy_(value)
 
 
-def _bind_inputs(model: nn.Module, example_inputs: Any,
-                 batch_dims: Sequence[int | None] | None) -> tuple[BoundCall, BatchDims]:
+def _bind_inputs(
+    model: nn.Module, example_inputs: Any, batch_dims: Sequence[int | None] | None
+) -> tuple[BoundCall, BatchDims]:
     """The example call bound to ``model.forward`` (Note [the traced call] in ``fxpipe.tracer.call``)
     and the batch dimension of each tensor input."""
     try:
@@ -111,13 +138,19 @@ def _check_output(model: nn.Module, output: Any) -> Any:
             continue
         name = type(leaf).__name__
         where = f"output{pytree.keystr(path)}"
-        if any(c.__name__ == "Cache" for c in type(leaf).__mro__):  # a transformers KV cache (use_cache=True)
-            fix = ("it is the key/value cache of generation, which training does not use: build the model with "
-                   "config.use_cache=False, or pass use_cache=False in example_inputs")
+        if any(
+            c.__name__ == "Cache" for c in type(leaf).__mro__
+        ):  # a transformers KV cache (use_cache=True)
+            fix = (
+                "it is the key/value cache of generation, which training does not use: build the model with "
+                "config.use_cache=False, or pass use_cache=False in example_inputs"
+            )
         else:
             fix = "return tensors (or plain constants) only, e.g. from a wrapper module's forward"
-        raise TraceError(f"{type(model).__name__} returns a {name} at {where}: a pipeline stage can pass only "
-                         f"tensors and plain constants; {fix}")
+        raise TraceError(
+            f"{type(model).__name__} returns a {name} at {where}: a pipeline stage can pass only "
+            f"tensors and plain constants; {fix}"
+        )
     return output
 
 
@@ -127,10 +160,14 @@ def _spec_of_output(node: torch.fx.Node) -> TensorSpec:
         return spec
     if spec is None:
         return _SYMINT_SPEC
-    raise TraceError(f"node {node.name} passes a {type(spec).__name__} between units; expected a tensor or an int")
+    raise TraceError(
+        f"node {node.name} passes a {type(spec).__name__} between units; expected a tensor or an int"
+    )
 
 
-def _param_table(model: nn.Module) -> tuple[dict[str, int], dict[str, tuple[int, ...]], tuple[tuple[str, ...], ...]]:
+def _param_table(
+    model: nn.Module,
+) -> tuple[dict[str, int], dict[str, tuple[int, ...]], tuple[tuple[str, ...], ...]]:
     """``param_sizes`` and ``param_shapes`` (under the first name of each tensor) and the
     groups of tied names."""
     names: dict[int, list[str]] = {}
@@ -146,14 +183,21 @@ def _param_table(model: nn.Module) -> tuple[dict[str, int], dict[str, tuple[int,
     return sizes, shapes, ties
 
 
-def _unit_param_names(gm: torch.fx.GraphModule, group: UnitGroup, param_names: set[str]) -> tuple[str, ...]:
+def _unit_param_names(
+    gm: torch.fx.GraphModule, group: UnitGroup, param_names: set[str]
+) -> tuple[str, ...]:
     """Names under which the unit reads parameters (a tied tensor may appear under several)."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    names = [str(by_name[a].target) for a in group.get_attrs if str(by_name[a].target) in param_names]
+    names = [
+        str(by_name[a].target) for a in group.get_attrs if str(by_name[a].target) in param_names
+    ]
     for node in (by_name[n] for n in group.nodes):
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
-            names += [n for n, _ in module.named_parameters(prefix=str(node.target), remove_duplicate=False)]
+            names += [
+                n
+                for n, _ in module.named_parameters(prefix=str(node.target), remove_duplicate=False)
+            ]
     return tuple(dict.fromkeys(names))
 
 
@@ -176,11 +220,22 @@ def _module_type(model: nn.Module, path: str) -> str | None:
         return None
 
 
-def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[UnitGroup], runners: list[UnitRunner],
-                   times: list[tuple[float, float]], counts: list[UnitCounts], activations: list[int],
-                   pins: dict[str, int],
-                   batch: int, frontend: str, timing: str, trace_device: str, on_meta: bool = False,
-                   host_call_ms: float | None = None) -> ModelProfile:
+def _build_profile(
+    model: nn.Module,
+    gm: torch.fx.GraphModule,
+    groups: list[UnitGroup],
+    runners: list[UnitRunner],
+    times: list[tuple[float, float]],
+    counts: list[UnitCounts],
+    activations: list[int],
+    pins: dict[str, int],
+    batch: int,
+    frontend: str,
+    timing: str,
+    trace_device: str,
+    on_meta: bool = False,
+    host_call_ms: float | None = None,
+) -> ModelProfile:
     by_name = {n.name: n for n in gm.graph.nodes}
     sizes, shapes, ties = _param_table(model)
     param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -199,13 +254,23 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
             else:
                 buffer_bytes += t.numel() * t.element_size()
         units[group.name] = Unit(
-            name=group.name, module_path=group.path, kind=group.kind, module_type=_module_type(model, group.path),
+            name=group.name,
+            module_path=group.path,
+            kind=group.kind,
+            module_type=_module_type(model, group.path),
             outputs=tuple(_spec_of_output(by_name[o]) for o in group.outputs),
-            fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_flops=c.fwd_flops, param_bytes=param_bytes,
-            buffer_bytes=buffer_bytes, activation_bytes=act,
-            params=_unit_param_names(gm, group, param_names), reads_inputs=group.reads_inputs,
-            pin=pin_for_path(pins, group.path), random=any(is_random_op_name(op) for op, _ in c.fwd_ops),
-            weight_grad_fraction=c.weight_grad_fraction, saved_tensors=c.saved_tensors,
+            fwd_ms=fwd_ms,
+            bwd_ms=bwd_ms,
+            fwd_flops=c.fwd_flops,
+            param_bytes=param_bytes,
+            buffer_bytes=buffer_bytes,
+            activation_bytes=act,
+            params=_unit_param_names(gm, group, param_names),
+            reads_inputs=group.reads_inputs,
+            pin=pin_for_path(pins, group.path),
+            random=any(is_random_op_name(op) for op, _ in c.fwd_ops),
+            weight_grad_fraction=c.weight_grad_fraction,
+            saved_tensors=c.saved_tensors,
         )
         sources: dict[str, list[int]] = {}
         for name in group.inputs:
@@ -216,23 +281,48 @@ def _build_profile(model: nn.Module, gm: torch.fx.GraphModule, groups: list[Unit
         for src_name, outs in sources.items():
             src = units[src_name]
             outs = sorted(set(outs))
-            edges.append(UnitEdge(src=src_name, dst=group.name, bytes=sum(src.outputs[i].nbytes for i in outs),
-                                  outputs=tuple(outs)))
+            edges.append(
+                UnitEdge(
+                    src=src_name,
+                    dst=group.name,
+                    bytes=sum(src.outputs[i].nbytes for i in outs),
+                    outputs=tuple(outs),
+                )
+            )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return ModelProfile(
-        units=tuple(units.values()), edges=tuple(edges), batch_size=batch,
-        inputs=tuple(n.meta[SPEC_KEY] for n in placeholders), trace_device=trace_device, frontend=frontend,
-        timing=timing, module_order=_module_order(gm), param_sizes=sizes, param_shapes=shapes, ties=ties,
+        units=tuple(units.values()),
+        edges=tuple(edges),
+        batch_size=batch,
+        inputs=tuple(n.meta[SPEC_KEY] for n in placeholders),
+        trace_device=trace_device,
+        frontend=frontend,
+        timing=timing,
+        module_order=_module_order(gm),
+        param_sizes=sizes,
+        param_shapes=shapes,
+        ties=ties,
         model=ModelInfo(class_name=f"{type(model).__module__}.{type(model).__qualname__}"),
-        meta=on_meta, skipped_checks=SKIPPED_ON_META if on_meta else (), host_call_ms=host_call_ms,
+        meta=on_meta,
+        skipped_checks=SKIPPED_ON_META if on_meta else (),
+        host_call_ms=host_call_ms,
     )
 
 
-def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto",
-                leaves: Sequence[LeafSpec] = (), measure_times: bool = False, measure_memory: bool = False,
-                trace_device: str = "cpu", build_record: BuildRecord | None = None,
-                progress: bool = True, batch_dims: Sequence[int | None] | None = None,
-                cost_device: str | None = None) -> TracedModel:
+def trace_model(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    frontend: str = "auto",
+    leaves: Sequence[LeafSpec] = (),
+    measure_times: bool = False,
+    measure_memory: bool = False,
+    trace_device: str = "cpu",
+    build_record: BuildRecord | None = None,
+    progress: bool = True,
+    batch_dims: Sequence[int | None] | None = None,
+    cost_device: str | None = None,
+) -> TracedModel:
     """Trace ``model`` on ``example_inputs`` and profile its units.
 
     ``example_inputs``: the model's positional arguments (a tuple, or one tensor), its
@@ -264,24 +354,36 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
         trace_model(hf_gpt2, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
     call, dims = _bind_inputs(model, example_inputs, batch_dims)
-    leaf_paths = resolve_leaves(model, leaves)  # a name that matches nothing is refused, not ignored
-    if trace_device != META and is_meta_model(model):  # Note [meta tracing]: the factory built it on meta
+    leaf_paths = resolve_leaves(
+        model, leaves
+    )  # a name that matches nothing is refused, not ignored
+    if trace_device != META and is_meta_model(
+        model
+    ):  # Note [meta tracing]: the factory built it on meta
         trace_device, cost_device = META, cost_device or trace_device
     on_meta = trace_device == META
     if on_meta:
         check_meta_options(model, measure_times, measure_memory)
         cost_device = cost_device or "cpu"
     elif trace_device not in DEVICE_PRESETS:
-        raise TraceError(f"trace_device {trace_device!r} is not one of {sorted([*DEVICE_PRESETS, META])}")
+        raise TraceError(
+            f"trace_device {trace_device!r} is not one of {sorted([*DEVICE_PRESETS, META])}"
+        )
     cost_device = cost_device or trace_device
     if cost_device not in DEVICE_PRESETS:
         raise TraceError(f"cost_device {cost_device!r} is not one of {sorted(DEVICE_PRESETS)}")
     if trace_device == "cuda" and not torch.cuda.is_available():
-        raise TraceError("trace_device 'cuda' was asked for but CUDA is not available; use trace_device='cpu'")
+        raise TraceError(
+            "trace_device 'cuda' was asked for but CUDA is not available; use trace_device='cpu'"
+        )
     if measure_memory and trace_device != "cuda":
-        raise TraceError("measure_memory needs the CUDA allocator; use trace_device='cuda' or leave it off "
-                         "(activation bytes then come from autograd's saved tensors)")
-    devices = {t.device for t in list(model.parameters()) + list(model.buffers())} or {torch.device("cpu")}
+        raise TraceError(
+            "measure_memory needs the CUDA allocator; use trace_device='cuda' or leave it off "
+            "(activation bytes then come from autograd's saved tensors)"
+        )
+    devices = {t.device for t in list(model.parameters()) + list(model.buffers())} or {
+        torch.device("cpu")
+    }
     original_device = next(iter(devices))
     buffer_values: dict[str, torch.Tensor] = {}
     if on_meta:
@@ -298,7 +400,8 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                 ctor_args = build_record.ctor_args if build_record else None
                 with _seeded(trace_device), eager_mode(on_meta):
                     reference, output_spec = pytree.tree_flatten(
-                        _check_output(model, _run_eagerly(model, call.example)))
+                        _check_output(model, _run_eagerly(model, call.example))
+                    )
                 with tracing_call(call):
                     result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
                 gm = result.graph_module
@@ -308,60 +411,113 @@ def trace_model(model: nn.Module, example_inputs: Any, *, frontend: str = "auto"
                 if not on_meta:  # meta tensors hold no values to compare (SKIPPED_ON_META)
                     _check_matches(gm, values, reference)
 
-                def trace_again() -> torch.fx.GraphModule:  # as the train graph was traced, fallback leaves included
+                def trace_again() -> (
+                    torch.fx.GraphModule
+                ):  # as the train graph was traced, fallback leaves included
                     with tracing_call(call):
-                        again = trace_graph(model, inputs, result.frontend, (*leaf_paths, *result.fallback_leaves),
-                                            dims, ctor_args)
+                        again = trace_graph(
+                            model,
+                            inputs,
+                            result.frontend,
+                            (*leaf_paths, *result.fallback_leaves),
+                            dims,
+                            ctor_args,
+                        )
                     _normalize(again.graph_module, inputs, trace_device)
                     return again.graph_module
 
-                merge_eval_mode(model, gm, inputs, trace=trace_again, check=not on_meta,
-                                run=lambda: _run_in(eager_mode(on_meta), call.example, model))
+                merge_eval_mode(
+                    model,
+                    gm,
+                    inputs,
+                    trace=trace_again,
+                    check=not on_meta,
+                    run=lambda: _run_in(eager_mode(on_meta), call.example, model),
+                )
                 with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
                     prop = propagate(gm, inputs, batch, dims)
                 regions, gm.meta[MUTATIONS_KEY] = isolate_mutations(gm, prop.values, prop.mutations)
                 regions += [{n.name for n in region} for region in guarded_regions(gm.graph)]
-                regions += leaf_regions(gm, leaf_paths)  # export traces into leaves: keep each in one unit
-                groups = join_units(gm, group_units(gm, prop.flops), regions)  # a mode-guarded region stays whole
+                regions += leaf_regions(
+                    gm, leaf_paths
+                )  # export traces into leaves: keep each in one unit
+                groups = join_units(
+                    gm, group_units(gm, prop.flops), regions
+                )  # a mode-guarded region stays whole
                 runners = [UnitRunner(gm, g, prop.values) for g in groups]
                 tracing.detail = f"{result.frontend}, {len(groups)} units"
             with phase("count") as counted, cost_device_kernels(on_meta, cost_device):
                 counting = lambda rs: progress_iter(rs, "counting units", progress, len(rs))  # noqa: E731
-                counts = (count_units_once(runners, count_unit, counting) if on_meta
-                          else [count_unit(r) for r in counting(runners)])
+                counts = (
+                    count_units_once(runners, count_unit, counting)
+                    if on_meta
+                    else [count_unit(r) for r in counting(runners)]
+                )
                 counted.detail = f"{len(runners)} units"
             host_call_ms = None
             if measure_times:
                 with phase("time units") as timing:
                     times, host_call_ms = time_units(  # Notes [unit call cost], [host speed]
-                        runners, trace_device, lambda rs: progress_iter(rs, "timing units", progress, len(rs)))
+                        runners,
+                        trace_device,
+                        lambda rs: progress_iter(rs, "timing units", progress, len(rs)),
+                    )
                     timing.detail = f"{len(runners)} units on {trace_device}"
             else:
                 times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
-            activations = ([measure_memory_bytes(r) for r in runners] if measure_memory
-                           else [c.activation_bytes for c in counts])
+            activations = (
+                [measure_memory_bytes(r) for r in runners]
+                if measure_memory
+                else [c.activation_bytes for c in counts]
+            )
     finally:
         if not on_meta:
             model.to(original_device)
     pins = {**module_pins(model), **(build_record.pins if build_record else {})}
-    profile = _build_profile(model, gm, groups, runners, times, counts, activations, pins, batch,
-                             result.frontend, "measured" if measure_times else "analytic", cost_device, on_meta,
-                             host_call_ms)
-    leaf_modules = {str(n.target): type(gm.get_submodule(str(n.target)))
-                    for n in gm.graph.nodes if n.op == "call_module"}
+    profile = _build_profile(
+        model,
+        gm,
+        groups,
+        runners,
+        times,
+        counts,
+        activations,
+        pins,
+        batch,
+        result.frontend,
+        "measured" if measure_times else "analytic",
+        cost_device,
+        on_meta,
+        host_call_ms,
+    )
+    leaf_modules = {
+        str(n.target): type(gm.get_submodule(str(n.target)))
+        for n in gm.graph.nodes
+        if n.op == "call_module"
+    }
     ctor_args = build_record.ctor_args if build_record else {}
-    user_leaf_args = {path: ctor_args[path] for path in leaf_modules
-                      if not is_torch_nn_leaf(model.get_submodule(path)) and path in ctor_args}
+    user_leaf_args = {
+        path: ctor_args[path]
+        for path in leaf_modules
+        if not is_torch_nn_leaf(model.get_submodule(path)) and path in ctor_args
+    }
     return TracedModel(
-        model=model, graph_module=gm, profile=profile,
+        model=model,
+        graph_module=gm,
+        profile=profile,
         unit_of_node={node: g.name for g in groups for node in g.nodes},
-        frontend=result.frontend, output_spec=output_spec, leaf_modules=leaf_modules,
-        user_leaf_args=user_leaf_args, call=call.spec,
+        frontend=result.frontend,
+        output_spec=output_spec,
+        leaf_modules=leaf_modules,
+        user_leaf_args=user_leaf_args,
+        call=call.spec,
         example_inputs=inputs if on_meta else tuple(t.to(original_device) for t in inputs),
     )
 
 
-def _run_in(context: contextlib.AbstractContextManager[Any], call: ModelInputs, model: nn.Module) -> Any:
+def _run_in(
+    context: contextlib.AbstractContextManager[Any], call: ModelInputs, model: nn.Module
+) -> Any:
     with context:
         return call(model)
 
@@ -376,7 +532,9 @@ def _seeded(device: str, seed: int = 0) -> Iterator[None]:
         yield
 
 
-def _normalize(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: str) -> dict[torch.fx.Node, Any]:
+def _normalize(
+    gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: str
+) -> dict[torch.fx.Node, Any]:
     """Bring a front end's graph into the normalized form (Note [normalized graph]); its values on ``inputs``
     (from the seed of :func:`_seeded`)."""
     annotate_paths(gm)
@@ -388,19 +546,27 @@ def _normalize(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], devic
     return values
 
 
-def _check_matches(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], reference: list[Any]) -> None:
+def _check_matches(
+    gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], reference: list[Any]
+) -> None:
     """Warn when the traced graph's outputs differ from the model's own (both run from the same seed,
     :func:`_seeded`, so random ops agree; a difference means the trace lost something)."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     got = [values[n] for n in out_node.args[0]]
     if len(got) != len(reference):
-        raise TraceError(f"the traced graph returns {len(got)} tensors but the model returns {len(reference)}; "
-                         "return only tensors (in tuples, dicts or ModelOutputs) from forward")
+        raise TraceError(
+            f"the traced graph returns {len(got)} tensors but the model returns {len(reference)}; "
+            "return only tensors (in tuples, dicts or ModelOutputs) from forward"
+        )
     if not all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True) for a, b in zip(got, reference)):
-        warnings.warn("fxpipe: the traced graph's outputs differ from the model's own (both run from the same "
-                      "seed); the model may depend on state the trace did not capture, or draw random numbers "
-                      "in another order", stacklevel=3)
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True) for a, b in zip(got, reference)
+    ):
+        warnings.warn(
+            "fxpipe: the traced graph's outputs differ from the model's own (both run from the same "
+            "seed); the model may depend on state the trace did not capture, or draw random numbers "
+            "in another order",
+            stacklevel=3,
+        )
 
 
 def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> TracedModel:
@@ -421,32 +587,45 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     try:
         traced = trace_model(model, inputs, build_record=record, **options)
     except ModelFileError as exc:  # the model rejected its inputs: say which file and functions
-        raise ModelFileError(f"in {source.path.name} ({source.model_fn}() on {source.inputs_fn}({batch_size})): "
-                             f"{exc}") from exc
-    model_info = dataclasses.replace(traced.profile.model, file=str(source.path), sha256=source.sha256,
-                                     factory=source.model_fn)
+        raise ModelFileError(
+            f"in {source.path.name} ({source.model_fn}() on {source.inputs_fn}({batch_size})): "
+            f"{exc}"
+        ) from exc
+    model_info = dataclasses.replace(
+        traced.profile.model, file=str(source.path), sha256=source.sha256, factory=source.model_fn
+    )
     traced.profile = dataclasses.replace(traced.profile, model=model_info)
     return traced
 
 
-def _model_file_batch_dims(source: ModelSource, model: nn.Module, batch_size: int,
-                           inputs: ModelInputs) -> BatchDims:
+def _model_file_batch_dims(
+    source: ModelSource, model: nn.Module, batch_size: int, inputs: ModelInputs
+) -> BatchDims:
     """Compare ``example_inputs(B)`` with ``example_inputs(2B)``: the dimension that doubles is the batch
     (of each tensor input, in the forward's parameter order)."""
     fn = f"{source.path.name}:{source.inputs_fn}"
     try:
-        first, second = bind_example(model, inputs), bind_example(model, source.example_call(2 * batch_size))
+        first, second = (
+            bind_example(model, inputs),
+            bind_example(model, source.example_call(2 * batch_size)),
+        )
     except ValueError as exc:
         raise ModelFileError(f"{fn}({batch_size}) for {type(model).__name__}: {exc}") from None
     if first.spec != second.spec:
-        raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) pass different arguments "
-                             f"({inputs.describe()} vs {second.example.describe()}); only the batch may change")
+        raise ModelFileError(
+            f"{fn}({batch_size}) and {fn}({2 * batch_size}) pass different arguments "
+            f"({inputs.describe()} vs {second.example.describe()}); only the batch may change"
+        )
     try:
         dims = infer_batch_dims(first.tensors, second.tensors)
     except ValueError as exc:
-        raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) disagree: {exc}; make the batch "
-                             "size scale one dimension of each batched input") from None
+        raise ModelFileError(
+            f"{fn}({batch_size}) and {fn}({2 * batch_size}) disagree: {exc}; make the batch "
+            "size scale one dimension of each batched input"
+        ) from None
     if all(d is None for d in dims):
-        raise ModelFileError(f"{fn}({batch_size}) and {fn}({2 * batch_size}) return the same shapes "
-                             f"({_describe_inputs(first.tensors)}); build the inputs with batch_size samples")
+        raise ModelFileError(
+            f"{fn}({batch_size}) and {fn}({2 * batch_size}) return the same shapes "
+            f"({_describe_inputs(first.tensors)}); build the inputs with batch_size samples"
+        )
     return dims

@@ -52,10 +52,20 @@ def restore_assert_messages(graph: torch.fx.Graph) -> None:
             continue
         message = str(node.args[1])
         shown += [by_name[m[6:-1]] for m in _PROXY_REPR.findall(message) if m[6:-1] in by_name]
-        node.args = (node.args[0], _as_written(message, *site) or _PROXY_REPR.sub("?", message), *node.args[2:])
-    for value in reversed(list(dict.fromkeys(shown))):  # `x.shape` computed only for the message: now dead
-        while (value.op == "call_function" and value.target in (getattr, operator.getitem) and not value.users
-               and not value._erased):
+        node.args = (
+            node.args[0],
+            _as_written(message, *site) or _PROXY_REPR.sub("?", message),
+            *node.args[2:],
+        )
+    for value in reversed(
+        list(dict.fromkeys(shown))
+    ):  # `x.shape` computed only for the message: now dead
+        while (
+            value.op == "call_function"
+            and value.target in (getattr, operator.getitem)
+            and not value.users
+            and not value._erased
+        ):
             inputs = value.all_input_nodes
             graph.erase_node(value)
             if len(inputs) != 1:
@@ -82,7 +92,7 @@ def _as_written(message: str, filename: str, lineno: int) -> str | None:
         return None
     out, end = "", 0
     for i, expression in enumerate(expressions, start=1):
-        out += message[end:match.start(i)]
+        out += message[end : match.start(i)]
         value = match.group(i)
         out += f"{{{expression}}}" if _PROXY_REPR.fullmatch(value) else value
         end = match.end(i)
@@ -93,13 +103,17 @@ def _statement_call(filename: str, lineno: int) -> tuple[str, ast.JoinedStr] | N
     """The source of the statement at ``filename:lineno`` and the f-string its ``_assert(...)`` call formats."""
     lines = linecache.getlines(filename)
     for count in range(1, _MAX_STATEMENT_LINES + 1):
-        source = textwrap.dedent("".join(lines[lineno - 1:lineno - 1 + count]))
+        source = textwrap.dedent("".join(lines[lineno - 1 : lineno - 1 + count]))
         try:
             tree = ast.parse(source)
         except SyntaxError:
             continue
         for call in ast.walk(tree):
-            if isinstance(call, ast.Call) and len(call.args) >= 2 and isinstance(call.args[1], ast.JoinedStr):
+            if (
+                isinstance(call, ast.Call)
+                and len(call.args) >= 2
+                and isinstance(call.args[1], ast.JoinedStr)
+            ):
                 return source, call.args[1]
         return None
     return None

@@ -22,9 +22,15 @@ from fxpipe.tracer.modes import run_in_mode
 __all__ = ["merge_eval_mode"]
 
 
-def merge_eval_mode(model: nn.Module, gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], *,
-                    trace: Callable[[], torch.fx.GraphModule], run: Callable[[], Any],
-                    check: bool = True) -> MergeSummary:
+def merge_eval_mode(
+    model: nn.Module,
+    gm: torch.fx.GraphModule,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    trace: Callable[[], torch.fx.GraphModule],
+    run: Callable[[], Any],
+    check: bool = True,
+) -> MergeSummary:
     """Trace ``model`` in eval mode and merge that graph into the train-mode graph ``gm`` (in place).
 
     ``trace()`` traces the model in its current mode as ``gm`` was traced (same front end, same
@@ -35,12 +41,18 @@ def merge_eval_mode(model: nn.Module, gm: torch.fx.GraphModule, inputs: tuple[to
     """
     model.eval()
     try:
-        with torch.enable_grad():  # as in training: no_grad would take nn.MultiheadAttention's fast path, not traced
-            expected = [t.detach() if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(run())]
+        with (
+            torch.enable_grad()
+        ):  # as in training: no_grad would take nn.MultiheadAttention's fast path, not traced
+            expected = [
+                t.detach() if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(run())
+            ]
         try:
             eval_gm = trace()
         except TraceError as exc:
-            raise TraceError(f"{type(model).__name__} traces in train mode but not in eval mode: {exc}") from exc
+            raise TraceError(
+                f"{type(model).__name__} traces in train mode but not in eval mode: {exc}"
+            ) from exc
         summary = merge_modes(gm, eval_gm)
         with torch.no_grad():
             env = run_in_mode(gm, inputs, training=False)
@@ -48,9 +60,19 @@ def merge_eval_mode(model: nn.Module, gm: torch.fx.GraphModule, inputs: tuple[to
         model.train()
     out = next(n for n in gm.graph.nodes if n.op == "output")
     got = [env[n] for n in out.args[0]]
-    if check and (len(got) != len(expected) or not all(
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-            and torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True) for a, b in zip(got, expected))):
-        warnings.warn("fxpipe: the traced graph's outputs in eval mode differ from the model's own; the model "
-                      "may depend on state the trace did not capture", stacklevel=3)
+    if check and (
+        len(got) != len(expected)
+        or not all(
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+            for a, b in zip(got, expected)
+        )
+    ):
+        warnings.warn(
+            "fxpipe: the traced graph's outputs in eval mode differ from the model's own; the model "
+            "may depend on state the trace did not capture",
+            stacklevel=3,
+        )
     return summary

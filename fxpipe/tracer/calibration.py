@@ -70,12 +70,20 @@ class DevicePreset:
     bwd_op_overhead_s: float | None = None
     op_extra_s: tuple[tuple[str, float], ...] = ()
     cold_factor: float = 1.0
-    async_launch: bool = False  # kernels run while the host launches more (Note [asynchronous launch])
-    call_ms: float | None = None  # the calibration host's call cost at its quiet speed (Note [host speed])
+    async_launch: bool = (
+        False  # kernels run while the host launches more (Note [asynchronous launch])
+    )
+    call_ms: float | None = (
+        None  # the calibration host's call cost at its quiet speed (Note [host speed])
+    )
 
     def op_cost_s(self, op: str, backward: bool) -> float:
         """Seconds of fixed cost for one call of aten op ``op`` in a warm loop."""
-        base = self.bwd_op_overhead_s if backward and self.bwd_op_overhead_s is not None else self.op_overhead_s
+        base = (
+            self.bwd_op_overhead_s
+            if backward and self.bwd_op_overhead_s is not None
+            else self.op_overhead_s
+        )
         return base + dict(self.op_extra_s).get(op, 0.0)
 
 
@@ -96,6 +104,8 @@ def host_slowdown(device: str, call_ms: float | None) -> float:
     a trace measured on it (``ModelProfile.host_call_ms``); 1.0 where either is unknown
     (Note [host speed])."""
     preset = DEVICE_PRESETS.get(device)
-    if not call_ms or preset is None or not preset.call_ms:  # a zero gauge (hand-written) is no reading
+    if (
+        not call_ms or preset is None or not preset.call_ms
+    ):  # a zero gauge (hand-written) is no reading
         return 1.0
     return call_ms / preset.call_ms

@@ -33,8 +33,17 @@ import torch.nn as nn
 from fxpipe.errors import CallError
 from fxpipe.model_inputs import ModelInputs, is_literal, parse_model_inputs, show_value
 
-__all__ = ["ModelInputs", "parse_model_inputs", "Constant", "CallSpec", "BoundCall", "bind_example",
-           "tracing_call", "active_call"]
+__all__ = [
+    "ModelInputs",
+    "parse_model_inputs",
+    "Constant",
+    "CallSpec",
+    "BoundCall",
+    "bind_example",
+    "tracing_call",
+    "active_call",
+]
+
 
 def _plain(value: Any) -> Any:
     """A constant in the form a manifest keeps it: lists and tuples as tuples (hashable, and a JSON
@@ -67,7 +76,11 @@ class Constant:
     def matches(self, value: Any) -> bool:
         if not self.literal:
             return repr(value) == self.value
-        return is_literal(value) and _plain(value) == self.value and _same_types(_plain(value), self.value)
+        return (
+            is_literal(value)
+            and _plain(value) == self.value
+            and _same_types(_plain(value), self.value)
+        )
 
     def shown(self) -> str:
         return repr(self.value) if self.literal else self.value
@@ -103,7 +116,9 @@ class CallSpec:
         """``(input_ids, attention_mask, labels)``: the tensor inputs, for messages."""
         return f"({', '.join(self.inputs)})"
 
-    def bind(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, ...]:
+    def bind(
+        self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """The tensor inputs of the call ``(*args, **kwargs)``, in the build's order.
 
         Raises ``CallError`` when an argument is missing, unknown, given twice, or a
@@ -111,8 +126,10 @@ class CallSpec:
         """
         kwargs = kwargs or {}
         if len(args) > len(self.parameters):
-            raise CallError(f"the model takes {len(self.parameters)} positional arguments "
-                            f"({', '.join(self.parameters)}) but {len(args)} were given")
+            raise CallError(
+                f"the model takes {len(self.parameters)} positional arguments "
+                f"({', '.join(self.parameters)}) but {len(args)} were given"
+            )
         given: dict[str, Any] = dict(zip(self.parameters, args))
         for key, value in kwargs.items():
             if key in given:
@@ -122,39 +139,53 @@ class CallSpec:
             if c.name in given:
                 value = given.pop(c.name)
                 if not c.matches(value):
-                    raise CallError(f"{c.name}={show_value(value)} differs from the value the model was traced with "
-                                    f"({c.name}={c.shown()}): the build computes the traced case only; pass "
-                                    f"{c.name}={c.shown()} or partition again with example inputs that pass "
-                                    f"{c.name}={show_value(value)}")
+                    raise CallError(
+                        f"{c.name}={show_value(value)} differs from the value the model was traced with "
+                        f"({c.name}={c.shown()}): the build computes the traced case only; pass "
+                        f"{c.name}={c.shown()} or partition again with example inputs that pass "
+                        f"{c.name}={show_value(value)}"
+                    )
             elif not c.default:
-                raise CallError(f"the model was traced with {c.name}={c.shown()}, but this call leaves {c.name!r} "
-                                f"out (its default may differ); pass {c.name}={c.shown()}")
+                raise CallError(
+                    f"the model was traced with {c.name}={c.shown()}, but this call leaves {c.name!r} "
+                    f"out (its default may differ); pass {c.name}={c.shown()}"
+                )
         tensors = []
         for name in self.inputs:
             if name not in given:
-                raise CallError(f"the model was traced with a tensor for {name!r}, but this call does not pass it; "
-                                f"the build's tensor inputs are {self.signature()}")
+                raise CallError(
+                    f"the model was traced with a tensor for {name!r}, but this call does not pass it; "
+                    f"the build's tensor inputs are {self.signature()}"
+                )
             value = given.pop(name)
             if not isinstance(value, torch.Tensor):
-                raise CallError(f"{name!r} was a tensor when the model was traced, but this call passes "
-                                f"{show_value(value)}; the build's tensor inputs are {self.signature()}")
+                raise CallError(
+                    f"{name!r} was a tensor when the model was traced, but this call passes "
+                    f"{show_value(value)}; the build's tensor inputs are {self.signature()}"
+                )
             tensors.append(value)
         if given:
-            raise CallError(f"the model was traced without the arguments {sorted(given)}, so the build cannot take "
-                            f"them; its tensor inputs are {self.signature()}: partition again with example inputs "
-                            "that pass them")
+            raise CallError(
+                f"the model was traced without the arguments {sorted(given)}, so the build cannot take "
+                f"them; its tensor inputs are {self.signature()}: partition again with example inputs "
+                "that pass them"
+            )
         return tuple(tensors)
 
     def call_of(self, tensors: Sequence[torch.Tensor]) -> ModelInputs:
         """A call that ``bind`` maps to ``tensors``: keyword arguments, and every constant that is not a default."""
         if len(tensors) != len(self.inputs):
-            raise CallError(f"got {len(tensors)} tensors for the build's {len(self.inputs)} inputs {self.signature()}")
+            raise CallError(
+                f"got {len(tensors)} tensors for the build's {len(self.inputs)} inputs {self.signature()}"
+            )
         kwargs: dict[str, Any] = dict(zip(self.inputs, tensors))
         for c in self.constants:
             if not c.default:
                 if not c.literal:
-                    raise CallError(f"{c.name} was traced with the object {c.value}, which a call cannot be rebuilt "
-                                    "with; pass the call yourself")
+                    raise CallError(
+                        f"{c.name} was traced with the object {c.value}, which a call cannot be rebuilt "
+                        "with; pass the call yourself"
+                    )
                 kwargs[c.name] = c.value
         return ModelInputs((), kwargs)
 
@@ -191,10 +222,13 @@ class BoundCall:
         assert len(tensors) == len(self.tensors), "one tensor per tensor input"
         new = {id(old): t for old, t in zip(self.tensors, tensors)}
         example = self.example.map_tensors(lambda old: new[id(old)])
-        return BoundCall(self.spec, tuple(tensors), self.concrete, self.symbolic, example, self.signature)
+        return BoundCall(
+            self.spec, tuple(tensors), self.concrete, self.symbolic, example, self.signature
+        )
 
-    def export_arguments(self, dims: Sequence[int | None], batch: Any
-                         ) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def export_arguments(
+        self, dims: Sequence[int | None], batch: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
         """``(args, kwargs, dynamic_shapes, bound)`` for ``torch.export``: the batch dimension of each
         tensor input is ``dims[i]``, made the symbol ``batch``. ``bound`` are the constants given
         through ``**kwargs``, which the caller binds to ``forward`` (``functools.partial``): torch 2.13's
@@ -219,8 +253,10 @@ class BoundCall:
             elif kind is inspect.Parameter.VAR_KEYWORD:
                 tensors = [k for k, v in value.items() if isinstance(v, torch.Tensor)]
                 if tensors:
-                    raise ValueError(f"torch.export cannot give tensors passed through **{name} ({', '.join(tensors)}) "
-                                     "a dynamic batch; pass them through named parameters of forward()")
+                    raise ValueError(
+                        f"torch.export cannot give tensors passed through **{name} ({', '.join(tensors)}) "
+                        "a dynamic batch; pass them through named parameters of forward()"
+                    )
                 extra = dict(value)
                 for key in extra:
                     kwargs.pop(key)
@@ -277,7 +313,9 @@ def _is_default(p: inspect.Parameter, value: Any) -> bool:
     return value is p.default or Constant.of(p.name, p.default, True).matches(value)
 
 
-_ACTIVE: contextvars.ContextVar[BoundCall | None] = contextvars.ContextVar("fxpipe_traced_call", default=None)
+_ACTIVE: contextvars.ContextVar[BoundCall | None] = contextvars.ContextVar(
+    "fxpipe_traced_call", default=None
+)
 
 
 @contextlib.contextmanager

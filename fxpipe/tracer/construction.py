@@ -88,7 +88,9 @@ def _uninstall() -> None:
     _installed = None
 
 
-def _notify(module: nn.Module, caller: FrameType | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _notify(
+    module: nn.Module, caller: FrameType | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     observers = list(_observers)
     if not observers:
         return
@@ -96,14 +98,17 @@ def _notify(module: nn.Module, caller: FrameType | None, args: tuple[Any, ...], 
     if any(wants for _, wants in observers):
         try:
             ctor = constructor_arguments(module, caller, args, kwargs)
-        except Exception:  # never break the user's construction; codegen reports a leaf it cannot rebuild
+        except (
+            Exception
+        ):  # never break the user's construction; codegen reports a leaf it cannot rebuild
             ctor = None
     for observer, wants in observers:
         observer(module, ctor if wants else None)
 
 
-def constructor_arguments(module: nn.Module, caller: FrameType | None, args: tuple[Any, ...],
-                          kwargs: dict[str, Any]) -> CtorArgs | None:
+def constructor_arguments(
+    module: nn.Module, caller: FrameType | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> CtorArgs | None:
     """The arguments ``module`` was constructed with, seen from ``nn.Module.__init__`` called from
     frame ``caller`` with ``args``/``kwargs`` (Note [observing construction])."""
     outer, frame = None, caller
@@ -124,7 +129,7 @@ def _bound_arguments(frame: FrameType, cls: type) -> CtorArgs | None:
     names, n_pos, n_kw = code.co_varnames, code.co_argcount, code.co_kwonlyargcount
     try:
         positional = [values[name] for name in names[1:n_pos]]
-        keywords = {name: values[name] for name in names[n_pos:n_pos + n_kw]}
+        keywords = {name: values[name] for name in names[n_pos : n_pos + n_kw]}
         i = n_pos + n_kw
         star: tuple[Any, ...] = ()
         if code.co_flags & inspect.CO_VARARGS:
@@ -136,11 +141,17 @@ def _bound_arguments(frame: FrameType, cls: type) -> CtorArgs | None:
     if fn is not None:  # leave out what the caller need not write: trailing defaults
         defaults = fn.__defaults__ or ()
         first = n_pos - len(defaults)  # index in names of the first parameter with a default
-        while not star and positional and len(positional) >= first and \
-                positional[-1] is defaults[len(positional) - first]:
+        while (
+            not star
+            and positional
+            and len(positional) >= first
+            and positional[-1] is defaults[len(positional) - first]
+        ):
             positional.pop()
         kw_defaults = fn.__kwdefaults__ or {}
-        keywords = {k: v for k, v in keywords.items() if not (k in kw_defaults and v is kw_defaults[k])}
+        keywords = {
+            k: v for k, v in keywords.items() if not (k in kw_defaults and v is kw_defaults[k])
+        }
     return (*positional, *star), {**keywords, **star_kw}
 
 

@@ -23,7 +23,14 @@ from fxpipe.tracer.calibration import ACCUMULATE_OP
 from fxpipe.tracer.meta import storage_key
 from fxpipe.tracer.unit_runner import UnitRunner, fresh_copies, nbytes
 
-__all__ = ["UnitCounts", "OpCounter", "count_unit", "count_ops", "unit_structure_key", "count_units_once"]
+__all__ = [
+    "UnitCounts",
+    "OpCounter",
+    "count_unit",
+    "count_ops",
+    "unit_structure_key",
+    "count_units_once",
+]
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,13 @@ class UnitCounts:
     has_backward: bool
     fwd_ops: tuple[tuple[str, int], ...] = ()  # dispatched aten ops (name, calls); empty: use n_ops
     bwd_ops: tuple[tuple[str, int], ...] = ()
-    bwd_input_flops: float | None = None  # of bwd_flops, those of the input gradients (the rest: weights)
+    bwd_input_flops: float | None = (
+        None  # of bwd_flops, those of the input gradients (the rest: weights)
+    )
     input_grads: bool = True  # some input of the unit needs a gradient
-    saved_tensors: int | None = None  # tensors autograd saves per forward, repeats and parameters included
+    saved_tensors: int | None = (
+        None  # tensors autograd saves per forward, repeats and parameters included
+    )
 
     @property
     def weight_grad_fraction(self) -> float | None:
@@ -139,12 +150,16 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
     with bwd:
         has_backward = runner.backward(outputs, inputs.leaves)
     fwd_ops, bwd_ops = count_ops(runner)
-    fresh = runner.fresh_inputs()   # again, differentiating the inputs only: the input-gradient FLOPs
+    fresh = (
+        runner.fresh_inputs()
+    )  # again, differentiating the inputs only: the input-gradient FLOPs
     input_leaves = [x for x in fresh.leaves if not any(x is p for p in runner.params)]
     again = runner.run(fresh)
     with FlopCounterMode(display=False) as bwd_in:
         runner.backward(again, input_leaves)
-    io_bytes = sum(nbytes(v) for v in runner.input_values.values()) + sum(nbytes(o) for o in outputs)
+    io_bytes = sum(nbytes(v) for v in runner.input_values.values()) + sum(
+        nbytes(o) for o in outputs
+    )
     return UnitCounts(
         fwd_flops=float(fwd.get_total_flops()),
         bwd_flops=float(bwd.get_total_flops()),
@@ -179,14 +194,23 @@ def count_ops(runner: UnitRunner) -> tuple[OpCounter, OpCounter]:
 
 def _value_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad, isinstance(value, nn.Parameter))
+        return (
+            "tensor",
+            tuple(value.shape),
+            value.dtype,
+            value.requires_grad,
+            isinstance(value, nn.Parameter),
+        )
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_value_key(v) for v in value))
     return ("value", repr(value))
 
 
-def _node_key(gm: torch.fx.GraphModule, node: torch.fx.Node, local: dict[torch.fx.Node, int]) -> Any:
+def _node_key(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, local: dict[torch.fx.Node, int]
+) -> Any:
     """A node as its operation and arguments, with input nodes by position in the unit (not by name)."""
+
     def arg(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
             return ("node", local.get(a, -1))
@@ -198,8 +222,12 @@ def _node_key(gm: torch.fx.GraphModule, node: torch.fx.Node, local: dict[torch.f
 
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        target: Any = (type(module), module.extra_repr(), module.training,
-                       tuple(_value_key(t) for t in list(module.parameters()) + list(module.buffers())))
+        target: Any = (
+            type(module),
+            module.extra_repr(),
+            module.training,
+            tuple(_value_key(t) for t in list(module.parameters()) + list(module.buffers())),
+        )
     elif node.op == "get_attr":
         owner, _, name = str(node.target).rpartition(".")
         target = _value_key(getattr(gm.get_submodule(owner) if owner else gm, name))
@@ -216,18 +244,27 @@ def unit_structure_key(runner: UnitRunner) -> Any:
     local: dict[torch.fx.Node, int] = {}
     for node in list(runner.input_values) + runner.attr_nodes + runner.nodes:
         local[node] = len(local)
-    producers = tuple(_node_key(gm, n, {a: i for i, a in enumerate(n.all_input_nodes)})
-                      if n.op != "placeholder" else ("placeholder",) for n in runner.input_values)
+    producers = tuple(
+        _node_key(gm, n, {a: i for i, a in enumerate(n.all_input_nodes)})
+        if n.op != "placeholder"
+        else ("placeholder",)
+        for n in runner.input_values
+    )
     inputs = tuple(_value_key(v) for v in runner.input_values.values())
-    producer_inputs = tuple(tuple(_value_key(runner._values.get(a)) for a in n.all_input_nodes)
-                            for n in runner.input_values)
+    producer_inputs = tuple(
+        tuple(_value_key(runner._values.get(a)) for a in n.all_input_nodes)
+        for n in runner.input_values
+    )
     body = tuple(_node_key(gm, n, local) for n in runner.attr_nodes + runner.nodes)
     outputs = tuple(local[n] for n in runner.output_nodes)
     return (inputs, producers, producer_inputs, body, outputs)
 
 
-def count_units_once(runners: list[UnitRunner], count: Callable[[UnitRunner], UnitCounts],
-                     progress: Callable[[list[UnitRunner]], Iterable[UnitRunner]]) -> list[UnitCounts]:
+def count_units_once(
+    runners: list[UnitRunner],
+    count: Callable[[UnitRunner], UnitCounts],
+    progress: Callable[[list[UnitRunner]], Iterable[UnitRunner]],
+) -> list[UnitCounts]:
     """``count(r)`` for each runner, run once per distinct :func:`unit_structure_key` (on meta, counts
     depend on structure and shapes only, so the 80 layers of a 70B model are counted once)."""
     seen: dict[Any, UnitCounts] = {}

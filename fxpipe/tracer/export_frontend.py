@@ -25,7 +25,6 @@ from fxpipe.tracer.call import active_call
 __all__ = ["export_graph", "non_persistent_buffers"]
 
 
-
 def non_persistent_buffers(model: nn.Module) -> set[str]:
     """Fully-qualified names of the buffers left out of ``model.state_dict()``."""
     names = set()
@@ -35,8 +34,11 @@ def non_persistent_buffers(model: nn.Module) -> set[str]:
     return names
 
 
-def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
-                 batch_dims: Sequence[int | None] | None = None) -> torch.fx.GraphModule:
+def export_graph(
+    model: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    batch_dims: Sequence[int | None] | None = None,
+) -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dimension and return the normalized-form graph.
 
     ``example_inputs`` are the tensor inputs: of the call being traced (``active_call``,
@@ -49,7 +51,11 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
     output spec, getitems).
     """
     batch = Dim("batch", min=1)
-    dims = tuple(0 if t.dim() > 0 else None for t in example_inputs) if batch_dims is None else batch_dims
+    dims = (
+        tuple(0 if t.dim() > 0 else None for t in example_inputs)
+        if batch_dims is None
+        else batch_dims
+    )
     call = active_call(len(example_inputs))
     bound: dict[str, Any] = {}
     if call is None:
@@ -57,7 +63,9 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
         kwargs: dict[str, Any] = {}
         dynamic: Any = tuple(None if d is None else {d: batch} for d in dims)
     else:
-        args, kwargs, dynamic, bound = call.with_tensors(example_inputs).export_arguments(dims, batch)
+        args, kwargs, dynamic, bound = call.with_tensors(example_inputs).export_arguments(
+            dims, batch
+        )
     ep = _export(model, args, kwargs, dynamic, bound)
     sig = ep.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs}
@@ -72,9 +80,13 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
         if node.op == "placeholder":
             spec = kinds[node.name]
             if spec.kind == InputKind.USER_INPUT:
-                if isinstance(spec.arg, ConstantArgument):  # specialized: checked against the CallSpec instead
+                if isinstance(
+                    spec.arg, ConstantArgument
+                ):  # specialized: checked against the CallSpec instead
                     if node.users:
-                        raise TraceError(f"torch.export kept the constant argument {spec.arg.name!r} as a graph input")
+                        raise TraceError(
+                            f"torch.export kept the constant argument {spec.arg.name!r} as a graph input"
+                        )
                     continue
                 env[node] = graph.node_copy(node, lambda n: env[n])
                 continue
@@ -89,7 +101,9 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
             else:  # lifted tensor constant (or custom object)
                 value = ep.constants[target]
                 if not _has_attr(model, target):
-                    target = const_names.setdefault(target, f"{LIFTED_CONSTANT_PREFIX}{len(const_names)}")
+                    target = const_names.setdefault(
+                        target, f"{LIFTED_CONSTANT_PREFIX}{len(const_names)}"
+                    )
                 root[target] = value
                 constants.add(target)
             new = graph.get_attr(target)
@@ -108,8 +122,13 @@ def export_graph(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
     return gm
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
-            bound: dict[str, Any]) -> Any:
+def _export(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic: Any,
+    bound: dict[str, Any],
+) -> Any:
     """``torch.export`` (non-strict), with ``bound`` given to ``forward`` through a ``functools.partial``
     for the duration (see ``BoundCall.export_arguments``)."""
     if not bound:
@@ -121,11 +140,18 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
         del model.forward
 
 
-def _emit_outputs(graph: torch.fx.Graph, node: torch.fx.Node, sig: Any,
-                  env: dict[torch.fx.Node, torch.fx.Node], root: dict[str, Any]) -> None:
+def _emit_outputs(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    sig: Any,
+    env: dict[torch.fx.Node, torch.fx.Node],
+    root: dict[str, Any],
+) -> None:
     user_outputs = []
     returned = node.args[0]
-    assert isinstance(returned, (tuple, list)), "an exported graph returns a flat sequence of values"
+    assert isinstance(returned, (tuple, list)), (
+        "an exported graph returns a flat sequence of values"
+    )
     for spec, value in zip(sig.output_specs, returned):
         if spec.kind == OutputKind.USER_OUTPUT:
             user_outputs.append(env[value])

@@ -25,11 +25,25 @@ from fxpipe.tracer.construction import CtorArgs
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
-from fxpipe.tracer.symbolic import FallbackLeaf, LeafSpec, SymbolicTraceFailure, symbolic_trace, warn_fallbacks
-from fxpipe.tracer.trace_options import FRONTENDS  # declared with the --frontend flag, which imports no torch
+from fxpipe.tracer.symbolic import (
+    FallbackLeaf,
+    LeafSpec,
+    SymbolicTraceFailure,
+    symbolic_trace,
+    warn_fallbacks,
+)
+from fxpipe.tracer.trace_options import (
+    FRONTENDS,
+)  # declared with the --frontend flag, which imports no torch
 from fxpipe.graphmeta import CONSTANTS_KEY
 
-__all__ = ["FRONTENDS", "MAX_FALLBACK_PARAM_SHARE", "FrontendResult", "trace_graph", "unrebuildable_leaves"]
+__all__ = [
+    "FRONTENDS",
+    "MAX_FALLBACK_PARAM_SHARE",
+    "FrontendResult",
+    "trace_graph",
+    "unrebuildable_leaves",
+]
 
 MAX_FALLBACK_PARAM_SHARE = 0.5
 
@@ -58,16 +72,22 @@ def _param_share(model: nn.Module, paths: Iterable[str]) -> float:
 
 
 def _symbolic(model: nn.Module, n_inputs: int, leaves: tuple[LeafSpec, ...]) -> FrontendResult:
-    result = symbolic_trace(model, n_inputs, leaves)  # its fallbacks are warned only if this graph is used
+    result = symbolic_trace(
+        model, n_inputs, leaves
+    )  # its fallbacks are warned only if this graph is used
     gm = result.graph_module
     non_persistent = non_persistent_buffers(model)
-    gm.meta[CONSTANTS_KEY] = {str(n.target) for n in gm.graph.nodes
-                              if n.op == "get_attr" and str(n.target) in non_persistent}
+    gm.meta[CONSTANTS_KEY] = {
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and str(n.target) in non_persistent
+    }
     return FrontendResult(gm, "symbolic", result.fallbacks)
 
 
-def unrebuildable_leaves(model: nn.Module, gm: torch.fx.GraphModule,
-                         ctor_args: Mapping[str, CtorArgs] | None) -> dict[str, str]:
+def unrebuildable_leaves(
+    model: nn.Module, gm: torch.fx.GraphModule, ctor_args: Mapping[str, CtorArgs] | None
+) -> dict[str, str]:
     """Module path -> why a stage file could not rebuild it, for each module the graph keeps whole.
     User classes are judged only when ``ctor_args`` (the recorded constructor arguments) is given."""
     problems: dict[str, str] = {}
@@ -81,7 +101,9 @@ def unrebuildable_leaves(model: nn.Module, gm: torch.fx.GraphModule,
     return problems
 
 
-def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims) -> FrontendResult:
+def _export(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims
+) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
     if batch_size_of(inputs, batch_dims) == 1:
         inputs = double_batch(inputs, batch_dims)
@@ -93,21 +115,30 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _both_failed(model: nn.Module, symbolic: BaseException | None, exported: BaseException | None) -> TraceError:
+def _both_failed(
+    model: nn.Module, symbolic: BaseException | None, exported: BaseException | None
+) -> TraceError:
     lines = [f"could not trace {type(model).__name__} with either front end:"]
     if symbolic is not None:
         lines.append(f"  symbolic (torch.fx): {symbolic}")
     if exported is not None:
         lines.append(f"  export (torch.export): {type(exported).__name__}: {_first_line(exported)}")
-    lines.append("fix: make the failing call traceable (no data-dependent Python control flow on tensor values), "
-                 "or name the module that contains it as a leaf (trace_model(..., leaves=['path.to.module']) / "
-                 "--leaf path.to.module)")
+    lines.append(
+        "fix: make the failing call traceable (no data-dependent Python control flow on tensor values), "
+        "or name the module that contains it as a leaf (trace_model(..., leaves=['path.to.module']) / "
+        "--leaf path.to.module)"
+    )
     return TraceError("\n".join(lines))
 
 
-def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: str,
-                leaves: tuple[LeafSpec, ...], batch_dims: BatchDims,
-                ctor_args: Mapping[str, CtorArgs] | None = None) -> FrontendResult:
+def trace_graph(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    frontend: str,
+    leaves: tuple[LeafSpec, ...],
+    batch_dims: BatchDims,
+    ctor_args: Mapping[str, CtorArgs] | None = None,
+) -> FrontendResult:
     """Trace with the requested front end (see the module docstring for ``auto``).
 
     ``batch_dims`` (one per input, ``None`` = not batched) are the dimensions export keeps dynamic;
@@ -133,19 +164,29 @@ def trace_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], frontend: st
             unbuildable = unrebuildable_leaves(model, symbolic.graph_module, ctor_args)
             if share <= MAX_FALLBACK_PARAM_SHARE and not unbuildable:
                 return symbolic.warn()
-            reason = (f"modules kept whole hold {share:.0%} of the parameters" if share > MAX_FALLBACK_PARAM_SHARE
-                      else "a module kept whole cannot be rebuilt in a stage file: "
-                      + "; ".join(f"{p!r} ({why})" for p, why in unbuildable.items()))
-            symbolic_error = SymbolicTraceFailure(next(iter(unbuildable or symbolic.fallback_leaves)),
-                                                  RuntimeError(reason))
+            reason = (
+                f"modules kept whole hold {share:.0%} of the parameters"
+                if share > MAX_FALLBACK_PARAM_SHARE
+                else "a module kept whole cannot be rebuilt in a stage file: "
+                + "; ".join(f"{p!r} ({why})" for p, why in unbuildable.items())
+            )
+            symbolic_error = SymbolicTraceFailure(
+                next(iter(unbuildable or symbolic.fallback_leaves)), RuntimeError(reason)
+            )
     try:
         return _export(model, inputs, batch_dims)
     except Exception as exc:  # noqa: BLE001 - the message goes to the user
         if symbolic is not None:
             kept = ", ".join(repr(p) for p in unbuildable or symbolic.fallback_leaves)
-            warnings.warn(f"fxpipe: torch.export failed ({type(exc).__name__}: {_first_line(exc)}); using the "
-                          f"symbolic graph, in which {kept} are kept whole"
-                          + (" and cannot be rebuilt in a stage file, so partitioning will fail" if unbuildable
-                             else ""), stacklevel=3)
+            warnings.warn(
+                f"fxpipe: torch.export failed ({type(exc).__name__}: {_first_line(exc)}); using the "
+                f"symbolic graph, in which {kept} are kept whole"
+                + (
+                    " and cannot be rebuilt in a stage file, so partitioning will fail"
+                    if unbuildable
+                    else ""
+                ),
+                stacklevel=3,
+            )
             return symbolic.warn()
         raise _both_failed(model, symbolic_error, exc) from exc

@@ -41,7 +41,9 @@ def _matches(spec: type | str, path: str, module: nn.Module) -> bool:
 
 def resolve_leaves(model: nn.Module, leaves: Iterable[type | str]) -> tuple[str, ...]:
     """The module paths (model order) that ``leaves`` name; ``TraceError`` for a spec that names none."""
-    named = [(path, m) for path, m in model.named_modules() if path]  # the model itself is never a leaf
+    named = [
+        (path, m) for path, m in model.named_modules() if path
+    ]  # the model itself is never a leaf
     chosen: set[str] = set()
     for spec in leaves:
         hits = [path for path, m in named if _matches(spec, path, m)]
@@ -55,8 +57,11 @@ def _no_match(spec: type | str, named: Sequence[tuple[str, nn.Module]]) -> str:
     what = spec.__qualname__ if isinstance(spec, type) else spec
     classes = sorted({type(m).__name__ for _, m in named})
     close = difflib.get_close_matches(what, classes + [p for p, _ in named], n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
-        f"; its module classes are {', '.join(classes[:8])}{' …' if len(classes) > 8 else ''}"
+    hint = (
+        f"; did you mean {' or '.join(repr(c) for c in close)}?"
+        if close
+        else f"; its module classes are {', '.join(classes[:8])}{' …' if len(classes) > 8 else ''}"
+    )
     return f"--leaf {what!r} matches no module class or path of the model{hint}"
 
 

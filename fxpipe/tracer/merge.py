@@ -41,11 +41,42 @@ _COMPUTE = ("call_function", "call_method", "call_module")
 _aten = torch.ops.aten
 _VALUE_PRESERVING = {_aten.contiguous.default, _aten.clone.default, _aten.alias.default}
 _VALUE_PRESERVING_METHODS = {"contiguous", "clone"}
-_PURE_FUNCTIONS = {operator.getitem, getattr, operator.add, operator.sub, operator.mul, operator.truediv,
-                   operator.floordiv, operator.mod, operator.pow, operator.neg, operator.pos, operator.eq, operator.ne,
-                   operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_, operator.xor,
-                   operator.not_, operator.invert, operator.matmul}
-_PURE_METHODS = {"size", "dim", "numel", "stride", "view", "reshape", "contiguous", "transpose", "permute"}
+_PURE_FUNCTIONS = {
+    operator.getitem,
+    getattr,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.floordiv,
+    operator.mod,
+    operator.pow,
+    operator.neg,
+    operator.pos,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.and_,
+    operator.or_,
+    operator.xor,
+    operator.not_,
+    operator.invert,
+    operator.matmul,
+}
+_PURE_METHODS = {
+    "size",
+    "dim",
+    "numel",
+    "stride",
+    "view",
+    "reshape",
+    "contiguous",
+    "transpose",
+    "permute",
+}
 _LOOKAHEAD = 64  # compute nodes searched past a near match for an exact one
 
 Loc = tuple[str, Any]  # ("arg", index) or ("kw", name)
@@ -74,6 +105,7 @@ class _Diff:
 
 # -- arguments by name ------------------------------------------------------------------------------------------------
 
+
 def _slots(node: fx.Node) -> dict[Any, tuple[Loc, Any]] | None:
     """``{key: (location, value)}`` for every argument, defaults filled in where the signature says them."""
     args, kwargs = tuple(node.args), dict(node.kwargs)
@@ -93,7 +125,9 @@ def _slots(node: fx.Node) -> dict[Any, tuple[Loc, Any]] | None:
             params = list(inspect.signature(target).parameters.values())
         except (TypeError, ValueError):
             params = []
-        plain = params and all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        plain = params and all(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params
+        )
         if plain and len(args) <= len(params):
             out = {}
             for i, p in enumerate(params):
@@ -132,11 +166,16 @@ def _set_argument(node: fx.Node, loc: Loc, path: tuple[int, ...], new: Any) -> N
 
 # -- what a node is ---------------------------------------------------------------------------------------------------
 
+
 def _value_preserving(node: fx.Node) -> bool:
     """A copy whose value and gradient are its first argument's (``contiguous``, ``clone``, ``alias``)."""
     if node.op == "call_function":
         return node.target in _VALUE_PRESERVING and len(node.args) >= 1
-    return node.op == "call_method" and node.target in _VALUE_PRESERVING_METHODS and len(node.args) == 1
+    return (
+        node.op == "call_method"
+        and node.target in _VALUE_PRESERVING_METHODS
+        and len(node.args) == 1
+    )
 
 
 def _pure(node: fx.Node) -> bool:
@@ -157,7 +196,11 @@ def _metadata(node: fx.Node) -> bool:
         return False
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._opname in ("sym_size", "sym_numel", "sym_stride")
-    return node.target is getattr and len(node.args) == 2 and node.args[1] in ("shape", "dtype", "device", "ndim")
+    return (
+        node.target is getattr
+        and len(node.args) == 2
+        and node.args[1] in ("shape", "dtype", "device", "ndim")
+    )
 
 
 def _flat(value: Any) -> Iterator[Any]:
@@ -173,14 +216,22 @@ def _literal_step(train: Any, eval_: Any) -> bool:
     if isinstance(train, bool) and isinstance(eval_, bool):
         return True
     numbers = (int, float)
-    return (isinstance(train, numbers) and isinstance(eval_, numbers) and not isinstance(train, bool)
-            and not isinstance(eval_, bool) and (train == 0 or eval_ == 0))
+    return (
+        isinstance(train, numbers)
+        and isinstance(eval_, numbers)
+        and not isinstance(train, bool)
+        and not isinstance(eval_, bool)
+        and (train == 0 or eval_ == 0)
+    )
 
 
 def _literal_equal(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return isinstance(a, list) == isinstance(b, list) and len(a) == len(b) and all(
-            _literal_equal(x, y) for x, y in zip(a, b))
+        return (
+            isinstance(a, list) == isinstance(b, list)
+            and len(a) == len(b)
+            and all(_literal_equal(x, y) for x, y in zip(a, b))
+        )
     if type(a) is not type(b):
         return False
     try:
@@ -196,7 +247,9 @@ class _Merger:
         self.t_nodes = [n for n in self.graph.nodes if n.op in _COMPUTE]
         self.t_index = {n: i for i, n in enumerate(self.t_nodes)}
         self.t_attrs: dict[str, fx.Node] = {}
-        for n in self.graph.nodes:  # the first read of each attribute: defined before every later use
+        for (
+            n
+        ) in self.graph.nodes:  # the first read of each attribute: defined before every later use
             if n.op == "get_attr":
                 self.t_attrs.setdefault(str(n.target), n)
         self.m: dict[fx.Node, Any] = {}  # eval node -> merged node
@@ -220,18 +273,35 @@ class _Merger:
         if ta is ea:
             return True
         n, chain = ta, []
-        while n is not ea and self._unmatched(n) and _value_preserving(n) and isinstance(n.args[0], fx.Node):
+        while (
+            n is not ea
+            and self._unmatched(n)
+            and _value_preserving(n)
+            and isinstance(n.args[0], fx.Node)
+        ):
             chain.append(n)
             n = n.args[0]
         if n is ea:
             marks.extend(chain)
             return True
-        if depth > 4 or ea.op != ta.op or ea.target != ta.target or not _pure(ta) or not _pure(ea) \
-                or ea in self.eval_only or len(ta.args) != len(ea.args) or set(ta.kwargs) != set(ea.kwargs):
+        if (
+            depth > 4
+            or ea.op != ta.op
+            or ea.target != ta.target
+            or not _pure(ta)
+            or not _pure(ea)
+            or ea in self.eval_only
+            or len(ta.args) != len(ea.args)
+            or set(ta.kwargs) != set(ea.kwargs)
+        ):
             return False
         inner: list[fx.Node] = []
-        pairs = list(zip(_flat(tuple(ta.args) + tuple(ta.kwargs.values())),
-                         _flat(tuple(ea.args) + tuple(ea.kwargs[k] for k in ta.kwargs))))
+        pairs = list(
+            zip(
+                _flat(tuple(ta.args) + tuple(ta.kwargs.values())),
+                _flat(tuple(ea.args) + tuple(ea.kwargs[k] for k in ta.kwargs)),
+            )
+        )
         for a, b in pairs:
             if isinstance(a, fx.Node) and isinstance(b, fx.Node):
                 if not self._same_value(a, b, inner, depth + 1):
@@ -241,13 +311,28 @@ class _Merger:
         marks.extend(inner + ([ta] if self._unmatched(ta) else []))
         return True
 
-    def _compare(self, ta: Any, ea: Any, loc: Loc, path: tuple[int, ...], exact: bool,
-                 diffs: list[_Diff], marks: list[fx.Node]) -> bool:
+    def _compare(
+        self,
+        ta: Any,
+        ea: Any,
+        loc: Loc,
+        path: tuple[int, ...],
+        exact: bool,
+        diffs: list[_Diff],
+        marks: list[fx.Node],
+    ) -> bool:
         """Compare one argument; append what differs to ``diffs``; False when the node cannot match."""
-        if isinstance(ta, (list, tuple)) and isinstance(ea, (list, tuple)) and len(ta) == len(ea) \
-                and isinstance(ta, list) == isinstance(ea, list) and not hasattr(ta, "_fields"):
-            return all(self._compare(a, b, loc, path + (i,), exact, diffs, marks)
-                       for i, (a, b) in enumerate(zip(ta, ea)))
+        if (
+            isinstance(ta, (list, tuple))
+            and isinstance(ea, (list, tuple))
+            and len(ta) == len(ea)
+            and isinstance(ta, list) == isinstance(ea, list)
+            and not hasattr(ta, "_fields")
+        ):
+            return all(
+                self._compare(a, b, loc, path + (i,), exact, diffs, marks)
+                for i, (a, b) in enumerate(zip(ta, ea))
+            )
         if isinstance(ta, fx.Node) and isinstance(ea, fx.Node):
             if self._same_value(ta, ea, marks):
                 return True
@@ -266,8 +351,14 @@ class _Merger:
     def _train_only_candidate(self, n: fx.Node) -> bool:
         return self._unmatched(n) and self.t_index[n] >= self.pointer
 
-    def _match(self, t: fx.Node, e: fx.Node, exact: bool) -> tuple[list[_Diff], list[fx.Node]] | None:
-        if t.op != e.op or t.target != e.target or t.meta.get(PATH_KEY, "") != e.meta.get(PATH_KEY, ""):
+    def _match(
+        self, t: fx.Node, e: fx.Node, exact: bool
+    ) -> tuple[list[_Diff], list[fx.Node]] | None:
+        if (
+            t.op != e.op
+            or t.target != e.target
+            or t.meta.get(PATH_KEY, "") != e.meta.get(PATH_KEY, "")
+        ):
             return None
         ts, es = _slots(t), _slots(e)
         if ts is None or es is None or set(ts) != set(es):
@@ -303,14 +394,22 @@ class _Merger:
         value = _fetch(self.eval_gm, str(e.target))
         same = self.t_attrs.get(str(e.target))
         if same is None or _fetch(self.gm, str(e.target)) is not value:
-            same = next((t for t in self.t_attrs.values() if _same_attr(_fetch(self.gm, str(t.target)), value)), None)
+            same = next(
+                (
+                    t
+                    for t in self.t_attrs.values()
+                    if _same_attr(_fetch(self.gm, str(t.target)), value)
+                ),
+                None,
+            )
         if same is not None:
             return same
         name, i = f"_fxpipe_eval_{str(e.target).replace('.', '_')}", 0
         while hasattr(self.gm, f"{name}_{i}"):
             i += 1
-        self.gm.register_buffer(f"{name}_{i}", value, persistent=False) if isinstance(value, torch.Tensor) \
-            else self.gm.add_module(f"{name}_{i}", value)
+        self.gm.register_buffer(f"{name}_{i}", value, persistent=False) if isinstance(
+            value, torch.Tensor
+        ) else self.gm.add_module(f"{name}_{i}", value)
         if isinstance(value, torch.Tensor):
             self.gm.meta.setdefault(CONSTANTS_KEY, set()).add(f"{name}_{i}")
         first = next(n for n in self.graph.nodes if n.op not in ("placeholder",))
@@ -324,7 +423,9 @@ class _Merger:
         t_ph = [n for n in self.graph.nodes if n.op == "placeholder"]
         e_ph = [n for n in self.eval_gm.graph.nodes if n.op == "placeholder"]
         if len(t_ph) != len(e_ph):
-            raise TraceError(f"the model takes {len(t_ph)} inputs in train mode but {len(e_ph)} in eval mode")
+            raise TraceError(
+                f"the model takes {len(t_ph)} inputs in train mode but {len(e_ph)} in eval mode"
+            )
         self.m.update(zip(e_ph, t_ph))
         for e in self.eval_gm.graph.nodes:
             if e.op == "get_attr":
@@ -343,8 +444,11 @@ class _Merger:
                     self.fixups.append((t, diffs))
 
     def _eval_only(self, e: fx.Node) -> None:
-        anchor = self.t_nodes[self.pointer] if self.pointer < len(self.t_nodes) else \
-            next(n for n in self.graph.nodes if n.op == "output")
+        anchor = (
+            self.t_nodes[self.pointer]
+            if self.pointer < len(self.t_nodes)
+            else next(n for n in self.graph.nodes if n.op == "output")
+        )
         with self.graph.inserting_before(anchor):
             node = self.graph.node_copy(e, lambda a: self.m[a])
         node.meta[GUARD_KEY] = False
@@ -389,9 +493,17 @@ class _Merger:
         return node
 
     def rewrite(self) -> MergeSummary:
-        for n in self.t_nodes:  # sizes read in train mode only are read in both: they cost nothing and tie no region
-            if n not in self.common and _metadata(n) and all(
-                    a.op in ("placeholder", "get_attr") or a in self.common for a in n.all_input_nodes):
+        for n in (
+            self.t_nodes
+        ):  # sizes read in train mode only are read in both: they cost nothing and tie no region
+            if (
+                n not in self.common
+                and _metadata(n)
+                and all(
+                    a.op in ("placeholder", "get_attr") or a in self.common
+                    for a in n.all_input_nodes
+                )
+            ):
                 self.common.add(n)
         self.train_only = {n for n in self.t_nodes if n not in self.common}
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
@@ -401,19 +513,25 @@ class _Merger:
                 self.switched += 1
         out = next(n for n in self.graph.nodes if n.op == "output")
         e_out = next(n for n in self.eval_gm.graph.nodes if n.op == "output")
-        out.args = (self._outputs(out.args[0], fx.node.map_arg(e_out.args[0], lambda a: self.m[a]), out),)
+        out.args = (
+            self._outputs(out.args[0], fx.node.map_arg(e_out.args[0], lambda a: self.m[a]), out),
+        )
         for n in self.train_only:
             n.meta[GUARD_KEY] = True
         self.graph.lint()
         self.gm.recompile()
-        return MergeSummary(train_only=len(self.train_only), eval_only=len(self.eval_only), switched=self.switched)
+        return MergeSummary(
+            train_only=len(self.train_only), eval_only=len(self.eval_only), switched=self.switched
+        )
 
     def _outputs(self, train: Any, eval_: Any, out: fx.Node) -> Any:
         """The returned structure, switched where the modes return different values."""
         if isinstance(train, (list, tuple)) and isinstance(eval_, (list, tuple)):
             if len(train) != len(eval_):
-                raise TraceError(f"the model returns {len(train)} values in train mode but {len(eval_)} in eval "
-                                 "mode; fxpipe needs the same output structure in both modes")
+                raise TraceError(
+                    f"the model returns {len(train)} values in train mode but {len(eval_)} in eval "
+                    "mode; fxpipe needs the same output structure in both modes"
+                )
             return type(train)(self._outputs(a, b, out) for a, b in zip(train, eval_))
         if train is eval_ or (not isinstance(train, fx.Node) and _literal_equal(train, eval_)):
             return train
@@ -432,9 +550,15 @@ def _same_attr(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (not isinstance(a, torch.nn.Parameter) and not isinstance(b, torch.nn.Parameter)
-                and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                and not a.is_meta and bool(torch.equal(a, b)))  # meta tensors: no values to compare
+        return (
+            not isinstance(a, torch.nn.Parameter)
+            and not isinstance(b, torch.nn.Parameter)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and not a.is_meta
+            and bool(torch.equal(a, b))
+        )  # meta tensors: no values to compare
     if isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule):
         return a.code == b.code
     return False

@@ -37,8 +37,18 @@ from torch.overrides import TorchFunctionMode
 
 from fxpipe.errors import TraceError
 
-__all__ = ["META", "SKIPPED_ON_META", "build_on_meta", "is_meta_model", "check_meta_options", "move_to_meta",
-           "storage_key", "eager_mode", "cost_device_kernels", "CpuKernelChoice"]
+__all__ = [
+    "META",
+    "SKIPPED_ON_META",
+    "build_on_meta",
+    "is_meta_model",
+    "check_meta_options",
+    "move_to_meta",
+    "storage_key",
+    "eager_mode",
+    "cost_device_kernels",
+    "CpuKernelChoice",
+]
 
 META = "meta"
 
@@ -64,7 +74,9 @@ def build_on_meta(factory: Callable[[], _M]) -> _M:
     saved = nn.Parameter.__dict__["__new__"]
     original = nn.Parameter.__new__
 
-    def meta_parameter(cls: type, data: torch.Tensor | None = None, requires_grad: bool = True) -> Any:
+    def meta_parameter(
+        cls: type, data: torch.Tensor | None = None, requires_grad: bool = True
+    ) -> Any:
         if isinstance(data, torch.Tensor) and not data.is_meta:
             data = data.to(META)
         return original(cls, data, requires_grad)
@@ -86,13 +98,17 @@ def check_meta_options(model: nn.Module, measure_times: bool, measure_memory: bo
     """Refuse what a meta trace cannot do (Note [meta tracing])."""
     if measure_times or measure_memory:
         what = "--measure-times" if measure_times else "--measure-memory"
-        raise TraceError(f"{what} runs real kernels, but the trace device is meta (no tensor has values); "
-                         "drop it (meta profiles use the analytic estimate) or trace on cpu/cuda")
+        raise TraceError(
+            f"{what} runs real kernels, but the trace device is meta (no tensor has values); "
+            "drop it (meta profiles use the analytic estimate) or trace on cpu/cuda"
+        )
     real = [name for name, p in model.named_parameters() if not p.is_meta]
     if real:
-        raise TraceError(f"trace_device 'meta' needs a model built on the meta device, but {len(real)} parameters "
-                         f"hold real values ({real[:3]}); build it under `with torch.device('meta'):` "
-                         "(fxpipe does for a model file), or trace on cpu")
+        raise TraceError(
+            f"trace_device 'meta' needs a model built on the meta device, but {len(real)} parameters "
+            f"hold real values ({real[:3]}); build it under `with torch.device('meta'):` "
+            "(fxpipe does for a model file), or trace on cpu"
+        )
 
 
 def move_to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -139,9 +155,11 @@ def _fake_run() -> Iterator[None]:
         if found is None:
             raise
         op, where, error = found
-        raise TraceError(f"on the meta device, {op} in {where} cannot run ({error}): the model reads tensor values "
-                         "or calls a kernel the meta device lacks, so it cannot be planned analytically; trace with "
-                         "real tensors (--device cpu, or --device cuda)") from exc
+        raise TraceError(
+            f"on the meta device, {op} in {where} cannot run ({error}): the model reads tensor values "
+            "or calls a kernel the meta device lacks, so it cannot be planned analytically; trace with "
+            "real tensors (--device cpu, or --device cuda)"
+        ) from exc
 
 
 def _failed_op(exc: BaseException) -> tuple[str, str, str] | None:
@@ -198,14 +216,21 @@ class CpuKernelChoice(TorchFunctionMode):
         if not (isinstance(q, torch.Tensor) and q.is_meta) or _cpu_choice(a) != _FLASH:
             return func(*args, **kwargs)
         if mask is not None and mask.dtype == torch.bool:
-            mask = torch.where(mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device),
-                               torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=mask.device))
+            mask = torch.where(
+                mask,
+                torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device),
+                torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=mask.device),
+            )
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, a["dropout_p"], a["is_causal"], attn_mask=mask, scale=a["scale"])[0]
+            q, k, v, a["dropout_p"], a["is_causal"], attn_mask=mask, scale=a["scale"]
+        )[0]
 
 
 def _sdpa_functions() -> tuple[Any, ...]:
-    return (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+    return (
+        torch.nn.functional.scaled_dot_product_attention,
+        torch.ops.aten.scaled_dot_product_attention.default,
+    )
 
 
 def _tiny_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -222,9 +247,18 @@ def _cpu_choice(a: dict[str, Any]) -> int:
     with _disable_current_modes(), torch._C.DisableTorchFunction():
         mask = a["attn_mask"]
         tiny_mask = None if mask is None else torch.empty([1] * mask.dim(), dtype=mask.dtype)
-        return int(torch._fused_sdp_choice(_tiny_cpu(a["query"]), _tiny_cpu(a["key"]), _tiny_cpu(a["value"]),
-                                           tiny_mask, a["dropout_p"], a["is_causal"], scale=a["scale"],
-                                           enable_gqa=a["enable_gqa"]))
+        return int(
+            torch._fused_sdp_choice(
+                _tiny_cpu(a["query"]),
+                _tiny_cpu(a["key"]),
+                _tiny_cpu(a["value"]),
+                tiny_mask,
+                a["dropout_p"],
+                a["is_causal"],
+                scale=a["scale"],
+                enable_gqa=a["enable_gqa"],
+            )
+        )
 
 
 def cost_device_kernels(on_meta: bool, cost_device: str) -> ContextManager[Any]:

@@ -30,8 +30,17 @@ import torch.nn as nn
 
 from fxpipe.graphmeta import GUARD_KEY
 
-__all__ = ["TRAINING_ATTR", "modes_restored", "train_or_eval", "is_training_flag", "guard_of", "ModeInterpreter", "run_in_mode",
-           "guarded_regions", "is_random_op_name"]
+__all__ = [
+    "TRAINING_ATTR",
+    "modes_restored",
+    "train_or_eval",
+    "is_training_flag",
+    "guard_of",
+    "ModeInterpreter",
+    "run_in_mode",
+    "guarded_regions",
+    "is_random_op_name",
+]
 
 TRAINING_ATTR = "training"
 
@@ -43,7 +52,9 @@ def train_or_eval(training: bool, if_train: Any, if_eval: Any) -> Any:
 
 def is_training_flag(node: Any) -> bool:
     """Whether ``node`` reads the module's ``training`` flag (see Note [both modes in one graph])."""
-    return isinstance(node, torch.fx.Node) and node.op == "get_attr" and node.target == TRAINING_ATTR
+    return (
+        isinstance(node, torch.fx.Node) and node.op == "get_attr" and node.target == TRAINING_ATTR
+    )
 
 
 def guard_of(node: torch.fx.Node) -> bool | None:
@@ -66,7 +77,9 @@ def modes_restored(model: nn.Module) -> Iterator[None]:
 class ModeInterpreter(torch.fx.Interpreter):
     """Runs a merged graph as the emitted code does in one mode: guarded nodes of the other mode are skipped."""
 
-    def __init__(self, gm: torch.fx.GraphModule, training: bool, *, keep_values: bool = False) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, training: bool, *, keep_values: bool = False
+    ) -> None:
         super().__init__(gm, garbage_collect_values=not keep_values)
         self.training = training
 
@@ -79,7 +92,9 @@ class ModeInterpreter(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-def run_in_mode(gm: torch.fx.GraphModule, inputs: Iterable[Any], training: bool) -> dict[torch.fx.Node, Any]:
+def run_in_mode(
+    gm: torch.fx.GraphModule, inputs: Iterable[Any], training: bool
+) -> dict[torch.fx.Node, Any]:
     """Every node's value of one run of ``gm`` in the given mode (``None`` for nodes the mode skips)."""
     interp = ModeInterpreter(gm, training, keep_values=True)
     interp.run(*inputs)

@@ -76,8 +76,9 @@ class MutationLog:
         return result
 
 
-def isolate_mutations(gm: fx.GraphModule, values: dict[fx.Node, Any],
-                      found: dict[str, tuple[str, ...]]) -> tuple[list[set[str]], dict[str, tuple[str, ...]]]:
+def isolate_mutations(
+    gm: fx.GraphModule, values: dict[fx.Node, Any], found: dict[str, tuple[str, ...]]
+) -> tuple[list[set[str]], dict[str, tuple[str, ...]]]:
     """Rewire stale reads and say which nodes must share a unit (Note [in-place ops across stages]).
 
     ``values``: every node's value from the run that filled ``found`` (a :class:`MutationLog`).
@@ -89,12 +90,16 @@ def isolate_mutations(gm: fx.GraphModule, values: dict[fx.Node, Any],
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
-    members: dict[int, list[fx.Node]] = defaultdict(list)  # storage -> nodes whose value lives there
+    members: dict[int, list[fx.Node]] = defaultdict(
+        list
+    )  # storage -> nodes whose value lives there
     for n in nodes:
         v = values.get(n)
         if isinstance(v, torch.Tensor):
             members[storage_id(v)].append(n)
-    keys_of = {name: {storage_id(values[by_name[a]]) for a in changed} for name, changed in found.items()}
+    keys_of = {
+        name: {storage_id(values[by_name[a]]) for a in changed} for name, changed in found.items()
+    }
     writers: dict[int, list[fx.Node]] = defaultdict(list)
     for name, keys in keys_of.items():
         for key in keys:
@@ -106,9 +111,14 @@ def isolate_mutations(gm: fx.GraphModule, values: dict[fx.Node, Any],
             together += _rewire_versions(members[key], calls, order)
         else:
             together.append(_touching(members[key], calls, order))
-    changed_after = {name: tuple(a.name for a in by_name[name].all_input_nodes
-                                 if isinstance(values.get(a), torch.Tensor) and storage_id(values[a]) in keys)
-                     for name, keys in keys_of.items()}
+    changed_after = {
+        name: tuple(
+            a.name
+            for a in by_name[name].all_input_nodes
+            if isinstance(values.get(a), torch.Tensor) and storage_id(values[a]) in keys
+        )
+        for name, keys in keys_of.items()
+    }
     gm.recompile()
     return together, changed_after
 
@@ -117,11 +127,14 @@ def _one_object(members: list[fx.Node], calls: list[fx.Node], values: dict[fx.No
     """Whether every value of the storage, every writer's result included, is one tensor object, and every
     writer runs in both modes (``x[i] = y`` returns None: nothing to rewire to)."""
     first = values[members[0]]
-    return (all(values[m] is first and m.op not in ("placeholder", "get_attr") for m in members)
-            and all(values.get(c) is first and GUARD_KEY not in c.meta for c in calls))
+    return all(
+        values[m] is first and m.op not in ("placeholder", "get_attr") for m in members
+    ) and all(values.get(c) is first and GUARD_KEY not in c.meta for c in calls)
 
 
-def _rewire_versions(members: list[fx.Node], calls: list[fx.Node], order: dict[fx.Node, int]) -> list[set[str]]:
+def _rewire_versions(
+    members: list[fx.Node], calls: list[fx.Node], order: dict[fx.Node, int]
+) -> list[set[str]]:
     """A chain of versions of one tensor: stale reads read the latest version (the model's output too);
     each version's readers share a unit with the call that changes it."""
     names = set(members)

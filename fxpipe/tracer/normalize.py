@@ -19,7 +19,13 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import TraceError
 from fxpipe.graphmeta import PATH_KEY
 
-__all__ = ["run_collect", "annotate_paths", "flatten_output", "group_getitems", "drop_extra_placeholders"]
+__all__ = [
+    "run_collect",
+    "annotate_paths",
+    "flatten_output",
+    "group_getitems",
+    "drop_extra_placeholders",
+]
 
 _IGNORED_STACK_KEY = "_empty_nn_module_stack_from_metadata_hook"
 _CALL_SUFFIX = re.compile(r"@\d+$")
@@ -68,8 +74,10 @@ def drop_extra_placeholders(gm: torch.fx.GraphModule, n_inputs: int) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in placeholders[n_inputs:]:
         if node.users:
-            raise TraceError(f"the traced graph reads the forward argument {node.target!r}, which is not one of "
-                             f"the call's {n_inputs} tensor inputs; please report this with the model")
+            raise TraceError(
+                f"the traced graph reads the forward argument {node.target!r}, which is not one of "
+                f"the call's {n_inputs} tensor inputs; please report this with the model"
+            )
         gm.graph.erase_node(node)
     gm.recompile()
 
@@ -81,7 +89,9 @@ def _index_node(graph: torch.fx.Graph, node: torch.fx.Node, key: Any) -> torch.f
         return graph.call_function(operator.getitem, (node, key.key))
     if isinstance(key, pytree.GetAttrKey):
         return graph.call_function(getattr, (node, key.name))
-    raise TraceError(f"cannot index a model output with {key!r}; return tensors, tuples, dicts or ModelOutputs")
+    raise TraceError(
+        f"cannot index a model output with {key!r}; return tensors, tuples, dicts or ModelOutputs"
+    )
 
 
 def flatten_output(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> pytree.TreeSpec:
@@ -117,7 +127,9 @@ def flatten_output(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -
                 break
             current = key.get(current)
         if not isinstance(current, torch.fx.Node):
-            raise TraceError(f"model output at {pytree.keystr(key_path)} is a constant, not computed by forward")
+            raise TraceError(
+                f"model output at {pytree.keystr(key_path)} is a constant, not computed by forward"
+            )
         flat_nodes.append(current)
     out_node.args = (tuple(flat_nodes),)
     graph.lint()
@@ -129,8 +141,14 @@ def group_getitems(gm: torch.fx.GraphModule) -> None:
     """Move every ``getitem``/``getattr`` on a node's value to directly after that node."""
     graph = gm.graph
     for node in list(graph.nodes):
-        indexers = [u for u in node.users if u.op == "call_function" and u.target in (operator.getitem, getattr)
-                    and u.args[0] is node and all(n is node for n in u.all_input_nodes)]
+        indexers = [
+            u
+            for u in node.users
+            if u.op == "call_function"
+            and u.target in (operator.getitem, getattr)
+            and u.args[0] is node
+            and all(n is node for n in u.all_input_nodes)
+        ]
         anchor = node
         for user in sorted(indexers, key=_position(graph)):
             anchor.append(user)

@@ -44,7 +44,9 @@ def partition(index: int) -> Iterator[None]:
                     self.head = nn.Linear(32, 100)
     """
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise PinError(f"fxpipe.partition({index!r}): the stage index must be an int >= 0, e.g. partition(0)")
+        raise PinError(
+            f"fxpipe.partition({index!r}): the stage index must be an int >= 0, e.g. partition(0)"
+        )
     _pin_stack.append(index)
     try:
         with observe_construction(_pin_new_module):

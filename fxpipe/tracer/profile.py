@@ -30,19 +30,38 @@ from fxpipe.tracer.calibration import host_slowdown
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["TensorSpec", "Unit", "UnitEdge", "ModelInfo", "ModelProfile", "PROFILE_SCHEMA_VERSION",
-           "WEIGHT_GRAD_FALLBACK"]
+__all__ = [
+    "TensorSpec",
+    "Unit",
+    "UnitEdge",
+    "ModelInfo",
+    "ModelProfile",
+    "PROFILE_SCHEMA_VERSION",
+    "WEIGHT_GRAD_FALLBACK",
+]
 
-WEIGHT_GRAD_FALLBACK = 0.5  # weight-gradient share of bwd_ms for units of profiles that do not record it
+WEIGHT_GRAD_FALLBACK = (
+    0.5  # weight-gradient share of bwd_ms for units of profiles that do not record it
+)
 PROFILE_SCHEMA_VERSION = 2  # 2: ``model`` is a ModelInfo (``class_name`` instead of ``class``)
 _OLDEST_READABLE = 1
 _REMEDY = "re-trace the model with `fxpipe trace`"
 
 _DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
     "symint": 8,  # a symbolic size travelling as a Python int
 }
 
@@ -52,7 +71,9 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return _DTYPE_BYTES[dtype]
     except KeyError:
-        raise ProfileError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}") from None
+        raise ProfileError(
+            f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -129,24 +150,42 @@ class Unit:
     params: tuple[str, ...] = ()
     reads_inputs: tuple[NonNegInt, ...] = ()
     pin: NonNegInt | None = None
-    random: bool = False  # draws random numbers (dropout): such units keep their program order across stages
-    weight_grad_fraction: NonNegFloat | None = None  # of bwd_ms, the weight gradients' share (from FLOPs)
-    saved_tensors: NonNegInt | None = None  # tensors autograd saves for backward per forward; None: not counted
+    random: bool = (
+        False  # draws random numbers (dropout): such units keep their program order across stages
+    )
+    weight_grad_fraction: NonNegFloat | None = (
+        None  # of bwd_ms, the weight gradients' share (from FLOPs)
+    )
+    saved_tensors: NonNegInt | None = (
+        None  # tensors autograd saves for backward per forward; None: not counted
+    )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "outputs", tuple(
-            o if isinstance(o, TensorSpec) else TensorSpec.from_dict(o) for o in self.outputs
-        ))
+        object.__setattr__(
+            self,
+            "outputs",
+            tuple(
+                o if isinstance(o, TensorSpec) else TensorSpec.from_dict(o) for o in self.outputs
+            ),
+        )
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "reads_inputs", tuple(self.reads_inputs))
         if not self.name:
             raise ProfileError("a unit needs a non-empty name")
-        for label, value in (("fwd_ms", self.fwd_ms), ("bwd_ms", self.bwd_ms),
-                             ("param_bytes", self.param_bytes), ("activation_bytes", self.activation_bytes)):
+        for label, value in (
+            ("fwd_ms", self.fwd_ms),
+            ("bwd_ms", self.bwd_ms),
+            ("param_bytes", self.param_bytes),
+            ("activation_bytes", self.activation_bytes),
+        ):
             if not value >= 0 or not math.isfinite(value):
-                raise ProfileError(f"unit {self.name!r}: {label} must be a finite number >= 0, got {value}")
+                raise ProfileError(
+                    f"unit {self.name!r}: {label} must be a finite number >= 0, got {value}"
+                )
         if self.pin is not None and self.pin < 0:
-            raise ProfileError(f"unit {self.name!r}: pin must be a stage index >= 0, got {self.pin}")
+            raise ProfileError(
+                f"unit {self.name!r}: pin must be a stage index >= 0, got {self.pin}"
+            )
 
     @property
     def compute_ms(self) -> float:
@@ -239,7 +278,9 @@ class ModelProfile:
     inputs: tuple[TensorSpec, ...] = ()
     trace_device: str = "cpu"
     frontend: str = "symbolic"
-    timing: str = "given"  # the tracer's "analytic" or "measured"; "given": set by whoever wrote the profile
+    timing: str = (
+        "given"  # the tracer's "analytic" or "measured"; "given": set by whoever wrote the profile
+    )
     module_order: tuple[str, ...] = ()
     param_sizes: dict[str, NonNegInt] = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()
@@ -257,8 +298,11 @@ class ModelProfile:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "module_order", tuple(self.module_order))
         object.__setattr__(self, "ties", tuple(tuple(t) for t in self.ties))
-        object.__setattr__(self, "param_shapes",
-                           {k: tuple(int(d) for d in v) for k, v in self.param_shapes.items()})
+        object.__setattr__(
+            self,
+            "param_shapes",
+            {k: tuple(int(d) for d in v) for k, v in self.param_shapes.items()},
+        )
         if self.batch_size < 1:
             raise ProfileError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.units:
@@ -335,8 +379,14 @@ class ModelProfile:
 
         Reads schema versions 1 and 2; fills what the minimal profile leaves out.
         """
-        version = check_schema_version(d, PROFILE_SCHEMA_VERSION, "profile", ProfileError,
-                                       oldest=_OLDEST_READABLE, remedy=_REMEDY)
+        version = check_schema_version(
+            d,
+            PROFILE_SCHEMA_VERSION,
+            "profile",
+            ProfileError,
+            oldest=_OLDEST_READABLE,
+            remedy=_REMEDY,
+        )
         data = dict(d, schema_version=PROFILE_SCHEMA_VERSION)
         if version == 1 and isinstance(data.get("model"), dict) and "class" in data["model"]:
             data["model"] = {**data["model"], "class_name": data["model"]["class"]}

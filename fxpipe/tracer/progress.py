@@ -37,7 +37,7 @@ class Phase:
     name: str
     detail: str = ""
     started: float = field(default_factory=time.perf_counter)
-    _progress: Any = None   # rich Progress while it runs on a terminal
+    _progress: Any = None  # rich Progress while it runs on a terminal
     _task: Any = None
 
     @property
@@ -51,7 +51,7 @@ class Phase:
 
 @dataclass
 class _Reporter:
-    stream: IO[str]   # where plain lines go
+    stream: IO[str]  # where plain lines go
     terminal: bool
     console: Any = None
     current: Phase | None = None
@@ -61,7 +61,9 @@ _REPORTER: list[_Reporter] = []
 
 
 @contextlib.contextmanager
-def reporting(stream: IO[str], terminal: bool | None = None, lines: IO[str] | None = None) -> Iterator[None]:
+def reporting(
+    stream: IO[str], terminal: bool | None = None, lines: IO[str] | None = None
+) -> Iterator[None]:
     """Report the phases run inside the block: live on ``stream`` when it is a terminal (``terminal``:
     default ``stream.isatty()``), else one plain line per phase on ``lines`` (default ``stream``)."""
     is_tty = bool(getattr(stream, "isatty", lambda: False)()) if terminal is None else terminal
@@ -90,9 +92,15 @@ def phase(name: str) -> Iterator[Phase]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
         from rich.progress import TimeElapsedColumn
 
-        current._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(), console=reporter.console,
-                                     transient=True)
+        current._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=reporter.console,
+            transient=True,
+        )
         current._progress.start()
         current._task = current._progress.add_task(name, total=None)
     ok = False
@@ -123,7 +131,9 @@ def note(text: str) -> None:
         print(f"fxpipe: {text}", file=reporter.stream, flush=True)
 
 
-def progress_iter(items: Iterable[Any], description: str, enabled: bool, total: int) -> Iterable[Any]:
+def progress_iter(
+    items: Iterable[Any], description: str, enabled: bool, total: int
+) -> Iterable[Any]:
     """``items``, advancing the running phase's bar on a terminal; outside :func:`reporting`, with a
     transient rich progress bar on a terminal when ``enabled``."""
     reporter = _REPORTER[-1] if _REPORTER else None
@@ -132,8 +142,9 @@ def progress_iter(items: Iterable[Any], description: str, enabled: bool, total: 
         if running is None or running._progress is None:
             yield from items
             return
-        running._progress.update(running._task, description=f"{running.name}: {description}", total=total,
-                                 completed=0)
+        running._progress.update(
+            running._task, description=f"{running.name}: {description}", total=total, completed=0
+        )
         for item in items:
             yield item
             running._progress.advance(running._task)

@@ -38,14 +38,27 @@ import torch.nn as nn
 
 from fxpipe.tracer.construction import CtorArgs
 
-__all__ = ["FOREIGN_MARKERS", "NotRebuildable", "is_torch_nn", "torch_nn_arguments", "drop_redundant", "build_on_meta",
-           "configuration_difference", "rebuild_problem", "literal_problem"]
+__all__ = [
+    "FOREIGN_MARKERS",
+    "NotRebuildable",
+    "is_torch_nn",
+    "torch_nn_arguments",
+    "drop_redundant",
+    "build_on_meta",
+    "configuration_difference",
+    "rebuild_problem",
+    "literal_problem",
+]
 
 # attributes every nn.Module has: bookkeeping compared by its own rules (state, hooks, submodules) or not at all
 _MODULE_BOOKKEEPING = frozenset(vars(nn.Module()))
-_HOOK_TABLES = tuple(sorted(k for k in _MODULE_BOOKKEEPING if "hook" in k and k != "_is_full_backward_hook"))
+_HOOK_TABLES = tuple(
+    sorted(k for k in _MODULE_BOOKKEEPING if "hook" in k and k != "_is_full_backward_hook")
+)
 # attributes that libraries set on every module after construction and that no forward reads
-FOREIGN_MARKERS = frozenset({"_is_hf_initialized"})  # transformers' "weights already initialised" flag
+FOREIGN_MARKERS = frozenset(
+    {"_is_hf_initialized"}
+)  # transformers' "weights already initialised" flag
 _MAX_DEPTH = 8  # nesting of plain objects compared by their attributes
 
 
@@ -86,7 +99,9 @@ def torch_nn_arguments(module: nn.Module) -> CtorArgs:
         if isinstance(value, torch.Tensor) or (value is None and isinstance(p.default, bool)):
             value = value is not None
         if isinstance(value, (nn.Module, torch.Tensor)):
-            raise NotRebuildable(f"its __init__ argument {name!r} is a {type(value).__name__}, not a hyperparameter")
+            raise NotRebuildable(
+                f"its __init__ argument {name!r} is a {type(value).__name__}, not a hyperparameter"
+            )
         if not has_default and p.kind is p.POSITIONAL_OR_KEYWORD and not kwargs:
             args.append(value)
         elif not has_default or not _same_value(value, p.default, 0):
@@ -97,7 +112,12 @@ def torch_nn_arguments(module: nn.Module) -> CtorArgs:
 def _stores(module: nn.Module, name: str) -> bool:
     """Whether ``module.<name>`` is a value the module holds (an attribute, parameter, buffer, submodule or
     property), not one of its methods (``ModuleList(modules=...)`` against ``Module.modules``)."""
-    if name in vars(module) or name in module._parameters or name in module._buffers or name in module._modules:
+    if (
+        name in vars(module)
+        or name in module._parameters
+        or name in module._buffers
+        or name in module._modules
+    ):
         return True
     return isinstance(inspect.getattr_static(type(module), name, None), property)
 
@@ -113,7 +133,11 @@ def drop_redundant(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     judged by the whole configuration (Note [rebuilt modules equal the original])."""
     defaults = inspect.signature(type(module).__init__).parameters
     for name in list(kwargs):
-        if name == "dtype" or name not in defaults or defaults[name].default is inspect.Parameter.empty:
+        if (
+            name == "dtype"
+            or name not in defaults
+            or defaults[name].default is inspect.Parameter.empty
+        ):
             continue
         trial = {k: v for k, v in kwargs.items() if k != name}
         try:
@@ -153,19 +177,33 @@ def rebuild_problem(module: nn.Module, ctor_args: CtorArgs | None = None) -> str
 def literal_problem(value: Any) -> str | None:
     """The first part of ``value`` that has no Python literal form in a stage file (None when all have):
     ``None``, bools, numbers, strings, bytes, dtypes, devices, enums, tuples, lists, dicts, dataclasses."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)):
+    if value is None or isinstance(
+        value, (bool, int, float, str, bytes, torch.dtype, torch.device, enum.Enum)
+    ):
         return None
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
         return next((p for p in map(literal_problem, value) if p is not None), None)
     if isinstance(value, dict):
-        return next((p for p in map(literal_problem, [*value.keys(), *value.values()]) if p is not None), None)
+        return next(
+            (p for p in map(literal_problem, [*value.keys(), *value.values()]) if p is not None),
+            None,
+        )
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return next((p for f in dataclasses.fields(value) if f.init
-                     for p in [literal_problem(getattr(value, f.name))] if p is not None), None)
+        return next(
+            (
+                p
+                for f in dataclasses.fields(value)
+                if f.init
+                for p in [literal_problem(getattr(value, f.name))]
+                if p is not None
+            ),
+            None,
+        )
     return f"{type(value).__name__} {_short_repr(value)}"
 
 
 # ---- comparing configurations --------------------------------------------------------------------------------------
+
 
 def configuration_difference(original: nn.Module, rebuilt: nn.Module, path: str = "") -> str | None:
     """The first way ``rebuilt`` differs from ``original`` in its configuration, or None when it equals it
@@ -224,11 +262,15 @@ def _configuration(module: nn.Module) -> dict[str, Any]:
 
 def _state(module: nn.Module) -> list[tuple[str, str, str, bool]]:
     """(kind, name, shape and dtype or None, persistent) of the module's own parameters and buffers."""
+
     def spec(t: torch.Tensor | None) -> str:
         return "None" if t is None else f"{t.dtype}{list(t.shape)}"
 
     rows = [("parameter", k, spec(v), True) for k, v in module._parameters.items()]
-    rows += [("buffer", k, spec(v), k not in module._non_persistent_buffers_set) for k, v in module._buffers.items()]
+    rows += [
+        ("buffer", k, spec(v), k not in module._non_persistent_buffers_set)
+        for k, v in module._buffers.items()
+    ]
     return sorted(rows)
 
 
@@ -238,7 +280,12 @@ def _hooks(module: nn.Module) -> list[tuple[str, str]]:
     for table in _HOOK_TABLES:
         for hook in getattr(module, table, {}).values():
             fn = getattr(hook, "__func__", hook)
-            found.append((table, f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"))
+            found.append(
+                (
+                    table,
+                    f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}",
+                )
+            )
     return sorted(found)
 
 
@@ -258,11 +305,15 @@ def _same_value(a: Any, b: Any, depth: int) -> bool:
     if isinstance(a, dict):
         return list(a) == list(b) and all(_same_value(a[k], b[k], depth + 1) for k in a)
     if isinstance(a, types.MethodType):  # bound to the module itself, or to the same object
-        return a.__func__ is b.__func__ and (a.__self__ is b.__self__ or type(a.__self__) is type(b.__self__))
+        return a.__func__ is b.__func__ and (
+            a.__self__ is b.__self__ or type(a.__self__) is type(b.__self__)
+        )
     if isinstance(a, (types.FunctionType, types.BuiltinFunctionType, type)):
         return a is b
     if isinstance(a, functools.partial):
-        return a.func is b.func and _same_value((a.args, a.keywords), (b.args, b.keywords), depth + 1)
+        return a.func is b.func and _same_value(
+            (a.args, a.keywords), (b.args, b.keywords), depth + 1
+        )
     if type(a).__eq__ is not object.__eq__:
         try:
             return bool(a == b)

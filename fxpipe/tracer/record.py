@@ -57,5 +57,7 @@ def build_model_recorded(factory: Callable[[], nn.Module]) -> tuple[nn.Module, B
     seen: weakref.WeakKeyDictionary[nn.Module, CtorArgs] = weakref.WeakKeyDictionary()
     with record_constructors(seen):
         model = factory()
-    ctor_args = {path: seen[m] for path, m in model.named_modules(remove_duplicate=False) if m in seen}
+    ctor_args = {
+        path: seen[m] for path, m in model.named_modules(remove_duplicate=False) if m in seen
+    }
     return model, BuildRecord(ctor_args=ctor_args, pins=module_pins(model))

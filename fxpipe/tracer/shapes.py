@@ -32,8 +32,19 @@ from fxpipe.tracer.mutation import MutationLog
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.graphmeta import SPEC_KEY
 
-__all__ = ["BatchDims", "Propagation", "propagate", "double_batch", "default_batch_dims", "infer_batch_dims",
-           "resolve_batch_dims", "describe_tensor", "batch_size_of", "dtype_name", "requiring_grad"]
+__all__ = [
+    "BatchDims",
+    "Propagation",
+    "propagate",
+    "double_batch",
+    "default_batch_dims",
+    "infer_batch_dims",
+    "resolve_batch_dims",
+    "describe_tensor",
+    "batch_size_of",
+    "dtype_name",
+    "requiring_grad",
+]
 
 BatchDims = tuple[int | None, ...]
 
@@ -57,7 +68,9 @@ def default_batch_dims(inputs: Sequence[torch.Tensor]) -> BatchDims:
     return tuple(0 if t.dim() > 0 else None for t in inputs)
 
 
-def resolve_batch_dims(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None] | None) -> BatchDims:
+def resolve_batch_dims(
+    inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None] | None
+) -> BatchDims:
     """Check ``batch_dims`` against the inputs (negative dims count from the end), or default them.
 
     Raises ``ValueError`` (the caller turns it into its own error) when the length or a
@@ -67,18 +80,24 @@ def resolve_batch_dims(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int 
         dims: BatchDims = default_batch_dims(inputs)
     else:
         if len(batch_dims) != len(inputs):
-            raise ValueError(f"batch_dims has {len(batch_dims)} entries but there are {len(inputs)} inputs; "
-                             "give one entry per input (None for an input without a batch dimension)")
+            raise ValueError(
+                f"batch_dims has {len(batch_dims)} entries but there are {len(inputs)} inputs; "
+                "give one entry per input (None for an input without a batch dimension)"
+            )
         resolved = []
         for i, (t, d) in enumerate(zip(inputs, batch_dims)):
             if d is not None and not -t.dim() <= d < t.dim():
-                raise ValueError(f"batch_dims[{i}] is {d} but input {i} has shape {list(t.shape)}; "
-                                 f"use a dimension in {-t.dim()}..{t.dim() - 1} or None")
+                raise ValueError(
+                    f"batch_dims[{i}] is {d} but input {i} has shape {list(t.shape)}; "
+                    f"use a dimension in {-t.dim()}..{t.dim() - 1} or None"
+                )
             resolved.append(None if d is None else d % t.dim())
         dims = tuple(resolved)
     if all(d is None for d in dims):
-        raise ValueError("no input has a batch dimension; fxpipe splits microbatches along it, so at least "
-                         "one input needs one")
+        raise ValueError(
+            "no input has a batch dimension; fxpipe splits microbatches along it, so at least "
+            "one input needs one"
+        )
     return dims
 
 
@@ -89,16 +108,22 @@ def infer_batch_dims(first: Sequence[torch.Tensor], second: Sequence[torch.Tenso
     dimension must have doubled. Raises ``ValueError`` naming the input that breaks this.
     """
     if len(first) != len(second):
-        raise ValueError(f"{len(first)} inputs at the traced batch but {len(second)} at twice that batch")
+        raise ValueError(
+            f"{len(first)} inputs at the traced batch but {len(second)} at twice that batch"
+        )
     dims: list[int | None] = []
     for i, (a, b) in enumerate(zip(first, second)):
         if a.dim() != b.dim() or a.dtype != b.dtype:
-            raise ValueError(f"input {i} is {describe_tensor(a)} at the traced batch but {describe_tensor(b)} at twice that "
-                             "batch; only the size of the batch dimension may change")
+            raise ValueError(
+                f"input {i} is {describe_tensor(a)} at the traced batch but {describe_tensor(b)} at twice that "
+                "batch; only the size of the batch dimension may change"
+            )
         changed = [d for d, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
         if len(changed) > 1 or (changed and b.shape[changed[0]] != 2 * a.shape[changed[0]]):
-            raise ValueError(f"input {i} is {describe_tensor(a)} at the traced batch but {describe_tensor(b)} at twice that "
-                             "batch; exactly one dimension (the batch) may change, and it must double")
+            raise ValueError(
+                f"input {i} is {describe_tensor(a)} at the traced batch but {describe_tensor(b)} at twice that "
+                "batch; exactly one dimension (the batch) may change, and it must double"
+            )
         dims.append(changed[0] if changed else None)
     return tuple(dims)
 
@@ -108,8 +133,9 @@ def batch_size_of(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | Non
     return next(int(t.shape[d]) for t, d in zip(inputs, batch_dims) if d is not None)
 
 
-def double_batch(inputs: tuple[torch.Tensor, ...], batch_dims: Sequence[int | None] | None = None
-                 ) -> tuple[torch.Tensor, ...]:
+def double_batch(
+    inputs: tuple[torch.Tensor, ...], batch_dims: Sequence[int | None] | None = None
+) -> tuple[torch.Tensor, ...]:
     """The same samples twice: each batched input concatenated with itself along its batch dimension.
 
     Inputs without a batch dimension (``None``) are passed as they are; ``batch_dims``
@@ -147,10 +173,18 @@ class _Counting(torch.fx.Interpreter):
 
 def _spec(value: Any, doubled: Any, batch: int) -> Any:
     if isinstance(value, torch.Tensor):
-        return TensorSpec(shape=tuple(value.shape), dtype=dtype_name(value.dtype),
-                          batch_dim=_batch_dim(value, doubled, batch), requires_grad=value.requires_grad)
+        return TensorSpec(
+            shape=tuple(value.shape),
+            dtype=dtype_name(value.dtype),
+            batch_dim=_batch_dim(value, doubled, batch),
+            requires_grad=value.requires_grad,
+        )
     if isinstance(value, (tuple, list)):
-        others = doubled if isinstance(doubled, (tuple, list)) and len(doubled) == len(value) else [None] * len(value)
+        others = (
+            doubled
+            if isinstance(doubled, (tuple, list)) and len(doubled) == len(value)
+            else [None] * len(value)
+        )
         return tuple(_spec(v, d, batch) for v, d in zip(value, others))
     return None
 
@@ -165,8 +199,12 @@ def _batch_dim(value: torch.Tensor, doubled: Any, batch: int) -> int | None:
     return 0 if value.dim() > 0 and value.shape[0] == batch else None
 
 
-def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_size: int,
-              batch_dims: Sequence[int | None] | None = None) -> Propagation:
+def propagate(
+    gm: torch.fx.GraphModule,
+    inputs: tuple[torch.Tensor, ...],
+    batch_size: int,
+    batch_dims: Sequence[int | None] | None = None,
+) -> Propagation:
     """Run ``gm`` at ``B`` and ``2B`` and set ``node.meta[SPEC_KEY]`` on every node.
 
     ``batch_dims`` says along which dimension each input grows for the ``2B`` run
@@ -182,8 +220,11 @@ def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_
             second.run(*double_batch(inputs, batch_dims))
             doubled = second.env
     except Exception as exc:  # noqa: BLE001 - we can still guess, but say so
-        warnings.warn(f"fxpipe: running the graph at batch {2 * batch_size} failed ({type(exc).__name__}: {exc}); "
-                      "assuming dimension 0 is the batch dimension wherever its size equals the batch", stacklevel=2)
+        warnings.warn(
+            f"fxpipe: running the graph at batch {2 * batch_size} failed ({type(exc).__name__}: {exc}); "
+            "assuming dimension 0 is the batch dimension wherever its size equals the batch",
+            stacklevel=2,
+        )
     dims = default_batch_dims(inputs) if batch_dims is None else tuple(batch_dims)
     placeholders = iter(dims)
     for node in gm.graph.nodes:
@@ -193,4 +234,6 @@ def propagate(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch_
         if node.op == "placeholder" and isinstance(spec, TensorSpec):
             spec = dataclasses.replace(spec, batch_dim=next(placeholders))  # known, not guessed
         node.meta[SPEC_KEY] = spec
-    return Propagation(values=counting.env, flops=counting.flops, mutations=counting.mutations.found)
+    return Propagation(
+        values=counting.env, flops=counting.flops, mutations=counting.mutations.found
+    )

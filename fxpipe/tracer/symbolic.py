@@ -31,8 +31,15 @@ from fxpipe.tracer.assert_messages import note_assert_site, restore_assert_messa
 from fxpipe.tracer.call import active_call
 from fxpipe.tracer.rebuild import rebuild_problem
 
-__all__ = ["LeafSpec", "SymbolicTraceFailure", "SymbolicResult", "FallbackLeaf", "symbolic_trace", "is_torch_nn_leaf",
-           "warn_fallbacks"]
+__all__ = [
+    "LeafSpec",
+    "SymbolicTraceFailure",
+    "SymbolicResult",
+    "FallbackLeaf",
+    "symbolic_trace",
+    "is_torch_nn_leaf",
+    "warn_fallbacks",
+]
 
 LeafSpec = type | str  # a module class, or a module path
 
@@ -98,18 +105,26 @@ def warn_fallbacks(fallbacks: Iterable[FallbackLeaf]) -> None:
     for f in fallbacks:
         groups.setdefault((f.module_type, f.reason, f.filename, f.lineno), []).append(f.path)
     for (module_type, reason, filename, lineno), paths in groups.items():
-        shown = ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        shown = ", ".join(repr(p) for p in paths[:4]) + (
+            f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+        )
         them = "them" if len(paths) > 1 else "it"
         warnings.warn_explicit(
             f"fxpipe: symbolic tracing failed inside {shown} ({module_type}): {reason}; keeping {them} whole as "
             f"leaf module{'s' if len(paths) > 1 else ''} (--frontend export traces into {them})",
-            UserWarning, filename, lineno, module=module_type)
+            UserWarning,
+            filename,
+            lineno,
+            module=module_type,
+        )
 
 
 def is_torch_nn_leaf(module: nn.Module) -> bool:
     """FX's default leaf rule: a ``torch.nn`` (or ``torch.ao.nn``) class that is not ``Sequential``."""
     mod = type(module).__module__
-    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(module, nn.Sequential)
+    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(
+        module, nn.Sequential
+    )
 
 
 class _SubmoduleFailure(Exception):
@@ -135,22 +150,40 @@ class _InPlaceProxy(torch.fx.Proxy):
 def _augmented(op: Any) -> Any:
     def method(self: torch.fx.Proxy, other: Any) -> torch.fx.Proxy:
         return self.tracer.create_proxy("call_function", op, (self, other), {})
+
     return method
 
 
-for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor",
-              "ilshift", "irshift"):
+for _name in (
+    "iadd",
+    "isub",
+    "imul",
+    "itruediv",
+    "ifloordiv",
+    "imod",
+    "ipow",
+    "imatmul",
+    "iand",
+    "ior",
+    "ixor",
+    "ilshift",
+    "irshift",
+):
     setattr(_InPlaceProxy, f"__{_name}__", _augmented(getattr(operator, _name)))
 
 
 class _LeafTracer(torch.fx.Tracer):
     """A Tracer that keeps the chosen modules whole and reports the innermost failing one."""
 
-    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str], rebuildable: dict[int, bool]) -> None:
+    def __init__(
+        self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str], rebuildable: dict[int, bool]
+    ) -> None:
         super().__init__()
         self.leaf_types = leaf_types
         self.leaf_paths = leaf_paths
-        self.rebuildable = rebuildable  # id(module) -> whether it is a torch.nn layer a stage can rebuild
+        self.rebuildable = (
+            rebuildable  # id(module) -> whether it is a torch.nn layer a stage can rebuild
+        )
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths or isinstance(m, self.leaf_types):
@@ -160,13 +193,22 @@ class _LeafTracer(torch.fx.Tracer):
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _InPlaceProxy(node, self)
 
-    def create_node(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    name: str | None = None, type_expr: Any = None) -> torch.fx.Node:
+    def create_node(
+        self,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any = None,
+    ) -> torch.fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         note_assert_site(node)
         return node
 
-    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         path = self.path_of_module(m)
         if self.is_leaf_module(m, path):
             return super().call_module(m, forward, args, kwargs)
@@ -185,11 +227,18 @@ def _concrete_args(model: nn.Module, n_inputs: int) -> tuple[dict[str, Any], fro
     call = active_call(n_inputs)
     if call is not None:
         if not call.symbolic:
-            raise SymbolicTraceFailure("", TypeError("arguments passed through *args or **kwargs cannot be traced "
-                                                     "symbolically"))
+            raise SymbolicTraceFailure(
+                "",
+                TypeError(
+                    "arguments passed through *args or **kwargs cannot be traced symbolically"
+                ),
+            )
         return dict(call.concrete), frozenset(call.spec.inputs)
-    params = [p for p in inspect.signature(model.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    params = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     extra = {p.name: p.default for p in params[n_inputs:] if p.default is not p.empty}
     return extra, frozenset(p.name for p in params[:n_inputs])
 
@@ -206,7 +255,9 @@ def _drop_concrete_placeholders(gm: torch.fx.GraphModule, inputs: frozenset[str]
         while frontier:
             user = frontier.pop()
             if user.op != "call_function" or user.target not in _CHECKS:
-                raise SymbolicTraceFailure("", TypeError(f"the graph uses the constant argument {node.target!r}"))
+                raise SymbolicTraceFailure(
+                    "", TypeError(f"the graph uses the constant argument {node.target!r}")
+                )
             users.append(user)
             frontier += user.users
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -216,7 +267,9 @@ def _drop_concrete_placeholders(gm: torch.fx.GraphModule, inputs: frozenset[str]
     gm.recompile()
 
 
-def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] = ()) -> SymbolicResult:
+def symbolic_trace(
+    model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] = ()
+) -> SymbolicResult:
     """Trace ``model`` with FX, making failing submodules leaves (listed in the result, not warned here).
 
     Raises :class:`SymbolicTraceFailure` when the failure is in the model's own forward.
@@ -227,7 +280,9 @@ def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] =
     fallbacks: list[FallbackLeaf] = []
     concrete, inputs = _concrete_args(model, n_inputs)
     # decided before tracing: while the tracer runs, a module's parameters read as Proxies
-    rebuildable = {id(m): rebuild_problem(m) is None for m in model.modules() if is_torch_nn_leaf(m)}
+    rebuildable = {
+        id(m): rebuild_problem(m) is None for m in model.modules() if is_torch_nn_leaf(m)
+    }
     for _ in range(sum(1 for _ in model.modules()) + 1):
         tracer = _LeafTracer(leaf_types, frozenset(leaf_paths), rebuildable)
         try:
@@ -237,8 +292,14 @@ def symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[LeafSpec] =
         except _SubmoduleFailure as failure:
             module = model.get_submodule(failure.path)
             reason = f"{type(failure.cause).__name__}: {failure.cause}"
-            fallbacks.append(FallbackLeaf(failure.path, type(module).__name__, reason,
-                                          *_failure_site(module, failure.cause)))
+            fallbacks.append(
+                FallbackLeaf(
+                    failure.path,
+                    type(module).__name__,
+                    reason,
+                    *_failure_site(module, failure.cause),
+                )
+            )
             leaf_paths.add(failure.path)
             continue
         except Exception as exc:  # noqa: BLE001 - reported to the caller with the cause

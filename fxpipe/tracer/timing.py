@@ -28,7 +28,14 @@ from fxpipe.tracer.calibration import DEVICE_PRESETS, DevicePreset, host_slowdow
 from fxpipe.tracer.counting import UnitCounts, count_ops
 from fxpipe.tracer.unit_runner import UnitInputs, UnitRunner
 
-__all__ = ["analytic_ms", "op_overhead_s", "measure_ms", "call_overhead_ms", "gauge_call_ms", "time_units"]
+__all__ = [
+    "analytic_ms",
+    "op_overhead_s",
+    "measure_ms",
+    "call_overhead_ms",
+    "gauge_call_ms",
+    "time_units",
+]
 
 
 def op_overhead_s(ops: Iterable[tuple[str, int]], preset: DevicePreset, backward: bool) -> float:
@@ -97,11 +104,14 @@ class _CallOnly:
         return [self.module(*inputs.args)]
 
 
-def call_overhead_ms(device: str, cpu_threads: int | None = 1, warmup: int = 5,
-                     repeats: int = 31) -> tuple[float, float]:
+def call_overhead_ms(
+    device: str, cpu_threads: int | None = 1, warmup: int = 5, repeats: int = 31
+) -> tuple[float, float]:
     """Forward and backward milliseconds of calling a unit that does (nearly) nothing
     (Note [unit call cost]); also the gauge of the host's speed (Note [host speed])."""
-    return _measure_warm_ms(_CallOnly(device), device, warmup=warmup, repeats=repeats, cpu_threads=cpu_threads)
+    return _measure_warm_ms(
+        _CallOnly(device), device, warmup=warmup, repeats=repeats, cpu_threads=cpu_threads
+    )
 
 
 def gauge_call_ms(device: str) -> tuple[float, float]:
@@ -110,9 +120,15 @@ def gauge_call_ms(device: str) -> tuple[float, float]:
     return call_overhead_ms(device, warmup=2, repeats=11)
 
 
-def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 7,
-               cpu_threads: int | None = 1, call_ms: tuple[float, float] = (0.0, 0.0),
-               slowdown: float = 1.0) -> tuple[float, float]:
+def measure_ms(
+    runner: UnitRunner,
+    device: str,
+    warmup: int = 3,
+    repeats: int = 7,
+    cpu_threads: int | None = 1,
+    call_ms: tuple[float, float] = (0.0, 0.0),
+    slowdown: float = 1.0,
+) -> tuple[float, float]:
     """Forward and backward milliseconds of one unit inside a running pipeline: the median
     of ``repeats`` warm runs (after ``warmup``) plus the cold-cache share of its op costs,
     ``(cold_factor - 1) x`` their warm cost (Note [analytic unit time]).
@@ -131,16 +147,20 @@ def measure_ms(runner: UnitRunner, device: str, warmup: int = 3, repeats: int = 
     if preset is None or preset.cold_factor == 1.0:
         return fwd_ms, bwd_ms
     fwd_ops, bwd_ops = count_ops(runner)
-    share = slowdown * (preset.cold_factor - 1.0) / preset.cold_factor  # op_overhead_s includes the factor
+    share = (
+        slowdown * (preset.cold_factor - 1.0) / preset.cold_factor
+    )  # op_overhead_s includes the factor
     fwd_ms += share * op_overhead_s(fwd_ops.items(), preset, backward=False) * 1e3
     if bwd_ms > 0:
         bwd_ms += share * op_overhead_s(bwd_ops.items(), preset, backward=True) * 1e3
     return fwd_ms, bwd_ms
 
 
-def time_units(runners: Sequence[UnitRunner], device: str,
-               iterate: Callable[[Sequence[UnitRunner]], Iterable[UnitRunner]] = iter,
-               ) -> tuple[list[tuple[float, float]], float | None]:
+def time_units(
+    runners: Sequence[UnitRunner],
+    device: str,
+    iterate: Callable[[Sequence[UnitRunner]], Iterable[UnitRunner]] = iter,
+) -> tuple[list[tuple[float, float]], float | None]:
     """Every unit's forward and backward ms (``measure_ms``) and the host's call cost over the
     trace (``None`` without units): the median of the ``gauge_call_ms`` samples taken right
     before each unit, each of which its unit's timing uses (Note [unit call cost], Note [host
@@ -150,12 +170,15 @@ def time_units(runners: Sequence[UnitRunner], device: str,
     for runner in iterate(runners):
         call = gauge_call_ms(device)
         samples.append(call[0] + call[1])
-        times.append(measure_ms(runner, device, call_ms=call, slowdown=host_slowdown(device, samples[-1])))
+        times.append(
+            measure_ms(runner, device, call_ms=call, slowdown=host_slowdown(device, samples[-1]))
+        )
     return times, statistics.median(samples) if samples else None
 
 
-def _measure_warm_ms(runner: UnitRunner | _CallOnly, device: str, warmup: int, repeats: int,
-                     cpu_threads: int | None) -> tuple[float, float]:
+def _measure_warm_ms(
+    runner: UnitRunner | _CallOnly, device: str, warmup: int, repeats: int, cpu_threads: int | None
+) -> tuple[float, float]:
     """Median forward and backward milliseconds of back-to-back runs of one unit."""
     sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fwd_times, bwd_times = [], []
@@ -167,7 +190,11 @@ def _measure_warm_ms(runner: UnitRunner | _CallOnly, device: str, warmup: int, r
             outputs = runner.run(inputs)
             sync()
             t1 = time.perf_counter()
-            grads = [torch.ones_like(o) for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = [
+                torch.ones_like(o)
+                for o in outputs
+                if isinstance(o, torch.Tensor) and o.requires_grad
+            ]
             sync()
             t2 = time.perf_counter()
             has_backward = runner.backward(outputs, inputs.leaves, grads)

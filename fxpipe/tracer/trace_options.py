@@ -33,21 +33,46 @@ class ModelTraceOptions(Options):
 
     what: ClassVar[str] = "trace options"
 
-    model_fn: str | None = option(None, metavar="NAME", none_means="build_model", help="model factory function")
-    inputs_fn: str | None = option(None, metavar="NAME", none_means="example_inputs", help="example inputs function")
-    frontend: str = option("auto", choices=FRONTENDS,
-                           help="tracing front end: %(choices)s (auto: symbolic when it exposes the structure)")
-    leaves: tuple[str, ...] = option((), flag="--leaf", repeat=True, metavar="TYPE_OR_PATH",
-                                     help="keep this module type (class name) or module path whole; repeatable")
-    trace_device: str = option("cpu", aliases=("--device",), choices=TRACE_DEVICES,
-                               help="where to trace; meta: build the model with its parameters on the meta device "
-                                    "and profile it analytically, for models larger than this machine")
-    cost_device: str | None = option(None, choices=tuple(DEVICE_PRESETS), none_means="the trace device; cpu for meta",
-                                     help="device whose analytic costs price the units")
-    measure_times: bool = option(False, help="measure forward/backward per unit instead of the analytic estimate")
-    measure_memory: bool = option(False, help="measure activation memory saved for backward per unit")
+    model_fn: str | None = option(
+        None, metavar="NAME", none_means="build_model", help="model factory function"
+    )
+    inputs_fn: str | None = option(
+        None, metavar="NAME", none_means="example_inputs", help="example inputs function"
+    )
+    frontend: str = option(
+        "auto",
+        choices=FRONTENDS,
+        help="tracing front end: %(choices)s (auto: symbolic when it exposes the structure)",
+    )
+    leaves: tuple[str, ...] = option(
+        (),
+        flag="--leaf",
+        repeat=True,
+        metavar="TYPE_OR_PATH",
+        help="keep this module type (class name) or module path whole; repeatable",
+    )
+    trace_device: str = option(
+        "cpu",
+        aliases=("--device",),
+        choices=TRACE_DEVICES,
+        help="where to trace; meta: build the model with its parameters on the meta device "
+        "and profile it analytically, for models larger than this machine",
+    )
+    cost_device: str | None = option(
+        None,
+        choices=tuple(DEVICE_PRESETS),
+        none_means="the trace device; cpu for meta",
+        help="device whose analytic costs price the units",
+    )
+    measure_times: bool = option(
+        False, help="measure forward/backward per unit instead of the analytic estimate"
+    )
+    measure_memory: bool = option(
+        False, help="measure activation memory saved for backward per unit"
+    )
 
     def trace_kwargs(self) -> dict[str, Any]:
         """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function names)."""
         return {k: v for k, v in self.to_dict().items() if k not in ("model_fn", "inputs_fn")} | {
-            "leaves": self.leaves}
+            "leaves": self.leaves
+        }

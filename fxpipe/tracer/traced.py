@@ -26,7 +26,6 @@ from fxpipe.tracer.profile import ModelProfile
 __all__ = ["TracedModel"]
 
 
-
 @dataclass
 class TracedModel:
     """A model, its normalized FX graph, and its profile.

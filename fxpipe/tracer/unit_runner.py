@@ -55,11 +55,16 @@ class UnitInputs:
 
     def node_of_storage(self) -> dict[int, torch.fx.Node]:
         """Data pointer of each tensor argument's storage -> the input node it stands for."""
-        return {storage_key(a): node for node, a in zip(self.nodes, self.args)
-                if isinstance(a, torch.Tensor)}
+        return {
+            storage_key(a): node
+            for node, a in zip(self.nodes, self.args)
+            if isinstance(a, torch.Tensor)
+        }
 
 
-def fresh_copies(values: list[Any], requires_grad: list[bool]) -> tuple[list[Any], list[torch.Tensor]]:
+def fresh_copies(
+    values: list[Any], requires_grad: list[bool]
+) -> tuple[list[Any], list[torch.Tensor]]:
     """Arguments that stand for recorded ``values`` without ever changing them, and their grad leaves:
     a tensor whose ``requires_grad`` entry is true (and is floating) becomes ``leaf.clone()`` of a
     leaf sharing its storage, any other tensor a plain clone (Note [fresh unit inputs])."""
@@ -80,7 +85,9 @@ def fresh_copies(values: list[Any], requires_grad: list[bool]) -> tuple[list[Any
 class UnitRunner:
     """Runs one unit's nodes on its recorded inputs; ``forward()`` returns (outputs, grad leaves)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, group: UnitGroup, values: dict[torch.fx.Node, Any]) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, group: UnitGroup, values: dict[torch.fx.Node, Any]
+    ) -> None:
         by_name = {n.name: n for n in gm.graph.nodes}
         self.gm = gm
         self.group = group
@@ -89,7 +96,9 @@ class UnitRunner:
         self.output_nodes = [by_name[n] for n in group.outputs]
         self.input_values = {by_name[n]: values[by_name[n]] for n in group.inputs}
         self.tensors = self._tensors()
-        self._values = values  # every node's recorded value, to rerun an input's producer (Note [saved once])
+        self._values = (
+            values  # every node's recorded value, to rerun an input's producer (Note [saved once])
+        )
 
     def _tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers the unit reads (from get_attr nodes and leaf modules)."""
@@ -139,8 +148,11 @@ class UnitRunner:
         return self.run(inputs), list(inputs.leaves)
 
     @staticmethod
-    def backward(outputs: list[Any], leaves: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                 grad_outputs: list[torch.Tensor] | None = None) -> bool:
+    def backward(
+        outputs: list[Any],
+        leaves: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        grad_outputs: list[torch.Tensor] | None = None,
+    ) -> bool:
         """Backpropagate ``grad_outputs`` (default ones) from the differentiable outputs;
         False when there is nothing to do."""
         outs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]

@@ -43,12 +43,20 @@ class UnitGroup:
 
 
 def _is_indexer(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in (operator.getitem, getattr)
-            and isinstance(node.args[0], torch.fx.Node) and node.args[0].op in COMPUTE_OPS)
+    return (
+        node.op == "call_function"
+        and node.target in (operator.getitem, getattr)
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op in COMPUTE_OPS
+    )
 
 
 def _is_glue(node: torch.fx.Node, flops: dict[str, float]) -> bool:
-    return node.meta.get(PATH_KEY, "") == "" and node.op != "call_module" and flops.get(node.name, 0.0) == 0.0
+    return (
+        node.meta.get(PATH_KEY, "") == ""
+        and node.op != "call_module"
+        and flops.get(node.name, 0.0) == 0.0
+    )
 
 
 def group_units(gm: torch.fx.GraphModule, flops: dict[str, float]) -> list[UnitGroup]:
@@ -76,7 +84,9 @@ def group_units(gm: torch.fx.GraphModule, flops: dict[str, float]) -> list[UnitG
     return _describe(gm, runs)
 
 
-def join_units(gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list[set[str]]) -> list[UnitGroup]:
+def join_units(
+    gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list[set[str]]
+) -> list[UnitGroup]:
     """Merge consecutive units so that the nodes of each set in ``together`` share one unit (a merged
     unit is still a run of consecutive nodes, under the modules' common path)."""
     unit_of = {name: i for i, g in enumerate(groups) for name in g.nodes}
@@ -91,14 +101,17 @@ def join_units(gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list
     runs: list[tuple[tuple[str, str], list[torch.fx.Node]]] = []
     i = 0
     while i < len(groups):
-        j, reach = i + 1, end[i]  # the run grows while the next unit is inside the reach of the run so far
+        j, reach = (
+            i + 1,
+            end[i],
+        )  # the run grows while the next unit is inside the reach of the run so far
         while j < len(groups) and j <= reach:
             reach = max(reach, end[j])
             j += 1
         members = groups[i:j]
         paths = [g.path.split(".") if g.path else [] for g in members]
-        common = paths[0][:min(len(p) for p in paths)]
-        while any(p[:len(common)] != common for p in paths):
+        common = paths[0][: min(len(p) for p in paths)]
+        while any(p[: len(common)] != common for p in paths):
             common = common[:-1]
         key = (members[0].kind, members[0].path) if len(members) == 1 else ("ops", ".".join(common))
         runs.append((key, [by_name[n] for g in members for n in g.nodes]))
@@ -106,7 +119,9 @@ def join_units(gm: torch.fx.GraphModule, groups: list[UnitGroup], together: list
     return _describe(gm, runs)
 
 
-def _describe(gm: torch.fx.GraphModule, runs: list[tuple[tuple[str, str], list[torch.fx.Node]]]) -> list[UnitGroup]:
+def _describe(
+    gm: torch.fx.GraphModule, runs: list[tuple[tuple[str, str], list[torch.fx.Node]]]
+) -> list[UnitGroup]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     seen: dict[str, int] = {}
     groups = []
@@ -125,14 +140,18 @@ def _describe(gm: torch.fx.GraphModule, runs: list[tuple[tuple[str, str], list[t
                 if arg not in bucket:
                     bucket.append(arg)
         outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        groups.append(UnitGroup(
-            name=base if count == 0 else f"{base}#{count}",
-            path=path,
-            kind=kind,
-            nodes=tuple(n.name for n in nodes),
-            inputs=tuple(n.name for n in inputs),
-            outputs=tuple(n.name for n in outputs),
-            get_attrs=tuple(n.name for n in attrs),
-            reads_inputs=tuple(sorted(placeholders.index(n) for n in inputs if n.op == "placeholder")),
-        ))
+        groups.append(
+            UnitGroup(
+                name=base if count == 0 else f"{base}#{count}",
+                path=path,
+                kind=kind,
+                nodes=tuple(n.name for n in nodes),
+                inputs=tuple(n.name for n in inputs),
+                outputs=tuple(n.name for n in outputs),
+                get_attrs=tuple(n.name for n in attrs),
+                reads_inputs=tuple(
+                    sorted(placeholders.index(n) for n in inputs if n.op == "placeholder")
+                ),
+            )
+        )
     return groups

@@ -20,33 +20,64 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
-def build_example(out: Path, spec: str, stages: int, *, solver: str = "uniform", microbatch: int = 2,
-                  microbatches: int = 2, inputs_fn: str | None = None) -> tuple[Manifest, ModelSource]:
+def build_example(
+    out: Path,
+    spec: str,
+    stages: int,
+    *,
+    solver: str = "uniform",
+    microbatch: int = 2,
+    microbatches: int = 2,
+    inputs_fn: str | None = None,
+) -> tuple[Manifest, ModelSource]:
     """``spec`` is ``name`` or ``name:model_fn`` of a file in examples/."""
     name, _, fn = spec.partition(":")
-    return build_model_file(out, EXAMPLES / f"{name}.py", stages, model_fn=fn or None, solver=solver,
-                            microbatch=microbatch, microbatches=microbatches, inputs_fn=inputs_fn)
+    return build_model_file(
+        out,
+        EXAMPLES / f"{name}.py",
+        stages,
+        model_fn=fn or None,
+        solver=solver,
+        microbatch=microbatch,
+        microbatches=microbatches,
+        inputs_fn=inputs_fn,
+    )
 
 
-def build_model_file(out: Path, path: Path, stages: int, *, model_fn: str | None = None, solver: str = "uniform",
-                     microbatch: int = 2, microbatches: int = 2,
-                     inputs_fn: str | None = None) -> tuple[Manifest, ModelSource]:
+def build_model_file(
+    out: Path,
+    path: Path,
+    stages: int,
+    *,
+    model_fn: str | None = None,
+    solver: str = "uniform",
+    microbatch: int = 2,
+    microbatches: int = 2,
+    inputs_fn: str | None = None,
+) -> tuple[Manifest, ModelSource]:
     """Trace the model file ``path`` at ``microbatch``, plan ``stages`` stages and write the build to ``out``."""
     source = load_model_file(path, model_fn=model_fn, inputs_fn=inputs_fn)
     traced = trace_model_file(source, microbatch, progress=False)
-    plan = plan_partition(traced.profile, stages, solver=solver, microbatches=microbatches, time_limit=5.0)
-    manifest = write_build_dir(traced, plan, out, source, batch_size=microbatch * microbatches,
-                               microbatches=microbatches)
+    plan = plan_partition(
+        traced.profile, stages, solver=solver, microbatches=microbatches, time_limit=5.0
+    )
+    manifest = write_build_dir(
+        traced, plan, out, source, batch_size=microbatch * microbatches, microbatches=microbatches
+    )
     return manifest, source
 
 
 def build_sources(out: Path, manifest: Manifest) -> str:
     """Every generated source of a build: the stage files and the classes they share (``shared.py``)."""
-    files = [sm.source for sm in manifest.stages] + ([manifest.shared_source] if manifest.shared_source else [])
+    files = [sm.source for sm in manifest.stages] + (
+        [manifest.shared_source] if manifest.shared_source else []
+    )
     return "\n".join((out / name).read_text() for name in files)
 
 
-def reference_with_build_weights(source: ModelSource, manifest: Manifest, build_dir: Path) -> nn.Module:
+def reference_with_build_weights(
+    source: ModelSource, manifest: Manifest, build_dir: Path
+) -> nn.Module:
     """The original model, holding exactly the weights written to the build directory."""
     from safetensors.torch import load_file
 
@@ -60,7 +91,9 @@ def reference_with_build_weights(source: ModelSource, manifest: Manifest, build_
     return model.train(manifest.training)
 
 
-def assert_same_outputs_and_grads(reference: nn.Module, pipeline: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+def assert_same_outputs_and_grads(
+    reference: nn.Module, pipeline: Any, inputs: tuple[torch.Tensor, ...]
+) -> None:
     """Outputs, every parameter gradient and every buffer afterwards equal (fp32, assert_close)."""
     want = reference(*inputs)
     got = pipeline(*inputs)

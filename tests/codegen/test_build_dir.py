@@ -33,14 +33,24 @@ def _write(traced: tuple[Any, Any], out: Path, stages: int) -> Any:
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def test_one_writer_writes_every_file_of_the_build(traced: Any, tmp_path: Path) -> None:
     manifest = _write(traced, tmp_path / "build", 2)
     names = sorted(p.name for p in (tmp_path / "build").iterdir())
-    assert names == ["manifest.json", "plan.json", "profile.json", "report.html", "stage_0.py",
-                     "stage_0.safetensors", "stage_1.py", "stage_1.safetensors"]
+    assert names == [
+        "manifest.json",
+        "plan.json",
+        "profile.json",
+        "report.html",
+        "stage_0.py",
+        "stage_0.safetensors",
+        "stage_1.py",
+        "stage_1.safetensors",
+    ]
     assert manifest.num_stages == 2
     assert os.listdir(tmp_path) == ["build"]  # no temporary sibling left
 
@@ -56,15 +66,18 @@ def test_a_smaller_build_leaves_no_stale_stage_files(traced: Any, tmp_path: Path
     assert sorted(os.listdir(tmp_path)) == ["build"]
 
 
-def test_a_failed_partition_leaves_the_previous_build_byte_identical(traced: Any, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_partition_leaves_the_previous_build_byte_identical(
+    traced: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "build"
     _write(traced, out, 2)
     before = _snapshot(out)
     save = codegen_build.save_weights
 
     def failing_save(state: Any, path: Path) -> None:
-        if path.name == "stage_2.safetensors":  # stages 0 and 1 (and stage 2's source) are written by then
+        if (
+            path.name == "stage_2.safetensors"
+        ):  # stages 0 and 1 (and stage 2's source) are written by then
             raise RuntimeError("injected failure in emit")
         save(state, path)
 
@@ -75,8 +88,9 @@ def test_a_failed_partition_leaves_the_previous_build_byte_identical(traced: Any
     assert os.listdir(tmp_path) == ["build"]
 
 
-def test_a_full_disk_is_one_error_and_keeps_the_previous_build(traced: Any, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_disk_is_one_error_and_keeps_the_previous_build(
+    traced: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "build"
     _write(traced, out, 2)
     before = _snapshot(out)
@@ -86,13 +100,17 @@ def test_a_full_disk_is_one_error_and_keeps_the_previous_build(traced: Any, tmp_
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(codegen_build, "save_weights", full)
-    with pytest.raises(BuildDirError, match="No space left on device.*previous build|previous build.*No space"):
+    with pytest.raises(
+        BuildDirError, match="No space left on device.*previous build|previous build.*No space"
+    ):
         _write(traced, out, 2)
     assert _snapshot(out) == before
     assert os.listdir(tmp_path) == ["build"]
 
 
-def test_out_that_is_a_file_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_out_that_is_a_file_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "build"
     target.write_text("not a directory")
     code = main(["partition", str(MLP), "--stages", "2", "--out", str(target)])
@@ -112,7 +130,9 @@ def test_out_below_a_file_and_foreign_folders_are_refused(tmp_path: Path) -> Non
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders"
+)
 def test_read_only_parent_is_refused(tmp_path: Path) -> None:
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -149,16 +169,24 @@ def test_a_class_two_stages_use_is_written_once_in_shared_py(tmp_path: Path) -> 
     from fxpipe.codegen import CheckedBuild
     from fxpipe.codegen.load import load_checked_stage
 
-    files = {name: (out / name).read_bytes() for name in ("manifest.json", "plan.json", "shared.py", "stage_1.py",
-                                                         "stage_1.safetensors")}
-    assert load_checked_stage(CheckedBuild.from_memory(files, [1], tmp_path / "elsewhere"), 1) is not None
+    files = {
+        name: (out / name).read_bytes()
+        for name in ("manifest.json", "plan.json", "shared.py", "stage_1.py", "stage_1.safetensors")
+    }
+    assert (
+        load_checked_stage(CheckedBuild.from_memory(files, [1], tmp_path / "elsewhere"), 1)
+        is not None
+    )
     with pytest.raises(BuildDirError, match="shared classes shared.py is missing from the build"):
-        CheckedBuild.from_memory({k: v for k, v in files.items() if k != "shared.py"}, [1], tmp_path / "elsewhere")
+        CheckedBuild.from_memory(
+            {k: v for k, v in files.items() if k != "shared.py"}, [1], tmp_path / "elsewhere"
+        )
 
 
 @pytest.mark.parametrize("manifest", [None, "{not json", '{"schema_version": 1}'])
-def test_a_folder_of_build_file_names_without_a_readable_manifest_is_refused(manifest: str | None,
-                                                                              tmp_path: Path) -> None:
+def test_a_folder_of_build_file_names_without_a_readable_manifest_is_refused(
+    manifest: str | None, tmp_path: Path
+) -> None:
     """A user's report.html and profile.json (names a build also holds) are never replaced (#35 item 10)."""
     (tmp_path / "report.html").write_text("<p>my report</p>")
     (tmp_path / "profile.json").write_text("{}")

@@ -49,8 +49,12 @@ def test_a_real_error_is_still_a_mismatch() -> None:
     got[3, 4] += 0.05 * float(want.abs().max())
     assert not compare_tensor("t", got, want).ok
     assert not compare_tensor("t", torch.full((3,), float("nan")), torch.zeros(3)).ok
-    assert compare_tensor("t", torch.tensor([float("inf"), 1.0]), torch.tensor([float("inf"), 1.0])).ok
-    assert not compare_tensor("t", torch.tensor([float("inf"), 1.0]), torch.tensor([-float("inf"), 1.0])).ok
+    assert compare_tensor(
+        "t", torch.tensor([float("inf"), 1.0]), torch.tensor([float("inf"), 1.0])
+    ).ok
+    assert not compare_tensor(
+        "t", torch.tensor([float("inf"), 1.0]), torch.tensor([-float("inf"), 1.0])
+    ).ok
 
 
 @pytest.mark.parametrize("delta", [0.0, 1e-7, 1e-5, 9e-3, 1.1e-2, 1.0])
@@ -69,8 +73,12 @@ def test_verify_table_prints_the_allowed_error() -> None:
 
     ref, pipe, x = _noisy_pair()
     mode = compare_in_mode(ref, pipe, [pipe], lambda m: m(x), training=True)
-    report = VerifyReport(modes=(mode, ModeComparison(training=False, outputs=mode.outputs, grads=mode.grads)),
-                          rtol=RTOL, atol=ATOL, loss="weighted sum of the outputs")
+    report = VerifyReport(
+        modes=(mode, ModeComparison(training=False, outputs=mode.outputs, grads=mode.grads)),
+        rtol=RTOL,
+        atol=ATOL,
+        loss="weighted sum of the outputs",
+    )
     buf = io.StringIO()
     print_verify_report(report, console=Console(file=buf, width=200))
     printed = buf.getvalue()

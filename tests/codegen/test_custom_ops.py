@@ -24,21 +24,21 @@ sys.path.insert(0, str(ROOT / "tests" / "tracer"))
 from pipeline_support import MODELS, assert_pipeline_matches, partition_file  # noqa: E402
 
 STYLES = {  # module name -> source registering fxpipe_reg::<name>
-    "reg_custom_op": '''
+    "reg_custom_op": """
         import torch
 
         @torch.library.custom_op("fxpipe_reg::with_custom_op", mutates_args=())
         def with_custom_op(x: torch.Tensor) -> torch.Tensor:
             return x * 2
-        ''',
-    "reg_library": '''
+        """,
+    "reg_library": """
         import torch
 
         lib = torch.library.Library("fxpipe_reg_lib", "DEF")
         lib.define("with_library(Tensor x) -> Tensor")
         lib.impl("with_library", lambda x: x * 2, "CompositeExplicitAutograd")
-        ''',
-    "reg_define_fake": '''
+        """,
+    "reg_define_fake": """
         import torch
 
         torch.library.define("fxpipe_reg::with_define", "(Tensor x) -> Tensor")
@@ -50,7 +50,7 @@ STYLES = {  # module name -> source registering fxpipe_reg::<name>
         @torch.library.register_fake("fxpipe_reg::with_define")
         def _fake(x):
             return torch.empty_like(x)
-        ''',
+        """,
 }
 
 
@@ -64,11 +64,14 @@ def registering_modules(tmp_path_factory: pytest.TempPathFactory) -> None:
         importlib.import_module(name)
 
 
-@pytest.mark.parametrize("op,module", [
-    ("fxpipe_reg.with_custom_op.default", "reg_custom_op"),
-    ("fxpipe_reg_lib.with_library.default", "reg_library"),
-    ("fxpipe_reg.with_define.default", "reg_define_fake"),
-])
+@pytest.mark.parametrize(
+    "op,module",
+    [
+        ("fxpipe_reg.with_custom_op.default", "reg_custom_op"),
+        ("fxpipe_reg_lib.with_library.default", "reg_library"),
+        ("fxpipe_reg.with_define.default", "reg_define_fake"),
+    ],
+)
 def test_the_registering_module_is_found(registering_modules: None, op: str, module: str) -> None:
     namespace, name, overload = op.split(".")
     overload_op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
@@ -82,15 +85,19 @@ def test_the_registering_module_is_found(registering_modules: None, op: str, mod
 def test_torch_operators_need_no_import() -> None:
     imports = ImportTable()
     assert imports.op(torch.ops.aten.add.Tensor) == "torch.ops.aten.add.Tensor"
-    assert imports.op(torch.ops.higher_order.wrap_with_set_grad_enabled) == \
-        "torch.ops.higher_order.wrap_with_set_grad_enabled"
+    assert (
+        imports.op(torch.ops.higher_order.wrap_with_set_grad_enabled)
+        == "torch.ops.higher_order.wrap_with_set_grad_enabled"
+    )
     assert import_for(torch.ops.aten.add.Tensor) is None
     assert registering_module("fxpipe_nowhere::op") is None
     assert imports.lines() == ["import torch"]
 
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
-def test_a_fresh_process_runs_stages_that_call_a_model_files_op(tmp_path: Path, frontend: str) -> None:
+def test_a_fresh_process_runs_stages_that_call_a_model_files_op(
+    tmp_path: Path, frontend: str
+) -> None:
     build = tmp_path / "build"
     traced, source = partition_file(MODELS / "custom_op.py", 2, build, frontend=frontend)
     assert traced.frontend == frontend
@@ -99,11 +106,18 @@ def test_a_fresh_process_runs_stages_that_call_a_model_files_op(tmp_path: Path, 
         assert "torch.ops.fxpipe_test.scaled_tanh" in text and "import_model_module(" in text, text
     assert_pipeline_matches(build, source, training=True)
     expected = load_and_run(build)
-    script = (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-              f"from test_custom_ops import load_and_run; torch.save(load_and_run({str(build)!r}), sys.argv[1])")
+    script = (
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"from test_custom_ops import load_and_run; torch.save(load_and_run({str(build)!r}), sys.argv[1])"
+    )
     out = tmp_path / "out.pt"
-    subprocess.run([sys.executable, "-c", script, str(out)], check=True, cwd=ROOT, timeout=120,
-                   env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, "-c", script, str(out)],
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     torch.testing.assert_close(torch.load(out), expected)
 
 

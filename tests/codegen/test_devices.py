@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codegen_support import assert_same_outputs_and_grads, example_build, reference_with_build_weights  # noqa: F401 (fixture)
+from codegen_support import (
+    assert_same_outputs_and_grads,
+    example_build,
+    reference_with_build_weights,
+)  # noqa: F401 (fixture)
 
 from fxpipe.codegen import load_pipeline
 
-CASES = [("gpt", "example_inputs"), ("hf_models", "example_inputs"), ("hf_models:build_bert", "bert_inputs")]
+CASES = [
+    ("gpt", "example_inputs"),
+    ("hf_models", "example_inputs"),
+    ("hf_models:build_bert", "bert_inputs"),
+]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -32,15 +32,21 @@ def test_graph_written_as_pytorch_and_run() -> None:
     split = g.call_method("split", (x, 2, 1))
     split.meta["val"] = (None, None, None)  # a 3-tuple: written as `a, b, c = ...`
     q, k, v = (g.call_function(operator.getitem, (split, j)) for j in range(3))
-    pooled = g.call_function(F.max_pool2d, (g.call_method("view", (x, [1, 2, 2, 3])), 2))  # a boolean_dispatch function
+    pooled = g.call_function(
+        F.max_pool2d, (g.call_method("view", (x, [1, 2, 2, 3])), 2)
+    )  # a boolean_dispatch function
     total = g.call_function(operator.add, (g.call_function(operator.mul, (q, k)), v))
     g.output((sliced, total, pooled, g.call_function(operator.neg, (t,))))
     source, forward = _render(g)
     assert "getitem = x[:, :size:2]" in source
-    assert "split_0, split_1, split_2 = x.split(2, 1);  x = None" not in source  # x is still read after
+    assert (
+        "split_0, split_1, split_2 = x.split(2, 1);  x = None" not in source
+    )  # x is still read after
     assert "split_0, split_1, split_2 = x.split(2, 1)" in source
     assert "F.max_pool2d(view, 2)" in source and "import torch.nn.functional as F" in source
-    assert "mul = split_0 * split_1\n" in source  # no free: no value has a size, none lowers the peak
+    assert (
+        "mul = split_0 * split_1\n" in source
+    )  # no free: no value has a size, none lowers the peak
     assert "return (getitem, add, max_pool2d, neg)" in source
     data = torch.randn(2, 6)
     q_, k_, v_ = data.split(2, 1)
@@ -56,7 +62,10 @@ def test_run_of_blocks_is_a_loop() -> None:
     out = g.call_function(run_blocks, ("h", 2, 5, x, mask))
     g.output((out,))
     source, forward = _render(g)
-    assert "run_blocks = x\n    for i in range(2, 5):\n        run_blocks = self.h[str(i)](run_blocks, mask)\n" in source
+    assert (
+        "run_blocks = x\n    for i in range(2, 5):\n        run_blocks = self.h[str(i)](run_blocks, mask)\n"
+        in source
+    )
     assert "= None" not in source  # the arguments are the caller's: freeing them frees nothing
 
     class Holder:

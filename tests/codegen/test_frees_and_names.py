@@ -25,7 +25,9 @@ from fxpipe.tracer.profile import TensorSpec
 
 def _render(g: fx.Graph) -> tuple[str, Any]:
     imports = ImportTable()
-    source = "\n".join(imports.lines() + render_forward(g, imports, lambda target: f"self.{target}"))
+    source = "\n".join(
+        imports.lines() + render_forward(g, imports, lambda target: f"self.{target}")
+    )
     namespace: dict[str, Any] = {}
     exec(compile(source, "<forward>", "exec"), namespace)  # noqa: S102 - our own rendered source
     return source, namespace["forward"]
@@ -53,14 +55,22 @@ def _graph() -> fx.Graph:
 
 def test_only_frees_that_lower_the_peak_are_written() -> None:
     source, forward = _render(_graph())
-    assert "mul = add * 2;  add = None" in source  # t1 (4000) dead before t4 (2000) is made: the peak needs it
+    assert (
+        "mul = add * 2;  add = None" in source
+    )  # t1 (4000) dead before t4 (2000) is made: the peak needs it
     assert "x = None" not in source  # the caller holds its arguments
-    assert "view = mul.view(-1)\n" in source  # t2 is still held by its view: freeing the name frees nothing
+    assert (
+        "view = mul.view(-1)\n" in source
+    )  # t2 is still held by its view: freeing the name frees nothing
     assert "mul = x * 3\n" in source  # t2's name is free again: t4 takes it (as `x = f(x)` does)
     assert "mul = mul * 2\n" in source  # t4 dies on the last line: nothing is made after it
     data = torch.randn(1000)
     s, v, t5 = forward(None, data)
-    assert torch.equal(v, (data + 1) * 2) and torch.equal(t5, data * 3 * 2) and torch.equal(s, ((data + 1) * 2).sum())
+    assert (
+        torch.equal(v, (data + 1) * 2)
+        and torch.equal(t5, data * 3 * 2)
+        and torch.equal(s, ((data + 1) * 2).sum())
+    )
 
 
 def _freed(source: str) -> set[str]:
@@ -68,30 +78,36 @@ def _freed(source: str) -> set[str]:
     for line in source.splitlines():
         free = line.split(";  ")[-1] if ";  " in line else line.strip()
         if free.endswith(" = None"):
-            names.update(n.strip() for n in free[:-len(" = None")].split(" = "))
+            names.update(n.strip() for n in free[: -len(" = None")].split(" = "))
     return names
 
 
-@pytest.mark.parametrize("rule, freed", [("all", {"x", "add", "mul"}), ("needed", {"add"}), ("none", set())])
-def test_the_benchmark_rules_write_every_free_or_none(monkeypatch: pytest.MonkeyPatch, rule: str,
-                                                       freed: set[str]) -> None:
+@pytest.mark.parametrize(
+    "rule, freed", [("all", {"x", "add", "mul"}), ("needed", {"add"}), ("none", set())]
+)
+def test_the_benchmark_rules_write_every_free_or_none(
+    monkeypatch: pytest.MonkeyPatch, rule: str, freed: set[str]
+) -> None:
     monkeypatch.setattr(frees, "RULE", rule)
     source, _ = _render(_graph())
     assert _freed(source) == freed
 
 
-@pytest.mark.parametrize("line, names", [
-    ("hidden_states = self.input_layernorm(hidden_states)", ["hidden_states"]),
-    ("hidden_states, _ = self.self_attn(", ["hidden_states", "_"]),
-    ("(q, k) = split(x)", ["q", "k"]),
-    ("outputs: BaseModelOutputWithPast = self.model(", ["outputs"]),
-    ("x += 1", ["x"]),
-    ("return self.weight * hidden_states.to(input_dtype)", []),
-    ("if a == b:", []),
-    ("self.cache = x", []),
-    ("mask[0] = 1", []),
-    ("a <= b", []),
-])
+@pytest.mark.parametrize(
+    "line, names",
+    [
+        ("hidden_states = self.input_layernorm(hidden_states)", ["hidden_states"]),
+        ("hidden_states, _ = self.self_attn(", ["hidden_states", "_"]),
+        ("(q, k) = split(x)", ["q", "k"]),
+        ("outputs: BaseModelOutputWithPast = self.model(", ["outputs"]),
+        ("x += 1", ["x"]),
+        ("return self.weight * hidden_states.to(input_dtype)", []),
+        ("if a == b:", []),
+        ("self.cache = x", []),
+        ("mask[0] = 1", []),
+        ("a <= b", []),
+    ],
+)
 def test_assigned_names(line: str, names: list[str]) -> None:
     assert assigned_names(line) == names
 
@@ -142,15 +158,34 @@ def test_export_path_names_values_as_the_source_does(tmp_path: Path) -> None:
     inputs = (torch.randn(2, 3, 8),)
     traced = trace_model(model, inputs, frontend="export", progress=False)
     assert traced.frontend == "export"
-    stage_of = {n: (0 if i < len(traced.unit_of_node) // 2 else 1) for i, n in enumerate(traced.unit_of_node)}
-    manifest = emit_build(traced.graph_module, traced.model, stage_of, 2, tmp_path, source=None, microbatch=2,
-                          batch_size=2, microbatches=1, output_spec=traced.output_spec)
+    stage_of = {
+        n: (0 if i < len(traced.unit_of_node) // 2 else 1)
+        for i, n in enumerate(traced.unit_of_node)
+    }
+    manifest = emit_build(
+        traced.graph_module,
+        traced.model,
+        stage_of,
+        2,
+        tmp_path,
+        source=None,
+        microbatch=2,
+        batch_size=2,
+        microbatches=1,
+        output_spec=traced.output_spec,
+    )
     text = build_sources(tmp_path, manifest)
-    assert "def forward(self, hidden_states):\n        hidden_states = hidden_states.to(torch.float32)" in text
+    assert (
+        "def forward(self, hidden_states):\n        hidden_states = hidden_states.to(torch.float32)"
+        in text
+    )
     assert "variance = " in text and "scaled = " in text
     # the norm returns one value although the residual reads its input through an identity `to`
     assert "return self.weight * hidden_states" in text
-    assert "def forward(self, hidden_states, device)" not in text and "device = hidden_states.device" in text
+    assert (
+        "def forward(self, hidden_states, device)" not in text
+        and "device = hidden_states.device" in text
+    )
     assert manifest.stages[-1].outputs[-1].name == "logits"
     pipeline = load_pipeline(tmp_path)
     torch.testing.assert_close(pipeline(*inputs), model(*inputs))
@@ -181,8 +216,18 @@ def test_a_helper_function_is_written_once_and_called(tmp_path: Path) -> None:
     inputs = (torch.randn(2, 3, 8),)
     traced = trace_model(model, inputs, frontend="export", progress=False)
     stage_of = {n: 0 for n in traced.unit_of_node}
-    manifest = emit_build(traced.graph_module, traced.model, stage_of, 1, tmp_path, source=None, microbatch=2,
-                          batch_size=2, microbatches=1, output_spec=traced.output_spec)
+    manifest = emit_build(
+        traced.graph_module,
+        traced.model,
+        stage_of,
+        1,
+        tmp_path,
+        source=None,
+        microbatch=2,
+        batch_size=2,
+        microbatches=1,
+        output_spec=traced.output_spec,
+    )
     text = build_sources(tmp_path, manifest)
     assert text.count("def rotate(x, cos, sin):") == 1, text  # one definition for both layers
     assert "rotated = rotate(x, cos, sin)" in text

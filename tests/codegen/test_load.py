@@ -24,7 +24,9 @@ def test_load_stage_builds_only_its_stage(mlp_build) -> None:
     manifest, source, out = mlp_build
     stage = load_stage(out, 1)
     assert type(stage).__name__ == "Stage1"
-    assert set(stage.state_dict()) == set(manifest.stages[1].parameters + manifest.stages[1].buffers)
+    assert set(stage.state_dict()) == set(
+        manifest.stages[1].parameters + manifest.stages[1].buffers
+    )
     assert all(p.device.type == "cpu" and not p.is_meta for p in stage.parameters())
     x = torch.randn(5, *manifest.stages[1].inputs[0].shape[1:])
     (y,) = stage(x)
@@ -86,7 +88,9 @@ def test_last_stage_loads_in_well_under_half_the_memory(tmp_path: Path) -> None:
 
     bench = _load_benchmark()
     path = tmp_path / "big_mlp.py"
-    path.write_text(bench.MODEL.format(width=2048, layers=16))  # 16 x 16.8 MB = 268 MB of fp32 weights
+    path.write_text(
+        bench.MODEL.format(width=2048, layers=16)
+    )  # 16 x 16.8 MB = 268 MB of fp32 weights
     source = load_model_file(path)
     traced = trace_model_file(source, 1, progress=False)
     plan = plan_partition(traced.profile, 4, solver="uniform")

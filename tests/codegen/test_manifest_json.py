@@ -15,10 +15,18 @@ from fxpipe.errors import BuildDirError
 
 def test_build_records_typed_fields_and_round_trips(example_build) -> None:
     manifest, _, out = example_build("mlp", 2, microbatch=2, microbatches=3)
-    assert (manifest.microbatches, manifest.training, manifest.torch_version) == (3, True, torch.__version__)
+    assert (manifest.microbatches, manifest.training, manifest.torch_version) == (
+        3,
+        True,
+        torch.__version__,
+    )
     data = json.loads((out / "manifest.json").read_text())
     assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 4 and "extra" not in data
-    assert (data["microbatches"], data["training"], data["torch_version"]) == (3, True, torch.__version__)
+    assert (data["microbatches"], data["training"], data["torch_version"]) == (
+        3,
+        True,
+        torch.__version__,
+    )
     assert Manifest.from_json(out) == manifest
 
 
@@ -33,10 +41,15 @@ def test_a_version_1_manifest_is_refused_with_the_remedy(example_build) -> None:
     data = json.loads(manifest.to_json())
     for key in ("microbatches", "training", "torch_version"):
         data.pop(key)
-    data.update(schema_version=1, extra={"microbatches": 2, "training": True, "torch": torch.__version__})
+    data.update(
+        schema_version=1, extra={"microbatches": 2, "training": True, "torch": torch.__version__}
+    )
     (out / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(BuildDirError, match=r"schema version 1 is older than this fxpipe reads \(versions 3 to 4\); "
-                                            r"rebuild it with this fxpipe's `fxpipe partition`"):
+    with pytest.raises(
+        BuildDirError,
+        match=r"schema version 1 is older than this fxpipe reads \(versions 3 to 4\); "
+        r"rebuild it with this fxpipe's `fxpipe partition`",
+    ):
         Manifest.from_json(out)
 
 
@@ -51,7 +64,11 @@ def test_a_version_3_manifest_is_read_and_has_no_shared_classes(example_build) -
     data.update(schema_version=3)
     (out / "manifest.json").write_text(json.dumps(data))
     old = Manifest.from_json(out)
-    assert old.schema_version == 3 and old.shared_source == "" and not any(s.imports_shared for s in old.stages)
+    assert (
+        old.schema_version == 3
+        and old.shared_source == ""
+        and not any(s.imports_shared for s in old.stages)
+    )
     assert load_stage(out, 1) is not None
 
 
@@ -60,11 +77,15 @@ def test_a_newer_manifest_is_refused_with_upgrade(example_build) -> None:
     data = json.loads(manifest.to_json())
     data.update(schema_version=MANIFEST_SCHEMA_VERSION + 1)
     (out / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(BuildDirError, match=r"newer than this fxpipe understands \(4\); upgrade fxpipe"):
+    with pytest.raises(
+        BuildDirError, match=r"newer than this fxpipe understands \(4\); upgrade fxpipe"
+    ):
         Manifest.from_json(out)
 
 
-def test_a_version_2_manifest_is_refused_since_its_stages_may_change_shared_inputs(example_build) -> None:
+def test_a_version_2_manifest_is_refused_since_its_stages_may_change_shared_inputs(
+    example_build,
+) -> None:
     """Version 2 builds do not list the inputs a stage changes in place (Note [in-place ops across stages]);
     run as they are, such a stage changes a buffer another stage reads: rebuild."""
     manifest, _, out = example_build("mlp", 2)
@@ -73,6 +94,9 @@ def test_a_version_2_manifest_is_refused_since_its_stages_may_change_shared_inpu
         stage.pop("mutated_inputs")
     data.update(schema_version=2)
     (out / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(BuildDirError, match=r"schema version 2 is older than this fxpipe reads \(versions 3 to 4\); "
-                                            r"rebuild it"):
+    with pytest.raises(
+        BuildDirError,
+        match=r"schema version 2 is older than this fxpipe reads \(versions 3 to 4\); "
+        r"rebuild it",
+    ):
         Manifest.from_json(out)

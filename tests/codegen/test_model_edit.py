@@ -13,7 +13,7 @@ from fxpipe.modelfile import import_model_module, load_model_file
 from fxpipe.partitioner import plan_partition
 from fxpipe.tracer import trace_model_file
 
-_SOURCE = '''
+_SOURCE = """
 import torch
 import torch.nn as nn
 
@@ -46,7 +46,7 @@ def build_model():
 
 def example_inputs(batch_size):
     return (torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(1)),)
-'''
+"""
 
 
 def _fresh_output(path: Path, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,9 @@ def test_partition_edit_partition_loads_the_new_model(tmp_path: Path) -> None:
     _build(out, path)
     with torch.no_grad():
         torch.testing.assert_close(load_pipeline(out)(x), _fresh_output(path, x))
-    path.write_text(_SOURCE.format(scale=5.0))  # the stage sources stay byte-identical; the class changes
+    path.write_text(
+        _SOURCE.format(scale=5.0)
+    )  # the stage sources stay byte-identical; the class changes
     _build(out, path)
     with torch.no_grad():
         torch.testing.assert_close(load_pipeline(out)(x), _fresh_output(path, x))

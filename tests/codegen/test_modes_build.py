@@ -27,14 +27,27 @@ MODELS = Path(__file__).resolve().parents[1] / "mode_models.py"
 ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models"
 
 
-def _build(out: Path, source: ModelSource, stages: int, *, frontend: str = "auto", solver: str = "uniform",
-           check: bool = True) -> Manifest:
+def _build(
+    out: Path,
+    source: ModelSource,
+    stages: int,
+    *,
+    frontend: str = "auto",
+    solver: str = "uniform",
+    check: bool = True,
+) -> Manifest:
     traced = trace_model_file(source, 2, frontend=frontend, progress=False)
-    plan = plan_partition(traced.profile, stages, solver=solver, microbatches=stages, time_limit=5.0)
-    return write_build_dir(traced, plan, out, source, batch_size=2 * stages, microbatches=stages, check=check)
+    plan = plan_partition(
+        traced.profile, stages, solver=solver, microbatches=stages, time_limit=5.0
+    )
+    return write_build_dir(
+        traced, plan, out, source, batch_size=2 * stages, microbatches=stages, check=check
+    )
 
 
-def _seeded(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 3) -> list[torch.Tensor]:
+def _seeded(
+    model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 3
+) -> list[torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return [t.detach() for t in tree_leaves(model(*inputs))]
@@ -48,13 +61,17 @@ def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_bn_dropout_stochastic_depth_cnn_is_exact_in_both_modes(tmp_path: Path, frontend: str, stages: int) -> None:
+def test_bn_dropout_stochastic_depth_cnn_is_exact_in_both_modes(
+    tmp_path: Path, frontend: str, stages: int
+) -> None:
     source = load_model_file(MODELS)
     manifest = _build(tmp_path / "b", source, stages, frontend=frontend)
     reference = reference_with_build_weights(source, manifest, tmp_path / "b")
     pipeline = load_pipeline(tmp_path / "b")
     x = source.example_inputs(4)
-    _assert_equal(_seeded(pipeline.train(), x), _seeded(reference.train(), x))  # same seed: same masks
+    _assert_equal(
+        _seeded(pipeline.train(), x), _seeded(reference.train(), x)
+    )  # same seed: same masks
     for key, buffer in reference.named_buffers():  # running statistics moved alike
         held = next(b for s in pipeline.stages for k, b in s.named_buffers() if k == key)
         torch.testing.assert_close(held, buffer, rtol=0, atol=0)
@@ -72,7 +89,9 @@ def test_export_stage_source_reads_training(tmp_path: Path) -> None:
     assert "if self.training:\n" in text
     assert "self.num_batches_tracked.add_(1)" in text
     assert "if self.training else" in text  # the stochastic-depth value: the noisy one or the input
-    assert "F.dropout(x, 0.3, self.training)" in text  # `x = F.adaptive_avg_pool2d(x, 1).flatten(1)`
+    assert (
+        "F.dropout(x, 0.3, self.training)" in text
+    )  # `x = F.adaptive_avg_pool2d(x, 1).flatten(1)`
     assert "True" not in text.replace("requires_grad=True", "")
 
 
@@ -97,7 +116,9 @@ def test_dropout_on_two_branches_keeps_random_order_under_cpsat(tmp_path: Path) 
     random_units = [u.name for u in traced.profile.units if u.random]
     assert len(random_units) == 2
     assert [stage_of[u] for u in random_units] == sorted(stage_of[u] for u in random_units)
-    write_build_dir(traced, plan, tmp_path / "b", source, batch_size=6, microbatches=3)  # the check passes
+    write_build_dir(
+        traced, plan, tmp_path / "b", source, batch_size=6, microbatches=3
+    )  # the check passes
     reference = source.build_model()
     pipeline = load_pipeline(tmp_path / "b")
     x = source.example_inputs(6)
@@ -109,14 +130,20 @@ def _drop_first(target_name: str):  # a broken emitter: the first such node is l
 
     def broken(graph: fx.Graph) -> None:
         original(graph)
-        node = next((n for n in graph.nodes if getattr(n.target, "__name__", str(n.target)) == target_name), None)
+        node = next(
+            (n for n in graph.nodes if getattr(n.target, "__name__", str(n.target)) == target_name),
+            None,
+        )
         if node is not None:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+
     return broken
 
 
-def test_safety_net_refuses_a_broken_build_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_safety_net_refuses_a_broken_build_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = load_model_file(MODELS, model_fn="build_flip", inputs_fn="sequence_inputs")
     out = tmp_path / "b"
     _build(out, source, 2)
@@ -129,12 +156,15 @@ def test_safety_net_refuses_a_broken_build_with_one_line(tmp_path: Path, monkeyp
     assert message.startswith("the emitted stages differ from the model in train mode: ")
     assert "made by unit 'a'" in message or "unit '<root>'" in message, message
     assert "--no-check" in message
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous build is untouched
+    assert {
+        p.name: p.read_bytes() for p in out.iterdir()
+    } == before  # the previous build is untouched
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.")]
 
 
 def test_verify_checks_both_modes_and_fails_on_an_unchecked_broken_build(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     source = load_model_file(MODELS, inputs_fn="example_inputs")
     out = tmp_path / "b"
     _build(out, source, 2, frontend="export")
@@ -143,7 +173,11 @@ def test_verify_checks_both_modes_and_fails_on_an_unchecked_broken_build(
     assert all(m.buffers for m in report.modes)  # BatchNorm statistics are compared too
     assert main(["verify", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "train mode OK" in printed and "eval mode OK" in printed and "grad head.weight" not in printed
+    assert (
+        "train mode OK" in printed
+        and "eval mode OK" in printed
+        and "grad head.weight" not in printed
+    )
     assert main(["verify", str(out), "--all"]) == 0
     assert "grad head.weight" in capsys.readouterr().out
 
@@ -157,14 +191,27 @@ def test_verify_checks_both_modes_and_fails_on_an_unchecked_broken_build(
     assert "MISMATCH" in printed and "eval mode MISMATCH" in printed
 
 
-def test_partition_no_check_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["partition", f"{MODELS}:build_flip", "--inputs-fn", "sequence_inputs", "--stages", "2",
-            "--solver", "uniform", "--out", str(tmp_path / "b")]
+def test_partition_no_check_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "partition",
+        f"{MODELS}:build_flip",
+        "--inputs-fn",
+        "sequence_inputs",
+        "--stages",
+        "2",
+        "--solver",
+        "uniform",
+        "--out",
+        str(tmp_path / "b"),
+    ]
     monkeypatch.setattr(emit, "rewrite_aten", _drop_first("tanh"))
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the emitted stages differ from the model") and err.count("\n") == 1
+    assert (
+        err.startswith("error: the emitted stages differ from the model") and err.count("\n") == 1
+    )
     assert not (tmp_path / "b").exists()
     assert main(args + ["--no-check"]) == 0
     assert (tmp_path / "b" / "manifest.json").is_file()

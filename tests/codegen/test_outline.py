@@ -96,13 +96,17 @@ def token_inputs(batch_size):
 FRONTENDS = ["symbolic", "export"]
 
 
-def _source(tmp_path: Path, model_fn: str = "build_model", inputs_fn: str = "example_inputs") -> ModelSource:
+def _source(
+    tmp_path: Path, model_fn: str = "build_model", inputs_fn: str = "example_inputs"
+) -> ModelSource:
     path = tmp_path / "blocks_model.py"
     path.write_text(textwrap.dedent(MODEL))
     return load_model_file(path, model_fn=model_fn, inputs_fn=inputs_fn)
 
 
-def _build_split_at(tmp_path: Path, frontend: str, first_of_stage_1: str) -> tuple[Manifest, ModelSource, Path]:
+def _build_split_at(
+    tmp_path: Path, frontend: str, first_of_stage_1: str
+) -> tuple[Manifest, ModelSource, Path]:
     """Two stages: everything before the first node of module ``first_of_stage_1`` is stage 0."""
     source = _source(tmp_path)
     traced = trace_model_file(source, 2, frontend=frontend, progress=False)
@@ -113,8 +117,18 @@ def _build_split_at(tmp_path: Path, frontend: str, first_of_stage_1: str) -> tup
                 stage = 1
             stage_of[node.name] = stage
     out = tmp_path / "build"
-    manifest = emit_build(traced.graph_module, traced.model, stage_of, 2, out, source=source, microbatch=2,
-                          batch_size=2, microbatches=1, output_spec=traced.output_spec)
+    manifest = emit_build(
+        traced.graph_module,
+        traced.model,
+        stage_of,
+        2,
+        out,
+        source=source,
+        microbatch=2,
+        batch_size=2,
+        microbatches=1,
+        output_spec=traced.output_spec,
+    )
     return manifest, source, out
 
 
@@ -123,19 +137,28 @@ def test_identical_blocks_share_a_class_and_run_as_a_stack(tmp_path: Path, front
     manifest, source, out = _build_split_at(tmp_path, frontend, "blocks.2")
     first, second = ((out / sm.source).read_text() for sm in manifest.stages)
     shared = (out / manifest.shared_source).read_text()  # Note [classes several stages share]
-    assert len(re.findall(r"^class Block\(", shared, re.M)) == 1 and "class Block(" not in first + second
+    assert (
+        len(re.findall(r"^class Block\(", shared, re.M)) == 1
+        and "class Block(" not in first + second
+    )
     for text in (first, second, shared):
         assert "torch.ops.aten" not in text
     for text in (first, second):
         assert "Block = _shared.Block\n" in text and "BlockStack = _shared.BlockStack\n" in text
     assert "self.blocks = BlockStack({str(i): Block() for i in range(0, 2)})" in first
     assert "self.blocks = BlockStack({str(i): Block() for i in range(2, 4)})" in second
-    assert "class Block_2(" in second and "self.odd = Block_2()" in second  # scale 0.5: not the same body
+    assert (
+        "class Block_2(" in second and "self.odd = Block_2()" in second
+    )  # scale 0.5: not the same body
     assert "Modules: inp, blocks.0-1" in first and "Modules: blocks.2-3, odd, head" in second
     assert [t.name for t in manifest.stages[0].outputs] == ["blocks_1_out"]
     assert [t.name for t in manifest.stages[1].inputs] == ["blocks_1_out"]
     # export records the source's own names (Note [names from the source]): `h = self.inp(x)`
-    assert ("blocks_1_out = self.blocks(inp)" if frontend == "symbolic" else "blocks_1_out = self.blocks(h)") in first
+    assert (
+        "blocks_1_out = self.blocks(inp)"
+        if frontend == "symbolic"
+        else "blocks_1_out = self.blocks(h)"
+    ) in first
     pipeline = load_pipeline(out)
     assert_same_outputs_and_grads(source.build_model(), pipeline, source.example_inputs(3))
 
@@ -147,7 +170,9 @@ def test_a_block_split_across_stages_stays_flat_and_correct(tmp_path: Path, fron
     assert "Part of: blocks.1" in first and "Part of: blocks.1" in second
     assert 'self.blocks["1"].fc(' in first and 'self.blocks["1"].out(' in second
     # the block's input (for the residual) and the value inside it where the stages meet
-    inner = "blocks_1_gelu" if frontend == "symbolic" else "blocks_1_h"  # export: what the source calls it
+    inner = (
+        "blocks_1_gelu" if frontend == "symbolic" else "blocks_1_h"
+    )  # export: what the source calls it
     assert [t.name for t in manifest.stages[0].outputs] == ["blocks_0_out", inner]
     pipeline = load_pipeline(out)
     assert_same_outputs_and_grads(source.build_model(), pipeline, source.example_inputs(5))
@@ -158,7 +183,10 @@ def test_blocks_beside_a_split_block_run_in_a_loop(tmp_path: Path, frontend: str
     manifest, source, out = _build_split_at(tmp_path, frontend, "blocks.3.out")
     first = (out / manifest.stages[0].source).read_text()
     assert "self.blocks = torch.nn.ModuleDict({str(i): Block() for i in range(0, 3)})" in first
-    assert "for i in range(0, 3):\n            blocks_2_out = self.blocks[str(i)](blocks_2_out)" in first
+    assert (
+        "for i in range(0, 3):\n            blocks_2_out = self.blocks[str(i)](blocks_2_out)"
+        in first
+    )
     assert 'self.blocks["3"].fc(' in first
     pipeline = load_pipeline(out)
     assert_same_outputs_and_grads(source.build_model(), pipeline, source.example_inputs(3))

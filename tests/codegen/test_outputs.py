@@ -15,7 +15,7 @@ from codegen_support import ROOT, build_example, build_model_file
 
 from fxpipe.codegen.outputs import dump_output_spec
 
-CONTAINER_IN_MODEL_FILE = '''
+CONTAINER_IN_MODEL_FILE = """
 import dataclasses
 import torch
 import torch.utils._pytree as pytree
@@ -42,13 +42,15 @@ def build_model():
 
 def example_inputs(b):
     return (torch.ones(b, 4),)
-'''
+"""
 
 
 def _fresh_python(code: str) -> str:
     """Run ``code`` in a new interpreter (nothing imported yet) and return what it printed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
 
@@ -60,7 +62,9 @@ def test_specs_of_plain_containers_need_no_import() -> None:
     assert dump_output_spec(None) == (None, ())
 
 
-def test_a_transformers_output_is_rebuilt_where_transformers_was_never_imported(tmp_path: Path) -> None:
+def test_a_transformers_output_is_rebuilt_where_transformers_was_never_imported(
+    tmp_path: Path,
+) -> None:
     manifest, _ = build_example(tmp_path / "b", "hf_lm", 2)
     assert manifest.output_modules == ("transformers.modeling_outputs",)
     printed = _fresh_python(
@@ -70,11 +74,14 @@ def test_a_transformers_output_is_rebuilt_where_transformers_was_never_imported(
         f"manifest = read_manifest({str(tmp_path / 'b')!r})\n"
         "assert 'transformers' not in sys.modules\n"
         "out = assemble_output(manifest, [torch.tensor(2.0), torch.zeros(2, 3)])\n"
-        "print(type(out).__name__, float(out.loss), tuple(out.logits.shape))\n")
+        "print(type(out).__name__, float(out.loss), tuple(out.logits.shape))\n"
+    )
     assert printed == "CausalLMOutputWithCrossAttentions 2.0 (2, 3)"  # GPT2LMHeadModel's output
 
 
-def test_a_container_of_the_model_file_is_rebuilt_by_load_pipeline_in_a_new_process(tmp_path: Path) -> None:
+def test_a_container_of_the_model_file_is_rebuilt_by_load_pipeline_in_a_new_process(
+    tmp_path: Path,
+) -> None:
     model_file = tmp_path / "dataclass_out.py"
     model_file.write_text(CONTAINER_IN_MODEL_FILE)
     manifest, _ = build_model_file(tmp_path / "b", model_file, 2, microbatches=1)
@@ -82,5 +89,6 @@ def test_a_container_of_the_model_file_is_rebuilt_by_load_pipeline_in_a_new_proc
     printed = _fresh_python(
         "import torch, fxpipe\n"
         f"out = fxpipe.load_pipeline({str(tmp_path / 'b')!r})(torch.ones(3, 4))\n"
-        "print(type(out).__name__, tuple(out.logits.shape), tuple(out.hidden.shape))\n")
+        "print(type(out).__name__, tuple(out.logits.shape), tuple(out.hidden.shape))\n"
+    )
     assert printed == "Out (3, 2) (3, 4)"

@@ -36,11 +36,15 @@ def stage_lines(layers: int, out: Path) -> list[str]:
     finally:
         sys.path.remove(str(EXAMPLES))
     torch.manual_seed(0)
-    traced = trace_model(hf_models.build_gpt2(layers=layers), hf_models.example_inputs(2), progress=False)
+    traced = trace_model(
+        hf_models.build_gpt2(layers=layers), hf_models.example_inputs(2), progress=False
+    )
     plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
     manifest = write_build_dir(traced, plan, out, None, batch_size=4, microbatches=2)
     assert manifest.frontend == "export"
-    files = [sm.source for sm in manifest.stages] + ([manifest.shared_source] if manifest.shared_source else [])
+    files = [sm.source for sm in manifest.stages] + (
+        [manifest.shared_source] if manifest.shared_source else []
+    )
     return [ln for name in files for ln in (out / name).read_text().splitlines() if ln.strip()]
 
 
@@ -70,5 +74,7 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         share, growth, frees = measure(Path(tmp))
-    print(f"aten lines: {share:.1%} of the non-blank stage lines (4 layers, 2 stages); "
-          f"8 layers / 4 layers: {growth:.2f}x; lines freeing a value: {frees:.1%}")
+    print(
+        f"aten lines: {share:.1%} of the non-blank stage lines (4 layers, 2 stages); "
+        f"8 layers / 4 layers: {growth:.2f}x; lines freeing a value: {frees:.1%}"
+    )

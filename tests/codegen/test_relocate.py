@@ -18,20 +18,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_model_file_is_named_relative_to_the_build_inside_a_project(tmp_path: Path) -> None:
     (tmp_path / "proj" / "build" / "gpt").mkdir(parents=True)
     (tmp_path / "proj" / "pyproject.toml").write_text("")
-    assert model_file_reference(tmp_path / "proj/examples/gpt.py", tmp_path / "proj/build/gpt") == "../../examples/gpt.py"
+    assert (
+        model_file_reference(tmp_path / "proj/examples/gpt.py", tmp_path / "proj/build/gpt")
+        == "../../examples/gpt.py"
+    )
     # outside any project (or outside the build's project) the build may move on its own: absolute
     (tmp_path / "loose" / "build").mkdir(parents=True)
     model = str((tmp_path / "loose/gpt.py").resolve())
     assert model_file_reference(model, tmp_path / "loose/build") == model
-    assert model_file_reference(tmp_path / "elsewhere/gpt.py", tmp_path / "proj/build/gpt") == \
-        str((tmp_path / "elsewhere/gpt.py").resolve())
+    assert model_file_reference(tmp_path / "elsewhere/gpt.py", tmp_path / "proj/build/gpt") == str(
+        (tmp_path / "elsewhere/gpt.py").resolve()
+    )
 
 
 def test_a_moved_checkout_still_loads_and_verifies(tmp_path: Path) -> None:
     first, second = tmp_path / "checkout_a", tmp_path / "checkout_b"
     (first / "examples").mkdir(parents=True)
     (first / ".git").mkdir()  # a checkout
-    shutil.copy(ROOT / "examples" / "gpt.py", first / "examples" / "gpt.py")  # user leaf: imports the model file
+    shutil.copy(
+        ROOT / "examples" / "gpt.py", first / "examples" / "gpt.py"
+    )  # user leaf: imports the model file
     source = load_model_file(first / "examples" / "gpt.py")
     traced = trace_model_file(source, 2, progress=False)
     plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
@@ -63,13 +69,17 @@ def test_an_edited_model_file_is_refused_before_a_stage_imports_it(tmp_path: Pat
     source = load_model_file(model_file)
     traced = trace_model_file(source, 2, progress=False)
     plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
-    manifest = write_build_dir(traced, plan, project / "build", source, batch_size=4, microbatches=2)
+    manifest = write_build_dir(
+        traced, plan, project / "build", source, batch_size=4, microbatches=2
+    )
     importing = [s.index for s in manifest.stages if s.imports_model_file]
     assert importing, "the GPT example's attention leaf is imported from the model file"
 
     marker = tmp_path / "ran"
     model_file.write_text(model_file.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
     for index in importing:
-        with pytest.raises(BuildDirError, match=r"model file gpt.py has sha256 .* changed after it was built"):
+        with pytest.raises(
+            BuildDirError, match=r"model file gpt.py has sha256 .* changed after it was built"
+        ):
             load_stage(project / "build", index)
     assert not marker.exists()

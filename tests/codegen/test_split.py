@@ -35,8 +35,12 @@ def annotate(gm: fx.GraphModule, batch: int, features: int) -> fx.GraphModule:
         n.meta["fxpipe_path"] = str(n.target) if n.op == "call_module" else ""
         if hasattr(meta, "shape"):
             dims = [i for i, (p, q) in enumerate(zip(meta.shape, b[n.name].shape)) if p != q]
-            n.meta["fxpipe_spec"] = TensorSpec(tuple(meta.shape), str(meta.dtype).removeprefix("torch."),
-                                               dims[0] if dims else None, meta.requires_grad)
+            n.meta["fxpipe_spec"] = TensorSpec(
+                tuple(meta.shape),
+                str(meta.dtype).removeprefix("torch."),
+                dims[0] if dims else None,
+                meta.requires_grad,
+            )
         else:
             n.meta["fxpipe_spec"] = None
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -60,9 +64,9 @@ class SizesAcross(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        n = h.size(0)                # batch size of an activation stage 2 never sees
-        k = h.size(1)                # a static dim
-        m = h.repeat(2, 1).size(0)   # 2 * batch: no tensor of stage 2 has that size
+        n = h.size(0)  # batch size of an activation stage 2 never sees
+        k = h.size(1)  # a static dim
+        m = h.repeat(2, 1).size(0)  # 2 * batch: no tensor of stage 2 has that size
         g = self.b(h)
         y = self.c(g).view(n, 2, k // 2)
         return y * m
@@ -81,16 +85,33 @@ def test_sizes_are_recomputed_or_sent_as_0d_tensors(tmp_path: Path) -> None:
     model = SizesAcross()
     gm = annotate(fx.symbolic_trace(model), 4, 8)
     stage_of = _stage_map(gm, {"b": 1, "c": 2})
-    manifest = emit_build(gm, model, stage_of, 3, tmp_path, source=None, microbatch=4, batch_size=4, microbatches=1,
-                          output_spec=SINGLE_TENSOR)
+    manifest = emit_build(
+        gm,
+        model,
+        stage_of,
+        3,
+        tmp_path,
+        source=None,
+        microbatch=4,
+        batch_size=4,
+        microbatches=1,
+        output_spec=SINGLE_TENSOR,
+    )
     last = (tmp_path / "stage_2.py").read_text()
-    assert "size = x.size(0)" in last     # n: read again from a tensor this stage has (the model input)
-    assert "8 // 2" in last               # k: a static dim becomes a literal
+    assert (
+        "size = x.size(0)" in last
+    )  # n: read again from a tensor this stage has (the model input)
+    assert "8 // 2" in last  # k: a static dim becomes a literal
     boundary = {t.name: t for t in manifest.stages[2].inputs}
     sent = [t for t in boundary.values() if t.name.endswith("_tensor")]
-    assert "repeat" not in boundary and len(sent) == 1 and sent[0].dtype == "int64" and sent[0].shape == ()  # m: sent as a 0-d tensor
+    assert (
+        "repeat" not in boundary
+        and len(sent) == 1
+        and sent[0].dtype == "int64"
+        and sent[0].shape == ()
+    )  # m: sent as a 0-d tensor
     pipeline = load_pipeline(tmp_path)
-    x = torch.randn(7, 8)                 # another batch size than traced
+    x = torch.randn(7, 8)  # another batch size than traced
     assert_same_outputs_and_grads(model, pipeline, (x,))
 
 
@@ -146,7 +167,9 @@ def test_export_graph_with_no_grad_constants_and_devices(tmp_path: Path) -> None
     source = load_model_file(path)
     traced = trace_model_file(source, 2, frontend="export", progress=False)
     plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
-    manifest = write_build_dir(traced, plan, tmp_path / "build", source, batch_size=4, microbatches=2)
+    manifest = write_build_dir(
+        traced, plan, tmp_path / "build", source, batch_size=4, microbatches=2
+    )
     text = "".join((tmp_path / "build" / sm.source).read_text() for sm in manifest.stages)
     assert "wrap_with_set_grad_enabled" in text and "device(type=" not in text
     assert "scale" in {k.rpartition(".")[2] for sm in manifest.stages for k in sm.constants}

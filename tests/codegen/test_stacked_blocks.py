@@ -16,7 +16,7 @@ from fxpipe.codegen import emit_build, load_pipeline
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import trace_model_file
 
-MODEL = '''
+MODEL = """
 import torch
 import torch.nn as nn
 
@@ -60,18 +60,32 @@ def build_model():
 
 def example_inputs(batch_size):
     return (torch.randn(batch_size, 4, generator=torch.Generator().manual_seed(1)),)
-'''
+"""
 
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
-def test_sequential_and_custom_containers_of_identical_blocks(tmp_path: Path, frontend: str) -> None:
+def test_sequential_and_custom_containers_of_identical_blocks(
+    tmp_path: Path, frontend: str
+) -> None:
     path = tmp_path / "net.py"
     path.write_text(MODEL)
     source = load_model_file(path)
     traced = trace_model_file(source, 2, frontend=frontend, progress=False)
-    emit_build(traced.graph_module, traced.model, {n: 0 for n in traced.unit_of_node}, 1, tmp_path / "build",
-               source=source, microbatch=2, batch_size=2, microbatches=1, output_spec=traced.output_spec)
+    emit_build(
+        traced.graph_module,
+        traced.model,
+        {n: 0 for n in traced.unit_of_node},
+        1,
+        tmp_path / "build",
+        source=source,
+        microbatch=2,
+        batch_size=2,
+        microbatches=1,
+        output_spec=traced.output_spec,
+    )
     text = (tmp_path / "build" / "stage_0.py").read_text()
     assert "self.layer1 = torch.nn.Sequential(Block(), Block())" in text, text
     assert "self(" not in text and 'self["0"]' not in text, text
-    assert_same_outputs_and_grads(source.build_model(), load_pipeline(tmp_path / "build"), source.example_inputs(3))
+    assert_same_outputs_and_grads(
+        source.build_model(), load_pipeline(tmp_path / "build"), source.example_inputs(3)
+    )

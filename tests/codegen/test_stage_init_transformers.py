@@ -32,7 +32,9 @@ def _init_build(name: str, out: Path, stages: int = 2):
 
 def _stages(out: Path, n: int) -> list[dict[str, torch.Tensor]]:
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every tensor has the model's own initialiser: no fallback warning
+        warnings.simplefilter(
+            "error"
+        )  # every tensor has the model's own initialiser: no fallback warning
         return [dict(load_stage(out, i).named_parameters(remove_duplicate=False)) for i in range(n)]
 
 
@@ -48,8 +50,14 @@ def _assert_like_the_model(stages: list[dict[str, torch.Tensor]], real: torch.nn
             if float(ref.std()) == 0.0:
                 assert torch.equal(t.detach(), ref), key
             else:
-                assert abs(float(t.std()) / float(ref.std()) - 1) < 0.2, (key, float(t.std()), float(ref.std()))
-                assert abs(float(t.mean())) < 3 * float(ref.std()) / math.sqrt(t.numel()) + 1e-3, key
+                assert abs(float(t.std()) / float(ref.std()) - 1) < 0.2, (
+                    key,
+                    float(t.std()),
+                    float(ref.std()),
+                )
+                assert abs(float(t.mean())) < 3 * float(ref.std()) / math.sqrt(t.numel()) + 1e-3, (
+                    key
+                )
             checked += 1
     return checked
 
@@ -69,10 +77,14 @@ def test_llama_stages_use_the_models_init_weights(tmp_path):
     # config.initializer_range, not nn.Linear's kaiming-uniform (std 1/sqrt(3 * 32) = 0.10)
     assert abs(float(q.std()) - std) < 0.2 * std
     embed = first[0]["model.embed_tokens.weight"]
-    assert not embed[real.config.pad_token_id].any() and abs(float(embed[1:].std()) - std) < 0.2 * std
+    assert (
+        not embed[real.config.pad_token_id].any() and abs(float(embed[1:].std()) - std) < 0.2 * std
+    )
     with torch.no_grad():  # the stages run: finite outputs
         out = load_pipeline(tmp_path / "build")(*source.example_inputs(4))
-    logits = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out.logits
+    logits = (
+        out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out.logits
+    )
     assert torch.isfinite(logits).all()
 
 
@@ -84,8 +96,12 @@ def test_gpt2_scaled_projections_and_tied_head(tmp_path):
     _assert_like_the_model(stages, real)
     n_layer, std = real.config.n_layer, real.config.initializer_range
     c_proj = stages[0]["transformer.h.0.attn.c_proj.weight"]
-    assert abs(float(c_proj.std()) - std / math.sqrt(2 * n_layer)) < 0.2 * std / math.sqrt(2 * n_layer)
+    assert abs(float(c_proj.std()) - std / math.sqrt(2 * n_layer)) < 0.2 * std / math.sqrt(
+        2 * n_layer
+    )
     assert not stages[0]["transformer.h.0.attn.c_attn.bias"].any()
     (s0, s1), (k0, k1) = tie.stages, tie.keys
-    assert torch.equal(stages[s0][k0], stages[s1][k1])  # tied copies identical, drawn as the embedding is
+    assert torch.equal(
+        stages[s0][k0], stages[s1][k1]
+    )  # tied copies identical, drawn as the embedding is
     assert abs(float(stages[s0][k0].std()) - std) < 0.2 * std

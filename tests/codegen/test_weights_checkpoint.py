@@ -57,11 +57,13 @@ def _save(kind: str, state: dict[str, torch.Tensor], tmp_path: Path) -> Path:
         shards.mkdir()
         keys = sorted(state)
         weight_map = {}
-        for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :])):
             name = f"model-{i + 1:05d}-of-00002.safetensors"
             save_file({k: state[k] for k in part}, str(shards / name))
             weight_map.update({k: name for k in part})
-        (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (shards / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
         return shards
     torch.save(state, tmp_path / "model.pt")
     return tmp_path / "model.pt"
@@ -79,7 +81,9 @@ def test_build_from_checkpoint_equals_the_model_loaded_from_it(gpt, tmp_path, ki
     manifest = _build(traced, source, tmp_path / "build", path)
     assert manifest.weights == "checkpoint" and SKIPPED_SAFETY_NET in manifest.skipped_checks
     reference = source.build_model()
-    reference.load_state_dict(_checkpoint(real), strict=False)  # lm_head.weight is tied to wte.weight
+    reference.load_state_dict(
+        _checkpoint(real), strict=False
+    )  # lm_head.weight is tied to wte.weight
     pipeline = load_pipeline(tmp_path / "build")
     inputs = source.example_inputs(4)
     for training in (True, False):
@@ -104,8 +108,11 @@ def test_checkpoint_keys_that_do_not_fit_are_one_line(gpt, tmp_path):
         _build(traced, source, tmp_path / "build", tmp_path / "bad.safetensors")
     message = str(info.value)
     assert "\n" not in message
-    for part in ("missing 1 key: blocks.0.mlp.fc.bias", "unexpected 1 key: blocks.9.extra",
-                 "mis-shaped 1 key: wpe [1, 8, 32] (model: [1, 16, 32])"):
+    for part in (
+        "missing 1 key: blocks.0.mlp.fc.bias",
+        "unexpected 1 key: blocks.9.extra",
+        "mis-shaped 1 key: wpe [1, 8, 32] (model: [1, 16, 32])",
+    ):
         assert part in message
     assert not (tmp_path / "build").exists()
 
@@ -139,10 +146,14 @@ def test_writer_holds_one_tensor_at_a_time(tmp_path):
             t = torch.full((64, 64), float(i))
             alive.append(weakref.ref(t))
             return t
+
         return get
 
-    write_streamed(tmp_path / "w.safetensors", [(f"t{i}", (64, 64), torch.float32, fetch(i)) for i in range(4)],
-                   {"format": "pt"})
+    write_streamed(
+        tmp_path / "w.safetensors",
+        [(f"t{i}", (64, 64), torch.float32, fetch(i)) for i in range(4)],
+        {"format": "pt"},
+    )
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
         assert [float(f.get_tensor(f"t{i}")[0, 0]) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
 
@@ -154,21 +165,30 @@ def test_without_weights_each_stage_initialises_itself(gpt, tmp_path):
     for sm in manifest.stages:  # only buffers are written
         with safe_open(str(tmp_path / "build" / sm.weights), framework="pt") as f:
             assert set(f.keys()) <= set(sm.buffers + sm.constants)
-    with pytest.warns(UserWarning, match=r"stage 0: 1 tensors have no module initialiser \(\['wpe'\]"):
+    with pytest.warns(
+        UserWarning, match=r"stage 0: 1 tensors have no module initialiser \(\['wpe'\]"
+    ):
         first = [load_stage(tmp_path / "build", i) for i in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again = [load_stage(tmp_path / "build", i) for i in range(3)]
         pipeline = load_pipeline(tmp_path / "build")
     for a, b in zip(first, again):  # deterministic
-        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+        assert all(
+            torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())
+        )
         assert not any(t.is_meta for t in a.state_dict().values())
     (tie,) = manifest.ties
     (s0, s1), (k0, k1) = tie.stages, tie.keys
-    assert torch.equal(first[s0].state_dict()[k0], first[s1].state_dict()[k1])  # tied copies identical
+    assert torch.equal(
+        first[s0].state_dict()[k0], first[s1].state_dict()[k1]
+    )  # tied copies identical
     linear = first[0].state_dict()["blocks.0.attn.qkv.weight"]
-    assert 0 < float(linear.abs().max()) <= 1 / 32 ** 0.5  # nn.Linear's own kaiming-uniform bound
-    assert torch.equal(first[0].state_dict()["blocks.0.attn.mask"], torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
+    assert 0 < float(linear.abs().max()) <= 1 / 32**0.5  # nn.Linear's own kaiming-uniform bound
+    assert torch.equal(
+        first[0].state_dict()["blocks.0.attn.mask"],
+        torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16),
+    )
     out = pipeline(*source.example_inputs(4))
     assert out.shape == (4, 16, 64) and torch.isfinite(out).all()
     with pytest.raises(BuildDirError, match="without --weights: each stage initialises itself"):
@@ -177,17 +197,37 @@ def test_without_weights_each_stage_initialises_itself(gpt, tmp_path):
 
 def test_cli_partition_on_meta_from_a_checkpoint(tmp_path, capsys):
     torch.manual_seed(3)
-    save_file(load_model_file(EXAMPLES["mlp"]).build_model().state_dict(), str(tmp_path / "model.safetensors"))
+    save_file(
+        load_model_file(EXAMPLES["mlp"]).build_model().state_dict(),
+        str(tmp_path / "model.safetensors"),
+    )
     out = tmp_path / "build"
-    assert main(["partition", str(EXAMPLES["mlp"]), "--stages", "2", "--device", "meta", "--weights",
-                 str(tmp_path / "model.safetensors"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "partition",
+                str(EXAMPLES["mlp"]),
+                "--stages",
+                "2",
+                "--device",
+                "meta",
+                "--weights",
+                str(tmp_path / "model.safetensors"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "skipped safety net" in " ".join(capsys.readouterr().out.split())
     assert main(["verify", str(out)]) == 0
-    profile = ModelProfile.from_json(out / "profile.json")  # the meta trace is recorded and read back
+    profile = ModelProfile.from_json(
+        out / "profile.json"
+    )  # the meta trace is recorded and read back
     assert profile.meta and profile.skipped_checks and profile.trace_device == "cpu"
 
 
-_LIST_INDEX_MODEL = '''
+_LIST_INDEX_MODEL = """
 import torch
 
 
@@ -206,19 +246,48 @@ def build_model():
 
 def example_inputs(batch_size):
     return (torch.randn(batch_size, 8),)
-'''
+"""
 
 
-def test_a_tensor_made_in_forward_has_no_value_on_meta_and_the_error_says_why(tmp_path: Path,
-                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_tensor_made_in_forward_has_no_value_on_meta_and_the_error_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """torch.export lifts ``x[..., [1, 0, ...]]``'s index list as a constant, made on the meta device when the
     model is traced there (transformers 5.24's Falcon does this): one line that names it and the way out."""
     model_file = tmp_path / "list_index.py"
     model_file.write_text(_LIST_INDEX_MODEL)
-    assert main(["partition", str(model_file), "--frontend", "export", "--device", "meta", "--stages", "2",
-                 "--out", str(tmp_path / "build")]) != 0
+    assert (
+        main(
+            [
+                "partition",
+                str(model_file),
+                "--frontend",
+                "export",
+                "--device",
+                "meta",
+                "--stages",
+                "2",
+                "--out",
+                str(tmp_path / "build"),
+            ]
+        )
+        != 0
+    )
     err = capsys.readouterr().err
     assert "'_fxpipe_const_0' is a tensor the model makes in forward from Python values" in err
     assert "Trace on cpu" in err and "Traceback" not in err
-    assert main(["partition", str(model_file), "--frontend", "export", "--stages", "2",
-                 "--out", str(tmp_path / "build")]) == 0  # on cpu it has its value
+    assert (
+        main(
+            [
+                "partition",
+                str(model_file),
+                "--frontend",
+                "export",
+                "--stages",
+                "2",
+                "--out",
+                str(tmp_path / "build"),
+            ]
+        )
+        == 0
+    )  # on cpu it has its value

@@ -23,7 +23,9 @@ def test_a_tensor_saved_by_its_producer_and_its_consumer_counts_once() -> None:
     torch.manual_seed(0)
     # ReLU and Tanh save their outputs, and the Linear after each saves the same tensor as its
     # input: charged to both units, the profile counted 5 such tensors where 3 are held.
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU())
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU()
+    )
     x = torch.randn(64, 8)
     profile = trace_model(model, (x,)).profile
     held = _saved_by_one_forward(model, x)
@@ -35,8 +37,14 @@ def test_a_tensor_saved_by_its_producer_and_its_consumer_counts_once() -> None:
 def test_activation_bytes_of_in_place_relus_match_a_measurement() -> None:
     # Note [saved once] maps saved storages to input nodes through the copies a unit runs on: each
     # in-place ReLU saves its output (the Linear's output storage) and the next Linear saves it again
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.ReLU(inplace=True),
-                          nn.Linear(32, 32), nn.ReLU(inplace=True))
+    model = nn.Sequential(
+        nn.Linear(8, 32),
+        nn.ReLU(inplace=True),
+        nn.Linear(32, 32),
+        nn.ReLU(inplace=True),
+        nn.Linear(32, 32),
+        nn.ReLU(inplace=True),
+    )
     x = torch.randn(64, 8)
     profile = trace_model(model, (x,), progress=False).profile
     held = _saved_by_one_forward(model, x)

@@ -14,8 +14,11 @@ from fxpipe.partitioner.report.terminal import Measurement, compare
 
 
 def _plan(timing: str, trace_device: str = "cpu"):
-    profile = replace(chain_profile([2.0, 1.0, 3.0, 1.0, 1.0, 2.0], [10**5] * 5, prefix="blocks"),
-                      trace_device=trace_device, timing=timing)
+    profile = replace(
+        chain_profile([2.0, 1.0, 3.0, 1.0, 1.0, 2.0], [10**5] * 5, prefix="blocks"),
+        trace_device=trace_device,
+        timing=timing,
+    )
     return plan_partition(profile, 2, microbatches=4), profile
 
 
@@ -29,9 +32,13 @@ def test_an_analytic_cpu_plan_prints_steps_relative_to_its_own() -> None:
     plan, profile = _plan("analytic")
     assert plan.unit_times == "cpu analytic" and not plan.predicts_time
     text = _printed(plan, profile)
-    assert "step (x plan)" in text and "predicted step, relative to the plan's (1f1b = 1.00)" in text
+    assert (
+        "step (x plan)" in text and "predicted step, relative to the plan's (1f1b = 1.00)" in text
+    )
     assert "does not predict time on this machine (--measure-times" in text
-    assert "samples/s" not in text and not re.search(r"\d ms\b", text.split("predicted step, relative")[1])
+    assert "samples/s" not in text and not re.search(
+        r"\d ms\b", text.split("predicted step, relative")[1]
+    )
     assert f"{plan.step_ms:.2f}" not in text
 
 
@@ -45,10 +52,21 @@ def test_measured_or_gpu_unit_times_still_predict_time() -> None:
 
 def test_the_report_compares_no_step_time_with_an_analytic_cpu_plan(tmp_path) -> None:
     plan, profile = _plan("analytic")
-    run = Measurement(step_ms=60.0, peak_tensor_bytes=(), schedule=plan.schedule, microbatches=4, world_size=2,
-                      device="cpu", predicted_step_ms=plan.step_ms)  # a run.json written before the fix
+    run = Measurement(
+        step_ms=60.0,
+        peak_tensor_bytes=(),
+        schedule=plan.schedule,
+        microbatches=4,
+        world_size=2,
+        device="cpu",
+        predicted_step_ms=plan.step_ms,
+    )  # a run.json written before the fix
     step = compare(plan, run)[0]
-    assert step.ratio is None and step.predicted == "(none: analytic CPU unit times)" and not step.disagrees
+    assert (
+        step.ratio is None
+        and step.predicted == "(none: analytic CPU unit times)"
+        and not step.disagrees
+    )
     html = write_html_report(plan, profile, tmp_path / "report.html").read_text()
     assert "predicted step (" not in html and "does not predict time on this machine" in html
     assert "step (x plan)" in html and "samples/s" not in html

@@ -15,13 +15,15 @@ from fxpipe.tracer.profile import ModelProfile, Unit, UnitEdge
 
 
 @pytest.mark.parametrize("solver", ["dp", "auto-without-cpsat"])
-def test_plan_is_never_worse_than_a_baseline_on_a_branching_graph(solver: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_is_never_worse_than_a_baseline_on_a_branching_graph(
+    solver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The DP prices the enc_x skip approximately: alone it gives 1.041 ms, greedy 0.868 ms.
     if solver == "auto-without-cpsat":
         monkeypatch.setattr(planner_module, "CPSAT_MAX_VARIABLES", 0)
-    plan = plan_partition(branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0],
-                          objective="bottleneck")
+    plan = plan_partition(
+        branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0], objective="bottleneck"
+    )
     assert plan.solver == "dp"
     for name, base in plan.baselines.items():
         assert base.feasible
@@ -32,8 +34,9 @@ def test_plan_is_never_worse_than_a_baseline_on_a_branching_graph(solver: str,
 
 
 @pytest.mark.parametrize("solver", ["dp", "auto-without-cpsat"])
-def test_plan_for_step_is_never_slower_than_a_baseline_on_a_branching_graph(solver: str,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_for_step_is_never_slower_than_a_baseline_on_a_branching_graph(
+    solver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if solver == "auto-without-cpsat":
         monkeypatch.setattr(planner_module, "CPSAT_MAX_VARIABLES", 0)
     plan = plan_partition(branchy_profile(), 8, microbatches=8, solver=solver.split("-")[0])
@@ -63,7 +66,9 @@ def test_a_lower_bound_above_the_plan_is_an_internal_error() -> None:
     problem = build_problem(profile, 2)
     sol = solve_chain_dp(problem)
     baselines = {"uniform": run_baseline("uniform", problem)}
-    plan = plan_from_assignment(profile, problem, sol, baselines, 2.0 * (1 + 1e-12), {"average": 2.0}, seconds=0.0)
+    plan = plan_from_assignment(
+        profile, problem, sol, baselines, 2.0 * (1 + 1e-12), {"average": 2.0}, seconds=0.0
+    )
     assert plan.lower_bound_ms == pytest.approx(2.0) and plan.gap == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(AssertionError, match="lower bound 2.5 ms exceeds"):
         plan_from_assignment(profile, problem, sol, baselines, 2.5, {"bogus": 2.5}, seconds=0.0)
@@ -81,17 +86,31 @@ def test_memory_slack_is_measured_from_the_speed_optimum() -> None:
     optimum, memory_plan, lighter = (0, 0, 0, 1, 1), (0, 0, 1, 1, 1), (0, 1, 1, 1, 1)
     speeds = [evaluate(problem, a).bottleneck_ms for a in (optimum, memory_plan, lighter)]
     assert speeds == pytest.approx([2.0, 2.012, 2.024])
-    assert evaluate(problem, lighter).peak_memory_bytes < evaluate(problem, memory_plan).peak_memory_bytes
+    assert (
+        evaluate(problem, lighter).peak_memory_bytes
+        < evaluate(problem, memory_plan).peak_memory_bytes
+    )
     chosen = Solution(memory_plan, "dp", bound_ms=2.0)
-    kept = _pick_best(problem, chosen, {"uniform": Solution(lighter, "uniform")}, lambda a: 0.0, "memory")
+    kept = _pick_best(
+        problem, chosen, {"uniform": Solution(lighter, "uniform")}, lambda a: 0.0, "memory"
+    )
     assert kept.assignment == memory_plan
 
 
 def _solver_times_chain(n: int) -> ModelProfile:
     """``benchmarks/partition/run.py``'s DP-time chain of ``n`` units (issue 35, item 8b)."""
     rng = random.Random(n)
-    units = tuple(Unit(name=f"u{i}", module_path=f"m.{i}", fwd_ms=rng.uniform(0.1, 2), bwd_ms=rng.uniform(0.2, 4),
-                       param_bytes=rng.randint(0, 2**20), activation_bytes=2**16) for i in range(n))
+    units = tuple(
+        Unit(
+            name=f"u{i}",
+            module_path=f"m.{i}",
+            fwd_ms=rng.uniform(0.1, 2),
+            bwd_ms=rng.uniform(0.2, 4),
+            param_bytes=rng.randint(0, 2**20),
+            activation_bytes=2**16,
+        )
+        for i in range(n)
+    )
     edges = tuple(UnitEdge(f"u{i}", f"u{i + 1}", rng.randint(2**10, 2**22)) for i in range(n - 1))
     return ModelProfile(units=units, edges=edges, batch_size=1)
 
@@ -104,19 +123,28 @@ def test_a_split_predicted_a_little_faster_does_not_cost_the_proven_bottleneck()
     dp = solve_chain_dp(build_problem(profile, 8))
     assert plan.optimal and plan.bottleneck_ms == pytest.approx(dp.bound_ms, rel=1e-9)
     assert plan.gap < 1e-6
-    assert "least bottleneck of the" in plan.status and "within 5% of the fastest step" in plan.status
+    assert (
+        "least bottleneck of the" in plan.status and "within 5% of the fastest step" in plan.status
+    )
 
 
 def test_a_split_predicted_clearly_faster_still_wins() -> None:
     """Beyond the resolution the predicted step decides, whatever the bottleneck; within it, the bottleneck."""
     problem = build_problem(chain_profile([1.0, 1.0, 1.0, 1.0]), 2)
-    even, uneven = Solution((0, 0, 1, 1), solver="dp"), Solution((0, 1, 1, 1), solver="uniform")  # 2 ms, 3 ms
+    even, uneven = (
+        Solution((0, 0, 1, 1), solver="dp"),
+        Solution((0, 1, 1, 1), solver="uniform"),
+    )  # 2 ms, 3 ms
 
     def pick(even_ms: float, uneven_ms: float) -> Solution:
         steps = {even.assignment: even_ms, uneven.assignment: uneven_ms}
-        return planner_module._pick_fastest(problem, even, {"uniform": uneven}, steps.__getitem__, 0.0, 0.05)
+        return planner_module._pick_fastest(
+            problem, even, {"uniform": uneven}, steps.__getitem__, 0.0, 0.05
+        )
 
     assert pick(106.0, 100.0).assignment == uneven.assignment
     chosen = pick(104.0, 100.0)
-    assert chosen.assignment == even.assignment and "least bottleneck of the 2 of 2" in chosen.status
+    assert (
+        chosen.assignment == even.assignment and "least bottleneck of the 2 of 2" in chosen.status
+    )
     assert pick(100.0, 104.0).assignment == even.assignment

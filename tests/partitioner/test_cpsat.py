@@ -8,7 +8,14 @@ import pytest
 from partition_fixtures import brute_force, chain_profile, random_chain, random_dag
 
 from fxpipe.errors import InfeasibleError
-from fxpipe.partitioner import build_problem, evaluate, plan_partition, predict, solve_chain_dp, solve_dag_cpsat
+from fxpipe.partitioner import (
+    build_problem,
+    evaluate,
+    plan_partition,
+    predict,
+    solve_chain_dp,
+    solve_dag_cpsat,
+)
 from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.tracer.profile import ModelProfile, Unit, UnitEdge
 
@@ -23,14 +30,16 @@ def test_cpsat_equals_dp_on_chains(seed: int) -> None:
     cp = solve_dag_cpsat(problem, time_limit=5, workers=1)
     assert cp.optimal
     assert evaluate(problem, cp.assignment).bottleneck_ms == pytest.approx(
-        evaluate(problem, dp.assignment).bottleneck_ms, abs=TOL)
+        evaluate(problem, dp.assignment).bottleneck_ms, abs=TOL
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_cpsat_equals_brute_force_on_small_dags(seed: int) -> None:
     rng = random.Random(100 + seed)
-    problem = build_problem(random_dag(rng, 7), 3, microbatches=2,
-                            memory_limit=rng.choice([None, 40_000]))
+    problem = build_problem(
+        random_dag(rng, 7), 3, microbatches=2, memory_limit=rng.choice([None, 40_000])
+    )
     best = brute_force(problem)
     if best is None:
         with pytest.raises(InfeasibleError):
@@ -53,16 +62,24 @@ def test_auto_never_worse_than_dp_or_baselines_on_dags(seed: int) -> None:
     resolution = RUNTIME_COSTS["cpu"].step_resolution
     assert plan.step_ms <= dp * (1 + resolution + 1e-9)
     for name, base in plan.baselines.items():
-        assert base.step_ms is not None and plan.step_ms <= base.step_ms * (1 + resolution + 1e-9), name
-        if base.feasible and base.step_ms <= plan.step_ms:  # predicted faster, so within the resolution
+        assert base.step_ms is not None and plan.step_ms <= base.step_ms * (
+            1 + resolution + 1e-9
+        ), name
+        if (
+            base.feasible and base.step_ms <= plan.step_ms
+        ):  # predicted faster, so within the resolution
             assert plan.bottleneck_ms <= base.bottleneck_ms * (1 + 1e-9), name
 
 
 def test_skip_connection_is_sent_once_to_each_later_stage() -> None:
     # u0 feeds u1 and (skip) u3; on stages (0, 1, 1, 2) u0's output travels to 1 and to 2.
     units = tuple(Unit(name=f"u{i}", module_path=f"m.{i}", fwd_ms=1.0) for i in range(4))
-    edges = (UnitEdge("u0", "u1", 1000), UnitEdge("u1", "u2", 10), UnitEdge("u2", "u3", 10),
-             UnitEdge("u0", "u3", 1000))
+    edges = (
+        UnitEdge("u0", "u1", 1000),
+        UnitEdge("u1", "u2", 10),
+        UnitEdge("u2", "u3", 10),
+        UnitEdge("u0", "u3", 1000),
+    )
     problem = build_problem(ModelProfile(units=units, edges=edges, batch_size=1), 3)
     ev = evaluate(problem, (0, 1, 1, 2))
     assert ev.stages[0].send_bytes == 2000 and ev.stages[0].messages == 4
@@ -71,8 +88,12 @@ def test_skip_connection_is_sent_once_to_each_later_stage() -> None:
 
 def test_cpsat_honours_pins_off_the_contiguous_order() -> None:
     # Two independent branches: pins that no contiguous split of the order can meet.
-    units = (Unit(name="a0", module_path="a.0", fwd_ms=1, pin=1), Unit(name="b0", module_path="b.0", fwd_ms=1, pin=0),
-             Unit(name="a1", module_path="a.1", fwd_ms=1), Unit(name="b1", module_path="b.1", fwd_ms=1))
+    units = (
+        Unit(name="a0", module_path="a.0", fwd_ms=1, pin=1),
+        Unit(name="b0", module_path="b.0", fwd_ms=1, pin=0),
+        Unit(name="a1", module_path="a.1", fwd_ms=1),
+        Unit(name="b1", module_path="b.1", fwd_ms=1),
+    )
     edges = (UnitEdge("a0", "a1", 100), UnitEdge("b0", "b1", 100))
     plan = plan_partition(ModelProfile(units=units, edges=edges, batch_size=1), 2, time_limit=3)
     assert plan.stage_of("a0") == 1 and plan.stage_of("b0") == 0

@@ -24,5 +24,7 @@ def test_matches_brute_force(seed: int) -> None:
     need = rng.integers(0, 9, n).astype(float)
     g = rng.normal(size=n)
     g[rng.random(n) < 0.3] = np.inf
-    expected = [min((g[i] for i in range(k) if key[i] >= need[k]), default=np.inf) for k in range(n)]
+    expected = [
+        min((g[i] for i in range(k) if key[i] >= need[k]), default=np.inf) for k in range(n)
+    ]
     np.testing.assert_array_equal(ThresholdMin(key, need).query(g), expected)

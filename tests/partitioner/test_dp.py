@@ -7,7 +7,13 @@ import time
 from dataclasses import replace
 
 import pytest
-from partition_fixtures import brute_force, chain_profile, random_chain, random_chain_problem, random_dag
+from partition_fixtures import (
+    brute_force,
+    chain_profile,
+    random_chain,
+    random_chain_problem,
+    random_dag,
+)
 
 from fxpipe.errors import InfeasibleError, PartitionError, PinError
 from fxpipe.partitioner import (
@@ -47,8 +53,13 @@ def test_dp_equals_brute_force_on_random_chains(seed: int) -> None:
     profile = random_chain(rng, rng.randint(2, 8))
     S = rng.randint(1, min(4, len(profile.units)))
     limit = rng.choice([None, 30_000, 60_000])
-    problem = build_problem(profile, S, microbatches=rng.randint(1, 4), schedule=rng.choice(["gpipe", "1f1b"]),
-                            memory_limit=limit)
+    problem = build_problem(
+        profile,
+        S,
+        microbatches=rng.randint(1, 4),
+        schedule=rng.choice(["gpipe", "1f1b"]),
+        memory_limit=limit,
+    )
     best = brute_force(problem, contiguous=True)
     if best is None:
         with pytest.raises(InfeasibleError):
@@ -102,14 +113,22 @@ def test_large_chain_is_fast() -> None:
     rng = random.Random(0)
     n, S = 5000, 64
     problem = PartitionProblem(
-        names=tuple(f"u{i}" for i in range(n)), module_paths=tuple(f"m.{i}" for i in range(n)),
-        fwd_ms=tuple(rng.uniform(0.1, 2) for _ in range(n)), bwd_ms=tuple(rng.uniform(0.1, 4) for _ in range(n)),
-        activation_bytes=(0,) * n, buffer_bytes=(0,) * n, unit_params=((),) * n, param_bytes=(), param_names=(),
+        names=tuple(f"u{i}" for i in range(n)),
+        module_paths=tuple(f"m.{i}" for i in range(n)),
+        fwd_ms=tuple(rng.uniform(0.1, 2) for _ in range(n)),
+        bwd_ms=tuple(rng.uniform(0.1, 4) for _ in range(n)),
+        activation_bytes=(0,) * n,
+        buffer_bytes=(0,) * n,
+        unit_params=((),) * n,
+        param_bytes=(),
+        param_names=(),
         tensors=tuple(Tensor(i, (i + 1,), rng.randint(0, 10**7)) for i in range(n - 1)),
-        pins=(None,) * n, num_stages=S)
+        pins=(None,) * n,
+        num_stages=S,
+    )
     start = time.perf_counter()
     sol = solve_chain_dp(problem)
-    assert time.perf_counter() - start < 5.0   # ~1 s on one core; generous for a shared CI box
+    assert time.perf_counter() - start < 5.0  # ~1 s on one core; generous for a shared CI box
     assert sorted(set(sol.assignment)) == list(range(S))
 
 
@@ -130,7 +149,9 @@ def test_memory_limited_large_chain_matches_dense() -> None:
         assert expected is not None
         sol = solve_chain_dp(limited)
         assert not assignment_violations(limited, sol.assignment)
-        assert evaluate(limited, sol.assignment).bottleneck_ms == pytest.approx(expected[0], rel=1e-8)
+        assert evaluate(limited, sol.assignment).bottleneck_ms == pytest.approx(
+            expected[0], rel=1e-8
+        )
         assert sol.optimal and sol.bound_ms == pytest.approx(expected[0], rel=1e-8)
 
 
@@ -140,7 +161,9 @@ def test_least_memory_that_fits_a_large_chain() -> None:
     assert need is not None
     assert _dense(replace(problem, memory_limit=need)) is not None
     assert _dense(replace(problem, memory_limit=int(need * (1 - 2e-6)))) is None
-    with pytest.raises(InfeasibleError, match=f"the least that fits 2 stages is .*\\({need} bytes\\)"):
+    with pytest.raises(
+        InfeasibleError, match=f"the least that fits 2 stages is .*\\({need} bytes\\)"
+    ):
         solve_chain_dp(replace(problem, memory_limit=need - need // 1000))
 
 

@@ -26,8 +26,12 @@ def test_linear_weight_is_compressed_and_its_bias_sent_whole() -> None:
     traffic = PSGD4.dp_traffic([4_000_000, 4_000], [(1000, 1000), (1000,)])
     assert traffic.wire_bytes == (1000 + 1000) * 4 * 4 + 4000
     assert traffic.allreduces == 3  # uncompressed tensors, P, Q
-    assert PSGD4.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(0.036 + 0.6)
-    assert LINK.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(4.004 + 0.2)
+    assert PSGD4.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(
+        0.036 + 0.6
+    )
+    assert LINK.allreduce_ms([4_000_000, 4_000], [(1000, 1000), (1000,)]) == pytest.approx(
+        4.004 + 0.2
+    )
 
 
 def test_embedding_matrix_at_rank_one() -> None:
@@ -36,8 +40,12 @@ def test_embedding_matrix_at_rank_one() -> None:
 
 
 def test_nd_tensors_use_the_first_dimension_and_small_matrices_stay_whole() -> None:
-    assert PSGD4.gradient_bytes(64 * 27 * 4, (64, 3, 3, 3)) == (64 + 27) * 4 * 4  # conv weight as 64 x 27
-    assert PSGD4.gradient_bytes(8 * 8 * 4, (8, 8)) == 8 * 8 * 4  # (8 + 8) x 4 x 2 >= 64: not worth it
+    assert (
+        PSGD4.gradient_bytes(64 * 27 * 4, (64, 3, 3, 3)) == (64 + 27) * 4 * 4
+    )  # conv weight as 64 x 27
+    assert (
+        PSGD4.gradient_bytes(8 * 8 * 4, (8, 8)) == 8 * 8 * 4
+    )  # (8 + 8) x 4 x 2 >= 64: not worth it
     assert PSGD4.gradient_bytes(12 * 4, (4, 3)) == 12 * 4  # rank clipped to 3, still no saving
     assert PSGD4.gradient_bytes(4, ()) == 4  # a 0-d tensor has no matrix view
     assert replace(PSGD4, comm_hook="fp16").gradient_bytes(4000, (1000,)) == 2000
@@ -46,8 +54,13 @@ def test_nd_tensors_use_the_first_dimension_and_small_matrices_stay_whole() -> N
 def test_buckets_fill_in_reverse_order_and_each_costs_its_all_reduces() -> None:
     assert ddp_buckets([30 * MiB, MiB, 20 * MiB, 10 * MiB], 25 * MiB) == [[3, 2], [1, 0]]
     sizes = [30 * MiB, 4000]
-    assert PSGD4.dp_traffic(sizes, [(7680, 1024), (1000,)]).allreduces == 3  # one bucket: 30 MiB + bias
-    assert replace(PSGD4, dp_bucket_bytes=4000).dp_traffic(sizes, [(7680, 1024), (1000,)]).allreduces == 6
+    assert (
+        PSGD4.dp_traffic(sizes, [(7680, 1024), (1000,)]).allreduces == 3
+    )  # one bucket: 30 MiB + bias
+    assert (
+        replace(PSGD4, dp_bucket_bytes=4000).dp_traffic(sizes, [(7680, 1024), (1000,)]).allreduces
+        == 6
+    )
     assert replace(LINK, dp_bucket_bytes=4000).dp_traffic(sizes).allreduces == 2
     with pytest.raises(ConfigError, match="dp_bucket_bytes must be an int >= 1, got 0"):
         CostModel(dp_bucket_bytes=0)
@@ -62,14 +75,26 @@ def test_batched_powersgd_compresses_each_bucket_as_a_padded_square() -> None:
 
 
 def _linear_profile(shapes: dict[str, tuple[int, ...]]) -> ModelProfile:
-    units = (Unit(name="fc", module_path="fc", params=("fc.weight", "fc.bias"), param_bytes=4_004_000, fwd_ms=1.0),
-             Unit(name="head", module_path="head", params=("head.weight",), param_bytes=4_000, fwd_ms=1.0))
+    units = (
+        Unit(
+            name="fc",
+            module_path="fc",
+            params=("fc.weight", "fc.bias"),
+            param_bytes=4_004_000,
+            fwd_ms=1.0,
+        ),
+        Unit(
+            name="head", module_path="head", params=("head.weight",), param_bytes=4_000, fwd_ms=1.0
+        ),
+    )
     sizes = {"fc.weight": 4_000_000, "fc.bias": 4_000, "head.weight": 4_000}
     return ModelProfile(units=units, edges=(), batch_size=1, param_sizes=sizes, param_shapes=shapes)
 
 
 def test_stage_all_reduce_prices_the_stage_own_shapes() -> None:
-    profile = _linear_profile({"fc.weight": (1000, 1000), "fc.bias": (1000,), "head.weight": (1, 1000)})
+    profile = _linear_profile(
+        {"fc.weight": (1000, 1000), "fc.bias": (1000,), "head.weight": (1, 1000)}
+    )
     stages = evaluate(build_problem(profile, 2, cost=PSGD4), (0, 1)).stages
     assert [s.dp_allreduce_ms for s in stages] == pytest.approx([0.036 + 0.6, 0.004 + 0.6])
     assert ModelProfile.from_json(profile.to_json()) == profile
@@ -89,7 +114,12 @@ def test_a_profile_without_shapes_falls_back_to_square_matrices() -> None:
 def test_tracer_records_parameter_shapes() -> None:
     model = nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4))
     profile = trace_model(model, (torch.randn(2, 8),), progress=False).profile
-    assert profile.param_shapes == {"0.weight": (4, 8), "0.bias": (4,), "1.weight": (4,), "1.bias": (4,)}
+    assert profile.param_shapes == {
+        "0.weight": (4, 8),
+        "0.bias": (4,),
+        "1.weight": (4,),
+        "1.bias": (4,),
+    }
 
 
 @pytest.mark.parametrize("replicas", [2, 4, 8])
@@ -100,12 +130,16 @@ def test_latency_is_paid_once_per_ring_hop(replicas: int) -> None:
     hop_ms = 1.0
     assert alpha.allreduce_ms([4_000]) == pytest.approx(2 * (replicas - 1) * hop_ms)
     assert replace(alpha, dp_bucket_bytes=4_000).allreduce_ms([4_000, 4_000]) == pytest.approx(
-        2 * 2 * (replicas - 1) * hop_ms)  # two buckets, two all-reduces
+        2 * 2 * (replicas - 1) * hop_ms
+    )  # two buckets, two all-reduces
     grad_op = replace(alpha, shard="grad-op")
     assert grad_op.dp_comm_ms([4_000], [(1000,)]) == pytest.approx(2 * (replicas - 1) * hop_ms)
     full = replace(alpha, shard="full")
     M = 3
-    assert full.dp_comm_ms([4_000], [(1000,)], M) == pytest.approx((2 * M + 1) * (replicas - 1) * hop_ms)
+    assert full.dp_comm_ms([4_000], [(1000,)], M) == pytest.approx(
+        (2 * M + 1) * (replicas - 1) * hop_ms
+    )
     zero = replace(alpha, shard="optimizer")
     assert zero.dp_comm_ms([4_000, 4_000], [(1000,), (1000,)]) == pytest.approx(
-        (2 * (replicas - 1) + 2 * (replicas - 1)) * hop_ms)  # one bucket's all-reduce, two broadcasts
+        (2 * (replicas - 1) + 2 * (replicas - 1)) * hop_ms
+    )  # one bucket's all-reduce, two broadcasts

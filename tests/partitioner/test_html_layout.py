@@ -21,7 +21,9 @@ from fxpipe.partitioner.report.html import render_html_report
 from fxpipe.tracer.profile import ModelProfile
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs it)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (CI installs it)"
+)
 
 # Measures the laid-out page and appends the result as JSON in <pre id="fxpipe-layout">.
 _PROBE = """<script>(() => {
@@ -55,15 +57,32 @@ def _planned(num_units: int) -> tuple[PartitionPlan, ModelProfile]:
     return plan_partition(profile, stages, microbatches=2 * stages, time_limit=2), profile
 
 
-def _layout(num_units: int, width: int, tmp_path: Path, extra: str = "") -> tuple[dict, PartitionPlan]:
+def _layout(
+    num_units: int, width: int, tmp_path: Path, extra: str = ""
+) -> tuple[dict, PartitionPlan]:
     plan, profile = _planned(num_units)
     page = tmp_path / f"report_{num_units}.html"
-    page.write_text(render_html_report(plan, profile).replace("</body>", extra + _PROBE + "</body>"), encoding="utf-8")
+    page.write_text(
+        render_html_report(plan, profile).replace("</body>", extra + _PROBE + "</body>"),
+        encoding="utf-8",
+    )
     shot = tmp_path / f"report_{num_units}_{width}px.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium'}", f"--window-size={width},1600", f"--screenshot={shot}",
-           "--dump-dom", page.resolve().as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+        f"--window-size={width},1600",
+        f"--screenshot={shot}",
+        "--dump-dom",
+        page.resolve().as_uri(),
+    ]
     proc = subprocess.run(cmd, timeout=180, capture_output=True, text=True)
     found = re.search(r'<pre id="fxpipe-layout">(.*?)</pre>', proc.stdout)
     assert found, f"the probe did not run: {proc.stderr[-2000:]}"
@@ -72,7 +91,9 @@ def _layout(num_units: int, width: int, tmp_path: Path, extra: str = "") -> tupl
 
 
 def _check(layout: dict, plan: PartitionPlan) -> None:
-    assert layout["scrollWidth"] <= layout["width"], f"horizontal overflow: {layout['scrollWidth']} > {layout['width']}"
+    assert layout["scrollWidth"] <= layout["width"], (
+        f"horizontal overflow: {layout['scrollWidth']} > {layout['width']}"
+    )
     assert not layout["outside"], f"labels outside the window: {layout['outside']}"
     assert not layout["overlaps"], f"overlapping labels: {layout['overlaps']}"
     assert layout["labels"] > len(plan.stages)
@@ -100,9 +121,11 @@ def test_report_layout_at_2000_units(width: int, tmp_path: Path) -> None:
 
 @needs_chromium
 def test_the_probe_sees_overflow_and_overlap(tmp_path: Path) -> None:
-    broken = ('<div style="width:1200px" class="lbl">wide</div>'
-              '<div style="position:relative"><span class="lbl" style="position:absolute">one</span>'
-              '<span class="lbl" style="position:absolute;left:4px">two</span></div>')
+    broken = (
+        '<div style="width:1200px" class="lbl">wide</div>'
+        '<div style="position:relative"><span class="lbl" style="position:absolute">one</span>'
+        '<span class="lbl" style="position:absolute;left:4px">two</span></div>'
+    )
     layout, plan = _layout(35, 800, tmp_path, extra=broken)
     with pytest.raises(AssertionError, match="horizontal overflow"):
         _check(layout, plan)

@@ -46,8 +46,11 @@ def test_round_trip_is_typed_and_exact(tmp_path: Path) -> None:
     pred = again.prediction
     assert isinstance(pred, Prediction) and isinstance(pred.step_overhead_ms, StepOverheads)
     assert isinstance(pred.runtime_costs, RuntimeCosts) and pred.schedule == plan.schedule
-    assert pred.step_ms[plan.schedule] == plan.step_ms == pytest.approx(
-        pred.pipeline_ms[plan.schedule] + pred.step_overhead_ms.total_ms)
+    assert (
+        pred.step_ms[plan.schedule]
+        == plan.step_ms
+        == pytest.approx(pred.pipeline_ms[plan.schedule] + pred.step_overhead_ms.total_ms)
+    )
 
 
 def test_stage_memory_is_a_typed_breakdown() -> None:
@@ -62,10 +65,17 @@ def _as_version_1(plan: PartitionPlan) -> dict[str, Any]:
     d = json.loads(plan.to_json())
     pred = d["prediction"]
     schedule = pred.pop("schedule")
-    pred.update(bubble=pred["bubble_by_schedule"][schedule], samples_per_step=pred["samples_per_step"],
-                throughput_samples_per_s=plan.prediction.throughput_samples_per_s if plan.prediction else 0.0,
-                peak_memory_bytes=pred["peak_memory_bytes_by_schedule"][schedule])
-    pred["step_overhead_ms"]["total_ms"] = plan.prediction.step_overhead_ms.total_ms if plan.prediction else 0.0
+    pred.update(
+        bubble=pred["bubble_by_schedule"][schedule],
+        samples_per_step=pred["samples_per_step"],
+        throughput_samples_per_s=plan.prediction.throughput_samples_per_s
+        if plan.prediction
+        else 0.0,
+        peak_memory_bytes=pred["peak_memory_bytes_by_schedule"][schedule],
+    )
+    pred["step_overhead_ms"]["total_ms"] = (
+        plan.prediction.step_overhead_ms.total_ms if plan.prediction else 0.0
+    )
     d["schema_version"] = 1
     return d
 
@@ -78,10 +88,17 @@ def test_version_1_plans_are_read(schedule: str) -> None:
 
 
 def test_the_documented_minimal_plan_loads_and_reports() -> None:
-    minimal = {"stages": [{"units": ["u0", "u1"], "compute_ms": 3.0, "comm_ms": 0.5, "memory_bytes": 2048},
-                          {"units": ["u2"], "compute_ms": 3.0, "comm_ms": 0.5, "memory_bytes": 1024}],
-               "bottleneck_ms": 3.5, "lower_bound_ms": 3.0, "optimal": False, "solver": "by hand",
-               "baselines": {"uniform": {"bottleneck_ms": 4.0}}}
+    minimal = {
+        "stages": [
+            {"units": ["u0", "u1"], "compute_ms": 3.0, "comm_ms": 0.5, "memory_bytes": 2048},
+            {"units": ["u2"], "compute_ms": 3.0, "comm_ms": 0.5, "memory_bytes": 1024},
+        ],
+        "bottleneck_ms": 3.5,
+        "lower_bound_ms": 3.0,
+        "optimal": False,
+        "solver": "by hand",
+        "baselines": {"uniform": {"bottleneck_ms": 4.0}},
+    }
     plan = PartitionPlan.from_dict(minimal)
     assert plan.num_stages == 2 and plan.stage_of("u2") == 1 and plan.prediction is None
     assert plan.gap == pytest.approx(0.5 / 3.0)
@@ -93,19 +110,30 @@ def test_the_documented_minimal_plan_loads_and_reports() -> None:
         _ = plan.step_ms
 
 
-@pytest.mark.parametrize(("ask", "answers"), [
-    ({}, True),
-    ({"microbatches": 8}, False),                                   # priced for 4 microbatches
-    ({"dp_replicas": 1}, False),                                    # priced with 2 replicas
-    ({"comm_hook": "fp16"}, False),
-    ({"powersgd_rank": 2}, False),
-    ({"schedule": "gpipe"}, True),                                  # both schedules are predicted
-    ({"schedule": "zbv"}, False),
-])
-def test_predicted_step_only_for_the_configuration_it_was_priced_for(ask: dict[str, Any], answers: bool) -> None:
+@pytest.mark.parametrize(
+    ("ask", "answers"),
+    [
+        ({}, True),
+        ({"microbatches": 8}, False),  # priced for 4 microbatches
+        ({"dp_replicas": 1}, False),  # priced with 2 replicas
+        ({"comm_hook": "fp16"}, False),
+        ({"powersgd_rank": 2}, False),
+        ({"schedule": "gpipe"}, True),  # both schedules are predicted
+        ({"schedule": "zbv"}, False),
+    ],
+)
+def test_predicted_step_only_for_the_configuration_it_was_priced_for(
+    ask: dict[str, Any], answers: bool
+) -> None:
     plan = _plan(cost=CostModel(dp_replicas=2, comm_hook="powersgd", powersgd_rank=1))
-    query: dict[str, Any] = {"schedule": "1f1b", "microbatches": 4, "dp_replicas": 2, "comm_hook": "powersgd",
-                             "powersgd_rank": 1, **ask}
+    query: dict[str, Any] = {
+        "schedule": "1f1b",
+        "microbatches": 4,
+        "dp_replicas": 2,
+        "comm_hook": "powersgd",
+        "powersgd_rank": 1,
+        **ask,
+    }
     got = plan.predicted_step_ms(query.pop("schedule"), **query)
     assert plan.prediction is not None
     assert got == (plan.prediction.step_ms[ask.get("schedule", "1f1b")] if answers else None)
@@ -121,16 +149,25 @@ def test_nan_and_infinity_are_never_written() -> None:
     with pytest.raises(PartitionError, match=r"^plan bottleneck_ms is not a finite number"):
         replace(plan, bottleneck_ms=math.nan).to_json()
     assert plan.prediction is not None
-    broken = replace(plan, prediction=replace(plan.prediction, step_ms={"gpipe": math.inf, "1f1b": 1.0}))
+    broken = replace(
+        plan, prediction=replace(plan.prediction, step_ms={"gpipe": math.inf, "1f1b": 1.0})
+    )
     with pytest.raises(PartitionError, match=r"prediction.step_ms.gpipe is not a finite number"):
         broken.to_json()
 
 
-@pytest.mark.parametrize("bad", [
-    {"link_bandwidth": math.inf}, {"link_bandwidth": math.nan}, {"link_latency": math.inf},
-    {"link_latency": math.nan}, {"device_speed": (1.0, math.inf)}, {"device_speed": (math.nan,)},
-    {"device_speed": ("fast",)},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"link_bandwidth": math.inf},
+        {"link_bandwidth": math.nan},
+        {"link_latency": math.inf},
+        {"link_latency": math.nan},
+        {"device_speed": (1.0, math.inf)},
+        {"device_speed": (math.nan,)},
+        {"device_speed": ("fast",)},
+    ],
+)
 def test_cost_model_refuses_non_finite_inputs(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="must be a (finite )?number"):
         CostModel(**bad)
@@ -150,6 +187,13 @@ def test_time_limit_must_be_finite_and_positive(limit: float) -> None:
 
 def test_prediction_must_cover_its_schedule() -> None:
     with pytest.raises(PartitionError, match="no entry for its schedule '1f1b'"):
-        Prediction(schedule="1f1b", step_ms={"gpipe": 1.0}, pipeline_ms={"gpipe": 1.0},
-                   bubble_by_schedule={"gpipe": 0.0}, peak_memory_bytes_by_schedule={"gpipe": (1,)},
-                   step_overhead_ms=StepOverheads(), runtime_costs=RuntimeCosts(), samples_per_step=1)
+        Prediction(
+            schedule="1f1b",
+            step_ms={"gpipe": 1.0},
+            pipeline_ms={"gpipe": 1.0},
+            bubble_by_schedule={"gpipe": 0.0},
+            peak_memory_bytes_by_schedule={"gpipe": (1,)},
+            step_overhead_ms=StepOverheads(),
+            runtime_costs=RuntimeCosts(),
+            samples_per_step=1,
+        )

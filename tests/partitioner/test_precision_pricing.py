@@ -22,10 +22,16 @@ def _profile() -> object:
 def test_half_precision_halves_the_boundary_bytes_and_their_time() -> None:
     profile = _profile()
     fp32 = CostModel(link_bandwidth=1e8, link_latency=0.0)
-    plans = {p: plan_partition(profile, 2, solver="uniform", microbatches=2, cost=replace(fp32, precision=p))
-             for p in ("fp32", "bf16", "fp16")}
+    plans = {
+        p: plan_partition(
+            profile, 2, solver="uniform", microbatches=2, cost=replace(fp32, precision=p)
+        )
+        for p in ("fp32", "bf16", "fp16")
+    }
     sent = {p: [s.send_bytes for s in plan.stages] for p, plan in plans.items()}
-    assert sent["fp32"][0] == 32 * 256 * 4  # one fp32 activation (32 x 256, the traced batch) in fp32
+    assert (
+        sent["fp32"][0] == 32 * 256 * 4
+    )  # one fp32 activation (32 x 256, the traced batch) in fp32
     assert sent["bf16"] == sent["fp16"] == [b // 2 for b in sent["fp32"]]
     comm = {p: plan.stages[0].comm_ms for p, plan in plans.items()}
     assert comm["bf16"] == pytest.approx(comm["fp32"] / 2)  # no latency: time is bytes / bandwidth
@@ -37,7 +43,9 @@ def test_the_memory_of_boundary_buffers_follows_and_compute_does_not() -> None:
     problem = build_problem(_profile(), 2, microbatches=2)
     assignment = [0] * (problem.num_units // 2) + [1] * (problem.num_units - problem.num_units // 2)
     full = evaluate(problem, assignment).stages
-    half = evaluate(replace(problem, cost=replace(problem.cost, precision="bf16")), assignment).stages
+    half = evaluate(
+        replace(problem, cost=replace(problem.cost, precision="bf16")), assignment
+    ).stages
     assert [s.boundary_bytes for s in half] == [s.boundary_bytes // 2 for s in full]
     assert [s.compute_ms for s in half] == [s.compute_ms for s in full]
 

@@ -17,10 +17,22 @@ def profiles(draw: st.DrawFn) -> tuple[ModelProfile, int]:
     S = draw(st.integers(1, min(4, n)))
     units = []
     for i in range(n):
-        pin = draw(st.one_of(st.none(), st.integers(0, S - 1))) if draw(st.integers(0, 5)) == 0 else None
-        units.append(Unit(name=f"u{i}", module_path=f"m.{i}", fwd_ms=draw(st.floats(0.0, 5.0)),
-                          bwd_ms=draw(st.floats(0.0, 5.0)), param_bytes=draw(st.integers(0, 5000)),
-                          activation_bytes=draw(st.integers(0, 500)), pin=pin))
+        pin = (
+            draw(st.one_of(st.none(), st.integers(0, S - 1)))
+            if draw(st.integers(0, 5)) == 0
+            else None
+        )
+        units.append(
+            Unit(
+                name=f"u{i}",
+                module_path=f"m.{i}",
+                fwd_ms=draw(st.floats(0.0, 5.0)),
+                bwd_ms=draw(st.floats(0.0, 5.0)),
+                param_bytes=draw(st.integers(0, 5000)),
+                activation_bytes=draw(st.integers(0, 500)),
+                pin=pin,
+            )
+        )
     pairs = {(i, i + 1) for i in range(n - 1)}
     for _ in range(draw(st.integers(0, n))):
         a = draw(st.integers(0, n - 2))
@@ -40,13 +52,26 @@ def profiles(draw: st.DrawFn) -> tuple[ModelProfile, int]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(profiles(), st.sampled_from(["auto", "dp", "greedy"]), st.sampled_from([None, 20_000]),
-       st.sampled_from(["gpipe", "1f1b"]))
-def test_plans_are_valid(case: tuple[ModelProfile, int], solver: str, limit: int | None, schedule: str) -> None:
+@given(
+    profiles(),
+    st.sampled_from(["auto", "dp", "greedy"]),
+    st.sampled_from([None, 20_000]),
+    st.sampled_from(["gpipe", "1f1b"]),
+)
+def test_plans_are_valid(
+    case: tuple[ModelProfile, int], solver: str, limit: int | None, schedule: str
+) -> None:
     profile, S = case
     try:
-        plan = plan_partition(profile, S, solver=solver, memory_limit=limit, schedule=schedule,
-                              microbatches=2, time_limit=1.0)
+        plan = plan_partition(
+            profile,
+            S,
+            solver=solver,
+            memory_limit=limit,
+            schedule=schedule,
+            microbatches=2,
+            time_limit=1.0,
+        )
     except InfeasibleError:
         return
     assignment = tuple(plan.stage_of(u.name) for u in profile.units)
@@ -58,6 +83,11 @@ def test_plans_are_valid(case: tuple[ModelProfile, int], solver: str, limit: int
         resolution = RUNTIME_COSTS["cpu"].step_resolution
         for name, base in plan.baselines.items():
             if base.feasible:
-                assert base.step_ms is not None and plan.step_ms <= base.step_ms * (1 + resolution + 1e-9) + 1e-12, name
-                if limit is None and base.step_ms <= plan.step_ms:  # within the resolution: not less bottleneck
+                assert (
+                    base.step_ms is not None
+                    and plan.step_ms <= base.step_ms * (1 + resolution + 1e-9) + 1e-12
+                ), name
+                if (
+                    limit is None and base.step_ms <= plan.step_ms
+                ):  # within the resolution: not less bottleneck
                     assert plan.bottleneck_ms <= base.bottleneck_ms * (1 + 1e-9) + 1e-12, name

@@ -12,9 +12,13 @@ from fxpipe.partitioner.cluster import ClusterSpec
 from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.partitioner.problem import build_problem, evaluate
 from fxpipe.partitioner.search.configurations import search_configurations
-from fxpipe.partitioner.search.shapes import Shape, SplitCache, enumerate_shapes, runnable_shard_levels
+from fxpipe.partitioner.search.shapes import (
+    Shape,
+    SplitCache,
+    enumerate_shapes,
+    runnable_shard_levels,
+)
 from fxpipe.partitioner.synthetic import transformer_profile
-
 
 
 WORKSPACE = RUNTIME_COSTS["cuda"].workspace_bytes  # every CUDA rank's cuBLAS workspaces
@@ -26,8 +30,16 @@ def _device(mib: float) -> int:
 
 
 def _small(layers: int = 5):
-    return transformer_profile(layers=layers, hidden=128, ffn=512, heads=4, kv_heads=2, vocab=512, seq=512,
-                               device_tflops=0.05)
+    return transformer_profile(
+        layers=layers,
+        hidden=128,
+        ffn=512,
+        heads=4,
+        kv_heads=2,
+        vocab=512,
+        seq=512,
+        device_tflops=0.05,
+    )
 
 
 def _contiguous_splits(units: int, count: int):
@@ -48,7 +60,9 @@ def test_each_chunk_count_gets_its_own_balanced_split() -> None:
         assert list(chunks) == sorted(chunks)  # contiguous, in order
         problem = build_problem(profile, count, cost=cluster.cost_model())
         best = min(evaluate(problem, a).bottleneck_ms for a in _contiguous_splits(n, count))
-        assert evaluate(problem, chunks).bottleneck_ms == pytest.approx(best)  # brute force: no better split
+        assert evaluate(problem, chunks).bottleneck_ms == pytest.approx(
+            best
+        )  # brute force: no better split
         seen.add(chunks)
     assert len(seen) == n  # a split per count, never one reused for another count
     assert cache.chunks(n + 1) is None
@@ -61,7 +75,11 @@ def test_a_split_is_placed_on_the_ranks_as_its_schedule_places_it() -> None:
     chunks = cache.chunks(4)
     per_chunk = [sum(c for c, s in zip(compute, chunks) if s == k) for k in range(4)]
     loop, v = cache.split(2, 2, "loop"), cache.split(2, 2, "v")
-    assert loop is not None and v is not None and loop.assignment == v.assignment == cache.split(4, 1, "loop").assignment
+    assert (
+        loop is not None
+        and v is not None
+        and loop.assignment == v.assignment == cache.split(4, 1, "loop").assignment
+    )
     assert loop.rank_ms == pytest.approx((per_chunk[0] + per_chunk[2], per_chunk[1] + per_chunk[3]))
     assert v.rank_ms == pytest.approx((per_chunk[0] + per_chunk[3], per_chunk[1] + per_chunk[2]))
 
@@ -73,8 +91,9 @@ def test_fsdp_levels_wherever_the_runtime_runs_them() -> None:
     for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
         assert runnable_shard_levels(Shape(2, 2, 4, 1, name, v), levels) == levels
         assert runnable_shard_levels(Shape(2, 1, 4, 1, name, v), levels) == ("none",)
-    result = search_configurations(_small(6), ClusterSpec(devices=8, device_memory=_device(20), node_size=4), 16,
-                                   top=10**6)
+    result = search_configurations(
+        _small(6), ClusterSpec(devices=8, device_memory=_device(20), node_size=4), 16, top=10**6
+    )
     configs = [s.config for s in result.ranked]
     sharded = [c for c in configs if c.shard in ("grad-op", "full")]
     assert all(c.replicas > 1 for c in sharded)
@@ -102,12 +121,16 @@ def test_the_bound_is_below_every_priced_step() -> None:
     profile = _small(6)
     cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
     result = search_configurations(profile, cluster, 16, top=10**6)
-    pricer = Pricer(profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), RUNTIME_COSTS["cpu"])
+    pricer = Pricer(
+        profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), RUNTIME_COSTS["cpu"]
+    )
     splits = SplitCache(profile, cluster)
     assert {s.config.schedule for s in result.ranked} >= {"gpipe", "1f1b", "interleaved-1f1b"}
     for score in result.ranked:
         c = score.config
-        shape = Shape(c.stages, c.replicas, c.microbatches, c.microbatch_size, c.schedule, c.virtual_stages)
+        shape = Shape(
+            c.stages, c.replicas, c.microbatches, c.microbatch_size, c.schedule, c.virtual_stages
+        )
         split = splits.split(shape.stages, shape.virtual_stages, shape.placement)
         assert split is not None
         assert pricer.bound(shape, split) <= score.step_ms * (1 + 1e-9), c.label
@@ -118,8 +141,10 @@ def test_least_bottleneck_is_the_brute_force_one_from_below() -> None:
 
     for values in ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], [1.0] * 7, [10.0, 0.5, 0.5, 0.5, 8.0]):
         for count in range(1, len(values) + 1):
-            best = min(max(sum(values[a:b]) for a, b in zip((0, *cuts), (*cuts, len(values))))
-                       for cuts in itertools.combinations(range(1, len(values)), count - 1))
+            best = min(
+                max(sum(values[a:b]) for a, b in zip((0, *cuts), (*cuts, len(values))))
+                for cuts in itertools.combinations(range(1, len(values)), count - 1)
+            )
             got = least_bottleneck(values, count)
             assert got <= best and got == pytest.approx(best, rel=1e-8), (values, count)
 
@@ -132,7 +157,15 @@ def test_the_coarse_bound_is_below_the_splits_bound() -> None:
 
     profile = _small(6)
     cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
-    search = _Search(profile, cluster, 16, "adam", ("none", "optimizer", "grad-op", "full"), 5, RUNTIME_COSTS["cpu"])
+    search = _Search(
+        profile,
+        cluster,
+        16,
+        "adam",
+        ("none", "optimizer", "grad-op", "full"),
+        5,
+        RUNTIME_COSTS["cpu"],
+    )
     shapes = enumerate_shapes(len(profile.units), 8, 16, list(auto_candidates()), range(1, 9))
     assert len(shapes) > 50
     for shape in shapes:

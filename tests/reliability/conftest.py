@@ -26,7 +26,7 @@ from probe_builds import make_build  # noqa: E402
 # Four blocks of Linear -> Scale. ``Scale`` cannot be traced into, so it is kept
 # whole (a leaf) and every stage imports it from the model file; ``FXPIPE_PROBE_LOSS`` makes loss_fn misbehave in a worker
 # (or print lines that look like fxpipe's reports).
-LEAF_MODEL = '''
+LEAF_MODEL = """
 import os
 import torch
 import torch.nn as nn
@@ -85,7 +85,7 @@ def loss_fn(out, target):
         print("error: [rank 1] ModelFileError: another line the model printed", file=sys.stderr, flush=True)
         print('fxpipe-agent: {"rank": 0, "exitcode": 1, "signal": null, "time": 0}', file=sys.stderr, flush=True)
     return F.cross_entropy(out, target)
-'''
+"""
 
 
 @pytest.fixture(scope="session")
@@ -101,15 +101,21 @@ def shared_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A project whose stages both hold a ``Block(16, 16)``: the class is written once, in shared.py
     (Note [classes several stages share]), and imports ``Scale`` from the model file."""
     folder = tmp_path_factory.mktemp("shared") / "project"
-    make_build(folder, LEAF_MODEL.replace("nn.Sequential(Block(8, 16), Block(16, 16), Block(16, 16), Block(16, 4))",
-                                          "nn.Sequential(Block(8, 16), *(Block(16, 16) for _ in range(4)), "
-                                          "Block(16, 4))"))
+    make_build(
+        folder,
+        LEAF_MODEL.replace(
+            "nn.Sequential(Block(8, 16), Block(16, 16), Block(16, 16), Block(16, 4))",
+            "nn.Sequential(Block(8, 16), *(Block(16, 16) for _ in range(4)), Block(16, 4))",
+        ),
+    )
     return folder
 
 
 @pytest.fixture
 def shared_copy(shared_project: Path, tmp_path: Path) -> Path:
-    shutil.copytree(shared_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        shared_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__")
+    )
     return tmp_path / "project" / "build"
 
 
@@ -124,7 +130,9 @@ def mlp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def leaf_copy(leaf_project: Path, tmp_path: Path) -> Path:
     """A private copy of ``leaf_project`` (model file and build) to tamper with; returns its build."""
-    shutil.copytree(leaf_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        leaf_project, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__")
+    )
     return tmp_path / "project" / "build"
 
 

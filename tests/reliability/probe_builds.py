@@ -23,7 +23,9 @@ def make_build(folder: Path, model_text: str, stages: int = 2) -> Path:
     (folder / "model.py").write_text(model_text)
     source = load_model_file(folder / "model.py")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "symbolic tracing failed inside 'Scale': keeping it whole"
+        warnings.simplefilter(
+            "ignore"
+        )  # "symbolic tracing failed inside 'Scale': keeping it whole"
         traced = trace_model_file(source, 2, progress=False)
     plan = plan_partition(traced.profile, stages, microbatches=2)
     write_build_dir(traced, plan, folder / "build", source, batch_size=4, microbatches=2)

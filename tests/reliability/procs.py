@@ -28,7 +28,7 @@ def _stat(pid: int) -> tuple[int, str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    rest = text[text.rindex(")") + 2:].split()
+    rest = text[text.rindex(")") + 2 :].split()
     return int(rest[1]), rest[0]
 
 
@@ -60,7 +60,9 @@ def descendants(root: int) -> set[int]:
 
 def cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return ""
 
@@ -123,11 +125,25 @@ class FaultyRun:
     stderr: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        cmd = [sys.executable, "-m", "fxpipe", "run", str(self.build_dir), "--steps", str(self.steps),
-               "--timeout", str(self.timeout_s)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fxpipe",
+            "run",
+            str(self.build_dir),
+            "--steps",
+            str(self.steps),
+            "--timeout",
+            str(self.timeout_s),
+        ]
         with sigint_for_children(self.sigint):
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         env={**fxpipe_env(), **self.env})
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**fxpipe_env(), **self.env},
+            )
         for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
             threading.Thread(target=_collect, args=(stream, sink), daemon=True).start()
 
@@ -136,15 +152,19 @@ class FaultyRun:
         mark = f"step {step:4d}/"
         while not any(line.startswith(mark) for line in self.stdout):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"training never reached step {step}: {''.join(self.stderr)[-2000:]}")
+                raise AssertionError(
+                    f"training never reached step {step}: {''.join(self.stderr)[-2000:]}"
+                )
             time.sleep(0.05)
 
     def job(self) -> dict[str, set[int]]:
         """The job's processes by role: ``launcher``, ``agent`` and ``workers``."""
         pids = descendants(self.proc.pid)
-        return {"launcher": {self.proc.pid},
-                "agent": {p for p in pids if "fxpipe.runtime.launch.agent" in cmdline(p)},
-                "workers": {p for p in pids if "fxpipe.runtime.launch.worker" in cmdline(p)}}
+        return {
+            "launcher": {self.proc.pid},
+            "agent": {p for p in pids if "fxpipe.runtime.launch.agent" in cmdline(p)},
+            "workers": {p for p in pids if "fxpipe.runtime.launch.worker" in cmdline(p)},
+        }
 
     def worker(self, rank: int) -> int:
         return next(p for p in self.job()["workers"] if rank_of(p) == rank)

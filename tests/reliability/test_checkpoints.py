@@ -40,15 +40,27 @@ class _Pipeline:
         self.barrier = threading.Barrier(stages, timeout=20)
         self.slots: list[Any] = [None] * stages
         monkeypatch.setattr(checkpoint, "current", self._state)
-        monkeypatch.setattr(checkpoint, "_group", lambda st, partial: ("group", stages) if partial else (None, 1))
+        monkeypatch.setattr(
+            checkpoint, "_group", lambda st, partial: ("group", stages) if partial else (None, 1)
+        )
         monkeypatch.setattr(checkpoint, "_gather", self._gather)
 
     def _state(self) -> Any:
         rank = self.local.rank
-        return type("State", (), {"rank": rank, "mp_rank": rank, "mp_group": "group",
-                                  "layout": type("Layout", (), {"num_stages": self.stages})})()
+        return type(
+            "State",
+            (),
+            {
+                "rank": rank,
+                "mp_rank": rank,
+                "mp_group": "group",
+                "layout": type("Layout", (), {"num_stages": self.stages}),
+            },
+        )()
 
-    def _gather(self, mine: dict[str, Any], group: Any, size: int, doing: str) -> list[dict[str, Any]]:
+    def _gather(
+        self, mine: dict[str, Any], group: Any, size: int, doing: str
+    ) -> list[dict[str, Any]]:
         if size == 1:
             return [mine]
         try:
@@ -58,7 +70,9 @@ class _Pipeline:
             self.barrier.wait()
             return out
         except threading.BrokenBarrierError:
-            raise CheckpointError(f"{doing}: another rank of the pipeline did not answer; nothing was committed") from None
+            raise CheckpointError(
+                f"{doing}: another rank of the pipeline did not answer; nothing was committed"
+            ) from None
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         results: list[Any] = [None] * self.stages
@@ -115,8 +129,13 @@ def saved(pipe: _Pipeline, tmp_path: Path) -> Path:
     return f
 
 
-def _fail_on(rank: int, how: Callable[[], BaseException], monkeypatch: pytest.MonkeyPatch, pipe: _Pipeline,
-             after_write: bool = True) -> None:
+def _fail_on(
+    rank: int,
+    how: Callable[[], BaseException],
+    monkeypatch: pytest.MonkeyPatch,
+    pipe: _Pipeline,
+    after_write: bool = True,
+) -> None:
     """Make ``rank``'s write of its part fail with ``how()`` (after its temporary file is written, if asked)."""
     real = commit.write_pending
 
@@ -132,21 +151,34 @@ def _fail_on(rank: int, how: Callable[[], BaseException], monkeypatch: pytest.Mo
 
 def test_a_save_round_trips_and_leaves_only_its_files(pipe: _Pipeline, saved: Path) -> None:
     assert _steps(_load(pipe, saved)) == [1, 1]
-    assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt.pt.partial.json", "ckpt.pt_0", "ckpt.pt_1"]
+    assert sorted(p.name for p in saved.parent.iterdir()) == [
+        "ckpt.pt.partial.json",
+        "ckpt.pt_0",
+        "ckpt.pt_1",
+    ]
 
 
 def test_a_full_disk_on_one_rank_commits_nothing(pipe: _Pipeline, saved: Path, monkeypatch) -> None:
-    _fail_on(1, lambda: OSError(errno.ENOSPC, "No space left on device"), monkeypatch, pipe, after_write=False)
+    _fail_on(
+        1,
+        lambda: OSError(errno.ENOSPC, "No space left on device"),
+        monkeypatch,
+        pipe,
+        after_write=False,
+    )
     results = _save(pipe, saved, 2)
     assert all(isinstance(r, CheckpointError) for r in results)
-    assert all("No space left on device" in str(r) and "previous checkpoint" in str(r) for r in results)
+    assert all(
+        "No space left on device" in str(r) and "previous checkpoint" in str(r) for r in results
+    )
     monkeypatch.undo()
     pipe = _Pipeline(monkeypatch)
     assert _steps(_load(pipe, saved)) == [1, 1] and _temps(saved.parent) == []
 
 
-def test_a_rank_killed_before_the_commit_leaves_the_previous_checkpoint(pipe: _Pipeline, saved: Path,
-                                                                        monkeypatch) -> None:
+def test_a_rank_killed_before_the_commit_leaves_the_previous_checkpoint(
+    pipe: _Pipeline, saved: Path, monkeypatch
+) -> None:
     _fail_on(1, _Killed, monkeypatch, pipe)
     results = _save(pipe, saved, 2)
     assert isinstance(results[0], CheckpointError) and isinstance(results[1], _Killed)
@@ -157,8 +189,9 @@ def test_a_rank_killed_before_the_commit_leaves_the_previous_checkpoint(pipe: _P
     assert _temps(saved.parent) == []
 
 
-def test_a_rank_killed_between_commit_and_rename_is_rolled_forward(pipe: _Pipeline, saved: Path,
-                                                                   monkeypatch) -> None:
+def test_a_rank_killed_between_commit_and_rename_is_rolled_forward(
+    pipe: _Pipeline, saved: Path, monkeypatch
+) -> None:
     real = checkpoint.publish
 
     def publish(path: Path, part: commit.Part) -> None:
@@ -175,7 +208,9 @@ def test_a_rank_killed_between_commit_and_rename_is_rolled_forward(pipe: _Pipeli
     assert _steps(_load(pipe, saved)) == [2, 2] and _temps(saved.parent) == []
 
 
-def test_a_killed_save_is_cleaned_up_by_the_next_save(pipe: _Pipeline, saved: Path, monkeypatch) -> None:
+def test_a_killed_save_is_cleaned_up_by_the_next_save(
+    pipe: _Pipeline, saved: Path, monkeypatch
+) -> None:
     _fail_on(0, _Killed, monkeypatch, pipe)
     _save(pipe, saved, 2)
     monkeypatch.undo()
@@ -202,15 +237,18 @@ def test_a_part_from_another_save_is_refused(pipe: _Pipeline, saved: Path, tmp_p
     assert all(isinstance(r, CheckpointError) for r in results), results
 
 
-def test_ranks_with_records_of_different_saves_refuse_together(pipe: _Pipeline, saved: Path, tmp_path: Path,
-                                                               monkeypatch) -> None:
+def test_ranks_with_records_of_different_saves_refuse_together(
+    pipe: _Pipeline, saved: Path, tmp_path: Path, monkeypatch
+) -> None:
     """Machines that each keep their own copy (local disks): rank 1 still holds save 1, rank 0 save 2."""
     old = commit.read_record(commit.record_path(saved, True))
     shutil.copy(Path(f"{saved}_1"), tmp_path / "old_1")
     assert _save(pipe, saved, 2) == [None, None]
     shutil.copy(tmp_path / "old_1", Path(f"{saved}_1"))
     real = checkpoint.read_record
-    monkeypatch.setattr(checkpoint, "read_record", lambda path: old if pipe.local.rank == 1 else real(path))
+    monkeypatch.setattr(
+        checkpoint, "read_record", lambda path: old if pipe.local.rank == 1 else real(path)
+    )
     results = _load(pipe, saved)
     assert all("come from different saves" in str(r) for r in results), results
 
@@ -221,20 +259,29 @@ def test_a_checkpoint_without_record_loads_with_a_warning(pipe: _Pipeline, saved
         assert _steps(_load(pipe, saved)) == [1, 1]
 
 
-@pytest.mark.parametrize(("damage", "fragment"), [
-    (lambda p: p.write_text("{broken"), "is not valid JSON"),
-    (lambda p: p.write_text('{"format": "fxpipe-checkpoint", "id": 5}'), "id: expected a string"),
-    (lambda p: p.write_text('{"format": "zip"}'), "is not an fxpipe checkpoint record"),
-])
-def test_a_damaged_record_is_refused(damage: Callable[[Path], Any], fragment: str, pipe: _Pipeline,
-                                     saved: Path) -> None:
+@pytest.mark.parametrize(
+    ("damage", "fragment"),
+    [
+        (lambda p: p.write_text("{broken"), "is not valid JSON"),
+        (
+            lambda p: p.write_text('{"format": "fxpipe-checkpoint", "id": 5}'),
+            "id: expected a string",
+        ),
+        (lambda p: p.write_text('{"format": "zip"}'), "is not an fxpipe checkpoint record"),
+    ],
+)
+def test_a_damaged_record_is_refused(
+    damage: Callable[[Path], Any], fragment: str, pipe: _Pipeline, saved: Path
+) -> None:
     damage(commit.record_path(saved, True))
     assert all(fragment in str(r) for r in _load(pipe, saved))
 
 
 def test_a_checkpoint_of_another_partition_count_is_refused(saved: Path, monkeypatch) -> None:
     pipe = _Pipeline(monkeypatch, stages=3)
-    assert all("saved by a job with 2 partitions, this one has 3" in str(r) for r in _load(pipe, saved))
+    assert all(
+        "saved by a job with 2 partitions, this one has 3" in str(r) for r in _load(pipe, saved)
+    )
 
 
 def test_full_checkpoints_are_checked_too(saved: Path, monkeypatch) -> None:
@@ -252,8 +299,11 @@ def test_full_checkpoints_are_checked_too(saved: Path, monkeypatch) -> None:
 def _mount_tmpfs(folder: Path) -> bool:
     folder.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
-                              timeout=20)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+            capture_output=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0
@@ -269,9 +319,19 @@ def test_a_really_full_disk(tmp_path: Path, monkeypatch) -> None:
         f = folder / "ckpt.pt"
         assert _save(pipe, f, 1) == [None, None]
         if not mounted:
-            _fail_on(1, lambda: OSError(errno.ENOSPC, "No space left on device"), monkeypatch, pipe, after_write=False)
-        results = pipe.run(lambda r: checkpoint.save({"step": 2, "w": torch.zeros(1 << 19)}, f, partial=True))
-        assert all(isinstance(r, CheckpointError) and "No space left on device" in str(r) for r in results), results
+            _fail_on(
+                1,
+                lambda: OSError(errno.ENOSPC, "No space left on device"),
+                monkeypatch,
+                pipe,
+                after_write=False,
+            )
+        results = pipe.run(
+            lambda r: checkpoint.save({"step": 2, "w": torch.zeros(1 << 19)}, f, partial=True)
+        )
+        assert all(
+            isinstance(r, CheckpointError) and "No space left on device" in str(r) for r in results
+        ), results
         monkeypatch.undo()
         pipe = _Pipeline(monkeypatch)
         assert _steps(_load(pipe, f)) == [1, 1] and _temps(folder) == []
@@ -315,7 +375,9 @@ def test_sigkill_mid_save_in_a_real_job(tmp_path: Path) -> None:
     from spawn import spawn  # tests/runtime's one spawn helper
 
     results = spawn(_kill_mid_save_job, 2, str(tmp_path), timeout=120, expect_failure=True)
-    assert "CheckpointError" in results[0].error and "did not answer" in results[0].error, results[0].error
+    assert "CheckpointError" in results[0].error and "did not answer" in results[0].error, results[
+        0
+    ].error
     assert "exited with code -9" in results[1].error, results[1].error
     assert [r.value for r in spawn(_load_job, 2, str(tmp_path), timeout=120)] == [1, 1]
     assert _temps(tmp_path) == []

@@ -28,20 +28,32 @@ GONE_S = 6.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(build: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-         ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fxpipe", "run", str(build), *args], capture_output=True, text=True,
-                          cwd=cwd, env={**fxpipe_env(), **(env or {})}, timeout=300)
+def _run(
+    build: Path,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fxpipe", "run", str(build), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**fxpipe_env(), **(env or {})},
+        timeout=300,
+    )
 
 
-PLANTED = '''
+PLANTED = """
 import os
 open(os.environ["FXPIPE_PROBE_MARK"], "a").write("{name} was imported\\n")
-'''
+"""
 
 
 @pytest.mark.parametrize("name", ["safetensors", "numpy"])
-def test_a_module_planted_in_the_build_directory_is_never_imported(name: str, leaf_copy: Path, tmp_path: Path) -> None:
+def test_a_module_planted_in_the_build_directory_is_never_imported(
+    name: str, leaf_copy: Path, tmp_path: Path
+) -> None:
     """``fxpipe run .`` from inside the build directory, where each rank's ``python -m`` would look first.
 
     Started as the ``fxpipe`` command is (a script in another folder, ``PYTHONPATH`` naming only fxpipe's
@@ -52,16 +64,26 @@ def test_a_module_planted_in_the_build_directory_is_never_imported(name: str, le
     command.parent.mkdir()
     command.write_text("from fxpipe.cli import main\nraise SystemExit(main())\n")
     env = {**fxpipe_env(), "PYTHONPATH": str(ROOT), "FXPIPE_PROBE_MARK": str(mark)}
-    proc = subprocess.run([sys.executable, str(command), "run", ".", "--steps", "2", "--timeout", "60"],
-                          capture_output=True, text=True, cwd=leaf_copy, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(command), "run", ".", "--steps", "2", "--timeout", "60"],
+        capture_output=True,
+        text=True,
+        cwd=leaf_copy,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert not mark.exists(), mark.read_text()
 
 
-def test_a_models_log_lines_that_look_like_reports_do_not_stop_a_healthy_job(leaf_copy: Path) -> None:
+def test_a_models_log_lines_that_look_like_reports_do_not_stop_a_healthy_job(
+    leaf_copy: Path,
+) -> None:
     proc = _run(leaf_copy, "--steps", "3", "--timeout", "60", env={"FXPIPE_PROBE_LOSS": "forge"})
     assert proc.returncode == 0 and (leaf_copy / "run.json").is_file(), proc.stderr
-    assert "error: [rank 0] PeerError: a line the model printed" in proc.stdout  # passed on, as the user printed it
+    assert (
+        "error: [rank 0] PeerError: a line the model printed" in proc.stdout
+    )  # passed on, as the user printed it
 
 
 def test_a_path_with_a_newline_prints_no_line_of_its_own(leaf_copy: Path, tmp_path: Path) -> None:
@@ -69,23 +91,39 @@ def test_a_path_with_a_newline_prints_no_line_of_its_own(leaf_copy: Path, tmp_pa
     shutil.copytree(leaf_copy.parent, project)
     ok = _run(project / "build", "--steps", "2", "--timeout", "60")
     assert ok.returncode == 0, ok.stderr
-    assert not [line for line in (ok.stdout + ok.stderr).splitlines() if line.startswith("error")], ok.stdout
-    bad = _run(project / "build", "--steps", "2", "--timeout", "60", "--checkpoint-dir",
-               str(project / "build" / "manifest.json"))
+    assert not [
+        line for line in (ok.stdout + ok.stderr).splitlines() if line.startswith("error")
+    ], ok.stdout
+    bad = _run(
+        project / "build",
+        "--steps",
+        "2",
+        "--timeout",
+        "60",
+        "--checkpoint-dir",
+        str(project / "build" / "manifest.json"),
+    )
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error")]
     assert bad.returncode == 2 and len(errors) == 1 and "forged" in errors[0], bad.stderr
 
 
 def _leftovers(tmp: Path) -> list[str]:
-    return sorted(p.name for p in tmp.iterdir() if p.name.startswith(("fxpipe-run-", "torchelastic_")))
+    return sorted(
+        p.name for p in tmp.iterdir() if p.name.startswith(("fxpipe-run-", "torchelastic_"))
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-def test_a_signal_to_the_launcher_stops_the_job_says_so_and_leaves_nothing(sig: signal.Signals, leaf_project: Path,
-                                                                         tmp_path: Path) -> None:
+def test_a_signal_to_the_launcher_stops_the_job_says_so_and_leaves_nothing(
+    sig: signal.Signals, leaf_project: Path, tmp_path: Path
+) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    run = FaultyRun(leaf_project / "build", timeout_s=30.0, env={"FXPIPE_PROBE_LOSS": "slow", "TMPDIR": str(tmp)})
+    run = FaultyRun(
+        leaf_project / "build",
+        timeout_s=30.0,
+        env={"FXPIPE_PROBE_LOSS": "slow", "TMPDIR": str(tmp)},
+    )
     run.wait_for_step(3)
     assert _leftovers(tmp)  # the job's folder, while it runs
     assert run.signal_and_time(run.proc.pid, sig) < GONE_S
@@ -98,7 +136,9 @@ def test_a_signal_to_the_launcher_stops_the_job_says_so_and_leaves_nothing(sig: 
     assert _leftovers(tmp) == []
 
 
-def test_a_rendezvous_that_cannot_listen_fails_at_once(leaf_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rendezvous_that_cannot_listen_fails_at_once(
+    leaf_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Its port held by another program: one error in seconds, not a wait for the timeout behind torchrun's banner."""
     from fxpipe.errors import RuntimeSetupError
     from fxpipe.runtime.launch import launcher
@@ -109,7 +149,11 @@ def test_a_rendezvous_that_cannot_listen_fails_at_once(leaf_copy: Path, monkeypa
     busy.listen()
     port = busy.getsockname()[1]
     real = launcher._torchrun_args
-    monkeypatch.setattr(launcher, "_torchrun_args", lambda build, n, _port, args, **kw: real(build, n, port, args, **kw))
+    monkeypatch.setattr(
+        launcher,
+        "_torchrun_args",
+        lambda build, n, _port, args, **kw: real(build, n, port, args, **kw),
+    )
     start = time.monotonic()
     try:
         with pytest.raises(RuntimeSetupError, match="could not start the job"):
@@ -125,10 +169,18 @@ def test_start_up_says_what_it_is_doing_phase_by_phase(leaf_copy: Path) -> None:
     Piped (not a terminal), on standard output: standard error keeps only an error line."""
     proc = _run(leaf_copy, "--steps", "2", "--timeout", "60", "--log-every", "5")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    expected = ["fxpipe: check (", "fxpipe: start 2 ranks: each imports torch", "fxpipe: rank 0 of 2 is up; loading",
-                "fxpipe: stages loaded, process group up; first step (", "fxpipe run: 2 stages on 2 ranks",
-                "fxpipe: first step done in ", "step    2/2"]
+    expected = [
+        "fxpipe: check (",
+        "fxpipe: start 2 ranks: each imports torch",
+        "fxpipe: rank 0 of 2 is up; loading",
+        "fxpipe: stages loaded, process group up; first step (",
+        "fxpipe run: 2 stages on 2 ranks",
+        "fxpipe: first step done in ",
+        "step    2/2",
+    ]
     lines = proc.stdout.splitlines()
-    found = [next((i for i, line in enumerate(lines) if line.startswith(e)), None) for e in expected]
+    found = [
+        next((i for i, line in enumerate(lines) if line.startswith(e)), None) for e in expected
+    ]
     assert None not in found and found == sorted(found), proc.stdout
     assert "s after launch)" in lines[found[2]]

@@ -35,15 +35,21 @@ def _error(run: FaultyRun) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(("rank", "sig"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGTERM)])
-def test_a_killed_rank_is_named_with_its_signal(rank: int, sig: signal.Signals, leaf_project: Path) -> None:
+@pytest.mark.parametrize(
+    ("rank", "sig"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGTERM)]
+)
+def test_a_killed_rank_is_named_with_its_signal(
+    rank: int, sig: signal.Signals, leaf_project: Path
+) -> None:
     run = _slow(leaf_project / "build")
     assert run.signal_and_time(run.worker(rank), sig) < GONE_S
     assert run.proc.returncode == 2
     assert f"rank {rank} was killed by {sig.name}" in _error(run)
 
 
-def test_a_stopped_rank_is_reported_at_the_timeout_and_the_job_ends_then(leaf_project: Path) -> None:
+def test_a_stopped_rank_is_reported_at_the_timeout_and_the_job_ends_then(
+    leaf_project: Path,
+) -> None:
     timeout = 3.0
     run = _slow(leaf_project / "build", timeout_s=timeout)
     seconds = run.signal_and_time(run.worker(1), signal.SIGSTOP)
@@ -76,12 +82,20 @@ def test_a_closed_stdout_ends_the_job_quietly(leaf_project: Path) -> None:
     assert run.proc.returncode == 141 and run.error_text == ""
 
 
-@pytest.mark.parametrize(("how", "expected"), [
-    ("raise", "rank 1: internal error while training: ValueError: bad loss on purpose (at model.py:"),
-    ("exit", "rank 1: internal error while training: sys.exit(3) was called (at model.py:"),
-    ("_exit", "rank 1 exited with code 7 without an fxpipe error"),
-])
-def test_the_last_ranks_own_error_wins_over_its_peers_reaction(how: str, expected: str, leaf_project: Path) -> None:
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        (
+            "raise",
+            "rank 1: internal error while training: ValueError: bad loss on purpose (at model.py:",
+        ),
+        ("exit", "rank 1: internal error while training: sys.exit(3) was called (at model.py:"),
+        ("_exit", "rank 1 exited with code 7 without an fxpipe error"),
+    ],
+)
+def test_the_last_ranks_own_error_wins_over_its_peers_reaction(
+    how: str, expected: str, leaf_project: Path
+) -> None:
     """A user's loss_fn failing on the last rank: that error is the one shown, not rank 0's PeerError."""
     start = time.monotonic()
     run = FaultyRun(leaf_project / "build", steps=2, timeout_s=20.0, env={"FXPIPE_PROBE_LOSS": how})

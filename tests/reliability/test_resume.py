@@ -33,9 +33,25 @@ RUN = ["--timeout", "60"]
 def trained(mlp_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkpoint of 2 steps of the 2-stage MLP (SGD, lr 0.01, cosine over 2 steps)."""
     folder = tmp_path_factory.mktemp("trained")
-    project = shutil.copytree(mlp_project, folder / "project", ignore=shutil.ignore_patterns("__pycache__"))
-    assert main(["run", str(project / "build"), "--steps", "2", "--lr-schedule", "cosine", "--checkpoint-dir",
-                 str(folder / "ck"), *RUN]) == 0  # on a copy: the session's build stays without a run.json
+    project = shutil.copytree(
+        mlp_project, folder / "project", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    assert (
+        main(
+            [
+                "run",
+                str(project / "build"),
+                "--steps",
+                "2",
+                "--lr-schedule",
+                "cosine",
+                "--checkpoint-dir",
+                str(folder / "ck"),
+                *RUN,
+            ]
+        )
+        == 0
+    )  # on a copy: the session's build stays without a run.json
     return folder / "ck"
 
 
@@ -50,7 +66,9 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert main(argv) == 2
     captured = capsys.readouterr()
     err = captured.err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "[rank" not in err, err
+    assert (
+        err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "[rank" not in err
+    ), err
     assert "fxpipe run: " not in captured.out  # no worker printed its start line
     return err
 
@@ -61,67 +79,128 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_resume_applies_a_new_lr_and_says_the_cosine_schedule_is_stretched(mlp_copy: Path, ck: Path,
-                                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(mlp_copy), "--steps", "4", "--lr", "0.05", "--lr-schedule", "cosine", "--checkpoint-dir",
-                 str(ck), "--resume", *RUN]) == 0
+def test_resume_applies_a_new_lr_and_says_the_cosine_schedule_is_stretched(
+    mlp_copy: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "run",
+                str(mlp_copy),
+                "--steps",
+                "4",
+                "--lr",
+                "0.05",
+                "--lr-schedule",
+                "cosine",
+                "--checkpoint-dir",
+                str(ck),
+                "--resume",
+                *RUN,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "resuming after step 2: the weights, the sgd state, the schedule's position" in out, out
     assert "changed since the checkpoint: lr 0.01 -> 0.05 (from step 3); steps 2 -> 4" in out, out
-    assert "the cosine schedule is stretched to end at step 4 (it ended at 2): step 3 gets lr 0.025" in out, out
+    assert (
+        "the cosine schedule is stretched to end at step 4 (it ended at 2): step 3 gets lr 0.025"
+        in out
+    ), out
     record = RunRecord.from_json(mlp_copy / "run.json")
     want = [0.05 * lr_factor(s, warmup_steps=0, total_steps=4, schedule="cosine") for s in (2, 3)]
     assert record.lrs[2:] == pytest.approx(want)  # the new lr, on the stretched schedule
     assert record.lrs[:2] == pytest.approx([0.01, 0.005]) and record.first_step == 2
 
 
-def test_resume_with_another_optimizer_is_refused_before_launch(mlp_copy: Path, ck: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    err = _refused(capsys, ["run", str(mlp_copy), "--steps", "4", "--optimizer", "adam", "--checkpoint-dir", str(ck),
-                            "--resume", *RUN])
+def test_resume_with_another_optimizer_is_refused_before_launch(
+    mlp_copy: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(
+        capsys,
+        [
+            "run",
+            str(mlp_copy),
+            "--steps",
+            "4",
+            "--optimizer",
+            "adam",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            *RUN,
+        ],
+    )
     assert "holds sgd's optimizer state, and this run asks for --optimizer adam" in err, err
 
 
-def test_resume_of_a_finished_run_is_refused(mlp_copy: Path, ck: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    err = _refused(capsys, ["run", str(mlp_copy), "--steps", "2", "--checkpoint-dir", str(ck), "--resume", *RUN])
+def test_resume_of_a_finished_run_is_refused(
+    mlp_copy: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(
+        capsys,
+        ["run", str(mlp_copy), "--steps", "2", "--checkpoint-dir", str(ck), "--resume", *RUN],
+    )
     assert "is after step 2 and nothing is left to train; give --steps above 2" in err, err
-    err = _refused(capsys, ["run", str(mlp_copy), "--steps", "1", "--checkpoint-dir", str(ck), "--resume", *RUN])
+    err = _refused(
+        capsys,
+        ["run", str(mlp_copy), "--steps", "1", "--checkpoint-dir", str(ck), "--resume", *RUN],
+    )
     assert "--steps 1 is before it" in err, err
 
 
-def test_resume_into_another_model_with_the_same_keys_is_refused(ck: Path, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_into_another_model_with_the_same_keys_is_refused(
+    ck: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from probe_builds import make_build
 
     text = (ROOT / "examples" / "mlp.py").read_text()
     assert "nn.ReLU()" in text
-    gelu = make_build(tmp_path / "gelu", text.replace("nn.ReLU()", "nn.GELU()"))  # the same state-dict keys
-    err = _refused(capsys, ["run", str(gelu), "--steps", "4", "--checkpoint-dir", str(ck), "--resume", *RUN])
-    assert "was saved from another model (stage 0's code differs)" in err and "fxpipe export" in err, err
+    gelu = make_build(
+        tmp_path / "gelu", text.replace("nn.ReLU()", "nn.GELU()")
+    )  # the same state-dict keys
+    err = _refused(
+        capsys, ["run", str(gelu), "--steps", "4", "--checkpoint-dir", str(ck), "--resume", *RUN]
+    )
+    assert (
+        "was saved from another model (stage 0's code differs)" in err and "fxpipe export" in err
+    ), err
 
 
-def test_a_new_run_does_not_write_over_a_checkpoint(mlp_copy: Path, ck: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_new_run_does_not_write_over_a_checkpoint(
+    mlp_copy: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = _files(ck)
-    err = _refused(capsys, ["run", str(mlp_copy), "--steps", "4", "--checkpoint-dir", str(ck), *RUN])
+    err = _refused(
+        capsys, ["run", str(mlp_copy), "--steps", "4", "--checkpoint-dir", str(ck), *RUN]
+    )
     assert "already holds a checkpoint (after step 2); continue it with --resume" in err, err
     assert _files(ck) == before
 
 
-def test_parts_without_their_record_are_neither_resumed_nor_overwritten(mlp_copy: Path, ck: Path,
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_parts_without_their_record_are_neither_resumed_nor_overwritten(
+    mlp_copy: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (ck / RECORD_NAME).unlink()
     before = _files(ck)
     for resume in (["--resume"], []):
-        err = _refused(capsys, ["run", str(mlp_copy), "--steps", "4", "--checkpoint-dir", str(ck), *resume, *RUN])
+        err = _refused(
+            capsys,
+            ["run", str(mlp_copy), "--steps", "4", "--checkpoint-dir", str(ck), *resume, *RUN],
+        )
         assert "holds checkpoint parts (rank_0.pt, rank_1.pt) but no checkpoint.json" in err, err
     assert _files(ck) == before
 
 
 @pytest.mark.parametrize("how", ["a file", "below a file", "not writable"])
-def test_an_unusable_checkpoint_dir_is_found_before_launch(how: str, mlp_copy: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unusable_checkpoint_dir_is_found_before_launch(
+    how: str,
+    mlp_copy: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import tempfile
 
     target = tmp_path / "ck"
@@ -139,15 +218,20 @@ def test_an_unusable_checkpoint_dir_is_found_before_launch(how: str, mlp_copy: P
             return real(*args, **kwargs)
 
         monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
-    err = _refused(capsys, ["run", str(mlp_copy), "--steps", "2", "--checkpoint-dir", str(target), *RUN])
-    fragment = {"a file": "is a file, not a directory", "below a file": "cannot be written",
-                "not writable": "cannot be written (Permission denied)"}[how]
+    err = _refused(
+        capsys, ["run", str(mlp_copy), "--steps", "2", "--checkpoint-dir", str(target), *RUN]
+    )
+    fragment = {
+        "a file": "is a file, not a directory",
+        "below a file": "cannot be written",
+        "not writable": "cannot be written (Permission denied)",
+    }[how]
     assert fragment in err, err
 
 
-def test_a_build_directory_that_cannot_take_run_json_is_found_before_launch(mlp_copy: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch,
-                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_build_directory_that_cannot_take_run_json_is_found_before_launch(
+    mlp_copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import tempfile
 
     real = tempfile.mkstemp
@@ -165,14 +249,19 @@ def test_a_build_directory_that_cannot_take_run_json_is_found_before_launch(mlp_
 def _old_fxpipe_resume_job(rank: int, world: int, build: str, ck: str) -> Any:
     from fxpipe.runtime.train.loop import train
 
-    options = RunOptions(steps=4, timeout_s=60, training=TrainingOptions(optimizer="adam", checkpoint_dir=ck,
-                                                                         resume=True))
+    options = RunOptions(
+        steps=4,
+        timeout_s=60,
+        training=TrainingOptions(optimizer="adam", checkpoint_dir=ck, resume=True),
+    )
     return train(Path(build), options, Path(build) / f"run_{rank}.json")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_checkpoint_without_meta_of_another_optimizer_is_refused_by_the_workers(mlp_copy: Path, ck: Path) -> None:
+def test_a_checkpoint_without_meta_of_another_optimizer_is_refused_by_the_workers(
+    mlp_copy: Path, ck: Path
+) -> None:
     """A checkpoint of an older fxpipe (no meta in its record), resumed under your own torchrun: the
     optimizer's state is checked itself, before it fails inside the first step (KeyError: 'momentum')."""
     from spawn import spawn
@@ -180,25 +269,40 @@ def test_a_checkpoint_without_meta_of_another_optimizer_is_refused_by_the_worker
     record = json.loads((ck / RECORD_NAME).read_text())
     record.pop("meta", None)  # as an older fxpipe wrote it
     (ck / RECORD_NAME).write_text(json.dumps(record))
-    results = spawn(_old_fxpipe_resume_job, 2, str(mlp_copy), str(ck), timeout=180, expect_failure=True)
+    results = spawn(
+        _old_fxpipe_resume_job, 2, str(mlp_copy), str(ck), timeout=180, expect_failure=True
+    )
     for r in results:
-        assert not r.ok and "CheckpointError" in r.error and "another optimizer than this run's Adam" in r.error, \
-            r.error
+        assert (
+            not r.ok
+            and "CheckpointError" in r.error
+            and "another optimizer than this run's Adam" in r.error
+        ), r.error
     assert not any(mlp_copy.glob("run_*.json"))
 
 
 # -- the comparison itself ---------------------------------------------------------------------------------------
 
 
-IDENTITY = {"manifest_sha256": "m", "model_file": "model.py", "model_sha256": "a", "stage_sha256": ["s0", "s1"],
-            "imports_model_file": [False, False]}
+IDENTITY = {
+    "manifest_sha256": "m",
+    "model_file": "model.py",
+    "model_sha256": "a",
+    "stage_sha256": ["s0", "s1"],
+    "imports_model_file": [False, False],
+}
 
 
 def _meta(step: int = 2, **settings: Any) -> dict[str, Any]:
     from fxpipe.runtime.train.resume import run_settings
 
     options = RunOptions(steps=2, training=TrainingOptions(lr_schedule="cosine"))
-    return {"version": 1, "step": step, "build": IDENTITY, "settings": {**run_settings(options, 4, 2), **settings}}
+    return {
+        "version": 1,
+        "step": step,
+        "build": IDENTITY,
+        "settings": {**run_settings(options, 4, 2), **settings},
+    }
 
 
 def _check(meta: dict[str, Any], identity: dict[str, Any] = IDENTITY, **training: Any) -> Any:
@@ -206,15 +310,21 @@ def _check(meta: dict[str, Any], identity: dict[str, Any] = IDENTITY, **training
 
     steps = training.pop("steps", 4)
     lr = training.pop("lr", 0.01)
-    options = RunOptions(steps=steps, lr=lr, training=TrainingOptions(**{"lr_schedule": "cosine", **training}))
+    options = RunOptions(
+        steps=steps, lr=lr, training=TrainingOptions(**{"lr_schedule": "cosine", **training})
+    )
     return check_resume(meta, None, options, 4, 2, identity, "ck")
 
 
-def test_a_longer_resume_says_the_schedule_is_stretched_and_an_unchanged_one_says_nothing_changed() -> None:
+def test_a_longer_resume_says_the_schedule_is_stretched_and_an_unchanged_one_says_nothing_changed() -> (
+    None
+):
     plan = _check(_meta(step=1))
     lr = 0.01 * lr_factor(1, warmup_steps=0, total_steps=4, schedule="cosine")
-    stretched = (f"the cosine schedule is stretched to end at step 4 (it ended at 2): step 2 gets lr {lr:.3g}, "
-                 "where the checkpoint's schedule gave 0.005")
+    stretched = (
+        f"the cosine schedule is stretched to end at step 4 (it ended at 2): step 2 gets lr {lr:.3g}, "
+        "where the checkpoint's schedule gave 0.005"
+    )
     assert plan.changes == ("steps 2 -> 4", stretched)
     same = _check(_meta(step=1), steps=2)
     assert same.changes == () and len(same.lines()) == 1 and "carry over" in same.lines()[0]
@@ -239,4 +349,6 @@ def test_check_checkpoint_dir_creates_a_missing_one_and_reads_its_record(tmp_pat
 
     assert check_checkpoint_dir(tmp_path / "new" / "ck", resume=False) is None
     assert (tmp_path / "new" / "ck").is_dir() and not any((tmp_path / "new" / "ck").iterdir())
-    assert check_checkpoint_dir(tmp_path / "new" / "ck", resume=True) is None  # nothing to resume yet: step 0
+    assert (
+        check_checkpoint_dir(tmp_path / "new" / "ck", resume=True) is None
+    )  # nothing to resume yet: step 0

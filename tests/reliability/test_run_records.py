@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from fxpipe.runtime.train.run_record import RunRecord
 
 # A small MLP whose loss is NaN at the steps FXPIPE_PROBE_NAN_STEPS names (2 microbatches a step).
-NAN_MODEL = '''
+NAN_MODEL = """
 import os
 import torch
 import torch.nn as nn
@@ -58,7 +58,7 @@ def loss_fn(out, target):
     if str(step) in os.environ.get("FXPIPE_PROBE_NAN_STEPS", "").split(","):
         return loss * float("nan")
     return loss
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +95,28 @@ def _build3(project: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_run_does_not_write_its_record_into_a_build_replaced_while_it_ran(leaf_copy: Path,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_does_not_write_its_record_into_a_build_replaced_while_it_ran(
+    leaf_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from procs import FaultyRun
 
     new = _build3(leaf_copy.parent)
     ran = hashlib.sha256((leaf_copy / "manifest.json").read_bytes()).hexdigest()
     run = FaultyRun(leaf_copy, steps=30, timeout_s=60, env={"FXPIPE_PROBE_LOSS": "slow"})
     run.wait_for_step(1)
-    os.rename(leaf_copy, leaf_copy.with_name("old"))  # `fxpipe partition --out build` swaps a build in so
+    os.rename(
+        leaf_copy, leaf_copy.with_name("old")
+    )  # `fxpipe partition --out build` swaps a build in so
     os.rename(new, leaf_copy)
     assert run.proc.wait(180) == 2
     line = _one_error(run.error_text)
-    assert "was replaced while this run trained" in line and "this run's record was not written into it" in line, line
-    assert not (leaf_copy / "run.json").exists()  # the 3-stage build holds no record of a 2-stage run
+    assert (
+        "was replaced while this run trained" in line
+        and "this run's record was not written into it" in line
+    ), line
+    assert not (
+        leaf_copy / "run.json"
+    ).exists()  # the 3-stage build holds no record of a 2-stage run
     aside = list(leaf_copy.parent.glob("build.run-*.json"))
     assert len(aside) == 1 and str(aside[0]) in line
     record = RunRecord.from_json(aside[0])
@@ -117,14 +125,36 @@ def test_a_run_does_not_write_its_record_into_a_build_replaced_while_it_ran(leaf
     assert "prediction vs measured" not in capsys.readouterr().out
 
 
-def test_report_never_sets_a_run_beside_another_builds_plan(mlp_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    record = RunRecord(losses=(1.0,), step_seconds=(0.01,), median_step_ms=10.0, samples_per_second=400.0,
-                       schedule="1f1b", microbatches=2, batch_size=4, lr=0.01, world_size=2, num_stages=2,
-                       device="cpu", backend="gloo", predicted_step_ms=2.0, peak_memory_bytes=(1, 1),
-                       peak_tensor_bytes=(1, 1), dp=1, global_batch_size=4, comm_hook="none", powersgd_rank=1,
-                       shard_optimizer_state=False, backward_passes_per_step=1)
+def test_report_never_sets_a_run_beside_another_builds_plan(
+    mlp_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = RunRecord(
+        losses=(1.0,),
+        step_seconds=(0.01,),
+        median_step_ms=10.0,
+        samples_per_second=400.0,
+        schedule="1f1b",
+        microbatches=2,
+        batch_size=4,
+        lr=0.01,
+        world_size=2,
+        num_stages=2,
+        device="cpu",
+        backend="gloo",
+        predicted_step_ms=2.0,
+        peak_memory_bytes=(1, 1),
+        peak_tensor_bytes=(1, 1),
+        dp=1,
+        global_batch_size=4,
+        comm_hook="none",
+        powersgd_rank=1,
+        shard_optimizer_state=False,
+        backward_passes_per_step=1,
+    )
     record.to_json(mlp_copy / "run.json")
-    assert main(["report", str(mlp_copy)]) == 0  # a record of an older fxpipe, of the same stages: compared
+    assert (
+        main(["report", str(mlp_copy)]) == 0
+    )  # a record of an older fxpipe, of the same stages: compared
     assert "prediction vs measured" in capsys.readouterr().out
     from dataclasses import replace
 
@@ -132,7 +162,9 @@ def test_report_never_sets_a_run_beside_another_builds_plan(mlp_copy: Path, caps
         other.to_json(mlp_copy / "run.json")
         assert main(["report", str(mlp_copy)]) == 0
         out = capsys.readouterr().out
-        assert "prediction vs measured" not in out and "is a run of another build" in " ".join(out.split()), out
+        assert "prediction vs measured" not in out and "is a run of another build" in " ".join(
+            out.split()
+        ), out
 
 
 # -- a diverged run stops ----------------------------------------------------------------------------------------
@@ -141,34 +173,64 @@ def test_report_never_sets_a_run_beside_another_builds_plan(mlp_copy: Path, caps
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_nan_loss_stops_the_run_and_keeps_its_record_and_last_good_checkpoint(
-        nan_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    nan_build: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from fxpipe.runtime.train.checkpoint import checkpoint_meta
 
     monkeypatch.setenv("FXPIPE_PROBE_NAN_STEPS", "4")
     ck = tmp_path / "ck"
-    code = main(["run", str(nan_build), "--steps", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-                 "--timeout", "60"])
+    code = main(
+        [
+            "run",
+            str(nan_build),
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "2",
+            "--timeout",
+            "60",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 2
     line = _one_error(captured.err)
-    assert "training diverged: the loss of step 4 is nan (computed on stage 1, the last); stopped there" in line, line
+    assert (
+        "training diverged: the loss of step 4 is nan (computed on stage 1, the last); stopped there"
+        in line
+    ), line
     assert "the last good checkpoint, after step 2," in line and "(marked stopped)" in line, line
     assert "step    5/8" not in captured.out  # nothing trained after it
     record = RunRecord.from_json(nan_build / "run.json")
     assert record.stopped is not None and "step 4" in record.stopped
-    assert len(record.losses) == 3 and all(v is not None for v in record.losses) and len(record.step_seconds) == 4
+    assert (
+        len(record.losses) == 3
+        and all(v is not None for v in record.losses)
+        and len(record.step_seconds) == 4
+    )
     assert checkpoint_meta(ck)["step"] == 2  # no checkpoint of the weights the NaN step made
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_under_fp16_the_scaler_skips_a_nan_step_and_the_run_goes_on(nan_build: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_under_fp16_the_scaler_skips_a_nan_step_and_the_run_goes_on(
+    nan_build: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("FXPIPE_PROBE_NAN_STEPS", "2")
-    assert main(["run", str(nan_build), "--steps", "3", "--precision", "fp16", "--timeout", "60"]) == 0
+    assert (
+        main(["run", str(nan_build), "--steps", "3", "--precision", "fp16", "--timeout", "60"]) == 0
+    )
     assert "step 2 skipped" in capsys.readouterr().out
     record = RunRecord.from_json(nan_build / "run.json")
-    assert record.stopped is None and record.losses[1] is None and None not in (record.losses[0], record.losses[2])
+    assert (
+        record.stopped is None
+        and record.losses[1] is None
+        and None not in (record.losses[0], record.losses[2])
+    )
 
 
 # -- the user's disk ---------------------------------------------------------------------------------------------
@@ -177,9 +239,13 @@ def test_under_fp16_the_scaler_skips_a_nan_step_and_the_run_goes_on(nan_build: P
 def test_a_disk_fault_is_one_oserror_line_not_an_internal_error() -> None:
     from fxpipe.unexpected import internal_error_line
 
-    line = internal_error_line(OSError(errno.ENOSPC, "No space left on device", "b/run.json"), "training")
-    assert line.startswith("OSError [Errno 28 ENOSPC] No space left on device: 'b/run.json' while training: the disk "
-                           "is full"), line
+    line = internal_error_line(
+        OSError(errno.ENOSPC, "No space left on device", "b/run.json"), "training"
+    )
+    assert line.startswith(
+        "OSError [Errno 28 ENOSPC] No space left on device: 'b/run.json' while training: the disk "
+        "is full"
+    ), line
     try:  # raised from another error, as a library wraps it
         try:
             raise OSError(errno.EDQUOT, "Disk quota exceeded")
@@ -187,20 +253,30 @@ def test_a_disk_fault_is_one_oserror_line_not_an_internal_error() -> None:
             raise RuntimeError("write failed") from exc
     except RuntimeError as exc:
         assert "the disk quota is used up" in internal_error_line(exc, "writing")
-    assert internal_error_line(KeyError("x"), "planning").startswith("internal error while planning")
+    assert internal_error_line(KeyError("x"), "planning").startswith(
+        "internal error while planning"
+    )
 
 
 def _mount_tmpfs(folder: Path) -> bool:
     folder.mkdir()
     try:
-        return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True,
-                              timeout=20, check=False).returncode == 0
+        return (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                capture_output=True,
+                timeout=20,
+                check=False,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-def test_a_full_disk_while_emitting_a_build_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_full_disk_while_emitting_a_build_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A 64 KiB tmpfs where this machine lets us mount one; else safetensors' writer failing as it does there."""
     small = tmp_path / "small"
     mounted = _mount_tmpfs(small)
@@ -210,13 +286,30 @@ def test_a_full_disk_while_emitting_a_build_says_so(tmp_path: Path, monkeypatch:
             from safetensors import SafetensorError
 
             def full(*args: Any, **kwargs: Any) -> None:
-                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+                raise SafetensorError(
+                    "Error while serializing: I/O error: No space left on device (os error 28)"
+                )
 
             monkeypatch.setattr(safetensors.torch, "save_file", full)
-        assert main(["partition", str(ROOT / "examples" / "charlm.py"), "--stages", "2", "--out",
-                     str(small / "build")]) == 2
+        assert (
+            main(
+                [
+                    "partition",
+                    str(ROOT / "examples" / "charlm.py"),
+                    "--stages",
+                    "2",
+                    "--out",
+                    str(small / "build"),
+                ]
+            )
+            == 2
+        )
         line = _one_error(capsys.readouterr().err)
-        assert "internal error" not in line and "No space left on device" in line and ".safetensors" in line, line
+        assert (
+            "internal error" not in line
+            and "No space left on device" in line
+            and ".safetensors" in line
+        ), line
         assert not (small / "build").exists()
     finally:
         if mounted:
@@ -228,14 +321,20 @@ class _FullDisk(io.StringIO):
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_a_full_log_disk_loses_log_lines_not_the_job(monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_full_log_disk_loses_log_lines_not_the_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from fxpipe.runtime.launch import launcher
 
     job = launcher._Job(proc=None, show_errors=False)  # type: ignore[arg-type]
     sink = _FullDisk()
     monkeypatch.setattr(launcher.sys, "stdout", sink)
     launcher._tee(job, io.StringIO("step    1/9  loss 2.0\nstep    2/9  loss 1.9\n"), sink)
-    assert not job.output_closed.is_set()  # the job is not stopped, as it is for a reader that went away
+    assert (
+        not job.output_closed.is_set()
+    )  # the job is not stopped, as it is for a reader that went away
     assert job.log_lost is not None and "No space left on device" in job.log_lost
-    assert "cannot write standard output: No space left on device; training went on" in capsys.readouterr().err
+    assert (
+        "cannot write standard output: No space left on device; training went on"
+        in capsys.readouterr().err
+    )

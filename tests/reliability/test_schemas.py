@@ -19,7 +19,9 @@ from fxpipe.cli import main
 def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert (
+        err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    ), err
     return err
 
 
@@ -50,31 +52,51 @@ WHOLE_FILE = {  # damage to any JSON artifact
 
 PROFILE_CONTENT = {
     "no units": (_edit(lambda d: d.update(units=[])), "a profile needs at least one unit"),
-    "duplicate unit names": (_edit(lambda d: d["units"][1].update(name=d["units"][0]["name"])),
-                             "duplicate unit name"),
-    "an edge that goes backwards": (_edit(lambda d: d["edges"].append(
-        {"src": d["units"][3]["name"], "dst": d["units"][1]["name"], "bytes": 4})), "goes backwards"),
-    "batch_size true": (_edit(lambda d: d.update(batch_size=True)), "batch_size: expected an integer, got true"),
+    "duplicate unit names": (
+        _edit(lambda d: d["units"][1].update(name=d["units"][0]["name"])),
+        "duplicate unit name",
+    ),
+    "an edge that goes backwards": (
+        _edit(
+            lambda d: d["edges"].append(
+                {"src": d["units"][3]["name"], "dst": d["units"][1]["name"], "bytes": 4}
+            )
+        ),
+        "goes backwards",
+    ),
+    "batch_size true": (
+        _edit(lambda d: d.update(batch_size=True)),
+        "batch_size: expected an integer, got true",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", [*WHOLE_FILE, *PROFILE_CONTENT])
-def test_bad_profile_files(name: str, mlp_project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_profile_files(
+    name: str, mlp_project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     damage, fragment = {**WHOLE_FILE, **PROFILE_CONTENT}[name]
     path = tmp_path / "profile.json"
     path.write_bytes((mlp_project / "build" / "profile.json").read_bytes())
     damage(path)
-    assert fragment in _one_line(capsys, ["plan", str(path), "--stages", "2", "--out", str(tmp_path / "p.json")])
+    assert fragment in _one_line(
+        capsys, ["plan", str(path), "--stages", "2", "--out", str(tmp_path / "p.json")]
+    )
 
 
 PLAN_CONTENT = {
     "no stages": (_edit(lambda d: d.update(stages=[])), "plan"),
-    "num_stages as text": (_edit(lambda d: d.update(num_stages="two")), "num_stages: expected an integer"),
+    "num_stages as text": (
+        _edit(lambda d: d.update(num_stages="two")),
+        "num_stages: expected an integer",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", [*WHOLE_FILE, *PLAN_CONTENT])
-def test_bad_plan_files_in_report(name: str, mlp_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_plan_files_in_report(
+    name: str, mlp_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     damage, fragment = {**WHOLE_FILE, **PLAN_CONTENT}[name]
     damage(mlp_copy / "plan.json")
     assert fragment in _one_line(capsys, ["report", str(mlp_copy)])
@@ -82,17 +104,27 @@ def test_bad_plan_files_in_report(name: str, mlp_copy: Path, capsys: pytest.Capt
 
 MANIFEST_CONTENT = {
     "no stages": (_edit(lambda d: d.update(stages=[])), "lists no stages"),
-    "plan_sha256 a number": (_edit(lambda d: d.update(plan_sha256=5)), "plan_sha256: expected a string, got 5"),
-    "weights outside the build": (_edit(lambda d: d["stages"][1].update(weights="/etc/passwd")),
-                                  "is not a file name inside the build directory"),
+    "plan_sha256 a number": (
+        _edit(lambda d: d.update(plan_sha256=5)),
+        "plan_sha256: expected a string, got 5",
+    ),
+    "weights outside the build": (
+        _edit(lambda d: d["stages"][1].update(weights="/etc/passwd")),
+        "is not a file name inside the build directory",
+    ),
     "no model file": (_edit(lambda d: d.update(model_file="")), "model file"),
-    "model file without its hash": (_edit(lambda d: d.update(model_sha256="")), "records no sha256"),
+    "model file without its hash": (
+        _edit(lambda d: d.update(model_sha256="")),
+        "records no sha256",
+    ),
 }
 
 
 @pytest.mark.parametrize("verb", ["verify", "run"])
 @pytest.mark.parametrize("name", [*WHOLE_FILE, *MANIFEST_CONTENT])
-def test_bad_manifest_files(name: str, verb: str, mlp_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_manifest_files(
+    name: str, verb: str, mlp_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     damage, fragment = {**WHOLE_FILE, **MANIFEST_CONTENT}[name]
     damage(mlp_copy / "manifest.json")
     assert fragment in _one_line(capsys, [verb, str(mlp_copy)])
@@ -108,8 +140,9 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_bad_worker_options_file(name: str, mlp_copy: Path, tmp_path: Path, monkeypatch,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_worker_options_file(
+    name: str, mlp_copy: Path, tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The ``--options`` file a worker reads (``fxpipe run`` writes it; a user's own torchrun may too)."""
     from fxpipe.runtime.launch import worker
     from fxpipe.runtime.launch.worker import main as worker_main
@@ -119,4 +152,6 @@ def test_bad_worker_options_file(name: str, mlp_copy: Path, tmp_path: Path, monk
     (tmp_path / "options.json").write_bytes(text)
     assert worker_main([str(mlp_copy), "--options", str(tmp_path / "options.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: [rank ") and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert (
+        err.startswith("error: [rank ") and fragment in err and len(err.strip().splitlines()) == 1
+    ), err

@@ -15,7 +15,9 @@ from partition_fixtures import random_dag  # noqa: E402
 from fxpipe.partitioner import build_problem, plan_partition, solve_dag_cpsat  # noqa: E402
 from fxpipe.partitioner.solve.baselines import run_baseline  # noqa: E402
 
-MARGIN_S = 1.5  # CP-SAT stops its presolve steps on deterministic time; a busy machine stretches them
+MARGIN_S = (
+    1.5  # CP-SAT stops its presolve steps on deterministic time; a busy machine stretches them
+)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,14 @@ from fxpipe.tracer import trace_model_file
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def make_build(name: str, out_dir: Path, stages: int, batch_size: int, microbatches: int,
-               schedule: str = "1f1b") -> Path:
+def make_build(
+    name: str,
+    out_dir: Path,
+    stages: int,
+    batch_size: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+) -> Path:
     """Trace ``examples/<name>.py`` at the microbatch size, plan ``stages`` ranks for ``schedule``
     (its least stages per rank), emit into ``out_dir``."""
     source = load_model_file(EXAMPLES / f"{name}.py")

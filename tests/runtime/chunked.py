@@ -19,7 +19,15 @@ from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManife
 from fxpipe.partitioner.schedule import stage_ranks
 from handmade import loss_fn, token_batch
 
-__all__ = ["ChainLM", "Chunk", "build_reference", "stage_loader", "manifest", "example_batch", "loss_fn"]
+__all__ = [
+    "ChainLM",
+    "Chunk",
+    "build_reference",
+    "stage_loader",
+    "manifest",
+    "example_batch",
+    "loss_fn",
+]
 
 VOCAB, WIDTH, SEQ, TRACED_MB = 13, 8, 4, 2
 
@@ -69,6 +77,7 @@ def build_reference(chunks: int, seed: int = 0) -> ChainLM:
 def stage_loader(chunks: int, seed: int = 0):
     def load(index: int, device: torch.device) -> nn.Module:
         return Chunk(build_reference(chunks, seed), index, chunks).to(device)
+
     return load
 
 
@@ -76,7 +85,9 @@ def _t(name, shape, dtype, producer, consumers, requires_grad=True, model_output
     return BoundaryTensor(name, shape, dtype, 0, producer, consumers, requires_grad, model_output)
 
 
-def manifest(ranks: int, virtual_stages: int, placement: str = "loop", schedule: str | None = None) -> Manifest:
+def manifest(
+    ranks: int, virtual_stages: int, placement: str = "loop", schedule: str | None = None
+) -> Manifest:
     """The manifest of ``ChainLM(ranks * virtual_stages)`` split one layer per stage."""
     K, b = ranks * virtual_stages, TRACED_MB
     where = stage_ranks(ranks, virtual_stages, placement)
@@ -87,19 +98,43 @@ def manifest(ranks: int, virtual_stages: int, placement: str = "loop", schedule:
     logits = _t("logits", (b, SEQ, VOCAB), "float32", K - 1, (), model_output=0)
     stages = []
     for c in range(K):
-        params = (f"layers.{c}.weight", f"layers.{c}.bias") + (("emb.weight",) if c in (0, K - 1) else ())
+        params = (f"layers.{c}.weight", f"layers.{c}.bias") + (
+            ("emb.weight",) if c in (0, K - 1) else ()
+        )
         if c == 0:
             inputs, outputs = (idx,), (hidden[0], skip)
         elif c < K - 1:
             inputs, outputs = (hidden[c - 1],), (hidden[c],)
         else:
             inputs, outputs = (hidden[c - 1], skip, scale), (logits,)
-        stages.append(StageManifest(c, "Chunk", f"stage_{c}.py", f"stage_{c}.safetensors", "", "",
-                                    inputs, outputs, params, rank=where[c]))
-    return Manifest(model_file="tests/runtime/chunked.py", model_fn="build_reference", model_sha256="",
-                    stages=tuple(stages), batch_size=2 * b, microbatch_size=b, inputs=(idx, scale),
-                    ties=(Tie((0, K - 1), ("emb.weight", "emb.weight")),), schedule=schedule)
+        stages.append(
+            StageManifest(
+                c,
+                "Chunk",
+                f"stage_{c}.py",
+                f"stage_{c}.safetensors",
+                "",
+                "",
+                inputs,
+                outputs,
+                params,
+                rank=where[c],
+            )
+        )
+    return Manifest(
+        model_file="tests/runtime/chunked.py",
+        model_fn="build_reference",
+        model_sha256="",
+        stages=tuple(stages),
+        batch_size=2 * b,
+        microbatch_size=b,
+        inputs=(idx, scale),
+        ties=(Tie((0, K - 1), ("emb.weight", "emb.weight")),),
+        schedule=schedule,
+    )
 
 
-def example_batch(batch_size: int, seed: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def example_batch(
+    batch_size: int, seed: int = 1
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     return token_batch(batch_size, seed, VOCAB, SEQ)

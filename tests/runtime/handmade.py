@@ -58,7 +58,9 @@ class Stage2(nn.Module):
         self.l2 = copy.deepcopy(ref.l2)
         self.emb = copy.deepcopy(ref.emb)  # the tied copy
 
-    def forward(self, h1: torch.Tensor, h0: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor]:
+    def forward(
+        self, h1: torch.Tensor, h0: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor]:
         return ((torch.tanh(self.l2(h1)) + h0 * scale) @ self.emb.weight.t(),)
 
 
@@ -72,13 +74,17 @@ def build_reference(seed: int = 0) -> TinyLM:
 
 def stage_loader(seed: int = 0):
     """A ``StageLoader`` that builds stage i from the seeded reference model."""
+
     def load(index: int, device: torch.device) -> nn.Module:
         return STAGES[index](build_reference(seed)).to(device)
+
     return load
 
 
 def _t(name, shape, dtype, producer, consumers, requires_grad=True, model_output=None, batch_dim=0):
-    return BoundaryTensor(name, shape, dtype, batch_dim, producer, consumers, requires_grad, model_output)
+    return BoundaryTensor(
+        name, shape, dtype, batch_dim, producer, consumers, requires_grad, model_output
+    )
 
 
 def manifest() -> Manifest:
@@ -91,20 +97,40 @@ def manifest() -> Manifest:
     logits = _t("logits", (b, SEQ, VOCAB), "float32", 2, (), model_output=0)
 
     def stage(i, inputs, outputs, params):
-        return StageManifest(i, f"Stage{i}", f"stage_{i}.py", f"stage_{i}.safetensors", "", "",
-                             inputs, outputs, params)
+        return StageManifest(
+            i,
+            f"Stage{i}",
+            f"stage_{i}.py",
+            f"stage_{i}.safetensors",
+            "",
+            "",
+            inputs,
+            outputs,
+            params,
+        )
 
     return Manifest(
-        model_file="tests/runtime/handmade.py", model_fn="build_reference", model_sha256="",
-        stages=(stage(0, (idx,), (h0, keep), ("emb.weight",)),
-                stage(1, (h0, keep), (h1,), ("l1.weight", "l1.bias")),
-                stage(2, (h1, h0, scale), (logits,), ("l2.weight", "l2.bias", "emb.weight"))),
-        batch_size=2 * b, microbatch_size=b, inputs=(idx, scale),
-        ties=(Tie((0, 2), ("emb.weight", "emb.weight")),))
+        model_file="tests/runtime/handmade.py",
+        model_fn="build_reference",
+        model_sha256="",
+        stages=(
+            stage(0, (idx,), (h0, keep), ("emb.weight",)),
+            stage(1, (h0, keep), (h1,), ("l1.weight", "l1.bias")),
+            stage(2, (h1, h0, scale), (logits,), ("l2.weight", "l2.bias", "emb.weight")),
+        ),
+        batch_size=2 * b,
+        microbatch_size=b,
+        inputs=(idx, scale),
+        ties=(Tie((0, 2), ("emb.weight", "emb.weight")),),
+    )
 
 
-def token_batch(batch_size: int, seed: int, vocab: int, seq: int,
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def token_batch(
+    batch_size: int,
+    seed: int,
+    vocab: int,
+    seq: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Token ids, a float scale per sample and target ids: a language model's batch."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (batch_size, seq), generator=g)
@@ -113,7 +139,9 @@ def token_batch(batch_size: int, seed: int, vocab: int, seq: int,
     return (idx, scale), target
 
 
-def example_batch(batch_size: int, seed: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def example_batch(
+    batch_size: int, seed: int = 1
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     return token_batch(batch_size, seed, VOCAB, SEQ)
 
 

@@ -9,9 +9,16 @@ import torch
 import torch.nn as nn
 
 
-def reference_train(model: nn.Module, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
-                    loss_fn: Callable[[Any, Any], torch.Tensor], steps: int, microbatches: int, lr: float,
-                    average: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_train(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    targets: torch.Tensor,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    steps: int,
+    microbatches: int,
+    lr: float,
+    average: bool = True,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """SGD for ``steps`` steps; each step accumulates the gradients of ``microbatches``
     equal chunks (averaged or summed); returns the per-step mean microbatch loss and
     the final state dict."""

@@ -31,9 +31,17 @@ class RankResult:
     seconds: float = 0.0
 
 
-def _child(fn: Callable[..., Any], rank: int, nprocs: int, port: int, args: tuple, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(nprocs), OMP_NUM_THREADS="1")
+def _child(
+    fn: Callable[..., Any], rank: int, nprocs: int, port: int, args: tuple, results: Any
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        OMP_NUM_THREADS="1",
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -41,8 +49,17 @@ def _child(fn: Callable[..., Any], rank: int, nprocs: int, port: int, args: tupl
     try:
         value = fn(rank, nprocs, *args)
     except BaseException as exc:  # report everything, including SystemExit
-        results.put(pickle.dumps(RankResult(rank, False, None, f"{type(exc).__name__}: {exc}\n"
-                                            f"{traceback.format_exc()}", time.perf_counter() - start)))
+        results.put(
+            pickle.dumps(
+                RankResult(
+                    rank,
+                    False,
+                    None,
+                    f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                    time.perf_counter() - start,
+                )
+            )
+        )
         results.close()
         results.join_thread()
         _leave(1)
@@ -61,15 +78,22 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,
-          expect_failure: bool = False) -> list[RankResult]:
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    timeout: float = 120.0,
+    expect_failure: bool = False,
+) -> list[RankResult]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` processes; results in rank order."""
     assert 1 <= nprocs <= 4, "keep spawned jobs small: 1-4 processes"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results), daemon=True)
-             for r in range(nprocs)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results), daemon=True)
+        for r in range(nprocs)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -100,9 +124,15 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.
                 res = RankResult(r, False, res.value, f"exited with code {p.exitcode}", res.seconds)
             out.append(res)
         else:
-            why = f"killed after the {timeout:g} s timeout" if timed_out else f"exited with code {p.exitcode}"
+            why = (
+                f"killed after the {timeout:g} s timeout"
+                if timed_out
+                else f"exited with code {p.exitcode}"
+            )
             out.append(RankResult(r, False, None, why))
     if not expect_failure and not all(r.ok for r in out):
-        raise AssertionError("spawned job failed:\n" + "\n".join(
-            f"--- rank {r.rank}: {r.error}" for r in out if not r.ok))
+        raise AssertionError(
+            "spawned job failed:\n"
+            + "\n".join(f"--- rank {r.rank}: {r.error}" for r in out if not r.ok)
+        )
     return out

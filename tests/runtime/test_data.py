@@ -18,5 +18,7 @@ def test_replica_batch_cuts_each_input_along_its_batch_dim_and_targets_along_dim
     assert all(p[0][1] is shared for p in parts)
     assert [p[1]["y"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
     assert all(p[1]["scale"] is targets["scale"] for p in parts)
-    with pytest.raises(ModelFileError, match=r"has 6 rows along dim 1, but replica 3 needs rows \[6, 8\)"):
+    with pytest.raises(
+        ModelFileError, match=r"has 6 rows along dim 1, but replica 3 needs rows \[6, 8\)"
+    ):
         replica_batch((x,), targets, [1], 3, 2)

@@ -32,13 +32,34 @@ def _job(rank: int, world: int, build: str, options: RunOptions) -> Any:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model(tmp_path: Path) -> None:
+def test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model(
+    tmp_path: Path,
+) -> None:
     from transformers import GPT2LMHeadModel
 
     build, ck, out = tmp_path / "build", tmp_path / "ck", tmp_path / "hf"
-    assert main(["partition", str(HF_LM), "--stages", "2", "--batch-size", "4", "--microbatches", "2",
-                 "--solver", "params", "--out", str(build)]) == 0
-    options = RunOptions(steps=2, lr=0.5, timeout_s=60, training=TrainingOptions(checkpoint_dir=str(ck)))
+    assert (
+        main(
+            [
+                "partition",
+                str(HF_LM),
+                "--stages",
+                "2",
+                "--batch-size",
+                "4",
+                "--microbatches",
+                "2",
+                "--solver",
+                "params",
+                "--out",
+                str(build),
+            ]
+        )
+        == 0
+    )
+    options = RunOptions(
+        steps=2, lr=0.5, timeout_s=60, training=TrainingOptions(checkpoint_dir=str(ck))
+    )
     losses = spawn(_job, 2, str(build), options, timeout=240)[0].value
     assert len(losses) == 2
     assert main(["export", str(ck), "--out", str(out / "model.safetensors")]) == 0
@@ -47,7 +68,9 @@ def test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model
     untrained.config.save_pretrained(out)  # the config only: the weights are the export's
 
     loaded, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert (
+        not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ), info
     trained = source.build_model()
     trained.load_state_dict(gather_state_dict(ck))  # strict: the original keys
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -55,4 +78,6 @@ def test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model
         got, want, before = (m.eval()(input_ids=ids).logits for m in (loaded, trained, untrained))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.allclose(want, before)  # training changed the model, and the export carries it
-    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
+    assert (
+        loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    )  # still tied

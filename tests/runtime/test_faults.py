@@ -45,8 +45,13 @@ def _fault_job(rank: int, world: int, mode: str) -> None:
         stage = load(index, device)
         return _Faulty(stage, mode, at=3) if index == 1 else stage
 
-    runner = PipelineRunner(handmade.manifest(), handmade.loss_fn, stage_loader=loader, microbatches=2,
-                            timeout_s=TIMEOUT_S)
+    runner = PipelineRunner(
+        handmade.manifest(),
+        handmade.loss_fn,
+        stage_loader=loader,
+        microbatches=2,
+        timeout_s=TIMEOUT_S,
+    )
     inputs, target = handmade.example_batch(4)
     for _ in range(3):
         runner.step(inputs, target)
@@ -66,17 +71,25 @@ def test_a_failing_rank_makes_the_others_fail_with_peer_error(mode: str) -> None
         assert r.error.startswith("PeerError: rank "), r.error
         assert "failed:" in r.error
         assert "closed the connection" in r.error or "no answer within" in r.error
-        assert r.seconds < 2 * TIMEOUT_S + 10  # ended by the failure or the timeout, not by the harness
+        assert (
+            r.seconds < 2 * TIMEOUT_S + 10
+        )  # ended by the failure or the timeout, not by the harness
     if mode == "hang":  # the hung rank is alive, so whoever waits on it directly times out
         assert any(f"no answer within the {TIMEOUT_S:g} s timeout" in r.error for r in others)
 
 
-def test_world_size_mismatch_is_refused_before_any_communication(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_world_size_mismatch_is_refused_before_any_communication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: any communication would fail differently
-    with pytest.raises(RuntimeSetupError, match=r"world size 2 does not match the build directory's 3 stages"):
+    monkeypatch.setenv(
+        "MASTER_PORT", "1"
+    )  # nothing listens: any communication would fail differently
+    with pytest.raises(
+        RuntimeSetupError, match=r"world size 2 does not match the build directory's 3 stages"
+    ):
         PipelineRunner(handmade.manifest(), handmade.loss_fn, stage_loader=handmade.stage_loader())
     assert not dist.is_initialized()
 

@@ -28,14 +28,20 @@ def test_torchrun_command_uses_pytorchs_launcher() -> None:
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     joined = " ".join(cmd)
     assert "--nproc-per-node 3" in joined and "--rdzv-backend c10d" in joined
-    assert "--rdzv-endpoint 127.0.0.1:29400" in joined and joined.endswith("-m fxpipe.runtime.launch.worker build --steps 2")
+    assert "--rdzv-endpoint 127.0.0.1:29400" in joined and joined.endswith(
+        "-m fxpipe.runtime.launch.worker build --steps 2"
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_run_build_trains_gpt_on_three_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_build_trains_gpt_on_three_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     build = make_build("gpt", tmp_path / "gpt", stages=3, batch_size=8, microbatches=2)
-    result = run_build(build, RunOptions(steps=3, schedule="gpipe", microbatches=4, lr=0.1, timeout_s=60))
+    result = run_build(
+        build, RunOptions(steps=3, schedule="gpipe", microbatches=4, lr=0.1, timeout_s=60)
+    )
     printed = capsys.readouterr().out
     assert "step    3/3  loss" in printed and "samples/s" in printed
     assert result.to_dict() == json.loads((build / "run.json").read_text())
@@ -44,12 +50,21 @@ def test_run_build_trains_gpt_on_three_ranks(tmp_path: Path, capsys: pytest.Capt
     assert len(result.peak_memory_bytes) == 3 and all(b > 1 << 20 for b in result.peak_memory_bytes)
     assert result.predicted_step_ms is None  # the plan was made for 2 microbatches, not 4
     source = load_model_file(EXAMPLES / "gpt.py")
-    want, _ = reference_train(original_model(build, source, 3), source.example_inputs(8), source.example_targets(8),
-                              source.loss_fn, 3, 4, 0.1)
+    want, _ = reference_train(
+        original_model(build, source, 3),
+        source.example_inputs(8),
+        source.example_targets(8),
+        source.loss_fn,
+        3,
+        4,
+        0.1,
+    )
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))
 
     # refused in this process before torchrun starts (fxpipe.runtime.launch.preflight), not by the ranks
-    with pytest.raises(ConfigError, match=r"^batch size 8 does not split into 3 equal microbatches"):
+    with pytest.raises(
+        ConfigError, match=r"^batch size 8 does not split into 3 equal microbatches"
+    ):
         run_build(build, RunOptions(steps=1, microbatches=3), quiet=True)
 
 
@@ -59,10 +74,21 @@ def test_run_build_refuses_bad_data_parallel_options_before_launching(tmp_path: 
         run_build(build, RunOptions(dp=0))
     with pytest.raises(ConfigError, match=r"unknown comm_hook 'gzip'"):
         run_build(build, RunOptions(dp=2, data_parallel=DataParallelOptions(comm_hook="gzip")))
-    with pytest.raises(ConfigError, match=r"--steps 3 is not a multiple of --backward-passes-per-step 2.*--steps 4"):
-        run_build(build, RunOptions(steps=3, dp=2, data_parallel=DataParallelOptions(backward_passes_per_step=2)))
+    with pytest.raises(
+        ConfigError, match=r"--steps 3 is not a multiple of --backward-passes-per-step 2.*--steps 4"
+    ):
+        run_build(
+            build,
+            RunOptions(
+                steps=3, dp=2, data_parallel=DataParallelOptions(backward_passes_per_step=2)
+            ),
+        )
     # with one replica there is no DDP: these options would be silently ignored, so they are refused
-    for option in ({"comm_hook": "powersgd"}, {"shard_optimizer_state": True}, {"backward_passes_per_step": 2}):
+    for option in (
+        {"comm_hook": "powersgd"},
+        {"shard_optimizer_state": True},
+        {"backward_passes_per_step": 2},
+    ):
         with pytest.raises(ConfigError, match=r"only apply with 2 or more pipeline replicas"):
             run_build(build, RunOptions(steps=2, data_parallel=DataParallelOptions(**option)))  # type: ignore[arg-type]
     assert not (build / "run.json").exists()
@@ -73,35 +99,55 @@ def test_worker_under_your_own_torchrun_reads_flags_and_infers_the_replicas(tmp_
     """docs/training.md "Several machines, and failures": the worker module with flags, no --dp, no --options."""
     build = make_build("mlp", tmp_path / "mlp", stages=2, batch_size=4, microbatches=2)
     out = tmp_path / "elsewhere.json"
-    cmd = torchrun_command(build, 2, free_port(), ["--steps", "2", "--schedule", "gpipe", "--out", str(out)])
+    cmd = torchrun_command(
+        build, 2, free_port(), ["--steps", "2", "--schedule", "gpipe", "--out", str(out)]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = RunRecord.from_json(out)
-    assert len(result.losses) == 2 and result.schedule == "gpipe" and result.dp == 1 and result.world_size == 2
+    assert (
+        len(result.losses) == 2
+        and result.schedule == "gpipe"
+        and result.dp == 1
+        and result.world_size == 2
+    )
     assert not (build / "run.json").exists()
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_run_build_two_stages_two_replicas_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+def test_run_build_two_stages_two_replicas_equals_one_process_on_the_whole_batch(
+    tmp_path: Path,
+) -> None:
     """2 stages x 2 replicas: replica r trains on rows [rB, (r+1)B) of example_inputs(2B); the
     replica-averaged losses equal one process training on all 2B rows in 2 x 2 microbatches."""
     stages, replicas, batch, micro, steps, lr = 2, 2, 4, 2, 3, 0.1
     build = make_build("mlp", tmp_path / "mlp", stages=stages, batch_size=batch, microbatches=micro)
-    result = run_build(build, RunOptions(steps=steps, schedule="1f1b", lr=lr, timeout_s=60, dp=replicas), quiet=True)
+    result = run_build(
+        build,
+        RunOptions(steps=steps, schedule="1f1b", lr=lr, timeout_s=60, dp=replicas),
+        quiet=True,
+    )
     assert result.dp == replicas and result.world_size == stages * replicas
     assert result.comm_hook == "allreduce" and result.batch_size == batch
     assert result.global_batch_size == batch * replicas
     assert len(result.peak_memory_bytes) == 4 and all(b > 1 << 20 for b in result.peak_memory_bytes)
     source = load_model_file(EXAMPLES / "mlp.py")
     n = batch * replicas
-    want, _ = reference_train(original_model(build, source, stages), source.example_inputs(n),
-                              source.example_targets(n), source.loss_fn, steps, micro * replicas, lr)
+    want, _ = reference_train(
+        original_model(build, source, stages),
+        source.example_inputs(n),
+        source.example_targets(n),
+        source.loss_fn,
+        steps,
+        micro * replicas,
+        lr,
+    )
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want))
     assert want[-1] < want[0]  # it trained
 
 
-SEQUENCE_FIRST = '''
+SEQUENCE_FIRST = """
 import torch
 import torch.nn as nn
 
@@ -127,11 +173,13 @@ def example_targets(b):
 
 def loss_fn(out, target):
     return ((out - target) ** 2).mean()
-'''
+"""
 
 
 @pytest.mark.distributed
-def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(tmp_path: Path) -> None:
+def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(
+    tmp_path: Path,
+) -> None:
     """Through the command line: `fxpipe run` hands its flags to the workers as RunOptions JSON."""
     from fxpipe.codegen import write_build_dir
     from fxpipe.partitioner import plan_partition
@@ -143,11 +191,20 @@ def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(t
     traced = trace_model_file(source, 2, progress=False)
     plan = plan_partition(traced.profile, 2, solver="uniform", microbatches=2)
     write_build_dir(traced, plan, tmp_path / "build", source, batch_size=4, microbatches=2)
-    assert main(["run", str(tmp_path / "build"), "--steps", "2", "--lr", "0.1", "--timeout", "60"]) == 0
+    assert (
+        main(["run", str(tmp_path / "build"), "--steps", "2", "--lr", "0.1", "--timeout", "60"])
+        == 0
+    )
     run_json = json.loads((tmp_path / "build" / "run.json").read_text())
     assert set(run_json) == RUN_JSON_FIELDS | {"schema_version"}
     result = RunRecord.from_dict(run_json)
-    assert (len(result.losses), result.lr, result.dp, result.batch_size, result.microbatches) == (2, 0.1, 1, 4, 2)
+    assert (len(result.losses), result.lr, result.dp, result.batch_size, result.microbatches) == (
+        2,
+        0.1,
+        1,
+        4,
+        2,
+    )
 
     model = source.build_model()  # the same weights: the build was traced from this seeded model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,7 +212,9 @@ def test_sequence_first_batches_split_inputs_and_targets_along_their_batch_dim(t
     want = []
     for _ in range(2):
         opt.zero_grad()
-        losses = [source.loss_fn(model(x[:, i:i + 2], mask), y[:, i:i + 2]) for i in (0, 2)]  # batch on dim 1
+        losses = [
+            source.loss_fn(model(x[:, i : i + 2], mask), y[:, i : i + 2]) for i in (0, 2)
+        ]  # batch on dim 1
         (sum(losses) / 2).backward()
         opt.step()
         want.append(sum(float(v) for v in losses) / 2)
@@ -168,6 +227,6 @@ def test_a_build_named_like_an_option_reaches_the_worker_as_a_path() -> None:
     from fxpipe.runtime.launch.worker import parse_args
 
     args = _torchrun_args(Path("-b"), 2, 0, ["--steps", "2"])
-    worker = args[args.index("fxpipe.runtime.launch.worker") + 1:]
+    worker = args[args.index("fxpipe.runtime.launch.worker") + 1 :]
     parsed = parse_args(worker)
     assert parsed.build_dir == Path("-b") and parsed.steps == 2

@@ -22,12 +22,16 @@ def test_layout_maps_ranks_replica_major() -> None:
     assert layout.data_parallel_ranks(2) == (2, 5)
     assert all(layout.rank_of(layout.stage_of(r), layout.replica_of(r)) == r for r in range(6))
     single = RankLayout(4)
-    assert [single.stage_of(r) for r in range(4)] == [0, 1, 2, 3] and single.data_parallel_ranks(1) == (1,)
+    assert [single.stage_of(r) for r in range(4)] == [0, 1, 2, 3] and single.data_parallel_ranks(
+        1
+    ) == (1,)
 
 
 def test_layout_refuses_a_world_that_does_not_match() -> None:
     assert RankLayout.for_world(6, 3) == RankLayout(3, 2)
-    with pytest.raises(RuntimeSetupError, match=r"world size 2 does not match .* 3 stages.*--nproc-per-node 3"):
+    with pytest.raises(
+        RuntimeSetupError, match=r"world size 2 does not match .* 3 stages.*--nproc-per-node 3"
+    ):
         RankLayout.for_world(2, 3)
     with pytest.raises(RuntimeSetupError, match="world size 4 does not match"):
         RankLayout.for_world(4, 3)
@@ -38,11 +42,23 @@ def test_layout_refuses_a_world_that_does_not_match() -> None:
 def test_routes_of_the_handmade_manifest() -> None:
     routes = routes_from_manifest(handmade.manifest())
     pairs = {(t.spec.name, t.src, t.dst, t.grad) for t in routes.transfers}
-    assert pairs == {("h0", 0, 1, True), ("h0", 0, 2, True), ("keep", 0, 1, False), ("h1", 1, 2, True)}
+    assert pairs == {
+        ("h0", 0, 1, True),
+        ("h0", 0, 2, True),
+        ("keep", 0, 1, False),
+        ("h1", 1, 2, True),
+    }
     assert routes.links() == (Link(0, 1, True), Link(0, 2, True), Link(1, 2, True))
     assert routes.model_outputs == ("logits",) and routes.input_names == ("idx", "scale")
-    tags = {t.tag(m, routes.num_tensors, g) for t in routes.transfers for m in range(4) for g in (False, True)}
-    assert len(tags) == 4 * 4 * 2  # unique per transfer (h0 goes to two stages), microbatch and direction
+    tags = {
+        t.tag(m, routes.num_tensors, g)
+        for t in routes.transfers
+        for m in range(4)
+        for g in (False, True)
+    }
+    assert (
+        len(tags) == 4 * 4 * 2
+    )  # unique per transfer (h0 goes to two stages), microbatch and direction
 
 
 def test_model_output_from_an_earlier_stage_is_routed_to_the_last() -> None:
@@ -59,11 +75,19 @@ def test_routes_refuse_an_input_nobody_produces() -> None:
     m = handmade.manifest()
     s1 = m.stages[1]
     ghost = BoundaryTensor("ghost", (2, 8), "float32", 0, 0, (1,))
-    stages = (m.stages[0], s1.__class__(**{**s1.__dict__, "inputs": s1.inputs + (ghost,)}), m.stages[2])
-    with pytest.raises(BuildDirError, match="stage 1 input 'ghost' comes from stage 0, which does not output it"):
+    stages = (
+        m.stages[0],
+        s1.__class__(**{**s1.__dict__, "inputs": s1.inputs + (ghost,)}),
+        m.stages[2],
+    )
+    with pytest.raises(
+        BuildDirError, match="stage 1 input 'ghost' comes from stage 0, which does not output it"
+    ):
         routes_from_manifest(Manifest(**{**m.__dict__, "stages": stages}))
     bad_input = BoundaryTensor("nope", (2,), "int64", 0, INPUT, (0,))
-    stages = (m.stages[0].__class__(**{**m.stages[0].__dict__, "inputs": (bad_input,)}),) + m.stages[1:]
+    stages = (
+        m.stages[0].__class__(**{**m.stages[0].__dict__, "inputs": (bad_input,)}),
+    ) + m.stages[1:]
     with pytest.raises(BuildDirError, match="reads model input 'nope'"):
         routes_from_manifest(Manifest(**{**m.__dict__, "stages": stages}))
 

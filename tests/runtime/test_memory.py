@@ -16,7 +16,11 @@ from fxpipe.partitioner.prediction import RUNTIME_COSTS
 from fxpipe.runtime.pipeline.comm import pairs_sends
 from fxpipe.runtime.launch.launcher import run_build
 from fxpipe.runtime.train.run_options import RunOptions
-from fxpipe.runtime.pipeline.peak_memory import TensorMemoryTracker, peak_tensor_bytes, state_tensors
+from fxpipe.runtime.pipeline.peak_memory import (
+    TensorMemoryTracker,
+    peak_tensor_bytes,
+    state_tensors,
+)
 from fxpipe.tracer import trace_model_file
 
 KIB = 1024
@@ -49,7 +53,9 @@ def test_tracker_sees_backward_and_grads() -> None:
     act = 512 * 64 * 4
     with TensorMemoryTracker(state_tensors(lin) + [x]) as tracker:
         h = lin(x).relu()
-        assert tracker.live_bytes == 64 * 65 * 4 + 2 * act  # params, x, h (addmm's output is freed by relu)
+        assert (
+            tracker.live_bytes == 64 * 65 * 4 + 2 * act
+        )  # params, x, h (addmm's output is freed by relu)
         h.sum().backward()
     assert tracker.live_bytes == 2 * 64 * 65 * 4 + 2 * act  # + grads
     assert tracker.peak_bytes > tracker.live_bytes  # backward temporaries
@@ -70,7 +76,9 @@ def test_tensors_given_as_a_function_are_not_kept_alive_by_the_measurement() -> 
     # params + new grads + the step's input, output and temporaries, but not the old grads
     got = peak_tensor_bytes(torch.device("cpu"), step, lambda: state_tensors(lin))
     assert 2 * state <= got < 3 * state
-    listed = peak_tensor_bytes(torch.device("cpu"), step, state_tensors(lin))  # the list keeps the old ones
+    listed = peak_tensor_bytes(
+        torch.device("cpu"), step, state_tensors(lin)
+    )  # the list keeps the old ones
     assert listed >= 3 * state
 
 
@@ -115,7 +123,10 @@ def wide_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str,
     plan = plan_partition(traced.profile, 2, microbatches=micro, objective="bottleneck")
     build = root / "build"
     write_build_dir(traced, plan, build, source, batch_size=batch, microbatches=micro)
-    runs = {s: run_build(build, RunOptions(steps=2, schedule=s, timeout_s=60), quiet=True) for s in ("gpipe", "1f1b")}
+    runs = {
+        s: run_build(build, RunOptions(steps=2, schedule=s, timeout_s=60), quiet=True)
+        for s in ("gpipe", "1f1b")
+    }
     return json.loads((build / "plan.json").read_text()), runs
 
 
@@ -145,4 +156,6 @@ def test_measured_peak_within_5_percent_of_the_prediction(wide_runs) -> None:
     predicted = plan["prediction"]["peak_memory_bytes_by_schedule"]
     for schedule, run in runs.items():
         for rank, (meas, pred) in enumerate(zip(run.peak_tensor_bytes, predicted[schedule])):
-            assert 0.95 <= meas / pred <= 1.05, f"{schedule} rank {rank}: measured {meas} vs predicted {pred}"
+            assert 0.95 <= meas / pred <= 1.05, (
+                f"{schedule} rank {rank}: measured {meas} vs predicted {pred}"
+            )

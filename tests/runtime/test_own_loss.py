@@ -37,8 +37,27 @@ def _source(name: str) -> ModelSource:
 
 def _partition_and_verify(name: str, out: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     model_fn, inputs_fn = MODELS[name]
-    assert main(["partition", f"{EXAMPLE}:{model_fn}", "--inputs-fn", inputs_fn, "--stages", "2", "--batch-size",
-                 str(BATCH), "--microbatches", str(MICROBATCHES), "--solver", "params", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "partition",
+                f"{EXAMPLE}:{model_fn}",
+                "--inputs-fn",
+                inputs_fn,
+                "--stages",
+                "2",
+                "--batch-size",
+                str(BATCH),
+                "--microbatches",
+                str(MICROBATCHES),
+                "--solver",
+                "params",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert main(["verify", str(out)]) == 0
     out_text = capsys.readouterr().out
     assert "OK: the stages equal the model in train and eval mode" in out_text
@@ -64,7 +83,11 @@ def _reference(source: ModelSource) -> tuple[list[float], dict[str, torch.Tensor
         (sum(step) / MICROBATCHES).backward()
         opt.step()
         losses.append(sum(float(v.detach()) for v in step) / MICROBATCHES)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, list(names.values())
+    return (
+        losses,
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        list(names.values()),
+    )
 
 
 def _runner_job(rank: int, world: int, build: str, name: str) -> dict[str, Any]:
@@ -73,10 +96,18 @@ def _runner_job(rank: int, world: int, build: str, name: str) -> dict[str, Any]:
 
     source = _source(name)
     batch = source.example_call(BATCH)
-    with PipelineRunner(build, None, microbatches=MICROBATCHES, timeout_s=60,
-                        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR)) as runner:
+    with PipelineRunner(
+        build,
+        None,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+    ) as runner:
         losses = [runner.step(batch) for _ in range(STEPS)]
-        return {"losses": losses, "state": {k: v.detach().clone() for k, v in runner.stage.state_dict().items()}}
+        return {
+            "losses": losses,
+            "state": {k: v.detach().clone() for k, v in runner.stage.state_dict().items()},
+        }
 
 
 def _assert_trains_like_one_process(build: Path, name: str) -> list[float]:
@@ -87,7 +118,9 @@ def _assert_trains_like_one_process(build: Path, name: str) -> list[float]:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want_losses))
     state = {**results[0]["state"], **results[1]["state"]}
     assert set(state) <= set(want_state)
-    assert all(keys & set(state) for keys in tied)  # every parameter, under one of its tied names at least
+    assert all(
+        keys & set(state) for keys in tied
+    )  # every parameter, under one of its tied names at least
     for key, value in state.items():
         torch.testing.assert_close(value, want_state[key], msg=key)
     assert want_losses[-1] < want_losses[0]
@@ -97,7 +130,8 @@ def _assert_trains_like_one_process(build: Path, name: str) -> list[float]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_gpt2_keyword_call_with_labels_partitions_verifies_and_trains_on_its_own_loss(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     build = _partition_and_verify("gpt2", tmp_path / "gpt2", capsys)
     from fxpipe.codegen import read_manifest
 
@@ -106,14 +140,17 @@ def test_gpt2_keyword_call_with_labels_partitions_verifies_and_trains_on_its_own
     assert manifest.output_modules == ("transformers.modeling_outputs",)
     want_losses = _assert_trains_like_one_process(build, "gpt2")
     # `fxpipe run`: a model file without loss_fn or example_targets trains on output.loss
-    result = run_build(build, RunOptions(steps=STEPS, microbatches=MICROBATCHES, lr=LR, timeout_s=60), quiet=True)
+    result = run_build(
+        build, RunOptions(steps=STEPS, microbatches=MICROBATCHES, lr=LR, timeout_s=60), quiet=True
+    )
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want_losses))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_bart_keyword_call_with_labels_partitions_verifies_and_trains_on_its_own_loss(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     build = _partition_and_verify("bart", tmp_path / "bart", capsys)
     _assert_trains_like_one_process(build, "bart")
 
@@ -122,7 +159,9 @@ def test_model_loss_reads_the_output_and_says_what_is_missing() -> None:
     loss = torch.tensor(1.5)
     assert model_loss({"loss": loss, "logits": torch.zeros(2)}) is loss
     assert model_loss(type("Out", (), {"loss": loss})()) is loss
-    with pytest.raises(RuntimeSetupError, match=r"output \(Tensor\) holds no loss tensor; pass the model labels="):
+    with pytest.raises(
+        RuntimeSetupError, match=r"output \(Tensor\) holds no loss tensor; pass the model labels="
+    ):
         model_loss(torch.zeros(2))
     with pytest.raises(RuntimeSetupError, match="holds no loss tensor"):
         model_loss({"logits": torch.zeros(2), "loss": None})
@@ -133,8 +172,23 @@ def test_a_model_file_without_loss_fn_needs_no_targets(tmp_path: Path) -> None:
     from fxpipe.runtime.train.data import example_batch, model_source
 
     build = tmp_path / "b"
-    assert main(["partition", f"{EXAMPLE}", "--stages", "2", "--batch-size", "4", "--microbatches", "2",
-                 "--out", str(build)]) == 0
+    assert (
+        main(
+            [
+                "partition",
+                f"{EXAMPLE}",
+                "--stages",
+                "2",
+                "--batch-size",
+                "4",
+                "--microbatches",
+                "2",
+                "--out",
+                str(build),
+            ]
+        )
+        == 0
+    )
     manifest = read_manifest(build)
     source = model_source(build, manifest)
     inputs, targets = example_batch(source, manifest, 4)

@@ -17,7 +17,7 @@ from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 
-DATA = '''
+DATA = """
 import torch
 
 def train_batches(batch_size, rank_info):
@@ -29,23 +29,34 @@ def train_batches(batch_size, rank_info):
         if step == 3 and rank_info.rank == 1:   # this rank's loader went its own way
             x, y = x.roll(1, 0), y.roll(1, 0)
         yield x, y
-'''
+"""
 
 
 def test_fingerprint_is_the_bytes() -> None:
     t = torch.randn(16, 8)
     assert tensor_fingerprint(t) == tensor_fingerprint(t.clone())
-    assert tensor_fingerprint(t) != tensor_fingerprint(t[torch.randperm(16, generator=torch.Generator().manual_seed(1))])
+    assert tensor_fingerprint(t) != tensor_fingerprint(
+        t[torch.randperm(16, generator=torch.Generator().manual_seed(1))]
+    )
     assert tensor_fingerprint(t) != tensor_fingerprint(t.roll(1, 0))
     shuffled_columns = t[:, [1, 0, *range(2, 8)]]
     assert tensor_fingerprint(t)[1] != tensor_fingerprint(shuffled_columns)[1]
     nan = torch.tensor([float("nan"), 1.0])
-    assert tensor_fingerprint(nan) == tensor_fingerprint(nan.clone())  # bytes, not values: NaN equals itself
+    assert tensor_fingerprint(nan) == tensor_fingerprint(
+        nan.clone()
+    )  # bytes, not values: NaN equals itself
     assert tensor_fingerprint(torch.tensor(0.0)) != tensor_fingerprint(torch.tensor(-0.0))
     # every dtype and layout a batch may have, non-contiguous and unaligned views included
-    for x in (torch.rand(3, 5) > 0.5, torch.randn(4, 3).half(), torch.randn(2, 2, dtype=torch.complex64),
-              torch.randn(3, 2).t(), torch.zeros(2, 0), torch.tensor(2.5), torch.arange(7, dtype=torch.uint8)[1:],
-              torch.randint(0, 50_000, (4, 9))):
+    for x in (
+        torch.rand(3, 5) > 0.5,
+        torch.randn(4, 3).half(),
+        torch.randn(2, 2, dtype=torch.complex64),
+        torch.randn(3, 2).t(),
+        torch.zeros(2, 0),
+        torch.tensor(2.5),
+        torch.arange(7, dtype=torch.uint8)[1:],
+        torch.randint(0, 50_000, (4, 9)),
+    ):
         assert tensor_fingerprint(x) == tensor_fingerprint(x.clone().contiguous())
     assert fingerprint([t, t.roll(1, 0)]) != fingerprint([t.roll(1, 0), t])
 
@@ -55,10 +66,16 @@ def test_ranks_are_compared_on_the_parts_they_hold() -> None:
     full = batch_fingerprint(x, y)
     inputs_only, targets_only = batch_fingerprint(x, None), batch_fingerprint(Placeholders(x), y)
     assert first_disagreement([full, inputs_only, targets_only], [0, 1, 2]) is None
-    assert first_disagreement([inputs_only, targets_only], [0, 1]) is None  # nothing in common: nothing compared
+    assert (
+        first_disagreement([inputs_only, targets_only], [0, 1]) is None
+    )  # nothing in common: nothing compared
     other = batch_fingerprint(x, y.flip(0))
     assert first_disagreement([full, other], [4, 5]) == ("targets", 4, 5)
-    assert first_disagreement([full, batch_fingerprint((x[0].double(),), y)], [0, 1]) == ("inputs", 0, 1)
+    assert first_disagreement([full, batch_fingerprint((x[0].double(),), y)], [0, 1]) == (
+        "inputs",
+        0,
+        1,
+    )
 
 
 def _train(rank: int, world: int, build: str, options: RunOptions) -> Any:
@@ -68,17 +85,25 @@ def _train(rank: int, world: int, build: str, options: RunOptions) -> Any:
 
 
 @pytest.mark.distributed
-def test_fxpipe_run_stops_a_data_function_that_yields_other_rows_on_one_rank(tmp_path: Path) -> None:
+def test_fxpipe_run_stops_a_data_function_that_yields_other_rows_on_one_rank(
+    tmp_path: Path,
+) -> None:
     build = make_build("mlp", tmp_path / "build", stages=2, batch_size=8, microbatches=2)
     data = tmp_path / "data.py"
     data.write_text(DATA)
-    options = RunOptions(steps=5, lr=0.1, timeout_s=60,
-                         training=TrainingOptions(data=f"{data}:train_batches", log_every=1))
+    options = RunOptions(
+        steps=5,
+        lr=0.1,
+        timeout_s=60,
+        training=TrainingOptions(data=f"{data}:train_batches", log_every=1),
+    )
     results = spawn(_train, 2, str(build), options, timeout=240, expect_failure=True)
     for r in results:
         assert not r.ok
         line = r.error.splitlines()[0]
-        assert line == ("ModelFileError: train_batches(8, rank_info) yielded other inputs on rank 1 than on rank 0 "
-                        "at step 3, but the ranks of one pipeline train on one batch (each reads its part of it); "
-                        "yield the same batches on every rank of replica 0: seed the data from rank_info.replica "
-                        "(0), not from the rank, the process or the global random state"), line
+        assert line == (
+            "ModelFileError: train_batches(8, rank_info) yielded other inputs on rank 1 than on rank 0 "
+            "at step 3, but the ranks of one pipeline train on one batch (each reads its part of it); "
+            "yield the same batches on every rank of replica 0: seed the data from rank_info.replica "
+            "(0), not from the rank, the process or the global random state"
+        ), line

@@ -7,8 +7,18 @@ import dataclasses
 import pytest
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime import (Action, ActionKind, Link, ScheduleError, gpipe, make_schedule, max_in_flight,
-                            one_f_one_b, simulate, validate_schedule)
+from fxpipe.runtime import (
+    Action,
+    ActionKind,
+    Link,
+    ScheduleError,
+    gpipe,
+    make_schedule,
+    max_in_flight,
+    one_f_one_b,
+    simulate,
+    validate_schedule,
+)
 
 SIZES = [(1, 1), (2, 1), (2, 4), (3, 2), (4, 8), (5, 3)]
 
@@ -36,7 +46,10 @@ def test_builtin_schedules_are_valid(fn, stages: int, mbs: int) -> None:
 
 
 def test_gpipe_literal_lists() -> None:
-    assert [" ".join(map(str, acts)) for acts in gpipe(2, 2).actions] == ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"]
+    assert [" ".join(map(str, acts)) for acts in gpipe(2, 2).actions] == [
+        "0F0 0F1 0B0 0B1",
+        "1F0 1F1 1B0 1B1",
+    ]
 
 
 def test_1f1b_literal_lists() -> None:
@@ -78,8 +91,11 @@ def test_validator_catches_wrong_rank() -> None:
 
 def test_validator_catches_unmatched_sends() -> None:
     bad = _edit(gpipe(2, 2), 1, "1F1 1F0 1B0 1B1")
-    with pytest.raises(ScheduleError, match=r"unmatched send/receive: stage 0 sends activations to stage 1 "
-                                            r"for microbatches \[0, 1\] but 1 receives them in order \[1, 0\]"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"unmatched send/receive: stage 0 sends activations to stage 1 "
+        r"for microbatches \[0, 1\] but 1 receives them in order \[1, 0\]",
+    ):
         validate_schedule(bad)
 
 
@@ -93,7 +109,9 @@ def test_validator_catches_descending_microbatches_on_a_leaf_link() -> None:
 def test_validator_catches_deadlock_and_marks_the_step() -> None:
     s = one_f_one_b(3, 4)
     # rank 1 waits for 2B0 before sending 1F1; rank 2 waits for 1F1 before running 2B0
-    bad = _edit(_edit(s, 1, "1F0 1B0 1F1 1F2 1B1 1F3 1B2 1B3"), 2, "2F0 2F1 2B0 2B1 2F2 2B2 2F3 2B3")
+    bad = _edit(
+        _edit(s, 1, "1F0 1B0 1F1 1F2 1B1 1F3 1B2 1B3"), 2, "2F0 2F1 2B0 2B1 2F2 2B2 2F3 2B3"
+    )
     with pytest.raises(ScheduleError, match="deadlocks at step 3") as err:
         validate_schedule(bad)
     text = str(err.value)
@@ -111,8 +129,11 @@ def test_skip_links_add_dependencies() -> None:
 
 def test_make_schedule_refuses_unknown_names() -> None:
     assert make_schedule("GPipe", 2, 2) == gpipe(2, 2)
-    with pytest.raises(ConfigError, match=r"unknown schedule 'zb'.*\['gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', "
-                                          r"'zbv', 'dualpipev'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown schedule 'zb'.*\['gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', "
+        r"'zbv', 'dualpipev'\]",
+    ):
         make_schedule("zb", 2, 2)
 
 
@@ -123,4 +144,6 @@ def test_runtime_order_is_the_planner_simulated_order(name: str) -> None:
     for S, M in [(1, 1), (3, 2), (4, 8), (5, 3)]:
         sched = make_schedule(name, S, M)
         for s in range(S):
-            assert [(a.kind.value, a.microbatch) for a in sched.rank_actions(s)] == stage_order(name, S, M, s)
+            assert [(a.kind.value, a.microbatch) for a in sched.rank_actions(s)] == stage_order(
+                name, S, M, s
+            )

@@ -23,7 +23,7 @@ class Tied(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.relu(self.a(x))
-        h = torch.tanh(self.b(h)) + self.a(h)   # self.a again, downstream of its first use
+        h = torch.tanh(self.b(h)) + self.a(h)  # self.a again, downstream of its first use
         return h * 2, (self.b.weight.sum() * h).mean(-1)
 
 
@@ -43,15 +43,21 @@ def _gpt_blocks() -> tuple[nn.Module, list[torch.Tensor]]:
     source = load_model_file(EXAMPLES["gpt"])
     model = source.build_model()
     blocks = nn.Sequential(*model.blocks) if hasattr(model, "blocks") else model
-    x = torch.randn(2, 8, model.wte.weight.shape[1]) if hasattr(model, "wte") else torch.randn(2, 8, 32)
+    x = (
+        torch.randn(2, 8, model.wte.weight.shape[1])
+        if hasattr(model, "wte")
+        else torch.randn(2, 8, 32)
+    )
     return blocks, [x]
 
 
 def _cases() -> list[tuple[str, nn.Module, list[torch.Tensor]]]:
     torch.manual_seed(0)
-    return [("tied", Tied(), [torch.randn(4, 6)]),
-            ("no input path", NoInputPath(), [torch.randint(0, 10, (3, 5))]),
-            ("gpt blocks", *_gpt_blocks())]
+    return [
+        ("tied", Tied(), [torch.randn(4, 6)]),
+        ("no input path", NoInputPath(), [torch.randint(0, 10, (3, 5))]),
+        ("gpt blocks", *_gpt_blocks()),
+    ]
 
 
 @pytest.mark.parametrize("case", range(3), ids=["tied", "no-input-path", "gpt-blocks"])
@@ -61,7 +67,7 @@ def test_split_equals_fused_bitwise(case: int) -> None:
     results = []
     for m, do_split in ((fused, False), (split, True)):
         grads_in = []
-        for mb in range(2):   # two microbatches accumulate into .grad
+        for mb in range(2):  # two microbatches accumulate into .grad
             xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
             outs = m(*xs)
             outs = list(outs) if isinstance(outs, tuple) else [outs]
@@ -70,7 +76,7 @@ def test_split_equals_fused_bitwise(case: int) -> None:
             params = [p for p in m.parameters() if p.requires_grad]
             if do_split:
                 got, work = backward_inputs(outs, seeds, leaves, params)
-                assert all(p.grad is None or mb > 0 for p in params)   # B leaves the weights alone
+                assert all(p.grad is None or mb > 0 for p in params)  # B leaves the weights alone
                 backward_weights(work)
                 grads_in.append(got)
             else:
@@ -83,7 +89,9 @@ def test_split_equals_fused_bitwise(case: int) -> None:
             assert torch.equal(x, y), f"{name}: input gradient differs"
     assert fused_w.keys() == split_w.keys()
     for k in fused_w:
-        assert torch.equal(fused_w[k], split_w[k]), f"{name}: {k} differs by {(fused_w[k] - split_w[k]).abs().max()}"
+        assert torch.equal(fused_w[k], split_w[k]), (
+            f"{name}: {k} differs by {(fused_w[k] - split_w[k]).abs().max()}"
+        )
 
 
 def test_b_runs_the_input_path_only_and_w_the_weight_branches() -> None:
@@ -95,7 +103,9 @@ def test_b_runs_the_input_path_only_and_w_the_weight_branches() -> None:
     x = torch.randn(32, 64, requires_grad=True)
     out = lin(x)
     with FlopCounterMode(display=False) as total:
-        torch.autograd.grad(out, [x] + list(lin.parameters()), torch.ones_like(out), retain_graph=True)
+        torch.autograd.grad(
+            out, [x] + list(lin.parameters()), torch.ones_like(out), retain_graph=True
+        )
     params = list(lin.parameters())
     with FlopCounterMode(display=False) as b_pass:
         _, work = backward_inputs([out], [torch.ones_like(out)], [x], params)

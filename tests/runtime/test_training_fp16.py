@@ -22,11 +22,15 @@ from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 from test_training_optim import BATCH, MICROBATCHES, STAGES, _batch, gpt_build  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed",
-                                        "ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:fxpipe. symbolic tracing failed",
+    "ignore:Detected call of `lr_scheduler.step\\(\\)` before",
+)
 STEPS, LR = 8, 0.5
 INIT_SCALE, GROWTH_INTERVAL = 2.0**24, 2
-OPTIONS = TrainingOptions(optimizer="sgd")  # Adam would amplify round-off on zero gradients to LR steps
+OPTIONS = TrainingOptions(
+    optimizer="sgd"
+)  # Adam would amplify round-off on zero gradients to LR steps
 
 
 def _runner(build: str) -> Any:
@@ -34,10 +38,17 @@ def _runner(build: str) -> Any:
     from fxpipe.runtime.pipeline.precision import PipelineScaler
 
     source = load_model_file(EXAMPLES / "gpt.py")
-    runner = PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60, precision="fp16",
-                            optimizer_factory=optimizer_factory(OPTIONS, LR))
-    runner.scaler = PipelineScaler(runner.device, runner.optimizer, init_scale=INIT_SCALE,
-                                   growth_interval=GROWTH_INTERVAL)
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        precision="fp16",
+        optimizer_factory=optimizer_factory(OPTIONS, LR),
+    )
+    runner.scaler = PipelineScaler(
+        runner.device, runner.optimizer, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
+    )
     return runner
 
 
@@ -49,8 +60,13 @@ def _job(rank: int, world: int, build: str) -> dict[str, Any]:
             losses.append(runner.step(*_batch(k)))
             scales.append(runner.scaler.scale)
             skipped.append(runner.scaler.skipped)
-        return {"losses": losses, "scales": scales, "skipped": skipped, "init": init,
-                "state": {k: v.clone() for k, v in runner.stage.state_dict().items()}}
+        return {
+            "losses": losses,
+            "scales": scales,
+            "skipped": skipped,
+            "init": init,
+            "state": {k: v.clone() for k, v in runner.stage.state_dict().items()},
+        }
 
 
 def _reference(model: torch.nn.Module, loss_fn: Any) -> dict[str, Any]:
@@ -80,16 +96,22 @@ def _reference(model: torch.nn.Module, loss_fn: Any) -> dict[str, Any]:
 def test_fp16_skips_and_scales_as_grad_scaler_on_one_process(gpt_build: Path) -> None:
     source = load_model_file(EXAMPLES / "gpt.py")
     want = _reference(original_model(gpt_build, source, STAGES), source.loss_fn)
-    assert any(want["skipped"]) and not all(want["skipped"])  # the scale overflows at first, then settles
+    assert any(want["skipped"]) and not all(
+        want["skipped"]
+    )  # the scale overflows at first, then settles
     assert len(set(want["scales"])) > 2  # it backs off and grows
     results = [r.value for r in spawn(_job, STAGES, str(gpt_build), timeout=180)]
     for r in results:
         assert r["skipped"] == want["skipped"]
         assert r["scales"] == want["scales"]
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=5e-3, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=5e-3, atol=0
+        )
     state = {**results[0]["state"], **results[1]["state"]}
     init = {**results[0]["init"], **results[1]["init"]}
-    assert max(float((state[k] - init[k]).abs().max()) for k in state) > 0.05  # training moved the weights
+    assert (
+        max(float((state[k] - init[k]).abs().max()) for k in state) > 0.05
+    )  # training moved the weights
     for key, value in state.items():
         assert value.dtype == torch.float32  # master weights stay fp32
         torch.testing.assert_close(value, want["state"][key], msg=key, rtol=0, atol=5e-4)
@@ -97,7 +119,9 @@ def test_fp16_skips_and_scales_as_grad_scaler_on_one_process(gpt_build: Path) ->
 
 def _overflow_job(rank: int, world: int, build: str, poisoned_step: int) -> dict[str, Any]:
     with _runner(build) as runner:
-        runner.scaler = type(runner.scaler)(runner.device, runner.optimizer)  # 2**16: no natural overflow
+        runner.scaler = type(runner.scaler)(
+            runner.device, runner.optimizer
+        )  # 2**16: no natural overflow
         step = {"k": -1}
         if rank == world - 1:  # only the last stage's gradient turns inf
             weight = next(p for p in runner.stage.parameters() if p.requires_grad)
@@ -108,15 +132,24 @@ def _overflow_job(rank: int, world: int, build: str, poisoned_step: int) -> dict
             before = {n: v.clone() for n, v in runner.stage.state_dict().items()}
             runner.step(*_batch(k))
             after = runner.stage.state_dict()
-            rows.append({"scale": runner.scaler.scale, "skipped": runner.scaler.skipped,
-                         "moved": any(not torch.equal(v, after[n]) for n, v in before.items())})
+            rows.append(
+                {
+                    "scale": runner.scaler.scale,
+                    "skipped": runner.scaler.skipped,
+                    "moved": any(not torch.equal(v, after[n]) for n, v in before.items()),
+                }
+            )
         return {"rows": rows}
 
 
 @pytest.mark.distributed
-def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_stage_and_halves_the_scale(gpt_build: Path) -> None:
+def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_stage_and_halves_the_scale(
+    gpt_build: Path,
+) -> None:
     poisoned = 2
-    results = [r.value["rows"] for r in spawn(_overflow_job, STAGES, str(gpt_build), poisoned, timeout=180)]
+    results = [
+        r.value["rows"] for r in spawn(_overflow_job, STAGES, str(gpt_build), poisoned, timeout=180)
+    ]
     for rows in results:  # stage 0's own gradients were finite, yet it skipped too
         assert [r["skipped"] for r in rows] == [k == poisoned for k in range(4)]
         assert [r["moved"] for r in rows] == [k != poisoned for k in range(4)]

@@ -25,8 +25,9 @@ from spawn import spawn
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 STAGES, BATCH, MICROBATCHES, STEPS, LR, MAX_NORM = 2, 4, 2, 4, 3e-3, 0.5
 WIDTH = 32  # examples/gpt.py's
-OPTIONS = TrainingOptions(optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=2,
-                          lr_schedule="cosine")
+OPTIONS = TrainingOptions(
+    optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=2, lr_schedule="cosine"
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +37,24 @@ def gpt_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + k)
-    return torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g)
+    return torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(
+        0, 64, (BATCH, 16), generator=g
+    )
 
 
 def _job(rank: int, world: int, build: str) -> dict[str, Any]:
     from fxpipe.runtime import PipelineRunner
 
     source = load_model_file(EXAMPLES / "gpt.py")
-    with PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60,
-                        optimizer_factory=optimizer_factory(OPTIONS, LR),
-                        scheduler_factory=scheduler_factory(OPTIONS, STEPS), max_grad_norm=MAX_NORM) as runner:
+    with PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        optimizer_factory=optimizer_factory(OPTIONS, LR),
+        scheduler_factory=scheduler_factory(OPTIONS, STEPS),
+        max_grad_norm=MAX_NORM,
+    ) as runner:
         losses, norms, lrs = [], [], []
         for k in range(STEPS):
             lrs.append(runner.optimizer.param_groups[0]["lr"])
@@ -54,11 +63,22 @@ def _job(rank: int, world: int, build: str) -> dict[str, Any]:
         before = {k: v.clone() for k, v in runner.stage.state_dict().items()}
         grads = [None if p.grad is None else p.grad.clone() for p in runner.stage.parameters()]
         val = runner.eval_step(*_batch(99))
-        unchanged = (all(torch.equal(v, runner.stage.state_dict()[k]) for k, v in before.items())
-                     and all((g is None and p.grad is None) or torch.equal(g, p.grad)
-                             for g, p in zip(grads, runner.stage.parameters()))
-                     and runner.stage.training)
-        return {"losses": losses, "norms": norms, "lrs": lrs, "eval": val, "unchanged": unchanged, "state": before}
+        unchanged = (
+            all(torch.equal(v, runner.stage.state_dict()[k]) for k, v in before.items())
+            and all(
+                (g is None and p.grad is None) or torch.equal(g, p.grad)
+                for g, p in zip(grads, runner.stage.parameters())
+            )
+            and runner.stage.training
+        )
+        return {
+            "losses": losses,
+            "norms": norms,
+            "lrs": lrs,
+            "eval": val,
+            "unchanged": unchanged,
+            "state": before,
+        }
 
 
 def _reference(model: torch.nn.Module, loss_fn: Any) -> dict[str, Any]:
@@ -82,15 +102,27 @@ def _reference(model: torch.nn.Module, loss_fn: Any) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         x, y = _batch(99)
-        val = sum(loss_fn(model(xm), ym).item() for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)))
-    return {"losses": losses, "norms": norms, "lrs": lrs, "eval": val / MICROBATCHES,
-            "state": model.state_dict()}
+        val = sum(
+            loss_fn(model(xm), ym).item()
+            for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))
+        )
+    return {
+        "losses": losses,
+        "norms": norms,
+        "lrs": lrs,
+        "eval": val / MICROBATCHES,
+        "state": model.state_dict(),
+    }
 
 
 @pytest.mark.distributed
-def test_adamw_cosine_warmup_clipping_and_eval_equal_one_process_with_tied_weights(gpt_build: Path) -> None:
+def test_adamw_cosine_warmup_clipping_and_eval_equal_one_process_with_tied_weights(
+    gpt_build: Path,
+) -> None:
     manifest = Manifest.from_json(gpt_build)
-    assert any(len({manifest.stage_ranks[s] for s in t.stages}) == 2 for t in manifest.ties)  # the tie spans ranks
+    assert any(
+        len({manifest.stage_ranks[s] for s in t.stages}) == 2 for t in manifest.ties
+    )  # the tie spans ranks
     source = load_model_file(EXAMPLES / "gpt.py")
     want = _reference(original_model(gpt_build, source, STAGES), source.loss_fn)
     assert max(want["norms"]) > MAX_NORM  # clipping bites
@@ -109,17 +141,25 @@ def test_adamw_cosine_warmup_clipping_and_eval_equal_one_process_with_tied_weigh
             # the key bias has an exactly zero gradient (softmax ignores a shift per query), so Adam
             # normalises round-off there and both runs move it by noise of up to ~LR per step
             keys = slice(WIDTH, 2 * WIDTH)
-            torch.testing.assert_close(value[keys], expected[keys], rtol=0, atol=LR * STEPS, msg=key)
-            value, expected = torch.cat([value[:WIDTH], value[2 * WIDTH:]]), torch.cat([expected[:WIDTH],
-                                                                                       expected[2 * WIDTH:]])
+            torch.testing.assert_close(
+                value[keys], expected[keys], rtol=0, atol=LR * STEPS, msg=key
+            )
+            value, expected = (
+                torch.cat([value[:WIDTH], value[2 * WIDTH :]]),
+                torch.cat([expected[:WIDTH], expected[2 * WIDTH :]]),
+            )
         torch.testing.assert_close(value, expected, msg=key, rtol=1e-5, atol=1e-6)
 
 
 def test_lr_factor_warms_up_then_follows_the_schedule() -> None:
-    assert [lr_factor(s, warmup_steps=0, total_steps=4, schedule="constant") for s in range(4)] == [1.0] * 4
+    assert [lr_factor(s, warmup_steps=0, total_steps=4, schedule="constant") for s in range(4)] == [
+        1.0
+    ] * 4
     cosine = [lr_factor(s, warmup_steps=1, total_steps=5, schedule="cosine") for s in range(5)]
     assert cosine[0] == 1.0 and cosine[1] == 1.0 and cosine[3] == pytest.approx(0.5)
-    assert lr_factor(10, warmup_steps=1, total_steps=5, schedule="linear") == 0.0  # past the end: stays at 0
+    assert (
+        lr_factor(10, warmup_steps=1, total_steps=5, schedule="linear") == 0.0
+    )  # past the end: stays at 0
 
 
 def test_training_options_refuse_bad_values_with_the_flag_named() -> None:
@@ -140,16 +180,52 @@ def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
     from fxpipe.runtime.train.run_options import RunOptions, run_options_from_args
     from fxpipe.runtime.launch.worker import parse_args as worker_args
 
-    flags = ["--optimizer", "adamw", "--lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.9,0.95",
-             "--warmup-steps", "5", "--lr-schedule", "cosine", "--clip-grad-norm", "1.0", "--data", "d.py:batches",
-             "--eval-every", "10", "--eval-steps", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "5", "--resume",
-             "--log-every", "20"]
+    flags = [
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "3e-4",
+        "--weight-decay",
+        "0.1",
+        "--betas",
+        "0.9,0.95",
+        "--warmup-steps",
+        "5",
+        "--lr-schedule",
+        "cosine",
+        "--clip-grad-norm",
+        "1.0",
+        "--data",
+        "d.py:batches",
+        "--eval-every",
+        "10",
+        "--eval-steps",
+        "2",
+        "--checkpoint-dir",
+        "ck",
+        "--checkpoint-every",
+        "5",
+        "--resume",
+        "--log-every",
+        "20",
+    ]
     cli = run_options_from_args(build_parser().parse_args(["run", "build", *flags]))
     assert cli == run_options_from_args(worker_args(["build", *flags]))
-    assert cli.training == TrainingOptions(optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=5,
-                                           lr_schedule="cosine", clip_grad_norm=1.0, data="d.py:batches",
-                                           eval_every=10, eval_steps=2, checkpoint_dir="ck", checkpoint_every=5,
-                                           resume=True, log_every=20)
+    assert cli.training == TrainingOptions(
+        optimizer="adamw",
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        warmup_steps=5,
+        lr_schedule="cosine",
+        clip_grad_norm=1.0,
+        data="d.py:batches",
+        eval_every=10,
+        eval_steps=2,
+        checkpoint_dir="ck",
+        checkpoint_every=5,
+        resume=True,
+        log_every=20,
+    )
     assert RunOptions.from_json(cli.to_json()) == cli
     assert RunOptions().training == TrainingOptions()
 
@@ -160,9 +236,16 @@ def test_checkpoints_refuse_zero_optimizer_shards() -> None:
     from fxpipe.runtime.train.run_options import RunOptions
 
     with pytest.raises(ConfigError, match="--checkpoint-dir does not save ZeRO's optimizer shards"):
-        RunOptions(dp=2, data_parallel=DataParallelOptions(shard="optimizer"),
-                   training=TrainingOptions(checkpoint_dir="ck"))
-    RunOptions(dp=2, data_parallel=DataParallelOptions(shard="full"), training=TrainingOptions(checkpoint_dir="ck"))
+        RunOptions(
+            dp=2,
+            data_parallel=DataParallelOptions(shard="optimizer"),
+            training=TrainingOptions(checkpoint_dir="ck"),
+        )
+    RunOptions(
+        dp=2,
+        data_parallel=DataParallelOptions(shard="full"),
+        training=TrainingOptions(checkpoint_dir="ck"),
+    )
 
 
 def _dp_job(rank: int, world: int, build: str) -> dict[str, Any]:
@@ -170,22 +253,33 @@ def _dp_job(rank: int, world: int, build: str) -> dict[str, Any]:
     from fxpipe.runtime.dataparallel import DataParallelOptions
 
     source = load_model_file(EXAMPLES / "gpt.py")
-    with PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60,
-                        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.5), max_grad_norm=MAX_NORM,
-                        data_parallel=DataParallelOptions()) as runner:
+    with PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.5),
+        max_grad_norm=MAX_NORM,
+        data_parallel=DataParallelOptions(),
+    ) as runner:
         rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
         norms = []
         for k in range(2):
             x, y = _batch(k), _batch(k + 50)
             runner.step(torch.cat([x[0], y[0]])[rows], torch.cat([x[1], y[1]])[rows])
             norms.append(runner.last_grad_norm)
-        return {"norms": norms, "replica": runner.replica,
-                "state": {k: v.clone() for k, v in runner.stage.state_dict().items()}}
+        return {
+            "norms": norms,
+            "replica": runner.replica,
+            "state": {k: v.clone() for k, v in runner.stage.state_dict().items()},
+        }
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_clipping_with_data_parallel_replicas_equals_one_process_on_the_global_batch(gpt_build: Path) -> None:
+def test_clipping_with_data_parallel_replicas_equals_one_process_on_the_global_batch(
+    gpt_build: Path,
+) -> None:
     source = load_model_file(EXAMPLES / "gpt.py")
     model = original_model(gpt_build, source, STAGES).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -212,16 +306,32 @@ def _bf16_job(rank: int, world: int, build: str) -> dict[str, Any]:
     from fxpipe.runtime import PipelineRunner
 
     source = load_model_file(EXAMPLES / "gpt.py")
-    with PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=60, precision="bf16",
-                        optimizer_factory=optimizer_factory(OPTIONS, LR),
-                        scheduler_factory=scheduler_factory(OPTIONS, STEPS), max_grad_norm=MAX_NORM) as runner:
-        wire: set[torch.dtype] = set()  # the dtypes of every message sent or received between the stages
+    with PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        precision="bf16",
+        optimizer_factory=optimizer_factory(OPTIONS, LR),
+        scheduler_factory=scheduler_factory(OPTIONS, STEPS),
+        max_grad_norm=MAX_NORM,
+    ) as runner:
+        wire: set[torch.dtype] = (
+            set()
+        )  # the dtypes of every message sent or received between the stages
         post = runner._p2p.post
-        runner._p2p.post = lambda sends, recvs: (wire.update(m.tensor.dtype for m in [*sends, *recvs]),
-                                                 post(sends, recvs))[1]
+        runner._p2p.post = lambda sends, recvs: (
+            wire.update(m.tensor.dtype for m in [*sends, *recvs]),
+            post(sends, recvs),
+        )[1]
         losses = [runner.step(*_batch(k)) for k in range(STEPS)]
-        return {"losses": losses, "norms": runner.last_grad_norm, "eval": runner.eval_step(*_batch(99)), "wire": wire,
-                "state": {k: v.clone() for k, v in runner.stage.state_dict().items()}}
+        return {
+            "losses": losses,
+            "norms": runner.last_grad_norm,
+            "eval": runner.eval_step(*_batch(99)),
+            "wire": wire,
+            "state": {k: v.clone() for k, v in runner.stage.state_dict().items()},
+        }
 
 
 @pytest.mark.distributed
@@ -248,7 +358,9 @@ def test_bf16_autocast_per_stage_equals_one_process_under_autocast(gpt_build: Pa
     assert want != fp32  # autocast changes the numbers
     results = [r.value for r in spawn(_bf16_job, STAGES, str(gpt_build), timeout=180)]
     for r in results:
-        assert r["wire"] == {torch.bfloat16}  # activations and their gradients cross in bf16: half the bytes
+        assert r["wire"] == {
+            torch.bfloat16
+        }  # activations and their gradients cross in bf16: half the bytes
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want), rtol=2e-3, atol=0)
         assert r["norms"] == pytest.approx(norm, rel=2e-2)
     state = {**results[0]["state"], **results[1]["state"]}
@@ -258,7 +370,9 @@ def test_bf16_autocast_per_stage_equals_one_process_under_autocast(gpt_build: Pa
         # the activations crossing in bf16 add round-off (the fp16 test checks the weights tightly under SGD): a
         # few elements may move apart by Adam's bound (a step of at most ~LR each way, every step), while the
         # mean and 99% of the elements stay within bf16 noise
-        if key.endswith("attn.qkv.bias"):  # the key bias's gradient is exactly zero: Adam moves it by noise alone
+        if key.endswith(
+            "attn.qkv.bias"
+        ):  # the key bias's gradient is exactly zero: Adam moves it by noise alone
             continue
         diff = (value - model.state_dict()[key]).abs().flatten()
         p99 = float(diff.kthvalue(max(1, int(0.99 * diff.numel()))).values)

@@ -25,21 +25,34 @@ from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.train.data_iter import RankInfo
 from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
 from fxpipe.runtime.train.run_options import RunOptions
-from fxpipe.runtime.train.checkpoint import (gather_state_dict, load_training_checkpoint, part_path,
-                                             save_training_checkpoint)
+from fxpipe.runtime.train.checkpoint import (
+    gather_state_dict,
+    load_training_checkpoint,
+    part_path,
+    save_training_checkpoint,
+)
 from fxpipe.runtime.train.training_options import TrainingOptions
 from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 STAGES, BATCH, MICROBATCHES, STEPS = 2, 8, 2, 6
-TRAINING = TrainingOptions(optimizer="adamw", warmup_steps=2, lr_schedule="cosine", clip_grad_norm=0.5,
-                           eval_every=3, eval_steps=2, log_every=2)
+TRAINING = TrainingOptions(
+    optimizer="adamw",
+    warmup_steps=2,
+    lr_schedule="cosine",
+    clip_grad_norm=0.5,
+    eval_every=3,
+    eval_steps=2,
+    log_every=2,
+)
 OPTIONS = RunOptions(steps=STEPS, lr=3e-3, timeout_s=60, training=TRAINING)
 
 
 @pytest.fixture(scope="module")
 def charlm_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_build("charlm", tmp_path_factory.mktemp("charlm") / "build", STAGES, BATCH, MICROBATCHES)
+    return make_build(
+        "charlm", tmp_path_factory.mktemp("charlm") / "build", STAGES, BATCH, MICROBATCHES
+    )
 
 
 def _train_job(rank: int, world: int, build: str, options: RunOptions, crash_at: int | None) -> Any:
@@ -86,8 +99,11 @@ def _reference(build: Path) -> tuple[list[float], dict[str, torch.Tensor], list[
             model.eval()
             with torch.no_grad():
                 held = source.module.eval_batches(BATCH, info)
-                val = [source.loss_fn(model(xm), ym).item() for x, y in (next(held), next(held))
-                       for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))]
+                val = [
+                    source.loss_fn(model(xm), ym).item()
+                    for x, y in (next(held), next(held))
+                    for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))
+                ]
             evals.append(sum(val) / len(val))
             model.train()
     return losses, model.state_dict(), evals
@@ -95,24 +111,37 @@ def _reference(build: Path) -> tuple[list[float], dict[str, torch.Tensor], list[
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_train_batches_crash_resume_bit_for_bit_and_export(charlm_build: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_batches_crash_resume_bit_for_bit_and_export(
+    charlm_build: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     straight = replace(OPTIONS, training=replace(TRAINING, checkpoint_dir=str(tmp_path / "a")))
     record = spawn(_train_job, STAGES, str(charlm_build), straight, None, timeout=240)[0].value
 
     want_losses, want_state, want_evals = _reference(charlm_build)
     torch.testing.assert_close(torch.tensor(record.losses), torch.tensor(want_losses))
-    torch.testing.assert_close(torch.tensor([v for _, v in record.eval_losses]), torch.tensor(want_evals))
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in record.eval_losses]), torch.tensor(want_evals)
+    )
     assert [s for s, _ in record.eval_losses] == [3, 6] and len(record.grad_norms) == STEPS
     assert record.losses[-1] < record.losses[0]
 
     # crash while drawing batch 4 (0-based), after the checkpoint of step 3; then resume
-    interrupted = replace(OPTIONS, training=replace(TRAINING, checkpoint_dir=str(tmp_path / "b"), checkpoint_every=3))
-    failed = spawn(_train_job, STAGES, str(charlm_build), interrupted, 4, timeout=240, expect_failure=True)
+    interrupted = replace(
+        OPTIONS, training=replace(TRAINING, checkpoint_dir=str(tmp_path / "b"), checkpoint_every=3)
+    )
+    failed = spawn(
+        _train_job, STAGES, str(charlm_build), interrupted, 4, timeout=240, expect_failure=True
+    )
     assert all(not r.ok and "simulated crash" in r.error for r in failed)
     assert load_training_checkpoint(tmp_path / "b", 0, 2)["step"] == 3
-    resumed = spawn(_train_job, STAGES, str(charlm_build), replace(interrupted, training=replace(
-        interrupted.training, resume=True)), None, timeout=240)[0].value
+    resumed = spawn(
+        _train_job,
+        STAGES,
+        str(charlm_build),
+        replace(interrupted, training=replace(interrupted.training, resume=True)),
+        None,
+        timeout=240,
+    )[0].value
     assert resumed.first_step == 3 and len(resumed.step_seconds) == STEPS - 3
     assert list(resumed.losses) == list(record.losses)  # bit for bit, the first three carried over
     assert resumed.eval_losses == record.eval_losses
@@ -129,44 +158,83 @@ def test_train_batches_crash_resume_bit_for_bit_and_export(charlm_build: Path, t
     model.load_state_dict(load_file(out))  # strict: every key of the original model
     for key, value in model.state_dict().items():
         assert torch.equal(value, a[key]), key
-        if not key.endswith("qkv.bias"):  # the key bias: Adam normalises round-off (see test_training_optim)
+        if not key.endswith(
+            "qkv.bias"
+        ):  # the key bias: Adam normalises round-off (see test_training_optim)
             torch.testing.assert_close(value, want_state[key], msg=key, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", ["grad-op", "full"])
-def test_sharded_replicas_resume_bit_for_bit(charlm_build: Path, tmp_path: Path, shard: str) -> None:
+def test_sharded_replicas_resume_bit_for_bit(
+    charlm_build: Path, tmp_path: Path, shard: str
+) -> None:
     from fxpipe.runtime.dataparallel import DataParallelOptions
 
-    steps, world = 4, 2 * STAGES  # 2 stages x 2 replicas, each stage's state sharded over its 2 replicas
-    base = replace(OPTIONS, steps=steps, dp=2, data_parallel=DataParallelOptions(shard=shard),
-                   training=replace(TRAINING, eval_every=None, clip_grad_norm=None))  # clipping: not with FSDP yet
+    steps, world = (
+        4,
+        2 * STAGES,
+    )  # 2 stages x 2 replicas, each stage's state sharded over its 2 replicas
+    base = replace(
+        OPTIONS,
+        steps=steps,
+        dp=2,
+        data_parallel=DataParallelOptions(shard=shard),
+        training=replace(TRAINING, eval_every=None, clip_grad_norm=None),
+    )  # clipping: not with FSDP yet
     straight = replace(base, training=replace(base.training, checkpoint_dir=str(tmp_path / "a")))
     record = spawn(_train_job, world, str(charlm_build), straight, None, timeout=300)[0].value
-    interrupted = replace(base, training=replace(base.training, checkpoint_dir=str(tmp_path / "b"), checkpoint_every=2))
-    failed = spawn(_train_job, world, str(charlm_build), interrupted, 2, timeout=300, expect_failure=True)
+    interrupted = replace(
+        base,
+        training=replace(base.training, checkpoint_dir=str(tmp_path / "b"), checkpoint_every=2),
+    )
+    failed = spawn(
+        _train_job, world, str(charlm_build), interrupted, 2, timeout=300, expect_failure=True
+    )
     assert all(not r.ok and "simulated crash" in r.error for r in failed)
-    resumed = spawn(_train_job, world, str(charlm_build), replace(interrupted, training=replace(
-        interrupted.training, resume=True)), None, timeout=300)[0].value
+    resumed = spawn(
+        _train_job,
+        world,
+        str(charlm_build),
+        replace(interrupted, training=replace(interrupted.training, resume=True)),
+        None,
+        timeout=300,
+    )[0].value
     assert resumed.first_step == 2 and list(resumed.losses) == list(record.losses)  # bit for bit
     assert record.losses[-1] < record.losses[0]
     for rank in range(world):  # every rank's part: the whole stage, identical after both runs
-        a, b = load_training_checkpoint(tmp_path / "a", rank, world), load_training_checkpoint(tmp_path / "b", rank, world)
-        assert set(a["model"]) == set(b["model"]) and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        a, b = (
+            load_training_checkpoint(tmp_path / "a", rank, world),
+            load_training_checkpoint(tmp_path / "b", rank, world),
+        )
+        assert set(a["model"]) == set(b["model"]) and all(
+            torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+        )
         sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-        assert set(sa) == set(sb) and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+        assert set(sa) == set(sb) and all(
+            torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i]
+        )
         whole = {k: v.shape for k, v in a["model"].items()}
-        assert whole == {k: v.shape for k, v in load_training_checkpoint(tmp_path / "a", rank % STAGES, world)
-                         ["model"].items()}  # gathered: the replicas' parts hold the same whole tensors
+        assert whole == {
+            k: v.shape
+            for k, v in load_training_checkpoint(tmp_path / "a", rank % STAGES, world)[
+                "model"
+            ].items()
+        }  # gathered: the replicas' parts hold the same whole tensors
 
 
 def _state(value: float) -> dict[str, Any]:
-    return {"step": int(value), "model": {"w": torch.full((3,), value)}, "history": {"losses": [value]}}
+    return {
+        "step": int(value),
+        "model": {"w": torch.full((3,), value)},
+        "history": {"losses": [value]},
+    }
 
 
-def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fxpipe.runtime.train.checkpoint as ckpt
 
     save_training_checkpoint(tmp_path, 0, 1, _state(1.0))
@@ -182,7 +250,9 @@ def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(tmp_path: Path,
     got = load_training_checkpoint(tmp_path, 0, 1)
     assert got["step"] == 1 and torch.equal(got["model"]["w"], torch.full((3,), 1.0))
 
-    def no_rename(*args: Any) -> None:  # killed after the commit, before the rename: the load finishes it
+    def no_rename(
+        *args: Any,
+    ) -> None:  # killed after the commit, before the rename: the load finishes it
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ckpt, "publish", no_rename)
@@ -198,27 +268,34 @@ def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(tmp_path: Path,
         load_training_checkpoint(tmp_path, 0, 2)
 
 
-def test_fxpipe_run_checks_the_data_before_launch(charlm_build: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_fxpipe_run_checks_the_data_before_launch(
+    charlm_build: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch\n"
-                   "def rows(batch_size, rank_info):\n"
-                   "    while True:\n"
-                   "        yield torch.zeros(batch_size + 1, 32, dtype=torch.long), None\n"
-                   "def few_targets(batch_size, rank_info):\n"
-                   "    while True:\n"
-                   "        x = torch.zeros(batch_size, 32, dtype=torch.long)\n"
-                   "        yield x, torch.zeros(2, 32, dtype=torch.long)\n")
-    cases = {f"{bad}:rows": "yielded input 'idx' with 9 rows along its batch dim 0; yield one replica's batch of 8",
-             f"{bad}:few_targets": r"yielded targets of shape \(2, 32\): 2 along the batch dim 0, not 8",
-             f"{bad}:nope": "bad.py defines no function nope",
-             f"{tmp_path}/missing.py:fn": "data file .* does not exist"}
+    bad.write_text(
+        "import torch\n"
+        "def rows(batch_size, rank_info):\n"
+        "    while True:\n"
+        "        yield torch.zeros(batch_size + 1, 32, dtype=torch.long), None\n"
+        "def few_targets(batch_size, rank_info):\n"
+        "    while True:\n"
+        "        x = torch.zeros(batch_size, 32, dtype=torch.long)\n"
+        "        yield x, torch.zeros(2, 32, dtype=torch.long)\n"
+    )
+    cases = {
+        f"{bad}:rows": "yielded input 'idx' with 9 rows along its batch dim 0; yield one replica's batch of 8",
+        f"{bad}:few_targets": r"yielded targets of shape \(2, 32\): 2 along the batch dim 0, not 8",
+        f"{bad}:nope": "bad.py defines no function nope",
+        f"{tmp_path}/missing.py:fn": "data file .* does not exist",
+    }
     for spec, message in cases.items():
         assert main(["run", str(charlm_build), "--steps", "1", "--data", spec]) == 2
         captured = capsys.readouterr()
         out = captured.out + captured.err
         assert re.search(message, out), out
-        assert out.count("\n") == 1 and "[rank" not in out  # one line, from this process, before any worker
+        assert (
+            out.count("\n") == 1 and "[rank" not in out
+        )  # one line, from this process, before any worker
     assert main(["run", str(charlm_build), "--steps", "1", "--microbatches", "3"]) != 0
     assert "does not split into 3 equal microbatches" in "".join(capsys.readouterr())
 
@@ -233,7 +310,9 @@ def test_a_rank_that_reads_no_model_input_gets_free_placeholders(charlm_build: P
     info = RankInfo(1, 2, 1, 2, 0, 1, needs_inputs=False, needs_targets=True)
     (idx,), targets = next(batch_stream(source.module.train_batches, manifest, BATCH, info))
     assert idx.shape == (BATCH, 32) and idx.stride() == (0, 0)  # no memory behind it
-    first = next(batch_stream(source.module.train_batches, manifest, BATCH, replace(info, needs_inputs=True)))
+    first = next(
+        batch_stream(source.module.train_batches, manifest, BATCH, replace(info, needs_inputs=True))
+    )
     assert torch.equal(first[1], targets)  # the same stream whatever the rank reads
     third = next(batch_stream(source.module.train_batches, manifest, BATCH, info, start=2))
     stream = batch_stream(source.module.train_batches, manifest, BATCH, info)
@@ -243,15 +322,44 @@ def test_a_rank_that_reads_no_model_input_gets_free_placeholders(charlm_build: P
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fxpipe_run_logs_evaluates_and_records_through_torchrun(charlm_build: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(charlm_build), "--steps", "4", "--optimizer", "adam", "--lr", "1e-2", "--warmup-steps",
-                 "2", "--lr-schedule", "linear", "--clip-grad-norm", "1", "--eval-every", "2", "--log-every", "2",
-                 "--precision", "bf16", "--timeout", "60"]) == 0
+def test_fxpipe_run_logs_evaluates_and_records_through_torchrun(
+    charlm_build: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "run",
+                str(charlm_build),
+                "--steps",
+                "4",
+                "--optimizer",
+                "adam",
+                "--lr",
+                "1e-2",
+                "--warmup-steps",
+                "2",
+                "--lr-schedule",
+                "linear",
+                "--clip-grad-norm",
+                "1",
+                "--eval-every",
+                "2",
+                "--log-every",
+                "2",
+                "--precision",
+                "bf16",
+                "--timeout",
+                "60",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "adam lr 0.01 (linear, 2 warm-up steps), bf16 autocast" in out
-    assert re.search(r"step +2/4 +loss \d+\.\d+ +lr 1\.00e-02 +grad norm \d+\.\d+ +\d+\.\d samples/s .* ETA 0:00:0\d",
-                     out), out
+    assert re.search(
+        r"step +2/4 +loss \d+\.\d+ +lr 1\.00e-02 +grad norm \d+\.\d+ +\d+\.\d samples/s .* ETA 0:00:0\d",
+        out,
+    ), out
     assert out.count("eval after step") == 2
     from fxpipe.runtime.train.run_record import RunRecord
 

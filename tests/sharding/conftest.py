@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[2]
-for _path in (_ROOT / "tests" / "runtime", _ROOT / "tests" / "runtime" / "dataparallel", _ROOT / "tests" / "smp",
-              _ROOT / "examples" / "fairscale_scripts"):
+for _path in (
+    _ROOT / "tests" / "runtime",
+    _ROOT / "tests" / "runtime" / "dataparallel",
+    _ROOT / "tests" / "smp",
+    _ROOT / "examples" / "fairscale_scripts",
+):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))

@@ -19,7 +19,14 @@ import fsdp as fsdp_script
 import grad_scaler as grad_scaler_script
 import oss_sharded_ddp
 from fxpipe.errors import ConfigError
-from fxpipe.sharding import (OSS, FullyShardedDataParallel, ShardedDataParallel, auto_wrap, enable_wrap, wrap)
+from fxpipe.sharding import (
+    OSS,
+    FullyShardedDataParallel,
+    ShardedDataParallel,
+    auto_wrap,
+    enable_wrap,
+    wrap,
+)
 from spawn import spawn
 
 WORLD, EPOCHS = common.WORLD_SIZE, common.EPOCHS
@@ -43,7 +50,9 @@ def test_ported_script_trains_like_plain_ddp(script: Any, ddp: list[dict[str, An
 
 @pytest.mark.distributed
 def test_oss_with_plain_ddp_as_fairscale_allows(ddp: list[dict[str, Any]]) -> None:
-    common.check_against_ddp("OSS + DDP", _values(spawn(oss_sharded_ddp.train, WORLD, EPOCHS, True)), ddp)
+    common.check_against_ddp(
+        "OSS + DDP", _values(spawn(oss_sharded_ddp.train, WORLD, EPOCHS, True)), ddp
+    )
 
 
 @pytest.mark.distributed
@@ -51,10 +60,17 @@ def test_sharded_grad_scaler_under_autocast_and_an_overflow_on_one_rank() -> Non
     # one training per job: a second process group in one process (init, destroy, init) hung FSDP2 jobs at random
     amp = _values(spawn(grad_scaler_script.train, WORLD, EPOCHS, timeout=TIMEOUT))
     overflow = _values(spawn(grad_scaler_script.train, WORLD, 1, True, timeout=TIMEOUT))
-    ddp_amp = _values(spawn(common.train_ddp, WORLD, EPOCHS, torch.optim.SGD, True, timeout=TIMEOUT))
+    ddp_amp = _values(
+        spawn(common.train_ddp, WORLD, EPOCHS, torch.optim.SGD, True, timeout=TIMEOUT)
+    )
     results = [{"amp": a, "overflow": o, "ddp_amp": d} for a, o, d in zip(amp, overflow, ddp_amp)]
-    common.check_against_ddp("ShardedGradScaler", [r["amp"] for r in results], [r["ddp_amp"] for r in results],
-                             rtol=1e-3, atol=1e-4)
+    common.check_against_ddp(
+        "ShardedGradScaler",
+        [r["amp"] for r in results],
+        [r["ddp_amp"] for r in results],
+        rtol=1e-3,
+        atol=1e-4,
+    )
     # rank 1 alone overflowed in the first step: both ranks skipped it and halved the scale
     for r in results:
         assert r["overflow"]["scales"][0] == 2.0**15 and r["overflow"]["scales"][1] == 2.0**15
@@ -73,8 +89,9 @@ def test_auto_wrapped_transformer_keeps_fairscales_assertions_and_trains_like_dd
     assert "encoder.layers.0" in wrapped and "encoder.layers.0.linear1" in wrapped
     assert "encoder.layers.0.self_attn" not in wrapped and "" not in wrapped
     assert results[0]["wrapping"]["outside_context"] == "Linear"
-    common.check_against_ddp("auto_wrap", [r["fsdp"] for r in results], [r["ddp"] for r in results], rtol=1e-4,
-                             atol=1e-5)
+    common.check_against_ddp(
+        "auto_wrap", [r["fsdp"] for r in results], [r["ddp"] for r in results], rtol=1e-4, atol=1e-5
+    )
 
 
 # -- no processes: wrapping rules and refused arguments ----------------------------------------------------------
@@ -91,28 +108,58 @@ def test_wrap_is_a_no_op_outside_enable_wrap_and_merges_options_inside() -> None
     assert wrap(lin) is lin and auto_wrap(lin) is lin and not calls
     with enable_wrap(wrapper_cls=wrapper, mixed_precision=True):
         wrap(lin, flatten_parameters=False)
-        tfmr = nn.Transformer(d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=256,
-                              batch_first=True)
+        tfmr = nn.Transformer(
+            d_model=64,
+            nhead=4,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=256,
+            batch_first=True,
+        )
         assert auto_wrap(tfmr, min_num_params=auto_wrap_script.MIN_NUM_PARAMS) is tfmr
     assert calls[0] == (lin, {"mixed_precision": True, "flatten_parameters": False})
     wrapped = [m for m, _ in calls[1:]]
     layer = tfmr.encoder.layers[0]
-    assert layer in wrapped and layer.linear1 in wrapped and layer.self_attn not in wrapped and tfmr not in wrapped
+    assert (
+        layer in wrapped
+        and layer.linear1 in wrapped
+        and layer.self_attn not in wrapped
+        and tfmr not in wrapped
+    )
     with pytest.raises(ConfigError, match="enable_wrap needs wrapper_cls"):
         with enable_wrap(mixed_precision=True):
             pass
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: OSS([nn.Parameter(torch.ones(2))], broadcast_fp16=True), r"OSS: broadcast_fp16=True has no counterpart"),
-    (lambda: OSS([nn.Parameter(torch.ones(2))], broadcast_buffer_size=2**17), "broadcast_buffer_size=131072"),
-    (lambda: FullyShardedDataParallel(nn.Linear(2, 2), flatten_parameters=False), "flatten_parameters=False"),
-    (lambda: FullyShardedDataParallel(nn.Linear(2, 2), buffer_dtype=torch.float16, verbose=True),
-     r"buffer_dtype=torch.float16, verbose=True have no counterpart"),
-    (lambda: FullyShardedDataParallel(nn.Linear(2, 2), fp32_reduce_scatter=True), "needs mixed_precision=True"),
-    (lambda: FullyShardedDataParallel(nn.Linear(2, 2), reshard="yes"), r"reshard='yes'"),
-    (lambda: ShardedDataParallel(nn.Linear(2, 2), None, reduce_fp16=True), "reduce_fp16=True"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: OSS([nn.Parameter(torch.ones(2))], broadcast_fp16=True),
+            r"OSS: broadcast_fp16=True has no counterpart",
+        ),
+        (
+            lambda: OSS([nn.Parameter(torch.ones(2))], broadcast_buffer_size=2**17),
+            "broadcast_buffer_size=131072",
+        ),
+        (
+            lambda: FullyShardedDataParallel(nn.Linear(2, 2), flatten_parameters=False),
+            "flatten_parameters=False",
+        ),
+        (
+            lambda: FullyShardedDataParallel(
+                nn.Linear(2, 2), buffer_dtype=torch.float16, verbose=True
+            ),
+            r"buffer_dtype=torch.float16, verbose=True have no counterpart",
+        ),
+        (
+            lambda: FullyShardedDataParallel(nn.Linear(2, 2), fp32_reduce_scatter=True),
+            "needs mixed_precision=True",
+        ),
+        (lambda: FullyShardedDataParallel(nn.Linear(2, 2), reshard="yes"), r"reshard='yes'"),
+        (lambda: ShardedDataParallel(nn.Linear(2, 2), None, reduce_fp16=True), "reduce_fp16=True"),
+    ],
+)
 def test_arguments_without_a_torch_counterpart_are_refused_by_name(call: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         call()

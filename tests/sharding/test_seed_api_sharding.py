@@ -46,13 +46,20 @@ def _job(rank: int, world: int, directory: str) -> dict[str, Any]:
         model, opt = _session(level)
         losses = _train(model, opt, range(STEPS))
         sharded = all(isinstance(p, DTensor) for p in model.local_parameters())
-        out[level] = {"losses": losses, "state": model.state_dict(), "optimizer": opt.state_dict(),
-                      "sharded": sharded}
+        out[level] = {
+            "losses": losses,
+            "state": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "sharded": sharded,
+        }
         api.shutdown(destroy_process_group=False)
 
         model, opt = _session(level)
         _train(model, opt, range(SPLIT))
-        checkpoint = {"model": model.local_state_dict(), "optimizer": opt.local_state_dict()}  # collective
+        checkpoint = {
+            "model": model.local_state_dict(),
+            "optimizer": opt.local_state_dict(),
+        }  # collective
         if api.dp_rank() == 0:
             api.save(checkpoint, f"{directory}/{level}.pt", partial=True)
         api.barrier()
@@ -69,8 +76,15 @@ def _job(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 
 def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    return train_on_concatenated_batches(copy.deepcopy(build(0)), batch, steps, REPLICAS, MICROBATCHES, loss_fn,
-                                         lambda p: torch.optim.Adam(p, lr=LR))
+    return train_on_concatenated_batches(
+        copy.deepcopy(build(0)),
+        batch,
+        steps,
+        REPLICAS,
+        MICROBATCHES,
+        loss_fn,
+        lambda p: torch.optim.Adam(p, lr=LR),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +98,36 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_seed_api_shard_levels_equal_one_process_adam(results: list[dict[str, Any]]) -> None:
     losses, state = reference(STEPS)
     for level in LEVELS:
-        mean = torch.tensor([results[r * PARTITIONS][level]["losses"] for r in range(REPLICAS)]).mean(0)
+        mean = torch.tensor(
+            [results[r * PARTITIONS][level]["losses"] for r in range(REPLICAS)]
+        ).mean(0)
         torch.testing.assert_close(mean, torch.tensor(losses), rtol=1e-5, atol=1e-6, msg=level)
         for rank, res in enumerate(results):
             got = res[level]
             assert got["sharded"], (level, rank)
             assert list(got["state"]) == list(state)
-            torch.testing.assert_close(got["state"], state, rtol=1e-5, atol=1e-6, msg=f"{level} rank {rank}")
+            torch.testing.assert_close(
+                got["state"], state, rtol=1e-5, atol=1e-6, msg=f"{level} rank {rank}"
+            )
             # the whole optimizer state: every parameter's Adam moments, unsharded
-            assert all(s["exp_avg"].shape == p.shape for s, p in zip(got["optimizer"]["state"].values(),
-                                                                        state.values()) if p.dim())
+            assert all(
+                s["exp_avg"].shape == p.shape
+                for s, p in zip(got["optimizer"]["state"].values(), state.values())
+                if p.dim()
+            )
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_seed_api_sharded_checkpoint_resumes_the_same_trajectory(results: list[dict[str, Any]]) -> None:
+def test_seed_api_sharded_checkpoint_resumes_the_same_trajectory(
+    results: list[dict[str, Any]],
+) -> None:
     for level in LEVELS:
         for rank, res in enumerate(results):
-            torch.testing.assert_close(res[level]["resumed"], res[level]["state"], rtol=0, atol=0,
-                                       msg=f"{level} rank {rank}")
+            torch.testing.assert_close(
+                res[level]["resumed"],
+                res[level]["state"],
+                rtol=0,
+                atol=0,
+                msg=f"{level} rank {rank}",
+            )

@@ -50,10 +50,12 @@ def loader(seeded: bool) -> DataLoader:
 
 
 @api.step
-def train_step(model: Any, data: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model: Any, data: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     loss = F.nll_loss(model(data), target)
     model.backward(loss)
-    return loss, target.sum()   # the targets the loss stage trained on
+    return loss, target.sum()  # the targets the loss stage trained on
 
 
 def train(epochs: int, dropout: float, seeded: bool, drift: bool) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def train(epochs: int, dropout: float, seeded: bool, drift: bool) -> dict[str, A
                 out["trained_target_sums"].append([int(t) for t in target_mb])
                 out["own_targets"].append(y.tolist())
             if drift and api.rank() == 1:
-                torch.rand(7)   # what dropout on this rank's stage would draw
+                torch.rand(7)  # what dropout on this rank's stage would draw
     out["warnings"] = [str(w.message) for w in caught if "first stage" in str(w.message)]
     api.shutdown(destroy_process_group=False)
     return out
@@ -112,8 +114,10 @@ def _error(call: Any) -> str:
 def config_errors(rank: int) -> dict[str, str]:
     """``init`` with a config that differs between the ranks, key by key."""
     out = {}
-    for key, mine in [("microbatches", {"microbatches": 4 if rank == 0 else 2}),
-                      ("pipeline", {"pipeline": "simple" if rank == 0 else "interleaved"})]:
+    for key, mine in [
+        ("microbatches", {"microbatches": 4 if rank == 0 else 2}),
+        ("pipeline", {"pipeline": "simple" if rank == 0 else "interleaved"}),
+    ]:
         out[key] = _error(lambda: api.init({"partitions": 2, **mine}))
         api.shutdown(destroy_process_group=False)
     return out
@@ -121,17 +125,23 @@ def config_errors(rank: int) -> dict[str, str]:
 
 @api.step
 def echo_step(model: Any, data: torch.Tensor, extras: dict[str, Any]) -> dict[str, Any]:
-    model(data)   # forward only
+    model(data)  # forward only
     return extras
 
 
 def extras(rank: int) -> dict[str, Any]:
     """Tensors of every kind, with values of this rank's own (dim 0 of 2 rows, or no dim: passed whole)."""
     g = torch.Generator().manual_seed(10 + rank)
-    return {"bool": torch.rand(2, 3, generator=g) > 0.5, "half": torch.randn(2, 5, generator=g).half(),
-            "complex": torch.randn(2, 2, dtype=torch.complex64, generator=g), "scalar": torch.tensor(rank + 0.5),
-            "empty": torch.zeros(2, 0), "strided": torch.randn(3, 2, generator=g).t(),
-            "nan": torch.tensor([float("nan"), rank]), "bytes": torch.randint(0, 255, (2, 7), generator=g).byte()}
+    return {
+        "bool": torch.rand(2, 3, generator=g) > 0.5,
+        "half": torch.randn(2, 5, generator=g).half(),
+        "complex": torch.randn(2, 2, dtype=torch.complex64, generator=g),
+        "scalar": torch.tensor(rank + 0.5),
+        "empty": torch.zeros(2, 0),
+        "strided": torch.randn(3, 2, generator=g).t(),
+        "nan": torch.tensor([float("nan"), rank]),
+        "bytes": torch.randint(0, 255, (2, 7), generator=g).byte(),
+    }
 
 
 def batch_mechanics(rank: int) -> dict[str, Any]:
@@ -141,8 +151,10 @@ def batch_mechanics(rank: int) -> dict[str, Any]:
     model = api.DistributedModel(Net(0.0))
     x, y = dataset().tensors
     echoed = echo_step(model, x[:2], extras(rank))
-    out = {"received": {k: [echoed[m][k] for m in range(2)] for k in echoed[0]},
-           "mismatch": _error(lambda: train_step(model, x[:8], y[:8] if rank == 0 else y[:4]))}
+    out = {
+        "received": {k: [echoed[m][k] for m in range(2)] for k in echoed[0]},
+        "mismatch": _error(lambda: train_step(model, x[:8], y[:8] if rank == 0 else y[:4])),
+    }
     api.shutdown(destroy_process_group=False)
     return out
 

@@ -58,14 +58,18 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Replica ``replica``'s batch of step ``step`` (different data on every replica)."""
     g = torch.Generator().manual_seed(1000 * step + replica)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(
+        0, VOCAB, (BATCH, SEQ), generator=g
+    )
 
 
 def sgd(params: Any, momentum: float = 0.9) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=LR, momentum=momentum)
 
 
-def reference(steps: int, every: int = 1, autocast: bool = False) -> tuple[list[float], dict[str, Any], dict]:
+def reference(
+    steps: int, every: int = 1, autocast: bool = False
+) -> tuple[list[float], dict[str, Any], dict]:
     """One process on the replicas' batches concatenated: the mean loss over replicas x microbatches."""
     model = copy.deepcopy(build(0)).train()
     opt = sgd(model.parameters())
@@ -88,16 +92,18 @@ def reference(steps: int, every: int = 1, autocast: bool = False) -> tuple[list[
 
 
 @api.step
-def train_step(model: Any, idx: torch.Tensor, target: torch.Tensor, scaler: Any = None, autocast: bool = False
-               ) -> torch.Tensor:
+def train_step(
+    model: Any, idx: torch.Tensor, target: torch.Tensor, scaler: Any = None, autocast: bool = False
+) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
         loss = loss_fn(model(idx), target)
     model.backward(scaler.scale(loss) if scaler is not None else loss)
     return loss
 
 
-def session(config: dict[str, Any] | None = None, seed: int = 0, momentum: float = 0.9,
-            **model_options: Any) -> tuple[Any, Any]:
+def session(
+    config: dict[str, Any] | None = None, seed: int = 0, momentum: float = 0.9, **model_options: Any
+) -> tuple[Any, Any]:
     api.init({**BASE, **(config or {})})
     model = api.DistributedModel(build(seed), trace_device="cpu", **model_options)
     return model, api.DistributedOptimizer(sgd(model.parameters(), momentum))
@@ -108,30 +114,49 @@ def train(model: Any, opt: Any, steps: range, every: int = 1, **step_kwargs: Any
     for k in steps:
         if k % every == 0:
             opt.zero_grad()
-        losses.append(train_step(model, *batch(k, api.dp_rank()), **step_kwargs).reduce_mean().item())
+        losses.append(
+            train_step(model, *batch(k, api.dp_rank()), **step_kwargs).reduce_mean().item()
+        )
         if (k + 1) % every == 0:
             opt.step()
     return losses
 
 
 def _local_state(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.local_state_dict().items() if isinstance(v, torch.Tensor)}
+    return {
+        k: v.detach().clone()
+        for k, v in model.local_state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def _ranks() -> dict[str, Any]:
     groups = [api.get_world_process_group(), api.get_mp_process_group(), api.get_dp_process_group()]
-    return {"rank": api.rank(), "size": api.size(), "mp_rank": api.mp_rank(), "mp_size": api.mp_size(),
-            "dp_rank": api.dp_rank(), "dp_size": api.dp_size(), "group_sizes": [dist.get_world_size(g) for g in groups],
-            "dp_peers": dist.get_process_group_ranks(groups[2])}
+    return {
+        "rank": api.rank(),
+        "size": api.size(),
+        "mp_rank": api.mp_rank(),
+        "mp_size": api.mp_size(),
+        "dp_rank": api.dp_rank(),
+        "dp_size": api.dp_size(),
+        "group_sizes": [dist.get_world_size(g) for g in groups],
+        "dp_peers": dist.get_process_group_ranks(groups[2]),
+    }
 
 
 def allreduce_and_zero(out: dict[str, Any], rank: int) -> None:
     """The same training unsharded and with ``shard_optimizer_state``; replica 1 starts from other weights."""
     for name, config in (("allreduce", {}), ("zero", {"shard_optimizer_state": True})):
-        model, opt = session(config, seed=rank // PARTITIONS)  # DDP starts every replica from replica 0's
-        out[name] = {"losses": train(model, opt, range(3)), "state": model.state_dict(),
-                     "optimizer": opt.state_dict(), "local": _local_state(model),
-                     "state_bytes": optimizer_state_bytes(sharded_optimizer(opt) or opt)}
+        model, opt = session(
+            config, seed=rank // PARTITIONS
+        )  # DDP starts every replica from replica 0's
+        out[name] = {
+            "losses": train(model, opt, range(3)),
+            "state": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "local": _local_state(model),
+            "state_bytes": optimizer_state_bytes(sharded_optimizer(opt) or opt),
+        }
         if name == "allreduce":
             out["ranks"] = _ranks()
             out["plan_cost"] = json.loads(model.plan.to_json())["cost"]
@@ -151,13 +176,19 @@ def custom_hook(out: dict[str, Any]) -> None:
 
     calls = []
 
-    def counting_hook(state, bucket):  # unannotated: DDP checks real annotations, and these would be strings
+    def counting_hook(
+        state, bucket
+    ):  # unannotated: DDP checks real annotations, and these would be strings
         calls.append(bucket.index())
         return default_hooks.allreduce_hook(state, bucket)
 
     model, opt = session()
     model.register_comm_hook(api.get_dp_process_group(), counting_hook)
-    out["custom_hook"] = {"losses": train(model, opt, range(3)), "state": model.state_dict(), "calls": len(calls)}
+    out["custom_hook"] = {
+        "losses": train(model, opt, range(3)),
+        "state": model.state_dict(),
+        "calls": len(calls),
+    }
     api.shutdown(destroy_process_group=False)
 
 
@@ -190,8 +221,11 @@ def powersgd_resume(out: dict[str, Any], directory: Path) -> None:
     train(model, opt, range(RESUME_SPLIT))
     # weights and optimizer from dp_rank 0 (as in the seed's docs); the hook state from every rank
     if api.dp_rank() == 0:
-        api.save({"model": model.local_state_dict(), "optimizer": opt.local_state_dict()},
-                 directory / "ckpt.pt", partial=True)
+        api.save(
+            {"model": model.local_state_dict(), "optimizer": opt.local_state_dict()},
+            directory / "ckpt.pt",
+            partial=True,
+        )
     api.save(model.comm_hook_state_dict(), directory / f"hook.pt_{api.dp_rank()}", partial=True)
     hook_iter = model.replicas.stage.hook_state.iter
     api.barrier()
@@ -199,17 +233,25 @@ def powersgd_resume(out: dict[str, Any], directory: Path) -> None:
 
     resumed = {}
     for restore_hook in (True, False):
-        model, opt = session(config, seed=1234)          # other initial weights, overwritten by the checkpoint
+        model, opt = session(
+            config, seed=1234
+        )  # other initial weights, overwritten by the checkpoint
         ckpt = api.load(directory / "ckpt.pt", partial=True)
-        model.load_state_dict(ckpt["model"])             # before partitioning: applied at the first step
+        model.load_state_dict(ckpt["model"])  # before partitioning: applied at the first step
         opt.load_state_dict(ckpt["optimizer"])
         if restore_hook:
-            model.load_comm_hook_state_dict(api.load(directory / f"hook.pt_{api.dp_rank()}", partial=True))
+            model.load_comm_hook_state_dict(
+                api.load(directory / f"hook.pt_{api.dp_rank()}", partial=True)
+            )
         train(model, opt, range(RESUME_SPLIT, RESUME_STEPS))
         resumed[restore_hook] = _local_state(model)
         api.shutdown(destroy_process_group=False)
-    out["resume"] = {"uninterrupted": uninterrupted, "resumed": resumed[True], "without_hook": resumed[False],
-                     "hook_iter": hook_iter}
+    out["resume"] = {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed[True],
+        "without_hook": resumed[False],
+        "hook_iter": hook_iter,
+    }
 
 
 def grad_scaler(out: dict[str, Any]) -> None:
@@ -225,8 +267,14 @@ def grad_scaler(out: dict[str, Any]) -> None:
         before = [p.detach().clone() for p in model.local_parameters()]
         scaler.step(opt)
         scaler.update()
-        record.append({"stepped": any(not torch.equal(b, p) for b, p in zip(before, model.local_parameters())),
-                       "scale": scaler.get_scale()})
+        record.append(
+            {
+                "stepped": any(
+                    not torch.equal(b, p) for b, p in zip(before, model.local_parameters())
+                ),
+                "scale": scaler.get_scale(),
+            }
+        )
     out["scaler"] = record
     api.shutdown(destroy_process_group=False)
 
@@ -240,7 +288,12 @@ def autocast(out: dict[str, Any]) -> None:
         dtypes.add(str(output.dtype))
 
     model.register_post_partition_hook(
-        lambda m: [mod.register_forward_hook(record) for mod in m.local_modules() if isinstance(mod, nn.Linear)])
+        lambda m: [
+            mod.register_forward_hook(record)
+            for mod in m.local_modules()
+            if isinstance(mod, nn.Linear)
+        ]
+    )
     losses = train(model, opt, range(3), autocast=True)
     out["autocast"] = {"losses": losses, "dtypes": sorted(dtypes), "state": model.state_dict()}
     api.shutdown(destroy_process_group=False)

@@ -14,7 +14,9 @@ from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import build_on_meta
 
 
-def meta_checkpoint_job(rank: int, world: int, mode: str, checkpoint: str, save_to: str | None) -> dict[str, Any]:
+def meta_checkpoint_job(
+    rank: int, world: int, mode: str, checkpoint: str, save_to: str | None
+) -> dict[str, Any]:
     """``DistributedModel`` of the GPT built on meta, its weights from ``checkpoint`` by ``mode``, then SGD.
 
     ``"full"``: rank 0 writes ``checkpoint`` (a ``torch.save``d state dict) as a full ``smp.save`` checkpoint,
@@ -31,7 +33,9 @@ def meta_checkpoint_job(rank: int, world: int, mode: str, checkpoint: str, save_
     model = api.DistributedModel(build_on_meta(source.build_model))
     if mode == "full":
         full = f"{checkpoint}.smp"
-        api.save({"model": torch.load(checkpoint, weights_only=True)}, full, partial=False)  # rank 0 writes
+        api.save(
+            {"model": torch.load(checkpoint, weights_only=True)}, full, partial=False
+        )  # rank 0 writes
         dist.barrier()
         model.load_state_dict(api.load(full, partial=False)["model"])
     elif mode == "partial":

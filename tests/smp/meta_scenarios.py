@@ -39,8 +39,19 @@ def train(model: Any, source: Any) -> dict[str, Any]:
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        losses.append(train_step(model, *source.example_inputs(BATCH), source.example_targets(BATCH))
-                      .reduce_mean().item())
+        losses.append(
+            train_step(model, *source.example_inputs(BATCH), source.example_targets(BATCH))
+            .reduce_mean()
+            .item()
+        )
         opt.step()
-    local = {k: v.detach().clone() for k, v in model.local_state_dict().items() if isinstance(v, torch.Tensor)}
-    return {"losses": losses, "local": local, "meta": [k for k, v in model.module.state_dict().items() if v.is_meta]}
+    local = {
+        k: v.detach().clone()
+        for k, v in model.local_state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    return {
+        "losses": losses,
+        "local": local,
+        "meta": [k for k, v in model.module.state_dict().items() if v.is_meta],
+    }

@@ -8,9 +8,13 @@ import torch
 import torch.nn as nn
 
 
-def train_one_process(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      data: list[tuple[torch.Tensor, torch.Tensor]], microbatches: int,
-                      loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float]:
+def train_one_process(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> list[float]:
     """Per batch: zero grads, accumulate each equal microbatch's loss / M, step. Returns the mean losses."""
     model.train()
     losses = []

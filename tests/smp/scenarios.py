@@ -26,9 +26,11 @@ def _errors_before_partition() -> dict[str, str]:
     """What a user gets when calling the model wrongly; all must be FxpipeErrors with a remedy."""
     out = {}
     model = api.DistributedModel(torch.nn.Linear(4, 2))
-    for name, call in [("forward", lambda: model(torch.zeros(2, 4))),
-                       ("backward", lambda: model.backward(torch.zeros(()))),
-                       ("local", lambda: model.local_state_dict())]:
+    for name, call in [
+        ("forward", lambda: model(torch.zeros(2, 4))),
+        ("backward", lambda: model.backward(torch.zeros(()))),
+        ("local", lambda: model.local_state_dict()),
+    ]:
         try:
             call()
             out[name] = "no error"
@@ -53,13 +55,26 @@ def training_job(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
     out["sgd"] = script.main({"partitions": 2, "microbatches": 4, "pipeline": "interleaved"}, "sgd")
     api.shutdown(destroy_process_group=False)
     out["zb-h1"] = script.main({"partitions": 2, "microbatches": 4, "pipeline": "zb-h1"}, "sgd")
-    out["ranks"] = {"rank": api.rank(), "size": api.size(), "local_rank": api.local_rank(),
-                    "local_size": api.local_size(), "mp_rank": api.mp_rank(), "mp_size": api.mp_size(),
-                    "dp_rank": api.dp_rank(), "dp_size": api.dp_size(), "tracing": api.is_tracing(),
-                    "groups": all(g is not None for g in (api.get_world_process_group(),
-                                                          api.get_mp_process_group(),
-                                                          api.get_dp_process_group())),
-                    "broadcast": api.broadcast({"from": api.rank()}, src=1)}
+    out["ranks"] = {
+        "rank": api.rank(),
+        "size": api.size(),
+        "local_rank": api.local_rank(),
+        "local_size": api.local_size(),
+        "mp_rank": api.mp_rank(),
+        "mp_size": api.mp_size(),
+        "dp_rank": api.dp_rank(),
+        "dp_size": api.dp_size(),
+        "tracing": api.is_tracing(),
+        "groups": all(
+            g is not None
+            for g in (
+                api.get_world_process_group(),
+                api.get_mp_process_group(),
+                api.get_dp_process_group(),
+            )
+        ),
+        "broadcast": api.broadcast({"from": api.rank()}, src=1),
+    }
     api.barrier()
     api.shutdown(destroy_process_group=False)
 
@@ -106,7 +121,11 @@ def _train_from_plan(plan_dir: str) -> dict[str, Any]:
     losses = []
     for _ in range(3):
         opt.zero_grad()
-        losses.append(train_step(model, source.example_inputs(8)[0], source.example_targets(8)).reduce_mean().item())
+        losses.append(
+            train_step(model, source.example_inputs(8)[0], source.example_targets(8))
+            .reduce_mean()
+            .item()
+        )
         opt.step()
     handle.remove()
     return {"losses": losses, "hook_calls": hook_calls, "state_dict": model.state_dict()}
@@ -124,12 +143,17 @@ def footprint_job(rank: int, world: int) -> dict[str, Any]:
         return sorted(name for name in os.listdir(tempfile.gettempdir()) if "fxpipe" in name)
 
     def module_patched() -> bool:
-        return "__new__" in torch.nn.Module.__dict__ or torch.nn.Module.__dict__["__init__"] is not original
+        return (
+            "__new__" in torch.nn.Module.__dict__
+            or torch.nn.Module.__dict__["__init__"] is not original
+        )
 
     original = torch.nn.Module.__dict__["__init__"]
     source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
     api.init({"partitions": 2, "microbatches": 2})
-    out: dict[str, Any] = {"patched_after_init": module_patched()}  # constructor arguments are being recorded
+    out: dict[str, Any] = {
+        "patched_after_init": module_patched()
+    }  # constructor arguments are being recorded
     model = api.DistributedModel(source.build_model())
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = api.DistributedOptimizer(sgd)
@@ -146,15 +170,23 @@ def footprint_job(rank: int, world: int) -> dict[str, Any]:
             scheduler.step()
             lrs.append(opt.param_groups[0]["lr"])
     api.barrier()
-    out.update(files_after_partitioning=fxpipe_files(), patched_after_partitioning=module_patched(),
-               build_dir=model.build_dir, optimizer_methods=sorted(k for k in vars(opt) if callable(vars(opt)[k])),
-               same_object=opt is sgd, optimizer_class=type(opt).__name__, lrs=lrs,
-               stage_source=inspect.getsource(type(model.module)).splitlines()[0],  # for tracebacks
-               scheduler_warnings=[str(w.message) for w in caught if "lr_scheduler" in str(w.message)])
+    out.update(
+        files_after_partitioning=fxpipe_files(),
+        patched_after_partitioning=module_patched(),
+        build_dir=model.build_dir,
+        optimizer_methods=sorted(k for k in vars(opt) if callable(vars(opt)[k])),
+        same_object=opt is sgd,
+        optimizer_class=type(opt).__name__,
+        lrs=lrs,
+        stage_source=inspect.getsource(type(model.module)).splitlines()[0],  # for tracebacks
+        scheduler_warnings=[str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
+    )
     api.shutdown(destroy_process_group=False)
     opt.step()  # a plain torch optimizer again (through the scheduler's own wrapper of step)
-    out.update(patched_after_shutdown=module_patched(),
-               optimizer_methods_after_shutdown=sorted(k for k in vars(opt) if callable(vars(opt)[k])))
+    out.update(
+        patched_after_shutdown=module_patched(),
+        optimizer_methods_after_shutdown=sorted(k for k in vars(opt) if callable(vars(opt)[k])),
+    )
     return out
 
 
@@ -181,7 +213,7 @@ def tied_gpt_scenario() -> dict[str, Any]:
     source = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
     api.init({"partitions": 2, "microbatches": 2})
     torch.manual_seed(0)
-    model = source.build_model()            # built after init: leaf constructor arguments are recorded
+    model = source.build_model()  # built after init: leaf constructor arguments are recorded
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model = api.DistributedModel(model)
     opt = api.DistributedOptimizer(opt)

@@ -20,7 +20,11 @@ from chunked import SEQ, VOCAB, ChainLM
 from spawn import spawn
 
 BATCH, MICROBATCHES, STEPS, LR = 8, 4, 3, 0.2
-SCHEDULES = ({"pipeline": "zbv"}, {"pipeline": "interleaved-1f1b", "virtual_stages": 2}, {"pipeline": "dualpipev"})
+SCHEDULES = (
+    {"pipeline": "zbv"},
+    {"pipeline": "interleaved-1f1b", "virtual_stages": 2},
+    {"pipeline": "dualpipev"},
+)
 
 
 def _build() -> ChainLM:
@@ -31,8 +35,11 @@ def _build() -> ChainLM:
 
 def _batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step % 2)  # step 2 sees step 0's batch again
-    return (torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.rand(rows, SEQ, 1, generator=g),
-            torch.randint(0, VOCAB, (rows, SEQ), generator=g))
+    return (
+        torch.randint(0, VOCAB, (rows, SEQ), generator=g),
+        torch.rand(rows, SEQ, 1, generator=g),
+        torch.randint(0, VOCAB, (rows, SEQ), generator=g),
+    )
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -40,14 +47,18 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @api.step
-def _train_step(model: Any, idx: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _train_step(
+    model: Any, idx: torch.Tensor, scale: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     loss = _loss(model(idx, scale), target)
     model.backward(loss)
     return loss
 
 
 @api.step
-def _eval_step(model: Any, idx: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _eval_step(
+    model: Any, idx: torch.Tensor, scale: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     with torch.no_grad():
         return _loss(model(idx, scale), target)
 
@@ -63,15 +74,23 @@ def _job(rank: int, world: int) -> dict[str, Any]:
             opt.zero_grad()
             losses.append(_train_step(model, *_batch(k)).reduce_mean().item())
             opt.step()
-        grads_before = {n: p.grad.clone() for n, p in model.local_named_parameters() if p.grad is not None}
+        grads_before = {
+            n: p.grad.clone() for n, p in model.local_named_parameters() if p.grad is not None
+        }
         evaluated = _eval_step(model, *_batch(0)).reduce_mean().item()
-        untouched = all(torch.equal(p.grad, grads_before[n]) for n, p in model.local_named_parameters()
-                        if p.grad is not None)
+        untouched = all(
+            torch.equal(p.grad, grads_before[n])
+            for n, p in model.local_named_parameters()
+            if p.grad is not None
+        )
         out[config["pipeline"]] = {
-            "losses": losses, "eval": evaluated, "grads_untouched": untouched,
+            "losses": losses,
+            "eval": evaluated,
+            "grads_untouched": untouched,
             "state_dict": {k: v.clone() for k, v in model.state_dict().items()},
             "stage_ranks": list(model.manifest.stage_ranks),
-            "local_keys": sorted(k for k in model.local_state_dict() if k != "_smp_is_partial")}
+            "local_keys": sorted(k for k in model.local_state_dict() if k != "_smp_is_partial"),
+        }
         api.shutdown(destroy_process_group=False)
     return out
 
@@ -93,8 +112,15 @@ def _one_process(replicas: int = 1) -> tuple[list[float], float, dict[str, torch
         losses.append(sum(total) / parts)
     idx, scale, target = _batch(0)
     with torch.no_grad():
-        evaluated = sum(_loss(model(i, s), t).item() for i, s, t in zip(
-            idx.chunk(MICROBATCHES), scale.chunk(MICROBATCHES), target.chunk(MICROBATCHES))) / MICROBATCHES
+        evaluated = (
+            sum(
+                _loss(model(i, s), t).item()
+                for i, s, t in zip(
+                    idx.chunk(MICROBATCHES), scale.chunk(MICROBATCHES), target.chunk(MICROBATCHES)
+                )
+            )
+            / MICROBATCHES
+        )
     return losses, evaluated, model.state_dict()
 
 
@@ -106,22 +132,29 @@ def test_chunked_pipelines_train_like_one_process_with_a_tied_embedding() -> Non
     for config in SCHEDULES:
         name = config["pipeline"]
         placed = results[0][name]["stage_ranks"]
-        assert placed == ([0, 1, 0, 1] if name == "interleaved-1f1b" else [0, 1, 1, 0])  # 2 stages per process
+        assert placed == (
+            [0, 1, 0, 1] if name == "interleaved-1f1b" else [0, 1, 1, 0]
+        )  # 2 stages per process
         for got in results:
             mine = got[name]
             torch.testing.assert_close(mine["losses"], losses, rtol=1e-5, atol=1e-6)
             assert mine["eval"] == pytest.approx(evaluated, rel=1e-5) and mine["grads_untouched"]
             assert mine["state_dict"].keys() == state.keys()
             for key, value in mine["state_dict"].items():
-                torch.testing.assert_close(value, state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+                torch.testing.assert_close(
+                    value, state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}"
+                )
         # the original keys on each rank (ZBV's rank 0 holds the first and the last stage: both uses of the tie)
         keys = [set(got[name]["local_keys"]) for got in results]
         assert keys[0] | keys[1] == set(state) and "emb.weight" in keys[0]
 
 
 # 2 partitions x 2 replicas; interleaved-1f1b also shards the optimizer state over the replicas (ZeRO)
-DDP_SCHEDULES = ({"pipeline": "zbv"}, {"pipeline": "interleaved-1f1b", "shard": "optimizer"},
-                 {"pipeline": "dualpipev"})
+DDP_SCHEDULES = (
+    {"pipeline": "zbv"},
+    {"pipeline": "interleaved-1f1b", "shard": "optimizer"},
+    {"pipeline": "dualpipev"},
+)
 REPLICAS = 2
 
 
@@ -131,17 +164,29 @@ def _ddp_job(rank: int, world: int) -> dict[str, Any]:
         api.init({"partitions": 2, "microbatches": MICROBATCHES, "ddp": True, **config})
         model = api.DistributedModel(_build(), trace_device="cpu")
         opt = api.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
-        mine = slice(api.dp_rank() * BATCH, (api.dp_rank() + 1) * BATCH)  # this replica's half of the batch
+        mine = slice(
+            api.dp_rank() * BATCH, (api.dp_rank() + 1) * BATCH
+        )  # this replica's half of the batch
         losses = []
         for k in range(STEPS):
             opt.zero_grad()
-            losses.append(_train_step(model, *(t[mine] for t in _batch(k, REPLICAS * BATCH))).reduce_mean().item())
+            losses.append(
+                _train_step(model, *(t[mine] for t in _batch(k, REPLICAS * BATCH)))
+                .reduce_mean()
+                .item()
+            )
             opt.step()
         out[config["pipeline"]] = {
-            "losses": losses, "dp_rank": api.dp_rank(), "sharded": sharded_optimizer(opt) is not None,
-            "stage_ranks": list(model.manifest.stage_ranks), "ties": [list(t.stages) for t in model.manifest.ties],
+            "losses": losses,
+            "dp_rank": api.dp_rank(),
+            "sharded": sharded_optimizer(opt) is not None,
+            "stage_ranks": list(model.manifest.stage_ranks),
+            "ties": [list(t.stages) for t in model.manifest.ties],
             "state_dict": {k: v.clone() for k, v in model.state_dict().items()},
-            "local": {k: v.clone() for k, v in model.local_state_dict().items() if k != "_smp_is_partial"}}
+            "local": {
+                k: v.clone() for k, v in model.local_state_dict().items() if k != "_smp_is_partial"
+            },
+        }
         api.shutdown(destroy_process_group=False)
     return out
 
@@ -151,16 +196,22 @@ def _check_ddp_results(results: list[dict[str, Any]]) -> None:
     for config in DDP_SCHEDULES:
         name = config["pipeline"]
         assert [got[name]["dp_rank"] for got in results] == [0, 0, 1, 1]
-        assert [got[name]["sharded"] for got in results] == [name == "interleaved-1f1b"] * len(results)
+        assert [got[name]["sharded"] for got in results] == [name == "interleaved-1f1b"] * len(
+            results
+        )
         # each replica's loss is its half's; their mean is the whole batch's
         mean = torch.tensor([results[r * 2][name]["losses"] for r in range(REPLICAS)]).mean(0)
         torch.testing.assert_close(mean, torch.tensor(losses), rtol=1e-5, atol=1e-6, msg=name)
         for rank, got in enumerate(results):
             assert got[name]["state_dict"].keys() == state.keys()
             for key, value in got[name]["state_dict"].items():
-                torch.testing.assert_close(value, state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key} on {rank}")
+                torch.testing.assert_close(
+                    value, state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key} on {rank}"
+                )
             for key, value in got[name]["local"].items():  # the parameters this process holds
-                torch.testing.assert_close(value, state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: local {key}")
+                torch.testing.assert_close(
+                    value, state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: local {key}"
+                )
         # the embedding and the output projection are two chunks: of one process under the V-shaped schedules
         # (rank 0 holds the first and the last chunk: one shared parameter there); under interleaved 1F1B of
         # whichever ranks the plan puts them on (summed across them when two)
@@ -183,10 +234,21 @@ def test_virtual_stages_key_is_checked_against_the_schedule() -> None:
     with pytest.raises(ConfigError, match="virtual_stages"):
         api.Config.from_dict({"partitions": 2, "pipeline": "1f1b", "virtual_stages": 2})
     assert api.Config.from_dict({"partitions": 2, "pipeline": "zbv"}).chunks_per_rank == 2
-    assert api.Config.from_dict({"partitions": 2, "pipeline": "zbv", "ddp": True}).check_world(4) == 2
+    assert (
+        api.Config.from_dict({"partitions": 2, "pipeline": "zbv", "ddp": True}).check_world(4) == 2
+    )
     # FSDP counts backwards through one stage per process, as in the runtime; ZeRO shards any schedule
     for pipeline in ("zbv", "interleaved-1f1b", "zb-h1"):
-        with pytest.raises(ConfigError, match=f"'shard': 'full' \\(FSDP\\) runs one stage per process.*'{pipeline}'"):
-            api.Config.from_dict({"partitions": 2, "pipeline": pipeline, "ddp": True, "shard": "full"}).check_world(4)
-    assert api.Config.from_dict({"partitions": 2, "pipeline": "zbv", "ddp": True,
-                                 "shard": "optimizer"}).check_world(4) == 2
+        with pytest.raises(
+            ConfigError,
+            match=f"'shard': 'full' \\(FSDP\\) runs one stage per process.*'{pipeline}'",
+        ):
+            api.Config.from_dict(
+                {"partitions": 2, "pipeline": pipeline, "ddp": True, "shard": "full"}
+            ).check_world(4)
+    assert (
+        api.Config.from_dict(
+            {"partitions": 2, "pipeline": "zbv", "ddp": True, "shard": "optimizer"}
+        ).check_world(4)
+        == 2
+    )

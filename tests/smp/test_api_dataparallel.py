@@ -37,16 +37,29 @@ def _replica_mean(results: list[dict[str, Any]], name: str) -> torch.Tensor:
 @pytest.mark.distributed
 def test_rank_functions_and_groups(results: list[dict[str, Any]]) -> None:
     for r, res in enumerate(results):
-        assert res["ranks"] == {"rank": r, "size": WORLD, "mp_rank": r % PARTITIONS, "mp_size": PARTITIONS,
-                                "dp_rank": r // PARTITIONS, "dp_size": REPLICAS, "group_sizes": [WORLD, 2, 2],
-                                "dp_peers": [r % PARTITIONS, r % PARTITIONS + PARTITIONS]}
+        assert res["ranks"] == {
+            "rank": r,
+            "size": WORLD,
+            "mp_rank": r % PARTITIONS,
+            "mp_size": PARTITIONS,
+            "dp_rank": r // PARTITIONS,
+            "dp_size": REPLICAS,
+            "group_sizes": [WORLD, 2, 2],
+            "dp_peers": [r % PARTITIONS, r % PARTITIONS + PARTITIONS],
+        }
         # the plan made at the first step prices this run's data parallelism (DDP's 25 MiB buckets)
         cost = res["plan_cost"]
-        assert (cost["dp_replicas"], cost["comm_hook"], cost["dp_bucket_bytes"]) == (REPLICAS, "allreduce", 25 * 2**20)
+        assert (cost["dp_replicas"], cost["comm_hook"], cost["dp_bucket_bytes"]) == (
+            REPLICAS,
+            "allreduce",
+            25 * 2**20,
+        )
 
 
 @pytest.mark.distributed
-def test_ddp_equals_one_process_training_on_the_concatenated_batch(results: list[dict[str, Any]]) -> None:
+def test_ddp_equals_one_process_training_on_the_concatenated_batch(
+    results: list[dict[str, Any]],
+) -> None:
     losses, state, opt_state = reference(3)
     torch.testing.assert_close(_replica_mean(results, "allreduce"), torch.tensor(losses), **TIGHT)
     for rank, res in enumerate(results):
@@ -58,7 +71,7 @@ def test_ddp_equals_one_process_training_on_the_concatenated_batch(results: list
             torch.testing.assert_close(value, state[key], **TIGHT, msg=f"{key} on rank {rank}")
         assert got["optimizer"]["param_groups"] == opt_state["param_groups"]
         torch.testing.assert_close(got["optimizer"]["state"], opt_state["state"], **TIGHT)
-    assert "emb.weight" in results[1]["allreduce"]["local"]   # the tie really spans the two stages
+    assert "emb.weight" in results[1]["allreduce"]["local"]  # the tie really spans the two stages
 
 
 @pytest.mark.distributed
@@ -66,12 +79,14 @@ def test_registered_comm_hook_runs_and_trains_the_same(results: list[dict[str, A
     losses, state, _ = reference(3)
     torch.testing.assert_close(_replica_mean(results, "custom_hook"), torch.tensor(losses), **TIGHT)
     for res in results:
-        assert res["custom_hook"]["calls"] >= 3   # at least one bucket per step
+        assert res["custom_hook"]["calls"] >= 3  # at least one bucket per step
         torch.testing.assert_close(res["custom_hook"]["state"], state, **TIGHT)
 
 
 @pytest.mark.distributed
-def test_sharded_optimizer_state_follows_the_unsharded_trajectory(results: list[dict[str, Any]]) -> None:
+def test_sharded_optimizer_state_follows_the_unsharded_trajectory(
+    results: list[dict[str, Any]],
+) -> None:
     for rank, res in enumerate(results):
         zero, plain = res["zero"], res["allreduce"]
         torch.testing.assert_close(zero["losses"], plain["losses"], **TIGHT)
@@ -84,7 +99,9 @@ def test_sharded_optimizer_state_follows_the_unsharded_trajectory(results: list[
     for rank, res in enumerate(results):
         for name in ("allreduce", "zero"):
             for key, value in res[name]["reloaded"].items():
-                torch.testing.assert_close(value, state4[key], **TIGHT, msg=f"{name} reloaded: {key} rank {rank}")
+                torch.testing.assert_close(
+                    value, state4[key], **TIGHT, msg=f"{name} reloaded: {key} rank {rank}"
+                )
     for stage in range(PARTITIONS):
         ranks = [r * PARTITIONS + stage for r in range(REPLICAS)]
         unsharded = results[ranks[0]]["allreduce"]["state_bytes"]
@@ -93,30 +110,41 @@ def test_sharded_optimizer_state_follows_the_unsharded_trajectory(results: list[
 
 
 @pytest.mark.distributed
-def test_backward_passes_per_step_equals_gradient_accumulation(results: list[dict[str, Any]]) -> None:
+def test_backward_passes_per_step_equals_gradient_accumulation(
+    results: list[dict[str, Any]],
+) -> None:
     losses, state, _ = reference(4, every=2)
     torch.testing.assert_close(_replica_mean(results, "accumulate"), torch.tensor(losses), **TIGHT)
     for res in results:
         torch.testing.assert_close(res["accumulate"]["state"], state, **TIGHT)
         assert "backward_passes_per_step=2" in res["early_step"]
     every_step = reference(4)[1]
-    assert not torch.allclose(every_step["l1.weight"], results[0]["accumulate"]["state"]["l1.weight"], atol=1e-4)
+    assert not torch.allclose(
+        every_step["l1.weight"], results[0]["accumulate"]["state"]["l1.weight"], atol=1e-4
+    )
 
 
 @pytest.mark.distributed
-def test_powersgd_checkpoint_resumes_the_uninterrupted_trajectory(results: list[dict[str, Any]]) -> None:
+def test_powersgd_checkpoint_resumes_the_uninterrupted_trajectory(
+    results: list[dict[str, Any]],
+) -> None:
     for rank, res in enumerate(results):
         got = res["resume"]
         assert got["hook_iter"] == RESUME_SPLIT
-        torch.testing.assert_close(got["resumed"], got["uninterrupted"], rtol=0, atol=0, msg=f"rank {rank}")
+        torch.testing.assert_close(
+            got["resumed"], got["uninterrupted"], rtol=0, atol=0, msg=f"rank {rank}"
+        )
     # without the error-feedback state the resumed run drifts: the check above can tell
-    assert any(not torch.equal(res["resume"]["without_hook"][k], v)
-               for res in results for k, v in res["resume"]["uninterrupted"].items())
+    assert any(
+        not torch.equal(res["resume"]["without_hook"][k], v)
+        for res in results
+        for k, v in res["resume"]["uninterrupted"].items()
+    )
 
 
 @pytest.mark.distributed
 def test_grad_scaler_skips_the_step_on_every_rank(results: list[dict[str, Any]]) -> None:
-    for res in results:   # the inf was written on global rank 3 only
+    for res in results:  # the inf was written on global rank 3 only
         assert [r["stepped"] for r in res["scaler"]] == [True, False, True]
         assert [r["scale"] for r in res["scaler"]] == [1024.0, 512.0, 512.0]
 
@@ -127,8 +155,8 @@ def test_user_autocast_runs_the_stages_in_bfloat16(results: list[dict[str, Any]]
     fp32_losses, _, _ = reference(3)
     got = _replica_mean(results, "autocast")
     torch.testing.assert_close(got, torch.tensor(losses), atol=2e-2, rtol=0)
-    assert not torch.equal(got, torch.tensor(fp32_losses))   # it really ran in reduced precision
-    assert got[-1] < got[0]                                   # and trains
+    assert not torch.equal(got, torch.tensor(fp32_losses))  # it really ran in reduced precision
+    assert got[-1] < got[0]  # and trains
     for res in results:
         assert res["autocast"]["dtypes"] == ["torch.bfloat16"]
         torch.testing.assert_close(res["autocast"]["state"], state, atol=2e-2, rtol=0)

@@ -28,24 +28,37 @@ def footprint(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, 
 def test_first_step_build_leaves_no_temporary_files(footprint: Any) -> None:
     results, temp = footprint
     for rank in results:
-        assert rank["files_after_partitioning"] == []   # gone once the stages are loaded, not at exit
-        assert rank["build_dir"] is None                # a first-step build is not kept on disk
-        assert rank["stage_source"].startswith("class Stage")  # its source still reads in tracebacks
+        assert (
+            rank["files_after_partitioning"] == []
+        )  # gone once the stages are loaded, not at exit
+        assert rank["build_dir"] is None  # a first-step build is not kept on disk
+        assert rank["stage_source"].startswith(
+            "class Stage"
+        )  # its source still reads in tracebacks
     assert sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")) == []
 
 
 @pytest.mark.distributed
 def test_nn_module_and_the_optimizer_are_restored(footprint: Any) -> None:
     for rank in footprint[0]:
-        assert rank["patched_after_init"]                # smp.init records constructor arguments ...
-        assert not rank["patched_after_partitioning"]    # ... until the model is built and partitioned
+        assert rank["patched_after_init"]  # smp.init records constructor arguments ...
+        assert not rank[
+            "patched_after_partitioning"
+        ]  # ... until the model is built and partitioned
         assert not rank["patched_after_shutdown"]
-        assert rank["optimizer_methods"] == ["load_state_dict", "local_state_dict", "state_dict", "step"]
-        assert rank["optimizer_methods_after_shutdown"] == ["step"]  # the LR scheduler's wrapper, not fxpipe's
+        assert rank["optimizer_methods"] == [
+            "load_state_dict",
+            "local_state_dict",
+            "state_dict",
+            "step",
+        ]
+        assert rank["optimizer_methods_after_shutdown"] == [
+            "step"
+        ]  # the LR scheduler's wrapper, not fxpipe's
 
 
 @pytest.mark.distributed
 def test_distributed_optimizer_is_the_users_object_and_schedulers_work(footprint: Any) -> None:
     for rank in footprint[0]:
-        assert rank["same_object"] and rank["optimizer_class"] == "SGD"   # its class untouched
+        assert rank["same_object"] and rank["optimizer_class"] == "SGD"  # its class untouched
         assert rank["lrs"] == [0.05, 0.025] and rank["scheduler_warnings"] == []

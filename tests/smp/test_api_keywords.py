@@ -17,7 +17,9 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     return load_script("hf_keywords").main({"partitions": 2, "microbatches": 2})
 
 
-def _one_process(steps: int = 3, microbatches: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process(
+    steps: int = 3, microbatches: int = 2
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     script = load_script("hf_keywords")
     torch.manual_seed(0)
     model = script.build_model().train()

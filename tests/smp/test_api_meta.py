@@ -23,8 +23,13 @@ def test_meta_model_trains_like_one_process_from_the_same_checkpoint(tmp_path):
     reference = source.build_model()
     reference.load_state_dict(checkpoint)
     data = [(source.example_inputs(BATCH)[0], source.example_targets(BATCH))] * STEPS
-    losses = train_one_process(reference, torch.optim.SGD(reference.parameters(), lr=LR), data, MICROBATCHES,
-                               source.loss_fn)
+    losses = train_one_process(
+        reference,
+        torch.optim.SGD(reference.parameters(), lr=LR),
+        data,
+        MICROBATCHES,
+        source.loss_fn,
+    )
     expected = reference.state_dict()
     for r in results:
         assert r["meta"] == []

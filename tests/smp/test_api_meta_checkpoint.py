@@ -31,8 +31,13 @@ def _reference(state: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, t
     reference = source.build_model()
     reference.load_state_dict(state)
     data = [(source.example_inputs(BATCH)[0], source.example_targets(BATCH))] * STEPS
-    losses = train_one_process(reference, torch.optim.SGD(reference.parameters(), lr=LR), data, MICROBATCHES,
-                               source.loss_fn)
+    losses = train_one_process(
+        reference,
+        torch.optim.SGD(reference.parameters(), lr=LR),
+        data,
+        MICROBATCHES,
+        source.loss_fn,
+    )
     return losses, reference.state_dict()
 
 
@@ -49,8 +54,17 @@ def _assert_trains_like(results: list[dict[str, Any]], state: dict[str, torch.Te
 
 
 def _run(mode: str, checkpoint: Path, save_to: Path | None = None) -> list[dict[str, Any]]:
-    return [r.value for r in spawn(meta_checkpoint_job, 2, mode, str(checkpoint),
-                                   None if save_to is None else str(save_to), timeout=300)]
+    return [
+        r.value
+        for r in spawn(
+            meta_checkpoint_job,
+            2,
+            mode,
+            str(checkpoint),
+            None if save_to is None else str(save_to),
+            timeout=300,
+        )
+    ]
 
 
 @pytest.mark.slow
@@ -78,6 +92,8 @@ def test_config_weights_from_a_safetensors_file(tmp_path):
 
 
 def test_config_weights_must_exist(tmp_path):
-    with pytest.raises(ConfigError, match=r"config 'weights' must be a checkpoint file or directory"):
+    with pytest.raises(
+        ConfigError, match=r"config 'weights' must be a checkpoint file or directory"
+    ):
         Config.from_dict({"partitions": 2, "weights": str(tmp_path / "nope.safetensors")})
     assert Config.from_dict({"partitions": 2, "weights": tmp_path}).weights == str(tmp_path)

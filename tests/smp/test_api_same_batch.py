@@ -33,7 +33,9 @@ def _chunk_sums(targets: list[int]) -> list[int]:
 
 
 @pytest.mark.distributed
-def test_unseeded_shuffle_with_dropout_trains_on_the_first_stages_batch(ranks: list[dict[str, Any]]) -> None:
+def test_unseeded_shuffle_with_dropout_trains_on_the_first_stages_batch(
+    ranks: list[dict[str, Any]],
+) -> None:
     first, second = ranks[0]["dropout"], ranks[1]["dropout"]
     # the scenario: rank 1's own loader shuffled differently from rank 0's after the first epoch
     steps_per_epoch = 64 // BATCH
@@ -44,14 +46,17 @@ def test_unseeded_shuffle_with_dropout_trains_on_the_first_stages_batch(ranks: l
     for rank in ranks:
         assert rank["dropout"]["trained_target_sums"] == want
     assert first["losses"] == second["losses"]
-    assert any("differ from the first stage's (rank 0)" in w for w in second["warnings"])  # said once, on rank 1
+    assert any(
+        "differ from the first stage's (rank 0)" in w for w in second["warnings"]
+    )  # said once, on rank 1
     assert len(second["warnings"]) == 1 and not first["warnings"]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case, seeded", [("drift", False), ("seeded", True)])
-def test_loader_drawing_from_drifting_rngs_matches_one_process(ranks: list[dict[str, Any]], case: str,
-                                                                seeded: bool) -> None:
+def test_loader_drawing_from_drifting_rngs_matches_one_process(
+    ranks: list[dict[str, Any]], case: str, seeded: bool
+) -> None:
     want = one_process(epochs=3, seeded=seeded)
     for rank in ranks:
         torch.testing.assert_close(rank[case]["losses"], want, **TIGHT)
@@ -60,7 +65,9 @@ def test_loader_drawing_from_drifting_rngs_matches_one_process(ranks: list[dict[
 
 
 @pytest.mark.distributed
-def test_the_loss_stage_receives_the_first_stages_tensors_bit_for_bit(ranks: list[dict[str, Any]]) -> None:
+def test_the_loss_stage_receives_the_first_stages_tensors_bit_for_bit(
+    ranks: list[dict[str, Any]],
+) -> None:
     want = extras(0)
     for rank in ranks:
         got = rank["mechanics"]["received"]
@@ -77,14 +84,23 @@ def test_differently_shaped_step_arguments_stop_with_one_line(ranks: list[dict[s
     for rank in ranks:
         error = rank["mechanics"]["mismatch"]
         assert error.startswith("StepError: ") and "\n" not in error
-        assert "argument target is a tensor of shape (8,), int64 on rank 0 but a tensor of shape (4,), int64 on rank 1" \
+        assert (
+            "argument target is a tensor of shape (8,), int64 on rank 0 but a tensor of shape (4,), int64 on rank 1"
             in error
+        )
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key, values", [("microbatches", "rank 0: 4, rank 1: 2"),
-                                         ("pipeline", "rank 0: 'simple', rank 1: 'interleaved'")])
-def test_configs_differing_across_ranks_stop_at_init(ranks: list[dict[str, Any]], key: str, values: str) -> None:
+@pytest.mark.parametrize(
+    "key, values",
+    [
+        ("microbatches", "rank 0: 4, rank 1: 2"),
+        ("pipeline", "rank 0: 'simple', rank 1: 'interleaved'"),
+    ],
+)
+def test_configs_differing_across_ranks_stop_at_init(
+    ranks: list[dict[str, Any]], key: str, values: str
+) -> None:
     for rank in ranks:
         error = rank["config"][key]
         assert error.startswith("ConfigError: ") and "\n" not in error

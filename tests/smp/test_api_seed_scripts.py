@@ -27,7 +27,9 @@ TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Path]:
-    plan_dir = make_build("mlp", tmp_path_factory.mktemp("plan") / "build", stages=2, batch_size=8, microbatches=2)
+    plan_dir = make_build(
+        "mlp", tmp_path_factory.mktemp("plan") / "build", stages=2, batch_size=8, microbatches=2
+    )
     results = spawn(training_job, 2, str(plan_dir), timeout=300)
     return [r.value for r in results], plan_dir
 
@@ -38,7 +40,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Pa
     return [r.value for r in spawn(checkpoint_job, 2, str(directory), timeout=300)], directory
 
 
-def _reference(optimizer: str, steps: int, microbatches: int) -> tuple[list[float], Any, Any, tuple[float, int]]:
+def _reference(
+    optimizer: str, steps: int, microbatches: int
+) -> tuple[list[float], Any, Any, tuple[float, int]]:
     script = load_script("train_loop")
     torch.manual_seed(0)
     model = script.Net()
@@ -53,14 +57,17 @@ def _reference(optimizer: str, steps: int, microbatches: int) -> tuple[list[floa
     return losses, model, opt, (test_loss, correct)
 
 
-@pytest.mark.parametrize("case, optimizer, microbatches", [("sgd", "sgd", 4), ("adam", "adam", 2),
-                                                          ("zb-h1", "sgd", 4)])
-def test_training_loop_matches_one_process(training: Any, case: str, optimizer: str, microbatches: int) -> None:
+@pytest.mark.parametrize(
+    "case, optimizer, microbatches", [("sgd", "sgd", 4), ("adam", "adam", 2), ("zb-h1", "sgd", 4)]
+)
+def test_training_loop_matches_one_process(
+    training: Any, case: str, optimizer: str, microbatches: int
+) -> None:
     values, _ = training
     losses, model, opt, evaluation = _reference(optimizer, 4, microbatches)
     for rank in values:
         torch.testing.assert_close(rank[case]["losses"], losses, **TIGHT)
-        test_loss, correct = rank[case]["test"]   # the seed's forward-only test_step, under no_grad
+        test_loss, correct = rank[case]["test"]  # the seed's forward-only test_step, under no_grad
         assert correct == evaluation[1]
         torch.testing.assert_close(test_loss, evaluation[0], **TIGHT)
         got = rank[case]["state_dict"]
@@ -83,13 +90,14 @@ def test_config_reaches_the_planner(training: Any) -> None:
 
 def test_manual_partition_with_nested_blocks(training: Any) -> None:
     values, _ = training
-    assert values[0]["manual"]["modules"] == ["child0", "child2"]   # innermost block wins for child1
-    assert values[1]["manual"]["modules"] == ["child1", "child3"]   # child3: default_partition 1
+    assert values[0]["manual"]["modules"] == ["child0", "child2"]  # innermost block wins for child1
+    assert values[1]["manual"]["modules"] == ["child1", "child3"]  # child3: default_partition 1
     script = load_script("manual_partition")
     torch.manual_seed(0)
     model = script.Model()
-    losses = train_one_process(model, torch.optim.SGD(model.parameters(), lr=0.1), script.data(3), 2,
-                               F.cross_entropy)
+    losses = train_one_process(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), script.data(3), 2, F.cross_entropy
+    )
     for rank in values:
         torch.testing.assert_close(rank["manual"]["losses"], losses, **TIGHT)
         torch.testing.assert_close(rank["manual"]["state_dict"], model.state_dict(), **TIGHT)
@@ -108,7 +116,9 @@ def test_prebuilt_plan_trains_the_wrapped_model(training: Any) -> None:
     for rank in values:
         torch.testing.assert_close(rank["plan"]["losses"], losses, **TIGHT)
         torch.testing.assert_close(rank["plan"]["state_dict"], model.state_dict(), **TIGHT)
-        assert rank["plan"]["hook_calls"] == [True]   # ran once, after partitioning; the removed one never
+        assert rank["plan"]["hook_calls"] == [
+            True
+        ]  # ran once, after partitioning; the removed one never
 
 
 def test_usage_errors_are_actionable(training: Any) -> None:
@@ -124,17 +134,32 @@ def test_usage_errors_are_actionable(training: Any) -> None:
 def test_rank_functions(training: Any) -> None:
     values, _ = training
     for r, rank in enumerate(values):
-        assert rank["ranks"] == {"rank": r, "size": 2, "local_rank": r, "local_size": 2, "mp_rank": r,
-                                 "mp_size": 2, "dp_rank": 0, "dp_size": 1, "tracing": False, "groups": True,
-                                 "broadcast": {"from": 1}}
+        assert rank["ranks"] == {
+            "rank": r,
+            "size": 2,
+            "local_rank": r,
+            "local_size": 2,
+            "mp_rank": r,
+            "mp_size": 2,
+            "dp_rank": 0,
+            "dp_size": 1,
+            "tracing": False,
+            "groups": True,
+            "broadcast": {"from": 1},
+        }
 
 
 def test_checkpoints_resume_like_a_run_that_never_stopped(checkpoints: Any) -> None:
     values, directory = checkpoints
     # one file per mp_rank for the partial save, one file for the full save, a commit record for each
     # (fxpipe.runtime.train.commit), no temporary files left
-    assert sorted(p.name for p in directory.iterdir()) == ["full.pt", "full.pt.full.json", "partial.pt.partial.json",
-                                                           "partial.pt_0", "partial.pt_1"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "full.pt",
+        "full.pt.full.json",
+        "partial.pt.partial.json",
+        "partial.pt_0",
+        "partial.pt_1",
+    ]
     for rank in values:
         rest = rank["uninterrupted"][2:]
         torch.testing.assert_close(rank["partial"], rest, **TIGHT)
@@ -145,7 +170,11 @@ def test_grad_scaler_skips_the_step_on_every_stage(checkpoints: Any) -> None:
     values, _ = checkpoints
     for rank in values:
         record = rank["scaler"]
-        assert [r["stepped"] for r in record] == [True, False, True]   # the inf was only on mp_rank 0
+        assert [r["stepped"] for r in record] == [
+            True,
+            False,
+            True,
+        ]  # the inf was only on mp_rank 0
         assert [r["scale"] for r in record] == [1024.0, 512.0, 512.0]
     assert values[0]["scaler"] == values[1]["scaler"]
 
@@ -161,7 +190,9 @@ def test_tied_weights_across_stages(checkpoints: Any) -> None:
     x, y = source.example_inputs(4)[0], source.example_targets(4)
     losses = train_one_process(model, opt, [(x, y)] * 3, 2, source.loss_fn)
     for rank in values:
-        assert rank["tied"]["ties"] == 1   # wte.weight / lm_head.weight live on both stages
+        assert rank["tied"]["ties"] == 1  # wte.weight / lm_head.weight live on both stages
         torch.testing.assert_close(rank["tied"]["losses"], losses, **TIGHT)
         # the tied gradient is summed across stages, so it rounds differently from one accumulation
-        torch.testing.assert_close(rank["tied"]["state_dict"], model.state_dict(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            rank["tied"]["state_dict"], model.state_dict(), rtol=1e-4, atol=1e-5
+        )

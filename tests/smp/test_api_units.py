@@ -16,22 +16,40 @@ from fxpipe.smp.checkpoint import save
 from fxpipe.tracer import trace_model
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"partitions": 2, "microbatchs": 4}, "unknown config key(s) ['microbatchs']"),
-    ({"microbatches": 4}, "no 'partitions'"),
-    ({"partitions": 0}, "'partitions' must be an int >= 1, got 0"),
-    ({"partitions": 2, "microbatches": 0}, "'microbatches' must be an int >= 1, got 0"),
-    ({"partitions": 2, "pipeline": "1F1B"}, "'pipeline' must be one of ['1f1b', 'dualpipev', 'gpipe', "
-                                            "'interleaved', 'interleaved-1f1b', 'simple', 'zb-h1', 'zbv'], got '1F1B'"),
-    ({"partitions": 2, "pipeline": "zbv", "virtual_stages": 3}, "'zbv' runs 2 stages per rank, not virtual_stages 3"),
-    ({"partitions": 2, "default_partition": 2}, "'default_partition' must be a partition index in 0..1, got 2"),
-    ({"partitions": 2, "optimize": "fast"}, "'optimize' must be 'speed' or 'memory', got 'fast'"),
-    ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),
-    ({"partitions": 2, "plan": "/nonexistent/build"}, "has no manifest.json"),
-    ({"partitions": 2, "comm_hook": "int8"}, "unknown comm_hook 'int8'"),
-    ({"partitions": 2, "powersgd_rank": 0}, "powersgd_rank must be an int >= 1, got 0"),
-    ({"partitions": 2, "shard_optimizer_state": 1}, "'shard_optimizer_state' must be True or False"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"partitions": 2, "microbatchs": 4}, "unknown config key(s) ['microbatchs']"),
+        ({"microbatches": 4}, "no 'partitions'"),
+        ({"partitions": 0}, "'partitions' must be an int >= 1, got 0"),
+        ({"partitions": 2, "microbatches": 0}, "'microbatches' must be an int >= 1, got 0"),
+        (
+            {"partitions": 2, "pipeline": "1F1B"},
+            "'pipeline' must be one of ['1f1b', 'dualpipev', 'gpipe', "
+            "'interleaved', 'interleaved-1f1b', 'simple', 'zb-h1', 'zbv'], got '1F1B'",
+        ),
+        (
+            {"partitions": 2, "pipeline": "zbv", "virtual_stages": 3},
+            "'zbv' runs 2 stages per rank, not virtual_stages 3",
+        ),
+        (
+            {"partitions": 2, "default_partition": 2},
+            "'default_partition' must be a partition index in 0..1, got 2",
+        ),
+        (
+            {"partitions": 2, "optimize": "fast"},
+            "'optimize' must be 'speed' or 'memory', got 'fast'",
+        ),
+        ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),
+        ({"partitions": 2, "plan": "/nonexistent/build"}, "has no manifest.json"),
+        ({"partitions": 2, "comm_hook": "int8"}, "unknown comm_hook 'int8'"),
+        ({"partitions": 2, "powersgd_rank": 0}, "powersgd_rank must be an int >= 1, got 0"),
+        (
+            {"partitions": 2, "shard_optimizer_state": 1},
+            "'shard_optimizer_state' must be True or False",
+        ),
+    ],
+)
 def test_bad_configs_are_refused(config: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         Config.from_dict(config)
@@ -40,7 +58,12 @@ def test_bad_configs_are_refused(config: dict, message: str) -> None:
 
 def test_config_defaults_and_world_check() -> None:
     cfg = Config.from_dict({"partitions": 2, "pipeline": "simple"})
-    assert (cfg.microbatches, cfg.schedule, cfg.auto_partition, cfg.optimize) == (1, "gpipe", True, "speed")
+    assert (cfg.microbatches, cfg.schedule, cfg.auto_partition, cfg.optimize) == (
+        1,
+        "gpipe",
+        True,
+        "speed",
+    )
     assert Config.from_dict({"partitions": 2}).schedule == "1f1b"
     assert Config.from_dict({"partitions": 2, "pipeline": "zb-h1"}).schedule == "zb-h1"
     assert cfg.check_world(2) == 1
@@ -49,10 +72,21 @@ def test_config_defaults_and_world_check() -> None:
     with pytest.raises(ConfigError, match="needs 'ddp': True"):
         cfg.check_world(4)
     assert Config.from_dict({"partitions": 2, "ddp": True}).check_world(6) == 3
-    dp = Config.from_dict({"partitions": 2, "ddp": True, "comm_hook": "powersgd", "powersgd_rank": 2,
-                           "shard_optimizer_state": True}).data_parallel_options(backward_passes_per_step=2)
-    assert (dp.comm_hook, dp.powersgd_rank, dp.shard_optimizer_state, dp.backward_passes_per_step) == (
-        "powersgd", 2, True, 2)
+    dp = Config.from_dict(
+        {
+            "partitions": 2,
+            "ddp": True,
+            "comm_hook": "powersgd",
+            "powersgd_rank": 2,
+            "shard_optimizer_state": True,
+        }
+    ).data_parallel_options(backward_passes_per_step=2)
+    assert (
+        dp.comm_hook,
+        dp.powersgd_rank,
+        dp.shard_optimizer_state,
+        dp.backward_passes_per_step,
+    ) == ("powersgd", 2, True, 2)
 
 
 class _Pinned(nn.Module):
@@ -72,13 +106,29 @@ def test_partition_policy() -> None:
     profile = trace_model(_Pinned(), (torch.randn(2, 4),), progress=False).profile
     pins = {u.module_path: u.pin for u in profile.units}
     assert (pins["a"], pins["b"], pins["c"]) == (1, 2, None)
-    manual = apply_partition_policy(profile, Config(partitions=3, auto_partition=False, default_partition=2))
+    manual = apply_partition_policy(
+        profile, Config(partitions=3, auto_partition=False, default_partition=2)
+    )
     got = {u.module_path: u.pin for u in manual.units}
-    assert (got["a"], got["b"], got["c"]) == (1, 2, 2)   # nested block wins; c gets default_partition
-    glue = dataclasses.replace(profile, units=tuple(
-        dataclasses.replace(u, module_path="") if u.name == "c" else u for u in profile.units))
-    freed = apply_partition_policy(glue, Config(partitions=3, auto_partition=False, default_partition=2))
-    assert [u.pin for u in freed.units] == [1, 2, None]  # top-level glue ops stay free for the solver
+    assert (got["a"], got["b"], got["c"]) == (
+        1,
+        2,
+        2,
+    )  # nested block wins; c gets default_partition
+    glue = dataclasses.replace(
+        profile,
+        units=tuple(
+            dataclasses.replace(u, module_path="") if u.name == "c" else u for u in profile.units
+        ),
+    )
+    freed = apply_partition_policy(
+        glue, Config(partitions=3, auto_partition=False, default_partition=2)
+    )
+    assert [u.pin for u in freed.units] == [
+        1,
+        2,
+        None,
+    ]  # top-level glue ops stay free for the solver
     auto = apply_partition_policy(profile, Config(partitions=3))
     assert all(u.pin is None for u in auto.units)
     with pytest.raises(ConfigError, match=r"fxpipe.partition\(2\), but 'partitions' is 2"):
@@ -140,7 +190,13 @@ def test_package_root_exposes_the_seed_surface() -> None:
     import fxpipe
     import fxpipe.smp as api
 
-    seed_names = set(api.__all__) - {"PARTIAL_KEY", "Config", "DDPOptions", "GradScaler", "apply_partition_policy"}
+    seed_names = set(api.__all__) - {
+        "PARTIAL_KEY",
+        "Config",
+        "DDPOptions",
+        "GradScaler",
+        "apply_partition_policy",
+    }
     missing = sorted(n for n in seed_names if not hasattr(fxpipe, n))
     assert not missing, f"fxpipe does not re-export {missing}"
     assert fxpipe.amp.GradScaler is api.GradScaler
@@ -156,7 +212,8 @@ def test_configs_of_the_ranks_are_compared_key_by_key(tmp_path: Path) -> None:
     assert first_difference([values(), values(), values()]) is None
     assert first_difference([values(), values(shard="optimizer", ddp=True)]) == (
         "config 'ddp' differs across ranks (rank 0: False, rank 1: True); every rank must call fxpipe.init with "
-        "the same config")  # the data-parallel keys are compared too, by their seed names
+        "the same config"
+    )  # the data-parallel keys are compared too, by their seed names
     assert first_difference([values(), values(shard="optimizer")])[:14] == "config 'shard'"
     many = [values(microbatches=2)] * 5 + [values(microbatches=4)]
     assert "(ranks 0, 1, 2, 3, ... (5 ranks): 2, rank 5: 4)" in first_difference(many)
@@ -164,19 +221,29 @@ def test_configs_of_the_ranks_are_compared_key_by_key(tmp_path: Path) -> None:
     for name, text in (("a", "{}"), ("b", "{}"), ("c", '{"other": 1}')):
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text(text)
-    assert first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "b"))]) is None
+    assert (
+        first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "b"))])
+        is None
+    )
     message = first_difference([values(plan=str(tmp_path / "a")), values(plan=str(tmp_path / "c"))])
-    assert message.startswith(f"config 'plan' differs across ranks (rank 0: '{tmp_path / 'a'}' (manifest ")
+    assert message.startswith(
+        f"config 'plan' differs across ranks (rank 0: '{tmp_path / 'a'}' (manifest "
+    )
 
 
-def test_an_uneven_batch_names_the_config_key_not_a_cli_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_uneven_batch_names_the_config_key_not_a_cli_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A seed-API user sets 'microbatches' in fxpipe.init's config; there is no --microbatches (#35 item 16)."""
     import importlib
     from types import SimpleNamespace
 
     step_module = importlib.import_module("fxpipe.smp.step")
-    monkeypatch.setattr(step_module, "current",
-                        lambda: SimpleNamespace(model=object(), config=SimpleNamespace(microbatches=3)))
+    monkeypatch.setattr(
+        step_module,
+        "current",
+        lambda: SimpleNamespace(model=object(), config=SimpleNamespace(microbatches=3)),
+    )
 
     @step_module.step
     def train(x: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from fxpipe.tracer import TracedModel, trace_model_file
 MODELS = Path(__file__).resolve().parent / "models"
 
 
-def partition_file(spec: str | Path, stages: int, out: Path, *, frontend: str = "auto",
-                   microbatch: int = 2) -> tuple[TracedModel, ModelSource]:
+def partition_file(
+    spec: str | Path, stages: int, out: Path, *, frontend: str = "auto", microbatch: int = 2
+) -> tuple[TracedModel, ModelSource]:
     """Trace ``spec`` (a model file, ``path.py:factory`` allowed), cut it into ``stages`` and write ``out``."""
     source = load_model_file(spec)
     traced = trace_model_file(source, microbatch, frontend=frontend, progress=False)
@@ -38,7 +39,9 @@ def _reference(source: ModelSource, build: Path) -> nn.Module:
     from safetensors.torch import load_file
 
     model = source.build_model()
-    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False)
+    )
     with torch.no_grad():
         for stage in json.loads((build / "manifest.json").read_text())["stages"]:
             for key, value in load_file(str(build / stage["weights"])).items():
@@ -51,11 +54,15 @@ def _step(model: nn.Module, source: ModelSource, inputs: tuple[Any, ...]) -> lis
         torch.manual_seed(0)
         out = model(*inputs)
     leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    sum((t.float() * (i + 1)).sum() for i, t in enumerate(leaves) if t.is_floating_point()).backward()
+    sum(
+        (t.float() * (i + 1)).sum() for i, t in enumerate(leaves) if t.is_floating_point()
+    ).backward()
     return leaves
 
 
-def assert_pipeline_matches(build: Path, source: ModelSource, *, training: bool = True, batch: int = 3) -> None:
+def assert_pipeline_matches(
+    build: Path, source: ModelSource, *, training: bool = True, batch: int = 3
+) -> None:
     """The chained stages of ``build`` compute what ``source.build_model()`` computes (module docstring)."""
     reference = _reference(source, build).train(training)
     pipeline = load_pipeline(build).train(training)
@@ -64,8 +71,12 @@ def assert_pipeline_matches(build: Path, source: ModelSource, *, training: bool 
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, msg=lambda m: f"output {i}: {m}")
-    held = {k: p for stage in pipeline.stages for k, p in stage.named_parameters(remove_duplicate=False)}
-    buffers = {k: b for stage in pipeline.stages for k, b in stage.named_buffers(remove_duplicate=False)}
+    held = {
+        k: p for stage in pipeline.stages for k, p in stage.named_parameters(remove_duplicate=False)
+    }
+    buffers = {
+        k: b for stage in pipeline.stages for k, b in stage.named_buffers(remove_duplicate=False)
+    }
     for key, p in reference.named_parameters():
         torch.testing.assert_close(held[key].grad, p.grad, msg=lambda m: f"grad of {key}: {m}")
     for key, b in reference.named_buffers():

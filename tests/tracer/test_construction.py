@@ -46,6 +46,7 @@ def _logged(fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -88,15 +89,23 @@ def test_nn_module_is_untouched_outside_blocks_and_recordings() -> None:
 
 
 def test_constructor_arguments_are_those_of_the_call() -> None:
-    args = _record(lambda: nn.Sequential(_Scaled(4), _Scaled(4, 0.5, bias=False), _Inherits(6, 2.0),
-                                         _Variadic(1, 2, 3, mode="x"), _NoInit(), _Decorated(3)))
-    assert args["0"] == ((4,), {})                       # trailing defaults left out
+    args = _record(
+        lambda: nn.Sequential(
+            _Scaled(4),
+            _Scaled(4, 0.5, bias=False),
+            _Inherits(6, 2.0),
+            _Variadic(1, 2, 3, mode="x"),
+            _NoInit(),
+            _Decorated(3),
+        )
+    )
+    assert args["0"] == ((4,), {})  # trailing defaults left out
     assert args["1"] == ((4, 0.5), {"bias": False})
-    assert args["2"] == ((6, 2.0), {})                   # the inherited __init__'s arguments
+    assert args["2"] == ((6, 2.0), {})  # the inherited __init__'s arguments
     assert args["3"] == ((1, 2, 3), {"mode": "x"})
     assert args["4"] == ((), {})
     assert args["5"] == ((3,), {}) and args["5.blocks.1"] == ((3,), {})  # through a decorator
-    assert args["1.lin"] == ((4, 4, False), {})          # bound by position, as its signature allows
+    assert args["1.lin"] == ((4, 4, False), {})  # bound by position, as its signature allows
     assert _Scaled(*args["1"][0], **args["1"][1]).scale == 0.5  # they rebuild the module
 
 
@@ -105,5 +114,7 @@ def test_nested_construction_keeps_each_modules_own_arguments_and_pins() -> None
     assert record.ctor_args[""] == ((4,), {})
     assert record.ctor_args["inner"] == ((8, 0.5), {})
     assert record.ctor_args["pinned"] == ((4,), {})
-    assert pin_of(model.pinned) == 1 and pin_of(model.pinned.lin) == 1 and pin_of(model.inner) is None
+    assert (
+        pin_of(model.pinned) == 1 and pin_of(model.pinned.lin) == 1 and pin_of(model.inner) is None
+    )
     assert record.pins == {"pinned": 1, "pinned.lin": 1}

@@ -16,12 +16,17 @@ from fxpipe.tracer import build_model_recorded, partition, trace_model, trace_mo
 
 def test_gpt_attention_falls_back_to_leaf_with_warning():
     source = load_model_file(EXAMPLES["gpt"])
-    with pytest.warns(UserWarning, match=r"'blocks\.0\.attn', .*'blocks\.3\.attn' \(CausalSelfAttention\).*leaf") as caught:
+    with pytest.warns(
+        UserWarning, match=r"'blocks\.0\.attn', .*'blocks\.3\.attn' \(CausalSelfAttention\).*leaf"
+    ) as caught:
         traced = trace_model_file(source, batch_size=2, progress=False)
     # one warning for the four blocks (one cause), pointing at the failing line of the user's model file
     fallback = [w for w in caught if "symbolic tracing failed" in str(w.message)]
     assert len(fallback) == 1 and fallback[0].filename == str(EXAMPLES["gpt"])
-    assert "self.mask[:, :, :t, :t]" in Path(fallback[0].filename).read_text().splitlines()[fallback[0].lineno - 1]
+    assert (
+        "self.mask[:, :, :t, :t]"
+        in Path(fallback[0].filename).read_text().splitlines()[fallback[0].lineno - 1]
+    )
     assert traced.frontend == "symbolic"
     attn = [p for p in traced.leaf_modules if p.endswith(".attn")]
     assert attn == [f"blocks.{i}.attn" for i in range(4)]
@@ -29,7 +34,10 @@ def test_gpt_attention_falls_back_to_leaf_with_warning():
     assert traced.user_leaf_args["blocks.0.attn"] == ((32, 4, 16), {})
     assert "blocks.0.ln_1" not in traced.user_leaf_args  # torch.nn leaves need none
     units = {u.module_path: u for u in traced.profile.units}
-    assert units["blocks.2.attn"].kind == "leaf" and units["blocks.2.attn"].module_type == "CausalSelfAttention"
+    assert (
+        units["blocks.2.attn"].kind == "leaf"
+        and units["blocks.2.attn"].module_type == "CausalSelfAttention"
+    )
 
 
 def test_user_named_leaves_by_type_and_path():
@@ -37,7 +45,9 @@ def test_user_named_leaves_by_type_and_path():
     model = source.build_model()
     attn_type = type(model.blocks[0].attn)
     mlp_type = type(model.blocks[0].mlp)
-    traced = trace_model(model, source.example_inputs(2), leaves=(attn_type, "blocks.1.mlp"), progress=False)
+    traced = trace_model(
+        model, source.example_inputs(2), leaves=(attn_type, "blocks.1.mlp"), progress=False
+    )
     assert "blocks.1.mlp" in traced.leaf_modules and "blocks.0.mlp" not in traced.leaf_modules
     assert traced.leaf_modules["blocks.1.mlp"] is mlp_type
     assert traced.leaf_modules["blocks.3.attn"] is attn_type
@@ -63,10 +73,18 @@ def test_pins_reach_units_innermost_wins():
     assert record.pins == {"embed": 0, "tail": 1, "tail.0": 1, "tail.1": 1, "head": 2}
     traced = trace_model(model, (torch.randn(4, 8),), build_record=record, progress=False)
     pins = {u.module_path: u.pin for u in traced.profile.units}
-    assert pins == {"embed": 0, "middle.0": None, "middle.1": None, "tail.0": 1, "tail.1": 1, "head": 2}
+    assert pins == {
+        "embed": 0,
+        "middle.0": None,
+        "middle.1": None,
+        "tail.0": 1,
+        "tail.1": 1,
+        "head": 2,
+    }
     # pins are found from the module objects too, without a build record
-    assert [u.pin for u in trace_model(_Pinned(), (torch.randn(4, 8),), progress=False).profile.units] == \
-        [0, None, None, 1, 1, 2]
+    assert [
+        u.pin for u in trace_model(_Pinned(), (torch.randn(4, 8),), progress=False).profile.units
+    ] == [0, None, None, 1, 1, 2]
 
 
 def test_partition_rejects_bad_index():

@@ -34,9 +34,14 @@ def test_gpt2_uses_export_and_units_map_to_module_paths(gpt2):
     for unit in gpt2.profile.units:
         assert unit.module_path in modules, unit
     paths = {u.module_path for u in gpt2.profile.units}
-    assert {"model.transformer.h.0.attn.c_attn", "model.transformer.h.1.mlp.c_fc", "model.lm_head"} <= paths
-    assert gpt2.profile.module_order.index("model.transformer.h.0") < gpt2.profile.module_order.index(
-        "model.transformer.h.1")
+    assert {
+        "model.transformer.h.0.attn.c_attn",
+        "model.transformer.h.1.mlp.c_fc",
+        "model.lm_head",
+    } <= paths
+    assert gpt2.profile.module_order.index(
+        "model.transformer.h.0"
+    ) < gpt2.profile.module_order.index("model.transformer.h.1")
 
 
 def test_gpt2_parameters_keep_original_names_and_ties(gpt2):
@@ -51,7 +56,9 @@ def test_gpt2_parameters_keep_original_names_and_ties(gpt2):
 def test_gpt2_dynamic_batch_equals_eager(gpt2, batch):
     inputs = hf_models.example_inputs(batch)
     with torch.no_grad():
-        torch.testing.assert_close(gpt2.unflatten_output(gpt2.graph_module(*inputs)), gpt2.model(*inputs))
+        torch.testing.assert_close(
+            gpt2.unflatten_output(gpt2.graph_module(*inputs)), gpt2.model(*inputs)
+        )
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -74,7 +81,9 @@ def test_bert_constants_and_input_specs(bert):
 
 
 def test_export_traced_at_batch_one_stays_dynamic():
-    traced = trace_model(hf_models.build_gpt2(), hf_models.example_inputs(1), frontend="export", progress=False)
+    traced = trace_model(
+        hf_models.build_gpt2(), hf_models.example_inputs(1), frontend="export", progress=False
+    )
     out = next(n for n in traced.graph_module.graph.nodes if n.op == "output").args[0][0]
     assert out.meta[SPEC_KEY].shape[0] == 1 and out.meta[SPEC_KEY].batch_dim == 0
     inputs = hf_models.example_inputs(4)

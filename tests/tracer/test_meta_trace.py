@@ -31,14 +31,33 @@ def assert_same_profile(real, meta) -> None:
     """Units, edges and figures equal; times within 1% (Note [meta tracing])."""
     assert [u.name for u in real.units] == [u.name for u in meta.units]
     assert real.edges == meta.edges
-    assert (real.param_sizes, real.param_shapes, real.ties, real.inputs) == \
-           (meta.param_sizes, meta.param_shapes, meta.ties, meta.inputs)
+    assert (real.param_sizes, real.param_shapes, real.ties, real.inputs) == (
+        meta.param_sizes,
+        meta.param_shapes,
+        meta.ties,
+        meta.inputs,
+    )
     for a, b in zip(real.units, meta.units):
-        assert (a.fwd_flops, a.param_bytes, a.buffer_bytes, a.activation_bytes, a.outputs, a.params,
-                a.weight_grad_fraction) == \
-               (b.fwd_flops, b.param_bytes, b.buffer_bytes, b.activation_bytes, b.outputs, b.params,
-                b.weight_grad_fraction), a.name
-        assert math.isclose(a.fwd_ms, b.fwd_ms, rel_tol=0.01) and math.isclose(a.bwd_ms, b.bwd_ms, rel_tol=0.01), a.name
+        assert (
+            a.fwd_flops,
+            a.param_bytes,
+            a.buffer_bytes,
+            a.activation_bytes,
+            a.outputs,
+            a.params,
+            a.weight_grad_fraction,
+        ) == (
+            b.fwd_flops,
+            b.param_bytes,
+            b.buffer_bytes,
+            b.activation_bytes,
+            b.outputs,
+            b.params,
+            b.weight_grad_fraction,
+        ), a.name
+        assert math.isclose(a.fwd_ms, b.fwd_ms, rel_tol=0.01) and math.isclose(
+            a.bwd_ms, b.bwd_ms, rel_tol=0.01
+        ), a.name
     assert not real.meta and meta.meta
     assert meta.skipped_checks == SKIPPED_ON_META and not real.skipped_checks
     assert meta.trace_device == real.trace_device == "cpu"  # the cost device prices both
@@ -73,7 +92,9 @@ def test_attention_kernel_as_the_cpu_picks_it():
         mask = torch.ones(16, 16, dtype=torch.bool, device=device).tril()
         ops = OpCounter()
         with CpuKernelChoice(), ops:
-            torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, k, attn_mask=mask, enable_gqa=True
+            )
         counts[device] = ops.items()
     assert counts["meta"] == counts["cpu"]
     assert "_scaled_dot_product_flash_attention_for_cpu" in dict(counts["cpu"])
@@ -87,7 +108,9 @@ def _write(tmp_path: Path, body: str) -> Path:
 
 def test_model_file_that_builds_on_meta_is_detected(tmp_path):
     """A factory that builds a model far larger than this machine on meta traces in seconds, with no real tensor."""
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
         import torch
         import torch.nn as nn
 
@@ -99,7 +122,8 @@ def test_model_file_that_builds_on_meta_is_detected(tmp_path):
 
         def example_inputs(batch_size):
             return (torch.randn(batch_size, WIDTH),)
-    """)
+    """,
+    )
     traced = _trace(path)
     profile = traced.profile
     assert profile.meta and profile.trace_device == "cpu"
@@ -123,7 +147,9 @@ def test_real_model_on_meta_is_refused():
 
 
 def test_cost_device_prices_a_meta_trace():
-    model = build_on_meta(lambda: nn.Sequential(nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 8)))
+    model = build_on_meta(
+        lambda: nn.Sequential(nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 8))
+    )
     x = torch.randn(64, 8192)
     cpu = trace_model(model, (x,), trace_device="meta", progress=False).profile
     cuda = trace_model(model, (x,), trace_device="meta", cost_device="cuda", progress=False).profile
@@ -140,13 +166,17 @@ def test_mixtral_on_meta_names_the_op_and_the_module():
         _trace(ZOO / "mixtral.py", trace_device="meta")
     message = str(info.value)
     assert "\n" not in message
-    assert "aten._grouped_mm" in message and "model.layers.0.mlp.experts (MixtralExperts)" in message
+    assert (
+        "aten._grouped_mm" in message and "model.layers.0.mlp.experts (MixtralExperts)" in message
+    )
     assert "trace with real tensors (--device cpu" in message
     assert _trace(ZOO / "mixtral.py", trace_device="cpu").profile.units  # on real tensors it plans
 
 
 def test_data_dependent_routing_on_meta_names_the_op_and_the_module(tmp_path):
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
         import torch
         import torch.nn as nn
 
@@ -169,7 +199,11 @@ def test_data_dependent_routing_on_meta_names_the_op_and_the_module(tmp_path):
 
         def example_inputs(batch_size):
             return (torch.randn(batch_size, 4),)
-    """)
-    with pytest.raises(TraceError, match=r"on the meta device, aten\.nonzero\.default in router \(Router\) cannot "
-                                         r"run .*trace with real tensors \(--device cpu"):
+    """,
+    )
+    with pytest.raises(
+        TraceError,
+        match=r"on the meta device, aten\.nonzero\.default in router \(Router\) cannot "
+        r"run .*trace with real tensors \(--device cpu",
+    ):
         _trace(path, trace_device="meta")

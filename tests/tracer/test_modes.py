@@ -19,7 +19,13 @@ from fxpipe.graphmeta import GUARD_KEY
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import trace_model_file
 from fxpipe.tracer.merge import merge_modes
-from fxpipe.tracer.modes import guard_of, guarded_regions, is_training_flag, run_in_mode, train_or_eval
+from fxpipe.tracer.modes import (
+    guard_of,
+    guarded_regions,
+    is_training_flag,
+    run_in_mode,
+    train_or_eval,
+)
 from fxpipe.tracer.traced import TracedModel
 
 MODELS = Path(__file__).resolve().parents[1] / "mode_models.py"
@@ -71,7 +77,9 @@ def test_a_train_only_contiguous_stays_unguarded(frontend: str) -> None:
     traced = _trace("build_contiguous", frontend)
     nodes = list(traced.graph_module.graph.nodes)
     assert any("contiguous" in str(n.target) for n in nodes)
-    assert not any(guard_of(n) is not None or n.target is train_or_eval or _reads_flag(n) for n in nodes)
+    assert not any(
+        guard_of(n) is not None or n.target is train_or_eval or _reads_flag(n) for n in nodes
+    )
     _assert_graph_is_model_in_both_modes(traced)
 
 
@@ -89,7 +97,9 @@ def test_stochastic_depth_inlined_is_a_conditional_region_in_one_unit() -> None:
     traced = _trace("build_model", "export", "example_inputs")
     graph = traced.graph_module.graph
     regions = guarded_regions(graph)
-    assert len(regions) == 3  # one per block: empty, bernoulli_, div_, mul and the switch that reads them
+    assert (
+        len(regions) == 3
+    )  # one per block: empty, bernoulli_, div_, mul and the switch that reads them
     for region in regions:
         switch = [n for n in region if n.target is train_or_eval]
         assert len(switch) == 1 and {guard_of(n) for n in region if n not in switch} == {True}
@@ -100,7 +110,11 @@ def test_stochastic_depth_inlined_is_a_conditional_region_in_one_unit() -> None:
 
 def test_stochastic_depth_on_the_symbolic_path_reads_training() -> None:
     traced = _trace("build_model", "symbolic", "example_inputs")
-    calls = [n for n in traced.graph_module.graph.nodes if getattr(n.target, "__name__", "") == "stochastic_depth"]
+    calls = [
+        n
+        for n in traced.graph_module.graph.nodes
+        if getattr(n.target, "__name__", "") == "stochastic_depth"
+    ]
     assert len(calls) == 3 and all(is_training_flag(c.args[3]) for c in calls)
     _assert_graph_is_model_in_both_modes(traced)
 
@@ -140,8 +154,9 @@ def test_tracing_leaves_the_model_modes_and_buffers_as_they_were() -> None:
     from fxpipe.tracer import trace_model
 
     traced = trace_model(model, source.example_inputs(2), frontend="export", progress=False)
-    assert [m.training for m in model.modules()] == [m is model.blocks[1] or _under(model.blocks[1], m)
-                                                     for m in model.modules()]
+    assert [m.training for m in model.modules()] == [
+        m is model.blocks[1] or _under(model.blocks[1], m) for m in model.modules()
+    ]
     assert torch.equal(model.stem[1].running_mean, stats)
     assert any(n.target is operator.not_ or _reads_flag(n) for n in traced.graph_module.graph.nodes)
 

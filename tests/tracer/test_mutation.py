@@ -22,7 +22,9 @@ BATCH = 2
 
 
 def _trace(factory: str, **options) -> TracedModel:
-    return trace_model_file(load_model_file(inplace_models.__file__, model_fn=factory), BATCH, progress=False, **options)
+    return trace_model_file(
+        load_model_file(inplace_models.__file__, model_fn=factory), BATCH, progress=False, **options
+    )
 
 
 def _node(traced: TracedModel, match) -> fx.Node:
@@ -43,8 +45,13 @@ def test_an_in_place_module_call_is_found_and_the_stale_read_after_it_rewired() 
     traced = _trace("build_model")
     assert traced.graph_module.meta[MUTATIONS_KEY] == {"act": ("a",)}
     last = _node(traced, lambda n: n.op == "call_function" and n.target is operator.add)
-    assert [a.name for a in last.all_input_nodes] == ["c", "act"]  # `skip` was `a`: the ReLU changed it
-    assert traced.unit_of_node["a"] != traced.unit_of_node["act"]  # nothing read `a` before the ReLU: free to split
+    assert [a.name for a in last.all_input_nodes] == [
+        "c",
+        "act",
+    ]  # `skip` was `a`: the ReLU changed it
+    assert (
+        traced.unit_of_node["a"] != traced.unit_of_node["act"]
+    )  # nothing read `a` before the ReLU: free to split
     _runs_like_the_model(traced, "build_model")
 
 
@@ -63,19 +70,29 @@ def test_augmented_assignment_is_traced_in_place_and_each_version_stays_with_its
     traced = _trace("build_residual_stream")
     gm = traced.graph_module
     iadds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.iadd]
-    assert len(iadds) == 4  # `h += block(h)`, not `h = h + block(h)`: the program changes h, and `first` with it
+    assert (
+        len(iadds) == 4
+    )  # `h += block(h)`, not `h = h + block(h)`: the program changes h, and `first` with it
     assert set(gm.meta[MUTATIONS_KEY]) == {n.name for n in iadds}
     out = _node(traced, lambda n: n.op == "call_function" and n.target is operator.add)
-    assert iadds[-1] in out.all_input_nodes and not any(n.name == "embed" for n in out.all_input_nodes)
-    for k, iadd in enumerate(iadds):  # the block that reads version k and the call that changes it: one unit
+    assert iadds[-1] in out.all_input_nodes and not any(
+        n.name == "embed" for n in out.all_input_nodes
+    )
+    for k, iadd in enumerate(
+        iadds
+    ):  # the block that reads version k and the call that changes it: one unit
         first_read = next(u for u in iadd.args[0].users if u is not iadd)
         assert traced.unit_of_node[first_read.name] == traced.unit_of_node[iadd.name]
         assert traced.unit_of_node[iadd.name].startswith(f"blocks.{k}") or k == 0
-    assert len({traced.unit_of_node[n.name] for n in iadds}) == 4  # the stream still splits between blocks
+    assert (
+        len({traced.unit_of_node[n.name] for n in iadds}) == 4
+    )  # the stream still splits between blocks
     _runs_like_the_model(traced, "build_residual_stream")
 
 
-def test_a_write_through_a_view_keeps_the_viewed_tensor_its_writer_and_readers_before_it_on_one_unit() -> None:
+def test_a_write_through_a_view_keeps_the_viewed_tensor_its_writer_and_readers_before_it_on_one_unit() -> (
+    None
+):
     traced = _trace("build_view_write")
     relu_ = _node(traced, lambda n: n.op == "call_method" and n.target == "relu_")
     assert traced.unit_of_node["a"] == traced.unit_of_node[relu_.name]
@@ -94,7 +111,11 @@ def test_an_in_place_call_of_one_mode_is_seen_and_keeps_what_it_changes_on_one_u
 class _ReturnsWhatItChanged(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.act, self.b = torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 8)
+        self.a, self.act, self.b = (
+            torch.nn.Linear(8, 8),
+            torch.nn.ReLU(inplace=True),
+            torch.nn.Linear(8, 8),
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.a(x)

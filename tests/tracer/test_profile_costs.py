@@ -29,7 +29,9 @@ class _BigSmall(nn.Module):
 def both_modes():
     x = (torch.randn(64, 512),)
     model = _BigSmall()
-    return trace_model(model, x, progress=False), trace_model(model, x, measure_times=True, progress=False)
+    return trace_model(model, x, progress=False), trace_model(
+        model, x, measure_times=True, progress=False
+    )
 
 
 def test_costs_positive_in_both_modes(both_modes):
@@ -64,7 +66,10 @@ def test_saved_tensors_counts_every_pack_of_a_unit_on_real_and_meta_tensors(both
     # Note [recompute cost]: a checkpoint region pays per saved tensor, shared storage or not.
     # big: addmm saves its input and the weight's transpose, relu its output; small: addmm's two
     for traced in both_modes:
-        assert {u.module_path: u.saved_tensors for u in traced.profile.units} == {"big": 3, "small": 2}
+        assert {u.module_path: u.saved_tensors for u in traced.profile.units} == {
+            "big": 3,
+            "small": 2,
+        }
     with torch.device("meta"):
         model = _BigSmall()
     meta = trace_model(model, (torch.randn(64, 512, device="meta"),), progress=False)
@@ -75,8 +80,9 @@ def test_analytic_mode_is_deterministic():
     x = (torch.randn(8, 512),)
     a = trace_model(_BigSmall(), x, progress=False).profile
     b = trace_model(_BigSmall(), x, progress=False).profile
-    assert [(u.fwd_ms, u.bwd_ms, u.activation_bytes) for u in a.units] == \
-        [(u.fwd_ms, u.bwd_ms, u.activation_bytes) for u in b.units]
+    assert [(u.fwd_ms, u.bwd_ms, u.activation_bytes) for u in a.units] == [
+        (u.fwd_ms, u.bwd_ms, u.activation_bytes) for u in b.units
+    ]
 
 
 def test_profile_json_round_trip_and_graph(both_modes, tmp_path):
@@ -111,13 +117,28 @@ from fxpipe.tracer.calibration import ACCUMULATE_OP, DEVICE_PRESETS, DevicePrese
 from fxpipe.tracer.counting import OpCounter, UnitCounts  # noqa: E402
 from fxpipe.tracer.timing import analytic_ms  # noqa: E402
 
-_PRESET = DevicePreset("test", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, bwd_op_overhead_s=2e-6,
-                       op_extra_s=(("convolution", 10e-6),), cold_factor=2.0)
+_PRESET = DevicePreset(
+    "test",
+    flops_per_s=1e9,
+    bytes_per_s=1e9,
+    op_overhead_s=1e-6,
+    bwd_op_overhead_s=2e-6,
+    op_extra_s=(("convolution", 10e-6),),
+    cold_factor=2.0,
+)
 
 
 def test_analytic_ms_literal_roofline_plus_op_costs():
-    counts = UnitCounts(fwd_flops=2e6, bwd_flops=4e6, fwd_bytes=1_000_000, activation_bytes=0, n_ops=9,
-                        has_backward=True, fwd_ops=(("addmm", 3), ("convolution", 1)), bwd_ops=(("mm", 4),))
+    counts = UnitCounts(
+        fwd_flops=2e6,
+        bwd_flops=4e6,
+        fwd_bytes=1_000_000,
+        activation_bytes=0,
+        n_ops=9,
+        has_backward=True,
+        fwd_ops=(("addmm", 3), ("convolution", 1)),
+        bwd_ops=(("mm", 4),),
+    )
     fwd, bwd = analytic_ms(counts, _PRESET)
     # forward: max(2 ms flops, 1 ms bytes) + 2 x (3 x 1 us + 1 x (1 + 10) us)
     assert fwd == pytest.approx(2.0 + 0.028)
@@ -126,21 +147,46 @@ def test_analytic_ms_literal_roofline_plus_op_costs():
 
 
 def test_analytic_ms_without_op_counts_and_without_backward():
-    counts = UnitCounts(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, activation_bytes=0, n_ops=5, has_backward=True)
+    counts = UnitCounts(
+        fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, activation_bytes=0, n_ops=5, has_backward=True
+    )
     assert analytic_ms(counts, _PRESET) == pytest.approx((5 * 1e-3 * 2, 2 * 5 * 2e-3 * 2))
-    frozen = UnitCounts(fwd_flops=1e6, bwd_flops=0.0, fwd_bytes=0, activation_bytes=0, n_ops=1, has_backward=False,
-                        fwd_ops=(("relu", 1),))
+    frozen = UnitCounts(
+        fwd_flops=1e6,
+        bwd_flops=0.0,
+        fwd_bytes=0,
+        activation_bytes=0,
+        n_ops=1,
+        has_backward=False,
+        fwd_ops=(("relu", 1),),
+    )
     assert analytic_ms(frozen, _PRESET) == pytest.approx((1.0 + 0.002, 0.0))
 
 
 def test_analytic_ms_async_launch_takes_the_longer_of_roofline_and_ops():
     # Note [asynchronous launch]: the host launches while the device runs, so a unit costs the longer
     overlapped = replace(_PRESET, async_launch=True)
-    compute_bound = UnitCounts(fwd_flops=2e6, bwd_flops=4e6, fwd_bytes=1_000_000, activation_bytes=0, n_ops=9,
-                               has_backward=True, fwd_ops=(("addmm", 3), ("convolution", 1)), bwd_ops=(("mm", 4),))
+    compute_bound = UnitCounts(
+        fwd_flops=2e6,
+        bwd_flops=4e6,
+        fwd_bytes=1_000_000,
+        activation_bytes=0,
+        n_ops=9,
+        has_backward=True,
+        fwd_ops=(("addmm", 3), ("convolution", 1)),
+        bwd_ops=(("mm", 4),),
+    )
     assert analytic_ms(compute_bound, overlapped) == pytest.approx((2.0, 4.0))
-    launch_bound = UnitCounts(fwd_flops=1e3, bwd_flops=2e3, fwd_bytes=1_000, activation_bytes=0, n_ops=9,
-                              has_backward=True, fwd_ops=(("add", 100),), bwd_ops=(("mul", 100),))
+    launch_bound = UnitCounts(
+        fwd_flops=1e3,
+        bwd_flops=2e3,
+        fwd_bytes=1_000,
+        activation_bytes=0,
+        n_ops=9,
+        has_backward=True,
+        fwd_ops=(("add", 100),),
+        bwd_ops=(("mul", 100),),
+    )
     # forward: 2 x 100 x 1 us = 0.2 ms over a 0.001 ms roofline; backward: 2 x 100 x 2 us
     assert analytic_ms(launch_bound, overlapped) == pytest.approx((0.2, 0.4))
     assert analytic_ms(launch_bound, _PRESET) == pytest.approx((0.2 + 0.001, 0.4 + 0.002))

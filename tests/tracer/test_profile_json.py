@@ -14,8 +14,17 @@ from fxpipe.tracer import trace_model_file
 from fxpipe.tracer.profile import PROFILE_SCHEMA_VERSION, ModelInfo, ModelProfile
 
 MINIMAL = {
-    "units": [{"name": f"layer{i}", "fwd_ms": 1.0 + i, "bwd_ms": 2.0, "param_bytes": 1000, "activation_bytes": 64,
-               "outputs": [{"shape": [2, 8], "dtype": "float32"}]} for i in range(4)],
+    "units": [
+        {
+            "name": f"layer{i}",
+            "fwd_ms": 1.0 + i,
+            "bwd_ms": 2.0,
+            "param_bytes": 1000,
+            "activation_bytes": 64,
+            "outputs": [{"shape": [2, 8], "dtype": "float32"}],
+        }
+        for i in range(4)
+    ],
     "edges": [{"src": f"layer{i}", "dst": f"layer{i + 1}", "bytes": 64} for i in range(3)],
     "batch_size": 2,
 }
@@ -24,18 +33,36 @@ MINIMAL = {
 def test_traced_profile_records_model_info_and_round_trips(tmp_path: Path) -> None:
     source = load_model_file(EXAMPLES["mlp"])
     profile = trace_model_file(source, 2, progress=False).profile
-    assert profile.model == ModelInfo(class_name=profile.model.class_name, file=str(source.path),
-                                      sha256=source.sha256, factory="build_model")
+    assert profile.model == ModelInfo(
+        class_name=profile.model.class_name,
+        file=str(source.path),
+        sha256=source.sha256,
+        factory="build_model",
+    )
     assert profile.model.class_name and profile.model.class_name.endswith("MLP")
     assert ModelProfile.from_json(profile.to_json(tmp_path / "profile.json")) == profile
-    assert json.loads((tmp_path / "profile.json").read_text())["model"]["class_name"] == profile.model.class_name
+    assert (
+        json.loads((tmp_path / "profile.json").read_text())["model"]["class_name"]
+        == profile.model.class_name
+    )
 
 
 def test_version_1_profiles_are_read() -> None:
-    old = dict(MINIMAL, schema_version=1, model={"class": "m.Net", "file": "m.py", "sha256": "ab",
-                                                 "factory": "build_model", "name": "net"})
+    old = dict(
+        MINIMAL,
+        schema_version=1,
+        model={
+            "class": "m.Net",
+            "file": "m.py",
+            "sha256": "ab",
+            "factory": "build_model",
+            "name": "net",
+        },
+    )
     profile = ModelProfile.from_dict(old)
-    assert profile.model == ModelInfo(name="net", class_name="m.Net", file="m.py", sha256="ab", factory="build_model")
+    assert profile.model == ModelInfo(
+        name="net", class_name="m.Net", file="m.py", sha256="ab", factory="build_model"
+    )
     assert profile.schema_version == PROFILE_SCHEMA_VERSION == 2
     assert ModelProfile.from_json(profile.to_json()) == profile
 

@@ -31,7 +31,7 @@ def test_a_log_gets_one_plain_line_per_phase() -> None:
     log, lines_to = io.StringIO(), io.StringIO()
     with reporting(log, lines=lines_to):
         _run_phases()
-    assert log.getvalue() == ""          # not a terminal: nothing live, the lines go to ``lines``
+    assert log.getvalue() == ""  # not a terminal: nothing live, the lines go to ``lines``
     log = lines_to
     lines = log.getvalue().splitlines()
     assert [_LINE.match(line)["name"] for line in lines] == ["trace", "count"]  # type: ignore[index]
@@ -52,7 +52,7 @@ def test_a_terminal_gets_a_bar_and_the_same_lines() -> None:
     with reporting(term, terminal=True):
         _run_phases()
     text = term.getvalue()
-    assert "count: counting units" in text and "3/3" in text      # the running bar
+    assert "count: counting units" in text and "3/3" in text  # the running bar
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
     assert "fxpipe: trace (symbolic, 3 units)" in plain and "fxpipe: count" in plain
 
@@ -69,28 +69,64 @@ def _fxpipe_env() -> dict[str, str]:
 
 def test_cli_piped_prints_one_line_per_phase(tmp_path: Path) -> None:
     # on standard output, so that standard error holds nothing but an error line when a verb fails
-    proc = subprocess.run([sys.executable, "-m", "fxpipe", "partition", "examples/mlp.py", "--stages", "2",
-                           "--out", str(tmp_path / "build")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=_fxpipe_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fxpipe",
+            "partition",
+            "examples/mlp.py",
+            "--stages",
+            "2",
+            "--out",
+            str(tmp_path / "build"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_fxpipe_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("fxpipe: ")]
     assert [_LINE.match(line)["name"] for line in lines] == [  # type: ignore[index]
-        "build the model", "trace", "count", "solve", "emit", "check"]
-    assert proc.stdout.splitlines()[:6] == lines   # before the tables, in order, nothing between them
-    assert proc.stderr == "" and "\x1b" not in proc.stdout   # no bars, no escape codes
+        "build the model",
+        "trace",
+        "count",
+        "solve",
+        "emit",
+        "check",
+    ]
+    assert (
+        proc.stdout.splitlines()[:6] == lines
+    )  # before the tables, in order, nothing between them
+    assert proc.stderr == "" and "\x1b" not in proc.stdout  # no bars, no escape codes
 
 
 def test_cli_on_a_terminal_shows_progress(tmp_path: Path) -> None:
     main, child = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "fxpipe", "trace", "examples/mlp.py",
-                             "--out", str(tmp_path / "p.json")], cwd=ROOT, stdin=child, stdout=child, stderr=child,
-                            env={**_fxpipe_env(), "TERM": "xterm"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fxpipe",
+            "trace",
+            "examples/mlp.py",
+            "--out",
+            str(tmp_path / "p.json"),
+        ],
+        cwd=ROOT,
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        env={**_fxpipe_env(), "TERM": "xterm"},
+    )
     os.close(child)
     chunks = []
     while True:
         try:
             data = os.read(main, 65536)
-        except OSError:   # the child closed the terminal
+        except OSError:  # the child closed the terminal
             break
         if not data:
             break
@@ -98,7 +134,7 @@ def test_cli_on_a_terminal_shows_progress(tmp_path: Path) -> None:
     assert proc.wait(timeout=300) == 0
     os.close(main)
     text = b"".join(chunks).decode("utf-8", "replace")
-    assert "count: counting units" in text          # the running bar of the count phase
+    assert "count: counting units" in text  # the running bar of the count phase
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
     for name in ("build the model", "trace", "count"):
         assert f"fxpipe: {name}" in plain

@@ -14,8 +14,13 @@ import torch.nn as nn
 from pipeline_support import MODELS, assert_pipeline_matches, partition_file
 
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.rebuild import build_on_meta, configuration_difference, drop_redundant, rebuild_problem, \
-    torch_nn_arguments
+from fxpipe.tracer.rebuild import (
+    build_on_meta,
+    configuration_difference,
+    drop_redundant,
+    rebuild_problem,
+    torch_nn_arguments,
+)
 
 
 def test_multihead_attention_keeps_batch_first_and_dropout() -> None:
@@ -28,14 +33,23 @@ def test_multihead_attention_keeps_batch_first_and_dropout() -> None:
     assert configuration_difference(mha, partial) == "batch_first = False, expected True"
 
 
-@pytest.mark.parametrize("original,rebuilt,difference", [
-    (nn.Linear(3, 4), nn.Linear(3, 4, bias=False), "parameters or buffers differ"),
-    (nn.BatchNorm1d(4, momentum=0.3), nn.BatchNorm1d(4), "momentum = 0.1, expected 0.3"),
-    (nn.Sequential(nn.Dropout(0.1)), nn.Sequential(nn.Dropout(0.2)), "0.p = 0.2, expected 0.1"),
-    (nn.GELU(approximate="tanh"), nn.GELU(), "approximate = 'none', expected 'tanh'"),
-    (nn.Conv1d(2, 2, 3, padding=1, padding_mode="circular"), nn.Conv1d(2, 2, 3, padding=1), "padding_mode"),
-])
-def test_configuration_differences_are_named(original: nn.Module, rebuilt: nn.Module, difference: str) -> None:
+@pytest.mark.parametrize(
+    "original,rebuilt,difference",
+    [
+        (nn.Linear(3, 4), nn.Linear(3, 4, bias=False), "parameters or buffers differ"),
+        (nn.BatchNorm1d(4, momentum=0.3), nn.BatchNorm1d(4), "momentum = 0.1, expected 0.3"),
+        (nn.Sequential(nn.Dropout(0.1)), nn.Sequential(nn.Dropout(0.2)), "0.p = 0.2, expected 0.1"),
+        (nn.GELU(approximate="tanh"), nn.GELU(), "approximate = 'none', expected 'tanh'"),
+        (
+            nn.Conv1d(2, 2, 3, padding=1, padding_mode="circular"),
+            nn.Conv1d(2, 2, 3, padding=1),
+            "padding_mode",
+        ),
+    ],
+)
+def test_configuration_differences_are_named(
+    original: nn.Module, rebuilt: nn.Module, difference: str
+) -> None:
     assert difference in str(configuration_difference(original, rebuilt))
 
 
@@ -66,7 +80,9 @@ def test_user_classes_need_recorded_literal_arguments_and_every_attribute() -> N
     module = Scaled(4)
     assert rebuild_problem(module, None) == "no constructor arguments were recorded for it"
     assert rebuild_problem(module, ((4,), {})) is None
-    module.scale = 3.0  # set by its parent after construction: the rebuilt one would compute another function
+    module.scale = (
+        3.0  # set by its parent after construction: the rebuilt one would compute another function
+    )
     assert rebuild_problem(module, ((4,), {})) == "scale = 1.0, expected 3.0"
     assert "cannot be written" in str(rebuild_problem(Scaled(4), ((nn.Linear(4, 4),), {})))
 
@@ -89,7 +105,9 @@ def test_symbolic_traces_into_a_torch_nn_module_it_cannot_rebuild() -> None:
         traced = trace_model(WithEncoderLayer(), (torch.randn(2, 5, 8),), progress=False)
     assert traced.frontend == "export"
     assert not [w for w in caught if "fxpipe" in str(w.message)]
-    symbolic = trace_model(WithEncoderLayer(), (torch.randn(2, 5, 8),), frontend="symbolic", progress=False)
+    symbolic = trace_model(
+        WithEncoderLayer(), (torch.randn(2, 5, 8),), frontend="symbolic", progress=False
+    )
     assert "layer" in symbolic.leaf_modules and "proj" in symbolic.leaf_modules
 
 
@@ -116,9 +134,12 @@ def test_transformer_encoder_with_the_default_front_end(tmp_path: Path, stages: 
     assert_pipeline_matches(tmp_path / "build", source, training=True)
 
 
-@pytest.mark.parametrize("factory,modes", [("build_model", (True,)), ("build_without_dropout", (True, False))])
-def test_multihead_attention_with_batch_first_and_dropout_matches(tmp_path: Path, factory: str,
-                                                                  modes: tuple[bool, ...]) -> None:
+@pytest.mark.parametrize(
+    "factory,modes", [("build_model", (True,)), ("build_without_dropout", (True, False))]
+)
+def test_multihead_attention_with_batch_first_and_dropout_matches(
+    tmp_path: Path, factory: str, modes: tuple[bool, ...]
+) -> None:
     traced, source = partition_file(f"{MODELS / 'mha_vit.py'}:{factory}", 2, tmp_path / "build")
     assert traced.frontend == "symbolic"
     text = "".join(p.read_text() for p in sorted((tmp_path / "build").glob("stage_*.py")))

@@ -23,7 +23,9 @@ class Noisy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.dropout(self.drop(self.fc(x)), 0.3, training=self.training)
-        if self.frozen_noise:  # a value the trace captures as a constant: the graph differs from the model
+        if (
+            self.frozen_noise
+        ):  # a value the trace captures as a constant: the graph differs from the model
             y = y + torch.randn(()).item()
         return y
 
@@ -49,7 +51,9 @@ def test_tracing_leaves_the_random_state_as_it_was() -> None:
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
-    trace_model(model, (x,), progress=False)  # seeds its own runs, then puts the caller's state back
+    trace_model(
+        model, (x,), progress=False
+    )  # seeds its own runs, then puts the caller's state back
     assert torch.equal(torch.rand(4), expected)
 
 
@@ -70,9 +74,11 @@ class Checked(nn.Module):
 def test_assert_messages_show_what_the_user_wrote_not_proxies() -> None:
     traced = trace_model(Checked(), (torch.randn(4, 6),), frontend="symbolic", progress=False)
     messages = [n.args[1] for n in traced.graph_module.graph.nodes if n.target is torch._assert]
-    assert messages == ["Wrong width! Expected 6 but got {s}!",
-                        "Expected (batch, width) got {x.shape}, {braces} and 100%",
-                        "a plain message"]
+    assert messages == [
+        "Wrong width! Expected 6 but got {s}!",
+        "Expected (batch, width) got {x.shape}, {braces} and 100%",
+        "a plain message",
+    ]
     # the `x.shape` that only the message read is gone
     assert not [n for n in traced.graph_module.graph.nodes if n.target is getattr and not n.users]
 
@@ -97,8 +103,11 @@ class ReturnsACache(nn.Module):
 
 
 def test_an_output_object_that_is_not_a_tensor_is_refused_with_its_place_and_the_fix() -> None:
-    with pytest.raises(TraceError, match=r"returns a DynamicCache at output\['past_key_values'\]: .*"
-                                         r"build the model with config.use_cache=False"):
+    with pytest.raises(
+        TraceError,
+        match=r"returns a DynamicCache at output\['past_key_values'\]: .*"
+        r"build the model with config.use_cache=False",
+    ):
         trace_model(ReturnsACache(), (torch.randn(4, 8),), progress=False)
     wrapped = nn.Sequential(nn.Linear(8, 8))
     wrapped.forward = lambda x: (wrapped[0](x), warnings)  # type: ignore[method-assign]  # a module object

@@ -54,8 +54,11 @@ def test_normalized_graph_contract(traced_examples, name):
         if node.op in COMPUTE_OPS:
             assert node.name in traced.unit_of_node
         if node.op == "get_attr":
-            assert str(node.target) in dict(traced.model.named_parameters(remove_duplicate=False)) | dict(
-                traced.model.named_buffers(remove_duplicate=False)) | {c: None for c in gm.meta["fxpipe_constants"]}
+            assert str(node.target) in dict(
+                traced.model.named_parameters(remove_duplicate=False)
+            ) | dict(traced.model.named_buffers(remove_duplicate=False)) | {
+                c: None for c in gm.meta["fxpipe_constants"]
+            }
     # values crossing units are tensors or ints, never tuples
     for unit in traced.profile.units:
         assert all(isinstance(o, TensorSpec) for o in unit.outputs)
@@ -65,8 +68,13 @@ def test_normalized_graph_contract(traced_examples, name):
 def test_leaf_output_shapes_equal_eager(traced_examples, name):
     traced = traced_examples[name]
     shapes: dict[str, list[tuple[int, ...]]] = {}
-    hooks = [m.register_forward_hook(lambda mod, args, out, path=path: shapes.setdefault(path, []).append(
-        tuple(out.shape))) for path, m in traced.model.named_modules() if path in traced.leaf_modules]
+    hooks = [
+        m.register_forward_hook(
+            lambda mod, args, out, path=path: shapes.setdefault(path, []).append(tuple(out.shape))
+        )
+        for path, m in traced.model.named_modules()
+        if path in traced.leaf_modules
+    ]
     try:
         with torch.no_grad():
             traced.model(*traced.example_inputs)

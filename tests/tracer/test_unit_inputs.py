@@ -44,7 +44,12 @@ def _runners(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[UnitRun
 
 def test_running_units_never_changes_the_recorded_values() -> None:
     runners = _runners(Residual(), (torch.randn(4, 6), torch.tensor([0, 1, 2])))
-    recorded = {id(v): (v, v.clone()) for r in runners for v in r.input_values.values() if isinstance(v, torch.Tensor)}
+    recorded = {
+        id(v): (v, v.clone())
+        for r in runners
+        for v in r.input_values.values()
+        if isinstance(v, torch.Tensor)
+    }
     assert any(not v.is_floating_point() for v, _ in recorded.values())
     for runner in runners:
         count_unit(runner)
@@ -54,13 +59,17 @@ def test_running_units_never_changes_the_recorded_values() -> None:
 
 
 def test_fresh_inputs_are_new_storage_and_gradients_reach_the_leaves() -> None:
-    runner = next(r for r in _runners(Residual(), (torch.randn(4, 6), torch.tensor([0, 1, 2])))
-                  if any(n.op == "call_module" and n.target == "relu" for n in r.nodes))
+    runner = next(
+        r
+        for r in _runners(Residual(), (torch.randn(4, 6), torch.tensor([0, 1, 2])))
+        if any(n.op == "call_module" and n.target == "relu" for n in r.nodes)
+    )
     inputs = runner.fresh_inputs()
     recorded = [v for v in runner.input_values.values() if isinstance(v, torch.Tensor)]
     args = [a for a in inputs.args if isinstance(a, torch.Tensor)]
     assert {a.untyped_storage().data_ptr() for a in args}.isdisjoint(
-        {v.untyped_storage().data_ptr() for v in recorded})
+        {v.untyped_storage().data_ptr() for v in recorded}
+    )
     assert all(not a.is_leaf for a in args if a.requires_grad)  # in-place ops on them are allowed
     outputs = runner.run(inputs)
     assert runner.backward(outputs, inputs.leaves)
@@ -68,9 +77,15 @@ def test_fresh_inputs_are_new_storage_and_gradients_reach_the_leaves() -> None:
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
 @pytest.mark.parametrize("stages", [2, 4])
-def test_resnet_blocks_with_in_place_ops_partition_and_match(tmp_path: Path, frontend: str, stages: int) -> None:
-    traced, source = partition_file(MODELS / "inplace_resnet.py", stages, tmp_path / "build", frontend=frontend)
+def test_resnet_blocks_with_in_place_ops_partition_and_match(
+    tmp_path: Path, frontend: str, stages: int
+) -> None:
+    traced, source = partition_file(
+        MODELS / "inplace_resnet.py", stages, tmp_path / "build", frontend=frontend
+    )
     assert traced.frontend == frontend
     assert_pipeline_matches(tmp_path / "build", source, training=True)
-    if frontend == "symbolic":  # the export graph bakes BatchNorm's train mode in (issue 10, item 5)
+    if (
+        frontend == "symbolic"
+    ):  # the export graph bakes BatchNorm's train mode in (issue 10, item 5)
         assert_pipeline_matches(tmp_path / "build", source, training=False)

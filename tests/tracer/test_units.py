@@ -10,7 +10,9 @@ from fxpipe.tracer.units import group_units, join_units
 
 
 def _five_leaf_units() -> fx.GraphModule:
-    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    gm = fx.symbolic_trace(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    )
     for node in gm.graph.nodes:
         if node.op == "call_module":
             node.meta[PATH_KEY] = node.target

@@ -77,6 +77,7 @@ def compare_pipeline(build_dir: str | Path, source: Any, training: bool) -> Comp
     pipeline = fxpipe.load_pipeline(build_dir)
     inputs = getattr(source.module, source.inputs_fn)(batch)
     if isinstance(inputs, dict) and "labels" in inputs:
+
         def loss(output: Any) -> torch.Tensor:
             return output["loss"]
     else:
@@ -85,9 +86,22 @@ def compare_pipeline(build_dir: str | Path, source: Any, training: bool) -> Comp
         def loss(output: Any) -> torch.Tensor:
             return source.loss_fn(output, targets)
 
-    result = compare_in_mode(reference, pipeline, list(pipeline.stages), lambda m: _call(m, inputs),
-                             training=training, loss=loss)
+    result = compare_in_mode(
+        reference,
+        pipeline,
+        list(pipeline.stages),
+        lambda m: _call(m, inputs),
+        training=training,
+        loss=loss,
+    )
     worst = result.worst
-    return Comparison(training=training, ok=result.ok, max_abs=max((e.max_abs for e in result.rows), default=0.0),
-                      worst=worst.name if worst else "", outputs=len(result.outputs), grads=len(result.grads),
-                      buffers=len(result.buffers), failing=len(result.failing))
+    return Comparison(
+        training=training,
+        ok=result.ok,
+        max_abs=max((e.max_abs for e in result.rows), default=0.0),
+        worst=worst.name if worst else "",
+        outputs=len(result.outputs),
+        grads=len(result.grads),
+        buffers=len(result.buffers),
+        failing=len(result.failing),
+    )

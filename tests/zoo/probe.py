@@ -50,11 +50,14 @@ from registry import ZooModel, select  # noqa: E402
 
 MICROBATCH = 2
 STAGES = (2, 4)
-PLAN_TIME_LIMIT = 2.0  # CP-SAT seconds per plan (the CLI's default is 10; plan quality does not matter here)
+PLAN_TIME_LIMIT = (
+    2.0  # CP-SAT seconds per plan (the CLI's default is 10; plan quality does not matter here)
+)
 QUIET_WARNINGS = (DeprecationWarning, FutureWarning, PendingDeprecationWarning)
 
 
 # ---- recording a step ---------------------------------------------------------------------------------------------
+
 
 def _short(path: str) -> str:
     """A frame's file relative to the checkout or to site-packages."""
@@ -78,7 +81,9 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         "error_type": type(exc).__name__,
         "error": _first_line(exc),
         "at": f"{_short(ours[-1].filename)}:{ours[-1].name}:{ours[-1].lineno}" if ours else "",
-        "origin": f"{_short(frames[-1].filename)}:{frames[-1].name}:{frames[-1].lineno}" if frames else "",
+        "origin": f"{_short(frames[-1].filename)}:{frames[-1].name}:{frames[-1].lineno}"
+        if frames
+        else "",
     }
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     seen = 0
@@ -87,10 +92,19 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     if cause is not None:
         cframes = traceback.extract_tb(cause.__traceback__)
         cours = [f for f in cframes if "/fxpipe/" in f.filename and "/tests/" not in f.filename]
-        out["cause"] = (f"{type(cause).__name__}: {_first_line(cause)}"
-                        + (f" @ {_short(cours[-1].filename)}:{cours[-1].name}:{cours[-1].lineno}" if cours else "")
-                        + (f" (innermost {_short(cframes[-1].filename)}:{cframes[-1].name}:{cframes[-1].lineno})"
-                           if cframes else ""))
+        out["cause"] = (
+            f"{type(cause).__name__}: {_first_line(cause)}"
+            + (
+                f" @ {_short(cours[-1].filename)}:{cours[-1].name}:{cours[-1].lineno}"
+                if cours
+                else ""
+            )
+            + (
+                f" (innermost {_short(cframes[-1].filename)}:{cframes[-1].name}:{cframes[-1].lineno})"
+                if cframes
+                else ""
+            )
+        )
     return out
 
 
@@ -144,8 +158,13 @@ def _partition(traced: Any, source: Any, stages: int, out: Path) -> Any:
     from fxpipe.codegen import write_build_dir
     from fxpipe.partitioner import CostModel, plan_partition
 
-    plan = plan_partition(traced.profile, stages, microbatches=stages, time_limit=PLAN_TIME_LIMIT,
-                          cost=CostModel.preset("loopback", optimizer="sgd"))
+    plan = plan_partition(
+        traced.profile,
+        stages,
+        microbatches=stages,
+        time_limit=PLAN_TIME_LIMIT,
+        cost=CostModel.preset("loopback", optimizer="sgd"),
+    )
     write_build_dir(traced, plan, out, source, batch_size=MICROBATCH * stages, microbatches=stages)
     return plan
 
@@ -191,32 +210,59 @@ def _run_build(build: Path, steps: int = 2, timeout: float = 180.0) -> Step:
     ``error`` is the line the user sees (``error: ...``); ``cause`` the first exception a rank raised.
     """
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "fxpipe", "run", str(build), "--steps", str(steps), "--timeout", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fxpipe",
+        "run",
+        str(build),
+        "--steps",
+        str(steps),
+        "--timeout",
+        "60",
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Step("error", time.perf_counter() - start, {"error_type": "Timeout", "error": f"over {timeout:g} s"})
+        return Step(
+            "error",
+            time.perf_counter() - start,
+            {"error_type": "Timeout", "error": f"over {timeout:g} s"},
+        )
     seconds = time.perf_counter() - start
     if proc.returncode == 0 and (build / "run.json").is_file():
         losses = json.loads((build / "run.json").read_text()).get("losses", [])
         return Step("ok", seconds, {"losses": losses})
     lines = (proc.stderr + proc.stdout).splitlines()
     shown = [ln for ln in lines if ln.startswith("error:")] or lines[-1:] or [""]
-    info: dict[str, Any] = {"error_type": "RunFailed", "error": shown[0][:300], "exit": proc.returncode}
+    info: dict[str, Any] = {
+        "error_type": "RunFailed",
+        "error": shown[0][:300],
+        "exit": proc.returncode,
+    }
     cause = next((m for m in map(RANK_ERROR.match, lines) if m), None)
     if cause is not None:  # the first exception a rank printed, and its innermost fxpipe frame
         rank, etype, message = cause.groups()
         info["error_type"] = etype.rsplit(".", 1)[-1]
         info["cause"] = f"rank {rank}: {etype}: {message[:240]}"
-        frames = [m for m in map(RANK_FRAME.match, lines) if m and m.group(1) == rank and "/fxpipe/" in m.group(2)]
+        frames = [
+            m
+            for m in map(RANK_FRAME.match, lines)
+            if m and m.group(1) == rank and "/fxpipe/" in m.group(2)
+        ]
         if frames:
             _, path, line, func = frames[-1].groups()
             info["at"] = f"{_short(path)}:{func}:{line}"
     return Step("error", seconds, info)
 
 
-def probe_model(model: ZooModel, workdir: Path, stages: tuple[int, ...] = STAGES,
-                train_run: bool = False, keywords: bool = True) -> dict[str, Any]:
+def probe_model(
+    model: ZooModel,
+    workdir: Path,
+    stages: tuple[int, ...] = STAGES,
+    train_run: bool = False,
+    keywords: bool = True,
+) -> dict[str, Any]:
     """Every step of one model (see the module docstring; the keyword calls only with ``keywords``);
     the row of the table as a dict."""
     import torch
@@ -237,8 +283,11 @@ def probe_model(model: ZooModel, workdir: Path, stages: tuple[int, ...] = STAGES
     if traced is not None:
         row["frontend"] = traced.frontend
         row["units"] = len(traced.profile.units)
-        kept = [f"{path} ({cls.__name__})" for path, cls in traced.leaf_modules.items()
-                if not cls.__module__.startswith("torch.nn")]
+        kept = [
+            f"{path} ({cls.__name__})"
+            for path, cls in traced.leaf_modules.items()
+            if not cls.__module__.startswith("torch.nn")
+        ]
         if kept:  # modules the symbolic front end kept whole (not standard torch.nn layers)
             row["kept_whole"] = kept
     for s in stages:
@@ -258,31 +307,64 @@ def probe_model(model: ZooModel, workdir: Path, stages: tuple[int, ...] = STAGES
     return row
 
 
-def probe_isolated(model: ZooModel, timeout: float, stages: tuple[int, ...], train_run: bool) -> dict[str, Any]:
+def probe_isolated(
+    model: ZooModel, timeout: float, stages: tuple[int, ...], train_run: bool
+) -> dict[str, Any]:
     """``probe_model`` in a child process: a hang or a crash of the interpreter is one row."""
     with tempfile.TemporaryDirectory(prefix="zoo-probe-") as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), model.name, "--json", str(out), "--quiet",
-               "--frontend", FRONTEND,
-               "--stages", ",".join(map(str, stages))] + (["--run"] if train_run else [])
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            model.name,
+            "--json",
+            str(out),
+            "--quiet",
+            "--frontend",
+            FRONTEND,
+            "--stages",
+            ",".join(map(str, stages)),
+        ] + (["--run"] if train_run else [])
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
+            )
         except subprocess.TimeoutExpired:
-            problem = {"error_type": "Timeout", "error": f"the probe of {model.name} ran over {timeout:g} s"}
+            problem = {
+                "error_type": "Timeout",
+                "error": f"the probe of {model.name} ran over {timeout:g} s",
+            }
         else:
             if proc.returncode == 0 and out.is_file():
                 return json.loads(out.read_text())["rows"][0]
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-            problem = {"error_type": "ProcessDied", "error": f"exit status {proc.returncode}: {tail[0][:240]}"}
-    return {**model.to_dict(), "seconds": round(time.perf_counter() - start, 1),
-            "steps": {"process": {"status": "error", **problem}}}
+            problem = {
+                "error_type": "ProcessDied",
+                "error": f"exit status {proc.returncode}: {tail[0][:240]}",
+            }
+    return {
+        **model.to_dict(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "steps": {"process": {"status": "error", **problem}},
+    }
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
 
-COLUMNS = ["build", "trace", "partition@2", "train@2", "eval@2", "partition@4", "train@4", "eval@4", "kwargs", "labels",
-           "run"]
+COLUMNS = [
+    "build",
+    "trace",
+    "partition@2",
+    "train@2",
+    "eval@2",
+    "partition@4",
+    "train@4",
+    "eval@4",
+    "kwargs",
+    "labels",
+    "run",
+]
 
 
 def _cell(step: dict[str, Any] | None) -> str:
@@ -305,7 +387,11 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     header = ["model", "front end", "units"] + COLUMNS + ["s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r["name"] + (" *" if r.get("dropout") else ""), r.get("frontend", "-"), str(r.get("units", "-"))]
+        cells = [
+            r["name"] + (" *" if r.get("dropout") else ""),
+            r.get("frontend", "-"),
+            str(r.get("units", "-")),
+        ]
         cells += [_cell(r["steps"].get(c)) for c in COLUMNS]
         if "process" in r["steps"]:
             cells[3] = _cell(r["steps"]["process"])
@@ -333,13 +419,19 @@ def failure_groups(rows: list[dict[str, Any]]) -> list[str]:
             label = f"{r['name']}@{name.split('@')[1]}" if "@" in name else r["name"]
             groups.setdefault(key, []).append((label, step))
     lines = []
-    for (kind, etype, where), members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+    for (kind, etype, where), members in sorted(
+        groups.items(), key=lambda kv: (-len(kv[1]), kv[0])
+    ):
         labels = ", ".join(label for label, _ in members)
-        lines.append(f"- {kind}: {etype}{f' at {where}' if where else ''} ({len(members)}): {labels}")
+        lines.append(
+            f"- {kind}: {etype}{f' at {where}' if where else ''} ({len(members)}): {labels}"
+        )
         first = members[0][1]
         if etype == "mismatch":
-            lines += [f"    {label}: {step['worst']} off by {step['max_abs']:.3g} ({step['failing']} tensors)"
-                      for label, step in members]
+            lines += [
+                f"    {label}: {step['worst']} off by {step['max_abs']:.3g} ({step['failing']} tensors)"
+                for label, step in members
+            ]
             continue
         lines.append(f"    {first['error']}")
         if first.get("cause"):
@@ -351,15 +443,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="zoo models to probe (default: all)")
     parser.add_argument("--json", help="write the rows (and machine metadata) to this file")
-    parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="stage counts (default 2,4)")
-    parser.add_argument("--isolate", action="store_true", help="probe each model in its own process")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model with --isolate")
-    parser.add_argument("--run", action="store_true",
-                        help="also train the 2-stage build with `fxpipe run --steps 2` (torchrun; ~20 s a model)")
+    parser.add_argument(
+        "--stages", default=",".join(map(str, STAGES)), help="stage counts (default 2,4)"
+    )
+    parser.add_argument(
+        "--isolate", action="store_true", help="probe each model in its own process"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per model with --isolate"
+    )
+    parser.add_argument(
+        "--run",
+        action="store_true",
+        help="also train the 2-stage build with `fxpipe run --steps 2` (torchrun; ~20 s a model)",
+    )
     parser.add_argument("--keep", help="keep the build directories under this folder")
-    parser.add_argument("--frontend", choices=["auto", "symbolic", "export"], default="auto",
-                        help="tracing front end (default auto, as the CLI)")
-    parser.add_argument("--quiet", action="store_true", help="print nothing (for --isolate's children)")
+    parser.add_argument(
+        "--frontend",
+        choices=["auto", "symbolic", "export"],
+        default="auto",
+        help="tracing front end (default auto, as the CLI)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="print nothing (for --isolate's children)"
+    )
     args = parser.parse_args(argv)
     stages = tuple(int(s) for s in args.stages.split(","))
     global FRONTEND
@@ -387,12 +494,23 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             import transformers
+
             tf_version = transformers.__version__
         except ImportError:
             tf_version = None
-        meta = {"torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
-                "machine": platform.machine(), "cpus": os.cpu_count(), "seconds": round(total, 1),
-                "microbatch": MICROBATCH, "stages": stages, "frontend": FRONTEND, "rtol": 1e-4, "atol": 1e-5}
+        meta = {
+            "torch": torch.__version__,
+            "transformers": tf_version,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "seconds": round(total, 1),
+            "microbatch": MICROBATCH,
+            "stages": stages,
+            "frontend": FRONTEND,
+            "rtol": 1e-4,
+            "atol": 1e-5,
+        }
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     if not args.quiet:
         print()

@@ -45,8 +45,15 @@ class ZooModel:
         return str(self.path) if self.model_fn == "build_model" else f"{self.path}:{self.model_fn}"
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "spec": self.spec, "model_fn": self.model_fn, "hf": self.hf,
-                "dropout": self.dropout, "kwargs_only": self.kwargs_only, "has_kwargs": self.has_kwargs}
+        return {
+            "name": self.name,
+            "spec": self.spec,
+            "model_fn": self.model_fn,
+            "hf": self.hf,
+            "dropout": self.dropout,
+            "kwargs_only": self.kwargs_only,
+            "has_kwargs": self.has_kwargs,
+        }
 
 
 def _traits(path: Path) -> dict[str, object]:
@@ -55,7 +62,11 @@ def _traits(path: Path) -> dict[str, object]:
     consts: dict[str, object] = {}
     names: set[str] = set()
     for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             names.add(node.targets[0].id)  # e.g. example_inputs = partial(...)
             try:
                 consts[node.targets[0].id] = ast.literal_eval(node.value)
@@ -80,16 +91,34 @@ def zoo_models() -> list[ZooModel]:
         t = _traits(files[stem])
         functions = t["__functions__"]
         assert isinstance(functions, set)
-        models.append(ZooModel(name=name, path=files[stem], model_fn=fn, hf=bool(t["__hf__"]),
-                               dropout=bool(t.get("DROPOUT", False)), kwargs_only=bool(t.get("KWARGS_ONLY", False)),
-                               has_kwargs="example_kwargs" in functions))
+        models.append(
+            ZooModel(
+                name=name,
+                path=files[stem],
+                model_fn=fn,
+                hf=bool(t["__hf__"]),
+                dropout=bool(t.get("DROPOUT", False)),
+                kwargs_only=bool(t.get("KWARGS_ONLY", False)),
+                has_kwargs="example_kwargs" in functions,
+            )
+        )
     return sorted(models, key=lambda m: (not m.hf, m.name))
 
 
 def outside_models() -> list[ZooModel]:
     """The model files of ``outside/``, each its ``build_model`` and ``example_inputs`` (no traits declared)."""
-    return [ZooModel(name=p.stem, path=p, model_fn="build_model", hf=bool(_traits(p)["__hf__"]), dropout=False,
-                     kwargs_only=False, has_kwargs=False) for p in sorted(OUTSIDE_DIR.glob("*.py"))]
+    return [
+        ZooModel(
+            name=p.stem,
+            path=p,
+            model_fn="build_model",
+            hf=bool(_traits(p)["__hf__"]),
+            dropout=False,
+            kwargs_only=False,
+            has_kwargs=False,
+        )
+        for p in sorted(OUTSIDE_DIR.glob("*.py"))
+    ]
 
 
 def select(names: list[str] | None) -> list[ZooModel]:

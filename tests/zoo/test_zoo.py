@@ -35,10 +35,32 @@ from registry import ZooModel, outside_models, zoo_models  # noqa: E402
 
 FULL = os.environ.get("FXPIPE_ZOO") == "full"
 MICROBATCH = 2
-QUICK = {"regnet", "vit_mha", "transformer_encoder", "bloom"}  # in-place ops + BN, MHA, auto -> export, HF
-FOUR_STAGES = {"resnet18", "densenet", "efficientnet", "googlenet", "vit_mha", "transformer_encoder", "llama",
-               "mixtral", "t5", "bart", "gpt2", "falcon", "vit_timm", "convnext", "phi3"}
-KNOWN: dict[tuple[str, int | None], str] = {}  # (model, stages or None for all) -> why it fails today
+QUICK = {
+    "regnet",
+    "vit_mha",
+    "transformer_encoder",
+    "bloom",
+}  # in-place ops + BN, MHA, auto -> export, HF
+FOUR_STAGES = {
+    "resnet18",
+    "densenet",
+    "efficientnet",
+    "googlenet",
+    "vit_mha",
+    "transformer_encoder",
+    "llama",
+    "mixtral",
+    "t5",
+    "bart",
+    "gpt2",
+    "falcon",
+    "vit_timm",
+    "convnext",
+    "phi3",
+}
+KNOWN: dict[
+    tuple[str, int | None], str
+] = {}  # (model, stages or None for all) -> why it fails today
 
 _traced: dict[str, Any] = {}  # model name -> (traced, source), or the exception tracing raised
 
@@ -68,29 +90,43 @@ def _cases() -> list[Any]:
                 continue
             marks = [pytest.mark.slow]
             if not FULL and (model.name not in QUICK or stages != 2):
-                marks.append(pytest.mark.skip(reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)"))
+                marks.append(
+                    pytest.mark.skip(reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)")
+                )
             reason = KNOWN.get((model.name, stages)) or KNOWN.get((model.name, None))
             if reason is not None:
                 marks.append(pytest.mark.xfail(strict=True, reason=reason))
             cases.append(pytest.param(model, stages, marks=marks, id=f"{model.name}@{stages}"))
-    full_only = pytest.mark.skipif(not FULL, reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)")
-    cases += [pytest.param(model, 2, marks=[pytest.mark.slow, full_only], id=f"outside/{model.name}@2")
-              for model in outside_models()]
+    full_only = pytest.mark.skipif(
+        not FULL, reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)"
+    )
+    cases += [
+        pytest.param(model, 2, marks=[pytest.mark.slow, full_only], id=f"outside/{model.name}@2")
+        for model in outside_models()
+    ]
     return cases
 
 
 @pytest.mark.parametrize("model,stages", _cases())
-def test_zoo_model_partitions_and_matches_in_train_and_eval_mode(tmp_path: Path, model: ZooModel,
-                                                                   stages: int) -> None:
+def test_zoo_model_partitions_and_matches_in_train_and_eval_mode(
+    tmp_path: Path, model: ZooModel, stages: int
+) -> None:
     from fxpipe.codegen import verify_build, write_build_dir
     from fxpipe.partitioner import CostModel, plan_partition
 
     traced, source = _trace(model)
-    plan = plan_partition(traced.profile, stages, microbatches=stages, time_limit=2.0,
-                          cost=CostModel.preset("loopback", optimizer="sgd"))
+    plan = plan_partition(
+        traced.profile,
+        stages,
+        microbatches=stages,
+        time_limit=2.0,
+        cost=CostModel.preset("loopback", optimizer="sgd"),
+    )
     assert len(plan.stages) == stages
     build = tmp_path / "build"
-    write_build_dir(traced, plan, build, source, batch_size=MICROBATCH * stages, microbatches=stages)  # safety net
+    write_build_dir(
+        traced, plan, build, source, batch_size=MICROBATCH * stages, microbatches=stages
+    )  # safety net
     report = verify_build(build)
     assert [m.training for m in report.modes] == [True, False]
     assert report.ok, f"{model.name}@{stages}:\n{report.summary()}\nworst: {report.worst}"

@@ -34,8 +34,11 @@ from spawn import spawn  # noqa: E402
 
 FULL = os.environ.get("FXPIPE_ZOO") == "full"
 STAGES, BATCH, MICROBATCHES, STEPS, LR = 2, 4, 2, 2, 0.1
-pytestmark = [pytest.mark.slow, pytest.mark.distributed,
-              pytest.mark.skipif(not FULL, reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.distributed,
+    pytest.mark.skipif(not FULL, reason="the whole zoo runs with FXPIPE_ZOO=full (make zoo)"),
+]
 
 
 def _train_job(rank: int, world: int, build: str, spec: str) -> dict[str, Any]:
@@ -44,10 +47,18 @@ def _train_job(rank: int, world: int, build: str, spec: str) -> dict[str, Any]:
 
     source = load_model_file(spec)
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
-    with PipelineRunner(build, source.loss_fn, microbatches=MICROBATCHES, timeout_s=120,
-                        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR)) as runner:
+    with PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        timeout_s=120,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+    ) as runner:
         losses = [runner.step(inputs, targets) for _ in range(STEPS)]
-        return {"losses": losses, "state": {k: v.detach().clone() for k, v in runner.stage.state_dict().items()}}
+        return {
+            "losses": losses,
+            "state": {k: v.detach().clone() for k, v in runner.stage.state_dict().items()},
+        }
 
 
 @pytest.mark.parametrize("model", select(["regnet", "llama"]), ids=lambda m: m.name)
@@ -61,13 +72,25 @@ def test_zoo_model_trains_on_2_ranks_like_one_process(tmp_path: Path, model: Zoo
 
     source = load_model_file(model.spec)
     traced = trace_model_file(source, BATCH // MICROBATCHES, progress=False)
-    plan = plan_partition(traced.profile, STAGES, microbatches=MICROBATCHES, time_limit=2.0,
-                          cost=CostModel.preset("loopback", optimizer="sgd"))
+    plan = plan_partition(
+        traced.profile,
+        STAGES,
+        microbatches=MICROBATCHES,
+        time_limit=2.0,
+        cost=CostModel.preset("loopback", optimizer="sgd"),
+    )
     build = tmp_path / "build"
     write_build_dir(traced, plan, build, source, batch_size=BATCH, microbatches=MICROBATCHES)
 
-    want_losses, want_state = reference_train(reference_model(build, source), source.example_inputs(BATCH),
-                                              source.example_targets(BATCH), source.loss_fn, STEPS, MICROBATCHES, LR)
+    want_losses, want_state = reference_train(
+        reference_model(build, source),
+        source.example_inputs(BATCH),
+        source.example_targets(BATCH),
+        source.loss_fn,
+        STEPS,
+        MICROBATCHES,
+        LR,
+    )
     results = [r.value for r in spawn(_train_job, 2, str(build), model.spec, timeout=300)]
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want_losses))

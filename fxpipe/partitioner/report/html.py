@@ -16,10 +16,22 @@ from pathlib import Path
 
 from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.report.charts import bars_html, plan_timeline_html, timeline_html
-from fxpipe.partitioner.report.unit_view import module_groups, module_tree_html, stage_bands_html, stage_color
+from fxpipe.partitioner.report.unit_view import (
+    module_groups,
+    module_tree_html,
+    stage_bands_html,
+    stage_color,
+)
 from fxpipe.partitioner.plan import PartitionPlan
-from fxpipe.partitioner.report.terminal import (DISAGREE, NO_TIME, Measurement, compare, link_note, module_range,
-                                               step_cell)
+from fxpipe.partitioner.report.terminal import (
+    DISAGREE,
+    NO_TIME,
+    Measurement,
+    compare,
+    link_note,
+    module_range,
+    step_cell,
+)
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = ["write_html_report", "render_html_report"]
@@ -64,31 +76,67 @@ dl.legend dd{margin:0;overflow-wrap:anywhere}
 """
 
 _LEGEND = (
-    ("bottleneck", "the slowest stage's time per microbatch (forward + backward compute and its messages); "
-                   "the pipeline cannot run faster than one microbatch per bottleneck"),
-    ("share", "a stage's time as a share of the bottleneck stage (100%: the stage is the bottleneck)"),
-    ("compute ms / comm ms", "per microbatch: the stage's forward + backward compute, and the time of the "
-                             "messages it sends and receives (the link below)"),
+    (
+        "bottleneck",
+        "the slowest stage's time per microbatch (forward + backward compute and its messages); "
+        "the pipeline cannot run faster than one microbatch per bottleneck",
+    ),
+    (
+        "share",
+        "a stage's time as a share of the bottleneck stage (100%: the stage is the bottleneck)",
+    ),
+    (
+        "compute ms / comm ms",
+        "per microbatch: the stage's forward + backward compute, and the time of the "
+        "messages it sends and receives (the link below)",
+    ),
     ("stage ms", "compute + comm: what the band's length and the boxes' widths show"),
-    ("memory", "the stage's predicted memory: weights, gradients, optimizer state, buffers, the activations "
-               "of the microbatches in flight and the boundary tensors"),
-    ("rank peak", "the largest memory of the stage's rank over one step, walking the schedule's actions in order "
-                  "(every stage the rank holds, receive buffers included); what a memory limit bounds"),
-    ("peak memory", "the largest per-rank memory of a plan by the stages' formula, the same for fxpipe's plan "
-                    "and the baselines (the solvers' memory bound; the limit itself holds the rank peak)"),
+    (
+        "memory",
+        "the stage's predicted memory: weights, gradients, optimizer state, buffers, the activations "
+        "of the microbatches in flight and the boundary tensors",
+    ),
+    (
+        "rank peak",
+        "the largest memory of the stage's rank over one step, walking the schedule's actions in order "
+        "(every stage the rank holds, receive buffers included); what a memory limit bounds",
+    ),
+    (
+        "peak memory",
+        "the largest per-rank memory of a plan by the stages' formula, the same for fxpipe's plan "
+        "and the baselines (the solvers' memory bound; the limit itself holds the rank peak)",
+    ),
     ("lower bound", "no split of these units into this many stages can have a smaller bottleneck"),
-    ("x bound", "a plan's bottleneck divided by the lower bound (1.00: as good as any split can be)"),
+    (
+        "x bound",
+        "a plan's bottleneck divided by the lower bound (1.00: as good as any split can be)",
+    ),
     ("x plan", "a plan's bottleneck divided by fxpipe's plan (above 1: slower than fxpipe's)"),
-    ("gap", "how far fxpipe's bottleneck may be above the best possible one (0 when proven optimal)"),
-    ("proven optimal for …", "what the solver proved: the bottleneck stage time is minimal; the split is then "
-                             "the least bottleneck among those predicted within the prediction's resolution of "
-                             "the least step, which is not itself proven optimal"),
-    ("step ms", "predicted time of one training step: the simulated schedule (F forward, B backward, W weight "
-                "gradients, one box per microbatch) plus the step's overheads (optimizer step, all-reduces)"),
+    (
+        "gap",
+        "how far fxpipe's bottleneck may be above the best possible one (0 when proven optimal)",
+    ),
+    (
+        "proven optimal for …",
+        "what the solver proved: the bottleneck stage time is minimal; the split is then "
+        "the least bottleneck among those predicted within the prediction's resolution of "
+        "the least step, which is not itself proven optimal",
+    ),
+    (
+        "step ms",
+        "predicted time of one training step: the simulated schedule (F forward, B backward, W weight "
+        "gradients, one box per microbatch) plus the step's overheads (optimizer step, all-reduces)",
+    ),
     ("bubble", "the share of the ranks x pipeline time that the ranks sit idle"),
-    ("link", "the assumed connection between ranks; it prices every message (bandwidth and latency)"),
-    ("measured / predicted", "a run's measurement (run.json) divided by the prediction; beyond "
-                             f"{DISAGREE:.2f}x either way the figure is flagged"),
+    (
+        "link",
+        "the assumed connection between ranks; it prices every message (bandwidth and latency)",
+    ),
+    (
+        "measured / predicted",
+        "a run's measurement (run.json) divided by the prediction; beyond "
+        f"{DISAGREE:.2f}x either way the figure is flagged",
+    ),
 )
 
 
@@ -102,14 +150,19 @@ def _stage_table(plan: PartitionPlan, profile: ModelProfile) -> str:
         best = ' class="best"' if share >= 1 - 1e-9 else ""
         rows.append(
             f'<tr{best}><td class="l"><span class="sw" style="--c:{stage_color(s.index)}"></span>{s.index}</td>'
-            f"<td>{ranks[s.index]}</td><td class=\"l\">{escape(module_range([paths.get(u, u) for u in s.units]))}</td>"
+            f'<td>{ranks[s.index]}</td><td class="l">{escape(module_range([paths.get(u, u) for u in s.units]))}</td>'
             f"<td>{len(s.units)}</td><td>{s.compute_ms:.3f}</td><td>{s.comm_ms:.3f}</td><td>{s.stage_ms:.3f}</td>"
             f"<td>{format_size(s.memory_bytes)}</td>"
-            + (f"<td>{format_size(walked[ranks[s.index]])}</td>" if walked else "") + f"<td>{share:.0%}</td></tr>")
-    return ('<div class="scroll"><table><tr><th class="l">stage</th><th>rank</th><th class="l">modules</th>'
-            "<th>units</th><th>compute ms</th><th>comm ms</th><th>stage ms</th><th>memory</th>"
-            + ("<th>rank peak</th>" if walked else "") + "<th>share</th></tr>"
-            f'{"".join(rows)}</table></div>')
+            + (f"<td>{format_size(walked[ranks[s.index]])}</td>" if walked else "")
+            + f"<td>{share:.0%}</td></tr>"
+        )
+    return (
+        '<div class="scroll"><table><tr><th class="l">stage</th><th>rank</th><th class="l">modules</th>'
+        "<th>units</th><th>compute ms</th><th>comm ms</th><th>stage ms</th><th>memory</th>"
+        + ("<th>rank peak</th>" if walked else "")
+        + "<th>share</th></tr>"
+        f"{''.join(rows)}</table></div>"
+    )
 
 
 def _baselines_table(plan: PartitionPlan) -> str:
@@ -119,24 +172,32 @@ def _baselines_table(plan: PartitionPlan) -> str:
         return f"{a / b:.2f}" if b > 0 else "-"
 
     peak = max(plan.rank_memory_bytes or tuple(s.memory_bytes for s in plan.stages))
-    rows = [f'<tr class="best"><td class="l">fxpipe ({escape(plan.solver)})</td><td>{plan.bottleneck_ms:.3f}</td>'
-            f"<td>{ratio(plan.bottleneck_ms, lb)}</td><td>1.00</td>"
-            f"<td>{step_cell(plan, plan.step_ms) if plan.prediction else ''}</td><td>{format_size(peak)}</td>"
-            f'<td class="l">{"proven optimal" if plan.optimal else f"gap {plan.gap:.1%}"}</td></tr>']
+    rows = [
+        f'<tr class="best"><td class="l">fxpipe ({escape(plan.solver)})</td><td>{plan.bottleneck_ms:.3f}</td>'
+        f"<td>{ratio(plan.bottleneck_ms, lb)}</td><td>1.00</td>"
+        f"<td>{step_cell(plan, plan.step_ms) if plan.prediction else ''}</td><td>{format_size(peak)}</td>"
+        f'<td class="l">{"proven optimal" if plan.optimal else f"gap {plan.gap:.1%}"}</td></tr>'
+    ]
     for name, b in plan.baselines.items():
         note = "" if b.feasible else "breaks the constraints"
-        rows.append(f'<tr><td class="l">{escape(name)}</td><td>{b.bottleneck_ms:.3f}</td>'
-                    f"<td>{ratio(b.bottleneck_ms, lb)}</td><td>{ratio(b.bottleneck_ms, plan.bottleneck_ms)}</td>"
-                    f"<td>{step_cell(plan, b.step_ms)}</td>"
-                    f'<td>{format_size(max(b.memory_bytes)) if b.memory_bytes else ""}</td>'
-                    f'<td class="l">{note}</td></tr>')
+        rows.append(
+            f'<tr><td class="l">{escape(name)}</td><td>{b.bottleneck_ms:.3f}</td>'
+            f"<td>{ratio(b.bottleneck_ms, lb)}</td><td>{ratio(b.bottleneck_ms, plan.bottleneck_ms)}</td>"
+            f"<td>{step_cell(plan, b.step_ms)}</td>"
+            f"<td>{format_size(max(b.memory_bytes)) if b.memory_bytes else ''}</td>"
+            f'<td class="l">{note}</td></tr>'
+        )
     parts = ", ".join(f"{k} {v:.3f}" for k, v in plan.lower_bounds.items())
-    rows.append(f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.00</td>'
-                f"<td>{ratio(lb, plan.bottleneck_ms)}</td><td></td><td></td><td class=\"l\">{escape(parts)}</td></tr>")
-    return ('<div class="scroll"><table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x bound</th>'
-            f'<th>x plan</th><th>{"step ms" if plan.predicts_time else "step (x plan)"}</th><th>peak memory</th>'
-            '<th class="l">note</th></tr>'
-            f'{"".join(rows)}</table></div>')
+    rows.append(
+        f'<tr><td class="l">lower bound</td><td>{lb:.3f}</td><td>1.00</td>'
+        f'<td>{ratio(lb, plan.bottleneck_ms)}</td><td></td><td></td><td class="l">{escape(parts)}</td></tr>'
+    )
+    return (
+        '<div class="scroll"><table><tr><th class="l">strategy</th><th>bottleneck ms</th><th>x bound</th>'
+        f"<th>x plan</th><th>{'step ms' if plan.predicts_time else 'step (x plan)'}</th><th>peak memory</th>"
+        '<th class="l">note</th></tr>'
+        f"{''.join(rows)}</table></div>"
+    )
 
 
 def _measured_html(plan: PartitionPlan, run: Measurement | None) -> str:
@@ -146,12 +207,16 @@ def _measured_html(plan: PartitionPlan, run: Measurement | None) -> str:
     for c in compare(plan, run):
         ratio = f"{c.ratio:.2f}x" if c.ratio is not None else ""
         off = ' class="off"' if c.disagrees else ""
-        rows.append(f'<tr{off}><td class="l">{escape(c.figure)}</td>'
-                    f"<td>{escape(c.predicted)}</td><td>{escape(c.measured)}</td>"
-                    f"<td>{ratio}{' (disagree)' if c.disagrees else ''}</td></tr>")
-    return (f"<h2>Prediction vs measured (run.json: {run.world_size} processes on {escape(run.device)})</h2>"
-            '<div class="scroll"><table><tr><th class="l">figure</th><th>predicted</th><th>measured</th>'
-            f'<th>measured / predicted</th></tr>{"".join(rows)}</table></div>')
+        rows.append(
+            f'<tr{off}><td class="l">{escape(c.figure)}</td>'
+            f"<td>{escape(c.predicted)}</td><td>{escape(c.measured)}</td>"
+            f"<td>{ratio}{' (disagree)' if c.disagrees else ''}</td></tr>"
+        )
+    return (
+        f"<h2>Prediction vs measured (run.json: {run.world_size} processes on {escape(run.device)})</h2>"
+        '<div class="scroll"><table><tr><th class="l">figure</th><th>predicted</th><th>measured</th>'
+        f"<th>measured / predicted</th></tr>{''.join(rows)}</table></div>"
+    )
 
 
 def _alternatives_html(plan: PartitionPlan) -> str:
@@ -164,16 +229,23 @@ def _alternatives_html(plan: PartitionPlan) -> str:
         bubble = f"{o.bubble:.1%}" if o.bubble is not None else ""
         mem = format_size(o.peak_memory_bytes) if o.peak_memory_bytes is not None else ""
         best = ' class="best"' if o.chosen else ""
-        rows.append(f'<tr{best}><td class="l">{escape(o.schedule)}</td>'
-                    f"<td>{o.virtual_stages}</td><td>{step}</td><td>{bubble}</td><td>{mem}</td>"
-                    f'<td class="l">{escape(o.note)}</td></tr>')
+        rows.append(
+            f'<tr{best}><td class="l">{escape(o.schedule)}</td>'
+            f"<td>{o.virtual_stages}</td><td>{step}</td><td>{bubble}</td><td>{mem}</td>"
+            f'<td class="l">{escape(o.note)}</td></tr>'
+        )
         line = o.timeline(plan.microbatches)
         if line is not None:
-            lines.append(f"<h3>{escape(o.schedule)} (V={o.virtual_stages}){' — chosen' if o.chosen else ''}, "
-                         "pipeline part</h3>" + timeline_html(line))
-    return ("<h2>Schedules planned by --schedule auto (the least predicted step wins)</h2>"
-            '<div class="scroll"><table><tr><th class="l">schedule</th><th>V</th><th>step ms</th><th>bubble</th>'
-            f'<th>peak memory</th><th class="l">note</th></tr>{"".join(rows)}</table></div>' + "".join(lines))
+            lines.append(
+                f"<h3>{escape(o.schedule)} (V={o.virtual_stages}){' — chosen' if o.chosen else ''}, "
+                "pipeline part</h3>" + timeline_html(line)
+            )
+    return (
+        "<h2>Schedules planned by --schedule auto (the least predicted step wins)</h2>"
+        '<div class="scroll"><table><tr><th class="l">schedule</th><th>V</th><th>step ms</th><th>bubble</th>'
+        f'<th>peak memory</th><th class="l">note</th></tr>{"".join(rows)}</table></div>'
+        + "".join(lines)
+    )
 
 
 def _data_parallel_html(plan: PartitionPlan) -> str:
@@ -181,37 +253,63 @@ def _data_parallel_html(plan: PartitionPlan) -> str:
     cost = plan.cost
     if cost.dp_replicas <= 1:
         return ""
-    rows = "".join(f"<tr><td class=\"l\">{s.index}</td><td>{s.dp_allreduce_ms:.3f}</td><td>{format_size(s.dp_bytes)}</td>"
-                   f"<td>{format_size(s.memory.params)}</td><td>{format_size(s.memory.grads)}</td>"
-                   f"<td>{format_size(s.memory.optimizer)}</td></tr>" for s in plan.stages)
-    return (f"<h2>Data parallelism: {cost.dp_replicas} replicas, shard {escape(cost.shard)}"
-            f"{f', reduce per {escape(cost.shard_reduce)}' if cost.shard in ('grad-op', 'full') else ''}</h2>\n"
-            "<div class=\"scroll\"><table><tr><th class=\"l\">stage</th><th>dp comm ms/step</th>"
-            "<th>sent per rank/step</th><th>params per rank</th><th>grads per rank</th><th>optimizer per rank</th>"
-            f"</tr>{rows}</table></div>")
+    rows = "".join(
+        f'<tr><td class="l">{s.index}</td><td>{s.dp_allreduce_ms:.3f}</td><td>{format_size(s.dp_bytes)}</td>'
+        f"<td>{format_size(s.memory.params)}</td><td>{format_size(s.memory.grads)}</td>"
+        f"<td>{format_size(s.memory.optimizer)}</td></tr>"
+        for s in plan.stages
+    )
+    return (
+        f"<h2>Data parallelism: {cost.dp_replicas} replicas, shard {escape(cost.shard)}"
+        f"{f', reduce per {escape(cost.shard_reduce)}' if cost.shard in ('grad-op', 'full') else ''}</h2>\n"
+        '<div class="scroll"><table><tr><th class="l">stage</th><th>dp comm ms/step</th>'
+        "<th>sent per rank/step</th><th>params per rank</th><th>grads per rank</th><th>optimizer per rank</th>"
+        f"</tr>{rows}</table></div>"
+    )
 
 
-def render_html_report(plan: PartitionPlan, profile: ModelProfile, measured: Measurement | None = None) -> str:
+def render_html_report(
+    plan: PartitionPlan, profile: ModelProfile, measured: Measurement | None = None
+) -> str:
     """The report page as a string (see the module docstring); ``measured``: a run's figures to set beside
     the prediction."""
     pred = plan.prediction
     groups = module_groups(plan, profile)
-    walked = pred.peak_memory_bytes if pred is not None else ()  # what the limit holds (Note [memory over time])
-    mems = [float(m) for m in walked or plan.rank_memory_bytes] or [float(s.memory_bytes) for s in plan.stages]
+    walked = (
+        pred.peak_memory_bytes if pred is not None else ()
+    )  # what the limit holds (Note [memory over time])
+    mems = [float(m) for m in walked or plan.rank_memory_bytes] or [
+        float(s.memory_bytes) for s in plan.stages
+    ]
     mem_ref = float(plan.memory_limit) if plan.memory_limit else max(mems)
-    mem_label = f"memory limit {format_size(plan.memory_limit)}" if plan.memory_limit else "no limit (the peak)"
+    mem_label = (
+        f"memory limit {format_size(plan.memory_limit)}"
+        if plan.memory_limit
+        else "no limit (the peak)"
+    )
     title = escape(profile.model.title)
-    kpis = (f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>'
+    kpis = (
+        (
+            f'<span class="kpi"><b>{plan.step_ms:.2f} ms</b>predicted step ({plan.schedule})</span>'
             f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span>'
             f'<span class="kpi"><b>{pred.throughput_samples_per_s:.1f}</b>samples/s'
-            f'{" per replica" if plan.cost.dp_replicas > 1 else ""}</span>') if pred else ""
+            f"{' per replica' if plan.cost.dp_replicas > 1 else ''}</span>"
+        )
+        if pred
+        else ""
+    )
     if pred and not plan.predicts_time:  # Note [analytic CPU estimate] in fxpipe.partitioner.plan
         kpis = f'<span class="kpi"><b>{pred.bubble:.1%}</b>bubble</span><span class="kpi">{escape(NO_TIME)}</span>'
     assumed = escape(link_note(plan, profile.trace_device))
-    timeline_title = ("Schedule timeline: one predicted step" if pred else "Schedule timeline (simulated, no "
-                      "prediction)")
+    timeline_title = (
+        "Schedule timeline: one predicted step"
+        if pred
+        else "Schedule timeline (simulated, no prediction)"
+    )
     if pred and not plan.predicts_time:
-        timeline_title += " in the analytic CPU estimate's milliseconds (its proportions hold, not its times)"
+        timeline_title += (
+            " in the analytic CPU estimate's milliseconds (its proportions hold, not its times)"
+        )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
 <title>fxpipe plan: {title}</title><style>{_CSS}</style></head>
@@ -244,8 +342,12 @@ Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assum
 """
 
 
-def write_html_report(plan: PartitionPlan, profile: ModelProfile, path: str | Path,
-                      measured: Measurement | None = None) -> Path:
+def write_html_report(
+    plan: PartitionPlan,
+    profile: ModelProfile,
+    path: str | Path,
+    measured: Measurement | None = None,
+) -> Path:
     """Write the self-contained report page to ``path`` and return the path."""
     out = Path(path)
     out.write_text(render_html_report(plan, profile, measured), encoding="utf-8")

@@ -25,8 +25,18 @@ __all__ = ["ModuleGroup", "module_groups", "stage_bands_html", "module_tree_html
 
 _EXPAND_SHARE = 0.25
 _MAX_BOXES = 40
-_PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-            "#9c755f", "#bab0ac")
+_PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+)
 
 
 def stage_color(stage: int) -> str:
@@ -63,12 +73,14 @@ def _weights(profile: ModelProfile) -> tuple[dict[str, float], dict[str, set[str
             prefix = ".".join(parts[:d])
             weight[prefix] = weight.get(prefix, 0.0) + w
             if d < len(parts):
-                children.setdefault(prefix, set()).add(".".join(parts[:d + 1]))
+                children.setdefault(prefix, set()).add(".".join(parts[: d + 1]))
     total = sum(u.fwd_ms + u.bwd_ms if timed else 1.0 for u in profile.units)
     return weight, children, total
 
 
-def _group_key(path: str, weight: dict[str, float], children: dict[str, set[str]], total: float) -> str:
+def _group_key(
+    path: str, weight: dict[str, float], children: dict[str, set[str]], total: float
+) -> str:
     parts = path.split(".") if path else []
     for d in range(1, len(parts) + 1):
         prefix = ".".join(parts[:d])
@@ -120,24 +132,35 @@ def stage_bands_html(plan: PartitionPlan, groups: list[list[ModuleGroup]]) -> st
         for a, b in _boxes(stage_groups):
             members = stage_groups[a:b]
             ms = sum(g.ms for g in members) / (st.speed or 1.0)
-            label = members[0].label if len(members) == 1 else module_range([g.path for g in members])
+            label = (
+                members[0].label if len(members) == 1 else module_range([g.path for g in members])
+            )
             units = sum(len(g.units) for g in members)
-            tip = f"{label}: {units} unit{'s' if units != 1 else ''}, {ms:.3f} ms (stage {st.index})"
-            boxes.append(f'<a class="box lbl" href="#{_anchor(st.index, a)}" style="flex-grow:{max(ms, 1e-9):.6g}"'
-                         f' title="{escape(tip)}">{escape(label)}</a>')
+            tip = (
+                f"{label}: {units} unit{'s' if units != 1 else ''}, {ms:.3f} ms (stage {st.index})"
+            )
+            boxes.append(
+                f'<a class="box lbl" href="#{_anchor(st.index, a)}" style="flex-grow:{max(ms, 1e-9):.6g}"'
+                f' title="{escape(tip)}">{escape(label)}</a>'
+            )
         if st.comm_ms > 0:
-            tip = f"communication: {st.comm_ms:.3f} ms (sends {format_size(st.send_bytes)}, receives " \
-                  f"{format_size(st.recv_bytes)})"
-            boxes.append(f'<span class="box comm lbl" style="flex-grow:{st.comm_ms:.6g}" title="{escape(tip)}">'
-                         "comm</span>")
+            tip = (
+                f"communication: {st.comm_ms:.3f} ms (sends {format_size(st.send_bytes)}, receives "
+                f"{format_size(st.recv_bytes)})"
+            )
+            boxes.append(
+                f'<span class="box comm lbl" style="flex-grow:{st.comm_ms:.6g}" title="{escape(tip)}">'
+                "comm</span>"
+            )
         bold = " bottleneck" if share >= 1 - 1e-9 else ""
         rows.append(
             f'<div class="band{bold}" style="--c:{color}">'
             f'<div class="bh"><div class="lbl"><span class="sw"></span>stage {st.index}'
-            f'{f" (rank {ranks[st.index]})" if plan.virtual_stages > 1 else ""}</div>'
+            f"{f' (rank {ranks[st.index]})' if plan.virtual_stages > 1 else ''}</div>"
             f'<div class="lbl"><b>{st.stage_ms:.3f} ms</b> · {share:.0%}</div></div>'
             f'<div class="track"><div class="fill" style="width:{100 * st.stage_ms / top:.4f}%">{"".join(boxes)}'
-            "</div></div></div>")
+            "</div></div></div>"
+        )
     return f'<div class="bands" role="img" aria-label="stages: module boxes by time">{"".join(rows)}</div>'
 
 
@@ -146,11 +169,13 @@ def _unit_rows(group: ModuleGroup, speed: float) -> str:
     rows = []
     for u in group.units:
         ms = (u.fwd_ms + u.bwd_ms) / (speed or 1.0)
-        rows.append(f'<tr><td class="l">{escape(u.name)}</td><td class="l">{escape(u.module_type or u.kind)}</td>'
-                    f"<td>{u.fwd_ms:.3f}</td><td>{u.bwd_ms:.3f}</td><td>{format_size(u.param_bytes)}</td>"
-                    f"<td>{format_size(u.activation_bytes)}</td>"
-                    f'<td class="bar"><span style="width:{100 * (u.fwd_ms + u.bwd_ms) / top:.2f}%"></span></td>'
-                    f"<td>{ms:.3f}</td></tr>")
+        rows.append(
+            f'<tr><td class="l">{escape(u.name)}</td><td class="l">{escape(u.module_type or u.kind)}</td>'
+            f"<td>{u.fwd_ms:.3f}</td><td>{u.bwd_ms:.3f}</td><td>{format_size(u.param_bytes)}</td>"
+            f"<td>{format_size(u.activation_bytes)}</td>"
+            f'<td class="bar"><span style="width:{100 * (u.fwd_ms + u.bwd_ms) / top:.2f}%"></span></td>'
+            f"<td>{ms:.3f}</td></tr>"
+        )
     return "".join(rows)
 
 
@@ -169,9 +194,12 @@ def module_tree_html(plan: PartitionPlan, groups: list[list[ModuleGroup]]) -> st
                 f"{g.ms / (st.speed or 1.0):.3f} ms, {format_size(params)} params</summary>"
                 '<div class="scroll"><table class="units"><tr><th class="l">unit</th><th class="l">type</th>'
                 "<th>fwd ms</th><th>bwd ms</th><th>params</th><th>activations</th><th>time</th><th>ms</th></tr>"
-                f"{_unit_rows(g, st.speed)}</table></div></details>")
-        parts.append(f'<details class="stage" style="--c:{stage_color(st.index)}"><summary><span class="sw"></span>'
-                     f"stage {st.index}: {len(stage_groups)} module group{'s' if len(stage_groups) != 1 else ''}, "
-                     f"{len(st.units)} unit{'s' if len(st.units) != 1 else ''}, {st.compute_ms:.3f} ms compute"
-                     f"</summary>{''.join(items)}</details>")
+                f"{_unit_rows(g, st.speed)}</table></div></details>"
+            )
+        parts.append(
+            f'<details class="stage" style="--c:{stage_color(st.index)}"><summary><span class="sw"></span>'
+            f"stage {st.index}: {len(stage_groups)} module group{'s' if len(stage_groups) != 1 else ''}, "
+            f"{len(st.units)} unit{'s' if len(st.units) != 1 else ''}, {st.compute_ms:.3f} ms compute"
+            f"</summary>{''.join(items)}</details>"
+        )
     return "".join(parts)

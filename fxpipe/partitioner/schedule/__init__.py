@@ -16,13 +16,56 @@ from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
 from fxpipe.partitioner.schedule.occupancy import in_flight_per_stage
 from fxpipe.partitioner.schedule.one_chunk import stage_order
 from fxpipe.partitioner.schedule.placement import PLACEMENTS, placement_of, stage_ranks
-from fxpipe.partitioner.schedule.registry import (AUTO, SCHEDULE_NAMES, SCHEDULES, ScheduleKind, compatible,
-                                                  make_schedule, runnable_schedules, schedule_kind)
-from fxpipe.partitioner.schedule.simulator import (Link, ScheduleOp, SimulationStuck, Timeline, chain_links,
-                                                   simulate_step)
-from fxpipe.partitioner.schedule.validate import format_grid, max_in_flight, simulate, validate_schedule
+from fxpipe.partitioner.schedule.registry import (
+    AUTO,
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    ScheduleKind,
+    compatible,
+    make_schedule,
+    runnable_schedules,
+    schedule_kind,
+)
+from fxpipe.partitioner.schedule.simulator import (
+    Link,
+    ScheduleOp,
+    SimulationStuck,
+    Timeline,
+    chain_links,
+    simulate_step,
+)
+from fxpipe.partitioner.schedule.validate import (
+    format_grid,
+    max_in_flight,
+    simulate,
+    validate_schedule,
+)
 
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "SCHEDULES", "SCHEDULE_NAMES", "AUTO", "PLACEMENTS",
-           "make_schedule", "schedule_kind", "compatible", "runnable_schedules", "stage_ranks", "placement_of",
-           "Link", "chain_links", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
-           "stage_order", "validate_schedule", "simulate", "format_grid", "max_in_flight", "in_flight_per_stage"]
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleKind",
+    "SCHEDULES",
+    "SCHEDULE_NAMES",
+    "AUTO",
+    "PLACEMENTS",
+    "make_schedule",
+    "schedule_kind",
+    "compatible",
+    "runnable_schedules",
+    "stage_ranks",
+    "placement_of",
+    "Link",
+    "chain_links",
+    "ScheduleOp",
+    "Timeline",
+    "SimulationStuck",
+    "simulate_step",
+    "stage_order",
+    "validate_schedule",
+    "simulate",
+    "format_grid",
+    "max_in_flight",
+    "in_flight_per_stage",
+]

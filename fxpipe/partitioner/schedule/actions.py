@@ -84,11 +84,15 @@ class Schedule:
             object.__setattr__(self, "stage_ranks", tuple(range(self.num_stages)))
         object.__setattr__(self, "stage_ranks", tuple(self.stage_ranks))
         if len(self.stage_ranks) != self.num_stages:
-            raise ScheduleError(f"schedule {self.name!r}: stage_ranks has {len(self.stage_ranks)} entries for "
-                                f"{self.num_stages} stages; give one rank per stage")
+            raise ScheduleError(
+                f"schedule {self.name!r}: stage_ranks has {len(self.stage_ranks)} entries for "
+                f"{self.num_stages} stages; give one rank per stage"
+            )
         if any(not 0 <= r < len(self.actions) for r in self.stage_ranks):
-            raise ScheduleError(f"schedule {self.name!r}: stage_ranks {list(self.stage_ranks)} name ranks outside "
-                                f"0..{len(self.actions) - 1} (one action list per rank)")
+            raise ScheduleError(
+                f"schedule {self.name!r}: stage_ranks {list(self.stage_ranks)} name ranks outside "
+                f"0..{len(self.actions) - 1} (one action list per rank)"
+            )
 
     @property
     def num_ranks(self) -> int:
@@ -108,28 +112,48 @@ class Schedule:
 
     def split_backward(self) -> frozenset[tuple[int, int]]:
         """The (stage, microbatch) pairs whose backward is split into ``B`` and ``W`` (Note [split backward])."""
-        return frozenset((a.stage, a.microbatch) for acts in self.actions for a in acts if a.kind is ActionKind.WEIGHT)
+        return frozenset(
+            (a.stage, a.microbatch)
+            for acts in self.actions
+            for a in acts
+            if a.kind is ActionKind.WEIGHT
+        )
 
     def __str__(self) -> str:
-        lines = [f"{self.name}: {self.num_stages} stages on {self.num_ranks} ranks, "
-                 f"{self.num_microbatches} microbatches"]
+        lines = [
+            f"{self.name}: {self.num_stages} stages on {self.num_ranks} ranks, "
+            f"{self.num_microbatches} microbatches"
+        ]
         for r, acts in enumerate(self.actions):
             lines.append(f"  rank {r}: " + " ".join(str(a) for a in acts))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON data: the action lists as strings (``"1F0 1B0"`` per rank)."""
-        return {"name": self.name, "num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
-                "stage_ranks": list(self.stage_ranks),
-                "actions": [" ".join(str(a) for a in acts) for acts in self.actions]}
+        return {
+            "name": self.name,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "stage_ranks": list(self.stage_ranks),
+            "actions": [" ".join(str(a) for a in acts) for acts in self.actions],
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
         """Inverse of ``to_dict`` (a user's own schedule written as JSON)."""
         try:
-            actions = tuple(tuple(Action.parse(a) for a in str(line).split()) for line in data["actions"])
-            return cls(str(data["name"]), int(data["num_stages"]), int(data["num_microbatches"]), actions,
-                       tuple(int(r) for r in data.get("stage_ranks", ())))
+            actions = tuple(
+                tuple(Action.parse(a) for a in str(line).split()) for line in data["actions"]
+            )
+            return cls(
+                str(data["name"]),
+                int(data["num_stages"]),
+                int(data["num_microbatches"]),
+                actions,
+                tuple(int(r) for r in data.get("stage_ranks", ())),
+            )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ScheduleError(f"malformed schedule data ({exc}); expected name, num_stages, num_microbatches, "
-                                "stage_ranks and actions (one string of actions such as '0F0 0B0' per rank)") from None
+            raise ScheduleError(
+                f"malformed schedule data ({exc}); expected name, num_stages, num_microbatches, "
+                "stage_ranks and actions (one string of actions such as '0F0 0B0' per rank)"
+            ) from None

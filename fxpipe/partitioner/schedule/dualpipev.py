@@ -100,7 +100,8 @@ def dualpipev_actions(num_ranks: int, microbatches: int) -> tuple[tuple[Action, 
             rank.backward(first, split)
         while rank.pending:
             rank.weight()
-        assert all(rank.next.get((c, k), 0) == n for c in (first, second) for k in (F, B)), \
+        assert all(rank.next.get((c, k), 0) == n for c in (first, second) for k in (F, B)), (
             "DualPipeV pattern lost an action"
+        )
         out.append(tuple(a for a in rank.actions if a.microbatch < M))
     return tuple(out)

@@ -24,14 +24,18 @@ def rounds(num_ranks: int, microbatches: int) -> int:
     """Microbatches per round; ``ScheduleError`` when M is not a multiple of the rounds."""
     count = max(1, microbatches // num_ranks)
     if microbatches % count:
-        raise ScheduleError(f"interleaved schedules run the {microbatches} microbatches in {count} rounds of "
-                            f"{microbatches // count}, which needs a multiple of {count}; use "
-                            f"{microbatches - microbatches % count} or {microbatches - microbatches % count + count} "
-                            "microbatches")
+        raise ScheduleError(
+            f"interleaved schedules run the {microbatches} microbatches in {count} rounds of "
+            f"{microbatches // count}, which needs a multiple of {count}; use "
+            f"{microbatches - microbatches % count} or {microbatches - microbatches % count + count} "
+            "microbatches"
+        )
     return microbatches // count
 
 
-def interleaved_1f1b_actions(num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+def interleaved_1f1b_actions(
+    num_ranks: int, virtual_stages: int, microbatches: int
+) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions under interleaved 1F1B (see the module docstring)."""
     S, V, M = num_ranks, virtual_stages, microbatches
     per_round = rounds(S, M)

@@ -49,13 +49,19 @@ _FIELDS = 7  # the counts of a Holding, in field order
 class Holding:
     """Counts of what one stage holds at one moment (Note [memory over time])."""
 
-    activations: int = 0   # microbatches whose activations are saved (F done, last backward action not)
+    activations: int = (
+        0  # microbatches whose activations are saved (F done, last backward action not)
+    )
     outputs_sent: int = 0  # output messages posted this step (alive until the step ends)
-    grads_sent: int = 0    # input-gradient messages posted this step
+    grads_sent: int = 0  # input-gradient messages posted this step
     weight_pending: int = 0  # split B done (or running), W not yet: gradients kept for W
-    in_backward: int = 0   # 1 while this stage's B runs: its backward temporaries
-    in_weight: int = 0     # 1 while this stage's W runs (where a split B had no input gradient to make)
-    grads: int = 0         # 1 once the stage's first weight gradients exist (``.grad`` is freed between steps)
+    in_backward: int = 0  # 1 while this stage's B runs: its backward temporaries
+    in_weight: int = (
+        0  # 1 while this stage's W runs (where a split B had no input gradient to make)
+    )
+    grads: int = (
+        0  # 1 once the stage's first weight gradients exist (``.grad`` is freed between steps)
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,8 +85,10 @@ class RankMoments:
     def moments(self) -> tuple[tuple[Holding, ...], ...]:
         """The moments no other moment dominates, one ``Holding`` per stage (for reading and tests)."""
         n = len(self.stages)
-        return tuple(tuple(Holding(*m[_FIELDS * k:_FIELDS * (k + 1)]) for k in range(n))
-                     for m in _pareto([tuple(int(c) for c in row) for row in self.counts]))
+        return tuple(
+            tuple(Holding(*m[_FIELDS * k : _FIELDS * (k + 1)]) for k in range(n))
+            for m in _pareto([tuple(int(c) for c in row) for row in self.counts])
+        )
 
 
 def _receives(schedule: Schedule) -> tuple[set[int], set[int]]:
@@ -116,11 +124,18 @@ def memory_moments(schedule: Schedule, step_receives: bool = True) -> tuple[Rank
         base = {s: _FIELDS * i for i, s in enumerate(stages)}  # a stage's counts in ``flat``
         n = len(stages)
         flat = [0] * (_FIELDS * n)  # every stage's Holding counts, side by side
-        taken = [0] * (2 * n)  # receive buffers in use: activations of stage c at 2c, gradients at 2c + 1
-        pool = [0] * (2 * n)   # ... and the most ever in use: the pool's size
-        held: dict[tuple[int, int], list[int]] = {}  # (stage, microbatch) -> the buffer slots it holds
-        receiving = [i for i, a in enumerate(acts) if (a.kind is F and a.stage in recv_f)
-                     or (a.kind is B and a.stage in recv_b)]
+        taken = [0] * (
+            2 * n
+        )  # receive buffers in use: activations of stage c at 2c, gradients at 2c + 1
+        pool = [0] * (2 * n)  # ... and the most ever in use: the pool's size
+        held: dict[
+            tuple[int, int], list[int]
+        ] = {}  # (stage, microbatch) -> the buffer slots it holds
+        receiving = [
+            i
+            for i, a in enumerate(acts)
+            if (a.kind is F and a.stage in recv_f) or (a.kind is B and a.stage in recv_b)
+        ]
         at_action = set() if step_receives else set(receiving)
         moments: set[tuple[int, ...]] = set()
 
@@ -163,15 +178,24 @@ def memory_moments(schedule: Schedule, step_receives: bool = True) -> tuple[Rank
                 taken[slot] -= 1
             moments.add(tuple(flat))
         rows = np.asarray(sorted(moments) or [(0,) * (_FIELDS * n)], dtype=np.int64)
-        out.append(RankMoments(stages=stages, activation_buffers=tuple(pool[0::2]),
-                               gradient_buffers=tuple(pool[1::2]), counts=rows))
+        out.append(
+            RankMoments(
+                stages=stages,
+                activation_buffers=tuple(pool[0::2]),
+                gradient_buffers=tuple(pool[1::2]),
+                counts=rows,
+            )
+        )
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_memory_moments(name: str, num_ranks: int, virtual_stages: int, microbatches: int,
-                            step_receives: bool = True) -> tuple[RankMoments, ...]:
+def schedule_memory_moments(
+    name: str, num_ranks: int, virtual_stages: int, microbatches: int, step_receives: bool = True
+) -> tuple[RankMoments, ...]:
     """``memory_moments`` of the named schedule (cached: every prediction of a plan asks for it)."""
     from fxpipe.partitioner.schedule.registry import make_schedule
 
-    return memory_moments(make_schedule(name, num_ranks, microbatches, virtual_stages), step_receives)
+    return memory_moments(
+        make_schedule(name, num_ranks, microbatches, virtual_stages), step_receives
+    )

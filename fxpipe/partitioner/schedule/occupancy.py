@@ -25,8 +25,9 @@ def in_flight_per_stage(schedule: Schedule) -> tuple[int, ...]:
             if a.kind is ActionKind.FORWARD:
                 live[a.stage] = live.get(a.stage, 0) + 1
                 peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif (a.kind is ActionKind.WEIGHT) or (a.kind is ActionKind.BACKWARD
-                                                   and (a.stage, a.microbatch) not in split):
+            elif (a.kind is ActionKind.WEIGHT) or (
+                a.kind is ActionKind.BACKWARD and (a.stage, a.microbatch) not in split
+            ):
                 live[a.stage] -= 1
     return tuple(peak)
 
@@ -45,7 +46,9 @@ def _order_in_flight(order: list[tuple[str, int]]) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def schedule_in_flight(name: str, num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
+def schedule_in_flight(
+    name: str, num_ranks: int, virtual_stages: int, microbatches: int
+) -> tuple[int, ...]:
     """``in_flight_per_stage`` of the named schedule (cached: the planner asks for it per stage). One
     stage per rank: read from the stage orders, without building the actions (the cluster search
     asks for thousands of sizes)."""
@@ -53,5 +56,8 @@ def schedule_in_flight(name: str, num_ranks: int, virtual_stages: int, microbatc
     from fxpipe.partitioner.schedule.registry import make_schedule
 
     if name in ONE_CHUNK_ORDERS and virtual_stages == 1 and num_ranks >= 1 and microbatches >= 1:
-        return tuple(_order_in_flight(stage_order(name, num_ranks, microbatches, s)) for s in range(num_ranks))
+        return tuple(
+            _order_in_flight(stage_order(name, num_ranks, microbatches, s))
+            for s in range(num_ranks)
+        )
     return in_flight_per_stage(make_schedule(name, num_ranks, microbatches, virtual_stages))

@@ -27,14 +27,18 @@ __all__ = ["stage_order", "ONE_CHUNK_ORDERS"]
 ONE_CHUNK_ORDERS = ("gpipe", "1f1b", "zb-h1")
 
 
-def stage_order(schedule: str, num_stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
+def stage_order(
+    schedule: str, num_stages: int, microbatches: int, stage: int
+) -> list[tuple[str, int]]:
     """The (kind, microbatch) sequence that ``stage`` runs under ``schedule`` (one of the above)."""
     M = microbatches
     if schedule == "gpipe":
         return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
     if schedule not in ONE_CHUNK_ORDERS:
-        raise ScheduleError(f"unknown one-stage-per-rank schedule {schedule!r}; expected one of {list(ONE_CHUNK_ORDERS)}")
-    deferred = stage if schedule == "zb-h1" else None   # W's this stage keeps pending
+        raise ScheduleError(
+            f"unknown one-stage-per-rank schedule {schedule!r}; expected one of {list(ONE_CHUNK_ORDERS)}"
+        )
+    deferred = stage if schedule == "zb-h1" else None  # W's this stage keeps pending
     warmup = min(num_stages - 1 - stage, M)
     order = [("F", m) for m in range(warmup)]
     next_w = 0

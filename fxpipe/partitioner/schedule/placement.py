@@ -21,7 +21,9 @@ PLACEMENTS = ("loop", "v")
 def stage_ranks(num_ranks: int, virtual_stages: int, placement: str = "loop") -> tuple[int, ...]:
     """The rank of each of the ``num_ranks x virtual_stages`` chunks under ``placement``."""
     if num_ranks < 1 or virtual_stages < 1:
-        raise PartitionError(f"need >= 1 rank and >= 1 virtual stage, got {num_ranks} and {virtual_stages}")
+        raise PartitionError(
+            f"need >= 1 rank and >= 1 virtual stage, got {num_ranks} and {virtual_stages}"
+        )
     if placement not in PLACEMENTS:
         raise PartitionError(f"unknown placement {placement!r}; expected one of {list(PLACEMENTS)}")
     out = []
@@ -41,5 +43,7 @@ def placement_of(ranks: tuple[int, ...] | list[int]) -> tuple[int, int, str]:
         for style in PLACEMENTS:
             if tuple(ranks) == stage_ranks(num_ranks, v, style):
                 return num_ranks, v, style
-    raise PartitionError(f"stage ranks {list(ranks)} are neither a loop nor a V placement of the same number "
-                         "of stages on every rank; rebuild with `fxpipe partition --virtual-stages V`")
+    raise PartitionError(
+        f"stage ranks {list(ranks)} are neither a loop nor a V placement of the same number "
+        "of stages on every rank; rebuild with `fxpipe partition --virtual-stages V`"
+    )

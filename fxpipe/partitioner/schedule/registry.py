@@ -20,19 +20,34 @@ from fxpipe.partitioner.schedule.one_chunk import stage_order
 from fxpipe.partitioner.schedule.placement import stage_ranks
 from fxpipe.partitioner.schedule.zbv import zbv_actions
 
-__all__ = ["ScheduleKind", "SCHEDULES", "SCHEDULE_NAMES", "AUTO", "make_schedule", "schedule_kind", "compatible",
-           "runnable_schedules"]
+__all__ = [
+    "ScheduleKind",
+    "SCHEDULES",
+    "SCHEDULE_NAMES",
+    "AUTO",
+    "make_schedule",
+    "schedule_kind",
+    "compatible",
+    "runnable_schedules",
+]
 
 AUTO = "auto"  # --schedule auto: the planner tries every schedule (and V) and keeps the fastest that fits
 
 
-_KIND = {k.value: k for k in ActionKind}  # a dict lookup: ActionKind(value) costs a microsecond per action
+_KIND = {
+    k.value: k for k in ActionKind
+}  # a dict lookup: ActionKind(value) costs a microsecond per action
 
 
 def _one_chunk(name: str) -> Callable[[int, int, int], tuple[tuple[Action, ...], ...]]:
-    def build(num_ranks: int, virtual_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-        return tuple(tuple(Action(s, _KIND[k], m) for k, m in stage_order(name, num_ranks, microbatches, s))
-                     for s in range(num_ranks))
+    def build(
+        num_ranks: int, virtual_stages: int, microbatches: int
+    ) -> tuple[tuple[Action, ...], ...]:
+        return tuple(
+            tuple(Action(s, _KIND[k], m) for k, m in stage_order(name, num_ranks, microbatches, s))
+            for s in range(num_ranks)
+        )
+
     return build
 
 
@@ -56,22 +71,70 @@ class ScheduleKind:
     def check_virtual(self, virtual_stages: int) -> None:
         hi = self.max_virtual
         if virtual_stages < self.min_virtual or (hi is not None and virtual_stages > hi):
-            want = str(self.min_virtual) if hi == self.min_virtual else (
-                f"{self.min_virtual} or more" if hi is None else f"{self.min_virtual}..{hi}")
-            raise ScheduleError(f"schedule {self.name!r} runs {want} stages per rank, not --virtual-stages "
-                                f"{virtual_stages}; use --virtual-stages {self.default_virtual} or another schedule")
+            want = (
+                str(self.min_virtual)
+                if hi == self.min_virtual
+                else (f"{self.min_virtual} or more" if hi is None else f"{self.min_virtual}..{hi}")
+            )
+            raise ScheduleError(
+                f"schedule {self.name!r} runs {want} stages per rank, not --virtual-stages "
+                f"{virtual_stages}; use --virtual-stages {self.default_virtual} or another schedule"
+            )
 
 
-SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
-    ScheduleKind("gpipe", "loop", 1, 1, False, _one_chunk("gpipe"), "all forwards, then all backwards"),
-    ScheduleKind("1f1b", "loop", 1, 1, False, _one_chunk("1f1b"), "one forward, one backward (PipeDream-flush)"),
-    ScheduleKind("interleaved-1f1b", "loop", 2, None, False,
-                 lambda s, v, m: interleaved_1f1b_actions(s, v, m), "1F1B over V loop-placed chunks per rank"),
-    ScheduleKind("zb-h1", "loop", 1, 1, True, _one_chunk("zb-h1"), "1F1B with weight gradients deferred (zero bubble H1)"),
-    ScheduleKind("zbv", "v", 2, 2, True, lambda s, v, m: zbv_actions(s, m), "zero bubble over 2 V-placed chunks per rank"),
-    ScheduleKind("dualpipev", "v", 2, 2, True, lambda s, v, m: dualpipev_actions(s, m),
-                 "DualPipeV: forward of one chunk paired with backward of the other, 2 V-placed chunks per rank"),
-)}
+SCHEDULES: dict[str, ScheduleKind] = {
+    k.name: k
+    for k in (
+        ScheduleKind(
+            "gpipe", "loop", 1, 1, False, _one_chunk("gpipe"), "all forwards, then all backwards"
+        ),
+        ScheduleKind(
+            "1f1b",
+            "loop",
+            1,
+            1,
+            False,
+            _one_chunk("1f1b"),
+            "one forward, one backward (PipeDream-flush)",
+        ),
+        ScheduleKind(
+            "interleaved-1f1b",
+            "loop",
+            2,
+            None,
+            False,
+            lambda s, v, m: interleaved_1f1b_actions(s, v, m),
+            "1F1B over V loop-placed chunks per rank",
+        ),
+        ScheduleKind(
+            "zb-h1",
+            "loop",
+            1,
+            1,
+            True,
+            _one_chunk("zb-h1"),
+            "1F1B with weight gradients deferred (zero bubble H1)",
+        ),
+        ScheduleKind(
+            "zbv",
+            "v",
+            2,
+            2,
+            True,
+            lambda s, v, m: zbv_actions(s, m),
+            "zero bubble over 2 V-placed chunks per rank",
+        ),
+        ScheduleKind(
+            "dualpipev",
+            "v",
+            2,
+            2,
+            True,
+            lambda s, v, m: dualpipev_actions(s, m),
+            "DualPipeV: forward of one chunk paired with backward of the other, 2 V-placed chunks per rank",
+        ),
+    )
+}
 
 SCHEDULE_NAMES = tuple(SCHEDULES)
 
@@ -81,7 +144,9 @@ def schedule_kind(name: str) -> ScheduleKind:
     try:
         return SCHEDULES[name.lower()]
     except KeyError:
-        raise ScheduleError(f"unknown schedule {name!r}; expected one of {list(SCHEDULE_NAMES)}") from None
+        raise ScheduleError(
+            f"unknown schedule {name!r}; expected one of {list(SCHEDULE_NAMES)}"
+        ) from None
 
 
 def compatible(name: str, virtual_stages: int, placement: str) -> bool:
@@ -97,8 +162,12 @@ def runnable_schedules(virtual_stages: int, placement: str) -> tuple[str, ...]:
     return tuple(n for n in SCHEDULE_NAMES if compatible(n, virtual_stages, placement))
 
 
-@functools.lru_cache(maxsize=64)  # immutable; the cluster search asks for one schedule several times
-def make_schedule(name: str, num_ranks: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
+@functools.lru_cache(
+    maxsize=64
+)  # immutable; the cluster search asks for one schedule several times
+def make_schedule(
+    name: str, num_ranks: int, microbatches: int, virtual_stages: int | None = None
+) -> Schedule:
     """The schedule ``name`` for ``num_ranks`` ranks, ``microbatches`` and ``virtual_stages``
     chunks per rank (default: the schedule's least).
 
@@ -111,6 +180,10 @@ def make_schedule(name: str, num_ranks: int, microbatches: int, virtual_stages: 
     v = kind.default_virtual if virtual_stages is None else virtual_stages
     kind.check_virtual(v)
     if num_ranks < 1 or microbatches < 1:
-        raise ScheduleError(f"need >= 1 rank and >= 1 microbatch, got {num_ranks} and {microbatches}")
+        raise ScheduleError(
+            f"need >= 1 rank and >= 1 microbatch, got {num_ranks} and {microbatches}"
+        )
     actions = kind.build(num_ranks, v, microbatches)
-    return Schedule(kind.name, num_ranks * v, microbatches, actions, stage_ranks(num_ranks, v, kind.placement))
+    return Schedule(
+        kind.name, num_ranks * v, microbatches, actions, stage_ranks(num_ranks, v, kind.placement)
+    )

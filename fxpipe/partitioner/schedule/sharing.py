@@ -48,7 +48,9 @@ __all__ = ["run_shared"]
 _EPS = 1e-9  # ms
 
 
-def run_shared(schedule: Schedule, ranks: list[PreparedRank], cores: float, oversubscribed_rate: float = 1.0) -> Timeline:
+def run_shared(
+    schedule: Schedule, ranks: list[PreparedRank], cores: float, oversubscribed_rate: float = 1.0
+) -> Timeline:
     """Start and end of every prepared action when the ranks share ``cores`` cores (Note [processor sharing])."""
     if not cores > 0:
         raise PartitionError(f"cores must be > 0, got {cores}")
@@ -58,11 +60,17 @@ def run_shared(schedule: Schedule, ranks: list[PreparedRank], cores: float, over
     end: dict[Action, float] = {}
     pos = [0] * n
     start = [0.0] * n
-    left: dict[int, float] = {}        # running rank -> work (ms at full speed) still to do
-    ready_at: dict[int, float] = {}    # rank whose next action's inputs are all sent -> when the last lands
-    blocked: set[int] = set(range(n))  # ranks whose next action still misses an input (re-checked on each finish)
+    left: dict[int, float] = {}  # running rank -> work (ms at full speed) still to do
+    ready_at: dict[
+        int, float
+    ] = {}  # rank whose next action's inputs are all sent -> when the last lands
+    blocked: set[int] = set(
+        range(n)
+    )  # ranks whose next action still misses an input (re-checked on each finish)
     ops: list[ScheduleOp] = []
-    stalled: set[int] = set()          # ranks whose next action has waited its stall (Note [message stalls])
+    stalled: set[int] = (
+        set()
+    )  # ranks whose next action has waited its stall (Note [message stalls])
     now = 0.0
 
     def check(r: int) -> None:
@@ -80,7 +88,9 @@ def run_shared(schedule: Schedule, ranks: list[PreparedRank], cores: float, over
         blocked.discard(r)
         ready_at[r] = t
 
-    posting = {r for r in range(n) if ranks[r].prologue > 0}  # ranks doing their prologue, no action yet
+    posting = {
+        r for r in range(n) if ranks[r].prologue > 0
+    }  # ranks doing their prologue, no action yet
     for r in range(n):
         if r in posting:
             left[r] = ranks[r].prologue
@@ -131,5 +141,9 @@ def run_shared(schedule: Schedule, ranks: list[PreparedRank], cores: float, over
     if any(p < len(prep.actions) for p, prep in zip(pos, ranks)):
         raise SimulationStuck(pos, end)
     ops.sort(key=lambda op: (op.start_ms, op.rank))
-    return Timeline(schedule=schedule.name, microbatches=schedule.num_microbatches, ops=tuple(ops),
-                    num_ranks=schedule.num_ranks)
+    return Timeline(
+        schedule=schedule.name,
+        microbatches=schedule.num_microbatches,
+        ops=tuple(ops),
+        num_ranks=schedule.num_ranks,
+    )

@@ -29,21 +29,43 @@ from collections.abc import Callable, Sequence
 from fxpipe.errors import PartitionError
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
 from fxpipe.partitioner.schedule.sharing import run_shared
-from fxpipe.partitioner.schedule.timeline import (Link, PreparedRank, ScheduleOp, SimulationStuck, Timeline,
-                                                  chain_links, dependencies, link_index)
+from fxpipe.partitioner.schedule.timeline import (
+    Link,
+    PreparedRank,
+    ScheduleOp,
+    SimulationStuck,
+    Timeline,
+    chain_links,
+    dependencies,
+    link_index,
+)
 
-__all__ = ["Link", "chain_links", "link_index", "ScheduleOp", "Timeline", "SimulationStuck", "simulate_step",
-           "dependencies", "prepare_ranks"]
+__all__ = [
+    "Link",
+    "chain_links",
+    "link_index",
+    "ScheduleOp",
+    "Timeline",
+    "SimulationStuck",
+    "simulate_step",
+    "dependencies",
+    "prepare_ranks",
+]
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
 
-def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
-                  links: Sequence[Link] | None = None,
-                  delay: Callable[[Link, ActionKind], float] | None = None,
-                  cores: float | None = None, oversubscribed_rate: float = 1.0,
-                  stall: Callable[[Action], float] | None = None,
-                  prologue: Sequence[float] = ()) -> Timeline:
+def simulate_step(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    *,
+    links: Sequence[Link] | None = None,
+    delay: Callable[[Link, ActionKind], float] | None = None,
+    cores: float | None = None,
+    oversubscribed_rate: float = 1.0,
+    stall: Callable[[Action], float] | None = None,
+    prologue: Sequence[float] = (),
+) -> Timeline:
     """Start and end of every action of ``schedule`` (Note [step simulation]).
 
     ``duration(action)`` is its compute time; ``delay(link, F or B)`` the time an
@@ -61,22 +83,32 @@ def simulate_step(schedule: Schedule, duration: Callable[[Action], float], *,
     >>> simulate_step(make_schedule("gpipe", 2, 2), lambda a: 1.0 if a.kind is F else 2.0).step_ms
     9.0
     """
-    ranks = prepare_ranks(schedule, duration, links=links, delay=delay, stall=stall, prologue=prologue)
+    ranks = prepare_ranks(
+        schedule, duration, links=links, delay=delay, stall=stall, prologue=prologue
+    )
     stalls = any(any(p.stalls) for p in ranks)
     if (cores is not None and cores < len(ranks)) or stalls:
-        return run_shared(schedule, ranks, len(ranks) if cores is None else cores, oversubscribed_rate)
+        return run_shared(
+            schedule, ranks, len(ranks) if cores is None else cores, oversubscribed_rate
+        )
     return _run(schedule, ranks)
 
 
-def prepare_ranks(schedule: Schedule, duration: Callable[[Action], float], *,
-                  links: Sequence[Link] | None = None,
-                  delay: Callable[[Link, ActionKind], float] | None = None,
-                  stall: Callable[[Action], float] | None = None,
-                  prologue: Sequence[float] = ()) -> list[PreparedRank]:
+def prepare_ranks(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    *,
+    links: Sequence[Link] | None = None,
+    delay: Callable[[Link, ActionKind], float] | None = None,
+    stall: Callable[[Action], float] | None = None,
+    prologue: Sequence[float] = (),
+) -> list[PreparedRank]:
     """Each rank's actions with their durations, what they wait for and their stalls, as
     ``simulate_step`` takes them (the plain and the processor-sharing runs share them)."""
     if len(prologue) > schedule.num_ranks or any(not p >= 0 for p in prologue):
-        raise PartitionError(f"prologue must give at most {schedule.num_ranks} times >= 0, got {list(prologue)}")
+        raise PartitionError(
+            f"prologue must give at most {schedule.num_ranks} times >= 0, got {list(prologue)}"
+        )
     links = tuple(chain_links(schedule.num_stages) if links is None else links)
     producers, consumers = link_index(links)
     split = schedule.split_backward()
@@ -87,8 +119,12 @@ def prepare_ranks(schedule: Schedule, duration: Callable[[Action], float], *,
             deps = dependencies(a, producers, consumers, (a.stage, a.microbatch) in split)
             prep.actions.append(a)
             prep.durations.append(float(duration(a)))
-            prep.waits.append([(d, delay(ln, d.kind) if delay is not None and ln is not None else 0.0)
-                               for d, ln in deps])
+            prep.waits.append(
+                [
+                    (d, delay(ln, d.kind) if delay is not None and ln is not None else 0.0)
+                    for d, ln in deps
+                ]
+            )
             prep.stalls.append(float(stall(a)) if stall is not None else 0.0)
         ranks.append(prep)
     return ranks
@@ -126,5 +162,9 @@ def _run(schedule: Schedule, ranks: list[PreparedRank]) -> Timeline:
     if any(p < len(prep.actions) for p, prep in zip(pos, ranks)):
         raise SimulationStuck(pos, end)
     ops.sort(key=lambda op: (op.start_ms, op.rank))
-    return Timeline(schedule=schedule.name, microbatches=schedule.num_microbatches, ops=tuple(ops),
-                    num_ranks=schedule.num_ranks)
+    return Timeline(
+        schedule=schedule.name,
+        microbatches=schedule.num_microbatches,
+        ops=tuple(ops),
+        num_ranks=schedule.num_ranks,
+    )

@@ -12,8 +12,16 @@ from dataclasses import dataclass, field
 
 from fxpipe.partitioner.schedule.actions import Action, ActionKind
 
-__all__ = ["Link", "chain_links", "link_index", "ScheduleOp", "Timeline", "SimulationStuck", "dependencies",
-           "PreparedRank"]
+__all__ = [
+    "Link",
+    "chain_links",
+    "link_index",
+    "ScheduleOp",
+    "Timeline",
+    "SimulationStuck",
+    "dependencies",
+    "PreparedRank",
+]
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
@@ -68,8 +76,13 @@ class Timeline:
 
     def __post_init__(self) -> None:
         if not self.num_ranks:
-            object.__setattr__(self, "num_ranks", 1 + max((op.rank if op.rank >= 0 else op.stage)
-                                                          for op in self.ops) if self.ops else 1)
+            object.__setattr__(
+                self,
+                "num_ranks",
+                1 + max((op.rank if op.rank >= 0 else op.stage) for op in self.ops)
+                if self.ops
+                else 1,
+            )
 
     @property
     def num_stages(self) -> int:
@@ -102,14 +115,20 @@ class SimulationStuck(Exception):
         self.done = done
 
 
-def dependencies(action: Action, producers: Mapping[int, Sequence[Link]], consumers: Mapping[int, Sequence[Link]],
-                 split: bool) -> list[tuple[Action, Link | None]]:
+def dependencies(
+    action: Action,
+    producers: Mapping[int, Sequence[Link]],
+    consumers: Mapping[int, Sequence[Link]],
+    split: bool,
+) -> list[tuple[Action, Link | None]]:
     """What ``action`` waits for (Note [step simulation]), each with the link its message crosses."""
     s, m = action.stage, action.microbatch
     if action.kind is F:
         return [(Action(ln.src, F, m), ln) for ln in producers.get(s, ())]
     if action.kind is B:
-        return [(Action(s, F, m), None)] + [(Action(ln.dst, B, m), ln) for ln in consumers.get(s, ()) if ln.grad]
+        return [(Action(s, F, m), None)] + [
+            (Action(ln.dst, B, m), ln) for ln in consumers.get(s, ()) if ln.grad
+        ]
     return [(Action(s, B, m), None)] if split else []
 
 
@@ -120,5 +139,9 @@ class PreparedRank:
     actions: list[Action] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     waits: list[list[tuple[Action, float]]] = field(default_factory=list)
-    stalls: list[float] = field(default_factory=list)  # paid first where the action starts on busy cores
-    prologue: float = 0.0  # compute at the step's start, before the first action (posting its receives)
+    stalls: list[float] = field(
+        default_factory=list
+    )  # paid first where the action starts on busy cores
+    prologue: float = (
+        0.0  # compute at the step's start, before the first action (posting its receives)
+    )

@@ -33,7 +33,14 @@ def zbv_actions(num_ranks: int, microbatches: int) -> tuple[tuple[Action, ...], 
     out = []
     for r in range(S):
         first, second = r, 2 * S - 1 - r
-        count = {(first, F): 0, (first, B): 0, (first, W): 0, (second, F): 0, (second, B): 0, (second, W): 0}
+        count = {
+            (first, F): 0,
+            (first, B): 0,
+            (first, W): 0,
+            (second, F): 0,
+            (second, B): 0,
+            (second, W): 0,
+        }
         acts: list[Action] = []
 
         def run(stage: int, kind: ActionKind) -> None:
@@ -67,6 +74,8 @@ def zbv_actions(num_ranks: int, microbatches: int) -> tuple[tuple[Action, ...], 
             run(second, W)
         while count[(first, W)] < count[(first, B)]:
             run(first, W)
-        assert all(count[(s, k)] == n for s in (first, second) for k in (F, B, W)), "ZBV pattern lost an action"
+        assert all(count[(s, k)] == n for s in (first, second) for k in (F, B, W)), (
+            "ZBV pattern lost an action"
+        )
         out.append(tuple(a for a in acts if a.microbatch < M))
     return tuple(out)

@@ -45,19 +45,45 @@ from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import RuntimeCosts, runtime_costs_for
 from fxpipe.partitioner.search.explain import Explanations
 from fxpipe.partitioner.search.pricing import Pricer
-from fxpipe.partitioner.search.shapes import Shape, SplitCache, enumerate_shapes, least_bottleneck, scale_profile
-from fxpipe.partitioner.search.result import Alternative, Configuration, ConfigurationScore, SearchResult
+from fxpipe.partitioner.search.shapes import (
+    Shape,
+    SplitCache,
+    enumerate_shapes,
+    least_bottleneck,
+    scale_profile,
+)
+from fxpipe.partitioner.search.result import (
+    Alternative,
+    Configuration,
+    ConfigurationScore,
+    SearchResult,
+)
 from fxpipe.tracer.profile import ModelProfile
 
-__all__ = ["Configuration", "ConfigurationScore", "Alternative", "SearchResult", "search_configurations",
-           "scale_profile", "plan_configuration"]
+__all__ = [
+    "Configuration",
+    "ConfigurationScore",
+    "Alternative",
+    "SearchResult",
+    "search_configurations",
+    "scale_profile",
+    "plan_configuration",
+]
 
 
-def search_configurations(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
-                          optimizer: str = "adam", schedules: tuple[str, ...] | None = None,
-                          shard_levels: tuple[str, ...] = SHARD_LEVELS, max_stages: int | None = None,
-                          stages: int | None = None, top: int = 5,
-                          runtime: RuntimeCosts | None = None) -> SearchResult:
+def search_configurations(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    global_batch: int,
+    *,
+    optimizer: str = "adam",
+    schedules: tuple[str, ...] | None = None,
+    shard_levels: tuple[str, ...] = SHARD_LEVELS,
+    max_stages: int | None = None,
+    stages: int | None = None,
+    top: int = 5,
+    runtime: RuntimeCosts | None = None,
+) -> SearchResult:
     """The ``top`` fastest configurations of ``profile`` on ``cluster`` at ``global_batch``
     samples per step (Note [cluster search]); ``stages`` fixes the pipeline depth (the
     replicas and the rest are still searched), ``max_stages`` caps it. ``InfeasibleError``
@@ -69,33 +95,58 @@ def search_configurations(profile: ModelProfile, cluster: ClusterSpec, global_ba
         raise ConfigError(f"top must be >= 1, got {top}")
     for level in shard_levels:
         if level not in SHARD_LEVELS:
-            raise ConfigError(f"unknown shard level {level!r}; expected some of {list(SHARD_LEVELS)}")
+            raise ConfigError(
+                f"unknown shard level {level!r}; expected some of {list(SHARD_LEVELS)}"
+            )
     kinds = [(n, v) for n, v in auto_candidates() if schedules is None or n in schedules]
     if not kinds:
-        raise ConfigError(f"no known schedule among {schedules}; expected some of {[n for n, _ in auto_candidates()]}")
+        raise ConfigError(
+            f"no known schedule among {schedules}; expected some of {[n for n, _ in auto_candidates()]}"
+        )
     deepest = min(cluster.devices, len(profile.units), max_stages or cluster.devices)
     if stages is not None and not 1 <= stages <= deepest:
-        raise ConfigError(f"--stages {stages} with --devices {cluster.devices}: the depth must be 1..{deepest} "
-                          f"(at most the devices and the model's {len(profile.units)} units)")
+        raise ConfigError(
+            f"--stages {stages} with --devices {cluster.devices}: the depth must be 1..{deepest} "
+            f"(at most the devices and the model's {len(profile.units)} units)"
+        )
     depths = range(stages, stages + 1) if stages is not None else range(1, deepest + 1)
-    rt = runtime if runtime is not None else runtime_costs_for(profile.trace_device, profile.host_slowdown)
+    rt = (
+        runtime
+        if runtime is not None
+        else runtime_costs_for(profile.trace_device, profile.host_slowdown)
+    )
     search = _Search(profile, cluster, global_batch, optimizer, shard_levels, top, rt)
     shapes = enumerate_shapes(len(profile.units), cluster.devices, global_batch, kinds, depths)
     search.run(shapes)
     if not search.best:
         raise InfeasibleError(search.explain.nothing_fits())
     ranked = tuple(search.best)
-    return SearchResult(cluster=cluster, global_batch=global_batch, optimizer=optimizer, ranked=ranked,
-                        alternatives=search.explain.alternatives(ranked[0], search.cutoff()),
-                        candidates=len(shapes), priced=search.pricer.priced, simulated=search.pricer.simulated,
-                        seconds=time.perf_counter() - start)
+    return SearchResult(
+        cluster=cluster,
+        global_batch=global_batch,
+        optimizer=optimizer,
+        ranked=ranked,
+        alternatives=search.explain.alternatives(ranked[0], search.cutoff()),
+        candidates=len(shapes),
+        priced=search.pricer.priced,
+        simulated=search.pricer.simulated,
+        seconds=time.perf_counter() - start,
+    )
 
 
 class _Search:
     """One search: the shapes in lower-bound order, the top k so far, what the explanation needs."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, optimizer: str,
-                 shard_levels: tuple[str, ...], top: int, runtime: RuntimeCosts) -> None:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: ClusterSpec,
+        global_batch: int,
+        optimizer: str,
+        shard_levels: tuple[str, ...],
+        top: int,
+        runtime: RuntimeCosts,
+    ) -> None:
         self.profile, self.top, self.rt = profile, top, runtime
         self.splits = SplitCache(profile, cluster)
         self.pricer = Pricer(profile, cluster, global_batch, optimizer, shard_levels, runtime)
@@ -138,8 +189,13 @@ class _Search:
                 heapq.heappush(queue, (self.pricer.bound(shape, split), i, True))
                 continue
             try:
-                self.pricer.price(shape, split, self.cutoff, self._keep,
-                                  lambda shard, need: self.explain.too_big(shape, shard, need))
+                self.pricer.price(
+                    shape,
+                    split,
+                    self.cutoff,
+                    self._keep,
+                    lambda shard, need: self.explain.too_big(shape, shard, need),
+                )
             except (ScheduleError, PartitionError) as exc:
                 self.explain.failed(shape, exc)
 
@@ -149,7 +205,7 @@ class _Search:
         if len(self.best) < self.top or _rank_key(score) < _rank_key(self.best[-1]):
             self.best.append(score)
             self.best.sort(key=_rank_key)
-            del self.best[self.top:]
+            del self.best[self.top :]
 
 
 def _rank_key(score: ConfigurationScore) -> tuple[float, int, str]:
@@ -158,14 +214,28 @@ def _rank_key(score: ConfigurationScore) -> tuple[float, int, str]:
     return score.step_ms, score.config.devices, score.config.label
 
 
-def plan_configuration(profile: ModelProfile, cluster: ClusterSpec, config: Configuration, *, optimizer: str = "adam",
-                       time_limit: float = 10.0) -> PartitionPlan:
+def plan_configuration(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    config: Configuration,
+    *,
+    optimizer: str = "adam",
+    time_limit: float = 10.0,
+) -> PartitionPlan:
     """The plan of one searched configuration: ``plan_partition`` at its microbatch size, with its
     replicas, sharding, recomputed stages and the cluster's links and device memory."""
     from fxpipe.partitioner.solve.planner import plan_partition
 
-    cost = cluster.cost_model(config.replicas, optimizer=optimizer, shard=config.shard,
-                              recompute=config.recompute)
-    return plan_partition(scale_profile(profile, config.microbatch_size), config.stages, schedule=config.schedule,
-                          microbatches=config.microbatches, cost=cost, memory_limit=cluster.device_memory,
-                          time_limit=time_limit, virtual_stages=config.virtual_stages)
+    cost = cluster.cost_model(
+        config.replicas, optimizer=optimizer, shard=config.shard, recompute=config.recompute
+    )
+    return plan_partition(
+        scale_profile(profile, config.microbatch_size),
+        config.stages,
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        cost=cost,
+        memory_limit=cluster.device_memory,
+        time_limit=time_limit,
+        virtual_stages=config.virtual_stages,
+    )

@@ -29,8 +29,8 @@ class Explanations:
     def __init__(self, cluster: ClusterSpec, top: int) -> None:
         self.cluster, self.top = cluster, top
         self.by_group: dict[Group, ConfigurationScore] = {}
-        self.notes: dict[Group, str] = {}     # why a group could not run at all
-        self.need: dict[Group, int] = {}      # the least memory a shape that did not fit needed
+        self.notes: dict[Group, str] = {}  # why a group could not run at all
+        self.need: dict[Group, int] = {}  # the least memory a shape that did not fit needed
         self.pruned: dict[Group, float] = {}  # the least lower bound of a shape not priced
 
     def scored(self, score: ConfigurationScore) -> None:
@@ -56,27 +56,35 @@ class Explanations:
         """Why no configuration of ``group`` was priced: its lower bound, memory, or the schedule."""
         parts = []
         if group in self.pruned:
-            parts.append(f"its least lower bound on the step ({format_ms(self.pruned[group])}) is above the "
-                         f"{self.top} best steps found (up to {format_ms(cutoff)})")
+            parts.append(
+                f"its least lower bound on the step ({format_ms(self.pruned[group])}) is above the "
+                f"{self.top} best steps found (up to {format_ms(cutoff)})"
+            )
         if group in self.need:
             limit = format_size(self.cluster.device_memory or 0)
             split = group[0] == "schedule" and schedule_kind(group[1].split()[0]).split_backward
-            parts.append(f"what was priced needs at least {format_size(self.need[group])} on a device, over {limit}"
-                         + (" (a split backward is not recomputed)" if split else " even recomputing"))
+            parts.append(
+                f"what was priced needs at least {format_size(self.need[group])} on a device, over {limit}"
+                + (" (a split backward is not recomputed)" if split else " even recomputing")
+            )
         if group in self.notes:
             parts.append(self.notes[group])
         return "; ".join(parts)
 
     def alternatives(self, best: ConfigurationScore, cutoff: float) -> tuple[Alternative, ...]:
         out = []
-        groups = sorted({*self.by_group, *self.notes, *self.need, *self.pruned},
-                        key=lambda g: (g[0], int(g[1]) if g[0] == "depth" else 0, g[1]))
+        groups = sorted(
+            {*self.by_group, *self.notes, *self.need, *self.pruned},
+            key=lambda g: (g[0], int(g[1]) if g[0] == "depth" else 0, g[1]),
+        )
         for group, value in groups:
             score = self.by_group.get((group, value))
             if score is None:
                 out.append(Alternative(group, value, None, self._why_none((group, value), cutoff)))
             elif score.config == best.config:
-                out.append(Alternative(group, value, score.step_ms, f"the best: {score.config.label}"))
+                out.append(
+                    Alternative(group, value, score.step_ms, f"the best: {score.config.label}")
+                )
             else:
                 out.append(Alternative(group, value, score.step_ms, _why_slower(score, best)))
         return tuple(out)
@@ -86,22 +94,34 @@ class Explanations:
         limit = self.cluster.device_memory
         least = min((n for (g, _), n in self.need.items() if g == "depth"), default=None)
         if limit is not None and least is not None:
-            return (f"no configuration fits {format_size(limit)} per device on {self.cluster.devices} devices: each "
-                    f"needs at least {format_size(least)} (with the sharding levels tried, recomputing); add "
-                    "devices or memory, or lower the global batch")
-        return (f"no configuration could be planned on {self.cluster.devices} devices; check the global batch and "
-                "schedules")
+            return (
+                f"no configuration fits {format_size(limit)} per device on {self.cluster.devices} devices: each "
+                f"needs at least {format_size(least)} (with the sharding levels tried, recomputing); add "
+                "devices or memory, or lower the global batch"
+            )
+        return (
+            f"no configuration could be planned on {self.cluster.devices} devices; check the global batch and "
+            "schedules"
+        )
 
 
 def _why_slower(score: ConfigurationScore, best: ConfigurationScore) -> str:
     """Where ``score``'s step loses to ``best``'s, the largest difference first."""
     ratio = score.step_ms / best.step_ms if best.step_ms > 0 else 1.0
-    compute = (score.pipeline_ms * (1 - score.bubble) - score.recompute_ms) - \
-              (best.pipeline_ms * (1 - best.bubble) - best.recompute_ms)
-    diffs = {"bubble": score.pipeline_ms * score.bubble - best.pipeline_ms * best.bubble,
-             "data-parallel collectives": score.dp_ms - best.dp_ms,
-             "recompute": score.recompute_ms - best.recompute_ms,
-             "compute per device": compute}
-    losses = [f"{k} +{format_ms(v)}" for k, v in sorted(diffs.items(), key=lambda kv: -kv[1])
-              if v > 0.01 * best.step_ms]
-    return f"{ratio:.2f}x the best step ({score.config.label}): " + (", ".join(losses[:3]) or "slightly slower")
+    compute = (score.pipeline_ms * (1 - score.bubble) - score.recompute_ms) - (
+        best.pipeline_ms * (1 - best.bubble) - best.recompute_ms
+    )
+    diffs = {
+        "bubble": score.pipeline_ms * score.bubble - best.pipeline_ms * best.bubble,
+        "data-parallel collectives": score.dp_ms - best.dp_ms,
+        "recompute": score.recompute_ms - best.recompute_ms,
+        "compute per device": compute,
+    }
+    losses = [
+        f"{k} +{format_ms(v)}"
+        for k, v in sorted(diffs.items(), key=lambda kv: -kv[1])
+        if v > 0.01 * best.step_ms
+    ]
+    return f"{ratio:.2f}x the best step ({score.config.label}): " + (
+        ", ".join(losses[:3]) or "slightly slower"
+    )

@@ -16,12 +16,12 @@ __all__ = ["Configuration", "ConfigurationScore", "Alternative", "SearchResult"]
 class Configuration:
     """How to run one training step on the cluster (Note [cluster search] in ``search``)."""
 
-    stages: PositiveInt               # pipeline ranks S
-    replicas: PositiveInt             # data-parallel replicas R
-    microbatches: PositiveInt         # M per replica per step
-    microbatch_size: PositiveInt      # samples per microbatch
+    stages: PositiveInt  # pipeline ranks S
+    replicas: PositiveInt  # data-parallel replicas R
+    microbatches: PositiveInt  # M per replica per step
+    microbatch_size: PositiveInt  # samples per microbatch
     schedule: str
-    virtual_stages: PositiveInt = 1   # stages per rank
+    virtual_stages: PositiveInt = 1  # stages per rank
     shard: str = "none"
     recompute: tuple[bool, ...] = ()  # per stage (S x V of them): recompute activations in backward
 
@@ -34,8 +34,10 @@ class Configuration:
         v = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
         rc = sum(self.recompute)
         recompute = f", recompute {rc}/{len(self.recompute)} stages" if rc else ""
-        return (f"S={self.stages} x R={self.replicas}, M={self.microbatches} x {self.microbatch_size}, "
-                f"{self.schedule}{v}, shard {self.shard}{recompute}")
+        return (
+            f"S={self.stages} x R={self.replicas}, M={self.microbatches} x {self.microbatch_size}, "
+            f"{self.schedule}{v}, shard {self.shard}{recompute}"
+        )
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,12 @@ class ConfigurationScore:
     config: Configuration
     step_ms: NonNegFloat
     samples_per_s: NonNegFloat
-    pipeline_ms: NonNegFloat           # the simulated forward/backward part of the step
-    bubble: NonNegFloat                # idle share of the pipeline part
-    peak_memory_bytes: NonNegInt       # the fullest device
-    dp_ms: NonNegFloat                 # the slowest stage's data-parallel collectives
-    recompute_ms: NonNegFloat          # extra forward time per step on the busiest rank
-    limit: str                         # what limits it, in words
+    pipeline_ms: NonNegFloat  # the simulated forward/backward part of the step
+    bubble: NonNegFloat  # idle share of the pipeline part
+    peak_memory_bytes: NonNegInt  # the fullest device
+    dp_ms: NonNegFloat  # the slowest stage's data-parallel collectives
+    recompute_ms: NonNegFloat  # extra forward time per step on the busiest rank
+    limit: str  # what limits it, in words
     assignment: tuple[NonNegInt, ...] = ()
 
 

@@ -17,8 +17,17 @@ from fxpipe.partitioner.problem import build_problem
 from fxpipe.partitioner.schedule import schedule_kind, stage_ranks
 from fxpipe.tracer.profile import ModelProfile, TensorSpec
 
-__all__ = ["Shape", "Split", "SplitCache", "scale_profile", "enumerate_shapes", "pipeline_floor",
-           "runnable_shard_levels", "least_bottleneck"]
+__all__ = [
+    "Shape",
+    "Split",
+    "SplitCache",
+    "scale_profile",
+    "enumerate_shapes",
+    "pipeline_floor",
+    "runnable_shard_levels",
+    "least_bottleneck",
+]
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -63,15 +72,30 @@ def scale_profile(profile: ModelProfile, batch: int) -> ModelProfile:
             return s
         return replace(s, shape=s.at_batch(batch, profile.batch_size))
 
-    units = tuple(replace(u, fwd_ms=u.fwd_ms * r, bwd_ms=u.bwd_ms * r, fwd_flops=u.fwd_flops * r,
-                          activation_bytes=round(u.activation_bytes * r), outputs=tuple(spec(o) for o in u.outputs))
-                  for u in profile.units)
+    units = tuple(
+        replace(
+            u,
+            fwd_ms=u.fwd_ms * r,
+            bwd_ms=u.bwd_ms * r,
+            fwd_flops=u.fwd_flops * r,
+            activation_bytes=round(u.activation_bytes * r),
+            outputs=tuple(spec(o) for o in u.outputs),
+        )
+        for u in profile.units
+    )
     edges = tuple(replace(e, bytes=round(e.bytes * r)) for e in profile.edges)
-    return replace(profile, units=units, edges=edges, batch_size=batch, inputs=tuple(spec(s) for s in profile.inputs))
+    return replace(
+        profile,
+        units=units,
+        edges=edges,
+        batch_size=batch,
+        inputs=tuple(spec(s) for s in profile.inputs),
+    )
 
 
-def enumerate_shapes(units: int, devices: int, global_batch: int, kinds: list[tuple[str, int]],
-                     depths: range) -> list[Shape]:
+def enumerate_shapes(
+    units: int, devices: int, global_batch: int, kinds: list[tuple[str, int]], depths: range
+) -> list[Shape]:
     """Every shape of the search: for each depth S, the most replicas R <= devices / S that divide the
     global batch (fewer only lengthen the step), every M dividing G / R, every schedule that fits.
     A 1-stage pipeline has no bubble to schedule: it gets one schedule (``_unpipelined``), not every
@@ -146,8 +170,13 @@ class SplitCache:
         return self._splits[key]
 
 
-def pipeline_floor(microbatches: int, busy_ms: list[float] | tuple[float, ...], first_fwd_ms: list[float] |
-                   tuple[float, ...], first_bwd_ms: list[float] | tuple[float, ...], tail: bool) -> float:
+def pipeline_floor(
+    microbatches: int,
+    busy_ms: list[float] | tuple[float, ...],
+    first_fwd_ms: list[float] | tuple[float, ...],
+    first_bwd_ms: list[float] | tuple[float, ...],
+    tail: bool,
+) -> float:
     """A lower bound on a pipeline's forward/backward part: rank r cannot start before microbatch 0
     has passed the ranks before it, then computes M x its ``busy_ms``; with ``tail`` (a fused
     backward on loop-placed stages) the last gradient must then pass back through the ranks before it."""

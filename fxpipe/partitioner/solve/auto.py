@@ -33,22 +33,47 @@ def auto_candidates(virtual_stages: int | None = None) -> list[tuple[str, int]]:
     return out
 
 
-def plan_auto(plan_partition: Callable[..., PartitionPlan], profile: ModelProfile, num_stages: int, *, solver: str,
-              microbatches: int, cost: CostModel | None, memory_limit: int | None, time_limit: float, optimize: str,
-              virtual_stages: int | None, objective: str = "step", split_at: Sequence[str] = ()) -> PartitionPlan:
+def plan_auto(
+    plan_partition: Callable[..., PartitionPlan],
+    profile: ModelProfile,
+    num_stages: int,
+    *,
+    solver: str,
+    microbatches: int,
+    cost: CostModel | None,
+    memory_limit: int | None,
+    time_limit: float,
+    optimize: str,
+    virtual_stages: int | None,
+    objective: str = "step",
+    split_at: Sequence[str] = (),
+) -> PartitionPlan:
     """The fastest feasible plan over ``auto_candidates`` (by predicted step), with the others listed;
     ``plan_partition`` (``planner.plan_partition``, handed in by its caller) plans each candidate."""
     candidates = auto_candidates(virtual_stages)
     if not candidates:
-        raise PartitionError(f"no schedule runs {virtual_stages} stages per rank; leave out --virtual-stages")
+        raise PartitionError(
+            f"no schedule runs {virtual_stages} stages per rank; leave out --virtual-stages"
+        )
     share = time_limit / len(candidates)
     plans: list[PartitionPlan] = []
     options: list[ScheduleOption] = []
     for name, v in candidates:
         try:
-            plan = plan_partition(profile, num_stages, solver=solver, schedule=name, microbatches=microbatches,
-                                  cost=cost, memory_limit=memory_limit, time_limit=share, optimize=optimize,
-                                  virtual_stages=v, objective=objective, split_at=split_at)
+            plan = plan_partition(
+                profile,
+                num_stages,
+                solver=solver,
+                schedule=name,
+                microbatches=microbatches,
+                cost=cost,
+                memory_limit=memory_limit,
+                time_limit=share,
+                optimize=optimize,
+                virtual_stages=v,
+                objective=objective,
+                split_at=split_at,
+            )
         except InfeasibleError as exc:
             options.append(ScheduleOption(name, v, feasible=False, note=f"does not fit: {exc}"))
             continue
@@ -58,16 +83,28 @@ def plan_auto(plan_partition: Callable[..., PartitionPlan], profile: ModelProfil
         pred = plan.prediction
         assert pred is not None
         plans.append(plan)
-        options.append(ScheduleOption(name, v, step_ms=pred.step_ms[name], bubble=pred.bubble,
-                                      peak_memory_bytes=max(plan.rank_memory_bytes or (0,)), feasible=True,
-                                      note=f"{plan.num_stages} stages on {plan.num_ranks} ranks",
-                                      stage_times=plan.stage_times))
+        options.append(
+            ScheduleOption(
+                name,
+                v,
+                step_ms=pred.step_ms[name],
+                bubble=pred.bubble,
+                peak_memory_bytes=max(plan.rank_memory_bytes or (0,)),
+                feasible=True,
+                note=f"{plan.num_stages} stages on {plan.num_ranks} ranks",
+                stage_times=plan.stage_times,
+            )
+        )
     if not plans:
         reasons = "; ".join(f"{o.schedule} (V={o.virtual_stages}): {o.note}" for o in options)
         raise InfeasibleError(f"no schedule could be planned: {reasons}")
     best = min(plans, key=lambda p: (p.step_ms, p.virtual_stages))
-    chosen = tuple(replace(o, chosen=o.schedule == best.schedule and o.virtual_stages == best.virtual_stages)
-                   for o in options)
-    note = f"--schedule auto chose {best.schedule} (V={best.virtual_stages}), the least predicted step of " \
-           f"{sum(o.feasible for o in options)} schedules that fit"
+    chosen = tuple(
+        replace(o, chosen=o.schedule == best.schedule and o.virtual_stages == best.virtual_stages)
+        for o in options
+    )
+    note = (
+        f"--schedule auto chose {best.schedule} (V={best.virtual_stages}), the least predicted step of "
+        f"{sum(o.feasible for o in options)} schedules that fit"
+    )
     return replace(best, alternatives=chosen, status=f"{best.status}; {note}")

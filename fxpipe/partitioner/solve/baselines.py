@@ -51,9 +51,9 @@ def _linear_partition(weights: Sequence[float], S: int) -> tuple[int, ...]:
         sizes.append(count)
         if len(sizes) > S:
             return None
-        while len(sizes) < S:   # split the part with most units; the max weight cannot grow
+        while len(sizes) < S:  # split the part with most units; the max weight cannot grow
             big = max(range(len(sizes)), key=lambda j: sizes[j])
-            sizes[big:big + 1] = [sizes[big] // 2, sizes[big] - sizes[big] // 2]
+            sizes[big : big + 1] = [sizes[big] // 2, sizes[big] - sizes[big] // 2]
         return sizes
 
     lo, hi = max(weights, default=0.0), float(sum(weights))
@@ -111,5 +111,9 @@ def run_baseline(name: str, problem: PartitionProblem) -> Solution:
     """One baseline as a ``Solution`` (never proven optimal)."""
     start = time.perf_counter()
     assignment = BASELINES[name](problem)
-    return Solution(assignment=assignment, solver=name, seconds=time.perf_counter() - start,
-                    status="baseline heuristic")
+    return Solution(
+        assignment=assignment,
+        solver=name,
+        seconds=time.perf_counter() - start,
+        status="baseline heuristic",
+    )

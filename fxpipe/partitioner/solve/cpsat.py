@@ -51,7 +51,9 @@ class _OutOfTime(Exception):
 class _Model:
     """The CP-SAT variables and per-stage time/memory expressions of one problem."""
 
-    def __init__(self, problem: PartitionProblem, with_memory: bool, deadline: float = math.inf) -> None:
+    def __init__(
+        self, problem: PartitionProblem, with_memory: bool, deadline: float = math.inf
+    ) -> None:
         self.p = problem
         self.deadline = deadline
         self.m = cp_model.CpModel()
@@ -79,7 +81,9 @@ class _Model:
             self._tick()
             for c in t.consumers:
                 self._not_later(t.producer, c)
-        for a, b in zip(problem.random_units, problem.random_units[1:]):  # Note [random order] in problem.py
+        for a, b in zip(
+            problem.random_units, problem.random_units[1:]
+        ):  # Note [random order] in problem.py
             self._not_later(a, b)
         for s in range(S):
             m.add(sum(self.on(u, s) for u in range(n) if self.lo[u] <= s <= self.hi[u]) >= 1)
@@ -88,8 +92,12 @@ class _Model:
         self.time: list[Any] = []
         for s in range(S):
             self._tick()
-            expr = sum(math.floor((problem.fwd_ms[u] + problem.bwd_ms[u]) / speeds[s] * SCALE) * self.on(u, s)
-                       for u in range(n) if self.lo[u] <= s <= self.hi[u])
+            expr = sum(
+                math.floor((problem.fwd_ms[u] + problem.bwd_ms[u]) / speeds[s] * SCALE)
+                * self.on(u, s)
+                for u in range(n)
+                if self.lo[u] <= s <= self.hi[u]
+            )
             for t, ms in zip(problem.tensors, self.msg):
                 if s in self.recv[id(t)]:
                     expr += ms * self.recv[id(t)][s]
@@ -123,10 +131,18 @@ class _Model:
 
     def _comm(self) -> None:
         p, m, S = self.p, self.m, self.p.num_stages
-        self.msg = [math.floor(p.cost.message_ms(p.cost.wire_bytes(t.nbytes)) * (2 if t.requires_grad else 1) * SCALE)
-                    for t in p.tensors]
+        self.msg = [
+            math.floor(
+                p.cost.message_ms(p.cost.wire_bytes(t.nbytes))
+                * (2 if t.requires_grad else 1)
+                * SCALE
+            )
+            for t in p.tensors
+        ]
         self.recv: dict[int, dict[int, Any]] = {}
-        self.held: dict[int, dict[int, Any]] = {}   # stages whose rank-mate may hold the producer: any receive
+        self.held: dict[
+            int, dict[int, Any]
+        ] = {}  # stages whose rank-mate may hold the producer: any receive
         self.w: dict[int, dict[int, Any]] = {}
         ranks = p.stage_ranks
         for t in p.tensors:
@@ -141,8 +157,12 @@ class _Model:
                             m.add(var >= self.on(c, s) - self.ge[pr][s])
                     recv[s] = var
             held: dict[int, Any] = {}
-            for s, var in list(recv.items()):  # a producer on a stage of the same rank sends no message
-                mates = [q for q in range(self.lo[pr], min(s, self.hi[pr] + 1)) if ranks[q] == ranks[s]]
+            for s, var in list(
+                recv.items()
+            ):  # a producer on a stage of the same rank sends no message
+                mates = [
+                    q for q in range(self.lo[pr], min(s, self.hi[pr] + 1)) if ranks[q] == ranks[s]
+                ]
                 if mates:
                     remote = m.new_bool_var(f"remote_{pr}_{s}")
                     m.add(remote >= var - sum(self.on(pr, q) for q in mates))
@@ -178,7 +198,9 @@ class _Model:
                     var = m.new_bool_var(f"param_{q}_{r}")
                     for u, s in here:
                         m.add(var >= self.on(u, s))
-                    expr += int(round(p.state_factor * p.param_bytes[q])) * var  # sharding: a fraction
+                    expr += (
+                        int(round(p.state_factor * p.param_bytes[q])) * var
+                    )  # sharding: a fraction
             for s in mine:
                 expr += self._stage_buffers(s)
             out.append(expr)
@@ -188,8 +210,11 @@ class _Model:
         """Buffers, activations and boundary buffers of stage ``s``."""
         p = self.p
         k, kept = p.in_flight(s), p.activations_held(s)
-        expr = sum((p.buffer_bytes[u] + kept * p.activation_bytes[u]) * self.on(u, s)
-                   for u in range(p.num_units) if self.lo[u] <= s <= self.hi[u])
+        expr = sum(
+            (p.buffer_bytes[u] + kept * p.activation_bytes[u]) * self.on(u, s)
+            for u in range(p.num_units)
+            if self.lo[u] <= s <= self.hi[u]
+        )
         held = p.grads_held(s)
         for t in p.tensors:  # received x in flight, its gradient sent back x held, sent x M
             if s in self.recv[id(t)]:
@@ -217,8 +242,10 @@ class _Model:
                 self.m.add_hint(var, len(remote) if s == a else 0)
 
     def assignment(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        return tuple(sum(int(solver.value(v)) if not isinstance(v, int) else v for v in row[1:-1])
-                     for row in self.ge)
+        return tuple(
+            sum(int(solver.value(v)) if not isinstance(v, int) else v for v in row[1:-1])
+            for row in self.ge
+        )
 
 
 def _solver(time_limit: float, workers: int) -> cp_model.CpSolver:
@@ -230,18 +257,32 @@ def _solver(time_limit: float, workers: int) -> cp_model.CpSolver:
     return solver
 
 
-def _kept_hint(problem: PartitionProblem, hint: Sequence[int] | None, time_limit: float, start: float,
-               why: str) -> Solution:
+def _kept_hint(
+    problem: PartitionProblem, hint: Sequence[int] | None, time_limit: float, start: float, why: str
+) -> Solution:
     if hint is None:
-        raise PartitionError(f"CP-SAT found no assignment within {time_limit:.3g} s ({why}); raise the time limit "
-                             "or use solver='dp'")
-    return Solution(assignment=tuple(hint), solver="cpsat", seconds=time.perf_counter() - start,
-                    status=f"{why} within {time_limit:.3g} s; kept the hint")
+        raise PartitionError(
+            f"CP-SAT found no assignment within {time_limit:.3g} s ({why}); raise the time limit "
+            "or use solver='dp'"
+        )
+    return Solution(
+        assignment=tuple(hint),
+        solver="cpsat",
+        seconds=time.perf_counter() - start,
+        status=f"{why} within {time_limit:.3g} s; kept the hint",
+    )
 
 
-def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = None, time_limit: float = 10.0,
-                    workers: int = 2, optimize: str = "speed", slack: float = 0.01,
-                    lower_bound_ms: float = 0.0) -> Solution:
+def solve_dag_cpsat(
+    problem: PartitionProblem,
+    *,
+    hint: Sequence[int] | None = None,
+    time_limit: float = 10.0,
+    workers: int = 2,
+    optimize: str = "speed",
+    slack: float = 0.01,
+    lower_bound_ms: float = 0.0,
+) -> Solution:
     """Minimise the bottleneck over every order-respecting assignment (Note [CP-SAT encoding]).
 
     Honours pins and ``problem.memory_limit``; ``hint`` (e.g. the DP's answer) warm-starts
@@ -259,7 +300,10 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
     except _OutOfTime:
         return _kept_hint(problem, hint, time_limit, start, "the CP-SAT model was not built")
     m = model.m
-    horizon = sum(math.floor((f + b) / min(problem.speeds) * SCALE) for f, b in zip(problem.fwd_ms, problem.bwd_ms))
+    horizon = sum(
+        math.floor((f + b) / min(problem.speeds) * SCALE)
+        for f, b in zip(problem.fwd_ms, problem.bwd_ms)
+    )
     horizon += 2 * sum(model.msg) * problem.num_stages + 1
     T = m.new_int_var(max(0, math.floor(lower_bound_ms * SCALE)), horizon, "bottleneck")
     for expr in model.time:
@@ -301,5 +345,11 @@ def solve_dag_cpsat(problem: PartitionProblem, *, hint: Sequence[int] | None = N
         if second.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             assignment = model.assignment(second)
             note += f"; then least peak memory within {slack:.0%} of that bottleneck"
-    return Solution(assignment=assignment, solver="cpsat", optimal=optimal, bound_ms=bound,
-                    seconds=time.perf_counter() - start, status=note)
+    return Solution(
+        assignment=assignment,
+        solver="cpsat",
+        optimal=optimal,
+        bound_ms=bound,
+        seconds=time.perf_counter() - start,
+        status=note,
+    )

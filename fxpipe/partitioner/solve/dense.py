@@ -65,9 +65,9 @@ def _distinct_params(problem: PartitionProblem) -> np.ndarray:
             V[prev + 1, u] += problem.param_bytes[q]
             V[u + 1, u] -= problem.param_bytes[q]
             last[q] = u
-    V = np.cumsum(V, axis=0)[:n + 1]
+    V = np.cumsum(V, axis=0)[: n + 1]
     D = np.zeros((n + 1, n + 1))
-    D[:, 1:] = np.cumsum(V, axis=1)   # V[i, u] == 0 for u < i, so this sums u in [i, k)
+    D[:, 1:] = np.cumsum(V, axis=1)  # V[i, u] == 0 for u < i, so this sums u in [i, k)
     return D
 
 
@@ -77,20 +77,30 @@ def range_memory(problem: PartitionProblem, stage: int) -> np.ndarray:
     k_in = problem.in_flight(stage)
     start, end = problem.cut_factors(stage)
     own = np.asarray(problem.buffer_bytes, float) + problem.activations_held(stage) * np.asarray(
-        problem.activation_bytes, float)
+        problem.activation_bytes, float
+    )
     w = np.concatenate(([0.0], np.cumsum(own)))
     recv, recv_grad, send = cut_bytes(problem)
     mem = problem.state_factor * _distinct_params(problem) + (w[None, :] - w[:, None])
     held = problem.grads_held(stage)
-    return mem + start * (k_in * recv + held * recv_grad)[:, None] + end * problem.microbatches * send[None, :]
+    return (
+        mem
+        + start * (k_in * recv + held * recv_grad)[:, None]
+        + end * problem.microbatches * send[None, :]
+    )
 
 
-def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, pin_ok: list[np.ndarray],
-                limit: float | None) -> tuple[float, tuple[int, ...]] | None:
+def dense_split(
+    problem: PartitionProblem,
+    prefix: np.ndarray,
+    cut: np.ndarray,
+    pin_ok: list[np.ndarray],
+    limit: float | None,
+) -> tuple[float, tuple[int, ...]] | None:
     """Least DP bottleneck of a contiguous split with every stage's memory within ``limit``."""
     n, S = problem.num_units, problem.num_stages
     speeds = problem.speeds
-    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)    # i < k
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < k
     f = np.full(n + 1, np.inf)
     f[0] = 0.0
     choice = []
@@ -100,7 +110,11 @@ def dense_split(problem: PartitionProblem, prefix: np.ndarray, cut: np.ndarray, 
         if limit is not None and key not in mems:
             mems[key] = range_memory(problem, j) <= limit
         a_j, b_j = problem.cut_factors(j)
-        cost = (prefix[None, :] - prefix[:, None]) / speeds[j] + a_j * cut[:, None] + b_j * cut[None, :]
+        cost = (
+            (prefix[None, :] - prefix[:, None]) / speeds[j]
+            + a_j * cut[:, None]
+            + b_j * cut[None, :]
+        )
         ok = upper if limit is None else upper & mems[key]
         cand = np.where(ok, np.maximum(f[:, None], cost), np.inf)
         arg = np.argmin(cand, axis=0)

@@ -35,10 +35,10 @@ class ThresholdMin:
         levels = max(1, int(np.ceil(np.log2(max(n, 2)))))
         self.padded = m = 1 << levels
         # Rank keys descending so "key[i] >= need[k]" becomes "rank[i] < passing[k]" on integers.
-        values = np.unique(-key)                                     # ascending -key = descending key
-        rank = np.full(m, len(values) + 1, dtype=np.int64)           # padding never passes
+        values = np.unique(-key)  # ascending -key = descending key
+        rank = np.full(m, len(values) + 1, dtype=np.int64)  # padding never passes
         rank[:n] = np.searchsorted(values, -key)
-        passing = np.searchsorted(values, -need, side="right")       # ranks 0..passing-1 pass
+        passing = np.searchsorted(values, -need, side="right")  # ranks 0..passing-1 pass
         width = len(values) + 2
         k = np.arange(n)
         self.plan: list[tuple[np.ndarray, int, np.ndarray, np.ndarray]] = []
@@ -47,7 +47,9 @@ class ThresholdMin:
             rows = m // block
             order = np.argsort(rank.reshape(rows, block), axis=1, kind="stable")
             perm = (order + (np.arange(rows) * block)[:, None]).ravel()
-            flat = (np.repeat(np.arange(rows), block) * width + rank[perm])   # sorted: row-major, rank within
+            flat = (
+                np.repeat(np.arange(rows), block) * width + rank[perm]
+            )  # sorted: row-major, rank within
             mine = k[(k >> level) & 1 == 1]
             row = (mine >> level) - 1
             pos = np.searchsorted(flat, row * width + passing[mine], side="left")
@@ -62,5 +64,5 @@ class ThresholdMin:
         out = np.full(self.size, np.inf)
         for perm, block, ks, at in self.plan:
             running = np.minimum.accumulate(padded[perm].reshape(-1, block), axis=1).ravel()
-            out[ks] = np.minimum(out[ks], running[at])   # each k appears once per level
+            out[ks] = np.minimum(out[ks], running[at])  # each k appears once per level
         return out

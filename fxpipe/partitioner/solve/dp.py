@@ -55,7 +55,9 @@ def chain_arrays(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
     diff = np.zeros(n + 2)
     for t in problem.tensors:
         last = max(t.consumers)
-        ms = problem.cost.message_ms(problem.cost.wire_bytes(t.nbytes)) * (2.0 if t.requires_grad else 1.0)  # fwd + grad back
+        ms = problem.cost.message_ms(problem.cost.wire_bytes(t.nbytes)) * (
+            2.0 if t.requires_grad else 1.0
+        )  # fwd + grad back
         diff[t.producer + 1] += ms
         diff[last + 1] -= ms
     cut = np.cumsum(diff)[: n + 1]
@@ -67,9 +69,11 @@ def _pin_masks(problem: PartitionProblem) -> list[np.ndarray]:
     """``ok[j][k]``: stage j may end at position k without breaking a pin."""
     S = problem.num_stages
     pins = np.array([-1 if p is None else p for p in problem.pins])
-    before = np.concatenate(([-1], np.maximum.accumulate(pins)))           # max pin among units < k
+    before = np.concatenate(([-1], np.maximum.accumulate(pins)))  # max pin among units < k
     pins_hi = np.where(pins < 0, S, pins)
-    after = np.concatenate((np.minimum.accumulate(pins_hi[::-1])[::-1], [S]))  # min pin among units >= k
+    after = np.concatenate(
+        (np.minimum.accumulate(pins_hi[::-1])[::-1], [S])
+    )  # min pin among units >= k
     return [(before <= j) & (after >= j + 1) for j in range(S)]
 
 
@@ -89,14 +93,22 @@ def _memory_terms(problem: PartitionProblem, stage: int) -> tuple[np.ndarray, np
     ``in_flight(stage)`` microbatches, when no parameter is shared (Note [chain DP])."""
     k_in = problem.in_flight(stage)
     start, end = problem.cut_factors(stage)
-    own = np.array([problem.state_factor * sum(problem.param_bytes[p] for p in ps) for ps in problem.unit_params],
-                   dtype=float)
-    own += np.asarray(problem.buffer_bytes, dtype=float) + problem.activations_held(stage) * np.asarray(
-        problem.activation_bytes, dtype=float)
+    own = np.array(
+        [
+            problem.state_factor * sum(problem.param_bytes[p] for p in ps)
+            for ps in problem.unit_params
+        ],
+        dtype=float,
+    )
+    own += np.asarray(problem.buffer_bytes, dtype=float) + problem.activations_held(
+        stage
+    ) * np.asarray(problem.activation_bytes, dtype=float)
     w = np.concatenate(([0.0], np.cumsum(own)))
     recv, recv_grad, send = cut_bytes(problem)
-    return (w + end * problem.microbatches * send,
-            w - start * (k_in * recv + problem.grads_held(stage) * recv_grad))
+    return (
+        w + end * problem.microbatches * send,
+        w - start * (k_in * recv + problem.grads_held(stage) * recv_grad),
+    )
 
 
 class _Chain:
@@ -115,7 +127,9 @@ class _Chain:
         self.terms: list[tuple[np.ndarray, np.ndarray]] = []
         if limit is not None:
             assert not _shares_params(problem), "shared parameters need dense_split"
-            by_k: dict[tuple[int, int, float, float], tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]] = {}
+            by_k: dict[
+                tuple[int, int, float, float], tuple[ThresholdMin, tuple[np.ndarray, np.ndarray]]
+            ] = {}
             for j in range(problem.num_stages):
                 key = (problem.in_flight(j), problem.activations_held(j), *problem.cut_factors(j))
                 if key not in by_k:
@@ -160,10 +174,16 @@ class _Chain:
                 a, b = self.terms[j]
                 prev_ok = prev_ok & (b[:k] >= a[k] - self.limit)
             a_j, b_j = self.problem.cut_factors(j)
-            cost = (self.prefix[k] - self.prefix[starts]) / self.speeds[j] + a_j * self.cut[starts] + b_j * self.cut[k]
+            cost = (
+                (self.prefix[k] - self.prefix[starts]) / self.speeds[j]
+                + a_j * self.cut[starts]
+                + b_j * self.cut[k]
+            )
             cost = np.where(prev_ok, cost, np.inf)
             i = int(starts[int(np.argmin(cost))])
-            assert np.isfinite(cost.min()) and cost.min() <= T * (1 + 1e-9) + 1e-12, "DP backtrack lost its path"
+            assert np.isfinite(cost.min()) and cost.min() <= T * (1 + 1e-9) + 1e-12, (
+                "DP backtrack lost its path"
+            )
             assignment[i:k] = [j] * (k - i)
             k = i
         assert k == 0
@@ -191,7 +211,9 @@ def _min_bottleneck(chain: _Chain, lower: float = 0.0) -> tuple[float, list[np.n
     return hi, layers
 
 
-def _split(problem: PartitionProblem, limit: float | None, lower: float = 0.0) -> tuple[float, tuple[int, ...]] | None:
+def _split(
+    problem: PartitionProblem, limit: float | None, lower: float = 0.0
+) -> tuple[float, tuple[int, ...]] | None:
     """Least DP bottleneck and its split with every stage's memory (``dense.range_memory``,
     boundary buffers included) within ``limit``; None when no split fits.
 
@@ -200,8 +222,11 @@ def _split(problem: PartitionProblem, limit: float | None, lower: float = 0.0) -
     """
     if limit is not None and _shares_params(problem):
         if problem.num_units > DENSE_MAX_UNITS:
-            warnings.warn(f"{problem.num_units} units with shared parameters and a memory limit: the exact "
-                          f"split is O(n^2) in time and memory above {DENSE_MAX_UNITS} units", stacklevel=3)
+            warnings.warn(
+                f"{problem.num_units} units with shared parameters and a memory limit: the exact "
+                f"split is O(n^2) in time and memory above {DENSE_MAX_UNITS} units",
+                stacklevel=3,
+            )
         prefix, cut = chain_arrays(problem)
         return dense_split(problem, prefix, cut, _pin_masks(problem), limit)
     chain = _Chain(problem, limit)
@@ -212,8 +237,13 @@ def _split(problem: PartitionProblem, limit: float | None, lower: float = 0.0) -
     return value, chain.backtrack(value, layers)
 
 
-def solve_chain_dp(problem: PartitionProblem, *, optimize: str = "speed", slack: float = 0.01,
-                   lower_bound_ms: float = 0.0) -> Solution:
+def solve_chain_dp(
+    problem: PartitionProblem,
+    *,
+    optimize: str = "speed",
+    slack: float = 0.01,
+    lower_bound_ms: float = 0.0,
+) -> Solution:
     """Best contiguous split of the topological order into ``problem.num_stages`` stages.
 
     Minimises the bottleneck stage time (Note [chain DP]) subject to pins and the
@@ -238,15 +268,24 @@ def solve_chain_dp(problem: PartitionProblem, *, optimize: str = "speed", slack:
     # it (a sufficient condition), so the optimum found is not a bound for every valid split
     exact = problem.is_chain and (problem.virtual_stages == 1 or problem.memory_limit is None)
     return Solution(
-        assignment=assignment, solver="dp", optimal=exact and optimize == "speed",
-        bound_ms=value if exact else None, seconds=time.perf_counter() - start,
-        status=("exact on a chain" if exact else
-                "contiguous split; communication approximated on a branching graph" if not problem.is_chain else
-                f"contiguous split; each stage held to 1/{problem.virtual_stages} of the memory limit"),
+        assignment=assignment,
+        solver="dp",
+        optimal=exact and optimize == "speed",
+        bound_ms=value if exact else None,
+        seconds=time.perf_counter() - start,
+        status=(
+            "exact on a chain"
+            if exact
+            else "contiguous split; communication approximated on a branching graph"
+            if not problem.is_chain
+            else f"contiguous split; each stage held to 1/{problem.virtual_stages} of the memory limit"
+        ),
     )
 
 
-def _min_memory_at(problem: PartitionProblem, T: float, fallback: tuple[int, ...]) -> tuple[int, ...]:
+def _min_memory_at(
+    problem: PartitionProblem, T: float, fallback: tuple[int, ...]
+) -> tuple[int, ...]:
     """Among contiguous splits with DP bottleneck <= T, one with the least peak memory."""
     free = replace(problem, memory_limit=None)
     best = fallback
@@ -290,26 +329,40 @@ def min_memory_limit(problem: PartitionProblem) -> int | None:
 
 def _infeasible_message(problem: PartitionProblem) -> str:
     if problem.memory_limit is None:
-        return ("no contiguous split satisfies the pins; check that pinned stages increase "
-                "along the model's execution order")
+        return (
+            "no contiguous split satisfies the pins; check that pinned stages increase "
+            "along the model's execution order"
+        )
     need = min_memory_limit(problem)
     more = _stages_needed(problem)
     hint = f"use {more} stages or " if more else ""
-    what = f"{problem.num_stages} stages" + (f" ({problem.num_ranks} ranks x {problem.virtual_stages})"
-                                             if problem.virtual_stages > 1 else "")
-    need_text = (f"the least that fits {what} is {format_size(need)} ({need} bytes)"
-                 if need is not None else "the pins rule out every split")
-    return (f"no split into {what} fits the memory limit of "
-            f"{format_size(problem.memory_limit)} ({problem.memory_limit} bytes) per device: {need_text}; "
-            f"{hint}raise the limit (or use a lighter optimizer / fewer microbatches)")
+    what = f"{problem.num_stages} stages" + (
+        f" ({problem.num_ranks} ranks x {problem.virtual_stages})"
+        if problem.virtual_stages > 1
+        else ""
+    )
+    need_text = (
+        f"the least that fits {what} is {format_size(need)} ({need} bytes)"
+        if need is not None
+        else "the pins rule out every split"
+    )
+    return (
+        f"no split into {what} fits the memory limit of "
+        f"{format_size(problem.memory_limit)} ({problem.memory_limit} bytes) per device: {need_text}; "
+        f"{hint}raise the limit (or use a lighter optimizer / fewer microbatches)"
+    )
 
 
 def _stages_needed(problem: PartitionProblem) -> int | None:
     """The fewest pipeline ranks (up to about 4x more) whose split fits the memory limit."""
     V, ranks = problem.virtual_stages, problem.num_ranks
     for S in range(ranks + 1, min(problem.num_units // V, 4 * ranks + 8) + 1):
-        trial = replace(problem, num_stages=S * V, cost=replace(problem.cost, device_speed=(), recompute=()),
-                        pins=tuple(None for _ in problem.pins))
+        trial = replace(
+            problem,
+            num_stages=S * V,
+            cost=replace(problem.cost, device_speed=(), recompute=()),
+            pins=tuple(None for _ in problem.pins),
+        )
         try:
             if _split(trial, problem.stage_memory_limit) is not None:
                 return S

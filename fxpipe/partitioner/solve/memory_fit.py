@@ -47,15 +47,25 @@ from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import RuntimeCosts, rank_peak_memory
 from fxpipe.partitioner.problem import PartitionProblem, assignment_violations, evaluate
 
-__all__ = ["fit_memory_over_time", "walked_peak", "fitting_split", "contiguous_splits", "count_contiguous_splits",
-           "walk_violations", "ROUNDS", "EXACT_MAX_SPLITS"]
+__all__ = [
+    "fit_memory_over_time",
+    "walked_peak",
+    "fitting_split",
+    "contiguous_splits",
+    "count_contiguous_splits",
+    "walk_violations",
+    "ROUNDS",
+    "EXACT_MAX_SPLITS",
+]
 
 ROUNDS = 4
 EXACT_MAX_SPLITS = 20_000  # contiguous splits the planner walks one by one when the rounds fail
-_PRICED = 16               # fitting splits of least bottleneck whose step is simulated
-_CHECK_EVERY = 8           # walks between checks that the rest fits the time budget
-_ADVICE = ("raise the memory limit, add stages, plan with --devices N (its search recomputes activations where "
-           "memory binds) or use more microbatches of fewer samples")
+_PRICED = 16  # fitting splits of least bottleneck whose step is simulated
+_CHECK_EVERY = 8  # walks between checks that the rest fits the time budget
+_ADVICE = (
+    "raise the memory limit, add stages, plan with --devices N (its search recomputes activations where "
+    "memory binds) or use more microbatches of fewer samples"
+)
 
 
 def walked_peak(plan: PartitionPlan) -> int:
@@ -64,10 +74,13 @@ def walked_peak(plan: PartitionPlan) -> int:
     return max(pred.peak_memory_bytes, default=0) if pred is not None else 0
 
 
-def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_limit: int,
-                         check_every_split: Callable[[int], PartitionPlan | None],
-                         solve_loosened: Callable[[int | None], PartitionPlan] | None = None,
-                         reserved: int = 0) -> PartitionPlan:
+def fit_memory_over_time(
+    solve: Callable[[int | None], PartitionPlan],
+    memory_limit: int,
+    check_every_split: Callable[[int], PartitionPlan | None],
+    solve_loosened: Callable[[int | None], PartitionPlan] | None = None,
+    reserved: int = 0,
+) -> PartitionPlan:
     """The plan ``solve(limit)`` makes for the largest ``limit <= memory_limit`` tried whose schedule
     walk fits ``memory_limit``; when none does, ``check_every_split(memory_limit)``'s plan; when
     the solvers find no split at the limit and there are too many to walk, the plan of a looser
@@ -85,18 +98,24 @@ def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_li
                 try:
                     exact = check_every_split(memory_limit)
                 except InfeasibleError as walked:
-                    raise InfeasibleError(f"{walked}. Under the solvers' stage formula: {exc}") from walked
+                    raise InfeasibleError(
+                        f"{walked}. Under the solvers' stage formula: {exc}"
+                    ) from walked
                 if exact is None:
                     looser = _under_looser_bound(solve_loosened or solve, memory_limit)
                     if looser is None:
-                        raise InfeasibleError(f"{exc}; nor does any plan solved under a looser stage bound fit "
-                                              f"{format_size(memory_limit)} over the whole step (too many "
-                                              f"contiguous splits to walk each)") from exc
+                        raise InfeasibleError(
+                            f"{exc}; nor does any plan solved under a looser stage bound fit "
+                            f"{format_size(memory_limit)} over the whole step (too many "
+                            f"contiguous splits to walk each)"
+                        ) from exc
                     return looser
                 return _fitted(exact, memory_limit)
-            failure = (f"the best plan under the solvers' stage bound peaks at {format_size(peak)} when its schedule "
-                       f"runs (receive buffers, kept sends and backward temporaries included), and a tighter bound "
-                       f"has no split")
+            failure = (
+                f"the best plan under the solvers' stage bound peaks at {format_size(peak)} when its schedule "
+                f"runs (receive buffers, kept sends and backward temporaries included), and a tighter bound "
+                f"has no split"
+            )
             break
         peak = walked_peak(plan)
         if peak <= memory_limit:
@@ -106,20 +125,26 @@ def fit_memory_over_time(solve: Callable[[int | None], PartitionPlan], memory_li
             return replace(plan, memory_limit=memory_limit, status=_with_note(plan.status, note))
         limit = min(limit - 1, int(limit * memory_limit / peak))
     else:
-        failure = (f"after {ROUNDS} solves under tighter stage bounds the plan still peaks at {format_size(peak)} "
-                   f"when its schedule runs")
+        failure = (
+            f"after {ROUNDS} solves under tighter stage bounds the plan still peaks at {format_size(peak)} "
+            f"when its schedule runs"
+        )
     try:
         exact = check_every_split(memory_limit)
     except InfeasibleError as walked:
         raise InfeasibleError(f"{walked}; {_ADVICE}") from walked
     if exact is not None:
         return _fitted(exact, memory_limit)
-    raise InfeasibleError(f"no split found that fits {format_size(memory_limit)} per device over the whole step: "
-                          f"{failure} (the model has too many contiguous splits to walk each within the time limit: "
-                          f"a larger --time-limit walks more); {_ADVICE}")
+    raise InfeasibleError(
+        f"no split found that fits {format_size(memory_limit)} per device over the whole step: "
+        f"{failure} (the model has too many contiguous splits to walk each within the time limit: "
+        f"a larger --time-limit walks more); {_ADVICE}"
+    )
 
 
-def _under_looser_bound(solve: Callable[[int | None], PartitionPlan], memory_limit: int) -> PartitionPlan | None:
+def _under_looser_bound(
+    solve: Callable[[int | None], PartitionPlan], memory_limit: int
+) -> PartitionPlan | None:
     """A plan whose walk fits ``memory_limit`` though the solvers' formula put every split over
     it (the formula can exceed the walk): the unbounded plan, or the loosest bound between the
     limit and that plan's formula peak whose plan fits (bisection, ``ROUNDS`` solves); None if none."""
@@ -148,8 +173,10 @@ def _under_looser_bound(solve: Callable[[int | None], PartitionPlan], memory_lim
 
 def _fitted(plan: PartitionPlan, memory_limit: int) -> PartitionPlan:
     """``plan``, whose walk fits though the solvers' formula may not, under the user's limit."""
-    note = (f"peak memory over the step {format_size(walked_peak(plan))} of {format_size(memory_limit)} "
-            f"(the table's rank peak; the solvers' stage formula, its memory column, may exceed it)")
+    note = (
+        f"peak memory over the step {format_size(walked_peak(plan))} of {format_size(memory_limit)} "
+        f"(the table's rank peak; the solvers' stage formula, its memory column, may exceed it)"
+    )
     return replace(plan, memory_limit=memory_limit, status=_with_note(plan.status, note))
 
 
@@ -195,9 +222,17 @@ def _completions(lo: list[int], hi: list[int], num_stages: int) -> list[list[int
     return ways
 
 
-def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callable[[tuple[int, ...]], float], *,
-                  budget_s: float = 10.0, optimize: str = "speed", objective: str = "step",
-                  slack: float = 0.01, runtime: RuntimeCosts | None = None) -> tuple[int, ...] | None:
+def fitting_split(
+    problem: PartitionProblem,
+    memory_limit: int,
+    step_ms: Callable[[tuple[int, ...]], float],
+    *,
+    budget_s: float = 10.0,
+    optimize: str = "speed",
+    objective: str = "step",
+    slack: float = 0.01,
+    runtime: RuntimeCosts | None = None,
+) -> tuple[int, ...] | None:
     """The best contiguous split whose every rank's schedule walk fits ``memory_limit`` (Note
     [fitting memory over time]), by the planner's objective: the least ``step_ms`` among the
     fitting splits of least bottleneck; with ``objective="bottleneck"`` the least bottleneck;
@@ -208,8 +243,12 @@ def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callabl
     total = count_contiguous_splits(problem)
     if total > EXACT_MAX_SPLITS:
         return None
-    problem = replace(problem, memory_limit=None)  # the walk is the limit (the stage bound may exceed it)
-    fits: list[tuple[float, int, int, tuple[int, ...]]] = []   # bottleneck, walked peak, order, split
+    problem = replace(
+        problem, memory_limit=None
+    )  # the walk is the limit (the stage bound may exceed it)
+    fits: list[
+        tuple[float, int, int, tuple[int, ...]]
+    ] = []  # bottleneck, walked peak, order, split
     least: int | None = None
     start = time.perf_counter()
     for walked, a in enumerate(contiguous_splits(problem), 1):
@@ -220,28 +259,49 @@ def fitting_split(problem: PartitionProblem, memory_limit: int, step_ms: Callabl
         if walked % _CHECK_EVERY == 0 and (time.perf_counter() - start) / walked * total > budget_s:
             return None
     if least is None:
-        raise InfeasibleError(f"no contiguous split of the {problem.num_units} units into {problem.num_stages} "
-                              f"stages honours the pins")
+        raise InfeasibleError(
+            f"no contiguous split of the {problem.num_units} units into {problem.num_stages} "
+            f"stages honours the pins"
+        )
     if not fits:
-        unwalked = "" if problem.is_chain else (
-            "; splits that are not contiguous in the unit order, possible on this branching graph, were not walked")
+        unwalked = (
+            ""
+            if problem.is_chain
+            else (
+                "; splits that are not contiguous in the unit order, possible on this branching graph, were not walked"
+            )
+        )
         raise InfeasibleError(
             f"no contiguous split fits {_bytes(memory_limit)} per device over the whole step: the least any holds "
-            f"is {_bytes(least)} (every contiguous split's schedule walk checked{unwalked})")
+            f"is {_bytes(least)} (every contiguous split's schedule walk checked{unwalked})"
+        )
     best = min(f[0] for f in fits)
     if optimize == "memory":
-        return min((f for f in fits if f[0] <= best * (1 + slack) + 1e-12), key=lambda f: (f[1], f[0], f[2]))[3]
+        return min(
+            (f for f in fits if f[0] <= best * (1 + slack) + 1e-12),
+            key=lambda f: (f[1], f[0], f[2]),
+        )[3]
     if objective == "bottleneck":
-        return min((f for f in fits if f[0] <= best * (1 + 1e-9) + 1e-12), key=lambda f: (step_ms(f[3]), f[2]))[3]
+        return min(
+            (f for f in fits if f[0] <= best * (1 + 1e-9) + 1e-12),
+            key=lambda f: (step_ms(f[3]), f[2]),
+        )[3]
     return min(heapq.nsmallest(_PRICED, fits), key=lambda f: (step_ms(f[3]), f[0], f[2]))[3]
 
 
-def walk_violations(problem: PartitionProblem, assignment: tuple[int, ...], memory_limit: int,
-                    runtime: RuntimeCosts | None = None) -> list[str]:
+def walk_violations(
+    problem: PartitionProblem,
+    assignment: tuple[int, ...],
+    memory_limit: int,
+    runtime: RuntimeCosts | None = None,
+) -> list[str]:
     """The ranks of ``assignment`` whose schedule walk is over ``memory_limit``, as violations."""
     peaks = rank_peak_memory(problem, assignment, runtime=runtime)
-    return [f"rank {r} peaks at {peak} bytes over the step > limit {memory_limit}"
-            for r, peak in enumerate(peaks) if peak > memory_limit]
+    return [
+        f"rank {r} peaks at {peak} bytes over the step > limit {memory_limit}"
+        for r, peak in enumerate(peaks)
+        if peak > memory_limit
+    ]
 
 
 def _bytes(n: int) -> str:

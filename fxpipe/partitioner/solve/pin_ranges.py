@@ -18,7 +18,7 @@ def stage_ranges(problem: PartitionProblem) -> tuple[list[int], list[int]]:
         for c in t.consumers:
             succ[t.producer].append(c)
     lo = [0] * n
-    lo_from: list[int | None] = [None] * n   # the pinned ancestor that set lo
+    lo_from: list[int | None] = [None] * n  # the pinned ancestor that set lo
     for u in range(n):
         pin = problem.pins[u]
         if pin is not None and pin >= lo[u]:

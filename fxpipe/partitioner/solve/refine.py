@@ -38,8 +38,13 @@ def _assignment(bounds: list[int]) -> tuple[int, ...]:
     return tuple(j for j in range(len(bounds) - 1) for _ in range(bounds[j + 1] - bounds[j]))
 
 
-def refine_split(problem: PartitionProblem, start: tuple[int, ...], step_ms: Callable[[tuple[int, ...]], float],
-                 *, budget_s: float = 1.0) -> tuple[tuple[int, ...], float, int]:
+def refine_split(
+    problem: PartitionProblem,
+    start: tuple[int, ...],
+    step_ms: Callable[[tuple[int, ...]], float],
+    *,
+    budget_s: float = 1.0,
+) -> tuple[tuple[int, ...], float, int]:
     """The best split found from ``start`` (contiguous) by moving boundaries (Note [planning for
     step time]); returns it, its ``step_ms`` and the number of splits tried."""
     n, S = problem.num_units, problem.num_stages
@@ -55,7 +60,7 @@ def refine_split(problem: PartitionProblem, start: tuple[int, ...], step_ms: Cal
                 b = bounds[j] + move
                 if not bounds[j - 1] < b < bounds[j + 1]:
                     continue
-                trial = bounds[:j] + [b] + bounds[j + 1:]
+                trial = bounds[:j] + [b] + bounds[j + 1 :]
                 candidate = _assignment(trial)
                 if assignment_violations(problem, candidate):
                     continue

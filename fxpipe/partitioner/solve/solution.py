@@ -30,8 +30,9 @@ class Solution:
         object.__setattr__(self, "assignment", tuple(int(s) for s in self.assignment))
 
 
-
-def lower_bound(problem: PartitionProblem, *, proven: dict[str, float] | None = None) -> tuple[float, dict[str, float]]:
+def lower_bound(
+    problem: PartitionProblem, *, proven: dict[str, float] | None = None
+) -> tuple[float, dict[str, float]]:
     """The best lower bound on the bottleneck (ms) and the bounds it is the max of.
 
     * ``average``: total compute over the summed device speeds (communication-free);

@@ -34,7 +34,9 @@ def _known_paths(problem: PartitionProblem) -> list[str]:
     return sorted(out)
 
 
-def split_point_units(problem: PartitionProblem, split_at: Sequence[str], modules: Sequence[str] = ()) -> list[int]:
+def split_point_units(
+    problem: PartitionProblem, split_at: Sequence[str], modules: Sequence[str] = ()
+) -> list[int]:
     """The unit index each split point starts a stage at, in topological order. Raises ``PinError`` for a
     name that matches no unit (naming close matches, or, for a module of ``modules`` (the model's modules in
     the order they run) that shares a unit with what runs before it, the next module that starts one) and
@@ -47,38 +49,58 @@ def split_point_units(problem: PartitionProblem, split_at: Sequence[str], module
         if hit is None:
             inside = [i for i, m in enumerate(modules) if _within(m, fqn)]
             if inside:
-                later = (m for m in modules[inside[-1] + 1:] if any(_within(p, m) for p in problem.module_paths))
+                later = (
+                    m
+                    for m in modules[inside[-1] + 1 :]
+                    if any(_within(p, m) for p in problem.module_paths)
+                )
                 nxt = next(later, None)
-                raise PinError(f"--split-at {fqn!r} names a module that shares a unit with what runs before it "
-                               "(an in-place write to a tensor both use, a mode-guarded region or a module kept "
-                               "whole holds them together), so no stage can start at it"
-                               + (f"; split at the next module that starts a unit, {nxt!r}" if nxt else ""))
+                raise PinError(
+                    f"--split-at {fqn!r} names a module that shares a unit with what runs before it "
+                    "(an in-place write to a tensor both use, a mode-guarded region or a module kept "
+                    "whole holds them together), so no stage can start at it"
+                    + (f"; split at the next module that starts a unit, {nxt!r}" if nxt else "")
+                )
             close = difflib.get_close_matches(fqn, _known_paths(problem), n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
-                "; `fxpipe trace` lists the module paths"
+            hint = (
+                f"; did you mean {' or '.join(repr(c) for c in close)}?"
+                if close
+                else "; `fxpipe trace` lists the module paths"
+            )
             raise PinError(f"--split-at {fqn!r} matches no unit's module path{hint}")
         if hit == 0:
-            raise PinError(f"--split-at {fqn!r} starts at the model's first unit ({problem.names[0]!r}), so the "
-                           "stage before it would be empty; name a module after the first")
+            raise PinError(
+                f"--split-at {fqn!r} starts at the model's first unit ({problem.names[0]!r}), so the "
+                "stage before it would be empty; name a module after the first"
+            )
         if hit in starts:
-            raise PinError(f"--split-at {starts[hit]!r} and {fqn!r} both start at unit {problem.names[hit]!r}; "
-                           "a stage between them would be empty")
+            raise PinError(
+                f"--split-at {starts[hit]!r} and {fqn!r} both start at unit {problem.names[hit]!r}; "
+                "a stage between them would be empty"
+            )
         starts[hit] = fqn
     return sorted(starts)
 
 
-def pin_split_points(problem: PartitionProblem, split_at: Sequence[str], modules: Sequence[str] = ()) -> PartitionProblem:
+def pin_split_points(
+    problem: PartitionProblem, split_at: Sequence[str], modules: Sequence[str] = ()
+) -> PartitionProblem:
     """``problem`` with every unit pinned to the stage the split points put it on (see the module docstring);
     ``modules``: the model's module paths in the order they run (``ModelProfile.module_order``), for messages."""
     if not split_at:
         return problem
     S = problem.num_stages
     if len(split_at) != S - 1:
-        ranks = f" ({problem.num_ranks} ranks x {problem.virtual_stages} virtual stages)" \
-            if problem.virtual_stages > 1 else ""
-        raise PinError(f"{len(split_at)} --split-at point{'s' if len(split_at) != 1 else ''} make "
-                       f"{len(split_at) + 1} stages, but the plan has {S}{ranks}; give {S - 1} split points or "
-                       f"use --stages {len(split_at) + 1}" + (" --virtual-stages 1" if ranks else ""))
+        ranks = (
+            f" ({problem.num_ranks} ranks x {problem.virtual_stages} virtual stages)"
+            if problem.virtual_stages > 1
+            else ""
+        )
+        raise PinError(
+            f"{len(split_at)} --split-at point{'s' if len(split_at) != 1 else ''} make "
+            f"{len(split_at) + 1} stages, but the plan has {S}{ranks}; give {S - 1} split points or "
+            f"use --stages {len(split_at) + 1}" + (" --virtual-stages 1" if ranks else "")
+        )
     starts = split_point_units(problem, split_at, modules)
     pins: list[int | None] = []
     stage = 0
@@ -87,7 +109,9 @@ def pin_split_points(problem: PartitionProblem, split_at: Sequence[str], modules
             stage += 1
         old = problem.pins[u]
         if old is not None and old != stage:
-            raise PinError(f"unit {problem.names[u]!r} is pinned to stage {old} (fxpipe.partition) but the "
-                           f"--split-at points put it on stage {stage}; drop one of them")
+            raise PinError(
+                f"unit {problem.names[u]!r} is pinned to stage {old} (fxpipe.partition) but the "
+                f"--split-at points put it on stage {stage}; drop one of them"
+            )
         pins.append(stage)
     return replace(problem, pins=tuple(pins))

@@ -21,11 +21,19 @@ from typing import TYPE_CHECKING
 from fxpipe._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.dataparallel.hooks import hook_state_dict, load_hook_state_dict, make_comm_hook
+    from fxpipe.runtime.dataparallel.hooks import (
+        hook_state_dict,
+        load_hook_state_dict,
+        make_comm_hook,
+    )
     from fxpipe.runtime.dataparallel.options import COMM_HOOKS, SHARD_LEVELS, DataParallelOptions
     from fxpipe.runtime.dataparallel.replica import DataParallelStage
     from fxpipe.runtime.dataparallel.sharded import ShardedStage
-    from fxpipe.runtime.dataparallel.stage import ReplicatedStage, data_parallel_stage, stage_optimizer
+    from fxpipe.runtime.dataparallel.stage import (
+        ReplicatedStage,
+        data_parallel_stage,
+        stage_optimizer,
+    )
     from fxpipe.runtime.dataparallel.traffic import CollectiveCounter
     from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
     from fxpipe.runtime.dataparallel.zero import optimizer_state_bytes, shard_optimizer

@@ -26,8 +26,12 @@ _Slot = tuple[nn.Module, str]
 
 
 def _slots(module: nn.Module) -> list[tuple[_Slot, nn.Parameter]]:
-    return [((owner, name), p) for owner in module.modules() for name, p in owner._parameters.items()
-            if p is not None]
+    return [
+        ((owner, name), p)
+        for owner in module.modules()
+        for name, p in owner._parameters.items()
+        if p is not None
+    ]
 
 
 def untie_chunks(chunks: Sequence[nn.Module]) -> list[list[_Slot]]:
@@ -41,7 +45,9 @@ def untie_chunks(chunks: Sequence[nn.Module]) -> list[list[_Slot]]:
             if first_chunk.setdefault(id(p), c) == c:
                 ties.setdefault(id(p), [slot])  # the original, in its first slot
                 continue
-            if id(p) not in copies:  # one copy per chunk, listed once however often the chunk holds it
+            if (
+                id(p) not in copies
+            ):  # one copy per chunk, listed once however often the chunk holds it
                 copies[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
                 ties[id(p)].append(slot)
             owner, name = slot

@@ -27,8 +27,15 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-__all__ = ["block_units", "min_params_units", "auto_wrap_units", "default_auto_wrap_policy", "has_forward", "STACKS",
-           "WrapPolicy"]
+__all__ = [
+    "block_units",
+    "min_params_units",
+    "auto_wrap_units",
+    "default_auto_wrap_policy",
+    "has_forward",
+    "STACKS",
+    "WrapPolicy",
+]
 
 STACKS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -69,14 +76,24 @@ def block_units(stage: nn.Module) -> list[nn.Module]:
 WrapPolicy = Callable[..., bool]
 
 
-def default_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool = False,
-                             min_num_params: float = 1e8, force_leaf_modules: set[type] | None = None,
-                             exclude_wrap_modules: set[type] | None = None) -> bool:
+def default_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    module_is_root: bool = False,
+    min_num_params: float = 1e8,
+    force_leaf_modules: set[type] | None = None,
+    exclude_wrap_modules: set[type] | None = None,
+) -> bool:
     """FairScale's default policy: look into (``recurse``) or wrap a module holding at least
     ``min_num_params`` parameters not yet in a unit; never into ``force_leaf_modules``
     (``MultiheadAttention``), never wrap ``exclude_wrap_modules`` (``ModuleList``, ``ModuleDict``)."""
-    leaves = tuple(force_leaf_modules if force_leaf_modules is not None else {nn.MultiheadAttention})
-    excluded = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict})
+    leaves = tuple(
+        force_leaf_modules if force_leaf_modules is not None else {nn.MultiheadAttention}
+    )
+    excluded = tuple(
+        exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict}
+    )
     large = unwrapped_params >= min_num_params
     if recurse:
         return large and not isinstance(module, leaves)

@@ -31,8 +31,9 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 _RNG_KEY = "rng"
 
 
-def make_comm_hook(name: str, group: dist.ProcessGroup | None, powersgd_rank: int = 1,
-                   powersgd_start_iter: int = 2) -> tuple[Any, CommHook]:
+def make_comm_hook(
+    name: str, group: dist.ProcessGroup | None, powersgd_rank: int = 1, powersgd_start_iter: int = 2
+) -> tuple[Any, CommHook]:
     """The ``(state, hook)`` of the built-in hook called ``name`` over ``group``."""
     if name == "allreduce":
         return group, default_hooks.allreduce_hook
@@ -41,17 +42,29 @@ def make_comm_hook(name: str, group: dist.ProcessGroup | None, powersgd_rank: in
     if name == "bf16":
         backend = dist.get_backend(group)
         if backend != "nccl":  # DDP itself refuses the bf16 hooks without CUDA and NCCL >= 2.10
-            raise ConfigError(f"comm_hook 'bf16' needs CUDA with NCCL >= 2.10, but the data-parallel group uses "
-                              f"{backend!r}; use comm_hook='fp16' (the same halving of the bytes) on this backend")
+            raise ConfigError(
+                f"comm_hook 'bf16' needs CUDA with NCCL >= 2.10, but the data-parallel group uses "
+                f"{backend!r}; use comm_hook='fp16' (the same halving of the bytes) on this backend"
+            )
         return group, default_hooks.bf16_compress_hook
     if name == "batched_powersgd" and not _batched_powersgd_works():
-        raise ConfigError(f"comm_hook 'batched_powersgd' fails in torch {torch.__version__}: its "
-                          "batched_powerSGD_hook passes a 2-D matrix to _orthogonalize, which accepts only batches "
-                          "(3-D); use comm_hook='powersgd' (per-tensor PowerSGD, the more accurate variant)")
+        raise ConfigError(
+            f"comm_hook 'batched_powersgd' fails in torch {torch.__version__}: its "
+            "batched_powerSGD_hook passes a 2-D matrix to _orthogonalize, which accepts only batches "
+            "(3-D); use comm_hook='powersgd' (per-tensor PowerSGD, the more accurate variant)"
+        )
     if name in ("powersgd", "batched_powersgd"):
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=powersgd_start_iter, random_seed=0)
-        hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=powersgd_start_iter,
+            random_seed=0,
+        )
+        hook = (
+            powerSGD_hook.powerSGD_hook
+            if name == "powersgd"
+            else powerSGD_hook.batched_powerSGD_hook
+        )
         return state, hook
     raise ConfigError(f"unknown comm_hook {name!r}; expected one of {list(COMM_HOOKS)}")
 
@@ -74,27 +87,45 @@ def hook_state_dict(state: Any) -> dict[str, Any] | None:
     rng = data.get(_RNG_KEY)
     if isinstance(rng, np.random.RandomState):
         legacy = rng.get_state(legacy=True)
-        assert isinstance(legacy, tuple), "powerSGD seeds an MT19937 RandomState, whose legacy state is a tuple"
+        assert isinstance(legacy, tuple), (
+            "powerSGD seeds an MT19937 RandomState, whose legacy state is a tuple"
+        )
         kind, keys, pos, has_gauss, gauss = legacy
-        data[_RNG_KEY] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        data[_RNG_KEY] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     return data
 
 
-def load_hook_state_dict(state: Any, data: dict[str, Any] | None, group: dist.ProcessGroup | None) -> None:
+def load_hook_state_dict(
+    state: Any, data: dict[str, Any] | None, group: dist.ProcessGroup | None
+) -> None:
     """Restore ``data`` (from ``hook_state_dict``) into the registered hook ``state`` in place."""
     if data is None:
         return
     if state is None or isinstance(state, dist.ProcessGroup) or not hasattr(state, "__setstate__"):
-        raise ConfigError(f"the checkpoint holds the state of a stateful communication hook (keys "
-                          f"{sorted(data)[:4]}...), but this model's hook is stateless; register the same hook "
-                          "(e.g. comm_hook='powersgd') before loading")
+        raise ConfigError(
+            f"the checkpoint holds the state of a stateful communication hook (keys "
+            f"{sorted(data)[:4]}...), but this model's hook is stateless; register the same hook "
+            "(e.g. comm_hook='powersgd') before loading"
+        )
     data = dict(data)
     rng = data.get(_RNG_KEY)
     if isinstance(rng, dict):
         gen = np.random.RandomState()
-        gen.set_state((rng["kind"], rng["keys"].numpy().astype(np.uint32), rng["pos"], rng["has_gauss"],
-                       rng["gauss"]))
+        gen.set_state(
+            (
+                rng["kind"],
+                rng["keys"].numpy().astype(np.uint32),
+                rng["pos"],
+                rng["has_gauss"],
+                rng["gauss"],
+            )
+        )
         data[_RNG_KEY] = gen
     state.__setstate__(data)
     state.process_group = group

@@ -28,7 +28,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel.hooks import CommHook, hook_state_dict, load_hook_state_dict, make_comm_hook
+from fxpipe.runtime.dataparallel.hooks import (
+    CommHook,
+    hook_state_dict,
+    load_hook_state_dict,
+    make_comm_hook,
+)
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 
 __all__ = ["DataParallelStage", "AccumulationWindow"]
@@ -87,8 +92,13 @@ class DataParallelStage(AccumulationWindow):
     settles DDP's bucket layout (``_settle_buckets``). Collective over ``group``.
     """
 
-    def __init__(self, stage: nn.Module, group: dist.ProcessGroup | None, options: DataParallelOptions,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        stage: nn.Module,
+        group: dist.ProcessGroup | None,
+        options: DataParallelOptions,
+        device: torch.device,
+    ) -> None:
         self.stage = stage
         self.group = group
         self.options = options
@@ -99,12 +109,14 @@ class DataParallelStage(AccumulationWindow):
         if not any(p.requires_grad for p in stage.parameters()):
             return
         device_ids = [device] if device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(_SyncPass(stage), device_ids=device_ids, process_group=group,
-                                           **options.ddp_kwargs())
+        self.ddp = DistributedDataParallel(
+            _SyncPass(stage), device_ids=device_ids, process_group=group, **options.ddp_kwargs()
+        )
         self._settle_buckets()
         if options.comm_hook != "allreduce":
-            self.hook_state, hook = make_comm_hook(options.comm_hook, group, options.powersgd_rank,
-                                                   options.powersgd_start_iter)
+            self.hook_state, hook = make_comm_hook(
+                options.comm_hook, group, options.powersgd_rank, options.powersgd_start_iter
+            )
             self.ddp.register_comm_hook(self.hook_state, hook)
 
     @property
@@ -143,9 +155,11 @@ class DataParallelStage(AccumulationWindow):
         if self.ddp is None:
             return
         if self.hook_state is not None or self._custom_hook:
-            raise ConfigError(f"a communication hook ({self.options.comm_hook!r} or a custom one) is already "
-                              "registered on this stage and DDP accepts only one; pass comm_hook='allreduce' "
-                              "when you register your own")
+            raise ConfigError(
+                f"a communication hook ({self.options.comm_hook!r} or a custom one) is already "
+                "registered on this stage and DDP accepts only one; pass comm_hook='allreduce' "
+                "when you register your own"
+            )
         self.ddp.register_comm_hook(state, hook)
         self.hook_state, self._custom_hook = state, True
 

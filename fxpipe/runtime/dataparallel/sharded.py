@@ -72,7 +72,13 @@ from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import AccumulationWindow
 from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
 
-__all__ = ["ShardedStage", "shard_stage", "mixed_precision", "broadcast_state", "unsharded_parameters"]
+__all__ = [
+    "ShardedStage",
+    "shard_stage",
+    "mixed_precision",
+    "broadcast_state",
+    "unsharded_parameters",
+]
 
 
 def mixed_precision(options: DataParallelOptions, root: bool) -> MixedPrecisionPolicy:
@@ -93,7 +99,9 @@ def broadcast_state(module: nn.Module, group: dist.ProcessGroup | None) -> None:
                 dist.broadcast(t.data, group=group, group_src=0)
 
 
-def shard_stage(stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions) -> list[nn.Module]:
+def shard_stage(
+    stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
+) -> list[nn.Module]:
     """``fully_shard`` the units of ``stage`` chosen by ``options.shard_wrap`` and the stage
     itself (the root unit) over ``mesh``; returns the units, root last."""
     if options.shard_wrap == "block":
@@ -105,8 +113,15 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
         units = []
     reshard = options.shard == "full"
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(options, False))
-    fully_shard(stage, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(options, True))
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mixed_precision(options, False),
+        )
+    fully_shard(
+        stage, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(options, True)
+    )
     return [*units, stage]
 
 
@@ -121,7 +136,9 @@ def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
     params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     for unit in units:
         unit.reshard()
-    assert not any(isinstance(p, DTensor) for p in params), "unshard() registers the whole parameters"
+    assert not any(isinstance(p, DTensor) for p in params), (
+        "unshard() registers the whole parameters"
+    )
     return params
 
 
@@ -129,13 +146,15 @@ class _ShardedChunk:
     """One chunk (the rank's stage, or one of its ``--virtual-stages`` chunks) as its own FSDP
     module: its switches and the count of backwards of the accumulation window."""
 
-    def __init__(self, module: nn.Module, options: DataParallelOptions, window: int, split: bool) -> None:
+    def __init__(
+        self, module: nn.Module, options: DataParallelOptions, window: int, split: bool
+    ) -> None:
         assert isinstance(module, FSDPModule), "fully_shard changes the chunk's class in place"
         self.fsdp: FSDPModule = module
         self.options = options
         self.window = window
-        self.split = split         # some backward is split into B and W: reduce after the window's last W
-        self.backwards = 0         # backward passes through the chunk since the last synchronisation
+        self.split = split  # some backward is split into B and W: reduce after the window's last W
+        self.backwards = 0  # backward passes through the chunk since the last synchronisation
         self.weight_params = unsharded_parameters(module) if split else []
         if not split:
             module.register_forward_hook(self._arm)
@@ -145,7 +164,9 @@ class _ShardedChunk:
         """FSDP's switches for every backward of a window but the last (every backward, when split:
         the parameters stay whole for ``W`` and the gradients unreduced until ``reduce``)."""
         split = self.split
-        self.fsdp.set_requires_gradient_sync(self.options.shard_reduce == "microbatch" and not split)
+        self.fsdp.set_requires_gradient_sync(
+            self.options.shard_reduce == "microbatch" and not split
+        )
         self.fsdp.set_reshard_after_backward(self.options.shard == "full" and not split)
         self.fsdp.set_is_last_backward(False)
 
@@ -159,7 +180,9 @@ class _ShardedChunk:
         """Forward hook: count the backward that will flow into this microbatch's outputs."""
         if not torch.is_grad_enabled():
             return
-        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [
+            t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward, mode="any")
 
@@ -201,27 +224,38 @@ class ShardedStage(AccumulationWindow):
     over ``group`` (the broadcast and sharding).
     """
 
-    def __init__(self, stage: nn.Module, group: dist.ProcessGroup | None, options: DataParallelOptions,
-                 device: torch.device, backwards_per_step: int, chunks: Mapping[int, nn.Module] | None = None,
-                 split_stages: Collection[int] = ()) -> None:
+    def __init__(
+        self,
+        stage: nn.Module,
+        group: dist.ProcessGroup | None,
+        options: DataParallelOptions,
+        device: torch.device,
+        backwards_per_step: int,
+        chunks: Mapping[int, nn.Module] | None = None,
+        split_stages: Collection[int] = (),
+    ) -> None:
         if not options.fsdp:
-            raise ConfigError(f"ShardedStage is for shard='grad-op' or 'full', got shard={options.shard!r}")
+            raise ConfigError(
+                f"ShardedStage is for shard='grad-op' or 'full', got shard={options.shard!r}"
+            )
         if backwards_per_step < 1:
             raise RuntimeSetupError(f"backwards_per_step must be >= 1, got {backwards_per_step}")
         self.stage = stage
         self.group = group
         self.options = options
-        self.passes = 0            # forward_backward passes since the last synchronisation
+        self.passes = 0  # forward_backward passes since the last synchronisation
         self.window = backwards_per_step * options.backward_passes_per_step
         self.hook_state: Any = None
-        self._completed = False    # complete_grads ran in this window
+        self._completed = False  # complete_grads ran in this window
         modules = dict(chunks) if chunks else {0: stage}
         self.tied = TiedCopies(untie_chunks([modules[s] for s in sorted(modules)]))
         broadcast_state(stage, group)
         self.units: list[nn.Module] = []
         self.chunks: list[_ShardedChunk] = []
         self._weight_params: dict[int, list[torch.Tensor]] = {}
-        trainable = [s for s in sorted(modules) if any(p.requires_grad for p in modules[s].parameters())]
+        trainable = [
+            s for s in sorted(modules) if any(p.requires_grad for p in modules[s].parameters())
+        ]
         if not trainable:
             return  # nothing to shard or reduce (DataParallelStage has no DDP either)
         world = group if group is not None else dist.group.WORLD
@@ -272,7 +306,8 @@ class ShardedStage(AccumulationWindow):
                     f"the sharded stage ran {done} backward passes in this accumulation window but expected "
                     f"{self.window} (microbatches x backward_passes_per_step), so its gradients were "
                     f"{'reduced early' if done > self.window else 'never reduced'}; run every microbatch's backward "
-                    "through the stage once per step")
+                    "through the stage once per step"
+                )
         self.tied.own_grads()
         if self.options.broadcast_buffers:
             with torch.no_grad():
@@ -282,8 +317,10 @@ class ShardedStage(AccumulationWindow):
     # -- what DDP has and FSDP does not ------------------------------------------------
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        raise ConfigError(f"shard={self.options.shard!r} reduces gradients with FSDP's reduce-scatter, which takes "
-                          "no DDP communication hook; use shard 'none' or 'optimizer' to register one")
+        raise ConfigError(
+            f"shard={self.options.shard!r} reduces gradients with FSDP's reduce-scatter, which takes "
+            "no DDP communication hook; use shard 'none' or 'optimizer' to register one"
+        )
 
     def hook_state_dict(self) -> dict[str, Any] | None:
         """``None``: FSDP has no communication-hook state."""
@@ -291,13 +328,17 @@ class ShardedStage(AccumulationWindow):
 
     def load_hook_state_dict(self, data: dict[str, Any] | None) -> None:
         if data is not None:
-            raise ConfigError("the checkpoint holds a DDP communication hook's state, but this stage is sharded "
-                              f"with FSDP (shard={self.options.shard!r}), which has none; load it with the shard "
-                              "level it was saved with")
+            raise ConfigError(
+                "the checkpoint holds a DDP communication hook's state, but this stage is sharded "
+                f"with FSDP (shard={self.options.shard!r}), which has none; load it with the shard "
+                "level it was saved with"
+            )
 
     @contextlib.contextmanager
     def join(self, *joinables: Any, enable: bool = True) -> Iterator[None]:
         if enable:
-            raise ConfigError(f"join() for uneven inputs is DDP's; FSDP (shard={self.options.shard!r}) has no "
-                              "join: give every replica the same number of steps, or use shard 'none'/'optimizer'")
+            raise ConfigError(
+                f"join() for uneven inputs is DDP's; FSDP (shard={self.options.shard!r}) has no "
+                "join: give every replica the same number of steps, or use shard 'none'/'optimizer'"
+            )
         yield

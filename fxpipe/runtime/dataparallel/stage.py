@@ -26,9 +26,15 @@ __all__ = ["data_parallel_stage", "stage_optimizer", "ReplicatedStage"]
 ReplicatedStage = DataParallelStage | ShardedStage
 
 
-def data_parallel_stage(stage: nn.Module, group: dist.ProcessGroup | None, options: DataParallelOptions,
-                        device: torch.device, backwards_per_step: int, chunks: Mapping[int, nn.Module] | None = None,
-                        split_stages: Collection[int] = ()) -> ReplicatedStage:
+def data_parallel_stage(
+    stage: nn.Module,
+    group: dist.ProcessGroup | None,
+    options: DataParallelOptions,
+    device: torch.device,
+    backwards_per_step: int,
+    chunks: Mapping[int, nn.Module] | None = None,
+    split_stages: Collection[int] = (),
+) -> ReplicatedStage:
     """Wrap ``stage`` for its data-parallel ``group`` as ``options.shard`` says (collective over ``group``).
 
     ``backwards_per_step``: backward passes through each stage per step (its microbatches).
@@ -41,8 +47,11 @@ def data_parallel_stage(stage: nn.Module, group: dist.ProcessGroup | None, optio
     return DataParallelStage(stage, group, options, device)
 
 
-def stage_optimizer(stage: nn.Module, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                    data_parallel: ReplicatedStage | None) -> torch.optim.Optimizer | None:
+def stage_optimizer(
+    stage: nn.Module,
+    factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    data_parallel: ReplicatedStage | None,
+) -> torch.optim.Optimizer | None:
     """``factory`` over ``stage``'s trainable parameters (as wrapping left them), sharded over the
     data-parallel group for ``shard='optimizer'``; ``None`` for a stage without trainable parameters."""
     params = [p for p in stage.parameters() if p.requires_grad]

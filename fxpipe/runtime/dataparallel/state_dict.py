@@ -44,9 +44,20 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fxpipe.errors import CheckpointError
 
-__all__ = ["full_state_dicts", "load_full_state_dicts", "save_stage_checkpoint", "load_stage_checkpoint",
-           "checkpoint_paths", "gather_full", "gather_if_sharded", "shard_like", "shard_optimizer_state", "is_sharded",
-           "stage_state_dict", "load_stage_state_dict"]
+__all__ = [
+    "full_state_dicts",
+    "load_full_state_dicts",
+    "save_stage_checkpoint",
+    "load_stage_checkpoint",
+    "checkpoint_paths",
+    "gather_full",
+    "gather_if_sharded",
+    "shard_like",
+    "shard_optimizer_state",
+    "is_sharded",
+    "stage_state_dict",
+    "load_stage_state_dict",
+]
 
 _FULL = StateDictOptions(full_state_dict=True)
 # Loading: a parameter that never had a gradient has no optimizer state in the checkpoint
@@ -72,7 +83,9 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
 
 def _cpu(tree: Any) -> Any:
     """``tree`` with its tensors copied to the CPU (copies: a snapshot, not the live state)."""
-    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, tree)
+    return tree_map(
+        lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, tree
+    )
 
 
 # -- DTensors to whole tensors and back (torch's int-keyed optimizer format, the seed API's) ---------------
@@ -91,20 +104,30 @@ def gather_full(tree: Any) -> Any:
 
 def shard_like(value: Any, like: torch.Tensor) -> Any:
     """``value`` cut to this rank's shard of DTensor ``like`` when it is a whole tensor of its shape."""
-    if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-            and tuple(value.shape) == tuple(like.shape):
-        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    if (
+        isinstance(like, DTensor)
+        and isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and tuple(value.shape) == tuple(like.shape)
+    ):
+        return distribute_tensor(
+            value.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+        )
     return value
 
 
-def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def shard_optimizer_state(
+    state_dict: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """A whole torch-format optimizer state dict (int keys) with each parameter's state cut to
     the shards ``optimizer`` steps (no communication: every rank keeps its own cut)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     by_id = dict(zip(ids, params))
-    state = {i: {k: shard_like(v, by_id[i]) for k, v in s.items()} if i in by_id else s
-             for i, s in state_dict["state"].items()}
+    state = {
+        i: {k: shard_like(v, by_id[i]) for k, v in s.items()} if i in by_id else s
+        for i, s in state_dict["state"].items()
+    }
     return {**state_dict, "state": state}
 
 
@@ -118,13 +141,18 @@ def stage_state_dict(module: nn.Module) -> dict[str, Any]:
     return gather_if_sharded(module.state_dict())
 
 
-def load_stage_state_dict(module: nn.Module, state: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+def load_stage_state_dict(
+    module: nn.Module, state: dict[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
     """``module.load_state_dict`` of whole tensors, each cut to this rank's shard when ``module`` is sharded."""
     if not is_sharded(module):
         return module.load_state_dict(state, strict=strict, assign=assign)
     local = module.state_dict()
-    return module.load_state_dict({k: shard_like(v, local[k]) if k in local else v for k, v in state.items()},
-                                  strict=strict, assign=assign)
+    return module.load_state_dict(
+        {k: shard_like(v, local[k]) if k in local else v for k, v in state.items()},
+        strict=strict,
+        assign=assign,
+    )
 
 
 # -- ZeRO (level "optimizer"): its state by parameter name ------------------------------------------
@@ -134,7 +162,9 @@ def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def _zero_full(module: nn.Module, zero: ZeroRedundancyOptimizer, group: dist.ProcessGroup | None) -> dict[str, Any]:
+def _zero_full(
+    module: nn.Module, zero: ZeroRedundancyOptimizer, group: dist.ProcessGroup | None
+) -> dict[str, Any]:
     """ZeRO's consolidated state keyed by parameter name (collective; complete on the group's first rank)."""
     zero.consolidate_state_dict(to=0)  # a rank of ZeRO's own group
     if _group_rank(group) != 0:
@@ -142,30 +172,44 @@ def _zero_full(module: nn.Module, zero: ZeroRedundancyOptimizer, group: dist.Pro
     sd = zero.state_dict()
     names = _names(module)
     ordered = [names[id(p)] for g in zero.param_groups for p in g["params"]]
-    return {"state": {ordered[i]: s for i, s in sd["state"].items()},
-            "param_groups": [{**g, "params": [ordered[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    return {
+        "state": {ordered[i]: s for i, s in sd["state"].items()},
+        "param_groups": [
+            {**g, "params": [ordered[i] for i in g["params"]]} for g in sd["param_groups"]
+        ],
+    }
 
 
 def _zero_load_full(module: nn.Module, zero: ZeroRedundancyOptimizer, osd: dict[str, Any]) -> None:
     names = _names(module)
-    index = {names[id(p)]: i for i, p in enumerate(p for g in zero.param_groups for p in g["params"])}
-    zero.load_state_dict({"state": {index[k]: v for k, v in osd["state"].items()},
-                          "param_groups": [{**g, "params": [index[k] for k in g["params"]]}
-                                           for g in osd["param_groups"]]})
+    index = {
+        names[id(p)]: i for i, p in enumerate(p for g in zero.param_groups for p in g["params"])
+    }
+    zero.load_state_dict(
+        {
+            "state": {index[k]: v for k, v in osd["state"].items()},
+            "param_groups": [
+                {**g, "params": [index[k] for k in g["params"]]} for g in osd["param_groups"]
+            ],
+        }
+    )
 
 
 def _zero_local(module: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
     """This rank's ZeRO shard of the optimizer state, keyed by parameter name."""
     names = _names(module)
-    return {"state": {names[id(p)]: s for p, s in zero.optim.state.items()},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]}
+    return {
+        "state": {names[id(p)]: s for p, s in zero.optim.state.items()},
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups],
+    }
 
 
 # -- the full format -------------------------------------------------------------------------------
 
 
-def full_state_dicts(module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     group: dist.ProcessGroup | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def full_state_dicts(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts gathered to whole CPU tensors under the original keys
     (collective over ``group``; under ZeRO the optimizer's is complete only on the group's first rank)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -176,22 +220,35 @@ def full_state_dicts(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     return _cpu(msd), _cpu(osd)
 
 
-def load_full_state_dicts(module: nn.Module, optimizer: torch.optim.Optimizer | None, model: dict[str, Any],
-                          optim: dict[str, Any]) -> None:
+def load_full_state_dicts(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    model: dict[str, Any],
+    optim: dict[str, Any],
+) -> None:
     """Load what ``full_state_dicts`` returned into ``module`` / ``optimizer`` at any sharding level."""
     missing = sorted(set(module.state_dict()) - set(model))
     if missing:
-        raise CheckpointError(f"the checkpoint has no {missing[:4]}: it was saved from another model or partitioning")
+        raise CheckpointError(
+            f"the checkpoint has no {missing[:4]}: it was saved from another model or partitioning"
+        )
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         module.load_state_dict(model)
         _zero_load_full(module, optimizer, optim)
         return
-    set_state_dict(module, [optimizer] if optimizer is not None else [], model_state_dict=model,
-                   optim_state_dict=optim if optimizer is not None else {}, options=_LOAD_FULL)
+    set_state_dict(
+        module,
+        [optimizer] if optimizer is not None else [],
+        model_state_dict=model,
+        optim_state_dict=optim if optimizer is not None else {},
+        options=_LOAD_FULL,
+    )
     _drop_unsaved(module, optimizer, optim)
 
 
-def _drop_unsaved(module: nn.Module, optimizer: torch.optim.Optimizer | None, optim: dict[str, Any]) -> None:
+def _drop_unsaved(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, optim: dict[str, Any]
+) -> None:
     """Forget the state torch made up (to load into) for parameters the checkpoint has none of."""
     if optimizer is None:
         return
@@ -204,9 +261,15 @@ def _drop_unsaved(module: nn.Module, optimizer: torch.optim.Optimizer | None, op
 # -- save and load ----------------------------------------------------------------------------------
 
 
-def save_stage_checkpoint(directory: str | os.PathLike[str], stage_index: int, module: nn.Module,
-                          optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None, *,
-                          sharded: bool = True) -> Path:
+def save_stage_checkpoint(
+    directory: str | os.PathLike[str],
+    stage_index: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    group: dist.ProcessGroup | None,
+    *,
+    sharded: bool = True,
+) -> Path:
     """Write stage ``stage_index``'s model and optimizer state into ``directory`` (see the module
     docstring for the formats); returns the file or directory written. Collective over ``group``."""
     full, shards = checkpoint_paths(directory, stage_index)
@@ -228,7 +291,12 @@ def save_stage_checkpoint(directory: str | os.PathLike[str], stage_index: int, m
     if _group_rank(group) == 0:
         shutil.rmtree(staging, ignore_errors=True)
     _barrier(group)
-    dcp.save(_sharded_state(module, optimizer), checkpoint_id=staging, process_group=group, no_dist=group is None)
+    dcp.save(
+        _sharded_state(module, optimizer),
+        checkpoint_id=staging,
+        process_group=group,
+        no_dist=group is None,
+    )
     _barrier(group)
     if _group_rank(group) == 0:
         old = shards.with_name(f"{shards.name}.old")
@@ -258,15 +326,24 @@ def _keep_saved(state: dict[str, Any], saved: set[str], where: Path) -> None:
     unused); DCP loads in place, and the state made to load into would otherwise survive."""
     missing = [k for k in state["model"] if f"model.{k}" not in saved]
     if missing:
-        raise CheckpointError(f"the sharded checkpoint {where} has no {missing[:4]}: it was saved from another "
-                              "model or partitioning")
+        raise CheckpointError(
+            f"the sharded checkpoint {where} has no {missing[:4]}: it was saved from another "
+            "model or partitioning"
+        )
     per_param = state["optimizer"].get("state", {})
-    for name in [n for n in per_param if not any(k.startswith(f"optimizer.state.{n}.") for k in saved)]:
+    for name in [
+        n for n in per_param if not any(k.startswith(f"optimizer.state.{n}.") for k in saved)
+    ]:
         del per_param[name]
 
 
-def load_stage_checkpoint(directory: str | os.PathLike[str], stage_index: int, module: nn.Module,
-                          optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None) -> None:
+def load_stage_checkpoint(
+    directory: str | os.PathLike[str],
+    stage_index: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    group: dist.ProcessGroup | None,
+) -> None:
     """Restore stage ``stage_index`` from ``directory``, full or sharded (whichever was saved;
     a sharded one interrupted while being swapped in is read from ``stage_<i>.old``). Collective."""
     full, shards = checkpoint_paths(directory, stage_index)
@@ -288,14 +365,21 @@ def load_stage_checkpoint(directory: str | os.PathLike[str], stage_index: int, m
             for p in [p for p in optimizer.optim.state if names[id(p)] not in kept]:
                 del optimizer.optim.state[p]
         else:
-            set_state_dict(module, [optimizer] if optimizer is not None else [], model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=_LOAD)
+            set_state_dict(
+                module,
+                [optimizer] if optimizer is not None else [],
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=_LOAD,
+            )
             _drop_unsaved(module, optimizer, state["optimizer"])
         return
     if not full.is_file():
-        raise CheckpointError(f"no checkpoint of stage {stage_index} in {directory}: neither {full.name} (full) nor "
-                              f"{shards.name}/ (sharded); was it saved with save_stage_checkpoint by a job with this "
-                              "partitioning?")
+        raise CheckpointError(
+            f"no checkpoint of stage {stage_index} in {directory}: neither {full.name} (full) nor "
+            f"{shards.name}/ (sharded); was it saved with save_stage_checkpoint by a job with this "
+            "partitioning?"
+        )
     try:
         data = torch.load(full, map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -34,10 +34,15 @@ __all__ = ["CollectiveCounter", "RING_FACTOR"]
 RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
 
 _KINDS = {
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "broadcast_": "broadcast",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
 }
 
 
@@ -94,4 +99,6 @@ class CollectiveCounter(TorchDispatchMode):
     @property
     def wire_bytes(self) -> float:
         """Bytes this rank sends for the counted collectives under ring algorithms."""
-        return sum(RING_FACTOR[k] * (self.sizes[k] - 1) / self.sizes[k] * n for k, n in self.nbytes.items())
+        return sum(
+            RING_FACTOR[k] * (self.sizes[k] - 1) / self.sizes[k] * n for k, n in self.nbytes.items()
+        )

@@ -23,16 +23,23 @@ from fxpipe.errors import ConfigError
 __all__ = ["shard_optimizer", "optimizer_state_bytes"]
 
 
-def shard_optimizer(params: list[nn.Parameter], factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                    group: dist.ProcessGroup | None) -> ZeroRedundancyOptimizer:
+def shard_optimizer(
+    params: list[nn.Parameter],
+    factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    group: dist.ProcessGroup | None,
+) -> ZeroRedundancyOptimizer:
     """``ZeroRedundancyOptimizer`` over ``group`` with the class and defaults of ``factory(params)``."""
     template = factory(params)
     if len(template.param_groups) != 1:
-        raise ConfigError(f"shard_optimizer_state needs an optimizer with one parameter group, but the factory made "
-                          f"{len(template.param_groups)}; add the other groups later with add_param_group, or turn "
-                          "sharding off")
+        raise ConfigError(
+            f"shard_optimizer_state needs an optimizer with one parameter group, but the factory made "
+            f"{len(template.param_groups)}; add the other groups later with add_param_group, or turn "
+            "sharding off"
+        )
     defaults = {k: v for k, v in template.param_groups[0].items() if k != "params"}
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(template), process_group=group, **defaults)
+    return ZeroRedundancyOptimizer(
+        params, optimizer_class=type(template), process_group=group, **defaults
+    )
 
 
 def _tensor_bytes(x: Any) -> int:

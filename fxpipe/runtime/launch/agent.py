@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # Note [isolated workers] in fxpipe.runtime.launch.isolation: before any other import
+if (
+    __name__ == "__main__"
+):  # Note [isolated workers] in fxpipe.runtime.launch.isolation: before any other import
     from fxpipe.runtime.launch.isolation import isolate_sys_path
 
     isolate_sys_path(None)
@@ -47,15 +49,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # torchrun logs each failure and each shutdown before raising; the launcher reports them instead
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
-        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+        if name.startswith("torch.distributed.elastic") or name.startswith(
+            "torch.distributed.launcher"
+        ):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     gc.freeze()  # torch's objects are never garbage: the exit after a stop skips them (launch.py, Note [Ctrl-C])
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
     except ChildFailedError as exc:
-        failures = [{"rank": rank, "exitcode": failure.exitcode,
-                     "signal": failure.signal_name() if failure.exitcode < 0 else None, "time": failure.timestamp}
-                    for rank, failure in sorted(exc.failures.items())]
+        failures = [
+            {
+                "rank": rank,
+                "exitcode": failure.exitcode,
+                "signal": failure.signal_name() if failure.exitcode < 0 else None,
+                "time": failure.timestamp,
+            }
+            for rank, failure in sorted(exc.failures.items())
+        ]
         folder = job_dir()
         if folder is not None:
             write_agent_failures(folder, failures)
@@ -63,12 +73,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for failure in failures:
                 print(AGENT_PREFIX + json.dumps(failure), file=sys.stderr, flush=True)
         return 1
-    except SignalException as exc:  # stopped by the launcher (or a user's signal): the workers are gone
+    except (
+        SignalException
+    ) as exc:  # stopped by the launcher (or a user's signal): the workers are gone
         return 128 + int(exc.sigval)
-    except Exception as exc:  # the rendezvous could not start (its port taken, ...): one report, no traceback
+    except (
+        Exception
+    ) as exc:  # the rendezvous could not start (its port taken, ...): one report, no traceback
         cause = exc.__cause__ or exc.__context__
-        text = f"{type(exc).__name__}: {str(exc).strip()}" + (f" ({type(cause).__name__}: {str(cause).strip()})"
-                                                             if cause is not None else "")
+        text = f"{type(exc).__name__}: {str(exc).strip()}" + (
+            f" ({type(cause).__name__}: {str(cause).strip()})" if cause is not None else ""
+        )
         folder = job_dir()
         if folder is not None:
             write_agent_failures(folder, [{"agent_error": text[:500]}])

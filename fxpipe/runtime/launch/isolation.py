@@ -30,7 +30,9 @@ def _real(entry: str, cwd: str) -> str:
 
 def _fxpipe_root() -> str:
     """The folder that holds the ``fxpipe`` package (this file is ``fxpipe/runtime/launch/isolation.py``)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
+    return os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    )
 
 
 def isolate_sys_path(build_dir: str | None) -> None:

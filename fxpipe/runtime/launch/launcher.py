@@ -77,7 +77,12 @@ from fxpipe.errors import FxpipeError
 from fxpipe.runtime.pipeline.groups import pick_device
 from fxpipe.runtime.launch.isolation import isolated_env
 from fxpipe.runtime.launch.lifeline import PARENT_PID_ENV
-from fxpipe.runtime.launch.reports import JOB_DIR_ENV, RankError, read_agent_failures, read_rank_errors
+from fxpipe.runtime.launch.reports import (
+    JOB_DIR_ENV,
+    RankError,
+    read_agent_failures,
+    read_rank_errors,
+)
 from fxpipe.runtime.train.run_options import RunOptions, with_plan_defaults
 from fxpipe.runtime.train.run_record import RunRecord, build_sha256
 from fxpipe.runtime.train.log import PROGRESS_ENV, STARTED_ENV, ProgressBar
@@ -87,8 +92,8 @@ from fxpipe.unexpected import SignalStop, print_safely
 
 __all__ = ["run_build", "torchrun_command", "free_port", "become_launcher"]
 
-_GRACE_S = 2.0   # after the first error line, how long the other ranks get to end on their own
-_STOP_S = 3.0    # after asking the agent to stop, how long before it is killed
+_GRACE_S = 2.0  # after the first error line, how long the other ranks get to end on their own
+_STOP_S = 3.0  # after asking the agent to stop, how long before it is killed
 _SHUTDOWN_S = 2  # torchrun's grace for a worker between SIGTERM and SIGKILL (its default: 30 s)
 
 
@@ -117,20 +122,48 @@ def _stop(signum: int, frame: Any) -> None:
     raise SignalStop(signum)
 
 
-def torchrun_command(build_dir: str | Path, nproc: int, port: int, worker_args: list[str]) -> list[str]:
+def torchrun_command(
+    build_dir: str | Path, nproc: int, port: int, worker_args: list[str]
+) -> list[str]:
     """The torchrun command line that starts ``nproc`` workers on this machine (``port`` 0: any free one)."""
-    return [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(build_dir, nproc, port, worker_args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *_torchrun_args(build_dir, nproc, port, worker_args),
+    ]
 
 
-def _torchrun_args(build_dir: str | Path, nproc: int, port: int, worker_args: list[str],
-                   log_dir: Path | None = None) -> list[str]:
+def _torchrun_args(
+    build_dir: str | Path,
+    nproc: int,
+    port: int,
+    worker_args: list[str],
+    log_dir: Path | None = None,
+) -> list[str]:
     logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
     where = str(build_dir)
     if where.startswith("-"):  # a build named "-b" is a path to the worker's parser, not an option
         where = os.path.join(".", where)
-    return ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-conf", "is_host=1", "--max-restarts", "0", *logs,
-            "-m", "fxpipe.runtime.launch.worker", where, *worker_args]
+    return [
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "is_host=1",
+        "--max-restarts",
+        "0",
+        *logs,
+        "-m",
+        "fxpipe.runtime.launch.worker",
+        where,
+        *worker_args,
+    ]
 
 
 @dataclass
@@ -170,14 +203,25 @@ def _tee(job: _Job, stream: IO[str], sink: IO[str] | None) -> None:
             sink = None
         except OSError as exc:  # ENOSPC, EIO: the disk under the log, not the reader, failed
             which = "standard output" if sink is sys.stdout else "standard error"
-            job.log_lost = (f"cannot write {which}: {exc.strerror or exc}; training went on without those lines "
-                            "(run.json records every step)")
+            job.log_lost = (
+                f"cannot write {which}: {exc.strerror or exc}; training went on without those lines "
+                "(run.json records every step)"
+            )
             sink = None
-            print_safely(f"fxpipe run: {job.log_lost}", sys.stderr if which == "standard output" else sys.stdout)
+            print_safely(
+                f"fxpipe run: {job.log_lost}",
+                sys.stderr if which == "standard output" else sys.stdout,
+            )
 
 
-def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: bool = False, *,
-              debug: bool = False, explicit: frozenset[str] = frozenset()) -> RunRecord:
+def run_build(
+    build_dir: str | Path,
+    options: RunOptions | None = None,
+    quiet: bool = False,
+    *,
+    debug: bool = False,
+    explicit: frozenset[str] = frozenset(),
+) -> RunRecord:
     """Launch torchrun with one worker per stage and replica, train as ``options`` say, return ``DIR/run.json``.
 
     ``options.dp`` replicas of the pipeline (``stages x dp`` processes; ``None``: the plan's) each
@@ -193,10 +237,15 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     >>> result.losses, result.step_seconds  # doctest: +SKIP
     """
     build_dir = Path(build_dir)
-    sinks = (sys.stdout, sys.stderr)  # before any phase's live display replaces them (Note [start-up phases])
+    sinks = (
+        sys.stdout,
+        sys.stderr,
+    )  # before any phase's live display replaces them (Note [start-up phases])
     with phase("check") as checking:
         manifest = Manifest.from_json(build_dir)
-        checked = check_build(build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest)
+        checked = check_build(
+            build_dir, weights=False, model=bool(manifest.model_file), manifest=manifest
+        )
         # the plan's replicas and sharding where the options leave them open; checks the options that need
         # 2+ replicas before any process starts
         options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
@@ -204,7 +253,9 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
         _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
         from fxpipe.runtime.launch.preflight import preflight
 
-        options = preflight(build_dir, manifest, options, manifest.num_ranks * replicas)  # a bad model file: one line
+        options = preflight(
+            build_dir, manifest, options, manifest.num_ranks * replicas
+        )  # a bad model file: one line
         checking.detail = "the build's files, the model file, the first batch"
     ran = build_sha256(build_dir)  # Note [a record names its build]
     out = build_dir / "run.json"
@@ -214,13 +265,26 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
         options_file = folder / "run_options.json"
         options.to_json(options_file)
         (folder / "reports").mkdir()
-        args = _torchrun_args(build_dir, manifest.num_ranks * replicas, 0, ["--options", str(options_file)],
-                              log_dir=folder / "torchelastic")
+        args = _torchrun_args(
+            build_dir,
+            manifest.num_ranks * replicas,
+            0,
+            ["--options", str(options_file)],
+            log_dir=folder / "torchelastic",
+        )
         if not quiet:
-            note(f"start {manifest.num_ranks * replicas} ranks: each imports torch, loads its stages and joins the "
-                 "process group")
-        job = _start([sys.executable, "-m", "fxpipe.runtime.launch.agent", *args], quiet, debug, folder / "reports",
-                     build_dir, sinks)
+            note(
+                f"start {manifest.num_ranks * replicas} ranks: each imports torch, loads its stages and joins the "
+                "process group"
+            )
+        job = _start(
+            [sys.executable, "-m", "fxpipe.runtime.launch.agent", *args],
+            quiet,
+            debug,
+            folder / "reports",
+            build_dir,
+            sinks,
+        )
         returncode = _wait(job)
         reported, failures = job.errors(), job.failures()
     if job.log_lost is not None:
@@ -230,8 +294,10 @@ def run_build(build_dir: str | Path, options: RunOptions | None = None, quiet: b
     if job.output_closed.is_set():
         raise BrokenPipeError("standard output was closed; the job was stopped")
     if returncode == 0 and not reported and not failures and not build_dir.is_dir():
-        raise errors.BuildDirError(f"the build directory {str(build_dir)!r} was removed while the job ran; "
-                                   "nothing was recorded")
+        raise errors.BuildDirError(
+            f"the build directory {str(build_dir)!r} was removed while the job ran; "
+            "nothing was recorded"
+        )
     raise root_cause(reported, failures, returncode)
 
 
@@ -239,9 +305,11 @@ def _own_record(build_dir: Path, out: Path, ran: str | None) -> RunRecord:
     """The record the job wrote into ``out``, refused when it is not of the build the job ran."""
     record = RunRecord.from_json(out) if out.is_file() else None
     if record is None or (ran is not None and record.build_sha256 not in (None, ran)):
-        raise errors.BuildDirError(f"the build directory {build_dir} was replaced while this run trained (re-"
-                                   f"partitioned?): {out} {'is gone' if record is None else 'is of another run'}, "
-                                   "and this run's record is not in it")
+        raise errors.BuildDirError(
+            f"the build directory {build_dir} was replaced while this run trained (re-"
+            f"partitioned?): {out} {'is gone' if record is None else 'is of another run'}, "
+            "and this run's record is not in it"
+        )
     return record
 
 
@@ -255,27 +323,49 @@ def _check_world(device: Any, stages: int, replicas: int) -> None:
     if stages * replicas > gpus:
         raise errors.RuntimeSetupError(
             f"{stages} stages x {replicas} replicas = {stages * replicas} ranks, but this machine has {gpus} GPUs; "
-            f"run --dp {max(gpus // stages, 1)} (the plan's replicas are the default), or --device cpu")
+            f"run --dp {max(gpus // stages, 1)} (the plan's replicas are the default), or --device cpu"
+        )
 
 
-def _start(cmd: list[str], quiet: bool, debug: bool, reports: Path | None = None, build_dir: Path | None = None,
-           sinks: tuple[IO[str] | None, IO[str] | None] | None = None) -> _Job:
+def _start(
+    cmd: list[str],
+    quiet: bool,
+    debug: bool,
+    reports: Path | None = None,
+    build_dir: Path | None = None,
+    sinks: tuple[IO[str] | None, IO[str] | None] | None = None,
+) -> _Job:
     # torchrun would set OMP_NUM_THREADS=1 anyway, with a banner; set it quietly instead.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), PARENT_PID_ENV: str(os.getpid()),
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(_SHUTDOWN_S)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        PARENT_PID_ENV: str(os.getpid()),
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(_SHUTDOWN_S),
+    }
     env.pop(DEBUG_ENV, None)
     env.pop(JOB_DIR_ENV, None)
     if reports is not None:
         env[JOB_DIR_ENV] = str(reports)
-        env[STARTED_ENV] = repr(time.time())  # rank 0's start-up lines say how long since (Note [start-up phases])
+        env[STARTED_ENV] = repr(
+            time.time()
+        )  # rank 0's start-up lines say how long since (Note [start-up phases])
     env[PROGRESS_ENV] = "1" if not quiet and sys.stdout is not None and sys.stdout.isatty() else "0"
     if debug:
         env[DEBUG_ENV] = "1"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                            env=isolated_env(env, str(build_dir)) if build_dir is not None else env)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=isolated_env(env, str(build_dir)) if build_dir is not None else env,
+    )
     job = _Job(proc, reports)
     out, err = sinks if sinks is not None else (sys.stdout, sys.stderr)
-    for stream, sink in ((proc.stdout, None if quiet else out), (proc.stderr, None if quiet else err)):
+    for stream, sink in (
+        (proc.stdout, None if quiet else out),
+        (proc.stderr, None if quiet else err),
+    ):
         assert stream is not None
         job.threads.append(threading.Thread(target=_tee, args=(job, stream, sink), daemon=True))
         job.threads[-1].start()
@@ -299,13 +389,18 @@ def _wait(job: _Job) -> int:
                 job.proc.send_signal(signal.SIGTERM)  # the agent stops its workers and exits
                 stop_at = now + _STOP_S
             if (stop_at is not None and now > stop_at) or (
-                    job.first_error_at is not None and now > job.first_error_at + _GRACE_S):
+                job.first_error_at is not None and now > job.first_error_at + _GRACE_S
+            ):
                 job.proc.kill()  # every worker dies with the agent (fxpipe.runtime.launch.lifeline)
     except BaseException:  # KeyboardInterrupt, SignalStop: stop the job before giving up on it
         try:
             job.proc.send_signal(signal.SIGTERM)
             job.proc.wait(timeout=_STOP_S)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt, SignalStop):  # a second signal: stop at once
+        except (
+            subprocess.TimeoutExpired,
+            KeyboardInterrupt,
+            SignalStop,
+        ):  # a second signal: stop at once
             job.proc.kill()
             job.proc.wait()
         raise
@@ -323,35 +418,59 @@ def _kind(report: RankError) -> type[FxpipeError]:
 
 def _with_rank(rank: int | None, text: str) -> str:
     prefix = f"rank {rank if rank is not None else '?'}"
-    return text if text.startswith(prefix + ":") or text.startswith(prefix + " ") else f"{prefix}: {text}"
+    return (
+        text
+        if text.startswith(prefix + ":") or text.startswith(prefix + " ")
+        else f"{prefix}: {text}"
+    )
 
 
 def _death(failure: dict[str, Any]) -> str:
     rank, code, sig = failure.get("rank"), failure.get("exitcode"), failure.get("signal")
     if sig:
-        hint = " (out of memory? the kernel's OOM killer sends SIGKILL: see `dmesg`)" if sig == "SIGKILL" else ""
+        hint = (
+            " (out of memory? the kernel's OOM killer sends SIGKILL: see `dmesg`)"
+            if sig == "SIGKILL"
+            else ""
+        )
         return f"rank {rank} was killed by {sig} and printed no error{hint}; the other ranks stopped with it"
-    return f"rank {rank} exited with code {code} without an fxpipe error; its output above may say why"
+    return (
+        f"rank {rank} exited with code {code} without an fxpipe error; its output above may say why"
+    )
 
 
-def root_cause(reports: list[RankError], failures: list[dict[str, Any]], returncode: int) -> FxpipeError:
+def root_cause(
+    reports: list[RankError], failures: list[dict[str, Any]], returncode: int
+) -> FxpipeError:
     """The error to raise for a failed job (Note [ending a job]); ``reports`` earliest first."""
     real = [r for r in reports if _kind(r) is not errors.PeerError]
     if real:
         return _kind(real[0])(_with_rank(real[0].rank, real[0].message))
     agent = next((f for f in failures if "agent_error" in f), None)
     if agent is not None:
-        return errors.RuntimeSetupError(f"torchrun's agent could not start the job: {agent['agent_error']}")
+        return errors.RuntimeSetupError(
+            f"torchrun's agent could not start the job: {agent['agent_error']}"
+        )
     explained = {r.rank for r in reports}
     # the first to fail; on a tie, not one that the agent's own SIGTERM may have ended
-    silent = sorted((f for f in failures if f.get("rank") not in explained),
-                    key=lambda f: (f.get("time") or 0, f.get("signal") == "SIGTERM"))
+    silent = sorted(
+        (f for f in failures if f.get("rank") not in explained),
+        key=lambda f: (f.get("time") or 0, f.get("signal") == "SIGTERM"),
+    )
     if silent:
         return errors.PeerError(_death(silent[0]))
     if reports:
         return _kind(reports[0])(_with_rank(reports[0].rank, reports[0].message))
     if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else -returncode
-        return errors.PeerError(f"the torchrun agent was killed by {name}; every worker stopped with it")
-    return errors.PeerError(f"the torchrun job exited with code {returncode} without an fxpipe error; its output "
-                            "above may say why")
+        name = (
+            signal.Signals(-returncode).name
+            if -returncode in signal.Signals._value2member_map_
+            else -returncode
+        )
+        return errors.PeerError(
+            f"the torchrun agent was killed by {name}; every worker stopped with it"
+        )
+    return errors.PeerError(
+        f"the torchrun job exited with code {returncode} without an fxpipe error; its output "
+        "above may say why"
+    )

@@ -43,38 +43,60 @@ def _absolute(spec: str | None) -> str | None:
     return f"{Path(path).resolve()}:{name}"
 
 
-def _check_batch(fn: Any, manifest: Manifest, batch: int, dims: tuple[int | None, ...] | None, what: str) -> None:
+def _check_batch(
+    fn: Any, manifest: Manifest, batch: int, dims: tuple[int | None, ...] | None, what: str
+) -> None:
     """Draw the first batch of ``fn`` as replica 0 would and check its sizes."""
-    info = RankInfo(rank=0, world_size=1, stage=0, num_stages=1, replica=0, replicas=1, needs_inputs=True,
-                    needs_targets=True)
+    info = RankInfo(
+        rank=0,
+        world_size=1,
+        stage=0,
+        num_stages=1,
+        replica=0,
+        replicas=1,
+        needs_inputs=True,
+        needs_targets=True,
+    )
     try:
         inputs, targets = next(batch_stream(fn, manifest, batch, info, name=what))
     except ModelFileError:
         raise
     except Exception as exc:
-        raise ModelFileError(f"{getattr(fn, '__name__', what)}({batch}, rank_info) raised "
-                             f"{type(exc).__name__}: {exc}") from None
+        raise ModelFileError(
+            f"{getattr(fn, '__name__', what)}({batch}, rank_info) raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     name = getattr(fn, "__name__", what)
     for spec, t in zip(manifest.inputs, inputs):
         if spec.batch_dim is not None and t.shape[spec.batch_dim] != batch:
-            raise ModelFileError(f"{name}({batch}, rank_info) yielded input {spec.name!r} with "
-                                 f"{t.shape[spec.batch_dim]} rows along its batch dim {spec.batch_dim}; yield one "
-                                 f"replica's batch of {batch}")
+            raise ModelFileError(
+                f"{name}({batch}, rank_info) yielded input {spec.name!r} with "
+                f"{t.shape[spec.batch_dim]} rows along its batch dim {spec.batch_dim}; yield one "
+                f"replica's batch of {batch}"
+            )
     if dims is None:
         return
     leaves = tree_leaves(targets)
     for leaf, d in zip(leaves, dims):
         if isinstance(leaf, torch.Tensor) and d is not None and leaf.shape[d] != batch:
-            raise ModelFileError(f"{name}({batch}, rank_info) yielded targets of shape {tuple(leaf.shape)}: "
-                                 f"{leaf.shape[d]} along the batch dim {d}, not {batch}")
+            raise ModelFileError(
+                f"{name}({batch}, rank_info) yielded targets of shape {tuple(leaf.shape)}: "
+                f"{leaf.shape[d]} along the batch dim {d}, not {batch}"
+            )
 
 
-def preflight(build_dir: Path, manifest: Manifest, options: RunOptions, world_size: int) -> RunOptions:
+def preflight(
+    build_dir: Path, manifest: Manifest, options: RunOptions, world_size: int
+) -> RunOptions:
     """Check, in this process, what the workers would find wrong (see the module docstring)."""
     t = options.training
     check_tensorboard(t.tensorboard)
-    t = replace(t, data=_absolute(t.data), eval_data=_absolute(t.eval_data),
-                tensorboard=None if t.tensorboard is None else os.path.abspath(t.tensorboard))
+    t = replace(
+        t,
+        data=_absolute(t.data),
+        eval_data=_absolute(t.eval_data),
+        tensorboard=None if t.tensorboard is None else os.path.abspath(t.tensorboard),
+    )
     options = replace(options, training=t)
     batch = options.batch_size or manifest.batch_size
     microbatches = options.microbatches or manifest.microbatches
@@ -86,7 +108,9 @@ def preflight(build_dir: Path, manifest: Manifest, options: RunOptions, world_si
         return options
     source = model_source(build_dir, manifest)
     dims = target_batch_dims(source, batch) if source.has_loss_fn else None
-    for leaf, d in zip(tree_leaves(source.example_targets(batch)) if dims is not None else (), dims or ()):
+    for leaf, d in zip(
+        tree_leaves(source.example_targets(batch)) if dims is not None else (), dims or ()
+    ):
         if isinstance(leaf, torch.Tensor) and d is not None:
             check_divisible(leaf.shape[d], options.microbatches or manifest.microbatches)
     train_fn = find_batches(source, t.data, TRAIN_FN)
@@ -106,13 +130,21 @@ def _check_writable(build_dir: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise BuildDirError(f"the build directory {build_dir} cannot be written ({exc.strerror or exc}), so this "
-                            "run's record (run.json) could not be saved there; make it writable, or copy the build "
-                            "(cp -r) somewhere you can write") from None
+        raise BuildDirError(
+            f"the build directory {build_dir} cannot be written ({exc.strerror or exc}), so this "
+            "run's record (run.json) could not be saved there; make it writable, or copy the build "
+            "(cp -r) somewhere you can write"
+        ) from None
 
 
-def _check_checkpoint(build_dir: Path, manifest: Manifest, options: RunOptions, batch: int, microbatches: int,
-                      world_size: int) -> None:
+def _check_checkpoint(
+    build_dir: Path,
+    manifest: Manifest,
+    options: RunOptions,
+    batch: int,
+    microbatches: int,
+    world_size: int,
+) -> None:
     """``--checkpoint-dir`` can be written and holds nothing a save would replace; a checkpoint to
     resume fits this run (the workers check the same again, and say what carries over)."""
     from fxpipe.runtime.train.checkpoint import check_checkpoint_dir
@@ -123,14 +155,27 @@ def _check_checkpoint(build_dir: Path, manifest: Manifest, options: RunOptions, 
 
     t = options.training
     assert t.checkpoint_dir is not None
-    check_regular(Path(t.checkpoint_dir) / RECORD_NAME, "the checkpoint record", CheckpointError,
-                  "remove it, or choose another --checkpoint-dir")  # Note [regular files only]
+    check_regular(
+        Path(t.checkpoint_dir) / RECORD_NAME,
+        "the checkpoint record",
+        CheckpointError,
+        "remove it, or choose another --checkpoint-dir",
+    )  # Note [regular files only]
     record = check_checkpoint_dir(t.checkpoint_dir, t.resume)
     if not t.resume or record is None:
         return
     if record.num_parts != world_size:
-        raise CheckpointError(f"--resume: the checkpoint in {t.checkpoint_dir} was saved by {record.num_parts} "
-                              f"ranks, this run starts {world_size}; resume with the same stages and --dp")
+        raise CheckpointError(
+            f"--resume: the checkpoint in {t.checkpoint_dir} was saved by {record.num_parts} "
+            f"ranks, this run starts {world_size}; resume with the same stages and --dp"
+        )
     if record.meta:
-        check_resume(dict(record.meta), None, options, batch, microbatches,
-                     build_identity(manifest, build_sha256(build_dir)), t.checkpoint_dir)
+        check_resume(
+            dict(record.meta),
+            None,
+            options,
+            batch,
+            microbatches,
+            build_identity(manifest, build_sha256(build_dir)),
+            t.checkpoint_dir,
+        )

@@ -19,8 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JOB_DIR_ENV", "RankError", "write_rank_error", "read_rank_errors", "write_agent_failures",
-           "read_agent_failures", "job_dir"]
+__all__ = [
+    "JOB_DIR_ENV",
+    "RankError",
+    "write_rank_error",
+    "read_rank_errors",
+    "write_agent_failures",
+    "read_agent_failures",
+    "job_dir",
+]
 
 JOB_DIR_ENV = "FXPIPE_JOB_DIR"
 _AGENT_FILE = "agent-failures.json"
@@ -55,23 +62,37 @@ def _write(path: Path, data: Any) -> None:
 
 def write_rank_error(folder: Path, rank: str, kind: str | None, message: str) -> None:
     """Report this rank's error into ``folder`` (one file per rank: a later report replaces it)."""
-    _write(folder / f"{_ERROR_PREFIX}{rank}.json", {"rank": int(rank) if rank.isdigit() else None, "kind": kind,
-                                                     "message": message, "time": time.time()})
+    _write(
+        folder / f"{_ERROR_PREFIX}{rank}.json",
+        {
+            "rank": int(rank) if rank.isdigit() else None,
+            "kind": kind,
+            "message": message,
+            "time": time.time(),
+        },
+    )
 
 
 def read_rank_errors(folder: Path) -> list[RankError]:
     """The ranks' reports in ``folder``, earliest first."""
     out = []
     try:
-        names = sorted(n for n in os.listdir(folder) if n.startswith(_ERROR_PREFIX) and n.endswith(".json"))
+        names = sorted(
+            n for n in os.listdir(folder) if n.startswith(_ERROR_PREFIX) and n.endswith(".json")
+        )
     except OSError:
         return []
     for name in names:
         try:
             d = json.loads((folder / name).read_text(encoding="utf-8"))
-            out.append(RankError(rank=d["rank"] if isinstance(d["rank"], int) else None,
-                                 kind=d["kind"] if isinstance(d["kind"], str) else None,
-                                 message=str(d["message"]), time=float(d["time"])))
+            out.append(
+                RankError(
+                    rank=d["rank"] if isinstance(d["rank"], int) else None,
+                    kind=d["kind"] if isinstance(d["kind"], str) else None,
+                    message=str(d["message"]),
+                    time=float(d["time"]),
+                )
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return sorted(out, key=lambda e: e.time)
@@ -87,4 +108,3 @@ def read_agent_failures(folder: Path) -> list[dict[str, Any]]:
     except (OSError, ValueError):
         return []
     return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
-

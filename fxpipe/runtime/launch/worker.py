@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # Note [isolated workers] in fxpipe.runtime.launch.isolation: before any other import
+if (
+    __name__ == "__main__"
+):  # Note [isolated workers] in fxpipe.runtime.launch.isolation: before any other import
     from fxpipe.runtime.launch.isolation import isolate_sys_path
 
     isolate_sys_path(sys.argv[1] if len(sys.argv) > 1 else None)
@@ -41,10 +43,17 @@ DEBUG_ENV = "FXPIPE_DEBUG"  # "1": print the traceback of an unexpected error
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fxpipe.runtime.launch.worker",
-                                description="Train one pipeline stage of a build directory (run under torchrun).")
+    p = argparse.ArgumentParser(
+        prog="python -m fxpipe.runtime.launch.worker",
+        description="Train one pipeline stage of a build directory (run under torchrun).",
+    )
     p.add_argument("build_dir", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="where rank 0 writes run.json (default: BUILD_DIR/run.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where rank 0 writes run.json (default: BUILD_DIR/run.json)",
+    )
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -56,7 +65,10 @@ def _phase(exc: BaseException) -> str:
         return "training"
     if ("runner.py", "__init__") in names:
         return "setting up the pipeline"
-    if any(file in ("integrity.py", "load.py", "modelfile.py", "data.py", "record.py") for file, _ in names):
+    if any(
+        file in ("integrity.py", "load.py", "modelfile.py", "data.py", "record.py")
+        for file, _ in names
+    ):
         return "loading the build"
     return "training"
 
@@ -84,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _report(rank, None, "interrupted")
         return 130
-    except BaseException as exc:  # a model file's code, sys.exit() in it, or a bug: one line, never a traceback
+    except (
+        BaseException
+    ) as exc:  # a model file's code, sys.exit() in it, or a bug: one line, never a traceback
         if os.environ.get(DEBUG_ENV) == "1":
             traceback.print_exc()
         _report(rank, None, internal_error_line(exc, _phase(exc)))

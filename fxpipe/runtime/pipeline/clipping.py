@@ -49,13 +49,21 @@ def counted_parameters(manifest: Manifest, stages: Mapping[int, nn.Module]) -> l
     return out
 
 
-def pipeline_grad_norm(params: list[nn.Parameter], norm_type: float, group: dist.ProcessGroup | None,
-                       device: torch.device, rank: int = 0, timeout_s: float = 0.0) -> torch.Tensor:
+def pipeline_grad_norm(
+    params: list[nn.Parameter],
+    norm_type: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int = 0,
+    timeout_s: float = 0.0,
+) -> torch.Tensor:
     """The ``norm_type``-norm of the gradients of ``params`` on every rank of ``group`` together (collective)."""
     grads = [p.grad for p in params if p.grad is not None]
     if any(isinstance(g, DTensor) for g in grads):
-        raise ConfigError("gradient clipping across the pipeline does not support sharded stages (--shard grad-op or "
-                          "full) yet; clip without --shard, or leave --clip-grad-norm out")
+        raise ConfigError(
+            "gradient clipping across the pipeline does not support sharded stages (--shard grad-op or "
+            "full) yet; clip without --shard, or leave --clip-grad-norm out"
+        )
     inf = norm_type == float("inf")
     norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
     if inf:
@@ -65,7 +73,9 @@ def pipeline_grad_norm(params: list[nn.Parameter], norm_type: float, group: dist
     try:
         dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     except RuntimeError as exc:
-        raise peer_error(exc, rank, "adding up the gradient norm over the pipeline", timeout_s) from exc
+        raise peer_error(
+            exc, rank, "adding up the gradient norm over the pipeline", timeout_s
+        ) from exc
     return local if inf else local ** (1.0 / norm_type)
 
 

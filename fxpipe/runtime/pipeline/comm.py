@@ -52,8 +52,8 @@ class RankComm:
         self.p2p = p2p
         self.device = device
         self.pair_sends = pair_sends
-        self._pending: list[Message] = []           # sends held back to go out with the next receives
-        self._in_flight: Posted = []                # posted sends, waited for in finish()
+        self._pending: list[Message] = []  # sends held back to go out with the next receives
+        self._in_flight: Posted = []  # posted sends, waited for in finish()
         self._local: dict[tuple[int, int, bool], torch.Tensor] = {}
         self._pools: dict[Any, list[torch.Tensor]] = defaultdict(list)
 
@@ -74,7 +74,9 @@ class RankComm:
 
     # -- local hand-offs -------------------------------------------------------
 
-    def put_local(self, transfer: int, microbatch: int, gradient: bool, tensor: torch.Tensor) -> None:
+    def put_local(
+        self, transfer: int, microbatch: int, gradient: bool, tensor: torch.Tensor
+    ) -> None:
         self._local[(transfer, microbatch, gradient)] = tensor
 
     def take_local(self, transfer: int, microbatch: int, gradient: bool) -> torch.Tensor:
@@ -88,8 +90,8 @@ class RankComm:
         if not sends and not recvs:
             return []
         posted = self.p2p.post(sends, recvs)
-        self._in_flight += posted[:len(sends)]
-        return posted[len(sends):]
+        self._in_flight += posted[: len(sends)]
+        return posted[len(sends) :]
 
     def wait(self, posted: Posted) -> None:
         if posted:

@@ -60,31 +60,59 @@ class _Step:
 class RankExecutor:
     """Executes ``schedule``'s actions of pipeline rank ``rank``, whose stages are ``modules``."""
 
-    def __init__(self, manifest: Manifest, routes: Routes, rank: int, modules: Mapping[int, nn.Module],
-                 schedule: Schedule, p2p: P2P, device: torch.device, average_grads: bool = True,
-                 pair_sends: bool = False, recompute: Sequence[int] = (), autocast: torch.dtype | None = None,
-                 weight_params: Mapping[int, Sequence[torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        routes: Routes,
+        rank: int,
+        modules: Mapping[int, nn.Module],
+        schedule: Schedule,
+        p2p: P2P,
+        device: torch.device,
+        average_grads: bool = True,
+        pair_sends: bool = False,
+        recompute: Sequence[int] = (),
+        autocast: torch.dtype | None = None,
+        weight_params: Mapping[int, Sequence[torch.Tensor]] | None = None,
+    ) -> None:
         self.manifest = manifest
         self.schedule = schedule
         self.rank = rank
         self.average_grads = average_grads
         self.loss_stage = routes.loss_stage
         self.comm = RankComm(p2p, device, pair_sends)
-        self.workers = {s: StageWorker(manifest, routes, s, m, p2p, device, pair_sends, comm=self.comm,
-                                       local_stages=tuple(modules), recompute=s in recompute, autocast=autocast,
-                                       weight_params=(weight_params or {}).get(s))
-                        for s, m in modules.items()}
+        self.workers = {
+            s: StageWorker(
+                manifest,
+                routes,
+                s,
+                m,
+                p2p,
+                device,
+                pair_sends,
+                comm=self.comm,
+                local_stages=tuple(modules),
+                recompute=s in recompute,
+                autocast=autocast,
+                weight_params=(weight_params or {}).get(s),
+            )
+            for s, m in modules.items()
+        }
         split = schedule.split_backward()
         self._steps = []
         for a in schedule.rank_actions(rank):
             worker = self.workers.get(a.stage)
             if worker is None:
-                raise RuntimeSetupError(f"schedule {schedule.name!r} gives rank {rank} action {a}, but this rank "
-                                        f"holds stages {sorted(modules)}")
+                raise RuntimeSetupError(
+                    f"schedule {schedule.name!r} gives rank {rank} action {a}, but this rank "
+                    f"holds stages {sorted(modules)}"
+                )
             receives = worker.receives(a.kind.value)
             self._steps.append(_Step(a, worker, (a.stage, a.microbatch) in split, receives))
         self.last_step: list[ActionTime] = []
-        self._want: dict[tuple[int, int], list[tuple[int, ...]]] = {}   # (stage, microbatch size) -> output shapes
+        self._want: dict[
+            tuple[int, int], list[tuple[int, ...]]
+        ] = {}  # (stage, microbatch size) -> output shapes
 
     @property
     def holds_loss(self) -> bool:
@@ -96,19 +124,25 @@ class RankExecutor:
             return step.worker.post_forward(a.microbatch, mb_size)
         return step.worker.post_backward(a.microbatch, mb_size)
 
-    def run(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any] | None,
-            loss_fn: LossFn | None) -> list[torch.Tensor]:
+    def run(
+        self,
+        inputs: Sequence[tuple[torch.Tensor, ...]],
+        targets: Sequence[Any] | None,
+        loss_fn: LossFn | None,
+    ) -> list[torch.Tensor]:
         """Run this rank's actions on the microbatches; return the per-microbatch losses
         (detached) on the rank of the loss stage and ``[]`` elsewhere. Gradients accumulate in ``.grad``."""
         M = len(inputs)
         if M != self.schedule.num_microbatches:
-            raise RuntimeSetupError(f"got {M} microbatches but the schedule was made for "
-                                    f"{self.schedule.num_microbatches}")
+            raise RuntimeSetupError(
+                f"got {M} microbatches but the schedule was made for "
+                f"{self.schedule.num_microbatches}"
+            )
         if self.holds_loss and loss_fn is None:
             raise RuntimeSetupError("the last stage needs a loss_fn to train")
         mb_size = microbatch_size(self.manifest, inputs[0])
         scale = 1.0 / M if self.average_grads else 1.0
-        live: dict[int, torch.Tensor] = {}   # losses between their microbatch's F and B
+        live: dict[int, torch.Tensor] = {}  # losses between their microbatch's F and B
         losses: list[torch.Tensor] = [torch.zeros(())] * M
         steps = self._steps
         posted: dict[int, Pending] = {}
@@ -128,7 +162,9 @@ class RankExecutor:
                 self._check_shapes(worker, outputs, mb_size)
                 if loss_fn is not None and a.stage == self.loss_stage:
                     target = targets[m] if targets is not None else None
-                    live[m] = loss_fn(assemble_output(self.manifest, worker.model_outputs(m)), target)
+                    live[m] = loss_fn(
+                        assemble_output(self.manifest, worker.model_outputs(m)), target
+                    )
                     losses[m] = live[m].detach()
             elif a.kind is B:
                 if pending is None:
@@ -138,7 +174,9 @@ class RankExecutor:
                 done = Pending([], pending.buffers)
                 if m in live:
                     loss = live.pop(m)
-                    worker.backward(m, [loss * scale], [torch.ones_like(loss)], pending=done, split=step.split)
+                    worker.backward(
+                        m, [loss * scale], [torch.ones_like(loss)], pending=done, split=step.split
+                    )
                 else:
                     worker.backward(m, pending=done, split=step.split)
             else:
@@ -149,13 +187,19 @@ class RankExecutor:
         self.last_step = timeline
         return losses if self.holds_loss else []
 
-    def _check_shapes(self, worker: StageWorker, outputs: Sequence[torch.Tensor], mb_size: int) -> None:
+    def _check_shapes(
+        self, worker: StageWorker, outputs: Sequence[torch.Tensor], mb_size: int
+    ) -> None:
         """Refuse stage outputs whose shapes differ from the manifest's (a stale build directory)."""
         key = (worker.stage, mb_size)
         wants = self._want.get(key)
         if wants is None:
-            wants = self._want[key] = [o.shape_at(mb_size, self.manifest.microbatch_size) for o in worker.spec.outputs]
+            wants = self._want[key] = [
+                o.shape_at(mb_size, self.manifest.microbatch_size) for o in worker.spec.outputs
+            ]
         for o, t, want in zip(worker.spec.outputs, outputs, wants):
             if t.shape != want:
-                raise RuntimeSetupError(f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
-                                        f"manifest says {want} at microbatch size {mb_size}; rebuild the directory")
+                raise RuntimeSetupError(
+                    f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
+                    f"manifest says {want} at microbatch size {mb_size}; rebuild the directory"
+                )

@@ -46,7 +46,9 @@ def _folds(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided or t.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=t.device)
     words = _words(t)
-    return torch.stack([_fold(words.sum(1, dtype=words.dtype)), _fold(words.sum(0, dtype=words.dtype))])
+    return torch.stack(
+        [_fold(words.sum(1, dtype=words.dtype)), _fold(words.sum(0, dtype=words.dtype))]
+    )
 
 
 def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:

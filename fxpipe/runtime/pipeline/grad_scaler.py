@@ -25,15 +25,33 @@ class ShardedGradScaler(_TorchShardedGradScaler):
     """FairScale's ``ShardedGradScaler(init_scale=2**16, growth_factor=2.0, backoff_factor=0.5,
     growth_interval=2000, enabled=True, process_group=WORLD)``; ``device``: where the scale lives."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True,
-                 process_group: dist.ProcessGroup | None = dist.group.WORLD, device: str | None = None) -> None:
-        super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), init_scale=init_scale,
-                         backoff_factor=backoff_factor, growth_factor=growth_factor,
-                         growth_interval=growth_interval, enabled=enabled, process_group=process_group)
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: dist.ProcessGroup | None = dist.group.WORLD,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(
+            device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            init_scale=init_scale,
+            backoff_factor=backoff_factor,
+            growth_factor=growth_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+            process_group=process_group,
+        )
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool = True) -> Any:
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> Any:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

@@ -19,7 +19,16 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.pipeline.layout import RankLayout
 
-__all__ = ["DistEnv", "read_env", "this_rank", "pick_device", "init_process_group", "backend_for", "Groups", "build_groups"]
+__all__ = [
+    "DistEnv",
+    "read_env",
+    "this_rank",
+    "pick_device",
+    "init_process_group",
+    "backend_for",
+    "Groups",
+    "build_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -40,11 +49,17 @@ def read_env() -> DistEnv:
         if key not in os.environ:
             raise RuntimeSetupError(
                 f"environment variable {key} is not set: start the workers with torchrun, e.g. "
-                "`torchrun --nproc-per-node N -m fxpipe.runtime.launch.worker DIR`, or use `fxpipe run DIR`")
+                "`torchrun --nproc-per-node N -m fxpipe.runtime.launch.worker DIR`, or use `fxpipe run DIR`"
+            )
         values[key] = os.environ[key]
     try:
-        return DistEnv(int(values["RANK"]), int(values["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")),
-                       values["MASTER_ADDR"], int(values["MASTER_PORT"]))
+        return DistEnv(
+            int(values["RANK"]),
+            int(values["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", "0")),
+            values["MASTER_ADDR"],
+            int(values["MASTER_PORT"]),
+        )
     except ValueError as exc:
         raise RuntimeSetupError(f"torchrun environment is malformed: {exc}") from None
 
@@ -64,8 +79,10 @@ def pick_device(device: str | torch.device | None, local_rank: int) -> torch.dev
     if device is not None:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeSetupError(f"device {str(device)!r} was asked for, but this torch sees no CUDA device; "
-                                    "leave the device out to use the CPU")
+            raise RuntimeSetupError(
+                f"device {str(device)!r} was asked for, but this torch sees no CUDA device; "
+                "leave the device out to use the CPU"
+            )
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", local_rank)
         return dev
@@ -94,9 +111,11 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     except (RuntimeError, ValueError) as exc:
-        raise RuntimeSetupError(f"could not initialise the {backend} process group "
-                                f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
-                                f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}") from exc
+        raise RuntimeSetupError(
+            f"could not initialise the {backend} process group "
+            f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}"
+        ) from exc
     return True
 
 

@@ -34,20 +34,25 @@ class RankLayout:
         if self.num_stages < 1 or self.replicas < 1:
             raise RuntimeSetupError(
                 f"a rank layout needs >= 1 stage and >= 1 replica, got {self.num_stages} stages "
-                f"and {self.replicas} replicas")
+                f"and {self.replicas} replicas"
+            )
 
     @classmethod
     def for_world(cls, world_size: int, num_stages: int, virtual_stages: int = 1) -> RankLayout:
         """The layout for ``world_size`` ranks of a pipeline of ``num_stages`` ranks (each running
         ``virtual_stages`` stages); refuses a size that is not a multiple of the pipeline's ranks."""
         if world_size < num_stages or world_size % num_stages:
-            what = (f"{num_stages} stages" if virtual_stages == 1 else
-                    f"{num_stages * virtual_stages} stages, {virtual_stages} per rank, on {num_stages} ranks")
+            what = (
+                f"{num_stages} stages"
+                if virtual_stages == 1
+                else f"{num_stages * virtual_stages} stages, {virtual_stages} per rank, on {num_stages} ranks"
+            )
             raise RuntimeSetupError(
                 f"world size {world_size} does not match the build directory's {what}: "
                 f"launch {num_stages} processes (one per pipeline rank), e.g. "
                 f"`torchrun --nproc-per-node {num_stages} -m fxpipe.runtime.launch.worker DIR`, "
-                f"or repartition with `fxpipe partition --stages {world_size}`")
+                f"or repartition with `fxpipe partition --stages {world_size}`"
+            )
         return cls(num_stages, world_size // num_stages)
 
     @property
@@ -56,7 +61,9 @@ class RankLayout:
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
-            raise RuntimeSetupError(f"rank {rank} is outside this layout's world of {self.world_size} ranks")
+            raise RuntimeSetupError(
+                f"rank {rank} is outside this layout's world of {self.world_size} ranks"
+            )
 
     def stage_of(self, rank: int) -> int:
         self._check_rank(rank)
@@ -69,7 +76,8 @@ class RankLayout:
     def rank_of(self, stage: int, replica: int = 0) -> int:
         if not (0 <= stage < self.num_stages and 0 <= replica < self.replicas):
             raise RuntimeSetupError(
-                f"stage {stage} / replica {replica} is outside {self.num_stages} stages x {self.replicas} replicas")
+                f"stage {stage} / replica {replica} is outside {self.num_stages} stages x {self.replicas} replicas"
+            )
         return replica * self.num_stages + stage
 
     def pipeline_ranks(self, replica: int) -> tuple[int, ...]:

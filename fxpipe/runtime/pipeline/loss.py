@@ -26,7 +26,9 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor):
         kind = type(output).__name__
-        raise RuntimeSetupError(f"no loss function was given and the model's output ({kind}) holds no loss tensor; "
-                                "pass the model labels= in its inputs (a model that computes its own loss returns it "
-                                "as output.loss), or give a loss_fn (a model file's loss_fn and example_targets)")
+        raise RuntimeSetupError(
+            f"no loss function was given and the model's output ({kind}) holds no loss tensor; "
+            "pass the model labels= in its inputs (a model that computes its own loss returns it "
+            "as output.loss), or give a loss_fn (a model file's loss_fn and example_targets)"
+        )
     return loss

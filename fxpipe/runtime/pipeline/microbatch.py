@@ -32,7 +32,8 @@ def check_divisible(batch_size: int, microbatches: int, setting: str = CLI_SETTI
         raise ConfigError(
             f"batch size {batch_size} does not split into {microbatches} equal microbatches "
             f"(fxpipe refuses an uneven last microbatch); set {setting} to one of {ok}, or use a batch size "
-            f"that is a multiple of {microbatches}")
+            f"that is a multiple of {microbatches}"
+        )
     return batch_size // microbatches
 
 
@@ -43,8 +44,12 @@ def _split(t: torch.Tensor, dim: int | None, microbatches: int, setting: str) ->
     return list(torch.chunk(t, microbatches, dim=dim))
 
 
-def split_inputs(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None],
-                 microbatches: int, setting: str = CLI_SETTING) -> list[tuple[torch.Tensor, ...]]:
+def split_inputs(
+    inputs: Sequence[torch.Tensor],
+    batch_dims: Sequence[int | None],
+    microbatches: int,
+    setting: str = CLI_SETTING,
+) -> list[tuple[torch.Tensor, ...]]:
     """Per microbatch, the model inputs (a tensor with batch dim ``None`` is shared)."""
     if len(inputs) != len(batch_dims):
         raise ConfigError(f"got {len(inputs)} model inputs but the build expects {len(batch_dims)}")
@@ -52,8 +57,12 @@ def split_inputs(inputs: Sequence[torch.Tensor], batch_dims: Sequence[int | None
     return [tuple(col[m] for col in columns) for m in range(microbatches)]
 
 
-def split_targets(targets: Any, microbatches: int, batch_dims: Sequence[int | None] | None = None,
-                  setting: str = CLI_SETTING) -> list[Any]:
+def split_targets(
+    targets: Any,
+    microbatches: int,
+    batch_dims: Sequence[int | None] | None = None,
+    setting: str = CLI_SETTING,
+) -> list[Any]:
     """Per microbatch, the targets. ``batch_dims[i]`` is the batch dim of the i-th leaf of
     the (nested) targets, ``None`` for a leaf every microbatch shares; without it every
     tensor leaf is cut along dim 0."""
@@ -61,7 +70,11 @@ def split_targets(targets: Any, microbatches: int, batch_dims: Sequence[int | No
     if batch_dims is None:
         batch_dims = [0 if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in leaves]
     if len(batch_dims) != len(leaves):
-        raise ConfigError(f"target_batch_dims lists {len(batch_dims)} dims but the targets have {len(leaves)} leaves")
-    columns = [_split(x, d, microbatches, setting) if d is not None else [x] * microbatches
-               for x, d in zip(leaves, batch_dims)]
+        raise ConfigError(
+            f"target_batch_dims lists {len(batch_dims)} dims but the targets have {len(leaves)} leaves"
+        )
+    columns = [
+        _split(x, d, microbatches, setting) if d is not None else [x] * microbatches
+        for x, d in zip(leaves, batch_dims)
+    ]
     return [tree_unflatten([col[m] for col in columns], spec) for m in range(microbatches)]

@@ -38,9 +38,16 @@ def peer_error(exc: BaseException, rank: int, doing: str, timeout_s: float) -> P
     """Turn a communication failure into an actionable ``PeerError``."""
     text = str(exc)
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
-        cause = (f"no answer within the {timeout_s:g} s timeout; the peer is stuck or slow "
-                 f"(raise timeout_s / --timeout if its step is legitimately longer)")
-    elif "closed by peer" in text or "reset by peer" in text or "Connection" in text or "Broken pipe" in text:
+        cause = (
+            f"no answer within the {timeout_s:g} s timeout; the peer is stuck or slow "
+            f"(raise timeout_s / --timeout if its step is legitimately longer)"
+        )
+    elif (
+        "closed by peer" in text
+        or "reset by peer" in text
+        or "Connection" in text
+        or "Broken pipe" in text
+    ):
         cause = "the peer closed the connection: it probably crashed or exited; see its log for the first error"
     else:
         cause = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -53,28 +60,45 @@ class P2P:
     ``stage_ranks[s]`` is the global rank of stage ``s`` in this replica.
     """
 
-    def __init__(self, rank: int, stage_ranks: Sequence[int], timeout_s: float,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        stage_ranks: Sequence[int],
+        timeout_s: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.rank = rank
         self.stage_ranks = tuple(stage_ranks)
         self.timeout_s = timeout_s
         self.group = group
 
     def _describe(self, m: Message, sending: bool) -> str:
-        return f"{'sending' if sending else 'receiving'} {m.describe()} {'to' if sending else 'from'} stage " \
-               f"{m.peer_stage} (rank {self.stage_ranks[m.peer_stage]})"
+        return (
+            f"{'sending' if sending else 'receiving'} {m.describe()} {'to' if sending else 'from'} stage "
+            f"{m.peer_stage} (rank {self.stage_ranks[m.peer_stage]})"
+        )
 
-    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> list[tuple[dist.Work, Message, bool]]:
+    def post(
+        self, sends: Sequence[Message], recvs: Sequence[Message]
+    ) -> list[tuple[dist.Work, Message, bool]]:
         """Post all sends and receives as one batch; returns (work, message, is a send) triples."""
-        ops = [dist.P2POp(dist.isend, m.tensor, self.stage_ranks[m.peer_stage], self.group, m.tag) for m in sends]
-        ops += [dist.P2POp(dist.irecv, m.tensor, self.stage_ranks[m.peer_stage], self.group, m.tag) for m in recvs]
+        ops = [
+            dist.P2POp(dist.isend, m.tensor, self.stage_ranks[m.peer_stage], self.group, m.tag)
+            for m in sends
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, m.tensor, self.stage_ranks[m.peer_stage], self.group, m.tag)
+            for m in recvs
+        ]
         if not ops:
             return []
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             first = sends[0] if sends else recvs[0]
-            raise peer_error(exc, self.rank, self._describe(first, bool(sends)), self.timeout_s) from exc
+            raise peer_error(
+                exc, self.rank, self._describe(first, bool(sends)), self.timeout_s
+            ) from exc
         flags = [True] * len(sends) + [False] * len(recvs)
         return list(zip(works, [*sends, *recvs], flags))
 
@@ -84,4 +108,6 @@ class P2P:
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise peer_error(exc, self.rank, self._describe(message, sending), self.timeout_s) from exc
+                raise peer_error(
+                    exc, self.rank, self._describe(message, sending), self.timeout_s
+                ) from exc

@@ -40,8 +40,13 @@ except ImportError:  # a torch built without distributed support has no DTensor
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
 
-__all__ = ["TensorMemoryTracker", "peak_tensor_bytes", "state_tensors", "training_peak_tensor_bytes",
-           "peak_memory_bytes"]
+__all__ = [
+    "TensorMemoryTracker",
+    "peak_tensor_bytes",
+    "state_tensors",
+    "training_peak_tensor_bytes",
+    "peak_memory_bytes",
+]
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -61,8 +66,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         super().__init__()
         self._sizes: dict[int, int] = {}  # id of a live storage's Python object -> its bytes
         self._storages: dict[int, weakref.ref[Any]] = {}
-        self._resized = False             # storages may be resized outside ops (FSDP2): re-sum at each op
-        self._lock = threading.Lock()     # finalizers may run on another thread (autograd, GC)
+        self._resized = False  # storages may be resized outside ops (FSDP2): re-sum at each op
+        self._lock = threading.Lock()  # finalizers may run on another thread (autograd, GC)
         self.live_bytes = 0
         self.peak_bytes = 0
         for t in tensors:
@@ -126,17 +131,27 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor
 
 
-def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
+def state_tensors(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[torch.Tensor]:
     """The tensors a training step starts from: parameters, their gradients, buffers, optimizer state."""
     out = [t for t in module.parameters()] + [t for t in module.buffers()]
     out += [p.grad for p in module.parameters() if p.grad is not None]
     if optimizer is not None:
-        out += [t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
+        out += [
+            t
+            for state in optimizer.state.values()
+            for t in tree_leaves(state)
+            if isinstance(t, torch.Tensor)
+        ]
     return out
 
 
-def peak_tensor_bytes(device: torch.device, fn: Callable[[], Any],
-                      tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = ()) -> int:
+def peak_tensor_bytes(
+    device: torch.device,
+    fn: Callable[[], Any],
+    tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = (),
+) -> int:
     """Peak bytes of tensors alive while ``fn()`` runs, ``tensors`` (alive at the start) included.
 
     CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``, reset first;
@@ -158,16 +173,19 @@ def peak_tensor_bytes(device: torch.device, fn: Callable[[], Any],
     return tracker.peak_bytes
 
 
-def _tracker(tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]) -> TensorMemoryTracker:
+def _tracker(
+    tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+) -> TensorMemoryTracker:
     """A tracker counting ``tensors``, holding no reference to them once it returns."""
     tracker = TensorMemoryTracker()
-    for t in (tensors() if callable(tensors) else tensors):
+    for t in tensors() if callable(tensors) else tensors:
         tracker.track(t)
     return tracker
 
 
-def training_peak_tensor_bytes(runner: PipelineRunner, inputs: tuple[torch.Tensor, ...], targets: Any,
-                               steps: int) -> int:
+def training_peak_tensor_bytes(
+    runner: PipelineRunner, inputs: tuple[torch.Tensor, ...], targets: Any, steps: int
+) -> int:
     """Peak tensor bytes of this rank over ``steps`` more training steps of ``runner`` (one
     accumulation window, after the timed ones, so the tracker's per-op cost never lands in a
     timed step): the stage's state, the step's data, the receive buffers the timed steps left

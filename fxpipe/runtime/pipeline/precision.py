@@ -70,8 +70,9 @@ def autocast_stages(modules: Iterable[nn.Module], device: torch.device, dtype: t
         module.forward = _wrap(module.forward, device.type, dtype)
 
 
-def autocast_loss(loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device,
-                  dtype: torch.dtype) -> Callable[[Any, Any], torch.Tensor]:
+def autocast_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> Callable[[Any, Any], torch.Tensor]:
     """``loss_fn`` computed under autocast (cross-entropy and reductions in fp32, as autocast chooses)."""
     return _wrap(loss_fn, device.type, dtype)
 
@@ -86,13 +87,25 @@ class PipelineScaler:
     checkpoint keeps.
     """
 
-    def __init__(self, device: torch.device, optimizer: torch.optim.Optimizer | None, *,
-                 init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+    ) -> None:
         from fxpipe.runtime.pipeline.grad_scaler import ShardedGradScaler
 
-        self.scaler = ShardedGradScaler(init_scale=init_scale, growth_interval=growth_interval,
-                                        process_group=dist.group.WORLD, device=device.type)
-        self.scaler.scale(torch.zeros((), device=device))  # every rank makes its scale now, not only the loss rank
+        self.scaler = ShardedGradScaler(
+            init_scale=init_scale,
+            growth_interval=growth_interval,
+            process_group=dist.group.WORLD,
+            device=device.type,
+        )
+        self.scaler.scale(
+            torch.zeros((), device=device)
+        )  # every rank makes its scale now, not only the loss rank
         if optimizer is None:
             self._placeholder = torch.zeros(1, device=device, requires_grad=True)
             optimizer = torch.optim.SGD([self._placeholder], lr=0.0)
@@ -105,8 +118,11 @@ class PipelineScaler:
         """The current loss scale (a power of two, the same on every rank)."""
         return float(self.scaler.get_scale())
 
-    def scaled(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    def scaled(
+        self, loss_fn: Callable[[Any, Any], torch.Tensor]
+    ) -> Callable[[Any, Any], torch.Tensor]:
         """``loss_fn`` times the scale: what the last stage backpropagates."""
+
         @functools.wraps(loss_fn)
         def run(outputs: Any, targets: Any) -> torch.Tensor:
             return self.scaler.scale(loss_fn(outputs, targets))

@@ -21,13 +21,19 @@ from fxpipe.errors import BuildDirError
 __all__ = ["load_rank_stages", "share_tied_parameters", "rank_module", "rank_state_dict"]
 
 
-def load_rank_stages(manifest: Manifest, rank: int, load: Callable[[int, torch.device], nn.Module],
-                     device: torch.device) -> dict[int, nn.Module]:
+def load_rank_stages(
+    manifest: Manifest,
+    rank: int,
+    load: Callable[[int, torch.device], nn.Module],
+    device: torch.device,
+) -> dict[int, nn.Module]:
     """Stage index -> module of every stage pipeline rank ``rank`` runs, ties shared."""
     modules = {s: load(s, device) for s, r in enumerate(manifest.stage_ranks) if r == rank}
     if not modules:
-        raise BuildDirError(f"pipeline rank {rank} runs no stage of this build (its stages run on ranks "
-                            f"{sorted(set(manifest.stage_ranks))}); launch {manifest.num_ranks} processes per replica")
+        raise BuildDirError(
+            f"pipeline rank {rank} runs no stage of this build (its stages run on ranks "
+            f"{sorted(set(manifest.stage_ranks))}); launch {manifest.num_ranks} processes per replica"
+        )
     share_tied_parameters(modules, manifest)
     return modules
 
@@ -45,11 +51,15 @@ def share_tied_parameters(modules: Mapping[int, nn.Module], manifest: Manifest) 
             owner = modules[s].get_submodule(owner_path) if owner_path else modules[s]
             mine = owner._parameters.get(name)
             if mine is None:
-                raise BuildDirError(f"the manifest ties {key!r} on stage {s}, which has no such parameter; "
-                                    "rebuild the directory")
+                raise BuildDirError(
+                    f"the manifest ties {key!r} on stage {s}, which has no such parameter; "
+                    "rebuild the directory"
+                )
             if mine.shape != shared.shape:
-                raise BuildDirError(f"tied parameter {key!r} has shape {tuple(mine.shape)} on stage {s} but "
-                                    f"{tuple(shared.shape)} on stage {first_stage}; rebuild the directory")
+                raise BuildDirError(
+                    f"tied parameter {key!r} has shape {tuple(mine.shape)} on stage {s} but "
+                    f"{tuple(shared.shape)} on stage {first_stage}; rebuild the directory"
+                )
             owner._parameters[name] = shared
 
 

@@ -79,8 +79,10 @@ def routes_from_manifest(manifest: Manifest) -> Routes:
     for stage in manifest.stages:
         for out in stage.outputs:
             if out.producer != stage.index:
-                raise BuildDirError(f"manifest: stage {stage.index} lists output {out.name!r} "
-                                    f"whose producer is {out.producer}; rebuild the directory")
+                raise BuildDirError(
+                    f"manifest: stage {stage.index} lists output {out.name!r} "
+                    f"whose producer is {out.producer}; rebuild the directory"
+                )
             produced[out.name] = out
     input_names = tuple(t.name for t in manifest.inputs)
     pairs: list[tuple[BoundaryTensor, int]] = []
@@ -88,13 +90,17 @@ def routes_from_manifest(manifest: Manifest) -> Routes:
         for inp in stage.inputs:
             if inp.producer == INPUT:
                 if inp.name not in input_names:
-                    raise BuildDirError(f"manifest: stage {stage.index} reads model input {inp.name!r}, "
-                                        f"which is not among the model inputs {list(input_names)}")
+                    raise BuildDirError(
+                        f"manifest: stage {stage.index} reads model input {inp.name!r}, "
+                        f"which is not among the model inputs {list(input_names)}"
+                    )
                 continue
             spec = produced.get(inp.name)
             if spec is None or not 0 <= inp.producer < stage.index:
-                raise BuildDirError(f"manifest: stage {stage.index} input {inp.name!r} comes from stage "
-                                    f"{inp.producer}, which does not output it before stage {stage.index}")
+                raise BuildDirError(
+                    f"manifest: stage {stage.index} input {inp.name!r} comes from stage "
+                    f"{inp.producer}, which does not output it before stage {stage.index}"
+                )
             pairs.append((spec, stage.index))
     outputs: dict[int, str] = {}
     for spec in produced.values():
@@ -103,12 +109,18 @@ def routes_from_manifest(manifest: Manifest) -> Routes:
             if spec.producer != last:
                 pairs.append((spec, last))
     if sorted(outputs) != list(range(len(outputs))):
-        raise BuildDirError(f"manifest: model output positions {sorted(outputs)} are not 0..{len(outputs) - 1}")
+        raise BuildDirError(
+            f"manifest: model output positions {sorted(outputs)} are not 0..{len(outputs) - 1}"
+        )
     if not outputs:
-        raise BuildDirError("manifest: no stage output is marked as a model output (model_output), "
-                            "so there is nothing to compute the loss on; rebuild the directory")
+        raise BuildDirError(
+            "manifest: no stage output is marked as a model output (model_output), "
+            "so there is nothing to compute the loss on; rebuild the directory"
+        )
     unique = sorted({(spec.name, dst): spec for spec, dst in pairs}.items())
-    transfers = tuple(Transfer(spec, spec.producer, dst, i) for i, ((_, dst), spec) in enumerate(unique))
+    transfers = tuple(
+        Transfer(spec, spec.producer, dst, i) for i, ((_, dst), spec) in enumerate(unique)
+    )
     return Routes(
         num_stages=manifest.num_stages,
         transfers=transfers,

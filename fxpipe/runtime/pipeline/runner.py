@@ -49,7 +49,12 @@ from fxpipe.runtime.pipeline.microbatch import check_divisible, split_inputs, sp
 from fxpipe.runtime.train.optim import SchedulerFactory
 from fxpipe.runtime.train.run_options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
 from fxpipe.runtime.pipeline.p2p import P2P, peer_error
-from fxpipe.runtime.pipeline.precision import PipelineScaler, autocast_dtype, autocast_loss, autocast_stages
+from fxpipe.runtime.pipeline.precision import (
+    PipelineScaler,
+    autocast_dtype,
+    autocast_loss,
+    autocast_stages,
+)
 from fxpipe.runtime.pipeline.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.schedule import ActionKind, Schedule, make_schedule
@@ -67,14 +72,18 @@ def _default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-2)
 
 
-def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader | None,
-                         ) -> tuple[Manifest, StageLoader]:
+def _manifest_and_loader(
+    build: str | Path | Manifest,
+    stage_loader: StageLoader | None,
+) -> tuple[Manifest, StageLoader]:
     """The build's manifest, and how to build a stage: ``stage_loader``, else ``fxpipe.load_stage``
     from the build directory's own files."""
     if isinstance(build, Manifest):
         if stage_loader is None:
-            raise ConfigError("PipelineRunner(manifest, ...) needs stage_loader=(index, device) -> stage: a "
-                              "manifest does not say where its stage files are; or pass the build directory")
+            raise ConfigError(
+                "PipelineRunner(manifest, ...) needs stage_loader=(index, device) -> stage: a "
+                "manifest does not say where its stage files are; or pass the build directory"
+            )
         return build, stage_loader
     build_dir = Path(build)
 
@@ -86,16 +95,22 @@ def _manifest_and_loader(build: str | Path | Manifest, stage_loader: StageLoader
     return Manifest.from_json(build_dir), stage_loader or load
 
 
-def _recomputed(recompute: Sequence[bool], manifest: Manifest, schedule: Schedule) -> tuple[int, ...]:
+def _recomputed(
+    recompute: Sequence[bool], manifest: Manifest, schedule: Schedule
+) -> tuple[int, ...]:
     """The stages whose forward runs under ``torch.utils.checkpoint`` (the plan's ``cost.recompute``)."""
     if not any(recompute):
         return ()
     if len(recompute) != manifest.num_stages:
-        raise ConfigError(f"recompute lists {len(recompute)} stages but the build has {manifest.num_stages}; "
-                          "re-plan the build")
+        raise ConfigError(
+            f"recompute lists {len(recompute)} stages but the build has {manifest.num_stages}; "
+            "re-plan the build"
+        )
     if schedule.split_backward():
-        raise ConfigError(f"schedule {schedule.name!r} splits the backward, which fxpipe does not combine with "
-                          "recomputing stages; run 1f1b, gpipe or interleaved-1f1b, or re-plan without recompute")
+        raise ConfigError(
+            f"schedule {schedule.name!r} splits the backward, which fxpipe does not combine with "
+            "recomputing stages; run 1f1b, gpipe or interleaved-1f1b, or re-plan without recompute"
+        )
     return tuple(s for s, flag in enumerate(recompute) if flag)
 
 
@@ -108,37 +123,52 @@ def _check_sharding_fits(options: DataParallelOptions, schedule: Schedule) -> No
     """A split backward reduces a sharded chunk's gradients after the step's last W (Note
     [sharding in a pipeline]), once: not after each microbatch."""
     if options.fsdp and options.shard_reduce == "microbatch" and schedule.split_backward():
-        raise ConfigError(f"shard_reduce='microbatch' cannot follow schedule {schedule.name!r}, which computes the "
-                          "weight gradients in W after the backward; use shard_reduce='step', or gpipe, 1f1b or "
-                          "interleaved-1f1b")
+        raise ConfigError(
+            f"shard_reduce='microbatch' cannot follow schedule {schedule.name!r}, which computes the "
+            "weight gradients in W after the backward; use shard_reduce='step', or gpipe, 1f1b or "
+            "interleaved-1f1b"
+        )
 
 
-def resolve_schedule(schedule: str | Schedule | None, manifest: Manifest, microbatches: int,
-                     virtual_stages: int | None = None) -> Schedule:
+def resolve_schedule(
+    schedule: str | Schedule | None,
+    manifest: Manifest,
+    microbatches: int,
+    virtual_stages: int | None = None,
+) -> Schedule:
     """The schedule to run: ``schedule`` (a name or a ``Schedule``), else the build's own, and it
     must place the stages on the ranks as the build does (``virtual_stages``, if given, must be
     the build's: a build's chunks are fixed when it is partitioned)."""
     ranks, v, placement = placement_of(manifest.stage_ranks)
     if virtual_stages is not None and virtual_stages != v:
-        raise ConfigError(f"--virtual-stages {virtual_stages} does not match the build, which has {v} stages per "
-                          f"rank ({manifest.num_stages} stages on {ranks} ranks); leave it out, or repartition "
-                          f"with `fxpipe partition --virtual-stages {virtual_stages}`")
+        raise ConfigError(
+            f"--virtual-stages {virtual_stages} does not match the build, which has {v} stages per "
+            f"rank ({manifest.num_stages} stages on {ranks} ranks); leave it out, or repartition "
+            f"with `fxpipe partition --virtual-stages {virtual_stages}`"
+        )
     if schedule is None:
-        schedule = manifest.schedule or (DEFAULT_SCHEDULE if v == 1 else runnable_schedules(v, placement)[0])
+        schedule = manifest.schedule or (
+            DEFAULT_SCHEDULE if v == 1 else runnable_schedules(v, placement)[0]
+        )
     if not isinstance(schedule, Schedule):
         fits = runnable_schedules(v, placement)
         if schedule not in fits:
-            raise ConfigError(f"schedule {schedule!r} cannot run this build: it has {manifest.num_stages} stages, "
-                              f"{v} per rank placed {placement!r}, which runs {list(fits)}; use one of them or "
-                              f"rebuild with `fxpipe partition --schedule {schedule}`")
+            raise ConfigError(
+                f"schedule {schedule!r} cannot run this build: it has {manifest.num_stages} stages, "
+                f"{v} per rank placed {placement!r}, which runs {list(fits)}; use one of them or "
+                f"rebuild with `fxpipe partition --schedule {schedule}`"
+            )
         schedule = make_schedule(schedule, ranks, microbatches, v)
     if schedule.num_microbatches != microbatches or schedule.num_stages != manifest.num_stages:
         raise RuntimeSetupError(
             f"schedule {schedule.name!r} is for {schedule.num_stages} stages x "
-            f"{schedule.num_microbatches} microbatches, not {manifest.num_stages} x {microbatches}")
+            f"{schedule.num_microbatches} microbatches, not {manifest.num_stages} x {microbatches}"
+        )
     if schedule.stage_ranks != manifest.stage_ranks:
-        raise RuntimeSetupError(f"schedule {schedule.name!r} places the stages on ranks {list(schedule.stage_ranks)} "
-                                f"but the build on {list(manifest.stage_ranks)}; use a schedule made for this build")
+        raise RuntimeSetupError(
+            f"schedule {schedule.name!r} places the stages on ranks {list(schedule.stage_ranks)} "
+            f"but the build on {list(manifest.stage_ranks)}; use a schedule made for this build"
+        )
     return schedule
 
 
@@ -166,15 +196,26 @@ class PipelineRunner:
     inf or NaN gradient on any rank is skipped on every rank.
     """
 
-    def __init__(self, build: str | Path | Manifest, loss_fn: LossFn | None, *, stage_loader: StageLoader | None = None,
-                 schedule: str | Schedule | None = None, microbatches: int = 1,
-                 optimizer_factory: OptimizerFactory | None = None, average_microbatch_grads: bool = True,
-                 device: str | torch.device | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 data_parallel: DataParallelOptions | None = None,
-                 target_batch_dims: Sequence[int | None] | None = None, virtual_stages: int | None = None,
-                 recompute: Sequence[bool] = (),
-                 scheduler_factory: SchedulerFactory | None = None, max_grad_norm: float | None = None,
-                 precision: str = "fp32") -> None:
+    def __init__(
+        self,
+        build: str | Path | Manifest,
+        loss_fn: LossFn | None,
+        *,
+        stage_loader: StageLoader | None = None,
+        schedule: str | Schedule | None = None,
+        microbatches: int = 1,
+        optimizer_factory: OptimizerFactory | None = None,
+        average_microbatch_grads: bool = True,
+        device: str | torch.device | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        data_parallel: DataParallelOptions | None = None,
+        target_batch_dims: Sequence[int | None] | None = None,
+        virtual_stages: int | None = None,
+        recompute: Sequence[bool] = (),
+        scheduler_factory: SchedulerFactory | None = None,
+        max_grad_norm: float | None = None,
+        precision: str = "fp32",
+    ) -> None:
         self._owns_group = False
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
@@ -206,22 +247,55 @@ class PipelineRunner:
         if autocast is not None:  # before DDP/FSDP wrap them: fxpipe.runtime.pipeline.precision
             autocast_stages(self.stages.values(), self.device, autocast)
             self.loss_fn = autocast_loss(self.loss_fn, self.device, autocast)
-        self.stage = rank_module(self.stages)  # the rank's stages as one module (the stage itself if one)
+        self.stage = rank_module(
+            self.stages
+        )  # the rank's stages as one module (the stage itself if one)
         self.stage.train()
         # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
-        self.data_parallel = (data_parallel_stage(self.stage, self.groups.data_parallel, dp_options, self.device,
-                                                  microbatches, self.stages,
-                                                  {s for s, _ in self.schedule.split_backward()})
-                              if self.layout.replicas > 1 else None)
-        self.optimizer = stage_optimizer(self.stage, optimizer_factory or _default_optimizer, self.data_parallel)
-        p2p = P2P(rank, [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks], timeout_s,
-                  self.groups.pipeline)
-        self.executor = RankExecutor(manifest, self.routes, self.pipeline_rank, self.stages, self.schedule, p2p,
-                                     self.device, average_microbatch_grads, pair_sends=pairs_sends(self.device),
-                                     recompute=_recomputed(recompute, manifest, self.schedule), autocast=autocast,
-                                     weight_params=self.data_parallel.weight_params if self.data_parallel else None)
-        self.loss_rank = self.layout.rank_of(manifest.stage_ranks[self.routes.loss_stage], self.replica)
-        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory and self.optimizer is not None else None
+        self.data_parallel = (
+            data_parallel_stage(
+                self.stage,
+                self.groups.data_parallel,
+                dp_options,
+                self.device,
+                microbatches,
+                self.stages,
+                {s for s, _ in self.schedule.split_backward()},
+            )
+            if self.layout.replicas > 1
+            else None
+        )
+        self.optimizer = stage_optimizer(
+            self.stage, optimizer_factory or _default_optimizer, self.data_parallel
+        )
+        p2p = P2P(
+            rank,
+            [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks],
+            timeout_s,
+            self.groups.pipeline,
+        )
+        self.executor = RankExecutor(
+            manifest,
+            self.routes,
+            self.pipeline_rank,
+            self.stages,
+            self.schedule,
+            p2p,
+            self.device,
+            average_microbatch_grads,
+            pair_sends=pairs_sends(self.device),
+            recompute=_recomputed(recompute, manifest, self.schedule),
+            autocast=autocast,
+            weight_params=self.data_parallel.weight_params if self.data_parallel else None,
+        )
+        self.loss_rank = self.layout.rank_of(
+            manifest.stage_ranks[self.routes.loss_stage], self.replica
+        )
+        self.scheduler = (
+            scheduler_factory(self.optimizer)
+            if scheduler_factory and self.optimizer is not None
+            else None
+        )
         self.scaler = PipelineScaler(self.device, self.optimizer) if precision == "fp16" else None
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
@@ -231,8 +305,11 @@ class PipelineRunner:
 
     # -- training --------------------------------------------------------------
 
-    def _microbatches(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
-                      targets: Any) -> tuple[list[tuple[torch.Tensor, ...]], list[Any] | None]:
+    def _microbatches(
+        self,
+        inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+        targets: Any,
+    ) -> tuple[list[tuple[torch.Tensor, ...]], list[Any] | None]:
         """The step's inputs bound to the build and cut into microbatches; the targets too, on the loss rank."""
         if isinstance(inputs, (ModelInputs, Mapping)):
             inputs = self.manifest.call_spec.bind_any(inputs)
@@ -242,8 +319,13 @@ class PipelineRunner:
         if batched:
             check_divisible(batched[0], self.microbatches)
         mb_inputs = split_inputs(inputs, dims, self.microbatches)
-        mb_targets = (split_targets(_to_device(targets, self.device), self.microbatches, self.target_batch_dims)
-                      if self.executor.holds_loss else None)
+        mb_targets = (
+            split_targets(
+                _to_device(targets, self.device), self.microbatches, self.target_batch_dims
+            )
+            if self.executor.holds_loss
+            else None
+        )
         return mb_inputs, mb_targets
 
     def _shared_loss(self, losses: list[torch.Tensor], doing: str) -> Callable[[], float]:
@@ -252,10 +334,16 @@ class PipelineRunner:
         the tied-gradient sums and the optimizer step and waits after them, so the message is
         never on the step's critical path."""
         is_last = self.executor.holds_loss
-        loss = torch.stack(losses).mean().to(self.device) if is_last else torch.zeros((), device=self.device)
+        loss = (
+            torch.stack(losses).mean().to(self.device)
+            if is_last
+            else torch.zeros((), device=self.device)
+        )
         loss = loss.float()
         try:
-            work = dist.broadcast(loss, src=self.loss_rank, group=self.groups.pipeline, async_op=True)
+            work = dist.broadcast(
+                loss, src=self.loss_rank, group=self.groups.pipeline, async_op=True
+            )
         except RuntimeError as exc:
             raise peer_error(exc, self.rank, doing, self.timeout_s) from exc
 
@@ -266,10 +354,14 @@ class PipelineRunner:
             except RuntimeError as exc:
                 raise peer_error(exc, self.rank, doing, self.timeout_s) from exc
             return float(loss.item())
+
         return value
 
-    def forward_backward(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
-                         targets: Any = None) -> float:
+    def forward_backward(
+        self,
+        inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+        targets: Any = None,
+    ) -> float:
         """Forward and backward over all microbatches, without an optimizer step.
 
         ``inputs``: the build's tensor inputs in the manifest's order (a tensor or a
@@ -280,8 +372,11 @@ class PipelineRunner:
         """
         return self._forward_backward(inputs, targets)()
 
-    def _forward_backward(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
-                          targets: Any) -> Callable[[], float]:
+    def _forward_backward(
+        self,
+        inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+        targets: Any,
+    ) -> Callable[[], float]:
         """``forward_backward``, its loss still in flight: the returned call waits for it."""
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
         scaler = self.scaler
@@ -310,14 +405,23 @@ class PipelineRunner:
         """
         if self.scaler is not None:
             self.scaler.unscale_()
-        total = pipeline_grad_norm(counted_parameters(self.manifest, self.stages), norm_type, self.groups.pipeline,
-                                   self.device, self.rank, self.timeout_s)
+        total = pipeline_grad_norm(
+            counted_parameters(self.manifest, self.stages),
+            norm_type,
+            self.groups.pipeline,
+            self.device,
+            self.rank,
+            self.timeout_s,
+        )
         clip_grads_(list(self.stage.parameters()), total, max_norm)
         self.last_grad_norm = float(total.item())
         return self.last_grad_norm
 
-    def eval_step(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
-                  targets: Any = None) -> float:
+    def eval_step(
+        self,
+        inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+        targets: Any = None,
+    ) -> float:
         """The loss of one batch in eval mode, forward only under ``torch.no_grad``, on every rank.
 
         Runs the forward actions of the training schedule (the same order, no backward),
@@ -326,15 +430,29 @@ class PipelineRunner:
         The loss rank's mean microbatch loss is broadcast over the pipeline, as ``step`` does.
         """
         if self._evaluator is None:
-            forward = Schedule(f"{self.schedule.name}-forward", self.schedule.num_stages,
-                               self.schedule.num_microbatches,
-                               tuple(tuple(a for a in acts if a.kind is ActionKind.FORWARD)
-                                     for acts in self.schedule.actions), self.schedule.stage_ranks)
+            forward = Schedule(
+                f"{self.schedule.name}-forward",
+                self.schedule.num_stages,
+                self.schedule.num_microbatches,
+                tuple(
+                    tuple(a for a in acts if a.kind is ActionKind.FORWARD)
+                    for acts in self.schedule.actions
+                ),
+                self.schedule.stage_ranks,
+            )
             # no validate_schedule (it wants every B): the forwards of a valid schedule, in the same order,
             # only wait on earlier forwards, and sends never block, so they finish whenever the schedule does
-            self._evaluator = RankExecutor(self.manifest, self.routes, self.pipeline_rank, self.stages, forward,
-                                           self._p2p, self.device, pair_sends=pairs_sends(self.device),
-                                           autocast=self._autocast)
+            self._evaluator = RankExecutor(
+                self.manifest,
+                self.routes,
+                self.pipeline_rank,
+                self.stages,
+                forward,
+                self._p2p,
+                self.device,
+                pair_sends=pairs_sends(self.device),
+                autocast=self._autocast,
+            )
         mb_inputs, mb_targets = self._microbatches(inputs, targets)
         was_training = self.stage.training
         self.stage.eval()
@@ -348,8 +466,11 @@ class PipelineRunner:
             self.stage.train(was_training)
         return self._shared_loss(losses, "receiving the evaluation loss from the last stage")()
 
-    def step(self, inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
-             targets: Any = None) -> float:
+    def step(
+        self,
+        inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
+        targets: Any = None,
+    ) -> float:
         """One training step: zero grads, forward/backward all microbatches, optimizer step.
 
         With data-parallel ``backward_passes_per_step = k`` gradients accumulate over k
@@ -362,7 +483,9 @@ class PipelineRunner:
             self.optimizer.zero_grad(set_to_none=True)
         loss = self._forward_backward(inputs, targets)  # its broadcast overlaps the optimizer step
         if dp is None or dp.passes == 0:
-            if self.max_grad_norm is not None:  # collective: every rank, with or without an optimizer
+            if (
+                self.max_grad_norm is not None
+            ):  # collective: every rank, with or without an optimizer
                 self.clip_grad_norm_(self.max_grad_norm)
             if self.scaler is not None:  # collective: every rank agrees whether to step
                 self.scaler.step()

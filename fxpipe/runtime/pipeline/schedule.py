@@ -12,15 +12,40 @@ runtime a ``Schedule`` of their own; ``validate_schedule`` checks it first.
 from __future__ import annotations
 
 from fxpipe.errors import ConfigError, ScheduleError
-from fxpipe.partitioner.schedule import (SCHEDULE_NAMES, Action, ActionKind, Link, Schedule, chain_links, format_grid,
-                                         in_flight_per_stage, max_in_flight, simulate, validate_schedule)
+from fxpipe.partitioner.schedule import (
+    SCHEDULE_NAMES,
+    Action,
+    ActionKind,
+    Link,
+    Schedule,
+    chain_links,
+    format_grid,
+    in_flight_per_stage,
+    max_in_flight,
+    simulate,
+    validate_schedule,
+)
 from fxpipe.partitioner.schedule import make_schedule as _make
 
-__all__ = ["ActionKind", "Action", "Schedule", "gpipe", "one_f_one_b", "make_schedule", "SCHEDULES",
-           # the validator: PipelineRunner checks every schedule before it runs (checks, a deadlock-free
-           # simulation, and a step x rank grid marking the failing step on error)
-           "ScheduleError", "Link", "chain_links", "simulate", "format_grid", "validate_schedule", "max_in_flight",
-           "in_flight_per_stage"]
+__all__ = [
+    "ActionKind",
+    "Action",
+    "Schedule",
+    "gpipe",
+    "one_f_one_b",
+    "make_schedule",
+    "SCHEDULES",
+    # the validator: PipelineRunner checks every schedule before it runs (checks, a deadlock-free
+    # simulation, and a step x rank grid marking the failing step on error)
+    "ScheduleError",
+    "Link",
+    "chain_links",
+    "simulate",
+    "format_grid",
+    "validate_schedule",
+    "max_in_flight",
+    "in_flight_per_stage",
+]
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -58,7 +83,9 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 SCHEDULES = SCHEDULE_NAMES
 
 
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
+def make_schedule(
+    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None
+) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULE_NAMES``) for ``num_ranks`` pipeline ranks,
     with ``virtual_stages`` stages per rank (default: the schedule's least); ``ConfigError`` for an
     unknown name or a stage count it cannot run."""

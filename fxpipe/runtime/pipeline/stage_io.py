@@ -48,8 +48,10 @@ def boundary_dtype(name: str) -> torch.dtype:
     """The torch dtype named ``name`` (a manifest's boundary tensor dtype)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise RuntimeSetupError(f"boundary tensor dtype {name!r} cannot be sent between stages; "
-                                "only tensors of a torch dtype may cross a stage boundary")
+        raise RuntimeSetupError(
+            f"boundary tensor dtype {name!r} cannot be sent between stages; "
+            "only tensors of a torch dtype may cross a stage boundary"
+        )
     return dtype
 
 
@@ -83,7 +85,9 @@ class _Microbatch:
     mb_size: int
     received: dict[str, torch.Tensor] = field(default_factory=dict)
     outputs: tuple[torch.Tensor, ...] = ()
-    pooled: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # buffers to give back when done
+    pooled: list[tuple[Any, torch.Tensor]] = field(
+        default_factory=list
+    )  # buffers to give back when done
     weight: WeightWork | None = None
 
 
@@ -102,12 +106,26 @@ class StageWorker:
         worker.finish_step()
     """
 
-    def __init__(self, manifest: Manifest, routes: Routes, stage: int, module: nn.Module, p2p: P2P,
-                 device: torch.device, pair_sends: bool, *, comm: RankComm | None = None,
-                 local_stages: Sequence[int] = (), recompute: bool = False,
-                 autocast: torch.dtype | None = None, weight_params: Sequence[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        routes: Routes,
+        stage: int,
+        module: nn.Module,
+        p2p: P2P,
+        device: torch.device,
+        pair_sends: bool,
+        *,
+        comm: RankComm | None = None,
+        local_stages: Sequence[int] = (),
+        recompute: bool = False,
+        autocast: torch.dtype | None = None,
+        weight_params: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         self.manifest, self.routes, self.stage, self.module = manifest, routes, stage, module
-        self.recompute = recompute  # forward under torch.utils.checkpoint: activations recomputed in backward
+        self.recompute = (
+            recompute  # forward under torch.utils.checkpoint: activations recomputed in backward
+        )
         self.spec = manifest.stage(stage)
         # Inputs the stage changes in place get copies of their own (Note [in-place ops across stages] in
         # fxpipe.tracer.mutation): a received buffer may be sent on or handed to a stage of this rank, a
@@ -122,14 +140,24 @@ class StageWorker:
         self._remote_recvs = [t for t in self._recvs if t.src not in local]
         self._remote_grads = [t for t in self._sends if t.grad and t.dst not in local]
         self._local = local
-        self._dtypes = {t.tensor_id: wire_dtype(boundary_dtype(t.spec.dtype), autocast)
-                        for t in self._recvs + self._sends}
+        self._dtypes = {
+            t.tensor_id: wire_dtype(boundary_dtype(t.spec.dtype), autocast)
+            for t in self._recvs + self._sends
+        }
         self._output_names = [o.name for o in self.spec.outputs]
         self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._what = {g: {t.tensor_id: f"{'gradient of' if g else 'activation'} {t.spec.name!r}"
-                          for t in self._recvs + self._sends} for g in (False, True)}
-        self._split = SplitBackward([p for p in module.parameters() if p.requires_grad] if weight_params is None
-                                    else weight_params)  # FSDP's whole parameters, not the module's shards
+        self._what = {
+            g: {
+                t.tensor_id: f"{'gradient of' if g else 'activation'} {t.spec.name!r}"
+                for t in self._recvs + self._sends
+            }
+            for g in (False, True)
+        }
+        self._split = SplitBackward(
+            [p for p in module.parameters() if p.requires_grad]
+            if weight_params is None
+            else weight_params
+        )  # FSDP's whole parameters, not the module's shards
         self._states: dict[int, _Microbatch] = {}
 
     def __contains__(self, m: int) -> bool:
@@ -154,10 +182,19 @@ class StageWorker:
         T = self.routes.num_tensors
         msgs, buffers = [], {}
         for t in transfers:
-            buf = self.comm.buffer((t.tensor_id, gradient), self._shape(t, mb_size), self._dtypes[t.tensor_id])
+            buf = self.comm.buffer(
+                (t.tensor_id, gradient), self._shape(t, mb_size), self._dtypes[t.tensor_id]
+            )
             buffers[t.tensor_id] = buf
-            msgs.append(Message(buf, t.dst if gradient else t.src, t.tag(m, T, gradient), self._what[gradient][t.tensor_id],
-                                m))
+            msgs.append(
+                Message(
+                    buf,
+                    t.dst if gradient else t.src,
+                    t.tag(m, T, gradient),
+                    self._what[gradient][t.tensor_id],
+                    m,
+                )
+            )
         return Pending(self.comm.post_recvs(msgs), buffers)
 
     def post_forward(self, m: int, mb_size: int) -> Pending:
@@ -166,16 +203,21 @@ class StageWorker:
 
     def post_backward(self, m: int, mb_size: int | None = None) -> Pending:
         """Post the receives of ``B(m)`` (its output gradients from other ranks)."""
-        return self._post(self._remote_grads, m, self._states[m].mb_size if mb_size is None else mb_size, True)
+        return self._post(
+            self._remote_grads, m, self._states[m].mb_size if mb_size is None else mb_size, True
+        )
 
     def receives(self, kind: str) -> bool:
         """Whether this stage's ``F`` (``kind="F"``) or ``B`` (``"B"``) receives from another rank."""
-        return bool(self._remote_recvs if kind == "F" else self._remote_grads if kind == "B" else ())
+        return bool(
+            self._remote_recvs if kind == "F" else self._remote_grads if kind == "B" else ()
+        )
 
     # -- actions ---------------------------------------------------------------
 
-    def forward(self, m: int, inputs: Sequence[torch.Tensor], mb_size: int,
-                pending: Pending | None = None) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, m: int, inputs: Sequence[torch.Tensor], mb_size: int, pending: Pending | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """``F(m)`` on the model inputs ``inputs`` (microbatch size ``mb_size``); this stage's outputs.
 
         Runs under the caller's grad mode (an evaluation step may run in ``no_grad``).
@@ -193,21 +235,34 @@ class StageWorker:
             value = buf.detach()
             state.received[t.spec.name] = value.requires_grad_(True) if t.grad else value
         by_name = dict(zip(self.routes.input_names, inputs))
-        args = [self._fed(i.name, by_name[i.name].to(self.device) if i.producer == INPUT else state.received[i.name])
-                for i in self.spec.inputs]
+        args = [
+            self._fed(
+                i.name,
+                by_name[i.name].to(self.device) if i.producer == INPUT else state.received[i.name],
+            )
+            for i in self.spec.inputs
+        ]
         if self.recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
         else:
             out = self.module(*args)
         state.outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if len(state.outputs) != len(self._output_names):
-            raise RuntimeSetupError(f"stage {self.stage} returned {len(state.outputs)} tensors but the manifest lists "
-                                    f"{len(self._output_names)} outputs; the stage file and manifest disagree, "
-                                    "rebuild the directory")
+            raise RuntimeSetupError(
+                f"stage {self.stage} returned {len(state.outputs)} tensors but the manifest lists "
+                f"{len(self._output_names)} outputs; the stage file and manifest disagree, "
+                "rebuild the directory"
+            )
         mine = dict(zip(self._output_names, state.outputs))
         sends: list[Message] = []
         for t in self._sends:
-            self._deliver(t, m, False, mine[t.spec.name].detach().to(self._dtypes[t.tensor_id]).contiguous(), sends)
+            self._deliver(
+                t,
+                m,
+                False,
+                mine[t.spec.name].detach().to(self._dtypes[t.tensor_id]).contiguous(),
+                sends,
+            )
         _keep_sent(state, sends)
         self.comm.send(sends)
         return state.outputs
@@ -216,14 +271,23 @@ class StageWorker:
         """What the stage module gets for its input ``name``: a copy if the stage changes it in place."""
         return value.clone() if name in self._mutated else value
 
-    def _deliver(self, t: Transfer, m: int, gradient: bool, tensor: torch.Tensor, sends: list[Message]) -> None:
+    def _deliver(
+        self, t: Transfer, m: int, gradient: bool, tensor: torch.Tensor, sends: list[Message]
+    ) -> None:
         """Hand ``tensor`` to a stage of this rank, or add its message to ``sends``."""
         peer = t.src if gradient else t.dst
         if peer in self._local:
             self.comm.put_local(t.tensor_id, m, gradient, tensor)
         else:
-            sends.append(Message(tensor, peer, t.tag(m, self.routes.num_tensors, gradient),
-                                 self._what[gradient][t.tensor_id], m))
+            sends.append(
+                Message(
+                    tensor,
+                    peer,
+                    t.tag(m, self.routes.num_tensors, gradient),
+                    self._what[gradient][t.tensor_id],
+                    m,
+                )
+            )
 
     def model_outputs(self, m: int) -> list[torch.Tensor]:
         """The flat model outputs of microbatch ``m``: this stage's and those received (on the last stage)."""
@@ -231,8 +295,14 @@ class StageWorker:
         mine = dict(zip(self._output_names, state.outputs))
         return [mine[n] if n in mine else state.received[n] for n in self.routes.model_outputs]
 
-    def backward(self, m: int, tensors: Sequence[torch.Tensor] = (), grads: Sequence[torch.Tensor] = (),
-                 pending: Pending | None = None, split: bool = False) -> None:
+    def backward(
+        self,
+        m: int,
+        tensors: Sequence[torch.Tensor] = (),
+        grads: Sequence[torch.Tensor] = (),
+        pending: Pending | None = None,
+        split: bool = False,
+    ) -> None:
         """``B(m)``: backpropagate the received output gradients plus ``tensors`` with ``grads``;
         with ``split``, input gradients only (``weight(m)`` does the rest)."""
         if pending is None:
@@ -266,13 +336,20 @@ class StageWorker:
         else:
             if roots:
                 torch.autograd.backward(roots, root_grads)
-            input_grads = {t.spec.name: state.received[t.spec.name].grad for t in self._recvs if t.grad}
+            input_grads = {
+                t.spec.name: state.received[t.spec.name].grad for t in self._recvs if t.grad
+            }
         sends: list[Message] = []
         for t in self._recvs:
             if t.grad:
                 grad = input_grads.get(t.spec.name)
-                self._deliver(t, m, True, grad if grad is not None else torch.zeros_like(state.received[t.spec.name]),
-                              sends)
+                self._deliver(
+                    t,
+                    m,
+                    True,
+                    grad if grad is not None else torch.zeros_like(state.received[t.spec.name]),
+                    sends,
+                )
         _keep_sent(state, sends)
         self.comm.send(sends)
         if not split:
@@ -282,8 +359,10 @@ class StageWorker:
         """``W(m)``: the weight gradients a split ``B(m)`` left, added to ``.grad``."""
         state = self._states[m]
         if state.weight is None:
-            raise RuntimeSetupError(f"W of stage {self.stage} microbatch {m} runs before its split B; the schedule "
-                                    "must run B before W")
+            raise RuntimeSetupError(
+                f"W of stage {self.stage} microbatch {m} runs before its split B; the schedule "
+                "must run B before W"
+            )
         self._split.weights(state.weight)
         self._done(m)
 

@@ -20,19 +20,26 @@ from fxpipe.runtime.pipeline.p2p import peer_error
 __all__ = ["sync_tied_grads"]
 
 
-def sync_tied_grads(module: nn.Module, ties: Sequence[tuple[str, dist.ProcessGroup]], rank: int,
-                    timeout_s: float) -> None:
+def sync_tied_grads(
+    module: nn.Module, ties: Sequence[tuple[str, dist.ProcessGroup]], rank: int, timeout_s: float
+) -> None:
     """All-reduce (sum) the gradient of each tied parameter of ``module`` within its tie group."""
     params = dict(module.named_parameters(remove_duplicate=False))
     for key, group in ties:
         p = params.get(key)
         if p is None:
-            raise BuildDirError(f"the manifest ties parameter {key!r} to other stages, but this stage has no "
-                                f"parameter of that name (it has {sorted(params)[:8]}...); rebuild the directory")
+            raise BuildDirError(
+                f"the manifest ties parameter {key!r} to other stages, but this stage has no "
+                f"parameter of that name (it has {sorted(params)[:8]}...); rebuild the directory"
+            )
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # FSDP: every copy's shard r is alike
+        grad = (
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        )  # FSDP: every copy's shard r is alike
         try:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         except RuntimeError as exc:
-            raise peer_error(exc, rank, f"summing the gradient of tied parameter {key!r}", timeout_s) from exc
+            raise peer_error(
+                exc, rank, f"summing the gradient of tied parameter {key!r}", timeout_s
+            ) from exc

@@ -41,9 +41,18 @@ def _part(tree: Any) -> list[int]:
         return [0, 0, 0, 0]
     leaves, spec = tree_flatten(tree)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    described = repr((str(spec), [(str(x.dtype), tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x)
-                                  for x in leaves]))
-    digest = int.from_bytes(hashlib.blake2b(described.encode(), digest_size=8).digest(), "little", signed=True)
+    described = repr(
+        (
+            str(spec),
+            [
+                (str(x.dtype), tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x)
+                for x in leaves
+            ],
+        )
+    )
+    digest = int.from_bytes(
+        hashlib.blake2b(described.encode(), digest_size=8).digest(), "little", signed=True
+    )
     return [1, digest, *fingerprint(tensors)]
 
 
@@ -61,14 +70,16 @@ def first_disagreement(per_rank: list[list[int]], ranks: list[int]) -> tuple[str
     True
     """
     for p, part in enumerate(_PARTS):
-        held = [(rank, fp[4 * p:4 * p + 4]) for rank, fp in zip(ranks, per_rank) if fp[4 * p]]
+        held = [(rank, fp[4 * p : 4 * p + 4]) for rank, fp in zip(ranks, per_rank) if fp[4 * p]]
         for rank, fp in held[1:]:
             if fp != held[0][1]:
                 return part, held[0][0], rank
     return None
 
 
-def check_same_batch(runner: PipelineRunner, inputs: Any, targets: Any, when: str, where: str) -> None:
+def check_same_batch(
+    runner: PipelineRunner, inputs: Any, targets: Any, when: str, where: str
+) -> None:
     """Stop every rank of ``runner``'s pipeline if its ranks drew different batches (collective over the
     pipeline). ``when``: "at step 3"; ``where``: the data function's call, for the message."""
     size = runner.manifest.num_ranks
@@ -81,8 +92,9 @@ def check_same_batch(runner: PipelineRunner, inputs: Any, targets: Any, when: st
     try:
         dist.all_gather(gathered, mine, group=group)
     except RuntimeError as exc:
-        raise peer_error(exc, runner.rank, "comparing the step's batch across the pipeline", runner.timeout_s
-                         ) from exc
+        raise peer_error(
+            exc, runner.rank, "comparing the step's batch across the pipeline", runner.timeout_s
+        ) from exc
     ranks = [runner.layout.rank_of(s, runner.replica) for s in range(size)]
     found = first_disagreement([g.tolist() for g in gathered], ranks)
     if found is not None:
@@ -92,4 +104,5 @@ def check_same_batch(runner: PipelineRunner, inputs: Any, targets: Any, when: st
             f"{where} yielded other {part} on rank {b} than on rank {a} {when}, but the ranks of one pipeline "
             f"train on one batch (each reads its part of it); yield the same batches on every rank of replica "
             f"{replica}: seed the data from rank_info.replica ({replica}), not from the rank, the process or the "
-            "global random state")
+            "global random state"
+        )

@@ -43,17 +43,40 @@ import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError
 from fxpipe.userfiles import check_regular, refuse_overwrite
-from fxpipe.runtime.dataparallel.state_dict import gather_if_sharded, load_stage_state_dict, shard_optimizer_state
-from fxpipe.runtime.train.commit import CommitRecord, Part, check_part, clean_stale, new_token, publish, read_record, \
-    write_pending, write_record
+from fxpipe.runtime.dataparallel.state_dict import (
+    gather_if_sharded,
+    load_stage_state_dict,
+    shard_optimizer_state,
+)
+from fxpipe.runtime.train.commit import (
+    CommitRecord,
+    Part,
+    check_part,
+    clean_stale,
+    new_token,
+    publish,
+    read_record,
+    write_pending,
+    write_record,
+)
 from fxpipe.unexpected import disk_error
 
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
 
-__all__ = ["RECORD_NAME", "part_path", "save_training_checkpoint", "load_training_checkpoint", "has_checkpoint",
-           "training_state", "restore_training_state", "export_checkpoint", "gather_state_dict", "check_checkpoint_dir",
-           "checkpoint_meta"]
+__all__ = [
+    "RECORD_NAME",
+    "part_path",
+    "save_training_checkpoint",
+    "load_training_checkpoint",
+    "has_checkpoint",
+    "training_state",
+    "restore_training_state",
+    "export_checkpoint",
+    "gather_state_dict",
+    "check_checkpoint_dir",
+    "checkpoint_meta",
+]
 
 RECORD_NAME = "checkpoint.json"
 FORMAT = "fxpipe-training-checkpoint"
@@ -80,27 +103,35 @@ def check_checkpoint_dir(directory: str | Path, resume: bool) -> CommitRecord | 
     folder = Path(directory)
     flag = f"--checkpoint-dir {str(directory)!r}"
     if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"{flag} is a file, not a directory; name a directory for the checkpoints")
+        raise CheckpointError(
+            f"{flag} is a file, not a directory; name a directory for the checkpoints"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".fxpipe-probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise CheckpointError(f"{flag} cannot be written ({exc.strerror or exc}); choose a directory this run can "
-                              "write, before any step is trained") from None
+        raise CheckpointError(
+            f"{flag} cannot be written ({exc.strerror or exc}); choose a directory this run can "
+            "write, before any step is trained"
+        ) from None
     record = read_record(folder / RECORD_NAME)
     parts = sorted(p.name for p in folder.glob("rank_*.pt"))
     if record is None and parts:
-        raise CheckpointError(f"{flag} holds checkpoint parts ({', '.join(parts[:4])}{', ...' if len(parts) > 4 else ''})"
-                              f" but no {RECORD_NAME}, their record: they cannot be checked, so this run neither "
-                              f"resumes from them nor writes over them; restore {RECORD_NAME}, or move the parts away, "
-                              "or choose another --checkpoint-dir")
+        raise CheckpointError(
+            f"{flag} holds checkpoint parts ({', '.join(parts[:4])}{', ...' if len(parts) > 4 else ''})"
+            f" but no {RECORD_NAME}, their record: they cannot be checked, so this run neither "
+            f"resumes from them nor writes over them; restore {RECORD_NAME}, or move the parts away, "
+            "or choose another --checkpoint-dir"
+        )
     if record is not None and not resume:
         step = record.meta.get("step")
-        raise CheckpointError(f"{flag} already holds a checkpoint{f' (after step {step})' if step is not None else ''};"
-                              " continue it with --resume, or choose another --checkpoint-dir: a new run does not write "
-                              "over it")
+        raise CheckpointError(
+            f"{flag} already holds a checkpoint{f' (after step {step})' if step is not None else ''};"
+            " continue it with --resume, or choose another --checkpoint-dir: a new run does not write "
+            "over it"
+        )
     return record
 
 
@@ -111,13 +142,20 @@ def _everyone(mine: Any, world: int, doing: str) -> list[Any]:
     try:
         dist.all_gather_object(out, mine)
     except RuntimeError as exc:
-        raise CheckpointError(f"{doing}: another rank did not answer ({str(exc).strip()[:200]}); nothing was "
-                              "committed") from None
+        raise CheckpointError(
+            f"{doing}: another rank did not answer ({str(exc).strip()[:200]}); nothing was "
+            "committed"
+        ) from None
     return out
 
 
-def save_training_checkpoint(directory: str | Path, rank: int, world: int, state: dict[str, Any],
-                             meta: dict[str, Any] | None = None) -> None:
+def save_training_checkpoint(
+    directory: str | Path,
+    rank: int,
+    world: int,
+    state: dict[str, Any],
+    meta: dict[str, Any] | None = None,
+) -> None:
     """Write ``state`` as rank ``rank``'s part of a checkpoint in ``directory``, committed with the
     other ranks' (collective over the world; Note [checkpoint commit] in ``fxpipe.runtime.train.commit``)
     and with ``meta`` in its record (the same on every rank)."""
@@ -127,10 +165,18 @@ def save_training_checkpoint(directory: str | Path, rank: int, world: int, state
     part: Part | None = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        check_regular(record_file, "the checkpoint record", CheckpointError, "remove it, or choose another "
-                      "--checkpoint-dir")  # never replaced, never waited on (Note [regular files only])
+        check_regular(
+            record_file,
+            "the checkpoint record",
+            CheckpointError,
+            "remove it, or choose another --checkpoint-dir",
+        )  # never replaced, never waited on (Note [regular files only])
         committed = _quiet_record(record_file)
-        keep = committed.parts[str(rank)].pending if committed and str(rank) in committed.parts else None
+        keep = (
+            committed.parts[str(rank)].pending
+            if committed and str(rank) in committed.parts
+            else None
+        )
         clean_stale(path, keep=keep)
         part = write_pending({"format": FORMAT, **state}, path, token, pickle_protocol=2)
         mine.update(ok=True, token=token, part=part)
@@ -141,19 +187,28 @@ def save_training_checkpoint(directory: str | Path, rank: int, world: int, state
     if failed:
         if part is not None:
             (directory / part.pending).unlink(missing_ok=True)
-        raise CheckpointError(f"saving a checkpoint into {directory} failed on rank {failed[0]['key']}: "
-                              f"{failed[0]['error']}; the previous checkpoint (if any) is unchanged")
+        raise CheckpointError(
+            f"saving a checkpoint into {directory} failed on rank {failed[0]['key']}: "
+            f"{failed[0]['error']}; the previous checkpoint (if any) is unchanged"
+        )
     assert part is not None
-    record = CommitRecord(id=everyone[0]["token"], partial=True, num_parts=world,
-                          parts={m["key"]: m["part"] for m in everyone}, meta=meta or {})
+    record = CommitRecord(
+        id=everyone[0]["token"],
+        partial=True,
+        num_parts=world,
+        parts={m["key"]: m["part"] for m in everyone},
+        meta=meta or {},
+    )
     try:
         write_record(record_file, record, token)
     except OSError as exc:
         existing = _quiet_record(record_file)
         if existing is None or existing.id != record.id:  # not committed
             (directory / part.pending).unlink(missing_ok=True)
-            raise CheckpointError(f"saving a checkpoint into {directory} failed: cannot write {RECORD_NAME}: "
-                                  f"{exc.strerror or exc}; the previous checkpoint (if any) is unchanged") from None
+            raise CheckpointError(
+                f"saving a checkpoint into {directory} failed: cannot write {RECORD_NAME}: "
+                f"{exc.strerror or exc}; the previous checkpoint (if any) is unchanged"
+            ) from None
     publish(path, part)
 
 
@@ -179,8 +234,10 @@ def _read_part(directory: Path, rank: int, record: CommitRecord) -> dict[str, An
 def _record(directory: Path) -> CommitRecord:
     record = read_record(directory / RECORD_NAME)
     if record is None:
-        raise CheckpointError(f"no checkpoint in {directory} (it has no {RECORD_NAME}); train with --checkpoint-dir "
-                              f"{directory} first, or leave --resume out")
+        raise CheckpointError(
+            f"no checkpoint in {directory} (it has no {RECORD_NAME}); train with --checkpoint-dir "
+            f"{directory} first, or leave --resume out"
+        )
     return record
 
 
@@ -193,8 +250,10 @@ def load_training_checkpoint(directory: str | Path, rank: int, world: int) -> di
     try:
         record = _record(directory)
         if record.num_parts != world:
-            raise CheckpointError(f"the checkpoint in {directory} was saved by {record.num_parts} ranks, this run has "
-                                  f"{world}; resume with the same stages and --dp")
+            raise CheckpointError(
+                f"the checkpoint in {directory} was saved by {record.num_parts} ranks, this run has "
+                f"{world}; resume with the same stages and --dp"
+            )
         data = _read_part(directory, rank, record)
         mine["id"] = record.id
     except CheckpointError as exc:
@@ -202,10 +261,15 @@ def load_training_checkpoint(directory: str | Path, rank: int, world: int) -> di
     everyone = _everyone(mine, world, f"loading the checkpoint in {directory}")
     bad = next((m for m in everyone if "error" in m), None)
     if bad is not None:
-        raise CheckpointError(bad["error"] if bad is mine else f"rank {bad['rank']} cannot load its part: "
-                              f"{bad['error']}")
+        raise CheckpointError(
+            bad["error"]
+            if bad is mine
+            else f"rank {bad['rank']} cannot load its part: {bad['error']}"
+        )
     if len({m["id"] for m in everyone}) > 1:
-        raise CheckpointError(f"the ranks read different checkpoints in {directory}; refusing a torn checkpoint")
+        raise CheckpointError(
+            f"the ranks read different checkpoints in {directory}; refusing a torn checkpoint"
+        )
     return data
 
 
@@ -216,7 +280,9 @@ def _cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
 
-def training_state(runner: PipelineRunner, step: int, data_position: int, history: dict[str, Any]) -> dict[str, Any]:
+def training_state(
+    runner: PipelineRunner, step: int, data_position: int, history: dict[str, Any]
+) -> dict[str, Any]:
     """What a rank saves: its stages, optimizer, scheduler, the step done, the data position, the RNG,
     the record so far (``history``) and where it sits in the job. Collective over the data-parallel
     group when the stage is sharded (FSDP's shards are gathered into whole tensors)."""
@@ -224,12 +290,20 @@ def training_state(runner: PipelineRunner, step: int, data_position: int, histor
     if runner.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(runner.device)
     return {
-        "step": step, "data_position": data_position, "history": history, "rng": rng,
-        "rank": runner.rank, "world_size": runner.world_size, "replica": runner.replica,
-        "pipeline_rank": runner.pipeline_rank, "stages": sorted(runner.stages),
+        "step": step,
+        "data_position": data_position,
+        "history": history,
+        "rng": rng,
+        "rank": runner.rank,
+        "world_size": runner.world_size,
+        "replica": runner.replica,
+        "pipeline_rank": runner.pipeline_rank,
+        "stages": sorted(runner.stages),
         "num_stages": runner.manifest.num_stages,
         "model": _cpu(gather_if_sharded(runner.state_dict())),
-        "optimizer": gather_if_sharded(runner.optimizer.state_dict()) if runner.optimizer is not None else {},
+        "optimizer": gather_if_sharded(runner.optimizer.state_dict())
+        if runner.optimizer is not None
+        else {},
         "scheduler": runner.scheduler.state_dict() if runner.scheduler is not None else {},
         "scaler": runner.scaler.scaler.state_dict() if runner.scaler is not None else {},
     }
@@ -237,23 +311,36 @@ def training_state(runner: PipelineRunner, step: int, data_position: int, histor
 
 def restore_training_state(runner: PipelineRunner, state: dict[str, Any]) -> None:
     """Load what ``training_state`` saved back into ``runner`` (and this process's RNG)."""
-    if state["stages"] != sorted(runner.stages) or state["num_stages"] != runner.manifest.num_stages:
-        raise CheckpointError(f"the checkpoint holds stages {state['stages']} of {state['num_stages']} for rank "
-                              f"{state['rank']}, but this rank runs stages {sorted(runner.stages)} of "
-                              f"{runner.manifest.num_stages}; resume with the build it was saved from")
+    if (
+        state["stages"] != sorted(runner.stages)
+        or state["num_stages"] != runner.manifest.num_stages
+    ):
+        raise CheckpointError(
+            f"the checkpoint holds stages {state['stages']} of {state['num_stages']} for rank "
+            f"{state['rank']}, but this rank runs stages {sorted(runner.stages)} of "
+            f"{runner.manifest.num_stages}; resume with the build it was saved from"
+        )
     model = state["model"]
     for module in runner.stages.values():
         own = module.state_dict()
         missing = sorted(set(own) - set(model))
         if missing:
-            raise CheckpointError(f"the checkpoint has no {missing[:4]}: it was saved from another build")
-        load_stage_state_dict(module, {k: model[k] for k in own})  # each rank cuts out its own shards
+            raise CheckpointError(
+                f"the checkpoint has no {missing[:4]}: it was saved from another build"
+            )
+        load_stage_state_dict(
+            module, {k: model[k] for k in own}
+        )  # each rank cuts out its own shards
     if runner.optimizer is not None:
         _check_optimizer_kind(state["optimizer"], runner.optimizer)
-        runner.optimizer.load_state_dict(shard_optimizer_state(state["optimizer"], runner.optimizer))
+        runner.optimizer.load_state_dict(
+            shard_optimizer_state(state["optimizer"], runner.optimizer)
+        )
     if runner.scheduler is not None:
         runner.scheduler.load_state_dict(state["scheduler"])
-    if runner.scaler is not None and state.get("scaler"):  # fp16's loss scale and its growth tracker
+    if runner.scaler is not None and state.get(
+        "scaler"
+    ):  # fp16's loss scale and its growth tracker
         runner.scaler.scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
@@ -274,9 +361,11 @@ def _check_optimizer_kind(saved: dict[str, Any], optimizer: torch.optim.Optimize
     ours, theirs = optimizer.param_groups[0], groups[0]
     differ = [k for k in _OPTIMIZER_KEYS if (k in ours) != (k in theirs)]
     if differ:
-        raise CheckpointError(f"the checkpoint holds the state of another optimizer than this run's "
-                              f"{type(optimizer).__name__} (its hyperparameters differ: {', '.join(differ)}); resume "
-                              "with the --optimizer it was saved with, or start a new run with another --checkpoint-dir")
+        raise CheckpointError(
+            f"the checkpoint holds the state of another optimizer than this run's "
+            f"{type(optimizer).__name__} (its hyperparameters differ: {', '.join(differ)}); resume "
+            "with the --optimizer it was saved with, or start a new run with another --checkpoint-dir"
+        )
 
 
 # -- export ------------------------------------------------------------------------------------------
@@ -314,14 +403,22 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, torch
     directory, target = Path(directory), Path(out)
     if not (directory / RECORD_NAME).exists() and not (directory / RECORD_NAME).is_symlink():
         what = "a build directory" if (directory / "manifest.json").exists() else "not a checkpoint"
-        raise CheckpointError(f"{str(directory)!r} is {what} (it has no {RECORD_NAME}); `fxpipe export` reads the "
-                              f"--checkpoint-dir that `fxpipe run BUILD --checkpoint-dir DIR` wrote")
+        raise CheckpointError(
+            f"{str(directory)!r} is {what} (it has no {RECORD_NAME}); `fxpipe export` reads the "
+            f"--checkpoint-dir that `fxpipe run BUILD --checkpoint-dir DIR` wrote"
+        )
     record = _record(directory)
-    inputs = [directory, directory / RECORD_NAME, *(directory / p.file for p in record.parts.values()),
-              *(directory / p.pending for p in record.parts.values())]
+    inputs = [
+        directory,
+        directory / RECORD_NAME,
+        *(directory / p.file for p in record.parts.values()),
+        *(directory / p.pending for p in record.parts.values()),
+    ]
     refuse_overwrite(target, inputs, "--out", CheckpointError)
     if target.is_dir():
-        raise CheckpointError(f"--out {str(out)!r} is a directory; name a file, e.g. {str(target / 'model.safetensors')!r}")
+        raise CheckpointError(
+            f"--out {str(out)!r} is a directory; name a file, e.g. {str(target / 'model.safetensors')!r}"
+        )
     check_regular(target, "--out", CheckpointError, "name a new file or a regular one to replace")
     state = {k: v.contiguous().clone() for k, v in gather_state_dict(directory).items()}
     tmp = target.parent / f".{target.name}.{new_token()}.fxpipe-tmp"
@@ -330,14 +427,20 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, torch
         save_file(state, str(tmp), metadata={"format": "pt", "source": "fxpipe export"})
         mask = os.umask(0)
         os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # safetensors writes 0600; a model file is shared like any other
+        os.chmod(
+            tmp, 0o666 & ~mask
+        )  # safetensors writes 0600; a model file is shared like any other
         os.replace(tmp, target)
     except Exception as exc:
-        fault = disk_error(exc)  # a full disk: an OSError that names the file (safetensors' error does not)
+        fault = disk_error(
+            exc
+        )  # a full disk: an OSError that names the file (safetensors' error does not)
         if fault is not None:
             raise OSError(fault.errno, fault.strerror, str(out)) from None
         if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write --out {str(out)!r}: {exc.strerror or exc}") from None
+            raise CheckpointError(
+                f"cannot write --out {str(out)!r}: {exc.strerror or exc}"
+            ) from None
         raise
     finally:
         tmp.unlink(missing_ok=True)

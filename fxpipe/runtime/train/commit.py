@@ -37,8 +37,19 @@ from fxpipe.errors import CheckpointError
 from fxpipe.schema import NonNegInt, read_dataclass
 from fxpipe.userfiles import open_regular, read_regular
 
-__all__ = ["Part", "CommitRecord", "record_path", "write_pending", "write_record", "read_record", "publish",
-           "check_part", "clean_stale", "new_token", "RECORD_FORMAT"]
+__all__ = [
+    "Part",
+    "CommitRecord",
+    "record_path",
+    "write_pending",
+    "write_record",
+    "read_record",
+    "publish",
+    "check_part",
+    "clean_stale",
+    "new_token",
+    "RECORD_FORMAT",
+]
 
 RECORD_FORMAT = "fxpipe-checkpoint"
 _TMP_SUFFIX = ".fxpipe-tmp"
@@ -78,7 +89,9 @@ class CommitRecord:
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise CheckpointError(f"{where} is not valid JSON ({exc}); the checkpoint cannot be checked") from None
+            raise CheckpointError(
+                f"{where} is not valid JSON ({exc}); the checkpoint cannot be checked"
+            ) from None
         if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
             raise CheckpointError(f"{where} is not an fxpipe checkpoint record")
         return read_dataclass(cls, data, where, CheckpointError)
@@ -177,8 +190,12 @@ def write_record(path: Path, record: CommitRecord, token: str) -> None:
 def read_record(path: Path) -> CommitRecord | None:
     """The commit record at ``path``; ``None`` when there is none."""
     try:  # a FIFO in its place is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
-        text = read_regular(path, "the checkpoint record", CheckpointError,
-                            "remove it, or choose another --checkpoint-dir").decode("utf-8")
+        text = read_regular(
+            path,
+            "the checkpoint record",
+            CheckpointError,
+            "remove it, or choose another --checkpoint-dir",
+        ).decode("utf-8")
     except FileNotFoundError:
         return None
     except UnicodeDecodeError as exc:
@@ -206,13 +223,17 @@ def check_part(path: Path, record: CommitRecord, key: str) -> None:
     off between its commit and its rename (Note [checkpoint commit])."""
     part = record.parts.get(key)
     if part is None or part.file != path.name:
-        raise CheckpointError(f"{path} is not part of the checkpoint its record names (the record lists "
-                              f"{sorted(p.file for p in record.parts.values())}); refusing to load it")
+        raise CheckpointError(
+            f"{path} is not part of the checkpoint its record names (the record lists "
+            f"{sorted(p.file for p in record.parts.values())}); refusing to load it"
+        )
     found = _matches(path, part)
     if found:
         return
     pending = path.parent / part.pending
-    if _matches(pending, part):  # committed, but the save stopped before renaming this part into place
+    if _matches(
+        pending, part
+    ):  # committed, but the save stopped before renaming this part into place
         try:
             publish(path, part)
         except FileNotFoundError:  # a replica loading the same part renamed it first
@@ -221,9 +242,13 @@ def check_part(path: Path, record: CommitRecord, key: str) -> None:
         if found:
             return
     if found is None:
-        raise CheckpointError(f"checkpoint file {str(path)!r} is missing, but its record says it was saved")
-    raise CheckpointError(f"{path} does not match its checkpoint record (sha256 or size differ): the file is "
-                          "corrupted or belongs to another save; refusing to load it")
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} is missing, but its record says it was saved"
+        )
+    raise CheckpointError(
+        f"{path} does not match its checkpoint record (sha256 or size differ): the file is "
+        "corrupted or belongs to another save; refusing to load it"
+    )
 
 
 def clean_stale(path: Path, keep: str | None = None) -> None:

@@ -35,7 +35,17 @@ from fxpipe.modelfile import ModelSource, import_model_module
 from fxpipe.runtime.pipeline.stage_io import boundary_dtype
 from fxpipe.tracer.call import ModelInputs
 
-__all__ = ["RankInfo", "BatchFn", "Batch", "Placeholders", "find_batches", "batch_stream", "rank_needs_inputs", "TRAIN_FN", "EVAL_FN"]
+__all__ = [
+    "RankInfo",
+    "BatchFn",
+    "Batch",
+    "Placeholders",
+    "find_batches",
+    "batch_stream",
+    "rank_needs_inputs",
+    "TRAIN_FN",
+    "EVAL_FN",
+]
 
 TRAIN_FN, EVAL_FN = "train_batches", "eval_batches"
 Batch = tuple[tuple[torch.Tensor, ...], Any]
@@ -77,7 +87,9 @@ def find_batches(source: ModelSource | None, spec: str | None, default: str) -> 
             raise ModelFileError(f"data file {path!r} (of {spec!r}) does not exist")
         fn = getattr(import_model_module(path), name, None)
         if not callable(fn):
-            raise ModelFileError(f"{Path(path).name} defines no function {name}(batch_size, rank_info)")
+            raise ModelFileError(
+                f"{Path(path).name} defines no function {name}(batch_size, rank_info)"
+            )
         return fn
     if source is not None and source.has(default):
         return getattr(source.module, default)
@@ -93,19 +105,27 @@ def _placeholders(manifest: Manifest, batch_size: int) -> Placeholders:
     out = []
     for spec in manifest.inputs:
         dtype = boundary_dtype(spec.dtype)
-        shape = spec.shape_at(batch_size, manifest.microbatch_size) if spec.batch_dim is not None else spec.shape
+        shape = (
+            spec.shape_at(batch_size, manifest.microbatch_size)
+            if spec.batch_dim is not None
+            else spec.shape
+        )
         out.append(torch.zeros((), dtype=dtype).expand(shape))
     return Placeholders(out)
 
 
 def _bind(manifest: Manifest, item: Any, info: RankInfo, batch_size: int, where: str) -> Batch:
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise ModelFileError(f"{where} yielded {type(item).__name__}; yield (inputs, targets) pairs")
+        raise ModelFileError(
+            f"{where} yielded {type(item).__name__}; yield (inputs, targets) pairs"
+        )
     inputs, targets = item
     if inputs is None:
         if info.needs_inputs:
-            raise ModelFileError(f"{where} yielded no inputs on rank {info.rank}, whose stage reads model inputs "
-                                 "(rank_info.needs_inputs)")
+            raise ModelFileError(
+                f"{where} yielded no inputs on rank {info.rank}, whose stage reads model inputs "
+                "(rank_info.needs_inputs)"
+            )
         return _placeholders(manifest, batch_size), targets
     try:
         call = inputs if isinstance(inputs, (ModelInputs, Mapping, torch.Tensor)) else tuple(inputs)
@@ -114,8 +134,14 @@ def _bind(manifest: Manifest, item: Any, info: RankInfo, batch_size: int, where:
         raise ModelFileError(f"{where} yielded inputs the model cannot take: {exc}") from None
 
 
-def batch_stream(fn: BatchFn, manifest: Manifest, batch_size: int, info: RankInfo, start: int = 0,
-                 name: str = TRAIN_FN) -> Iterator[Batch]:
+def batch_stream(
+    fn: BatchFn,
+    manifest: Manifest,
+    batch_size: int,
+    info: RankInfo,
+    start: int = 0,
+    name: str = TRAIN_FN,
+) -> Iterator[Batch]:
     """The batches of ``fn(batch_size, info)`` bound to the build's tensor inputs, endlessly (restarted
     at each end), from position ``start`` on (Note [data position])."""
     where = f"{getattr(fn, '__name__', name)}({batch_size}, rank_info)"

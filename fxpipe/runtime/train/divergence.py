@@ -31,7 +31,13 @@ from fxpipe.runtime.pipeline.p2p import peer_error
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
 
-__all__ = ["finite_or_none", "non_finite_step", "non_finite_parameters", "agree", "divergence_error"]
+__all__ = [
+    "finite_or_none",
+    "non_finite_step",
+    "non_finite_parameters",
+    "agree",
+    "divergence_error",
+]
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -39,20 +45,28 @@ def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def non_finite_step(step: int, loss: float, grad_norm: float | None, runner: PipelineRunner) -> str | None:
+def non_finite_step(
+    step: int, loss: float, grad_norm: float | None, runner: PipelineRunner
+) -> str | None:
     """Why step ``step`` diverged (its loss or gradient norm is not finite), or ``None``."""
     last = runner.manifest.num_stages - 1
     if not math.isfinite(loss):
         return f"the loss of step {step} is {loss} (computed on stage {last}, the last)"
     if grad_norm is not None and not math.isfinite(grad_norm):
-        return f"the gradient norm of step {step} is {grad_norm} (over every stage, before clipping)"
+        return (
+            f"the gradient norm of step {step} is {grad_norm} (over every stage, before clipping)"
+        )
     return None
 
 
-def non_finite_parameters(runner: PipelineRunner, model: dict[str, torch.Tensor], step: int) -> str | None:
+def non_finite_parameters(
+    runner: PipelineRunner, model: dict[str, torch.Tensor], step: int
+) -> str | None:
     """Whether any rank's parameters and buffers (``model``: this rank's, as a checkpoint holds them)
     hold a NaN or infinity after step ``step``; collective over the world, the same answer on every rank."""
-    bad = sorted(k for k, v in model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    bad = sorted(
+        k for k, v in model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+    )
     mine = (sorted(runner.stages), bad[:3])
     everyone: list[Any] = [mine]
     if runner.world_size > 1:
@@ -60,14 +74,17 @@ def non_finite_parameters(runner: PipelineRunner, model: dict[str, torch.Tensor]
         try:
             dist.all_gather_object(everyone, mine)
         except RuntimeError as exc:
-            raise peer_error(exc, runner.rank, "checking the parameters before a checkpoint",
-                             runner.timeout_s) from exc
+            raise peer_error(
+                exc, runner.rank, "checking the parameters before a checkpoint", runner.timeout_s
+            ) from exc
     found = next(((stages, keys) for stages, keys in everyone if keys), None)
     if found is None:
         return None
     stages, keys = found
-    return (f"the parameters of stage {stages[0]} are not finite after step {step} ({', '.join(keys)}), though its "
-            "loss was")
+    return (
+        f"the parameters of stage {stages[0]} are not finite after step {step} ({', '.join(keys)}), though its "
+        "loss was"
+    )
 
 
 def agree(runner: PipelineRunner, doing: str) -> None:
@@ -81,8 +98,9 @@ def agree(runner: PipelineRunner, doing: str) -> None:
         raise peer_error(exc, runner.rank, doing, runner.timeout_s) from exc
 
 
-def divergence_error(reason: str, lr: float, saved_after: int | None, checkpoint_dir: str | None,
-                     record: str) -> DivergenceError:
+def divergence_error(
+    reason: str, lr: float, saved_after: int | None, checkpoint_dir: str | None, record: str
+) -> DivergenceError:
     """The one line a diverged run ends with (the same on every rank)."""
     if checkpoint_dir is None:
         kept = "no checkpoint (no --checkpoint-dir)"
@@ -90,5 +108,7 @@ def divergence_error(reason: str, lr: float, saved_after: int | None, checkpoint
         kept = f"no checkpoint: none was saved before it in {checkpoint_dir}"
     else:
         kept = f"the last good checkpoint, after step {saved_after}, in {checkpoint_dir}"
-    return DivergenceError(f"training diverged: {reason}; stopped there, at lr {lr:.3g}. Kept: {record} (marked "
-                           f"stopped) and {kept}. Lower --lr, or clip with --clip-grad-norm")
+    return DivergenceError(
+        f"training diverged: {reason}; stopped there, at lr {lr:.3g}. Kept: {record} (marked "
+        f"stopped) and {kept}. Lower --lr, or clip with --clip-grad-norm"
+    )

@@ -21,12 +21,25 @@ from typing import IO
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["PROGRESS_PREFIX", "PROGRESS_ENV", "STARTED_ENV", "progress_line", "render_progress", "ProgressBar",
-           "check_tensorboard", "TensorBoardLog", "start_up_note"]
+__all__ = [
+    "PROGRESS_PREFIX",
+    "PROGRESS_ENV",
+    "STARTED_ENV",
+    "progress_line",
+    "render_progress",
+    "ProgressBar",
+    "check_tensorboard",
+    "TensorBoardLog",
+    "start_up_note",
+]
 
 PROGRESS_PREFIX = "fxpipe-progress: "
-PROGRESS_ENV = "FXPIPE_PROGRESS"  # "1": the launcher draws a progress bar from the workers' progress lines
-STARTED_ENV = "FXPIPE_RUN_STARTED"  # when fxpipe run started the job (time.time()), for the start-up lines
+PROGRESS_ENV = (
+    "FXPIPE_PROGRESS"  # "1": the launcher draws a progress bar from the workers' progress lines
+)
+STARTED_ENV = (
+    "FXPIPE_RUN_STARTED"  # when fxpipe run started the job (time.time()), for the start-up lines
+)
 
 
 def start_up_note(what: str) -> None:
@@ -54,7 +67,9 @@ def progress_line(done: int, total: int, loss: float, eta_s: float) -> str:
     >>> progress_line(3, 10, 2.5, 7.0)
     'fxpipe-progress: {"done": 3, "total": 10, "loss": 2.5, "eta_s": 7.0}'
     """
-    return PROGRESS_PREFIX + json.dumps({"done": done, "total": total, "loss": loss, "eta_s": eta_s})
+    return PROGRESS_PREFIX + json.dumps(
+        {"done": done, "total": total, "loss": loss, "eta_s": eta_s}
+    )
 
 
 def render_progress(line: str, width: int = 30) -> str | None:
@@ -66,13 +81,20 @@ def render_progress(line: str, width: int = 30) -> str | None:
     if not line.startswith(PROGRESS_PREFIX):
         return None
     try:
-        p = json.loads(line[len(PROGRESS_PREFIX):])
-        done, total, loss, eta = int(p["done"]), int(p["total"]), float(p["loss"]), int(round(float(p["eta_s"])))
+        p = json.loads(line[len(PROGRESS_PREFIX) :])
+        done, total, loss, eta = (
+            int(p["done"]),
+            int(p["total"]),
+            float(p["loss"]),
+            int(round(float(p["eta_s"]))),
+        )
     except (TypeError, ValueError, KeyError):
         return None
     filled = width * min(max(done, 0), total) // max(total, 1)
-    return (f"[{'#' * filled}{'.' * (width - filled)}] {done:4d}/{total}  loss {loss:.6f}  "
-            f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {done:4d}/{total}  loss {loss:.6f}  "
+        f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+    )
 
 
 def check_tensorboard(directory: str | None) -> None:
@@ -80,8 +102,10 @@ def check_tensorboard(directory: str | None) -> None:
     if directory is None:
         return
     if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard needs the tensorboard package, which is not installed: "
-                          "pip install tensorboard (or fxpipe[tensorboard]), or leave --tensorboard out")
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or fxpipe[tensorboard]), or leave --tensorboard out"
+        )
 
 
 class TensorBoardLog:
@@ -118,7 +142,7 @@ class ProgressBar:
                 sink.write("\r\033[K")
                 self.drawn = False
             return False
-        step = json.loads(line[len(PROGRESS_PREFIX):])
+        step = json.loads(line[len(PROGRESS_PREFIX) :])
         last = step["done"] >= step["total"]
         sink.write("\r\033[K" + bar + ("\n" if last else ""))
         sink.flush()

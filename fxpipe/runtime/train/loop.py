@@ -37,22 +37,51 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.train.data import example_batch, model_source, replica_batch, target_batch_dims
 from fxpipe.runtime.train.batch_check import check_same_batch
-from fxpipe.runtime.train.data_iter import (EVAL_FN, TRAIN_FN, Batch, BatchFn, RankInfo, batch_stream, find_batches,
-                                      rank_needs_inputs)
+from fxpipe.runtime.train.data_iter import (
+    EVAL_FN,
+    TRAIN_FN,
+    Batch,
+    BatchFn,
+    RankInfo,
+    batch_stream,
+    find_batches,
+    rank_needs_inputs,
+)
 from fxpipe.runtime.pipeline.peak_memory import peak_memory_bytes, training_peak_tensor_bytes
 from fxpipe.runtime.pipeline.microbatch import check_divisible
 from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
 from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.pipeline.p2p import peer_error
-from fxpipe.runtime.train.run_record import RunRecord, build_sha256, read_build_plan, write_run_record
+from fxpipe.runtime.train.run_record import (
+    RunRecord,
+    build_sha256,
+    read_build_plan,
+    write_run_record,
+)
 from fxpipe.runtime.pipeline.runner import PipelineRunner
 from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted, start_up_note
 from fxpipe.userfiles import shown
-from fxpipe.runtime.train.checkpoint import (check_checkpoint_dir, load_training_checkpoint, restore_training_state,
-                                             save_training_checkpoint, training_state)
-from fxpipe.runtime.train.divergence import (agree, divergence_error, finite_or_none, non_finite_parameters,
-                                             non_finite_step)
-from fxpipe.runtime.train.resume import apply_options, build_identity, check_resume, checkpoint_meta, run_settings
+from fxpipe.runtime.train.checkpoint import (
+    check_checkpoint_dir,
+    load_training_checkpoint,
+    restore_training_state,
+    save_training_checkpoint,
+    training_state,
+)
+from fxpipe.runtime.train.divergence import (
+    agree,
+    divergence_error,
+    finite_or_none,
+    non_finite_parameters,
+    non_finite_step,
+)
+from fxpipe.runtime.train.resume import (
+    apply_options,
+    build_identity,
+    check_resume,
+    checkpoint_meta,
+    run_settings,
+)
 
 __all__ = ["train", "resolve_sizes", "format_log_line"]
 
@@ -66,9 +95,11 @@ def resolve_sizes(options: RunOptions, manifest: Manifest, world_size: int) -> t
     stages = manifest.num_ranks  # processes per pipeline: V stages (chunks) each
     replicas = options.dp if options.dp is not None else max(world_size // stages, 1)
     if world_size != stages * replicas:
-        raise RuntimeSetupError(f"--dp {replicas} needs {stages} stages x {replicas} = {stages * replicas} ranks, "
-                                f"but WORLD_SIZE is {world_size}; launch torchrun with --nproc-per-node "
-                                f"{stages * replicas} or drop --dp")
+        raise RuntimeSetupError(
+            f"--dp {replicas} needs {stages} stages x {replicas} = {stages * replicas} ranks, "
+            f"but WORLD_SIZE is {world_size}; launch torchrun with --nproc-per-node "
+            f"{stages * replicas} or drop --dp"
+        )
     return batch, microbatches, replicas
 
 
@@ -80,12 +111,22 @@ def _mean_over_replicas(loss: float, runner: PipelineRunner) -> float:
     try:
         dist.all_reduce(total, group=runner.groups.data_parallel)
     except RuntimeError as exc:
-        raise peer_error(exc, runner.rank, "averaging the step's loss over the replicas", runner.timeout_s) from exc
+        raise peer_error(
+            exc, runner.rank, "averaging the step's loss over the replicas", runner.timeout_s
+        ) from exc
     return float(total.item()) / runner.layout.replicas
 
 
-def format_log_line(step: int, steps: int, loss: float, lr: float, grad_norm: float | None, samples_per_s: float,
-                    step_ms: float, eta_s: float) -> str:
+def format_log_line(
+    step: int,
+    steps: int,
+    loss: float,
+    lr: float,
+    grad_norm: float | None,
+    samples_per_s: float,
+    step_ms: float,
+    eta_s: float,
+) -> str:
     """One log line a person reads.
 
     >>> format_log_line(12, 100, 2.5, 3e-4, 1.25, 800.0, 12.5, 83)
@@ -93,8 +134,10 @@ def format_log_line(step: int, steps: int, loss: float, lr: float, grad_norm: fl
     """
     norm = f"  grad norm {grad_norm:.3f}" if grad_norm is not None else ""
     eta = int(round(eta_s))
-    return (f"step {step:4d}/{steps}  loss {loss:.6f}  lr {lr:.2e}{norm}  {samples_per_s:.1f} samples/s  "
-            f"{step_ms:.2f} ms/step  ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+    return (
+        f"step {step:4d}/{steps}  loss {loss:.6f}  lr {lr:.2e}{norm}  {samples_per_s:.1f} samples/s  "
+        f"{step_ms:.2f} ms/step  ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+    )
 
 
 def _repeat(batch: Batch) -> Iterator[Batch]:
@@ -104,10 +147,16 @@ def _repeat(batch: Batch) -> Iterator[Batch]:
 
 def rank_info(runner: PipelineRunner) -> RankInfo:
     """Where ``runner``'s rank sits, as a batch function sees it (which tensors it must read)."""
-    return RankInfo(rank=runner.rank, world_size=runner.world_size, stage=runner.pipeline_rank,
-                    num_stages=runner.manifest.num_ranks, replica=runner.replica, replicas=runner.layout.replicas,
-                    needs_inputs=rank_needs_inputs(runner.manifest, sorted(runner.stages)),
-                    needs_targets=runner.executor.holds_loss)
+    return RankInfo(
+        rank=runner.rank,
+        world_size=runner.world_size,
+        stage=runner.pipeline_rank,
+        num_stages=runner.manifest.num_ranks,
+        replica=runner.replica,
+        replicas=runner.layout.replicas,
+        needs_inputs=rank_needs_inputs(runner.manifest, sorted(runner.stages)),
+        needs_targets=runner.executor.holds_loss,
+    )
 
 
 def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunRecord:
@@ -123,25 +172,44 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     batch, microbatches, replicas = resolve_sizes(options, manifest, world)
     dp, t = options.data_parallel, options.training
     # before any step: a directory this run cannot write, or whose files it did not write, is refused
-    saved = check_checkpoint_dir(t.checkpoint_dir, t.resume) if t.checkpoint_dir is not None else None
-    resuming = check_resume(dict(saved.meta), None, options, batch, microbatches, identity, str(t.checkpoint_dir)) \
-        if t.resume and saved is not None and saved.meta else None
+    saved = (
+        check_checkpoint_dir(t.checkpoint_dir, t.resume) if t.checkpoint_dir is not None else None
+    )
+    resuming = (
+        check_resume(
+            dict(saved.meta), None, options, batch, microbatches, identity, str(t.checkpoint_dir)
+        )
+        if t.resume and saved is not None and saved.meta
+        else None
+    )
     train_fn = find_batches(source, t.data, TRAIN_FN)
     eval_fn = find_batches(source, t.eval_data, EVAL_FN) or train_fn
-    target_dims = target_batch_dims(source, batch) if source.has_loss_fn and source.has(source.targets_fn) else None
+    target_dims = (
+        target_batch_dims(source, batch)
+        if source.has_loss_fn and source.has(source.targets_fn)
+        else None
+    )
     lr = options.lr
     settings = run_settings(options, batch, microbatches)
     lead_rank = os.environ.get("RANK", "0") == "0"
     if lead_rank:  # Note [start-up phases] in fxpipe.runtime.launch.launcher
         start_up_note(f"rank 0 of {world} is up; loading its stages and joining the process group")
-    with PipelineRunner(build_dir, source.loss_fn if source.has_loss_fn else None, schedule=options.schedule,
-                        microbatches=microbatches, optimizer_factory=optimizer_factory(t, lr),
-                        scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
-                        max_grad_norm=t.clip_grad_norm,
-                        device=options.device, timeout_s=options.timeout_s, data_parallel=dp,
-                        target_batch_dims=target_dims, virtual_stages=options.virtual_stages,
-                        recompute=plan.cost.recompute if plan is not None else (),
-                        precision=options.precision) as runner:
+    with PipelineRunner(
+        build_dir,
+        source.loss_fn if source.has_loss_fn else None,
+        schedule=options.schedule,
+        microbatches=microbatches,
+        optimizer_factory=optimizer_factory(t, lr),
+        scheduler_factory=scheduler_factory(t, options.steps // dp.backward_passes_per_step),
+        max_grad_norm=t.clip_grad_norm,
+        device=options.device,
+        timeout_s=options.timeout_s,
+        data_parallel=dp,
+        target_batch_dims=target_dims,
+        virtual_stages=options.virtual_stages,
+        recompute=plan.cost.recompute if plan is not None else (),
+        precision=options.precision,
+    ) as runner:
         schedule = runner.schedule.name
         info = rank_info(runner)
         lead = runner.rank == 0
@@ -154,30 +222,52 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         if t.resume and saved is not None:
             state = load_training_checkpoint(t.checkpoint_dir or "", runner.rank, runner.world_size)
             if resuming is None:  # a checkpoint of an older fxpipe: its step is in the parts
-                resuming = check_resume({}, int(state["step"]), options, batch, microbatches, identity,
-                                        str(t.checkpoint_dir))
+                resuming = check_resume(
+                    {},
+                    int(state["step"]),
+                    options,
+                    batch,
+                    microbatches,
+                    identity,
+                    str(t.checkpoint_dir),
+                )
             restore_training_state(runner, state)
-            apply_options(runner, options)  # this run's lr, weight decay, betas (Note [what a resume carries over])
+            apply_options(
+                runner, options
+            )  # this run's lr, weight decay, betas (Note [what a resume carries over])
             first, position, history = state["step"], state["data_position"], state["history"]
             saved_after = first
         elif t.resume and lead:
-            print(f"fxpipe run: no checkpoint in {t.checkpoint_dir} yet; starting from step 0", flush=True)
+            print(
+                f"fxpipe run: no checkpoint in {t.checkpoint_dir} yet; starting from step 0",
+                flush=True,
+            )
         if train_fn is not None:
             stream = batch_stream(train_fn, manifest, batch, info, start=position)
         else:
             every_replica = example_batch(source, manifest, batch * replicas)
-            stream = _repeat(replica_batch(*every_replica, [s.batch_dim for s in manifest.inputs], runner.replica,
-                                           batch, target_dims))
+            stream = _repeat(
+                replica_batch(
+                    *every_replica,
+                    [s.batch_dim for s in manifest.inputs],
+                    runner.replica,
+                    batch,
+                    target_dims,
+                )
+            )
         if lead:
             sync = f"shard {dp.shard}" if dp.shard != "none" else f"comm hook {dp.comm_hook}"
-            dp_note = (f" x {replicas} replicas ({sync})" if replicas > 1 else "")
+            dp_note = f" x {replicas} replicas ({sync})" if replicas > 1 else ""
             per_replica = " per replica" if replicas > 1 else ""
-            print(f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
-                  f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
-                  f"{microbatches} x {batch // microbatches}, {t.optimizer} lr {lr:g} ({t.lr_schedule}"
-                  f"{f', {t.warmup_steps} warm-up steps' if t.warmup_steps else ''})"
-                  + (f", {options.precision} autocast" if options.precision != "fp32" else "")
-                  + (f", resuming after step {first}" if first else ""), flush=True)
+            print(
+                f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
+                f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
+                f"{microbatches} x {batch // microbatches}, {t.optimizer} lr {lr:g} ({t.lr_schedule}"
+                f"{f', {t.warmup_steps} warm-up steps' if t.warmup_steps else ''})"
+                + (f", {options.precision} autocast" if options.precision != "fp32" else "")
+                + (f", resuming after step {first}" if first else ""),
+                flush=True,
+            )
             for line in resuming.lines() if resuming is not None else ():
                 print(line, flush=True)
         seconds: list[float] = []
@@ -197,7 +287,12 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             start = time.perf_counter()
             loss = runner.step(inputs, targets)
             seconds.append(time.perf_counter() - start)
-            if k == first and runner.rank == 0 and not (k + 1) % t.log_every == 0 and k + 1 != options.steps:
+            if (
+                k == first
+                and runner.rank == 0
+                and not (k + 1) % t.log_every == 0
+                and k + 1 != options.steps
+            ):
                 start_up_note(f"first step done in {seconds[-1]:.2f} s")  # its log line comes later
             window.append(seconds[-1])
             done = k + 1
@@ -213,27 +308,62 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                 history["grad_norms"].append(finite_or_none(norm))
             logged = loss if math.isfinite(loss) else float("nan")
             if board is not None:
-                board.scalars(done, {"train/loss": finite_or_none(loss), "train/lr": lr_now,
-                                     "train/grad_norm": finite_or_none(norm),
-                                     "train/samples_per_s": samples / seconds[-1], "train/step_ms": seconds[-1] * 1e3,
-                                     "train/loss_scale": runner.scaler.scale if runner.scaler is not None else None})
+                board.scalars(
+                    done,
+                    {
+                        "train/loss": finite_or_none(loss),
+                        "train/lr": lr_now,
+                        "train/grad_norm": finite_or_none(norm),
+                        "train/samples_per_s": samples / seconds[-1],
+                        "train/step_ms": seconds[-1] * 1e3,
+                        "train/loss_scale": runner.scaler.scale
+                        if runner.scaler is not None
+                        else None,
+                    },
+                )
             if progress:
-                print(progress_line(done, options.steps, logged,
-                                    statistics.median(seconds) * (options.steps - done)), flush=True)
+                print(
+                    progress_line(
+                        done,
+                        options.steps,
+                        logged,
+                        statistics.median(seconds) * (options.steps - done),
+                    ),
+                    flush=True,
+                )
             if lead and runner.scaler is not None and runner.scaler.skipped:
-                print(f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
-                      flush=True)
+                print(
+                    f"step {done} skipped: an inf/NaN gradient (fp16); loss scale now {runner.scaler.scale:g}",
+                    flush=True,
+                )
             if lead and (done % t.log_every == 0 or done == options.steps):
-                recent = [v for v in history["losses"][-len(window):] if v is not None] or [float("nan")]
+                recent = [v for v in history["losses"][-len(window) :] if v is not None] or [
+                    float("nan")
+                ]
                 mean_s = sum(window) / len(window)
-                print(format_log_line(done, options.steps, sum(recent) / len(recent), lr_now, norm,
-                                      samples / mean_s, mean_s * 1e3,
-                                      statistics.median(seconds) * (options.steps - done)), flush=True)
+                print(
+                    format_log_line(
+                        done,
+                        options.steps,
+                        sum(recent) / len(recent),
+                        lr_now,
+                        norm,
+                        samples / mean_s,
+                        mean_s * 1e3,
+                        statistics.median(seconds) * (options.steps - done),
+                    ),
+                    flush=True,
+                )
                 window = []
             if t.eval_every is not None and (done % t.eval_every == 0 or done == options.steps):
-                held = (batch_stream(eval_fn, manifest, batch, info, name=EVAL_FN) if eval_fn is not None
-                        else _repeat((inputs, targets)))  # no batch functions: the example batch
-                val = _evaluate(runner, held, t.eval_steps, done, _drawn_by(eval_fn, source.path.name, batch))
+                held = (
+                    batch_stream(eval_fn, manifest, batch, info, name=EVAL_FN)
+                    if eval_fn is not None
+                    else _repeat((inputs, targets))
+                )  # no batch functions: the example batch
+                val = _evaluate(
+                    runner, held, t.eval_steps, done, _drawn_by(eval_fn, source.path.name, batch)
+                )
                 if not math.isfinite(val):
                     stopped = f"the evaluation loss after step {done} is {val}"
                     break
@@ -242,45 +372,82 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                     board.scalars(done, {"eval/loss": val})
                 if lead:
                     print(f"eval after step {done}: loss {val:.6f}", flush=True)
-            if t.checkpoint_dir is not None and (done == options.steps or (t.checkpoint_every is not None
-                                                                          and done % t.checkpoint_every == 0)):
+            if t.checkpoint_dir is not None and (
+                done == options.steps
+                or (t.checkpoint_every is not None and done % t.checkpoint_every == 0)
+            ):
                 state = training_state(runner, done, position, history)
                 stopped = non_finite_parameters(runner, state["model"], done)
                 if stopped is not None:  # never a checkpoint of NaN weights
                     break
-                save_training_checkpoint(t.checkpoint_dir, runner.rank, runner.world_size, state,
-                                         checkpoint_meta(done, settings, identity))
+                save_training_checkpoint(
+                    t.checkpoint_dir,
+                    runner.rank,
+                    runner.world_size,
+                    state,
+                    checkpoint_meta(done, settings, identity),
+                )
                 saved_after = done
                 if lead:
                     print(f"checkpoint after step {done}: {t.checkpoint_dir}", flush=True)
         if board is not None:
             board.close()
         if stopped is None:
-            assert inputs is not None  # a run trains a step at least: a finished checkpoint is refused (resume.py)
-            tensor_peak = training_peak_tensor_bytes(runner, inputs, targets, dp.backward_passes_per_step)
+            assert (
+                inputs is not None
+            )  # a run trains a step at least: a finished checkpoint is refused (resume.py)
+            tensor_peak = training_peak_tensor_bytes(
+                runner, inputs, targets, dp.backward_passes_per_step
+            )
             peaks: list[Any] = [None] * runner.world_size
             try:  # over the whole world: one figure per rank, every replica included
                 dist.all_gather_object(peaks, (peak_memory_bytes(runner.device), tensor_peak))
             except RuntimeError as exc:
-                raise peer_error(exc, runner.rank, "gathering peak memory", options.timeout_s) from exc
+                raise peer_error(
+                    exc, runner.rank, "gathering peak memory", options.timeout_s
+                ) from exc
         else:  # no more steps on weights that are NaN: no peak figures
             peaks = []
         steady = statistics.median(seconds[1:] or seconds)
         record = RunRecord(
-            losses=tuple(history["losses"]), step_seconds=tuple(seconds), median_step_ms=steady * 1e3,
-            samples_per_second=samples / steady, schedule=schedule, microbatches=microbatches,
-            batch_size=batch, lr=lr, world_size=runner.world_size, num_stages=manifest.num_stages,
-            device=runner.device.type, backend=dist.get_backend(),
-            predicted_step_ms=None if plan is None or not plan.predicts_time else plan.predicted_step_ms(
-                schedule, microbatches=microbatches, dp_replicas=replicas, comm_hook=dp.comm_hook,
-                powersgd_rank=dp.powersgd_rank, shard=dp.shard),
-            peak_memory_bytes=tuple(rss for rss, _ in peaks), peak_tensor_bytes=tuple(t for _, t in peaks),
-            dp=replicas, global_batch_size=samples, comm_hook=dp.comm_hook, powersgd_rank=dp.powersgd_rank,
-            shard_optimizer_state=dp.shard_optimizer_state, backward_passes_per_step=dp.backward_passes_per_step,
-            optimizer=t.optimizer, precision=options.precision, lrs=tuple(history["lrs"]),
+            losses=tuple(history["losses"]),
+            step_seconds=tuple(seconds),
+            median_step_ms=steady * 1e3,
+            samples_per_second=samples / steady,
+            schedule=schedule,
+            microbatches=microbatches,
+            batch_size=batch,
+            lr=lr,
+            world_size=runner.world_size,
+            num_stages=manifest.num_stages,
+            device=runner.device.type,
+            backend=dist.get_backend(),
+            predicted_step_ms=None
+            if plan is None or not plan.predicts_time
+            else plan.predicted_step_ms(
+                schedule,
+                microbatches=microbatches,
+                dp_replicas=replicas,
+                comm_hook=dp.comm_hook,
+                powersgd_rank=dp.powersgd_rank,
+                shard=dp.shard,
+            ),
+            peak_memory_bytes=tuple(rss for rss, _ in peaks),
+            peak_tensor_bytes=tuple(t for _, t in peaks),
+            dp=replicas,
+            global_batch_size=samples,
+            comm_hook=dp.comm_hook,
+            powersgd_rank=dp.powersgd_rank,
+            shard_optimizer_state=dp.shard_optimizer_state,
+            backward_passes_per_step=dp.backward_passes_per_step,
+            optimizer=t.optimizer,
+            precision=options.precision,
+            lrs=tuple(history["lrs"]),
             grad_norms=tuple(history["grad_norms"]),
-            eval_losses=tuple((int(s), float(v)) for s, v in history["eval_losses"]), first_step=first,
-            build_sha256=identity["manifest_sha256"], stopped=stopped,
+            eval_losses=tuple((int(s), float(v)) for s, v in history["eval_losses"]),
+            first_step=first,
+            build_sha256=identity["manifest_sha256"],
+            stopped=stopped,
         )
         path = out or build_dir / "run.json"
         if stopped is None:
@@ -293,7 +460,10 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                     said = " (the plan's analytic CPU estimate ranks splits, it predicts no time: --measure-times does)"
                 else:
                     said = ""
-                print(f"median step {record.median_step_ms:.2f} ms{said}; wrote {shown(path)}", flush=True)
+                print(
+                    f"median step {record.median_step_ms:.2f} ms{said}; wrote {shown(path)}",
+                    flush=True,
+                )
             return record
         failed: BaseException | None = None
         if lead:
@@ -309,8 +479,11 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
 
 def _drawn_by(fn: BatchFn | None, model_file: str, batch: int) -> str:
     """The call that yields the batches, as an error names it."""
-    return (f"{getattr(fn, '__name__', TRAIN_FN)}({batch}, rank_info)" if fn is not None
-            else f"{model_file}'s example_inputs / example_targets")
+    return (
+        f"{getattr(fn, '__name__', TRAIN_FN)}({batch}, rank_info)"
+        if fn is not None
+        else f"{model_file}'s example_inputs / example_targets"
+    )
 
 
 def _host_load_note(device: str) -> str:
@@ -322,15 +495,21 @@ def _host_load_note(device: str) -> str:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if load <= 1.5 * max(cores, ranks):
         return ""
-    return (f"; this host's load average was {load:.1f} on {cores} cores for {ranks} ranks: "
-            "the prediction assumes no other work on them")
+    return (
+        f"; this host's load average was {load:.1f} on {cores} cores for {ranks} ranks: "
+        "the prediction assumes no other work on them"
+    )
 
 
-def _evaluate(runner: PipelineRunner, batches: Iterator[Batch], steps: int, after: int, drawn: str) -> float:
+def _evaluate(
+    runner: PipelineRunner, batches: Iterator[Batch], steps: int, after: int, drawn: str
+) -> float:
     """The mean ``eval_step`` loss over the next ``steps`` of ``batches``, averaged over the replicas."""
     total = 0.0
     for i in range(steps):
         inputs, targets = next(batches)
-        check_same_batch(runner, inputs, targets, f"in the evaluation after step {after} (batch {i + 1})", drawn)
+        check_same_batch(
+            runner, inputs, targets, f"in the evaluation after step {after} (batch {i + 1})", drawn
+        )
         total += runner.eval_step(inputs, targets)
     return _mean_over_replicas(total / steps, runner)

@@ -46,8 +46,9 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) 
     raise ValueError(f"unknown learning-rate schedule {schedule!r}")
 
 
-def optimizer_factory(options: TrainingOptions,
-                      lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+def optimizer_factory(
+    options: TrainingOptions, lr: float
+) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
     """``params -> torch.optim.SGD / Adam / AdamW`` with ``lr`` and the options' weight decay and betas."""
 
     def make(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -64,7 +65,14 @@ def scheduler_factory(options: TrainingOptions, total_steps: int) -> SchedulerFa
     """``optimizer -> LambdaLR`` following ``lr_factor`` over ``total_steps`` optimizer steps."""
 
     def make(optimizer: torch.optim.Optimizer) -> LRScheduler:
-        return LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps=options.warmup_steps,
-                                                          total_steps=total_steps, schedule=options.lr_schedule))
+        return LambdaLR(
+            optimizer,
+            lambda step: lr_factor(
+                step,
+                warmup_steps=options.warmup_steps,
+                total_steps=total_steps,
+                schedule=options.lr_schedule,
+            ),
+        )
 
     return make

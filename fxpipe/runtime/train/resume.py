@@ -35,38 +35,70 @@ if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
     from fxpipe.runtime.train.run_options import RunOptions
 
-__all__ = ["META_VERSION", "build_identity", "run_settings", "checkpoint_meta", "ResumePlan", "check_resume",
-           "apply_options"]
+__all__ = [
+    "META_VERSION",
+    "build_identity",
+    "run_settings",
+    "checkpoint_meta",
+    "ResumePlan",
+    "check_resume",
+    "apply_options",
+]
 
 META_VERSION = 1
 
 # the settings a resume compares, in the order it names them: (key, how a person reads it)
-_SETTINGS = (("lr", "lr"), ("steps", "steps"), ("weight_decay", "weight decay"), ("betas", "betas"),
-             ("lr_schedule", "lr schedule"), ("warmup_steps", "warm-up steps"), ("clip_grad_norm", "clip grad norm"),
-             ("precision", "precision"), ("batch_size", "batch"), ("microbatches", "microbatches"),
-             ("backward_passes_per_step", "backward passes per step"), ("data", "data"))
+_SETTINGS = (
+    ("lr", "lr"),
+    ("steps", "steps"),
+    ("weight_decay", "weight decay"),
+    ("betas", "betas"),
+    ("lr_schedule", "lr schedule"),
+    ("warmup_steps", "warm-up steps"),
+    ("clip_grad_norm", "clip grad norm"),
+    ("precision", "precision"),
+    ("batch_size", "batch"),
+    ("microbatches", "microbatches"),
+    ("backward_passes_per_step", "backward passes per step"),
+    ("data", "data"),
+)
 
 
 def build_identity(manifest: Manifest, manifest_sha256: str | None) -> dict[str, Any]:
     """What names the model a checkpoint was trained as: the manifest's hash (the build), the model
     file's, and each stage's code (and whether it runs classes of the model file)."""
-    return {"manifest_sha256": manifest_sha256, "model_file": manifest.model_file,
-            "model_sha256": manifest.model_sha256,
-            "stage_sha256": [s.source_sha256 for s in manifest.stages],
-            "imports_model_file": [s.imports_model_file for s in manifest.stages]}
+    return {
+        "manifest_sha256": manifest_sha256,
+        "model_file": manifest.model_file,
+        "model_sha256": manifest.model_sha256,
+        "stage_sha256": [s.source_sha256 for s in manifest.stages],
+        "imports_model_file": [s.imports_model_file for s in manifest.stages],
+    }
 
 
 def run_settings(options: RunOptions, batch_size: int, microbatches: int) -> dict[str, Any]:
     """The settings of a run that a resume compares (batch and microbatches resolved against the build)."""
     t = options.training
-    return {"lr": options.lr, "steps": options.steps, "optimizer": t.optimizer, "weight_decay": t.weight_decay,
-            "betas": list(t.betas), "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
-            "clip_grad_norm": t.clip_grad_norm, "precision": options.precision, "batch_size": batch_size,
-            "microbatches": microbatches,
-            "backward_passes_per_step": options.data_parallel.backward_passes_per_step, "data": t.data}
+    return {
+        "lr": options.lr,
+        "steps": options.steps,
+        "optimizer": t.optimizer,
+        "weight_decay": t.weight_decay,
+        "betas": list(t.betas),
+        "lr_schedule": t.lr_schedule,
+        "warmup_steps": t.warmup_steps,
+        "clip_grad_norm": t.clip_grad_norm,
+        "precision": options.precision,
+        "batch_size": batch_size,
+        "microbatches": microbatches,
+        "backward_passes_per_step": options.data_parallel.backward_passes_per_step,
+        "data": t.data,
+    }
 
 
-def checkpoint_meta(step: int, settings: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_meta(
+    step: int, settings: dict[str, Any], identity: dict[str, Any]
+) -> dict[str, Any]:
     """The ``meta`` a checkpoint after ``step`` commits (Note [what a resume carries over])."""
     return {"version": META_VERSION, "step": step, "build": identity, "settings": settings}
 
@@ -100,16 +132,21 @@ def _show(value: Any) -> str:
 def _lr_at(settings: dict[str, Any], step: int) -> float:
     """The learning rate a run with ``settings`` gives its step ``step + 1`` (0-based ``step``)."""
     passes = int(settings.get("backward_passes_per_step") or 1)
-    return float(settings["lr"]) * lr_factor(step // passes, warmup_steps=int(settings.get("warmup_steps") or 0),
-                                             total_steps=int(settings["steps"]) // passes,
-                                             schedule=str(settings.get("lr_schedule") or "constant"))
+    return float(settings["lr"]) * lr_factor(
+        step // passes,
+        warmup_steps=int(settings.get("warmup_steps") or 0),
+        total_steps=int(settings["steps"]) // passes,
+        schedule=str(settings.get("lr_schedule") or "constant"),
+    )
 
 
 def _check_build(build: dict[str, Any], identity: dict[str, Any], where: str) -> str | None:
     """Refuse a checkpoint of another model; a note when only the model file's bytes changed."""
-    remedy = (f"resume with the build it was saved from, or start a new run from its weights: fxpipe export "
-              f"{where} --out weights.safetensors, then fxpipe partition MODEL --weights weights.safetensors, and "
-              "run with another --checkpoint-dir")
+    remedy = (
+        f"resume with the build it was saved from, or start a new run from its weights: fxpipe export "
+        f"{where} --out weights.safetensors, then fxpipe partition MODEL --weights weights.safetensors, and "
+        "run with another --checkpoint-dir"
+    )
     old, new = build.get("stage_sha256"), identity["stage_sha256"]
     if old is not None and list(old) != list(new):
         if len(old) != len(new):
@@ -117,54 +154,86 @@ def _check_build(build: dict[str, Any], identity: dict[str, Any], where: str) ->
         else:
             i = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
             differs = f"stage {i}'s code differs"
-        raise CheckpointError(f"--resume: the checkpoint in {where} was saved from another model ({differs}); its "
-                              f"weights would load into a different computation; {remedy}")
+        raise CheckpointError(
+            f"--resume: the checkpoint in {where} was saved from another model ({differs}); its "
+            f"weights would load into a different computation; {remedy}"
+        )
     if build.get("model_sha256") and build["model_sha256"] != identity["model_sha256"]:
         runs = [i for i, flag in enumerate(identity["imports_model_file"]) if flag]
         if runs:
-            raise CheckpointError(f"--resume: the model file changed since the checkpoint in {where} was saved, and "
-                                  f"stage {runs[0]} runs classes from it; {remedy}")
+            raise CheckpointError(
+                f"--resume: the model file changed since the checkpoint in {where} was saved, and "
+                f"stage {runs[0]} runs classes from it; {remedy}"
+            )
         return "the model file (the stages' code is the same)"
     return None
 
 
-def check_resume(meta: dict[str, Any], step: int | None, options: RunOptions, batch_size: int, microbatches: int,
-                 identity: dict[str, Any], where: str) -> ResumePlan:
+def check_resume(
+    meta: dict[str, Any],
+    step: int | None,
+    options: RunOptions,
+    batch_size: int,
+    microbatches: int,
+    identity: dict[str, Any],
+    where: str,
+) -> ResumePlan:
     """Compare the checkpoint's ``meta`` (``{}`` for a checkpoint of an older fxpipe; then ``step`` is
     its step, read from a part) with this run; raise ``CheckpointError`` for what cannot continue
     (Note [what a resume carries over])."""
     if meta.get("version", META_VERSION) > META_VERSION:
-        raise CheckpointError(f"--resume: the checkpoint in {where} was written by a newer fxpipe; upgrade fxpipe")
+        raise CheckpointError(
+            f"--resume: the checkpoint in {where} was written by a newer fxpipe; upgrade fxpipe"
+        )
     step = int(meta.get("step", step if step is not None else 0))
     saved: dict[str, Any] = meta.get("settings") or {}
     now = run_settings(options, batch_size, microbatches)
     optimizer = saved.get("optimizer", now["optimizer"])
     if optimizer != now["optimizer"]:
-        raise CheckpointError(f"--resume: the checkpoint in {where} holds {optimizer}'s optimizer state, and this run "
-                              f"asks for --optimizer {now['optimizer']}, which cannot continue from it; resume with "
-                              f"--optimizer {optimizer}, or start a new run with another --checkpoint-dir")
+        raise CheckpointError(
+            f"--resume: the checkpoint in {where} holds {optimizer}'s optimizer state, and this run "
+            f"asks for --optimizer {now['optimizer']}, which cannot continue from it; resume with "
+            f"--optimizer {optimizer}, or start a new run with another --checkpoint-dir"
+        )
     changed_model = _check_build(meta.get("build") or {}, identity, where)
     if step >= options.steps:
-        past = "nothing is left to train" if step == options.steps else f"--steps {options.steps} is before it"
-        raise CheckpointError(f"--resume: the checkpoint in {where} is after step {step} and {past}; give --steps "
-                              f"above {step} to train on")
+        past = (
+            "nothing is left to train"
+            if step == options.steps
+            else f"--steps {options.steps} is before it"
+        )
+        raise CheckpointError(
+            f"--resume: the checkpoint in {where} is after step {step} and {past}; give --steps "
+            f"above {step} to train on"
+        )
     changes = []
     for key, name in _SETTINGS:
-        if key in saved and saved[key] != now[key] and not (key == "betas" and now["optimizer"] == "sgd"):
+        if (
+            key in saved
+            and saved[key] != now[key]
+            and not (key == "betas" and now["optimizer"] == "sgd")
+        ):
             note = f"{name} {_show(saved[key])} -> {_show(now[key])}"
             if key == "lr":
                 note += f" (from step {step + 1})"
             changes.append(note)
     if saved.get("lr") is not None and saved.get("steps") is not None:
         before, after = _lr_at(saved, step), _lr_at(now, step)
-        stretched = (saved["steps"] != now["steps"] and now["lr_schedule"] in ("linear", "cosine")
-                     and saved.get("lr_schedule") == now["lr_schedule"])
+        stretched = (
+            saved["steps"] != now["steps"]
+            and now["lr_schedule"] in ("linear", "cosine")
+            and saved.get("lr_schedule") == now["lr_schedule"]
+        )
         if stretched:
-            changes.append(f"the {now['lr_schedule']} schedule is stretched to end at step {now['steps']} (it ended at "
-                           f"{saved['steps']}): step {step + 1} gets lr {after:.3g}, where the checkpoint's schedule "
-                           f"gave {before:.3g}")
+            changes.append(
+                f"the {now['lr_schedule']} schedule is stretched to end at step {now['steps']} (it ended at "
+                f"{saved['steps']}): step {step + 1} gets lr {after:.3g}, where the checkpoint's schedule "
+                f"gave {before:.3g}"
+            )
         elif before != after and saved.get("lr") == now["lr"]:
-            changes.append(f"step {step + 1} gets lr {after:.3g}, where the checkpoint's schedule gave {before:.3g}")
+            changes.append(
+                f"step {step + 1} gets lr {after:.3g}, where the checkpoint's schedule gave {before:.3g}"
+            )
     if changed_model is not None:
         changes.append(changed_model)
     carried = f"the weights, the {optimizer} state, the schedule's position, the RNG and the data position"

@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fxpipe.errors import ConfigError
 from fxpipe.jsonio import load_json
-from fxpipe.optionspec import Options, add_arguments, group, groups_of, namespace_values, option, same_as
+from fxpipe.optionspec import (
+    Options,
+    add_arguments,
+    group,
+    groups_of,
+    namespace_values,
+    option,
+    same_as,
+)
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
@@ -43,8 +51,16 @@ from fxpipe.runtime.train.training_options import PRECISIONS, TrainingOptions
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
 
-__all__ = ["RunOptions", "RUN_OPTIONS_SCHEMA_VERSION", "DEFAULT_SCHEDULE", "DEFAULT_TIMEOUT_S",
-           "add_run_arguments", "run_options_from_args", "explicit_fields", "with_plan_defaults"]
+__all__ = [
+    "RunOptions",
+    "RUN_OPTIONS_SCHEMA_VERSION",
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_TIMEOUT_S",
+    "add_run_arguments",
+    "run_options_from_args",
+    "explicit_fields",
+    "with_plan_defaults",
+]
 
 RUN_OPTIONS_SCHEMA_VERSION = 1
 DEFAULT_SCHEDULE = "1f1b"  # what a build that names no schedule runs (one stage per rank)
@@ -79,23 +95,47 @@ class RunOptions(Options):
     json_schema_version: ClassVar[int | None] = RUN_OPTIONS_SCHEMA_VERSION
 
     steps: int = option(10, metavar="K", help="training steps")
-    schedule: str | None = option(None, choices=SCHEDULE_NAMES, metavar="NAME", none_means="the build's",
-                                  help="pipeline schedule: %(choices)s")
-    virtual_stages: int | None = option(None, metavar="V", none_means="the build's",
-                                        help="stages per rank; must be the build's (partition with --virtual-stages "
-                                             "V to change it)")
+    schedule: str | None = option(
+        None,
+        choices=SCHEDULE_NAMES,
+        metavar="NAME",
+        none_means="the build's",
+        help="pipeline schedule: %(choices)s",
+    )
+    virtual_stages: int | None = option(
+        None,
+        metavar="V",
+        none_means="the build's",
+        help="stages per rank; must be the build's (partition with --virtual-stages "
+        "V to change it)",
+    )
     microbatches: int | None = same_as(PlanOptions, "microbatches", none_means="the build's")
-    batch_size: int | None = option(None, metavar="B", none_means="the build's",
-                                    help="batch of one pipeline replica per step")
-    lr: float = option(0.01, metavar="LR", help="learning rate (the peak, with --warmup-steps / --lr-schedule)")
+    batch_size: int | None = option(
+        None, metavar="B", none_means="the build's", help="batch of one pipeline replica per step"
+    )
+    lr: float = option(
+        0.01, metavar="LR", help="learning rate (the peak, with --warmup-steps / --lr-schedule)"
+    )
     precision: str = same_as(CostModel, "precision")
-    timeout_s: float = option(DEFAULT_TIMEOUT_S, flag="--timeout", metavar="S",
-                              help="seconds before a silent peer is an error")
-    device: str | None = option(None, metavar="DEVICE", none_means="cuda:LOCAL_RANK when CUDA is available, else cpu",
-                                help="cpu, cuda or cuda:N")
-    dp: int | None = option(None, metavar="R", help="data-parallel replicas of the pipeline: stages x R processes",
-                            none_means="the plan's replicas with `fxpipe run`, WORLD_SIZE / stages under your own "
-                                       "torchrun")
+    timeout_s: float = option(
+        DEFAULT_TIMEOUT_S,
+        flag="--timeout",
+        metavar="S",
+        help="seconds before a silent peer is an error",
+    )
+    device: str | None = option(
+        None,
+        metavar="DEVICE",
+        none_means="cuda:LOCAL_RANK when CUDA is available, else cpu",
+        help="cpu, cuda or cuda:N",
+    )
+    dp: int | None = option(
+        None,
+        metavar="R",
+        help="data-parallel replicas of the pipeline: stages x R processes",
+        none_means="the plan's replicas with `fxpipe run`, WORLD_SIZE / stages under your own "
+        "torchrun",
+    )
     data_parallel: DataParallelOptions = group(DataParallelOptions)
     training: TrainingOptions = group(TrainingOptions)
 
@@ -103,48 +143,83 @@ class RunOptions(Options):
         if not _is_int(self.steps) or self.steps < 1:
             raise ConfigError(f"--steps must be an int >= 1 (training steps), got {self.steps!r}")
         if self.schedule is not None and self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
-        if self.virtual_stages is not None and (not _is_int(self.virtual_stages) or self.virtual_stages < 1):
-            raise ConfigError(f"--virtual-stages must be an int >= 1 (stages per rank), got {self.virtual_stages!r}; "
-                              "leave it out to use the build's")
-        for flag, value in (("--microbatches", self.microbatches), ("--batch-size", self.batch_size)):
+            raise ConfigError(
+                f"unknown schedule {self.schedule!r}; expected one of {list(SCHEDULE_NAMES)}"
+            )
+        if self.virtual_stages is not None and (
+            not _is_int(self.virtual_stages) or self.virtual_stages < 1
+        ):
+            raise ConfigError(
+                f"--virtual-stages must be an int >= 1 (stages per rank), got {self.virtual_stages!r}; "
+                "leave it out to use the build's"
+            )
+        for flag, value in (
+            ("--microbatches", self.microbatches),
+            ("--batch-size", self.batch_size),
+        ):
             if value is not None and (not _is_int(value) or value < 1):
-                raise ConfigError(f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's")
+                raise ConfigError(
+                    f"{flag} must be an int >= 1, got {value!r}; leave it out to use the build's"
+                )
         if not _is_number(self.lr) or self.lr < 0:
             raise ConfigError(f"--lr must be a number >= 0 (the learning rate), got {self.lr!r}")
         if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+            raise ConfigError(
+                f"--precision must be one of {list(PRECISIONS)}, got {self.precision!r}"
+            )
         if not _is_number(self.timeout_s) or self.timeout_s <= 0:
-            raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s!r}")
+            raise ConfigError(
+                f"--timeout must be a positive number of seconds, got {self.timeout_s!r}"
+            )
         if self.timeout_s > MAX_TIMEOUT_S:
-            raise ConfigError(f"--timeout must be at most {MAX_TIMEOUT_S:g} seconds (about 3 years; torch's process "
-                              f"groups count it in nanoseconds), got {self.timeout_s!r}")
-        if self.device is not None and not (isinstance(self.device, str) and _DEVICE.fullmatch(self.device)):
-            raise ConfigError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}; "
-                              "leave it out to use cuda when available, else cpu")
+            raise ConfigError(
+                f"--timeout must be at most {MAX_TIMEOUT_S:g} seconds (about 3 years; torch's process "
+                f"groups count it in nanoseconds), got {self.timeout_s!r}"
+            )
+        if self.device is not None and not (
+            isinstance(self.device, str) and _DEVICE.fullmatch(self.device)
+        ):
+            raise ConfigError(
+                f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}; "
+                "leave it out to use cuda when available, else cpu"
+            )
         if self.dp is not None and (not _is_int(self.dp) or self.dp < 1):
-            raise ConfigError(f"--dp must be an int >= 1 (the number of pipeline replicas), got {self.dp!r}; "
-                              "use 1 for no data parallelism")
+            raise ConfigError(
+                f"--dp must be an int >= 1 (the number of pipeline replicas), got {self.dp!r}; "
+                "use 1 for no data parallelism"
+            )
         if not isinstance(self.data_parallel, DataParallelOptions):
-            raise ConfigError(f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}")
+            raise ConfigError(
+                f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}"
+            )
         if not isinstance(self.training, TrainingOptions):
-            raise ConfigError(f"training must be TrainingOptions, got {type(self.training).__name__}")
+            raise ConfigError(
+                f"training must be TrainingOptions, got {type(self.training).__name__}"
+            )
         if self.training.checkpoint_dir is not None and self.data_parallel.shard == "optimizer":
-            raise ConfigError("--checkpoint-dir does not save ZeRO's optimizer shards (--shard optimizer) yet; use "
-                              "--shard none, grad-op or full, or save with "
-                              "fxpipe.runtime.dataparallel.save_stage_checkpoint in your own loop")
-        if self.dp is not None:  # else the runner checks against the world's replicas, before any communication
+            raise ConfigError(
+                "--checkpoint-dir does not save ZeRO's optimizer shards (--shard optimizer) yet; use "
+                "--shard none, grad-op or full, or save with "
+                "fxpipe.runtime.dataparallel.save_stage_checkpoint in your own loop"
+            )
+        if (
+            self.dp is not None
+        ):  # else the runner checks against the world's replicas, before any communication
             self.data_parallel.check_replicas(self.dp)
         passes = self.data_parallel.backward_passes_per_step
         every = self.training.checkpoint_every
         if every is not None and every % passes:
-            raise ConfigError(f"--checkpoint-every {every} is not a multiple of --backward-passes-per-step {passes}: "
-                              "a checkpoint inside an accumulation window would lose its gradients; use "
-                              f"--checkpoint-every {every - every % passes + passes}")
+            raise ConfigError(
+                f"--checkpoint-every {every} is not a multiple of --backward-passes-per-step {passes}: "
+                "a checkpoint inside an accumulation window would lose its gradients; use "
+                f"--checkpoint-every {every - every % passes + passes}"
+            )
         if self.steps % passes:
-            raise ConfigError(f"--steps {self.steps} is not a multiple of --backward-passes-per-step {passes}: "
-                              f"the last {self.steps % passes} passes would accumulate gradients that are never "
-                              f"applied; use --steps {self.steps - self.steps % passes + passes}")
+            raise ConfigError(
+                f"--steps {self.steps} is not a multiple of --backward-passes-per-step {passes}: "
+                f"the last {self.steps % passes} passes would accumulate gradients that are never "
+                f"applied; use --steps {self.steps - self.steps % passes + passes}"
+            )
 
 
 # -- the command-line form -----------------------------------------------------
@@ -157,9 +232,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     flags given together with ``--options`` override only what they name.
     """
     group = parser.add_argument_group("run options")
-    group.add_argument("--options", metavar="JSON", default=argparse.SUPPRESS,
-                       help="RunOptions as a JSON file (or JSON text), as fxpipe run writes for its workers; "
-                            "flags given too override it")
+    group.add_argument(
+        "--options",
+        metavar="JSON",
+        default=argparse.SUPPRESS,
+        help="RunOptions as a JSON file (or JSON text), as fxpipe run writes for its workers; "
+        "flags given too override it",
+    )
     add_arguments(group, RunOptions, suppress=True)
 
 
@@ -196,8 +275,9 @@ def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(paths)
 
 
-def with_plan_defaults(options: RunOptions, plan: PartitionPlan | None,
-                       explicit: frozenset[str] = frozenset()) -> RunOptions:
+def with_plan_defaults(
+    options: RunOptions, plan: PartitionPlan | None, explicit: frozenset[str] = frozenset()
+) -> RunOptions:
     """``options`` with the plan's configuration where they leave it open, so that a build runs
     as it was planned (``fxpipe plan/partition --devices`` or ``--dp``): ``dp`` left ``None`` is
     the plan's replicas (1 without a plan), and with 2+ replicas the plan's sharding level
@@ -209,8 +289,13 @@ def with_plan_defaults(options: RunOptions, plan: PartitionPlan | None,
     planned = plan.cost.dp_replicas if plan is not None else 1
     replicas = options.dp if options.dp is not None else planned
     shard = options.data_parallel.shard
-    if (plan is not None and replicas > 1 and plan.cost.shard != "none" and shard == "none"
-            and "data_parallel.shard" not in explicit):
+    if (
+        plan is not None
+        and replicas > 1
+        and plan.cost.shard != "none"
+        and shard == "none"
+        and "data_parallel.shard" not in explicit
+    ):
         shard = plan.cost.shard
     if replicas == options.dp and shard == options.data_parallel.shard:
         return options

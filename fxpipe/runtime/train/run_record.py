@@ -28,7 +28,13 @@ from fxpipe.schema import read_dataclass
 if TYPE_CHECKING:
     from fxpipe.partitioner import PartitionPlan
 
-__all__ = ["RunRecord", "RUN_RECORD_SCHEMA_VERSION", "read_build_plan", "build_sha256", "write_run_record"]
+__all__ = [
+    "RunRecord",
+    "RUN_RECORD_SCHEMA_VERSION",
+    "read_build_plan",
+    "build_sha256",
+    "write_run_record",
+]
 
 RUN_RECORD_SCHEMA_VERSION = 1
 
@@ -82,7 +88,10 @@ class RunRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data (sequences as lists)."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in fields(self)
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
@@ -97,9 +106,14 @@ class RunRecord:
             try:
                 Path(path).write_text(text + "\n")
             except OSError as exc:
-                why = (f"its folder {shown(folder)} no longer exists (was it removed while the job ran?)"
-                       if not folder.exists() else exc.strerror or str(exc))
-                raise BuildDirError(f"cannot write {shown(path)}: {why}; the run's record is lost") from None
+                why = (
+                    f"its folder {shown(folder)} no longer exists (was it removed while the job ran?)"
+                    if not folder.exists()
+                    else exc.strerror or str(exc)
+                )
+                raise BuildDirError(
+                    f"cannot write {shown(path)}: {why}; the run's record is lost"
+                ) from None
         return text
 
     @classmethod
@@ -141,7 +155,9 @@ def _beside(build_dir: Path, sha: str) -> Path:
     raise BuildDirError(f"cannot find a free name for this run's record beside {build_dir}")
 
 
-def write_run_record(record: RunRecord, build_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_run_record(
+    record: RunRecord, build_dir: str | Path, out: str | Path | None = None
+) -> Path:
     """Write ``record`` whole (a temporary file, then a rename) to ``out``, by default
     ``build_dir/run.json``, and return where. When ``build_dir`` no longer holds the build the run
     loaded (``record.build_sha256``), the record goes to a new file beside it and a ``BuildDirError``
@@ -158,6 +174,8 @@ def write_run_record(record: RunRecord, build_dir: str | Path, out: str | Path |
         return build_dir / "run.json"
     aside = _beside(build_dir, record.build_sha256)
     replace_file(aside, text + "\n")
-    raise BuildDirError(f"the build directory {build_dir} was replaced while this run trained (its manifest.json "
-                        f"is not the one the run loaded: re-partitioned?), so this run's record was not written "
-                        f"into it, where it would describe another build; it is in {aside}")
+    raise BuildDirError(
+        f"the build directory {build_dir} was replaced while this run trained (its manifest.json "
+        f"is not the one the run loaded: re-partitioned?), so this run's record was not written "
+        f"into it, where it would describe another build; it is in {aside}"
+    )

@@ -76,8 +76,10 @@ def build_reference(seed: int = 0) -> BlockLM:
 
 def stage_loader(seed: int = 0):
     """Stage i built from the seeded reference (a fresh copy per call: every replica the same weights)."""
+
     def load(index: int, device: torch.device) -> nn.Module:
         return (Stage0, Stage1)[index](build_reference(seed)).to(device)
+
     return load
 
 
@@ -92,14 +94,28 @@ def manifest() -> Manifest:
     logits = BoundaryTensor("logits", (b, SEQ, VOCAB), "float32", 0, 1, (), True, 0)
 
     def stage(i, inputs, outputs):
-        return StageManifest(i, f"Stage{i}", f"stage_{i}.py", f"stage_{i}.safetensors", "", "",
-                             inputs, outputs, stage_params(i))
+        return StageManifest(
+            i,
+            f"Stage{i}",
+            f"stage_{i}.py",
+            f"stage_{i}.safetensors",
+            "",
+            "",
+            inputs,
+            outputs,
+            stage_params(i),
+        )
 
     return Manifest(
-        model_file="tests/runtime/dataparallel/blocks.py", model_fn="build_reference", model_sha256="",
+        model_file="tests/runtime/dataparallel/blocks.py",
+        model_fn="build_reference",
+        model_sha256="",
         stages=(stage(0, (idx,), (h,)), stage(1, (h,), (logits,))),
-        batch_size=2 * b, microbatch_size=b, inputs=(idx,),
-        ties=(Tie((0, 1), ("emb.weight", "emb.weight")),))
+        batch_size=2 * b,
+        microbatch_size=b,
+        inputs=(idx,),
+        ties=(Tie((0, 1), ("emb.weight", "emb.weight")),),
+    )
 
 
 def batch(batch_size: int, seed: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:

@@ -9,10 +9,15 @@ import torch
 import torch.nn as nn
 
 
-def train_on_concatenated_batches(model: nn.Module, batch: Callable[[int, int], tuple[Any, torch.Tensor]],
-                                  steps: int, replicas: int, microbatches: int, loss_fn: Callable[..., torch.Tensor],
-                                  optimizer: Callable[[Any], torch.optim.Optimizer],
-                                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_on_concatenated_batches(
+    model: nn.Module,
+    batch: Callable[[int, int], tuple[Any, torch.Tensor]],
+    steps: int,
+    replicas: int,
+    microbatches: int,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``steps`` steps of ``optimizer`` on ``batch(step, replica)`` of every replica concatenated, cut
     into ``replicas x microbatches`` chunks whose gradients are averaged; the per-step mean chunk
     loss and the final state dict. ``batch`` returns ``(input, target)``; a 1-tuple input is unpacked."""

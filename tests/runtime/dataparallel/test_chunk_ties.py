@@ -29,7 +29,9 @@ def test_each_chunk_gets_one_equal_copy_and_the_copies_share_their_summed_gradie
     a.emb.weight.grad, b.head.weight.grad = torch.full((3, 2), 1.0), torch.full((3, 2), 2.0)
     copies = TiedCopies(ties)
     copies.share_grads()
-    assert a.emb.weight.grad is b.head.weight.grad  # one tensor, so a cross-rank all-reduce reaches both
+    assert (
+        a.emb.weight.grad is b.head.weight.grad
+    )  # one tensor, so a cross-rank all-reduce reaches both
     torch.testing.assert_close(a.emb.weight.grad, torch.full((3, 2), 3.0))
     copies.own_grads()
     assert a.emb.weight.grad is not b.head.weight.grad

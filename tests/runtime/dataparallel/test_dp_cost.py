@@ -30,7 +30,9 @@ def test_ring_allreduce_formula_and_hook_compression() -> None:
     # PowerSGD rank r on a 1000 x 1000 fp32 matrix sends (1000 + 1000) x r floats
     psgd = replace(cost, comm_hook="powersgd", powersgd_rank=4)
     assert psgd.gradient_bytes(4 * MB) == pytest.approx(2000 * 4 * 4)
-    assert psgd.gradient_bytes(64) == 64  # a tiny tensor is not worth compressing (PowerSGD leaves it)
+    assert (
+        psgd.gradient_bytes(64) == 64
+    )  # a tiny tensor is not worth compressing (PowerSGD leaves it)
     with pytest.raises(ConfigError, match="dp_replicas must be an int >= 1, got 0"):
         CostModel(dp_replicas=0)
     with pytest.raises(ConfigError, match="unknown comm_hook 'int8'"):
@@ -42,11 +44,15 @@ def test_stage_costs_and_prediction_include_the_allreduce() -> None:
     cost = CostModel(link_bandwidth=1e9, link_latency=0.0, dp_replicas=2)
     problem = build_problem(profile, 2, microbatches=4, cost=cost)
     stages = evaluate(problem, (0, 0, 1, 1)).stages
-    assert [s.dp_allreduce_ms for s in stages] == pytest.approx([8.0, 2.0])  # 2(1)/2 x bytes / 1 GB/s
+    assert [s.dp_allreduce_ms for s in stages] == pytest.approx(
+        [8.0, 2.0]
+    )  # 2(1)/2 x bytes / 1 GB/s
     single = plan_partition(profile, 2, microbatches=4, cost=replace(cost, dp_replicas=1))
     dual = plan_partition(profile, 2, microbatches=4, cost=cost)
     added = dual.step_ms - single.step_ms
-    assignment = tuple(next(i for i, st in enumerate(dual.stages) if u.name in st.units) for u in profile.units)
+    assignment = tuple(
+        next(i for i, st in enumerate(dual.stages) if u.name in st.units) for u in profile.units
+    )
     per_stage = [s.dp_allreduce_ms for s in evaluate(problem, assignment).stages]
     slowest = max(per_stage)
     # plus the ring's hops at the runtime's per-hop cost of a collective (2 hops on 2 replicas)
@@ -56,12 +62,19 @@ def test_stage_costs_and_prediction_include_the_allreduce() -> None:
     # sync cost])
     runtime = dual.prediction.runtime_costs
     sync_pass = runtime.dp_sync_ms + 1 * runtime.dp_sync_tensor_ms
-    assert added == pytest.approx(slowest + hops * runtime.collective_ms + sync_pass) and slowest > 0
-    assert [s.dp_allreduce_ms for s in dual.stages] == pytest.approx(per_stage)  # plan.json carries it per stage
+    assert (
+        added == pytest.approx(slowest + hops * runtime.collective_ms + sync_pass) and slowest > 0
+    )
+    assert [s.dp_allreduce_ms for s in dual.stages] == pytest.approx(
+        per_stage
+    )  # plan.json carries it per stage
     assert all(s.dp_allreduce_ms == 0.0 for s in single.stages)
     assert dual.prediction.step_overhead_ms.dp_all_reduce_ms == pytest.approx(
-        slowest + hops * runtime.collective_ms + sync_pass)
-    assert dual.cost.dp_replicas == 2 and dual.cost == cost == CostModel.from_dict(dual.cost.to_dict())
+        slowest + hops * runtime.collective_ms + sync_pass
+    )
+    assert dual.cost.dp_replicas == 2 and dual.cost == cost == CostModel.from_dict(
+        dual.cost.to_dict()
+    )
 
 
 def test_options_refuse_bad_values_with_the_remedy() -> None:
@@ -118,20 +131,39 @@ def test_powersgd_pricing_matches_what_torch_hook_all_reduces() -> None:
     import json
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _POWERSGD_PROBE], capture_output=True, text=True, timeout=120,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _POWERSGD_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     sent = probe["sent"]
-    cost = CostModel(dp_replicas=2, comm_hook="powersgd", powersgd_rank=2, dp_bucket_bytes=25 * 2**20)
-    traffic = cost.dp_traffic([b for b, _ in probe["params"]], [tuple(shape) for _, shape in probe["params"]])
+    cost = CostModel(
+        dp_replicas=2, comm_hook="powersgd", powersgd_rank=2, dp_bucket_bytes=25 * 2**20
+    )
+    traffic = cost.dp_traffic(
+        [b for b, _ in probe["params"]], [tuple(shape) for _, shape in probe["params"]]
+    )
     assert sent == [211 * 4, (32 + 64) * 4, (54 + 1152) * 4]  # uncompressed, P, Q
     assert (traffic.wire_bytes, traffic.allreduces) == (sum(sent), len(sent))
 
 
 def test_options_price_the_buckets_ddp_really_uses() -> None:
-    fields = DataParallelOptions(comm_hook="powersgd", powersgd_rank=2, bucket_cap_mb=5).cost_fields(2)
-    assert fields == {"dp_replicas": 2, "comm_hook": "powersgd", "powersgd_rank": 2, "dp_bucket_bytes": 5 * 2**20,
-                      "shard": "none", "shard_reduce": "step", "shard_param_dtype": None, "shard_reduce_dtype": None}
+    fields = DataParallelOptions(
+        comm_hook="powersgd", powersgd_rank=2, bucket_cap_mb=5
+    ).cost_fields(2)
+    assert fields == {
+        "dp_replicas": 2,
+        "comm_hook": "powersgd",
+        "powersgd_rank": 2,
+        "dp_bucket_bytes": 5 * 2**20,
+        "shard": "none",
+        "shard_reduce": "step",
+        "shard_param_dtype": None,
+        "shard_reduce_dtype": None,
+    }
     assert CostModel(**fields).dp_bucket_bytes == 5 * 2**20
     # without overlapping all-reduce DDP gets one huge bucket, and so does the cost model
     one = DataParallelOptions(overlapping_allreduce=False).cost_fields(4)["dp_bucket_bytes"]

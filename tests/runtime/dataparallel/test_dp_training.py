@@ -30,8 +30,13 @@ STAGES, REPLICAS, BATCH, LR, MOMENTUM = 2, 2, 4, 0.5, 0.9
 # name: (options, schedule, microbatches, passes, momentum)
 EXACT = {
     "allreduce_gpipe": (DataParallelOptions(), "gpipe", 2, 3, False),
-    "bucket_view_1f1b": (DataParallelOptions(gradient_as_bucket_view=True, overlapping_allreduce=False),
-                         "1f1b", 2, 3, False),
+    "bucket_view_1f1b": (
+        DataParallelOptions(gradient_as_bucket_view=True, overlapping_allreduce=False),
+        "1f1b",
+        2,
+        3,
+        False,
+    ),
     "small_buckets": (DataParallelOptions(bucket_cap_mb=1e-4), "1f1b", 1, 3, False),
     "accumulate": (DataParallelOptions(backward_passes_per_step=2), "gpipe", 2, 4, False),
     "momentum": (DataParallelOptions(), "1f1b", 2, 3, True),
@@ -54,11 +59,22 @@ def _optimizer(momentum: bool):
     return lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM if momentum else 0.0)
 
 
-def _runner(options: DataParallelOptions, schedule: str = "1f1b", microbatches: int = 2,
-            momentum: bool = False) -> PipelineRunner:
-    return PipelineRunner(twostage.manifest(), twostage.loss_fn, stage_loader=twostage.stage_loader(),
-                          schedule=schedule, microbatches=microbatches, optimizer_factory=_optimizer(momentum),
-                          timeout_s=120, data_parallel=options)
+def _runner(
+    options: DataParallelOptions,
+    schedule: str = "1f1b",
+    microbatches: int = 2,
+    momentum: bool = False,
+) -> PipelineRunner:
+    return PipelineRunner(
+        twostage.manifest(),
+        twostage.loss_fn,
+        stage_loader=twostage.stage_loader(),
+        schedule=schedule,
+        microbatches=microbatches,
+        optimizer_factory=_optimizer(momentum),
+        timeout_s=120,
+        data_parallel=options,
+    )
 
 
 def _train(runner: PipelineRunner, passes: range) -> list[float]:
@@ -78,8 +94,14 @@ def _resume_job(rank: int, tmp: Path) -> dict[str, Any]:
     runner = _runner(RESUME, momentum=True)
     _train(runner, range(RESUME_SPLIT))
     path = tmp / f"ckpt_{rank}.pt"
-    torch.save({"stage": runner.stage.state_dict(), "optimizer": runner.optimizer.state_dict(),
-                "comm_hook": runner.data_parallel.hook_state_dict()}, path)
+    torch.save(
+        {
+            "stage": runner.stage.state_dict(),
+            "optimizer": runner.optimizer.state_dict(),
+            "comm_hook": runner.data_parallel.hook_state_dict(),
+        },
+        path,
+    )
     out["hook_iter"] = runner.data_parallel.hook_state.iter
     for restore_hook in (True, False):
         ckpt = torch.load(path, weights_only=True)
@@ -88,7 +110,9 @@ def _resume_job(rank: int, tmp: Path) -> dict[str, Any]:
         resumed.optimizer.load_state_dict(ckpt["optimizer"])
         if restore_hook:
             resumed.data_parallel.load_hook_state_dict(ckpt["comm_hook"])
-            out["restored_group"] = resumed.data_parallel.hook_state.process_group is resumed.groups.data_parallel
+            out["restored_group"] = (
+                resumed.data_parallel.hook_state.process_group is resumed.groups.data_parallel
+            )
         _train(resumed, range(RESUME_SPLIT, RESUME_STEPS))
         out["resumed" if restore_hook else "resumed_without_hook_state"] = _state(resumed)
     return out
@@ -129,8 +153,9 @@ def _job(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def reference(passes: int, microbatches: int, momentum: bool, passes_per_step: int = 1
-              ) -> tuple[list[float], dict[str, torch.Tensor], torch.optim.Optimizer]:
+def reference(
+    passes: int, microbatches: int, momentum: bool, passes_per_step: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor], torch.optim.Optimizer]:
     """One process, the replicas' batches concatenated: the same mean loss over R x M microbatches."""
     model = copy.deepcopy(twostage.build_reference()).train()
     opt = _optimizer(momentum)(list(model.parameters()))
@@ -158,7 +183,9 @@ def _replica_mean(results: list[dict], name: str) -> torch.Tensor:
     return torch.stack(per_replica).mean(0)
 
 
-def _check_states(results: list[dict], name: str, want: dict[str, torch.Tensor], **tol: float) -> None:
+def _check_states(
+    results: list[dict], name: str, want: dict[str, torch.Tensor], **tol: float
+) -> None:
     for rank, res in enumerate(results):
         for key, value in res[name][1].items():
             torch.testing.assert_close(value, want[key], msg=f"{name}: {key} on rank {rank}", **tol)
@@ -171,40 +198,56 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_allreduce_equals_one_process_training_on_the_concatenated_batch(results: list[dict]) -> None:
+def test_allreduce_equals_one_process_training_on_the_concatenated_batch(
+    results: list[dict],
+) -> None:
     for name, (options, _, m, passes, momentum) in EXACT.items():
-        want_losses, want_state, _ = reference(passes, m, momentum, options.backward_passes_per_step)
-        torch.testing.assert_close(_replica_mean(results, name), torch.tensor(want_losses), msg=name)
+        want_losses, want_state, _ = reference(
+            passes, m, momentum, options.backward_passes_per_step
+        )
+        torch.testing.assert_close(
+            _replica_mean(results, name), torch.tensor(want_losses), msg=name
+        )
         _check_states(results, name, want_state)
     # the tied copies agree and the unused parameter never moved
-    assert torch.equal(results[0]["allreduce_gpipe"][1]["emb.weight"], results[1]["allreduce_gpipe"][1]["emb.weight"])
+    assert torch.equal(
+        results[0]["allreduce_gpipe"][1]["emb.weight"],
+        results[1]["allreduce_gpipe"][1]["emb.weight"],
+    )
     torch.testing.assert_close(results[1]["allreduce_gpipe"][1]["unused"], torch.ones(3))
 
 
 @pytest.mark.distributed
 def test_accumulation_really_differs_from_stepping_every_pass(results: list[dict]) -> None:
     every_pass = reference(4, 2, False, 1)[1]
-    assert not torch.allclose(every_pass["l1.weight"], results[0]["accumulate"][1]["l1.weight"], atol=1e-4)
+    assert not torch.allclose(
+        every_pass["l1.weight"], results[0]["accumulate"][1]["l1.weight"], atol=1e-4
+    )
 
 
 @pytest.mark.distributed
 def test_compressing_hooks_train_close_to_allreduce(results: list[dict]) -> None:
     for name, (_, passes, loss_tol, param_tol) in CLOSE.items():
         want_losses, want_state, _ = reference(passes, 2, False)
-        torch.testing.assert_close(_replica_mean(results, name), torch.tensor(want_losses), atol=loss_tol, rtol=0,
-                                   msg=name)
+        torch.testing.assert_close(
+            _replica_mean(results, name), torch.tensor(want_losses), atol=loss_tol, rtol=0, msg=name
+        )
         _check_states(results, name, want_state, atol=param_tol, rtol=0)
     assert all("comm_hook 'bf16' needs CUDA with NCCL" in res["bf16"] for res in results)
     # compression is real: the hooks do not reproduce the exact all-reduce result
     exact = reference(4, 2, False)[1]
-    assert not torch.allclose(results[0]["powersgd_r1"][1]["l1.weight"], exact["l1.weight"], atol=1e-5)
+    assert not torch.allclose(
+        results[0]["powersgd_r1"][1]["l1.weight"], exact["l1.weight"], atol=1e-5
+    )
 
 
 @pytest.mark.distributed
 def test_zero_matches_unsharded_with_less_state_per_rank(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for key, value in res["zero"][1].items():
-            torch.testing.assert_close(value, res["momentum"][1][key], msg=f"zero vs unsharded {key} rank {rank}")
+            torch.testing.assert_close(
+                value, res["momentum"][1][key], msg=f"zero vs unsharded {key} rank {rank}"
+            )
     for stage in range(STAGES):
         ranks = [r * STAGES + stage for r in range(REPLICAS)]
         unsharded = results[ranks[0]]["state_bytes_unsharded"]
@@ -226,10 +269,15 @@ def test_powersgd_checkpoint_resumes_the_same_trajectory(results: list[dict]) ->
         got = res["resume"]
         assert got["hook_iter"] == RESUME_SPLIT and got["restored_group"]
         for key, value in got["uninterrupted"].items():
-            torch.testing.assert_close(got["resumed"][key], value, rtol=0, atol=0, msg=f"{key} on rank {rank}")
+            torch.testing.assert_close(
+                got["resumed"][key], value, rtol=0, atol=0, msg=f"{key} on rank {rank}"
+            )
     # without the error-feedback state the resumed run drifts: the test can tell
-    drift = [not torch.equal(res["resume"]["resumed_without_hook_state"][k], v)
-             for res in results for k, v in res["resume"]["uninterrupted"].items()]
+    drift = [
+        not torch.equal(res["resume"]["resumed_without_hook_state"][k], v)
+        for res in results
+        for k, v in res["resume"]["uninterrupted"].items()
+    ]
     assert any(drift)
 
 

@@ -52,7 +52,13 @@ CASES = {
     "zbv-grad-op": ("zbv", 2, "v", "grad-op", "sgd"),
     "zbv-full": ("zbv", 2, "v", "full", "adam"),
     "zb-h1-full": ("zb-h1", 1, "loop", "full", "adam"),
-    "dualpipev-grad-op": ("dualpipev", 2, "v", "grad-op", "adam"),  # splits one backward of a chunk only
+    "dualpipev-grad-op": (
+        "dualpipev",
+        2,
+        "v",
+        "grad-op",
+        "adam",
+    ),  # splits one backward of a chunk only
 }
 RESUMED = "zbv-full"  # also resumed from a training checkpoint: the tied copies and Adam's state round-trip
 
@@ -62,10 +68,16 @@ def _batch(replica: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tenso
 
 
 def _runner(schedule: str, v: int, placement: str, shard: str, optimizer: str) -> PipelineRunner:
-    return PipelineRunner(chunked.manifest(RANKS, v, placement), chunked.loss_fn,
-                          stage_loader=chunked.stage_loader(RANKS * v), schedule=schedule, microbatches=M,
-                          optimizer_factory=OPTIMIZERS[optimizer], timeout_s=60,
-                          data_parallel=DataParallelOptions(shard=shard))
+    return PipelineRunner(
+        chunked.manifest(RANKS, v, placement),
+        chunked.loss_fn,
+        stage_loader=chunked.stage_loader(RANKS * v),
+        schedule=schedule,
+        microbatches=M,
+        optimizer_factory=OPTIMIZERS[optimizer],
+        timeout_s=60,
+        data_parallel=DataParallelOptions(shard=shard),
+    )
 
 
 def _whole_state(runner: PipelineRunner) -> dict[str, torch.Tensor]:
@@ -85,8 +97,14 @@ def _train(*case: Any, resume: bool = False) -> dict[str, Any]:
     sharded = all(isinstance(runner.stages[s], FSDPModule) for s in runner.stages)
     local = all(isinstance(p, DTensor) for p in runner.stage.parameters())
     ran_w = any(t.action.kind.value == "W" for t in runner.executor.last_step)
-    out = {"losses": losses, "state": _whole_state(runner), "sharded": sharded and local, "ran_w": ran_w,
-           "chunks": len(runner.stages), "calls": dict(counter.calls)}
+    out = {
+        "losses": losses,
+        "state": _whole_state(runner),
+        "sharded": sharded and local,
+        "ran_w": ran_w,
+        "chunks": len(runner.stages),
+        "calls": dict(counter.calls),
+    }
     if resume:  # STEPS - 1 steps, a training checkpoint (in memory), a fresh runner, the last step
         first = _runner(*case)
         for _ in range(STEPS - 1):
@@ -101,11 +119,22 @@ def _train(*case: Any, resume: bool = False) -> dict[str, Any]:
 
 def _blocks_zb_h1(shard: str) -> dict[str, Any]:
     """``blocks.BlockLM`` under zb-h1: FSDP units nested in the stage (one per block), reduced by hand."""
-    runner = PipelineRunner(blocks.manifest(), blocks.loss_fn, stage_loader=blocks.stage_loader(), schedule="zb-h1",
-                            microbatches=M, optimizer_factory=OPTIMIZERS["adam"], timeout_s=60,
-                            data_parallel=DataParallelOptions(shard=shard))
+    runner = PipelineRunner(
+        blocks.manifest(),
+        blocks.loss_fn,
+        stage_loader=blocks.stage_loader(),
+        schedule="zb-h1",
+        microbatches=M,
+        optimizer_factory=OPTIMIZERS["adam"],
+        timeout_s=60,
+        data_parallel=DataParallelOptions(shard=shard),
+    )
     losses = [runner.step(*_block_batch(k, runner.replica)) for k in range(STEPS)]
-    return {"losses": losses, "state": _whole_state(runner), "units": len(runner.data_parallel.units)}
+    return {
+        "losses": losses,
+        "state": _whole_state(runner),
+        "units": len(runner.data_parallel.units),
+    }
 
 
 def _job(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, Any]:
@@ -145,8 +174,12 @@ def _reference(v: int, optimizer: str) -> tuple[list[float], dict[str, torch.Ten
 def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> None:
     for name, (schedule, v, _, shard, optimizer) in cases.items():
         want_losses, want_state = _reference(v, optimizer)
-        mean = torch.tensor([sum(results[r * RANKS][name]["losses"][k] for r in range(REPLICAS)) / REPLICAS
-                             for k in range(STEPS)])
+        mean = torch.tensor(
+            [
+                sum(results[r * RANKS][name]["losses"][k] for r in range(REPLICAS)) / REPLICAS
+                for k in range(STEPS)
+            ]
+        )
         torch.testing.assert_close(mean, torch.tensor(want_losses), **TIGHT, msg=f"{name}: losses")
         seen: set[str] = set()
         for rank, res in enumerate(results):
@@ -159,10 +192,17 @@ def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> N
             if shard == "grad-op":
                 assert got["calls"]["all_gather"] == got["chunks"], (name, rank, got["calls"])
             for key, value in got["state"].items():  # both tied copies of emb.weight included
-                torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{name}: {key} on rank {rank}")
+                torch.testing.assert_close(
+                    value, want_state[key], **TIGHT, msg=f"{name}: {key} on rank {rank}"
+                )
                 if name == RESUMED:
-                    torch.testing.assert_close(got["resumed"][key], value, rtol=0, atol=0,
-                                               msg=f"{name} resumed: {key} on rank {rank}")
+                    torch.testing.assert_close(
+                        got["resumed"][key],
+                        value,
+                        rtol=0,
+                        atol=0,
+                        msg=f"{name} resumed: {key} on rank {rank}",
+                    )
             seen |= set(got["state"])
         assert seen == set(want_state), f"{name}: the ranks do not hold the whole model"
 
@@ -172,27 +212,55 @@ def check_against_one_process(results: list[dict], cases: dict[str, tuple]) -> N
 def test_each_chunk_sharded_trains_like_one_process_on_the_whole_batch() -> None:
     results = [r.value for r in spawn(_job, RANKS * REPLICAS, CASES, timeout=300)]
     check_against_one_process(results, CASES)
-    want_losses, want_state = train_on_concatenated_batches(blocks.build_reference(), _block_batch, STEPS, REPLICAS, M,
-                                                            blocks.loss_fn, OPTIMIZERS["adam"])
-    mean = [sum(results[r * RANKS]["blocks"]["losses"][k] for r in range(REPLICAS)) / REPLICAS for k in range(STEPS)]
+    want_losses, want_state = train_on_concatenated_batches(
+        blocks.build_reference(),
+        _block_batch,
+        STEPS,
+        REPLICAS,
+        M,
+        blocks.loss_fn,
+        OPTIMIZERS["adam"],
+    )
+    mean = [
+        sum(results[r * RANKS]["blocks"]["losses"][k] for r in range(REPLICAS)) / REPLICAS
+        for k in range(STEPS)
+    ]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(want_losses), **TIGHT)
     for rank, res in enumerate(results):
         assert res["blocks"]["units"] == 3, "two blocks and the stage: nested FSDP units"
         for key, value in res["blocks"]["state"].items():
-            torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"blocks zb-h1: {key} on rank {rank}")
+            torch.testing.assert_close(
+                value, want_state[key], **TIGHT, msg=f"blocks zb-h1: {key} on rank {rank}"
+            )
 
 
-def test_a_split_backward_reduces_once_per_step_not_per_microbatch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_split_backward_reduces_once_per_step_not_per_microbatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Refused on rank 0 of 2 x 2 before any process group exists."""
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29500"}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(key, value)
     options = DataParallelOptions(shard="full", shard_reduce="microbatch")
     build = chunked.manifest(RANKS, 2, "v")
-    with pytest.raises(ConfigError, match=r"shard_reduce='microbatch' cannot follow schedule 'zbv'.*use "
-                                          r"shard_reduce='step'"):
-        PipelineRunner(build, chunked.loss_fn, stage_loader=chunked.stage_loader(4), schedule="zbv", microbatches=M,
-                       data_parallel=options)
+    with pytest.raises(
+        ConfigError,
+        match=r"shard_reduce='microbatch' cannot follow schedule 'zbv'.*use "
+        r"shard_reduce='step'",
+    ):
+        PipelineRunner(
+            build,
+            chunked.loss_fn,
+            stage_loader=chunked.stage_loader(4),
+            schedule="zbv",
+            microbatches=M,
+            data_parallel=options,
+        )
     assert resolve_schedule("zbv", build, M).split_backward()
 
 
@@ -207,15 +275,24 @@ def _gpt_job(rank: int, world: int, builds: dict[str, Path]) -> dict[str, Any]:
     source = load_model_file(EXAMPLES / "gpt.py")
     out = {}
     for schedule, build_dir in builds.items():
-        runner = PipelineRunner(build_dir, source.loss_fn, microbatches=GPT_M, timeout_s=60,
-                                optimizer_factory=lambda p: torch.optim.SGD(p, lr=GPT_LR),
-                                data_parallel=DataParallelOptions(shard=GPT_CASES[schedule]))
+        runner = PipelineRunner(
+            build_dir,
+            source.loss_fn,
+            microbatches=GPT_M,
+            timeout_s=60,
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=GPT_LR),
+            data_parallel=DataParallelOptions(shard=GPT_CASES[schedule]),
+        )
         rows = slice(runner.replica * GPT_BATCH, (runner.replica + 1) * GPT_BATCH)
         inputs = tuple(x[rows] for x in source.example_inputs(REPLICAS * GPT_BATCH))
         targets = source.example_targets(REPLICAS * GPT_BATCH)[rows]
         losses = [runner.step(inputs, targets) for _ in range(STEPS)]
-        out[schedule] = {"name": runner.schedule.name, "losses": losses, "state": _whole_state(runner),
-                         "units": len(runner.data_parallel.units)}
+        out[schedule] = {
+            "name": runner.schedule.name,
+            "losses": losses,
+            "state": _whole_state(runner),
+            "units": len(runner.data_parallel.units),
+        }
     dist.destroy_process_group()
     return out
 
@@ -223,22 +300,39 @@ def _gpt_job(rank: int, world: int, builds: dict[str, Path]) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_gpt_chunked_builds_shard_every_chunk_and_train_like_one_process(tmp_path: Path) -> None:
-    builds = {s: make_build("gpt", tmp_path / s, RANKS, GPT_BATCH, GPT_M, schedule=s) for s in GPT_CASES}
+    builds = {
+        s: make_build("gpt", tmp_path / s, RANKS, GPT_BATCH, GPT_M, schedule=s) for s in GPT_CASES
+    }
     results = [r.value for r in spawn(_gpt_job, RANKS * REPLICAS, builds, timeout=400)]
     source = load_model_file(EXAMPLES / "gpt.py")
     whole = REPLICAS * GPT_BATCH
     for schedule, build_dir in builds.items():
         model = original_model(build_dir, source, RANKS * 2)
-        want_losses, want_state = reference_train(model, source.example_inputs(whole), source.example_targets(whole),
-                                                  source.loss_fn, STEPS, REPLICAS * GPT_M, GPT_LR)
-        mean = [sum(results[r * RANKS][schedule]["losses"][k] for r in range(REPLICAS)) / REPLICAS
-                for k in range(STEPS)]
-        torch.testing.assert_close(torch.tensor(mean), torch.tensor(want_losses), **TIGHT, msg=schedule)
+        want_losses, want_state = reference_train(
+            model,
+            source.example_inputs(whole),
+            source.example_targets(whole),
+            source.loss_fn,
+            STEPS,
+            REPLICAS * GPT_M,
+            GPT_LR,
+        )
+        mean = [
+            sum(results[r * RANKS][schedule]["losses"][k] for r in range(REPLICAS)) / REPLICAS
+            for k in range(STEPS)
+        ]
+        torch.testing.assert_close(
+            torch.tensor(mean), torch.tensor(want_losses), **TIGHT, msg=schedule
+        )
         seen: set[str] = set()
         for rank, res in enumerate(results):
             got = res[schedule]
-            assert got["name"] == schedule and got["units"] > 2, got["units"]  # 2 chunks and their blocks
+            assert got["name"] == schedule and got["units"] > 2, got[
+                "units"
+            ]  # 2 chunks and their blocks
             for key, value in got["state"].items():
-                torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{schedule}: {key} on rank {rank}")
+                torch.testing.assert_close(
+                    value, want_state[key], **TIGHT, msg=f"{schedule}: {key} on rank {rank}"
+                )
             seen |= set(got["state"])
         assert seen == set(want_state), f"{schedule}: the ranks do not hold the whole model"

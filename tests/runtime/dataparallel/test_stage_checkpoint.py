@@ -9,7 +9,11 @@ import torch
 import torch.nn as nn
 
 from fxpipe.errors import CheckpointError
-from fxpipe.runtime.dataparallel.state_dict import checkpoint_paths, load_stage_checkpoint, save_stage_checkpoint
+from fxpipe.runtime.dataparallel.state_dict import (
+    checkpoint_paths,
+    load_stage_checkpoint,
+    save_stage_checkpoint,
+)
 
 
 def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -56,7 +60,9 @@ def test_an_interrupted_swap_falls_back_to_the_old_checkpoint(tmp_path: Path) ->
 
 def test_missing_or_mismatched_checkpoints_are_clear_errors(tmp_path: Path) -> None:
     model, opt = _model_and_optimizer(0)
-    with pytest.raises(CheckpointError, match=r"no checkpoint of stage 5 in .*stage_5.pt \(full\) nor stage_5/"):
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint of stage 5 in .*stage_5.pt \(full\) nor stage_5/"
+    ):
         load_stage_checkpoint(tmp_path, 5, model, opt, None)
     save_stage_checkpoint(tmp_path, 0, nn.Linear(4, 8), None, None, sharded=False)
     with pytest.raises(CheckpointError, match="has no"):

@@ -59,8 +59,10 @@ def build_reference(seed: int = 0) -> TwoStageLM:
 
 def stage_loader(seed: int = 0):
     """Stage i built from the seeded reference; every replica gets the same weights."""
+
     def load(index: int, device: torch.device) -> nn.Module:
         return (Stage0, Stage1)[index](build_reference(seed)).to(device)
+
     return load
 
 
@@ -71,18 +73,36 @@ def manifest() -> Manifest:
     logits = BoundaryTensor("logits", (b, SEQ, VOCAB), "float32", 0, 1, (), True, 0)
 
     def stage(i, inputs, outputs, params):
-        return StageManifest(i, f"Stage{i}", f"stage_{i}.py", f"stage_{i}.safetensors", "", "",
-                             inputs, outputs, params)
+        return StageManifest(
+            i,
+            f"Stage{i}",
+            f"stage_{i}.py",
+            f"stage_{i}.safetensors",
+            "",
+            "",
+            inputs,
+            outputs,
+            params,
+        )
 
     return Manifest(
-        model_file="tests/runtime/dataparallel/twostage.py", model_fn="build_reference", model_sha256="",
-        stages=(stage(0, (idx,), (h,), ("emb.weight", "l1.weight", "l1.bias")),
-                stage(1, (h,), (logits,), ("l2.weight", "l2.bias", "emb.weight", "unused"))),
-        batch_size=2 * b, microbatch_size=b, inputs=(idx,),
-        ties=(Tie((0, 1), ("emb.weight", "emb.weight")),))
+        model_file="tests/runtime/dataparallel/twostage.py",
+        model_fn="build_reference",
+        model_sha256="",
+        stages=(
+            stage(0, (idx,), (h,), ("emb.weight", "l1.weight", "l1.bias")),
+            stage(1, (h,), (logits,), ("l2.weight", "l2.bias", "emb.weight", "unused")),
+        ),
+        batch_size=2 * b,
+        microbatch_size=b,
+        inputs=(idx,),
+        ties=(Tie((0, 1), ("emb.weight", "emb.weight")),),
+    )
 
 
-def batch(batch_size: int, seed: int, vocab: int = VOCAB) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+def batch(
+    batch_size: int, seed: int, vocab: int = VOCAB
+) -> tuple[tuple[torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (batch_size, SEQ), generator=g)
     target = torch.randint(0, vocab, (batch_size, SEQ), generator=g)

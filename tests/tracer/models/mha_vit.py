@@ -13,10 +13,14 @@ class EncoderBlock(nn.Module):
         self.self_attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
         self.dropout = nn.Dropout(dropout)
         self.ln_2 = nn.LayerNorm(width, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        torch._assert(input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}")
+        torch._assert(
+            input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}"
+        )
         x = self.ln_1(input)
         x, _ = self.self_attention(x, x, x, need_weights=False)
         x = self.dropout(x) + input
@@ -24,7 +28,9 @@ class EncoderBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, seq: int = 6, width: int = 16, heads: int = 4, layers: int = 3, dropout: float = 0.1) -> None:
+    def __init__(
+        self, seq: int = 6, width: int = 16, heads: int = 4, layers: int = 3, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.seq = seq
         self.pos = nn.Parameter(torch.randn(1, seq, width) * 0.02)

@@ -7,12 +7,22 @@ import torch.nn as nn
 
 
 class Classifier(nn.Module):
-    def __init__(self, vocab: int = 20, width: int = 16, heads: int = 2, layers: int = 3,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab: int = 20,
+        width: int = 16,
+        heads: int = 2,
+        layers: int = 3,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout, activation="gelu", batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
+        layer = nn.TransformerEncoderLayer(
+            width, heads, 2 * width, dropout, activation="gelu", batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(
+            layer, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False
+        )
         self.head = nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:

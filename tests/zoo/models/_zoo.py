@@ -28,6 +28,7 @@ def _gen(seed: int) -> torch.Generator:
 
 # ---- token models -------------------------------------------------------------------------------------------------
 
+
 def token_ids(batch_size: int, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
     """``[B, seq]`` token ids (never 0, so no id collides with a pad token)."""
     return torch.randint(1, vocab, (batch_size, seq), generator=_gen(seed))
@@ -36,7 +37,7 @@ def token_ids(batch_size: int, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1
 def padding_mask(batch_size: int, seq: int = SEQ) -> torch.Tensor:
     """``[B, seq]`` attention mask of ones whose last sample pads (right side) its final quarter."""
     mask = torch.ones(batch_size, seq, dtype=torch.long)
-    mask[-1, seq - seq // 4:] = 0
+    mask[-1, seq - seq // 4 :] = 0
     return mask
 
 
@@ -65,7 +66,9 @@ def logits_of(output: Any) -> torch.Tensor:
 def token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross entropy of the output's logits against ``[B, seq]`` targets (-100 ignored)."""
     logits = logits_of(output)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1), ignore_index=-100
+    )
 
 
 def lm_kwargs(batch_size: int, labels: bool = False, mask: bool = True) -> dict[str, torch.Tensor]:
@@ -87,6 +90,7 @@ def build_hf(config_cls: type, model_cls: type, seed: int = 0, **config: Any) ->
 
 
 # ---- image models -------------------------------------------------------------------------------------------------
+
 
 def images(batch_size: int, size: int = IMAGE, channels: int = CHANNELS) -> torch.Tensor:
     """``[B, C, size, size]`` standard-normal images."""
@@ -110,9 +114,18 @@ def seeded(seed: int, factory: Any) -> nn.Module:
 
 def decoder_config(**overrides: Any) -> dict[str, Any]:
     """The tiny Llama-shaped hyperparameters most decoder configs share (4 layers, width 32, 4 heads, 2 KV heads)."""
-    config: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config.update(overrides)
     return config
 
@@ -137,14 +150,20 @@ def seq2seq_targets(batch_size: int) -> torch.Tensor:
     return token_ids(batch_size, seq=TARGET_SEQ, seed=4)
 
 
-def seq2seq_inputs(batch_size: int, decoder_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def seq2seq_inputs(
+    batch_size: int, decoder_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Positional ``(input_ids, attention_mask, decoder_input_ids)``: the targets shifted right after the start token."""
     targets = seq2seq_targets(batch_size)
-    decoder_ids = torch.cat([torch.full_like(targets[:, :1], decoder_start), targets[:, :-1]], dim=1)
+    decoder_ids = torch.cat(
+        [torch.full_like(targets[:, :1], decoder_start), targets[:, :-1]], dim=1
+    )
     return token_ids(batch_size), padding_mask(batch_size), decoder_ids
 
 
-def seq2seq_kwargs(batch_size: int, decoder_start: int, labels: bool = False) -> dict[str, torch.Tensor]:
+def seq2seq_kwargs(
+    batch_size: int, decoder_start: int, labels: bool = False
+) -> dict[str, torch.Tensor]:
     """The keyword call; with ``labels=`` the model shifts the labels into ``decoder_input_ids`` itself."""
     if labels:
         return {**lm_kwargs(batch_size), "labels": seq2seq_targets(batch_size)}

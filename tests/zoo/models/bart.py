@@ -22,11 +22,27 @@ DECODER_START = 2
 def build_model():
     from transformers import BartConfig, BartForConditionalGeneration
 
-    return _zoo.build_hf(BartConfig, BartForConditionalGeneration, vocab_size=_zoo.VOCAB, d_model=32,
-                         encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                         encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.1,
-                         attention_dropout=0.1, activation_dropout=0.1, pad_token_id=1, bos_token_id=0,
-                         eos_token_id=2, decoder_start_token_id=DECODER_START, forced_eos_token_id=2)
+    return _zoo.build_hf(
+        BartConfig,
+        BartForConditionalGeneration,
+        vocab_size=_zoo.VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=DECODER_START,
+        forced_eos_token_id=2,
+    )
 
 
 example_inputs = partial(_zoo.seq2seq_inputs, decoder_start=DECODER_START)

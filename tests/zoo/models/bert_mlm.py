@@ -18,9 +18,18 @@ KWARGS_ONLY = False  # forward(input_ids, attention_mask, token_type_ids, ...)
 def build_model():
     from transformers import BertConfig, BertForMaskedLM
 
-    return _zoo.build_hf(BertConfig, BertForMaskedLM, vocab_size=_zoo.VOCAB, hidden_size=32, num_hidden_layers=4,
-                         num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                         hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    return _zoo.build_hf(
+        BertConfig,
+        BertForMaskedLM,
+        vocab_size=_zoo.VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
 
 
 def example_kwargs(batch_size: int):

@@ -72,8 +72,13 @@ class LayerNorm2d(nn.LayerNorm):
 
 
 class CNBlock(nn.Module):
-    def __init__(self, dim: int, layer_scale: float, stochastic_depth_prob: float,
-                 norm_layer: Optional[Callable[..., nn.Module]] = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        layer_scale: float,
+        stochastic_depth_prob: float,
+        norm_layer: Optional[Callable[..., nn.Module]] = None,
+    ) -> None:
         super().__init__()
         if norm_layer is None:
             norm_layer = partial(nn.LayerNorm, eps=1e-6)
@@ -106,8 +111,13 @@ class CNBlockConfig:
 
 
 class ConvNeXt(nn.Module):
-    def __init__(self, block_setting: Sequence[CNBlockConfig], stochastic_depth_prob: float = 0.0,
-                 layer_scale: float = 1e-6, num_classes: int = 1000) -> None:
+    def __init__(
+        self,
+        block_setting: Sequence[CNBlockConfig],
+        stochastic_depth_prob: float = 0.0,
+        layer_scale: float = 1e-6,
+        num_classes: int = 1000,
+    ) -> None:
         super().__init__()
         block = CNBlock
         norm_layer = partial(LayerNorm2d, eps=1e-6)
@@ -116,10 +126,14 @@ class ConvNeXt(nn.Module):
 
         # Stem
         firstconv_output_channels = block_setting[0].input_channels
-        layers.append(nn.Sequential(
-            nn.Conv2d(3, firstconv_output_channels, kernel_size=4, stride=4, padding=0, bias=True),
-            norm_layer(firstconv_output_channels),
-        ))
+        layers.append(
+            nn.Sequential(
+                nn.Conv2d(
+                    3, firstconv_output_channels, kernel_size=4, stride=4, padding=0, bias=True
+                ),
+                norm_layer(firstconv_output_channels),
+            )
+        )
 
         total_stage_blocks = sum(cnf.num_layers for cnf in block_setting)
         stage_block_id = 0
@@ -134,20 +148,26 @@ class ConvNeXt(nn.Module):
             layers.append(nn.Sequential(*stage))
             if cnf.out_channels is not None:
                 # Downsampling
-                layers.append(nn.Sequential(
-                    norm_layer(cnf.input_channels),
-                    nn.Conv2d(cnf.input_channels, cnf.out_channels, kernel_size=2, stride=2),
-                ))
+                layers.append(
+                    nn.Sequential(
+                        norm_layer(cnf.input_channels),
+                        nn.Conv2d(cnf.input_channels, cnf.out_channels, kernel_size=2, stride=2),
+                    )
+                )
 
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
 
         lastblock = block_setting[-1]
         lastconv_output_channels = (
-            lastblock.out_channels if lastblock.out_channels is not None else lastblock.input_channels
+            lastblock.out_channels
+            if lastblock.out_channels is not None
+            else lastblock.input_channels
         )
         self.classifier = nn.Sequential(
-            norm_layer(lastconv_output_channels), nn.Flatten(1), nn.Linear(lastconv_output_channels, num_classes)
+            norm_layer(lastconv_output_channels),
+            nn.Flatten(1),
+            nn.Linear(lastconv_output_channels, num_classes),
         )
 
         for m in self.modules():
@@ -169,5 +189,9 @@ class ConvNeXt(nn.Module):
 def build_model() -> nn.Module:
     setting = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 2), CNBlockConfig(64, None, 1)]
     # layer_scale 0.5 (torchvision: 1e-6) so the blocks' contribution is visible in the comparison
-    return _zoo.seeded(0, lambda: ConvNeXt(setting, stochastic_depth_prob=0.1, layer_scale=0.5,
-                                           num_classes=_zoo.CLASSES))
+    return _zoo.seeded(
+        0,
+        lambda: ConvNeXt(
+            setting, stochastic_depth_prob=0.1, layer_scale=0.5, num_classes=_zoo.CLASSES
+        ),
+    )

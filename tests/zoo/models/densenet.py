@@ -26,16 +26,26 @@ KWARGS_ONLY = False
 
 
 class _DenseLayer(nn.Module):
-    def __init__(self, num_input_features: int, growth_rate: int, bn_size: int, drop_rate: float,
-                 memory_efficient: bool = False) -> None:
+    def __init__(
+        self,
+        num_input_features: int,
+        growth_rate: int,
+        bn_size: int,
+        drop_rate: float,
+        memory_efficient: bool = False,
+    ) -> None:
         super().__init__()
         self.norm1 = nn.BatchNorm2d(num_input_features)
         self.relu1 = nn.ReLU(inplace=True)
-        self.conv1 = nn.Conv2d(num_input_features, bn_size * growth_rate, kernel_size=1, stride=1, bias=False)
+        self.conv1 = nn.Conv2d(
+            num_input_features, bn_size * growth_rate, kernel_size=1, stride=1, bias=False
+        )
 
         self.norm2 = nn.BatchNorm2d(bn_size * growth_rate)
         self.relu2 = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(bn_size * growth_rate, growth_rate, kernel_size=3, stride=1, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(
+            bn_size * growth_rate, growth_rate, kernel_size=3, stride=1, padding=1, bias=False
+        )
 
         self.drop_rate = float(drop_rate)
         self.memory_efficient = memory_efficient
@@ -61,12 +71,24 @@ class _DenseLayer(nn.Module):
 class _DenseBlock(nn.ModuleDict):
     _version = 2
 
-    def __init__(self, num_layers: int, num_input_features: int, bn_size: int, growth_rate: int, drop_rate: float,
-                 memory_efficient: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_input_features: int,
+        bn_size: int,
+        growth_rate: int,
+        drop_rate: float,
+        memory_efficient: bool = False,
+    ) -> None:
         super().__init__()
         for i in range(num_layers):
-            layer = _DenseLayer(num_input_features + i * growth_rate, growth_rate=growth_rate, bn_size=bn_size,
-                                drop_rate=drop_rate, memory_efficient=memory_efficient)
+            layer = _DenseLayer(
+                num_input_features + i * growth_rate,
+                growth_rate=growth_rate,
+                bn_size=bn_size,
+                drop_rate=drop_rate,
+                memory_efficient=memory_efficient,
+            )
             self.add_module("denselayer%d" % (i + 1), layer)
 
     def forward(self, init_features: Tensor) -> Tensor:
@@ -82,33 +104,59 @@ class _Transition(nn.Sequential):
         super().__init__()
         self.norm = nn.BatchNorm2d(num_input_features)
         self.relu = nn.ReLU(inplace=True)
-        self.conv = nn.Conv2d(num_input_features, num_output_features, kernel_size=1, stride=1, bias=False)
+        self.conv = nn.Conv2d(
+            num_input_features, num_output_features, kernel_size=1, stride=1, bias=False
+        )
         self.pool = nn.AvgPool2d(kernel_size=2, stride=2)
 
 
 class DenseNet(nn.Module):
-    def __init__(self, growth_rate: int = 32, block_config: tuple[int, ...] = (6, 12, 24, 16),
-                 num_init_features: int = 64, bn_size: int = 4, drop_rate: float = 0, num_classes: int = 1000,
-                 memory_efficient: bool = False) -> None:
+    def __init__(
+        self,
+        growth_rate: int = 32,
+        block_config: tuple[int, ...] = (6, 12, 24, 16),
+        num_init_features: int = 64,
+        bn_size: int = 4,
+        drop_rate: float = 0,
+        num_classes: int = 1000,
+        memory_efficient: bool = False,
+    ) -> None:
         super().__init__()
 
         # First convolution
-        self.features = nn.Sequential(OrderedDict([
-            ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
-            ("norm0", nn.BatchNorm2d(num_init_features)),
-            ("relu0", nn.ReLU(inplace=True)),
-            ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1)),
-        ]))
+        self.features = nn.Sequential(
+            OrderedDict(
+                [
+                    (
+                        "conv0",
+                        nn.Conv2d(
+                            3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False
+                        ),
+                    ),
+                    ("norm0", nn.BatchNorm2d(num_init_features)),
+                    ("relu0", nn.ReLU(inplace=True)),
+                    ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1)),
+                ]
+            )
+        )
 
         # Each denseblock
         num_features = num_init_features
         for i, num_layers in enumerate(block_config):
-            block = _DenseBlock(num_layers=num_layers, num_input_features=num_features, bn_size=bn_size,
-                                growth_rate=growth_rate, drop_rate=drop_rate, memory_efficient=memory_efficient)
+            block = _DenseBlock(
+                num_layers=num_layers,
+                num_input_features=num_features,
+                bn_size=bn_size,
+                growth_rate=growth_rate,
+                drop_rate=drop_rate,
+                memory_efficient=memory_efficient,
+            )
             self.features.add_module("denseblock%d" % (i + 1), block)
             num_features = num_features + num_layers * growth_rate
             if i != len(block_config) - 1:
-                trans = _Transition(num_input_features=num_features, num_output_features=num_features // 2)
+                trans = _Transition(
+                    num_input_features=num_features, num_output_features=num_features // 2
+                )
                 self.features.add_module("transition%d" % (i + 1), trans)
                 num_features = num_features // 2
 
@@ -138,5 +186,14 @@ class DenseNet(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return _zoo.seeded(0, lambda: DenseNet(growth_rate=8, block_config=(2, 2, 2), num_init_features=16, bn_size=2,
-                                           drop_rate=0.1, num_classes=_zoo.CLASSES))
+    return _zoo.seeded(
+        0,
+        lambda: DenseNet(
+            growth_rate=8,
+            block_config=(2, 2, 2),
+            num_init_features=16,
+            bn_size=2,
+            drop_rate=0.1,
+            num_classes=_zoo.CLASSES,
+        ),
+    )

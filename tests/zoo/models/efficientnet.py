@@ -34,6 +34,7 @@ KWARGS_ONLY = False
 
 # ---- torchvision.ops -----------------------------------------------------------------------------------------------
 
+
 def stochastic_depth(input: Tensor, p: float, mode: str, training: bool = True) -> Tensor:
     """torchvision.ops.stochastic_depth: drop whole residual branches per row of the batch."""
     if p < 0.0 or p > 1.0:
@@ -73,17 +74,36 @@ class StochasticDepth(nn.Module):
 
 
 class Conv2dNormActivation(torch.nn.Sequential):
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
-                 padding: Optional[int] = None, groups: int = 1,
-                 norm_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.BatchNorm2d,
-                 activation_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.ReLU, dilation: int = 1,
-                 inplace: Optional[bool] = True, bias: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        padding: Optional[int] = None,
+        groups: int = 1,
+        norm_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.BatchNorm2d,
+        activation_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.ReLU,
+        dilation: int = 1,
+        inplace: Optional[bool] = True,
+        bias: Optional[bool] = None,
+    ) -> None:
         if padding is None:
             padding = (kernel_size - 1) // 2 * dilation
         if bias is None:
             bias = norm_layer is None
-        layers = [torch.nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation=dilation,
-                                  groups=groups, bias=bias)]
+        layers = [
+            torch.nn.Conv2d(
+                in_channels,
+                out_channels,
+                kernel_size,
+                stride,
+                padding,
+                dilation=dilation,
+                groups=groups,
+                bias=bias,
+            )
+        ]
         if norm_layer is not None:
             layers.append(norm_layer(out_channels))
         if activation_layer is not None:
@@ -94,9 +114,13 @@ class Conv2dNormActivation(torch.nn.Sequential):
 
 
 class SqueezeExcitation(torch.nn.Module):
-    def __init__(self, input_channels: int, squeeze_channels: int,
-                 activation: Callable[..., torch.nn.Module] = torch.nn.ReLU,
-                 scale_activation: Callable[..., torch.nn.Module] = torch.nn.Sigmoid) -> None:
+    def __init__(
+        self,
+        input_channels: int,
+        squeeze_channels: int,
+        activation: Callable[..., torch.nn.Module] = torch.nn.ReLU,
+        scale_activation: Callable[..., torch.nn.Module] = torch.nn.Sigmoid,
+    ) -> None:
         super().__init__()
         self.avgpool = torch.nn.AdaptiveAvgPool2d(1)
         self.fc1 = torch.nn.Conv2d(input_channels, squeeze_channels, 1)
@@ -128,6 +152,7 @@ def _make_divisible(v: float, divisor: int, min_value: Optional[int] = None) -> 
 
 # ---- torchvision.models.efficientnet -------------------------------------------------------------------------------
 
+
 @dataclass
 class MBConvConfig:
     expand_ratio: float
@@ -139,8 +164,13 @@ class MBConvConfig:
 
 
 class MBConv(nn.Module):
-    def __init__(self, cnf: MBConvConfig, stochastic_depth_prob: float, norm_layer: Callable[..., nn.Module],
-                 se_layer: Callable[..., nn.Module] = SqueezeExcitation) -> None:
+    def __init__(
+        self,
+        cnf: MBConvConfig,
+        stochastic_depth_prob: float,
+        norm_layer: Callable[..., nn.Module],
+        se_layer: Callable[..., nn.Module] = SqueezeExcitation,
+    ) -> None:
         super().__init__()
 
         if not (1 <= cnf.stride <= 2):
@@ -154,21 +184,45 @@ class MBConv(nn.Module):
         # expand
         expanded_channels = _make_divisible(cnf.input_channels * cnf.expand_ratio, 8)
         if expanded_channels != cnf.input_channels:
-            layers.append(Conv2dNormActivation(cnf.input_channels, expanded_channels, kernel_size=1,
-                                               norm_layer=norm_layer, activation_layer=activation_layer))
+            layers.append(
+                Conv2dNormActivation(
+                    cnf.input_channels,
+                    expanded_channels,
+                    kernel_size=1,
+                    norm_layer=norm_layer,
+                    activation_layer=activation_layer,
+                )
+            )
 
         # depthwise
-        layers.append(Conv2dNormActivation(expanded_channels, expanded_channels, kernel_size=cnf.kernel,
-                                           stride=cnf.stride, groups=expanded_channels, norm_layer=norm_layer,
-                                           activation_layer=activation_layer))
+        layers.append(
+            Conv2dNormActivation(
+                expanded_channels,
+                expanded_channels,
+                kernel_size=cnf.kernel,
+                stride=cnf.stride,
+                groups=expanded_channels,
+                norm_layer=norm_layer,
+                activation_layer=activation_layer,
+            )
+        )
 
         # squeeze and excitation
         squeeze_channels = max(1, cnf.input_channels // 4)
-        layers.append(se_layer(expanded_channels, squeeze_channels, activation=partial(nn.SiLU, inplace=True)))
+        layers.append(
+            se_layer(expanded_channels, squeeze_channels, activation=partial(nn.SiLU, inplace=True))
+        )
 
         # project
-        layers.append(Conv2dNormActivation(expanded_channels, cnf.out_channels, kernel_size=1,
-                                           norm_layer=norm_layer, activation_layer=None))
+        layers.append(
+            Conv2dNormActivation(
+                expanded_channels,
+                cnf.out_channels,
+                kernel_size=1,
+                norm_layer=norm_layer,
+                activation_layer=None,
+            )
+        )
 
         self.block = nn.Sequential(*layers)
         self.stochastic_depth = StochasticDepth(stochastic_depth_prob, "row")
@@ -183,9 +237,14 @@ class MBConv(nn.Module):
 
 
 class EfficientNet(nn.Module):
-    def __init__(self, inverted_residual_setting: Sequence[MBConvConfig], dropout: float,
-                 stochastic_depth_prob: float = 0.2, num_classes: int = 1000,
-                 last_channel: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        inverted_residual_setting: Sequence[MBConvConfig],
+        dropout: float,
+        stochastic_depth_prob: float = 0.2,
+        num_classes: int = 1000,
+        last_channel: Optional[int] = None,
+    ) -> None:
         super().__init__()
         norm_layer = partial(nn.BatchNorm2d, eps=1e-3, momentum=0.01)
 
@@ -193,8 +252,16 @@ class EfficientNet(nn.Module):
 
         # building first layer
         firstconv_output_channels = inverted_residual_setting[0].input_channels
-        layers.append(Conv2dNormActivation(3, firstconv_output_channels, kernel_size=3, stride=2,
-                                           norm_layer=norm_layer, activation_layer=nn.SiLU))
+        layers.append(
+            Conv2dNormActivation(
+                3,
+                firstconv_output_channels,
+                kernel_size=3,
+                stride=2,
+                norm_layer=norm_layer,
+                activation_layer=nn.SiLU,
+            )
+        )
 
         # building inverted residual blocks
         total_stage_blocks = sum(cnf.num_layers for cnf in inverted_residual_setting)
@@ -220,9 +287,18 @@ class EfficientNet(nn.Module):
 
         # building last several layers
         lastconv_input_channels = inverted_residual_setting[-1].out_channels
-        lastconv_output_channels = last_channel if last_channel is not None else 4 * lastconv_input_channels
-        layers.append(Conv2dNormActivation(lastconv_input_channels, lastconv_output_channels, kernel_size=1,
-                                           norm_layer=norm_layer, activation_layer=nn.SiLU))
+        lastconv_output_channels = (
+            last_channel if last_channel is not None else 4 * lastconv_input_channels
+        )
+        layers.append(
+            Conv2dNormActivation(
+                lastconv_input_channels,
+                lastconv_output_channels,
+                kernel_size=1,
+                norm_layer=norm_layer,
+                activation_layer=nn.SiLU,
+            )
+        )
 
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
@@ -260,9 +336,16 @@ class EfficientNet(nn.Module):
 
 # ---- torchvision.models.mobilenetv2 --------------------------------------------------------------------------------
 
+
 class InvertedResidual(nn.Module):
-    def __init__(self, inp: int, oup: int, stride: int, expand_ratio: int,
-                 norm_layer: Optional[Callable[..., nn.Module]] = None) -> None:
+    def __init__(
+        self,
+        inp: int,
+        oup: int,
+        stride: int,
+        expand_ratio: int,
+        norm_layer: Optional[Callable[..., nn.Module]] = None,
+    ) -> None:
         super().__init__()
         self.stride = stride
         if stride not in [1, 2]:
@@ -277,16 +360,27 @@ class InvertedResidual(nn.Module):
         layers: list[nn.Module] = []
         if expand_ratio != 1:
             # pw
-            layers.append(Conv2dNormActivation(inp, hidden_dim, kernel_size=1, norm_layer=norm_layer,
-                                               activation_layer=nn.ReLU6))
-        layers.extend([
-            # dw
-            Conv2dNormActivation(hidden_dim, hidden_dim, stride=stride, groups=hidden_dim, norm_layer=norm_layer,
-                                 activation_layer=nn.ReLU6),
-            # pw-linear
-            nn.Conv2d(hidden_dim, oup, 1, 1, 0, bias=False),
-            norm_layer(oup),
-        ])
+            layers.append(
+                Conv2dNormActivation(
+                    inp, hidden_dim, kernel_size=1, norm_layer=norm_layer, activation_layer=nn.ReLU6
+                )
+            )
+        layers.extend(
+            [
+                # dw
+                Conv2dNormActivation(
+                    hidden_dim,
+                    hidden_dim,
+                    stride=stride,
+                    groups=hidden_dim,
+                    norm_layer=norm_layer,
+                    activation_layer=nn.ReLU6,
+                ),
+                # pw-linear
+                nn.Conv2d(hidden_dim, oup, 1, 1, 0, bias=False),
+                norm_layer(oup),
+            ]
+        )
         self.conv = nn.Sequential(*layers)
         self.out_channels = oup
         self._is_cn = stride > 1
@@ -299,9 +393,16 @@ class InvertedResidual(nn.Module):
 
 
 class MobileNetV2(nn.Module):
-    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0,
-                 inverted_residual_setting: Optional[list[list[int]]] = None, round_nearest: int = 8,
-                 input_channel: int = 32, last_channel: int = 1280, dropout: float = 0.2) -> None:
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        width_mult: float = 1.0,
+        inverted_residual_setting: Optional[list[list[int]]] = None,
+        round_nearest: int = 8,
+        input_channel: int = 32,
+        last_channel: int = 1280,
+        dropout: float = 0.2,
+    ) -> None:
         super().__init__()
         block = InvertedResidual
         norm_layer = nn.BatchNorm2d
@@ -311,18 +412,31 @@ class MobileNetV2(nn.Module):
         input_channel = _make_divisible(input_channel * width_mult, round_nearest)
         self.last_channel = _make_divisible(last_channel * max(1.0, width_mult), round_nearest)
         features: list[nn.Module] = [
-            Conv2dNormActivation(3, input_channel, stride=2, norm_layer=norm_layer, activation_layer=nn.ReLU6)
+            Conv2dNormActivation(
+                3, input_channel, stride=2, norm_layer=norm_layer, activation_layer=nn.ReLU6
+            )
         ]
         # building inverted residual blocks
         for t, c, n, s in inverted_residual_setting:
             output_channel = _make_divisible(c * width_mult, round_nearest)
             for i in range(n):
                 stride = s if i == 0 else 1
-                features.append(block(input_channel, output_channel, stride, expand_ratio=t, norm_layer=norm_layer))
+                features.append(
+                    block(
+                        input_channel, output_channel, stride, expand_ratio=t, norm_layer=norm_layer
+                    )
+                )
                 input_channel = output_channel
         # building last several layers
-        features.append(Conv2dNormActivation(input_channel, self.last_channel, kernel_size=1,
-                                             norm_layer=norm_layer, activation_layer=nn.ReLU6))
+        features.append(
+            Conv2dNormActivation(
+                input_channel,
+                self.last_channel,
+                kernel_size=1,
+                norm_layer=norm_layer,
+                activation_layer=nn.ReLU6,
+            )
+        )
         # make it nn.Sequential
         self.features = nn.Sequential(*features)
 
@@ -359,14 +473,34 @@ class MobileNetV2(nn.Module):
 
 def build_model() -> nn.Module:
     """EfficientNet-style: four MBConv stages (expand 1/4/4/4, kernels 3/3/5/3), 8 blocks."""
-    setting = [MBConvConfig(1, 3, 1, 16, 8, 1), MBConvConfig(4, 3, 2, 8, 16, 2), MBConvConfig(4, 5, 2, 16, 24, 2),
-               MBConvConfig(4, 3, 1, 24, 32, 3)]
-    return _zoo.seeded(0, lambda: EfficientNet(setting, dropout=0.2, stochastic_depth_prob=0.2,
-                                               num_classes=_zoo.CLASSES, last_channel=64))
+    setting = [
+        MBConvConfig(1, 3, 1, 16, 8, 1),
+        MBConvConfig(4, 3, 2, 8, 16, 2),
+        MBConvConfig(4, 5, 2, 16, 24, 2),
+        MBConvConfig(4, 3, 1, 24, 32, 3),
+    ]
+    return _zoo.seeded(
+        0,
+        lambda: EfficientNet(
+            setting,
+            dropout=0.2,
+            stochastic_depth_prob=0.2,
+            num_classes=_zoo.CLASSES,
+            last_channel=64,
+        ),
+    )
 
 
 def build_mobilenet_v2() -> nn.Module:
     """MobileNetV2-style: t, c, n, s rows as in torchvision, narrowed to 8-32 channels."""
     setting = [[1, 8, 1, 1], [6, 12, 2, 2], [6, 16, 2, 2], [6, 24, 2, 1]]
-    return _zoo.seeded(0, lambda: MobileNetV2(num_classes=_zoo.CLASSES, inverted_residual_setting=setting,
-                                              input_channel=16, last_channel=64, dropout=0.2))
+    return _zoo.seeded(
+        0,
+        lambda: MobileNetV2(
+            num_classes=_zoo.CLASSES,
+            inverted_residual_setting=setting,
+            input_channel=16,
+            last_channel=64,
+            dropout=0.2,
+        ),
+    )

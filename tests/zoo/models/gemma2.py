@@ -9,9 +9,13 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))  # for _zoo.py next to this file
 
 import _zoo  # noqa: E402
-from _zoo import (lm_inputs as example_inputs, lm_kwargs as example_kwargs,  # noqa: E402,F401
-                  lm_kwargs_labels as example_kwargs_labels, next_token_targets as example_targets,
-                  token_loss as loss_fn)
+from _zoo import (
+    lm_inputs as example_inputs,
+    lm_kwargs as example_kwargs,  # noqa: E402,F401
+    lm_kwargs_labels as example_kwargs_labels,
+    next_token_targets as example_targets,
+    token_loss as loss_fn,
+)
 
 DROPOUT = False
 KWARGS_ONLY = False
@@ -20,6 +24,8 @@ KWARGS_ONLY = False
 def build_model():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    return _zoo.build_hf(Gemma2Config, Gemma2ForCausalLM,
-                         **_zoo.decoder_config(head_dim=8, sliding_window=8, query_pre_attn_scalar=8))
-
+    return _zoo.build_hf(
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        **_zoo.decoder_config(head_dim=8, sliding_window=8, query_pre_attn_scalar=8),
+    )

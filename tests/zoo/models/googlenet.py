@@ -39,15 +39,25 @@ class BasicConv2d(nn.Module):
 
 
 class Inception(nn.Module):
-    def __init__(self, in_channels: int, ch1x1: int, ch3x3red: int, ch3x3: int, ch5x5red: int, ch5x5: int,
-                 pool_proj: int, conv_block: Optional[Callable[..., nn.Module]] = None) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        ch1x1: int,
+        ch3x3red: int,
+        ch3x3: int,
+        ch5x5red: int,
+        ch5x5: int,
+        pool_proj: int,
+        conv_block: Optional[Callable[..., nn.Module]] = None,
+    ) -> None:
         super().__init__()
         if conv_block is None:
             conv_block = BasicConv2d
         self.branch1 = conv_block(in_channels, ch1x1, kernel_size=1)
 
         self.branch2 = nn.Sequential(
-            conv_block(in_channels, ch3x3red, kernel_size=1), conv_block(ch3x3red, ch3x3, kernel_size=3, padding=1)
+            conv_block(in_channels, ch3x3red, kernel_size=1),
+            conv_block(ch3x3red, ch3x3, kernel_size=3, padding=1),
         )
 
         self.branch3 = nn.Sequential(
@@ -79,8 +89,13 @@ class Inception(nn.Module):
 class GoogLeNet(nn.Module):
     __constants__ = ["aux_logits", "transform_input"]
 
-    def __init__(self, num_classes: int = 1000, transform_input: bool = False, dropout: float = 0.2,
-                 div: int = 8) -> None:
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        transform_input: bool = False,
+        dropout: float = 0.2,
+        div: int = 8,
+    ) -> None:
         super().__init__()
         conv_block = BasicConv2d
         inception_block = Inception

@@ -9,16 +9,23 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))  # for _zoo.py next to this file
 
 import _zoo  # noqa: E402
-from _zoo import (lm_inputs as example_inputs, lm_kwargs as example_kwargs,  # noqa: E402,F401
-                  lm_kwargs_labels as example_kwargs_labels, next_token_targets as example_targets,
-                  token_loss as loss_fn)
+from _zoo import (
+    lm_inputs as example_inputs,
+    lm_kwargs as example_kwargs,  # noqa: E402,F401
+    lm_kwargs_labels as example_kwargs_labels,
+    next_token_targets as example_targets,
+    token_loss as loss_fn,
+)
 
 DROPOUT = False
-KWARGS_ONLY = False  # example_inputs expresses the call positionally: forward(input_ids, attention_mask, ...)
+KWARGS_ONLY = (
+    False  # example_inputs expresses the call positionally: forward(input_ids, attention_mask, ...)
+)
 
 
 def build_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _zoo.build_hf(LlamaConfig, LlamaForCausalLM, **_zoo.decoder_config(attention_dropout=0.0))
-
+    return _zoo.build_hf(
+        LlamaConfig, LlamaForCausalLM, **_zoo.decoder_config(attention_dropout=0.0)
+    )

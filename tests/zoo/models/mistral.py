@@ -9,9 +9,13 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))  # for _zoo.py next to this file
 
 import _zoo  # noqa: E402
-from _zoo import (lm_inputs as example_inputs, lm_kwargs as example_kwargs,  # noqa: E402,F401
-                  lm_kwargs_labels as example_kwargs_labels, next_token_targets as example_targets,
-                  token_loss as loss_fn)
+from _zoo import (
+    lm_inputs as example_inputs,
+    lm_kwargs as example_kwargs,  # noqa: E402,F401
+    lm_kwargs_labels as example_kwargs_labels,
+    next_token_targets as example_targets,
+    token_loss as loss_fn,
+)
 
 DROPOUT = False
 KWARGS_ONLY = False
@@ -20,5 +24,6 @@ KWARGS_ONLY = False
 def build_model():
     from transformers import MistralConfig, MistralForCausalLM
 
-    return _zoo.build_hf(MistralConfig, MistralForCausalLM, **_zoo.decoder_config(sliding_window=8, head_dim=8))
-
+    return _zoo.build_hf(
+        MistralConfig, MistralForCausalLM, **_zoo.decoder_config(sliding_window=8, head_dim=8)
+    )

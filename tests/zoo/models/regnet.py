@@ -29,14 +29,26 @@ KWARGS_ONLY = False
 class Conv2dNormActivation(torch.nn.Sequential):
     """torchvision.ops.Conv2dNormActivation (the arguments RegNet uses)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
-                 padding: Optional[int] = None, groups: int = 1,
-                 norm_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.BatchNorm2d,
-                 activation_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.ReLU,
-                 inplace: Optional[bool] = True, bias: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        padding: Optional[int] = None,
+        groups: int = 1,
+        norm_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.BatchNorm2d,
+        activation_layer: Optional[Callable[..., torch.nn.Module]] = torch.nn.ReLU,
+        inplace: Optional[bool] = True,
+        bias: Optional[bool] = None,
+    ) -> None:
         padding = (kernel_size - 1) // 2 if padding is None else padding
         bias = norm_layer is None if bias is None else bias
-        layers = [torch.nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=bias)]
+        layers = [
+            torch.nn.Conv2d(
+                in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=bias
+            )
+        ]
         if norm_layer is not None:
             layers.append(norm_layer(out_channels))
         if activation_layer is not None:
@@ -48,9 +60,13 @@ class Conv2dNormActivation(torch.nn.Sequential):
 class SqueezeExcitation(torch.nn.Module):
     """torchvision.ops.SqueezeExcitation."""
 
-    def __init__(self, input_channels: int, squeeze_channels: int,
-                 activation: Callable[..., torch.nn.Module] = torch.nn.ReLU,
-                 scale_activation: Callable[..., torch.nn.Module] = torch.nn.Sigmoid) -> None:
+    def __init__(
+        self,
+        input_channels: int,
+        squeeze_channels: int,
+        activation: Callable[..., torch.nn.Module] = torch.nn.ReLU,
+        scale_activation: Callable[..., torch.nn.Module] = torch.nn.Sigmoid,
+    ) -> None:
         super().__init__()
         self.avgpool = torch.nn.AdaptiveAvgPool2d(1)
         self.fc1 = torch.nn.Conv2d(input_channels, squeeze_channels, 1)
@@ -66,55 +82,111 @@ class SqueezeExcitation(torch.nn.Module):
 class SimpleStemIN(Conv2dNormActivation):
     """Simple stem for ImageNet: 3x3, BN, ReLU."""
 
-    def __init__(self, width_in: int, width_out: int, norm_layer: Callable[..., nn.Module],
-                 activation_layer: Callable[..., nn.Module]) -> None:
-        super().__init__(width_in, width_out, kernel_size=3, stride=2, norm_layer=norm_layer,
-                         activation_layer=activation_layer)
+    def __init__(
+        self,
+        width_in: int,
+        width_out: int,
+        norm_layer: Callable[..., nn.Module],
+        activation_layer: Callable[..., nn.Module],
+    ) -> None:
+        super().__init__(
+            width_in,
+            width_out,
+            kernel_size=3,
+            stride=2,
+            norm_layer=norm_layer,
+            activation_layer=activation_layer,
+        )
 
 
 class BottleneckTransform(nn.Sequential):
     """Bottleneck transformation: 1x1, 3x3 [+SE], 1x1."""
 
-    def __init__(self, width_in: int, width_out: int, stride: int, norm_layer: Callable[..., nn.Module],
-                 activation_layer: Callable[..., nn.Module], group_width: int, bottleneck_multiplier: float,
-                 se_ratio: Optional[float]) -> None:
+    def __init__(
+        self,
+        width_in: int,
+        width_out: int,
+        stride: int,
+        norm_layer: Callable[..., nn.Module],
+        activation_layer: Callable[..., nn.Module],
+        group_width: int,
+        bottleneck_multiplier: float,
+        se_ratio: Optional[float],
+    ) -> None:
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         w_b = int(round(width_out * bottleneck_multiplier))
         g = w_b // group_width
 
-        layers["a"] = Conv2dNormActivation(width_in, w_b, kernel_size=1, stride=1, norm_layer=norm_layer,
-                                           activation_layer=activation_layer)
-        layers["b"] = Conv2dNormActivation(w_b, w_b, kernel_size=3, stride=stride, groups=g, norm_layer=norm_layer,
-                                           activation_layer=activation_layer)
+        layers["a"] = Conv2dNormActivation(
+            width_in,
+            w_b,
+            kernel_size=1,
+            stride=1,
+            norm_layer=norm_layer,
+            activation_layer=activation_layer,
+        )
+        layers["b"] = Conv2dNormActivation(
+            w_b,
+            w_b,
+            kernel_size=3,
+            stride=stride,
+            groups=g,
+            norm_layer=norm_layer,
+            activation_layer=activation_layer,
+        )
 
         if se_ratio:
             # The SE reduction ratio is defined with respect to the
             # beginning of the block
             width_se_out = int(round(se_ratio * width_in))
-            layers["se"] = SqueezeExcitation(input_channels=w_b, squeeze_channels=width_se_out,
-                                             activation=activation_layer)
+            layers["se"] = SqueezeExcitation(
+                input_channels=w_b, squeeze_channels=width_se_out, activation=activation_layer
+            )
 
-        layers["c"] = Conv2dNormActivation(w_b, width_out, kernel_size=1, stride=1, norm_layer=norm_layer,
-                                           activation_layer=None)
+        layers["c"] = Conv2dNormActivation(
+            w_b, width_out, kernel_size=1, stride=1, norm_layer=norm_layer, activation_layer=None
+        )
         super().__init__(layers)
 
 
 class ResBottleneckBlock(nn.Module):
     """Residual bottleneck block: x + F(x), F = bottleneck transform."""
 
-    def __init__(self, width_in: int, width_out: int, stride: int, norm_layer: Callable[..., nn.Module],
-                 activation_layer: Callable[..., nn.Module], group_width: int = 1,
-                 bottleneck_multiplier: float = 1.0, se_ratio: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        width_in: int,
+        width_out: int,
+        stride: int,
+        norm_layer: Callable[..., nn.Module],
+        activation_layer: Callable[..., nn.Module],
+        group_width: int = 1,
+        bottleneck_multiplier: float = 1.0,
+        se_ratio: Optional[float] = None,
+    ) -> None:
         super().__init__()
 
         # Use skip connection with projection if shape changes
         self.proj = None
         should_proj = (width_in != width_out) or (stride != 1)
         if should_proj:
-            self.proj = Conv2dNormActivation(width_in, width_out, kernel_size=1, stride=stride,
-                                             norm_layer=norm_layer, activation_layer=None)
-        self.f = BottleneckTransform(width_in, width_out, stride, norm_layer, activation_layer, group_width,
-                                     bottleneck_multiplier, se_ratio)
+            self.proj = Conv2dNormActivation(
+                width_in,
+                width_out,
+                kernel_size=1,
+                stride=stride,
+                norm_layer=norm_layer,
+                activation_layer=None,
+            )
+        self.f = BottleneckTransform(
+            width_in,
+            width_out,
+            stride,
+            norm_layer,
+            activation_layer,
+            group_width,
+            bottleneck_multiplier,
+            se_ratio,
+        )
         self.activation = activation_layer(inplace=True)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -128,22 +200,47 @@ class ResBottleneckBlock(nn.Module):
 class AnyStage(nn.Sequential):
     """AnyNet stage (sequence of blocks w/ the same output shape)."""
 
-    def __init__(self, width_in: int, width_out: int, stride: int, depth: int,
-                 block_constructor: Callable[..., nn.Module], norm_layer: Callable[..., nn.Module],
-                 activation_layer: Callable[..., nn.Module], group_width: int, bottleneck_multiplier: float,
-                 se_ratio: Optional[float] = None, stage_index: int = 0) -> None:
+    def __init__(
+        self,
+        width_in: int,
+        width_out: int,
+        stride: int,
+        depth: int,
+        block_constructor: Callable[..., nn.Module],
+        norm_layer: Callable[..., nn.Module],
+        activation_layer: Callable[..., nn.Module],
+        group_width: int,
+        bottleneck_multiplier: float,
+        se_ratio: Optional[float] = None,
+        stage_index: int = 0,
+    ) -> None:
         super().__init__()
 
         for i in range(depth):
-            block = block_constructor(width_in if i == 0 else width_out, width_out, stride if i == 0 else 1,
-                                      norm_layer, activation_layer, group_width, bottleneck_multiplier, se_ratio)
+            block = block_constructor(
+                width_in if i == 0 else width_out,
+                width_out,
+                stride if i == 0 else 1,
+                norm_layer,
+                activation_layer,
+                group_width,
+                bottleneck_multiplier,
+                se_ratio,
+            )
 
             self.add_module(f"block{stage_index}-{i}", block)
 
 
 class RegNet(nn.Module):
-    def __init__(self, widths: list[int], depths: list[int], group_width: int, se_ratio: Optional[float],
-                 num_classes: int = 1000, stem_width: int = 32) -> None:
+    def __init__(
+        self,
+        widths: list[int],
+        depths: list[int],
+        group_width: int,
+        se_ratio: Optional[float],
+        num_classes: int = 1000,
+        stem_width: int = 32,
+    ) -> None:
         super().__init__()
         norm_layer = partial(nn.BatchNorm2d, eps=1e-05, momentum=0.1)
         activation = nn.ReLU
@@ -155,9 +252,24 @@ class RegNet(nn.Module):
 
         blocks = []
         for i, (width_out, depth) in enumerate(zip(widths, depths)):
-            blocks.append((f"block{i + 1}", AnyStage(current_width, width_out, 2, depth, ResBottleneckBlock,
-                                                     norm_layer, activation, group_width, 1.0, se_ratio,
-                                                     stage_index=i + 1)))
+            blocks.append(
+                (
+                    f"block{i + 1}",
+                    AnyStage(
+                        current_width,
+                        width_out,
+                        2,
+                        depth,
+                        ResBottleneckBlock,
+                        norm_layer,
+                        activation,
+                        group_width,
+                        1.0,
+                        se_ratio,
+                        stage_index=i + 1,
+                    ),
+                )
+            )
             current_width = width_out
 
         self.trunk_output = nn.Sequential(OrderedDict(blocks))
@@ -190,5 +302,14 @@ class RegNet(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return _zoo.seeded(0, lambda: RegNet(widths=[8, 16, 32], depths=[1, 2, 2], group_width=8, se_ratio=0.25,
-                                         num_classes=_zoo.CLASSES, stem_width=8))
+    return _zoo.seeded(
+        0,
+        lambda: RegNet(
+            widths=[8, 16, 32],
+            depths=[1, 2, 2],
+            group_width=8,
+            se_ratio=0.25,
+            num_classes=_zoo.CLASSES,
+            stem_width=8,
+        ),
+    )

@@ -26,10 +26,20 @@ DROPOUT = False
 KWARGS_ONLY = False
 
 
-def conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1, dilation: int = 1) -> nn.Conv2d:
+def conv3x3(
+    in_planes: int, out_planes: int, stride: int = 1, groups: int = 1, dilation: int = 1
+) -> nn.Conv2d:
     """3x3 convolution with padding"""
-    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=dilation, groups=groups,
-                     bias=False, dilation=dilation)
+    return nn.Conv2d(
+        in_planes,
+        out_planes,
+        kernel_size=3,
+        stride=stride,
+        padding=dilation,
+        groups=groups,
+        bias=False,
+        dilation=dilation,
+    )
 
 
 def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -40,9 +50,17 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
 class BasicBlock(nn.Module):
     expansion: int = 1
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
-                 groups: int = 1, base_width: int = 64, dilation: int = 1,
-                 norm_layer: Optional[Callable[..., nn.Module]] = None) -> None:
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: Optional[nn.Module] = None,
+        groups: int = 1,
+        base_width: int = 64,
+        dilation: int = 1,
+        norm_layer: Optional[Callable[..., nn.Module]] = None,
+    ) -> None:
         super().__init__()
         if norm_layer is None:
             norm_layer = nn.BatchNorm2d
@@ -76,9 +94,17 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     expansion: int = 4
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
-                 groups: int = 1, base_width: int = 64, dilation: int = 1,
-                 norm_layer: Optional[Callable[..., nn.Module]] = None) -> None:
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: Optional[nn.Module] = None,
+        groups: int = 1,
+        base_width: int = 64,
+        dilation: int = 1,
+        norm_layer: Optional[Callable[..., nn.Module]] = None,
+    ) -> None:
         super().__init__()
         if norm_layer is None:
             norm_layer = nn.BatchNorm2d
@@ -117,9 +143,16 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, block: type[Union[BasicBlock, Bottleneck]], layers: list[int], num_classes: int = 1000,
-                 zero_init_residual: bool = False, groups: int = 1, width_per_group: int = 64,
-                 base_planes: int = 64) -> None:
+    def __init__(
+        self,
+        block: type[Union[BasicBlock, Bottleneck]],
+        layers: list[int],
+        num_classes: int = 1000,
+        zero_init_residual: bool = False,
+        groups: int = 1,
+        width_per_group: int = 64,
+        base_planes: int = 64,
+    ) -> None:
         super().__init__()
         norm_layer = nn.BatchNorm2d
         self._norm_layer = norm_layer
@@ -153,8 +186,9 @@ class ResNet(nn.Module):
                 elif isinstance(m, BasicBlock) and m.bn2.weight is not None:
                     nn.init.constant_(m.bn2.weight, 0)
 
-    def _make_layer(self, block: type[Union[BasicBlock, Bottleneck]], planes: int, blocks: int,
-                    stride: int = 1) -> nn.Sequential:
+    def _make_layer(
+        self, block: type[Union[BasicBlock, Bottleneck]], planes: int, blocks: int, stride: int = 1
+    ) -> nn.Sequential:
         norm_layer = self._norm_layer
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
@@ -164,12 +198,30 @@ class ResNet(nn.Module):
             )
 
         layers = []
-        layers.append(block(self.inplanes, planes, stride, downsample, self.groups, self.base_width, self.dilation,
-                            norm_layer))
+        layers.append(
+            block(
+                self.inplanes,
+                planes,
+                stride,
+                downsample,
+                self.groups,
+                self.base_width,
+                self.dilation,
+                norm_layer,
+            )
+        )
         self.inplanes = planes * block.expansion
         for _ in range(1, blocks):
-            layers.append(block(self.inplanes, planes, groups=self.groups, base_width=self.base_width,
-                                dilation=self.dilation, norm_layer=norm_layer))
+            layers.append(
+                block(
+                    self.inplanes,
+                    planes,
+                    groups=self.groups,
+                    base_width=self.base_width,
+                    dilation=self.dilation,
+                    norm_layer=norm_layer,
+                )
+            )
 
         return nn.Sequential(*layers)
 
@@ -196,9 +248,13 @@ class ResNet(nn.Module):
 
 def build_model() -> nn.Module:
     """ResNet-50-style: Bottleneck blocks."""
-    return _zoo.seeded(0, lambda: ResNet(Bottleneck, [1, 1, 1, 1], num_classes=_zoo.CLASSES, base_planes=8))
+    return _zoo.seeded(
+        0, lambda: ResNet(Bottleneck, [1, 1, 1, 1], num_classes=_zoo.CLASSES, base_planes=8)
+    )
 
 
 def build_resnet18() -> nn.Module:
     """ResNet-18-style: BasicBlocks."""
-    return _zoo.seeded(0, lambda: ResNet(BasicBlock, [2, 2, 2, 2], num_classes=_zoo.CLASSES, base_planes=8))
+    return _zoo.seeded(
+        0, lambda: ResNet(BasicBlock, [2, 2, 2, 2], num_classes=_zoo.CLASSES, base_planes=8)
+    )

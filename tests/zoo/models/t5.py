@@ -21,10 +21,23 @@ KWARGS_ONLY = False  # forward(input_ids, attention_mask, decoder_input_ids, ...
 def build_model():
     from transformers import T5Config, T5ForConditionalGeneration
 
-    return _zoo.build_hf(T5Config, T5ForConditionalGeneration, vocab_size=_zoo.VOCAB, d_model=32, d_kv=8, d_ff=64,
-                         num_layers=2, num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                         relative_attention_max_distance=16, dropout_rate=0.1, pad_token_id=0, eos_token_id=1,
-                         decoder_start_token_id=0)
+    return _zoo.build_hf(
+        T5Config,
+        T5ForConditionalGeneration,
+        vocab_size=_zoo.VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.1,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
 
 
 example_inputs = partial(_zoo.seq2seq_inputs, decoder_start=0)

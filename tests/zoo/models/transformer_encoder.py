@@ -23,13 +23,26 @@ KWARGS_ONLY = False
 
 
 class EncoderClassifier(nn.Module):
-    def __init__(self, vocab: int, width: int = 32, heads: int = 4, layers: int = 4, max_len: int = 64,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        width: int = 32,
+        heads: int = 4,
+        layers: int = 4,
+        max_len: int = 64,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.randn(1, max_len, width) * 0.02)
-        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=dropout,
-                                           activation="gelu", batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            width,
+            heads,
+            dim_feedforward=2 * width,
+            dropout=dropout,
+            activation="gelu",
+            batch_first=True,
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(width))
         self.head = nn.Linear(width, vocab)
 

@@ -18,9 +18,19 @@ KWARGS_ONLY = False  # forward(pixel_values, labels, ...)
 def build_model():
     from transformers import ViTConfig, ViTForImageClassification
 
-    return _zoo.build_hf(ViTConfig, ViTForImageClassification, hidden_size=32, num_hidden_layers=4,
-                         num_attention_heads=4, intermediate_size=64, image_size=_zoo.IMAGE, patch_size=8,
-                         num_labels=_zoo.CLASSES, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0)
+    return _zoo.build_hf(
+        ViTConfig,
+        ViTForImageClassification,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=_zoo.IMAGE,
+        patch_size=8,
+        num_labels=_zoo.CLASSES,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
 def example_kwargs(batch_size: int):

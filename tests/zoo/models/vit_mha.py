@@ -31,8 +31,13 @@ class MLPBlock(nn.Sequential):
     """Transformer MLP block (torchvision's MLP with GELU and dropout after each layer)."""
 
     def __init__(self, in_dim: int, mlp_dim: int, dropout: float):
-        super().__init__(nn.Linear(in_dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, in_dim),
-                         nn.Dropout(dropout))
+        super().__init__(
+            nn.Linear(in_dim, mlp_dim),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(mlp_dim, in_dim),
+            nn.Dropout(dropout),
+        )
 
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -44,15 +49,23 @@ class MLPBlock(nn.Sequential):
 class EncoderBlock(nn.Module):
     """Transformer encoder block."""
 
-    def __init__(self, num_heads: int, hidden_dim: int, mlp_dim: int, dropout: float, attention_dropout: float,
-                 norm_layer: Callable[..., torch.nn.Module] = partial(nn.LayerNorm, eps=1e-6)):
+    def __init__(
+        self,
+        num_heads: int,
+        hidden_dim: int,
+        mlp_dim: int,
+        dropout: float,
+        attention_dropout: float,
+        norm_layer: Callable[..., torch.nn.Module] = partial(nn.LayerNorm, eps=1e-6),
+    ):
         super().__init__()
         self.num_heads = num_heads
 
         # Attention block
         self.ln_1 = norm_layer(hidden_dim)
-        self.self_attention = nn.MultiheadAttention(hidden_dim, num_heads, dropout=attention_dropout,
-                                                    batch_first=True)
+        self.self_attention = nn.MultiheadAttention(
+            hidden_dim, num_heads, dropout=attention_dropout, batch_first=True
+        )
         self.dropout = nn.Dropout(dropout)
 
         # MLP block
@@ -60,7 +73,9 @@ class EncoderBlock(nn.Module):
         self.mlp = MLPBlock(hidden_dim, mlp_dim, dropout)
 
     def forward(self, input: torch.Tensor):
-        torch._assert(input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}")
+        torch._assert(
+            input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}"
+        )
         x = self.ln_1(input)
         x, _ = self.self_attention(x, x, x, need_weights=False)
         x = self.dropout(x)
@@ -74,23 +89,36 @@ class EncoderBlock(nn.Module):
 class Encoder(nn.Module):
     """Transformer Model Encoder for sequence to sequence translation."""
 
-    def __init__(self, seq_length: int, num_layers: int, num_heads: int, hidden_dim: int, mlp_dim: int,
-                 dropout: float, attention_dropout: float,
-                 norm_layer: Callable[..., torch.nn.Module] = partial(nn.LayerNorm, eps=1e-6)):
+    def __init__(
+        self,
+        seq_length: int,
+        num_layers: int,
+        num_heads: int,
+        hidden_dim: int,
+        mlp_dim: int,
+        dropout: float,
+        attention_dropout: float,
+        norm_layer: Callable[..., torch.nn.Module] = partial(nn.LayerNorm, eps=1e-6),
+    ):
         super().__init__()
         # Note that batch_size is on the first dim because
         # we have batch_first=True in nn.MultiAttention() by default
-        self.pos_embedding = nn.Parameter(torch.empty(1, seq_length, hidden_dim).normal_(std=0.02))  # from BERT
+        self.pos_embedding = nn.Parameter(
+            torch.empty(1, seq_length, hidden_dim).normal_(std=0.02)
+        )  # from BERT
         self.dropout = nn.Dropout(dropout)
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         for i in range(num_layers):
-            layers[f"encoder_layer_{i}"] = EncoderBlock(num_heads, hidden_dim, mlp_dim, dropout, attention_dropout,
-                                                        norm_layer)
+            layers[f"encoder_layer_{i}"] = EncoderBlock(
+                num_heads, hidden_dim, mlp_dim, dropout, attention_dropout, norm_layer
+            )
         self.layers = nn.Sequential(layers)
         self.ln = norm_layer(hidden_dim)
 
     def forward(self, input: torch.Tensor):
-        torch._assert(input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}")
+        torch._assert(
+            input.dim() == 3, f"Expected (batch_size, seq_length, hidden_dim) got {input.shape}"
+        )
         input = input + self.pos_embedding
         return self.ln(self.layers(self.dropout(input)))
 
@@ -98,9 +126,19 @@ class Encoder(nn.Module):
 class VisionTransformer(nn.Module):
     """Vision Transformer as per https://arxiv.org/abs/2010.11929."""
 
-    def __init__(self, image_size: int, patch_size: int, num_layers: int, num_heads: int, hidden_dim: int,
-                 mlp_dim: int, dropout: float = 0.0, attention_dropout: float = 0.0, num_classes: int = 1000,
-                 norm_layer: Callable[..., torch.nn.Module] = partial(nn.LayerNorm, eps=1e-6)):
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        num_layers: int,
+        num_heads: int,
+        hidden_dim: int,
+        mlp_dim: int,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        num_classes: int = 1000,
+        norm_layer: Callable[..., torch.nn.Module] = partial(nn.LayerNorm, eps=1e-6),
+    ):
         super().__init__()
         torch._assert(image_size % patch_size == 0, "Input shape indivisible by patch size!")
         self.image_size = image_size
@@ -112,8 +150,9 @@ class VisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.norm_layer = norm_layer
 
-        self.conv_proj = nn.Conv2d(in_channels=3, out_channels=hidden_dim, kernel_size=patch_size,
-                                   stride=patch_size)
+        self.conv_proj = nn.Conv2d(
+            in_channels=3, out_channels=hidden_dim, kernel_size=patch_size, stride=patch_size
+        )
 
         seq_length = (image_size // patch_size) ** 2
 
@@ -121,15 +160,27 @@ class VisionTransformer(nn.Module):
         self.class_token = nn.Parameter(torch.zeros(1, 1, hidden_dim))
         seq_length += 1
 
-        self.encoder = Encoder(seq_length, num_layers, num_heads, hidden_dim, mlp_dim, dropout, attention_dropout,
-                               norm_layer)
+        self.encoder = Encoder(
+            seq_length,
+            num_layers,
+            num_heads,
+            hidden_dim,
+            mlp_dim,
+            dropout,
+            attention_dropout,
+            norm_layer,
+        )
         self.seq_length = seq_length
 
         heads_layers: OrderedDict[str, nn.Module] = OrderedDict()
         heads_layers["head"] = nn.Linear(hidden_dim, num_classes)
         self.heads = nn.Sequential(heads_layers)
 
-        fan_in = self.conv_proj.in_channels * self.conv_proj.kernel_size[0] * self.conv_proj.kernel_size[1]
+        fan_in = (
+            self.conv_proj.in_channels
+            * self.conv_proj.kernel_size[0]
+            * self.conv_proj.kernel_size[1]
+        )
         nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / fan_in))
         if self.conv_proj.bias is not None:
             nn.init.zeros_(self.conv_proj.bias)
@@ -138,8 +189,12 @@ class VisionTransformer(nn.Module):
     def _process_input(self, x: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape
         p = self.patch_size
-        torch._assert(h == self.image_size, f"Wrong image height! Expected {self.image_size} but got {h}!")
-        torch._assert(w == self.image_size, f"Wrong image width! Expected {self.image_size} but got {w}!")
+        torch._assert(
+            h == self.image_size, f"Wrong image height! Expected {self.image_size} but got {h}!"
+        )
+        torch._assert(
+            w == self.image_size, f"Wrong image width! Expected {self.image_size} but got {w}!"
+        )
         n_h = h // p
         n_w = w // p
 
@@ -176,6 +231,17 @@ class VisionTransformer(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return _zoo.seeded(0, lambda: VisionTransformer(image_size=_zoo.IMAGE, patch_size=8, num_layers=4, num_heads=4,
-                                                    hidden_dim=32, mlp_dim=64, dropout=0.1, attention_dropout=0.1,
-                                                    num_classes=_zoo.CLASSES))
+    return _zoo.seeded(
+        0,
+        lambda: VisionTransformer(
+            image_size=_zoo.IMAGE,
+            patch_size=8,
+            num_layers=4,
+            num_heads=4,
+            hidden_dim=32,
+            mlp_dim=64,
+            dropout=0.1,
+            attention_dropout=0.1,
+            num_classes=_zoo.CLASSES,
+        ),
+    )

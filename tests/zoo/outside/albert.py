@@ -1,12 +1,20 @@
 """ALBERT masked LM: one transformer layer's weights shared by every layer, factorised embeddings."""
+
 import torch
 from transformers import AlbertConfig, AlbertForMaskedLM
 
 
 def build_model():
     torch.manual_seed(0)
-    cfg = AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                       intermediate_size=64, max_position_embeddings=64)
+    cfg = AlbertConfig(
+        vocab_size=128,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     return AlbertForMaskedLM(cfg)
 
 

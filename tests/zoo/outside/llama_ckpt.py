@@ -1,4 +1,5 @@
 """A new user's Llama variant as llama_mqa.py, with gradient checkpointing enabled (model.gradient_checkpointing_enable())."""
+
 import sys
 from pathlib import Path
 

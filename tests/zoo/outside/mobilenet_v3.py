@@ -1,4 +1,5 @@
 """A MobileNetV3-style network: hardswish, SE with hardsigmoid, depthwise convs, residual adds."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,12 +21,20 @@ class Block(nn.Module):
     def __init__(self, cin, exp, cout, k, stride, se, act):
         super().__init__()
         self.use_res = stride == 1 and cin == cout
-        layers = [nn.Conv2d(cin, exp, 1, bias=False), nn.BatchNorm2d(exp, eps=0.001, momentum=0.01), act(inplace=True),
-                  nn.Conv2d(exp, exp, k, stride, k // 2, groups=exp, bias=False),
-                  nn.BatchNorm2d(exp, eps=0.001, momentum=0.01), act(inplace=True)]
+        layers = [
+            nn.Conv2d(cin, exp, 1, bias=False),
+            nn.BatchNorm2d(exp, eps=0.001, momentum=0.01),
+            act(inplace=True),
+            nn.Conv2d(exp, exp, k, stride, k // 2, groups=exp, bias=False),
+            nn.BatchNorm2d(exp, eps=0.001, momentum=0.01),
+            act(inplace=True),
+        ]
         if se:
             layers.append(SE(exp))
-        layers += [nn.Conv2d(exp, cout, 1, bias=False), nn.BatchNorm2d(cout, eps=0.001, momentum=0.01)]
+        layers += [
+            nn.Conv2d(exp, cout, 1, bias=False),
+            nn.BatchNorm2d(cout, eps=0.001, momentum=0.01),
+        ]
         self.block = nn.Sequential(*layers)
 
     def forward(self, x):
@@ -38,12 +47,23 @@ class Block(nn.Module):
 class MobileNetV3(nn.Module):
     def __init__(self):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(inplace=True))
-        cfg = [(16, 16, 16, 3, 2, True, nn.ReLU), (16, 64, 24, 3, 2, False, nn.ReLU), (24, 72, 24, 3, 1, False, nn.ReLU),
-               (24, 96, 40, 5, 2, True, nn.Hardswish), (40, 120, 40, 5, 1, True, nn.Hardswish)]
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(inplace=True)
+        )
+        cfg = [
+            (16, 16, 16, 3, 2, True, nn.ReLU),
+            (16, 64, 24, 3, 2, False, nn.ReLU),
+            (24, 72, 24, 3, 1, False, nn.ReLU),
+            (24, 96, 40, 5, 2, True, nn.Hardswish),
+            (40, 120, 40, 5, 1, True, nn.Hardswish),
+        ]
         self.features = nn.Sequential(*[Block(*c) for c in cfg])
-        self.head = nn.Sequential(nn.Linear(40, 64), nn.Hardswish(inplace=True), nn.Dropout(0.2, inplace=True),
-                                  nn.Linear(64, 10))
+        self.head = nn.Sequential(
+            nn.Linear(40, 64),
+            nn.Hardswish(inplace=True),
+            nn.Dropout(0.2, inplace=True),
+            nn.Linear(64, 10),
+        )
 
     def forward(self, x):
         x = self.features(self.stem(x))

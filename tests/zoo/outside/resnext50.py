@@ -1,4 +1,5 @@
 """A new user's ResNet-50-style network (ResNeXt bottlenecks, stride on the 3x3, downsample, zero-init residual BN)."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -57,12 +58,18 @@ class ResNeXt(nn.Module):
     def _make_layer(self, planes, blocks, stride=1):
         downsample = None
         if stride != 1 or self.inplanes != planes * 4:
-            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * 4, 1, stride, bias=False),
-                                       nn.BatchNorm2d(planes * 4))
-        layers = [Bottleneck(self.inplanes, planes, stride, downsample, self.groups, self.base_width)]
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes * 4, 1, stride, bias=False),
+                nn.BatchNorm2d(planes * 4),
+            )
+        layers = [
+            Bottleneck(self.inplanes, planes, stride, downsample, self.groups, self.base_width)
+        ]
         self.inplanes = planes * 4
         for _ in range(1, blocks):
-            layers.append(Bottleneck(self.inplanes, planes, groups=self.groups, base_width=self.base_width))
+            layers.append(
+                Bottleneck(self.inplanes, planes, groups=self.groups, base_width=self.base_width)
+            )
         return nn.Sequential(*layers)
 
     def forward(self, x):

@@ -1,4 +1,5 @@
 """A seq2seq model on nn.Transformer (encoder and decoder, causal target mask, padding masks)."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,8 +15,14 @@ class Seq2Seq(nn.Module):
 
     def forward(self, src, tgt, src_pad):
         causal = nn.Transformer.generate_square_subsequent_mask(tgt.size(1))
-        h = self.transformer(self.src_emb(src), self.tgt_emb(tgt), tgt_mask=causal, src_key_padding_mask=src_pad,
-                             memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        h = self.transformer(
+            self.src_emb(src),
+            self.tgt_emb(tgt),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
         return self.out(h)
 
 
