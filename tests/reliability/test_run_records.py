@@ -326,7 +326,7 @@ def test_a_full_log_disk_loses_log_lines_not_the_job(
 ) -> None:
     from fxpipe.runtime.launch import launcher
 
-    job = launcher._Job(proc=None, show_errors=False)  # type: ignore[arg-type]
+    job = launcher._Job(proc=None)  # type: ignore[arg-type]
     sink = _FullDisk()
     monkeypatch.setattr(launcher.sys, "stdout", sink)
     launcher._tee(job, io.StringIO("step    1/9  loss 2.0\nstep    2/9  loss 1.9\n"), sink)

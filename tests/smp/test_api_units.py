@@ -244,6 +244,8 @@ def test_an_uneven_batch_names_the_config_key_not_a_cli_flag(
         "current",
         lambda: SimpleNamespace(model=object(), config=SimpleNamespace(microbatches=3)),
     )
+    # one process, no pipeline: no rank to take the batch from (Note [one batch per pipeline])
+    monkeypatch.setattr(step_module, "first_stage_batch", lambda fn, args, kwargs: (args, kwargs))
 
     @step_module.step
     def train(x: torch.Tensor) -> torch.Tensor:
