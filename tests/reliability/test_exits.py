@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_build
+from probe_builds import make_build
 from procs import fxpipe_env
 
 ROOT = Path(__file__).resolve().parents[2]
