@@ -39,6 +39,7 @@ from fxpipe.tracer.progress import phase, progress_iter
 from fxpipe.tracer.timing import analytic_ms, time_units
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
+from fxpipe.tracer.mode_probe import modes_compute_alike
 from fxpipe.tracer.frontends import trace_graph
 from fxpipe.tracer.meta import (
     META,
@@ -426,14 +427,12 @@ def trace_model(
                     _normalize(again.graph_module, inputs, trace_device)
                     return again.graph_module
 
-                merge_eval_mode(
-                    model,
-                    gm,
-                    inputs,
-                    trace=trace_again,
-                    check=not on_meta,
-                    run=lambda: _run_in(eager_mode(on_meta), call.example, model),
-                )
+                run = lambda: _run_in(eager_mode(on_meta), call.example, model)  # noqa: E731
+                one_mode = modes_compute_alike(model, inputs, run)  # Note [one mode is enough]
+                if not one_mode:
+                    merge_eval_mode(
+                        model, gm, inputs, trace=trace_again, check=not on_meta, run=run
+                    )
                 with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
                     prop = propagate(gm, inputs, batch, dims)
                 regions, gm.meta[MUTATIONS_KEY] = isolate_mutations(gm, prop.values, prop.mutations)
@@ -445,14 +444,11 @@ def trace_model(
                     gm, group_units(gm, prop.flops), regions
                 )  # a mode-guarded region stays whole
                 runners = [UnitRunner(gm, g, prop.values) for g in groups]
-                tracing.detail = f"{result.frontend}, {len(groups)} units"
+                modes = "train = eval mode" if one_mode else "train and eval mode"
+                tracing.detail = f"{result.frontend}, {modes}, {len(groups)} units"
             with phase("count") as counted, cost_device_kernels(on_meta, cost_device):
                 counting = lambda rs: progress_iter(rs, "counting units", progress, len(rs))  # noqa: E731
-                counts = (
-                    count_units_once(runners, count_unit, counting)
-                    if on_meta
-                    else [count_unit(r) for r in counting(runners)]
-                )
+                counts = count_units_once(runners, count_unit, counting)
                 counted.detail = f"{len(runners)} units"
             host_call_ms = None
             if measure_times:

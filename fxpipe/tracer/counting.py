@@ -256,8 +256,9 @@ def unit_structure_key(runner: UnitRunner) -> Any:
         for n in runner.input_values
     )
     body = tuple(_node_key(gm, n, local) for n in runner.attr_nodes + runner.nodes)
+    values = tuple(_value_key(runner._values.get(n)) for n in runner.nodes)
     outputs = tuple(local[n] for n in runner.output_nodes)
-    return (inputs, producers, producer_inputs, body, outputs)
+    return (inputs, producers, producer_inputs, body, values, outputs)
 
 
 def count_units_once(
@@ -265,8 +266,10 @@ def count_units_once(
     count: Callable[[UnitRunner], UnitCounts],
     progress: Callable[[list[UnitRunner]], Iterable[UnitRunner]],
 ) -> list[UnitCounts]:
-    """``count(r)`` for each runner, run once per distinct :func:`unit_structure_key` (on meta, counts
-    depend on structure and shapes only, so the 80 layers of a 70B model are counted once)."""
+    """``count(r)`` for each runner, run once per distinct :func:`unit_structure_key`: counts depend on
+    the operations and the shapes only, so the 80 layers of a 70B model are counted once. The key holds
+    the shape of every value inside the unit too, so a unit whose shapes follow its data (an MoE
+    layer's routing) is counted again wherever they differ."""
     seen: dict[Any, UnitCounts] = {}
     out = []
     for runner in progress(runners):
