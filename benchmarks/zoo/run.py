@@ -11,12 +11,17 @@ For every zoo model (``tests/zoo/registry.py``):
   the max abs error of outputs, gradients and buffers in train and in eval mode, and with ``--train``
   whether ``fxpipe run --steps 2`` trains (torchrun, 2 ranks). "handles" = partitions and matches
   in both modes (and trains, when ``--train`` ran).
+* **time to a build** (issue 37): ``fxpipe partition MODEL --stages 2`` as a user runs it (a fresh
+  process: imports, build, trace, count, solve, emit and the build-time check), its wall seconds
+  and the phases it prints, beside the seconds of pipelining's ``pipeline()`` call alone (its split,
+  from an already built model). ``--timing`` measures only these two columns.
 
 Usage (from the repository root)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/zoo/run.py              # both sides, every model
     PYTHONPATH=$PWD .venv/bin/python benchmarks/zoo/run.py --no-fxpipe  # pipelining only
     PYTHONPATH=$PWD .venv/bin/python benchmarks/zoo/run.py llama resnet --train
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/zoo/run.py --timing     # time to a build only
 
 writes ``results.json`` and ``results.md`` next to this file (``--out DIR`` elsewhere).
 """
@@ -27,6 +32,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,7 +119,9 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
             )  # a missing name is this script's error, not pipelining's
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                split_start = time.perf_counter()
                 pipe = pipeline(module, inputs, split_spec={row["split_at"]: SplitPoint.BEGINNING})
+                row.setdefault("split_s", round(time.perf_counter() - split_start, 2))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 got = pipe(*inputs)
@@ -128,6 +137,48 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
         row[mode] = result
     row["handles"] = row["eval"]["status"] == "ok"
     return row
+
+
+PHASE_LINE = re.compile(r"^fxpipe: (?P<phase>\w[\w ]*?)(?: \(.*\))? (?P<seconds>[0-9.]+) s$")
+
+
+def partition_timing(model: ZooModel) -> dict[str, Any]:
+    """``fxpipe partition MODEL --stages 2`` in a fresh process, as a user runs it: wall seconds and phases."""
+    with tempfile.TemporaryDirectory(prefix=f"zoo-time-{model.name}-") as tmp:
+        command = [sys.executable, "-m", "fxpipe", "partition", model.spec, "--stages", "2"]
+        command += ["--out", str(Path(tmp) / "build")]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        start = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        wall = round(time.perf_counter() - start, 2)
+    phases = {
+        m["phase"]: float(m["seconds"])
+        for line in (done.stdout + done.stderr).splitlines()
+        if (m := PHASE_LINE.match(line.strip()))
+    }
+    row: dict[str, Any] = {"status": "ok" if done.returncode == 0 else "error", "wall_s": wall}
+    row["phases"] = phases
+    if done.returncode:
+        row["error"] = (done.stderr.strip().splitlines() or ["?"])[-1][:300]
+    return row
+
+
+def pipelining_split_time(model: ZooModel) -> dict[str, Any]:
+    """The seconds of pipelining's ``pipeline()`` call alone, at the benchmark's split, from a built model."""
+    from fxpipe.modelfile import load_model_file
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    source = load_model_file(model.spec)
+    module = source.build_model().eval()
+    inputs = source.example_inputs(MICROBATCH)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipeline(module, inputs, split_spec={SPLIT_AT[model.name]: SplitPoint.BEGINNING})
+    except Exception as exc:  # noqa: BLE001 - a failure is a row
+        return {"split_s": round(time.perf_counter() - start, 2), **describe_error(exc)}
+    return {"split_s": round(time.perf_counter() - start, 2)}
 
 
 def fxpipe_side(model: ZooModel, train: bool) -> dict[str, Any]:
@@ -193,7 +244,7 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     n = len(rows)
-    pp = sum(bool(r["pipelining"]["handles"]) for r in rows if r.get("pipelining"))
+    pp = sum(bool(r["pipelining"].get("handles")) for r in rows if r.get("pipelining"))
     fx_rows = [r for r in rows if r.get("fxpipe")]
     fx = sum(bool(r["fxpipe"]["handles"]) for r in fx_rows)
     lines = [
@@ -202,6 +253,38 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         f"torch {meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}, "
         f"{meta['cpus']} CPUs; {meta['seconds']:.0f} s in all. Microbatch {MICROBATCH}; tolerance rtol {RTOL:g}, "
         f"atol {ATOL:g}; * = the model has dropout or stochastic depth.",
+    ]
+    if meta.get("timing"):
+        rows_table: list[dict[str, Any]] = []
+    else:
+        rows_table = rows
+        lines += _verdict_table(rows, pp, n, fx, fx_rows, meta)
+    lines += _timing_table(rows)
+    errors = [
+        (r["name"], r["pipelining"]["eval"])
+        for r in rows_table
+        if r.get("pipelining", {}).get("eval", {}).get("status") == "error"
+    ]
+    if errors:
+        lines += ["", "pipelining errors (eval mode):", ""]
+        lines += [
+            f"- {name}: {e['error_type']}: {e['error'][:200]}"
+            + (f" (cause: {e['cause'][:200]})" if e.get("cause") else "")
+            for name, e in errors
+        ]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def _verdict_table(
+    rows: list[dict[str, Any]],
+    pp: int,
+    n: int,
+    fx: int,
+    fx_rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> list[str]:
+    """The side-by-side verdicts: does each front end split the model and compute the same thing."""
+    lines = [
         "",
         f"**pipelining `pipeline()` handles {pp} of {n}**"
         + (
@@ -246,22 +329,38 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
             )
             + " |"
         )
-    errors = [
-        (r["name"], r["pipelining"]["eval"])
-        for r in rows
-        if r.get("pipelining") and r["pipelining"]["eval"]["status"] == "error"
-    ]
-    if errors:
-        lines += ["", "pipelining errors (eval mode):", ""]
+    return lines
+
+
+def _timing_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Time to a build: fxpipe partition's wall seconds and phases beside pipeline()'s split."""
+    lines: list[str] = []
+    timed = [r for r in rows if r.get("partition")]
+    if timed:
+        names = ["build the model", "trace", "count", "solve", "emit", "check"]
         lines += [
-            f"- {name}: {e['error_type']}: {e['error'][:200]}"
-            + (f" (cause: {e['cause'][:200]})" if e.get("cause") else "")
-            for name, e in errors
+            "",
+            "## Time to a build",
+            "",
+            "`fxpipe partition MODEL --stages 2` in a fresh process (wall seconds, the phases it prints), "
+            "beside pipelining's `pipeline()` call alone on a built model.",
+            "",
+            "| model | fxpipe partition s | " + " | ".join(names) + " | pipeline() split s |",
+            "|---|" + "---|" * (len(names) + 2),
         ]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+        for r in timed:
+            t, split = r["partition"], (r.get("pipelining") or {}).get("split_s")
+            cells = [f"{t['phases'][n]:.1f}" if n in t["phases"] else "-" for n in names]
+            wall = f"{t['wall_s']:.1f}" + ("" if t["status"] == "ok" else " (failed)")
+            lines.append(
+                f"| {r['name']} | {wall} | "
+                + " | ".join(cells)
+                + f" | {'-' if split is None else f'{split:.1f}'} |"
+            )
+    return lines
 
 
-def _meta(train: bool, start: float) -> dict[str, Any]:
+def _meta(train: bool, start: float, timing: bool = False) -> dict[str, Any]:
     import transformers
 
     return {
@@ -271,6 +370,7 @@ def _meta(train: bool, start: float) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "seconds": round(time.perf_counter() - start, 1),
         "train": train,
+        "timing": timing,
         "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -284,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         "--train",
         action="store_true",
         help="fxpipe side: also `fxpipe run --steps 2` (~20-60 s each)",
+    )
+    parser.add_argument(
+        "--timing",
+        action="store_true",
+        help="only the time to a build: `fxpipe partition` wall and phases, pipeline()'s split",
     )
     parser.add_argument("--out", default=str(HERE), help="folder for results.json / results.md")
     parser.add_argument(
@@ -304,21 +409,27 @@ def main(argv: list[str] | None = None) -> int:
             if model.spec.startswith(str(ROOT))
             else model.spec,
         }
-        if not args.no_pipelining:
-            row["pipelining"] = pipelining_side(model)
-        if not args.no_fxpipe:
-            row["fxpipe"] = fxpipe_side(model, args.train)
+        if args.timing:
+            row["pipelining"] = pipelining_split_time(model) if model.name in SPLIT_AT else {}
+            row["partition"] = partition_timing(model)
+        else:
+            if not args.no_pipelining:
+                row["pipelining"] = pipelining_side(model)
+            if not args.no_fxpipe:
+                row["fxpipe"] = fxpipe_side(model, args.train)
+            row["partition"] = partition_timing(model)
         rows.append(row)
-        p, f = row.get("pipelining", {}), row.get("fxpipe", {})
-        print(
-            f"{model.name:20s} pipelining {'yes' if p.get('handles') else 'no ':3s} "
-            f"fxpipe {'yes' if f.get('handles') else 'no ':3s} {f.get('first_problem') or ''}"[
-                :160
-            ],
-            flush=True,
+        p, f, t = row.get("pipelining", {}), row.get("fxpipe", {}), row["partition"]
+        timing = (
+            f"partition {t['wall_s']:.1f} s ({t['status']}), pipeline() {p.get('split_s', '-')} s"
         )
+        verdicts = (
+            f"pipelining {'yes' if p.get('handles') else 'no ':3s} "
+            f"fxpipe {'yes' if f.get('handles') else 'no ':3s} {f.get('first_problem') or ''}"
+        )
+        print(f"{model.name:20s} {timing if args.timing else verdicts}"[:160], flush=True)
         write_results(
-            rows, _meta(args.train, start), Path(args.out)
+            rows, _meta(args.train, start, args.timing), Path(args.out)
         )  # after every model: a cut-off run keeps its rows
     print(f"wrote {Path(args.out) / 'results.md'}")
     return 0
