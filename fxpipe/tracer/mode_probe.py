@@ -29,13 +29,21 @@ __all__ = ["modes_compute_alike", "record_calls"]
 Call = tuple[str, tuple[Any, ...]]
 
 
-class _Recorder(TorchDispatchMode):
-    """Records ATen calls with the provenance of their tensor arguments (Note [one mode is enough])."""
+class _Differs(Exception):
+    """Raised at the first call of the second mode that differs from the first mode's."""
 
-    def __init__(self, names: dict[int, str]) -> None:
+
+class _Recorder(TorchDispatchMode):
+    """Records ATen calls with the provenance of their tensor arguments (Note [one mode is enough]).
+
+    Given ``expected`` (the other mode's calls), it stops the run at the first call that differs.
+    """
+
+    def __init__(self, names: dict[int, str], expected: list[Call] | None = None) -> None:
         super().__init__()
         self.labels = dict(names)
         self.calls: list[Call] = []
+        self.expected = expected
         self._alive: list[torch.Tensor] = []  # keeps every labelled tensor alive: ids stay unique
 
     def _label(self, t: torch.Tensor) -> Any:
@@ -58,7 +66,12 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         flat, spec = pytree.tree_flatten((args, kwargs))
-        self.calls.append((str(func), (str(spec), tuple(self._arg(a) for a in flat))))
+        call = (str(func), (str(spec), tuple(self._arg(a) for a in flat)))
+        if self.expected is not None and (
+            len(self.calls) >= len(self.expected) or self.expected[len(self.calls)] != call
+        ):
+            raise _Differs
+        self.calls.append(call)
         out = func(*args, **kwargs)
         index = len(self.calls) - 1
         for j, t in enumerate(pytree.tree_leaves(out)):
@@ -79,9 +92,13 @@ def _fingerprint(t: torch.Tensor) -> Any:
 
 
 def record_calls(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], run: Callable[[], Any]
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    run: Callable[[], Any],
+    expected: list[Call] | None = None,
 ) -> list[Call]:
-    """The ATen calls of ``run()`` (which calls ``model`` on ``inputs``) in the model's current mode."""
+    """The ATen calls of ``run()`` (which calls ``model`` on ``inputs``) in the model's current mode;
+    with ``expected``, raises ``_Differs`` at the first call that is not the expected one."""
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), f"param:{name}")
@@ -89,7 +106,7 @@ def record_calls(
         names.setdefault(id(b), f"buffer:{name}")
     for i, t in enumerate(inputs):
         names.setdefault(id(t), f"input:{i}")
-    recorder = _Recorder(names)
+    recorder = _Recorder(names, expected)
     with torch.enable_grad(), recorder:  # as the trace runs it (see merge_eval_mode)
         run()
     return recorder.calls
@@ -103,15 +120,29 @@ def modes_compute_alike(
     Runs ``run()`` once per mode from the same RNG state and leaves the model in train mode.
     ``True`` means the eval-mode trace may be skipped (Note [one mode is enough]).
     """
-    modes = []
+    if any(_differs_by_mode(m) for m in model.modules()):
+        return False  # known to differ: no need to run anything
     try:
-        for training in (True, False):
-            model.train(training)
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                modes.append(record_calls(model, inputs, run))
-    except Exception:  # the probe is an optimization: anything it cannot record is traced
+        model.train()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            train = record_calls(model, inputs, run)
+        model.eval()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            evaluated = record_calls(model, inputs, run, expected=train)
+    except Exception:  # _Differs, or anything the probe cannot record: trace both modes
         return False
     finally:
         model.train()
-    return modes[0] == modes[1]
+    return len(evaluated) == len(train)
+
+
+def _differs_by_mode(module: nn.Module) -> bool:
+    """Modules known to compute another function in eval mode (batch norm with running statistics,
+    dropout with p > 0): the probe answers without running the model."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return module.track_running_stats
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return False

@@ -42,6 +42,18 @@ class WithBatchNorm(Plain):
         return self.b(self.norm(self.a(x)))
 
 
+class BatchStatisticsOnly(Plain):
+    """Batch norm without running statistics and a p=0 dropout module: one function in both modes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8, track_running_stats=False)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.norm(self.a(x))))
+
+
 class OtherConstant(Plain):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(x) * (2.0 if self.training else 3.0))
@@ -79,6 +91,7 @@ def _alike(model: nn.Module) -> bool:
 def test_models_that_compute_alike_in_both_modes() -> None:
     assert _alike(Plain())
     assert _alike(WithZeroDropout())
+    assert _alike(BatchStatisticsOnly())
 
 
 def test_any_difference_between_the_modes_is_seen() -> None:
