@@ -18,7 +18,10 @@ seed-config key, and everything else is derived from it:
   (``fxpipe.smp.config``).
 
 Validation is each class's ``__post_init__`` (the one place), so a value is checked alike
-whether it came from a flag, a JSON file or the seed config. Nothing here imports torch:
+whether it came from a flag, a JSON file or the seed config. A check that belongs to the
+option itself (its choices, its range) is declared with it (``option(check=...)``) and runs
+in ``check_options(self)``, so a class that takes the option with ``same_as`` refuses a bad
+value with the same line (``CostModel`` and ``DataParallelOptions``). Nothing here imports torch:
 the CLI builds every verb's parser at start-up.
 
 >>> @dataclass(frozen=True, kw_only=True)
@@ -63,6 +66,7 @@ __all__ = [
     "choices_of",
     "flags_of",
     "option_of",
+    "check_options",
 ]
 
 T = TypeVar("T")
@@ -95,6 +99,7 @@ class Option:
     seed_key: str | None = None
     switches: tuple[Switch, ...] = ()
     repeat: bool = False
+    check: Callable[[Any], str | None] | None = None
 
     def flag_for(self, name: str) -> str | None:
         """The command-line flag of the field ``name``: its own, ``--the-name``, or None."""
@@ -119,6 +124,7 @@ def option(
     seed_key: str | None = None,
     switches: tuple[Switch, ...] = (),
     repeat: bool = False,
+    check: Callable[[Any], str | None] | None = None,
 ) -> Any:
     """A dataclass field that is an option: its ``default`` and how users give it.
 
@@ -131,6 +137,8 @@ def option(
     ``default_text``, or ``none_means`` for a ``None`` default. ``seed_key``: the key of
     ``fxpipe.init``'s config that sets it. ``switches``: flags without a value that set it to
     one value. ``repeat``: a flag given once per item of a tuple (argparse's ``append``).
+    ``check``: the option's own validation, a function of the value that returns the error
+    line for a bad one and None for a good one (run by ``check_options``).
     """
     spec = Option(
         help=help,
@@ -145,6 +153,7 @@ def option(
         seed_key=seed_key,
         switches=switches,
         repeat=repeat,
+        check=check,
     )
     return field(default=default, default_factory=default_factory, metadata={_OPTION: spec})
 
@@ -170,6 +179,18 @@ def same_as(cls: type, name: str, **changes: Any) -> Any:
 def option_of(cls: type, name: str) -> Option:
     """The ``Option`` of ``cls``'s field ``name``."""
     return next(f.metadata[_OPTION] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def check_options(options: Any) -> None:
+    """Run the declared ``check`` of every option field of the dataclass instance ``options``
+    (in field order; from its ``__post_init__``) and raise ``ConfigError`` with the first
+    error line."""
+    for f in dataclasses.fields(options):
+        spec = f.metadata.get(_OPTION)
+        if spec is not None and spec.check is not None:
+            problem = spec.check(getattr(options, f.name))
+            if problem is not None:
+                raise ConfigError(problem)
 
 
 def choices_of(cls: type, name: str) -> tuple[Any, ...]:
