@@ -67,6 +67,7 @@ __all__ = [
     "flags_of",
     "option_of",
     "check_options",
+    "declarations_of",
 ]
 
 T = TypeVar("T")
@@ -100,6 +101,8 @@ class Option:
     switches: tuple[Switch, ...] = ()
     repeat: bool = False
     check: Callable[[Any], str | None] | None = None
+    # "Class.field" of the declaration ``same_as`` took this one from (None: declared here)
+    origin: str | None = field(default=None, compare=False)
 
     def flag_for(self, name: str) -> str | None:
         """The command-line flag of the field ``name``: its own, ``--the-name``, or None."""
@@ -164,13 +167,18 @@ def group(cls: type) -> Any:
     return field(default_factory=cls, metadata={_GROUP: cls})
 
 
-def same_as(cls: type, name: str, **changes: Any) -> Any:
-    """A new field declared as ``cls``'s field ``name`` (default, help, choices, ...), with
-    ``changes`` to its ``Option`` (e.g. ``seed_key``): one declaration for an option that
-    two dataclasses hold, such as the data-parallel fields of ``CostModel`` and
-    ``DataParallelOptions``."""
+def same_as(cls: type, name: str, *, default: Any = MISSING, **changes: Any) -> Any:
+    """A new field declared as ``cls``'s field ``name`` (default, help, choices, check, ...),
+    with ``changes`` to its ``Option`` (e.g. ``seed_key``) and another ``default`` where the
+    verb has its own: one declaration for an option that two dataclasses hold, such as the
+    data-parallel fields of ``CostModel`` and ``DataParallelOptions``, or ``--schedule`` of
+    ``fxpipe plan`` (which adds ``auto``) and ``fxpipe run`` (the build's by default)."""
     source = next(f for f in dataclasses.fields(cls) if f.name == name)
-    spec = dataclasses.replace(source.metadata[_OPTION], **changes)
+    declared = source.metadata[_OPTION]
+    origin = declared.origin or f"{cls.__qualname__}.{name}"
+    spec = dataclasses.replace(declared, origin=origin, **changes)
+    if default is not MISSING:
+        return field(default=default, metadata={_OPTION: spec})
     return field(
         default=source.default, default_factory=source.default_factory, metadata={_OPTION: spec}
     )
@@ -401,6 +409,25 @@ def seed_keys(cls: type) -> dict[str, str]:
         for f in dataclasses.fields(cls)
         if (spec := f.metadata.get(_OPTION)) is not None and spec.seed_key is not None
     }
+
+
+def declarations_of(cls: type) -> dict[str, str]:
+    """``{flag: "Class.field" of the declaration it comes from}`` for ``cls``'s flags (its
+    groups' too): the field's own, or the one ``same_as`` took it from."""
+    out: dict[str, str] = {}
+    for path, f, spec, _ in _options(cls):
+        flag = spec.flag_for(f.name)
+        if flag is not None:
+            owner = cls if "." not in path else _owner(cls, path)
+            out[flag] = spec.origin or f"{owner.__qualname__}.{f.name}"
+    return out
+
+
+def _owner(cls: type, path: str) -> type:
+    """The options class that holds the field at dotted ``path`` of ``cls``."""
+    for part in path.split(".")[:-1]:
+        cls = groups_of(cls)[part]
+    return cls
 
 
 def flags_of(cls: type) -> list[str]:
