@@ -27,6 +27,7 @@ __all__ = [
     "ConfigError",
     "WeightsError",
     "DivergenceError",
+    "BatchMismatchError",
 ]
 
 
@@ -116,3 +117,8 @@ class WeightsError(FxpipeError):
 class DivergenceError(FxpipeError):
     """Training diverged (a NaN or infinite loss): the run stopped at that step, its record and last good
     checkpoint kept."""
+
+
+class BatchMismatchError(FxpipeError):
+    """The ranks of one pipeline were given different batches for one step (Note [one batch per
+    pipeline] in ``fxpipe.runtime.pipeline.batch_agreement``)."""

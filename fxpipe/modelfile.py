@@ -144,8 +144,31 @@ def _execute(path: Path, name: str, data: bytes) -> ModuleType:
             sys.modules[name] = previous
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise ModelFileError(f"importing {path.name} failed: {_describe(exc)}") from exc
+        raise ModelFileError(
+            f"importing {path.name} failed: {_describe(exc)}{_beside(exc, path)}"
+        ) from exc
     return module
+
+
+def _beside(exc: BaseException, path: Path) -> str:
+    """For a module the model file imports that is not installed but lies beside it or in the
+    current directory: why it is not found and what to do (Note [isolated workers] in
+    ``fxpipe.runtime.launch.isolation``: a rank imports the build's files and installed packages)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    top = exc.name.split(".")[0]
+    for folder in dict.fromkeys((path.parent, Path.cwd())):
+        for found in (folder / f"{top}.py", folder / top / "__init__.py"):
+            if found.is_file():
+                shown = found if found.name != "__init__.py" else found.parent
+                return (
+                    f" ({shown} is beside it, but fxpipe's ranks import only the build's checked "
+                    "files and installed packages, not modules found beside the model file or in the "
+                    f"current directory); define what {path.name} needs from {top} in {path.name} "
+                    f"itself, install {top} as a package (pip install -e), or name its folder in an "
+                    f"absolute PYTHONPATH (PYTHONPATH={shown.parent.resolve()})"
+                )
+    return ""
 
 
 def _describe(exc: BaseException) -> str:

@@ -18,7 +18,10 @@ seed-config key, and everything else is derived from it:
   (``fxpipe.smp.config``).
 
 Validation is each class's ``__post_init__`` (the one place), so a value is checked alike
-whether it came from a flag, a JSON file or the seed config. Nothing here imports torch:
+whether it came from a flag, a JSON file or the seed config. A check that belongs to the
+option itself (its choices, its range) is declared with it (``option(check=...)``) and runs
+in ``check_options(self)``, so a class that takes the option with ``same_as`` refuses a bad
+value with the same line (``CostModel`` and ``DataParallelOptions``). Nothing here imports torch:
 the CLI builds every verb's parser at start-up.
 
 >>> @dataclass(frozen=True, kw_only=True)
@@ -63,6 +66,8 @@ __all__ = [
     "choices_of",
     "flags_of",
     "option_of",
+    "check_options",
+    "declarations_of",
 ]
 
 T = TypeVar("T")
@@ -95,6 +100,9 @@ class Option:
     seed_key: str | None = None
     switches: tuple[Switch, ...] = ()
     repeat: bool = False
+    check: Callable[[Any], str | None] | None = None
+    # "Class.field" of the declaration ``same_as`` took this one from (None: declared here)
+    origin: str | None = field(default=None, compare=False)
 
     def flag_for(self, name: str) -> str | None:
         """The command-line flag of the field ``name``: its own, ``--the-name``, or None."""
@@ -119,6 +127,7 @@ def option(
     seed_key: str | None = None,
     switches: tuple[Switch, ...] = (),
     repeat: bool = False,
+    check: Callable[[Any], str | None] | None = None,
 ) -> Any:
     """A dataclass field that is an option: its ``default`` and how users give it.
 
@@ -131,6 +140,8 @@ def option(
     ``default_text``, or ``none_means`` for a ``None`` default. ``seed_key``: the key of
     ``fxpipe.init``'s config that sets it. ``switches``: flags without a value that set it to
     one value. ``repeat``: a flag given once per item of a tuple (argparse's ``append``).
+    ``check``: the option's own validation, a function of the value that returns the error
+    line for a bad one and None for a good one (run by ``check_options``).
     """
     spec = Option(
         help=help,
@@ -145,6 +156,7 @@ def option(
         seed_key=seed_key,
         switches=switches,
         repeat=repeat,
+        check=check,
     )
     return field(default=default, default_factory=default_factory, metadata={_OPTION: spec})
 
@@ -155,13 +167,18 @@ def group(cls: type) -> Any:
     return field(default_factory=cls, metadata={_GROUP: cls})
 
 
-def same_as(cls: type, name: str, **changes: Any) -> Any:
-    """A new field declared as ``cls``'s field ``name`` (default, help, choices, ...), with
-    ``changes`` to its ``Option`` (e.g. ``seed_key``): one declaration for an option that
-    two dataclasses hold, such as the data-parallel fields of ``CostModel`` and
-    ``DataParallelOptions``."""
+def same_as(cls: type, name: str, *, default: Any = MISSING, **changes: Any) -> Any:
+    """A new field declared as ``cls``'s field ``name`` (default, help, choices, check, ...),
+    with ``changes`` to its ``Option`` (e.g. ``seed_key``) and another ``default`` where the
+    verb has its own: one declaration for an option that two dataclasses hold, such as the
+    data-parallel fields of ``CostModel`` and ``DataParallelOptions``, or ``--schedule`` of
+    ``fxpipe plan`` (which adds ``auto``) and ``fxpipe run`` (the build's by default)."""
     source = next(f for f in dataclasses.fields(cls) if f.name == name)
-    spec = dataclasses.replace(source.metadata[_OPTION], **changes)
+    declared = source.metadata[_OPTION]
+    origin = declared.origin or f"{cls.__qualname__}.{name}"
+    spec = dataclasses.replace(declared, origin=origin, **changes)
+    if default is not MISSING:
+        return field(default=default, metadata={_OPTION: spec})
     return field(
         default=source.default, default_factory=source.default_factory, metadata={_OPTION: spec}
     )
@@ -170,6 +187,18 @@ def same_as(cls: type, name: str, **changes: Any) -> Any:
 def option_of(cls: type, name: str) -> Option:
     """The ``Option`` of ``cls``'s field ``name``."""
     return next(f.metadata[_OPTION] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def check_options(options: Any) -> None:
+    """Run the declared ``check`` of every option field of the dataclass instance ``options``
+    (in field order; from its ``__post_init__``) and raise ``ConfigError`` with the first
+    error line."""
+    for f in dataclasses.fields(options):
+        spec = f.metadata.get(_OPTION)
+        if spec is not None and spec.check is not None:
+            problem = spec.check(getattr(options, f.name))
+            if problem is not None:
+                raise ConfigError(problem)
 
 
 def choices_of(cls: type, name: str) -> tuple[Any, ...]:
@@ -380,6 +409,25 @@ def seed_keys(cls: type) -> dict[str, str]:
         for f in dataclasses.fields(cls)
         if (spec := f.metadata.get(_OPTION)) is not None and spec.seed_key is not None
     }
+
+
+def declarations_of(cls: type) -> dict[str, str]:
+    """``{flag: "Class.field" of the declaration it comes from}`` for ``cls``'s flags (its
+    groups' too): the field's own, or the one ``same_as`` took it from."""
+    out: dict[str, str] = {}
+    for path, f, spec, _ in _options(cls):
+        flag = spec.flag_for(f.name)
+        if flag is not None:
+            owner = cls if "." not in path else _owner(cls, path)
+            out[flag] = spec.origin or f"{owner.__qualname__}.{f.name}"
+    return out
+
+
+def _owner(cls: type, path: str) -> type:
+    """The options class that holds the field at dotted ``path`` of ``cls``."""
+    for part in path.split(".")[:-1]:
+        cls = groups_of(cls)[part]
+    return cls
 
 
 def flags_of(cls: type) -> list[str]:

@@ -47,6 +47,7 @@ def test_trace_writes_profile_and_prints_table(tmp_path: Path) -> None:
         (["trace", "examples/mlp.py", "--inputs-fn", "nope"], "no function nope"),
         (["plan", "missing-profile.json", "--stages", "2"], "does not exist"),
         (["verify", "no-such-build-dir"], "does not exist"),
+        (["run", "no-such-build", "--dp", "2"], "does not exist"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(
@@ -65,28 +66,6 @@ def test_bad_input_is_one_line_exit_2(
     assert err.startswith("error: ") and fragment in err
     assert len(err.strip().splitlines()) == 1
     assert "Traceback" not in err
-
-
-def test_model_that_raises_and_wrong_input_types(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    bad = tmp_path / "bad.py"
-    bad.write_text(
-        "import torch\n"
-        "def build_model():\n    raise RuntimeError('boom in init')\n"
-        "def example_inputs(b):\n    return (torch.zeros(b, 3),)\n"
-        "def other_model():\n    return torch.nn.Linear(3, 3)\n"
-        "def bad_inputs(b):\n    return 'not a tensor'\n"
-    )
-    assert main(["trace", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "boom in init" in err and len(err.strip().splitlines()) == 1
-    assert main(["trace", f"{bad}:other_model", "--inputs-fn", "bad_inputs"]) == 2
-    err = capsys.readouterr().err
-    assert (
-        "return a tuple of positional arguments, a dict of keyword arguments" in err
-        and len(err.strip().splitlines()) == 1
-    )
 
 
 def test_debug_flag_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
@@ -210,48 +189,49 @@ def test_plan_for_a_schedule_with_virtual_stages(
     )
 
 
-def test_bad_dp_options_are_one_line_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    profile = tmp_path / "profile.json"
-    assert (
-        main(["trace", str(EXAMPLES / "mlp.py"), "--batch-size", "2", "--out", str(profile)]) == 0
-    )
-    capsys.readouterr()
-    assert (
-        main(
-            ["plan", str(profile), "--stages", "2", "--dp", "0", "--out", str(tmp_path / "p.json")]
-        )
-        == 2
-    )
-    err = capsys.readouterr().err
-    assert "dp_replicas must be an int >= 1, got 0" in err and len(err.strip().splitlines()) == 1
-    assert main(["plan", str(profile), "--stages", "2", "--dp", "2", "--comm-hook", "zip"]) == 2
-    assert "unknown comm_hook 'zip'" in capsys.readouterr().err
-    assert main(["run", "no-such-build", "--dp", "2"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+_BAD_MODEL = (
+    "import torch\n"
+    "def build_model():\n    raise RuntimeError('boom in init')\n"
+    "def linear():\n    return torch.nn.Linear(4, 4)\n"
+    "def example_inputs(b):\n    return (torch.zeros(b, 3),)\n"
+    "def wrong_width(b):\n    return (torch.randn(b, 5),)\n"
+    "def not_a_tensor(b):\n    return 'not a tensor'\n"
+    "def text_inputs(b):\n    return ('hello',)\n"
+)
 
 
-def test_model_that_rejects_its_inputs_is_one_line_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        ([], ["boom in init"]),
+        (
+            [":linear", "--inputs-fn", "not_a_tensor"],
+            ["return a tuple of positional arguments, a dict of keyword arguments"],
+        ),
+        (
+            [":linear", "--inputs-fn", "wrong_width", "--batch-size", "3"],
+            [
+                "bad.py",
+                "Linear raised on its example inputs (float32[3, 5])",
+                "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x4)",
+            ],
+        ),
+        ([":linear", "--inputs-fn", "text_inputs"], ["no argument is a tensor ('hello')"]),
+    ],
+    ids=["raises", "not-a-tuple", "rejects-its-inputs", "no-tensor"],
+)
+def test_a_bad_model_file_is_one_line_exit_2(
+    args: list[str], fragments: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bad = tmp_path / "bad_shape.py"
-    bad.write_text(
-        "import torch\n"
-        "def build_model():\n    return torch.nn.Linear(4, 4)\n"
-        "def example_inputs(b):\n    return (torch.randn(b, 5),)\n"
-        "def text_inputs(b):\n    return ('hello',)\n"
-    )
-    assert main(["trace", str(bad), "--batch-size", "3", "--out", str(tmp_path / "p.json")]) == 2
+    """What the model file's functions raise or return wrongly: one line, exit 2."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(_BAD_MODEL)
+    target, *rest = args or [""]
+    argv = ["trace", f"{bad}{target}", *rest, "--out", str(tmp_path / "p.json")]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    )
-    assert "bad_shape.py" in err and "Linear raised on its example inputs (float32[3, 5])" in err
-    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x4)" in err
-    assert main(["trace", str(bad), "--inputs-fn", "text_inputs"]) == 2
-    err = capsys.readouterr().err
-    assert "no argument is a tensor ('hello')" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and all(f in err for f in fragments), err
 
 
 def test_sequence_first_model_partitions_and_verifies(

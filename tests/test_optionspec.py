@@ -15,6 +15,7 @@ from fxpipe.optionspec import (
     Options,
     Switch,
     add_arguments,
+    declarations_of,
     flags_of,
     from_namespace,
     group,
@@ -145,6 +146,27 @@ def test_the_data_parallel_options_are_the_cost_models() -> None:
             assert option_of(PlanOptions, name).help == declared.help
     assert set(DataParallelOptions().cost_fields(2)) >= set(shared)
     assert option_of(PlanOptions, "precision") == option_of(CostModel, "precision")
+
+
+def test_a_flag_that_several_verbs_take_is_declared_once() -> None:
+    """--dp, --schedule, --virtual-stages, --optimizer, --microbatches, --precision, --comm-hook,
+    ...: wherever two verbs' options classes give the same flag, one field declares it and the
+    other takes it over with same_as (its default and choices may be the verb's own)."""
+    from fxpipe.partitioner.cost import CostModel
+    from fxpipe.partitioner.plan_options import PlanOptions
+    from fxpipe.partitioner.search.args import ClusterOptions
+    from fxpipe.runtime.train.run_options import RunOptions
+    from fxpipe.tracer.trace_options import ModelTraceOptions
+
+    sources: dict[str, set[str]] = {}
+    for cls in (PlanOptions, ClusterOptions, RunOptions, ModelTraceOptions, CostModel):
+        for flag, origin in declarations_of(cls).items():
+            sources.setdefault(flag, set()).add(origin)
+    twice = {flag: origins for flag, origins in sources.items() if len(origins) > 1}
+    assert twice == {}
+    for flag in ("--dp", "--schedule", "--virtual-stages", "--optimizer"):
+        assert sources[flag] == {f"PlanOptions.{flag[2:].replace('-', '_')}"}
+    assert declarations_of(RunOptions)["--comm-hook"] == "CostModel.comm_hook"
 
 
 def test_the_seed_config_keys_are_kept() -> None:

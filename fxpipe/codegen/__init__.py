@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports, type_checking_exports
 
 if TYPE_CHECKING:
     from fxpipe.codegen.build import emit_build, write_build_dir, write_report
@@ -31,20 +31,8 @@ if TYPE_CHECKING:
     from fxpipe.codegen.split import SplitGraph, StageGraph, split_graph
     from fxpipe.codegen.verify import VerifyReport, print_verify_report, verify_build
 
-_LAZY = {
-    **dict.fromkeys(("emit_build", "write_build_dir", "write_report"), "build"),
-    "check_build_target": "builddir",
-    **dict.fromkeys(("CheckedBuild", "check_build"), "integrity"),
-    **dict.fromkeys(("load_stage", "read_manifest"), "load"),
-    **dict.fromkeys(
-        ("INPUT", "MANIFEST_SCHEMA_VERSION", "BoundaryTensor", "Manifest", "StageManifest", "Tie"),
-        "manifest",
-    ),
-    **dict.fromkeys(("Pipeline", "load_pipeline"), "pipeline"),
-    **dict.fromkeys(("SplitGraph", "StageGraph", "split_graph"), "split"),
-    **dict.fromkeys(("VerifyReport", "print_verify_report", "verify_build"), "verify"),
-}
-
+# the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
+_LAZY = type_checking_exports(__file__)
 __all__ = sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

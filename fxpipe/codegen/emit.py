@@ -125,20 +125,10 @@ def emit_stage(
     stages together, with the classes several of them use written once.
     """
     registry = ClassRegistry(ImportTable(), _TAKEN | {stage_class_name(stage.index)})
-    rendered = _render(
-        stage,
-        state,
-        gm,
-        split,
-        registry,
-        num_stages=num_stages,
-        microbatch=microbatch,
-        model_label=model_label,
-        user_leaf_args=user_leaf_args,
-        module_order=module_order,
-        model=model,
+    source = _Source(
+        gm, split, num_stages, microbatch, model_label, user_leaf_args, module_order, model
     )
-    return _assemble(rendered, registry, set(), build_dir)
+    return _assemble(_render(stage, state, registry, source), registry, set(), build_dir)
 
 
 def emit_stages(
@@ -159,22 +149,10 @@ def emit_stages(
     registry = ClassRegistry(
         ImportTable(), _TAKEN | {stage_class_name(i) for i in range(num_stages)}
     )
-    rendered = [
-        _render(
-            sg,
-            state,
-            gm,
-            split,
-            registry,
-            num_stages=num_stages,
-            microbatch=microbatch,
-            model_label=model_label,
-            user_leaf_args=user_leaf_args,
-            module_order=module_order,
-            model=model,
-        )
-        for sg, state in zip(split.stages, states)
-    ]
+    source = _Source(
+        gm, split, num_stages, microbatch, model_label, user_leaf_args, module_order, model
+    )
+    rendered = [_render(sg, state, registry, source) for sg, state in zip(split.stages, states)]
     shared = {name for name, users in registry.users.items() if len(users) > 1}
     stages = [_assemble(r, registry, shared, build_dir) for r in rendered]
     if not shared:
@@ -198,20 +176,27 @@ def emit_stages(
     )
 
 
+@dataclass(frozen=True)
+class _Source:
+    """What every stage of one build is rendered from (``emit_stage``'s and ``emit_stages``'
+    arguments besides the stage): the traced graph, its split, the original model."""
+
+    gm: fx.GraphModule
+    split: SplitGraph
+    num_stages: int
+    microbatch: int
+    model_label: str
+    user_leaf_args: Mapping[str, tuple[tuple, dict]]
+    module_order: Mapping[str, int]
+    model: nn.Module
+
+
 def _render(
-    stage: StageGraph,
-    state: StageState,
-    gm: fx.GraphModule,
-    split: SplitGraph,
-    registry: ClassRegistry,
-    *,
-    num_stages: int,
-    microbatch: int,
-    model_label: str,
-    user_leaf_args: Mapping[str, tuple[tuple, dict]],
-    module_order: Mapping[str, int],
-    model: nn.Module,
+    stage: StageGraph, state: StageState, registry: ClassRegistry, source: _Source
 ) -> _Rendered:
+    gm, split, model, module_order = source.gm, source.split, source.model, source.module_order
+    num_stages, microbatch, model_label = source.num_stages, source.microbatch, source.model_label
+    user_leaf_args = source.user_leaf_args
     imports = registry.imports
     name = stage_class_name(stage.index)
     graph = _copy(stage.graph)

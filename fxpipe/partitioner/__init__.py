@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports, type_checking_exports
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.solve.baselines import (
@@ -55,47 +55,8 @@ if TYPE_CHECKING:
     from fxpipe.partitioner.schedule import SCHEDULE_NAMES, ScheduleOp, Timeline, stage_order
     from fxpipe.partitioner.solve.solution import Solution
 
-_LAZY = {
-    **dict.fromkeys(
-        ("BASELINES", "greedy_split", "params_split", "run_baseline", "uniform_split"),
-        "solve.baselines",
-    ),
-    "lower_bound": "solve.solution",
-    **dict.fromkeys(
-        ("LINK_PRESETS", "OPTIMIZER_STATE_FACTOR", "CostModel", "format_size", "parse_size"), "cost"
-    ),
-    "solve_dag_cpsat": "solve.cpsat",
-    **dict.fromkeys(("min_memory_limit", "solve_chain_dp"), "solve.dp"),
-    **dict.fromkeys(("render_html_report", "write_html_report"), "report.html"),
-    **dict.fromkeys(("BaselineReport", "PartitionPlan", "StageMemory", "StagePlan"), "plan"),
-    **dict.fromkeys(("SOLVERS", "plan_partition"), "solve.planner"),
-    **dict.fromkeys(
-        (
-            "RUNTIME_COSTS",
-            "Prediction",
-            "RuntimeCosts",
-            "StepOverheads",
-            "predict",
-            "step_overheads",
-        ),
-        "prediction",
-    ),
-    **dict.fromkeys(
-        (
-            "Evaluation",
-            "PartitionProblem",
-            "StageCost",
-            "assignment_violations",
-            "build_problem",
-            "evaluate",
-        ),
-        "problem",
-    ),
-    "print_plan_report": "report.terminal",
-    **dict.fromkeys(("SCHEDULE_NAMES", "ScheduleOp", "Timeline", "stage_order"), "schedule"),
-    "Solution": "solve.solution",
-}
-
+# the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
+_LAZY = type_checking_exports(__file__)
 __all__ = sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -76,7 +76,7 @@ from typing import Any
 
 from fxpipe.calibration_data import names, values
 from fxpipe.errors import ConfigError, PartitionError
-from fxpipe.optionspec import option
+from fxpipe.optionspec import check_options, option
 from fxpipe.schema import read_dataclass
 
 __all__ = [
@@ -305,6 +305,44 @@ def _batched_powersgd_bytes(bucket_bytes: int, rank: int) -> float:
     return 2.0 * side * rank * 4
 
 
+# The checks of the data-parallel options declared below: each returns the error line for a bad value (Note
+# [options declared once]), so CostModel (fxpipe plan) and DataParallelOptions (fxpipe run, the seed API) say
+# the same thing.
+def _check_comm_hook(value: Any) -> str | None:
+    if value in COMM_HOOKS:
+        return None
+    return (
+        f"unknown comm_hook {value!r}; expected one of {list(COMM_HOOKS)} "
+        "(or, in the seed API, register your own with register_comm_hook(state, hook))"
+    )
+
+
+def _check_powersgd_rank(value: Any) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    return f"powersgd_rank must be an int >= 1, got {value!r}; 1, 2 or 4 are usual"
+
+
+def _check_choice(name: str, choices: tuple[str, ...]) -> Any:
+    def check(value: Any) -> str | None:
+        return (
+            None
+            if value in choices
+            else f"unknown {name} {value!r}; expected one of {list(choices)}"
+        )
+
+    return check
+
+
+def _check_dtype(name: str, none_means: str) -> Any:
+    def check(value: Any) -> str | None:
+        if value is None or value in SHARD_DTYPES:
+            return None
+        return f"{name} must be one of {list(SHARD_DTYPES)} (or None: {none_means}), got {value!r}"
+
+    return check
+
+
 @dataclass(frozen=True)
 class CostModel:
     """How long messages take and how much memory training state needs.
@@ -334,11 +372,13 @@ class CostModel:
         choices=COMM_HOOKS,
         parse_choices=False,
         metavar="HOOK",
+        check=_check_comm_hook,
         help=f"DDP communication hook of the gradient all-reduce: {', '.join(COMM_HOOKS)}",
     )
     powersgd_rank: int = option(
         1,
         metavar="K",
+        check=_check_powersgd_rank,
         help="PowerSGD matrix approximation rank (with --comm-hook powersgd/batched_powersgd)",
     )
     dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -346,6 +386,7 @@ class CostModel:
         "none",
         choices=SHARD_LEVELS,
         metavar="LEVEL",
+        check=_check_choice("shard level", SHARD_LEVELS),
         help="shard training state over the data-parallel replicas: none, optimizer (ZeRO-1: "
         "ZeroRedundancyOptimizer), grad-op (gradients too: FSDP2, ZeRO-2), full (parameters too: "
         "FSDP2, ZeRO-3); the plan prices each rank's memory and traffic",
@@ -354,6 +395,7 @@ class CostModel:
         "step",
         choices=SHARD_REDUCE,
         metavar="WHEN",
+        check=_check_choice("shard_reduce", SHARD_REDUCE),
         help="with --shard grad-op/full: reduce-scatter the gradients once per step or after "
         "every microbatch (gradients kept sharded, M times the traffic)",
     )
@@ -362,6 +404,7 @@ class CostModel:
         choices=SHARD_DTYPES,
         metavar="DTYPE",
         none_means="the parameters'",
+        check=_check_dtype("shard_param_dtype", "the parameters' own"),
         help="with --shard grad-op/full: gather and compute in this dtype "
         "(FSDP2's MixedPrecisionPolicy)",
     )
@@ -370,6 +413,7 @@ class CostModel:
         choices=SHARD_DTYPES,
         metavar="DTYPE",
         none_means="--shard-param-dtype's",
+        check=_check_dtype("shard_reduce_dtype", "shard_param_dtype's"),
         help="with --shard grad-op/full: reduce-scatter the gradients in this dtype",
     )
     node_size: int = 0  # devices per node; 0: all on one node (Note [cluster links])
@@ -406,24 +450,11 @@ class CostModel:
             raise ConfigError(
                 f"dp_replicas must be an int >= 1, got {self.dp_replicas!r}; use 1 for no data parallelism"
             )
-        if self.comm_hook not in COMM_HOOKS:
-            raise ConfigError(
-                f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)}"
-            )
-        if not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
-            raise ConfigError(f"powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}")
+        check_options(self)  # comm_hook, powersgd_rank, shard, ...: their declared checks
         if not isinstance(self.dp_bucket_bytes, int) or self.dp_bucket_bytes < 1:
             raise ConfigError(
                 f"dp_bucket_bytes must be an int >= 1, got {self.dp_bucket_bytes!r}; "
                 f"DDP's default bucket_cap_mb=25 is {DEFAULT_BUCKET_BYTES}"
-            )
-        if self.shard not in SHARD_LEVELS:
-            raise ConfigError(
-                f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}"
-            )
-        if self.shard_reduce not in SHARD_REDUCE:
-            raise ConfigError(
-                f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(SHARD_REDUCE)}"
             )
         object.__setattr__(self, "recompute", tuple(self.recompute))
         if not all(isinstance(r, bool) for r in self.recompute):
@@ -454,11 +485,6 @@ class CostModel:
             raise ConfigError(
                 f"precision must be one of {list(_WIRE_BYTES)}, got {self.precision!r}"
             )
-        for key in ("shard_param_dtype", "shard_reduce_dtype"):
-            if getattr(self, key) not in (None, *_DTYPE_BYTES):
-                raise ConfigError(
-                    f"{key} must be one of {sorted(_DTYPE_BYTES)} or None, got {getattr(self, key)!r}"
-                )
 
     @classmethod
     def preset(cls, link: str, **overrides: Any) -> CostModel:

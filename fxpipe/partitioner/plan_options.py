@@ -62,9 +62,12 @@ class PlanOptions(Options):
         None, metavar="M", none_means="the number of stages", help="microbatches per step"
     )
     solver: str = option("auto", choices=SOLVER_NAMES, help="partitioning solver: %(choices)s")
+    # --schedule, --virtual-stages, --optimizer and --dp are declared here, once: fxpipe run's
+    # RunOptions and TrainingOptions take them over (same_as) with the run's default and choices
     schedule: str = option(
         "1f1b",
         choices=(*SCHEDULE_NAMES, AUTO),
+        metavar="NAME",
         help="pipeline schedule to plan for: %(choices)s (auto: plan each, keep the fastest "
         "that fits)",
     )
@@ -100,6 +103,7 @@ class PlanOptions(Options):
     optimizer: str = option(
         "sgd",
         choices=tuple(OPTIMIZER_STATE_FACTOR),
+        metavar="NAME",
         help="optimizer whose state the memory model counts: %(choices)s",
     )
     precision: str = same_as(CostModel, "precision")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports, type_checking_exports
 
 if TYPE_CHECKING:
     from fxpipe.runtime.launch.launcher import run_build
@@ -39,48 +39,8 @@ if TYPE_CHECKING:
         validate_schedule,
     )
 
-_LAZY = {
-    "run_build": "launch.launcher",
-    "RankLayout": "pipeline.layout",
-    "RunOptions": "train.run_options",
-    "RunRecord": "train.record",
-    "PipelineRunner": "pipeline.runner",
-    **{
-        name: "pipeline.schedule"
-        for name in ("Action", "ActionKind", "Schedule", "gpipe", "make_schedule", "one_f_one_b")
-    },
-    **{
-        name: "pipeline.schedule"
-        for name in (
-            "Link",
-            "ScheduleError",
-            "format_grid",
-            "max_in_flight",
-            "simulate",
-            "validate_schedule",
-        )
-    },
-}
-
-__all__ = [
-    "Action",
-    "ActionKind",
-    "Link",
-    "PipelineRunner",
-    "RankLayout",
-    "RunOptions",
-    "RunRecord",
-    "Schedule",
-    "ScheduleError",
-    "format_grid",
-    "gpipe",
-    "make_schedule",
-    "max_in_flight",
-    "one_f_one_b",
-    "run_build",
-    "simulate",
-    "validate_schedule",
-]
-
+# the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
+_LAZY = type_checking_exports(__file__)
+__all__ = sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

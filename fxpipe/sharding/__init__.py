@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports, type_checking_exports
 
 if TYPE_CHECKING:
     from fxpipe.sharding.fsdp import FullyShardedDataParallel, ShardedDataParallel
@@ -36,17 +36,8 @@ if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.grad_scaler import ShardedGradScaler
     from fxpipe.sharding.wrapping import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
 
-_LAZY = {
-    "FullyShardedDataParallel": "fsdp",
-    "ShardedDataParallel": "fsdp",
-    "OSS": "oss",
-    "ShardedGradScaler": "fxpipe.runtime.pipeline.grad_scaler",
-    "auto_wrap": "wrapping",
-    "default_auto_wrap_policy": "wrapping",
-    "enable_wrap": "wrapping",
-    "wrap": "wrapping",
-}
-
+# the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
+_LAZY = type_checking_exports(__file__)
 __all__ = sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -10,6 +10,7 @@ and leave no temporary folder (Note [stopping fxpipe run] in ``fxpipe.runtime.la
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -184,3 +185,60 @@ def test_start_up_says_what_it_is_doing_phase_by_phase(leaf_copy: Path) -> None:
     ]
     assert None not in found and found == sorted(found), proc.stdout
     assert "s after launch)" in lines[found[2]]
+
+
+SIBLING = "import torch.nn as nn\n\n\nclass Block(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n    def forward(self, x):\n        return self.fc(x).relu()\n"
+USES_SIBLING = (
+    "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\nfrom layers import Block\n\n"
+    "def build_model():\n    return nn.Sequential(Block(), Block(), nn.Linear(8, 4))\n\n"
+    "def example_inputs(b):\n    return (torch.randn(b, 8, generator=torch.Generator().manual_seed(0)),)\n\n"
+    "def example_targets(b):\n    return torch.randint(0, 4, (b,), generator=torch.Generator().manual_seed(1))\n\n"
+    "def loss_fn(out, y):\n    return F.cross_entropy(out, y)\n"
+)
+
+
+def test_a_model_file_that_imports_a_module_beside_it_is_told_what_to_do(tmp_path: Path) -> None:
+    """The trade-off of isolated ranks (#35 item 11): ``from layers import Block`` works where the
+    user partitions (``python -m`` finds ``layers.py`` in the current directory), not in the ranks;
+    the line says why and what to do, and the remedy it names (an absolute PYTHONPATH) trains."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "layers.py").write_text(SIBLING)
+    (project / "mymodel.py").write_text(USES_SIBLING)
+    env = fxpipe_env()
+    part = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fxpipe",
+            "partition",
+            "mymodel.py",
+            "--stages",
+            "2",
+            "--out",
+            "build",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env=env,
+        timeout=300,
+    )
+    assert part.returncode == 0, part.stderr
+    proc = _run(project / "build", "--steps", "1", "--timeout", "60", cwd=project)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (
+        proc.stderr.startswith("error: rank ")
+        and (
+            "importing mymodel.py failed: ModuleNotFoundError: No module named 'layers' "
+            f"({project / 'layers.py'} is beside it, but fxpipe's ranks import only the build's checked "
+            "files and installed packages, not modules found beside the model file or in the current "
+            "directory); define what mymodel.py needs from layers in mymodel.py itself, install layers "
+            f"as a package (pip install -e), or name its folder in an absolute PYTHONPATH "
+            f"(PYTHONPATH={project})"
+        )
+        in proc.stderr
+    ), proc.stderr
+    remedy = {"PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(project)}
+    fixed = _run(project / "build", "--steps", "1", "--timeout", "60", cwd=project, env=remedy)
+    assert fixed.returncode == 0, fixed.stderr

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fxpipe._lazy import lazy_exports
+from fxpipe._lazy import lazy_exports, type_checking_exports
 
 if TYPE_CHECKING:
     from fxpipe.runtime.dataparallel.hooks import (
@@ -38,43 +38,8 @@ if TYPE_CHECKING:
     from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
     from fxpipe.runtime.dataparallel.zero import optimizer_state_bytes, shard_optimizer
 
-_LAZY = {
-    "hook_state_dict": "hooks",
-    "load_hook_state_dict": "hooks",
-    "make_comm_hook": "hooks",
-    "COMM_HOOKS": "options",
-    "SHARD_LEVELS": "options",
-    "DataParallelOptions": "options",
-    "DataParallelStage": "replica",
-    "ShardedStage": "sharded",
-    "ReplicatedStage": "stage",
-    "data_parallel_stage": "stage",
-    "stage_optimizer": "stage",
-    "CollectiveCounter": "traffic",
-    "block_units": "fsdp_units",
-    "min_params_units": "fsdp_units",
-    "optimizer_state_bytes": "zero",
-    "shard_optimizer": "zero",
-}
-
-__all__ = [
-    "COMM_HOOKS",
-    "SHARD_LEVELS",
-    "CollectiveCounter",
-    "DataParallelOptions",
-    "DataParallelStage",
-    "ReplicatedStage",
-    "ShardedStage",
-    "block_units",
-    "data_parallel_stage",
-    "min_params_units",
-    "stage_optimizer",
-    "hook_state_dict",
-    "load_hook_state_dict",
-    "make_comm_hook",
-    "optimizer_state_bytes",
-    "shard_optimizer",
-]
-
+# the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
+_LAZY = type_checking_exports(__file__)
+__all__ = sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

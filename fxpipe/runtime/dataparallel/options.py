@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from fxpipe.errors import ConfigError
-from fxpipe.optionspec import Options, Switch, option, same_as
+from fxpipe.optionspec import Options, Switch, check_options, option, same_as
 from fxpipe.partitioner.cost import COMM_HOOKS, SHARD_DTYPES, SHARD_LEVELS, SHARD_REDUCE, CostModel
 
 __all__ = [
@@ -179,15 +179,9 @@ class DataParallelOptions(Options):
                 f"bucket_cap_mb must be a positive number of megabytes, got {self.bucket_cap_mb!r}; "
                 "DDP's default is 25"
             )
-        if self.comm_hook not in COMM_HOOKS:
-            raise ConfigError(
-                f"unknown comm_hook {self.comm_hook!r}; expected one of {list(COMM_HOOKS)} "
-                "(or register your own with register_comm_hook(state, hook))"
-            )
-        if not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
-            raise ConfigError(
-                f"powersgd_rank must be an int >= 1, got {self.powersgd_rank!r}; 1, 2 or 4 are usual"
-            )
+        check_options(
+            self
+        )  # the checks declared with comm_hook, powersgd_rank, shard, ... (CostModel's)
         if not isinstance(self.powersgd_start_iter, int) or self.powersgd_start_iter < 2:
             raise ConfigError(
                 f"powersgd_start_iter must be an int >= 2 (PowerSGD needs plain all-reduce steps "
@@ -196,12 +190,9 @@ class DataParallelOptions(Options):
         self._check_shard()
 
     def _check_shard(self) -> None:
-        """Validate the sharding fields, resolve the ``shard_optimizer_state`` alias, and refuse
+        """Validate how the sharding fields go together (each one's own check is declared with it,
+        ``check_options``), resolve the ``shard_optimizer_state`` alias, and refuse
         options that the chosen level would ignore."""
-        if self.shard not in SHARD_LEVELS:
-            raise ConfigError(
-                f"unknown shard level {self.shard!r}; expected one of {list(SHARD_LEVELS)}"
-            )
         if self.shard_optimizer_state:
             if self.shard not in ("none", "optimizer"):
                 raise ConfigError(
@@ -210,10 +201,6 @@ class DataParallelOptions(Options):
                 )
             object.__setattr__(self, "shard", "optimizer")
         object.__setattr__(self, "shard_optimizer_state", self.shard == "optimizer")
-        if self.shard_reduce not in SHARD_REDUCE:
-            raise ConfigError(
-                f"unknown shard_reduce {self.shard_reduce!r}; expected one of {list(SHARD_REDUCE)}"
-            )
         if self.shard_wrap not in SHARD_WRAP:
             raise ConfigError(
                 f"unknown shard_wrap {self.shard_wrap!r}; expected one of {list(SHARD_WRAP)}"
@@ -229,12 +216,6 @@ class DataParallelOptions(Options):
                 f"auto_wrap(min_num_params=N)), got shard_wrap={self.shard_wrap!r}, "
                 f"shard_min_params={size!r}"
             )
-        for key in ("shard_param_dtype", "shard_reduce_dtype"):
-            if getattr(self, key) not in (None, *SHARD_DTYPES):
-                raise ConfigError(
-                    f"{key} must be one of {list(SHARD_DTYPES)} (or None: the parameters' own), "
-                    f"got {getattr(self, key)!r}"
-                )
         if self.shard in FSDP_LEVELS:
             ddp = [
                 f"{k}={getattr(self, k)!r}" for k in _DDP_ONLY if getattr(self, k) != _DEFAULTS[k]

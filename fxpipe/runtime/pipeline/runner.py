@@ -35,10 +35,11 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.errors import ConfigError, RuntimeSetupError
+from fxpipe.errors import BatchMismatchError, ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
 from fxpipe.partitioner.schedule import runnable_schedules
 from fxpipe.partitioner.schedule.placement import placement_of
+from fxpipe.runtime.pipeline.batch_agreement import compare_batch, runner_message
 from fxpipe.runtime.pipeline.clipping import clip_grads_, counted_parameters, pipeline_grad_norm
 from fxpipe.runtime.pipeline.comm import pairs_sends
 from fxpipe.runtime.pipeline.executor import LossFn, RankExecutor
@@ -193,7 +194,11 @@ class PipelineRunner:
     (``clip_grad_norm_``; the norm is kept in ``last_grad_norm``). ``precision="bf16"`` runs
     each stage's forward and the loss under bf16 autocast (``fxpipe.runtime.pipeline.precision``);
     ``"fp16"`` under fp16 autocast with one loss scale for the job (``scaler``): a step with an
-    inf or NaN gradient on any rank is skipped on every rank.
+    inf or NaN gradient on any rank is skipped on every rank. Every batch given to ``step``,
+    ``forward_backward`` and ``eval_step`` is compared across the pipeline's ranks first (one
+    small collective; Note [one batch per pipeline] in ``fxpipe.runtime.pipeline.batch_agreement``):
+    ranks given different rows stop with a ``BatchMismatchError`` naming the step and the tensor;
+    ``check_batches=False`` skips it.
     """
 
     def __init__(
@@ -215,8 +220,11 @@ class PipelineRunner:
         scheduler_factory: SchedulerFactory | None = None,
         max_grad_norm: float | None = None,
         precision: str = "fp32",
+        check_batches: bool = True,
     ) -> None:
         self._owns_group = False
+        self.check_batches = check_batches
+        self._calls = {"step": 0, "forward_backward": 0, "eval_step": 0}
         manifest, load = _manifest_and_loader(build, stage_loader)
         self.target_batch_dims = target_batch_dims
         rank, world, local_rank = this_rank()
@@ -309,11 +317,19 @@ class PipelineRunner:
         self,
         inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
         targets: Any,
+        call: str,
     ) -> tuple[list[tuple[torch.Tensor, ...]], list[Any] | None]:
-        """The step's inputs bound to the build and cut into microbatches; the targets too, on the loss rank."""
+        """The step's inputs bound to the build and cut into microbatches; the targets too, on the
+        loss rank. ``call``: the method given them, counted for the batch check's message."""
         if isinstance(inputs, (ModelInputs, Mapping)):
             inputs = self.manifest.call_spec.bind_any(inputs)
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        self._calls[call] += 1
+        if self.check_batches:
+            n = self._calls[call]
+            self._check_batch(
+                inputs, targets, f"at step {n}" if call == "step" else f"at {call} call {n}"
+            )
         dims = [t.batch_dim for t in self.manifest.inputs]
         batched = [t.shape[d] for t, d in zip(inputs, dims) if d is not None]
         if batched:
@@ -327,6 +343,20 @@ class PipelineRunner:
             else None
         )
         return mb_inputs, mb_targets
+
+    def _check_batch(self, inputs: Any, targets: Any, when: str) -> None:
+        """Stop every rank of the pipeline if they were given different batches (collective)."""
+        found = compare_batch(
+            inputs,
+            targets,
+            group=self.groups.pipeline,
+            ranks=[self.layout.rank_of(s, self.replica) for s in range(self.manifest.num_ranks)],
+            device=self.device,
+            rank=self.rank,
+            timeout_s=self.timeout_s,
+        )
+        if found is not None:
+            raise BatchMismatchError(runner_message(found, when, self.replica))
 
     def _shared_loss(self, losses: list[torch.Tensor], doing: str) -> Callable[[], float]:
         """Start broadcasting the mean of the loss rank's microbatch losses over the pipeline
@@ -370,15 +400,16 @@ class PipelineRunner:
         Gradients accumulate into ``.grad`` (tied copies summed across their stages).
         Returns the loss averaged over microbatches, on every rank.
         """
-        return self._forward_backward(inputs, targets)()
+        return self._forward_backward(inputs, targets, "forward_backward")()
 
     def _forward_backward(
         self,
         inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
         targets: Any,
+        call: str,
     ) -> Callable[[], float]:
         """``forward_backward``, its loss still in flight: the returned call waits for it."""
-        mb_inputs, mb_targets = self._microbatches(inputs, targets)
+        mb_inputs, mb_targets = self._microbatches(inputs, targets, call)
         scaler = self.scaler
         loss_fn = self.loss_fn if scaler is None else scaler.scaled(self.loss_fn)
         losses = self.executor.run(mb_inputs, mb_targets, loss_fn)
@@ -453,7 +484,7 @@ class PipelineRunner:
                 pair_sends=pairs_sends(self.device),
                 autocast=self._autocast,
             )
-        mb_inputs, mb_targets = self._microbatches(inputs, targets)
+        mb_inputs, mb_targets = self._microbatches(inputs, targets, "eval_step")
         was_training = self.stage.training
         self.stage.eval()
         try:
@@ -481,7 +512,9 @@ class PipelineRunner:
         dp = self.data_parallel
         if self.optimizer is not None and (dp is None or dp.passes == 0):
             self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(inputs, targets)  # its broadcast overlaps the optimizer step
+        loss = self._forward_backward(
+            inputs, targets, "step"
+        )  # its broadcast overlaps the optimizer step
         if dp is None or dp.passes == 0:
             if (
                 self.max_grad_norm is not None

@@ -12,69 +12,33 @@ per rank, one collective. Ranks that left the inputs or the targets out (``None`
 ``rank_info.needs_inputs`` / ``needs_targets`` allow) are not compared on them; so a pipeline in
 which no two ranks hold the same part has nothing to compare. Replicas draw their own shards and
 are not compared with each other. A difference stops every rank of the pipeline with one
-``ModelFileError`` naming the step, the part and the ranks.
+``ModelFileError`` naming the step, the tensor, the ranks and how to seed the data. The
+comparison is ``PipelineRunner``'s (Note [one batch per pipeline] in
+``fxpipe.runtime.pipeline.batch_agreement``); the loop turns the runner's own check off and
+calls this one, whose line names the data function.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
-
 from fxpipe.errors import ModelFileError
-from fxpipe.runtime.pipeline.fingerprint import fingerprint
-from fxpipe.runtime.pipeline.p2p import peer_error
+from fxpipe.runtime.pipeline import batch_agreement
+from fxpipe.runtime.pipeline.batch_agreement import compare_batch, first_disagreement
 from fxpipe.runtime.pipeline.runner import PipelineRunner
 from fxpipe.runtime.train.data_iter import Placeholders
 
 __all__ = ["check_same_batch", "batch_fingerprint", "first_disagreement"]
 
-_PARTS = ("inputs", "targets")
 
-
-def _part(tree: Any) -> list[int]:
-    """[held, digest of the structure, dtypes and shapes, fingerprint a, fingerprint b] of inputs or targets."""
-    if tree is None or isinstance(tree, Placeholders):
-        return [0, 0, 0, 0]
-    leaves, spec = tree_flatten(tree)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    described = repr(
-        (
-            str(spec),
-            [
-                (str(x.dtype), tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x)
-                for x in leaves
-            ],
-        )
-    )
-    digest = int.from_bytes(
-        hashlib.blake2b(described.encode(), digest_size=8).digest(), "little", signed=True
-    )
-    return [1, digest, *fingerprint(tensors)]
+def _held(part: Any) -> Any:
+    """``part``, or None for what this rank did not yield (not compared)."""
+    return None if isinstance(part, Placeholders) else part
 
 
 def batch_fingerprint(inputs: Any, targets: Any) -> list[int]:
-    """What a rank compares of the batch it drew: its inputs' part, then its targets' part."""
-    return _part(inputs) + _part(targets)
-
-
-def first_disagreement(per_rank: list[list[int]], ranks: list[int]) -> tuple[str, int, int] | None:
-    """(part, a rank, another rank whose part differs from it) for the first part that differs, else ``None``.
-
-    >>> first_disagreement([[1, 5, 2, 3, 0, 0, 0, 0], [1, 5, 2, 4, 1, 7, 1, 1]], [0, 1])
-    ('inputs', 0, 1)
-    >>> first_disagreement([[0, 0, 0, 0, 1, 7, 1, 1], [1, 5, 2, 4, 1, 7, 1, 1]], [0, 1]) is None
-    True
-    """
-    for p, part in enumerate(_PARTS):
-        held = [(rank, fp[4 * p : 4 * p + 4]) for rank, fp in zip(ranks, per_rank) if fp[4 * p]]
-        for rank, fp in held[1:]:
-            if fp != held[0][1]:
-                return part, held[0][0], rank
-    return None
+    """What a rank compares of the batch it drew (``Placeholders``: not drawn, not compared)."""
+    return batch_agreement.batch_fingerprint(_held(inputs), _held(targets))
 
 
 def check_same_batch(
@@ -82,27 +46,22 @@ def check_same_batch(
 ) -> None:
     """Stop every rank of ``runner``'s pipeline if its ranks drew different batches (collective over the
     pipeline). ``when``: "at step 3"; ``where``: the data function's call, for the message."""
-    size = runner.manifest.num_ranks
-    if size == 1:
-        return
-    group = runner.groups.pipeline
-    device = runner.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(batch_fingerprint(inputs, targets), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    try:
-        dist.all_gather(gathered, mine, group=group)
-    except RuntimeError as exc:
-        raise peer_error(
-            exc, runner.rank, "comparing the step's batch across the pipeline", runner.timeout_s
-        ) from exc
-    ranks = [runner.layout.rank_of(s, runner.replica) for s in range(size)]
-    found = first_disagreement([g.tolist() for g in gathered], ranks)
+    found = compare_batch(
+        _held(inputs),
+        _held(targets),
+        group=runner.groups.pipeline,
+        ranks=[runner.layout.rank_of(s, runner.replica) for s in range(runner.manifest.num_ranks)],
+        device=runner.device,
+        rank=runner.rank,
+        timeout_s=runner.timeout_s,
+    )
     if found is not None:
-        part, a, b = found
         replica = runner.replica
         raise ModelFileError(
-            f"{where} yielded other {part} on rank {b} than on rank {a} {when}, but the ranks of one pipeline "
-            f"train on one batch (each reads its part of it); yield the same batches on every rank of replica "
-            f"{replica}: seed the data from rank_info.replica ({replica}), not from the rank, the process or the "
-            "global random state"
+            f"{where} yielded other {found.part} on rank {found.other} than on rank {found.first} "
+            f"{when} ({found.tensor} differs), but the ranks of one pipeline train on one batch (each "
+            f"reads its part of it); yield the same batches on every rank of replica {replica}: seed "
+            f"the data from rank_info.replica ({replica}), not from the rank, the process or the "
+            "global random state (e.g. torch.Generator().manual_seed(seed + rank_info.replica) for "
+            "a DataLoader's generator)"
         )

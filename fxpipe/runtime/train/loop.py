@@ -209,6 +209,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         virtual_stages=options.virtual_stages,
         recompute=plan.cost.recompute if plan is not None else (),
         precision=options.precision,
+        check_batches=False,  # checked below, with the data function named (batch_check)
     ) as runner:
         schedule = runner.schedule.name
         info = rank_info(runner)

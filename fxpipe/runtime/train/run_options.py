@@ -95,16 +95,19 @@ class RunOptions(Options):
     json_schema_version: ClassVar[int | None] = RUN_OPTIONS_SCHEMA_VERSION
 
     steps: int = option(10, metavar="K", help="training steps")
-    schedule: str | None = option(
-        None,
+    # --schedule, --virtual-stages and --dp are PlanOptions' (declared once): a run takes the
+    # build's by default and runs the schedules only (no auto)
+    schedule: str | None = same_as(
+        PlanOptions,
+        "schedule",
+        default=None,
         choices=SCHEDULE_NAMES,
-        metavar="NAME",
         none_means="the build's",
         help="pipeline schedule: %(choices)s",
     )
-    virtual_stages: int | None = option(
-        None,
-        metavar="V",
+    virtual_stages: int | None = same_as(
+        PlanOptions,
+        "virtual_stages",
         none_means="the build's",
         help="stages per rank; must be the build's (partition with --virtual-stages "
         "V to change it)",
@@ -129,9 +132,10 @@ class RunOptions(Options):
         none_means="cuda:LOCAL_RANK when CUDA is available, else cpu",
         help="cpu, cuda or cuda:N",
     )
-    dp: int | None = option(
-        None,
-        metavar="R",
+    dp: int | None = same_as(
+        PlanOptions,
+        "dp",
+        default=None,
         help="data-parallel replicas of the pipeline: stages x R processes",
         none_means="the plan's replicas with `fxpipe run`, WORLD_SIZE / stages under your own "
         "torchrun",

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fxpipe.errors import ConfigError
-from fxpipe.optionspec import Options, option
+from fxpipe.optionspec import Options, option, same_as
 from fxpipe.partitioner.cost import (
     PRECISIONS,
 )  # RunOptions.precision (fxpipe.runtime.pipeline.precision)
+from fxpipe.partitioner.plan_options import PlanOptions
 
 __all__ = ["TrainingOptions", "OPTIMIZERS", "LR_SCHEDULES", "PRECISIONS", "parse_betas"]
 
@@ -62,10 +63,12 @@ class TrainingOptions(Options):
 
     what: ClassVar[str] = "training options"
 
-    optimizer: str = option(
-        "sgd",
+    # PlanOptions' --optimizer (declared once), which the plan prices by its state; a run names
+    # the torch.optim class
+    optimizer: str = same_as(
+        PlanOptions,
+        "optimizer",
         choices=OPTIMIZERS,
-        metavar="NAME",
         help="torch.optim optimizer of every stage: %(choices)s",
     )
     weight_decay: float = option(0.0, metavar="WD", help="weight decay (AdamW: decoupled)")

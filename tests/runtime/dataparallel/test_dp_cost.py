@@ -87,6 +87,32 @@ def test_options_refuse_bad_values_with_the_remedy() -> None:
     assert DataParallelOptions(overlapping_allreduce=False).ddp_kwargs()["bucket_cap_mb"] >= 1e6
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("comm_hook", "int8", r"unknown comm_hook 'int8'; expected one of .*register_comm_hook"),
+        ("powersgd_rank", 0, r"powersgd_rank must be an int >= 1, got 0; 1, 2 or 4 are usual"),
+        ("powersgd_rank", True, r"powersgd_rank must be an int >= 1, got True"),
+        ("shard", "zero3", r"unknown shard level 'zero3'; expected one of"),
+        ("shard_reduce", "never", r"unknown shard_reduce 'never'; expected one of"),
+        ("shard_param_dtype", "int8", r"shard_param_dtype must be one of .*got 'int8'"),
+        ("shard_reduce_dtype", "int8", r"shard_reduce_dtype must be one of .*got 'int8'"),
+    ],
+)
+def test_the_planner_and_the_runtime_refuse_a_bad_value_with_one_line(
+    field: str, value: object, message: str
+) -> None:
+    """Note [options declared once]: the check is declared with the option, so the cost model
+    (fxpipe plan) and the runtime's options (fxpipe run, the seed API) say the same line."""
+    shard = {"shard": "full"} if field.startswith("shard_") else {}
+    lines = []
+    for cls in (CostModel, DataParallelOptions):
+        with pytest.raises(ConfigError, match=message) as caught:
+            cls(**{**shard, field: value})
+        lines.append(str(caught.value))
+    assert lines[0] == lines[1] and "\n" not in lines[0]
+
+
 def test_data_parallel_peers_are_one_stage_of_every_replica() -> None:
     layout = RankLayout(num_stages=2, replicas=2)
     assert layout.pipeline_ranks(0) == (0, 1) and layout.data_parallel_ranks(1) == (1, 3)
