@@ -12,8 +12,10 @@ module). Only when both fail is a :class:`TraceError` raised.
 
 from __future__ import annotations
 
+import linecache
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
@@ -22,6 +24,7 @@ import torch.nn as nn
 
 from fxpipe.errors import TraceError
 from fxpipe.tracer.construction import CtorArgs
+from fxpipe.tracer.data_checks import DataBranch, is_data_dependent, user_site
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
@@ -115,19 +118,53 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _site(exc: BaseException | None) -> str:
+    """`` at file:line (`code`)`` of the innermost frame of the model's code in ``exc``'s traceback."""
+    while exc is not None:
+        if isinstance(exc, DataBranch):
+            return ""  # its message names the line already
+        site = user_site(exc.__traceback__)
+        if site is not None:
+            code = linecache.getline(*site).strip()
+            return f" at {Path(site[0]).name}:{site[1]}" + (f" (`{code}`)" if code else "")
+        exc = exc.__cause__
+    return ""
+
+
+def _advice(exported: BaseException | None) -> str:
+    """What to try, for what torch.export hit (the front end that traces the most)."""
+    if isinstance(exported, DataBranch) or (exported is not None and is_data_dependent(exported)):
+        return (
+            "try: make that branch a computation (torch.where, a mask), decide it outside forward "
+            "(a constructor argument), or keep the submodule that holds it whole (--leaf "
+            "path.to.module); a branch that only raises (`if ...: raise`) is kept as a runtime assert"
+        )
+    return (
+        "try: make the failing line traceable (no Python control flow on tensor values), or keep "
+        "the module that holds it whole (--leaf path.to.module / trace_model(..., leaves=[...]))"
+    )
+
+
 def _both_failed(
     model: nn.Module, symbolic: BaseException | None, exported: BaseException | None
 ) -> TraceError:
-    lines = [f"could not trace {type(model).__name__} with either front end:"]
-    if symbolic is not None:
-        lines.append(f"  symbolic (torch.fx): {symbolic}")
-    if exported is not None:
-        lines.append(f"  export (torch.export): {type(exported).__name__}: {_first_line(exported)}")
-    lines.append(
-        "fix: make the failing call traceable (no data-dependent Python control flow on tensor values), "
-        "or name the module that contains it as a leaf (trace_model(..., leaves=['path.to.module']) / "
-        "--leaf path.to.module)"
+    tried = " and ".join(
+        name
+        for name, exc in (("symbolic FX", symbolic), ("torch.export", exported))
+        if exc is not None
     )
+    lines = [
+        f"could not trace {type(model).__name__}: {tried} each stopped where the line below says"
+    ]
+    if symbolic is not None:
+        cause = symbolic.cause if isinstance(symbolic, SymbolicTraceFailure) else symbolic
+        lines.append(f"  symbolic (torch.fx): {_first_line(symbolic)}{_site(cause)}")
+    if exported is not None:
+        lines.append(
+            f"  export (torch.export): {type(exported).__name__}: {_first_line(exported)}"
+            f"{_site(exported)}"
+        )
+    lines.append(_advice(exported))
     return TraceError("\n".join(lines))
 
 
