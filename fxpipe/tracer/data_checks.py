@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-__all__ = ["DataCheck", "export_with_checks", "user_site", "is_data_dependent"]
+__all__ = ["DataCheck", "export_with_checks", "user_site", "caller_site", "is_data_dependent"]
 
 T = TypeVar("T")
 _SKIPPED = (
@@ -73,7 +73,7 @@ def user_site(tb: TracebackType | None) -> tuple[str, int] | None:
     return found
 
 
-def _caller_site() -> tuple[str, int] | None:
+def caller_site() -> tuple[str, int] | None:
     frame = sys._getframe(1)
     while frame is not None and not _user(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
@@ -131,7 +131,7 @@ def _deciding(found: list[DataCheck]) -> Iterator[None]:
         try:
             return original(self, orig_expr, *args, **kwargs)
         except GuardOnDataDependentSymNode as exc:
-            site = _caller_site()
+            site = caller_site()
             if site is None or orig_expr.is_number:
                 raise
             needed = _needed(*site)

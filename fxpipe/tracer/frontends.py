@@ -27,6 +27,12 @@ from fxpipe.tracer.construction import CtorArgs
 from fxpipe.tracer.data_checks import DataBranch, is_data_dependent, user_site
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
+from fxpipe.tracer.static_batch import (
+    Specialisation,
+    batch_was_fixed,
+    fixed_batch,
+    recording,
+)
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import (
     FallbackLeaf,
@@ -56,6 +62,9 @@ class FrontendResult:
     graph_module: torch.fx.GraphModule
     frontend: str
     fallbacks: tuple[FallbackLeaf, ...] = ()
+    static_batch: str = (
+        ""  # the line that fixes the batch: traced static (Note [a batch the model fixes])
+    )
 
     @property
     def fallback_leaves(self) -> dict[str, str]:
@@ -108,9 +117,27 @@ def _export(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims
 ) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
-    if batch_size_of(inputs, batch_dims) == 1:
+    if all(d is None for d in batch_dims):  # static (Note [a batch the model fixes])
+        return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    given, batch = inputs, batch_size_of(inputs, batch_dims)
+    if batch == 1:
         inputs = double_batch(inputs, batch_dims)
-    return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    found: list[Specialisation] = []
+    try:
+        with recording(found):
+            return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    except Exception as exc:
+        if not batch_was_fixed(exc):
+            raise
+    site = fixed_batch(found, batch_size_of(inputs, batch_dims))  # Note [a batch the model fixes]
+    where = str(site) if site else "a line torch.export does not name"
+    warnings.warn(
+        f"fxpipe: {where} makes the batch size a constant, so the batch cannot be dynamic: traced "
+        f"static at the microbatch size {batch}; every microbatch must hold {batch} samples",
+        stacklevel=4,
+    )
+    static = export_graph(model, given, tuple(None for _ in given))
+    return FrontendResult(static, "export", static_batch=where)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -154,7 +181,12 @@ def _both_failed(
         if exc is not None
     )
     lines = [
-        f"could not trace {type(model).__name__}: {tried} each stopped where the line below says"
+        f"could not trace {type(model).__name__}: {tried} "
+        + (
+            "each stopped where the lines below say"
+            if " and " in tried
+            else "stopped where the line below says"
+        )
     ]
     if symbolic is not None:
         cause = symbolic.cause if isinstance(symbolic, SymbolicTraceFailure) else symbolic
