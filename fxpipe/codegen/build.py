@@ -100,6 +100,13 @@ def write_build_dir(
             "was it planned from another profile?"
         )
     stage_of_node = {n: stage_of_unit[u] for n, u in traced.unit_of_node.items()}
+    traced_mb = traced.profile.batch_size
+    if traced.static_batch and microbatches and batch_size != traced_mb * microbatches:
+        raise CodegenError(  # Note [a batch the model fixes]
+            f"{traced.static_batch} fixes the batch, so the model was traced static at microbatch "
+            f"{traced_mb}; a batch of {batch_size} in {microbatches} microbatches does not give "
+            f"{traced_mb}: use --batch-size {traced_mb * microbatches}"
+        )
     meta = build_meta_weights(traced, weights)
     with staged_build_dir(out_dir) as staging:
         with phase("emit") as emitted:
@@ -126,8 +133,10 @@ def write_build_dir(
             )
             plan.to_json(staging / "plan.json")
             manifest = replace(
-                manifest, plan_sha256=file_sha256(staging / "plan.json")
-            )  # checked before it is read
+                manifest,
+                plan_sha256=file_sha256(staging / "plan.json"),  # checked before it is read
+                static_batch=traced.static_batch,
+            )
             manifest.to_json(staging / "manifest.json")
             traced.profile.to_json(staging / "profile.json")
             (staging / "report.html").write_text(

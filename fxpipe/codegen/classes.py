@@ -156,6 +156,32 @@ class ModuleTree:
                 lines.append(f'{target}.register_buffer("{name}", {_empty(e.tensor)}{persistent})')
         return lines
 
+    def frozen_lines(self) -> list[str]:
+        """``requires_grad_(False)`` for each frozen parameter a constructor builds (Note [frozen parameters]).
+
+        A parameter a generated class creates itself is written ``torch.nn.Parameter(...,
+        requires_grad=False)`` in that class; one that a layer's constructor creates (a leaf, a
+        rebuilt ``torch.nn`` layer) comes out of it trainable, so the stage freezes it after building.
+        """
+        lines = []
+        for e in self.tensors:
+            if e.kind != PARAMETER or e.tensor.requires_grad or e.key in self.aliases:
+                continue
+            if self._built_by_constructor(e.key):
+                lines.append(f"{self.expr('', e.key)}.requires_grad_(False)")
+        return lines
+
+    def _built_by_constructor(self, key: str) -> bool:
+        """Whether the nearest constructor above ``key`` is a layer's, not a generated class's own ``__init__``."""
+        path = _parent(key)
+        while path:
+            if path in self.ctors:
+                return path not in self.classes or self.ctors[path].startswith(
+                    "torch.nn.Sequential("
+                )
+            path = _parent(path)
+        return False
+
     def _module_dict(
         self, path: str, needed: set[str], tensors: list[TensorEntry]
     ) -> tuple[str, list[str]]:

@@ -243,6 +243,12 @@ def _render(
     name_from_source(graph)  # the module calls and helper calls outlining made
     tree.mark_indexed_containers()
     init = tree.init_lines("", stage=True)
+    frozen = tree.frozen_lines()
+    if frozen:
+        init += [
+            "# frozen in the model (requires_grad=False): no gradient, no optimizer state",
+            *frozen,
+        ]
     _name_outputs(graph, stage, split)
     forward = render_forward(
         graph,

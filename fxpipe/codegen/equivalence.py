@@ -5,6 +5,9 @@ Shared by ``fxpipe verify`` (:mod:`fxpipe.codegen.verify`) and the compiler's sa
 the same mode (``train()`` or ``eval()``); their outputs, the gradient of every parameter
 (by the original model's keys, tied parameters found through any of their names) and
 every buffer after the forward (batch-norm statistics move in train mode) are compared.
+A frozen parameter (``requires_grad=False``) has no gradient on either side; one frozen on one
+side only is a failing row ``requires_grad KEY`` (Note [frozen parameters] in
+:mod:`fxpipe.codegen.ownership`).
 The reference model is left as it was: its modes, buffers and ``.grad`` are untouched
 (gradients come from ``torch.autograd.grad``), and so is the caller's RNG state.
 
@@ -187,6 +190,7 @@ class _Run:
     outputs: list[Any]
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
+    frozen: frozenset[str] = frozenset()  # keys of parameters with requires_grad=False
 
 
 def _named_tensors(
@@ -222,6 +226,7 @@ def _run(
         outputs=tree_leaves(output),
         grads={k: grads_by_id.get(id(p)) for k, p in params.items()},
         buffers={k: b.detach().clone() for k, b in buffers.items()},
+        frozen=frozenset(k for k, p in params.items() if not p.requires_grad),
     )
 
 
@@ -272,6 +277,10 @@ def compare_in_mode(
     grads = []
     for key, p in reference.named_parameters():
         held = next((k for k in aliases[id(p)] if k in got.grads), None)
+        if held is not None and (held in got.frozen) != (key in want.frozen):
+            # a frozen parameter made trainable (or the reverse) is wrong even where its gradient is zero
+            grads.append(TensorError(f"requires_grad {key}", math.inf, math.inf, False))
+            continue
         grads.append(
             compare_tensor(
                 f"grad {key}",

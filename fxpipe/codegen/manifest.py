@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fxpipe.errors import BuildDirError
+from fxpipe.errors import BuildDirError, ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
 from fxpipe.userfiles import check_regular
@@ -247,6 +247,25 @@ class Manifest:
         ""  # the classes several stages use (Note [classes several stages share]); "" if none
     )
     shared_sha256: str = ""
+    # the line that fixes the batch size: the stages are static, every microbatch holds exactly
+    # microbatch_size samples (Note [a batch the model fixes] in fxpipe.tracer.static_batch)
+    static_batch: str = ""
+
+    def check_static_batch(self, microbatch: int) -> None:
+        """Refuse a microbatch of another size than the one a static build was traced at (Note [a
+        batch the model fixes] in :mod:`fxpipe.tracer.static_batch`); nothing for a dynamic build."""
+        if self.static_batch and microbatch != self.microbatch_size:
+            per_step = (
+                f" (--batch-size {self.microbatch_size * self.microbatches} with "
+                f"{self.microbatches} microbatches)"
+                if self.microbatches
+                else ""
+            )
+            raise ConfigError(
+                f"this build takes microbatches of exactly {self.microbatch_size} samples, not "
+                f"{microbatch}: {self.static_batch} fixes the model's batch size, so it was traced "
+                f"static; feed {self.microbatch_size} samples per microbatch{per_step}"
+            )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))

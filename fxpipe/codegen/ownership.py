@@ -6,6 +6,19 @@ identity (``named_parameters(remove_duplicate=False)``): inside a stage every ke
 the group points at one Parameter (the first key is stored, the rest are aliases),
 and across stages each stage holds a copy and the manifest records a ``Tie`` so the
 runtime can sum their gradients.
+
+Note [frozen parameters]: a parameter the model froze (``requires_grad=False``: a frozen
+embedding or tower, the base under LoRA adapters) is frozen in its stage too, so it gets no
+gradient, no optimizer state and no data-parallel traffic. The stage source says so: a
+parameter a generated class creates is ``torch.nn.Parameter(..., requires_grad=False)``, one
+that a layer's constructor creates is frozen after it by a ``requires_grad_(False)`` line of the
+stage's ``__init__`` (``ModuleTree.frozen_lines``). Loading keeps the flag (``load_state_dict(assign=True)``
+and the meta initialiser copy it from the module built from the source), the safety net and
+``fxpipe verify`` compare it (a ``requires_grad KEY`` row: a frozen parameter has no gradient on
+either side), and the runtime builds optimizers, DDP, ZeRO and FSDP2 over the trainable
+parameters only (``stage_optimizer``, ``ReplicatedStage``). ``requires_grad`` is the only flag a
+parameter carries that torch's training reads; other attributes set on a parameter object are
+not carried.
 """
 
 from __future__ import annotations

@@ -53,6 +53,12 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         m = self.manifest
         inputs = self.call.bind(args, kwargs)
+        if m.static_batch:  # Note [a batch the model fixes]
+            sizes = [
+                x.shape[t.batch_dim] for t, x in zip(m.inputs, inputs) if t.batch_dim is not None
+            ]
+            if sizes:
+                m.check_static_batch(sizes[0])
         values: dict[tuple[int, str], Any] = {}  # each tensor as its producer made it
         for t, x in zip(m.inputs, inputs):
             values[(t.producer, t.name)] = x

@@ -119,6 +119,12 @@ def _explain(
             f"the trace did not capture what the model computes; {_SKIP}"
         )
     owner = _unit_of_tensor(traced, worst.name.split(" ", 1)[-1])
+    if worst.name.startswith("requires_grad "):
+        key = worst.name.split(" ", 1)[1]
+        return (
+            f"the emitted stages differ from the model: parameter {key!r} has another requires_grad than "
+            f"in the model{f' (unit {owner!r})' if owner else ''}; {_SKIP}"
+        )
     return (
         f"the emitted stages differ from the model in {mode} mode: {worst.name} is off by {worst.max_abs:.3g}"
         f"{f' (unit {owner!r})' if owner else ''}; {_SKIP}"

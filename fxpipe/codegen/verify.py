@@ -139,8 +139,10 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     manifest = build.manifest
     reference = _load_reference(build, source)
     pipeline = load_checked_pipeline(build)
-    call = source.example_call(manifest.batch_size)
-    loss, loss_name = _loss(source, manifest.batch_size)
+    # a static build (Note [a batch the model fixes]) takes one microbatch at a time
+    batch = manifest.microbatch_size if manifest.static_batch else manifest.batch_size
+    call = source.example_call(batch)
+    loss, loss_name = _loss(source, batch)
     modes = tuple(
         compare_in_mode(
             reference,

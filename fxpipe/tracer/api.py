@@ -421,7 +421,7 @@ def trace_model(
                             inputs,
                             result.frontend,
                             (*leaf_paths, *result.fallback_leaves),
-                            dims,
+                            tuple(None for _ in dims) if result.static_batch else dims,
                             ctor_args,
                         )
                     _normalize(again.graph_module, inputs, trace_device)
@@ -434,7 +434,7 @@ def trace_model(
                         model, gm, inputs, trace=trace_again, check=not on_meta, run=run
                     )
                 with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
-                    prop = propagate(gm, inputs, batch, dims)
+                    prop = propagate(gm, inputs, batch, dims, static=bool(result.static_batch))
                 regions, gm.meta[MUTATIONS_KEY] = isolate_mutations(gm, prop.values, prop.mutations)
                 regions += [{n.name for n in region} for region in guarded_regions(gm.graph)]
                 regions += leaf_regions(
@@ -508,6 +508,7 @@ def trace_model(
         user_leaf_args=user_leaf_args,
         call=call.spec,
         example_inputs=inputs if on_meta else tuple(t.to(original_device) for t in inputs),
+        static_batch=result.static_batch,
     )
 
 

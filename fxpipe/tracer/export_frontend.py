@@ -20,6 +20,8 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from fxpipe.errors import TraceError
 from fxpipe.graphmeta import CONSTANTS_KEY, LIFTED_CONSTANT_PREFIX
+from fxpipe.tracer.data_checks import export_with_checks
+from fxpipe.tracer.fake_kernels import register_fake_kernels
 from fxpipe.tracer.call import active_call
 
 __all__ = ["export_graph", "non_persistent_buffers"]
@@ -131,11 +133,13 @@ def _export(
 ) -> Any:
     """``torch.export`` (non-strict), with ``bound`` given to ``forward`` through a ``functools.partial``
     for the duration (see ``BoundCall.export_arguments``)."""
+    register_fake_kernels()
+    run = lambda: export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)  # noqa: E731
     if not bound:
-        return export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        return export_with_checks(run)[0]  # Note [checks on data]
     model.forward = functools.partial(model.forward, **bound)
     try:
-        return export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        return export_with_checks(run)[0]
     finally:
         del model.forward
 

@@ -12,8 +12,10 @@ module). Only when both fail is a :class:`TraceError` raised.
 
 from __future__ import annotations
 
+import linecache
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
@@ -22,8 +24,15 @@ import torch.nn as nn
 
 from fxpipe.errors import TraceError
 from fxpipe.tracer.construction import CtorArgs
+from fxpipe.tracer.data_checks import DataBranch, is_data_dependent, user_site
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
+from fxpipe.tracer.static_batch import (
+    Specialisation,
+    batch_was_fixed,
+    fixed_batch,
+    recording,
+)
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import (
     FallbackLeaf,
@@ -53,6 +62,9 @@ class FrontendResult:
     graph_module: torch.fx.GraphModule
     frontend: str
     fallbacks: tuple[FallbackLeaf, ...] = ()
+    static_batch: str = (
+        ""  # the line that fixes the batch: traced static (Note [a batch the model fixes])
+    )
 
     @property
     def fallback_leaves(self) -> dict[str, str]:
@@ -105,9 +117,27 @@ def _export(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims
 ) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
-    if batch_size_of(inputs, batch_dims) == 1:
+    if all(d is None for d in batch_dims):  # static (Note [a batch the model fixes])
+        return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    given, batch = inputs, batch_size_of(inputs, batch_dims)
+    if batch == 1:
         inputs = double_batch(inputs, batch_dims)
-    return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    found: list[Specialisation] = []
+    try:
+        with recording(found):
+            return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    except Exception as exc:
+        if not batch_was_fixed(exc):
+            raise
+    site = fixed_batch(found, batch_size_of(inputs, batch_dims))  # Note [a batch the model fixes]
+    where = str(site) if site else "a line torch.export does not name"
+    warnings.warn(
+        f"fxpipe: {where} makes the batch size a constant, so the batch cannot be dynamic: traced "
+        f"static at the microbatch size {batch}; every microbatch must hold {batch} samples",
+        stacklevel=4,
+    )
+    static = export_graph(model, given, tuple(None for _ in given))
+    return FrontendResult(static, "export", static_batch=where)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -115,19 +145,58 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _site(exc: BaseException | None) -> str:
+    """`` at file:line (`code`)`` of the innermost frame of the model's code in ``exc``'s traceback."""
+    while exc is not None:
+        if isinstance(exc, DataBranch):
+            return ""  # its message names the line already
+        site = user_site(exc.__traceback__)
+        if site is not None:
+            code = linecache.getline(*site).strip()
+            return f" at {Path(site[0]).name}:{site[1]}" + (f" (`{code}`)" if code else "")
+        exc = exc.__cause__
+    return ""
+
+
+def _advice(exported: BaseException | None) -> str:
+    """What to try, for what torch.export hit (the front end that traces the most)."""
+    if isinstance(exported, DataBranch) or (exported is not None and is_data_dependent(exported)):
+        return (
+            "try: make that branch a computation (torch.where, a mask), decide it outside forward "
+            "(a constructor argument), or keep the submodule that holds it whole (--leaf "
+            "path.to.module); a branch that only raises (`if ...: raise`) is kept as a runtime assert"
+        )
+    return (
+        "try: make the failing line traceable (no Python control flow on tensor values), or keep "
+        "the module that holds it whole (--leaf path.to.module / trace_model(..., leaves=[...]))"
+    )
+
+
 def _both_failed(
     model: nn.Module, symbolic: BaseException | None, exported: BaseException | None
 ) -> TraceError:
-    lines = [f"could not trace {type(model).__name__} with either front end:"]
-    if symbolic is not None:
-        lines.append(f"  symbolic (torch.fx): {symbolic}")
-    if exported is not None:
-        lines.append(f"  export (torch.export): {type(exported).__name__}: {_first_line(exported)}")
-    lines.append(
-        "fix: make the failing call traceable (no data-dependent Python control flow on tensor values), "
-        "or name the module that contains it as a leaf (trace_model(..., leaves=['path.to.module']) / "
-        "--leaf path.to.module)"
+    tried = " and ".join(
+        name
+        for name, exc in (("symbolic FX", symbolic), ("torch.export", exported))
+        if exc is not None
     )
+    lines = [
+        f"could not trace {type(model).__name__}: {tried} "
+        + (
+            "each stopped where the lines below say"
+            if " and " in tried
+            else "stopped where the line below says"
+        )
+    ]
+    if symbolic is not None:
+        cause = symbolic.cause if isinstance(symbolic, SymbolicTraceFailure) else symbolic
+        lines.append(f"  symbolic (torch.fx): {_first_line(symbolic)}{_site(cause)}")
+    if exported is not None:
+        lines.append(
+            f"  export (torch.export): {type(exported).__name__}: {_first_line(exported)}"
+            f"{_site(exported)}"
+        )
+    lines.append(_advice(exported))
     return TraceError("\n".join(lines))
 
 

@@ -199,26 +199,37 @@ def _batch_dim(value: torch.Tensor, doubled: Any, batch: int) -> int | None:
     return 0 if value.dim() > 0 and value.shape[0] == batch else None
 
 
+class _Static(Exception):
+    """A static graph is not run at ``2B``."""
+
+
 def propagate(
     gm: torch.fx.GraphModule,
     inputs: tuple[torch.Tensor, ...],
     batch_size: int,
     batch_dims: Sequence[int | None] | None = None,
+    *,
+    static: bool = False,
 ) -> Propagation:
     """Run ``gm`` at ``B`` and ``2B`` and set ``node.meta[SPEC_KEY]`` on every node.
 
     ``batch_dims`` says along which dimension each input grows for the ``2B`` run
-    (default: :func:`default_batch_dims`; see the module Note).
+    (default: :func:`default_batch_dims`; see the module Note). A ``static`` graph (Note [a batch
+    the model fixes]) runs at ``B`` only: dimension 0 is the batch wherever its size equals ``B``.
     """
     counting = _Counting(gm, FlopCounterMode(display=False))
     with counting.counter:  # type: ignore[union-attr]
         counting.run(*requiring_grad(inputs))
     doubled: dict[torch.fx.Node, Any] = {}
     try:
+        if static:
+            raise _Static
         with torch.no_grad():
             second = _Counting(gm, None)
             second.run(*double_batch(inputs, batch_dims))
             doubled = second.env
+    except _Static:
+        pass
     except Exception as exc:  # noqa: BLE001 - we can still guess, but say so
         warnings.warn(
             f"fxpipe: running the graph at batch {2 * batch_size} failed ({type(exc).__name__}: {exc}); "

@@ -49,6 +49,9 @@ class TracedModel:
     user_leaf_args: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
     example_inputs: tuple[torch.Tensor, ...] = ()
     call: CallSpec | None = None
+    static_batch: str = (
+        ""  # the line that fixes the batch: a static graph (Note [a batch the model fixes])
+    )
 
     def unflatten_output(self, flat: tuple[Any, ...] | list[Any]) -> Any:
         """Rebuild the model's output structure from the graph's flat output tuple."""

@@ -1,7 +1,9 @@
 """Zoo models train on 2 ranks exactly as one process trains the original (issue 10).
 
 A CNN with BatchNorm and in-place ops (``regnet``: RegNetY blocks, running statistics move every
-microbatch) and a Hugging Face decoder with RoPE and grouped-query attention (``llama``), partitioned at
+microbatch), a Hugging Face decoder with RoPE and grouped-query attention (``llama``) and the same
+decoder with LoRA adapters on a frozen base (``llama_lora``: the base stays as it was, frozen
+parameters are in no optimizer and get no gradient), partitioned at
 2 stages as ``fxpipe partition`` does, then trained by ``PipelineRunner`` on 2 ranks (SGD,
 2 steps of 2 microbatches) against one process on the same microbatches
 (``tests/runtime/reference.py``): every step's loss and every parameter and buffer
@@ -55,13 +57,18 @@ def _train_job(rank: int, world: int, build: str, spec: str) -> dict[str, Any]:
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
     ) as runner:
         losses = [runner.step(inputs, targets) for _ in range(STEPS)]
+        names = {id(p): k for k, p in runner.stage.named_parameters()}
+        optimized = [] if runner.optimizer is None else runner.optimizer.param_groups
         return {
             "losses": losses,
             "state": {k: v.detach().clone() for k, v in runner.stage.state_dict().items()},
+            "frozen": sorted(k for k, p in runner.stage.named_parameters() if not p.requires_grad),
+            "optimized": sorted(names[id(p)] for g in optimized for p in g["params"]),
+            "grads": sorted(k for k, p in runner.stage.named_parameters() if p.grad is not None),
         }
 
 
-@pytest.mark.parametrize("model", select(["regnet", "llama"]), ids=lambda m: m.name)
+@pytest.mark.parametrize("model", select(["regnet", "llama", "llama_lora"]), ids=lambda m: m.name)
 def test_zoo_model_trains_on_2_ranks_like_one_process(tmp_path: Path, model: ZooModel) -> None:
     from compare import reference_model
 
@@ -99,3 +106,11 @@ def test_zoo_model_trains_on_2_ranks_like_one_process(tmp_path: Path, model: Zoo
     for key, value in state.items():
         torch.testing.assert_close(value, want_state[key], msg=key)
     assert want_losses[-1] < want_losses[0]
+    original = source.build_model()
+    frozen = {k for k, p in original.named_parameters() if not p.requires_grad}
+    assert sorted(k for r in results for k in r["frozen"]) == sorted(frozen)
+    for r in results:  # frozen parameters: not in the optimizer, no gradient
+        assert not set(r["optimized"]) & frozen and not set(r["grads"]) & frozen
+    initial = reference_model(build, source).state_dict()
+    for key in frozen:  # the base is unchanged by training
+        torch.testing.assert_close(state[key], initial[key], rtol=0, atol=0, msg=key)

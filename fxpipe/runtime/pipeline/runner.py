@@ -333,7 +333,7 @@ class PipelineRunner:
         dims = [t.batch_dim for t in self.manifest.inputs]
         batched = [t.shape[d] for t, d in zip(inputs, dims) if d is not None]
         if batched:
-            check_divisible(batched[0], self.microbatches)
+            self.manifest.check_static_batch(check_divisible(batched[0], self.microbatches))
         mb_inputs = split_inputs(inputs, dims, self.microbatches)
         mb_targets = (
             split_targets(
