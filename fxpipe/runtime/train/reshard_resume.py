@@ -10,10 +10,12 @@ what cannot continue with one line naming it:
 
 - another global batch (samples per step: batch x replicas): the data position is kept in
   samples, and a different number per step would be another trajectory;
-- another optimizer, a model file whose classes the stages run that changed, a checkpoint at
-  or past ``--steps``: as for ``--resume`` (Note [what a resume carries over] in
-  ``fxpipe.runtime.train.resume``), except that the stages' code is not compared (another
-  layout has other stages); the keys and shapes of the model are compared instead, on the
+- another optimizer, a checkpoint at or past ``--steps``: as for ``--resume`` (Note [what a
+  resume carries over] in ``fxpipe.runtime.train.resume``);
+- another model: when the model file (its sha256) and the function building the model in it
+  are those the checkpoint was trained from, any layout of it resumes (another layout has other
+  stages, whose code cannot be compared); when either changed, every stage's code must be the
+  checkpoint's, as for ``--resume``. The keys and shapes of the model are compared too, on the
   ranks, against the checkpoint's metadata (``check_dcp_keys``);
 
 and reports, beside what ``check_resume`` reports (a changed ``--lr`` included), the layout it
@@ -87,9 +89,10 @@ def check_layout_resume(
             "global batch stays the same"
         )
     build = dict(meta.get("build") or {})
-    if list(build.get("stage_sha256") or []) != list(identity["stage_sha256"]):
-        # another layout: its stages' code cannot be compared, so the model file must be the same
-        _check_same_model(build, identity, where, flag)
+    same_model = build.get("model_sha256") == identity.get("model_sha256") and build.get(
+        "model_fn", identity.get("model_fn")
+    ) == identity.get("model_fn")
+    if same_model:  # the same model file and function: any layout of it (else every stage's code)
         build.pop("stage_sha256", None)
     try:
         plan = check_resume(
@@ -104,22 +107,6 @@ def check_layout_resume(
             f"steps of {now}; resume with the global batch it was trained with"
         )
     return plan
-
-
-def _check_same_model(
-    build: dict[str, Any], identity: dict[str, Any], where: str, flag: str
-) -> None:
-    """Refuse a checkpoint of another layout unless it was trained from the same model: the same
-    model file (its sha256) and the same function building the model in it."""
-    for key, what in (("model_sha256", "the model file changed"), ("model_fn", "another function")):
-        if build.get(key) is not None and build[key] != identity.get(key):
-            said = f"{what} ({build[key]} -> {identity.get(key)})" if key == "model_fn" else what
-            raise CheckpointError(
-                f"{flag}: the checkpoint in {where} was saved from another layout and "
-                f"{said} since: nothing shows this build computes the same model; partition the "
-                "model file it was trained from, or start a new run from its weights: fxpipe "
-                f"partition MODEL --weights {where}"
-            )
 
 
 def layout_note(
