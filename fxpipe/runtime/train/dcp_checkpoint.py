@@ -76,6 +76,7 @@ __all__ = [
     "layout_of",
     "load_dcp_checkpoint",
     "read_model_state",
+    "read_tensors",
     "save_dcp_checkpoint",
 ]
 
@@ -500,21 +501,30 @@ def load_dcp_checkpoint(
 # -- out of the pipeline ---------------------------------------------------------------------------
 
 
-def read_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model's state dict (every key, tied ones each under all their names) from the
-    committed checkpoint in ``directory``, in this process, no job started."""
+def read_tensors(directory: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The whole tensors stored under ``prefix`` (``"model."``, ``"optim."``) in the committed
+    checkpoint in ``directory``, by the rest of their names; in this process, no job started."""
     directory = Path(directory)
     record = read_record(directory / RECORD_NAME)
     if record is None or not is_dcp(dict(record.meta)):
         raise CheckpointError(f"{directory} holds no checkpoint of the model-keyed (DCP) format")
     reader = _open(directory, record)
     stored = reader.read_metadata().state_dict_metadata
-    state: dict[str, Any] = {}
-    for k, md in stored.items():
-        if k.startswith("model.") and isinstance(md, TensorStorageMetadata):
-            state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    state: dict[str, Any] = {
+        k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for k, md in stored.items()
+        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
     dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), no_dist=True)
-    out = {k[len("model.") :]: v for k, v in state.items()}
+    return {k[len(prefix) :]: v for k, v in state.items()}
+
+
+def read_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (every key, tied ones each under all their names) from the
+    committed checkpoint in ``directory``, in this process, no job started."""
+    out = read_tensors(directory, "model.")
+    record = read_record(Path(directory) / RECORD_NAME)
+    assert record is not None
     for alias, key in dict(record.meta.get("aliases") or {}).items():
         out[alias] = out[key]
     return out
