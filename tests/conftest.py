@@ -39,6 +39,10 @@ HEAVY = (
     "tests/runtime/test_launch.py::test_run_build_trains_gpt_on_three_ranks",
     "tests/codegen/test_load.py::test_last_stage_loads_in_well_under_half_the_memory",
     "tests/runtime/test_export_hf.py::test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model",
+    # checkpoints across layouts on 4 ranks (make test keeps the 2-rank pairs)
+    "tests/runtime/test_dcp_checkpoint.py::test_zero_sharded_optimizer_2x2_resumes_on_one_rank",
+    "tests/runtime/test_dcp_checkpoint.py::test_four_stages_resume_as_two_by_two_fully_sharded",
+    "tests/runtime/test_dcp_checkpoint.py::test_two_stages_1f1b_resume_as_four_ranks_of_zbv",
 )
 
 

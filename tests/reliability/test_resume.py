@@ -9,6 +9,8 @@ before any worker starts (no ``[rank`` in it); the workers check the same again
 
 from __future__ import annotations
 
+import re
+
 import json
 import shutil
 from pathlib import Path
@@ -74,7 +76,9 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.mark.slow
@@ -189,7 +193,9 @@ def test_parts_without_their_record_are_neither_resumed_nor_overwritten(
             capsys,
             ["run", str(mlp_copy), "--steps", "4", "--checkpoint-dir", str(ck), *resume, *RUN],
         )
-        assert "holds checkpoint parts (rank_0.pt, rank_1.pt) but no checkpoint.json" in err, err
+        assert re.search(r"holds checkpoint parts \(dcp-[0-9a-f]+\) but no checkpoint.json", err), (
+            err
+        )
     assert _files(ck) == before
 
 
@@ -257,18 +263,40 @@ def _old_fxpipe_resume_job(rank: int, world: int, build: str, ck: str) -> Any:
     return train(Path(build), options, Path(build) / f"run_{rank}.json")
 
 
+def _old_fxpipe_save_job(rank: int, world: int, build: str, ck: str) -> None:
+    """Two SGD steps saved in the per-rank format of an older fxpipe (no meta in the record)."""
+    from fxpipe.modelfile import load_model_file
+    from fxpipe.runtime import PipelineRunner
+    from fxpipe.runtime.train.checkpoint import save_training_checkpoint, training_state
+    from fxpipe.runtime.train.optim import optimizer_factory
+
+    source = load_model_file(ROOT / "examples" / "mlp.py")
+    sgd = optimizer_factory(TrainingOptions(optimizer="sgd"), 0.01)
+    with PipelineRunner(build, source.loss_fn, timeout_s=60, optimizer_factory=sgd) as runner:
+        batch = runner.manifest.batch_size
+        x, y = source.example_inputs(batch), source.example_targets(batch)
+        for _ in range(2):
+            runner.step(x, y)
+        state = training_state(runner, 2, 2, {"losses": [], "lrs": [], "grad_norms": []})
+        save_training_checkpoint(ck, runner.rank, runner.world_size, state)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_checkpoint_without_meta_of_another_optimizer_is_refused_by_the_workers(
-    mlp_copy: Path, ck: Path
+    mlp_copy: Path, tmp_path: Path
 ) -> None:
-    """A checkpoint of an older fxpipe (no meta in its record), resumed under your own torchrun: the
-    optimizer's state is checked itself, before it fails inside the first step (KeyError: 'momentum')."""
+    """A checkpoint of an older fxpipe (per-rank parts, no meta in its record), resumed under your own
+    torchrun: the optimizer's state is checked itself, before it fails inside the first step
+    (KeyError: 'momentum')."""
     from spawn import spawn
 
-    record = json.loads((ck / RECORD_NAME).read_text())
-    record.pop("meta", None)  # as an older fxpipe wrote it
-    (ck / RECORD_NAME).write_text(json.dumps(record))
+    ck = tmp_path / "old"
+    spawn(_old_fxpipe_save_job, 2, str(mlp_copy), str(ck), timeout=180)
+    assert (
+        "meta" not in json.loads((ck / RECORD_NAME).read_text())
+        or not json.loads((ck / RECORD_NAME).read_text())["meta"]
+    )
     results = spawn(
         _old_fxpipe_resume_job, 2, str(mlp_copy), str(ck), timeout=180, expect_failure=True
     )

@@ -10,6 +10,8 @@ unsharded one.
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +38,10 @@ def shard_optimizer(
             f"{len(template.param_groups)}; add the other groups later with add_param_group, or turn "
             "sharding off"
         )
-    defaults = {k: v for k, v in template.param_groups[0].items() if k != "params"}
+    # only what the class's constructor takes: AdamW's groups hold decoupled_weight_decay, which
+    # torch.optim.AdamW does not accept (Adam's subclass fixes it)
+    takes = inspect.signature(type(template).__init__).parameters
+    defaults = {k: v for k, v in template.param_groups[0].items() if k != "params" and k in takes}
     return ZeroRedundancyOptimizer(
         params, optimizer_class=type(template), process_group=group, **defaults
     )

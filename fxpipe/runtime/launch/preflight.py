@@ -102,7 +102,7 @@ def preflight(
     microbatches = options.microbatches or manifest.microbatches
     check_divisible(batch, microbatches)
     _check_writable(build_dir)
-    if t.checkpoint_dir is not None:
+    if t.checkpoint_dir is not None or t.resume_from is not None:
         _check_checkpoint(build_dir, manifest, options, batch, microbatches, world_size)
     if not manifest.model_file:
         return options
@@ -153,16 +153,46 @@ def _check_checkpoint(
 
     from fxpipe.runtime.train.checkpoint import RECORD_NAME
 
+    from fxpipe.runtime.train.dcp_checkpoint import is_dcp
+    from fxpipe.runtime.train.reshard_resume import check_layout_resume, resume_record
+
     t = options.training
-    assert t.checkpoint_dir is not None
-    check_regular(
-        Path(t.checkpoint_dir) / RECORD_NAME,
-        "the checkpoint record",
-        CheckpointError,
-        "remove it, or choose another --checkpoint-dir",
-    )  # Note [regular files only]
-    record = check_checkpoint_dir(t.checkpoint_dir, t.resume)
+    identity = build_identity(manifest, build_sha256(build_dir))
+    replicas = options.dp if options.dp is not None else max(world_size // manifest.num_ranks, 1)
+    same = (
+        t.resume_from is not None
+        and t.checkpoint_dir is not None
+        and os.path.realpath(t.resume_from) == os.path.realpath(t.checkpoint_dir)
+    )
+    record = None
+    if t.checkpoint_dir is not None:
+        check_regular(
+            Path(t.checkpoint_dir) / RECORD_NAME,
+            "the checkpoint record",
+            CheckpointError,
+            "remove it, or choose another --checkpoint-dir",
+        )  # Note [regular files only]
+        record = check_checkpoint_dir(t.checkpoint_dir, t.resume or same)
+    if t.resume_from is not None:  # Note [resuming into another layout]
+        record = resume_record(t.resume_from)
+        check_layout_resume(
+            dict(record.meta), options, batch, microbatches, replicas, identity, t.resume_from
+        )
+        return
     if not t.resume or record is None:
+        return
+    assert t.checkpoint_dir is not None
+    if is_dcp(dict(record.meta)):
+        check_layout_resume(
+            dict(record.meta),
+            options,
+            batch,
+            microbatches,
+            replicas,
+            identity,
+            t.checkpoint_dir,
+            "--resume",
+        )
         return
     if record.num_parts != world_size:
         raise CheckpointError(
@@ -176,6 +206,6 @@ def _check_checkpoint(
             options,
             batch,
             microbatches,
-            build_identity(manifest, build_sha256(build_dir)),
+            identity,
             t.checkpoint_dir,
         )

@@ -59,6 +59,7 @@ from fxpipe.runtime.train.commit import (
     write_pending,
     write_record,
 )
+from fxpipe.runtime.train.dcp_checkpoint import is_dcp, read_model_state
 from fxpipe.unexpected import disk_error
 
 if TYPE_CHECKING:
@@ -117,7 +118,9 @@ def check_checkpoint_dir(directory: str | Path, resume: bool) -> CommitRecord | 
             "write, before any step is trained"
         ) from None
     record = read_record(folder / RECORD_NAME)
-    parts = sorted(p.name for p in folder.glob("rank_*.pt"))
+    parts = sorted(p.name for p in folder.glob("rank_*.pt")) + sorted(
+        p.name for p in folder.glob("dcp-*") if p.is_dir()
+    )  # per-rank files, or a model-keyed checkpoint's folder (fxpipe.runtime.train.dcp_checkpoint)
     if record is None and parts:
         raise CheckpointError(
             f"{flag} holds checkpoint parts ({', '.join(parts[:4])}{', ...' if len(parts) > 4 else ''})"
@@ -376,6 +379,8 @@ def gather_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     original keys (every stage must be there)."""
     directory = Path(directory)
     record = _record(directory)
+    if is_dcp(dict(record.meta)):  # Note [checkpoints keyed by the model]
+        return read_model_state(directory)
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     num_stages = None

@@ -65,9 +65,16 @@ from fxpipe.runtime.train.checkpoint import (
     check_checkpoint_dir,
     load_training_checkpoint,
     restore_training_state,
-    save_training_checkpoint,
-    training_state,
 )
+from fxpipe.runtime.train.dcp_checkpoint import (
+    check_dcp_keys,
+    is_dcp,
+    layout_of,
+    load_dcp_checkpoint,
+    local_tensors,
+    save_dcp_checkpoint,
+)
+from fxpipe.runtime.train.reshard_resume import check_layout_resume, layout_note, resume_record
 from fxpipe.runtime.train.divergence import (
     agree,
     divergence_error,
@@ -76,6 +83,7 @@ from fxpipe.runtime.train.divergence import (
     non_finite_step,
 )
 from fxpipe.runtime.train.resume import (
+    ResumePlan,
     apply_options,
     build_identity,
     check_resume,
@@ -172,16 +180,47 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     batch, microbatches, replicas = resolve_sizes(options, manifest, world)
     dp, t = options.data_parallel, options.training
     # before any step: a directory this run cannot write, or whose files it did not write, is refused
-    saved = (
-        check_checkpoint_dir(t.checkpoint_dir, t.resume) if t.checkpoint_dir is not None else None
+    same_dir = (
+        t.resume_from is not None
+        and t.checkpoint_dir is not None
+        and _same_dir(t.resume_from, t.checkpoint_dir)
     )
-    resuming = (
-        check_resume(
-            dict(saved.meta), None, options, batch, microbatches, identity, str(t.checkpoint_dir)
-        )
-        if t.resume and saved is not None and saved.meta
+    saved = (
+        check_checkpoint_dir(t.checkpoint_dir, t.resume or same_dir)
+        if t.checkpoint_dir is not None
         else None
     )
+    if t.resume_from is not None:  # Note [resuming into another layout]
+        saved = resume_record(t.resume_from)
+    from_dir = t.resume_from if t.resume_from is not None else t.checkpoint_dir
+    keyed = saved is not None and (t.resume or t.resume_from is not None) and is_dcp(saved.meta)
+    resuming: ResumePlan | None = None
+    if keyed:
+        assert saved is not None
+        resuming = check_layout_resume(
+            dict(saved.meta),
+            options,
+            batch,
+            microbatches,
+            replicas,
+            identity,
+            str(from_dir),
+            "--resume-from" if t.resume_from is not None else "--resume",
+        )
+    else:
+        resuming = (
+            check_resume(
+                dict(saved.meta),
+                None,
+                options,
+                batch,
+                microbatches,
+                identity,
+                str(t.checkpoint_dir),
+            )
+            if t.resume and saved is not None and saved.meta
+            else None
+        )
     train_fn = find_batches(source, t.data, TRAIN_FN)
     eval_fn = find_batches(source, t.eval_data, EVAL_FN) or train_fn
     target_dims = (
@@ -220,7 +259,18 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         history: dict[str, Any] = {"losses": [], "lrs": [], "grad_norms": [], "eval_losses": []}
         first = position = 0
         saved_after: int | None = None  # the step of the last checkpoint in checkpoint_dir
-        if t.resume and saved is not None:
+        if keyed:
+            assert saved is not None and resuming is not None
+            check_dcp_keys(runner, from_dir or "", saved)
+            got = load_dcp_checkpoint(runner, from_dir or "", saved)
+            apply_options(runner, options)  # Note [what a resume carries over]
+            first, history = int(got["step"]), got["history"]
+            position = int(got["samples"]) // samples  # Note [resuming into another layout]
+            resuming = layout_note(
+                resuming, dict(saved.meta.get("layout") or {}), layout_of(runner), got["rng"]
+            )
+            saved_after = first if same_dir or t.resume else None
+        elif t.resume and saved is not None:
             state = load_training_checkpoint(t.checkpoint_dir or "", runner.rank, runner.world_size)
             if resuming is None:  # a checkpoint of an older fxpipe: its step is in the parts
                 resuming = check_resume(
@@ -377,15 +427,15 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
                 done == options.steps
                 or (t.checkpoint_every is not None and done % t.checkpoint_every == 0)
             ):
-                state = training_state(runner, done, position, history)
-                stopped = non_finite_parameters(runner, state["model"], done)
+                stopped = non_finite_parameters(runner, local_tensors(runner), done)
                 if stopped is not None:  # never a checkpoint of NaN weights
                     break
-                save_training_checkpoint(
+                save_dcp_checkpoint(  # Note [checkpoints keyed by the model]
                     t.checkpoint_dir,
-                    runner.rank,
-                    runner.world_size,
-                    state,
+                    runner,
+                    done,
+                    position * samples,
+                    history,
                     checkpoint_meta(done, settings, identity),
                 )
                 saved_after = done
@@ -476,6 +526,10 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         if failed is not None:
             raise failed
         raise divergence_error(stopped, float(lr_now), saved_after, t.checkpoint_dir, str(path))
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _drawn_by(fn: BatchFn | None, model_file: str, batch: int) -> str:

@@ -71,6 +71,7 @@ def build_identity(manifest: Manifest, manifest_sha256: str | None) -> dict[str,
         "manifest_sha256": manifest_sha256,
         "model_file": manifest.model_file,
         "model_sha256": manifest.model_sha256,
+        "model_fn": manifest.model_fn,
         "stage_sha256": [s.source_sha256 for s in manifest.stages],
         "imports_model_file": [s.imports_model_file for s in manifest.stages],
     }

@@ -200,12 +200,6 @@ class RunOptions(Options):
             raise ConfigError(
                 f"training must be TrainingOptions, got {type(self.training).__name__}"
             )
-        if self.training.checkpoint_dir is not None and self.data_parallel.shard == "optimizer":
-            raise ConfigError(
-                "--checkpoint-dir does not save ZeRO's optimizer shards (--shard optimizer) yet; use "
-                "--shard none, grad-op or full, or save with "
-                "fxpipe.runtime.dataparallel.save_stage_checkpoint in your own loop"
-            )
         if (
             self.dp is not None
         ):  # else the runner checks against the world's replicas, before any communication

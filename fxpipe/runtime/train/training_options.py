@@ -120,6 +120,14 @@ class TrainingOptions(Options):
         help="steps between checkpoints (one is written after the last step too)",
     )
     resume: bool = option(False, help="continue from the checkpoint in --checkpoint-dir")
+    resume_from: str | None = option(
+        None,
+        metavar="DIR",
+        none_means="none",
+        help="continue from the checkpoint in DIR, written by any layout of this model (other "
+        "stages, schedule, replicas or sharding, the same global batch); new checkpoints go to "
+        "--checkpoint-dir",
+    )
     log_every: int = option(1, metavar="N", help="steps per log line")
     tensorboard: str | None = option(
         None,
@@ -186,3 +194,12 @@ class TrainingOptions(Options):
             raise ConfigError(f"--tensorboard must be a directory, got {self.tensorboard!r}")
         if not isinstance(self.resume, bool):
             raise ConfigError(f"resume must be true or false, got {self.resume!r}")
+        if self.resume_from is not None and (
+            not isinstance(self.resume_from, str) or not self.resume_from
+        ):
+            raise ConfigError(f"--resume-from must be a directory, got {self.resume_from!r}")
+        if self.resume_from is not None and self.resume:
+            raise ConfigError(
+                "--resume and --resume-from both name a checkpoint to continue; give one "
+                "(--resume reads --checkpoint-dir)"
+            )

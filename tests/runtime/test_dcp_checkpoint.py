@@ -1,0 +1,244 @@
+"""Checkpoints keyed by the original model (Note [checkpoints keyed by the model]): saved in one
+layout, resumed in another, on the trajectory of one process.
+
+Each test trains 4 steps at layout A, saves, resumes at layout B for 4 more, and compares the 8
+losses and the final parameters with 8 steps of the original model in one process (fp32, AdamW
+with weight decay, warm-up and a cosine schedule, the same global batch every step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from builds import EXAMPLES, make_build, original_model
+from fxpipe.modelfile import load_model_file
+from fxpipe.runtime.train.optim import optimizer_factory, scheduler_factory
+from fxpipe.runtime.train.training_options import TrainingOptions
+from spawn import spawn
+
+pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
+BATCH, MICROBATCHES, HALF, LR = 8, 2, 4, 1e-2
+OPTIONS = TrainingOptions(
+    optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=2, lr_schedule="cosine"
+)
+
+
+def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + k)
+    return torch.randn(BATCH, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def _job(
+    rank: int,
+    world: int,
+    build: str,
+    ckdir: str,
+    resume: bool,
+    schedule: str | None,
+    shard: str,
+) -> dict[str, Any]:
+    from fxpipe.runtime import PipelineRunner
+    from fxpipe.runtime.dataparallel import DataParallelOptions
+    from fxpipe.runtime.dataparallel.state_dict import gather_if_sharded
+    from fxpipe.runtime.train.commit import read_record
+    from fxpipe.runtime.train.dcp_checkpoint import (
+        check_dcp_keys,
+        load_dcp_checkpoint,
+        save_dcp_checkpoint,
+    )
+    from fxpipe.runtime.train.loop import _mean_over_replicas
+
+    source = load_model_file(EXAMPLES / "mlp.py")
+    with PipelineRunner(
+        build,
+        source.loss_fn,
+        schedule=schedule,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        optimizer_factory=optimizer_factory(OPTIONS, LR),
+        scheduler_factory=scheduler_factory(OPTIONS, 2 * HALF),
+        data_parallel=DataParallelOptions(shard=shard),
+    ) as runner:
+        first, history = 0, {"losses": []}
+        if resume:
+            record = read_record(Path(ckdir) / "checkpoint.json")
+            assert record is not None
+            check_dcp_keys(runner, ckdir, record)
+            got = load_dcp_checkpoint(runner, ckdir, record)
+            first, history = got["step"], got["history"]
+            assert got["samples"] == first * BATCH
+        replicas, r = runner.layout.replicas, runner.replica
+        per = BATCH // replicas
+        for k in range(first, first + HALF):
+            x, y = _batch(k)
+            loss = runner.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+            history["losses"].append(_mean_over_replicas(loss, runner))
+        if not resume:
+            save_dcp_checkpoint(ckdir, runner, first + HALF, (first + HALF) * BATCH, history, {})
+        return {"losses": history["losses"], "state": gather_if_sharded(runner.state_dict())}
+
+
+def _reference(build: Path, stages: int) -> dict[str, Any]:
+    source = load_model_file(EXAMPLES / "mlp.py")
+    model = original_model(build, source, stages).train()
+    opt = optimizer_factory(OPTIONS, LR)(list(model.parameters()))
+    sched = scheduler_factory(OPTIONS, 2 * HALF)(opt)
+    losses = []
+    for k in range(2 * HALF):
+        opt.zero_grad()
+        x, y = _batch(k)
+        loss = source.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _check(results: list[Any], want: dict[str, Any]) -> None:
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        torch.testing.assert_close(
+            torch.tensor(r.value["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6
+        )
+        state.update(r.value["state"])
+    assert set(state) == set(want["state"])
+    for key, value in state.items():
+        torch.testing.assert_close(value, want["state"][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _pair(
+    tmp: Path,
+    a: tuple[int, int, str, str],
+    b: tuple[int, int, str, str],
+) -> None:
+    """Train layout ``a`` = (stages, replicas, schedule, shard) 4 steps, resume at ``b`` for 4."""
+    (sa, ra, scha, sha), (sb, rb, schb, shb) = a, b
+    build_a = make_build("mlp", tmp / "a", sa, BATCH // ra, MICROBATCHES, scha)
+    build_b = make_build("mlp", tmp / "b", sb, BATCH // rb, MICROBATCHES, schb)
+    from fxpipe.codegen.manifest import Manifest
+
+    want = _reference(build_a, Manifest.from_json(build_a).num_stages)
+    ranks_a = Manifest.from_json(build_a).num_ranks * ra
+    ranks_b = Manifest.from_json(build_b).num_ranks * rb
+    ck = str(tmp / "ck")
+    first = spawn(_job, ranks_a, str(build_a), ck, False, scha, sha, timeout=240)
+    torch.testing.assert_close(
+        torch.tensor(first[0].value["losses"]),
+        torch.tensor(want["losses"][:HALF]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    _check(spawn(_job, ranks_b, str(build_b), ck, True, schb, shb, timeout=240), want)
+
+
+@pytest.mark.distributed
+def test_two_stages_1f1b_resume_on_one_rank(tmp_path: Path) -> None:
+    _pair(tmp_path, (2, 1, "1f1b", "none"), (1, 1, "1f1b", "none"))
+
+
+@pytest.mark.distributed
+def test_one_rank_resumes_as_two_ranks_of_zbv_chunks(tmp_path: Path) -> None:
+    _pair(tmp_path, (1, 1, "1f1b", "none"), (2, 1, "zbv", "none"))
+
+
+@pytest.mark.distributed
+def test_zero_sharded_optimizer_2x2_resumes_on_one_rank(tmp_path: Path) -> None:
+    _pair(tmp_path, (2, 2, "1f1b", "optimizer"), (1, 1, "1f1b", "none"))
+
+
+@pytest.mark.distributed
+def test_four_stages_resume_as_two_by_two_fully_sharded(tmp_path: Path) -> None:
+    _pair(tmp_path, (4, 1, "1f1b", "none"), (2, 2, "1f1b", "full"))
+
+
+@pytest.mark.distributed
+def test_two_stages_1f1b_resume_as_four_ranks_of_zbv(tmp_path: Path) -> None:
+    _pair(tmp_path, (2, 1, "1f1b", "none"), (4, 1, "zbv", "none"))
+
+
+# -- a transformers model: keyword call with labels=, its own loss, tied embeddings ---------------
+
+
+HF_LR = 3e-3
+
+
+def _hf_job(rank: int, world: int, build: str, ckdir: str, resume: bool) -> dict[str, Any]:
+    from fxpipe.runtime import PipelineRunner
+    from fxpipe.runtime.train.commit import read_record
+    from fxpipe.runtime.train.dcp_checkpoint import (
+        check_dcp_keys,
+        load_dcp_checkpoint,
+        save_dcp_checkpoint,
+    )
+
+    source = load_model_file(EXAMPLES / "hf_lm.py")
+    batch = source.example_call(BATCH)
+    with PipelineRunner(
+        build,
+        None,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        optimizer_factory=optimizer_factory(OPTIONS, HF_LR),
+        scheduler_factory=scheduler_factory(OPTIONS, 2 * HALF),
+    ) as runner:
+        first, losses = 0, []
+        if resume:
+            record = read_record(Path(ckdir) / "checkpoint.json")
+            assert record is not None
+            check_dcp_keys(runner, ckdir, record)
+            got = load_dcp_checkpoint(runner, ckdir, record)
+            first, losses = got["step"], got["history"]["losses"]
+        for _ in range(HALF):
+            losses.append(runner.step(batch))
+        if not resume:
+            save_dcp_checkpoint(ckdir, runner, first + HALF, 0, {"losses": losses}, {})
+        return {"losses": losses, "state": dict(runner.state_dict())}
+
+
+@pytest.mark.distributed
+def test_gpt2_with_labels_and_tied_embeddings_resumes_on_one_rank(tmp_path: Path) -> None:
+    from fxpipe.runtime.train.dcp_checkpoint import read_model_state
+
+    source = load_model_file(EXAMPLES / "hf_lm.py")
+    model = source.build_model().train()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    opt = optimizer_factory(OPTIONS, HF_LR)(list(model.parameters()))
+    sched = scheduler_factory(OPTIONS, 2 * HALF)(opt)
+    call = source.example_call(BATCH).kwargs
+    chunks = [{k: v.chunk(MICROBATCHES)[m] for k, v in call.items()} for m in range(MICROBATCHES)]
+    want = []
+    for _ in range(2 * HALF):
+        opt.zero_grad()
+        step = [model(**c).loss for c in chunks]
+        (sum(step) / MICROBATCHES).backward()
+        opt.step()
+        sched.step()
+        want.append(sum(float(v.detach()) for v in step) / MICROBATCHES)
+
+    a = make_build("hf_lm", tmp_path / "a", 2, BATCH, MICROBATCHES)
+    b = make_build("hf_lm", tmp_path / "b", 1, BATCH, MICROBATCHES)
+    ck = str(tmp_path / "ck")
+    spawn(_hf_job, 2, str(a), ck, False, timeout=240)
+    stored = read_model_state(ck)  # the tie: stored once, exported under both names
+    assert stored["lm_head.weight"] is stored["transformer.wte.weight"]
+    (result,) = spawn(_hf_job, 1, str(b), ck, True, timeout=240)
+    torch.testing.assert_close(
+        torch.tensor(result.value["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-6
+    )
+    final = model.state_dict()
+    assert set(result.value["state"]) <= set(final)
+    for key, value in result.value["state"].items():
+        expected = final[key]
+        if key.endswith("c_attn.bias"):
+            # the key bias has an exactly zero gradient (softmax ignores a shift per query): Adam
+            # normalises round-off there (see test_training_optim)
+            keys = slice(16, 32)
+            torch.testing.assert_close(value[keys], expected[keys], rtol=0, atol=HF_LR * 2 * HALF)
+            value = torch.cat([value[:16], value[32:]])
+            expected = torch.cat([expected[:16], expected[32:]])
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=key)
