@@ -385,7 +385,9 @@ def bind_example(model: nn.Module, example: ModelInputs) -> BoundCall:
         bound = sig.bind(*example.args, **example.kwargs)
     except TypeError as exc:
         raise ValueError(f"they do not fit {type(model).__name__}.forward{sig}: {exc}") from None
-    parameters, inputs, tensors = [], [], []
+    parameters: list[str] = []
+    inputs: list[str] = []
+    tensors: list[torch.Tensor] = []
     constants: list[Constant] = []
     trees: list[TreeArgument] = []
     concrete: dict[str, Any] = {}
@@ -430,7 +432,9 @@ def _tree_argument(name: str, value: Any, taken: set[str]) -> TreeArgument:
     a tensor input named after its place (``batch['image']`` -> ``batch_image``), unique among
     ``taken`` (Note [tensors inside containers] in ``fxpipe.model_inputs``)."""
     leaves, spec = flatten_tree(value)
-    paths, inputs, values = [], [], []
+    paths: list[str] = []
+    inputs: list[str | None] = []
+    values: list[Any] = []
     for path, leaf in leaves:
         paths.append(path)
         if isinstance(leaf, torch.Tensor):

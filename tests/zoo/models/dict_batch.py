@@ -79,4 +79,6 @@ def example_inputs(batch_size: int) -> tuple[dict[str, Any]]:
 
 
 def loss_fn(output: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(output["logits"], target) + output["similarity"].pow(2).mean()
+    return (
+        nn.functional.cross_entropy(output["logits"], target) + output["similarity"].pow(2).mean()
+    )
