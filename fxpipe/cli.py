@@ -174,6 +174,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _enter("printing the profile")
     console = _console()
     print_profile_table(traced.profile, console=console)
+    for line in traced.profile.recomputed_buffers:
+        console.print(f"[cyan]recomputed[/] {line}")
     for reason in traced.profile.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
     console.print(
@@ -290,6 +292,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     _enter("printing the plan")
     console = _console()
     print_plan_report(plan, traced.profile, console=console)
+    for line in traced.profile.recomputed_buffers:
+        console.print(f"[cyan]recomputed[/] {line}")
     for reason in manifest.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
     placed = (

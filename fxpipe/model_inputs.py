@@ -7,13 +7,22 @@ it lives below both so the model-file loader needs nothing of the tracer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
-__all__ = ["ModelInputs", "parse_model_inputs", "is_literal", "show_value"]
+__all__ = [
+    "ModelInputs",
+    "parse_model_inputs",
+    "is_literal",
+    "is_tree",
+    "flatten_tree",
+    "show_value",
+]
 
 _LITERALS = (type(None), bool, int, float, str)
 
@@ -33,7 +42,12 @@ class ModelInputs:
         """The same call with ``fn`` applied to every tensor argument."""
 
         def f(x: Any) -> Any:
-            return fn(x) if isinstance(x, torch.Tensor) else x
+            if isinstance(x, torch.Tensor):
+                return fn(x)
+            if is_tree(x):  # Note [tensors inside containers]
+                _register_dataclasses(x)
+                return pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, x)
+            return x
 
         return ModelInputs(
             tuple(f(a) for a in self.args), {k: f(v) for k, v in self.kwargs.items()}
@@ -43,11 +57,12 @@ class ModelInputs:
         """``float32[2, 5], attention_mask=int64[2, 5], use_cache=False``: for messages."""
 
         def show(x: Any) -> str:
-            return (
-                f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
-                if isinstance(x, torch.Tensor)
-                else show_value(x)
-            )
+            if isinstance(x, torch.Tensor):
+                return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+            if is_tree(x):
+                leaves = ", ".join(f"{path}: {show(v)}" for path, v in flatten_tree(x)[0])
+                return f"{type(x).__name__}({leaves})"
+            return show_value(x)
 
         return ", ".join(
             [show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs.items()]
@@ -60,23 +75,72 @@ def is_literal(value: Any) -> bool:
     return isinstance(value, _LITERALS)
 
 
+# Note [tensors inside containers]: an argument may be a pytree of tensors and plain constants
+# (dicts, lists, tuples, dataclasses, transformers ``ModelOutput``s: whatever
+# ``torch.utils._pytree`` flattens, as ``torch.export`` takes them). At the model's boundary
+# it is flattened: each tensor leaf is a tensor input of its own, named after the argument and
+# its place in it (``batch['image']`` -> ``batch_image``), and the structure with its constant
+# leaves is recorded (``fxpipe.tracer.call.TreeArgument``), so a later call with the same
+# structure binds to the build's flat inputs and one with another structure is refused. A
+# dataclass pytree does not know yet is registered with it on first sight (its fields, in
+# order), in every process that flattens one.
+
+
+def _register_dataclasses(value: Any) -> None:
+    """Register with pytree every dataclass type inside ``value`` that it does not know yet."""
+    for _ in range(100):  # one level of nesting per round
+        found = False
+        for leaf in pytree.tree_leaves(value):
+            cls = type(leaf)
+            if dataclasses.is_dataclass(leaf) and cls not in pytree.SUPPORTED_NODES:
+                pytree.register_dataclass(
+                    cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}"
+                )
+                found = True
+        if not found:
+            return
+
+
+def is_tree(value: Any) -> bool:
+    """Whether ``value`` is a container (not a tensor, not a plain constant) holding a tensor."""
+    if isinstance(value, torch.Tensor) or is_literal(value):
+        return False
+    if not (
+        isinstance(value, (tuple, list, Mapping))
+        or dataclasses.is_dataclass(value)
+        or type(value) in pytree.SUPPORTED_NODES
+    ):
+        return False
+    _register_dataclasses(value)
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+
+
+def flatten_tree(value: Any) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
+    """``([(path, leaf), ...], spec)``: ``value``'s leaves with their paths (``['image']``,
+    ``[0]``, ``.pixels``) in pytree's order, which is ``torch.export``'s (Note [tensors inside
+    containers])."""
+    _register_dataclasses(value)
+    leaves, spec = pytree.tree_flatten_with_path(value)
+    return [(pytree.keystr(path), leaf) for path, leaf in leaves], spec
+
+
 def _check_argument(name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor) or is_literal(value):
         return
-    kind = "tensors inside a " if any(isinstance(v, torch.Tensor) for v in _leaves(value)) else "a "
+    if is_tree(value):
+        for path, leaf in flatten_tree(value)[0]:
+            if not (isinstance(leaf, torch.Tensor) or is_literal(leaf)):
+                raise ValueError(
+                    f"argument {name}{path} is a {type(leaf).__name__}; the inputs may hold "
+                    "tensors and plain constants (None, bool, int, float, str) in dicts, lists, "
+                    "tuples and dataclasses: build other objects into the model"
+                )
+        return
     raise ValueError(
-        f"argument {name} is {kind}{type(value).__name__}; the inputs may be tensors and plain "
-        "constants (None, bool, int, float, str): pass each tensor as an argument of its own and "
-        "build other objects into the model"
+        f"argument {name} is a {type(value).__name__}; the inputs may be tensors and plain "
+        "constants (None, bool, int, float, str), or dicts, lists, tuples and dataclasses of "
+        "them: build other objects into the model"
     )
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, (tuple, list)):
-        return [x for v in value for x in _leaves(v)]
-    if isinstance(value, Mapping):
-        return [x for v in value.values() for x in _leaves(v)]
-    return [value]
 
 
 def parse_model_inputs(value: Any) -> ModelInputs:
@@ -114,7 +178,9 @@ def parse_model_inputs(value: Any) -> ModelInputs:
         _check_argument(f"{i}", a)
     for k, v in call.kwargs.items():
         _check_argument(repr(k), v)
-    if not any(isinstance(x, torch.Tensor) for x in (*call.args, *call.kwargs.values())):
+    if not any(
+        isinstance(x, torch.Tensor) or is_tree(x) for x in (*call.args, *call.kwargs.values())
+    ):
         raise ValueError(
             f"no argument is a tensor ({call.describe() or 'no arguments'}); pass the model's tensor "
             "inputs"

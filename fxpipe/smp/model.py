@@ -171,9 +171,8 @@ class DistributedModel(nn.Module):
 
     def _partition(self, inputs: ModelInputs) -> None:
         st = current()
-        tensors = [
-            t for t in (*inputs.args, *inputs.kwargs.values()) if isinstance(t, torch.Tensor)
-        ]
+        tensors: list[torch.Tensor] = []  # inside containers too (Note [tensors inside containers])
+        inputs.map_tensors(lambda t: tensors.append(t))
         if not tensors or tensors[0].dim() == 0:
             raise StepError(
                 f"the model must be called with tensors that have a batch dimension (dim 0), got "

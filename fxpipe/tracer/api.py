@@ -62,6 +62,7 @@ from fxpipe.tracer.normalize import (
 )
 from fxpipe.tracer.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
+from fxpipe.tracer.meta_buffers import recompute_meta_buffers
 from fxpipe.tracer.record import BuildRecord, build_model_recorded
 from fxpipe.tracer.shapes import (
     BatchDims,
@@ -387,8 +388,12 @@ def trace_model(
     }
     original_device = next(iter(devices))
     buffer_values: dict[str, torch.Tensor] = {}
-    if on_meta:
-        buffer_values = move_to_meta(model)
+    recomputed: tuple[str, ...] = ()
+    if on_meta:  # Note [computed buffers on meta]: a model built on meta has meta buffers too
+        buffer_values, recomputed = recompute_meta_buffers(
+            model, build_record.ctor_args if build_record else None
+        )
+        buffer_values.update(move_to_meta(model))
     else:
         model.to(trace_device)
     call = call.with_tensors([t.to(trace_device) for t in call.tensors])
@@ -486,6 +491,8 @@ def trace_model(
         on_meta,
         host_call_ms,
     )
+    if recomputed:
+        profile = dataclasses.replace(profile, recomputed_buffers=recomputed)
     leaf_modules = {
         str(n.target): type(gm.get_submodule(str(n.target)))
         for n in gm.graph.nodes

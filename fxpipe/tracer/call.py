@@ -23,20 +23,30 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from fxpipe.errors import CallError
-from fxpipe.model_inputs import ModelInputs, is_literal, parse_model_inputs, show_value
+from fxpipe.model_inputs import (
+    ModelInputs,
+    flatten_tree,
+    is_literal,
+    is_tree,
+    parse_model_inputs,
+    show_value,
+)
 
 __all__ = [
     "ModelInputs",
     "parse_model_inputs",
     "Constant",
+    "TreeArgument",
     "CallSpec",
     "BoundCall",
     "bind_example",
@@ -94,17 +104,81 @@ def _same_types(a: Any, b: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class TreeArgument:
+    """A forward argument that is a container of tensors (Note [tensors inside containers] in
+    ``fxpipe.model_inputs``): ``paths`` are its leaves' places in it (``['image']``, ``[0]``,
+    ``.pixels``) in pytree's order; ``inputs`` the tensor input each leaf is (``None``: a constant
+    leaf, whose value is in ``values``); ``spec`` its pytree structure as JSON
+    (``treespec_dumps``; ``None`` where pytree cannot write it), to rebuild a call from the build's
+    tensor inputs."""
+
+    name: str
+    paths: tuple[str, ...]
+    inputs: tuple[str | None, ...]
+    values: tuple[Any, ...]
+    spec: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("paths", "inputs", "values"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "values", tuple(_plain(v) for v in self.values))
+
+    def flatten(self, value: Any) -> dict[str, torch.Tensor]:
+        """The tensor inputs of ``value`` by input name; ``CallError`` when ``value`` has another
+        structure or another constant leaf than the traced one."""
+        leaves = flatten_tree(value)[0] if is_tree(value) else None
+        paths = tuple(path for path, _ in leaves or ())
+        if leaves is None or paths != self.paths:
+            raise CallError(
+                f"{self.name} holds {', '.join(self.name + p for p in self.paths)} in the traced "
+                f"call, but this call passes {show_value(value) if leaves is None else ', '.join(self.name + p for p in paths)}; "
+                "pass the same structure (only the tensors may change)"
+            )
+        tensors = {}
+        for (path, leaf), name, traced in zip(leaves, self.inputs, self.values):
+            if name is not None:
+                if not isinstance(leaf, torch.Tensor):
+                    raise CallError(
+                        f"{self.name}{path} was a tensor when the model was traced, but this call "
+                        f"passes {show_value(leaf)}"
+                    )
+                tensors[name] = leaf
+            elif not Constant(self.name + path, traced).matches(leaf):
+                raise CallError(
+                    f"{self.name}{path}={show_value(leaf)} differs from the value the model was "
+                    f"traced with ({traced!r}): the build computes the traced case only"
+                )
+        return tensors
+
+    def rebuild(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+        """The argument with ``tensors`` (by input name) at the tensor leaves."""
+        if self.spec is None:
+            raise CallError(
+                f"the structure of {self.name} cannot be rebuilt from the manifest; pass the call "
+                "yourself"
+            )
+        leaves = [
+            tensors[name] if name is not None else value
+            for name, value in zip(self.inputs, self.values)
+        ]
+        return pytree.tree_unflatten(leaves, pytree.treespec_loads(self.spec))
+
+
+@dataclass(frozen=True)
 class CallSpec:
     """How a build is called (Note [the traced call]): ``parameters`` are the forward's
     parameters in order (positional arguments bind to them), ``inputs`` the parameter of each
-    tensor input in the build's input order, ``constants`` every other parameter."""
+    tensor input in the build's input order, ``constants`` every other parameter, ``trees`` the
+    parameters that are containers of tensors, whose leaves are tensor inputs (Note [tensors
+    inside containers] in ``fxpipe.model_inputs``)."""
 
     parameters: tuple[str, ...]
     inputs: tuple[str, ...]
     constants: tuple[Constant, ...] = ()
+    trees: tuple[TreeArgument, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("parameters", "inputs", "constants"):
+        for name in ("parameters", "inputs", "constants", "trees"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @staticmethod
@@ -135,6 +209,13 @@ class CallSpec:
             if key in given:
                 raise CallError(f"the model got multiple values for argument {key!r}")
             given[key] = value
+        for tree in self.trees:
+            if tree.name not in given:
+                raise CallError(
+                    f"the model was traced with tensors inside {tree.name!r}, but this call does "
+                    f"not pass it; the build's tensor inputs are {self.signature()}"
+                )
+            given.update(tree.flatten(given.pop(tree.name)))
         for c in self.constants:
             if c.name in given:
                 value = given.pop(c.name)
@@ -179,6 +260,11 @@ class CallSpec:
                 f"got {len(tensors)} tensors for the build's {len(self.inputs)} inputs {self.signature()}"
             )
         kwargs: dict[str, Any] = dict(zip(self.inputs, tensors))
+        for tree in self.trees:
+            kwargs[tree.name] = tree.rebuild(kwargs)
+            for name in tree.inputs:
+                if name is not None:
+                    del kwargs[name]
         for c in self.constants:
             if not c.default:
                 if not c.literal:
@@ -190,10 +276,17 @@ class CallSpec:
         return ModelInputs((), kwargs)
 
     def bind_any(self, inputs: Any) -> tuple[torch.Tensor, ...]:
-        """``bind`` for a ``ModelInputs``, a dict of keyword arguments, a tensor or a sequence of positional ones."""
+        """``bind`` for a ``ModelInputs``, a dict of keyword arguments, a tensor or a sequence of positional ones.
+
+        A dict whose keys are not all parameters of ``forward`` is the first argument when the
+        build takes containers (Note [tensors inside containers] in ``fxpipe.model_inputs``):
+        ``runner.step(batch)`` for ``model(batch)``."""
         if isinstance(inputs, ModelInputs):
             return self.bind(inputs.args, inputs.kwargs)
         if isinstance(inputs, Mapping):
+            if self.trees and self.parameters and not set(inputs) <= set(self.parameters):
+                # a dict that is not keyword arguments: the model's first argument (a batch dict)
+                return self.bind((inputs,))
             return self.bind((), inputs)
         if isinstance(inputs, torch.Tensor):
             return self.bind((inputs,))
@@ -236,11 +329,14 @@ class BoundCall:
         for a tensor in ``**kwargs``, for the same reason."""
         dim_of = dict(zip((id(t) for t in self.tensors), dims))
 
-        def shape(x: Any) -> Any:
+        def leaf_shape(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 d = dim_of[id(x)]
                 return None if d is None else {d: batch}
             return None
+
+        def shape(x: Any) -> Any:  # a container's leaves each (Note [tensors inside containers])
+            return _container_shapes(x, leaf_shape) if is_tree(x) else leaf_shape(x)
 
         bound = self.signature.bind(*self.example.args, **self.example.kwargs)
         dynamic: dict[str, Any] = {}
@@ -265,6 +361,19 @@ class BoundCall:
         return tuple(bound.args), kwargs, dynamic, extra
 
 
+def _container_shapes(value: Any, leaf: Any) -> Any:
+    """``torch.export``'s ``dynamic_shapes`` for a container: dicts, lists and tuples as themselves,
+    any other pytree node (a dataclass, a ``ModelOutput``) as the list of its children."""
+    if isinstance(value, torch.Tensor) or pytree.tree_is_leaf(value):
+        return leaf(value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _container_shapes(v, leaf) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_container_shapes(v, leaf) for v in value)
+    children, _ = pytree.SUPPORTED_NODES[type(value)].flatten_fn(value)
+    return [_container_shapes(v, leaf) for v in children]
+
+
 def bind_example(model: nn.Module, example: ModelInputs) -> BoundCall:
     """Bind ``example`` to ``model.forward`` (Note [the traced call]).
 
@@ -276,8 +385,11 @@ def bind_example(model: nn.Module, example: ModelInputs) -> BoundCall:
         bound = sig.bind(*example.args, **example.kwargs)
     except TypeError as exc:
         raise ValueError(f"they do not fit {type(model).__name__}.forward{sig}: {exc}") from None
-    parameters, inputs, tensors = [], [], []
+    parameters: list[str] = []
+    inputs: list[str] = []
+    tensors: list[torch.Tensor] = []
     constants: list[Constant] = []
+    trees: list[TreeArgument] = []
     concrete: dict[str, Any] = {}
     symbolic = True
     for name, p in sig.parameters.items():
@@ -290,6 +402,15 @@ def bind_example(model: nn.Module, example: ModelInputs) -> BoundCall:
             if p.kind is not inspect.Parameter.KEYWORD_ONLY:
                 parameters.append(name)
             value = bound.arguments.get(name, p.default)
+            if is_tree(value):
+                tree = _tree_argument(name, value, taken=set(sig.parameters) | set(inputs))
+                trees.append(tree)
+                inputs += [n for n in tree.inputs if n is not None]
+                tensors += [
+                    leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)
+                ]
+                symbolic = False  # FX takes no containers as inputs; torch.export does
+                continue
             if not isinstance(value, torch.Tensor):
                 concrete[name] = value
                 constants.append(Constant.of(name, value, default=_is_default(p, value)))
@@ -302,8 +423,36 @@ def bind_example(model: nn.Module, example: ModelInputs) -> BoundCall:
             else:
                 constants.append(Constant.of(key, value, default=False))
         symbolic = symbolic and not (extra and p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-    spec = CallSpec(tuple(parameters), tuple(inputs), tuple(constants))
+    spec = CallSpec(tuple(parameters), tuple(inputs), tuple(constants), tuple(trees))
     return BoundCall(spec, tuple(tensors), concrete, symbolic, example, sig)
+
+
+def _tree_argument(name: str, value: Any, taken: set[str]) -> TreeArgument:
+    """``value`` (a container of tensors) as the argument ``name`` of the build: each tensor leaf
+    a tensor input named after its place (``batch['image']`` -> ``batch_image``), unique among
+    ``taken`` (Note [tensors inside containers] in ``fxpipe.model_inputs``)."""
+    leaves, spec = flatten_tree(value)
+    paths: list[str] = []
+    inputs: list[str | None] = []
+    values: list[Any] = []
+    for path, leaf in leaves:
+        paths.append(path)
+        if isinstance(leaf, torch.Tensor):
+            base = name + "_" + re.sub(r"\W+", "_", path).strip("_")
+            input_name, i = base, 1
+            while input_name in taken:
+                input_name, i = f"{base}_{i}", i + 1
+            taken.add(input_name)
+            inputs.append(input_name)
+            values.append(None)
+        else:
+            inputs.append(None)
+            values.append(leaf)
+    try:
+        text: str | None = pytree.treespec_dumps(spec)
+    except Exception:  # noqa: BLE001 - a container pytree cannot write: the call is not rebuilt
+        text = None
+    return TreeArgument(name, tuple(paths), tuple(inputs), tuple(values), text)
 
 
 def _is_default(p: inspect.Parameter, value: Any) -> bool:

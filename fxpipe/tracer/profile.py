@@ -266,7 +266,10 @@ class ModelProfile:
     ``param_shapes`` gives their shapes under the same names (empty in profiles written
     before it existed), so the cost model can price PowerSGD's matrix view of each gradient.
     ``meta``: traced with meta tensors (Note [meta tracing] in :mod:`fxpipe.tracer.meta`);
-    ``skipped_checks`` names the checks that could not run then, with the reason.
+    ``skipped_checks`` names the checks that could not run then, with the reason;
+    ``recomputed_buffers`` the buffers a model built on meta held no value for and that were
+    recomputed on the CPU, one line each (Note [computed buffers on meta] in
+    :mod:`fxpipe.tracer.meta_buffers`).
     ``host_call_ms``: the fixed cost of calling a unit, measured beside the unit times (``None``:
     times not measured); ``host_slowdown`` compares it with the calibration host's (Note
     [host speed] in :mod:`fxpipe.tracer.calibration`).
@@ -290,10 +293,12 @@ class ModelProfile:
     meta: bool = False
     skipped_checks: tuple[str, ...] = ()
     host_call_ms: NonNegFloat | None = None
+    recomputed_buffers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "skipped_checks", tuple(self.skipped_checks))
+        object.__setattr__(self, "recomputed_buffers", tuple(self.recomputed_buffers))
         object.__setattr__(self, "edges", tuple(self.edges))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "module_order", tuple(self.module_order))

@@ -230,7 +230,8 @@ def _concrete_args(model: nn.Module, n_inputs: int) -> tuple[dict[str, Any], fro
             raise SymbolicTraceFailure(
                 "",
                 TypeError(
-                    "arguments passed through *args or **kwargs cannot be traced symbolically"
+                    "arguments passed through *args or **kwargs, and tensors inside containers, "
+                    "cannot be traced symbolically"
                 ),
             )
         return dict(call.concrete), frozenset(call.spec.inputs)

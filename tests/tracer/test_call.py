@@ -82,6 +82,10 @@ def test_parse_accepts_a_tensor_tuple_dict_and_args_kwargs_pair() -> None:
     )
     call = ModelInputs((x,), {"return_dict": False})
     assert parse_model_inputs(call) is call
+    # containers of tensors (Note [tensors inside containers])
+    assert parse_model_inputs(({"image": x, "n": 2}, [x, m])) == ModelInputs(
+        ({"image": x, "n": 2}, [x, m])
+    )
 
 
 @pytest.mark.parametrize(
@@ -93,8 +97,8 @@ def test_parse_accepts_a_tensor_tuple_dict_and_args_kwargs_pair() -> None:
             "argument 1 is a Linear; the inputs may be tensors and plain constants",
         ),
         (
-            {"past": (torch.zeros(2), torch.zeros(2)), "x": torch.zeros(2)},
-            "argument 'past' is tensors inside a tuple",
+            {"past": (torch.zeros(2), nn.Linear(2, 2)), "x": torch.zeros(2)},
+            r"argument 'past'\[1\] is a Linear; the inputs may hold tensors and plain constants",
         ),
         ({"x": None, "flag": True}, r"no argument is a tensor \(x=None, flag=True\)"),
         ({1: torch.zeros(2)}, "keyword argument names must be strings"),

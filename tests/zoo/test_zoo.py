@@ -57,6 +57,8 @@ FOUR_STAGES = {
     "vit_timm",
     "convnext",
     "phi3",
+    "dict_batch",
+    "dataclass_batch",
 }
 KNOWN: dict[
     tuple[str, int | None], str
