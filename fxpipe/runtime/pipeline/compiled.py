@@ -61,6 +61,7 @@ import torch.utils.checkpoint
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.routes import needs_grad
+from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 
 __all__ = [
     "COMPILE_SCOPES",
@@ -71,9 +72,6 @@ __all__ = [
     "use_cache_dir",
     "compiled_graphs",
 ]
-
-COMPILE_SCOPES = ("regional", "stage")
-DEFAULT_COMPILE_SCOPE = "stage"  # measured: docs/compile.md
 
 
 @dataclass
@@ -200,9 +198,9 @@ def compile_module(
         report.regions = tuple(regions)
         for path in regions:
             block = module.get_submodule(path)
-            block.forward = _compiled(block.forward, report.graph_breaks, None)  # type: ignore[method-assign]
+            block.forward = _compiled(block.forward, report.graph_breaks, None)
     else:
-        module.forward = _compiled(module.forward, report.graph_breaks, batch_dims)  # type: ignore[method-assign]
+        module.forward = _compiled(module.forward, report.graph_breaks, batch_dims)
     return report
 
 

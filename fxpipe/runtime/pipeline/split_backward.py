@@ -223,13 +223,13 @@ class SplitBackward:
             ]
 
             def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: object) -> None:
-                got = [
-                    (GradientEdge(child, nr), grad_inputs[slot])
-                    for slot, child, nr in off
-                    if grad_inputs[slot] is not None
-                ]
+                got: list[tuple[GradientEdge, torch.Tensor]] = []
+                for slot, child, nr in off:
+                    g = grad_inputs[slot]
+                    if g is not None:
+                        got.append((GradientEdge(child, nr), g))
                 if got:
-                    done[node] = got  # type: ignore[assignment]
+                    done[node] = got
 
             return hook
 
@@ -262,9 +262,9 @@ class SplitBackward:
             outputs: list[torch.Tensor | GradientEdge] = []
             grads: list[torch.Tensor] = []
             for node in group.starts:
-                for edge, g in work.done.get(node, ()):
+                for edge, taken in work.done.get(node, ()):
                     outputs.append(edge)
-                    grads.append(g)
+                    grads.append(taken)
                 for slot, g in enumerate(work.kept.get(node, ())):
                     if g is not None:
                         outputs.append(GradientEdge(node, slot))
