@@ -39,8 +39,8 @@ allows it (a static build's code holds its sizes: Dynamo then specializes, and a
 compiles once). Regional blocks rely on Dynamo's automatic dynamic shapes (a second size
 compiles once, dynamic).
 
-The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is pointed at ``cache_dir`` unless the
-environment already names one, so a second run of the same build loads its kernels and graphs
+The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is pointed at ``cache_dir`` (a folder the user
+named, else the build's ``compile_cache`` unless the environment names one of the user's), so a second run of the same build loads its kernels and graphs
 instead of compiling them.
 """
 
@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.errors import ConfigError
@@ -98,14 +99,16 @@ class CompiledStage:
         )
 
 
-def use_cache_dir(path: str | Path | None) -> str:
-    """Point inductor's cache at ``path`` unless ``TORCHINDUCTOR_CACHE_DIR`` is already set;
-    the folder in use."""
+def use_cache_dir(path: str | Path | None, explicit: bool = False) -> str:
+    """Point inductor's cache at ``path``: always when ``explicit`` (the user named it), else
+    unless ``TORCHINDUCTOR_CACHE_DIR`` names a folder of the user's (importing inductor sets it to
+    its default, which does not count); the folder in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current:
-        return current
-    if path is None:
-        return ""
+    users = bool(current) and os.path.abspath(current or "") != os.path.abspath(default_cache_dir())
+    if path is None or (users and not explicit):
+        return current or ""
     Path(path).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(path).resolve())
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -140,6 +143,8 @@ def _compiled(
     state: dict[str, Callable[..., Any]] = {"fn": full}
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        if _get_current_dispatch_mode() is not None:  # Dynamo skips frames under a dispatch
+            return fn(*args, **kwargs)  # mode (the peak-memory tracker): run eagerly
         if batch_dims is not None:
             for a, d in zip(args, batch_dims):
                 if d is not None and isinstance(a, torch.Tensor) and a.dim() > d:
@@ -262,10 +267,11 @@ def compile_rank_stages(
     cache_dir: str | Path | None = None,
     warm_up: bool = True,
     split_backward: bool = True,
+    cache_explicit: bool = False,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""
-    use_cache_dir(cache_dir)
+    use_cache_dir(cache_dir, explicit=cache_explicit)
     reports = []
     for s, module in sorted(stages.items()):
         dims = [t.batch_dim for t in manifest.stage(s).inputs]

@@ -287,6 +287,7 @@ class PipelineRunner:
                 scope=_compile_scope(compile),
                 recompute=recomputed,
                 split_backward=bool(self.schedule.split_backward()),
+                cache_explicit=compile_cache is not None,
                 cache_dir=compile_cache
                 if compile_cache is not None or isinstance(build, Manifest)
                 else Path(build) / COMPILE_CACHE,
