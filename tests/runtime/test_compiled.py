@@ -74,19 +74,26 @@ class _Loaded:
 
 
 def _run(
-    loaded: _Loaded, source: Any, schedule: str, compile: bool, inputs: Any, targets: Any
+    loaded: _Loaded,
+    source: Any,
+    schedule: str,
+    compile: bool | str,
+    inputs: Any,
+    targets: Any = None,
+    **options: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], PipelineRunner]:
     runner = PipelineRunner(
         loaded.manifest,
-        source.loss_fn,
+        source.loss_fn if source.has_loss_fn else None,
         stage_loader=loaded,
+        **options,
         schedule=schedule,
         microbatches=MICRO,
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
         timeout_s=120,
         compile=compile,
     )
-    try:
+    try:  # the process group stays up when the caller made it (a spawned job)
         losses = [runner.step(inputs, targets) for _ in range(STEPS)]
         state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
     finally:
@@ -138,6 +145,8 @@ def test_gpt_compiled_every_one_rank_schedule_trains_like_one_process(
         *got, _ = _run(loaded, source, schedule, False, inputs, targets)
         _check(tuple(got), want_one, f"{schedule} compiled")  # type: ignore[arg-type]
     assert compiled_graphs() == graphs  # the steps ran the warm-up's graphs: no recompile
+    *got, _ = _run(loaded, source, "1f1b", False, inputs, targets, recompute=[True])
+    _check(tuple(got), want_one, "1f1b compiled, recomputed")  # type: ignore[arg-type]
     *got, runner = _run(_Loaded(two), source, "interleaved-1f1b", True, inputs, targets)
     assert [c.stage for c in runner.compiled] == [0, 1]
     _check(tuple(got), want_two, "interleaved-1f1b compiled")  # type: ignore[arg-type]
@@ -190,3 +199,95 @@ def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
     torch.testing.assert_close(gx, xf.grad, rtol=0, atol=0)
     for p, q in zip(split.parameters(), fused.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    source = load_model_file(EXAMPLES / "gpt.py")
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    loaded = _Loaded(build)
+    out = {}
+    for k, schedule in enumerate(("zbv", "dualpipev")):  # compiled once, by the first runner
+        losses, state, runner = _run(loaded, source, schedule, k == 0, inputs, targets)
+        out[schedule] = (losses, state, [c.stage for c in runner.compiled])
+    # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
+    losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
+    assert runner.data_parallel is not None
+    out["ddp"] = (losses, state, [c.stage for c in runner.compiled])
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.distributed
+def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """ZBV and DualPipeV (two stages per rank, split backward) on two ranks, compiled; and a
+    one-stage build as two DDP replicas under zb-h1, compiled."""
+    build = make_build("gpt", tmp_path / "v", 2, BATCH, MICRO, schedule="zbv")
+    one = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
+    want, want_one = _oracle(build, "gpt"), _oracle(one, "gpt")
+    results = [r.value for r in spawn(_v_job, 2, build, one, timeout=1800)]
+    assert sorted(results[0]["zbv"][2] + results[1]["zbv"][2]) == [0, 1, 2, 3]
+    for schedule in ("zbv", "dualpipev"):
+        state: dict[str, torch.Tensor] = {}
+        for r in results:
+            state.update(r[schedule][1])
+        _check((results[0][schedule][0], state), want, f"{schedule} compiled")
+    for r in results:
+        _check(r["ddp"][:2], want_one, "zb-h1 compiled, 2 DDP replicas")
+
+
+def _partition(target: str, out: Path, *options: str) -> Path:
+    from fxpipe.cli import main
+
+    args = ["partition", target, "--stages", "1", "--batch-size", str(BATCH)]
+    args += ["--microbatches", str(MICRO), "--out", str(out), *options]
+    assert main(args) == 0
+    return out
+
+
+def test_llama_with_labels_and_an_inplace_model_compiled_train_like_one_process(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """A transformers Llama trained on its own loss (``labels=``) under zb-h1, and a model that
+    changes tensors in place (``h += block(h)``) under 1f1b with bf16 autocast against eager bf16."""
+    import inplace_models
+
+    llama = Path(__file__).resolve().parents[1] / "zoo" / "models" / "llama.py"
+    build = _partition(
+        f"{llama}:build_model", tmp_path / "llama", "--inputs-fn", "example_kwargs_labels"
+    )
+    source = load_model_file(llama, inputs_fn="example_kwargs_labels")
+    model = source.build_model().train()
+    model.load_state_dict(load_stage(build, 0).state_dict(), strict=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    call = source.example_call(BATCH).kwargs
+    chunks = [{k: v.chunk(MICRO)[m] for k, v in call.items()} for m in range(MICRO)]
+    want_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        step = [model(**c).loss for c in chunks]
+        (sum(step) / MICRO).backward()
+        opt.step()
+        want_losses.append(sum(float(v.detach()) for v in step) / MICRO)
+    want_state = {k: v.detach() for k, v in model.state_dict().items()}
+    losses, state, runner = _run(_Loaded(build), source, "zb-h1", True, source.example_call(BATCH))
+    assert runner.compiled and not runner.compiled[0].graph_breaks
+    _check((losses, state), (want_losses, want_state), "llama labels= zb-h1 compiled")
+
+    factory = "build_residual_stream"
+    target = f"{inplace_models.__file__}:{factory}"
+    build = _partition(target, tmp_path / "inplace")
+    source = load_model_file(inplace_models.__file__, model_fn=factory)
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    want = reference_train(
+        original_model(build, source, 1), inputs, targets, source.loss_fn, STEPS, MICRO, LR
+    )
+    got = _run(_Loaded(build), source, "1f1b", True, inputs, targets)
+    _check(got[:2], want, "in-place 1f1b compiled")
+    eager = _run(_Loaded(build), source, "zb-h1", False, inputs, targets, precision="bf16")
+    comp = _run(_Loaded(build), source, "zb-h1", True, inputs, targets, precision="bf16")
+    torch.testing.assert_close(torch.tensor(comp[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
+    for k, v in comp[1].items():
+        torch.testing.assert_close(v, eager[1][k], rtol=2e-2, atol=2e-2, msg=f"bf16 {k}")
