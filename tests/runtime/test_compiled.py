@@ -80,11 +80,12 @@ def _run(
     compile: bool | str,
     inputs: Any,
     targets: Any = None,
+    own_loss: bool = False,
     **options: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], PipelineRunner]:
     runner = PipelineRunner(
         loaded.manifest,
-        source.loss_fn if source.has_loss_fn else None,
+        None if own_loss or not source.has_loss_fn else source.loss_fn,
         stage_loader=loaded,
         **options,
         schedule=schedule,
@@ -272,7 +273,9 @@ def test_llama_with_labels_and_an_inplace_model_compiled_train_like_one_process(
         opt.step()
         want_losses.append(sum(float(v.detach()) for v in step) / MICRO)
     want_state = {k: v.detach() for k, v in model.state_dict().items()}
-    losses, state, runner = _run(_Loaded(build), source, "zb-h1", True, source.example_call(BATCH))
+    losses, state, runner = _run(
+        _Loaded(build), source, "zb-h1", True, source.example_call(BATCH), own_loss=True
+    )
     assert runner.compiled and not runner.compiled[0].graph_breaks
     _check((losses, state), (want_losses, want_state), "llama labels= zb-h1 compiled")
 
