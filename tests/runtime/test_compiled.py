@@ -294,3 +294,30 @@ def test_llama_with_labels_and_an_inplace_model_compiled_train_like_one_process(
     torch.testing.assert_close(torch.tensor(comp[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
     for k, v in comp[1].items():
         torch.testing.assert_close(v, eager[1][k], rtol=2e-2, atol=2e-2, msg=f"bf16 {k}")
+
+
+def _seed_job(rank: int, world: int) -> dict[str, Any]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    from seedscripts import load_script
+
+    config = {"partitions": 2, "microbatches": 2, "pipeline": "zb-h1", "compile": True}
+    return load_script("hf_keywords").main(config)
+
+
+@pytest.mark.distributed
+def test_seed_api_compiled_zero_bubble_trains_like_one_process() -> None:
+    """``fxpipe.init({..., "compile": True})``: a Hugging Face loop (keyword call, ``labels=``,
+    ``model.backward(out.loss)``) on 2 ranks under zb-h1, stages compiled."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    from test_api_keywords import _one_process
+
+    results = [r.value for r in spawn(_seed_job, 2, timeout=1800)]
+    losses, state = _one_process()
+    for got in results:
+        torch.testing.assert_close(got["losses"], losses, **CLOSE)
+        for key, value in got["state_dict"].items():
+            torch.testing.assert_close(value, state[key], **CLOSE, msg=key)
