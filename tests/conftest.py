@@ -20,6 +20,10 @@ from fxpipe.modelfile import ModelSource, load_model_file
 # under 10 minutes on 2 cores): fault injection into real jobs, the FairScale ports, and a few long builds.
 # Each entry is a test file or a test id prefix; everything else runs in `make test`.
 HEAVY = (
+    # compiled stages: each compiles a few stages with inductor (minutes on 2 loaded cores)
+    "tests/runtime/test_compiled.py::test_gpt_compiled",
+    "tests/runtime/test_compiled.py::test_llama_with_labels",
+    "tests/runtime/test_compiled.py::test_seed_api_compiled",
     "tests/reliability/test_job_faults.py",
     "tests/reliability/test_leaks.py",
     "tests/reliability/test_checkpoints.py::test_sigkill_mid_save_in_a_real_job",

@@ -59,7 +59,9 @@ class Config:
     first step; ``weights``: a checkpoint each rank loads its own stage's tensors from right
     after partitioning, in the formats of ``fxpipe partition --weights`` (a ``.safetensors``
     file, a directory of safetensors shards, or a ``torch.save``d state dict), read one tensor
-    at a time: with a model built on meta, no rank ever holds more than its stage.
+    at a time: with a model built on meta, no rank ever holds more than its stage. ``compile``:
+    run this rank's stages under ``torch.compile``, compiled right after partitioning
+    (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``).
     """
 
     partitions: int
@@ -72,6 +74,7 @@ class Config:
     ddp: bool = False
     plan: str | None = None
     weights: str | None = None
+    compile: bool = False
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
 
     def __post_init__(self) -> None:
@@ -105,7 +108,7 @@ class Config:
             raise ConfigError(
                 f"config 'virtual_stages': {str(exc).replace('--virtual-stages', 'virtual_stages')}"
             ) from None
-        for key in ("auto_partition", "ddp"):
+        for key in ("auto_partition", "ddp", "compile"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"config {key!r} must be True or False, got {getattr(self, key)!r}"

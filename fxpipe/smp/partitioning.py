@@ -45,7 +45,9 @@ from fxpipe.codegen.load import load_checked_stage
 from fxpipe.errors import ConfigError, FxpipeError, WeightsError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
 from fxpipe.runtime.pipeline.rank_stages import share_tied_parameters
-from fxpipe.runtime.pipeline.runner import resolve_schedule
+from fxpipe.partitioner.schedule import schedule_kind
+from fxpipe.runtime.pipeline.compiled import compile_rank_stages
+from fxpipe.runtime.pipeline.runner import COMPILE_CACHE, resolve_schedule
 from fxpipe.smp.chunks import RankChunks
 from fxpipe.smp.config import Config
 from fxpipe.tracer import BuildRecord, ModelProfile, trace_model
@@ -324,6 +326,15 @@ def build_stage(
             load_into_stage(chunks.values(), module, config.weights)
         except WeightsError as exc:
             raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
+    if config.compile:  # Note [compile scope] in fxpipe.runtime.pipeline.compiled
+        compile_rank_stages(
+            manifest,
+            chunks,
+            device,
+            max(batch_size // config.microbatches, 1),
+            split_backward=schedule_kind(config.schedule).split_backward,
+            cache_dir=build_dir / COMPILE_CACHE if build_dir is not None else None,
+        )
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)
     return StageBuild(manifest, plan, stage, build_dir, chunks)

@@ -15,7 +15,8 @@ from fxpipe.partitioner import plan_partition
 from fxpipe.runtime.train.run_record import RunRecord, read_build_plan
 from fxpipe.tracer import ModelProfile, Unit, UnitEdge
 
-# the fields run.json has (the record adds schema_version); build_sha256 and stopped since issue 35
+# the fields run.json has (the record adds schema_version); build_sha256 and stopped since issue 35,
+# compile_seconds since issue 39
 RUN_JSON_FIELDS = {
     "losses",
     "step_seconds",
@@ -46,6 +47,7 @@ RUN_JSON_FIELDS = {
     "first_step",
     "build_sha256",
     "stopped",
+    "compile_seconds",
 }
 
 RECORD = RunRecord(

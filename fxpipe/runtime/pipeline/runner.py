@@ -42,6 +42,12 @@ from fxpipe.partitioner.schedule.placement import placement_of
 from fxpipe.runtime.pipeline.batch_agreement import compare_batch, runner_message
 from fxpipe.runtime.pipeline.clipping import clip_grads_, counted_parameters, pipeline_grad_norm
 from fxpipe.runtime.pipeline.comm import pairs_sends
+from fxpipe.runtime.pipeline.compiled import (
+    COMPILE_SCOPES,
+    DEFAULT_COMPILE_SCOPE,
+    CompiledStage,
+    compile_rank_stages,
+)
 from fxpipe.runtime.pipeline.executor import LossFn, RankExecutor
 from fxpipe.runtime.pipeline.groups import build_groups, init_process_group, pick_device, this_rank
 from fxpipe.runtime.pipeline.layout import RankLayout
@@ -64,6 +70,8 @@ from fxpipe.runtime.pipeline.schedule import validate_schedule
 from fxpipe.tracer.call import ModelInputs
 
 __all__ = ["PipelineRunner", "StageLoader", "OptimizerFactory"]
+
+COMPILE_CACHE = "compile_cache"  # inductor's cache folder in a build directory
 
 StageLoader = Callable[[int, torch.device], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -113,6 +121,17 @@ def _recomputed(
             "recomputing stages; run 1f1b, gpipe or interleaved-1f1b, or re-plan without recompute"
         )
     return tuple(s for s, flag in enumerate(recompute) if flag)
+
+
+def _compile_scope(compile: bool | str) -> str:
+    """The compile scope that ``PipelineRunner(compile=...)`` names (``True``: the default)."""
+    if compile is True:
+        return DEFAULT_COMPILE_SCOPE
+    if compile not in COMPILE_SCOPES:
+        raise ConfigError(
+            f"compile must be True, False or a scope in {list(COMPILE_SCOPES)}, got {compile!r}"
+        )
+    return str(compile)
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
@@ -199,6 +218,11 @@ class PipelineRunner:
     small collective; Note [one batch per pipeline] in ``fxpipe.runtime.pipeline.batch_agreement``):
     ranks given different rows stop with a ``BatchMismatchError`` naming the step and the tensor;
     ``check_batches=False`` skips it.
+    ``compile=True`` (or a scope, ``"stage"`` or ``"regional"``) runs each stage under
+    ``torch.compile``, compiled before the first step at ``compile_microbatch_size`` (default
+    the build's microbatch) with inductor's cache in ``compile_cache`` (default
+    ``BUILD/compile_cache``); ``compiled`` reports each stage's compile
+    (``fxpipe.runtime.pipeline.compiled``).
     """
 
     def __init__(
@@ -221,6 +245,9 @@ class PipelineRunner:
         max_grad_norm: float | None = None,
         precision: str = "fp32",
         check_batches: bool = True,
+        compile: bool | str = False,
+        compile_cache: str | Path | None = None,
+        compile_microbatch_size: int | None = None,
     ) -> None:
         self._owns_group = False
         self.check_batches = check_batches
@@ -255,6 +282,24 @@ class PipelineRunner:
         if autocast is not None:  # before DDP/FSDP wrap them: fxpipe.runtime.pipeline.precision
             autocast_stages(self.stages.values(), self.device, autocast)
             self.loss_fn = autocast_loss(self.loss_fn, self.device, autocast)
+        recomputed = _recomputed(recompute, manifest, self.schedule)
+        for module in self.stages.values():
+            module.train()
+        self.compiled: list[CompiledStage] = []
+        if compile:  # after autocast (compiled under it), before DDP/FSDP wrap the stages
+            self.compiled = compile_rank_stages(
+                manifest,
+                self.stages,
+                self.device,
+                compile_microbatch_size or manifest.microbatch_size,
+                scope=_compile_scope(compile),
+                recompute=recomputed,
+                split_backward=bool(self.schedule.split_backward()),
+                cache_explicit=compile_cache is not None,
+                cache_dir=compile_cache
+                if compile_cache is not None or isinstance(build, Manifest)
+                else Path(build) / COMPILE_CACHE,
+            )
         self.stage = rank_module(
             self.stages
         )  # the rank's stages as one module (the stage itself if one)
@@ -292,7 +337,7 @@ class PipelineRunner:
             self.device,
             average_microbatch_grads,
             pair_sends=pairs_sends(self.device),
-            recompute=_recomputed(recompute, manifest, self.schedule),
+            recompute=recomputed,
             autocast=autocast,
             weight_params=self.data_parallel.weight_params if self.data_parallel else None,
         )

@@ -26,6 +26,21 @@ Each parameter's gradient is the same sum of the same products as the fused back
 so the split and fused paths give bitwise equal gradients (tests/runtime/test_split_backward.py).
 The parameters' ``AccumulateGrad`` nodes are looked up once and held, which keeps them
 the ones every later graph uses.
+
+Note [a boundary node that computes every gradient at once]: an eager op's backward computes
+only the outputs the engine asks for, so in ``B`` a matmul's node yields the input gradient and
+not the weight's. A node that cannot choose (a compiled region's ``CompiledFunctionBackward``,
+which runs one AOTAutograd backward graph for all of its inputs, or a custom
+``autograd.Function``) computes its weight-branch gradients in ``B`` anyway and the engine drops
+them; running it again from its kept gradient in ``W`` would compute the whole region's
+backward twice. So ``B`` also registers a post-hook on every boundary node that keeps what the
+node produced for its edges off the input path; where those gradients came back (not ``None``),
+``W`` starts from the edges themselves (``GradientEdge(next node, input_nr)`` with the kept
+gradients: the parameters' ``AccumulateGrad``, or the eager ops between the region and a
+parameter) instead of from the node, and the node never runs again. For eager nodes nothing
+comes back on those edges, and ``W`` is as above. The cost of a compiled stage's split is then
+one backward in all (no recomputation), most of it in ``B`` (Note [compiled split backward] in
+``fxpipe.runtime.pipeline.compiled``).
 """
 
 from __future__ import annotations
@@ -57,6 +72,9 @@ class WeightWork:
     params: list[torch.Tensor]
     kept: dict[Node, tuple[torch.Tensor | None, ...]]
     groups: list[_Group]
+    # boundary nodes that already computed their weight-branch gradients in B (Note [a boundary
+    # node that computes every gradient at once]): the off-path edges and their gradients
+    done: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = field(default_factory=dict)
 
 
 def _node(t: torch.Tensor) -> Node:
@@ -189,6 +207,7 @@ class SplitBackward:
         whole = [(i, reach.get(n, frozenset())) for i, n in enumerate(root_nodes) if not leads[n]]
         groups = _groups(starts, whole)
         kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        done: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = {}
 
         def keeper(node: Node):  # noqa: ANN202 - a hook factory
             def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
@@ -196,10 +215,29 @@ class SplitBackward:
 
             return hook
 
+        def taker(node: Node):  # noqa: ANN202 - a hook factory
+            off = [
+                (slot, child, nr)
+                for slot, (child, nr) in enumerate(node.next_functions)
+                if child is not None and not leads[child] and reach[child]
+            ]
+
+            def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: object) -> None:
+                got: list[tuple[GradientEdge, torch.Tensor]] = []
+                for slot, child, nr in off:
+                    g = grad_inputs[slot]
+                    if g is not None:
+                        got.append((GradientEdge(child, nr), g))
+                if got:
+                    done[node] = got
+
+            return hook
+
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         live = [i for i, n in enumerate(root_nodes) if leads[n]]
         if live:
             handles = [n.register_prehook(keeper(n)) for n in starts]
+            handles += [n.register_hook(taker(n)) for n in starts]
             try:
                 got = torch.autograd.grad(
                     [roots[i] for i in live],
@@ -212,7 +250,9 @@ class SplitBackward:
                 for h in handles:
                     h.remove()
             grads = list(got)
-        return grads, WeightWork(list(roots), list(root_grads), self.params, kept, groups)
+        for node in done:
+            kept.pop(node, None)
+        return grads, WeightWork(list(roots), list(root_grads), self.params, kept, groups, done)
 
     @staticmethod
     def weights(work: WeightWork) -> None:
@@ -222,6 +262,9 @@ class SplitBackward:
             outputs: list[torch.Tensor | GradientEdge] = []
             grads: list[torch.Tensor] = []
             for node in group.starts:
+                for edge, taken in work.done.get(node, ()):
+                    outputs.append(edge)
+                    grads.append(taken)
                 for slot, g in enumerate(work.kept.get(node, ())):
                     if g is not None:
                         outputs.append(GradientEdge(node, slot))
@@ -240,6 +283,9 @@ class SplitBackward:
                     saved = work.kept.get(node)
                     if saved is not None:
                         clamps.append(node.register_prehook(lambda _, saved=saved: saved))
+                    elif node in work.done:  # its gradients are in already: if the engine
+                        # reaches it from another start, it must add nothing
+                        clamps.append(node.register_prehook(_nothing))
             try:
                 # the last call frees the saved graph as it goes, as a fused backward does
                 torch.autograd.backward(outputs, grads, retain_graph=k < last, inputs=params)  # type: ignore[arg-type]
@@ -247,8 +293,13 @@ class SplitBackward:
                 for h in clamps:
                     h.remove()
         work.kept.clear()
+        work.done.clear()
         work.roots.clear()
         work.root_grads.clear()
+
+
+def _nothing(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if g is None else torch.zeros_like(g) for g in grads)
 
 
 def backward_inputs(

@@ -167,6 +167,22 @@ def rank_info(runner: PipelineRunner) -> RankInfo:
     )
 
 
+def _compile_report(runner: PipelineRunner) -> tuple[float, ...]:
+    """Each stage's compile seconds, in stage order, on every rank (collective); rank 0 prints one
+    line per stage of the first replica (Note [graph breaks are reported, not fatal] in
+    ``fxpipe.runtime.pipeline.compiled``)."""
+    got: list[Any] = [None] * runner.world_size
+    dist.all_gather_object(got, [(c.stage, c.seconds, c.line()) for c in runner.compiled])
+    seen: dict[int, tuple[float, str]] = {}
+    for rank_reports in got:
+        for stage, seconds, line in rank_reports:
+            seen.setdefault(stage, (seconds, line))
+    if runner.rank == 0:
+        for stage in sorted(seen):
+            print(f"fxpipe run: {seen[stage][1]}", flush=True)
+    return tuple(seen[s][0] for s in sorted(seen))
+
+
 def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunRecord:
     """Train up to step ``options.steps`` on this rank (from a checkpoint with ``resume``); rank 0
     writes the record to ``out`` (default ``build_dir/run.json``). Every rank returns the record.
@@ -249,10 +265,14 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         recompute=plan.cost.recompute if plan is not None else (),
         precision=options.precision,
         check_batches=False,  # checked below, with the data function named (batch_check)
+        compile=options.compile_scope if options.compile else False,
+        compile_cache=options.compile_cache,
+        compile_microbatch_size=batch // microbatches,
     ) as runner:
         schedule = runner.schedule.name
         info = rank_info(runner)
         lead = runner.rank == 0
+        compile_seconds = _compile_report(runner) if options.compile else ()
         if lead:
             start_up_note("stages loaded, process group up; first step")
         samples = batch * replicas
@@ -499,6 +519,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             first_step=first,
             build_sha256=identity["manifest_sha256"],
             stopped=stopped,
+            compile_seconds=compile_seconds,
         )
         path = out or build_dir / "run.json"
         if stopped is None:

@@ -65,6 +65,8 @@ __all__ = [
 RUN_OPTIONS_SCHEMA_VERSION = 1
 DEFAULT_SCHEDULE = "1f1b"  # what a build that names no schedule runs (one stage per rank)
 DEFAULT_TIMEOUT_S = 300.0
+COMPILE_SCOPES = ("stage", "regional")  # fxpipe.runtime.pipeline.compiled, Note [compile scope]
+DEFAULT_COMPILE_SCOPE = "stage"  # measured: docs/compile.md
 MAX_TIMEOUT_S = 1e8  # far below what a process group's timeout (int64 nanoseconds, a C int elsewhere) overflows at
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -120,6 +122,23 @@ class RunOptions(Options):
         0.01, metavar="LR", help="learning rate (the peak, with --warmup-steps / --lr-schedule)"
     )
     precision: str = same_as(CostModel, "precision")
+    compile: bool = option(
+        False,
+        help="run every stage under torch.compile, compiled before the first step "
+        "(fxpipe.runtime.pipeline.compiled)",
+    )
+    compile_scope: str = option(
+        DEFAULT_COMPILE_SCOPE,
+        choices=COMPILE_SCOPES,
+        metavar="SCOPE",
+        help="with --compile: each stage whole, or each repeated block: %(choices)s",
+    )
+    compile_cache: str | None = option(
+        None,
+        metavar="DIR",
+        none_means="BUILD/compile_cache, or TORCHINDUCTOR_CACHE_DIR when set",
+        help="with --compile: inductor's cache folder (a second run loads what the first compiled)",
+    )
     timeout_s: float = option(
         DEFAULT_TIMEOUT_S,
         flag="--timeout",
@@ -170,6 +189,12 @@ class RunOptions(Options):
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"--precision must be one of {list(PRECISIONS)}, got {self.precision!r}"
+            )
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ConfigError(
+                f"--compile-scope must be one of {list(COMPILE_SCOPES)}, got {self.compile_scope!r}"
             )
         if not _is_number(self.timeout_s) or self.timeout_s <= 0:
             raise ConfigError(

@@ -53,7 +53,9 @@ class RunRecord:
     the build it ran (Note [a record names its build]). ``stopped``: why the run stopped before
     its last step (a NaN or infinite loss: ``losses`` end at the last finite one, ``step_seconds``
     include the step that diverged); ``None`` for a run that trained every step. A ``None`` loss or
-    gradient norm is a step fp16's loss scaler skipped for its inf/NaN values."""
+    gradient norm is a step fp16's loss scaler skipped for its inf/NaN values. With ``--compile``,
+    ``compile_seconds`` holds each stage's compile before the first step (stage order; empty
+    without)."""
 
     losses: tuple[float | None, ...]
     step_seconds: tuple[float, ...]
@@ -84,6 +86,7 @@ class RunRecord:
     first_step: int = 0
     build_sha256: str | None = None
     stopped: str | None = None
+    compile_seconds: tuple[float, ...] = ()  # --compile: each stage's compile, in stage order
     schema_version: int = RUN_RECORD_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

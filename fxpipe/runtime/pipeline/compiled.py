@@ -1,0 +1,284 @@
+"""Compiled stages: each stage's forward, or each repeated block in it, under ``torch.compile``.
+
+``compile_rank_stages`` compiles the stages of one rank in place (the instance's ``forward`` is
+replaced, so parameters, ``state_dict`` keys, hooks, DDP and the optimizer see the same module)
+and pays the compile before the first step: a warm-up forward and backward per stage on
+synthetic inputs of the manifest's shapes, after which gradients, buffers (batch norm's running
+statistics) and the RNG state are put back as they were, so a compiled run trains exactly the
+steps an eager run does.
+
+Note [compile scope]: ``"stage"`` compiles the stage's whole forward (one graph where the stage
+allows it); ``"regional"`` compiles each outermost submodule whose class occurs at least twice in
+the stage (a transformer's blocks: torchtitan's per-block compile), leaving the glue between
+them eager, and falls back to the whole stage when nothing repeats. Same-class blocks share one
+compiled graph (Dynamo treats their parameters as inputs), so regional compile time grows with
+the number of distinct block classes, not blocks. Which one is the default was measured
+(docs/compile.md, benchmarks/runtime/compiled.md).
+
+Note [graph breaks are reported, not fatal]: each compiled forward first runs with
+``fullgraph=True``; if Dynamo cannot capture it in one graph, the break's reason and place (the
+user frame) are recorded once, and that forward is compiled again without ``fullgraph`` (Dynamo
+splits it into graphs around the break). ``CompiledStage.graph_breaks`` lists what was found; the
+run log prints it.
+
+Note [compiled split backward]: a compiled region's backward is one autograd node
+(AOTAutograd's ``CompiledFunctionBackward``) that computes the gradients of all its inputs,
+weights included, in one call. The split backward (Note [split backward through the saved
+graph] in ``fxpipe.runtime.pipeline.split_backward``) keeps, in ``B``, the weight gradients
+that node produced and hands them to the parameters in ``W`` (Note [a boundary node that
+computes every gradient at once]): each compiled region's backward runs once per microbatch, as
+in the fused backward; gradients equal the fused backward's exactly. What this does not give is
+a cheap ``B``: ``B`` does the region's whole backward and ``W`` only accumulates. Splitting the
+AOTAutograd backward graph into an input-gradient and a weight-gradient graph (two compiled
+functions, two autograd nodes) would give zero-bubble schedules their ``W`` back; see
+docs/compile.md for what was measured and what is left.
+
+Shapes: the batch dim of every stage input is marked dynamic (``maybe_mark_dynamic``) with the
+``"stage"`` scope, so a microbatch of another size does not recompile where the stage's code
+allows it (a static build's code holds its sizes: Dynamo then specializes, and a new size
+compiles once). Regional blocks rely on Dynamo's automatic dynamic shapes (a second size
+compiles once, dynamic).
+
+The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is pointed at ``cache_dir`` (a folder the user
+named, else the build's ``compile_cache`` unless the environment names one of the user's), so a second run of the same build loads its kernels and graphs
+instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from fxpipe.codegen.manifest import INPUT, Manifest
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.pipeline.routes import needs_grad
+from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
+
+__all__ = [
+    "COMPILE_SCOPES",
+    "DEFAULT_COMPILE_SCOPE",
+    "CompiledStage",
+    "compile_module",
+    "compile_rank_stages",
+    "use_cache_dir",
+    "compiled_graphs",
+]
+
+
+@dataclass
+class CompiledStage:
+    """What compiling one stage did: the compiled regions (module paths; ``""``: the whole
+    stage), the graph breaks found (reason and place, once each) and the warm-up's seconds."""
+
+    stage: int
+    scope: str
+    regions: tuple[str, ...]
+    seconds: float = 0.0
+    graph_breaks: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One log line."""
+        where = "whole stage" if self.regions == ("",) else f"{len(self.regions)} blocks"
+        breaks = (
+            f"; {len(self.graph_breaks)} graph break(s): " + " | ".join(self.graph_breaks)
+            if self.graph_breaks
+            else "; one graph per region"
+        )
+        return (
+            f"stage {self.stage} compiled ({self.scope}: {where}) in {self.seconds:.1f} s{breaks}"
+        )
+
+
+def use_cache_dir(path: str | Path | None, explicit: bool = False) -> str:
+    """Point inductor's cache at ``path``: always when ``explicit`` (the user named it), else
+    unless ``TORCHINDUCTOR_CACHE_DIR`` names a folder of the user's (importing inductor sets it to
+    its default, which does not count); the folder in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    users = bool(current) and os.path.abspath(current or "") != os.path.abspath(default_cache_dir())
+    if path is None or (users and not explicit):
+        return current or ""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(path).resolve())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _break_text(exc: BaseException) -> str:
+    """``reason (file:line in fn)`` of a ``fullgraph=True`` failure."""
+    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    stack = getattr(exc, "real_stack", None) or []
+    if stack:
+        f = stack[-1]
+        return f"{reason} (at {Path(f.filename).name}:{f.lineno} in {f.name})"
+    return reason
+
+
+def _compiled(
+    fn: Callable[..., Any],
+    breaks: list[str],
+    batch_dims: Sequence[int | None] | None,
+    **options: Any,
+) -> Callable[..., Any]:
+    """``fn`` under torch.compile: ``fullgraph=True`` first, without it after a graph break
+    (Note [graph breaks are reported, not fatal]); batch dims marked dynamic."""
+    full = torch.compile(fn, fullgraph=True, **options)
+    state: dict[str, Callable[..., Any]] = {"fn": full}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _get_current_dispatch_mode() is not None:  # Dynamo skips frames under a dispatch
+            return fn(*args, **kwargs)  # mode (the peak-memory tracker): run eagerly
+        if batch_dims is not None:
+            for a, d in zip(args, batch_dims):
+                if d is not None and isinstance(a, torch.Tensor) and a.dim() > d:
+                    torch._dynamo.maybe_mark_dynamic(a, d)
+        if state["fn"] is full:
+            try:
+                return full(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as exc:  # Dynamo fails before running anything
+                breaks.append(_break_text(exc))
+                state["fn"] = torch.compile(fn, fullgraph=False, **options)
+        return state["fn"](*args, **kwargs)
+
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
+
+
+def _repeated_blocks(module: nn.Module) -> list[str]:
+    """Paths of the outermost submodules whose class occurs at least twice in ``module``
+    (classes of ``torch.nn`` itself are layers, not blocks)."""
+    mods = dict(module.named_modules())
+    counts = Counter(
+        type(m) for p, m in mods.items() if p and not type(m).__module__.startswith("torch.")
+    )
+    chosen: list[str] = []
+    for path, m in mods.items():
+        if not path or counts.get(type(m), 0) < 2:
+            continue
+        if any(path.startswith(c + ".") for c in chosen):
+            continue
+        chosen.append(path)
+    return chosen
+
+
+def compile_module(
+    module: nn.Module,
+    scope: str,
+    batch_dims: Sequence[int | None] | None = None,
+    stage: int = 0,
+    split_backward: bool = True,
+) -> CompiledStage:
+    """Compile ``module`` in place (Note [compile scope]); nothing is compiled until it runs.
+
+    ``split_backward``: the stage's backward may run split (``B`` keeps the graph for ``W``), so
+    AOTAutograd must not donate the saved tensors' buffers to the backward (it refuses
+    ``retain_graph`` then): ``torch._functorch.config.donated_buffer`` is turned off in this
+    process."""
+    if scope not in COMPILE_SCOPES:
+        raise ConfigError(f"compile scope must be one of {list(COMPILE_SCOPES)}, got {scope!r}")
+    if split_backward:
+        import torch._functorch.config
+
+        torch._functorch.config.donated_buffer = False
+    report = CompiledStage(stage, scope, ("",))
+    regions = _repeated_blocks(module) if scope == "regional" else []
+    if regions:
+        report.regions = tuple(regions)
+        for path in regions:
+            block = module.get_submodule(path)
+            block.forward = _compiled(block.forward, report.graph_breaks, None)
+    else:
+        module.forward = _compiled(module.forward, report.graph_breaks, batch_dims)
+    return report
+
+
+def _warm_inputs(
+    manifest: Manifest, stage: int, mb_size: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Synthetic inputs of stage ``stage`` at microbatch size ``mb_size``, as ``StageWorker``
+    feeds it (received tensors that need a gradient are leaves that require one)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    args = []
+    for t in manifest.stage(stage).inputs:
+        shape = t.shape_at(mb_size, manifest.microbatch_size)
+        dtype = getattr(torch, t.dtype)
+        if dtype.is_floating_point:
+            x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+        else:
+            x = torch.zeros(shape, dtype=dtype, device=device)
+        if t.producer != INPUT and needs_grad(t) and dtype.is_floating_point:
+            x.requires_grad_(True)
+        args.append(x)
+    return args
+
+
+def _warm_up(module: nn.Module, args: list[torch.Tensor], recompute: bool) -> None:
+    """One forward and backward of ``module`` whose effects are undone: gradients, buffers, RNG."""
+    buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+    grads = {p: p.grad for p in module.parameters()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        if recompute:
+            out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
+        else:
+            out = module(*args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+    finally:
+        with torch.no_grad():
+            for k, b in module.named_buffers():
+                if k in buffers:
+                    b.copy_(buffers[k])
+        for p, g in grads.items():
+            p.grad = g
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def compile_rank_stages(
+    manifest: Manifest,
+    stages: Mapping[int, nn.Module],
+    device: torch.device,
+    mb_size: int,
+    *,
+    scope: str = DEFAULT_COMPILE_SCOPE,
+    recompute: Sequence[int] = (),
+    cache_dir: str | Path | None = None,
+    warm_up: bool = True,
+    split_backward: bool = True,
+    cache_explicit: bool = False,
+) -> list[CompiledStage]:
+    """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
+    backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""
+    use_cache_dir(cache_dir, explicit=cache_explicit)
+    reports = []
+    for s, module in sorted(stages.items()):
+        dims = [t.batch_dim for t in manifest.stage(s).inputs]
+        report = compile_module(module, scope, dims, stage=s, split_backward=split_backward)
+        if warm_up:
+            start = time.perf_counter()
+            _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
+            report.seconds = time.perf_counter() - start
+        reports.append(report)
+    return reports

@@ -1,0 +1,323 @@
+"""Compiled stages (``PipelineRunner(compile=...)``) train like one eager process, for every schedule.
+
+Compiling is slow on 2 cores, so each build's stages are compiled once (the first runner, with
+``compile=True``: the warm-up, the compile report) and later runners get the same compiled
+modules back through ``stage_loader``, their weights reset. The oracle is the original model in
+one process, eager (fp32: losses and parameters within rtol 1e-4 after 3 steps; the compiled
+kernels round differently). Single-rank builds run in this process (1f1b, gpipe, zb-h1 on one
+stage; interleaved-1f1b on two stages of one rank); the V-shaped schedules need two ranks and
+run in one spawned job (heavy tier).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from builds import EXAMPLES, make_build, original_model
+from fxpipe.codegen import load_stage
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.modelfile import load_model_file
+from fxpipe.runtime import PipelineRunner
+from fxpipe.runtime.pipeline.compiled import compiled_graphs, compile_module
+from reference import reference_train
+from spawn import spawn
+
+STEPS, LR, BATCH, MICRO = 3, 0.1, 4, 2
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
+pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
+        monkeypatch.setenv(k, v)
+
+
+class _Loaded:
+    """The stages of a build, loaded once and handed to every runner (weights reset each time)."""
+
+    def __init__(self, build: Path) -> None:
+        self.build = build
+        self.manifest = Manifest.from_json(build)
+        self.modules: dict[int, nn.Module] = {}
+        self.initial: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, index: int, device: torch.device) -> nn.Module:
+        if index not in self.modules:
+            self.modules[index] = load_stage(self.build, index, device=device)
+            self.initial[index] = copy.deepcopy(self.modules[index].state_dict())
+        module = self.modules[index]
+        module.load_state_dict(self.initial[index])
+        for p in module.parameters():
+            p.grad = None
+        return module
+
+
+def _run(
+    loaded: _Loaded,
+    source: Any,
+    schedule: str,
+    compile: bool | str,
+    inputs: Any,
+    targets: Any = None,
+    own_loss: bool = False,
+    **options: Any,
+) -> tuple[list[float], dict[str, torch.Tensor], PipelineRunner]:
+    runner = PipelineRunner(
+        loaded.manifest,
+        None if own_loss or not source.has_loss_fn else source.loss_fn,
+        stage_loader=loaded,
+        **options,
+        schedule=schedule,
+        microbatches=MICRO,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+        timeout_s=120,
+        compile=compile,
+    )
+    try:  # the process group stays up when the caller made it (a spawned job)
+        losses = [runner.step(inputs, targets) for _ in range(STEPS)]
+        state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    finally:
+        runner.close()
+    return losses, state, runner
+
+
+def _oracle(build: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    source = load_model_file(EXAMPLES / f"{name}.py")
+    manifest = Manifest.from_json(build)
+    model = original_model(build, source, manifest.num_stages)
+    return reference_train(
+        model,
+        source.example_inputs(BATCH),
+        source.example_targets(BATCH),
+        source.loss_fn,
+        STEPS,
+        MICRO,
+        LR,
+    )
+
+
+def _check(got: tuple[list[float], dict[str, torch.Tensor]], want: Any, what: str) -> None:
+    losses, state = got
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(want[0]), **CLOSE, msg=f"{what}: losses"
+    )
+    for k, v in state.items():
+        torch.testing.assert_close(v, want[1][k], **CLOSE, msg=f"{what}: {k}")
+
+
+def test_gpt_compiled_every_one_rank_schedule_trains_like_one_process(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """gpt, one rank: zb-h1 (split backward) compiles (warm-up, report), then gpipe and 1f1b
+    reuse the compiled stage; interleaved-1f1b on a two-stage build; no recompiles per step."""
+    source = load_model_file(EXAMPLES / "gpt.py")
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    one = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
+    two = make_build("gpt", tmp_path / "two", 1, BATCH, MICRO, schedule="interleaved-1f1b")
+    assert Manifest.from_json(two).num_stages == 2
+    want_one, want_two = _oracle(one, "gpt"), _oracle(two, "gpt")
+    loaded = _Loaded(one)
+    *first, runner = _run(loaded, source, "zb-h1", True, inputs, targets)
+    assert [c.stage for c in runner.compiled] == [0] and runner.compiled[0].seconds > 0
+    _check(tuple(first), want_one, "zb-h1 compiled")  # type: ignore[arg-type]
+    graphs = compiled_graphs()
+    for schedule in ("gpipe", "1f1b"):
+        *got, _ = _run(loaded, source, schedule, False, inputs, targets)
+        _check(tuple(got), want_one, f"{schedule} compiled")  # type: ignore[arg-type]
+    assert compiled_graphs() == graphs  # the steps ran the warm-up's graphs: no recompile
+    *got, _ = _run(loaded, source, "1f1b", False, inputs, targets, recompute=[True])
+    _check(tuple(got), want_one, "1f1b compiled, recomputed")  # type: ignore[arg-type]
+    *got, runner = _run(_Loaded(two), source, "interleaved-1f1b", True, inputs, targets)
+    assert [c.stage for c in runner.compiled] == [0, 1]
+    _check(tuple(got), want_two, "interleaved-1f1b compiled")  # type: ignore[arg-type]
+
+
+class _Breaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_graph_break_is_reported_with_its_place_not_fatal() -> None:
+    torch.manual_seed(0)
+    m = _Breaks()
+    ref = copy.deepcopy(m)
+    report = compile_module(m, "stage", [0])
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(m(x), ref(x))
+    assert len(report.graph_breaks) == 1 and "test_compiled.py" in report.graph_breaks[0]
+    m(x)
+    assert len(report.graph_breaks) == 1  # once per stage
+
+
+def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
+    """B keeps the weight gradients the compiled region computed; W hands them over without
+    running the region's backward again (Note [a boundary node that computes every gradient at
+    once]); gradients equal the fused backward's."""
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    fused = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+    split = copy.deepcopy(fused)
+    for m in (fused, split):
+        compile_module(m, "stage", [0])
+    x = torch.randn(3, 6)
+    xf, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    fused(xf).backward(torch.ones(3, 6))
+    out = split(xs)
+    runs = []
+    out.grad_fn.register_hook(lambda *_: runs.append(1))
+    (gx,), work = backward_inputs([out], [torch.ones(3, 6)], [xs], list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters()) and len(runs) == 1
+    backward_weights(work)
+    assert len(runs) == 1  # W did not run the compiled backward again
+    torch.testing.assert_close(gx, xf.grad, rtol=0, atol=0)
+    for p, q in zip(split.parameters(), fused.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    source = load_model_file(EXAMPLES / "gpt.py")
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    loaded = _Loaded(build)
+    out = {}
+    for k, schedule in enumerate(("zbv", "dualpipev")):  # compiled once, by the first runner
+        losses, state, runner = _run(loaded, source, schedule, k == 0, inputs, targets)
+        out[schedule] = (losses, state, [c.stage for c in runner.compiled])
+    # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
+    losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
+    assert runner.data_parallel is not None
+    out["ddp"] = (losses, state, [c.stage for c in runner.compiled])
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.distributed
+def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """ZBV and DualPipeV (two stages per rank, split backward) on two ranks, compiled; and a
+    one-stage build as two DDP replicas under zb-h1, compiled."""
+    build = make_build("gpt", tmp_path / "v", 2, BATCH, MICRO, schedule="zbv")
+    one = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
+    want, want_one = _oracle(build, "gpt"), _oracle(one, "gpt")
+    results = [r.value for r in spawn(_v_job, 2, build, one, timeout=1800)]
+    assert sorted(results[0]["zbv"][2] + results[1]["zbv"][2]) == [0, 1, 2, 3]
+    for schedule in ("zbv", "dualpipev"):
+        state: dict[str, torch.Tensor] = {}
+        for r in results:
+            state.update(r[schedule][1])
+        _check((results[0][schedule][0], state), want, f"{schedule} compiled")
+    for r in results:
+        _check(r["ddp"][:2], want_one, "zb-h1 compiled, 2 DDP replicas")
+
+
+def _partition(target: str, out: Path, *options: str) -> Path:
+    from fxpipe.cli import main
+
+    args = ["partition", target, "--stages", "1", "--batch-size", str(BATCH)]
+    args += ["--microbatches", str(MICRO), "--out", str(out), *options]
+    assert main(args) == 0
+    return out
+
+
+def test_llama_with_labels_and_an_inplace_model_compiled_train_like_one_process(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """A transformers Llama trained on its own loss (``labels=``) under zb-h1, and a model that
+    changes tensors in place (``h += block(h)``) under 1f1b with bf16 autocast against eager bf16."""
+    import inplace_models
+
+    llama = Path(__file__).resolve().parents[1] / "zoo" / "models" / "llama.py"
+    build = _partition(
+        f"{llama}:build_model", tmp_path / "llama", "--inputs-fn", "example_kwargs_labels"
+    )
+    source = load_model_file(llama, inputs_fn="example_kwargs_labels")
+    model = source.build_model().train()
+    model.load_state_dict(load_stage(build, 0).state_dict(), strict=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    call = source.example_call(BATCH).kwargs
+    chunks = [{k: v.chunk(MICRO)[m] for k, v in call.items()} for m in range(MICRO)]
+    want_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        step = [model(**c).loss for c in chunks]
+        (sum(step) / MICRO).backward()
+        opt.step()
+        want_losses.append(sum(float(v.detach()) for v in step) / MICRO)
+    want_state = {k: v.detach() for k, v in model.state_dict().items()}
+    losses, state, runner = _run(
+        _Loaded(build), source, "zb-h1", True, source.example_call(BATCH), own_loss=True
+    )
+    assert runner.compiled and not runner.compiled[0].graph_breaks
+    _check((losses, state), (want_losses, want_state), "llama labels= zb-h1 compiled")
+
+    factory = "build_residual_stream"
+    target = f"{inplace_models.__file__}:{factory}"
+    build = _partition(target, tmp_path / "inplace")
+    source = load_model_file(inplace_models.__file__, model_fn=factory)
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    want = reference_train(
+        original_model(build, source, 1), inputs, targets, source.loss_fn, STEPS, MICRO, LR
+    )
+    got = _run(_Loaded(build), source, "1f1b", True, inputs, targets)
+    _check(got[:2], want, "in-place 1f1b compiled")
+    eager = _run(_Loaded(build), source, "zb-h1", False, inputs, targets, precision="bf16")
+    comp = _run(_Loaded(build), source, "zb-h1", True, inputs, targets, precision="bf16")
+    torch.testing.assert_close(torch.tensor(comp[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
+    for k, v in comp[1].items():
+        torch.testing.assert_close(v, eager[1][k], rtol=2e-2, atol=2e-2, msg=f"bf16 {k}")
+
+
+def _seed_job(rank: int, world: int) -> dict[str, Any]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    from seedscripts import load_script
+
+    config = {"partitions": 2, "microbatches": 2, "pipeline": "zb-h1", "compile": True}
+    return load_script("hf_keywords").main(config)
+
+
+@pytest.mark.distributed
+def test_seed_api_compiled_zero_bubble_trains_like_one_process() -> None:
+    """``fxpipe.init({..., "compile": True})``: a Hugging Face loop (keyword call, ``labels=``,
+    ``model.backward(out.loss)``) on 2 ranks under zb-h1, stages compiled."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    from test_api_keywords import _one_process
+
+    results = [r.value for r in spawn(_seed_job, 2, timeout=1800)]
+    losses, state = _one_process()
+    for got in results:
+        torch.testing.assert_close(got["losses"], losses, **CLOSE)
+        for key, value in got["state_dict"].items():
+            torch.testing.assert_close(value, state[key], **CLOSE, msg=key)
