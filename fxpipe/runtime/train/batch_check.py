@@ -95,7 +95,8 @@ def check_same_batch(
         raise peer_error(
             exc, runner.rank, "comparing the step's batch across the pipeline", runner.timeout_s
         ) from exc
-    ranks = [runner.layout.rank_of(s, runner.replica) for s in range(size)]
+    tp = runner.layout.tp_of(runner.rank)
+    ranks = [runner.layout.rank_of(s, runner.replica, tp) for s in range(size)]
     found = first_disagreement([g.tolist() for g in gathered], ranks)
     if found is not None:
         part, a, b = found
