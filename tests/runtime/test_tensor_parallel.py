@@ -8,7 +8,6 @@ The GPT example (MLP split, its fused-qkv attention replicated) and a transforme
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from builds import EXAMPLES, original_model
-from fxpipe.codegen import write_build_dir
+from builds import EXAMPLES
+from fxpipe.codegen import load_stage, write_build_dir
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.codegen.tp_plan import TensorParallelPlan
 from fxpipe.modelfile import load_model_file
@@ -81,7 +80,13 @@ def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], 
 
 def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
     source = load_model_file(MODELS[name])
-    model = copy.deepcopy(original_model(build, source, stages)).train()
+    model = source.build_model()
+    state: dict[str, torch.Tensor] = {}
+    for i in range(stages):
+        state.update(load_stage(build, i).state_dict())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     inputs, targets = _call(name, BATCH)
     if name == "gpt":
@@ -134,4 +139,6 @@ def test_pp_x_tp_trains_like_one_process(
                 value, want_state[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key} on rank {rank}"
             )
         seen.update(state)
-    assert seen == set(want_state)
+    assert seen <= set(want_state)
+    for key in set(want_state) - seen:  # a tied key the build holds once
+        assert any(torch.equal(want_state[key], want_state[k]) for k in seen), key
