@@ -92,7 +92,7 @@ def resolve_sizes(options: RunOptions, manifest: Manifest, world_size: int) -> t
     batch = options.batch_size or manifest.batch_size
     microbatches = options.microbatches or manifest.microbatches
     check_divisible(batch, microbatches)
-    stages = manifest.num_ranks  # processes per pipeline: V stages (chunks) each
+    stages = manifest.num_ranks * options.tp  # processes per pipeline: V stages (chunks) x T each
     replicas = options.dp if options.dp is not None else max(world_size // stages, 1)
     if world_size != stages * replicas:
         raise RuntimeSetupError(
@@ -209,6 +209,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         virtual_stages=options.virtual_stages,
         recompute=plan.cost.recompute if plan is not None else (),
         precision=options.precision,
+        tensor_parallel=options.tp,
+        tp_plan=options.tp_plan,
     ) as runner:
         schedule = runner.schedule.name
         info = rank_info(runner)

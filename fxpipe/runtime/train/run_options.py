@@ -136,6 +136,18 @@ class RunOptions(Options):
         none_means="the plan's replicas with `fxpipe run`, WORLD_SIZE / stages under your own "
         "torchrun",
     )
+    tp: int = option(
+        1,
+        metavar="T",
+        help="tensor-parallel ranks per stage, tp innermost: stages x dp x T processes "
+        "(docs/tensor-parallel.md)",
+    )
+    tp_plan: str | None = option(
+        None,
+        metavar="FILE",
+        none_means="the build's tp_plan.json",
+        help="tensor-parallel plan (JSON) to apply instead of the build's",
+    )
     data_parallel: DataParallelOptions = group(DataParallelOptions)
     training: TrainingOptions = group(TrainingOptions)
 
@@ -188,6 +200,12 @@ class RunOptions(Options):
                 f"--dp must be an int >= 1 (the number of pipeline replicas), got {self.dp!r}; "
                 "use 1 for no data parallelism"
             )
+        if not _is_int(self.tp) or self.tp < 1:
+            raise ConfigError(
+                f"--tp must be an int >= 1 (tensor-parallel ranks per stage), got {self.tp!r}"
+            )
+        if self.tp_plan is not None and self.tp == 1:
+            raise ConfigError("--tp-plan applies with --tp T > 1; add --tp or drop --tp-plan")
         if not isinstance(self.data_parallel, DataParallelOptions):
             raise ConfigError(
                 f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}"
