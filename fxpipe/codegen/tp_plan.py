@@ -319,7 +319,7 @@ def _pairs(
         sources: list[fx.Node] = []
         bad = ""
         stack = [row.args[0]]
-        while stack and not bad:
+        while stack:  # past a bad op too: the linears behind it are named with the reason
             n = stack.pop()
             if n in region or n in sources:
                 continue
@@ -332,12 +332,17 @@ def _pairs(
                     region.add(n)
                     stack.extend(_inputs(n))
                 else:
-                    bad = f"{type(gm.get_submodule(str(n.target))).__name__} between the linears"
+                    kind = type(gm.get_submodule(str(n.target))).__name__
+                    bad = bad or f"{kind} between the linears"
+                    region.add(n)
+                    stack.extend(_inputs(n))
             elif n.op in ("call_function", "call_method") and _op_name(n) in _REGION_OPS:
                 region.add(n)
                 stack.extend(_inputs(n))
             elif n.op in ("call_function", "call_method"):
-                bad = f"{_op_name(n)!r} on the projected features"
+                bad = bad or f"{_op_name(n)!r} on the projected features"
+                region.add(n)
+                stack.extend(_inputs(n))
         if not sources:
             continue
         source_paths = [prefix + str(s.target) for s in sources]
@@ -378,7 +383,7 @@ def find_stage_plan(stage: nn.Module, index: int) -> StageTPPlan:
         and not type(m).__module__.startswith("torch.nn")
         and any(q.startswith(p + "." if p else "") for q in linears)
     ]
-    owners.sort(key=lambda pm: -pm[0].count(".") - (0 if pm[0] else 1))  # innermost first
+    owners.sort(key=lambda pm: -(pm[0].count(".") + 1 if pm[0] else 0))  # innermost first
     split: list[SplitModule] = []
     kept: dict[str, KeptWhole] = {}
     done: set[str] = set()
