@@ -71,7 +71,7 @@ def register_cpu_attention() -> None:
     def tensors(op_schema: Any) -> int:
         return len(op_schema.args_strategy) + len(op_schema.kwargs_strategy)
 
-    @register_op_strategy(  # type: ignore[untyped-decorator]
+    @register_op_strategy(
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         schema_info=RuntimeSchemaInfo(3),
     )
@@ -87,7 +87,7 @@ def register_cpu_attention() -> None:
             op_schema.get_mesh_from_args(), op_schema, strategies, input_index=2
         )
 
-    @register_op_strategy(  # type: ignore[untyped-decorator]
+    @register_op_strategy(
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
         schema_info=RuntimeSchemaInfo(6),
     )
