@@ -214,6 +214,19 @@ class RunOptions(Options):
             raise ConfigError(
                 f"training must be TrainingOptions, got {type(self.training).__name__}"
             )
+        if (
+            self.tp > 1
+        ):  # what tensor parallelism does not combine with yet (docs/tensor-parallel.md)
+            for what, given in (
+                (f"--dp {self.dp}", self.dp is not None and self.dp > 1),
+                ("--checkpoint-dir", self.training.checkpoint_dir is not None),
+                ("--clip-grad-norm", self.training.clip_grad_norm is not None),
+                ("--precision fp16", self.precision == "fp16"),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"--tp {self.tp} does not combine with {what} yet; drop one of them"
+                    )
         if self.training.checkpoint_dir is not None and self.data_parallel.shard == "optimizer":
             raise ConfigError(
                 "--checkpoint-dir does not save ZeRO's optimizer shards (--shard optimizer) yet; use "
