@@ -33,6 +33,7 @@ from fxpipe.codegen.outputs import dump_output_spec
 from fxpipe.codegen.safety import check_equivalence
 from fxpipe.codegen.shared import SHARED_SOURCE
 from fxpipe.codegen.split import SplitGraph, split_graph
+from fxpipe.codegen.tp_plan import write_tp_plan
 from fxpipe.codegen.ownership import (
     BUFFER,
     CONSTANT,
@@ -147,6 +148,7 @@ def write_build_dir(
         ):  # before the swap: a refused build leaves the previous one in place
             with phase("check"):
                 check_equivalence(staging, manifest, traced, split.sources)
+        write_tp_plan(staging, manifest.num_stages)  # fxpipe.codegen.tp_plan
     return manifest
 
 

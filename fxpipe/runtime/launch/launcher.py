@@ -250,11 +250,12 @@ def run_build(
         # 2+ replicas before any process starts
         options = with_plan_defaults(options or RunOptions(), checked.read_plan(), explicit)
         replicas = options.dp or 1
-        _check_world(pick_device(options.device, 0), manifest.num_ranks, replicas)
+        ranks = manifest.num_ranks * options.tp  # processes per pipeline replica
+        _check_world(pick_device(options.device, 0), ranks, replicas)
         from fxpipe.runtime.launch.preflight import preflight
 
         options = preflight(
-            build_dir, manifest, options, manifest.num_ranks * replicas
+            build_dir, manifest, options, ranks * replicas
         )  # a bad model file: one line
         checking.detail = "the build's files, the model file, the first batch"
     ran = build_sha256(build_dir)  # Note [a record names its build]
@@ -267,14 +268,14 @@ def run_build(
         (folder / "reports").mkdir()
         args = _torchrun_args(
             build_dir,
-            manifest.num_ranks * replicas,
+            ranks * replicas,
             0,
             ["--options", str(options_file)],
             log_dir=folder / "torchelastic",
         )
         if not quiet:
             note(
-                f"start {manifest.num_ranks * replicas} ranks: each imports torch, loads its stages and joins the "
+                f"start {ranks * replicas} ranks: each imports torch, loads its stages and joins the "
                 "process group"
             )
         job = _start(

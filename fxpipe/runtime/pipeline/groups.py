@@ -138,28 +138,36 @@ class Groups:
 
 
 def build_groups(layout: RankLayout, manifest: Manifest, rank: int) -> Groups:
-    """Create all groups on all ranks in one fixed order and keep this rank's."""
+    """Create all groups on all ranks in one fixed order and keep this rank's.
+
+    With tensor parallelism each tp index has its own pipelines, data-parallel and tie groups
+    (Note [DTensor regions] in ``fxpipe.runtime.pipeline.tensor_parallel``)."""
     stage, replica = layout.stage_of(rank), layout.replica_of(rank)
+    tp, tps = layout.tp_of(rank), range(layout.tensor_parallel)
     stage_ranks = manifest.stage_ranks
     pipeline = data_parallel = None
-    if layout.replicas > 1:
+    if layout.replicas > 1 or layout.tensor_parallel > 1:
         for r in range(layout.replicas):
-            g = dist.new_group(list(layout.pipeline_ranks(r)))
-            if r == replica:
-                pipeline = g
+            for t in tps:
+                g = dist.new_group(list(layout.pipeline_ranks(r, t)))
+                if (r, t) == (replica, tp):
+                    pipeline = g
+    if layout.replicas > 1:
         for s in range(layout.num_stages):
-            g = dist.new_group(list(layout.data_parallel_ranks(s)))
-            if s == stage:
-                data_parallel = g
+            for t in tps:
+                g = dist.new_group(list(layout.data_parallel_ranks(s, t)))
+                if (s, t) == (stage, tp):
+                    data_parallel = g
     ties, tie_stages = [], []
     for tie in manifest.ties:
         holders = sorted({stage_ranks[s] for s in tie.stages})
         if len(holders) < 2:
             continue
         for r in range(layout.replicas):
-            g = dist.new_group([layout.rank_of(p, r) for p in holders])
-            if r == replica and stage in holders:
-                first = next(i for i, s in enumerate(tie.stages) if stage_ranks[s] == stage)
-                ties.append((tie.keys[first], g))
-                tie_stages.append(tie.stages[first])
+            for t in tps:
+                g = dist.new_group([layout.rank_of(p, r, t) for p in holders])
+                if (r, t) == (replica, tp) and stage in holders:
+                    first = next(i for i, s in enumerate(tie.stages) if stage_ranks[s] == stage)
+                    ties.append((tie.keys[first], g))
+                    tie_stages.append(tie.stages[first])
     return Groups(layout, pipeline, data_parallel, tuple(ties), tuple(tie_stages))

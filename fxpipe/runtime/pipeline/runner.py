@@ -29,12 +29,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.codegen.manifest import Manifest
+from fxpipe.codegen.tp_plan import TensorParallelPlan, read_tp_plan
 from fxpipe.errors import BatchMismatchError, ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
 from fxpipe.partitioner.schedule import runnable_schedules
@@ -65,6 +68,12 @@ from fxpipe.runtime.pipeline.precision import (
 from fxpipe.runtime.pipeline.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.schedule import ActionKind, Schedule, make_schedule
+from fxpipe.runtime.pipeline.tensor_parallel import (
+    full_state_dict,
+    implicit_replication_on,
+    parallelize_stage,
+    tensor_parallel_mesh,
+)
 from fxpipe.runtime.pipeline.ties import sync_tied_grads
 from fxpipe.runtime.pipeline.schedule import validate_schedule
 from fxpipe.tracer.call import ModelInputs
@@ -102,6 +111,36 @@ def _manifest_and_loader(
         return load_stage(build_dir, index, device=device)
 
     return Manifest.from_json(build_dir), stage_loader or load
+
+
+def _tensor_parallel_plan(
+    build: str | Path | Manifest,
+    tp_plan: TensorParallelPlan | str | Path | None,
+    layout: RankLayout,
+    max_grad_norm: float | None,
+) -> TensorParallelPlan | None:
+    """The plan to apply at ``layout.tensor_parallel`` > 1: ``tp_plan`` (a plan or its file),
+    else the build's ``tp_plan.json``; refuses what tensor parallelism does not combine with yet."""
+    degree = layout.tensor_parallel
+    if degree == 1:
+        return None
+    if layout.replicas > 1:
+        raise ConfigError(
+            f"tensor parallelism (tp {degree}) with {layout.replicas} data-parallel replicas is "
+            "not supported yet; run one replica (world size = pipeline ranks x tp)"
+        )
+    if max_grad_norm is not None:
+        raise ConfigError(
+            f"gradient clipping (max_grad_norm={max_grad_norm}) with tp {degree} is not supported "
+            "yet; leave --max-grad-norm out"
+        )
+    if isinstance(tp_plan, TensorParallelPlan):
+        return tp_plan
+    if isinstance(build, Manifest) and tp_plan is None:
+        raise ConfigError(
+            f"tp {degree} with a manifest needs tp_plan= (a TensorParallelPlan or its JSON file)"
+        )
+    return read_tp_plan(build if not isinstance(build, Manifest) else ".", tp_plan)
 
 
 def _recomputed(
@@ -248,8 +287,11 @@ class PipelineRunner:
         compile: bool | str = False,
         compile_cache: str | Path | None = None,
         compile_microbatch_size: int | None = None,
+        tensor_parallel: int = 1,
+        tp_plan: TensorParallelPlan | str | Path | None = None,
     ) -> None:
         self._owns_group = False
+        self._tp_context = contextlib.ExitStack()
         self.check_batches = check_batches
         self._calls = {"step": 0, "forward_backward": 0, "eval_step": 0}
         manifest, load = _manifest_and_loader(build, stage_loader)
@@ -258,7 +300,10 @@ class PipelineRunner:
         if microbatches < 1:
             raise RuntimeSetupError(f"microbatches must be >= 1, got {microbatches}")
         self.schedule = resolve_schedule(schedule, manifest, microbatches, virtual_stages)
-        self.layout = RankLayout.for_world(world, manifest.num_ranks, manifest.virtual_stages)
+        self.layout = RankLayout.for_world(
+            world, manifest.num_ranks, manifest.virtual_stages, tensor_parallel
+        )
+        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, max_grad_norm)
         dp_options = data_parallel or DataParallelOptions()
         dp_options.check_replicas(self.layout.replicas)  # before any communication
         _check_sharding_fits(dp_options, self.schedule)
@@ -266,6 +311,7 @@ class PipelineRunner:
         self.rank, self.world_size = rank, world
         self.pipeline_rank = self.layout.stage_of(rank)
         self.replica = self.layout.replica_of(rank)
+        self.tp_rank = self.layout.tp_of(rank)
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
         autocast = autocast_dtype(precision)  # checked before any communication
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -277,7 +323,18 @@ class PipelineRunner:
         self.device = pick_device(device, local_rank)
         self._owns_group = init_process_group(self.device, timeout_s)
         self.groups = build_groups(self.layout, manifest, rank)
+        self.tp_mesh = (
+            tensor_parallel_mesh(self.layout, self.device) if resolved_tp is not None else None
+        )
         self.stages = load_rank_stages(manifest, self.pipeline_rank, load, self.device)
+        if (
+            resolved_tp is not None and self.tp_mesh is not None
+        ):  # fxpipe.runtime.pipeline.tensor_parallel
+            for index, module in self.stages.items():
+                parallelize_stage(
+                    module, resolved_tp.stage(index).for_degree(tensor_parallel), self.tp_mesh
+                )
+            self._tp_context.enter_context(implicit_replication_on())
         self.stage_index = min(self.stages)
         if autocast is not None:  # before DDP/FSDP wrap them: fxpipe.runtime.pipeline.precision
             autocast_stages(self.stages.values(), self.device, autocast)
@@ -323,7 +380,7 @@ class PipelineRunner:
         )
         p2p = P2P(
             rank,
-            [self.layout.rank_of(r, self.replica) for r in manifest.stage_ranks],
+            [self.layout.rank_of(r, self.replica, self.tp_rank) for r in manifest.stage_ranks],
             timeout_s,
             self.groups.pipeline,
         )
@@ -342,7 +399,7 @@ class PipelineRunner:
             weight_params=self.data_parallel.weight_params if self.data_parallel else None,
         )
         self.loss_rank = self.layout.rank_of(
-            manifest.stage_ranks[self.routes.loss_stage], self.replica
+            manifest.stage_ranks[self.routes.loss_stage], self.replica, self.tp_rank
         )
         self.scheduler = (
             scheduler_factory(self.optimizer)
@@ -391,13 +448,20 @@ class PipelineRunner:
         )
         return mb_inputs, mb_targets
 
+    def pipeline_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline (its replica and tensor-parallel rank), in stage order."""
+        return [
+            self.layout.rank_of(s, self.replica, self.tp_rank)
+            for s in range(self.manifest.num_ranks)
+        ]
+
     def _check_batch(self, inputs: Any, targets: Any, when: str) -> None:
         """Stop every rank of the pipeline if they were given different batches (collective)."""
         found = compare_batch(
             inputs,
             targets,
             group=self.groups.pipeline,
-            ranks=[self.layout.rank_of(s, self.replica) for s in range(self.manifest.num_ranks)],
+            ranks=self.pipeline_ranks(),
             device=self.device,
             rank=self.rank,
             timeout_s=self.timeout_s,
@@ -577,13 +641,16 @@ class PipelineRunner:
         return loss()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under the original model's keys (all its stages)."""
-        return rank_state_dict(self.stages)
+        """This rank's parameters and buffers under the original model's keys (all its stages);
+        with tensor parallelism the split ones gathered whole (collective over the tp group)."""
+        state = rank_state_dict(self.stages)
+        return full_state_dict(state) if self.tp_mesh is not None else state
 
     # -- lifetime --------------------------------------------------------------
 
     def close(self) -> None:
         """Destroy the process group if this runner created it."""
+        self._tp_context.close()
         if getattr(self, "_owns_group", False) and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -50,7 +50,7 @@ def check_same_batch(
         _held(inputs),
         _held(targets),
         group=runner.groups.pipeline,
-        ranks=[runner.layout.rank_of(s, runner.replica) for s in range(runner.manifest.num_ranks)],
+        ranks=runner.pipeline_ranks(),
         device=runner.device,
         rank=runner.rank,
         timeout_s=runner.timeout_s,

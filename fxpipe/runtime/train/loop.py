@@ -100,7 +100,7 @@ def resolve_sizes(options: RunOptions, manifest: Manifest, world_size: int) -> t
     batch = options.batch_size or manifest.batch_size
     microbatches = options.microbatches or manifest.microbatches
     check_divisible(batch, microbatches)
-    stages = manifest.num_ranks  # processes per pipeline: V stages (chunks) each
+    stages = manifest.num_ranks * options.tp  # processes per pipeline: V stages (chunks) x T each
     replicas = options.dp if options.dp is not None else max(world_size // stages, 1)
     if world_size != stages * replicas:
         raise RuntimeSetupError(
@@ -268,6 +268,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         compile=options.compile_scope if options.compile else False,
         compile_cache=options.compile_cache,
         compile_microbatch_size=batch // microbatches,
+        tensor_parallel=options.tp,
+        tp_plan=options.tp_plan,
     ) as runner:
         schedule = runner.schedule.name
         info = rank_info(runner)

@@ -159,6 +159,18 @@ class RunOptions(Options):
         none_means="the plan's replicas with `fxpipe run`, WORLD_SIZE / stages under your own "
         "torchrun",
     )
+    tp: int = option(
+        1,
+        metavar="T",
+        help="tensor-parallel ranks per stage, tp innermost: stages x dp x T processes "
+        "(docs/tensor-parallel.md)",
+    )
+    tp_plan: str | None = option(
+        None,
+        metavar="FILE",
+        none_means="the build's tp_plan.json",
+        help="tensor-parallel plan (JSON) to apply instead of the build's",
+    )
     data_parallel: DataParallelOptions = group(DataParallelOptions)
     training: TrainingOptions = group(TrainingOptions)
 
@@ -217,6 +229,12 @@ class RunOptions(Options):
                 f"--dp must be an int >= 1 (the number of pipeline replicas), got {self.dp!r}; "
                 "use 1 for no data parallelism"
             )
+        if not _is_int(self.tp) or self.tp < 1:
+            raise ConfigError(
+                f"--tp must be an int >= 1 (tensor-parallel ranks per stage), got {self.tp!r}"
+            )
+        if self.tp_plan is not None and self.tp == 1:
+            raise ConfigError("--tp-plan applies with --tp T > 1; add --tp or drop --tp-plan")
         if not isinstance(self.data_parallel, DataParallelOptions):
             raise ConfigError(
                 f"data_parallel must be DataParallelOptions, got {type(self.data_parallel).__name__}"
@@ -225,6 +243,19 @@ class RunOptions(Options):
             raise ConfigError(
                 f"training must be TrainingOptions, got {type(self.training).__name__}"
             )
+        if (
+            self.tp > 1
+        ):  # what tensor parallelism does not combine with yet (docs/tensor-parallel.md)
+            for what, given in (
+                (f"--dp {self.dp}", self.dp is not None and self.dp > 1),
+                ("--checkpoint-dir", self.training.checkpoint_dir is not None),
+                ("--clip-grad-norm", self.training.clip_grad_norm is not None),
+                ("--precision fp16", self.precision == "fp16"),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"--tp {self.tp} does not combine with {what} yet; drop one of them"
+                    )
         if (
             self.dp is not None
         ):  # else the runner checks against the world's replicas, before any communication

@@ -1,0 +1,105 @@
+"""The tensor-parallel rules (Note [tensor-parallel rules] in fxpipe.codegen.tp_plan) on tiny modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpipe.codegen.tp_plan import TensorParallelPlan, find_stage_plan
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 16)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Attention(nn.Module):
+    """4 query heads, 2 KV heads of size 2, literal sizes as the emitter writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 4)
+        self.v = nn.Linear(8, 4)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b = x.size(0)
+        q = self.q(x).view([b, 5, -1, 2]).transpose(1, 2)
+        k = self.k(x).view([b, 5, -1, 2]).transpose(1, 2)
+        v = self.v(x).view([b, 5, -1, 2]).transpose(1, 2)
+        k = k.unsqueeze(2).expand([b, 2, 2, 5, 2]).reshape([b, 4, 5, 2])
+        v = v.unsqueeze(2).expand([b, 2, 2, 5, 2]).reshape([b, 4, 5, 2])
+        y = F.scaled_dot_product_attention(q, k, v, mask)
+        return self.o(y.transpose(1, 2).reshape([b, 5, -1]))
+
+
+class Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(8, dim=-1)
+        return self.proj(q * k + v)
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.attn = Attention()
+        self.mlp = SwiGLU()
+        self.fused = Fused()
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        x = x + self.attn(x, mask)
+        x = x + self.mlp(x)
+        return self.head(x + self.fused(x))
+
+
+def test_rules_pair_swiglu_and_attention_and_keep_the_rest_replicated() -> None:
+    plan = find_stage_plan(Stage(), 0)
+    styles = {m.path: (m.style, m.group, m.heads) for m in plan.split}
+    assert styles == {
+        "attn.q": ("colwise", "attn", 4),
+        "attn.k": ("colwise", "attn", 2),
+        "attn.v": ("colwise", "attn", 2),
+        "attn.o": ("rowwise", "attn", None),
+        "mlp.gate": ("colwise", "mlp", None),
+        "mlp.up": ("colwise", "mlp", None),
+        "mlp.down": ("rowwise", "mlp", None),
+    }
+    kept = {k.path: k.reason for k in plan.replicated}
+    assert set(kept) == {"emb", "fused.qkv", "fused.proj", "head"}
+    assert "'split'" in kept["fused.qkv"]  # a fused projection: said why
+
+
+def test_degree_decides_what_divides() -> None:
+    plan = find_stage_plan(Stage(), 0)
+    two = plan.for_degree(2)
+    assert set(two.groups) == {"attn", "mlp"} and two.styles["attn.k"] == "colwise"
+    four = plan.for_degree(4)  # 4 query heads split, 2 KV heads do not: K and V replicated
+    assert "attn.k" not in four.styles and four.styles["attn.q"] == "colwise"
+    assert {k.path for k in four.replicated} >= {"attn.k", "attn.v"}
+    three = plan.for_degree(3)  # nothing divides by 3
+    assert not three.styles and not three.groups
+
+
+def test_plan_round_trips_through_json(tmp_path: Path) -> None:
+    plan = TensorParallelPlan((find_stage_plan(Stage(), 0),))
+    plan.to_json(tmp_path / "tp_plan.json")
+    assert TensorParallelPlan.from_json(tmp_path / "tp_plan.json") == plan
+    assert "stage 0: 2 groups split (5 colwise, 2 rowwise)" in plan.summary(2)[0]
