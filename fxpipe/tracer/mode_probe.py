@@ -41,7 +41,7 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, names: dict[int, str], expected: list[Call] | None = None) -> None:
         super().__init__()
-        self.labels = dict(names)
+        self.labels: dict[int, Any] = dict(names)
         self.calls: list[Call] = []
         self.expected = expected
         self._alive: list[torch.Tensor] = []  # keeps every labelled tensor alive: ids stay unique
