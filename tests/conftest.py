@@ -24,6 +24,7 @@ HEAVY = (
     "tests/runtime/test_compiled.py::test_gpt_compiled",
     "tests/runtime/test_compiled.py::test_llama_with_labels",
     "tests/runtime/test_compiled.py::test_seed_api_compiled",
+    "tests/runtime/test_compiled.py::test_fxpipe_run_compile",
     "tests/reliability/test_job_faults.py",
     "tests/reliability/test_leaks.py",
     "tests/reliability/test_checkpoints.py::test_sigkill_mid_save_in_a_real_job",

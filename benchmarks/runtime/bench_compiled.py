@@ -171,8 +171,10 @@ def _markdown(rows: list[dict], steps: int) -> str:
         "",
         f"gloo on 127.0.0.1, one thread per rank, SGD; median over {steps} rounds of the slowest "
         "rank's step, the variants alternating within each round, each step between barriers; the "
-        "same build (chunks) for every variant of a schedule. B / W: the rank's compute in B and W "
-        "actions per step (slower rank). Compile: cold (a fresh inductor cache), seconds per stage.",
+        "same build (chunks) for every variant of a schedule. B / W: a rank's compute in its B and "
+        "in its W actions per step, each column the larger over the two ranks on its own (a first "
+        "stage fed token ids has no input gradient: all its backward is W). Compile: cold (a fresh "
+        "inductor cache), seconds per stage.",
         "",
         "| schedule | variant | step ms | / fxpipe eager | / peer eager | B ms | W ms | compile s per stage |",
         "|---|---|---|---|---|---|---|---|",

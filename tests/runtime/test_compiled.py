@@ -321,3 +321,23 @@ def test_seed_api_compiled_zero_bubble_trains_like_one_process() -> None:
         torch.testing.assert_close(got["losses"], losses, **CLOSE)
         for key, value in got["state_dict"].items():
             torch.testing.assert_close(value, state[key], **CLOSE, msg=key)
+
+
+@pytest.mark.distributed
+def test_fxpipe_run_compile_reports_compile_seconds_and_fills_the_builds_cache(
+    tmp_path: Path,
+) -> None:
+    """``fxpipe run --compile`` (run_build): trains like one process, run.json has each stage's
+    compile seconds, and inductor's cache is in the build directory."""
+    from fxpipe.runtime.launch.launcher import run_build
+    from fxpipe.runtime.train.run_options import RunOptions
+
+    build = make_build("gpt", tmp_path / "b", 2, BATCH, MICRO)
+    want = _oracle(build, "gpt")
+    options = RunOptions(
+        steps=STEPS, microbatches=MICRO, lr=LR, timeout_s=1800, schedule="zb-h1", compile=True
+    )
+    result = run_build(build, options, quiet=True)
+    assert len(result.compile_seconds) == 2 and min(result.compile_seconds) > 0
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want[0]), **CLOSE)
+    assert any((build / "compile_cache").rglob("*"))
