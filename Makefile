@@ -48,7 +48,7 @@ typecheck: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m fxpipe partition examples/gpt.py --stages 2 --microbatches 4 --batch-size 8 --out $(DEMO_OUT)
 	$(PY) -m fxpipe verify $(DEMO_OUT)
-	$(PY) -m fxpipe run $(DEMO_OUT) --steps 5 --lr 0.5
+	$(PY) -m fxpipe run $(DEMO_OUT) --steps 5 --lr 0.5 --data examples/gpt_data.py:train_batches
 	@echo
 	@echo "fxpipe is installed in $(VENV): run $(VENV)/bin/fxpipe --help, or source $(VENV)/bin/activate first."
 	@echo "Next: open $(DEMO_OUT)/report.html; try fxpipe partition examples/resnet.py --stages 2 --out build/resnet,"
