@@ -57,7 +57,13 @@ FOUR_STAGES = {
     "vit_timm",
     "convnext",
     "phi3",
-}
+    "whisper",
+    "llama_lora",
+    "wav2vec2_ctc",
+    "hubert_ctc",
+    "clip",
+    "siglip",
+}  # issue 37: frozen parameters, checks on data, a batch the model fixes
 KNOWN: dict[
     tuple[str, int | None], str
 ] = {}  # (model, stages or None for all) -> why it fails today
