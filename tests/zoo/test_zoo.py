@@ -63,6 +63,7 @@ FOUR_STAGES = {
     "hubert_ctc",
     "clip",
     "siglip",
+    "chinese_clip",
 }  # issue 37: frozen parameters, checks on data, a batch the model fixes
 KNOWN: dict[
     tuple[str, int | None], str
