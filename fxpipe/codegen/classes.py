@@ -157,18 +157,27 @@ class ModuleTree:
         return lines
 
     def frozen_lines(self) -> list[str]:
-        """``requires_grad_(False)`` for each frozen parameter a constructor builds (Note [frozen parameters]).
+        """``requires_grad_(False)`` for the frozen parameters a constructor builds (Note [frozen parameters]).
 
         A parameter a generated class creates itself is written ``torch.nn.Parameter(...,
         requires_grad=False)`` in that class; one that a layer's constructor creates (a leaf, a
-        rebuilt ``torch.nn`` layer) comes out of it trainable, so the stage freezes it after building.
+        rebuilt ``torch.nn`` layer) comes out of it trainable, so the stage freezes it after
+        building, one line per outermost module whose parameters are all frozen.
         """
-        lines = []
-        for e in self.tensors:
-            if e.kind != PARAMETER or e.tensor.requires_grad or e.key in self.aliases:
+        params = [e for e in self.tensors if e.kind == PARAMETER and e.key not in self.aliases]
+        trainable = [e.key for e in params if e.tensor.requires_grad]
+        lines: list[str] = []
+        done: set[str] = set()
+        for e in params:
+            if e.tensor.requires_grad or not self._built_by_constructor(e.key):
                 continue
-            if self._built_by_constructor(e.key):
-                lines.append(f"{self.expr('', e.key)}.requires_grad_(False)")
+            target = e.key
+            path = _parent(e.key)
+            while path and not any(k.startswith(path + ".") for k in trainable):
+                target, path = path, _parent(path)
+            if target not in done:
+                done.add(target)
+                lines.append(f"{self.expr('', target)}.requires_grad_(False)")
         return lines
 
     def _built_by_constructor(self, key: str) -> bool:

@@ -22,6 +22,7 @@ from fxpipe.errors import TraceError
 from fxpipe.graphmeta import CONSTANTS_KEY, LIFTED_CONSTANT_PREFIX
 from fxpipe.tracer.data_checks import export_with_checks
 from fxpipe.tracer.fake_kernels import register_fake_kernels
+from fxpipe.tracer.host_random import numpy_draws, refuse_numpy_draws
 from fxpipe.tracer.call import active_call
 
 __all__ = ["export_graph", "non_persistent_buffers"]
@@ -134,7 +135,19 @@ def _export(
     """``torch.export`` (non-strict), with ``bound`` given to ``forward`` through a ``functools.partial``
     for the duration (see ``BoundCall.export_arguments``)."""
     register_fake_kernels()
-    run = lambda: export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)  # noqa: E731
+    draws: list[tuple[str, int]] = []
+
+    def run() -> Any:
+        try:
+            with numpy_draws(draws):  # Note [numpy random numbers]
+                ep = export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        except Exception as exc:  # a numpy draw is the cause to report (it may fix the batch too)
+            if draws:
+                refuse_numpy_draws(type(model).__name__, draws)
+            raise exc
+        refuse_numpy_draws(type(model).__name__, draws)
+        return ep
+
     if not bound:
         return export_with_checks(run)[0]  # Note [checks on data]
     model.forward = functools.partial(model.forward, **bound)

@@ -120,3 +120,27 @@ def test_both_front_ends_say_which_line_stopped_them_and_what_to_try() -> None:
         site, lines[2]
     )
     assert lines[3].startswith("try: ") and "torch.where" in lines[3] and "--leaf" in lines[3]
+
+
+class _NumpyNoise(nn.Module):
+    """SpecAugment's way: a random mask drawn with numpy in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        keep = torch.from_numpy(np.random.rand(4) > 0.5)
+        return self.lin(x) * keep
+
+
+def test_random_numbers_drawn_with_numpy_are_refused_naming_the_line() -> None:
+    with pytest.raises(TraceError) as info:
+        trace_model(_NumpyNoise(), (torch.randn(2, 4),), frontend="export", progress=False)
+    assert re.search(
+        r"_NumpyNoise draws random numbers with numpy in forward at test_data_checks\.py:\d+ "
+        r"\(`keep = torch\.from_numpy\(np\.random\.rand\(4\) > 0\.5\)`\).*torch\.rand",
+        str(info.value),
+    )

@@ -59,7 +59,14 @@ FOUR_STAGES = {
     "phi3",
     "dict_batch",
     "dataclass_batch",
-}
+    "whisper",
+    "llama_lora",
+    "wav2vec2_ctc",
+    "hubert_ctc",
+    "clip",
+    "siglip",
+    "chinese_clip",
+}  # issue 37: frozen parameters, checks on data, a batch the model fixes
 KNOWN: dict[
     tuple[str, int | None], str
 ] = {}  # (model, stages or None for all) -> why it fails today

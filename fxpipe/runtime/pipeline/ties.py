@@ -2,7 +2,9 @@
 
 Every copy starts equal (codegen writes the same tensor into each stage's weights) and
 receives the same summed gradient, so any optimizer keeps the copies identical, as the
-single shared parameter of the original model would be.
+single shared parameter of the original model would be. A frozen tied parameter is frozen in
+every stage (Note [frozen parameters] in ``fxpipe.codegen.ownership``): it is skipped everywhere
+alike, and gets no gradient (a zero one would give it optimizer state and weight decay).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def sync_tied_grads(
                 f"the manifest ties parameter {key!r} to other stages, but this stage has no "
                 f"parameter of that name (it has {sorted(params)[:8]}...); rebuild the directory"
             )
+        if not p.requires_grad:
+            continue  # frozen in the model, so in every stage that holds it: no gradient to sum
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grad = (
