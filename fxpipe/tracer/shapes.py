@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.tracer.modes import guard_of, is_training_flag, run_in_mode
 from fxpipe.tracer.mutation import MutationLog
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.graphmeta import SPEC_KEY
@@ -156,6 +157,9 @@ def requiring_grad(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
 
 
 class _Counting(torch.fx.Interpreter):
+    """Runs the merged graph in train mode (the profile's), eval-only nodes skipped (Note
+    [eval-only nodes in shape propagation])."""
+
     def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode | None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.counter = counter
@@ -163,6 +167,11 @@ class _Counting(torch.fx.Interpreter):
         self.mutations = MutationLog()
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        if guard_of(n) is False:
+            self.flops[n.name] = 0.0
+            return None
+        if is_training_flag(n):
+            return True
         if self.counter is None:
             return super().run_node(n)
         before = self.counter.get_total_flops()
@@ -199,6 +208,16 @@ def _batch_dim(value: torch.Tensor, doubled: Any, batch: int) -> int | None:
     return 0 if value.dim() > 0 and value.shape[0] == batch else None
 
 
+# Note [eval-only nodes in shape propagation]: a merged graph (Note [both modes in one graph] in
+# fxpipe.tracer.modes) may hold nodes that run in eval mode only, reading a
+# ``train_or_eval(training, a, b)`` whose two values differ in shape: transformers' Mamba calls
+# ``self.D.float()`` and ``self.dt_proj.bias.float()`` for its fused kernel in train mode only, and
+# the merge pairs those casts with other train nodes. Run in train mode, such a node gets the
+# train value and fails ("The size of tensor a (16) must match the size of tensor b (8)"). The
+# profile is of train mode, so the counting run skips eval-only nodes (no FLOPs) as the emitted
+# code does in train mode; their shapes come from one run of the graph in eval mode.
+
+
 def propagate(
     gm: torch.fx.GraphModule,
     inputs: tuple[torch.Tensor, ...],
@@ -213,12 +232,19 @@ def propagate(
     counting = _Counting(gm, FlopCounterMode(display=False))
     with counting.counter:  # type: ignore[union-attr]
         counting.run(*requiring_grad(inputs))
+    eval_only = [n for n in gm.graph.nodes if guard_of(n) is False]
+    if eval_only:  # Note [eval-only nodes in shape propagation]
+        in_eval = run_in_mode(gm, requiring_grad(inputs), training=False)
+        counting.env.update((n, in_eval[n]) for n in eval_only)
     doubled: dict[torch.fx.Node, Any] = {}
     try:
         with torch.no_grad():
             second = _Counting(gm, None)
             second.run(*double_batch(inputs, batch_dims))
             doubled = second.env
+            if eval_only:
+                in_eval = run_in_mode(gm, double_batch(inputs, batch_dims), training=False)
+                doubled.update((n, in_eval[n]) for n in eval_only)
     except Exception as exc:  # noqa: BLE001 - we can still guess, but say so
         warnings.warn(
             f"fxpipe: running the graph at batch {2 * batch_size} failed ({type(exc).__name__}: {exc}); "
