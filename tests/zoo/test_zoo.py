@@ -59,6 +59,8 @@ FOUR_STAGES = {
     "phi3",
     "dict_batch",
     "dataclass_batch",
+    "mamba",
+    "mamba2",
 }
 KNOWN: dict[
     tuple[str, int | None], str
