@@ -165,13 +165,21 @@ class _Counting(torch.fx.Interpreter):
         self.counter = counter
         self.flops: dict[str, float] = {}
         self.mutations = MutationLog()
+        self.unrun: list[torch.fx.Node] = []  # eval-only nodes that fail on train mode's values
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if guard_of(n) is False:
-            self.flops[n.name] = 0.0
-            return None
         if is_training_flag(n):
             return True
+        if guard_of(n) is False:
+            try:
+                return self._run(n)
+            except Exception:  # noqa: BLE001 - needs eval mode's values: Note [eval-only nodes ...]
+                self.flops[n.name] = 0.0
+                self.unrun.append(n)
+                return None
+        return self._run(n)
+
+    def _run(self, n: torch.fx.Node) -> Any:
         if self.counter is None:
             return super().run_node(n)
         before = self.counter.get_total_flops()
@@ -214,8 +222,11 @@ def _batch_dim(value: torch.Tensor, doubled: Any, batch: int) -> int | None:
 # ``self.D.float()`` and ``self.dt_proj.bias.float()`` for its fused kernel in train mode only, and
 # the merge pairs those casts with other train nodes. Run in train mode, such a node gets the
 # train value and fails ("The size of tensor a (16) must match the size of tensor b (8)"). The
-# profile is of train mode, so the counting run skips eval-only nodes (no FLOPs) as the emitted
-# code does in train mode; their shapes come from one run of the graph in eval mode.
+# counting run still runs eval-only nodes on train mode's values where they can (their in-place
+# calls are seen, Note [in-place ops across stages]); one that fails is skipped (no FLOPs: the
+# emitted code does not run it in train mode, whose profile this is) and its shape comes from
+# one run of the graph in eval mode. ``UnitRunner`` leaves eval-only nodes out of the units it
+# counts and times, as the emitted code does in train mode.
 
 
 def propagate(
@@ -232,19 +243,18 @@ def propagate(
     counting = _Counting(gm, FlopCounterMode(display=False))
     with counting.counter:  # type: ignore[union-attr]
         counting.run(*requiring_grad(inputs))
-    eval_only = [n for n in gm.graph.nodes if guard_of(n) is False]
-    if eval_only:  # Note [eval-only nodes in shape propagation]
+    if counting.unrun:  # Note [eval-only nodes in shape propagation]
         in_eval = run_in_mode(gm, requiring_grad(inputs), training=False)
-        counting.env.update((n, in_eval[n]) for n in eval_only)
+        counting.env.update((n, in_eval[n]) for n in counting.unrun)
     doubled: dict[torch.fx.Node, Any] = {}
     try:
         with torch.no_grad():
             second = _Counting(gm, None)
             second.run(*double_batch(inputs, batch_dims))
             doubled = second.env
-            if eval_only:
+            if second.unrun:
                 in_eval = run_in_mode(gm, double_batch(inputs, batch_dims), training=False)
-                doubled.update((n, in_eval[n]) for n in eval_only)
+                doubled.update((n, in_eval[n]) for n in second.unrun)
     except Exception as exc:  # noqa: BLE001 - we can still guess, but say so
         warnings.warn(
             f"fxpipe: running the graph at batch {2 * batch_size} failed ({type(exc).__name__}: {exc}); "
