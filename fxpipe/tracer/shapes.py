@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.tracer.modes import guard_of, is_training_flag, run_in_mode
 from fxpipe.tracer.mutation import MutationLog
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.graphmeta import SPEC_KEY
@@ -156,13 +157,29 @@ def requiring_grad(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
 
 
 class _Counting(torch.fx.Interpreter):
+    """Runs the merged graph in train mode (the profile's), eval-only nodes skipped (Note
+    [eval-only nodes in shape propagation])."""
+
     def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode | None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.counter = counter
         self.flops: dict[str, float] = {}
         self.mutations = MutationLog()
+        self.unrun: list[torch.fx.Node] = []  # eval-only nodes that fail on train mode's values
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        if is_training_flag(n):
+            return True
+        if guard_of(n) is False:
+            try:
+                return self._run(n)
+            except Exception:  # noqa: BLE001 - needs eval mode's values: Note [eval-only nodes ...]
+                self.flops[n.name] = 0.0
+                self.unrun.append(n)
+                return None
+        return self._run(n)
+
+    def _run(self, n: torch.fx.Node) -> Any:
         if self.counter is None:
             return super().run_node(n)
         before = self.counter.get_total_flops()
@@ -199,6 +216,19 @@ def _batch_dim(value: torch.Tensor, doubled: Any, batch: int) -> int | None:
     return 0 if value.dim() > 0 and value.shape[0] == batch else None
 
 
+# Note [eval-only nodes in shape propagation]: a merged graph (Note [both modes in one graph] in
+# fxpipe.tracer.modes) may hold nodes that run in eval mode only, reading a
+# ``train_or_eval(training, a, b)`` whose two values differ in shape: transformers' Mamba calls
+# ``self.D.float()`` and ``self.dt_proj.bias.float()`` for its fused kernel in train mode only, and
+# the merge pairs those casts with other train nodes. Run in train mode, such a node gets the
+# train value and fails ("The size of tensor a (16) must match the size of tensor b (8)"). The
+# counting run still runs eval-only nodes on train mode's values where they can (their in-place
+# calls are seen, Note [in-place ops across stages]); one that fails is skipped (no FLOPs: the
+# emitted code does not run it in train mode, whose profile this is) and its shape comes from
+# one run of the graph in eval mode. ``UnitRunner`` leaves eval-only nodes out of the units it
+# counts and times, as the emitted code does in train mode.
+
+
 class _Static(Exception):
     """A static graph is not run at ``2B``."""
 
@@ -220,6 +250,9 @@ def propagate(
     counting = _Counting(gm, FlopCounterMode(display=False))
     with counting.counter:  # type: ignore[union-attr]
         counting.run(*requiring_grad(inputs))
+    if counting.unrun:  # Note [eval-only nodes in shape propagation]
+        in_eval = run_in_mode(gm, requiring_grad(inputs), training=False)
+        counting.env.update((n, in_eval[n]) for n in counting.unrun)
     doubled: dict[torch.fx.Node, Any] = {}
     try:
         if static:
@@ -228,6 +261,9 @@ def propagate(
             second = _Counting(gm, None)
             second.run(*double_batch(inputs, batch_dims))
             doubled = second.env
+            if second.unrun:
+                in_eval = run_in_mode(gm, double_batch(inputs, batch_dims), training=False)
+                doubled.update((n, in_eval[n]) for n in second.unrun)
     except _Static:
         pass
     except Exception as exc:  # noqa: BLE001 - we can still guess, but say so

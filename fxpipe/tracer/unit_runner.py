@@ -28,6 +28,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxpipe.tracer.meta import storage_key
+from fxpipe.tracer.modes import guard_of
 from fxpipe.tracer.units import UnitGroup
 
 __all__ = ["UnitRunner", "UnitInputs", "fresh_copies", "nbytes"]
@@ -120,12 +121,16 @@ class UnitRunner:
 
     @functools.cached_property
     def module(self) -> torch.fx.GraphModule:
-        """The unit's nodes as one GraphModule: inputs in ``input_values`` order, a tuple of outputs."""
+        """The unit's nodes as one GraphModule: inputs in ``input_values`` order, a tuple of outputs;
+        nodes that run in eval mode only are left out (``None``)."""
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in self.input_values:
             env[node] = graph.placeholder(node.name)
         for node in self.attr_nodes + self.nodes:
+            if guard_of(node) is False:  # the profile is of train mode, as the emitted code runs
+                env[node] = None  # type: ignore[assignment]  # Note [eval-only nodes in shape propagation]
+                continue
             env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[n] for n in self.output_nodes))
         return torch.fx.GraphModule(self.gm, graph)

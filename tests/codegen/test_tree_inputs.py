@@ -106,3 +106,51 @@ def test_a_dict_and_a_dataclass_batch_equal_the_original(tmp_path: Path, name: s
         batch = source.example_inputs(2)[0]
         with pytest.raises(CallError, match=r"batch\['temperature'\]=1.0 differs"):
             pipeline(dict(batch, temperature=1.0))
+
+
+MODEL_OUTPUT_MODEL = textwrap.dedent(
+    '''
+    import torch
+    import torch.nn as nn
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+
+    class Head(nn.Module):
+        """A head over an encoder's output, given as the encoder returned it."""
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 5)
+
+        def forward(self, encoded, mask=None):
+            h = torch.tanh(self.proj(encoded.last_hidden_state)) * mask[..., None]
+            return self.out(h.sum(1) + encoded.pooler_output)
+
+
+    def build_model():
+        torch.manual_seed(0)
+        return Head()
+
+
+    def example_inputs(batch_size):
+        g = torch.Generator().manual_seed(batch_size)
+        encoded = BaseModelOutputWithPooling(
+            last_hidden_state=torch.randn(batch_size, 4, 8, generator=g),
+            pooler_output=torch.randn(batch_size, 8, generator=g),
+        )
+        return (encoded,), {"mask": torch.ones(batch_size, 4)}
+    '''
+)
+
+
+def test_a_model_output_argument_partitions_and_equals_the_original(tmp_path: Path) -> None:
+    path = tmp_path / "head.py"
+    path.write_text(MODEL_OUTPUT_MODEL)
+    manifest, source = build_model_file(tmp_path / "build", path, 2)
+    assert manifest.call_spec.inputs == (
+        "encoded_last_hidden_state",
+        "encoded_pooler_output",
+        "mask",
+    )
+    assert verify_build(tmp_path / "build").ok

@@ -57,7 +57,8 @@ def _runner_job(rank: int, world: int, build: str) -> dict[str, Any]:
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
     ) as runner:
         (batch,), targets = source.example_inputs(BATCH), source.example_targets(BATCH)
-        losses = [runner.step(batch, targets) for _ in range(STEPS)]  # the dict itself
+        flat = runner.manifest.call_spec.bind_any(batch)  # as fxpipe run's data path hands it over
+        losses = [runner.step(batch, targets), runner.step(flat, targets)]  # the dict, its tensors
         return {"losses": losses, "state": dict(runner.stage.state_dict())}
 
 

@@ -66,7 +66,9 @@ FOUR_STAGES = {
     "clip",
     "siglip",
     "chinese_clip",
-}  # issue 37: frozen parameters, checks on data, a batch the model fixes
+    "mamba",
+    "mamba2",
+}  # issue 37: frozen parameters, checks on data, a batch the model fixes, containers, state-space
 KNOWN: dict[
     tuple[str, int | None], str
 ] = {}  # (model, stages or None for all) -> why it fails today

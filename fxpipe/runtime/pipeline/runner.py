@@ -423,9 +423,13 @@ class PipelineRunner:
     ) -> tuple[list[tuple[torch.Tensor, ...]], list[Any] | None]:
         """The step's inputs bound to the build and cut into microbatches; the targets too, on the
         loss rank. ``call``: the method given them, counted for the batch check's message."""
-        if isinstance(inputs, (ModelInputs, Mapping)) or (
-            isinstance(inputs, (tuple, list)) and self.manifest.call_spec.trees
-        ):  # containers of tensors are flattened (Note [tensors inside containers])
+        if (
+            isinstance(inputs, (ModelInputs, Mapping))
+            or (
+                isinstance(inputs, (tuple, list))
+                and not all(isinstance(x, torch.Tensor) for x in inputs)
+            )
+        ):  # a call, not the build's tensors: containers are flattened (Note [tensors inside containers])
             inputs = self.manifest.call_spec.bind_any(inputs)
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         self._calls[call] += 1
