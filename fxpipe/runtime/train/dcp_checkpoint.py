@@ -161,6 +161,29 @@ def key_names(runner: PipelineRunner) -> dict[str, str]:
     return {k: find(k) for k in set(_fqn_keys(runner).values()) | set(parent)}
 
 
+def stored_names(names: dict[str, str], stored: Any, aliases: dict[str, str]) -> dict[str, str]:
+    """``names`` (key -> the key this layout would store it under) resolved against a checkpoint
+    another layout wrote: a tied tensor is read under whichever of its names the checkpoint
+    holds it (``stored``: DCP's metadata keys; ``aliases``: the saving layout's alias map). A
+    layout may know fewer names of a tie than another (one stage holding GPT-2's
+    ``transformer.wte.weight`` and ``lm_head.weight`` may use only the first)."""
+    groups: dict[str, list[str]] = {}
+    for k, c in names.items():
+        groups.setdefault(c, []).append(k)
+    chosen: dict[str, str] = {}
+    for c, group in groups.items():
+        found = c
+        for k in [c, *sorted(group)]:
+            if f"model.{k}" in stored:
+                found = k
+                break
+            if k in aliases and f"model.{aliases[k]}" in stored:
+                found = aliases[k]
+                break
+        chosen[c] = found
+    return {k: chosen[c] for k, c in names.items()}
+
+
 def layout_of(runner: PipelineRunner) -> dict[str, Any]:
     """What names a layout: stages, their ranks, replicas, schedule and sharding."""
     dp = runner.data_parallel
@@ -374,9 +397,11 @@ def check_dcp_keys(runner: PipelineRunner, directory: str | Path, record: Commit
     directory = Path(directory)
     problem = None
     mine: set[str] = set()
+    aliases: dict[str, str] = {}
     try:
         stored = _open(directory, record).read_metadata().state_dict_metadata
-        names = key_names(runner)
+        aliases = dict(record.meta.get("aliases") or {})
+        names = stored_names(key_names(runner), stored, aliases)
         for name, value in _state(runner, names).model.items():
             key = names[_fqn_keys(runner)[name]]
             mine.add(key)
@@ -397,7 +422,11 @@ def check_dcp_keys(runner: PipelineRunner, directory: str | Path, record: Commit
     bad = next((p for p, _ in everyone if p), None)
     if bad is None:
         held = {k for _, keys in everyone for k in keys}
-        extra = sorted(k[6:] for k in stored if k.startswith("model.") and k[6:] not in held)
+        extra = sorted(
+            k[6:]
+            for k in stored
+            if k.startswith("model.") and k[6:] not in held and k[6:] not in aliases.values()
+        )
         if extra:
             bad = f"it holds {extra[:4]}, which no stage of this build has"
     if bad is not None:
@@ -416,7 +445,7 @@ def load_dcp_checkpoint(
     directory = Path(directory)
     reader = _open(directory, record)
     stored = reader.read_metadata().state_dict_metadata
-    names = key_names(runner)
+    names = stored_names(key_names(runner), stored, dict(record.meta.get("aliases") or {}))
     state = _state(runner, names)
     flat = dict(state.flat)
     unsaved = {k for k in flat if k.startswith("optim.") and k not in stored}
