@@ -472,3 +472,25 @@ def test_resume_from_names_what_it_cannot_read(
         + ["--resume-from", str(tmp_path), *RUN],
     )
     assert "--resume and --resume-from both name a checkpoint to continue; give one" in err, err
+
+
+def test_partition_weights_from_a_run_checkpoint_and_export_it(
+    mlp_project: Path, ck: Path, tmp_path: Path
+) -> None:
+    """``fxpipe partition --device meta --weights CKPT_DIR`` starts a build from a run's checkpoint,
+    and ``fxpipe export`` writes the same state dict, in the model's own keys, without a job."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fxpipe.codegen import load_stage
+    from fxpipe.runtime.train.dcp_checkpoint import read_model_state
+
+    stored = read_model_state(ck)
+    out = tmp_path / "from_ck"
+    argv = ["partition", str(mlp_project / "model.py"), "--device", "meta", "--weights", str(ck)]
+    assert main([*argv, "--stages", "1", "--batch-size", "4", "--out", str(out)]) == 0
+    stage = load_stage(out, 0).state_dict()
+    assert set(stage) == set(stored) and all(torch.equal(stage[k], stored[k]) for k in stage)
+    assert main(["export", str(ck), "--out", str(tmp_path / "m.safetensors")]) == 0
+    exported = load_file(tmp_path / "m.safetensors")
+    assert set(exported) == set(stored) and all(torch.equal(exported[k], stored[k]) for k in stored)

@@ -42,6 +42,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -544,7 +545,9 @@ def read_tensors(directory: str | Path, prefix: str) -> dict[str, torch.Tensor]:
         for k, md in stored.items()
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled": one process, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), no_dist=True)
     return {k[len(prefix) :]: v for k, v in state.items()}
 
 
