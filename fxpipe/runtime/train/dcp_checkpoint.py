@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import CheckpointError
 from fxpipe.runtime.train.commit import CommitRecord, Part, new_token, read_record, write_record
+from fxpipe.userfiles import open_regular
 
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
@@ -241,7 +242,7 @@ def _state(runner: PipelineRunner, names: dict[str, str]) -> DcpState:
     elif optimizer is not None:
         msd, osd = get_state_dict(runner.stage, [optimizer])
     else:
-        msd, osd = get_state_dict(runner.stage, [])[0], {}
+        msd, osd = dict(runner.stage.state_dict()), {}  # a stage without parameters, maybe empty
     flat: dict[str, Any] = {}
     for name, value in msd.items():
         flat.setdefault(f"model.{fqn[name]}", value)
@@ -284,7 +285,8 @@ def local_tensors(runner: PipelineRunner) -> dict[str, torch.Tensor]:
 
 def _sha256(path: Path) -> tuple[str, int]:
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    # a FIFO in a file's place is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
+    with os.fdopen(open_regular(path, "checkpoint file", CheckpointError), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
             size += len(block)
@@ -501,14 +503,16 @@ def load_dcp_checkpoint(
                     for g, saved in zip(state.optim["param_groups"], groups or [{}])
                 ],
             }
-        set_state_dict(
-            runner.stage,
-            [optimizer] if optimizer is not None else [],
-            model_state_dict=model,
-            optim_state_dict=osd,
-            options=_LOAD,
-        )
-        if optimizer is not None:
+        if optimizer is None:  # loaded in place; nothing else to set
+            runner.stage.load_state_dict(model)
+        else:
+            set_state_dict(
+                runner.stage,
+                [optimizer],
+                model_state_dict=model,
+                optim_state_dict=osd,
+                options=_LOAD,
+            )
             saved_names = set(osd["state"])
             for name, p in runner.stage.named_parameters():
                 if name not in saved_names:
