@@ -162,9 +162,7 @@ def main() -> None:
     if args.child is not None:
         _child(args.child[0], int(args.child[1]))
         return
-    rows = [
-        measure(fmt, mb, args.repeats) for mb in args.sizes_mb for fmt in ("per-rank", "dcp")
-    ]
+    rows = [measure(fmt, mb, args.repeats) for mb in args.sizes_mb for fmt in ("per-rank", "dcp")]
     (HERE / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = [
         "| format | checkpoint | save (s) | load (s) | save s/GB | load s/GB | save adds to peak RSS |",
