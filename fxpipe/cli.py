@@ -247,7 +247,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_weights(weights: str | None, scratch: str) -> str | None:
+    """``--weights``, or, when it names the --checkpoint-dir of a run (Note [checkpoints keyed by the
+    model]), the model's state dict exported from it into ``scratch`` (safetensors)."""
+    if weights is None or not (Path(weights) / "checkpoint.json").is_file():
+        return weights
+    from fxpipe.runtime.train.checkpoint import export_checkpoint
+
+    _enter("reading the weights of the checkpoint")
+    out = Path(scratch) / "model.safetensors"
+    export_checkpoint(weights, out)
+    return str(out)
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fxpipe-weights-") as scratch:
+        args.weights = _checkpoint_weights(args.weights, scratch)
+        return _partition(args)
+
+
+def _partition(args: argparse.Namespace) -> int:
     from fxpipe.codegen import check_build_target, write_build_dir
     from fxpipe.partitioner import print_plan_report
 
@@ -516,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         default=None,
         help="with --device meta: the checkpoint each stage's weights are read from (a .safetensors "
-        "file, a directory of safetensors shards with an index JSON, or a torch.save'd state dict); "
+        "file, a directory of safetensors shards with an index JSON, a torch.save'd state dict, or "
+        "the --checkpoint-dir of an fxpipe run); "
         "without it a meta build writes no parameters and each stage initialises itself at load",
     )
     p.set_defaults(func=cmd_partition)

@@ -380,3 +380,117 @@ def test_check_checkpoint_dir_creates_a_missing_one_and_reads_its_record(tmp_pat
     assert (
         check_checkpoint_dir(tmp_path / "new" / "ck", resume=True) is None
     )  # nothing to resume yet: step 0
+
+
+# -- --resume-from: another layout of the same model (Note [resuming into another layout]) ---------
+
+
+@pytest.fixture(scope="module")
+def one_stage(mlp_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model file partitioned into 1 stage (another layout of the checkpoint's model)."""
+    from probe_builds import make_build
+
+    return make_build(
+        tmp_path_factory.mktemp("one") / "project", (mlp_project / "model.py").read_text(), 1
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_from_another_layout_says_the_layout_and_the_new_lr(
+    one_stage: Path, ck: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "next"
+    argv = ["run", str(one_stage), "--steps", "4", "--lr", "0.02", "--lr-schedule", "cosine"]
+    argv += ["--resume-from", str(ck), "--checkpoint-dir", str(out_dir), *RUN]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "resuming after step 2: the weights, the sgd state, the schedule's position" in out, out
+    assert (
+        "layout 2 stages on 2 ranks x 1 replicas (1f1b) -> 1 stages on 1 ranks x 1 replicas" in out
+    ), out
+    assert "lr 0.01 -> 0.02 (from step 3)" in out, out
+    assert "the RNG streams are not carried into another layout" in out, out
+    record = RunRecord.from_json(one_stage / "run.json")
+    assert record.first_step == 2 and len(record.losses) == 4
+    assert record.lrs[:2] == pytest.approx([0.01, 0.005])
+    assert (out_dir / RECORD_NAME).is_file()  # its own checkpoints go to --checkpoint-dir
+
+
+def test_resume_from_with_another_global_batch_is_refused_before_launch(
+    one_stage: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(
+        capsys,
+        [
+            "run",
+            str(one_stage),
+            "--steps",
+            "4",
+            "--batch-size",
+            "8",
+            "--resume-from",
+            str(ck),
+            *RUN,
+        ],
+    )
+    assert "trained on 4 samples per step (batch 4 x 1 replicas), this run on 8" in err, err
+
+
+def test_resume_from_with_another_optimizer_is_refused_before_launch(
+    one_stage: Path, ck: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(
+        capsys,
+        ["run", str(one_stage), "--steps", "4", "--optimizer", "adam", "--resume-from", str(ck)]
+        + RUN,
+    )
+    assert "--resume-from: the checkpoint in" in err and "--optimizer adam" in err, err
+
+
+def test_resume_from_a_changed_model_file_into_another_layout_is_refused(
+    ck: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from probe_builds import make_build
+
+    text = (ROOT / "examples" / "mlp.py").read_text().replace("nn.ReLU()", "nn.GELU()")
+    gelu = make_build(tmp_path / "gelu", text, 1)  # the same keys and shapes, another model
+    err = _refused(capsys, ["run", str(gelu), "--steps", "4", "--resume-from", str(ck), *RUN])
+    assert "was saved from another model" in err, err
+
+
+def test_resume_from_names_what_it_cannot_read(
+    one_stage: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(
+        capsys, ["run", str(one_stage), "--steps", "4", "--resume-from", str(tmp_path), *RUN]
+    )
+    assert "holds no checkpoint" in err, err
+    err = _refused(
+        capsys,
+        ["run", str(one_stage), "--checkpoint-dir", str(tmp_path), "--resume"]
+        + ["--resume-from", str(tmp_path), *RUN],
+    )
+    assert "--resume and --resume-from both name a checkpoint to continue; give one" in err, err
+
+
+def test_partition_weights_from_a_run_checkpoint_and_export_it(
+    mlp_project: Path, ck: Path, tmp_path: Path
+) -> None:
+    """``fxpipe partition --device meta --weights CKPT_DIR`` starts a build from a run's checkpoint,
+    and ``fxpipe export`` writes the same state dict, in the model's own keys, without a job."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fxpipe.codegen import load_stage
+    from fxpipe.runtime.train.dcp_checkpoint import read_model_state
+
+    stored = read_model_state(ck)
+    out = tmp_path / "from_ck"
+    argv = ["partition", str(mlp_project / "model.py"), "--device", "meta", "--weights", str(ck)]
+    assert main([*argv, "--stages", "1", "--batch-size", "4", "--out", str(out)]) == 0
+    stage = load_stage(out, 0).state_dict()
+    assert set(stage) == set(stored) and all(torch.equal(stage[k], stored[k]) for k in stage)
+    assert main(["export", str(ck), "--out", str(tmp_path / "m.safetensors")]) == 0
+    exported = load_file(tmp_path / "m.safetensors")
+    assert set(exported) == set(stored) and all(torch.equal(exported[k], stored[k]) for k in stored)

@@ -230,17 +230,17 @@ def test_training_flags_are_one_table_for_the_cli_and_the_worker() -> None:
     assert RunOptions().training == TrainingOptions()
 
 
-def test_checkpoints_refuse_zero_optimizer_shards() -> None:
-    from fxpipe.errors import ConfigError
+def test_checkpoints_take_every_sharding_level() -> None:
+    """ZeRO's optimizer shards are saved too now (Note [checkpoints keyed by the model];
+    tests/runtime/test_dcp_checkpoint.py resumes them)."""
     from fxpipe.runtime.dataparallel import DataParallelOptions
     from fxpipe.runtime.train.run_options import RunOptions
 
-    with pytest.raises(ConfigError, match="--checkpoint-dir does not save ZeRO's optimizer shards"):
-        RunOptions(
-            dp=2,
-            data_parallel=DataParallelOptions(shard="optimizer"),
-            training=TrainingOptions(checkpoint_dir="ck"),
-        )
+    RunOptions(
+        dp=2,
+        data_parallel=DataParallelOptions(shard="optimizer"),
+        training=TrainingOptions(checkpoint_dir="ck"),
+    )
     RunOptions(
         dp=2,
         data_parallel=DataParallelOptions(shard="full"),

@@ -45,3 +45,24 @@ def meta_checkpoint_job(
         api.save({"model": model.local_state_dict()}, save_to, partial=True)
         out["full"] = model.state_dict()
     return out
+
+
+def repartition_job(rank: int, world: int, start: str, full: str) -> dict[str, Any]:
+    """``DistributedModel`` of the GPT on ``world`` partitions: rank 0 writes the ``torch.save``d state
+    dict ``start`` (when given) as a full ``smp.save`` checkpoint ``full``, every rank
+    ``smp.load``s it, trains; then the trained model is saved as the full checkpoint
+    ``full + ".next"`` (what another partition count loads next)."""
+    warnings.filterwarnings("ignore")
+    source = load_model_file(GPT)
+    api.init({"partitions": world, "microbatches": MICROBATCHES})
+    model = api.DistributedModel(build_on_meta(source.build_model))
+    if start:  # every rank calls save (rank 0 writes), as the other full-checkpoint job does
+        api.save({"model": torch.load(start, weights_only=True)}, full, partial=False)
+        if world > 1:
+            dist.barrier()
+    model.load_state_dict(api.load(full, partial=False)["model"])
+    out = train(model, source)
+    state = model.state_dict()
+    api.save({"model": state}, f"{full}.next", partial=False)
+    out["full"] = state
+    return out

@@ -97,3 +97,26 @@ def test_config_weights_must_exist(tmp_path):
     ):
         Config.from_dict({"partitions": 2, "weights": str(tmp_path / "nope.safetensors")})
     assert Config.from_dict({"partitions": 2, "weights": tmp_path}).weights == str(tmp_path)
+
+
+@pytest.mark.slow
+def test_smp_load_of_a_full_checkpoint_into_another_partition_count(tmp_path):
+    """A full checkpoint saved by 2 partitions loads into 1, and one saved by 1 into 2: each then
+    trains like one process that loaded the same state."""
+    from meta_checkpoint_scenarios import repartition_job
+
+    state = _start()
+    torch.save(state, tmp_path / "start.pt")
+    full = str(tmp_path / "full.pt")
+    two = [
+        r.value for r in spawn(repartition_job, 2, str(tmp_path / "start.pt"), full, timeout=300)
+    ]
+    _assert_trains_like(two, state)
+    (one,) = [r.value for r in spawn(repartition_job, 1, "", f"{full}.next", timeout=300)]
+    losses, expected = _reference(two[0]["full"])
+    torch.testing.assert_close(one["losses"], losses, rtol=1e-5, atol=1e-6)
+    assert set(one["local"]) == set(expected)  # one partition holds the whole model
+    for key, value in one["local"].items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6)
+    again = [r.value for r in spawn(repartition_job, 2, "", f"{full}.next.next", timeout=300)]
+    _assert_trains_like(again, one["full"])

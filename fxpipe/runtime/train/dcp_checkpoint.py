@@ -42,6 +42,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import CheckpointError
 from fxpipe.runtime.train.commit import CommitRecord, Part, new_token, read_record, write_record
+from fxpipe.userfiles import open_regular
 
 if TYPE_CHECKING:
     from fxpipe.runtime.pipeline.runner import PipelineRunner
@@ -161,6 +163,29 @@ def key_names(runner: PipelineRunner) -> dict[str, str]:
     return {k: find(k) for k in set(_fqn_keys(runner).values()) | set(parent)}
 
 
+def stored_names(names: dict[str, str], stored: Any, aliases: dict[str, str]) -> dict[str, str]:
+    """``names`` (key -> the key this layout would store it under) resolved against a checkpoint
+    another layout wrote: a tied tensor is read under whichever of its names the checkpoint
+    holds it (``stored``: DCP's metadata keys; ``aliases``: the saving layout's alias map). A
+    layout may know fewer names of a tie than another (one stage holding GPT-2's
+    ``transformer.wte.weight`` and ``lm_head.weight`` may use only the first)."""
+    groups: dict[str, list[str]] = {}
+    for k, c in names.items():
+        groups.setdefault(c, []).append(k)
+    chosen: dict[str, str] = {}
+    for c, group in groups.items():
+        found = c
+        for k in [c, *sorted(group)]:
+            if f"model.{k}" in stored:
+                found = k
+                break
+            if k in aliases and f"model.{aliases[k]}" in stored:
+                found = aliases[k]
+                break
+        chosen[c] = found
+    return {k: chosen[c] for k, c in names.items()}
+
+
 def layout_of(runner: PipelineRunner) -> dict[str, Any]:
     """What names a layout: stages, their ranks, replicas, schedule and sharding."""
     dp = runner.data_parallel
@@ -217,7 +242,7 @@ def _state(runner: PipelineRunner, names: dict[str, str]) -> DcpState:
     elif optimizer is not None:
         msd, osd = get_state_dict(runner.stage, [optimizer])
     else:
-        msd, osd = get_state_dict(runner.stage, [])[0], {}
+        msd, osd = dict(runner.stage.state_dict()), {}  # a stage without parameters, maybe empty
     flat: dict[str, Any] = {}
     for name, value in msd.items():
         flat.setdefault(f"model.{fqn[name]}", value)
@@ -260,7 +285,8 @@ def local_tensors(runner: PipelineRunner) -> dict[str, torch.Tensor]:
 
 def _sha256(path: Path) -> tuple[str, int]:
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    # a FIFO in a file's place is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
+    with os.fdopen(open_regular(path, "checkpoint file", CheckpointError), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
             size += len(block)
@@ -374,9 +400,11 @@ def check_dcp_keys(runner: PipelineRunner, directory: str | Path, record: Commit
     directory = Path(directory)
     problem = None
     mine: set[str] = set()
+    aliases: dict[str, str] = {}
     try:
         stored = _open(directory, record).read_metadata().state_dict_metadata
-        names = key_names(runner)
+        aliases = dict(record.meta.get("aliases") or {})
+        names = stored_names(key_names(runner), stored, aliases)
         for name, value in _state(runner, names).model.items():
             key = names[_fqn_keys(runner)[name]]
             mine.add(key)
@@ -397,7 +425,11 @@ def check_dcp_keys(runner: PipelineRunner, directory: str | Path, record: Commit
     bad = next((p for p, _ in everyone if p), None)
     if bad is None:
         held = {k for _, keys in everyone for k in keys}
-        extra = sorted(k[6:] for k in stored if k.startswith("model.") and k[6:] not in held)
+        extra = sorted(
+            k[6:]
+            for k in stored
+            if k.startswith("model.") and k[6:] not in held and k[6:] not in aliases.values()
+        )
         if extra:
             bad = f"it holds {extra[:4]}, which no stage of this build has"
     if bad is not None:
@@ -416,7 +448,7 @@ def load_dcp_checkpoint(
     directory = Path(directory)
     reader = _open(directory, record)
     stored = reader.read_metadata().state_dict_metadata
-    names = key_names(runner)
+    names = stored_names(key_names(runner), stored, dict(record.meta.get("aliases") or {}))
     state = _state(runner, names)
     flat = dict(state.flat)
     unsaved = {k for k in flat if k.startswith("optim.") and k not in stored}
@@ -471,14 +503,16 @@ def load_dcp_checkpoint(
                     for g, saved in zip(state.optim["param_groups"], groups or [{}])
                 ],
             }
-        set_state_dict(
-            runner.stage,
-            [optimizer] if optimizer is not None else [],
-            model_state_dict=model,
-            optim_state_dict=osd,
-            options=_LOAD,
-        )
-        if optimizer is not None:
+        if optimizer is None:  # loaded in place; nothing else to set
+            runner.stage.load_state_dict(model)
+        else:
+            set_state_dict(
+                runner.stage,
+                [optimizer],
+                model_state_dict=model,
+                optim_state_dict=osd,
+                options=_LOAD,
+            )
             saved_names = set(osd["state"])
             for name, p in runner.stage.named_parameters():
                 if name not in saved_names:
@@ -515,7 +549,9 @@ def read_tensors(directory: str | Path, prefix: str) -> dict[str, torch.Tensor]:
         for k, md in stored.items()
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled": one process, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), no_dist=True)
     return {k[len(prefix) :]: v for k, v in state.items()}
 
 
