@@ -126,8 +126,10 @@ def write_build_dir(
             )
             plan.to_json(staging / "plan.json")
             manifest = replace(
-                manifest, plan_sha256=file_sha256(staging / "plan.json")
-            )  # checked before it is read
+                manifest,
+                plan_sha256=file_sha256(staging / "plan.json"),  # checked before it is read
+                dynamic=traced.profile.dynamic,  # Note [shape formulas]
+            )
             manifest.to_json(staging / "manifest.json")
             traced.profile.to_json(staging / "profile.json")
             (staging / "report.html").write_text(

@@ -24,6 +24,7 @@ from fxpipe.errors import TraceError
 from fxpipe.tracer.construction import CtorArgs
 from fxpipe.tracer.export_frontend import export_graph, non_persistent_buffers
 from fxpipe.tracer.rebuild import is_torch_nn, rebuild_problem
+from fxpipe.tracer.dynamic import DynamicDims, SpecialisedError
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import (
     FallbackLeaf,
@@ -102,12 +103,15 @@ def unrebuildable_leaves(
 
 
 def _export(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    batch_dims: BatchDims,
+    dynamic_dims: DynamicDims | None,
 ) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
     if batch_size_of(inputs, batch_dims) == 1:
         inputs = double_batch(inputs, batch_dims)
-    return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+    return FrontendResult(export_graph(model, inputs, batch_dims, dynamic_dims), "export")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -138,6 +142,7 @@ def trace_graph(
     leaves: tuple[LeafSpec, ...],
     batch_dims: BatchDims,
     ctor_args: Mapping[str, CtorArgs] | None = None,
+    dynamic_dims: DynamicDims | None = None,
 ) -> FrontendResult:
     """Trace with the requested front end (see the module docstring for ``auto``).
 
@@ -174,7 +179,9 @@ def trace_graph(
                 next(iter(unbuildable or symbolic.fallback_leaves)), RuntimeError(reason)
             )
     try:
-        return _export(model, inputs, batch_dims)
+        return _export(model, inputs, batch_dims, dynamic_dims)
+    except SpecialisedError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the message goes to the user
         if symbolic is not None:
             kept = ", ".join(repr(p) for p in unbuildable or symbolic.fallback_leaves)
