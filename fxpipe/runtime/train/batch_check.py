@@ -28,7 +28,8 @@ from fxpipe.errors import ModelFileError
 from fxpipe.runtime.pipeline.fingerprint import fingerprint
 from fxpipe.runtime.pipeline.p2p import peer_error
 from fxpipe.runtime.pipeline.runner import PipelineRunner
-from fxpipe.runtime.train.data_iter import Placeholders
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.runtime.train.data_iter import Placeholders, placeholders
 
 __all__ = ["check_same_batch", "batch_fingerprint", "first_disagreement"]
 
@@ -77,17 +78,34 @@ def first_disagreement(per_rank: list[list[int]], ranks: list[int]) -> tuple[str
     return None
 
 
+def _sizes_part(manifest: Manifest, inputs: Any) -> list[int]:
+    """The step's dynamic sizes (Note [shape formulas]) as read off the inputs this rank drew; zeros if none."""
+    if not manifest.dynamic:
+        return []
+    if inputs is None or isinstance(inputs, Placeholders):
+        return [0] * len(manifest.dynamic)
+    sizes = manifest.step_sizes([tuple(t.shape) for t in inputs])
+    return [sizes.get(r.name, 0) for r in manifest.dynamic]
+
+
 def check_same_batch(
     runner: PipelineRunner, inputs: Any, targets: Any, when: str, where: str
-) -> None:
+) -> Any:
     """Stop every rank of ``runner``'s pipeline if its ranks drew different batches (collective over the
-    pipeline). ``when``: "at step 3"; ``where``: the data function's call, for the message."""
+    pipeline). ``when``: "at step 3"; ``where``: the data function's call, for the message.
+
+    Returns the inputs to run: a rank that left them out (``Placeholders``) of a build with dynamic
+    dimensions gets placeholders at the step's sizes, which ride on the same all-gather (the ranks that
+    drew the batch add them to their fingerprint: no message of its own)."""
     size = runner.manifest.num_ranks
     if size == 1:
-        return
+        return inputs
     group = runner.groups.pipeline
     device = runner.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(batch_fingerprint(inputs, targets), dtype=torch.int64, device=device)
+    sizes = _sizes_part(runner.manifest, inputs)
+    mine = torch.tensor(
+        batch_fingerprint(inputs, targets) + sizes, dtype=torch.int64, device=device
+    )
     gathered = [torch.empty_like(mine) for _ in range(size)]
     try:
         dist.all_gather(gathered, mine, group=group)
@@ -96,7 +114,8 @@ def check_same_batch(
             exc, runner.rank, "comparing the step's batch across the pipeline", runner.timeout_s
         ) from exc
     ranks = [runner.layout.rank_of(s, runner.replica) for s in range(size)]
-    found = first_disagreement([g.tolist() for g in gathered], ranks)
+    per_rank = [g.tolist() for g in gathered]
+    found = first_disagreement(per_rank, ranks)
     if found is not None:
         part, a, b = found
         replica = runner.replica
@@ -106,3 +125,17 @@ def check_same_batch(
             f"{replica}: seed the data from rank_info.replica ({replica}), not from the rank, the process or the "
             "global random state"
         )
+    if sizes and isinstance(inputs, Placeholders):
+        drawn = next((fp[8:] for fp in per_rank if fp[0]), None)
+        if drawn is not None:
+            step = {r.name: v for r, v in zip(runner.manifest.dynamic, drawn)}
+            batch = next(
+                (
+                    t.shape[s.batch_dim]
+                    for t, s in zip(inputs, runner.manifest.inputs)
+                    if s.batch_dim is not None
+                ),
+                runner.manifest.batch_size,
+            )
+            return placeholders(runner.manifest, int(batch), step)
+    return inputs
