@@ -26,36 +26,42 @@ from fxpipe.tracer import trace_model_file
 from spawn import spawn
 
 MODEL = Path(__file__).with_name("varlen_lm.py")
+LLAMA = Path(__file__).with_name("varlen_llama.py")
 BATCH, MICROBATCHES, STEPS, LR = 4, 2, 6, 0.05
 
 
-def _build(out: Path, schedule: str) -> Path:
-    source = load_model_file(MODEL)
+def _build(out: Path, schedule: str, model: Path = MODEL) -> Path:
+    source = load_model_file(model)
     traced = trace_model_file(source, BATCH // MICROBATCHES, progress=False)
     plan = plan_partition(traced.profile, 2, microbatches=MICROBATCHES, schedule=schedule)
     write_build_dir(traced, plan, out, source, batch_size=BATCH, microbatches=MICROBATCHES)
     return out
 
 
-def _train_job(rank: int, world: int, build: str, schedule: str) -> Any:
+def _train_job(rank: int, world: int, build: str, schedule: str, steps: int = STEPS) -> Any:
     import fxpipe.runtime.train.loop as training
 
-    options = RunOptions(steps=STEPS, lr=LR, timeout_s=60, schedule=schedule)
+    options = RunOptions(steps=steps, lr=LR, timeout_s=60, schedule=schedule)
     return training.train(Path(build), options, Path(build) / f"run_{rank}.json")
 
 
-def _reference(build: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    source = load_model_file(MODEL)
+def _reference(
+    build: Path, model_file: Path = MODEL, steps: int = STEPS
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    source = load_model_file(model_file)
     model = original_model(build, source, Manifest.from_json(build).num_stages).train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     stream = source.module.train_batches(BATCH, RankInfo(0, 1, 0, 1, 0, 1, True, True))
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x, y = next(stream)
         opt.zero_grad()
         total = 0.0
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
-            loss = source.loss_fn(model(xm), ym)
+        for k in range(MICROBATCHES):
+            if isinstance(x, dict):  # the model's own loss (labels=)
+                loss = model(**{n: t.chunk(MICROBATCHES)[k] for n, t in x.items()}).loss
+            else:
+                loss = source.loss_fn(model(x.chunk(MICROBATCHES)[k]), y.chunk(MICROBATCHES)[k])
             (loss / MICROBATCHES).backward()
             total += loss.item()
         opt.step()
@@ -72,6 +78,20 @@ def test_every_step_another_length_trains_like_one_process(tmp_path: Path, sched
     record = spawn(_train_job, 2, str(build), schedule, timeout=240)[0].value
     want, _ = _reference(build)
     assert len(record.losses) == STEPS
+    torch.testing.assert_close(
+        torch.tensor(record.losses), torch.tensor(want), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.distributed
+def test_a_transformers_llama_with_labels_trains_on_varying_lengths_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """Its own loss (``labels=``), tied embeddings, lengths 8, 16, 5, 12: the causal mask, the
+    positions and the rotary tables follow each step's length."""
+    build = _build(tmp_path / "build", "1f1b", LLAMA)
+    record = spawn(_train_job, 2, str(build), "1f1b", 4, timeout=240)[0].value
+    want, _ = _reference(build, LLAMA, 4)
     torch.testing.assert_close(
         torch.tensor(record.losses), torch.tensor(want), rtol=1e-5, atol=1e-6
     )
