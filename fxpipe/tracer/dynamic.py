@@ -179,29 +179,24 @@ def probe_inputs(
     return tuple(out)
 
 
-_FIX = re.compile(r"Suggested fixes:\s*(.*)", re.DOTALL)
+_VIOLATION = re.compile(r"^\s*- (.*)$", re.M)
+_FIXES = re.compile(r"Suggested fixes:\n((?:[ \t]+\S.*\n?)+)")
 
 
 def specialised_error(exc: BaseException, dynamic: DynamicDims) -> SpecialisedError | None:
-    """One line for torch.export's error when the model specialises a declared dimension, else ``None``."""
+    """One line for torch.export's error when the model specialises a declared dimension, else ``None``:
+    torch.export's own account of the guard (where the model reads the size), and its suggested range."""
     text = str(exc)
-    symbols = {s for dims in dynamic for s, _, _ in dims.values()}
-    if not symbols or not any(
-        k in text for k in ("Constraints violated", "specialized", "not in range")
-    ):
+    symbols = sorted({s for dims in dynamic for s, _, _ in dims.values()})
+    if not symbols or "Constraints violated" not in text and "specialized" not in text:
         return None
-    place = next(
-        (
-            line.strip()
-            for line in text.splitlines()
-            if "specialized" in line or "Not all values" in line
-        ),
-        text.strip().splitlines()[0],
-    )
-    fix = _FIX.search(text)
-    holds = " ".join(fix.group(1).split())[:200] if fix else ""
+    violations = [" ".join(v.split()) for v in _VIOLATION.findall(text)]
+    what = violations[0] if violations else text.strip().splitlines()[0]
+    what = what.split(" If you're using")[0].rstrip(".")
+    fixes = _FIXES.search(text)
+    holds = "; ".join(line.strip() for line in fixes.group(1).splitlines()) if fixes else ""
     return SpecialisedError(
-        f"the model specialises a declared dynamic dimension ({', '.join(sorted(symbols))}): {place}"
-        + (f"; the range that holds: {holds}" if holds else "")
-        + "; change dynamic_dims() to that range, or leave the dimension static"
+        f"the model specialises the dynamic dimension {', '.join(symbols)}: {what}"
+        + (f"; what holds: {holds}" if holds else "")
+        + "; declare that range in dynamic_dims() (e.g. (name, min, max)), or leave the dimension static"
     )

@@ -204,11 +204,7 @@ def _dim_ranges(
             vr = ep.range_constraints.get(size.node.expr)
             if vr is None:
                 continue
-            upper = vr.upper
-            out[symbol] = (
-                int(vr.lower),
-                int(upper) if bool(getattr(upper, "is_finite", True)) else None,
-            )
+            out[symbol] = (_bound(vr.lower) or 0, _bound(vr.upper))
     return out
 
 
@@ -249,11 +245,15 @@ def infer_dynamic_dims(
             expr = size.node.expr
             symbol = names.setdefault(expr, f"{name}_{d}")
             vr = ep.range_constraints.get(expr)
-            low = max(int(vr.lower), 2) if vr is not None else 2
-            high = (
-                int(vr.upper)
-                if vr is not None and bool(getattr(vr.upper, "is_finite", True))
-                else None
-            )
+            low = max(_bound(vr.lower) or 0, 2) if vr is not None else 2
+            high = _bound(vr.upper) if vr is not None else None
             out.setdefault(name, {})[d] = (symbol, low, high)
     return out
+
+
+def _bound(value: Any) -> int | None:
+    """A range bound of export's as an int; ``None`` for infinity."""
+    try:
+        return int(value)
+    except (OverflowError, TypeError, ValueError, AttributeError):
+        return None
