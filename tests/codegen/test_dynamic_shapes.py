@@ -17,7 +17,10 @@ import torch.nn as nn
 from fxpipe.codegen import Manifest, load_pipeline, write_build_dir
 from fxpipe.errors import FxpipeError, TraceError
 from fxpipe.modelfile import load_model_file
-from fxpipe.partitioner import plan_partition
+from fxpipe.partitioner import PartitionPlan, plan_partition
+from fxpipe.partitioner.report.terminal import print_plan_report
+from fxpipe.tracer.profile import ModelProfile
+from rich.console import Console
 from fxpipe.shapeformula import UNKNOWN, evaluate, fit_dim
 from fxpipe.tracer import trace_model, trace_model_file
 from fxpipe.tracer.dynamic import SpecialisedError
@@ -73,6 +76,11 @@ def test_stage_code_and_manifest_carry_sizes_not_numbers(llama_build: Path) -> N
     source = (llama_build / "stage_0.py").read_text()
     assert "input_ids.size(1)" in source and "arange(16" not in source
     assert "int64[mb, seq]" in source  # the docstring states the formulas
+    profile = ModelProfile.from_json(llama_build / "profile.json")  # formulas and ranges round-trip
+    assert profile.dynamic == manifest.dynamic
+    console = Console(record=True, width=200)
+    print_plan_report(PartitionPlan.from_json(llama_build / "plan.json"), profile, console)
+    assert "priced at seq = 16 (the build runs 2..64)" in console.export_text()
 
 
 def test_a_length_outside_the_range_is_one_error_before_any_stage_runs(llama_build: Path) -> None:

@@ -262,6 +262,8 @@ class StageWorker:
         mine = dict(zip(self._output_names, state.outputs))
         sends: list[Message] = []
         for t in self._sends:
+            if t.dst not in self._local:
+                self._check_sent(t, mine[t.spec.name], mb_size)
             self._deliver(
                 t,
                 m,
@@ -272,6 +274,19 @@ class StageWorker:
         _keep_sent(state, sends)
         self.comm.send(sends)
         return state.outputs
+
+    def _check_sent(self, t: Transfer, value: torch.Tensor, mb_size: int) -> None:
+        """Refuse to send a tensor whose shape is not the one its receiver sized its buffer for (Note [shape
+        formulas]): a stale build, or a dimension that depends on the data, named before any message."""
+        want = self._shape(t, mb_size)
+        if tuple(value.shape) != want:
+            at = "".join(f", {k} {v}" for k, v in self.sizes.items())
+            raise RuntimeSetupError(
+                f"stage {self.stage} output {t.spec.name!r} has shape {tuple(value.shape)} but its receiver "
+                f"expects {want} (formula {list(t.spec.dims or t.spec.shape)} at microbatch size "
+                f"{mb_size}{at}); its shape depends on the data or the build is stale: keep that tensor "
+                "inside one stage (--split-at) or rebuild the directory"
+            )
 
     def _fed(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """What the stage module gets for its input ``name``: a copy if the stage changes it in place."""
