@@ -23,6 +23,7 @@ __all__ = [
 # written by the tracer, read by codegen
 SPEC_KEY = "fxpipe_spec"  # node.meta: TensorSpec | None | tuple of those
 PATH_KEY = "fxpipe_path"  # node.meta: owning module path ("" = top level)
+DIM_RANGES_KEY = "fxpipe_dim_ranges"  # graph_module.meta: symbol -> (min, max) export holds it for
 CONSTANTS_KEY = "fxpipe_constants"  # graph_module.meta: names to register as non-persistent buffers
 GUARD_KEY = (
     "fxpipe_guard"  # node.meta: True/False = runs in train/eval mode only (fxpipe.tracer.modes)

@@ -237,6 +237,19 @@ class ModelSource:
             )
         return call.args
 
+    def dynamic_dims(self) -> dict[str, dict[int, Any]] | None:
+        """The model file's ``dynamic_dims()`` (input name -> dimension -> symbol), if it defines one
+        (Note [dynamic dimensions] in ``fxpipe.tracer.dynamic``)."""
+        if not self.has("dynamic_dims"):
+            return None
+        value = self._call("dynamic_dims")
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise ModelFileError(
+                f"{self.path.name}:dynamic_dims() returned {type(value).__name__}; return a dict "
+                'such as {"input_ids": {1: "seq"}} (input name -> dimension -> symbol)'
+            )
+        return value
+
     def has(self, name: str) -> bool:
         return callable(getattr(self.module, name, None))
 

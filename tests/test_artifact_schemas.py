@@ -174,9 +174,9 @@ MANIFEST_CASES = [
     (_set("stages[1].index", 0), "manifest stage 1 says it is stage 0"),
     (
         _set("schema_version", 2),
-        "schema version 2 is older than this fxpipe reads (versions 3 to 4); rebuild it",
+        "schema version 2 is older than this fxpipe reads (versions 3 to 5); rebuild it",
     ),
-    (_set("schema_version", "3"), 'schema_version must be an integer such as 4, got "3"'),
+    (_set("schema_version", "3"), 'schema_version must be an integer such as 5, got "3"'),
     (_drop("schema_version"), "has no schema_version; rebuild it"),
 ]
 

@@ -36,7 +36,7 @@ BASE = {
     "calibration_data",
     "optionspec",
     "userfiles",
-    "userfiles",
+    "shapeformula",
     "_lazy",
 }
 RANK = {

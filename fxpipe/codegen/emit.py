@@ -50,6 +50,7 @@ from fxpipe.codegen.shared import SHARED_SOURCE
 from fxpipe.codegen.split import SplitGraph, StageGraph
 from fxpipe.codegen.ownership import StageState
 from fxpipe.codegen.statements import SOURCE_NAME_KEY, name_from_source
+from fxpipe.shapeformula import BATCH
 from fxpipe.errors import CodegenError
 
 __all__ = ["StageSource", "SharedSource", "emit_stage", "emit_stages", "stage_class_name"]
@@ -369,7 +370,15 @@ def _indent(lines: list[str], levels: int = 1) -> list[str]:
     return [(INDENT * levels + line) if line else "" for line in lines]
 
 
+def _dynamic(t: BoundaryTensor) -> bool:
+    """Whether a dimension of ``t`` follows a dynamic size besides the batch (Note [shape formulas])."""
+    return t.dims is not None and any(not f.isdigit() and f != BATCH for f in t.dims)
+
+
 def _describe(t: BoundaryTensor) -> str:
+    if _dynamic(t):
+        assert t.dims is not None
+        return f"{t.dtype}[{', '.join(t.dims)}]"
     batch = "no batch dim" if t.batch_dim is None else f"batch dim {t.batch_dim}"
     return f"{t.dtype}[{', '.join(map(str, t.shape))}], {batch}"
 
@@ -402,9 +411,15 @@ def _class_doc(
         )
     if whole or partial:
         lines.append("")
-    lines.append(
-        f"Inputs, in order (shapes at the traced microbatch {microbatch}; the batch dim may take any size):"
-    )
+    if any(_dynamic(boundary[k]) for k in (*stage.inputs, *stage.outputs)):
+        lines.append(
+            f"Inputs, in order (shapes as formulas of the microbatch {BATCH} and the dynamic sizes, "
+            f"traced at {BATCH} = {microbatch}):"
+        )
+    else:
+        lines.append(
+            f"Inputs, in order (shapes at the traced microbatch {microbatch}; the batch dim may take any size):"
+        )
     for key in stage.inputs:
         t = boundary[key]
         source = (

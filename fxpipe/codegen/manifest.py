@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import BuildDirError, ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.schema import NonNegInt, PositiveInt, read_dataclass
+from fxpipe.shapeformula import BATCH, UNKNOWN, DimRange, bind_symbols, check_ranges, evaluate
 from fxpipe.userfiles import check_regular
 from fxpipe.tracer.call import CallSpec
 
@@ -41,8 +42,11 @@ __all__ = [
 # inputs it changes in place (``mutated_inputs``): run without that list, such a stage changed a
 # tensor that its producer or another stage still read; 4: classes several stages use live once in
 # ``shared_source`` (hash ``shared_sha256``), which the stages with ``imports_shared`` import: an older
-# fxpipe would import it unchecked, so it refuses version 4; this one reads version 3 (no shared file)
-MANIFEST_SCHEMA_VERSION = 4
+# fxpipe would import it unchecked, so it refuses version 4; this one reads version 3 (no shared file);
+# 5: boundary tensors carry shape formulas (``dims``) and the build its dynamic dimensions
+# (``dynamic``, Note [shape formulas]): an older fxpipe would size buffers at the traced shapes, so
+# it refuses version 5; versions 3 and 4 read here as builds whose only dynamic dimension is the batch
+MANIFEST_SCHEMA_VERSION = 5
 OLDEST_MANIFEST_SCHEMA_VERSION = 3
 INPUT = -1  # producer of a model input
 
@@ -82,18 +86,42 @@ class BoundaryTensor:
     consumers: tuple[NonNegInt, ...] = ()
     requires_grad: bool = True
     model_output: NonNegInt | None = None
+    dims: tuple[str, ...] | None = None  # each dimension's formula (Note [shape formulas])
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
         object.__setattr__(self, "consumers", tuple(self.consumers))
+        if self.dims is not None:
+            object.__setattr__(self, "dims", tuple(self.dims))
+            if len(self.dims) != len(self.shape):
+                raise BuildDirError(
+                    f"tensor {self.name!r}: dims {list(self.dims)} do not match its shape {list(self.shape)}"
+                )
         if self.producer < INPUT:
             raise BuildDirError(
                 f"tensor {self.name!r}: producer {self.producer} is neither a stage index nor "
                 f"{INPUT} (a model input)"
             )
 
-    def shape_at(self, microbatch: int, traced_microbatch: int) -> tuple[int, ...]:
-        """The shape at another microbatch size (scaled along ``batch_dim``)."""
+    @property
+    def data_dependent(self) -> bool:
+        """Whether a dimension depends on the data (``"?"``): its shape travels with it."""
+        return self.dims is not None and UNKNOWN in self.dims
+
+    def shape_at(
+        self, microbatch: int, traced_microbatch: int, sizes: Mapping[str, int] | None = None
+    ) -> tuple[int, ...]:
+        """The shape at another microbatch size (scaled along ``batch_dim``), and, given the step's
+        ``sizes`` (symbol -> size), with every dimension from its formula (Note [shape formulas])."""
+        if self.dims is not None and not self.data_dependent:
+            bound = {BATCH: microbatch, **(sizes or {})}
+            try:
+                return tuple(evaluate(f, bound) for f in self.dims)
+            except KeyError as missing:
+                raise BuildDirError(
+                    f"tensor {self.name!r}: its shape {list(self.dims)} needs the size {missing}, "
+                    "which the step's inputs do not give"
+                ) from None
         if self.batch_dim is None:
             return self.shape
         shape = list(self.shape)
@@ -267,8 +295,11 @@ class Manifest:
                 f"static; feed {self.microbatch_size} samples per microbatch{per_step}"
             )
 
+    dynamic: tuple[DimRange, ...] = ()  # the dimensions besides the batch that follow the data
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "dynamic", tuple(self.dynamic))
         object.__setattr__(self, "skipped_checks", tuple(self.skipped_checks))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "ties", tuple(self.ties))
@@ -349,6 +380,19 @@ class Manifest:
                 f"stage index {index} is out of range: this build has {self.num_stages} stages (0..{self.num_stages - 1})"
             )
         return self.stages[index]
+
+    def step_sizes(
+        self, shapes: Sequence[tuple[int, ...]], where: str = "this step"
+    ) -> dict[str, int]:
+        """The dynamic sizes of a step (``seq``: 32) read off its model inputs' shapes (in ``inputs``
+        order), checked against the ranges the build holds for: a size outside is a ``ShapeError``
+        before any message (Note [shape formulas]). Empty for a build without dynamic dimensions."""
+        if not self.dynamic:
+            return {}
+        sizes = bind_symbols(shapes, [i.dims for i in self.inputs], where)
+        sizes.pop(BATCH, None)
+        check_ranges(sizes, self.dynamic, where)
+        return sizes
 
     def to_json(self, path: str | Path | None = None) -> str:
         return dump_json(asdict(self), path, what="manifest", error=BuildDirError)

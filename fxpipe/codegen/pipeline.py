@@ -59,6 +59,8 @@ class Pipeline(nn.Module):
             ]
             if sizes:
                 m.check_static_batch(sizes[0])
+        # a size outside the range the build was traced for is refused before any stage runs
+        m.step_sizes([tuple(x.shape) for x in inputs], "load_pipeline's call")
         values: dict[tuple[int, str], Any] = {}  # each tensor as its producer made it
         for t, x in zip(m.inputs, inputs):
             values[(t.producer, t.name)] = x

@@ -8,9 +8,10 @@ stages: it travels straight from its producer to each consumer.
 Note [values that cross stages]: only tensors travel between stages. A non-tensor
 value (a size such as ``x.size(0)`` or export's ``sym_size.int``) needed by a later
 stage is recomputed there: from the same tensor when the stage has it, as a literal
-when it is a non-batch dimension (those never change), or from any tensor the stage
-has (model inputs are free: every rank reads the batch) whose batch dimension has the
-same size. Only when none of these works is it sent as a 0-d int64 tensor named
+when its shape formula is a constant (Note [shape formulas] in :mod:`fxpipe.shapeformula`;
+without formulas, when it is a non-batch dimension), or from any tensor the stage has
+(model inputs are free: every rank reads the batch) with a dimension of the same symbol
+(``mb``, ``seq``; without formulas, the batch dimension of the same size). Only when none of these works is it sent as a 0-d int64 tensor named
 ``<node>_tensor`` and turned back into an int with ``.item()``.
 
 Note [device literals]: export bakes the trace device into calls such as
@@ -45,6 +46,7 @@ from fxpipe.codegen.naming import boundary_names
 from fxpipe.codegen.statements import record_frames
 from fxpipe.graphmeta import ORIGIN_KEY
 from fxpipe.errors import CodegenError
+from fxpipe.shapeformula import UNKNOWN
 from fxpipe.tracer.modes import TRAINING_ATTR, guard_of, is_training_flag
 from fxpipe.tracer.profile import TensorSpec
 
@@ -123,6 +125,14 @@ def _size_args(node: fx.Node) -> tuple[fx.Node, int] | None:
     if isinstance(t, fx.Node) and isinstance(d, int) and _is_tensor(t):
         return t, d % max(len(_spec(t).shape), 1)
     return None
+
+
+def _formula(t: fx.Node, d: int) -> str | None:
+    """Dimension ``d`` of tensor ``t`` as a formula of the dynamic sizes, when the trace fitted one."""
+    dims = _spec(t).dims
+    if dims is None or dims[d] == UNKNOWN:
+        return None
+    return str(dims[d])
 
 
 def _same_symbol(a: fx.Node, da: int, b: fx.Node, db: int) -> bool:
@@ -241,8 +251,15 @@ class _Splitter:
             t, d = size
             if self._available(s, t):
                 return self._size_node(s, a, self.value(s, t), d)
-            if _spec(t).batch_dim != d:
-                return int(_spec(t).shape[d])  # a non-batch dimension never changes
+            formula = _formula(t, d)
+            if formula is not None:  # Note [shape formulas] in fxpipe.shapeformula
+                found = self._with_symbol(s, formula) if formula.isidentifier() else None
+                if formula.isdigit():
+                    return int(formula)  # a dimension that never changes
+                if found is not None:
+                    return self._size_node(s, a, self.value(s, found[0]), found[1])
+            elif _spec(t).batch_dim != d:
+                return int(_spec(t).shape[d])  # a non-batch dimension never changes (no formulas)
             candidates = sorted(
                 (
                     n
@@ -263,6 +280,22 @@ class _Splitter:
         ph = self._placeholder(s, int_tensor_name(self.bname(a)), None)
         self.int_imports[s][a] = ph
         return g.create_node("call_method", "item", (ph,), name=a.name)
+
+    def _with_symbol(self, s: int, symbol: str) -> tuple[fx.Node, int] | None:
+        """A tensor stage ``s`` has (or a model input) with a dimension that is exactly ``symbol``."""
+        candidates = sorted(
+            (
+                n
+                for n in list(self.env[s]) + self.placeholders
+                if n.op != "get_attr" and _is_tensor(n)
+            ),
+            key=self.order.__getitem__,
+        )
+        for c in candidates:
+            dims = _spec(c).dims
+            if dims is not None and symbol in dims:
+                return c, dims.index(symbol)
+        return None
 
     def _size_node(self, s: int, like: fx.Node, tensor: fx.Node, dim: int) -> fx.Node:
         g = self.graphs[s]
@@ -461,6 +494,7 @@ def _boundary(
         consumers=consumers,
         requires_grad=spec.requires_grad,
         model_output=model_output,
+        dims=spec.dims,
     )
 
 

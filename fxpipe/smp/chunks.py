@@ -259,12 +259,13 @@ class ChunkedDriver:
                 f"the model was called twice in microbatch {m}; call it once per @step function call"
             )
         mb_size = microbatch_size(self.manifest, inputs)
+        sizes = self.manifest.step_sizes([tuple(t.shape) for t in inputs])
         self.inputs[m] = _Inputs(inputs, mb_size, torch.is_grad_enabled(), _autocast_state())
         if not self.holds_loss:
             return assemble_output(
                 self.manifest,
                 [
-                    placeholder(self.manifest, self._outputs[n], mb_size, self.device)
+                    placeholder(self.manifest, self._outputs[n], mb_size, self.device, sizes)
                     for n in self.routes.model_outputs
                 ],
             )
@@ -298,6 +299,8 @@ class ChunkedDriver:
                         f"{self.manifest.stage_ranks[a.stage]}; call model(...) exactly once in every "
                         "call of the @step function"
                     )
+                # the step's dynamic sizes (Note [shape formulas]), checked before this action's messages
+                worker.sizes = self.manifest.step_sizes([tuple(t.shape) for t in got.tensors])
                 with torch.set_grad_enabled(got.grad), _autocast(got.autocast):
                     worker.forward(m, got.tensors, got.mb_size)
                 if a.stage == self.loss_stage:

@@ -69,11 +69,18 @@ def check_backward_request(m: int, called: bool, requested: set[int]) -> None:
 
 
 def placeholder(
-    manifest: Manifest, spec: BoundaryTensor, mb_size: int, device: torch.device
+    manifest: Manifest,
+    spec: BoundaryTensor,
+    mb_size: int,
+    device: torch.device,
+    sizes: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Zeros shaped like model output ``spec`` at ``mb_size``: what a rank without the loss stage returns."""
+    """Zeros shaped like model output ``spec`` at ``mb_size`` (and the step's dynamic ``sizes``): what a
+    rank without the loss stage returns."""
     dtype = boundary_dtype(spec.dtype)
-    t = torch.zeros(spec.shape_at(mb_size, manifest.microbatch_size), dtype=dtype, device=device)
+    t = torch.zeros(
+        spec.shape_at(mb_size, manifest.microbatch_size, sizes), dtype=dtype, device=device
+    )
     return t.requires_grad_(True) if dtype.is_floating_point else t
 
 
@@ -139,15 +146,18 @@ class StepDriver:
             raise StepError(
                 f"the model was called twice in microbatch {m}; call it once per @step function call"
             )
+        # the step's dynamic sizes (Note [shape formulas]), checked before any message of this microbatch
+        sizes = self.manifest.step_sizes([tuple(t.shape) for t in inputs])
         self._run_until(Action(self.stage, ActionKind.FORWARD, m))
         self.pos += 1
         mb_size = microbatch_size(self.manifest, inputs)
+        self.worker.sizes = sizes
         self.worker.forward(m, inputs, mb_size)
         if self.is_last:
             flat = self.worker.model_outputs(m)
         else:
             flat = [
-                placeholder(self.manifest, self._outputs[n], mb_size, self.device)
+                placeholder(self.manifest, self._outputs[n], mb_size, self.device, sizes)
                 for n in self.routes.model_outputs
             ]
         return assemble_output(self.manifest, flat)

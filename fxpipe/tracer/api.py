@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -40,6 +40,8 @@ from fxpipe.tracer.timing import analytic_ms, time_units
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
 from fxpipe.tracer.mode_probe import modes_compute_alike
+from fxpipe.tracer.dynamic import ranges_of, resolve_dynamic_dims
+from fxpipe.tracer.export_frontend import infer_dynamic_dims
 from fxpipe.tracer.frontends import trace_graph
 from fxpipe.tracer.meta import (
     META,
@@ -75,7 +77,7 @@ from fxpipe.tracer.shapes import (
 from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
 from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
-from fxpipe.graphmeta import BUFFER_VALUES_KEY, MUTATIONS_KEY, PATH_KEY, SPEC_KEY
+from fxpipe.graphmeta import BUFFER_VALUES_KEY, DIM_RANGES_KEY, MUTATIONS_KEY, PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import UnitGroup, group_units, join_units
 
 __all__ = ["trace_model", "trace_model_file"]
@@ -324,6 +326,7 @@ def trace_model(
     progress: bool = True,
     batch_dims: Sequence[int | None] | None = None,
     cost_device: str | None = None,
+    dynamic_dims: Mapping[str, Mapping[int, Any]] | None = None,
 ) -> TracedModel:
     """Trace ``model`` on ``example_inputs`` and profile its units.
 
@@ -348,6 +351,9 @@ def trace_model(
     with meta tensors and prices units with ``cost_device``'s analytic estimate (default
     ``"cpu"``); checks that need values are skipped and listed in ``profile.skipped_checks``,
     and the model stays on meta (Note [meta tracing] in :mod:`fxpipe.tracer.meta`).
+    ``dynamic_dims``: the input dimensions besides the batch that follow the data, by input name
+    (``{"input_ids": {1: "seq"}}``; Note [dynamic dimensions] in :mod:`fxpipe.tracer.dynamic`);
+    every tensor's shape formula is in its ``TensorSpec.dims`` and the ranges in ``profile.dynamic``.
 
     Example::
 
@@ -356,6 +362,7 @@ def trace_model(
         trace_model(hf_gpt2, {"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
     call, dims = _bind_inputs(model, example_inputs, batch_dims)
+    dynamic = resolve_dynamic_dims(call.spec.inputs, call.tensors, dims, dynamic_dims)
     leaf_paths = resolve_leaves(
         model, leaves
     )  # a name that matches nothing is refused, not ignored
@@ -409,7 +416,9 @@ def trace_model(
                         _check_output(model, _run_eagerly(model, call.example))
                     )
                 with tracing_call(call):
-                    result = trace_graph(model, inputs, frontend, leaf_paths, dims, ctor_args)
+                    result = trace_graph(
+                        model, inputs, frontend, leaf_paths, dims, ctor_args, dynamic
+                    )
                 gm = result.graph_module
                 if on_meta:  # Note [parameters on meta, buffers real]: codegen writes them
                     gm.meta[BUFFER_VALUES_KEY] = buffer_values
@@ -428,6 +437,7 @@ def trace_model(
                             (*leaf_paths, *result.fallback_leaves),
                             tuple(None for _ in dims) if result.static_batch else dims,
                             ctor_args,
+                            dynamic,
                         )
                     _normalize(again.graph_module, inputs, trace_device)
                     return again.graph_module
@@ -439,7 +449,10 @@ def trace_model(
                         model, gm, inputs, trace=trace_again, check=not on_meta, run=run
                     )
                 with cost_device_kernels(on_meta, cost_device):  # Note [attention kernels on meta]
-                    prop = propagate(gm, inputs, batch, dims, static=bool(result.static_batch))
+                    ranges = ranges_of(inputs, dynamic, gm.meta.get(DIM_RANGES_KEY, {}))
+                    prop = propagate(
+                        gm, inputs, batch, dims, dynamic, ranges, static=bool(result.static_batch)
+                    )
                 regions, gm.meta[MUTATIONS_KEY] = isolate_mutations(gm, prop.values, prop.mutations)
                 regions += [{n.name for n in region} for region in guarded_regions(gm.graph)]
                 regions += leaf_regions(
@@ -493,6 +506,7 @@ def trace_model(
     )
     if recomputed:
         profile = dataclasses.replace(profile, recomputed_buffers=recomputed)
+    profile = dataclasses.replace(profile, dynamic=ranges)
     leaf_modules = {
         str(n.target): type(gm.get_submodule(str(n.target)))
         for n in gm.graph.nodes
@@ -578,7 +592,10 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
 
     The inputs' batch dimensions come from the model file: the dimension that doubles
     from ``example_inputs(batch_size)`` to ``example_inputs(2 * batch_size)`` (none for an
-    input whose shape stays, such as a shared mask).
+    input whose shape stays, such as a shared mask). ``dynamic``: ``"model"`` (the default) takes
+    the other dynamic dimensions from the model file's ``dynamic_dims()``, if it has one;
+    ``"auto"`` infers them (Note [dynamic dimensions] in :mod:`fxpipe.tracer.dynamic`); ``"none"``
+    keeps only the batch dynamic.
     """
     factory = source.build_model
     if options.get("trace_device") == META:  # Note [meta tracing]
@@ -588,6 +605,13 @@ def trace_model_file(source: ModelSource, batch_size: int, **options: Any) -> Tr
     inputs = source.example_call(batch_size)
     if options.get("batch_dims") is None:
         options["batch_dims"] = _model_file_batch_dims(source, model, batch_size, inputs)
+    how = options.pop("dynamic", "model")
+    if options.get("dynamic_dims") is None and how != "none":
+        options["dynamic_dims"] = (
+            infer_dynamic_dims(model, inputs, options["batch_dims"])
+            if how == "auto"
+            else source.dynamic_dims()
+        )
     try:
         traced = trace_model(model, inputs, build_record=record, **options)
     except ModelFileError as exc:  # the model rejected its inputs: say which file and functions

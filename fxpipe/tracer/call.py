@@ -320,20 +320,17 @@ class BoundCall:
         )
 
     def export_arguments(
-        self, dims: Sequence[int | None], batch: Any
+        self, shapes: Sequence[dict[int, Any] | None]
     ) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """``(args, kwargs, dynamic_shapes, bound)`` for ``torch.export``: the batch dimension of each
-        tensor input is ``dims[i]``, made the symbol ``batch``. ``bound`` are the constants given
+        """``(args, kwargs, dynamic_shapes, bound)`` for ``torch.export``: ``shapes[i]`` maps the dynamic
+        dimensions of tensor input ``i`` to their ``torch.export.Dim``. ``bound`` are the constants given
         through ``**kwargs``, which the caller binds to ``forward`` (``functools.partial``): torch 2.13's
         export cannot combine dynamic shapes with arguments in ``**kwargs``. Raises ``ValueError``
         for a tensor in ``**kwargs``, for the same reason."""
-        dim_of = dict(zip((id(t) for t in self.tensors), dims))
+        dim_of = dict(zip((id(t) for t in self.tensors), shapes))
 
         def leaf_shape(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                d = dim_of[id(x)]
-                return None if d is None else {d: batch}
-            return None
+            return dim_of[id(x)] or None if isinstance(x, torch.Tensor) else None
 
         def shape(x: Any) -> Any:  # a container's leaves each (Note [tensors inside containers])
             return _container_shapes(x, leaf_shape) if is_tree(x) else leaf_shape(x)

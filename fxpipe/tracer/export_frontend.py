@@ -19,13 +19,15 @@ from torch.export import Dim, export
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from fxpipe.errors import TraceError
-from fxpipe.graphmeta import CONSTANTS_KEY, LIFTED_CONSTANT_PREFIX
+from fxpipe.graphmeta import CONSTANTS_KEY, DIM_RANGES_KEY, LIFTED_CONSTANT_PREFIX
+from fxpipe.model_inputs import parse_model_inputs
+from fxpipe.tracer.call import active_call, bind_example
 from fxpipe.tracer.data_checks import export_with_checks
+from fxpipe.tracer.dynamic import DynamicDims, export_dims, specialised_error
 from fxpipe.tracer.fake_kernels import register_fake_kernels
 from fxpipe.tracer.host_random import numpy_draws, refuse_numpy_draws
-from fxpipe.tracer.call import active_call
 
-__all__ = ["export_graph", "non_persistent_buffers"]
+__all__ = ["export_graph", "non_persistent_buffers", "infer_dynamic_dims"]
 
 
 def non_persistent_buffers(model: nn.Module) -> set[str]:
@@ -41,6 +43,7 @@ def export_graph(
     model: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
     batch_dims: Sequence[int | None] | None = None,
+    dynamic_dims: DynamicDims | None = None,
 ) -> torch.fx.GraphModule:
     """Export ``model`` with a dynamic batch dimension and return the normalized-form graph.
 
@@ -48,28 +51,35 @@ def export_graph(
     Note [the traced call] in ``fxpipe.tracer.call``: keyword arguments and constants go to
     ``torch.export`` as they were given), else positional arguments. ``batch_dims`` names
     each input's batch dimension (``None``: static input); the default is dim 0 of every
-    non-scalar input. The graph's placeholders are the tensor inputs only (export's
+    non-scalar input. ``dynamic_dims``: the other dynamic dimensions (Note [dynamic
+    dimensions] in :mod:`fxpipe.tracer.dynamic`); the range export holds each for is in
+    ``meta[DIM_RANGES_KEY]``. The graph's placeholders are the tensor inputs only (export's
     placeholders of constant arguments are dropped). The output node still returns the
     exported (already flat) user outputs; the caller finishes normalization (paths,
     output spec, getitems).
     """
-    batch = Dim("batch", min=1)
     dims = (
         tuple(0 if t.dim() > 0 else None for t in example_inputs)
         if batch_dims is None
         else batch_dims
     )
+    dynamic_dims = dynamic_dims or tuple({} for _ in example_inputs)
+    shapes = export_dims(dims, dynamic_dims)
     call = active_call(len(example_inputs))
     bound: dict[str, Any] = {}
     if call is None:
         args: tuple[Any, ...] = tuple(example_inputs)
         kwargs: dict[str, Any] = {}
-        dynamic: Any = tuple(None if d is None else {d: batch} for d in dims)
+        dynamic: Any = tuple(shapes)
     else:
-        args, kwargs, dynamic, bound = call.with_tensors(example_inputs).export_arguments(
-            dims, batch
-        )
-    ep = _export(model, args, kwargs, dynamic, bound)
+        args, kwargs, dynamic, bound = call.with_tensors(example_inputs).export_arguments(shapes)
+    try:
+        ep = _export(model, args, kwargs, dynamic, bound)
+    except Exception as exc:
+        specialised = specialised_error(exc, dynamic_dims)
+        if specialised is not None:
+            raise specialised from exc
+        raise
     sig = ep.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs}
     graph = torch.fx.Graph()
@@ -122,6 +132,7 @@ def export_graph(
 
     gm = torch.fx.GraphModule(root, graph, type(model).__name__)
     gm.meta[CONSTANTS_KEY] = constants
+    gm.meta[DIM_RANGES_KEY] = _dim_ranges(ep, gm, dynamic_dims)
     return gm
 
 
@@ -193,3 +204,73 @@ def _model_attr(model: nn.Module, target: str, constants: dict[str, Any]) -> Any
         owner = model.get_submodule(target.rpartition(".")[0])
         return getattr(owner, target.rpartition(".")[2])
     return constants[target]
+
+
+def _dim_ranges(
+    ep: Any, gm: torch.fx.GraphModule, dynamic: DynamicDims
+) -> dict[str, tuple[int, int | None]]:
+    """The range export holds each declared symbol for (its ``range_constraints``)."""
+    out: dict[str, tuple[int, int | None]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, dims in zip(placeholders, dynamic):
+        val = node.meta.get("val")
+        for d, (symbol, _, _) in dims.items():
+            size = val.shape[d] if isinstance(val, torch.Tensor) else None
+            if not isinstance(size, torch.SymInt):
+                continue
+            vr = ep.range_constraints.get(size.node.expr)
+            if vr is None:
+                continue
+            out[symbol] = (_bound(vr.lower) or 0, _bound(vr.upper))
+    return out
+
+
+def infer_dynamic_dims(
+    model: nn.Module, example: Any, batch_dims: Sequence[int | None]
+) -> dict[str, dict[int, Any]]:
+    """``--dynamic auto``: the input dimensions besides the batch that the model does not specialise.
+
+    Every such dimension of every tensor input is offered to ``torch.export`` as ``Dim.AUTO``; those
+    it kept symbolic are dynamic, named ``<input>_<dim>`` (equal ones share the first one's name), with
+    the range export found (Note [dynamic dimensions] in :mod:`fxpipe.tracer.dynamic`)."""
+    call = bind_example(model, parse_model_inputs(example))
+    tensors = call.tensors
+    batch = Dim("batch", min=1)
+    shapes: list[dict[int, Any] | None] = []
+    for t, b in zip(tensors, batch_dims):
+        shape: dict[int, Any] = {d: Dim.AUTO for d in range(t.dim()) if d != b and t.shape[d] > 1}
+        if b is not None:
+            shape[b] = batch
+        shapes.append(shape or None)
+    args, kwargs, dynamic, bound = call.export_arguments(shapes)
+    with torch.no_grad():
+        ep = _export(model, args, kwargs, dynamic, bound)
+    placeholders = [
+        n
+        for n, spec in zip(ep.graph.nodes, ep.graph_signature.input_specs)
+        if spec.kind == InputKind.USER_INPUT and not isinstance(spec.arg, ConstantArgument)
+    ]
+    names: dict[Any, str] = {}
+    out: dict[str, dict[int, Any]] = {}
+    for name, node, b in zip(call.spec.inputs, placeholders, batch_dims):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            if d == b or not isinstance(size, torch.SymInt):
+                continue
+            expr = size.node.expr
+            symbol = names.setdefault(expr, f"{name}_{d}")
+            vr = ep.range_constraints.get(expr)
+            low = max(_bound(vr.lower) or 0, 2) if vr is not None else 2
+            high = _bound(vr.upper) if vr is not None else None
+            out.setdefault(name, {})[d] = (symbol, low, high)
+    return out
+
+
+def _bound(value: Any) -> int | None:
+    """A range bound of export's as an int; ``None`` for infinity."""
+    try:
+        return int(value)
+    except (OverflowError, TypeError, ValueError, AttributeError):
+        return None

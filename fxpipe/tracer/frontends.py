@@ -33,6 +33,7 @@ from fxpipe.tracer.static_batch import (
     fixed_batch,
     recording,
 )
+from fxpipe.tracer.dynamic import DynamicDims, SpecialisedError
 from fxpipe.tracer.shapes import BatchDims, batch_size_of, double_batch
 from fxpipe.tracer.symbolic import (
     FallbackLeaf,
@@ -114,18 +115,21 @@ def unrebuildable_leaves(
 
 
 def _export(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], batch_dims: BatchDims
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    batch_dims: BatchDims,
+    dynamic_dims: DynamicDims | None,
 ) -> FrontendResult:
     # a batch of 1 would be specialised by export; the same samples twice are not
     if all(d is None for d in batch_dims):  # static (Note [a batch the model fixes])
-        return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+        return FrontendResult(export_graph(model, inputs, batch_dims, dynamic_dims), "export")
     given, batch = inputs, batch_size_of(inputs, batch_dims)
     if batch == 1:
         inputs = double_batch(inputs, batch_dims)
     found: list[Specialisation] = []
     try:
         with recording(found):
-            return FrontendResult(export_graph(model, inputs, batch_dims), "export")
+            return FrontendResult(export_graph(model, inputs, batch_dims, dynamic_dims), "export")
     except Exception as exc:
         if not batch_was_fixed(exc):
             raise
@@ -136,7 +140,7 @@ def _export(
         f"static at the microbatch size {batch}; every microbatch must hold {batch} samples",
         stacklevel=4,
     )
-    static = export_graph(model, given, tuple(None for _ in given))
+    static = export_graph(model, given, tuple(None for _ in given), dynamic_dims)
     return FrontendResult(static, "export", static_batch=where)
 
 
@@ -207,6 +211,7 @@ def trace_graph(
     leaves: tuple[LeafSpec, ...],
     batch_dims: BatchDims,
     ctor_args: Mapping[str, CtorArgs] | None = None,
+    dynamic_dims: DynamicDims | None = None,
 ) -> FrontendResult:
     """Trace with the requested front end (see the module docstring for ``auto``).
 
@@ -243,7 +248,9 @@ def trace_graph(
                 next(iter(unbuildable or symbolic.fallback_leaves)), RuntimeError(reason)
             )
     try:
-        return _export(model, inputs, batch_dims)
+        return _export(model, inputs, batch_dims, dynamic_dims)
+    except SpecialisedError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the message goes to the user
         if symbolic is not None:
             kept = ", ".join(repr(p) for p in unbuildable or symbolic.fallback_leaves)

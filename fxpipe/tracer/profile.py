@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxpipe.errors import ProfileError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
+from fxpipe.shapeformula import DimRange
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 from fxpipe.tracer.calibration import host_slowdown
 
@@ -82,19 +83,24 @@ class TensorSpec:
 
     ``batch_dim`` is the dimension that scales with the batch (``None`` when the
     tensor does not depend on it, e.g. a causal mask). ``requires_grad`` says whether a
-    gradient flows back through it (token ids and masks get none).
+    gradient flows back through it (token ids and masks get none). ``dims``: each dimension's
+    formula in the dynamic sizes (Note [shape formulas] in :mod:`fxpipe.shapeformula`);
+    ``None`` in profiles written before formulas.
     """
 
     shape: tuple[NonNegInt, ...]
     dtype: str = "float32"
     batch_dim: int | None = 0
     requires_grad: bool = True
+    dims: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         dtype_bytes(self.dtype)
         if self.batch_dim is not None and not 0 <= self.batch_dim < max(len(self.shape), 1):
             raise ProfileError(f"batch_dim {self.batch_dim} out of range for shape {self.shape}")
+        if self.dims is not None and len(self.dims) != len(self.shape):
+            raise ProfileError(f"dims {list(self.dims)} do not match the shape {list(self.shape)}")
 
     @property
     def numel(self) -> int:
@@ -272,7 +278,9 @@ class ModelProfile:
     :mod:`fxpipe.tracer.meta_buffers`).
     ``host_call_ms``: the fixed cost of calling a unit, measured beside the unit times (``None``:
     times not measured); ``host_slowdown`` compares it with the calibration host's (Note
-    [host speed] in :mod:`fxpipe.tracer.calibration`).
+    [host speed] in :mod:`fxpipe.tracer.calibration`). ``dynamic``: the dimensions besides the
+    batch that follow the data, with their ranges (Note [dynamic dimensions] in
+    :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them.
     """
 
     units: tuple[Unit, ...]
@@ -294,6 +302,7 @@ class ModelProfile:
     skipped_checks: tuple[str, ...] = ()
     host_call_ms: NonNegFloat | None = None
     recomputed_buffers: tuple[str, ...] = ()
+    dynamic: tuple[DimRange, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))

@@ -29,6 +29,9 @@ import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.tracer.modes import guard_of, is_training_flag, run_in_mode
+from fxpipe.errors import TraceError
+from fxpipe.shapeformula import BATCH, UNKNOWN, DimRange, fit_dim
+from fxpipe.tracer.dynamic import DynamicDims, probe_inputs, probe_size
 from fxpipe.tracer.mutation import MutationLog
 from fxpipe.tracer.profile import TensorSpec
 from fxpipe.graphmeta import SPEC_KEY
@@ -166,8 +169,10 @@ class _Counting(torch.fx.Interpreter):
         self.flops: dict[str, float] = {}
         self.mutations = MutationLog()
         self.unrun: list[torch.fx.Node] = []  # eval-only nodes that fail on train mode's values
+        self.current: torch.fx.Node | None = None
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        self.current = n
         if is_training_flag(n):
             return True
         if guard_of(n) is False:
@@ -238,6 +243,8 @@ def propagate(
     inputs: tuple[torch.Tensor, ...],
     batch_size: int,
     batch_dims: Sequence[int | None] | None = None,
+    dynamic: DynamicDims | None = None,
+    ranges: Sequence[DimRange] = (),
     *,
     static: bool = False,
 ) -> Propagation:
@@ -246,6 +253,11 @@ def propagate(
     ``batch_dims`` says along which dimension each input grows for the ``2B`` run
     (default: :func:`default_batch_dims`; see the module Note). A ``static`` graph (Note [a batch
     the model fixes]) runs at ``B`` only: dimension 0 is the batch wherever its size equals ``B``.
+    ``dynamic`` / ``ranges``: the other dynamic dimensions (Note [dynamic dimensions] in
+    :mod:`fxpipe.tracer.dynamic`); the graph also runs with each of them at a probe size, and with
+    all sizes changed at once, to fit every tensor's shape formula (``TensorSpec.dims``, Note [shape
+    formulas]). A run at a probe size that fails means the graph specialised that dimension: a
+    ``TraceError`` names the node.
     """
     counting = _Counting(gm, FlopCounterMode(display=False))
     with counting.counter:  # type: ignore[union-attr]
@@ -273,14 +285,100 @@ def propagate(
             stacklevel=2,
         )
     dims = default_batch_dims(inputs) if batch_dims is None else tuple(batch_dims)
+    dynamic = dynamic or tuple({} for _ in inputs)
+    probes = {r.name: (r.traced, probe_size(r)) for r in ranges}
+    runs = {BATCH: doubled} if doubled else {}
+    for r in ranges:
+        runs[r.name] = _probe_run(
+            gm,
+            probe_inputs(inputs, dynamic, {r.name: probes[r.name][1]}),
+            r.name,
+            probes[r.name][1],
+        )
+    together: dict[torch.fx.Node, Any] = doubled
+    if ranges and doubled:
+        all_probed = probe_inputs(
+            double_batch(inputs, batch_dims), dynamic, {s: p[1] for s, p in probes.items()}
+        )
+        together = _probe_run(gm, all_probed, ", ".join(probes), None)
+    probes[BATCH] = (batch_size, 2 * batch_size)
     placeholders = iter(dims)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        spec = _spec(counting.env[node], doubled.get(node), batch_size)
+        value = counting.env[node]
+        spec = _spec(value, doubled.get(node), batch_size)
         if node.op == "placeholder" and isinstance(spec, TensorSpec):
             spec = dataclasses.replace(spec, batch_dim=next(placeholders))  # known, not guessed
+        if runs:
+            spec = _with_formulas(
+                spec,
+                value,
+                {s: run.get(node) for s, run in runs.items()},
+                together.get(node),
+                probes,
+            )
         node.meta[SPEC_KEY] = spec
     return Propagation(
         values=counting.env, flops=counting.flops, mutations=counting.mutations.found
     )
+
+
+def _probe_run(
+    gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], symbols: str, size: int | None
+) -> dict[torch.fx.Node, Any]:
+    """The values of one run at other sizes; a failure names the node where the graph specialised."""
+    runner = _Counting(gm, None)
+    try:
+        with torch.no_grad():
+            runner.run(*inputs)
+    except Exception as exc:  # noqa: BLE001 - the message goes to the user
+        node = runner.current
+        where = f"node {node.name!r}" if node is not None else "the graph"
+        frame = (
+            node.meta.get("stack_trace", "").strip().splitlines()[-2:-1] if node is not None else []
+        )
+        at = f" ({frame[0].strip()})" if frame else ""
+        sizes = f"{symbols} = {size}" if size is not None else f"{symbols} changed together"
+        message = " ".join(str(exc).split())[:200]
+        raise TraceError(
+            f"the traced graph fails at {sizes}: {where}{at} raised {type(exc).__name__}: {message}; the "
+            f"model specialises {symbols} there: declare a range that holds, or leave it static"
+        ) from exc
+    return runner.env
+
+
+def _with_formulas(
+    spec: Any, value: Any, runs: dict[str, Any], together: Any, probes: dict[str, tuple[int, int]]
+) -> Any:
+    if isinstance(spec, tuple) and isinstance(value, (tuple, list)):
+
+        def at(v: Any, i: int) -> Any:
+            return v[i] if isinstance(v, (tuple, list)) and len(v) == len(value) else None
+
+        return tuple(
+            _with_formulas(sp, v, {s: at(r, i) for s, r in runs.items()}, at(together, i), probes)
+            for i, (sp, v) in enumerate(zip(spec, value))
+        )
+    if not isinstance(spec, TensorSpec) or not isinstance(value, torch.Tensor):
+        return spec
+    traced = {s: p[0] for s, p in probes.items()}
+    formulas = []
+    for d, size in enumerate(value.shape):
+        moved: dict[str, tuple[int, int, int]] = {}
+        known = True
+        for s, run in runs.items():
+            if not isinstance(run, torch.Tensor) or run.dim() != value.dim():
+                known = False
+                break
+            moved[s] = (probes[s][0], probes[s][1], int(run.shape[d]))
+        if not known:
+            formulas.append(UNKNOWN)
+            continue
+        both = (
+            int(together.shape[d])
+            if isinstance(together, torch.Tensor) and together.dim() == value.dim()
+            else None
+        )
+        formulas.append(fit_dim(int(size), moved, traced, both))
+    return dataclasses.replace(spec, dims=tuple(formulas))

@@ -21,6 +21,7 @@ __all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES"]
 
 FRONTENDS = ("auto", "symbolic", "export")
 TRACE_DEVICES = ("cpu", "cuda", "meta")
+DYNAMIC_CHOICES = ("model", "auto", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,12 @@ class ModelTraceOptions(Options):
         choices=tuple(DEVICE_PRESETS),
         none_means="the trace device; cpu for meta",
         help="device whose analytic costs price the units",
+    )
+    dynamic: str = option(
+        "model",
+        choices=DYNAMIC_CHOICES,
+        help="dimensions besides the batch that follow the data: model (the model file's "
+        "dynamic_dims(), if any), auto (every input dimension the model does not specialise), none",
     )
     measure_times: bool = option(
         False, help="measure forward/backward per unit instead of the analytic estimate"

@@ -21,7 +21,7 @@ def test_build_records_typed_fields_and_round_trips(example_build) -> None:
         torch.__version__,
     )
     data = json.loads((out / "manifest.json").read_text())
-    assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 4 and "extra" not in data
+    assert data["schema_version"] == MANIFEST_SCHEMA_VERSION == 5 and "extra" not in data
     assert (data["microbatches"], data["training"], data["torch_version"]) == (
         3,
         True,
@@ -47,7 +47,7 @@ def test_a_version_1_manifest_is_refused_with_the_remedy(example_build) -> None:
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(
         BuildDirError,
-        match=r"schema version 1 is older than this fxpipe reads \(versions 3 to 4\); "
+        match=r"schema version 1 is older than this fxpipe reads \(versions 3 to 5\); "
         r"rebuild it with this fxpipe's `fxpipe partition`",
     ):
         Manifest.from_json(out)
@@ -78,7 +78,7 @@ def test_a_newer_manifest_is_refused_with_upgrade(example_build) -> None:
     data.update(schema_version=MANIFEST_SCHEMA_VERSION + 1)
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(
-        BuildDirError, match=r"newer than this fxpipe understands \(4\); upgrade fxpipe"
+        BuildDirError, match=r"newer than this fxpipe understands \(5\); upgrade fxpipe"
     ):
         Manifest.from_json(out)
 
@@ -96,7 +96,7 @@ def test_a_version_2_manifest_is_refused_since_its_stages_may_change_shared_inpu
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(
         BuildDirError,
-        match=r"schema version 2 is older than this fxpipe reads \(versions 3 to 4\); "
+        match=r"schema version 2 is older than this fxpipe reads \(versions 3 to 5\); "
         r"rebuild it",
     ):
         Manifest.from_json(out)

@@ -125,11 +125,11 @@ def test_resnet_batchnorm_state_is_untouched(load_example):
 def test_requires_grad_and_batch_dim_of_specs(traced_examples):
     gm = traced_examples["gpt"].graph_module
     idx = next(n for n in gm.graph.nodes if n.op == "placeholder")
-    assert idx.meta[SPEC_KEY] == TensorSpec((2, 16), "int64", 0, False)
+    assert idx.meta[SPEC_KEY] == TensorSpec((2, 16), "int64", 0, False, ("mb", "16"))
     wpe = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "wpe")
     assert wpe.meta[SPEC_KEY].batch_dim is None and wpe.meta[SPEC_KEY].requires_grad
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
-    assert out.meta[SPEC_KEY] == TensorSpec((2, 16, 64), "float32", 0, True)
+    assert out.meta[SPEC_KEY] == TensorSpec((2, 16, 64), "float32", 0, True, ("mb", "16", "64"))
 
 
 def test_unit_outputs_have_int_spec_for_sizes():

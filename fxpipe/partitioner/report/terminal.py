@@ -175,6 +175,10 @@ def print_plan_report(
             if plan.cost.dp_replicas > 1
             else ""
         )
+        + "".join(  # a build with dynamic dimensions is priced at the traced sizes (docs/shapes.md)
+            f", priced at {r.name} = {r.traced} (the build runs {r.shown()})"
+            for r in profile.dynamic
+        )
     )
     table = Table(title=title, title_justify="left")
     dp = any(

@@ -18,7 +18,7 @@ function yields (``fxpipe.runtime.train.batch_check``, its own wording).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,14 @@ __all__ = [
     "batch_fingerprint",
     "first_disagreement",
     "compare_batch",
+    "gather_fingerprints",
+    "name_disagreement",
     "Disagreement",
     "runner_message",
 ]
 
 PARTS = ("inputs", "targets")
+_DOING = "comparing the step's batch across the pipeline"
 
 
 def _part(tree: Any) -> list[int]:
@@ -128,28 +131,61 @@ def compare_batch(
 ) -> Disagreement | None:
     """Compare the batch this rank holds with the other ranks of its pipeline (collective over
     ``group``, whose members are ``ranks`` in group order); ``None`` when they agree."""
-    size = len(ranks)
-    if size == 1:
+    if len(ranks) == 1:
         return None
+    per_rank = gather_fingerprints(
+        inputs, targets, group=group, ranks=ranks, device=device, rank=rank, timeout_s=timeout_s
+    )
+    return name_disagreement(per_rank, inputs, targets, group, ranks, rank, timeout_s)
+
+
+def gather_fingerprints(
+    inputs: Any,
+    targets: Any,
+    *,
+    group: Any,
+    ranks: list[int],
+    device: torch.device,
+    rank: int,
+    timeout_s: float,
+    extra: Sequence[int] = (),
+) -> list[list[int]]:
+    """Every rank's batch fingerprint (8 ints) followed by its ``extra`` ints, in group order: one
+    all-gather (collective over ``group``). ``extra`` rides along for free (the step's sizes,
+    Note [shape formulas]); every rank must give as many."""
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(batch_fingerprint(inputs, targets), dtype=torch.int64, device=on)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    doing = "comparing the step's batch across the pipeline"
+    mine = torch.tensor(
+        batch_fingerprint(inputs, targets) + list(extra), dtype=torch.int64, device=on
+    )
+    gathered = [torch.empty_like(mine) for _ in ranks]
     try:
         dist.all_gather(gathered, mine, group=group)
     except RuntimeError as exc:
-        raise peer_error(exc, rank, doing, timeout_s) from exc
-    found = first_disagreement([g.tolist() for g in gathered], ranks)
+        raise peer_error(exc, rank, _DOING, timeout_s) from exc
+    return [g.tolist() for g in gathered]
+
+
+def name_disagreement(
+    per_rank: list[list[int]],
+    inputs: Any,
+    targets: Any,
+    group: Any,
+    ranks: list[int],
+    rank: int,
+    timeout_s: float,
+) -> Disagreement | None:
+    """The first tensor that differs between two ranks' gathered fingerprints, else ``None``; a
+    second gather (collective, on the error path only: every rank saw the same fingerprints)."""
+    found = first_disagreement(per_rank, ranks)
     if found is None:
         return None
     part, first, other = found
-    # the error path only: every rank saw the same gathered fingerprints, so every rank is here
     tree = inputs if part == "inputs" else targets
-    leaves: list[Any] = [None] * size
+    leaves: list[Any] = [None] * len(ranks)
     try:
         dist.all_gather_object(leaves, _leaves(part, tree), group=group)
     except RuntimeError as exc:
-        raise peer_error(exc, rank, doing, timeout_s) from exc
+        raise peer_error(exc, rank, _DOING, timeout_s) from exc
     tensor = _first_tensor(leaves[ranks.index(first)], leaves[ranks.index(other)], part)
     return Disagreement(part, tensor, first, other)
 

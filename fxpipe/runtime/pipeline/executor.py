@@ -111,8 +111,8 @@ class RankExecutor:
             self._steps.append(_Step(a, worker, (a.stage, a.microbatch) in split, receives))
         self.last_step: list[ActionTime] = []
         self._want: dict[
-            tuple[int, int], list[tuple[int, ...]]
-        ] = {}  # (stage, microbatch size) -> output shapes
+            tuple[Any, ...], list[tuple[int, ...]]
+        ] = {}  # (stage, microbatch size, dynamic sizes) -> output shapes
 
     @property
     def holds_loss(self) -> bool:
@@ -141,6 +141,10 @@ class RankExecutor:
         if self.holds_loss and loss_fn is None:
             raise RuntimeSetupError("the last stage needs a loss_fn to train")
         mb_size = microbatch_size(self.manifest, inputs[0])
+        # the step's dynamic sizes, read off the model inputs every rank holds: checked before any message
+        sizes = self.manifest.step_sizes([tuple(t.shape) for t in inputs[0]])
+        for worker in self.workers.values():
+            worker.sizes = sizes
         scale = 1.0 / M if self.average_grads else 1.0
         live: dict[int, torch.Tensor] = {}  # losses between their microbatch's F and B
         losses: list[torch.Tensor] = [torch.zeros(())] * M
@@ -191,15 +195,17 @@ class RankExecutor:
         self, worker: StageWorker, outputs: Sequence[torch.Tensor], mb_size: int
     ) -> None:
         """Refuse stage outputs whose shapes differ from the manifest's (a stale build directory)."""
-        key = (worker.stage, mb_size)
+        key = (worker.stage, mb_size, *sorted(worker.sizes.items()))
         wants = self._want.get(key)
         if wants is None:
             wants = self._want[key] = [
-                o.shape_at(mb_size, self.manifest.microbatch_size) for o in worker.spec.outputs
+                o.shape_at(mb_size, self.manifest.microbatch_size, worker.sizes)
+                for o in worker.spec.outputs
             ]
         for o, t, want in zip(worker.spec.outputs, outputs, wants):
             if t.shape != want:
+                at = "".join(f", {k} {v}" for k, v in worker.sizes.items())
                 raise RuntimeSetupError(
                     f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
-                    f"manifest says {want} at microbatch size {mb_size}; rebuild the directory"
+                    f"manifest says {want} at microbatch size {mb_size}{at}; rebuild the directory"
                 )

@@ -11,9 +11,10 @@ tensors of the caller's (the loss), and sends the gradients of the received inpu
 back, only for tensors that need one (``routes.needs_grad``). With ``split=True``, ``B``
 computes those input gradients only and ``W`` the weight gradients later (Note [split
 backward through the saved graph] in ``fxpipe.runtime.pipeline.split_backward``). Receive
-buffers are allocated from the manifest's specs at the microbatch size and reused
-from step to step (``RankComm``), so no shapes are exchanged and nothing is allocated
-per microbatch once warm. Stages on one rank hand tensors over in memory.
+buffers are allocated from the manifest's specs at the microbatch size and the step's dynamic
+sizes (``sizes``: each boundary tensor's shape formula evaluated, Note [shape formulas] in
+``fxpipe.shapeformula``) and reused from step to step (``RankComm``), so no shapes are exchanged
+and nothing is allocated per microbatch once warm. Stages on one rank hand tensors over in memory.
 
 Sends never block: they are waited on only at the end of the step (Note [posting
 messages] in ``fxpipe.runtime.pipeline.comm``). A caller that runs actions back to back
@@ -145,7 +146,9 @@ class StageWorker:
             for t in self._recvs + self._sends
         }
         self._output_names = [o.name for o in self.spec.outputs]
-        self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._shapes: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        # the step's dynamic sizes besides the batch (Note [shape formulas]): set by whoever runs the step
+        self.sizes: dict[str, int] = {}
         self._what = {
             g: {
                 t.tensor_id: f"{'gradient of' if g else 'activation'} {t.spec.name!r}"
@@ -172,10 +175,13 @@ class StageWorker:
     # -- receives, posted ahead ------------------------------------------------
 
     def _shape(self, t: Transfer, mb_size: int) -> tuple[int, ...]:
-        key = (t.tensor_id, mb_size)
+        """The receive buffer's shape: from the tensor's formula at the step's sizes (Note [shape formulas])."""
+        key = (t.tensor_id, mb_size, *sorted(self.sizes.items()))
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = t.spec.shape_at(mb_size, self.manifest.microbatch_size)
+            shape = self._shapes[key] = t.spec.shape_at(
+                mb_size, self.manifest.microbatch_size, self.sizes
+            )
         return shape
 
     def _post(self, transfers: list[Transfer], m: int, mb_size: int, gradient: bool) -> Pending:
@@ -256,6 +262,8 @@ class StageWorker:
         mine = dict(zip(self._output_names, state.outputs))
         sends: list[Message] = []
         for t in self._sends:
+            if t.dst not in self._local:
+                self._check_sent(t, mine[t.spec.name], mb_size)
             self._deliver(
                 t,
                 m,
@@ -266,6 +274,19 @@ class StageWorker:
         _keep_sent(state, sends)
         self.comm.send(sends)
         return state.outputs
+
+    def _check_sent(self, t: Transfer, value: torch.Tensor, mb_size: int) -> None:
+        """Refuse to send a tensor whose shape is not the one its receiver sized its buffer for (Note [shape
+        formulas]): a stale build, or a dimension that depends on the data, named before any message."""
+        want = self._shape(t, mb_size)
+        if tuple(value.shape) != want:
+            at = "".join(f", {k} {v}" for k, v in self.sizes.items())
+            raise RuntimeSetupError(
+                f"stage {self.stage} output {t.spec.name!r} has shape {tuple(value.shape)} but its receiver "
+                f"expects {want} (formula {list(t.spec.dims or t.spec.shape)} at microbatch size "
+                f"{mb_size}{at}); its shape depends on the data or the build is stale: keep that tensor "
+                "inside one stage (--split-at) or rebuild the directory"
+            )
 
     def _fed(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """What the stage module gets for its input ``name``: a copy if the stage changes it in place."""

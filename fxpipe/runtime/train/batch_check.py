@@ -24,9 +24,14 @@ from typing import Any
 
 from fxpipe.errors import ModelFileError
 from fxpipe.runtime.pipeline import batch_agreement
-from fxpipe.runtime.pipeline.batch_agreement import compare_batch, first_disagreement
+from fxpipe.runtime.pipeline.batch_agreement import (
+    first_disagreement,
+    gather_fingerprints,
+    name_disagreement,
+)
 from fxpipe.runtime.pipeline.runner import PipelineRunner
-from fxpipe.runtime.train.data_iter import Placeholders
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.runtime.train.data_iter import Placeholders, placeholders
 
 __all__ = ["check_same_batch", "batch_fingerprint", "first_disagreement"]
 
@@ -41,19 +46,47 @@ def batch_fingerprint(inputs: Any, targets: Any) -> list[int]:
     return batch_agreement.batch_fingerprint(_held(inputs), _held(targets))
 
 
+def _sizes_part(manifest: Manifest, inputs: Any) -> list[int]:
+    """The step's dynamic sizes (Note [shape formulas]) as read off the inputs this rank drew; zeros if none."""
+    if not manifest.dynamic:
+        return []
+    if inputs is None or isinstance(inputs, Placeholders):
+        return [0] * len(manifest.dynamic)
+    sizes = manifest.step_sizes([tuple(t.shape) for t in inputs])
+    return [sizes.get(r.name, 0) for r in manifest.dynamic]
+
+
 def check_same_batch(
     runner: PipelineRunner, inputs: Any, targets: Any, when: str, where: str
-) -> None:
+) -> Any:
     """Stop every rank of ``runner``'s pipeline if its ranks drew different batches (collective over the
-    pipeline). ``when``: "at step 3"; ``where``: the data function's call, for the message."""
-    found = compare_batch(
+    pipeline). ``when``: "at step 3"; ``where``: the data function's call, for the message.
+
+    Returns the inputs to run: a rank that left them out (``Placeholders``) of a build with dynamic
+    dimensions gets placeholders at the step's sizes, which ride on the same all-gather (the ranks that
+    drew the batch add them to their fingerprint: no message of its own)."""
+    ranks = runner.pipeline_ranks()
+    if len(ranks) == 1:
+        return inputs
+    sizes = _sizes_part(runner.manifest, inputs)
+    per_rank = gather_fingerprints(
         _held(inputs),
         _held(targets),
         group=runner.groups.pipeline,
-        ranks=runner.pipeline_ranks(),
+        ranks=ranks,
         device=runner.device,
         rank=runner.rank,
         timeout_s=runner.timeout_s,
+        extra=sizes,
+    )
+    found = name_disagreement(
+        per_rank,
+        _held(inputs),
+        _held(targets),
+        runner.groups.pipeline,
+        ranks,
+        runner.rank,
+        runner.timeout_s,
     )
     if found is not None:
         replica = runner.replica
@@ -65,3 +98,17 @@ def check_same_batch(
             "global random state (e.g. torch.Generator().manual_seed(seed + rank_info.replica) for "
             "a DataLoader's generator)"
         )
+    if sizes and isinstance(inputs, Placeholders):
+        drawn = next((fp[8:] for fp in per_rank if fp[0]), None)
+        if drawn is not None:
+            step = {r.name: v for r, v in zip(runner.manifest.dynamic, drawn)}
+            batch = next(
+                (
+                    t.shape[s.batch_dim]
+                    for t, s in zip(inputs, runner.manifest.inputs)
+                    if s.batch_dim is not None
+                ),
+                runner.manifest.batch_size,
+            )
+            return placeholders(runner.manifest, int(batch), step)
+    return inputs

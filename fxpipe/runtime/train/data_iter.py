@@ -40,6 +40,7 @@ __all__ = [
     "BatchFn",
     "Batch",
     "Placeholders",
+    "placeholders",
     "find_batches",
     "batch_stream",
     "rank_needs_inputs",
@@ -100,14 +101,21 @@ class Placeholders(tuple):
     """Model inputs of a rank that yielded none: shapes only, no data (not compared across ranks)."""
 
 
-def _placeholders(manifest: Manifest, batch_size: int) -> Placeholders:
-    """Model inputs of the right shapes that own no memory (a rank that reads none only needs their sizes)."""
+def placeholders(
+    manifest: Manifest, batch_size: int, sizes: Mapping[str, int] | None = None
+) -> Placeholders:
+    """Model inputs of the right shapes that own no memory (a rank that reads none only needs their sizes).
+
+    ``sizes``: the step's dynamic sizes (Note [shape formulas] in ``fxpipe.shapeformula``), the traced
+    ones until the ranks that drew the batch tell them (``fxpipe.runtime.train.batch_check``)."""
+    if sizes is None:
+        sizes = {r.name: r.traced for r in manifest.dynamic}
     out = []
     for spec in manifest.inputs:
         dtype = boundary_dtype(spec.dtype)
         shape = (
-            spec.shape_at(batch_size, manifest.microbatch_size)
-            if spec.batch_dim is not None
+            spec.shape_at(batch_size, manifest.microbatch_size, sizes)
+            if spec.batch_dim is not None or spec.dims is not None
             else spec.shape
         )
         out.append(torch.zeros((), dtype=dtype).expand(shape))
@@ -126,7 +134,7 @@ def _bind(manifest: Manifest, item: Any, info: RankInfo, batch_size: int, where:
                 f"{where} yielded no inputs on rank {info.rank}, whose stage reads model inputs "
                 "(rank_info.needs_inputs)"
             )
-        return _placeholders(manifest, batch_size), targets
+        return placeholders(manifest, batch_size), targets
     try:
         call = inputs if isinstance(inputs, (ModelInputs, Mapping, torch.Tensor)) else tuple(inputs)
         return manifest.call_spec.bind_any(call), targets

@@ -355,7 +355,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             inputs, targets = next(stream)
             position += 1
             if train_fn is not None or k == first:  # Note [one batch per pipeline under fxpipe run]
-                check_same_batch(runner, inputs, targets, f"at step {k + 1}", drawn)
+                inputs = check_same_batch(runner, inputs, targets, f"at step {k + 1}", drawn)
             lr_now = runner.optimizer.param_groups[0]["lr"] if runner.optimizer is not None else lr
             start = time.perf_counter()
             loss = runner.step(inputs, targets)
@@ -586,7 +586,7 @@ def _evaluate(
     total = 0.0
     for i in range(steps):
         inputs, targets = next(batches)
-        check_same_batch(
+        inputs = check_same_batch(
             runner, inputs, targets, f"in the evaluation after step {after} (batch {i + 1})", drawn
         )
         total += runner.eval_step(inputs, targets)
