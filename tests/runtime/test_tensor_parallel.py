@@ -142,3 +142,65 @@ def test_pp_x_tp_trains_like_one_process(
     assert seen <= set(want_state)
     for key in set(want_state) - seen:  # a tied key the build holds once
         assert any(torch.equal(want_state[key], want_state[k]) for k in seen), key
+
+
+REPLICAS = 2
+
+
+def _train_replicas(rank: int, world: int, build: Path) -> tuple[list[float], dict, int]:
+    """pp 1 x dp 2 x tp 2: replica r trains on its half of a batch of REPLICAS x BATCH."""
+    dist.init_process_group("gloo")
+    source = load_model_file(MODELS["gpt"])
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+        timeout_s=120,
+        tensor_parallel=TP,
+    )
+    assert runner.layout.replicas == REPLICAS and runner.data_parallel is not None
+    rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
+    inputs = source.example_inputs(REPLICAS * BATCH)[0][rows]
+    targets = source.example_targets(REPLICAS * BATCH)[rows]
+    losses = [runner.step((inputs,), targets) for _ in range(STEPS)]
+    state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    runner.close()
+    return losses, state, runner.replica
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tp_x_dp_trains_like_one_process_on_the_replicas_batches(
+    builds: dict[tuple[str, int], Path],
+) -> None:
+    """Every replica holds the same shard of each split parameter: DDP keeps the shards in step
+    (Note [TP under DDP]); the result is one process on the concatenated batch."""
+    build = builds[("gpt", 1)]
+    results = [r.value for r in spawn(_train_replicas, REPLICAS * TP, build, timeout=600)]
+    source = load_model_file(MODELS["gpt"])
+    model = source.build_model()
+    missing, _ = model.load_state_dict(load_stage(build, 0).state_dict(), strict=False)
+    assert set(missing) <= {"lm_head.weight"}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = source.example_inputs(REPLICAS * BATCH)[0], source.example_targets(REPLICAS * BATCH)
+    chunks = REPLICAS * MICROBATCHES
+    want_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+            loss = source.loss_fn(model(xc), yc)
+            (loss / chunks).backward()
+            total += loss.item()
+        opt.step()
+        want_losses.append(total / chunks)
+    want_state = model.state_dict()
+    mean = torch.tensor([r[0] for r in results if r[2] == 0][0])
+    mean = (mean + torch.tensor([r[0] for r in results if r[2] == 1][0])) / 2
+    torch.testing.assert_close(mean, torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    for rank, (_, state, replica) in enumerate(results):
+        for key, value in state.items():
+            torch.testing.assert_close(
+                value, want_state[key], rtol=1e-5, atol=1e-6, msg=f"{key} on rank {rank}"
+            )

@@ -6,6 +6,7 @@ import pytest
 
 from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime import RankLayout
+from fxpipe.runtime.dataparallel import DataParallelOptions
 from fxpipe.runtime.train.run_options import RunOptions
 from fxpipe.runtime.train.training_options import TrainingOptions
 
@@ -30,14 +31,15 @@ def test_tp_ranks_are_neighbours_and_each_tp_index_has_its_pipelines() -> None:
 @pytest.mark.parametrize(
     "options, flag",
     [
-        (dict(dp=2), "--dp 2"),
+        (dict(data_parallel=DataParallelOptions(shard="full")), "--shard full"),
+        (dict(data_parallel=DataParallelOptions(comm_hook="fp16")), "--comm-hook fp16"),
         (dict(precision="fp16"), "--precision fp16"),
         (dict(training=TrainingOptions(checkpoint_dir="ckpt")), "--checkpoint-dir"),
         (dict(training=TrainingOptions(clip_grad_norm=1.0)), "--clip-grad-norm"),
     ],
 )
 def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: str) -> None:
-    RunOptions(tp=2)
+    RunOptions(tp=2, dp=2)
     with pytest.raises(ConfigError, match=f"--tp 2 does not combine with {flag}"):
         RunOptions(tp=2, **options)
     with pytest.raises(ConfigError, match="--tp must be an int >= 1"):
