@@ -39,6 +39,12 @@ HEAVY = (
     "tests/runtime/test_launch.py::test_run_build_trains_gpt_on_three_ranks",
     "tests/codegen/test_load.py::test_last_stage_loads_in_well_under_half_the_memory",
     "tests/runtime/test_export_hf.py::test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model",
+    # tensor parallelism: make test keeps pp1 x tp2 GPT and pp2 x tp2 Llama
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[2-gpt]",
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[1-llama]",
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[1-mlp]",
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[2-mlp]",
+    "tests/runtime/test_tensor_parallel.py::test_tp_x_dp_trains_like_one_process_on_the_replicas_batches",
 )
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism inside stages (``--tp``): pp x tp trains exactly as one process.
 
-The GPT example (MLP split, its fused-qkv attention replicated) and a transformers Llama
+The MLP example (its linears paired in the stage's own forward), the GPT example (MLP split,
+its attention, a leaf, replicated) and a transformers Llama
 (GQA attention and SwiGLU split, tied embeddings replicated, the model's own loss from
 ``labels=``), each as 1 stage x tp 2 and 2 stages x tp 2: losses and every parameter after
 3 SGD steps equal one-process training of the original model (fp32, rtol 1e-5).
@@ -27,7 +28,7 @@ from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 HERE = Path(__file__).resolve().parent
-MODELS = {"gpt": EXAMPLES / "gpt.py", "llama": HERE / "tp_llama.py"}
+MODELS = {"gpt": EXAMPLES / "gpt.py", "llama": HERE / "tp_llama.py", "mlp": EXAMPLES / "mlp.py"}
 BATCH, MICROBATCHES, STEPS, LR, TP = 4, 2, 3, 0.1, 2
 
 
@@ -39,14 +40,22 @@ def _build(model_file: Path, out: Path, stages: int) -> Path:
     return out
 
 
+class _Builds:
+    """Builds made on first use, once per module (each test names the one it needs)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.made = root, {}
+
+    def __getitem__(self, key: tuple[str, int]) -> Path:
+        if key not in self.made:
+            name, stages = key
+            self.made[key] = _build(MODELS[name], self.root / f"{name}{stages}", stages)
+        return self.made[key]
+
+
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
-    root = tmp_path_factory.mktemp("tp")
-    return {
-        (name, stages): _build(path, root / f"{name}{stages}", stages)
-        for name, path in MODELS.items()
-        for stages in (1, 2)
-    }
+def builds(tmp_path_factory: pytest.TempPathFactory) -> _Builds:
+    return _Builds(tmp_path_factory.mktemp("tp"))
 
 
 def _call(name: str, batch: Any) -> tuple[Any, Any]:
@@ -65,7 +74,7 @@ def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], 
     inputs, targets = _call(name, BATCH)
     runner = PipelineRunner(
         build,
-        source.loss_fn if name == "gpt" else None,
+        source.loss_fn if name != "llama" else None,
         microbatches=MICROBATCHES,
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
         timeout_s=120,
@@ -89,7 +98,7 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     inputs, targets = _call(name, BATCH)
-    if name == "gpt":
+    if name != "llama":
         chunks = [
             ((x,), {}, t)
             for x, t in zip(inputs[0].chunk(MICROBATCHES), targets.chunk(MICROBATCHES))
@@ -103,7 +112,7 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
         total = 0.0
         for args, kwargs, tgt in chunks:
             out = model(*args, **kwargs)
-            loss = source.loss_fn(out, tgt) if name == "gpt" else out.loss
+            loss = source.loss_fn(out, tgt) if name != "llama" else out.loss
             (loss / MICROBATCHES).backward()
             total += loss.item()
         opt.step()
@@ -115,9 +124,7 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("stages", [1, 2])
-def test_pp_x_tp_trains_like_one_process(
-    builds: dict[tuple[str, int], Path], name: str, stages: int
-) -> None:
+def test_pp_x_tp_trains_like_one_process(builds: _Builds, name: str, stages: int) -> None:
     build = builds[(name, stages)]
     plan = TensorParallelPlan.from_json(build / "tp_plan.json")
     assert all(s.for_degree(TP).styles for s in plan.stages)  # every stage really splits something
@@ -172,7 +179,7 @@ def _train_replicas(rank: int, world: int, build: Path) -> tuple[list[float], di
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tp_x_dp_trains_like_one_process_on_the_replicas_batches(
-    builds: dict[tuple[str, int], Path],
+    builds: _Builds,
 ) -> None:
     """Every replica holds the same shard of each split parameter: DDP keeps the shards in step
     (Note [TP under DDP]); the result is one process on the concatenated batch."""

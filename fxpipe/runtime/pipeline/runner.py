@@ -291,6 +291,7 @@ class PipelineRunner:
         self.device = pick_device(device, local_rank)
         self._owns_group = init_process_group(self.device, timeout_s)
         self.groups = build_groups(self.layout, manifest, rank)
+        self.tp_plan = resolved_tp  # every stage's, for the log: fxpipe.codegen.tp_plan
         self.tp_mesh = (
             tensor_parallel_mesh(self.layout, self.device) if resolved_tp is not None else None
         )

@@ -12,7 +12,7 @@ The emitted forward of an attention block reshapes with literal sizes
 sizes. Column-parallel outputs are therefore kept as DTensors (``use_local_output=False``),
 whose shapes are global and whose ops run on the local shard, so the emitted code is right
 unchanged on any degree; the row-parallel linear all-reduces its output back to a plain,
-replicated tensor. Each plan group's module converts its tensor inputs to replicated DTensors
+replicated tensor. Each module holding a pair (its ``owner``) converts its tensor inputs to replicated DTensors
 (``DTensor.from_local``, so gradients flow back through an all-reduce) and its outputs to
 plain tensors, and implicit replication is on while a runner lives: every plain tensor in a
 tp group is replicated by construction (the stage's inputs, replicated parameters, tensors made
@@ -151,8 +151,8 @@ def parallelize_stage(stage: nn.Module, plan: ResolvedStagePlan, mesh: DeviceMes
         for path, style in plan.styles.items()
     }
     parallelize_module(stage, mesh, styles)
-    for group in plan.groups:
-        module = stage.get_submodule(group)
+    for owner in plan.owners:
+        module = stage.get_submodule(owner)
         module.register_forward_pre_hook(_replicated_in(mesh), with_kwargs=True)
         module.register_forward_hook(_plain_out)
     return stage
