@@ -260,12 +260,17 @@ class TensorParallelPlan:
 
 
 def read_tp_plan(build_dir: str | Path, override: str | Path | None = None) -> TensorParallelPlan:
-    """``override`` when given, else the build's ``tp_plan.json``, else an empty plan (a build
-    written before plans were: every module replicated)."""
+    """``override`` when given, else the build's ``tp_plan.json``; a build without one (written
+    before plans were, or whose stages could not be traced) is refused, never run unsplit."""
     if override is not None:
         return TensorParallelPlan.from_json(Path(override))
     path = Path(build_dir) / TP_PLAN_FILE
-    return TensorParallelPlan.from_json(path) if path.is_file() else TensorParallelPlan()
+    if not path.is_file():
+        raise ConfigError(
+            f"build {str(build_dir)!r} has no {TP_PLAN_FILE} (fxpipe partition writes it); "
+            "repartition, or pass --tp-plan FILE"
+        )
+    return TensorParallelPlan.from_json(path)
 
 
 # -- finding the plan --------------------------------------------------------------------------

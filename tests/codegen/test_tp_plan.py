@@ -131,3 +131,19 @@ def test_partition_writes_the_plan_and_report_shows_it(tmp_path: Path) -> None:
     text = " ".join(report.stdout.split())
     assert "tensor-parallel plan at --tp 2, stage 0: 2 groups split (2 colwise, 2 rowwise)" in text
     assert "head (no rule fits" in text
+
+
+def test_a_build_without_a_plan_is_refused_and_an_override_is_read(tmp_path: Path) -> None:
+    import pytest
+
+    from fxpipe.codegen.tp_plan import read_tp_plan
+    from fxpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="has no tp_plan.json"):
+        read_tp_plan(tmp_path)
+    plan = TensorParallelPlan((find_stage_plan(Stage(), 0),))
+    plan.to_json(tmp_path / "mine.json")
+    assert read_tp_plan(tmp_path, tmp_path / "mine.json") == plan
+    (tmp_path / "bad.json").write_text('{"stages": [{"stage": 0, "split": [{"path": "a"}]}]}')
+    with pytest.raises(ConfigError, match="malformed"):
+        read_tp_plan(tmp_path, tmp_path / "bad.json")

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fxpipe.codegen.tp_plan import ResolvedStagePlan
+from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.layout import RankLayout
 
 __all__ = [
@@ -146,6 +147,13 @@ def parallelize_stage(stage: nn.Module, plan: ResolvedStagePlan, mesh: DeviceMes
     if not plan.styles:
         return stage
     register_cpu_attention()
+    names = dict(stage.named_modules())
+    for path in [*plan.styles, *plan.owners]:
+        if path not in names:
+            raise ConfigError(
+                f"the tensor-parallel plan names module {path!r}, which this stage "
+                f"({type(stage).__name__}) does not have; fix the plan (--tp-plan) or repartition"
+            )
     styles: dict[str, ParallelStyle] = {
         path: ColwiseParallel(use_local_output=False) if style == "colwise" else RowwiseParallel()
         for path, style in plan.styles.items()
