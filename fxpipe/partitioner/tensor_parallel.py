@@ -78,6 +78,21 @@ def _check(degree: int, styles: Mapping[str, str]) -> None:
         raise ConfigError(f"tensor-parallel styles must be colwise or rowwise; {bad[:3]} are not")
 
 
+def _share_and_pairs(
+    unit: Unit, styles: Mapping[str, str], groups: set[str], split_bytes: int, degree: int
+) -> tuple[float, int] | None:
+    """The share of ``unit``'s work one rank does, and the pairs whose all-reduces it pays;
+    ``None`` for a unit TP leaves whole."""
+    path = _base(unit)
+    if path in styles or _in_group(unit, groups):  # a split linear, or work between a pair
+        return 1.0 / degree, 1 if styles.get(path) == "rowwise" else 0
+    rows = [p for p, st in styles.items() if st == "rowwise" and p.startswith(path + ".")]
+    if rows and unit.param_bytes:  # a unit holding whole pairs (a transformer block)
+        f = min(split_bytes / unit.param_bytes, 1.0)  # matmul work ~ its weights
+        return 1.0 - f + f / degree, len(rows)
+    return None
+
+
 def tensor_parallel_profile(
     profile: ModelProfile,
     styles: Mapping[str, str],
@@ -93,29 +108,28 @@ def tensor_parallel_profile(
     split_params = {
         name
         for name in profile.param_sizes
-        if name.rpartition(".")[0] in styles  # a split linear's weight and bias
+        if name in styles or name.rpartition(".")[0] in styles  # a split linear's tensors
     }
     units = []
     for unit in profile.units:
         path = _base(unit)
-        if path in styles or _in_group(unit, groups):
-            share = 1.0 / degree
-            comm_fwd = comm_bwd = 0.0
-            if styles.get(path) == "rowwise":
-                comm = allreduce_ms(_output_bytes(unit), degree, bandwidth, latency)
-                comm_fwd, comm_bwd = comm, comm  # output in forward, group input grad in backward
-            split_bytes = sum(
-                profile.param_sizes.get(p, 0) for p in unit.params if p in split_params
-            )
-            unit = replace(
+        split_bytes = sum(profile.param_sizes.get(p, 0) for p in unit.params if p in split_params)
+        found = _share_and_pairs(unit, styles, groups, split_bytes, degree)
+        if found is None:
+            units.append(unit)
+            continue
+        share, pairs = found
+        comm = pairs * allreduce_ms(_output_bytes(unit), degree, bandwidth, latency)
+        units.append(  # per pair: output all-reduced in forward, the input gradient in backward
+            replace(
                 unit,
-                fwd_ms=unit.fwd_ms * share + comm_fwd,
-                bwd_ms=unit.bwd_ms * share + comm_bwd,
+                fwd_ms=unit.fwd_ms * share + comm,
+                bwd_ms=unit.bwd_ms * share + comm,
                 fwd_flops=unit.fwd_flops * share,
                 param_bytes=unit.param_bytes - split_bytes + split_bytes // degree,
                 activation_bytes=int(unit.activation_bytes * share),
             )
-        units.append(unit)
+        )
     sizes = {k: (v // degree if k in split_params else v) for k, v in profile.param_sizes.items()}
     return replace(profile, units=tuple(units), param_sizes=sizes)
 
@@ -169,11 +183,10 @@ def tensor_parallel_tradeoff(
         tp = tensor_parallel_profile(profile, styles, degree, bandwidth, latency)
         comm = 0.0
         if degree > 1:
-            comm = sum(
-                2 * allreduce_ms(_output_bytes(u), degree, bandwidth, latency)
-                for u in profile.units
-                if styles.get(_base(u)) == "rowwise"
-            )
+            for u in profile.units:
+                found = _share_and_pairs(u, styles, _groups(styles), 0, degree)
+                pairs = found[1] if found is not None else 0
+                comm += 2 * pairs * allreduce_ms(_output_bytes(u), degree, bandwidth, latency)
         total = sum(u.fwd_ms + u.bwd_ms for u in tp.units)
         compute = total - comm
         out.append(

@@ -54,3 +54,46 @@ def test_tradeoff_says_when_tp_loses() -> None:
     assert nothing[0].loses and nothing[0].saved_ms == pytest.approx(0.0)
     with pytest.raises(ConfigError, match="colwise or rowwise"):
         tensor_parallel_profile(_profile(), {"attn.q": "diagonal"}, 2, 1e9, 1e-5)
+
+
+def _llama_styles(layers: int) -> dict[str, str]:
+    styles = {}
+    for i in range(layers):
+        for name, style in (("attn.wq", "colwise"), ("attn.wk", "colwise"), ("attn.wv", "colwise"),
+                            ("attn.wo", "rowwise"), ("mlp.w1", "colwise"), ("mlp.w3", "colwise"),
+                            ("mlp.w2", "rowwise")):  # fmt: skip
+            styles[f"layers.{i}.{name}"] = style
+    return styles
+
+
+def test_the_cluster_search_picks_a_degree_and_says_why_the_others_lose() -> None:
+    """An 8-block Llama-8B-shaped model on 16 GPUs in nodes of 8: every degree that divides a
+    node is searched as devices / T groups and priced, the fastest is best and the others say
+    they lose and by how much; on a 1 MB/s intra-node link tp 1 wins."""
+    from fxpipe.partitioner.cluster import ClusterSpec
+    from fxpipe.partitioner.search.tensor_parallel import search_tensor_parallel
+    from fxpipe.partitioner.synthetic import transformer_profile
+
+    profile = transformer_profile(
+        layers=8, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, seq=2048
+    )
+    styles = _llama_styles(8)
+    at = {2: styles, 4: styles, 8: styles}
+    fast = ClusterSpec(devices=16, device_memory=80 * 2**30, node_size=8)
+    best, outcomes = search_tensor_parallel(profile, fast, 64, at, (1, 2, 4, 8, 16), top=1)
+    assert [o.degree for o in outcomes if o.result is None] == [16]  # 16 does not divide a node
+    assert "does not divide a node of 8" in outcomes[-1].note
+    assert best.note.startswith(f"tp {best.degree}: best")
+    assert all("loses" in o.note for o in outcomes if o.result is not None and o is not best)
+    tp = [o for o in outcomes if o.result is not None and o.degree > 1]
+    assert tp and all(o.result.best.config.devices * o.degree == 16 for o in tp)
+    slow = ClusterSpec(
+        devices=16,
+        device_memory=80 * 2**30,
+        node_size=8,
+        intra_link="custom",
+        intra_bandwidth=1e6,  # 1 MB/s: every all-reduce costs seconds
+        intra_latency=1e-3,
+    )
+    best_slow, _ = search_tensor_parallel(profile, slow, 64, at, (1, 2, 4), top=1)
+    assert best_slow.degree == 1
