@@ -128,6 +128,13 @@ def test_partition_writes_the_plan_and_report_shows_it(tmp_path: Path) -> None:
         [*run, "report", str(build)], capture_output=True, text=True, timeout=300
     )
     assert report.returncode == 0, report.stderr
+    again = subprocess.run(  # a build with its plan is a build: --out replaces it
+        [*run, "partition", str(examples / "mlp.py"), "--stages", "1", "--out", str(build)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
     text = " ".join(report.stdout.split())
     assert "tensor-parallel plan at --tp 2, stage 0: 2 groups split (2 colwise, 2 rowwise)" in text
     assert "head (no rule fits" in text
