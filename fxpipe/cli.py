@@ -353,6 +353,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
+    _print_tp_plan(Path(args.build_dir), console)
     if unpaired is not None:
         console.print(unpaired)
     if measured is not None:
@@ -363,6 +364,16 @@ def cmd_report(args: argparse.Namespace) -> int:
         path = write_report(args.build_dir, plan, profile, measured=measured)
         console.print(f"[green]wrote[/] {_shown(path)}")
     return 0
+
+
+def _print_tp_plan(build_dir: Path, console: Any) -> None:
+    """The build's tensor-parallel plan at tp 2 (what ``fxpipe run --tp 2`` splits; docs/tensor-parallel.md)."""
+    from fxpipe.codegen.tp_plan import TP_PLAN_FILE, TensorParallelPlan
+
+    if not (build_dir / TP_PLAN_FILE).is_file():
+        return
+    for line in TensorParallelPlan.from_json(build_dir / TP_PLAN_FILE).summary(2):
+        console.print(f"tensor-parallel plan at --tp 2, {line}", markup=False)
 
 
 def _measured(build_dir: Path, num_stages: int) -> tuple[Any, str | None]:

@@ -59,6 +59,12 @@ HEAVY = (
     "tests/runtime/test_varlen_training.py::test_a_transformers_llama_with_labels",
     "tests/codegen/test_dynamic_shapes.py::test_the_gpt_example_names_the_guard",
     "tests/codegen/test_dynamic_shapes.py::test_dynamic_auto_finds_the_sequence_dimension",
+    # tensor parallelism: make test keeps pp1 x tp2 GPT and pp2 x tp2 Llama
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[2-gpt]",
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[1-llama]",
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[1-mlp]",
+    "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[2-mlp]",
+    "tests/runtime/test_tensor_parallel.py::test_tp_x_dp_trains_like_one_process_on_the_replicas_batches",
 )
 
 

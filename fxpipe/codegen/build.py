@@ -74,9 +74,10 @@ def write_build_dir(
     ``plan.virtual_stages`` V > 1 the stages are chunks, V per rank, and the manifest records
     each one's rank and the plan's schedule), ``shared.py`` when a generated class is used by several
     stages (Note [classes several stages share] in ``fxpipe.codegen.shared``), ``manifest.json``,
-    ``plan.json``, ``profile.json`` and ``report.html``, and nothing else: it is replaced
-    as a whole once every file is written (a failure leaves it as it was). An ``out_dir``
-    that is a file, is not writable, or holds files of its own is a BuildDirError.
+    ``plan.json``, ``profile.json``, ``report.html`` and ``tp_plan.json``
+    (``fxpipe.codegen.tp_plan``), and nothing else: it is replaced as a whole once every file is
+    written (a failure leaves it as it was). An ``out_dir`` that is a file, is not writable, or
+    holds files of its own is a BuildDirError.
     ``batch_size`` is one pipeline replica's batch, cut into ``microbatches``; the model
     was traced at the microbatch size ``batch_size // microbatches``. With ``check`` (the
     default) the staged stages must equal the model in train and eval mode before the build

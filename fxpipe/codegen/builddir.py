@@ -30,7 +30,7 @@ __all__ = ["check_build_target", "staged_build_dir", "replace_file", "normalize_
 
 # What fxpipe writes into a build directory: the build itself, and run.json of `fxpipe run`.
 _BUILD_FILES = re.compile(
-    r"(manifest|plan|profile|run)\.json|report\.html|stage_\d+\.(py|safetensors)|shared\.py"
+    r"(manifest|plan|profile|run|tp_plan)\.json|report\.html|stage_\d+\.(py|safetensors)|shared\.py"
     r"|__pycache__"
 )
 

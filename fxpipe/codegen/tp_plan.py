@@ -82,14 +82,16 @@ _ELEMENTWISE_MODULES = (
 @dataclass(frozen=True)
 class SplitModule:
     """One linear the plan splits: ``style`` colwise (output features) or rowwise (input
-    features), ``group`` the module whose forward holds its pair, ``features`` the size of the
-    split dimension, ``heads`` the attention heads of a projection (None outside attention)."""
+    features), ``group`` its pair (the rowwise linear's path), ``features`` the size of the
+    split dimension, ``heads`` the attention heads of a projection (None outside attention),
+    ``owner`` the module whose forward holds the pair ("" for the stage itself)."""
 
     path: str
     style: str
     group: str
     features: int
     heads: int | None = None
+    owner: str = ""
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
@@ -108,11 +110,13 @@ class KeptWhole:
 
 @dataclass(frozen=True)
 class ResolvedStagePlan:
-    """A stage's plan at one degree: path -> style, the groups split, what stays replicated."""
+    """A stage's plan at one degree: path -> style, the pairs split (by rowwise path), the modules
+    holding them (``owners``), what stays replicated."""
 
     styles: dict[str, str]
     groups: tuple[str, ...]
     replicated: tuple[KeptWhole, ...]
+    owners: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class StageTPPlan:
         kept = list(self.replicated)
         styles: dict[str, str] = {}
         groups: list[str] = []
+        owners: list[str] = []
         by_group: dict[str, list[SplitModule]] = {}
         for m in self.split:
             by_group.setdefault(m.group, []).append(m)
@@ -145,6 +150,8 @@ class StageTPPlan:
                 kept.extend(KeptWhole(m.path, why) for m in members)
                 continue
             groups.append(group)
+            if members[0].owner not in owners:
+                owners.append(members[0].owner)
             for m in rows + main:
                 styles[m.path] = m.style
             for m in side:
@@ -153,7 +160,7 @@ class StageTPPlan:
                     kept.append(KeptWhole(m.path, side_problem))
                 else:
                     styles[m.path] = m.style
-        return ResolvedStagePlan(styles, tuple(groups), tuple(kept))
+        return ResolvedStagePlan(styles, tuple(groups), tuple(kept), tuple(owners))
 
 
 def _indivisible(members: Iterable[SplitModule], degree: int) -> str:
@@ -190,6 +197,7 @@ class TensorParallelPlan:
                             "group": m.group,
                             "features": m.features,
                             "heads": m.heads,
+                            "owner": m.owner,
                         }
                         for m in s.split
                     ],
@@ -216,9 +224,10 @@ class TensorParallelPlan:
                         SplitModule(
                             str(m["path"]),
                             str(m["style"]),
-                            str(m.get("group", m["path"].rpartition(".")[0])),
+                            str(m["group"]),
                             int(m["features"]),
                             None if m.get("heads") is None else int(m["heads"]),
+                            str(m.get("owner", m["path"].rpartition(".")[0])),
                         )
                         for m in s.get("split", [])
                     ),
@@ -251,12 +260,17 @@ class TensorParallelPlan:
 
 
 def read_tp_plan(build_dir: str | Path, override: str | Path | None = None) -> TensorParallelPlan:
-    """``override`` when given, else the build's ``tp_plan.json``, else an empty plan (a build
-    written before plans were: every module replicated)."""
+    """``override`` when given, else the build's ``tp_plan.json``; a build without one (written
+    before plans were, or whose stages could not be traced) is refused, never run unsplit."""
     if override is not None:
         return TensorParallelPlan.from_json(Path(override))
     path = Path(build_dir) / TP_PLAN_FILE
-    return TensorParallelPlan.from_json(path) if path.is_file() else TensorParallelPlan()
+    if not path.is_file():
+        raise ConfigError(
+            f"build {str(build_dir)!r} has no {TP_PLAN_FILE} (fxpipe partition writes it); "
+            "repartition, or pass --tp-plan FILE"
+        )
+    return TensorParallelPlan.from_json(path)
 
 
 # -- finding the plan --------------------------------------------------------------------------
@@ -307,7 +321,7 @@ def _pairs(
     split: list[SplitModule] = []
     kept: list[KeptWhole] = []
     taken: set[str] = set()
-    group = prefix.rstrip(".")
+    owner = prefix.rstrip(".")
     nodes = [
         n for n in gm.graph.nodes if n.op == "call_module" and prefix + str(n.target) in linears
     ]
@@ -351,7 +365,7 @@ def _pairs(
                 if any(u not in region and u is not row for u in s.users):
                     bad = f"the output of {prefix + str(s.target)} is also used outside the pair"
         if not bad and any(p in taken for p in source_paths):
-            bad = "its column-parallel inputs already pair with another linear"
+            continue  # its inputs pair with another linear: it may still be a colwise source
         if bad:
             for p in [*source_paths, row_path]:
                 if p not in taken:
@@ -362,9 +376,11 @@ def _pairs(
             lin = linears[p]
             hd = _head_dim(s)
             heads = lin.out_features // hd if hd and lin.out_features % hd == 0 else None
-            split.append(SplitModule(p, "colwise", group, lin.out_features, heads))
+            split.append(SplitModule(p, "colwise", row_path, lin.out_features, heads, owner))
             taken.add(p)
-        split.append(SplitModule(row_path, "rowwise", group, linears[row_path].in_features))
+        split.append(
+            SplitModule(row_path, "rowwise", row_path, linears[row_path].in_features, None, owner)
+        )
         taken.add(row_path)
     return split, kept
 

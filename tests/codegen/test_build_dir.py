@@ -50,6 +50,7 @@ def test_one_writer_writes_every_file_of_the_build(traced: Any, tmp_path: Path) 
         "stage_0.safetensors",
         "stage_1.py",
         "stage_1.safetensors",
+        "tp_plan.json",
     ]
     assert manifest.num_stages == 2
     assert os.listdir(tmp_path) == ["build"]  # no temporary sibling left

@@ -1,6 +1,7 @@
 """Tensor parallelism inside stages (``--tp``): pp x tp trains exactly as one process.
 
-The GPT example (MLP split, its fused-qkv attention replicated) and a transformers Llama
+The MLP example (its linears paired in the stage's own forward), the GPT example (MLP split,
+its attention, a leaf, replicated) and a transformers Llama
 (GQA attention and SwiGLU split, tied embeddings replicated, the model's own loss from
 ``labels=``), each as 1 stage x tp 2 and 2 stages x tp 2: losses and every parameter after
 3 SGD steps equal one-process training of the original model (fp32, rtol 1e-5).
@@ -27,7 +28,7 @@ from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 HERE = Path(__file__).resolve().parent
-MODELS = {"gpt": EXAMPLES / "gpt.py", "llama": HERE / "tp_llama.py"}
+MODELS = {"gpt": EXAMPLES / "gpt.py", "llama": HERE / "tp_llama.py", "mlp": EXAMPLES / "mlp.py"}
 BATCH, MICROBATCHES, STEPS, LR, TP = 4, 2, 3, 0.1, 2
 
 
@@ -39,14 +40,22 @@ def _build(model_file: Path, out: Path, stages: int) -> Path:
     return out
 
 
+class _Builds:
+    """Builds made on first use, once per module (each test names the one it needs)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.made = root, {}
+
+    def __getitem__(self, key: tuple[str, int]) -> Path:
+        if key not in self.made:
+            name, stages = key
+            self.made[key] = _build(MODELS[name], self.root / f"{name}{stages}", stages)
+        return self.made[key]
+
+
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
-    root = tmp_path_factory.mktemp("tp")
-    return {
-        (name, stages): _build(path, root / f"{name}{stages}", stages)
-        for name, path in MODELS.items()
-        for stages in (1, 2)
-    }
+def builds(tmp_path_factory: pytest.TempPathFactory) -> _Builds:
+    return _Builds(tmp_path_factory.mktemp("tp"))
 
 
 def _call(name: str, batch: Any) -> tuple[Any, Any]:
@@ -65,7 +74,7 @@ def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], 
     inputs, targets = _call(name, BATCH)
     runner = PipelineRunner(
         build,
-        source.loss_fn if name == "gpt" else None,
+        source.loss_fn if name != "llama" else None,
         microbatches=MICROBATCHES,
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
         timeout_s=120,
@@ -89,7 +98,7 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     inputs, targets = _call(name, BATCH)
-    if name == "gpt":
+    if name != "llama":
         chunks = [
             ((x,), {}, t)
             for x, t in zip(inputs[0].chunk(MICROBATCHES), targets.chunk(MICROBATCHES))
@@ -103,7 +112,7 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
         total = 0.0
         for args, kwargs, tgt in chunks:
             out = model(*args, **kwargs)
-            loss = source.loss_fn(out, tgt) if name == "gpt" else out.loss
+            loss = source.loss_fn(out, tgt) if name != "llama" else out.loss
             (loss / MICROBATCHES).backward()
             total += loss.item()
         opt.step()
@@ -115,9 +124,7 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("stages", [1, 2])
-def test_pp_x_tp_trains_like_one_process(
-    builds: dict[tuple[str, int], Path], name: str, stages: int
-) -> None:
+def test_pp_x_tp_trains_like_one_process(builds: _Builds, name: str, stages: int) -> None:
     build = builds[(name, stages)]
     plan = TensorParallelPlan.from_json(build / "tp_plan.json")
     assert all(s.for_degree(TP).styles for s in plan.stages)  # every stage really splits something
@@ -142,3 +149,65 @@ def test_pp_x_tp_trains_like_one_process(
     assert seen <= set(want_state)
     for key in set(want_state) - seen:  # a tied key the build holds once
         assert any(torch.equal(want_state[key], want_state[k]) for k in seen), key
+
+
+REPLICAS = 2
+
+
+def _train_replicas(rank: int, world: int, build: Path) -> tuple[list[float], dict, int]:
+    """pp 1 x dp 2 x tp 2: replica r trains on its half of a batch of REPLICAS x BATCH."""
+    dist.init_process_group("gloo")
+    source = load_model_file(MODELS["gpt"])
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+        timeout_s=120,
+        tensor_parallel=TP,
+    )
+    assert runner.layout.replicas == REPLICAS and runner.data_parallel is not None
+    rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
+    inputs = source.example_inputs(REPLICAS * BATCH)[0][rows]
+    targets = source.example_targets(REPLICAS * BATCH)[rows]
+    losses = [runner.step((inputs,), targets) for _ in range(STEPS)]
+    state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    runner.close()
+    return losses, state, runner.replica
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tp_x_dp_trains_like_one_process_on_the_replicas_batches(
+    builds: _Builds,
+) -> None:
+    """Every replica holds the same shard of each split parameter: DDP keeps the shards in step
+    (Note [TP under DDP]); the result is one process on the concatenated batch."""
+    build = builds[("gpt", 1)]
+    results = [r.value for r in spawn(_train_replicas, REPLICAS * TP, build, timeout=600)]
+    source = load_model_file(MODELS["gpt"])
+    model = source.build_model()
+    missing, _ = model.load_state_dict(load_stage(build, 0).state_dict(), strict=False)
+    assert set(missing) <= {"lm_head.weight"}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = source.example_inputs(REPLICAS * BATCH)[0], source.example_targets(REPLICAS * BATCH)
+    chunks = REPLICAS * MICROBATCHES
+    want_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+            loss = source.loss_fn(model(xc), yc)
+            (loss / chunks).backward()
+            total += loss.item()
+        opt.step()
+        want_losses.append(total / chunks)
+    want_state = model.state_dict()
+    mean = torch.tensor([r[0] for r in results if r[2] == 0][0])
+    mean = (mean + torch.tensor([r[0] for r in results if r[2] == 1][0])) / 2
+    torch.testing.assert_close(mean, torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    for rank, (_, state, replica) in enumerate(results):
+        for key, value in state.items():
+            torch.testing.assert_close(
+                value, want_state[key], rtol=1e-5, atol=1e-6, msg=f"{key} on rank {rank}"
+            )

@@ -73,6 +73,7 @@ from fxpipe.runtime.pipeline.tensor_parallel import (
     implicit_replication_on,
     parallelize_stage,
     tensor_parallel_mesh,
+    tensor_parallel_replicas,
 )
 from fxpipe.runtime.pipeline.ties import sync_tied_grads
 from fxpipe.runtime.pipeline.schedule import validate_schedule
@@ -118,16 +119,18 @@ def _tensor_parallel_plan(
     tp_plan: TensorParallelPlan | str | Path | None,
     layout: RankLayout,
     max_grad_norm: float | None,
+    dp_options: DataParallelOptions,
 ) -> TensorParallelPlan | None:
     """The plan to apply at ``layout.tensor_parallel`` > 1: ``tp_plan`` (a plan or its file),
     else the build's ``tp_plan.json``; refuses what tensor parallelism does not combine with yet."""
     degree = layout.tensor_parallel
     if degree == 1:
         return None
-    if layout.replicas > 1:
+    if layout.replicas > 1 and (dp_options.shard != "none" or dp_options.comm_hook != "allreduce"):
         raise ConfigError(
-            f"tensor parallelism (tp {degree}) with {layout.replicas} data-parallel replicas is "
-            "not supported yet; run one replica (world size = pipeline ranks x tp)"
+            f"tensor parallelism (tp {degree}) with data parallelism runs DDP with shard='none' "
+            f"and comm_hook='allreduce' only, not shard={dp_options.shard!r}, "
+            f"comm_hook={dp_options.comm_hook!r}"
         )
     if max_grad_norm is not None:
         raise ConfigError(
@@ -303,8 +306,8 @@ class PipelineRunner:
         self.layout = RankLayout.for_world(
             world, manifest.num_ranks, manifest.virtual_stages, tensor_parallel
         )
-        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, max_grad_norm)
         dp_options = data_parallel or DataParallelOptions()
+        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, max_grad_norm, dp_options)
         dp_options.check_replicas(self.layout.replicas)  # before any communication
         _check_sharding_fits(dp_options, self.schedule)
         self.manifest = manifest
@@ -323,6 +326,7 @@ class PipelineRunner:
         self.device = pick_device(device, local_rank)
         self._owns_group = init_process_group(self.device, timeout_s)
         self.groups = build_groups(self.layout, manifest, rank)
+        self.tp_plan = resolved_tp  # every stage's, for the log: fxpipe.codegen.tp_plan
         self.tp_mesh = (
             tensor_parallel_mesh(self.layout, self.device) if resolved_tp is not None else None
         )
@@ -363,7 +367,9 @@ class PipelineRunner:
         self.stage.train()
         # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
         self.data_parallel = (
-            data_parallel_stage(
+            tensor_parallel_replicas(self.stage, self.groups.data_parallel, dp_options, self.device)
+            if self.layout.replicas > 1 and self.tp_mesh is not None
+            else data_parallel_stage(
                 self.stage,
                 self.groups.data_parallel,
                 dp_options,

@@ -12,7 +12,7 @@ The emitted forward of an attention block reshapes with literal sizes
 sizes. Column-parallel outputs are therefore kept as DTensors (``use_local_output=False``),
 whose shapes are global and whose ops run on the local shard, so the emitted code is right
 unchanged on any degree; the row-parallel linear all-reduces its output back to a plain,
-replicated tensor. Each plan group's module converts its tensor inputs to replicated DTensors
+replicated tensor. Each module holding a pair (its ``owner``) converts its tensor inputs to replicated DTensors
 (``DTensor.from_local``, so gradients flow back through an all-reduce) and its outputs to
 plain tensors, and implicit replication is on while a runner lives: every plain tensor in a
 tp group is replicated by construction (the stage's inputs, replicated parameters, tensors made
@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fxpipe.codegen.tp_plan import ResolvedStagePlan
+from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.layout import RankLayout
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "register_cpu_attention",
     "implicit_replication_on",
     "full_state_dict",
+    "tensor_parallel_replicas",
 ]
 
 _registered = False
@@ -145,13 +147,20 @@ def parallelize_stage(stage: nn.Module, plan: ResolvedStagePlan, mesh: DeviceMes
     if not plan.styles:
         return stage
     register_cpu_attention()
+    names = dict(stage.named_modules())
+    for path in [*plan.styles, *plan.owners]:
+        if path not in names:
+            raise ConfigError(
+                f"the tensor-parallel plan names module {path!r}, which this stage "
+                f"({type(stage).__name__}) does not have; fix the plan (--tp-plan) or repartition"
+            )
     styles: dict[str, ParallelStyle] = {
         path: ColwiseParallel(use_local_output=False) if style == "colwise" else RowwiseParallel()
         for path, style in plan.styles.items()
     }
     parallelize_module(stage, mesh, styles)
-    for group in plan.groups:
-        module = stage.get_submodule(group)
+    for owner in plan.owners:
+        module = stage.get_submodule(owner)
         module.register_forward_pre_hook(_replicated_in(mesh), with_kwargs=True)
         module.register_forward_hook(_plain_out)
     return stage
@@ -165,3 +174,56 @@ def implicit_replication_on() -> contextlib.AbstractContextManager[None]:
 def full_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered into a full tensor (collective over its mesh)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds: a DTensor's local shard, a plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _LocalShards(nn.Module):
+    """One parameter per parameter of ``stage``: its local shard, sharing storage."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        shards = []
+        for p in stage.parameters():
+            shard = nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad)
+            shards.append(shard)
+            self.pairs.append((p, shard))
+        self.shards = nn.ParameterList(shards)
+
+
+def tensor_parallel_replicas(
+    stage: nn.Module, group: Any, options: Any, device: torch.device
+) -> Any:
+    """DDP over the data-parallel group for a tensor-parallel stage (Note [TP under DDP])."""
+    from fxpipe.runtime.dataparallel import DataParallelStage
+
+    class TensorParallelReplicas(DataParallelStage):
+        """``DataParallelStage`` on the local shards of a tensor-parallel stage.
+
+        Note [TP under DDP]: DDP does not take DTensor parameters, but every rank of one tp
+        index holds the same shard of each split parameter, so the replicas of a shard are
+        kept in sync as plain tensors. DDP wraps a module of parameters sharing storage with
+        the local shards; before its synchronising pass (Note [one all-reduce per step] in
+        ``fxpipe.runtime.dataparallel.replica``) each shard parameter's ``.grad`` is set to the
+        local gradient tensor itself, so DDP's average lands in the stage's gradients.
+        """
+
+        def __init__(self) -> None:
+            self.shadow = _LocalShards(stage)
+            super().__init__(self.shadow, group, options, device)
+
+        def sync_gradients(self) -> None:
+            for p, shard in self.shadow.pairs:
+                shard.grad = None if p.grad is None else _local(p.grad)
+            super().sync_gradients()
+            for p, shard in self.shadow.pairs:
+                if p.grad is not None and shard.grad is not None:
+                    local = _local(p.grad)
+                    if local is not shard.grad:
+                        local.copy_(shard.grad)
+
+    return TensorParallelReplicas()

@@ -333,7 +333,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             dp_note = f" x {replicas} replicas ({sync})" if replicas > 1 else ""
             per_replica = " per replica" if replicas > 1 else ""
             print(
-                f"fxpipe run: {manifest.num_stages} stages{dp_note} on {runner.world_size} ranks "
+                f"fxpipe run: {manifest.num_stages} stages{dp_note}"
+                + (f" x tp {options.tp}" if options.tp > 1 else "")
+                + f" on {runner.world_size} ranks "
                 f"({runner.device.type}), schedule {schedule}, batch {batch}{per_replica} = "
                 f"{microbatches} x {batch // microbatches}, {t.optimizer} lr {lr:g} ({t.lr_schedule}"
                 f"{f', {t.warmup_steps} warm-up steps' if t.warmup_steps else ''})"
@@ -343,6 +345,9 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
             )
             for line in resuming.lines() if resuming is not None else ():
                 print(line, flush=True)
+            plan_lines = runner.tp_plan.summary(options.tp) if runner.tp_plan is not None else []
+            for line in plan_lines:  # what --tp splits, and what stays replicated and why
+                print(f"tp {options.tp}, {line}", flush=True)
         seconds: list[float] = []
         inputs, targets = None, None
         board = TensorBoardLog(t.tensorboard) if lead and t.tensorboard is not None else None

@@ -247,7 +247,14 @@ class RunOptions(Options):
             self.tp > 1
         ):  # what tensor parallelism does not combine with yet (docs/tensor-parallel.md)
             for what, given in (
-                (f"--dp {self.dp}", self.dp is not None and self.dp > 1),
+                (
+                    f"--shard {self.data_parallel.shard}",
+                    self.data_parallel.shard != "none",
+                ),
+                (
+                    f"--comm-hook {self.data_parallel.comm_hook}",
+                    self.data_parallel.comm_hook != "allreduce",
+                ),
                 ("--checkpoint-dir", self.training.checkpoint_dir is not None),
                 ("--clip-grad-norm", self.training.clip_grad_norm is not None),
                 ("--precision fp16", self.precision == "fp16"),

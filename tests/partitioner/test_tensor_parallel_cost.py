@@ -1,0 +1,99 @@
+"""Pricing tensor parallelism (fxpipe.partitioner.tensor_parallel) on a literal profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpipe.errors import ConfigError
+from fxpipe.partitioner.tensor_parallel import (
+    allreduce_ms,
+    tensor_parallel_profile,
+    tensor_parallel_tradeoff,
+)
+from fxpipe.tracer.profile import ModelProfile, TensorSpec, Unit
+
+
+def _profile() -> ModelProfile:
+    out = (TensorSpec((2, 16, 32)),)  # 4 KiB of float32
+    units = (
+        Unit("norm", "norm", outputs=out, fwd_ms=1.0, bwd_ms=2.0, param_bytes=128, params=("norm.weight",)),
+        Unit("attn.q", "attn.q", outputs=out, fwd_ms=4.0, bwd_ms=8.0, param_bytes=4096, params=("attn.q.weight",)),
+        Unit("attn", "attn", outputs=out, fwd_ms=2.0, bwd_ms=4.0, activation_bytes=400),
+        Unit("attn.o", "attn.o", outputs=out, fwd_ms=4.0, bwd_ms=8.0, param_bytes=4096, params=("attn.o.weight",)),
+    )  # fmt: skip
+    sizes = {"norm.weight": 128, "attn.q.weight": 4096, "attn.o.weight": 4096}
+    return ModelProfile(units=units, edges=(), batch_size=2, param_sizes=sizes)
+
+
+STYLES = {"attn.q": "colwise", "attn.o": "rowwise"}
+
+
+def test_split_units_take_a_share_and_the_rowwise_one_pays_the_all_reduces() -> None:
+    tp = tensor_parallel_profile(_profile(), STYLES, 4, bandwidth=1e9, latency=1e-5)
+    by = {u.name: u for u in tp.units}
+    ar = allreduce_ms(4096, 4, 1e9, 1e-5)  # 2*3/4*4096/1e9 s + 6*10 us = 0.066144 ms
+    assert ar == pytest.approx(0.066144)
+    assert (by["norm"].fwd_ms, by["norm"].param_bytes) == (1.0, 128)  # replicated: whole
+    assert (by["attn.q"].fwd_ms, by["attn.q"].bwd_ms, by["attn.q"].param_bytes) == (1.0, 2.0, 1024)
+    assert (by["attn"].fwd_ms, by["attn"].activation_bytes) == (0.5, 100)  # heads split too
+    assert by["attn.o"].fwd_ms == pytest.approx(1.0 + ar)
+    assert by["attn.o"].bwd_ms == pytest.approx(2.0 + ar)
+    assert tp.param_sizes == {"norm.weight": 128, "attn.q.weight": 1024, "attn.o.weight": 1024}
+    assert tensor_parallel_profile(_profile(), STYLES, 1, 1e9, 1e-5) == _profile()
+
+
+def test_tradeoff_says_when_tp_loses() -> None:
+    fast = tensor_parallel_tradeoff(_profile(), {2: STYLES, 4: STYLES}, 1e9, 1e-5, (1, 2, 4))
+    assert [c.degree for c in fast] == [1, 2, 4]
+    assert fast[0].compute_ms == pytest.approx(33.0) and fast[0].comm_ms == 0
+    assert fast[2].saved_ms == pytest.approx(30 * 3 / 4)  # 30 ms of split work, 3/4 saved
+    assert not fast[2].loses and "TP wins" in fast[2].explain()
+    slow = tensor_parallel_tradeoff(_profile(), {2: STYLES}, 1e3, 1e-5, (2,))  # a 1 kB/s link
+    assert slow[0].loses and "TP loses" in slow[0].explain()
+    nothing = tensor_parallel_tradeoff(_profile(), {}, 1e9, 1e-5, (2,))  # nothing split
+    assert nothing[0].loses and nothing[0].saved_ms == pytest.approx(0.0)
+    with pytest.raises(ConfigError, match="colwise or rowwise"):
+        tensor_parallel_profile(_profile(), {"attn.q": "diagonal"}, 2, 1e9, 1e-5)
+
+
+def _llama_styles(layers: int) -> dict[str, str]:
+    styles = {}
+    for i in range(layers):
+        for name, style in (("attn.wq", "colwise"), ("attn.wk", "colwise"), ("attn.wv", "colwise"),
+                            ("attn.wo", "rowwise"), ("mlp.w1", "colwise"), ("mlp.w3", "colwise"),
+                            ("mlp.w2", "rowwise")):  # fmt: skip
+            styles[f"layers.{i}.{name}"] = style
+    return styles
+
+
+def test_the_cluster_search_picks_a_degree_and_says_why_the_others_lose() -> None:
+    """An 8-block Llama-8B-shaped model on 16 GPUs in nodes of 8: every degree that divides a
+    node is searched as devices / T groups and priced, the fastest is best and the others say
+    they lose and by how much; on a 1 MB/s intra-node link tp 1 wins."""
+    from fxpipe.partitioner.cluster import ClusterSpec
+    from fxpipe.partitioner.search.tensor_parallel import search_tensor_parallel
+    from fxpipe.partitioner.synthetic import transformer_profile
+
+    profile = transformer_profile(
+        layers=8, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, seq=2048
+    )
+    styles = _llama_styles(8)
+    at = {2: styles, 4: styles, 8: styles}
+    fast = ClusterSpec(devices=16, device_memory=80 * 2**30, node_size=8)
+    best, outcomes = search_tensor_parallel(profile, fast, 64, at, (1, 2, 4, 8, 16), top=1)
+    assert [o.degree for o in outcomes if o.result is None] == [16]  # 16 does not divide a node
+    assert "does not divide a node of 8" in outcomes[-1].note
+    assert best.note.startswith(f"tp {best.degree}: best")
+    assert all("loses" in o.note for o in outcomes if o.result is not None and o is not best)
+    tp = [o for o in outcomes if o.result is not None and o.degree > 1]
+    assert tp and all(o.result.best.config.devices * o.degree == 16 for o in tp)
+    slow = ClusterSpec(
+        devices=16,
+        device_memory=80 * 2**30,
+        node_size=8,
+        intra_link="custom",
+        intra_bandwidth=1e6,  # 1 MB/s: every all-reduce costs seconds
+        intra_latency=1e-3,
+    )
+    best_slow, _ = search_tensor_parallel(profile, slow, 64, at, (1, 2, 4), top=1)
+    assert best_slow.degree == 1
