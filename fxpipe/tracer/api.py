@@ -235,6 +235,8 @@ def _build_profile(
     trace_device: str,
     on_meta: bool = False,
     host_call_ms: float | None = None,
+    compiled: bool = False,
+    compile_factor: float | None = None,
 ) -> ModelProfile:
     by_name = {n.name: n for n in gm.graph.nodes}
     sizes, shapes, ties = _param_table(model)
@@ -306,6 +308,8 @@ def _build_profile(
         meta=on_meta,
         skipped_checks=SKIPPED_ON_META if on_meta else (),
         host_call_ms=host_call_ms,
+        compiled=compiled,
+        compile_factor=compile_factor,
     )
 
 
@@ -322,6 +326,8 @@ def trace_model(
     progress: bool = True,
     batch_dims: Sequence[int | None] | None = None,
     cost_device: str | None = None,
+    compile: bool = False,
+    compile_factor: float | None = None,
 ) -> TracedModel:
     """Trace ``model`` on ``example_inputs`` and profile its units.
 
@@ -346,6 +352,10 @@ def trace_model(
     with meta tensors and prices units with ``cost_device``'s analytic estimate (default
     ``"cpu"``); checks that need values are skipped and listed in ``profile.skipped_checks``,
     and the model stays on meta (Note [meta tracing] in :mod:`fxpipe.tracer.meta`).
+    ``compile``: price the units as compiled stages run them (``fxpipe run --compile``): measured,
+    each unit under ``torch.compile`` (Note [compiled unit times] in :mod:`fxpipe.tracer.timing`);
+    analytic, the estimate times ``compile_factor`` (default the cost device's preset's,
+    ``calibration.json``). ``profile.compiled`` records it.
 
     Example::
 
@@ -372,6 +382,16 @@ def trace_model(
     cost_device = cost_device or trace_device
     if cost_device not in DEVICE_PRESETS:
         raise TraceError(f"cost_device {cost_device!r} is not one of {sorted(DEVICE_PRESETS)}")
+    if compile_factor is not None and not compile:
+        raise TraceError("compile_factor prices compiled stages: give it with compile (--compile)")
+    if compile_factor is not None and not compile_factor > 0:
+        raise TraceError(f"compile_factor must be > 0, got {compile_factor}")
+    if compile and measure_times:
+        factor = None  # the units are timed compiled (Note [compiled unit times])
+    elif compile:
+        factor = compile_factor or DEVICE_PRESETS[cost_device].compile_factor
+    else:
+        factor = None
     if trace_device == "cuda" and not torch.cuda.is_available():
         raise TraceError(
             "trace_device 'cuda' was asked for but CUDA is not available; use trace_device='cpu'"
@@ -461,10 +481,15 @@ def trace_model(
                         runners,
                         trace_device,
                         lambda rs: progress_iter(rs, "timing units", progress, len(rs)),
+                        compiled=compile,
                     )
-                    timing.detail = f"{len(runners)} units on {trace_device}"
+                    timing.detail = f"{len(runners)} units on {trace_device}" + (
+                        ", compiled" if compile else ""
+                    )
             else:
                 times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
+                if factor is not None:  # the compiled-kernel factor (calibration.json)
+                    times = [(f * factor, b * factor) for f, b in times]
             activations = (
                 [measure_memory_bytes(r) for r in runners]
                 if measure_memory
@@ -489,6 +514,8 @@ def trace_model(
         cost_device,
         on_meta,
         host_call_ms,
+        compile,
+        factor,
     )
     leaf_modules = {
         str(n.target): type(gm.get_submodule(str(n.target)))

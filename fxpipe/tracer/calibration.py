@@ -76,6 +76,7 @@ class DevicePreset:
     call_ms: float | None = (
         None  # the calibration host's call cost at its quiet speed (Note [host speed])
     )
+    compile_factor: float = 1.0  # a compiled unit's time over its eager time (--compile, analytic)
 
     def op_cost_s(self, op: str, backward: bool) -> float:
         """Seconds of fixed cost for one call of aten op ``op`` in a warm loop."""

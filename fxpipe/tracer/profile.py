@@ -270,6 +270,9 @@ class ModelProfile:
     ``host_call_ms``: the fixed cost of calling a unit, measured beside the unit times (``None``:
     times not measured); ``host_slowdown`` compares it with the calibration host's (Note
     [host speed] in :mod:`fxpipe.tracer.calibration`).
+    ``compiled``: the units were priced as compiled stages run them (``--compile``; Note
+    [compiled unit times] in :mod:`fxpipe.tracer.timing`), ``compile_factor`` the factor the
+    analytic estimate was scaled by (``None``: measured, or eager).
     """
 
     units: tuple[Unit, ...]
@@ -290,6 +293,8 @@ class ModelProfile:
     meta: bool = False
     skipped_checks: tuple[str, ...] = ()
     host_call_ms: NonNegFloat | None = None
+    compiled: bool = False  # priced as compiled stages (--compile); older profiles: eager
+    compile_factor: NonNegFloat | None = None  # the analytic times' compiled-kernel factor
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
