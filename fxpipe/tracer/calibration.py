@@ -60,7 +60,9 @@ class DevicePreset:
     ``async_launch``: a unit costs the longer of its roofline and its op costs, not their sum
     (Note [asynchronous launch]). ``call_ms``: forward + backward ms of ``call_overhead_ms`` on
     the host these figures were calibrated on, at its quiet speed (``None``: not calibrated;
-    Note [host speed]).
+    Note [host speed]). ``compile_factor``: a unit's time under ``torch.compile`` over its eager
+    time, what ``--compile`` scales analytic times by (Note [compiled unit times] in
+    :mod:`fxpipe.tracer.timing`).
     """
 
     name: str
