@@ -384,6 +384,11 @@ def trace_model(
         raise TraceError(f"cost_device {cost_device!r} is not one of {sorted(DEVICE_PRESETS)}")
     if compile_factor is not None and not compile:
         raise TraceError("compile_factor prices compiled stages: give it with compile (--compile)")
+    if compile_factor is not None and measure_times:
+        raise TraceError(
+            "compile_factor scales analytic times; with measure_times the units are timed "
+            "compiled: leave one of them out"
+        )
     if compile_factor is not None and not compile_factor > 0:
         raise TraceError(f"compile_factor must be > 0, got {compile_factor}")
     if compile and measure_times:

@@ -44,10 +44,12 @@ def test_analytic_times_take_the_measured_compiled_kernel_factor() -> None:
     assert given.units[0].fwd_ms == pytest.approx(eager.units[0].fwd_ms * 0.5)
 
 
-def test_a_compile_factor_without_compile_is_refused() -> None:
+def test_a_compile_factor_without_compile_or_with_measured_times_is_refused() -> None:
     model, x = _model()
     with pytest.raises(TraceError, match="compile_factor prices compiled stages"):
         trace_model(model, x, compile_factor=0.5, progress=False)
+    with pytest.raises(TraceError, match="compile_factor scales analytic times"):
+        trace_model(model, x, compile=True, compile_factor=0.5, measure_times=True, progress=False)
 
 
 def test_the_profile_says_it_was_priced_compiled_and_older_profiles_read_as_eager() -> None:
