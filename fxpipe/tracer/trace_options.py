@@ -80,7 +80,7 @@ class ModelTraceOptions(Options):
     compile_factor: float | None = option(
         None,
         metavar="RATIO",
-        none_means="the cost device's measured factor (calibration.json)",
+        none_means="the cost device's factor in calibration.json",
         help="with --compile and analytic times: a compiled unit's time over its eager time",
     )
 

@@ -45,8 +45,7 @@ def test_the_report_says_the_plan_is_for_compiled_or_eager_stages(tmp_path) -> N
     scaled, profile = _plan(timing="analytic", compiled=True, compile_factor=factor)
     assert (
         f"unit times: cpu analytic x {factor:.2f} compiled-kernel factor "
-        "(calibration.json's measured factor): a plan for compiled stages"
-        in _printed(scaled, profile)
+        "(calibration.json's factor): a plan for compiled stages" in _printed(scaled, profile)
     )
     given, profile = _plan(timing="analytic", compiled=True, compile_factor=0.5)
     assert "x 0.50 compiled-kernel factor (--compile-factor)" in _printed(given, profile)

@@ -162,7 +162,7 @@ def unit_times_note(plan: PartitionPlan) -> str:
     else:
         preset = DEVICE_PRESETS.get(plan.unit_times.split()[0])
         source = (
-            "calibration.json's measured factor"
+            "calibration.json's factor"
             if preset is not None and plan.compile_factor == preset.compile_factor
             else "--compile-factor"
         )
