@@ -194,6 +194,10 @@ class PartitionPlan:
     rank_memory_bytes: tuple[NonNegInt, ...] = ()
     alternatives: tuple[ScheduleOption, ...] = ()  # --schedule auto: every schedule it planned
     unit_times: str = ""  # the profile's unit times: "<trace device> <timing>", e.g. "cpu analytic"; "": not recorded
+    compiled: bool = (
+        False  # planned from units priced compiled (profile.compiled); older plans: eager
+    )
+    compile_factor: float | None = None  # the profile's compiled-kernel factor (analytic times)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))

@@ -239,6 +239,8 @@ def _build_profile(
     trace_device: str,
     on_meta: bool = False,
     host_call_ms: float | None = None,
+    compiled: bool = False,
+    compile_factor: float | None = None,
 ) -> ModelProfile:
     by_name = {n.name: n for n in gm.graph.nodes}
     sizes, shapes, ties = _param_table(model)
@@ -310,6 +312,8 @@ def _build_profile(
         meta=on_meta,
         skipped_checks=SKIPPED_ON_META if on_meta else (),
         host_call_ms=host_call_ms,
+        compiled=compiled,
+        compile_factor=compile_factor,
     )
 
 
@@ -327,6 +331,8 @@ def trace_model(
     batch_dims: Sequence[int | None] | None = None,
     cost_device: str | None = None,
     dynamic_dims: Mapping[str, Mapping[int, Any]] | None = None,
+    compile: bool = False,
+    compile_factor: float | None = None,
 ) -> TracedModel:
     """Trace ``model`` on ``example_inputs`` and profile its units.
 
@@ -354,6 +360,10 @@ def trace_model(
     ``dynamic_dims``: the input dimensions besides the batch that follow the data, by input name
     (``{"input_ids": {1: "seq"}}``; Note [dynamic dimensions] in :mod:`fxpipe.tracer.dynamic`);
     every tensor's shape formula is in its ``TensorSpec.dims`` and the ranges in ``profile.dynamic``.
+    ``compile``: price the units as compiled stages run them (``fxpipe run --compile``): measured,
+    each unit under ``torch.compile`` (Note [compiled unit times] in :mod:`fxpipe.tracer.timing`);
+    analytic, the estimate times ``compile_factor`` (default the cost device's preset's,
+    ``calibration.json``). ``profile.compiled`` records it.
 
     Example::
 
@@ -381,6 +391,21 @@ def trace_model(
     cost_device = cost_device or trace_device
     if cost_device not in DEVICE_PRESETS:
         raise TraceError(f"cost_device {cost_device!r} is not one of {sorted(DEVICE_PRESETS)}")
+    if compile_factor is not None and not compile:
+        raise TraceError("compile_factor prices compiled stages: give it with compile (--compile)")
+    if compile_factor is not None and measure_times:
+        raise TraceError(
+            "compile_factor scales analytic times; with measure_times the units are timed "
+            "compiled: leave one of them out"
+        )
+    if compile_factor is not None and not compile_factor > 0:
+        raise TraceError(f"compile_factor must be > 0, got {compile_factor}")
+    if compile and measure_times:
+        factor = None  # the units are timed compiled (Note [compiled unit times])
+    elif compile:
+        factor = compile_factor or DEVICE_PRESETS[cost_device].compile_factor
+    else:
+        factor = None
     if trace_device == "cuda" and not torch.cuda.is_available():
         raise TraceError(
             "trace_device 'cuda' was asked for but CUDA is not available; use trace_device='cpu'"
@@ -475,10 +500,15 @@ def trace_model(
                         runners,
                         trace_device,
                         lambda rs: progress_iter(rs, "timing units", progress, len(rs)),
+                        compiled=compile,
                     )
-                    timing.detail = f"{len(runners)} units on {trace_device}"
+                    timing.detail = f"{len(runners)} units on {trace_device}" + (
+                        ", compiled" if compile else ""
+                    )
             else:
                 times = [analytic_ms(c, DEVICE_PRESETS[cost_device]) for c in counts]
+                if factor is not None:  # the compiled-kernel factor (calibration.json)
+                    times = [(f * factor, b * factor) for f, b in times]
             activations = (
                 [measure_memory_bytes(r) for r in runners]
                 if measure_memory
@@ -503,6 +533,8 @@ def trace_model(
         cost_device,
         on_meta,
         host_call_ms,
+        compile,
+        factor,
     )
     if recomputed:
         profile = dataclasses.replace(profile, recomputed_buffers=recomputed)

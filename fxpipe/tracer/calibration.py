@@ -60,7 +60,9 @@ class DevicePreset:
     ``async_launch``: a unit costs the longer of its roofline and its op costs, not their sum
     (Note [asynchronous launch]). ``call_ms``: forward + backward ms of ``call_overhead_ms`` on
     the host these figures were calibrated on, at its quiet speed (``None``: not calibrated;
-    Note [host speed]).
+    Note [host speed]). ``compile_factor``: a unit's time under ``torch.compile`` over its eager
+    time, what ``--compile`` scales analytic times by (Note [compiled unit times] in
+    :mod:`fxpipe.tracer.timing`).
     """
 
     name: str
@@ -76,6 +78,7 @@ class DevicePreset:
     call_ms: float | None = (
         None  # the calibration host's call cost at its quiet speed (Note [host speed])
     )
+    compile_factor: float = 1.0  # a compiled unit's time over its eager time (--compile, analytic)
 
     def op_cost_s(self, op: str, backward: bool) -> float:
         """Seconds of fixed cost for one call of aten op ``op`` in a warm loop."""

@@ -281,6 +281,9 @@ class ModelProfile:
     [host speed] in :mod:`fxpipe.tracer.calibration`). ``dynamic``: the dimensions besides the
     batch that follow the data, with their ranges (Note [dynamic dimensions] in
     :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them.
+    ``compiled``: the units were priced as compiled stages run them (``--compile``; Note
+    [compiled unit times] in :mod:`fxpipe.tracer.timing`), ``compile_factor`` the factor the
+    analytic estimate was scaled by (``None``: measured, or eager).
     """
 
     units: tuple[Unit, ...]
@@ -303,6 +306,8 @@ class ModelProfile:
     host_call_ms: NonNegFloat | None = None
     recomputed_buffers: tuple[str, ...] = ()
     dynamic: tuple[DimRange, ...] = ()
+    compiled: bool = False  # priced as compiled stages (--compile); older profiles: eager
+    compile_factor: NonNegFloat | None = None  # the analytic times' compiled-kernel factor
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))

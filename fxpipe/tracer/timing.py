@@ -13,6 +13,18 @@ units, that fixed cost would price a stage's backward far above what the stage, 
 the engine once, spends. So ``call_overhead_ms`` times a unit of one elementwise op on a tiny tensor
 (the call, nearly no work) in the same loop, and ``measure_ms`` takes that off each
 unit's forward and backward (keeping at least a tenth of each: a unit does some work).
+
+Note [compiled unit times]: ``fxpipe trace --measure-times --compile`` times each unit as a
+compiled stage runs it: the unit's GraphModule under ``torch.compile`` (inductor), forward and
+backward (AOTAutograd compiles the backward at the first call, inside the warm-up). Compiling
+is the costly part (seconds per unit), so repeated units, equal by
+:func:`~fxpipe.tracer.counting.unit_structure_key` (a transformer's blocks), are compiled and
+timed once and share the times. No cold-cache share is added: it is priced per eager op
+(Note [analytic unit time]), and a compiled unit runs fused kernels, not those ops. A compiled
+call pays more than an eager one beyond its work (Dynamo's guards, AOTAutograd's wrappers
+around the forward and the backward), and a compiled stage pays it once per action, not per
+unit; so the call cost taken off (Note [unit call cost]) is that of the one-op unit compiled
+(``call_overhead_ms(compiled=True)``), while the host's speed is still gauged eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from fxpipe.tracer.calibration import DEVICE_PRESETS, DevicePreset, host_slowdown
-from fxpipe.tracer.counting import UnitCounts, count_ops
+from fxpipe.tracer.counting import UnitCounts, count_ops, unit_structure_key
 from fxpipe.tracer.unit_runner import UnitInputs, UnitRunner
 
 __all__ = [
@@ -35,6 +47,7 @@ __all__ = [
     "call_overhead_ms",
     "gauge_call_ms",
     "time_units",
+    "CompiledUnit",
 ]
 
 
@@ -92,9 +105,10 @@ class _CallOnly:
 
     backward = staticmethod(UnitRunner.backward)
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, compiled: bool = False) -> None:
         self.device = device
-        self.module = torch.fx.symbolic_trace(_Scale())
+        traced = torch.fx.symbolic_trace(_Scale())
+        self.module = torch.compile(traced, dynamic=False) if compiled else traced
 
     def fresh_inputs(self) -> UnitInputs:
         x = torch.ones(8, device=self.device, requires_grad=True)
@@ -105,12 +119,22 @@ class _CallOnly:
 
 
 def call_overhead_ms(
-    device: str, cpu_threads: int | None = 1, warmup: int = 5, repeats: int = 31
+    device: str,
+    cpu_threads: int | None = 1,
+    warmup: int = 5,
+    repeats: int = 31,
+    compiled: _CallOnly | None = None,
 ) -> tuple[float, float]:
     """Forward and backward milliseconds of calling a unit that does (nearly) nothing
-    (Note [unit call cost]); also the gauge of the host's speed (Note [host speed])."""
+    (Note [unit call cost]); also the gauge of the host's speed (Note [host speed]).
+    ``compiled``: that unit compiled (``_CallOnly(device, compiled=True)``, made once: Note
+    [compiled unit times])."""
     return _measure_warm_ms(
-        _CallOnly(device), device, warmup=warmup, repeats=repeats, cpu_threads=cpu_threads
+        compiled or _CallOnly(device),
+        device,
+        warmup=warmup,
+        repeats=repeats,
+        cpu_threads=cpu_threads,
     )
 
 
@@ -120,8 +144,25 @@ def gauge_call_ms(device: str) -> tuple[float, float]:
     return call_overhead_ms(device, warmup=2, repeats=11)
 
 
+class CompiledUnit:
+    """A unit run as a compiled stage runs it: its module under ``torch.compile``
+    (Note [compiled unit times]); the same inputs and backward as its :class:`UnitRunner`."""
+
+    backward = staticmethod(UnitRunner.backward)
+
+    def __init__(self, runner: UnitRunner) -> None:
+        self.runner = runner
+        self.compiled = torch.compile(runner.module, dynamic=False)
+
+    def fresh_inputs(self) -> UnitInputs:
+        return self.runner.fresh_inputs()
+
+    def run(self, inputs: UnitInputs) -> list[Any]:
+        return list(self.compiled(*inputs.args))
+
+
 def measure_ms(
-    runner: UnitRunner,
+    runner: UnitRunner | CompiledUnit,
     device: str,
     warmup: int = 3,
     repeats: int = 7,
@@ -144,7 +185,7 @@ def measure_ms(
     fwd_ms = max(fwd_ms - call_ms[0], 0.1 * fwd_ms)
     bwd_ms = max(bwd_ms - call_ms[1], 0.1 * bwd_ms)
     preset = DEVICE_PRESETS.get(device)
-    if preset is None or preset.cold_factor == 1.0:
+    if preset is None or preset.cold_factor == 1.0 or isinstance(runner, CompiledUnit):
         return fwd_ms, bwd_ms
     fwd_ops, bwd_ops = count_ops(runner)
     share = (
@@ -160,24 +201,44 @@ def time_units(
     runners: Sequence[UnitRunner],
     device: str,
     iterate: Callable[[Sequence[UnitRunner]], Iterable[UnitRunner]] = iter,
+    compiled: bool = False,
 ) -> tuple[list[tuple[float, float]], float | None]:
     """Every unit's forward and backward ms (``measure_ms``) and the host's call cost over the
     trace (``None`` without units): the median of the ``gauge_call_ms`` samples taken right
     before each unit, each of which its unit's timing uses (Note [unit call cost], Note [host
-    speed]). ``iterate`` wraps the walk over the units (a progress bar)."""
+    speed]). ``iterate`` wraps the walk over the units (a progress bar). ``compiled``: each
+    unit under ``torch.compile``, repeated units compiled and timed once (Note [compiled unit
+    times])."""
     call_overhead_ms(device)  # warm the call's path before the first sample
+    compiled_call = _CallOnly(device, compiled=True) if compiled else None
+    if compiled_call is not None:
+        call_overhead_ms(device, compiled=compiled_call)  # compiles it, warms its path
     times, samples = [], []
+    seen: dict[Any, tuple[float, float]] = {}
     for runner in iterate(runners):
+        key = unit_structure_key(runner) if compiled else None
+        if compiled and key in seen:
+            times.append(seen[key])
+            continue
         call = gauge_call_ms(device)
         samples.append(call[0] + call[1])
+        timed = CompiledUnit(runner) if compiled else runner
+        if compiled_call is not None:  # a compiled call's own cost (Note [compiled unit times])
+            call = call_overhead_ms(device, warmup=2, repeats=11, compiled=compiled_call)
         times.append(
-            measure_ms(runner, device, call_ms=call, slowdown=host_slowdown(device, samples[-1]))
+            measure_ms(timed, device, call_ms=call, slowdown=host_slowdown(device, samples[-1]))
         )
+        if compiled:
+            seen[key] = times[-1]
     return times, statistics.median(samples) if samples else None
 
 
 def _measure_warm_ms(
-    runner: UnitRunner | _CallOnly, device: str, warmup: int, repeats: int, cpu_threads: int | None
+    runner: UnitRunner | CompiledUnit | _CallOnly,
+    device: str,
+    warmup: int,
+    repeats: int,
+    cpu_threads: int | None,
 ) -> tuple[float, float]:
     """Median forward and backward milliseconds of back-to-back runs of one unit."""
     sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)

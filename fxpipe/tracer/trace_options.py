@@ -29,8 +29,9 @@ class ModelTraceOptions(Options):
     """Which functions of the model file build the model and its inputs (``model_fn``,
     ``inputs_fn``; ``None``: ``build_model`` and ``example_inputs``), and how to trace it:
     ``frontend``, the module types or paths kept whole (``leaves``), ``trace_device`` and the
-    device whose analytic costs price the units (``cost_device``), and whether to measure
-    times and activation memory instead of estimating them."""
+    device whose analytic costs price the units (``cost_device``), whether to measure
+    times and activation memory instead of estimating them, and whether to price the units as
+    compiled stages run them (``compile``, ``compile_factor``)."""
 
     what: ClassVar[str] = "trace options"
 
@@ -76,6 +77,18 @@ class ModelTraceOptions(Options):
     )
     measure_memory: bool = option(
         False, help="measure activation memory saved for backward per unit"
+    )
+    compile: bool = option(
+        False,
+        help="price the units as compiled stages run them (fxpipe run --compile): with "
+        "--measure-times each distinct unit is timed under torch.compile, else the analytic "
+        "estimate is scaled by the compiled-kernel factor",
+    )
+    compile_factor: float | None = option(
+        None,
+        metavar="RATIO",
+        none_means="the cost device's factor in calibration.json",
+        help="with --compile and analytic times: a compiled unit's time over its eager time",
     )
 
     def trace_kwargs(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.report.terminal import (
     DISAGREE,
     NO_TIME,
+    unit_times_note,
     Measurement,
     compare,
     link_note,
@@ -318,6 +319,7 @@ def render_html_report(
 <div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
 {escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size}.
 Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assumed {assumed}.
+{escape(unit_times_note(plan))}{"." if plan.unit_times else ""}
 {escape(plan.optimal_for[:1].upper() + plan.optimal_for[1:])}.</div>
 <div class="kpis">{kpis}<span class="kpi"><b>{plan.bottleneck_ms:.3f} ms</b>bottleneck stage</span>
 <span class="kpi"><b>{format_size(max(mems))}</b>peak rank memory</span></div>

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fxpipe.partitioner.cost import default_link, format_size
 from fxpipe.partitioner.plan import PartitionPlan
+from fxpipe.tracer.calibration import DEVICE_PRESETS
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "DISAGREE",
     "NO_TIME",
     "step_cell",
+    "unit_times_note",
 ]
 
 DISAGREE = 1.25  # measured / predicted outside [1/DISAGREE, DISAGREE]: the report flags the figure
@@ -145,6 +147,27 @@ def print_measurement(plan: PartitionPlan, run: Measurement, console: Console) -
             "the cost model's link and device presets may not match this machine (--link, "
             "--measure-times)"
         )
+
+
+def unit_times_note(plan: PartitionPlan) -> str:
+    """What the plan's unit times are, eager or compiled, and so which stages the plan is for
+    (``fxpipe run`` with or without ``--compile``; Note [compiled unit times] in
+    :mod:`fxpipe.tracer.timing`). ``""`` for a plan that does not record its unit times."""
+    if not plan.unit_times:
+        return ""
+    if not plan.compiled:
+        return f"unit times: {plan.unit_times}, eager: a plan for eager stages (fxpipe run without --compile)"
+    if plan.compile_factor is None:
+        how = f"{plan.unit_times}, each unit under torch.compile"
+    else:
+        preset = DEVICE_PRESETS.get(plan.unit_times.split()[0])
+        source = (
+            "calibration.json's factor"
+            if preset is not None and plan.compile_factor == preset.compile_factor
+            else "--compile-factor"
+        )
+        how = f"{plan.unit_times} x {plan.compile_factor:.2f} compiled-kernel factor ({source})"
+    return f"unit times: {how}: a plan for compiled stages (fxpipe run --compile)"
 
 
 def module_range(paths: list[str]) -> str:
@@ -287,6 +310,8 @@ def print_plan_report(
     _print_alternatives(plan, console)
     console.print(f"optimal for: {plan.optimal_for}")
     console.print(f"assumed: {link_note(plan, profile.trace_device)}")
+    if note := unit_times_note(plan):
+        console.print(note)
     if pred.runtime_costs.host_slowdown != 1.0:  # Note [host speed] in fxpipe.tracer.calibration
         console.print(
             f"the runtime's fixed costs are priced at the traced host's speed: "

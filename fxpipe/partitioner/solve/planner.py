@@ -664,4 +664,6 @@ def plan_from_assignment(
         objective=objective,
         rank_memory_bytes=ev.rank_memory_bytes,
         unit_times=f"{profile.trace_device} {profile.timing}",
+        compiled=profile.compiled,
+        compile_factor=profile.compile_factor,
     )

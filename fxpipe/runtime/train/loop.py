@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,9 @@ from fxpipe.runtime.train.run_record import (
 from fxpipe.runtime.pipeline.runner import PipelineRunner
 from fxpipe.runtime.train.log import TensorBoardLog, progress_line, progress_wanted, start_up_note
 from fxpipe.userfiles import shown
+
+if TYPE_CHECKING:
+    from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.runtime.train.checkpoint import (
     check_checkpoint_dir,
     load_training_checkpoint,
@@ -183,6 +186,23 @@ def _compile_report(runner: PipelineRunner) -> tuple[float, ...]:
     return tuple(seen[s][0] for s in sorted(seen))
 
 
+def plan_mode_note(plan: PartitionPlan | None, compile: bool) -> str:
+    """One line when the run's stages (``--compile`` or not) are not what the build's plan priced
+    (``plan.compiled``; Note [compiled unit times] in ``fxpipe.tracer.timing``); ``""`` when they
+    are, or there is no plan."""
+    if plan is None or plan.compiled == compile:
+        return ""
+    if compile:
+        return (
+            "fxpipe run: the plan was priced for eager stages and this run compiles them; "
+            "partition with --compile to plan for compiled stages"
+        )
+    return (
+        "fxpipe run: the plan was priced for compiled stages and this run is eager; "
+        "run with --compile, or partition without it"
+    )
+
+
 def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunRecord:
     """Train up to step ``options.steps`` on this rank (from a checkpoint with ``resume``); rank 0
     writes the record to ``out`` (default ``build_dir/run.json``). Every rank returns the record.
@@ -247,6 +267,8 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
     lr = options.lr
     settings = run_settings(options, batch, microbatches)
     lead_rank = os.environ.get("RANK", "0") == "0"
+    if lead_rank and (note := plan_mode_note(plan, bool(options.compile))):
+        print(note, flush=True)
     if lead_rank:  # Note [start-up phases] in fxpipe.runtime.launch.launcher
         start_up_note(f"rank 0 of {world} is up; loading its stages and joining the process group")
     with PipelineRunner(
