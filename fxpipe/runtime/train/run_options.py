@@ -47,6 +47,7 @@ from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.train.training_options import PRECISIONS, TrainingOptions
+from fxpipe.tracer.trace_options import ModelTraceOptions
 
 if TYPE_CHECKING:
     from fxpipe.partitioner.plan import PartitionPlan
@@ -122,8 +123,9 @@ class RunOptions(Options):
         0.01, metavar="LR", help="learning rate (the peak, with --warmup-steps / --lr-schedule)"
     )
     precision: str = same_as(CostModel, "precision")
-    compile: bool = option(
-        False,
+    compile: bool = same_as(  # trace and partition price the stages as this runs them
+        ModelTraceOptions,
+        "compile",
         help="run every stage under torch.compile, compiled before the first step "
         "(fxpipe.runtime.pipeline.compiled)",
     )
