@@ -39,7 +39,10 @@ from fxpipe.tracer.progress import phase, progress_iter
 from fxpipe.tracer.timing import analytic_ms, time_units
 from fxpipe.tracer.unit_runner import UnitRunner
 from fxpipe.tracer.bothmodes import merge_eval_mode
-from fxpipe.tracer.mode_probe import modes_compute_alike
+from fxpipe.tracer.mode_probe import (
+    graph_takes_mode,
+    modes_compute_alike,
+)  # Note [one mode is enough]
 from fxpipe.tracer.dynamic import ranges_of, resolve_dynamic_dims
 from fxpipe.tracer.export_frontend import infer_dynamic_dims
 from fxpipe.tracer.frontends import trace_graph
@@ -468,7 +471,7 @@ def trace_model(
                     return again.graph_module
 
                 run = lambda: _run_in(eager_mode(on_meta), call.example, model)  # noqa: E731
-                one_mode = modes_compute_alike(model, inputs, run)  # Note [one mode is enough]
+                one_mode = not graph_takes_mode(gm) and modes_compute_alike(model, inputs, run)
                 if not one_mode:
                     merge_eval_mode(
                         model, gm, inputs, trace=trace_again, check=not on_meta, run=run

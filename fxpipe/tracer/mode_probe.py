@@ -12,7 +12,9 @@ operators on the same data in the same order: the eval-mode graph would be the t
 and the merge would add no guard, so the second trace is skipped. Any difference at all (a
 dropout call, batch norm's other kernel, a running-statistics update, another constant) falls
 back to tracing both modes. The record is a sufficient condition, never a heuristic: nothing is
-skipped unless the two runs were the same calls on the same values.
+skipped unless the two runs were the same calls on the same values. A graph that calls an operator
+taking the mode as an argument (a p=0 dropout, as transformers configure them) is traced in both
+modes all the same, so that the stage reads ``F.dropout(x, 0.0, self.training)``, not a literal.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["modes_compute_alike", "record_calls"]
+__all__ = ["graph_takes_mode", "modes_compute_alike", "record_calls"]
 
 Call = tuple[str, tuple[Any, ...]]
 
@@ -136,6 +138,32 @@ def modes_compute_alike(
     finally:
         model.train()
     return len(evaluated) == len(train)
+
+
+def graph_takes_mode(gm: torch.fx.GraphModule) -> bool:
+    """Whether the traced graph calls an operator or layer that takes the mode as an argument
+    (dropout, batch or instance norm, RReLU), even one that computes the same in both modes (p=0
+    dropout): the eval-mode trace then writes ``self.training`` there instead of a literal, which
+    is what a reader of the stage expects (Note [one mode is enough])."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if isinstance(module, _MODE_LAYERS):
+                return True
+        elif node.op in ("call_function", "call_method"):
+            name = getattr(node.target, "__name__", str(node.target))
+            if any(word in name for word in _MODE_OPS):
+                return True
+    return False
+
+
+_MODE_LAYERS = (
+    nn.modules.dropout._DropoutNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.RReLU,
+)
+_MODE_OPS = ("dropout", "batch_norm", "instance_norm", "rrelu")
 
 
 def _differs_by_mode(module: nn.Module) -> bool:
