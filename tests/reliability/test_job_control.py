@@ -225,7 +225,10 @@ def test_a_model_file_that_imports_a_module_beside_it_is_told_what_to_do(tmp_pat
         timeout=300,
     )
     assert part.returncode == 0, part.stderr
-    proc = _run(project / "build", "--steps", "1", "--timeout", "60", cwd=project)
+    # no empty PYTHONPATH entry (fxpipe_env() adds one when PYTHONPATH is unset): an empty entry is
+    # the current directory, which the ranks then keep on purpose (Note [isolated workers])
+    plain = {"PYTHONPATH": os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p)}
+    proc = _run(project / "build", "--steps", "1", "--timeout", "60", cwd=project, env=plain)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert (
         proc.stderr.startswith("error: rank ")
@@ -239,6 +242,6 @@ def test_a_model_file_that_imports_a_module_beside_it_is_told_what_to_do(tmp_pat
         )
         in proc.stderr
     ), proc.stderr
-    remedy = {"PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(project)}
+    remedy = {"PYTHONPATH": plain["PYTHONPATH"] + os.pathsep + str(project)}
     fixed = _run(project / "build", "--steps", "1", "--timeout", "60", cwd=project, env=remedy)
     assert fixed.returncode == 0, fixed.stderr
