@@ -12,11 +12,16 @@ from fxpipe.tracer import build_model_recorded, partition
 from fxpipe.tracer.construction import observe_construction
 from fxpipe.tracer.pins import pin_of
 
-ORIGINAL_INIT = nn.Module.__dict__["__init__"]
+# nn.Module.__init__ as it was before fxpipe observed anything: torch itself may have patched it
+# earlier in the process (torch._dynamo's install_generation_tagging_init, once anything was
+# compiled), and fxpipe must restore exactly what it found
+ORIGINAL_INIT: list[Any] = []
 
 
 def _untouched() -> bool:
-    return "__new__" not in nn.Module.__dict__ and nn.Module.__dict__["__init__"] is ORIGINAL_INIT
+    return (
+        "__new__" not in nn.Module.__dict__ and nn.Module.__dict__["__init__"] is ORIGINAL_INIT[0]
+    )
 
 
 class _Scaled(nn.Module):
@@ -70,6 +75,7 @@ def _record(factory: Any) -> dict[str, Any]:
 
 
 def test_nn_module_is_untouched_outside_blocks_and_recordings() -> None:
+    ORIGINAL_INIT[:] = [nn.Module.__dict__["__init__"]]
     assert _untouched()
     with partition(0):
         assert not _untouched()  # observed only inside
