@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,13 @@ def load_checked_stage(
             f"{sm.weights} has no values for {left[:5]} of stage {index}; rebuild the directory"
         )
     return module
+
+
+def forget_stage_modules(build_dir: str | Path) -> None:
+    """Drop the modules imported from the files under ``build_dir`` (stages, ``shared.py``): a
+    staging folder is renamed when swapped in, and a later ``load_pipeline`` of the build must
+    import them from where they then are."""
+    prefix = str(Path(build_dir).absolute()) + os.sep
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(prefix):
+            del sys.modules[name]

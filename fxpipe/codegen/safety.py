@@ -15,8 +15,6 @@ passes at the traced microbatch, and one stage load (measured in docs/cli.md, "T
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +31,7 @@ from fxpipe.codegen.equivalence import (
     probe_loss,
     state_kept,
 )
+from fxpipe.codegen.load import forget_stage_modules
 from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import EquivalenceError
@@ -72,7 +71,7 @@ def check_equivalence(
             if not result.ok:
                 raise EquivalenceError(_explain(result, traced, pipeline, manifest, sources))
     finally:
-        _forget_stage_modules(build_dir)
+        forget_stage_modules(build_dir)
 
 
 def _example_call(traced: TracedModel) -> Run:
@@ -177,12 +176,3 @@ def _unit_of_tensor(traced: TracedModel, key: str) -> str | None:
             return u.name
     owner = key.rpartition(".")[0]
     return next((u.name for u in traced.profile.units if u.module_path == owner), None)
-
-
-def _forget_stage_modules(build_dir: Path) -> None:
-    """Drop the stage modules imported from the staging folder: it is renamed when swapped in, and a
-    later ``load_pipeline`` of the build must import them from where they then are."""
-    prefix = str(Path(build_dir).absolute()) + os.sep
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(prefix):
-            del sys.modules[name]

@@ -30,8 +30,6 @@ KV heads (else K and V stay replicated and each rank takes its query heads' shar
 
 from __future__ import annotations
 
-import sys
-
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -448,9 +446,8 @@ def write_tp_plan(build_dir: str | Path, num_stages: int) -> TensorParallelPlan 
     import warnings
 
     from fxpipe.codegen.integrity import check_build, model_import_needed
-    from fxpipe.codegen.load import _stage_class, read_manifest
+    from fxpipe.codegen.load import _stage_class, forget_stage_modules, read_manifest
 
-    loaded = set(sys.modules)
     try:
         manifest = read_manifest(build_dir)
         indices = list(range(num_stages))
@@ -472,8 +469,6 @@ def write_tp_plan(build_dir: str | Path, num_stages: int) -> TensorParallelPlan 
         )
         return None
     finally:  # the stages were imported from the staging folder: never reuse those modules
-        for name in set(sys.modules) - loaded:
-            if name.startswith(("fxpipe_stage_", "fxpipe_shared_", "fxpipe_model_")):
-                del sys.modules[name]
+        forget_stage_modules(build_dir)
     plan.to_json(Path(build_dir) / TP_PLAN_FILE)
     return plan
