@@ -154,3 +154,39 @@ def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_stage_and_halves_t
         assert [r["skipped"] for r in rows] == [k == poisoned for k in range(4)]
         assert [r["moved"] for r in rows] == [k != poisoned for k in range(4)]
         assert [r["scale"] for r in rows] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+
+
+_THREADS_AFTER_CLOSE = """
+import gc, glob, sys
+import fxpipe.runtime.pipeline.runner  # what a rank imports before it joins the process group
+import torch, torch.distributed as dist
+from fxpipe.runtime.pipeline.precision import PipelineScaler
+
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+param = torch.nn.Parameter(torch.ones(2))
+scaler = PipelineScaler(torch.device("cpu"), torch.optim.SGD([param], lr=0.1))
+(param.sum() * scaler.scale).backward()
+scaler.step()
+dist.destroy_process_group()
+del scaler, param
+gc.collect()
+print(sorted(open(f).read().strip() for f in glob.glob("/proc/self/task/*/comm")))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a Linux process's threads")
+def test_no_gloo_thread_outlives_the_group_under_fp16(tmp_path: Path) -> None:
+    """Note [scaler import time]: a default group kept alive by torch's scaler module ran
+    its gloo threads into the rank's exit, where one aborted (SIGABRT, seen in CI)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _THREADS_AFTER_CLOSE, f"file://{tmp_path / 'store'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    threads = done.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads, threads

@@ -7,6 +7,15 @@ constructor has no ``device``: it is CUDA when available, else the CPU (``device
 another, as the pipeline's fp16 scaler does: ``fxpipe.runtime.pipeline.precision``). With FSDP2's
 DTensor gradients torch's unscaling warns, once per step, that it treats the one-element
 found-inf flag as replicated (which is what it is); that warning is silenced here.
+
+Note [scaler import time]: torch's ``ShardedGradScaler.__init__`` has the default
+``process_group=dist.group.WORLD``, read when its module is imported. Imported after
+``init_process_group``, the function's defaults keep the default group alive for the rest of
+the process, whatever a caller passes: ``destroy_process_group`` then leaves its gloo threads
+running into the interpreter's exit, where a rank could abort (``terminate called without an
+active exception``). So the modules that use it import it at their top, which the runtime
+imports before it creates any group; ``tests/runtime/test_training_fp16.py`` checks that no
+gloo thread outlives the group.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ __all__ = ["ShardedGradScaler"]
 
 class ShardedGradScaler(_TorchShardedGradScaler):
     """FairScale's ``ShardedGradScaler(init_scale=2**16, growth_factor=2.0, backoff_factor=0.5,
-    growth_interval=2000, enabled=True, process_group=WORLD)``; ``device``: where the scale lives."""
+    growth_interval=2000, enabled=True, process_group=WORLD)``; ``device``: where the scale lives.
+    ``process_group=None`` is the default group, looked up at each all-reduce (Note [scaler
+    import time])."""
 
     def __init__(
         self,
@@ -32,7 +43,7 @@ class ShardedGradScaler(_TorchShardedGradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
-        process_group: dist.ProcessGroup | None = dist.group.WORLD,
+        process_group: dist.ProcessGroup | None = None,
         device: str | None = None,
     ) -> None:
         super().__init__(

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.pipeline.grad_scaler import ShardedGradScaler  # Note [scaler import time]
 from fxpipe.runtime.train.training_options import PRECISIONS
 
 __all__ = ["autocast_dtype", "autocast_stages", "autocast_loss", "wire_dtype", "PipelineScaler"]
@@ -95,12 +96,9 @@ class PipelineScaler:
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
     ) -> None:
-        from fxpipe.runtime.pipeline.grad_scaler import ShardedGradScaler
-
         self.scaler = ShardedGradScaler(
             init_scale=init_scale,
             growth_interval=growth_interval,
-            process_group=dist.group.WORLD,
             device=device.type,
         )
         self.scaler.scale(
