@@ -84,7 +84,25 @@ SPLIT_AT = {
     "transformer_encoder": "encoder.layers.2",
     "vit_mha": "encoder.layers.encoder_layer_2",
     "vit_timm": "blocks.2",
+    # the round-two models (issue 37)
+    "whisper": "model.decoder",
+    "llama_lora": "model.layers.2",
+    "wav2vec2_ctc": "wav2vec2.encoder.layers.1",
+    "hubert_ctc": "hubert.encoder.layers.1",
+    "clip": "text_model",
+    "chinese_clip": "text_model",
+    "siglip": "text_model",
+    "dict_batch": "text",
+    "dataclass_batch": "lateral.1",
+    "mamba": "backbone.layers.2",
+    "mamba2": "backbone.layers.2",
 }
+
+
+def _call(source: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The model file's example call at the benchmark's microbatch: positional and keyword arguments."""
+    call = source.example_call(MICROBATCH)
+    return tuple(call.args), dict(call.kwargs)
 
 
 def _max_abs(got: Any, want: Any) -> tuple[float, bool]:
@@ -104,7 +122,7 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
 
     row: dict[str, Any] = {"split_at": SPLIT_AT.get(model.name)}
     source = load_model_file(model.spec)
-    inputs = source.example_inputs(MICROBATCH)
+    args, kwargs = _call(source)
     for mode in ("eval", "train"):
         start = time.perf_counter()
         try:
@@ -113,18 +131,20 @@ def pipelining_side(model: ZooModel) -> dict[str, Any]:
             # would zero padded positions, which no traced graph does)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                want = module(*inputs)
+                want = module(*args, **kwargs)
             module.get_submodule(
                 row["split_at"]
             )  # a missing name is this script's error, not pipelining's
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 split_start = time.perf_counter()
-                pipe = pipeline(module, inputs, split_spec={row["split_at"]: SplitPoint.BEGINNING})
+                pipe = pipeline(
+                    module, args, kwargs, split_spec={row["split_at"]: SplitPoint.BEGINNING}
+                )
                 row.setdefault("split_s", round(time.perf_counter() - split_start, 2))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                got = pipe(*inputs)
+                got = pipe(*args, **kwargs)
             err, ok = _max_abs(got, want)
             result = {
                 "status": "ok" if ok and pipe.num_stages == 2 else "mismatch",
@@ -170,12 +190,12 @@ def pipelining_split_time(model: ZooModel) -> dict[str, Any]:
 
     source = load_model_file(model.spec)
     module = source.build_model().eval()
-    inputs = source.example_inputs(MICROBATCH)
+    args, kwargs = _call(source)
     start = time.perf_counter()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pipeline(module, inputs, split_spec={SPLIT_AT[model.name]: SplitPoint.BEGINNING})
+            pipeline(module, args, kwargs, split_spec={SPLIT_AT[model.name]: SplitPoint.BEGINNING})
     except Exception as exc:  # noqa: BLE001 - a failure is a row
         return {"split_s": round(time.perf_counter() - start, 2), **describe_error(exc)}
     return {"split_s": round(time.perf_counter() - start, 2)}
@@ -251,7 +271,14 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         "# Conformance zoo: torch.distributed.pipelining vs fxpipe",
         "",
         f"torch {meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}, "
-        f"{meta['cpus']} CPUs; {meta['seconds']:.0f} s in all. Microbatch {MICROBATCH}; tolerance rtol {RTOL:g}, "
+        f"{meta['cpus']} CPUs; "
+        + (
+            f"rows of several runs (the latest {meta['date']}, {meta['seconds']:.0f} s; each row's "
+            "date is in results.json)."
+            if meta.get("merged")
+            else f"{meta['seconds']:.0f} s in all."
+        )
+        + f" Microbatch {MICROBATCH}; tolerance rtol {RTOL:g}, "
         f"atol {ATOL:g}; * = the model has dropout or stochastic depth.",
     ]
     if meta.get("timing"):
@@ -360,10 +387,32 @@ def _timing_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _meta(train: bool, start: float, timing: bool = False) -> dict[str, Any]:
+def _kept_rows(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--merge``: the rows of the last run's results.json, by model, when it measured the same
+    things (``--train``, ``--timing``); its rows keep their own dates."""
+    path = out / "results.json"
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    meta = saved["meta"]
+    if bool(meta.get("train")) != args.train or bool(meta.get("timing")) != args.timing:
+        raise SystemExit(
+            f"--merge: {path} was a run with --train={meta.get('train')} --timing={meta.get('timing')}; "
+            "merge a run of the same kind"
+        )
+    return {r["name"]: {"date": meta.get("date"), **r} for r in saved["rows"]}
+
+
+def _in_zoo_order(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    order = {m.name: i for i, m in enumerate(select([]))}
+    return sorted(rows.values(), key=lambda r: order.get(r["name"], len(order)))
+
+
+def _meta(train: bool, start: float, timing: bool = False, merged: bool = False) -> dict[str, Any]:
     import transformers
 
     return {
+        "merged": merged,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -392,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=str(HERE), help="folder for results.json / results.md")
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other models' rows of results.json (a run of some models updates theirs)",
+    )
+    parser.add_argument(
         "--render", action="store_true", help="only rewrite results.md from results.json"
     )
     args = parser.parse_args(argv)
@@ -400,10 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         write_results(saved["rows"], saved["meta"], Path(args.out))
         return 0
     start = time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    kept = _kept_rows(Path(args.out), args) if args.merge else {}
     for model in select(args.names):
         row: dict[str, Any] = {
             "name": model.name,
+            "date": time.strftime("%Y-%m-%d"),
             "dropout": model.dropout,
             "spec": str(Path(model.spec).relative_to(ROOT))
             if model.spec.startswith(str(ROOT))
@@ -429,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{model.name:20s} {timing if args.timing else verdicts}"[:160], flush=True)
         write_results(
-            rows, _meta(args.train, start, args.timing), Path(args.out)
+            _in_zoo_order({**kept, **{r["name"]: r for r in rows}}),
+            _meta(args.train, start, args.timing, merged=bool(kept)),
+            Path(args.out),
         )  # after every model: a cut-off run keeps its rows
     print(f"wrote {Path(args.out) / 'results.md'}")
     return 0

@@ -183,7 +183,7 @@ def _eager(source: Any) -> Any:
 
     model = source.build_model()
     with torch.no_grad():
-        model(*source.example_inputs(MICROBATCH))
+        source.example_call(MICROBATCH)(model)
     return model
 
 
