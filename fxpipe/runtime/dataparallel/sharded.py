@@ -142,6 +142,22 @@ def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
     return params
 
 
+def plan_unshards(units: list[nn.Module], overlap: bool) -> None:
+    """Steer when FSDP gathers each unit of one chunk (``units`` in forward order, the root last;
+    Note [gathers in a pipeline]): with ``overlap`` each unit's backward prefetches the unit
+    whose backward comes next (the one before it in forward order) and the first prefetches
+    nothing; without, no unit prefetches, and every all-gather's flat output is freed as soon
+    as it is copied out."""
+    fsdp = [u for u in units if isinstance(u, FSDPModule)]
+    for i, unit in enumerate(fsdp):
+        # the root (last) runs its backward first, then the units from the last to the first;
+        # naming only itself is FSDP's public way to prefetch nothing (an empty list restores
+        # the implicit prefetch; unsharding a unit that is already whole is a no-op)
+        unit.set_modules_to_backward_prefetch([fsdp[i - 1] if overlap and i > 0 else unit])
+        if not overlap:
+            unit._set_unshard_async_op(True)
+
+
 class _ShardedChunk:
     """One chunk (the rank's stage, or one of its ``--virtual-stages`` chunks) as its own FSDP
     module: its switches and the count of backwards of the accumulation window."""
@@ -263,7 +279,9 @@ class ShardedStage(AccumulationWindow):
         mesh = DeviceMesh.from_group(world, device.type)
         for index in trainable:
             module = modules[index]
-            self.units += shard_stage(module, mesh, options)
+            units = shard_stage(module, mesh, options)
+            plan_unshards(units, overlap=device.type != "cpu")
+            self.units += units
             chunk = _ShardedChunk(module, options, self.window, index in split_stages)
             self.chunks.append(chunk)
             if chunk.split:
