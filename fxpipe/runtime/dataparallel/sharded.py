@@ -43,7 +43,7 @@ issued with ``async_op``, whose output FSDP frees as soon as it is copied out. O
 is then whole only while it runs, plus its flat all-gather output during its copy-out
 (FSDP2 gathers into one buffer and copies each parameter out of it). Measured with
 run.json's tracker on 2 stages x 2 replicas, SGD, 1F1B, 4 microbatches
-(tests/runtime/dataparallel/test_sharded_peak.py, benchmarks/dataparallel/README.md): a
+(tests/runtime/dataparallel/test_sharded_training.py, benchmarks/dataparallel/README.md): a
 stage of 4 equal ``Linear`` units peaks at 0.72x the unsharded run (0.84x before);
 ``examples/gpt.py`` (2 blocks a stage, activations half the peak) at 1.02-1.05x
 (1.10-1.12x before), the rest being the copy-out of one block (45% of the stage's
