@@ -19,16 +19,35 @@ stages:
   never exist whole for longer than one unit's backward; M reduce-scatters per step);
 * ``grad-op`` (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``
   until the last backward): the parameters are gathered by the step's first forward and
-  stay whole until the step's last backward: one all-gather per unit per step, plus one
-  where FSDP's implicit backward prefetch (which follows the *latest* forward) gathers a
-  unit again when forwards and backwards alternate. (Resharding in ``sync_gradients``
-  instead, to save that all-gather, trained off the one-process trajectory from the
-  second step: tests/runtime/dataparallel/test_sharded_training.py.);
+  stay whole until the step's last backward: one all-gather per unit per step (Note
+  [gathers in a pipeline]). (Resharding in ``sync_gradients`` instead of in the last
+  backward trained off the one-process trajectory from the second step:
+  tests/runtime/dataparallel/test_sharded_training.py.);
 * ``full`` (``reshard_after_forward=True``, the root unit included, and resharding
   after every backward): a unit is whole only during its own forward or backward, and
   is gathered again for each: 2M all-gathers per unit per step, the price of ZeRO-3's
-  memory (plus the one stale prefetch above on stages whose forwards and backwards
-  alternate, e.g. the last stage under 1F1B: one all-gather of one unit per step).
+  memory.
+
+Note [gathers in a pipeline]: left to itself, FSDP prefetches in backward the unit that
+ran before the current one in a forward, through a stack of forward positions that
+assumes backwards run in the reverse order of forwards; a pipeline schedule interleaves
+microbatches (1F1B runs ``F3`` before ``B2``), so the backward of a stage's first unit can
+prefetch the last unit of an earlier forward (the root), which nothing waits on, its flat
+all-gather output alive until that unit's next forward. In forward it keeps each unit's flat all-gather
+output until the next unit's copy-out, to overlap the two on separate CUDA streams.
+``plan_unshards`` sets both per unit with FSDP's switches: each unit's backward prefetches
+exactly the unit whose backward comes next (``set_modules_to_backward_prefetch``), and on
+CPU, where gloo's collectives block the calling thread so that a prefetch or a deferred
+free overlaps nothing and only holds memory, no unit prefetches and every all-gather is
+issued with ``async_op``, whose output FSDP frees as soon as it is copied out. On CPU a unit
+is then whole only while it runs, plus its flat all-gather output during its copy-out
+(FSDP2 gathers into one buffer and copies each parameter out of it). Measured with
+run.json's tracker on 2 stages x 2 replicas, SGD, 1F1B, 4 microbatches
+(tests/runtime/dataparallel/test_sharded_training.py, benchmarks/dataparallel/README.md): a
+stage of 4 equal ``Linear`` units peaks at 0.72x the unsharded run (0.84x before);
+``examples/gpt.py`` (2 blocks a stage, activations half the peak) at 1.02-1.05x
+(1.10-1.12x before), the rest being the copy-out of one block (45% of the stage's
+parameters) while the gradients accumulate whole (``--shard-reduce microbatch``: 0.95-0.97x).
 
 A rank that runs several chunks (``--virtual-stages``: interleaved-1f1b, zbv) shards each
 chunk as its own FSDP module (its own root, switches and count), as
@@ -140,6 +159,22 @@ def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
         "unshard() registers the whole parameters"
     )
     return params
+
+
+def plan_unshards(units: list[nn.Module], overlap: bool) -> None:
+    """Set when FSDP gathers each unit of one chunk (``units`` as ``shard_stage`` returns them:
+    module order, which is forward order for stacks, the root last; Note [gathers in a
+    pipeline]): with ``overlap`` (collectives that overlap compute) each unit's backward
+    prefetches the unit before it (whose backward comes next), the first unit's nothing;
+    without, no unit prefetches and every all-gather is freed as soon as it is copied out."""
+    fsdp = [u for u in units if isinstance(u, FSDPModule)]
+    for i, unit in enumerate(fsdp):
+        # the root (last) runs its backward first, then the units from the last to the first;
+        # naming only itself is FSDP's public way to prefetch nothing (an empty list restores
+        # the implicit prefetch; unsharding a unit that is already whole is a no-op)
+        unit.set_modules_to_backward_prefetch([fsdp[i - 1] if overlap and i > 0 else unit])
+        if not overlap:
+            unit._set_unshard_async_op(True)
 
 
 class _ShardedChunk:
@@ -263,7 +298,9 @@ class ShardedStage(AccumulationWindow):
         mesh = DeviceMesh.from_group(world, device.type)
         for index in trainable:
             module = modules[index]
-            self.units += shard_stage(module, mesh, options)
+            units = shard_stage(module, mesh, options)
+            plan_unshards(units, overlap=device.type != "cpu")
+            self.units += units
             chunk = _ShardedChunk(module, options, self.window, index in split_stages)
             self.chunks.append(chunk)
             if chunk.split:
