@@ -81,3 +81,42 @@ def test_exported_gpt2_loads_with_from_pretrained_and_computes_the_trained_model
     assert (
         loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     )  # still tied
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_export_pretrained_llama_with_tied_embeddings_loads_with_auto_model(
+    tmp_path: Path,
+) -> None:
+    """``fxpipe export D --pretrained DIR``: save_pretrained's layout of the checkpoint's model,
+    its config from the model file the checkpoint names; ``AutoModelForCausalLM`` loads it with
+    the checkpoint's tensors, the embedding and the head tied as transformers ties them."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    llama = Path(__file__).with_name("tp_llama.py")
+    build, ck, hf = tmp_path / "build", tmp_path / "ck", tmp_path / "hf"
+    args = ["--microbatches", "2", "--solver", "params", "--out", str(build)]
+    assert main(["partition", str(llama), "--stages", "2", "--batch-size", "4", *args]) == 0
+    options = RunOptions(
+        steps=2, lr=0.05, timeout_s=60, training=TrainingOptions(checkpoint_dir=str(ck))
+    )
+    spawn(_job, 2, str(build), options, timeout=240)
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(ck), "--out", str(out), "--pretrained", str(hf)]) == 0
+    assert {"config.json", "model.safetensors"} <= {p.name for p in hf.iterdir()}
+
+    state = gather_state_dict(ck)
+    untrained = load_model_file(llama).build_model().state_dict()
+    assert not torch.equal(state["model.norm.weight"], untrained["model.norm.weight"])
+    loaded, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    got = loaded.state_dict()
+    assert set(got) == set(state)
+    for key, value in state.items():
+        assert torch.equal(got[key], value), key
+    plain = load_file(str(out))  # the plain export: every key, the tie under both names
+    assert set(plain) == set(state)
+    assert torch.equal(plain["lm_head.weight"], plain["model.embed_tokens.weight"])
