@@ -395,3 +395,83 @@ def test_rng_streams_follow_the_stages_and_the_log_names_those_that_start_afresh
         "the RNG streams of the ranks holding stages 0, 1 are not carried over" in note.changes[-1]
     )
     assert layout_note(plan, {}, {}, ()) == plan
+
+
+def _hf_old_format_job(rank: int, world: int, build: str, ckdir: str) -> list[float]:
+    """GPT-2 (tied embeddings across the 2 stages) 4 steps, then the per-rank checkpoint."""
+    from fxpipe.runtime import PipelineRunner
+    from fxpipe.runtime.train.checkpoint import save_training_checkpoint, training_state
+
+    source = load_model_file(EXAMPLES / "hf_lm.py")
+    batch = source.example_call(BATCH)
+    with PipelineRunner(
+        build,
+        None,
+        microbatches=MICROBATCHES,
+        timeout_s=60,
+        optimizer_factory=optimizer_factory(OPTIONS, HF_LR),
+        scheduler_factory=scheduler_factory(OPTIONS, 2 * HALF),
+    ) as runner:
+        losses = [runner.step(batch) for _ in range(HALF)]
+        state = training_state(runner, HALF, 0, {"losses": losses})
+        save_training_checkpoint(ckdir, runner.rank, runner.world_size, state, {})
+        return losses
+
+
+@pytest.mark.distributed
+def test_a_converted_gpt2_checkpoint_keeps_its_tie_and_resumes_on_one_rank(tmp_path: Path) -> None:
+    """The per-rank files of GPT-2 on 2 stages (its embedding and head a tie across them), with
+    no record meta (the oldest format): converted, the tie is stored once and one rank resumes it
+    on the trajectory of 4 more steps of 2 stages."""
+    from fxpipe.cli import main
+    from fxpipe.runtime.train.dcp_checkpoint import read_model_state
+
+    a = make_build("hf_lm", tmp_path / "a", 2, BATCH, MICROBATCHES)
+    b = make_build("hf_lm", tmp_path / "b", 1, BATCH, MICROBATCHES)
+    old, new, ref = tmp_path / "old", tmp_path / "new", tmp_path / "ref"
+    spawn(_hf_old_format_job, 2, str(a), str(old), timeout=240)
+    spawn(_hf_job, 2, str(a), str(ref), False, timeout=240)  # the same 4 steps, model-keyed
+    assert main(["checkpoint", "convert", str(old), str(new), "--build", str(a)]) == 0
+    stored = read_model_state(new)
+    assert stored["lm_head.weight"] is stored["transformer.wte.weight"]
+    want = read_model_state(ref)
+    assert set(stored) == set(want)
+    for key, value in want.items():
+        assert torch.equal(stored[key], value), key
+    (converted,) = spawn(_hf_job, 1, str(b), str(new), True, timeout=240)
+    (direct,) = spawn(_hf_job, 1, str(b), str(ref), True, timeout=240)
+    assert converted.value["losses"] == direct.value["losses"]
+    for key, value in direct.value["state"].items():
+        assert torch.equal(converted.value["state"][key], value), key
+
+
+def test_checkpoint_convert_refuses_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --build, no checkpoint in OLD, a model-keyed OLD, a NEW that holds files: one line each."""
+    from fxpipe.cli import main
+    from fxpipe.runtime.train.commit import CommitRecord, write_record
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    cases = [
+        ([], "needs --build BUILD"),
+        (["--build", str(tmp_path)], "holds no checkpoint (no checkpoint.json)"),
+    ]
+    for extra, line in cases:
+        assert main(["checkpoint", "convert", str(old), str(new), *extra]) != 0
+        assert line in capsys.readouterr().err
+    record = CommitRecord(id="x", partial=True, num_parts=0, parts={}, meta={"format": "dcp"})
+    write_record(old / "checkpoint.json", record, "x")
+    assert main(["checkpoint", "convert", str(old), str(new), "--build", str(tmp_path)]) != 0
+    assert f"already holds a model-keyed checkpoint: resume it with --resume-from {old}" in (
+        capsys.readouterr().err
+    )
+    write_record(
+        old / "checkpoint.json", CommitRecord(id="y", partial=True, num_parts=0, parts={}), "y"
+    )
+    new.mkdir()
+    (new / "something").write_text("")
+    assert main(["checkpoint", "convert", str(old), str(new), "--build", str(tmp_path)]) != 0
+    assert "is not an empty directory" in capsys.readouterr().err
+    assert not new.joinpath("checkpoint.json").exists()
