@@ -35,13 +35,13 @@ from fxpipe.codegen import load_stage
 from fxpipe.codegen.load import read_manifest
 from fxpipe.errors import CheckpointError
 from fxpipe.runtime.pipeline.rank_stages import load_rank_stages, rank_module
-from fxpipe.runtime.train.checkpoint import RECORD_NAME, _read_part
+from fxpipe.runtime.train.checkpoint import RECORD_NAME, read_part
 from fxpipe.runtime.train.commit import new_token, read_record
 from fxpipe.runtime.train.dcp_checkpoint import (
-    _sha256,
     alias_groups,
     canonical_names,
     commit_dcp,
+    file_digest,
     is_dcp,
     rng_key,
     staging_folder,
@@ -110,7 +110,7 @@ def convert_checkpoint(old: str | Path, new: str | Path, build: str | Path | Non
             f"--build {build} is not the build whose run wrote {old} (its manifest.json differs "
             "from the one the checkpoint names); give the build directory the run trained"
         )
-    parts = {int(r): _read_part(old, int(r), record) for r in record.parts}
+    parts = {int(r): read_part(old, int(r), record) for r in record.parts}
     world = len(parts)
     replicas = len({p["replica"] for p in parts.values()})
     settings = dict(meta.get("settings") or {})
@@ -181,7 +181,7 @@ def convert_checkpoint(old: str | Path, new: str | Path, build: str | Path | Non
             dcp.save(
                 flat, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), no_dist=True
             )
-        files = {f.name: _sha256(f) for f in sorted(staging.iterdir())}
+        files = {f.name: file_digest(f) for f in sorted(staging.iterdir())}
         commit_dcp(
             new,
             staging,

@@ -83,15 +83,24 @@ if TYPE_CHECKING:
 __all__ = [
     "DCP_FORMAT",
     "DcpState",
+    "alias_groups",
+    "canonical_names",
     "check_dcp_keys",
+    "commit_dcp",
     "dcp_folder",
+    "describe_rng_key",
+    "file_digest",
     "is_dcp",
     "key_names",
     "layout_of",
     "load_dcp_checkpoint",
     "read_model_state",
     "read_tensors",
+    "rng_key",
+    "rng_source",
+    "runner_rng_key",
     "save_dcp_checkpoint",
+    "staging_folder",
 ]
 
 DCP_FORMAT = "dcp"
@@ -355,7 +364,8 @@ def local_tensors(runner: PipelineRunner) -> dict[str, torch.Tensor]:
 # -- save ------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> tuple[str, int]:
+def file_digest(path: Path) -> tuple[str, int]:
+    """(sha256, size) of the regular file ``path``."""
     h, size = hashlib.sha256(), 0
     # a FIFO in a file's place is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
     with os.fdopen(open_regular(path, "checkpoint file", CheckpointError), "rb") as f:
@@ -440,7 +450,7 @@ def save_dcp_checkpoint(
             if f.name == ".metadata" and runner.rank != 0:
                 continue
             if f.name == ".metadata" or f.name.startswith(f"__{runner.rank}_"):
-                mine["files"][f.name] = _sha256(f)
+                mine["files"][f.name] = file_digest(f)
     everyone = _gather(mine, f"saving a checkpoint into {directory}")
     failed = next((m["error"] for m in everyone if m["error"]), None)
     if failed is not None:
@@ -481,7 +491,7 @@ def _open(directory: Path, record: CommitRecord) -> dcp.FileSystemReader:
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} is missing, but its record says it was saved"
             ) from None
-        if size != part.bytes or (name == ".metadata" and _sha256(path)[0] != part.sha256):
+        if size != part.bytes or (name == ".metadata" and file_digest(path)[0] != part.sha256):
             raise CheckpointError(
                 f"{path} does not match its checkpoint record (sha256 or size differ): the file "
                 "is corrupted or belongs to another save; refusing to load it"
