@@ -247,8 +247,8 @@ def test_gpt2_with_labels_and_tied_embeddings_resumes_on_one_rank(tmp_path: Path
 # -- a per-rank checkpoint of an older fxpipe, converted once (Note [converting per-rank checkpoints])
 
 
-def _old_format_job(rank: int, world: int, build: str, ckdir: str) -> list[float]:
-    """4 steps at 2 stages, then the per-rank checkpoint earlier versions wrote."""
+def _old_format_job(rank: int, world: int, build: str, ckdir: str, schedule: str) -> list[float]:
+    """4 steps on 2 ranks, then the per-rank checkpoint earlier versions wrote."""
     from fxpipe.codegen.load import read_manifest
     from fxpipe.runtime import PipelineRunner
     from fxpipe.runtime.train.checkpoint import save_training_checkpoint, training_state
@@ -259,6 +259,7 @@ def _old_format_job(rank: int, world: int, build: str, ckdir: str) -> list[float
     with PipelineRunner(
         build,
         source.loss_fn,
+        schedule=schedule,
         microbatches=MICROBATCHES,
         timeout_s=60,
         optimizer_factory=optimizer_factory(OPTIONS, LR),
@@ -280,17 +281,21 @@ def _old_format_job(rank: int, world: int, build: str, ckdir: str) -> list[float
 
 
 @pytest.mark.distributed
-def test_a_converted_per_rank_checkpoint_resumes_on_another_layout(tmp_path: Path) -> None:
-    """``fxpipe checkpoint convert OLD NEW --build A``: the per-rank files of 2 stages become a
-    model-keyed checkpoint that one rank resumes on one process's trajectory."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_converted_per_rank_checkpoint_resumes_on_another_layout(
+    tmp_path: Path, schedule: str
+) -> None:
+    """``fxpipe checkpoint convert OLD NEW --build A``: the per-rank files of 2 ranks (one stage
+    each, or two ZBV chunks each) become a model-keyed checkpoint that one rank resumes on one
+    process's trajectory."""
     from fxpipe.cli import main
     from fxpipe.codegen.manifest import Manifest
 
-    build_a = make_build("mlp", tmp_path / "a", 2, BATCH, MICROBATCHES)
+    build_a = make_build("mlp", tmp_path / "a", 2, BATCH, MICROBATCHES, schedule)
     build_b = make_build("mlp", tmp_path / "b", 1, BATCH, MICROBATCHES)
     want = _reference(build_a, Manifest.from_json(build_a).num_stages)
     old, new = tmp_path / "old", tmp_path / "new"
-    spawn(_old_format_job, 2, str(build_a), str(old), timeout=240)
+    spawn(_old_format_job, 2, str(build_a), str(old), schedule, timeout=240)
     assert sorted(p.name for p in old.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
     convert = ["checkpoint", "convert", str(old), str(new)]
     assert main([*convert, "--build", str(build_b)]) != 0  # not the build that wrote it

@@ -68,16 +68,11 @@ def _rank_params(
     modules = load_rank_stages(
         manifest, pipeline_rank, lambda s, d: load_stage(build, s, device=d), torch.device("cpu")
     )
-    whole = rank_module(modules)
-    order = sorted(modules)
     keys = []
-    for name, p in whole.named_parameters():
-        if not p.requires_grad:
-            continue
-        if len(modules) > 1:  # a ModuleList: "<i>.<key>"
-            index, _, name = name.partition(".")
-            assert 0 <= int(index) < len(order)
-        keys.append(name)
+    for name, p in rank_module(modules).named_parameters():  # the optimizer's list, in order
+        if p.requires_grad:
+            # several stages are a ModuleList, whose names are "<i>.<original key>"
+            keys.append(name.partition(".")[2] if len(modules) > 1 else name)
     return modules, keys
 
 
