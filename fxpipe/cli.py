@@ -437,11 +437,40 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.train.checkpoint import export_checkpoint
+    from fxpipe.runtime.train.checkpoint import (
+        checkpoint_meta,
+        export_checkpoint,
+        gather_state_dict,
+    )
+    from fxpipe.runtime.train.checkpoint_options import ExportOptions
 
+    options = from_namespace(ExportOptions, args)
     _enter("exporting the checkpoint")
     state = export_checkpoint(args.checkpoint_dir, args.out)
     print(f"wrote {shown(args.out)}: {len(state)} tensors under the original model's keys")
+    if options.pretrained is not None:  # Note [exporting a transformers model]
+        from fxpipe.runtime.train.export_pretrained import export_pretrained
+
+        _enter("writing save_pretrained's layout")
+        files = export_pretrained(
+            args.checkpoint_dir,
+            gather_state_dict(args.checkpoint_dir),
+            options.pretrained,
+            checkpoint_meta(args.checkpoint_dir),
+            options.model,
+        )
+        print(f"wrote {shown(options.pretrained)}: {', '.join(files)} (from_pretrained loads it)")
+    return 0
+
+
+def cmd_checkpoint_convert(args: argparse.Namespace) -> int:
+    from fxpipe.runtime.train.checkpoint_options import ConvertOptions
+    from fxpipe.runtime.train.convert import convert_checkpoint
+
+    options = from_namespace(ConvertOptions, args)
+    _enter("converting the checkpoint")
+    note = convert_checkpoint(args.old, args.new, options.build)
+    print(f"wrote {shown(args.new)}: {note}")
     return 0
 
 
@@ -600,7 +629,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default="model.safetensors", help="the file to write (default model.safetensors)"
     )
+    from fxpipe.runtime.train.checkpoint_options import ConvertOptions, ExportOptions
+
+    add_arguments(p, ExportOptions)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("checkpoint", help="work on a training checkpoint without starting a job")
+    tools = p.add_subparsers(dest="tool", required=True, metavar="TOOL")
+    p = tools.add_parser(
+        "convert",
+        help="convert a per-rank checkpoint (rank_<r>.pt, older fxpipe) into the model-keyed format "
+        "once, so that any layout resumes it",
+    )
+    p.add_argument("old", help="the --checkpoint-dir holding the per-rank files")
+    p.add_argument("new", help="the new directory to write the model-keyed checkpoint into")
+    add_arguments(p, ConvertOptions)
+    p.set_defaults(func=cmd_checkpoint_convert)
     _Parser.verbs = dict(sub.choices)
     return parser
 

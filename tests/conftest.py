@@ -54,6 +54,10 @@ HEAVY = (
     "tests/runtime/test_dcp_checkpoint.py::test_zero_sharded_optimizer_2x2_resumes_on_one_rank",
     "tests/runtime/test_dcp_checkpoint.py::test_four_stages_resume_as_two_by_two_fully_sharded",
     "tests/runtime/test_dcp_checkpoint.py::test_two_stages_1f1b_resume_as_four_ranks_of_zbv",
+    # dropout across a resume: 4 jobs of 2 ranks (make test keeps the key matching, unit-tested)
+    "tests/runtime/test_dcp_checkpoint.py::test_dropout_resumes_bit_for_bit_on_its_stages_whatever_the_schedule",
+    "tests/runtime/test_dcp_checkpoint.py::test_a_converted_gpt2_checkpoint_keeps_its_tie_and_resumes_on_one_rank",
+    "tests/runtime/test_dcp_checkpoint.py::test_a_converted_per_rank_checkpoint_resumes_on_another_layout[zbv]",
     # a dict batch through the seed API (its PipelineRunner sibling runs in make test)
     "tests/runtime/test_tree_inputs_train.py::test_a_dict_batch_trains_through_the_seed_api_like_one_process",
     "tests/runtime/test_dcp_checkpoint.py::test_gpt2_with_labels_and_tied_embeddings_resumes_on_one_rank",

@@ -50,6 +50,10 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     parsers = {"fxpipe": parser}
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     parsers.update(sub.choices)
+    for verb, verb_parser in sub.choices.items():  # a verb of verbs: `fxpipe checkpoint convert`
+        for action in verb_parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.update({f"{verb} {tool}": p for tool, p in action.choices.items()})
     captured: dict[str, argparse.ArgumentParser] = {}
     original = argparse.ArgumentParser.parse_args
 

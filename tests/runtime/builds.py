@@ -15,16 +15,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def make_build(
-    name: str,
+    name: str | Path,
     out_dir: Path,
     stages: int,
     batch_size: int,
     microbatches: int,
     schedule: str = "1f1b",
 ) -> Path:
-    """Trace ``examples/<name>.py`` at the microbatch size, plan ``stages`` ranks for ``schedule``
-    (its least stages per rank), emit into ``out_dir``."""
-    source = load_model_file(EXAMPLES / f"{name}.py")
+    """Trace ``examples/<name>.py`` (or the model file ``name``, a path) at the microbatch size,
+    plan ``stages`` ranks for ``schedule`` (its least stages per rank), emit into ``out_dir``."""
+    source = load_model_file(name if isinstance(name, Path) else EXAMPLES / f"{name}.py")
     traced = trace_model_file(source, batch_size // microbatches)
     plan = plan_partition(traced.profile, stages, microbatches=microbatches, schedule=schedule)
     write_build_dir(traced, plan, out_dir, source, batch_size=batch_size, microbatches=microbatches)

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RECORD_NAME",
     "part_path",
+    "read_part",
     "save_training_checkpoint",
     "load_training_checkpoint",
     "has_checkpoint",
@@ -222,7 +223,9 @@ def _quiet_record(path: Path) -> CommitRecord | None:
         return None
 
 
-def _read_part(directory: Path, rank: int, record: CommitRecord) -> dict[str, Any]:
+def read_part(directory: Path, rank: int, record: CommitRecord) -> dict[str, Any]:
+    """Rank ``rank``'s part of the committed per-rank checkpoint ``record`` in ``directory``,
+    checked against the record (sha256) and read with ``weights_only=True``."""
     path = part_path(directory, rank)
     check_part(path, record, str(rank))
     try:
@@ -257,7 +260,7 @@ def load_training_checkpoint(directory: str | Path, rank: int, world: int) -> di
                 f"the checkpoint in {directory} was saved by {record.num_parts} ranks, this run has "
                 f"{world}; resume with the same stages and --dp"
             )
-        data = _read_part(directory, rank, record)
+        data = read_part(directory, rank, record)
         mine["id"] = record.id
     except CheckpointError as exc:
         mine["error"] = str(exc)
@@ -385,7 +388,7 @@ def gather_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     seen: set[int] = set()
     num_stages = None
     for key in sorted(record.parts, key=int):
-        part = _read_part(directory, int(key), record)
+        part = read_part(directory, int(key), record)
         num_stages = part["num_stages"]
         if part["replica"] != 0:
             continue

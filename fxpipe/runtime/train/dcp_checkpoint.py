@@ -12,6 +12,15 @@ dict (``get_state_dict`` over its stages, FSDP's DTensor shards as they are):
   record so far): plain data as JSON strings, the same on every rank;
 - ``rng.<rank>.torch`` / ``rng.<rank>.python`` (``.cuda``): each rank's own streams.
 
+Note [RNG streams by stage]: torch's and Python's generators (and CUDA's) are per process, so
+they are stored per saving rank, with ``meta["rng"]`` saying what each rank's streams drew for
+(``rng_key``): the stages it held (and their code), its replica and tensor-parallel rank out of
+how many, the microbatches per step, the schedule when the rank holds several stages (it orders
+their draws) and the device. A resuming rank continues the streams of the saving rank with its
+own key, whatever else changed (another ``--shard`` level, another schedule for one stage per
+rank, other ranks for other stages), so dropout draws the masks one run would; a rank without
+a match keeps the streams it started with, and the resume names its stages in the log.
+
 A tensor reachable under several keys (tied weights: GPT's ``wte.weight`` and
 ``lm_head.weight``, in one stage as aliases or in two as a ``Tie``) is stored once, under the
 first of its keys in sorted order (``key_names``: the union over the world of the ranks'
@@ -66,20 +75,32 @@ from fxpipe.runtime.train.commit import CommitRecord, Part, new_token, read_reco
 from fxpipe.userfiles import open_regular
 
 if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from fxpipe.codegen.manifest import Manifest
     from fxpipe.runtime.pipeline.runner import PipelineRunner
 
 __all__ = [
     "DCP_FORMAT",
     "DcpState",
+    "alias_groups",
+    "canonical_names",
     "check_dcp_keys",
+    "commit_dcp",
     "dcp_folder",
+    "describe_rng_key",
+    "file_digest",
     "is_dcp",
     "key_names",
     "layout_of",
     "load_dcp_checkpoint",
     "read_model_state",
     "read_tensors",
+    "rng_key",
+    "rng_source",
+    "runner_rng_key",
     "save_dcp_checkpoint",
+    "staging_folder",
 ]
 
 DCP_FORMAT = "dcp"
@@ -136,18 +157,24 @@ def _fqn_keys(runner: PipelineRunner) -> dict[str, str]:
     }
 
 
-def key_names(runner: PipelineRunner) -> dict[str, str]:
-    """Every original key a stage of this layout holds -> the key its tensor is stored under (Note
-    [checkpoints keyed by the model]). Collective over the world."""
-    groups: list[list[str]] = [list(t.keys) for t in runner.manifest.ties]
+def alias_groups(modules: dict[int, nn.Module], manifest: Manifest) -> list[list[str]]:
+    """The groups of original keys one rank knows to name one tensor: the manifest's ties and the
+    aliases inside its stages (``modules``, ties on the rank shared)."""
+    groups: list[list[str]] = [list(t.keys) for t in manifest.ties]
     by_id: dict[int, list[str]] = {}
-    for module in runner.stages.values():
+    for module in modules.values():
         for name, t in [
             *module.named_parameters(remove_duplicate=False),
             *module.named_buffers(remove_duplicate=False),
         ]:
             by_id.setdefault(id(t), []).append(name)
     groups += [sorted(set(names)) for names in by_id.values() if len(set(names)) > 1]
+    return groups
+
+
+def canonical_names(everyone: list[list[list[str]]], keys: set[str]) -> dict[str, str]:
+    """``keys`` and every key of the ranks' alias groups (``everyone``) -> the first key of its
+    group (the union over the ranks) in sorted order, the one its tensor is stored under."""
     parent: dict[str, str] = {}
 
     def find(k: str) -> str:
@@ -155,12 +182,20 @@ def key_names(runner: PipelineRunner) -> dict[str, str]:
             k = parent[k]
         return k
 
-    for mine in _gather(groups, "naming the checkpoint's tensors"):
+    for mine in everyone:
         for group in mine:
             roots = sorted({find(k) for k in group})
             for r in roots[1:]:
                 parent[r] = roots[0]
-    return {k: find(k) for k in set(_fqn_keys(runner).values()) | set(parent)}
+    return {k: find(k) for k in keys | set(parent)}
+
+
+def key_names(runner: PipelineRunner) -> dict[str, str]:
+    """Every original key a stage of this layout holds -> the key its tensor is stored under (Note
+    [checkpoints keyed by the model]). Collective over the world."""
+    groups = alias_groups(runner.stages, runner.manifest)
+    everyone = _gather(groups, "naming the checkpoint's tensors")
+    return canonical_names(everyone, set(_fqn_keys(runner).values()))
 
 
 def stored_names(names: dict[str, str], stored: Any, aliases: dict[str, str]) -> dict[str, str]:
@@ -256,6 +291,52 @@ def _state(runner: PipelineRunner, names: dict[str, str]) -> DcpState:
     return DcpState(flat, msd, osd, fqn)
 
 
+def rng_key(
+    stages: list[int],
+    manifest: Manifest,
+    replica: tuple[int, int],
+    tp: tuple[int, int],
+    microbatches: int,
+    schedule: str | None,
+    device: str,
+) -> str:
+    """What one rank's RNG streams draw for (Note [RNG streams by stage]): its stages (their
+    code), its replica and tensor-parallel rank (each of how many), the microbatches of a step
+    and, with several stages on the rank, the schedule that orders their draws."""
+    return json.dumps(
+        {
+            "stages": stages,
+            "num_stages": manifest.num_stages,
+            "code": [manifest.stages[s].source_sha256 for s in stages],
+            "replica": list(replica),
+            "tp": list(tp),
+            "microbatches": microbatches,
+            "schedule": schedule if len(stages) > 1 else None,
+            "device": device,
+        },
+        sort_keys=True,
+    )
+
+
+def runner_rng_key(runner: PipelineRunner) -> str:
+    """``rng_key`` of ``runner``'s rank."""
+    return rng_key(
+        sorted(runner.stages),
+        runner.manifest,
+        (runner.replica, runner.layout.replicas),
+        (runner.tp_rank, runner.layout.tensor_parallel),
+        runner.schedule.num_microbatches,
+        runner.schedule.name,
+        runner.device.type,
+    )
+
+
+def describe_rng_key(key: str) -> str:
+    """``rng_key``'s stages, as the log names them."""
+    stages = json.loads(key)["stages"]
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+
+
 def _plain(
     runner: PipelineRunner, step: int, samples: int, history: dict[str, Any]
 ) -> dict[str, Any]:
@@ -283,7 +364,8 @@ def local_tensors(runner: PipelineRunner) -> dict[str, torch.Tensor]:
 # -- save ------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> tuple[str, int]:
+def file_digest(path: Path) -> tuple[str, int]:
+    """(sha256, size) of the regular file ``path``."""
     h, size = hashlib.sha256(), 0
     # a FIFO in a file's place is refused, never waited on (Note [regular files only] in fxpipe.userfiles)
     with os.fdopen(open_regular(path, "checkpoint file", CheckpointError), "rb") as f:
@@ -302,6 +384,40 @@ def _clean(directory: Path, keep: set[str]) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
+def staging_folder(directory: Path, token: str) -> Path:
+    """The hidden folder DCP writes a checkpoint with id ``token`` into before its commit."""
+    return directory / _STAGING.format(token)
+
+
+def commit_dcp(
+    directory: Path,
+    staging: Path,
+    token: str,
+    files: dict[str, tuple[str, int]],
+    meta: dict[str, Any],
+) -> None:
+    """Commit the DCP folder ``staging`` (every rank's ``files``: name -> (sha256, size)) as the
+    checkpoint of ``directory``, with ``meta`` in its record; the previous one's folder is removed
+    after (Note [checkpoint commit])."""
+    final = f"dcp-{token}"
+    parts = {
+        name: Part(file=f"{final}/{name}", sha256=sha, bytes=size, pending="")
+        for name, (sha, size) in files.items()
+    }
+    os.replace(staging, directory / final)
+    record = CommitRecord(
+        id=token,
+        partial=True,
+        num_parts=len(parts),
+        parts=parts,
+        meta={**meta, "format": DCP_FORMAT, "dcp_dir": final},
+    )
+    write_record(directory / RECORD_NAME, record, token)  # the commit point
+    _clean(directory, keep={final})
+    for old in directory.glob("rank_*.pt"):  # a run resumed from the per-rank format
+        old.unlink(missing_ok=True)
+
+
 def save_dcp_checkpoint(
     directory: str | Path,
     runner: PipelineRunner,
@@ -315,7 +431,7 @@ def save_dcp_checkpoint(
     directory = Path(directory)
     names = key_names(runner)
     token = _gather(new_token() if runner.rank == 0 else None, "starting a checkpoint")[0]
-    staging = directory / _STAGING.format(token)
+    staging = staging_folder(directory, token)
     state = _state(runner, names)
     flat = {**state.flat, **_plain(runner, step, samples, history)}
     try:
@@ -328,13 +444,13 @@ def save_dcp_checkpoint(
         error = None
     except Exception as exc:  # noqa: BLE001 (DCP raises on every rank when one fails)
         error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    mine: dict[str, Any] = {"error": error, "files": {}}
+    mine: dict[str, Any] = {"error": error, "files": {}, "rng": runner_rng_key(runner)}
     if error is None and staging.is_dir():
         for f in sorted(staging.iterdir()):
             if f.name == ".metadata" and runner.rank != 0:
                 continue
             if f.name == ".metadata" or f.name.startswith(f"__{runner.rank}_"):
-                mine["files"][f.name] = _sha256(f)
+                mine["files"][f.name] = file_digest(f)
     everyone = _gather(mine, f"saving a checkpoint into {directory}")
     failed = next((m["error"] for m in everyone if m["error"]), None)
     if failed is not None:
@@ -345,31 +461,20 @@ def save_dcp_checkpoint(
             "any) is unchanged"
         )
     if runner.rank == 0:
-        final = f"dcp-{token}"
-        parts = {
-            name: Part(file=f"{final}/{name}", sha256=sha, bytes=size, pending="")
-            for m in everyone
-            for name, (sha, size) in m["files"].items()
-        }
-        os.replace(staging, directory / final)
-        record = CommitRecord(
-            id=token,
-            partial=True,
-            num_parts=len(parts),
-            parts=parts,
-            meta={
+        files = {name: v for m in everyone for name, v in m["files"].items()}
+        commit_dcp(
+            directory,
+            staging,
+            token,
+            files,
+            {
                 **meta,
-                "format": DCP_FORMAT,
-                "dcp_dir": final,
                 "samples": samples,
                 "layout": layout_of(runner),
                 "aliases": {k: v for k, v in sorted(names.items()) if k != v},
+                "rng": {str(r): m["rng"] for r, m in enumerate(everyone)},
             },
         )
-        write_record(directory / RECORD_NAME, record, token)  # the commit point
-        _clean(directory, keep={final})
-        for old in directory.glob("rank_*.pt"):  # a run resumed from the per-rank format
-            old.unlink(missing_ok=True)
     _gather(None, f"committing the checkpoint in {directory}")
 
 
@@ -386,7 +491,7 @@ def _open(directory: Path, record: CommitRecord) -> dcp.FileSystemReader:
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} is missing, but its record says it was saved"
             ) from None
-        if size != part.bytes or (name == ".metadata" and _sha256(path)[0] != part.sha256):
+        if size != part.bytes or (name == ".metadata" and file_digest(path)[0] != part.sha256):
             raise CheckpointError(
                 f"{path} does not match its checkpoint record (sha256 or size differ): the file "
                 "is corrupted or belongs to another save; refusing to load it"
@@ -444,7 +549,8 @@ def load_dcp_checkpoint(
 ) -> dict[str, Any]:
     """Load the committed checkpoint in ``directory`` into ``runner`` (this rank reads only its
     tensors; collective over the world); returns ``{"step", "samples", "history", "rng"}`` where
-    ``rng`` says whether this rank's RNG streams were restored (only in the layout that saved them)."""
+    ``rng`` names the stages (over the world) whose RNG streams were not restored (Note [RNG
+    streams by stage]); empty when every rank's were."""
     directory = Path(directory)
     reader = _open(directory, record)
     stored = reader.read_metadata().state_dict_metadata
@@ -454,10 +560,14 @@ def load_dcp_checkpoint(
     unsaved = {k for k in flat if k.startswith("optim.") and k not in stored}
     for k in unsaved:  # a parameter that had no optimizer state (never stepped)
         del flat[k]
-    plain = _plain(runner, 0, 0, {})
-    same_layout = record.meta.get("layout") == layout_of(runner)
-    for k, v in plain.items():
-        if k in stored and (same_layout or not k.startswith("rng.")):
+    source = rng_source(dict(record.meta), runner)
+    own = f"rng.{runner.rank}."
+    for k, v in _plain(runner, 0, 0, {}).items():
+        if k.startswith(own):  # this rank continues the streams of the saving rank ``source``
+            if source is None:
+                continue
+            k = f"rng.{source}.{k[len(own) :]}"
+        if k in stored:
             flat[k] = "" if isinstance(v, str) else v
     flat = {k: v for k, v in flat.items() if k in stored}
     dcp.load(
@@ -521,15 +631,31 @@ def load_dcp_checkpoint(
         runner.scheduler.load_state_dict(json.loads(flat["scheduler"]))
     if runner.scaler is not None and "scaler" in flat:
         runner.scaler.scaler.load_state_dict(json.loads(flat["scaler"]))
-    rng = f"rng.{runner.rank}.torch" in flat
+    rng = f"rng.{source}.torch" in flat
     if rng:
-        torch.set_rng_state(flat[f"rng.{runner.rank}.torch"])
-        version, internal, gauss = json.loads(flat[f"rng.{runner.rank}.python"])
+        torch.set_rng_state(flat[f"rng.{source}.torch"])
+        version, internal, gauss = json.loads(flat[f"rng.{source}.python"])
         random.setstate((version, tuple(internal), gauss))
-        if f"rng.{runner.rank}.cuda" in flat and runner.device.type == "cuda":
-            torch.cuda.set_rng_state(flat[f"rng.{runner.rank}.cuda"], runner.device)
+        if f"rng.{source}.cuda" in flat and runner.device.type == "cuda":
+            torch.cuda.set_rng_state(flat[f"rng.{source}.cuda"], runner.device)
+    lost = _gather(
+        None if rng else describe_rng_key(runner_rng_key(runner)), "restoring the RNG streams"
+    )
     train = json.loads(flat["train"])
-    return {**train, "rng": rng}
+    return {**train, "rng": tuple(sorted({d for d in lost if d is not None}))}
+
+
+def rng_source(meta: dict[str, Any], runner: PipelineRunner) -> int | None:
+    """The saving rank whose RNG streams ``runner``'s rank continues (Note [RNG streams by
+    stage]): the one whose ``rng_key`` is this rank's; ``None`` when none is. A checkpoint
+    without the keys (written before them) restores only into the layout that saved it."""
+    keys = meta.get("rng")
+    if not isinstance(keys, dict):
+        return runner.rank if meta.get("layout") == layout_of(runner) else None
+    mine = runner_rng_key(runner)
+    return next(
+        (int(r) for r, k in sorted(keys.items(), key=lambda x: int(x[0])) if k == mine), None
+    )
 
 
 # -- out of the pipeline ---------------------------------------------------------------------------

@@ -22,12 +22,15 @@ and reports, beside what ``check_resume`` reports (a changed ``--lr`` included),
 came from. The data position carries over in samples: the run continues at sample
 ``samples``, i.e. step ``samples / global batch``, whatever the replica count; each replica
 then draws its share of that step's global batch as it would have in one run. The RNG streams
-are restored only into the layout that saved them (each rank its own); in another layout each
-rank keeps the streams it started with, and the resume says so.
+carry over per stage (Note [RNG streams by stage] in ``fxpipe.runtime.train.dcp_checkpoint``):
+a rank continues the streams of the saving rank that held its stages with the same replicas,
+microbatches (and schedule, for several stages per rank); the resume names the stages whose
+streams start afresh.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,17 +113,21 @@ def check_layout_resume(
 
 
 def layout_note(
-    plan: ResumePlan, saved: dict[str, Any], now: dict[str, Any], rng: bool
+    plan: ResumePlan, saved: dict[str, Any], now: dict[str, Any], lost: Sequence[str]
 ) -> ResumePlan:
-    """``plan`` with the layout change said (and that the RNG streams start afresh, when they do)."""
+    """``plan`` with the layout change said, and the stages whose RNG streams start afresh
+    (``lost``; Note [RNG streams by stage] in ``fxpipe.runtime.train.dcp_checkpoint``)."""
     changes = list(plan.changes)
     if saved and saved != now:
         changes.insert(0, f"layout {describe_layout(saved)} -> {describe_layout(now)}")
-    if not rng:
-        changes.append(
-            "the RNG streams are not carried into another layout (each rank starts its own)"
-        )
+    if not lost:
+        return replace(plan, changes=tuple(changes))
+    changes.append(
+        f"the RNG streams of the ranks holding {'; '.join(lost)} are not carried over (no rank of "
+        "the checkpoint held the same stages with the same replicas, microbatches and schedule): "
+        "they start their own"
+    )
     carried = plan.carried.replace(
         "the RNG and the data position", "the data position (in samples)"
     )
-    return replace(plan, changes=tuple(changes), carried=carried if not rng else plan.carried)
+    return replace(plan, changes=tuple(changes), carried=carried)
