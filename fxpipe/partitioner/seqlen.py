@@ -251,7 +251,8 @@ def reprice(profile: ModelProfile, sizes: dict[str, int]) -> ModelProfile:
     if any(u.scaling is None for u in profile.units):
         raise PartitionError(
             "--seq-len: this profile does not record how its costs follow the sequence length "
-            "(traced by an older fxpipe, or written by hand); trace it again"
+            "(traced by an older fxpipe, written by hand, or its units could not be counted at other "
+            "lengths: the trace warned why); trace it again"
         )
     preset = DEVICE_PRESETS.get(profile.trace_device)
     batch = {BATCH: profile.batch_size}

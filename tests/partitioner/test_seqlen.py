@@ -195,3 +195,15 @@ def test_fxpipe_plan_at_a_length_and_over_a_histogram(
     assert [p.weight for p in PartitionPlan.from_json(out).priced_at] == [0.75, 0.25]
     assert main([*args, "--seq-len", "64", "--out", str(out)]) != 0
     assert "give --seq-len or --seq-len-histogram, not both" in capsys.readouterr().err
+
+
+def test_fxpipe_partition_at_a_length_writes_the_priced_plan_and_profile(tmp_path: Path) -> None:
+    model = Path(__file__).resolve().parents[1] / "runtime" / "varlen_llama.py"  # seq 2..64, at 16
+    out = tmp_path / "build"
+    args = ["partition", str(model), "--stages", "2", "--seq-len", "48", "--no-check"]
+    assert main([*args, "--out", str(out)]) == 0
+    at_48 = (PricedAt(sizes={"seq": 48}),)
+    assert PartitionPlan.from_json(out / "plan.json").priced_at == at_48
+    profile = ModelProfile.from_json(out / "profile.json")
+    assert profile.priced_at == at_48 and profile.inputs[0].shape[1] == 48
+    assert "priced at seq = 48 (the build runs 2..64)" in (out / "report.html").read_text()
