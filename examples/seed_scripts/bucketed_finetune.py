@@ -10,7 +10,7 @@ attention keeps them from changing the real tokens), so no attention mask is nee
 
 Run it on 2 processes (one pipeline stage each, gloo on CPU)::
 
-    torchrun --nproc-per-node 2 examples/seed_scripts/bucketed_finetune.py --steps 8
+    torchrun --standalone --nproc-per-node 2 examples/seed_scripts/bucketed_finetune.py --steps 8
 
 ``--init model.pt`` starts from a state dict (a checkpoint to fine-tune); without it the tiny
 model starts from its seeded initialisation.

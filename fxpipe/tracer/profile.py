@@ -350,7 +350,11 @@ class ModelProfile:
     times not measured); ``host_slowdown`` compares it with the calibration host's (Note
     [host speed] in :mod:`fxpipe.tracer.calibration`). ``dynamic``: the dimensions besides the
     batch that follow the data, with their ranges (Note [dynamic dimensions] in
-    :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them.
+    :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them, and each unit's
+    ``scaling`` says how its counts follow them. ``priced_at``: the lengths the costs are for, when
+    the planner re-priced the profile (``--seq-len``, Note [pricing at a length] in
+    :mod:`fxpipe.partitioner.seqlen`; several: the expected step over them, memory at the longest);
+    empty: the traced sizes.
     ``compiled``: the units were priced as compiled stages run them (``--compile``; Note
     [compiled unit times] in :mod:`fxpipe.tracer.timing`), ``compile_factor`` the factor the
     analytic estimate was scaled by (``None``: measured, or eager).

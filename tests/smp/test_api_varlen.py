@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,10 +61,14 @@ def test_a_new_length_every_step_trains_like_one_process() -> None:
 def test_the_documented_command_runs_two_steps() -> None:
     root = SCRIPTS.parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", "0", str(SCRIPTS / "bucketed_finetune.py"), "--steps", "2"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=root)
+    # the docstring's command: torchrun --standalone --nproc-per-node 2 <script> --steps N
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    command += ["2", str(SCRIPTS / "bucketed_finetune.py"), "--steps", "2"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(",")[0] for line in lines] == ["step 1: length 16", "step 2: length 18"]
-    assert Path(SCRIPTS / "bucketed_finetune.py").is_file()
+    doc = (SCRIPTS / "bucketed_finetune.py").read_text()
+    assert (
+        "torchrun --standalone --nproc-per-node 2 examples/seed_scripts/bucketed_finetune.py" in doc
+    )
