@@ -203,6 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = ModelProfile.from_json(
         Path(args.profile)
     )  # a Path: a file named {exp1} is never read as JSON text
+    profile = options.priced(profile)  # --seq-len (Note [pricing at a length])
     if args.devices is not None:
         from fxpipe.partitioner.search.configurations import plan_configuration
 
@@ -279,12 +280,12 @@ def _partition(args: argparse.Namespace) -> int:
 
         check_build_target(out)
         source = _load_source(args)
-        traced = _trace(args, source, args.batch_size or 1)
+        traced = _priced(options, _trace(args, source, args.batch_size or 1))
         result = _cluster_search(args, traced.profile)
         best = result.best.config
         batch, micro = best.microbatch_size * best.microbatches, best.microbatches
         if best.microbatch_size != traced.profile.batch_size:
-            traced = _trace(args, source, best.microbatch_size)
+            traced = _priced(options, _trace(args, source, best.microbatch_size))
         _enter("planning the best configuration")
         plan = plan_configuration(
             traced.profile,
@@ -297,7 +298,7 @@ def _partition(args: argparse.Namespace) -> int:
         batch, micro = _microbatching(args.batch_size, options.microbatches, options.stages)
         check_build_target(out)  # before minutes of tracing; write_build_dir checks again
         source = _load_source(args)
-        traced = _trace(args, source, batch // micro)
+        traced = _priced(options, _trace(args, source, batch // micro))
         plan = _plan(options, traced.profile, _check_stages(options.stages), micro)
     _enter("emitting the build directory")
     manifest = write_build_dir(
@@ -326,6 +327,13 @@ def _partition(args: argparse.Namespace) -> int:
         f"[green]wrote[/] build directory {_shown(out)}/ ({placed}; open {_shown(out / 'report.html')})"
     )
     return 0
+
+
+def _priced(options: PlanOptions, traced: Any) -> Any:
+    """The traced model with its profile priced at ``--seq-len`` (Note [pricing at a length]): the
+    plan, the report and the build's profile.json are of that length; codegen reads names only."""
+    traced.profile = options.priced(traced.profile)
+    return traced
 
 
 def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:

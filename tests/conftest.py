@@ -42,6 +42,10 @@ HEAVY = (
     "tests/runtime/test_training_run.py::test_sharded_replicas_resume_bit_for_bit",
     "tests/runtime/dataparallel/test_sharded_chunks.py::test_gpt_chunked_builds_shard_every_chunk_and_train_like_one_process",
     "tests/runtime/dataparallel/test_frozen_dp.py",  # 4 ranks, 3 levels (issue 37)
+    # the bucketed fine-tuning example's command (torchrun, 2 steps); its 2-rank equality test stays
+    "tests/smp/test_api_varlen.py::test_the_documented_command_runs_two_steps",
+    # fxpipe partition --seq-len (a Llama traced with its costs at three lengths); fxpipe plan's stays
+    "tests/partitioner/test_seqlen.py::test_fxpipe_partition_at_a_length_writes_the_priced_plan_and_profile",
     # the slowest of the rest, each with a faster sibling in make test (keeps it under 10 minutes)
     "tests/runtime/test_own_loss.py::test_gpt2_keyword_call_with_labels_partitions_verifies_and_trains_on_its_own_loss",
     "tests/runtime/test_training_run.py::test_train_batches_crash_resume_bit_for_bit_and_export",

@@ -41,6 +41,7 @@ from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.partitioner.cost import CostModel
 from fxpipe.partitioner.prediction import Prediction
 from fxpipe.partitioner.schedule import ActionKind, Timeline, make_schedule, simulate_step
+from fxpipe.tracer.profile import PricedAt
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 
 __all__ = [
@@ -198,6 +199,8 @@ class PartitionPlan:
         False  # planned from units priced compiled (profile.compiled); older plans: eager
     )
     compile_factor: float | None = None  # the profile's compiled-kernel factor (analytic times)
+    # the lengths the plan was priced at (Note [pricing at a length]); (): no dynamic dimension
+    priced_at: tuple[PricedAt, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))

@@ -28,6 +28,7 @@ from fxpipe.partitioner.cost import (
     parse_size,
 )
 from fxpipe.partitioner.schedule import AUTO, SCHEDULE_NAMES
+from fxpipe.partitioner.seqlen import check_seq_len
 
 __all__ = ["PlanOptions", "SOLVER_NAMES", "OPTIMIZE"]
 
@@ -138,7 +139,26 @@ class PlanOptions(Options):
     shard_reduce: str = same_as(CostModel, "shard_reduce", parse_choices=False)
     shard_param_dtype: str | None = same_as(CostModel, "shard_param_dtype", parse_choices=False)
 
+    # Note [pricing at a length] in fxpipe.partitioner.seqlen
+    seq_len: str | None = option(
+        None,
+        metavar="L",
+        none_means="the traced length",
+        help="price the plan at sequence length L (every dynamic dimension of the profile; or "
+        "seq=512,tgt=128), or at the expected step over weighted lengths, e.g. 128:3,512:1",
+        check=check_seq_len,
+    )
+    seq_len_histogram: str | None = option(
+        None,
+        metavar="FILE",
+        none_means="none",
+        help="price the plan at the expected step over the lengths in FILE (one LENGTH WEIGHT per "
+        "line, or a JSON object); memory at the longest",
+    )
+
     def __post_init__(self) -> None:
+        if self.seq_len is not None and self.seq_len_histogram is not None:
+            raise ConfigError("give --seq-len or --seq-len-histogram, not both")
         for flag, value in (
             ("--link-bandwidth", self.link_bandwidth),
             ("--link-latency", self.link_latency),
@@ -175,6 +195,13 @@ class PlanOptions(Options):
             return parse_size(self.memory_limit) if self.memory_limit else None
         except ConfigError as exc:
             raise ConfigError(f"--memory-limit: {exc}") from None
+
+    def priced(self, profile: Any) -> Any:
+        """The ``ModelProfile`` the planner prices: ``profile`` at ``--seq-len`` or over
+        ``--seq-len-histogram`` (neither: as traced; Note [pricing at a length])."""
+        from fxpipe.partitioner.seqlen import price_for_options
+
+        return price_for_options(profile, self.seq_len, self.seq_len_histogram)
 
     def cost_model(self, trace_device: str) -> CostModel:
         """The cost model these options price with, for a profile traced on ``trace_device``

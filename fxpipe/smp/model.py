@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,11 @@ class DistributedModel(nn.Module):
             loss = F.cross_entropy(model(data), target)
             model.backward(loss)
             return loss
+
+    ``dynamic_dims``: the input dimensions besides the batch that follow the data, as a model file's
+    ``dynamic_dims()`` gives them (``{"input_ids": {1: ("seq", 2, 512)}}``, docs/shapes.md): the build
+    made at the first step then runs every length in the range, so ``@step`` may be called with
+    another length each time.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class DistributedModel(nn.Module):
         bucket_cap_mb: float = 25,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        dynamic_dims: Mapping[str, Mapping[int, Any]] | None = None,
     ) -> None:
         super().__init__()
         st = current()
@@ -90,7 +96,10 @@ class DistributedModel(nn.Module):
             )
         self.module = module
         self.trace_options = TraceOptions(
-            resolve_trace_device(trace_device), trace_execution_times, trace_memory_usage
+            resolve_trace_device(trace_device),
+            trace_execution_times,
+            trace_memory_usage,
+            dynamic_dims=dynamic_dims,
         )
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.ddp_options = st.config.data_parallel_options(

@@ -33,6 +33,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -71,6 +72,9 @@ class TraceOptions:
     measure_times: bool = False
     measure_memory: bool = False
     check: bool = True  # the compiler's safety net (Note [safety net] in fxpipe.codegen.safety)
+    # input dimensions besides the batch that follow the data (Note [dynamic dimensions]): one build
+    # for every sequence length, e.g. {"input_ids": {1: ("seq", 2, 512)}}
+    dynamic_dims: Mapping[str, Mapping[int, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ def _plan_on_rank0(
         trace_device=options.trace_device,
         measure_times=options.measure_times,
         measure_memory=options.measure_memory,
+        dynamic_dims=options.dynamic_dims,
         progress=False,
     )
     traced.profile = apply_partition_policy(traced.profile, config)

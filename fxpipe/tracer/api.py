@@ -33,6 +33,7 @@ from fxpipe.tracer.call import (
     tracing_call,
 )
 from fxpipe.tracer.calibration import DEVICE_PRESETS
+from fxpipe.tracer.cost_scaling import unit_scalings
 from fxpipe.tracer.counting import UnitCounts, count_unit, count_units_once
 from fxpipe.tracer.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import phase, progress_iter
@@ -496,6 +497,24 @@ def trace_model(
                 counting = lambda rs: progress_iter(rs, "counting units", progress, len(rs))  # noqa: E731
                 counts = count_units_once(runners, count_unit, counting)
                 counted.detail = f"{len(runners)} units"
+            scalings = None
+            if ranges:  # Note [costs at other sizes]
+                with (
+                    phase("count at other lengths") as scaled,
+                    cost_device_kernels(on_meta, cost_device),
+                ):
+                    try:
+                        scalings = unit_scalings(
+                            gm, groups, inputs, dynamic, ranges, counts, DEVICE_PRESETS[cost_device]
+                        )
+                        scaled.detail = ", ".join(r.name for r in ranges)
+                    except Exception as exc:  # noqa: BLE001 - the profile is whole without it
+                        warnings.warn(
+                            f"fxpipe: counting the units at other lengths failed ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]}); the profile prices its traced "
+                            "length only (--seq-len needs a trace that counts them)",
+                            stacklevel=2,
+                        )
             host_call_ms = None
             if measure_times:
                 with phase("time units") as timing:
@@ -542,6 +561,9 @@ def trace_model(
     if recomputed:
         profile = dataclasses.replace(profile, recomputed_buffers=recomputed)
     profile = dataclasses.replace(profile, dynamic=ranges)
+    if scalings is not None:
+        units = tuple(dataclasses.replace(u, scaling=sc) for u, sc in zip(profile.units, scalings))
+        profile = dataclasses.replace(profile, units=units)
     leaf_modules = {
         str(n.target): type(gm.get_submodule(str(n.target)))
         for n in gm.graph.nodes

@@ -127,8 +127,9 @@ def _producer_saves_output(runner: UnitRunner, node: torch.fx.Node) -> bool:
     return isinstance(run.out, torch.Tensor) and storage_key(run.out) in run.storages
 
 
-def count_unit(runner: UnitRunner) -> UnitCounts:
-    """Run the unit forward and backward once, counting FLOPs and saved activation bytes.
+def count_unit(runner: UnitRunner, ops: bool = True) -> UnitCounts:
+    """Run the unit forward and backward once, counting FLOPs and saved activation bytes (and, with
+    ``ops``, the dispatched aten ops, in a pass of their own).
 
     Note [saved once]: activation bytes are the storages autograd saves, each charged to
     ONE unit: a saved input of the unit is charged to the unit that made it when that
@@ -149,7 +150,7 @@ def count_unit(runner: UnitRunner) -> UnitCounts:
             del saved[ptr]
     with bwd:
         has_backward = runner.backward(outputs, inputs.leaves)
-    fwd_ops, bwd_ops = count_ops(runner)
+    fwd_ops, bwd_ops = count_ops(runner) if ops else (OpCounter(), OpCounter())
     fresh = (
         runner.fresh_inputs()
     )  # again, differentiating the inputs only: the input-gradient FLOPs

@@ -18,13 +18,14 @@ records their specs and ``Unit.reads_inputs`` which of them a unit reads.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fxpipe.errors import ProfileError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
-from fxpipe.shapeformula import DimRange
+from fxpipe.shapeformula import DimRange, evaluate
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
 from fxpipe.tracer.calibration import host_slowdown
 
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = [
     "TensorSpec",
     "Unit",
+    "UnitScaling",
+    "PricedAt",
+    "evaluate_polynomial",
     "UnitEdge",
     "ModelInfo",
     "ModelProfile",
@@ -126,9 +130,74 @@ class TensorSpec:
         shape[self.batch_dim] = per_sample * batch_size
         return tuple(shape)
 
+    def at_sizes(self, sizes: dict[str, int]) -> TensorSpec:
+        """This tensor at other dynamic sizes (symbol -> size, ``mb`` included), by its formulas; a
+        dimension without one (``"?"``, or no ``dims``) keeps its traced size."""
+        if self.dims is None:
+            return self
+        shape = []
+        for size, formula in zip(self.shape, self.dims):
+            try:
+                shape.append(evaluate(formula, sizes))
+            except (KeyError, ValueError):
+                shape.append(size)
+        return dataclasses.replace(self, shape=tuple(shape))
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
         return read_dataclass(cls, d, "tensor spec", ProfileError)
+
+
+Polynomial = dict[str, float]  # monomial ("1", "seq", "seq*seq", "seq*tgt") -> coefficient
+
+
+def evaluate_polynomial(poly: Polynomial, sizes: dict[str, int]) -> float:
+    """The value of ``poly`` at ``sizes`` (symbol -> size)."""
+    total = 0.0
+    for monomial, coefficient in poly.items():
+        term = float(coefficient)
+        for symbol in monomial.split("*"):
+            if symbol != "1":
+                term *= sizes[symbol]
+        total += term
+    return total
+
+
+@dataclass(frozen=True)
+class UnitScaling:
+    """How one unit's counts follow the dynamic sizes besides the batch (Note [costs at other sizes]
+    in :mod:`fxpipe.tracer.cost_scaling`): forward and backward FLOPs, the input gradients' share of
+    the backward FLOPs, the bytes the forward reads and writes, and the activation bytes, each a
+    polynomial of degree at most 2 in the symbols (at the traced batch); and the fixed per-op
+    milliseconds of the analytic estimate, which do not follow the sizes."""
+
+    fwd_flops: Polynomial
+    bwd_flops: Polynomial
+    bwd_input_flops: Polynomial
+    fwd_bytes: Polynomial
+    activation_bytes: Polynomial
+    fwd_ops_ms: NonNegFloat
+    bwd_ops_ms: NonNegFloat | None  # None: the unit has no backward
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> UnitScaling:
+        return read_dataclass(cls, d, "unit scaling", ProfileError)
+
+
+@dataclass(frozen=True)
+class PricedAt:
+    """One sequence length (a size per dynamic symbol) a profile's costs are priced at, and its weight
+    in the expected step (1.0 for a single length)."""
+
+    sizes: dict[str, PositiveInt]
+    weight: NonNegFloat = 1.0
+
+    def shown(self) -> str:
+        return ", ".join(f"{k} = {v}" for k, v in self.sizes.items())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PricedAt:
+        return read_dataclass(cls, d, "priced length", ProfileError)
 
 
 @dataclass(frozen=True)
@@ -165,6 +234,7 @@ class Unit:
     saved_tensors: NonNegInt | None = (
         None  # tensors autograd saves for backward per forward; None: not counted
     )
+    scaling: UnitScaling | None = None  # how the counts follow the dynamic sizes; None: not fitted
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -280,7 +350,11 @@ class ModelProfile:
     times not measured); ``host_slowdown`` compares it with the calibration host's (Note
     [host speed] in :mod:`fxpipe.tracer.calibration`). ``dynamic``: the dimensions besides the
     batch that follow the data, with their ranges (Note [dynamic dimensions] in
-    :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them.
+    :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them, and each unit's
+    ``scaling`` says how its counts follow them. ``priced_at``: the lengths the costs are for, when
+    the planner re-priced the profile (``--seq-len``, Note [pricing at a length] in
+    :mod:`fxpipe.partitioner.seqlen`; several: the expected step over them, memory at the longest);
+    empty: the traced sizes.
     ``compiled``: the units were priced as compiled stages run them (``--compile``; Note
     [compiled unit times] in :mod:`fxpipe.tracer.timing`), ``compile_factor`` the factor the
     analytic estimate was scaled by (``None``: measured, or eager).
@@ -308,6 +382,7 @@ class ModelProfile:
     dynamic: tuple[DimRange, ...] = ()
     compiled: bool = False  # priced as compiled stages (--compile); older profiles: eager
     compile_factor: NonNegFloat | None = None  # the analytic times' compiled-kernel factor
+    priced_at: tuple[PricedAt, ...] = ()  # the lengths the costs are for; (): the traced sizes
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))

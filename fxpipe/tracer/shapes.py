@@ -48,6 +48,7 @@ __all__ = [
     "batch_size_of",
     "dtype_name",
     "requiring_grad",
+    "train_values",
 ]
 
 BatchDims = tuple[int | None, ...]
@@ -322,6 +323,19 @@ def propagate(
     return Propagation(
         values=counting.env, flops=counting.flops, mutations=counting.mutations.found
     )
+
+
+def train_values(
+    gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]
+) -> dict[torch.fx.Node, Any]:
+    """Every node's value in one train-mode run on ``inputs`` (floating inputs requiring grad), as the
+    counting run of :func:`propagate` records them, for units to be counted at other sizes."""
+    run = _Counting(gm, None)
+    run.run(*requiring_grad(inputs))
+    if run.unrun:  # Note [eval-only nodes in shape propagation]
+        in_eval = run_in_mode(gm, requiring_grad(inputs), training=False)
+        run.env.update((n, in_eval[n]) for n in run.unrun)
+    return run.env
 
 
 def _probe_run(

@@ -42,6 +42,8 @@ from fxpipe.tracer.unit_runner import UnitInputs, UnitRunner
 
 __all__ = [
     "analytic_ms",
+    "ops_s",
+    "roofline_ms",
     "op_overhead_s",
     "measure_ms",
     "call_overhead_ms",
@@ -65,21 +67,47 @@ def analytic_ms(counts: UnitCounts, preset: DevicePreset) -> tuple[float, float]
     Counts without dispatched ops (made by hand or by older code) charge ``n_ops``
     forward ops and twice as many backward ones.
     """
-    combine = max if preset.async_launch else (lambda roofline, ops: roofline + ops)
-    roofline = max(counts.fwd_flops / preset.flops_per_s, counts.fwd_bytes / preset.bytes_per_s)
+    fwd_ops, bwd_ops = ops_s(counts, preset)
+    return roofline_ms(
+        preset,
+        counts.fwd_flops,
+        counts.bwd_flops,
+        counts.fwd_bytes,
+        fwd_ops,
+        bwd_ops if counts.has_backward else None,
+    )
+
+
+def ops_s(counts: UnitCounts, preset: DevicePreset) -> tuple[float, float]:
+    """The fixed per-op seconds of one unit's forward and backward (they do not follow the sizes)."""
     if counts.fwd_ops:
-        ops = op_overhead_s(counts.fwd_ops, preset, backward=False)
+        fwd = op_overhead_s(counts.fwd_ops, preset, backward=False)
     else:
-        ops = counts.n_ops * preset.op_overhead_s * preset.cold_factor
-    fwd = combine(roofline, ops)
-    if not counts.has_backward:
-        return fwd * 1e3, 0.0
-    roofline = max(counts.bwd_flops / preset.flops_per_s, 2 * counts.fwd_bytes / preset.bytes_per_s)
+        fwd = counts.n_ops * preset.op_overhead_s * preset.cold_factor
     if counts.bwd_ops:
-        ops = op_overhead_s(counts.bwd_ops, preset, backward=True)
+        bwd = op_overhead_s(counts.bwd_ops, preset, backward=True)
     else:
-        ops = 2 * counts.n_ops * preset.op_cost_s("", backward=True) * preset.cold_factor
-    return fwd * 1e3, combine(roofline, ops) * 1e3
+        bwd = 2 * counts.n_ops * preset.op_cost_s("", backward=True) * preset.cold_factor
+    return fwd, bwd
+
+
+def roofline_ms(
+    preset: DevicePreset,
+    fwd_flops: float,
+    bwd_flops: float,
+    fwd_bytes: float,
+    fwd_ops_s: float,
+    bwd_ops_s: float | None,
+) -> tuple[float, float]:
+    """:func:`analytic_ms` from the counts themselves (``bwd_ops_s`` None: no backward); what
+    re-pricing a profile at other sizes evaluates (Note [costs at other sizes])."""
+    combine = max if preset.async_launch else (lambda roofline, ops: roofline + ops)
+    roofline = max(fwd_flops / preset.flops_per_s, fwd_bytes / preset.bytes_per_s)
+    fwd = combine(roofline, fwd_ops_s)
+    if bwd_ops_s is None:
+        return fwd * 1e3, 0.0
+    roofline = max(bwd_flops / preset.flops_per_s, 2 * fwd_bytes / preset.bytes_per_s)
+    return fwd * 1e3, combine(roofline, bwd_ops_s) * 1e3
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from fxpipe.partitioner.report.unit_view import (
 )
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.report.terminal import (
+    planned_for,
     DISAGREE,
     NO_TIME,
     unit_times_note,
@@ -317,7 +318,7 @@ def render_html_report(
 <body>
 <h1>fxpipe pipeline plan: {title}</h1>
 <div class="sub">{plan.num_stages} stages on {plan.num_ranks} ranks, {len(profile.units)} units, solver
-{escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size}.
+{escape(plan.solver)}, schedule {plan.schedule}, {plan.microbatches} microbatches of {plan.microbatch_size}{escape(planned_for(plan, profile))}.
 Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assumed {assumed}.
 {escape(unit_times_note(plan))}{"." if plan.unit_times else ""}
 {escape(plan.optimal_for[:1].upper() + plan.optimal_for[1:])}.</div>

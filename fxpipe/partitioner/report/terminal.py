@@ -11,6 +11,7 @@ from rich.table import Table
 from fxpipe.partitioner.cost import default_link, format_size
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.tracer.calibration import DEVICE_PRESETS
+from fxpipe.partitioner.seqlen import priced_lengths
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = [
@@ -176,6 +177,25 @@ def module_range(paths: list[str]) -> str:
     return named[0] if len(named) == 1 or named[0] == named[-1] else f"{named[0]} … {named[-1]}"
 
 
+def planned_for(plan: PartitionPlan, profile: ModelProfile) -> str:
+    """The length(s) the plan was priced at, and the range the build runs (Note [pricing at a length]
+    in :mod:`fxpipe.partitioner.seqlen`); "" without dynamic dimensions besides the batch."""
+    lengths = plan.priced_at or priced_lengths(profile)
+    if not lengths:
+        return ""
+    runs = (
+        profile.dynamic[0].shown()
+        if len(profile.dynamic) == 1
+        else ", ".join(f"{r.name} {r.shown()}" for r in profile.dynamic)
+    )
+    if len(lengths) == 1:
+        at = f"priced at {lengths[0].shown()}"
+    else:
+        shown = ", ".join(f"{p.shown()} ({p.weight:.0%})" for p in lengths)
+        at = f"priced at the expected step over {shown}, memory at the longest"
+    return f", {at}" + (f" (the build runs {runs})" if runs else "")
+
+
 def print_plan_report(
     plan: PartitionPlan, profile: ModelProfile, console: Console | None = None
 ) -> None:
@@ -198,10 +218,7 @@ def print_plan_report(
             if plan.cost.dp_replicas > 1
             else ""
         )
-        + "".join(  # a build with dynamic dimensions is priced at the traced sizes (docs/shapes.md)
-            f", priced at {r.name} = {r.traced} (the build runs {r.shown()})"
-            for r in profile.dynamic
-        )
+        + planned_for(plan, profile)
     )
     table = Table(title=title, title_justify="left")
     dp = any(

@@ -42,6 +42,7 @@ from fxpipe.partitioner.solve.refine import is_contiguous, refine_split
 from fxpipe.partitioner.schedule import AUTO
 from fxpipe.partitioner.solve.solution import Solution
 from fxpipe.partitioner.solve.split_points import pin_split_points
+from fxpipe.partitioner.seqlen import priced_lengths
 from fxpipe.tracer.profile import ModelProfile
 
 __all__ = [
@@ -666,4 +667,5 @@ def plan_from_assignment(
         unit_times=f"{profile.trace_device} {profile.timing}",
         compiled=profile.compiled,
         compile_factor=profile.compile_factor,
+        priced_at=priced_lengths(profile),
     )
