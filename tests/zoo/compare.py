@@ -5,8 +5,9 @@ verify`` and the safety net use), for the probe and the benchmark: the original 
 with ``build_model()`` and given the build's weights, both it and ``fxpipe.load_pipeline(build_dir)``
 run the model file's inputs function (``source.inputs_fn``: a tuple, or a dict of keyword inputs)
 at the build's batch size from the same seed in one mode, then the model's own ``output.loss``
-when the inputs hold ``labels=``, else ``loss_fn(output, example_targets)``, and backward. Every
-output leaf, every parameter gradient and every buffer afterwards is compared, fp32.
+when the inputs hold ``labels=`` or ``return_loss=True``, else ``loss_fn(output,
+example_targets)``, and backward. Every output leaf, every parameter gradient and every buffer
+afterwards is compared, fp32.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def compare_pipeline(build_dir: str | Path, source: Any, training: bool) -> Comp
     reference = reference_model(build_dir, source)
     pipeline = fxpipe.load_pipeline(build_dir)
     inputs = getattr(source.module, source.inputs_fn)(batch)
-    if isinstance(inputs, dict) and "labels" in inputs:
+    if isinstance(inputs, dict) and ("labels" in inputs or inputs.get("return_loss") is True):
 
         def loss(output: Any) -> torch.Tensor:
             return output["loss"]
