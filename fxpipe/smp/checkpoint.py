@@ -91,9 +91,8 @@ def save(
     st = current()
     if not partial and st.rank != 0:
         return
-    if partial and getattr(
-        st, "tp_rank", 0
-    ):  # the tp ranks of a stage hold one part: tp index 0 writes it
+    tp_rank: int = getattr(st, "tp_rank", 0)
+    if partial and tp_rank != 0:  # the tp ranks of a stage hold one part: tp index 0 writes it
         return
     path = checkpoint_path(f, partial)
     key = str(st.mp_rank) if partial else "0"

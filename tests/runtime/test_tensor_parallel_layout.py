@@ -35,7 +35,6 @@ def test_tp_ranks_are_neighbours_and_each_tp_index_has_its_pipelines() -> None:
         (dict(data_parallel=DataParallelOptions(comm_hook="fp16")), "--comm-hook fp16"),
         (dict(precision="fp16"), "--precision fp16"),
         (dict(training=TrainingOptions(checkpoint_dir="ckpt")), "--checkpoint-dir"),
-        (dict(training=TrainingOptions(clip_grad_norm=1.0)), "--clip-grad-norm"),
     ],
 )
 def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: str) -> None:

@@ -1,0 +1,101 @@
+"""Tensor parallelism composed with the rest of a training run, each against one process.
+
+2 stages x tp 2 (4 gloo processes) of the GPT example (its MLP split, attention and tied
+embeddings replicated): gradient clipping counts each DTensor shard once (the norm and the
+clipped training equal ``torch.nn.utils.clip_grad_norm_`` in one process; Note [norm of
+tensor-parallel gradients]); fp16's found-inf flag of one tp rank's shard skips the step on
+every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fxpipe.codegen import load_stage
+from fxpipe.modelfile import load_model_file
+from fxpipe.runtime import PipelineRunner
+from spawn import spawn
+from test_tensor_parallel import BATCH, LR, MICROBATCHES, MODELS, STEPS, TP, _build
+
+pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
+STAGES = 2
+MAX_NORM = 0.5
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(MODELS["gpt"], tmp_path_factory.mktemp("tpc") / "gpt2", STAGES)
+
+
+def _runner(build: Path, **options: Any) -> tuple[PipelineRunner, Any, Any]:
+    source = load_model_file(MODELS["gpt"])
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
+        timeout_s=120,
+        tensor_parallel=TP,
+        **options,
+    )
+    return runner, source.example_inputs(BATCH), source.example_targets(BATCH)
+
+
+def _reference(build: Path, max_norm: float | None) -> tuple[list[float], list[float], dict]:
+    source = load_model_file(MODELS["gpt"])
+    model = source.build_model()
+    state: dict[str, torch.Tensor] = {}
+    for i in range(STAGES):
+        state.update(load_stage(build, i).state_dict())
+    model.load_state_dict(state, strict=False)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = source.example_inputs(BATCH)[0], source.example_targets(BATCH)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for xc, yc in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+            loss = source.loss_fn(model(xc), yc)
+            (loss / MICROBATCHES).backward()
+            total += loss.item()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        losses.append(total / MICROBATCHES)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _clipped(rank: int, world: int, build: Path) -> tuple[list[float], list[float], dict]:
+    dist.init_process_group("gloo")
+    runner, inputs, targets = _runner(build, max_grad_norm=MAX_NORM)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(runner.step(inputs, targets))
+        norms.append(runner.last_grad_norm)
+    state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    runner.close()
+    return losses, norms, state
+
+
+@pytest.mark.distributed
+def test_clipping_counts_each_shard_once(gpt2: Path) -> None:
+    want_losses, want_norms, want_state = _reference(gpt2, MAX_NORM)
+    assert min(want_norms) > MAX_NORM  # every step really clips
+    for rank, r in enumerate(spawn(_clipped, STAGES * TP, gpt2, timeout=600)):
+        losses, norms, state = r.value
+        torch.testing.assert_close(
+            torch.tensor(norms), torch.tensor(want_norms), **TIGHT, msg=f"norms on rank {rank}"
+        )
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(want_losses), **TIGHT, msg=f"rank {rank}"
+        )
+        for key, value in state.items():
+            torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{key} rank {rank}")
