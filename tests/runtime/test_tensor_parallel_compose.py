@@ -4,7 +4,7 @@
 embeddings replicated): gradient clipping counts each DTensor shard once (the norm and the
 clipped training equal ``torch.nn.utils.clip_grad_norm_`` in one process; Note [norm of
 tensor-parallel gradients]); fp16's found-inf flag of one tp rank's shard skips the step on
-every rank.
+every rank (ranks of the other tp index and the other stage included).
 """
 
 from __future__ import annotations
@@ -99,3 +99,44 @@ def test_clipping_counts_each_shard_once(gpt2: Path) -> None:
         )
         for key, value in state.items():
             torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{key} rank {rank}")
+
+
+POISONED = 2
+
+
+def _overflow(rank: int, world: int, build: Path) -> list[dict[str, Any]]:
+    """fp16; at step POISONED only rank 1 (stage 0, tp 1) makes its shard of a split gradient inf."""
+    from fxpipe.runtime.pipeline.precision import PipelineScaler
+
+    dist.init_process_group("gloo")
+    runner, inputs, targets = _runner(build, precision="fp16")
+    runner.scaler = PipelineScaler(runner.device, runner.optimizer)  # 2**16: no natural overflow
+    step = {"k": -1}
+    split = [p for p in runner.stage.parameters() if isinstance(p, DTensor)]
+    assert any(not all(pl.is_replicate() for pl in p.placements) for p in split)
+    if rank == 1:
+        split[0].register_hook(lambda g: g * float("inf") if step["k"] == POISONED else g)
+    rows = []
+    for k in range(4):
+        step["k"] = k
+        before = runner.state_dict()
+        runner.step(inputs, targets)
+        after = runner.state_dict()
+        rows.append(
+            {
+                "scale": runner.scaler.scale,
+                "skipped": runner.scaler.skipped,
+                "moved": any(not torch.equal(v, after[n]) for n, v in before.items()),
+            }
+        )
+    runner.close()
+    return rows
+
+
+@pytest.mark.distributed
+def test_fp16_inf_in_one_tp_shard_skips_the_step_on_every_rank(gpt2: Path) -> None:
+    for rank, r in enumerate(spawn(_overflow, STAGES * TP, gpt2, timeout=600)):
+        rows = r.value
+        assert [x["skipped"] for x in rows] == [k == POISONED for k in range(4)], rank
+        assert [x["moved"] for x in rows] == [k != POISONED for k in range(4)], rank
+        assert [x["scale"] for x in rows] == [2.0**16, 2.0**16, 2.0**15, 2.0**15], rank

@@ -33,7 +33,6 @@ def test_tp_ranks_are_neighbours_and_each_tp_index_has_its_pipelines() -> None:
     [
         (dict(data_parallel=DataParallelOptions(shard="full")), "--shard full"),
         (dict(data_parallel=DataParallelOptions(comm_hook="fp16")), "--comm-hook fp16"),
-        (dict(precision="fp16"), "--precision fp16"),
         (dict(training=TrainingOptions(checkpoint_dir="ckpt")), "--checkpoint-dir"),
     ],
 )

@@ -258,7 +258,6 @@ class RunOptions(Options):
                     self.data_parallel.comm_hook != "allreduce",
                 ),
                 ("--checkpoint-dir", self.training.checkpoint_dir is not None),
-                ("--precision fp16", self.precision == "fp16"),
             ):
                 if given:
                     raise ConfigError(
