@@ -4,7 +4,10 @@
 embeddings replicated): gradient clipping counts each DTensor shard once (the norm and the
 clipped training equal ``torch.nn.utils.clip_grad_norm_`` in one process; Note [norm of
 tensor-parallel gradients]); fp16's found-inf flag of one tp rank's shard skips the step on
-every rank (ranks of the other tp index and the other stage included).
+every rank (ranks of the other tp index and the other stage included). A model-keyed DCP
+checkpoint (``fxpipe.runtime.train.dcp_checkpoint``) saved at 2 stages x tp 2, AdamW's
+moments split with the weights, resumes at 2 stages x tp 1 and at 1 stage x tp 2 on the
+one-process trajectory.
 """
 
 from __future__ import annotations
@@ -98,7 +101,12 @@ def test_clipping_counts_each_shard_once(gpt2: Path) -> None:
             torch.tensor(losses), torch.tensor(want_losses), **TIGHT, msg=f"rank {rank}"
         )
         for key, value in state.items():
-            torch.testing.assert_close(value, want_state[key], **TIGHT, msg=f"{key} rank {rank}")
+            torch.testing.assert_close(
+                value,
+                want_state[key],
+                **TIGHT,
+                msg=lambda m, key=key, rank=rank: f"{key} rank {rank}: {m}",
+            )
 
 
 POISONED = 2
@@ -140,3 +148,101 @@ def test_fp16_inf_in_one_tp_shard_skips_the_step_on_every_rank(gpt2: Path) -> No
         assert [x["skipped"] for x in rows] == [k == POISONED for k in range(4)], rank
         assert [x["moved"] for x in rows] == [k != POISONED for k in range(4)], rank
         assert [x["scale"] for x in rows] == [2.0**16, 2.0**16, 2.0**15, 2.0**15], rank
+
+
+HALF = 3
+
+
+def _momentum_factory() -> Any:
+    """SGD with momentum: optimizer state split with the weights, and updates linear in the
+    gradients (Adam's normalisation turns reduction-order round-off of near-zero gradients into
+    1e-6 differences of a few elements)."""
+    return lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _checkpointed(
+    rank: int, world: int, build: Path, ckdir: str, tp: int, resume: bool
+) -> dict[str, Any]:
+    from fxpipe.runtime.train.commit import read_record
+    from fxpipe.runtime.train.dcp_checkpoint import (
+        check_dcp_keys,
+        load_dcp_checkpoint,
+        save_dcp_checkpoint,
+    )
+
+    dist.init_process_group("gloo")
+    source = load_model_file(MODELS["gpt"])
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=MICROBATCHES,
+        optimizer_factory=_momentum_factory(),
+        timeout_s=120,
+        tensor_parallel=tp,
+    )
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    first, history = 0, {"losses": []}
+    if resume:
+        record = read_record(Path(ckdir) / "checkpoint.json")
+        assert record is not None
+        check_dcp_keys(runner, ckdir, record)
+        got = load_dcp_checkpoint(runner, ckdir, record)
+        first, history = got["step"], got["history"]
+    for _ in range(HALF):
+        history["losses"].append(runner.step(inputs, targets))
+    if not resume:
+        save_dcp_checkpoint(ckdir, runner, first + HALF, (first + HALF) * BATCH, history, {})
+    state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    runner.close()
+    return {"losses": history["losses"], "state": state}
+
+
+def _momentum_reference(build: Path) -> tuple[list[float], dict]:
+    source = load_model_file(MODELS["gpt"])
+    model = source.build_model()
+    state: dict[str, torch.Tensor] = {}
+    for i in range(STAGES):
+        state.update(load_stage(build, i).state_dict())
+    model.load_state_dict(state, strict=False)
+    model.train()
+    opt = _momentum_factory()(list(model.parameters()))
+    x, y = source.example_inputs(BATCH)[0], source.example_targets(BATCH)
+    losses = []
+    for _ in range(2 * HALF):
+        opt.zero_grad()
+        total = 0.0
+        for xc, yc in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+            loss = source.loss_fn(model(xc), yc)
+            (loss / MICROBATCHES).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / MICROBATCHES)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stages, tp", [(2, 1), (1, 2)])
+def test_checkpoint_at_pp2_tp2_resumes_at_another_layout(
+    gpt2: Path, tmp_path: Path, stages: int, tp: int
+) -> None:
+    want_losses, want_state = _momentum_reference(gpt2)
+    ck = str(tmp_path / "ck")
+    for r in spawn(_checkpointed, STAGES * TP, gpt2, ck, TP, False, timeout=600):
+        torch.testing.assert_close(
+            torch.tensor(r.value["losses"]), torch.tensor(want_losses[:HALF]), **TIGHT
+        )
+    build = gpt2 if stages == STAGES else _build(MODELS["gpt"], tmp_path / "b", stages)
+    seen: set[str] = set()
+    for rank, r in enumerate(spawn(_checkpointed, stages * tp, build, ck, tp, True, timeout=600)):
+        torch.testing.assert_close(
+            torch.tensor(r.value["losses"]), torch.tensor(want_losses), **TIGHT, msg=f"rank {rank}"
+        )
+        for key, value in r.value["state"].items():
+            torch.testing.assert_close(
+                value,
+                want_state[key],
+                **TIGHT,
+                msg=lambda m, key=key, rank=rank: f"{key} rank {rank}: {m}",
+            )
+        seen.update(r.value["state"])
+    assert {k for k in want_state if k != "lm_head.weight"} <= seen  # tied to the embedding
