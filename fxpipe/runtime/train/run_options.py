@@ -257,7 +257,6 @@ class RunOptions(Options):
                     f"--comm-hook {self.data_parallel.comm_hook}",
                     self.data_parallel.comm_hook != "allreduce",
                 ),
-                ("--checkpoint-dir", self.training.checkpoint_dir is not None),
             ):
                 if given:
                     raise ConfigError(
