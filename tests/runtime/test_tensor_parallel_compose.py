@@ -7,7 +7,8 @@ tensor-parallel gradients]); fp16's found-inf flag of one tp rank's shard skips 
 every rank (ranks of the other tp index and the other stage included). A model-keyed DCP
 checkpoint (``fxpipe.runtime.train.dcp_checkpoint``) saved at 2 stages x tp 2, AdamW's
 moments split with the weights, resumes at 2 stages x tp 1 and at 1 stage x tp 2 on the
-one-process trajectory.
+one-process trajectory. 2 stages x tp 2 x dp 2 (8 processes, in make test-heavy) trains as
+one process on the replicas' batches.
 """
 
 from __future__ import annotations
@@ -245,4 +246,65 @@ def test_checkpoint_at_pp2_tp2_resumes_at_another_layout(
                 msg=lambda m, key=key, rank=rank: f"{key} rank {rank}: {m}",
             )
         seen.update(r.value["state"])
+    assert {k for k in want_state if k != "lm_head.weight"} <= seen  # tied to the embedding
+
+
+REPLICAS = 2
+
+
+def _three_d(rank: int, world: int, build: Path) -> tuple[list[float], dict, int]:
+    """pp 2 x tp 2 x dp 2: replica r trains on its half of a batch of REPLICAS x BATCH."""
+    dist.init_process_group("gloo")
+    source = load_model_file(MODELS["gpt"])
+    runner, _, _ = _runner(build)
+    assert runner.layout.replicas == REPLICAS and runner.data_parallel is not None
+    assert (runner.pipeline_rank, runner.tp_rank) == ((rank // TP) % STAGES, rank % TP)
+    rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
+    inputs = source.example_inputs(REPLICAS * BATCH)[0][rows]
+    targets = source.example_targets(REPLICAS * BATCH)[rows]
+    losses = [runner.step((inputs,), targets) for _ in range(STEPS)]
+    state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    runner.close()
+    return losses, state, runner.replica
+
+
+@pytest.mark.distributed
+def test_pp2_x_tp2_x_dp2_trains_as_one_process(gpt2: Path) -> None:
+    results = [
+        r.value for r in spawn(_three_d, STAGES * TP * REPLICAS, gpt2, timeout=900, heavy=True)
+    ]
+    source = load_model_file(MODELS["gpt"])
+    model = source.build_model()
+    state: dict[str, torch.Tensor] = {}
+    for i in range(STAGES):
+        state.update(load_stage(gpt2, i).state_dict())
+    model.load_state_dict(state, strict=False)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = source.example_inputs(REPLICAS * BATCH)[0], source.example_targets(REPLICAS * BATCH)
+    chunks = REPLICAS * MICROBATCHES
+    want_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+            loss = source.loss_fn(model(xc), yc)
+            (loss / chunks).backward()
+            total += loss.item()
+        opt.step()
+        want_losses.append(total / chunks)
+    want_state = model.state_dict()
+    by_replica = {replica: losses for losses, _, replica in results}
+    mean = (torch.tensor(by_replica[0]) + torch.tensor(by_replica[1])) / 2
+    torch.testing.assert_close(mean, torch.tensor(want_losses), **TIGHT)
+    seen: set[str] = set()
+    for rank, (_, got, _) in enumerate(results):
+        for key, value in got.items():
+            torch.testing.assert_close(
+                value,
+                want_state[key],
+                **TIGHT,
+                msg=lambda m, key=key, rank=rank: f"{key} rank {rank}: {m}",
+            )
+        seen.update(got)
     assert {k for k in want_state if k != "lm_head.weight"} <= seen  # tied to the embedding
