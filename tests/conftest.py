@@ -29,6 +29,7 @@ HEAVY = (
     # cores; their unit siblings (options, layouts, the seed config's refusals) stay
     "tests/runtime/test_tensor_parallel_compose.py",
     "tests/smp/test_api_tensor_parallel.py::test_two_partitions_x_tp2_train_as_one_process",
+    "tests/smp/test_api_tensor_parallel.py::test_one_partition_x_tp2_x_two_replicas_train_as_one_process",
     # compiled stages: each compiles a few stages with inductor (minutes on 2 loaded cores)
     "tests/runtime/test_compiled.py::test_gpt_compiled",
     "tests/runtime/test_compiled.py::test_llama_with_labels",

@@ -82,8 +82,8 @@ def build() -> Net:
     return Net()
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
+def batch(step: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * replica + step)
     return (
         torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
@@ -94,33 +94,37 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(replicas: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the replicas' batches concatenated (replica r's batch of step k: ``batch(k, r)``)."""
     model = copy.deepcopy(build()).train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
+    chunks = replicas * MICROBATCHES
     for k in range(STEPS):
         opt.zero_grad()
-        ids, target = batch(k)
+        parts = [batch(k, r) for r in range(replicas)]
+        ids, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         total = 0.0
-        for x, y in zip(ids.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+        for x, y in zip(ids.chunk(chunks), target.chunk(chunks)):
             loss = loss_fn(model(x), y)
-            (loss / MICROBATCHES).backward()
+            (loss / chunks).backward()
             total += loss.item()
         opt.step()
-        losses.append(total / MICROBATCHES)
+        losses.append(total / chunks)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _job(rank: int, world: int) -> dict[str, Any]:
+def _job(rank: int, world: int, partitions: int) -> dict[str, Any]:
     import fxpipe.smp as smp
 
     dist.init_process_group("gloo")
     smp.init(
         {
-            "partitions": PARTITIONS,
+            "partitions": partitions,
             "microbatches": MICROBATCHES,
             "tensor_parallel_degree": TP,
             "pipeline": "interleaved",
+            "ddp": True,
         }
     )
     model = smp.DistributedModel(build(), trace_device="cpu")
@@ -135,30 +139,43 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     losses = []
     for k in range(STEPS):
         opt.zero_grad()
-        losses.append(train_step(model, *batch(k)).reduce_mean().item())
+        losses.append(train_step(model, *batch(k, smp.dp_rank())).reduce_mean().item())
         opt.step()
     from torch.distributed.tensor import DTensor
 
     split = sum(1 for p in model.local_parameters() if isinstance(p, DTensor))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ranks = (smp.mp_rank(), smp.tp_rank(), smp.tp_size(), smp.dp_size())
+    ranks = (smp.mp_rank(), smp.tp_rank(), smp.tp_size(), smp.dp_rank())
     smp.shutdown()
     return {"losses": losses, "state": state, "split": split, "ranks": ranks}
 
 
-@pytest.mark.distributed
-def test_two_partitions_x_tp2_train_as_one_process() -> None:
-    results = [r.value for r in spawn(_job, PARTITIONS * TP, timeout=600)]
-    want_losses, want_state = reference()
+def _check(results: list[dict[str, Any]], partitions: int, replicas: int) -> None:
+    want_losses, want_state = reference(replicas)
     assert want_losses[-1] < want_losses[0]
+    by_replica: dict[int, list[float]] = {}
     for rank, res in enumerate(results):
-        assert res["ranks"] == (rank // TP, rank % TP, TP, 1)  # tp innermost
+        # tp innermost, then the stage, then the replica
+        assert res["ranks"] == ((rank // TP) % partitions, rank % TP, TP, rank // (partitions * TP))
         assert res["split"] > 0, f"rank {rank} holds no split parameter"
-        torch.testing.assert_close(
-            torch.tensor(res["losses"]), torch.tensor(want_losses), **TIGHT, msg=f"rank {rank}"
-        )
+        by_replica[res["ranks"][3]] = res["losses"]
         assert list(res["state"]) == list(want_state)
         torch.testing.assert_close(res["state"], want_state, **TIGHT, msg=f"rank {rank}")
+    mean = torch.tensor([by_replica[r] for r in range(replicas)]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(want_losses), **TIGHT)
+
+
+@pytest.mark.distributed
+def test_two_partitions_x_tp2_train_as_one_process() -> None:
+    results = [r.value for r in spawn(_job, PARTITIONS * TP, PARTITIONS, timeout=600)]
+    _check(results, PARTITIONS, 1)
+
+
+@pytest.mark.distributed
+def test_one_partition_x_tp2_x_two_replicas_train_as_one_process() -> None:
+    """DDP over the replicas of each tp shard (Note [TP under DDP]); each replica its own batch."""
+    results = [r.value for r in spawn(_job, TP * 2, 1, timeout=600)]
+    _check(results, 1, 2)
 
 
 def test_a_degree_that_cannot_work_is_one_line() -> None:
