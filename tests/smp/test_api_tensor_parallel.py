@@ -1,10 +1,12 @@
-"""The seed API with ``tensor_parallel_degree``: 2 partitions x tp 2 (4 gloo processes) train as one
-process (fp32, rtol 1e-5: losses and every parameter), through the runtime's tensor parallelism
-(``fxpipe.smp.tensor_parallel``); a degree that cannot work is one ``ConfigError`` line."""
+"""The seed API with ``tensor_parallel_degree``: 2 partitions x tp 2 and 1 partition x tp 2 x 2
+replicas (4 gloo processes) train as one process (fp32, rtol 1e-5: losses and every parameter),
+through the runtime's tensor parallelism (``fxpipe.smp.tensor_parallel``), and a partial
+checkpoint round-trips; a degree that cannot work is one ``ConfigError`` line."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,7 +116,7 @@ def reference(replicas: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _job(rank: int, world: int, partitions: int) -> dict[str, Any]:
+def _job(rank: int, world: int, partitions: int, ckdir: str | None = None) -> dict[str, Any]:
     import fxpipe.smp as smp
 
     dist.init_process_group("gloo")
@@ -146,8 +148,19 @@ def _job(rank: int, world: int, partitions: int) -> dict[str, Any]:
     split = sum(1 for p in model.local_parameters() if isinstance(p, DTensor))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ranks = (smp.mp_rank(), smp.tp_rank(), smp.tp_size(), smp.dp_rank())
+    out = {"losses": losses, "state": state, "split": split, "ranks": ranks}
+    if ckdir is not None:  # a partial checkpoint: one part per stage, loaded into every tp rank
+        path = f"{ckdir}/model.pt"
+        smp.save(model.local_state_dict(), path, partial=True)
+        smp.barrier()
+        with torch.no_grad():
+            for p in model.local_parameters():
+                p.zero_()
+        model.load_state_dict(smp.load(path, partial=True))
+        out["reloaded"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        smp.barrier()
     smp.shutdown()
-    return {"losses": losses, "state": state, "split": split, "ranks": ranks}
+    return out
 
 
 def _check(results: list[dict[str, Any]], partitions: int, replicas: int) -> None:
@@ -166,9 +179,15 @@ def _check(results: list[dict[str, Any]], partitions: int, replicas: int) -> Non
 
 
 @pytest.mark.distributed
-def test_two_partitions_x_tp2_train_as_one_process() -> None:
-    results = [r.value for r in spawn(_job, PARTITIONS * TP, PARTITIONS, timeout=600)]
+def test_two_partitions_x_tp2_train_as_one_process(tmp_path: Path) -> None:
+    results = [
+        r.value for r in spawn(_job, PARTITIONS * TP, PARTITIONS, str(tmp_path), timeout=600)
+    ]
     _check(results, PARTITIONS, 1)
+    for res in results:  # smp.save(partial=True) wrote each stage once; every tp rank loaded it
+        torch.testing.assert_close(res["reloaded"], res["state"], rtol=0, atol=0)
+    parts = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("model.pt_"))
+    assert parts == ["model.pt_0", "model.pt_1"]
 
 
 @pytest.mark.distributed
