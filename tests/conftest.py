@@ -25,6 +25,11 @@ HEAVY = (
     "tests/runtime/test_dcp_checkpoint.py::test_one_rank_resumes_as_two_ranks_of_zbv_chunks",
     "tests/runtime/test_same_batch.py::test_pipeline_runner_stops_ranks_given_different_targets",
     "tests/codegen/test_tp_plan.py::test_partition_writes_the_plan_and_report_shows_it",
+    # tensor parallelism composed (issue 40): 4 and 8 gloo processes each, 1-4 min on 2 loaded
+    # cores; their unit siblings (options, layouts, the seed config's refusals) stay
+    "tests/runtime/test_tensor_parallel_compose.py",
+    "tests/smp/test_api_tensor_parallel.py::test_two_partitions_x_tp2_train_as_one_process",
+    "tests/smp/test_api_tensor_parallel.py::test_one_partition_x_tp2_x_two_replicas_train_as_one_process",
     # compiled stages: each compiles a few stages with inductor (minutes on 2 loaded cores)
     "tests/runtime/test_compiled.py::test_gpt_compiled",
     "tests/runtime/test_compiled.py::test_llama_with_labels",

@@ -22,6 +22,7 @@ from fxpipe.smp.state import (
     dp_size,
     get_dp_process_group,
     get_mp_process_group,
+    get_tp_process_group,
     get_world_process_group,
     init,
     is_initialized,
@@ -33,6 +34,8 @@ from fxpipe.smp.state import (
     rank,
     shutdown,
     size,
+    tp_rank,
+    tp_size,
 )
 from fxpipe.smp.step import StepOutput, step
 from fxpipe.tracer.pins import partition
@@ -54,6 +57,7 @@ __all__ = [
     "dp_size",
     "get_dp_process_group",
     "get_mp_process_group",
+    "get_tp_process_group",
     "get_world_process_group",
     "init",
     "is_initialized",
@@ -69,4 +73,6 @@ __all__ = [
     "shutdown",
     "size",
     "step",
+    "tp_rank",
+    "tp_size",
 ]

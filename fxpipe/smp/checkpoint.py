@@ -3,7 +3,9 @@
 ``save(obj, f, partial=True)`` writes ``f"{f}_{mp_rank}"`` on every rank of the pipeline
 (each stage's part; call it on every stage, e.g. on ``dp_rank() == 0``); ``partial=False``
 writes ``f`` once, from global rank 0 (call it on every rank with the gathered
-``state_dict()``s). The files are ``torch.save``'s own; beside them a commit record
+``state_dict()``s). With ``tensor_parallel_degree`` T > 1 ``local_state_dict()`` gathers a
+stage's split tensors whole, so a stage's part is the same on its T ranks: tp index 0 writes
+it, every tp rank may load it. The files are ``torch.save``'s own; beside them a commit record
 (``f.partial.json`` / ``f.full.json``) holds each file's sha256. A set of parts is
 committed together or not at all, a load checks its part's sha256 before reading it and
 refuses parts of different saves (Note [checkpoint commit] in ``fxpipe.runtime.train.commit``), and
@@ -88,6 +90,9 @@ def save(
     """
     st = current()
     if not partial and st.rank != 0:
+        return
+    tp_rank: int = getattr(st, "tp_rank", 0)
+    if partial and tp_rank != 0:  # the tp ranks of a stage hold one part: tp index 0 writes it
         return
     path = checkpoint_path(f, partial)
     key = str(st.mp_rank) if partial else "0"

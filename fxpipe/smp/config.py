@@ -61,7 +61,9 @@ class Config:
     file, a directory of safetensors shards, or a ``torch.save``d state dict), read one tensor
     at a time: with a model built on meta, no rank ever holds more than its stage. ``compile``:
     run this rank's stages under ``torch.compile``, compiled right after partitioning
-    (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``).
+    (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``). ``tensor_parallel_degree``: T ranks
+    per stage that split its linears, as ``fxpipe run --tp T`` (the seed library's later key;
+    world = partitions x T x replicas, tp innermost; docs/tensor-parallel.md).
     """
 
     partitions: int
@@ -75,6 +77,7 @@ class Config:
     plan: str | None = None
     weights: str | None = None
     compile: bool = False
+    tensor_parallel_degree: int = 1
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
 
     def __post_init__(self) -> None:
@@ -118,10 +121,38 @@ class Config:
                 f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "
                 f"got {self.default_partition!r}"
             )
+        if not _is_int(self.tensor_parallel_degree) or self.tensor_parallel_degree < 1:
+            raise ConfigError(
+                f"config 'tensor_parallel_degree' must be an int >= 1, got "
+                f"{self.tensor_parallel_degree!r}; e.g. {{'tensor_parallel_degree': 2}}"
+            )
         if not isinstance(self.data_parallel, DataParallelOptions):
             raise ConfigError(
                 "config data_parallel must be DataParallelOptions, got "
                 f"{type(self.data_parallel).__name__}"
+            )
+        if self.tensor_parallel_degree > 1 and self.data_parallel.shard != "none":
+            raise ConfigError(
+                f"config 'tensor_parallel_degree' {self.tensor_parallel_degree} runs DDP over the "
+                f"replicas, not 'shard': {self.data_parallel.shard!r}; drop 'shard' or set "
+                "'tensor_parallel_degree': 1"
+            )
+        if self.tensor_parallel_degree > 1 and self.data_parallel.comm_hook != "allreduce":
+            raise ConfigError(
+                f"config 'tensor_parallel_degree' {self.tensor_parallel_degree} runs DDP's plain "
+                f"all-reduce, not 'comm_hook': {self.data_parallel.comm_hook!r}; drop 'comm_hook' "
+                "or set 'tensor_parallel_degree': 1"
+            )
+        if self.tensor_parallel_degree > 1 and self.chunks_per_rank > 1:
+            raise ConfigError(
+                f"config 'tensor_parallel_degree' {self.tensor_parallel_degree} runs one stage per "
+                f"process, but pipeline {self.pipeline!r} runs {self.chunks_per_rank}; use "
+                "'interleaved' or 'simple'"
+            )
+        if self.tensor_parallel_degree > 1 and self.compile:
+            raise ConfigError(
+                f"config 'tensor_parallel_degree' {self.tensor_parallel_degree} does not combine "
+                "with 'compile': True yet; drop one of them"
             )
         if self.optimize not in ("speed", "memory"):
             raise ConfigError(
@@ -186,13 +217,21 @@ class Config:
 
     def check_world(self, world_size: int) -> int:
         """The number of data-parallel replicas for ``world_size`` processes (``ddp`` must allow more than one)."""
+        tp = self.tensor_parallel_degree
+        if tp > 1 and world_size % (self.partitions * tp):
+            per = self.partitions * tp
+            raise ConfigError(
+                f"'partitions' {self.partitions} x 'tensor_parallel_degree' {tp} = {per} does not "
+                f"divide the world size {world_size}; launch a multiple of {per} processes "
+                f"(`torchrun --nproc-per-node {per} script.py`) or change 'tensor_parallel_degree'"
+            )
         if world_size % self.partitions:
             raise ConfigError(
                 f"'partitions' {self.partitions} does not divide the world size {world_size}; "
                 f"launch a multiple of {self.partitions} processes "
                 f"(`torchrun --nproc-per-node {self.partitions} script.py`) or change 'partitions'"
             )
-        replicas = world_size // self.partitions
+        replicas = world_size // (self.partitions * tp)
         options = self.data_parallel
         shard = options.shard
         if replicas == 1 and shard != "none":
@@ -217,7 +256,8 @@ class Config:
             )
         if replicas > 1 and not self.ddp:
             raise ConfigError(
-                f"world size {world_size} is {replicas} copies of {self.partitions} partitions, which "
-                f"needs 'ddp': True; or launch exactly {self.partitions} processes"
+                f"world size {world_size} is {replicas} copies of {self.partitions * tp} "
+                f"{'partitions' if tp == 1 else 'ranks (partitions x tensor_parallel_degree)'}, "
+                f"which needs 'ddp': True; or launch exactly {self.partitions * tp} processes"
             )
         return replicas

@@ -8,7 +8,8 @@ rank's stage, whose keys are the original model's, and the original module is
 released. ``model(...)`` and ``model.backward(...)`` then drive the pipeline through
 ``StepDriver`` (see Note [user-driven schedule] in ``fxpipe.smp.driver``).
 With ``ddp: True`` and several replicas the stage is also wrapped in DDP over its
-data-parallel group (``fxpipe.smp.replicas``).
+data-parallel group (``fxpipe.smp.replicas``); with ``tensor_parallel_degree`` T > 1 it is
+split over its T ranks first (``fxpipe.smp.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from fxpipe.smp.chunks import ChunkedDriver
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
 from fxpipe.smp.state import PARTIAL_KEY, current
+from fxpipe.smp.tensor_parallel import split_stages
 from fxpipe.tracer.call import ModelInputs
 
 __all__ = ["DistributedModel", "DDPOptions"]
@@ -124,6 +126,7 @@ class DistributedModel(nn.Module):
         self._param_names: dict[int, tuple[weakref.ref, str]] = {}
         self._primary: dict[str, str] = {}
         self._state_keys: tuple[str, ...] = ()
+        self.tp_plans: dict[int, Any] = {}  # stage -> the tensor-parallel plan applied
         st.model = self
 
     # -- properties ------------------------------------------------------------
@@ -209,23 +212,30 @@ class DistributedModel(nn.Module):
             record=st.build_record(module),
             cost=CostModel(**self.ddp_options.cost_fields(st.layout.replicas)),
         )
+        if st.tp_mesh is not None:  # tensor_parallel_degree: fxpipe.smp.tensor_parallel
+            self.tp_plans = split_stages(
+                build.chunks,
+                st.layout.tensor_parallel,
+                st.tp_mesh,
+                st.tp_context,
+                build.build_dir,
+            )
         self.module = build.stage
         self._build = build
         self._routes = routes_from_manifest(build.manifest)
         self._groups = build_groups(st.layout, build.manifest, st.rank)
-        group = st.mp_group if st.layout.replicas > 1 else None
         self._p2p = P2P(
             st.rank,
-            [st.layout.rank_of(r, st.dp_rank) for r in build.manifest.stage_ranks],
+            [st.pipeline_rank_of(r) for r in build.manifest.stage_ranks],
             st.timeout_s,
-            group,
+            st.pipeline_group,
         )  # by stage: a rank may run several
         if self._pending_partial is not None:
             state, strict, partial = self._pending_partial
             self._pending_partial = None
             self.load_state_dict({**state, PARTIAL_KEY: True} if partial else state, strict=strict)
         self.replicas.attach(
-            self.module, st.dp_group, st.device
+            self.module, st.dp_group, st.device, st.tp_mesh is not None
         )  # replicas start from replica 0's weights
         for wrapped in st.optimizers:
             wrapped.localize(self)
@@ -432,7 +442,7 @@ class DistributedModel(nn.Module):
         st = current()
         local = {k: v.detach().cpu() for k, v in stage_state_dict(self.module).items()}
         parts: list[Any] = [None] * st.layout.num_stages
-        dist.all_gather_object(parts, local, group=st.mp_group if st.layout.replicas > 1 else None)
+        dist.all_gather_object(parts, local, group=st.pipeline_group)
         merged: dict[str, Any] = {}
         for part in parts:
             for k, v in part.items():

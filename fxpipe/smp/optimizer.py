@@ -288,7 +288,7 @@ class WrappedOptimizer:
         st = current()
         mine = _to_cpu(self.local_state_dict())
         parts: list[Any] = [None] * st.layout.num_stages
-        dist.all_gather_object(parts, mine, group=st.mp_group if st.layout.replicas > 1 else None)
+        dist.all_gather_object(parts, mine, group=st.pipeline_group)
         keys = self.keys or []
         index = {k: i for i, k in enumerate(k for group in keys for k in group)}
         state: dict[int, Any] = {}

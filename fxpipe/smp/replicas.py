@@ -28,6 +28,7 @@ import torch.nn as nn
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.dataparallel import DataParallelOptions, ReplicatedStage, data_parallel_stage
 from fxpipe.runtime.dataparallel.hooks import CommHook
+from fxpipe.runtime.pipeline.tensor_parallel import tensor_parallel_replicas
 
 __all__ = ["Replicas"]
 
@@ -48,12 +49,19 @@ class Replicas:
     # -- lifecycle (called by DistributedModel) ----------------------------------
 
     def attach(
-        self, module: nn.Module, group: dist.ProcessGroup | None, device: torch.device
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        tensor_parallel: bool = False,
     ) -> None:
         """Wrap the freshly partitioned stage in DDP or FSDP (collective over ``group``) and apply pending calls."""
         if self.replicas == 1:
             return
-        self.stage = data_parallel_stage(module, group, self.options, device, self.microbatches)
+        if tensor_parallel:  # Note [TP under DDP] in fxpipe.runtime.pipeline.tensor_parallel
+            self.stage = tensor_parallel_replicas(module, group, self.options, device)
+        else:
+            self.stage = data_parallel_stage(module, group, self.options, device, self.microbatches)
         if self._hook is not None:
             self.stage.register_comm_hook(*self._hook)
         if self._hook_state is not None:

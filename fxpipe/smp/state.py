@@ -5,7 +5,10 @@ The seed library is a set of module-level functions (``smp.rank()``, ``smp.mp_ra
 reads torchrun's environment, initialises the default process group with the
 runtime's code (``fxpipe.runtime.pipeline.groups``), and fixes the rank layout
 (``fxpipe.runtime.pipeline.layout.RankLayout``: ``mp_rank`` is the stage, ``dp_rank`` the
-replica; ranks are replica-major, ``rank = dp_rank * partitions + mp_rank``).
+replica, ``tp_rank`` the tensor-parallel index; ranks are replica-major, tp innermost,
+``rank = (dp_rank * partitions + mp_rank) * tensor_parallel_degree + tp_rank``). Each tp index
+of a replica is a pipeline of its own (``mp_group``), as in ``fxpipe run --tp``
+(docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ __all__ = [
     "mp_size",
     "dp_rank",
     "dp_size",
+    "tp_rank",
+    "tp_size",
     "barrier",
     "broadcast",
     "get_world_process_group",
     "get_mp_process_group",
     "get_dp_process_group",
+    "get_tp_process_group",
     "current",
     "shutdown",
     "APIState",
@@ -109,6 +115,13 @@ class APIState:
     dp_group: Any
     owns_group: bool
     timeout_s: float = DEFAULT_TIMEOUT_S
+    replica_group: Any = None  # every rank of this replica (pp x tp), None: the world
+    tp_mesh: Any = (
+        None  # this rank's tp dim of the (dp, pp, tp) mesh, with tensor_parallel_degree > 1
+    )
+    tp_context: contextlib.ExitStack = field(
+        default_factory=contextlib.ExitStack
+    )  # implicit replication while a tensor-parallel model lives (Note [DTensor regions])
     tracing: bool = False
     model: Any = None  # the one DistributedModel
     optimizers: OptimizerRegistry = field(
@@ -143,6 +156,20 @@ class APIState:
     @property
     def dp_rank(self) -> int:
         return self.layout.replica_of(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_of(self.rank)
+
+    @property
+    def pipeline_group(self) -> Any:
+        """This rank's pipeline group for collectives: ``None`` (the world) when the job is one pipeline."""
+        one = self.layout.replicas == 1 and self.layout.tensor_parallel == 1
+        return None if one else self.mp_group
+
+    def pipeline_rank_of(self, stage: int) -> int:
+        """The global rank of pipeline rank ``stage`` in this rank's pipeline (same replica, tp index)."""
+        return self.layout.rank_of(stage, self.dp_rank, self.tp_rank)
 
 
 _STATE: APIState | None = None
@@ -192,30 +219,62 @@ def init(
     except ConfigError:
         _GROUP_KEPT = owns  # a corrected init in this process takes the group over
         raise
-    layout = RankLayout(cfg.partitions, replicas)
-    mp_group, dp_group = _make_groups(layout, rank)
-    _STATE = APIState(cfg, layout, rank, world, local, dev, mp_group, dp_group, owns, timeout_s)
+    layout = RankLayout(cfg.partitions, replicas, cfg.tensor_parallel_degree)
+    mp_group, dp_group, replica_group = _make_groups(layout, rank)
+    tp_mesh = None
+    if layout.tensor_parallel > 1:  # fxpipe.runtime.pipeline.tensor_parallel: the (dp, pp, tp) mesh
+        from fxpipe.runtime.pipeline.tensor_parallel import tensor_parallel_mesh
+
+        tp_mesh = tensor_parallel_mesh(layout, dev)
+    _STATE = APIState(
+        cfg,
+        layout,
+        rank,
+        world,
+        local,
+        dev,
+        mp_group,
+        dp_group,
+        owns,
+        timeout_s,
+        replica_group=replica_group,
+        tp_mesh=tp_mesh,
+    )
     _STATE.recorder.enter_context(
         record_constructors(_STATE.constructed)
     )  # until partitioning or shutdown
 
 
-def _make_groups(layout: RankLayout, rank: int) -> tuple[Any, Any]:
-    """The pipeline (mp) and data-parallel groups of ``rank``, created on every rank in one order."""
-    mp_group = dp_group = None
+def _make_groups(layout: RankLayout, rank: int) -> tuple[Any, Any, Any]:
+    """The pipeline (mp), data-parallel and replica groups of ``rank``, created on every rank in one
+    order; with tensor parallelism each tp index has its own pipeline and data-parallel groups."""
+    mp_group = dp_group = replica_group = None
+    tp, tps = layout.tp_of(rank), range(layout.tensor_parallel)
     for r in range(layout.replicas):
-        g = (
-            dist.new_group(list(layout.pipeline_ranks(r)))
-            if layout.replicas > 1
-            else dist.group.WORLD
-        )
-        if r == layout.replica_of(rank):
-            mp_group = g
+        for t in tps:
+            g = (
+                dist.new_group(list(layout.pipeline_ranks(r, t)))
+                if layout.replicas > 1 or layout.tensor_parallel > 1
+                else dist.group.WORLD
+            )
+            if (r, t) == (layout.replica_of(rank), tp):
+                mp_group = g
     for s in range(layout.num_stages):
-        g = dist.new_group(list(layout.data_parallel_ranks(s)))
-        if s == layout.stage_of(rank):
-            dp_group = g
-    return mp_group, dp_group
+        for t in tps:
+            g = dist.new_group(list(layout.data_parallel_ranks(s, t)))
+            if (s, t) == (layout.stage_of(rank), tp):
+                dp_group = g
+    if layout.replicas > 1:
+        per = layout.num_stages * layout.tensor_parallel
+        for r in range(layout.replicas):
+            g = (
+                dist.new_group(list(range(r * per, (r + 1) * per)))
+                if layout.tensor_parallel > 1
+                else None
+            )
+            if r == layout.replica_of(rank):
+                replica_group = g if g is not None else mp_group
+    return mp_group, dp_group, replica_group
 
 
 def shutdown(destroy_process_group: bool = True) -> None:
@@ -227,6 +286,7 @@ def shutdown(destroy_process_group: bool = True) -> None:
     global _STATE, _GROUP_KEPT
     if _STATE is not None:
         _STATE.recorder.close()
+        _STATE.tp_context.close()
         _STATE.optimizers.clear()
     owns = _STATE.owns_group if _STATE is not None else _GROUP_KEPT
     if owns and destroy_process_group and dist.is_initialized():
@@ -286,6 +346,16 @@ def dp_size() -> int:
     return current().layout.replicas
 
 
+def tp_rank() -> int:
+    """This process's index in its stage's tensor-parallel group (0 .. ``tp_size() - 1``)."""
+    return current().tp_rank
+
+
+def tp_size() -> int:
+    """Ranks per stage that split its linears (``tensor_parallel_degree``)."""
+    return current().layout.tensor_parallel
+
+
 def get_world_process_group() -> Any:
     """The group of all processes."""
     current()
@@ -293,13 +363,19 @@ def get_world_process_group() -> Any:
 
 
 def get_mp_process_group() -> Any:
-    """The group of this process's pipeline (the stages of one replica)."""
+    """The group of this process's pipeline (the stages of one replica, of its tp index)."""
     return current().mp_group
 
 
 def get_dp_process_group() -> Any:
-    """The group of the processes holding the same stage in every replica."""
+    """The group of the processes holding the same stage (and tp index) in every replica."""
     return current().dp_group
+
+
+def get_tp_process_group() -> Any:
+    """The group of the processes splitting this rank's stage (``None`` without tensor parallelism)."""
+    st = current()
+    return st.tp_mesh.get_group() if st.tp_mesh is not None else None
 
 
 def barrier(group: Any = None) -> None:

@@ -80,15 +80,15 @@ def _detach(x: Any) -> Any:
 def _share_results(results: list[Any]) -> list[Any]:
     """The last stage's per-microbatch results, on every rank of the pipeline."""
     st = current()
-    if st.layout.num_stages == 1:
+    if st.layout.num_stages * st.layout.tensor_parallel == 1:
         return results
     manifest = st.model.manifest if st.model is not None and st.model.partitioned else None
     loss_rank = (
         manifest.stage_ranks[-1] if manifest is not None else st.layout.num_stages - 1
-    )  # the last stage's
-    src = st.layout.rank_of(loss_rank, st.dp_rank)
+    )  # the last stage's, of tp index 0: every rank of the replica gets its results
+    src = st.layout.rank_of(loss_rank, st.dp_rank, 0)
     box: list[Any] = [[tree_map(_detach, r) for r in results] if st.rank == src else None]
-    dist.broadcast_object_list(box, src=src, group=st.mp_group if st.layout.replicas > 1 else None)
+    dist.broadcast_object_list(box, src=src, group=st.replica_group)
     device = st.device
     return [
         tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, r) for r in box[0]

@@ -20,6 +20,8 @@ SageMaker's library and Megatron's ``broadcast_data`` do, the first stage's rank
    warns, once: its loader is not the first stage's).
 
 Replicas of data parallelism are separate pipelines: each trains on its own first stage's batch.
+With tensor parallelism a replica is T pipelines (one per tp index) that must see one batch: the
+group is every rank of the replica, and tp index 0's first stage holds the batch.
 Per step this costs two reductions over the tensor arguments' bytes (the fingerprint) and one
 all-gather of 24 bytes per rank; only a batch that differs is sent (one broadcast of its bytes).
 """
@@ -147,10 +149,10 @@ def first_stage_batch(
     per pipeline]); collective over the pipeline."""
     st = current()
     st.step_calls += 1
-    if st.layout.num_stages == 1:
+    if st.layout.num_stages * st.layout.tensor_parallel == 1:
         return args, kwargs
-    group = st.mp_group if st.layout.replicas > 1 else None
-    src = st.layout.rank_of(0, st.dp_rank)
+    group = st.replica_group  # every rank of the replica: its tp ranks share one batch too
+    src = st.layout.rank_of(0, st.dp_rank, 0)
     flat, spec = tree_flatten_with_path((args, kwargs))
     paths, leaves = [p for p, _ in flat], [x for _, x in flat]
     described = [_describe(x) for x in leaves]

@@ -84,9 +84,12 @@ def spawn(
     *args: Any,
     timeout: float = 120.0,
     expect_failure: bool = False,
+    heavy: bool = False,
 ) -> list[RankResult]:
-    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` processes; results in rank order."""
-    assert 1 <= nprocs <= 4, "keep spawned jobs small: 1-4 processes"
+    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` processes; results in rank order.
+    ``heavy``: up to 8 processes, for tests in ``make test-heavy`` (tests/conftest.py HEAVY)."""
+    most = 8 if heavy else 4
+    assert 1 <= nprocs <= most, f"keep spawned jobs small: 1-{most} processes"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -33,9 +33,6 @@ def test_tp_ranks_are_neighbours_and_each_tp_index_has_its_pipelines() -> None:
     [
         (dict(data_parallel=DataParallelOptions(shard="full")), "--shard full"),
         (dict(data_parallel=DataParallelOptions(comm_hook="fp16")), "--comm-hook fp16"),
-        (dict(precision="fp16"), "--precision fp16"),
-        (dict(training=TrainingOptions(checkpoint_dir="ckpt")), "--checkpoint-dir"),
-        (dict(training=TrainingOptions(clip_grad_norm=1.0)), "--clip-grad-norm"),
     ],
 )
 def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: str) -> None:
@@ -46,6 +43,23 @@ def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: s
         RunOptions(tp=0)
     with pytest.raises(ConfigError, match="--tp-plan applies with --tp"):
         RunOptions(tp_plan="plan.json")
+
+
+def test_tp_combines_with_clipping_fp16_and_checkpoints() -> None:
+    """Gradient clipping, fp16 and checkpoints run under --tp (tests/runtime/
+    test_tensor_parallel_compose.py); a checkpoint's layout says its tp degree."""
+    from fxpipe.runtime.train.dcp_checkpoint import describe_layout
+
+    RunOptions(
+        tp=2,
+        precision="fp16",
+        training=TrainingOptions(checkpoint_dir="ckpt", clip_grad_norm=1.0),
+    )
+    layout = {"num_stages": 2, "stage_ranks": [0, 1], "replicas": 1, "schedule": "1f1b"}
+    assert describe_layout({**layout, "tensor_parallel": 2}) == (
+        "2 stages on 2 ranks x tp 2 x 1 replicas (1f1b)"
+    )
+    assert describe_layout(layout) == "2 stages on 2 ranks x 1 replicas (1f1b)"
 
 
 def test_dtensor_regions_on_a_one_rank_mesh_compute_the_module(tmp_path) -> None:

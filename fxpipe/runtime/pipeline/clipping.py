@@ -10,6 +10,13 @@ as the original model holds it once. Data-parallel replicas hold equal gradients
 DDP's all-reduce, so each replica computes the same norm over its own pipeline and
 scales identically. Every gradient is then scaled by ``min(1, max_norm / (norm + 1e-6))``,
 as torch does.
+
+Note [norm of tensor-parallel gradients]: with tensor parallelism (``tp_group``) a split
+parameter's gradient is a DTensor sharded over the tp group: each tp rank holds one shard, so
+their ``|g|^p`` are first added over the tp group (each shard counted once), then the
+pipeline's ranks (of one tp index) add their sums. A replicated parameter (plain, or a DTensor
+with replicated placements, as a row-parallel bias) has the same gradient on every tp rank and
+is counted once, from its own rank's copy. So every rank gets the one-process norm.
 """
 
 from __future__ import annotations
@@ -49,6 +56,25 @@ def counted_parameters(manifest: Manifest, stages: Mapping[int, nn.Module]) -> l
     return out
 
 
+def _is_split(g: torch.Tensor) -> bool:
+    """Whether ``g`` is a DTensor sharded over its mesh (not only replicated)."""
+    return isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def _combine(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``max |g|`` (inf-norm) or ``sum |g|^p`` over ``grads`` (local tensors)."""
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
+    if not norms:
+        return torch.zeros((), device=device)
+    if norm_type == float("inf"):
+        return torch.stack(norms).max()
+    return (torch.stack(norms) ** norm_type).sum()
+
+
 def pipeline_grad_norm(
     params: list[nn.Parameter],
     norm_type: float,
@@ -56,22 +82,27 @@ def pipeline_grad_norm(
     device: torch.device,
     rank: int = 0,
     timeout_s: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """The ``norm_type``-norm of the gradients of ``params`` on every rank of ``group`` together (collective)."""
+    """The ``norm_type``-norm of the gradients of ``params`` on every rank of ``group`` together
+    (collective); with ``tp_group`` the split gradients' shards count once each (Note [norm of
+    tensor-parallel gradients])."""
     grads = [p.grad for p in params if p.grad is not None]
-    if any(isinstance(g, DTensor) for g in grads):
+    split = [_local(g) for g in grads if _is_split(g)]
+    if split and tp_group is None:
         raise ConfigError(
             "gradient clipping across the pipeline does not support sharded stages (--shard grad-op or "
             "full) yet; clip without --shard, or leave --clip-grad-norm out"
         )
     inf = norm_type == float("inf")
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
-    if inf:
-        local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-    else:
-        local = (torch.stack(norms) ** norm_type).sum() if norms else torch.zeros((), device=device)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    local = _combine([_local(g) for g in grads if not _is_split(g)], norm_type, device)
     try:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        if tp_group is not None:
+            shards = _combine(split, norm_type, device)
+            dist.all_reduce(shards, op=op, group=tp_group)
+            local = torch.maximum(local, shards) if inf else local + shards
+        dist.all_reduce(local, op=op, group=group)
     except RuntimeError as exc:
         raise peer_error(
             exc, rank, "adding up the gradient norm over the pipeline", timeout_s
@@ -83,5 +114,6 @@ def clip_grads_(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: 
     """Scale the gradients of ``params`` by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        if p.grad is not None:  # a DTensor's local shard: every rank scales its own
+            g = _local(p.grad)
+            g.detach().mul_(coef.to(g.device, g.dtype))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 __all__ = ["ShardedGradScaler"]
 
@@ -63,6 +64,37 @@ class ShardedGradScaler(_TorchShardedGradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool = True,
     ) -> Any:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if any(isinstance(x, DTensor) for x in grads) and not all(
+            isinstance(x, DTensor) for x in grads
+        ):  # Note [found-inf of tensor-parallel gradients]
+            optimizer = _LocalGrads(optimizer)  # type: ignore[assignment]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
+class _LocalGrads:
+    """An optimizer's param groups as seen by the unscaling: each gradient as the tensor this rank
+    holds (a DTensor's local shard, sharing its storage).
+
+    Note [found-inf of tensor-parallel gradients]: with tensor parallelism a stage's gradients
+    mix DTensors (split linears) and plain tensors (replicated parameters); torch's unscaling
+    runs one ``_amp_foreach_non_finite_check_and_unscale_`` per device and dtype, whose DTensor
+    rule expects DTensors only (``AttributeError: 'Tensor' object has no attribute
+    'placements'``). Each rank checks and unscales the local tensors instead, and the found-inf
+    flag is then all-reduced over the scaler's group (every rank of the job for the pipeline's
+    fp16 scaler), so an inf in one tp rank's shard skips the step everywhere.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = [
+            {"params": [_Local(p) for p in g["params"] if p.grad is not None]}
+            for g in optimizer.param_groups
+        ]
+
+
+class _Local:
+    def __init__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        self.grad = grad._local_tensor if isinstance(grad, DTensor) else grad

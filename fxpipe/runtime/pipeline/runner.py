@@ -118,7 +118,6 @@ def _tensor_parallel_plan(
     build: str | Path | Manifest,
     tp_plan: TensorParallelPlan | str | Path | None,
     layout: RankLayout,
-    max_grad_norm: float | None,
     dp_options: DataParallelOptions,
 ) -> TensorParallelPlan | None:
     """The plan to apply at ``layout.tensor_parallel`` > 1: ``tp_plan`` (a plan or its file),
@@ -131,11 +130,6 @@ def _tensor_parallel_plan(
             f"tensor parallelism (tp {degree}) with data parallelism runs DDP with shard='none' "
             f"and comm_hook='allreduce' only, not shard={dp_options.shard!r}, "
             f"comm_hook={dp_options.comm_hook!r}"
-        )
-    if max_grad_norm is not None:
-        raise ConfigError(
-            f"gradient clipping (max_grad_norm={max_grad_norm}) with tp {degree} is not supported "
-            "yet; leave --max-grad-norm out"
         )
     if isinstance(tp_plan, TensorParallelPlan):
         return tp_plan
@@ -307,7 +301,7 @@ class PipelineRunner:
             world, manifest.num_ranks, manifest.virtual_stages, tensor_parallel
         )
         dp_options = data_parallel or DataParallelOptions()
-        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, max_grad_norm, dp_options)
+        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, dp_options)
         dp_options.check_replicas(self.layout.replicas)  # before any communication
         _check_sharding_fits(dp_options, self.schedule)
         self.manifest = manifest
@@ -564,6 +558,7 @@ class PipelineRunner:
             self.device,
             self.rank,
             self.timeout_s,
+            self.tp_mesh.get_group() if self.tp_mesh is not None else None,
         )
         clip_grads_(list(self.stage.parameters()), total, max_norm)
         self.last_grad_norm = float(total.item())

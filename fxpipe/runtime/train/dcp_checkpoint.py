@@ -231,13 +231,20 @@ def layout_of(runner: PipelineRunner) -> dict[str, Any]:
         "replicas": runner.layout.replicas,
         "schedule": runner.schedule.name,
         "shard": dp.options.shard if dp is not None else "none",
+        # only where there is tensor parallelism: older records compare equal without it
+        **(
+            {"tensor_parallel": runner.layout.tensor_parallel}
+            if runner.layout.tensor_parallel > 1
+            else {}
+        ),
     }
 
 
 def describe_layout(layout: dict[str, Any]) -> str:
     shard = f", shard {layout['shard']}" if layout.get("shard", "none") != "none" else ""
+    tp = f" x tp {layout['tensor_parallel']}" if layout.get("tensor_parallel", 1) > 1 else ""
     return (
-        f"{layout['num_stages']} stages on {len(set(layout['stage_ranks']))} ranks x "
+        f"{layout['num_stages']} stages on {len(set(layout['stage_ranks']))} ranks{tp} x "
         f"{layout['replicas']} replicas ({layout['schedule']}{shard})"
     )
 

@@ -257,9 +257,6 @@ class RunOptions(Options):
                     f"--comm-hook {self.data_parallel.comm_hook}",
                     self.data_parallel.comm_hook != "allreduce",
                 ),
-                ("--checkpoint-dir", self.training.checkpoint_dir is not None),
-                ("--clip-grad-norm", self.training.clip_grad_norm is not None),
-                ("--precision fp16", self.precision == "fp16"),
             ):
                 if given:
                     raise ConfigError(
