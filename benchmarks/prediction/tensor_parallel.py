@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from configurations import GOAL, MODELS, _levels, _probe_ms, _quiet
-from message_probe import MessageProbe, ProbeError
+from message_probe import MessageProbe
 
 MEMORY_GOAL = (0.80, 1.20)
 
@@ -238,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     with MessageProbe() as messages:
         for round_ in range(args.runs):
             for i, (stages, degree) in enumerate(configs):
-                try:
-                    run = _measure(stages, degree, args.schedule, args.steps, builds, messages)
-                except ProbeError:
-                    raise
+                run = _measure(stages, degree, args.schedule, args.steps, builds, messages)
                 attempts[i].append(run)
                 print(
                     f"round {round_ + 1} {stages}x{degree} measured {run['measured_step_ms']:8.2f} "
