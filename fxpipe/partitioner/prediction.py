@@ -174,6 +174,8 @@ class RuntimeCosts:
     )
     recompute_fwd_saved_ms: NonNegFloat = 0.0  # ... F, per tensor the stage saves for backward
     recompute_bwd_saved_ms: NonNegFloat = 0.0  # ... B, per tensor the stage saves for backward
+    tp_pair_fwd_ms: NonNegFloat = 0.0  # a split tp pair's runtime cost per microbatch, forward
+    tp_pair_bwd_ms: NonNegFloat = 0.0  # ... backward (Note [tensor-parallel runtime cost])
     step_receives: bool = (
         False  # receives posted at step start (gloo; Notes [step prediction], [memory over time])
     )
@@ -229,6 +231,8 @@ _HOST_WORK_MS = (
     "recompute_bwd_ms",
     "recompute_fwd_saved_ms",
     "recompute_bwd_saved_ms",
+    "tp_pair_fwd_ms",
+    "tp_pair_bwd_ms",
 )
 
 

@@ -12,7 +12,22 @@ changes what one rank of a stage does, so it is priced as a transformed profile
   per group per microbatch, ``2 (T-1)/T x bytes / bandwidth + 2 (T-1) x latency`` each, on the
   intra-node link (tp is innermost: Note [DTensor regions] in
   ``fxpipe.runtime.pipeline.tensor_parallel``);
+- each split pair also costs the runtime ``pair_ms`` = (forward, backward) milliseconds per
+  microbatch beyond its compute share and the all-reduces' link time: DTensor's dispatch and
+  redistribution, the collectives' calls on busy cores (``RuntimeCosts.tp_pair_fwd_ms`` /
+  ``tp_pair_bwd_ms``, measured by ``benchmarks/prediction/tp_cost.py``: about 5 ms per pair on
+  CPU gloo, 15x the tiny GPT's whole MLP; Note [tensor-parallel runtime cost]);
 - everything else (norms, embeddings, replicated linears) is whole on every rank.
+
+Note [tensor-parallel runtime cost]:
+Priced by link time alone, pp 1 x tp 2 of examples/gpt.py predicted 19 ms a step where it ran
+97 ms: on CPU each op of a split region goes through DTensor's Python dispatch (sharding
+propagation, redistribution) and each all-reduce through gloo on cores the ranks keep busy,
+which cost milliseconds per pair where the pair's compute costs tenths. The cost is per pair and
+per microbatch, nearly independent of the width (tp_cost.py: 5.0 and 5.1 ms at widths 32 and
+128), so it is a runtime constant per device like the others, charged on the rowwise linear of
+each pair. On CUDA it is not measured (0): kernels launch asynchronously there and the host's
+dispatch overlaps the device's work while it is shorter.
 
 ``tensor_parallel_tradeoff`` compares degrees and says when TP loses: when the all-reduces
 cost more than the compute it saves, or when nothing is split.
@@ -99,8 +114,10 @@ def tensor_parallel_profile(
     degree: int,
     bandwidth: float,
     latency: float,
+    pair_ms: tuple[float, float] = (0.0, 0.0),
 ) -> ModelProfile:
-    """``profile`` as one rank of a tp group of ``degree`` runs it (see the module docstring)."""
+    """``profile`` as one rank of a tp group of ``degree`` runs it (see the module docstring);
+    ``pair_ms``: the runtime's (forward, backward) cost per split pair and microbatch."""
     _check(degree, styles)
     if degree == 1 or not styles:
         return profile
@@ -123,8 +140,8 @@ def tensor_parallel_profile(
         units.append(  # per pair: output all-reduced in forward, the input gradient in backward
             replace(
                 unit,
-                fwd_ms=unit.fwd_ms * share + comm,
-                bwd_ms=unit.bwd_ms * share + comm,
+                fwd_ms=unit.fwd_ms * share + comm + pairs * pair_ms[0],
+                bwd_ms=unit.bwd_ms * share + comm + pairs * pair_ms[1],
                 fwd_flops=unit.fwd_flops * share,
                 param_bytes=unit.param_bytes - split_bytes + split_bytes // degree,
                 activation_bytes=int(unit.activation_bytes * share),
@@ -173,20 +190,24 @@ def tensor_parallel_tradeoff(
     bandwidth: float,
     latency: float,
     degrees: Iterable[int] = (1, 2, 4, 8),
+    pair_ms: tuple[float, float] = (0.0, 0.0),
 ) -> list[TensorParallelCost]:
     """The whole model's per-rank figures at each degree; ``styles_at[T]`` is the plan's styles at
-    degree T (what divides differs by degree)."""
+    degree T (what divides differs by degree). ``comm_ms`` counts the runtime's ``pair_ms`` with
+    the all-reduces: both are what TP adds."""
     out = []
     base = sum(u.fwd_ms + u.bwd_ms for u in profile.units)
     for degree in degrees:
         styles = styles_at.get(degree, {}) if degree > 1 else {}
-        tp = tensor_parallel_profile(profile, styles, degree, bandwidth, latency)
+        tp = tensor_parallel_profile(profile, styles, degree, bandwidth, latency, pair_ms)
         comm = 0.0
         if degree > 1:
             for u in profile.units:
                 found = _share_and_pairs(u, styles, _groups(styles), 0, degree)
                 pairs = found[1] if found is not None else 0
-                comm += 2 * pairs * allreduce_ms(_output_bytes(u), degree, bandwidth, latency)
+                comm += pairs * (
+                    2 * allreduce_ms(_output_bytes(u), degree, bandwidth, latency) + sum(pair_ms)
+                )
         total = sum(u.fwd_ms + u.bwd_ms for u in tp.units)
         compute = total - comm
         out.append(

@@ -97,3 +97,48 @@ def test_the_cluster_search_picks_a_degree_and_says_why_the_others_lose() -> Non
     )
     best_slow, _ = search_tensor_parallel(profile, slow, 64, at, (1, 2, 4), top=1)
     assert best_slow.degree == 1
+
+
+def test_each_split_pair_pays_the_runtimes_cost_per_pair() -> None:
+    """Note [tensor-parallel runtime cost]: the rowwise linear of each pair carries the runtime's
+    (forward, backward) cost per microbatch beyond the all-reduces' link time, and the tradeoff
+    counts it with them; the CPU runtime's figure is measured, the CUDA one 0."""
+    from fxpipe.partitioner.prediction import RUNTIME_COSTS
+
+    tp = tensor_parallel_profile(_profile(), STYLES, 2, 1e9, 1e-5, pair_ms=(1.5, 3.0))
+    ar = allreduce_ms(4096, 2, 1e9, 1e-5)
+    by = {u.name: u for u in tp.units}
+    assert by["attn.o"].fwd_ms == pytest.approx(2.0 + ar + 1.5)
+    assert by["attn.o"].bwd_ms == pytest.approx(4.0 + ar + 3.0)
+    assert by["attn.q"].fwd_ms == pytest.approx(2.0)  # the colwise half carries none of it
+    cost = tensor_parallel_tradeoff(_profile(), {2: STYLES}, 1e9, 1e-5, (2,), pair_ms=(1.5, 3.0))
+    assert cost[0].comm_ms == pytest.approx(2 * ar + 4.5)
+    assert cost[0].saved_ms == pytest.approx(15.0)  # the split work's half: unchanged
+    cpu, cuda = RUNTIME_COSTS["cpu"], RUNTIME_COSTS["cuda"]
+    assert cpu.tp_pair_fwd_ms > 0 and cpu.tp_pair_bwd_ms > 0
+    assert (cuda.tp_pair_fwd_ms, cuda.tp_pair_bwd_ms) == (0.0, 0.0)
+
+
+def test_the_search_prices_the_runtimes_pair_cost() -> None:
+    """The cluster search charges the pair cost of the runtime it prices with: a cost per pair
+    larger than the compute TP saves makes tp 1 the best degree where, without it, TP wins."""
+    from dataclasses import replace
+
+    from fxpipe.partitioner.cluster import ClusterSpec
+    from fxpipe.partitioner.prediction import RUNTIME_COSTS
+    from fxpipe.partitioner.search.tensor_parallel import search_tensor_parallel
+    from fxpipe.partitioner.synthetic import transformer_profile
+
+    profile = transformer_profile(
+        layers=8, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, seq=2048
+    )
+    styles = _llama_styles(8)
+    cluster = ClusterSpec(devices=8, device_memory=80 * 2**30, node_size=8)
+    free = RUNTIME_COSTS["cuda"]
+    best, _ = search_tensor_parallel(profile, cluster, 4, {2: styles}, (1, 2), top=1, runtime=free)
+    assert best.degree == 2
+    dear = replace(free, tp_pair_fwd_ms=1e4, tp_pair_bwd_ms=1e4)  # 10 s per pair
+    best, outcomes = search_tensor_parallel(
+        profile, cluster, 4, {2: styles}, (1, 2), top=1, runtime=dear
+    )
+    assert best.degree == 1 and "tp 2: loses" in outcomes[1].note

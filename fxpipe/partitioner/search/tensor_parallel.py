@@ -2,7 +2,8 @@
 
 A tp group of T devices acts as one device of the pipeline x data-parallel search: each degree
 searches its own profile (``fxpipe.partitioner.tensor_parallel.tensor_parallel_profile``: split
-work / T plus the per-pair all-reduces on the intra-node link) on a cluster of ``devices / T``
+work / T plus the per-pair all-reduces on the intra-node link and the runtime's cost per pair,
+``RuntimeCosts.tp_pair_fwd_ms`` / ``tp_pair_bwd_ms`` of the ``runtime`` the search prices with) on a cluster of ``devices / T``
 such groups, ``node_size / T`` to a node. The fastest predicted step wins, and every other
 degree says why it lost: TP adds all-reduces that the compute it saves must pay for, and a
 degree that divides nothing splits nothing.
@@ -16,6 +17,7 @@ from typing import Any
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.partitioner.cluster import ClusterSpec
+from fxpipe.partitioner.prediction import runtime_costs_for
 from fxpipe.partitioner.search.configurations import search_configurations
 from fxpipe.partitioner.search.result import SearchResult
 from fxpipe.partitioner.tensor_parallel import tensor_parallel_profile
@@ -49,6 +51,10 @@ def search_tensor_parallel(
     plan's styles at degree T (module path -> colwise / rowwise); ``search`` goes to
     ``search_configurations``. ``InfeasibleError`` when no degree fits."""
     assert cluster.intra_bandwidth is not None and cluster.intra_latency is not None
+    runtime = search.get("runtime") or runtime_costs_for(
+        profile.trace_device, profile.host_slowdown
+    )
+    pair_ms = (runtime.tp_pair_fwd_ms, runtime.tp_pair_bwd_ms)
     outcomes: list[DegreeOutcome] = []
     for degree in degrees:
         if cluster.node_size % degree or cluster.devices % degree:
@@ -63,7 +69,7 @@ def search_tensor_parallel(
             outcomes.append(DegreeOutcome(degree, None, f"tp {degree}: the plan splits nothing"))
             continue
         priced = tensor_parallel_profile(
-            profile, styles, degree, cluster.intra_bandwidth, cluster.intra_latency
+            profile, styles, degree, cluster.intra_bandwidth, cluster.intra_latency, pair_ms
         )
         groups = replace(
             cluster, devices=cluster.devices // degree, node_size=cluster.node_size // degree
