@@ -73,7 +73,10 @@ def compare_pipeline(build_dir: str | Path, source: Any, training: bool) -> Comp
     import fxpipe
 
     build_dir = Path(build_dir)
-    batch = int(json.loads((build_dir / "manifest.json").read_text())["batch_size"])
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    batch = int(manifest["batch_size"])
+    if manifest.get("static_batch"):  # a batch the model fixes: one microbatch (CLIP's B x B loss)
+        batch = int(manifest["microbatch_size"])
     reference = reference_model(build_dir, source)
     pipeline = fxpipe.load_pipeline(build_dir)
     inputs = getattr(source.module, source.inputs_fn)(batch)
