@@ -515,6 +515,12 @@ def find_stage_plan(stage: nn.Module, index: int, last: bool = False) -> StageTP
         owner = max((p for p in failed if q.startswith(p + ".")), key=len, default=None)
         why = failed[owner] if owner is not None else "no rule fits: no row-parallel pair"
         kept[q] = KeptWhole(q, why)
+    for p, m in stage.named_modules():
+        if p and not isinstance(m, (nn.Linear, nn.Embedding)):
+            own = [n for n, w in m.named_parameters(recurse=False) if w.dim() >= 2]
+            if own:  # fused experts (a Mixtral's [experts, out, in] weights), a router's weight
+                why = f"{type(m).__name__} weights ({', '.join(own)}) used outside nn.Linear"
+                kept[p] = KeptWhole(p, why + ": no rule splits them")
     for p, m in embeddings.items():
         if p not in kept:
             if m.max_norm is not None or m.sparse:

@@ -80,6 +80,18 @@ class _Follow(TorchDispatchMode):
         self.log_softmax: dict[int, torch.Tensor] = {}
         self.why = ""
 
+    @staticmethod
+    def _last(args: Any) -> bool:
+        """A slice or select (``args``: tensor, dim, ...) of the last dimension."""
+        dim = args[1] if len(args) > 1 else 0
+        return args[0].dim() > 0 and dim % args[0].dim() == args[0].dim() - 1
+
+    def _keeps(self, packet: Any, args: Any, outs: list[torch.Tensor]) -> bool:
+        """An op whose results still hold whole rows of the vocabulary, last."""
+        if packet not in _KEEPS or (packet in (aten.slice, aten.select) and self._last(args)):
+            return False
+        return all(t.dim() and t.shape[-1] == self.vocab for t in outs)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -91,6 +103,8 @@ class _Follow(TorchDispatchMode):
         if packet is aten.nll_loss_forward and softmaxed:
             if args[0] is not softmaxed[0] or len(softmaxed) > 1 or derived or args[0].dim() > 2:
                 self.why = self.why or "nll_loss of more than one log_softmax of the logits"
+        elif softmaxed and self._keeps(packet, args, outs):  # a view of the log-probabilities
+            self.log_softmax.update((id(t), t) for t in outs)
         elif softmaxed:
             self.why = self.why or f"the log_softmax of the logits feeds {name}"
         elif not derived:
@@ -100,19 +114,23 @@ class _Follow(TorchDispatchMode):
             if x.dim() and args[1] % x.dim() != x.dim() - 1:
                 self.why = self.why or "a log_softmax over another dimension than the vocabulary"
             self.log_softmax.update((id(t), t) for t in outs)
-        elif packet in (aten.slice, aten.select) and args[1] % args[0].dim() == args[0].dim() - 1:
+        elif packet in (aten.slice, aten.select) and self._last(args):
             self.why = self.why or f"{name} of the vocabulary dimension"
-        elif packet in _KEEPS and all(t.dim() and t.shape[-1] == self.vocab for t in outs):
+        elif self._keeps(packet, args, outs):
             self.derived.update((id(t), t) for t in outs)
         else:
             self.why = self.why or f"{name} on the logits"
         return out
 
 
-def cross_entropy_only(loss_fn: Callable[..., Any], output: Any, target: Any) -> str:
-    """ "" when ``loss_fn(output, target)`` is exact on vocabulary-sharded logits under
-    ``loss_parallel()`` (Note [which losses run in parallel]), else why not."""
-    logits = sharded_logits(output)
+def cross_entropy_only(
+    loss_fn: Callable[..., Any], output: Any, target: Any, logits: list[torch.Tensor] | None = None
+) -> str:
+    """Why ``loss_fn(output, target)`` is not exact on vocabulary-sharded logits under
+    ``loss_parallel()`` ("" when it is: Note [which losses run in parallel]). ``logits``: the
+    tensors of ``output`` sharded over their last dimension (by default its DTensors sharded so)."""
+    if logits is None:
+        logits = list(sharded_logits(output))
     if not logits:
         return ""
     copies: dict[int, torch.Tensor] = {}

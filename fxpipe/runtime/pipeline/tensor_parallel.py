@@ -34,6 +34,7 @@ A weight two modules of one stage share (a tied embedding and head) is shared ag
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -192,7 +193,7 @@ def _in_replicating_mode(stage: nn.Module) -> None:
         with _ReplicateGradInputs():
             return forward(*args, **kwargs)
 
-    stage.forward = replicating  # type: ignore[method-assign]
+    stage.forward = replicating
 
 
 def _holders(stage: nn.Module) -> list[list[tuple[str, str]]]:
@@ -238,7 +239,7 @@ def parallelize_stage(stage: nn.Module, plan: ResolvedStagePlan, mesh: DeviceMes
                 f"the tensor-parallel plan names module {path!r}, which this stage "
                 f"({type(stage).__name__}) does not have; fix the plan (--tp-plan) or repartition"
             )
-    made = {
+    made: dict[str, Callable[[], ParallelStyle]] = {
         "colwise": lambda: ColwiseParallel(use_local_output=False),
         "rowwise": RowwiseParallel,
         "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
