@@ -322,7 +322,10 @@ class TensorParallelPlan:
             if vocab:
                 line += "; vocabulary-parallel embeddings: " + ", ".join(vocab)
             if r.head:
-                line += f"; vocabulary-parallel LM head: {r.head}, logits sharded, " + (
+                head = r.head
+                if r.styles.get(head) == "vocab_embedding":  # F.linear over a tied embedding
+                    head = f"F.linear over {head}.weight"
+                line += f"; vocabulary-parallel LM head: {head}, logits sharded, " + (
                     "the stage's cross entropy under loss_parallel"
                     if r.head_loss == "cross_entropy"
                     else "a loss_fn that is a plain cross entropy under loss_parallel, another "

@@ -244,6 +244,8 @@ def test_tied_heads_split_with_their_embedding_on_one_stage_or_across_stages() -
     assert VocabSplit("emb", "tied_head", 12, "cross_entropy") in functional.vocab
     two = functional.for_degree(2)  # split as its embedding: no style of its own
     assert two.styles == {**two.styles, "emb": "vocab_embedding"} and two.head == "emb"
+    said = TensorParallelPlan((functional,)).summary(2)[0]
+    assert "vocabulary-parallel LM head: F.linear over emb.weight, logits sharded" in said
     ties = [[(0, "emb.weight"), (1, "head.weight")]]
     apart = find_tp_plan([LM(), LM()], ties)  # the head on stage 1 splits: so does stage 0's emb
     assert apart.stage(0).for_degree(2).styles["emb"] == "vocab_embedding"
