@@ -81,6 +81,7 @@ def _train(rank: int, world: int, build: Path, name: str, loss: str) -> dict[str
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     losses = [runner.step(inputs, targets) for _ in range(STEPS)]
     state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    evaluated = runner.eval_step(inputs, targets)  # forward only, under loss_parallel too
     vocab = sorted(  # the modules split over the vocabulary's rows
         p
         for p, m in runner.stage.named_modules()
@@ -92,6 +93,7 @@ def _train(rank: int, world: int, build: Path, name: str, loss: str) -> dict[str
     vocab_loss = runner.vocab_loss
     result = {
         "losses": losses,
+        "eval": evaluated,
         "state": state,
         "vocab": vocab,
         "outputs": sorted(set(seen)),  # every microbatch alike
@@ -125,16 +127,19 @@ def _reference(name: str, build: Path, loss: str) -> tuple[list[float], dict[str
             total += value.item()
         opt.step()
         losses.append(total / MICROBATCHES)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        evaluated = sum(loss_fn(model(*xs), t).item() for *xs, t in chunks) / MICROBATCHES
+    return [*losses, evaluated], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _check(name: str, build: Path, loss: str, results: list[dict[str, Any]]) -> None:
-    want_losses, want_state = _reference(name, build, loss)
-    assert want_losses[-1] < want_losses[0]
+    want_losses, want_state = _reference(name, build, loss)  # the last: eval_step's after training
+    assert want_losses[STEPS - 1] < want_losses[0]
     seen: set[str] = set()
     for rank, r in enumerate(results):
         torch.testing.assert_close(
-            torch.tensor(r["losses"]),
+            torch.tensor([*r["losses"], r["eval"]]),
             torch.tensor(want_losses),
             rtol=1e-5,
             atol=1e-6,
