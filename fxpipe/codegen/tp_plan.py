@@ -501,11 +501,13 @@ def find_stage_plan(stage: nn.Module, index: int, last: bool = False) -> StageTP
         done.update(m.path for m in found)
         for k in whole:
             kept.setdefault(k.path, k)
+    from fxpipe.codegen.tp_vocab import lm_heads, shared_weights, untie
+
     vocab: list[VocabSplit] = []
     embeddings = {p: m for p, m in stage.named_modules() if isinstance(m, nn.Embedding)}
     if last:
         unpaired = {q: m for q, m in linears.items() if q not in done and q not in kept}
-        for q, (kind, loss) in _lm_heads(stage, unpaired, embeddings).items():
+        for q, (kind, loss) in lm_heads(stage, unpaired, embeddings).items():
             size = embeddings[q].num_embeddings if kind == "tied_head" else linears[q].out_features
             if loss in HEAD_LOSSES:
                 vocab.append(VocabSplit(q, kind, size, loss))
@@ -531,143 +533,7 @@ def find_stage_plan(stage: nn.Module, index: int, last: bool = False) -> StageTP
             else:
                 vocab.append(VocabSplit(p, "embedding", m.num_embeddings))
     plan = StageTPPlan(index, tuple(split), tuple(kept[k] for k in sorted(kept)), tuple(vocab))
-    return _untie(plan, _shared_weights(stage))
-
-
-_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous", "clone"}
-
-
-def _cross_entropy_input(user: fx.Node, node: fx.Node) -> str:
-    """ "" when ``user`` is a plain cross entropy of ``node`` (its input, no label smoothing),
-    else why not; "not" when ``user`` is no cross entropy."""
-    name = _op_name(user).partition(".")[0]  # aten's overloads: cross_entropy_loss.default
-    if user.op != "call_function" or name not in ("cross_entropy", "cross_entropy_loss"):
-        return "not"
-    if not user.args or user.args[0] is not node or node in user.args[1:]:
-        return "the logits are not the cross entropy's input alone"
-    smoothing_at = 5 if name == "cross_entropy_loss" else 7  # aten's and F.cross_entropy's
-    smoothing = user.kwargs.get(
-        "label_smoothing", user.args[smoothing_at] if len(user.args) > smoothing_at else 0.0
-    )
-    return "" if smoothing in (0, 0.0, None) else "a cross entropy with label smoothing"
-
-
-def _logits_use(head: fx.Node, vocab: int) -> str:
-    """What the logits of ``head`` feed: "cross_entropy", "loss_fn" (stage outputs only), or
-    why loss_parallel cannot take them; "" when they reach neither an output nor a loss."""
-    stack, seen = [head], set()
-    loss, reached, why = "loss_fn", False, ""
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            name = _op_name(user)
-            if user.op == "output":
-                reached = True
-            elif (ce := _cross_entropy_input(user, n)) != "not":
-                reached, loss = True, "cross_entropy"
-                why = why or ce
-            elif name == "size" or name in _CASTS:
-                if name != "size":
-                    stack.append(user)
-            elif name in ("view", "reshape") and len(user.args) > 1:
-                shape = user.args[1:]
-                if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
-                    shape = tuple(shape[0])
-                if shape and shape[-1] == vocab:
-                    stack.append(user)
-                else:
-                    why = why or f"a {name} of the logits that moves the vocabulary dimension"
-            elif name == "getitem" and _keeps_last(user.args[1] if len(user.args) > 1 else None):
-                stack.append(user)
-            else:
-                why = why or f"{name!r} on the logits"
-    if not reached:
-        return ""
-    if why:
-        return f"an LM head whose {why}: loss_parallel takes a plain cross entropy"
-    return loss
-
-
-def _keeps_last(index: Any) -> bool:
-    """An index that slices only dimensions before the last (``x[:, :-1, :]``)."""
-    return (
-        isinstance(index, tuple)
-        and len(index) > 0
-        and index[-1] == slice(None)
-        and all(i is not Ellipsis for i in index[:-1])
-    )
-
-
-def _lm_heads(
-    stage: nn.Module, linears: dict[str, nn.Linear], embeddings: dict[str, nn.Embedding]
-) -> dict[str, tuple[str, str]]:
-    """The LM heads of the stage's own forward (Note [vocabulary-parallel]): its unpaired linears,
-    and its ``F.linear`` over an embedding's weight (a tied head the emitter wrote as a call),
-    whose logits reach the stage's outputs: path -> (kind, what they feed (``HEAD_LOSSES``) or
-    why not)."""
-
-    class _Root(fx.Tracer):
-        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-            return True
-
-    try:
-        graph = _Root().trace(stage)
-    except Exception:  # a stage the tracer cannot follow keeps its linears replicated
-        return {}
-    found: dict[str, tuple[str, str]] = {}
-    for node in graph.nodes:
-        path, kind, vocab = str(node.target), "head", 0
-        if node.op == "call_module" and path in linears:
-            vocab = linears[path].out_features
-        elif node.op == "call_function" and _op_name(node) == "linear" and len(node.args) > 1:
-            weight = node.args[1]
-            path = str(weight.target).rpartition(".")[0] if isinstance(weight, fx.Node) else ""
-            if isinstance(weight, fx.Node) and weight.op == "get_attr" and path in embeddings:
-                kind, vocab = "tied_head", embeddings[path].num_embeddings
-        if vocab and path not in found and (use := _logits_use(node, vocab)):
-            found[path] = (kind, use)
-    return found
-
-
-def _shared_weights(stage: nn.Module) -> list[list[str]]:
-    """The module paths of each parameter several modules of ``stage`` hold (tied weights)."""
-    holders: dict[int, list[str]] = {}
-    for p, m in stage.named_modules(remove_duplicate=False):
-        for name, param in m.named_parameters(recurse=False):
-            if p not in holders.setdefault(id(param), []):
-                holders[id(param)].append(p)
-    return [h for h in holders.values() if len(h) > 1]
-
-
-def _keep(plan: StageTPPlan, path: str, why: str) -> StageTPPlan:
-    """``plan`` with the vocabulary-parallel module ``path`` replicated instead, for ``why``."""
-    kept = {k.path: k for k in plan.replicated}
-    kept[path] = KeptWhole(path, why)
-    return StageTPPlan(
-        plan.stage,
-        plan.split,
-        tuple(kept[k] for k in sorted(kept)),
-        tuple(v for v in plan.vocab if v.path != path),
-    )
-
-
-def _untie(plan: StageTPPlan, tied: Iterable[Iterable[str]]) -> StageTPPlan:
-    """``plan`` with each group of modules in ``tied`` (one tied weight) split over its vocabulary
-    only if every holder is (Note [vocabulary-parallel]); the others keep it replicated."""
-    for group in tied:
-        vocab = {v.path: v.vocab for v in plan.vocab}
-        members = list(group)
-        whole = [m for m in members if m not in vocab]
-        if not whole and len({vocab[m] for m in members}) <= 1:
-            continue
-        why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
-        for m in members:
-            if m in vocab:
-                plan = _keep(plan, m, why)
-    return plan
+    return untie(plan, shared_weights(stage))
 
 
 def find_tp_plan(
@@ -676,6 +542,8 @@ def find_tp_plan(
     """``find_stage_plan`` of each stage, in order, the last one holding the LM head; ``ties``: each
     weight several stages hold, as ``(stage, parameter key)`` pairs (the manifest's ties), split
     alike everywhere or nowhere (Note [vocabulary-parallel])."""
+    from fxpipe.codegen.tp_vocab import keep
+
     modules = list(stages)
     plans = [find_stage_plan(s, i, last=i == len(modules) - 1) for i, s in enumerate(modules)]
     for tie in ties:
@@ -687,7 +555,7 @@ def find_tp_plan(
         why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
         for i, p in holders:
             if (i, p) in split:
-                plans[i] = _keep(plans[i], p, why)
+                plans[i] = keep(plans[i], p, why)
     return TensorParallelPlan(tuple(plans))
 
 
