@@ -44,7 +44,6 @@ all: a tie whose every holder is not a vocabulary-parallel module stays replicat
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.codegen.tp_vocab import lm_heads, op_name, shared_weights
 from fxpipe.errors import BuildDirError, ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 
@@ -365,21 +365,11 @@ class _Tracer(fx.Tracer):
         return id(m) in self.opaque or super().is_leaf_module(m, qualname)
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if node.op == "call_method":
-        return str(target)
-    if target is operator.getitem:
-        return "getitem"
-    name = getattr(target, "__name__", str(target))
-    return name.strip("_")
-
-
 def _head_dim(node: fx.Node) -> int | None:
     """The last size of a view or reshape of ``node`` into heads, if one is a literal."""
     for user in node.users:
-        if _op_name(user) in ("view", "reshape", "unflatten") and len(user.args) > 1:
-            shape = user.args[1:] if _op_name(user) != "unflatten" else user.args[2:]
+        if op_name(user) in ("view", "reshape", "unflatten") and len(user.args) > 1:
+            shape = user.args[1:] if op_name(user) != "unflatten" else user.args[2:]
             if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
                 shape = tuple(shape[0])
             last = shape[-1] if shape else None
@@ -428,11 +418,11 @@ def _pairs(
                     bad = bad or f"{kind} between the linears"
                     region.add(n)
                     stack.extend(_inputs(n))
-            elif n.op in ("call_function", "call_method") and _op_name(n) in _REGION_OPS:
+            elif n.op in ("call_function", "call_method") and op_name(n) in _REGION_OPS:
                 region.add(n)
                 stack.extend(_inputs(n))
             elif n.op in ("call_function", "call_method"):
-                bad = bad or f"{_op_name(n)!r} on the projected features"
+                bad = bad or f"{op_name(n)!r} on the projected features"
                 region.add(n)
                 stack.extend(_inputs(n))
         if not sources:
@@ -501,8 +491,6 @@ def find_stage_plan(stage: nn.Module, index: int, last: bool = False) -> StageTP
         done.update(m.path for m in found)
         for k in whole:
             kept.setdefault(k.path, k)
-    from fxpipe.codegen.tp_vocab import lm_heads, shared_weights, untie
-
     vocab: list[VocabSplit] = []
     embeddings = {p: m for p, m in stage.named_modules() if isinstance(m, nn.Embedding)}
     if last:
@@ -533,7 +521,35 @@ def find_stage_plan(stage: nn.Module, index: int, last: bool = False) -> StageTP
             else:
                 vocab.append(VocabSplit(p, "embedding", m.num_embeddings))
     plan = StageTPPlan(index, tuple(split), tuple(kept[k] for k in sorted(kept)), tuple(vocab))
-    return untie(plan, shared_weights(stage))
+    return _untie(plan, shared_weights(stage))
+
+
+def _keep(plan: StageTPPlan, path: str, why: str) -> StageTPPlan:
+    """``plan`` with the vocabulary-parallel module ``path`` replicated instead, for ``why``."""
+    kept = {k.path: k for k in plan.replicated}
+    kept[path] = KeptWhole(path, why)
+    return StageTPPlan(
+        plan.stage,
+        plan.split,
+        tuple(kept[k] for k in sorted(kept)),
+        tuple(v for v in plan.vocab if v.path != path),
+    )
+
+
+def _untie(plan: StageTPPlan, tied: Iterable[Iterable[str]]) -> StageTPPlan:
+    """``plan`` with each group of modules in ``tied`` (one tied weight) split over its vocabulary
+    only if every holder is (Note [vocabulary-parallel]); the others keep it replicated."""
+    for group in tied:
+        vocab = {v.path: v.vocab for v in plan.vocab}
+        members = list(group)
+        whole = [m for m in members if m not in vocab]
+        if not whole and len({vocab[m] for m in members}) <= 1:
+            continue
+        why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
+        for m in members:
+            if m in vocab:
+                plan = _keep(plan, m, why)
+    return plan
 
 
 def find_tp_plan(
@@ -542,8 +558,6 @@ def find_tp_plan(
     """``find_stage_plan`` of each stage, in order, the last one holding the LM head; ``ties``: each
     weight several stages hold, as ``(stage, parameter key)`` pairs (the manifest's ties), split
     alike everywhere or nowhere (Note [vocabulary-parallel])."""
-    from fxpipe.codegen.tp_vocab import keep
-
     modules = list(stages)
     plans = [find_stage_plan(s, i, last=i == len(modules) - 1) for i, s in enumerate(modules)]
     for tie in ties:
@@ -555,7 +569,7 @@ def find_tp_plan(
         why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
         for i, p in holders:
             if (i, p) in split:
-                plans[i] = keep(plans[i], p, why)
+                plans[i] = _keep(plans[i], p, why)
     return TensorParallelPlan(tuple(plans))
 
 

@@ -1,22 +1,32 @@
-"""The vocabulary-parallel part of a tensor-parallel plan: LM heads, and tied weights split alike.
+"""Finding a stage's LM heads and shared weights, for the vocabulary-parallel part of a tp plan.
 
 Note [vocabulary-parallel] in ``fxpipe.codegen.tp_plan`` says what is split; here the stage's own
-forward is traced (every submodule a leaf) to find the linears whose logits reach only its outputs
-and a plain cross entropy, and the ties (one parameter held by several modules of a stage, or by
-several stages) keep every holder split alike or replicated. No ``torch.distributed`` here.
+forward is traced (every submodule a leaf) to find the linears (or ``F.linear`` over an embedding's
+weight) whose logits reach only its outputs and a plain cross entropy, and the weights several of
+its modules share (ties the plan splits alike or not at all). No ``torch.distributed`` here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
 from typing import Any
 
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.codegen.tp_plan import KeptWhole, StageTPPlan, _op_name
+__all__ = ["lm_heads", "op_name", "shared_weights"]
 
-__all__ = ["keep", "lm_heads", "shared_weights", "untie"]
+
+def op_name(node: fx.Node) -> str:
+    """The name of ``node``'s operation: a method's, a function's (``getitem``), an op overload's."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", str(target))
+    return name.strip("_")
+
 
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous", "clone"}
 
@@ -24,7 +34,7 @@ _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous", "c
 def _cross_entropy_input(user: fx.Node, node: fx.Node) -> str:
     """ "" when ``user`` is a plain cross entropy of ``node`` (its input, no label smoothing),
     else why not; "not" when ``user`` is no cross entropy."""
-    name = _op_name(user).partition(".")[0]  # aten's overloads: cross_entropy_loss.default
+    name = op_name(user).partition(".")[0]  # aten's overloads: cross_entropy_loss.default
     if user.op != "call_function" or name not in ("cross_entropy", "cross_entropy_loss"):
         return "not"
     if not user.args or user.args[0] is not node or node in user.args[1:]:
@@ -47,7 +57,7 @@ def _logits_use(head: fx.Node, vocab: int) -> str:
             continue
         seen.add(n)
         for user in n.users:
-            name = _op_name(user)
+            name = op_name(user)
             if user.op == "output":
                 reached = True
             elif (ce := _cross_entropy_input(user, n)) != "not":
@@ -106,7 +116,7 @@ def lm_heads(
         path, kind, vocab = str(node.target), "head", 0
         if node.op == "call_module" and path in linears:
             vocab = linears[path].out_features
-        elif node.op == "call_function" and _op_name(node) == "linear" and len(node.args) > 1:
+        elif node.op == "call_function" and op_name(node) == "linear" and len(node.args) > 1:
             weight = node.args[1]
             path = str(weight.target).rpartition(".")[0] if isinstance(weight, fx.Node) else ""
             if isinstance(weight, fx.Node) and weight.op == "get_attr" and path in embeddings:
@@ -124,31 +134,3 @@ def shared_weights(stage: nn.Module) -> list[list[str]]:
             if p not in holders.setdefault(id(param), []):
                 holders[id(param)].append(p)
     return [h for h in holders.values() if len(h) > 1]
-
-
-def keep(plan: StageTPPlan, path: str, why: str) -> StageTPPlan:
-    """``plan`` with the vocabulary-parallel module ``path`` replicated instead, for ``why``."""
-    kept = {k.path: k for k in plan.replicated}
-    kept[path] = KeptWhole(path, why)
-    return StageTPPlan(
-        plan.stage,
-        plan.split,
-        tuple(kept[k] for k in sorted(kept)),
-        tuple(v for v in plan.vocab if v.path != path),
-    )
-
-
-def untie(plan: StageTPPlan, tied: Iterable[Iterable[str]]) -> StageTPPlan:
-    """``plan`` with each group of modules in ``tied`` (one tied weight) split over its vocabulary
-    only if every holder is (Note [vocabulary-parallel]); the others keep it replicated."""
-    for group in tied:
-        vocab = {v.path: v.vocab for v in plan.vocab}
-        members = list(group)
-        whole = [m for m in members if m not in vocab]
-        if not whole and len({vocab[m] for m in members}) <= 1:
-            continue
-        why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
-        for m in members:
-            if m in vocab:
-                plan = keep(plan, m, why)
-    return plan
