@@ -30,6 +30,7 @@ HEAVY = (
     "tests/runtime/test_tensor_parallel_compose.py",
     "tests/smp/test_api_tensor_parallel.py::test_two_partitions_x_tp2_train_as_one_process",
     "tests/smp/test_api_tensor_parallel.py::test_one_partition_x_tp2_x_two_replicas_train_as_one_process",
+    "tests/runtime/test_tensor_parallel_vocab.py",  # 4 ranks each: Mixtral (156 s), a gathered loss
     # compiled stages: each compiles a few stages with inductor (minutes on 2 loaded cores)
     "tests/runtime/test_compiled.py::test_gpt_compiled",
     "tests/runtime/test_compiled.py::test_llama_with_labels",

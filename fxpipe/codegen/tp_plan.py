@@ -26,11 +26,24 @@ literal sizes valid and insert a collective wherever a placement needs one (Note
 by a view to ``(..., head_dim)`` is an attention projection with ``out_features // head_dim``
 heads: a degree T must divide the query heads (else the whole group stays replicated) and the
 KV heads (else K and V stay replicated and each rank takes its query heads' share of them).
+
+Note [vocabulary-parallel]:
+Every ``nn.Embedding`` is split over its rows (its vocabulary: torch's
+``RowwiseParallel(input_layouts=Replicate())``, the ids replicated, the output all-reduced to a
+plain tensor), and on the last stage an unpaired linear whose output (the logits) reaches only
+the stage's outputs and a plain cross entropy (through dtype casts, views keeping the last
+dimension, slices of the other dimensions) is the LM head: ``ColwiseParallel`` with its logits
+left sharded over the vocabulary (a DTensor), never gathered. The stage's own cross entropy
+(a model called with ``labels=``) and a ``loss_fn`` that is a plain cross entropy then run under
+torch's ``loss_parallel()`` (``fxpipe.runtime.pipeline.loss_parallel``); another ``loss_fn``
+gets the logits gathered whole, as without tensor parallelism. A vocabulary that ``T`` does not
+divide stays replicated. Tied weights (an embedding and its head, on one stage or across stages
+by the manifest's ties) are split alike (rows of the same ``[vocab, hidden]`` weight) or not at
+all: a tie whose every holder is not a vocabulary-parallel module stays replicated everywhere.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +53,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.codegen.tp_vocab import lm_heads, op_name, shared_weights
 from fxpipe.errors import BuildDirError, ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 
@@ -47,6 +61,7 @@ __all__ = [
     "TP_PLAN_FILE",
     "SplitModule",
     "KeptWhole",
+    "VocabSplit",
     "StageTPPlan",
     "TensorParallelPlan",
     "ResolvedStagePlan",
@@ -59,6 +74,9 @@ __all__ = [
 TP_PLAN_FILE = "tp_plan.json"
 SCHEMA_VERSION = 1
 STYLES = ("colwise", "rowwise")
+VOCAB_KINDS = ("embedding", "head", "tied_head")
+# what a vocabulary-parallel LM head's logits feed (Note [vocabulary-parallel])
+HEAD_LOSSES = ("cross_entropy", "loss_fn")
 
 # Operations that keep a split feature (or head) dimension local to its rank.
 _REGION_OPS = {
@@ -109,14 +127,39 @@ class KeptWhole:
 
 
 @dataclass(frozen=True)
+class VocabSplit:
+    """An embedding (``kind`` "embedding") or LM head ("head") split over its ``vocab`` rows
+    (Note [vocabulary-parallel]), or the stage's ``F.linear`` over embedding ``path``'s weight
+    ("tied_head": split with that embedding); a head's ``loss`` says what its logits feed: the
+    stage's own cross entropy ("cross_entropy") or, as a model output, the ``loss_fn``
+    ("loss_fn")."""
+
+    path: str
+    kind: str
+    vocab: int
+    loss: str = ""
+
+    def __post_init__(self) -> None:
+        head = self.kind != "embedding"
+        if self.kind not in VOCAB_KINDS or head != (self.loss in HEAD_LOSSES):
+            raise ConfigError(
+                f"vocabulary-parallel {self.path!r}: kind {self.kind!r} is not one of "
+                f"{VOCAB_KINDS}, or its loss {self.loss!r} is not one of {HEAD_LOSSES} (heads only)"
+            )
+
+
+@dataclass(frozen=True)
 class ResolvedStagePlan:
     """A stage's plan at one degree: path -> style, the pairs split (by rowwise path), the modules
-    holding them (``owners``), what stays replicated."""
+    holding them (``owners``), what stays replicated; ``head`` the vocabulary-parallel LM head
+    ("" for none) and ``head_loss`` what its logits feed (Note [vocabulary-parallel])."""
 
     styles: dict[str, str]
     groups: tuple[str, ...]
     replicated: tuple[KeptWhole, ...]
     owners: tuple[str, ...] = ()
+    head: str = ""
+    head_loss: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,6 +169,7 @@ class StageTPPlan:
     stage: int
     split: tuple[SplitModule, ...] = ()
     replicated: tuple[KeptWhole, ...] = ()
+    vocab: tuple[VocabSplit, ...] = ()
 
     def for_degree(self, degree: int) -> ResolvedStagePlan:
         """The styles at tensor-parallel degree ``degree``: a group whose query heads or
@@ -160,7 +204,18 @@ class StageTPPlan:
                     kept.append(KeptWhole(m.path, side_problem))
                 else:
                     styles[m.path] = m.style
-        return ResolvedStagePlan(styles, tuple(groups), tuple(kept), tuple(owners))
+        head = head_loss = ""
+        for v in self.vocab:
+            if v.vocab % degree:
+                kept.append(
+                    KeptWhole(v.path, f"a vocabulary of {v.vocab} is not divisible by tp {degree}")
+                )
+                continue
+            if v.kind != "tied_head":  # split as its embedding
+                styles[v.path] = f"vocab_{v.kind}"
+            if v.kind != "embedding":
+                head, head_loss = v.path, v.loss
+        return ResolvedStagePlan(styles, tuple(groups), tuple(kept), tuple(owners), head, head_loss)
 
 
 def _indivisible(members: Iterable[SplitModule], degree: int) -> str:
@@ -202,6 +257,10 @@ class TensorParallelPlan:
                         for m in s.split
                     ],
                     "replicated": [{"path": k.path, "reason": k.reason} for k in s.replicated],
+                    "vocab": [
+                        {"path": v.path, "kind": v.kind, "vocab": v.vocab, "loss": v.loss}
+                        for v in s.vocab
+                    ],
                 }
                 for s in self.stages
             ],
@@ -235,6 +294,12 @@ class TensorParallelPlan:
                         KeptWhole(str(k["path"]), str(k.get("reason", "")))
                         for k in s.get("replicated", [])
                     ),
+                    tuple(
+                        VocabSplit(
+                            str(v["path"]), str(v["kind"]), int(v["vocab"]), str(v.get("loss", ""))
+                        )
+                        for v in s.get("vocab", [])
+                    ),
                 )
                 for s in data.get("stages", [])
             )
@@ -251,8 +316,21 @@ class TensorParallelPlan:
         for s in self.stages:
             r = s.for_degree(degree)
             cols = sum(1 for v in r.styles.values() if v == "colwise")
-            rows = len(r.styles) - cols
+            rows = sum(1 for v in r.styles.values() if v == "rowwise")
             line = f"stage {s.stage}: {len(r.groups)} groups split ({cols} colwise, {rows} rowwise)"
+            vocab = [p for p, v in r.styles.items() if v == "vocab_embedding"]
+            if vocab:
+                line += "; vocabulary-parallel embeddings: " + ", ".join(vocab)
+            if r.head:
+                head = r.head
+                if r.styles.get(head) == "vocab_embedding":  # F.linear over a tied embedding
+                    head = f"F.linear over {head}.weight"
+                line += f"; vocabulary-parallel LM head: {head}, logits sharded, " + (
+                    "the stage's cross entropy under loss_parallel"
+                    if r.head_loss == "cross_entropy"
+                    else "a loss_fn that is a plain cross entropy under loss_parallel, another "
+                    "on gathered logits"
+                )
             if r.replicated:
                 line += "; replicated: " + "; ".join(f"{k.path} ({k.reason})" for k in r.replicated)
             lines.append(line)
@@ -287,21 +365,11 @@ class _Tracer(fx.Tracer):
         return id(m) in self.opaque or super().is_leaf_module(m, qualname)
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if node.op == "call_method":
-        return str(target)
-    if target is operator.getitem:
-        return "getitem"
-    name = getattr(target, "__name__", str(target))
-    return name.strip("_")
-
-
 def _head_dim(node: fx.Node) -> int | None:
     """The last size of a view or reshape of ``node`` into heads, if one is a literal."""
     for user in node.users:
-        if _op_name(user) in ("view", "reshape", "unflatten") and len(user.args) > 1:
-            shape = user.args[1:] if _op_name(user) != "unflatten" else user.args[2:]
+        if op_name(user) in ("view", "reshape", "unflatten") and len(user.args) > 1:
+            shape = user.args[1:] if op_name(user) != "unflatten" else user.args[2:]
             if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
                 shape = tuple(shape[0])
             last = shape[-1] if shape else None
@@ -350,11 +418,11 @@ def _pairs(
                     bad = bad or f"{kind} between the linears"
                     region.add(n)
                     stack.extend(_inputs(n))
-            elif n.op in ("call_function", "call_method") and _op_name(n) in _REGION_OPS:
+            elif n.op in ("call_function", "call_method") and op_name(n) in _REGION_OPS:
                 region.add(n)
                 stack.extend(_inputs(n))
             elif n.op in ("call_function", "call_method"):
-                bad = bad or f"{_op_name(n)!r} on the projected features"
+                bad = bad or f"{op_name(n)!r} on the projected features"
                 region.add(n)
                 stack.extend(_inputs(n))
         if not sources:
@@ -385,8 +453,9 @@ def _pairs(
     return split, kept
 
 
-def find_stage_plan(stage: nn.Module, index: int) -> StageTPPlan:
-    """The tensor-parallel plan of one stage module (Note [tensor-parallel rules]).
+def find_stage_plan(stage: nn.Module, index: int, last: bool = False) -> StageTPPlan:
+    """The tensor-parallel plan of one stage module (Note [tensor-parallel rules]); ``last``: the
+    stage that ends the model, where an LM head may be (Note [vocabulary-parallel]).
 
     Modules are traced innermost first; each linear belongs to the innermost traceable module
     where a rule pairs it. A module that cannot be traced becomes a leaf of its parents.
@@ -422,21 +491,86 @@ def find_stage_plan(stage: nn.Module, index: int) -> StageTPPlan:
         done.update(m.path for m in found)
         for k in whole:
             kept.setdefault(k.path, k)
+    vocab: list[VocabSplit] = []
+    embeddings = {p: m for p, m in stage.named_modules() if isinstance(m, nn.Embedding)}
+    if last:
+        unpaired = {q: m for q, m in linears.items() if q not in done and q not in kept}
+        for q, (kind, loss) in lm_heads(stage, unpaired, embeddings).items():
+            size = embeddings[q].num_embeddings if kind == "tied_head" else linears[q].out_features
+            if loss in HEAD_LOSSES:
+                vocab.append(VocabSplit(q, kind, size, loss))
+            else:
+                kept[q] = KeptWhole(q, loss)
+    heads = {v.path for v in vocab}
     for q in linears:
-        if q in done or q in kept:
+        if q in done or q in kept or q in heads:
             continue
         owner = max((p for p in failed if q.startswith(p + ".")), key=len, default=None)
         why = failed[owner] if owner is not None else "no rule fits: no row-parallel pair"
         kept[q] = KeptWhole(q, why)
     for p, m in stage.named_modules():
-        if isinstance(m, nn.Embedding):
-            kept[p] = KeptWhole(p, "embeddings stay replicated (vocabulary-parallel not built)")
-    return StageTPPlan(index, tuple(split), tuple(kept[k] for k in sorted(kept)))
+        if p and not isinstance(m, (nn.Linear, nn.Embedding)):
+            own = [n for n, w in m.named_parameters(recurse=False) if w.dim() >= 2]
+            if own:  # fused experts (a Mixtral's [experts, out, in] weights), a router's weight
+                why = f"{type(m).__name__} weights ({', '.join(own)}) used outside nn.Linear"
+                kept[p] = KeptWhole(p, why + ": no rule splits them")
+    for p, m in embeddings.items():
+        if p not in kept:
+            if m.max_norm is not None or m.sparse:
+                kept[p] = KeptWhole(p, "an embedding with max_norm or sparse gradients")
+            else:
+                vocab.append(VocabSplit(p, "embedding", m.num_embeddings))
+    plan = StageTPPlan(index, tuple(split), tuple(kept[k] for k in sorted(kept)), tuple(vocab))
+    return _untie(plan, shared_weights(stage))
 
 
-def find_tp_plan(stages: Iterable[nn.Module]) -> TensorParallelPlan:
-    """``find_stage_plan`` of each stage, in order."""
-    return TensorParallelPlan(tuple(find_stage_plan(s, i) for i, s in enumerate(stages)))
+def _keep(plan: StageTPPlan, path: str, why: str) -> StageTPPlan:
+    """``plan`` with the vocabulary-parallel module ``path`` replicated instead, for ``why``."""
+    kept = {k.path: k for k in plan.replicated}
+    kept[path] = KeptWhole(path, why)
+    return StageTPPlan(
+        plan.stage,
+        plan.split,
+        tuple(kept[k] for k in sorted(kept)),
+        tuple(v for v in plan.vocab if v.path != path),
+    )
+
+
+def _untie(plan: StageTPPlan, tied: Iterable[Iterable[str]]) -> StageTPPlan:
+    """``plan`` with each group of modules in ``tied`` (one tied weight) split over its vocabulary
+    only if every holder is (Note [vocabulary-parallel]); the others keep it replicated."""
+    for group in tied:
+        vocab = {v.path: v.vocab for v in plan.vocab}
+        members = list(group)
+        whole = [m for m in members if m not in vocab]
+        if not whole and len({vocab[m] for m in members}) <= 1:
+            continue
+        why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
+        for m in members:
+            if m in vocab:
+                plan = _keep(plan, m, why)
+    return plan
+
+
+def find_tp_plan(
+    stages: Iterable[nn.Module], ties: Iterable[Iterable[tuple[int, str]]] = ()
+) -> TensorParallelPlan:
+    """``find_stage_plan`` of each stage, in order, the last one holding the LM head; ``ties``: each
+    weight several stages hold, as ``(stage, parameter key)`` pairs (the manifest's ties), split
+    alike everywhere or nowhere (Note [vocabulary-parallel])."""
+    modules = list(stages)
+    plans = [find_stage_plan(s, i, last=i == len(modules) - 1) for i, s in enumerate(modules)]
+    for tie in ties:
+        holders = [(i, key.rpartition(".")[0]) for i, key in tie]
+        split = {(i, v.path): v.vocab for i, _ in holders for v in plans[i].vocab}
+        whole = [f"{p} on stage {i}" for i, p in holders if (i, p) not in split]
+        if not whole and len({split[h] for h in holders}) <= 1:
+            continue
+        why = f"tied to {whole[0]}, which stays replicated" if whole else "tied weights differ"
+        for i, p in holders:
+            if (i, p) in split:
+                plans[i] = _keep(plans[i], p, why)
+    return TensorParallelPlan(tuple(plans))
 
 
 def write_tp_plan(build_dir: str | Path, num_stages: int) -> TensorParallelPlan | None:
@@ -462,7 +596,7 @@ def write_tp_plan(build_dir: str | Path, num_stages: int) -> TensorParallelPlan 
         for i in indices:
             with torch.device("meta"):  # the structure only: no weights are read
                 stages.append(_stage_class(build, i)())
-        plan = find_tp_plan(stages)
+        plan = find_tp_plan(stages, [list(zip(t.stages, t.keys)) for t in manifest.ties])
     except Exception as exc:  # the plan is an extra: never fail the build over it
         warnings.warn(
             f"fxpipe: no tensor-parallel plan written ({type(exc).__name__}: {exc})", stacklevel=2

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpipe.codegen.tp_plan import TensorParallelPlan, find_stage_plan
+from fxpipe.codegen.tp_plan import (
+    TensorParallelPlan,
+    VocabSplit,
+    find_stage_plan,
+    find_tp_plan,
+)
 
 
 class SwiGLU(nn.Module):
@@ -83,8 +89,9 @@ def test_rules_pair_swiglu_and_attention_and_keep_the_rest_replicated() -> None:
         "mlp.down": ("rowwise", "mlp.down", "mlp", None),
     }
     kept = {k.path: k.reason for k in plan.replicated}
-    assert set(kept) == {"emb", "fused.qkv", "fused.proj", "head"}
+    assert set(kept) == {"fused.qkv", "fused.proj", "head"}  # not the last stage: no LM head
     assert "'split'" in kept["fused.qkv"]  # a fused projection: said why
+    assert plan.vocab == (VocabSplit("emb", "embedding", 10),)  # split over its vocabulary
 
 
 def test_degree_decides_what_divides() -> None:
@@ -137,7 +144,7 @@ def test_partition_writes_the_plan_and_report_shows_it(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     text = " ".join(report.stdout.split())
     assert "tensor-parallel plan at --tp 2, stage 0: 2 groups split (2 colwise, 2 rowwise)" in text
-    assert "head (no rule fits" in text
+    assert "vocabulary-parallel LM head: head, logits sharded" in text  # the classifier's 10 rows
 
 
 def test_a_build_without_a_plan_is_refused_and_an_override_is_read(tmp_path: Path) -> None:
@@ -154,3 +161,101 @@ def test_a_build_without_a_plan_is_refused_and_an_override_is_read(tmp_path: Pat
     (tmp_path / "bad.json").write_text('{"stages": [{"stage": 0, "split": [{"path": "a"}]}]}')
     with pytest.raises(ConfigError, match="malformed"):
         read_tp_plan(tmp_path, tmp_path / "bad.json")
+
+
+# -- vocabulary-parallel embeddings and LM heads (Note [vocabulary-parallel]) --------------------
+
+
+class LM(nn.Module):
+    """An embedding, a block, an LM head; ``loss`` how the stage ends: its logits alone, its own
+    cross entropy with ``labels`` (returned with the logits), or one with label smoothing."""
+
+    def __init__(self, vocab: int = 12, tied: bool = False, loss: str = "") -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 8)
+        self.mlp = SwiGLU()
+        self.head = nn.Linear(8, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.loss, self.vocab = loss, vocab
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.head(self.mlp(self.emb(ids)))
+        if not self.loss:
+            return logits
+        flat = logits.float().view(-1, self.vocab)
+        smoothing = 0.1 if self.loss == "smoothed" else 0.0
+        return logits, F.cross_entropy(flat, labels.view(-1), label_smoothing=smoothing)
+
+
+class FunctionalHead(LM):
+    """A tied head the emitter writes as a call: ``F.linear(h, self.emb.weight)``."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = F.linear(self.mlp(self.emb(ids)), self.emb.weight)
+        return F.cross_entropy(logits.view(-1, self.vocab), labels.view(-1))
+
+
+class Argmax(LM):
+    """Its logits also feed an argmax: loss_parallel cannot take them."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.head(self.mlp(self.emb(ids)))
+        return logits, logits.argmax(-1)
+
+
+def test_the_last_stage_splits_its_head_and_says_what_the_logits_feed() -> None:
+    plan = find_stage_plan(LM(), 0, last=True)
+    assert set(plan.vocab) == {
+        VocabSplit("emb", "embedding", 12),
+        VocabSplit("head", "head", 12, "loss_fn"),
+    }
+    two = plan.for_degree(2)
+    assert two.styles["emb"] == "vocab_embedding" and two.styles["head"] == "vocab_head"
+    assert (two.head, two.head_loss) == ("head", "loss_fn")
+    own = find_stage_plan(LM(loss="ce"), 0, last=True).for_degree(2)
+    assert (own.head, own.head_loss) == ("head", "cross_entropy")
+    assert (
+        "the stage's cross entropy under loss_parallel"
+        in TensorParallelPlan((find_stage_plan(LM(loss="ce"), 0, last=True),)).summary(2)[0]
+    )
+
+
+def test_a_vocabulary_the_degree_does_not_divide_stays_replicated() -> None:
+    five = find_stage_plan(LM(vocab=10), 0, last=True).for_degree(4)
+    assert "emb" not in five.styles and "head" not in five.styles and not five.head
+    kept = {k.path: k.reason for k in five.replicated}
+    assert kept["emb"] == kept["head"] == "a vocabulary of 10 is not divisible by tp 4"
+
+
+def test_logits_loss_parallel_cannot_take_keep_the_head_and_its_tied_embedding_whole() -> None:
+    smoothed = find_stage_plan(LM(tied=True, loss="smoothed"), 0, last=True)
+    kept = {k.path: k.reason for k in smoothed.replicated}
+    assert not smoothed.vocab and "label smoothing" in kept["head"] and "tied to" in kept["emb"]
+    argmax = find_stage_plan(Argmax(), 0, last=True)
+    assert {v.path for v in argmax.vocab} == {"emb"}  # untied: the embedding still splits
+    assert "'argmax' on the logits" in {k.path: k.reason for k in argmax.replicated}["head"]
+
+
+def test_tied_heads_split_with_their_embedding_on_one_stage_or_across_stages() -> None:
+    tied = find_stage_plan(LM(tied=True), 0, last=True).for_degree(2)
+    assert tied.styles["emb"] == "vocab_embedding" and tied.styles["head"] == "vocab_head"
+    functional = find_stage_plan(FunctionalHead(), 0, last=True)
+    assert VocabSplit("emb", "tied_head", 12, "cross_entropy") in functional.vocab
+    two = functional.for_degree(2)  # split as its embedding: no style of its own
+    assert two.styles == {**two.styles, "emb": "vocab_embedding"} and two.head == "emb"
+    said = TensorParallelPlan((functional,)).summary(2)[0]
+    assert "vocabulary-parallel LM head: F.linear over emb.weight, logits sharded" in said
+    ties = [[(0, "emb.weight"), (1, "head.weight")]]
+    apart = find_tp_plan([LM(), LM()], ties)  # the head on stage 1 splits: so does stage 0's emb
+    assert apart.stage(0).for_degree(2).styles["emb"] == "vocab_embedding"
+    whole = find_tp_plan([LM(), Argmax()], ties)  # stage 1's head stays whole: so does the emb
+    kept = {k.path: k.reason for k in whole.stage(0).replicated}
+    assert "emb" not in whole.stage(0).for_degree(2).styles
+    assert kept["emb"] == "tied to head on stage 1, which stays replicated"
+
+
+def test_a_plan_with_vocabulary_splits_round_trips(tmp_path: Path) -> None:
+    plan = find_tp_plan([LM(), LM(loss="ce")], [[(0, "emb.weight"), (1, "head.weight")]])
+    plan.to_json(tmp_path / "tp_plan.json")
+    assert TensorParallelPlan.from_json(tmp_path / "tp_plan.json") == plan

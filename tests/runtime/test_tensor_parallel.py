@@ -68,7 +68,9 @@ def _call(name: str, batch: Any) -> tuple[Any, Any]:
     return source.example_inputs(batch), source.example_targets(batch)
 
 
-def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], dict]:
+def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], dict, int, Any]:
+    from torch.distributed.tensor import DTensor
+
     dist.init_process_group("gloo")
     source = load_model_file(MODELS[name])
     inputs, targets = _call(name, BATCH)
@@ -80,11 +82,22 @@ def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], 
         timeout_s=120,
         tensor_parallel=TP,
     )
+    logits: set[str] = set()  # the loss stage's outputs that are DTensors, as the loss gets them
+    last = runner.manifest.num_stages - 1
+    if last in runner.stages:
+        runner.stages[last].register_forward_hook(
+            lambda m, a, out: logits.update(
+                f"{tuple(o.shape)} {o.placements} {tuple(o.to_local().shape)}"
+                for o in (out if isinstance(out, tuple) else (out,))
+                if isinstance(o, DTensor)
+            )
+        )
     losses = [runner.step(inputs, targets) for _ in range(STEPS)]
     state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
     split = sum(1 for p in runner.stage.parameters() if type(p).__name__ != "Parameter")
+    vocab = runner.vocab_loss.parallel if runner.vocab_loss is not None else None
     runner.close()
-    return losses, state, split
+    return losses, state, split, (sorted(logits), vocab)
 
 
 def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
@@ -132,8 +145,14 @@ def test_pp_x_tp_trains_like_one_process(builds: _Builds, name: str, stages: int
     want_losses, want_state = _reference(name, build, Manifest.from_json(build).num_stages)
     assert want_losses[-1] < want_losses[0]
     seen: set[str] = set()
-    for rank, (losses, state, split) in enumerate(results):
+    vocab = {"gpt": 64, "llama": 96, "mlp": 10}[name]  # the LM head's (the classifier's) outputs
+    mb = BATCH // MICROBATCHES
+    shape = {"gpt": (mb, 16, vocab), "llama": (mb, 16, vocab), "mlp": (mb, vocab)}[name]
+    sharded = f"{shape} (Shard(dim={len(shape) - 1}),) {(*shape[:-1], vocab // TP)}"
+    for rank, (losses, state, split, (logits, parallel)) in enumerate(results):
         assert split > 0, f"rank {rank} holds no split parameter"
+        if rank >= (stages - 1) * TP:  # the loss stage: logits sharded, never gathered
+            assert logits == [sharded] and parallel is True, (rank, logits, parallel)
         torch.testing.assert_close(
             torch.tensor(losses),
             torch.tensor(want_losses),

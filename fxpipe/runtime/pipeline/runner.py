@@ -68,6 +68,7 @@ from fxpipe.runtime.pipeline.precision import (
 from fxpipe.runtime.pipeline.rank_stages import load_rank_stages, rank_module, rank_state_dict
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.schedule import ActionKind, Schedule, make_schedule
+from fxpipe.runtime.pipeline.loss_parallel import VocabParallelLoss, loss_parallel
 from fxpipe.runtime.pipeline.tensor_parallel import (
     full_state_dict,
     implicit_replication_on,
@@ -321,6 +322,7 @@ class PipelineRunner:
         self._owns_group = init_process_group(self.device, timeout_s)
         self.groups = build_groups(self.layout, manifest, rank)
         self.tp_plan = resolved_tp  # every stage's, for the log: fxpipe.codegen.tp_plan
+        self.vocab_loss: VocabParallelLoss | None = None  # the loss of sharded logits
         self.tp_mesh = (
             tensor_parallel_mesh(self.layout, self.device) if resolved_tp is not None else None
         )
@@ -333,6 +335,13 @@ class PipelineRunner:
                     module, resolved_tp.stage(index).for_degree(tensor_parallel), self.tp_mesh
                 )
             self._tp_context.enter_context(implicit_replication_on())
+            loss_stage = self.routes.loss_stage
+            if (
+                loss_stage in self.stages
+                and resolved_tp.stage(loss_stage).for_degree(tensor_parallel).head
+            ):  # logits sharded over the vocabulary: fxpipe.runtime.pipeline.loss_parallel
+                self.vocab_loss = VocabParallelLoss(self.loss_fn)
+                self.loss_fn = self.vocab_loss
         self.stage_index = min(self.stages)
         if autocast is not None:  # before DDP/FSDP wrap them: fxpipe.runtime.pipeline.precision
             autocast_stages(self.stages.values(), self.device, autocast)
@@ -502,6 +511,11 @@ class PipelineRunner:
 
         return value
 
+    def _loss_parallel(self) -> contextlib.AbstractContextManager[None]:
+        """torch's ``loss_parallel()`` over a step's forward and backward on the ranks of a
+        vocabulary-parallel head's stage (Note [which losses run in parallel])."""
+        return loss_parallel() if self.vocab_loss is not None else contextlib.nullcontext()
+
     def forward_backward(
         self,
         inputs: ModelInputs | Mapping[str, Any] | torch.Tensor | Sequence[torch.Tensor],
@@ -527,7 +541,8 @@ class PipelineRunner:
         mb_inputs, mb_targets = self._microbatches(inputs, targets, call)
         scaler = self.scaler
         loss_fn = self.loss_fn if scaler is None else scaler.scaled(self.loss_fn)
-        losses = self.executor.run(mb_inputs, mb_targets, loss_fn)
+        with self._loss_parallel():
+            losses = self.executor.run(mb_inputs, mb_targets, loss_fn)
         shared = self._shared_loss(losses, "receiving the step's loss from the last stage")
         scale = scaler.scale if scaler is not None else 1.0  # before the step changes it
         dp = self.data_parallel
@@ -604,7 +619,7 @@ class PipelineRunner:
         was_training = self.stage.training
         self.stage.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._loss_parallel():
                 losses = self._evaluator.run(mb_inputs, mb_targets, self.loss_fn)
         finally:
             for worker in self._evaluator.workers.values():

@@ -21,11 +21,20 @@ between stages goes from each tp rank to its peer of the same tp index. CPU atte
 (``_scaled_dot_product_flash_attention_for_cpu``) has no DTensor rule in torch 2.13 (its
 decomposition's propagation runs for minutes): ``register_cpu_attention`` gives it torch's
 CUDA rule, heads sharded in and out.
+
+Vocabulary-parallel embeddings and LM heads (Note [vocabulary-parallel] in
+``fxpipe.codegen.tp_plan``): an embedding is ``RowwiseParallel(input_layouts=Replicate())``,
+a head ``ColwiseParallel(use_local_output=False)``; the stage holding the head keeps its
+outputs sharded over the vocabulary as DTensors (the logits) and makes the rest plain (its own
+loss), and the loss runs under ``loss_parallel`` (``fxpipe.runtime.pipeline.loss_parallel``).
+A weight two modules of one stage share (a tied embedding and head) is shared again after
+``parallelize_module`` gives each its own DTensor; ties across stages sum their local shards.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -141,6 +151,81 @@ def _plain_out(module: nn.Module, args: Any, output: Any) -> Any:
     return tree_map(convert, output)
 
 
+def _plain_but_logits(module: nn.Module, args: Any, output: Any) -> Any:
+    """The outputs of the stage holding a vocabulary-parallel head: the logits (sharded over
+    their last dimension) stay DTensors, never gathered; the rest (its own loss) plain."""
+    from torch.utils._pytree import tree_map
+
+    from fxpipe.runtime.pipeline.loss_parallel import sharded_logits
+
+    keep = {id(x) for x in sharded_logits(output)}
+    return tree_map(lambda x: x if id(x) in keep else _plain_out(module, args, x), output)
+
+
+class _ReplicateGradInputs(TorchFunctionMode):
+    """Plain tensors that need a gradient and meet a DTensor become replicated DTensors through
+    ``DTensor.from_local`` (so their gradient comes back plain, summed as its placement says),
+    not through implicit replication (which would hand a plain tensor a DTensor gradient)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
+        if mesh is not None:
+            flat = [
+                DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad
+                else x
+                for x in flat
+            ]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+
+def _in_replicating_mode(stage: nn.Module) -> None:
+    """Run ``stage``'s forward under ``_ReplicateGradInputs``: its own code reads an embedding's
+    weight split over the vocabulary (``F.linear(h, self.embed.weight)``, a tied LM head)."""
+    forward = stage.forward
+
+    def replicating(*args: Any, **kwargs: Any) -> Any:
+        with _ReplicateGradInputs():
+            return forward(*args, **kwargs)
+
+    stage.forward = replicating
+
+
+def _holders(stage: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module path, attribute) of each parameter several modules of ``stage`` hold."""
+    found: dict[int, list[tuple[str, str]]] = {}
+    for path, module in stage.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            if (path, name) not in found.setdefault(id(p), []):
+                found[id(p)].append((path, name))
+    return [h for h in found.values() if len(h) > 1]
+
+
+def _retie(stage: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """Share each tied weight again after ``parallelize_module`` (Note [vocabulary-parallel]):
+    every holder must have been split alike, or not at all."""
+    for holders in tied:
+        first = getattr(stage.get_submodule(holders[0][0]), holders[0][1])
+        for path, name in holders[1:]:
+            module = stage.get_submodule(path)
+            other = getattr(module, name)
+            if other is first:
+                continue
+            alike = isinstance(first, DTensor) and isinstance(other, DTensor)
+            if not alike or first.placements != other.placements:
+                where = ", ".join(f"{p}.{n}" for p, n in holders)
+                raise ConfigError(
+                    f"the tensor-parallel plan splits the tied weight {where} unlike: split all "
+                    "its holders over the vocabulary or none (fix the plan, --tp-plan)"
+                )
+            module.register_parameter(name, first)
+
+
 def parallelize_stage(stage: nn.Module, plan: ResolvedStagePlan, mesh: DeviceMesh) -> nn.Module:
     """Split ``stage``'s linears as ``plan`` says over ``mesh`` (Note [DTensor regions]);
     every other parameter stays a plain tensor, replicated."""
@@ -154,15 +239,30 @@ def parallelize_stage(stage: nn.Module, plan: ResolvedStagePlan, mesh: DeviceMes
                 f"the tensor-parallel plan names module {path!r}, which this stage "
                 f"({type(stage).__name__}) does not have; fix the plan (--tp-plan) or repartition"
             )
-    styles: dict[str, ParallelStyle] = {
-        path: ColwiseParallel(use_local_output=False) if style == "colwise" else RowwiseParallel()
-        for path, style in plan.styles.items()
+    made: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": lambda: ColwiseParallel(use_local_output=False),
+        "rowwise": RowwiseParallel,
+        "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "vocab_head": lambda: ColwiseParallel(use_local_output=False),
     }
+    unknown = sorted({s for s in plan.styles.values() if s not in made})
+    if unknown:
+        raise ConfigError(
+            f"the tensor-parallel plan names styles {unknown}; known: {sorted(made)} (fix the plan)"
+        )
+    styles: dict[str, ParallelStyle] = {path: made[s]() for path, s in plan.styles.items()}
+    tied = _holders(stage)
     parallelize_module(stage, mesh, styles)
+    _retie(stage, tied)
     for owner in plan.owners:
         module = stage.get_submodule(owner)
         module.register_forward_pre_hook(_replicated_in(mesh), with_kwargs=True)
-        module.register_forward_hook(_plain_out)
+        if owner or not plan.head:
+            module.register_forward_hook(_plain_out)
+    if plan.head:
+        stage.register_forward_hook(_plain_but_logits)
+        if plan.styles.get(plan.head) == "vocab_embedding":  # a tied head the code calls
+            _in_replicating_mode(stage)
     return stage
 
 
@@ -217,7 +317,10 @@ def tensor_parallel_replicas(
             super().__init__(self.shadow, group, options, device)
 
         def sync_gradients(self) -> None:
+            from fxpipe.runtime.pipeline.ties import settled_grad
+
             for p, shard in self.shadow.pairs:
+                p.grad = settled_grad(p)  # a vocabulary-parallel embedding's: a partial sum
                 shard.grad = None if p.grad is None else _local(p.grad)
             super().sync_gradients()
             for p, shard in self.shadow.pairs:

@@ -19,7 +19,17 @@ from torch.distributed.tensor import DTensor
 from fxpipe.errors import BuildDirError
 from fxpipe.runtime.pipeline.p2p import peer_error
 
-__all__ = ["sync_tied_grads"]
+__all__ = ["settled_grad", "sync_tied_grads"]
+
+
+def settled_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` laid out as ``p``: a DTensor gradient DTensor left in another placement than its
+    parameter's (an embedding split over its vocabulary gets a ``Partial`` one from torch's
+    embedding backward) redistributed to it, so its local tensor is the local shard's gradient."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        return g.redistribute(p.device_mesh, p.placements)
+    return g
 
 
 def sync_tied_grads(
@@ -38,6 +48,7 @@ def sync_tied_grads(
             continue  # frozen in the model, so in every stage that holds it: no gradient to sum
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        p.grad = settled_grad(p)  # a vocabulary-parallel embedding's comes as a partial sum
         grad = (
             p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         )  # FSDP: every copy's shard r is alike
