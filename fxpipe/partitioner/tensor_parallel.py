@@ -42,9 +42,9 @@ from fxpipe.errors import ConfigError
 from fxpipe.tracer.profile import ModelProfile, Unit
 
 __all__ = [
+    "TensorParallelCost",
     "allreduce_ms",
     "tensor_parallel_profile",
-    "TensorParallelCost",
     "tensor_parallel_tradeoff",
 ]
 
@@ -129,7 +129,7 @@ def tensor_parallel_profile(
     }
     units = []
     for unit in profile.units:
-        path = _base(unit)
+        _base(unit)
         split_bytes = sum(profile.param_sizes.get(p, 0) for p in unit.params if p in split_params)
         found = _share_and_pairs(unit, styles, groups, split_bytes, degree)
         if found is None:
