@@ -129,7 +129,6 @@ def tensor_parallel_profile(
     }
     units = []
     for unit in profile.units:
-        _base(unit)
         split_bytes = sum(profile.param_sizes.get(p, 0) for p in unit.params if p in split_params)
         found = _share_and_pairs(unit, styles, groups, split_bytes, degree)
         if found is None:
