@@ -1,10 +1,11 @@
 """Zoo models traced once with a dynamic sequence length and checked at three lengths (#36).
 
-A decoder LM (Llama), an encoder (BERT, masked LM) and an encoder-decoder (T5, whose decoder length
-is a second symbol) are traced at length 16 with ``dynamic_dims``, partitioned into 2 stages, and
-``load_pipeline`` is compared with the model itself at lengths 8, 16 and 24 (T5's decoder at 5, 16
-and 11) in train and eval mode: outputs, every parameter gradient and the buffers, fp32, from one
-seed (``compare_in_mode``, as ``fxpipe verify`` compares). Slow (3 traces and builds): ``make zoo``.
+Decoder LMs (Llama, Mistral, Qwen2: RoPE; GPT-2: learned positions), an encoder (BERT, masked
+LM) and encoder-decoders (T5 and BART, whose decoder length is a second symbol) are traced at
+length 16 with ``dynamic_dims``, partitioned into 2 stages, and ``load_pipeline`` is compared with
+the model itself at lengths 8, 16 and 24 (the decoders' of T5 and BART at 5, 16 and 11) in train
+and eval mode: outputs, every parameter gradient and the buffers, fp32, from one seed
+(``compare_in_mode``, as ``fxpipe verify`` compares). Slow (a trace and a build each): ``make zoo``.
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ def _t5(batch: int, seq: int, tgt: int) -> dict[str, Any]:
 
 
 SEQ = {1: ("seq", 2, 64)}
+TGT = {1: ("tgt", 2, 64)}
 CASES = {
     "llama": (_lm, {"input_ids": SEQ, "attention_mask": SEQ}),
+    "mistral": (_lm, {"input_ids": SEQ, "attention_mask": SEQ}),
+    "qwen2": (_lm, {"input_ids": SEQ, "attention_mask": SEQ}),
+    "gpt2": (_lm, {"input_ids": SEQ, "attention_mask": SEQ}),
+    "bart": (_t5, {"input_ids": SEQ, "attention_mask": SEQ, "decoder_input_ids": TGT}),
     "bert_mlm": (_lm, {"input_ids": SEQ, "attention_mask": SEQ}),
     "t5": (
         _t5,
-        {"input_ids": SEQ, "attention_mask": SEQ, "decoder_input_ids": {1: ("tgt", 2, 64)}},
+        {"input_ids": SEQ, "attention_mask": SEQ, "decoder_input_ids": TGT},
     ),
 }
 
