@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+
+from fxpipe.runtime.local_shard import local_tensor
 
 __all__ = ["TiedCopies", "untie_chunks"]
 
@@ -62,10 +63,6 @@ def _param(slot: _Slot) -> torch.Tensor:
     return p
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class TiedCopies:
     """The copies ``untie_chunks`` made, and the sum of their gradients after backward.
 
@@ -86,7 +83,7 @@ class TiedCopies:
                 continue
             total = grads[0].clone()
             for g in grads[1:]:
-                _local(total).add_(_local(g))
+                local_tensor(total).add_(local_tensor(g))
             for p in params:
                 p.grad = total
 

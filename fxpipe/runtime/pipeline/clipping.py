@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.local_shard import local_tensor
 from fxpipe.runtime.pipeline.p2p import peer_error
 
 __all__ = ["counted_parameters", "pipeline_grad_norm", "clip_grads_"]
@@ -61,10 +62,6 @@ def _is_split(g: torch.Tensor) -> bool:
     return isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
 
 
-def _local(g: torch.Tensor) -> torch.Tensor:
-    return g.to_local() if isinstance(g, DTensor) else g
-
-
 def _combine(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """``max |g|`` (inf-norm) or ``sum |g|^p`` over ``grads`` (local tensors)."""
     norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
@@ -88,7 +85,7 @@ def pipeline_grad_norm(
     (collective); with ``tp_group`` the split gradients' shards count once each (Note [norm of
     tensor-parallel gradients])."""
     grads = [p.grad for p in params if p.grad is not None]
-    split = [_local(g) for g in grads if _is_split(g)]
+    split = [local_tensor(g) for g in grads if _is_split(g)]
     if split and tp_group is None:
         raise ConfigError(
             "gradient clipping across the pipeline does not support sharded stages (--shard grad-op or "
@@ -96,7 +93,7 @@ def pipeline_grad_norm(
         )
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    local = _combine([_local(g) for g in grads if not _is_split(g)], norm_type, device)
+    local = _combine([local_tensor(g) for g in grads if not _is_split(g)], norm_type, device)
     try:
         if tp_group is not None:
             shards = _combine(split, norm_type, device)
@@ -115,5 +112,5 @@ def clip_grads_(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: 
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:  # a DTensor's local shard: every rank scales its own
-            g = _local(p.grad)
+            g = local_tensor(p.grad)
             g.detach().mul_(coef.to(g.device, g.dtype))

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from fxpipe.runtime.local_shard import local_tensor
+
 __all__ = ["ShardedGradScaler"]
 
 
@@ -97,4 +99,4 @@ class _LocalGrads:
 class _Local:
     def __init__(self, param: torch.Tensor) -> None:
         grad = param.grad
-        self.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+        self.grad = None if grad is None else local_tensor(grad)

@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import (
 
 from fxpipe.codegen.tp_plan import ResolvedStagePlan
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.local_shard import local_tensor
 from fxpipe.runtime.pipeline.layout import RankLayout
 
 __all__ = [
@@ -276,11 +277,6 @@ def full_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank holds: a DTensor's local shard, a plain tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 class _LocalShards(nn.Module):
     """One parameter per parameter of ``stage``: its local shard, sharing storage."""
 
@@ -289,7 +285,7 @@ class _LocalShards(nn.Module):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         shards = []
         for p in stage.parameters():
-            shard = nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad)
+            shard = nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad)
             shards.append(shard)
             self.pairs.append((p, shard))
         self.shards = nn.ParameterList(shards)
@@ -321,11 +317,11 @@ def tensor_parallel_replicas(
 
             for p, shard in self.shadow.pairs:
                 p.grad = settled_grad(p)  # a vocabulary-parallel embedding's: a partial sum
-                shard.grad = None if p.grad is None else _local(p.grad)
+                shard.grad = None if p.grad is None else local_tensor(p.grad)
             super().sync_gradients()
             for p, shard in self.shadow.pairs:
                 if p.grad is not None and shard.grad is not None:
-                    local = _local(p.grad)
+                    local = local_tensor(p.grad)
                     if local is not shard.grad:
                         local.copy_(shard.grad)
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import BuildDirError
+from fxpipe.runtime.local_shard import local_tensor
 from fxpipe.runtime.pipeline.p2p import peer_error
 
 __all__ = ["settled_grad", "sync_tied_grads"]
@@ -48,10 +49,9 @@ def sync_tied_grads(
             continue  # frozen in the model, so in every stage that holds it: no gradient to sum
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        p.grad = settled_grad(p)  # a vocabulary-parallel embedding's comes as a partial sum
-        grad = (
-            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        )  # FSDP: every copy's shard r is alike
+        p.grad = settled = settled_grad(p)  # a vocabulary-parallel embedding's comes partial
+        assert settled is not None, "it had a gradient"
+        grad = local_tensor(settled)  # FSDP: every copy's shard r is alike
         try:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         except RuntimeError as exc:
