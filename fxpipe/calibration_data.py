@@ -2,7 +2,7 @@
 
 Note [calibration data]: the cost model's formulas live in the code and its numbers in
 ``fxpipe/calibration.json``, shipped with the package: the tracer's device presets
-(``DEVICE_PRESETS`` in :mod:`fxpipe.tracer.calibration`), the runtime's fixed costs per
+(``DEVICE_PRESETS`` in :mod:`fxpipe.tracer.measure.calibration`), the runtime's fixed costs per
 trace device (``RUNTIME_COSTS`` in :mod:`fxpipe.partitioner.prediction`) and the link
 presets (``LINK_PRESETS`` in :mod:`fxpipe.partitioner.cost`) are built from it. Each
 constant carries its value, its unit and its provenance: the benchmark that measured it

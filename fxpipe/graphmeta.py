@@ -25,9 +25,7 @@ SPEC_KEY = "fxpipe_spec"  # node.meta: TensorSpec | None | tuple of those
 PATH_KEY = "fxpipe_path"  # node.meta: owning module path ("" = top level)
 DIM_RANGES_KEY = "fxpipe_dim_ranges"  # graph_module.meta: symbol -> (min, max) export holds it for
 CONSTANTS_KEY = "fxpipe_constants"  # graph_module.meta: names to register as non-persistent buffers
-GUARD_KEY = (
-    "fxpipe_guard"  # node.meta: True/False = runs in train/eval mode only (fxpipe.tracer.modes)
-)
+GUARD_KEY = "fxpipe_guard"  # node.meta: True/False = runs in train/eval mode only (fxpipe.tracer.train_eval.modes)
 MUTATIONS_KEY = "fxpipe_mutations"  # graph_module.meta: in-place call name -> arguments it changes (tracer.mutation)
 BUFFER_VALUES_KEY = (
     "fxpipe_buffer_values"  # graph_module.meta of a meta trace: buffer key -> its real value

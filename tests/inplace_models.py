@@ -1,7 +1,7 @@
 """Model file: small models that change tensors in place, one per way a pipeline can get it wrong.
 
 Each factory changes a tensor in place that is read elsewhere too (Note [in-place ops
-across stages] in ``fxpipe.tracer.mutation``); split at the modules named in ``SPLITS``,
+across stages] in ``fxpipe.tracer.frontend.mutation``); split at the modules named in ``SPLITS``,
 a stage that receives a tensor reads it before or after another stage changes it:
 
 * ``build_model``: ``skip = h; h = self.act(h)`` with ``nn.ReLU(inplace=True)``: the sum at the

@@ -1,7 +1,7 @@
 """Model file: small models whose train and eval modes compute different functions, one per way they differ.
 
 Each factory shows one kind of difference between the train-mode and the eval-mode graph
-(Note [aligning two traces] in ``fxpipe.tracer.merge``):
+(Note [aligning two traces] in ``fxpipe.tracer.train_eval.merge``):
 
 * ``build_model``: a CNN with BatchNorm (a flipped flag and, on the export path, a train-only
   ``num_batches_tracked.add_(1)``), torchvision-style stochastic depth (``fx.wrap``-ped and called

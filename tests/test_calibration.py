@@ -25,7 +25,7 @@ from fxpipe.calibration_data import (
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner.cost import LINK_PRESETS
 from fxpipe.partitioner.prediction import RUNTIME_COSTS, RuntimeCosts
-from fxpipe.tracer.calibration import CPU_CALL_MS, DEVICE_PRESETS
+from fxpipe.tracer.measure.calibration import CPU_CALL_MS, DEVICE_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -147,11 +147,11 @@ def test_worker_loads_the_runtime_not_the_compiler() -> None:
                 "fxpipe.cli",
                 "ortools",
                 "fxpipe.codegen.build",
-                "fxpipe.codegen.emit",
-                "fxpipe.codegen.split",
+                "fxpipe.codegen.render.emit",
+                "fxpipe.codegen.graph.split",
                 "fxpipe.tracer.api",
-                "fxpipe.tracer.symbolic",
-                "fxpipe.tracer.export_frontend",
+                "fxpipe.tracer.frontend.symbolic",
+                "fxpipe.tracer.frontend.export_frontend",
             )
         )
     }

@@ -207,7 +207,7 @@ def test_the_seed_config_keys_are_kept() -> None:
 def test_names_the_parser_lists_match_the_code_that_reads_them() -> None:
     from fxpipe.partitioner.plan_options import SOLVER_NAMES
     from fxpipe.partitioner.solve.planner import SOLVERS
-    from fxpipe.tracer.frontends import FRONTENDS
+    from fxpipe.tracer.frontend.frontends import FRONTENDS
     from fxpipe.tracer.trace_options import FRONTENDS as DECLARED
 
     assert set(SOLVER_NAMES) == set(SOLVERS) and FRONTENDS is DECLARED

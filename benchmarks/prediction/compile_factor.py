@@ -2,7 +2,7 @@
 
 ``fxpipe trace --compile`` without ``--measure-times`` scales the analytic unit times by
 ``device_presets.<device>.compile_factor`` (calibration.json; Note [compiled unit times] in
-fxpipe/tracer/timing.py). This script measures it as a trace would: it traces a model file
+fxpipe/tracer/measure/timing.py). This script measures it as a trace would: it traces a model file
 twice with ``--measure-times``, eager and compiled (each distinct unit compiled once, the
 compiled call's own cost taken off), and prints the sums of the units' forward and backward
 times and their ratios (compiled / eager). The "total" ratio is the factor.

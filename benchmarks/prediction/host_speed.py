@@ -2,7 +2,7 @@
 
 A measured trace prices the runtime's fixed costs at the host's speed, gauged by the cost of
 calling a unit that does nearly nothing (``call_overhead_ms``, Note [host speed] in
-fxpipe/tracer/calibration.py). This script takes pairs of readings, the gauge as a trace
+fxpipe/tracer/measure/calibration.py). This script takes pairs of readings, the gauge as a trace
 samples it (``gauge_call_ms``: forward + backward) and right after it
 configurations.py's speed probe (the tiny GPT's forward + backward, one thread), and reports:
 
@@ -25,8 +25,8 @@ from typing import Any
 
 from configurations import _probe_ms
 
-from fxpipe.tracer.calibration import CPU_CALL_MS
-from fxpipe.tracer.timing import call_overhead_ms, gauge_call_ms
+from fxpipe.tracer.measure.calibration import CPU_CALL_MS
+from fxpipe.tracer.measure.timing import call_overhead_ms, gauge_call_ms
 
 QUIET_BAND = 1.05  # a pair is quiet where its probe is within this of the fastest
 

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         p.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
-    from fxpipe.tracer.timing import call_overhead_ms
+    from fxpipe.tracer.measure.timing import call_overhead_ms
 
     started = time.perf_counter()
     call_ms = call_overhead_ms(args.device)

@@ -99,7 +99,7 @@ def write_checkpoint(size: str, folder: Path, shards: int = 4) -> int:
     import torch
 
     from fxpipe.codegen.checkpoint_weights import write_streamed
-    from fxpipe.tracer.meta import build_on_meta
+    from fxpipe.tracer.measure.meta import build_on_meta
 
     sys.path.insert(0, str(HERE))
     import llama

@@ -1,6 +1,6 @@
 """Peak tensor memory of emitted stages with torch.fx's frees, with the frees the emitter keeps, and with none.
 
-Each model is traced once and emitted three times, as ``fxpipe.codegen.frees.RULE`` says:
+Each model is traced once and emitted three times, as ``fxpipe.codegen.render.frees.RULE`` says:
 ``all`` (every value dropped after its last use, as torch.fx writes it), ``needed`` (the
 emitter's rule, Note [frees that matter]) and ``none``. Every stage of every variant then runs
 on the same inputs, once under ``torch.no_grad()`` (a forward alone, where frees matter) and
@@ -25,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fxpipe.codegen import frees, load_stage, write_build_dir  # noqa: E402
+from fxpipe.codegen import load_stage, write_build_dir  # noqa: E402
+from fxpipe.codegen.render import frees  # noqa: E402
 from fxpipe.partitioner import plan_partition  # noqa: E402
 from fxpipe.runtime.pipeline.peak_memory import TensorMemoryTracker  # noqa: E402
 from fxpipe.tracer import trace_model  # noqa: E402

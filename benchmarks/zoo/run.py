@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tests" / "zoo"))
 import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from fxpipe.codegen.equivalence import ATOL, RTOL, compare_tensor  # noqa: E402
+from fxpipe.codegen.check.equivalence import ATOL, RTOL, compare_tensor  # noqa: E402
 from probe import describe_error, probe_model  # noqa: E402
 from registry import ZooModel, select  # noqa: E402
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
         Tie,
     )
     from fxpipe.codegen.pipeline import Pipeline, load_pipeline
-    from fxpipe.codegen.split import SplitGraph, StageGraph, split_graph
-    from fxpipe.codegen.verify import VerifyReport, print_verify_report, verify_build
+    from fxpipe.codegen.graph.split import SplitGraph, StageGraph, split_graph
+    from fxpipe.codegen.check.verify import VerifyReport, print_verify_report, verify_build
 
 # the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
 _LAZY = type_checking_exports(__file__)

@@ -27,14 +27,14 @@ from fxpipe.codegen.checkpoint_weights import (
     meta_skipped_checks,
     write_meta_stage,
 )
-from fxpipe.codegen.emit import emit_stages
+from fxpipe.codegen.render.emit import emit_stages
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
-from fxpipe.codegen.outputs import dump_output_spec
-from fxpipe.codegen.safety import check_equivalence
+from fxpipe.codegen.render.outputs import dump_output_spec
+from fxpipe.codegen.check.safety import check_equivalence
 from fxpipe.codegen.shared import SHARED_SOURCE
-from fxpipe.codegen.split import SplitGraph, split_graph
+from fxpipe.codegen.graph.split import SplitGraph, split_graph
 from fxpipe.codegen.tp_plan import write_tp_plan
-from fxpipe.codegen.ownership import (
+from fxpipe.codegen.graph.ownership import (
     BUFFER,
     CONSTANT,
     PARAMETER,
@@ -81,7 +81,7 @@ def write_build_dir(
     ``batch_size`` is one pipeline replica's batch, cut into ``microbatches``; the model
     was traced at the microbatch size ``batch_size // microbatches``. With ``check`` (the
     default) the staged stages must equal the model in train and eval mode before the build
-    replaces ``out_dir`` (Note [safety net] in ``fxpipe.codegen.safety``; ``EquivalenceError``).
+    replaces ``out_dir`` (Note [safety net] in ``fxpipe.codegen.check.safety``; ``EquivalenceError``).
     A model traced on meta has no values: its stages' tensors come from the checkpoint
     ``weights``, or, without one, are initialised by ``load_stage``, and the safety net cannot
     run (listed in ``manifest.skipped_checks``; Note [stage weights from a checkpoint] in

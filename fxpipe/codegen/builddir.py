@@ -4,7 +4,7 @@ Note [build directory swap]: a build is written into a hidden sibling
 (``.<name>.tmp-<pid>-<random>``, in the same folder, so paths relative to the build
 directory are the same there) and renamed into place only once every file is
 written (and, for ``write_build_dir``, checked against the model: Note [safety net] in
-``fxpipe.codegen.safety``). A failure part-way (an error, a full disk, a refused check)
+``fxpipe.codegen.check.safety``). A failure part-way (an error, a full disk, a refused check)
 removes the sibling and leaves the previous build byte-identical; a successful write drops every file of the
 previous build, so no stale ``stage_3.py`` of a 4-stage build outlives a 2-stage
 one. The swap is two renames (old aside, new in) followed by removing the old

@@ -1,7 +1,7 @@
 """Stage weights of a meta build: read from a checkpoint one tensor at a time, or left for load-time init.
 
 Note [stage weights from a checkpoint]: a model traced on the meta device (Note [meta
-tracing] in :mod:`fxpipe.tracer.meta`) has no values. ``--weights PATH`` names a
+tracing] in :mod:`fxpipe.tracer.measure.meta`) has no values. ``--weights PATH`` names a
 checkpoint: a ``.safetensors`` file, a directory of safetensors shards with an index JSON
 (``model.safetensors.index.json``, as transformers saves them) or of plain ``.safetensors``
 files, or a ``torch.save``d state dict (read with ``weights_only=True`` and ``mmap=True``).
@@ -33,10 +33,10 @@ import torch.nn as nn
 
 from fxpipe.codegen.manifest import InitModel
 from fxpipe.codegen.stage_init import transformers_init_models
-from fxpipe.codegen.ownership import StageState, tensor_aliases
+from fxpipe.codegen.graph.ownership import StageState, tensor_aliases
 from fxpipe.errors import WeightsError
 from fxpipe.graphmeta import BUFFER_VALUES_KEY, LIFTED_CONSTANT_PREFIX
-from fxpipe.tracer.meta import SKIPPED_ON_META
+from fxpipe.tracer.measure.meta import SKIPPED_ON_META
 from fxpipe.userfiles import check_regular
 
 if TYPE_CHECKING:

@@ -234,7 +234,7 @@ class Manifest:
     ``call`` says how a call of the model binds to ``inputs`` (Note [the traced call] in
     ``fxpipe.tracer.call``; ``None``: positionally, in order: see ``call_spec``);
     ``output_modules`` are the modules to import before reading ``output_spec`` (Note
-    [output structure] in ``fxpipe.codegen.outputs``).
+    [output structure] in ``fxpipe.codegen.render.outputs``).
     Its ``stages`` are the build's chunks: with ``--virtual-stages V`` each pipeline rank
     runs V of them (``StageManifest.rank``, placed loop- or V-style; ``stage_ranks``), and
     ``schedule`` names the schedule the build was planned for. ``weights`` says where the stage
@@ -276,12 +276,12 @@ class Manifest:
     )
     shared_sha256: str = ""
     # the line that fixes the batch size: the stages are static, every microbatch holds exactly
-    # microbatch_size samples (Note [a batch the model fixes] in fxpipe.tracer.static_batch)
+    # microbatch_size samples (Note [a batch the model fixes] in fxpipe.tracer.frontend.static_batch)
     static_batch: str = ""
 
     def check_static_batch(self, microbatch: int) -> None:
         """Refuse a microbatch of another size than the one a static build was traced at (Note [a
-        batch the model fixes] in :mod:`fxpipe.tracer.static_batch`); nothing for a dynamic build."""
+        batch the model fixes] in :mod:`fxpipe.tracer.frontend.static_batch`); nothing for a dynamic build."""
         if self.static_batch and microbatch != self.microbatch_size:
             per_step = (
                 f" (--batch-size {self.microbatch_size * self.microbatches} with "

@@ -1,7 +1,7 @@
 """The classes several stages of a build share (``shared.py``), and how a stage imports them.
 
 Note [classes several stages share]: a build names its generated classes once for all its
-stages (one text, one name: Note [one class per distinct body] in :mod:`fxpipe.codegen.classes`),
+stages (one text, one name: Note [one class per distinct body] in :mod:`fxpipe.codegen.render.classes`),
 and a class that more than one stage uses is written once, into ``shared.py`` beside the stage
 files, not again in each. The manifest hashes it like a stage file (``shared_sha256``) and says
 which stages import it (``imports_shared``); ``check_build`` checks it, before any of it runs,

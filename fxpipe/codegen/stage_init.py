@@ -2,7 +2,7 @@
 
 Note [each stage initialises itself]: a model traced on meta with no checkpoint has no values
 to write, and no process should ever hold the whole model to make some. So the build writes
-only the buffers (Note [parameters on meta, buffers real] in :mod:`fxpipe.tracer.meta`) and
+only the buffers (Note [parameters on meta, buffers real] in :mod:`fxpipe.tracer.measure.meta`) and
 ``load_stage`` initialises the rest of ITS stage: every tensor still on meta is materialised on
 the CPU and initialised from the CPU RNG seeded with ``seed + stage index`` (deterministic, the
 same on every device); the stage is then moved to its device.

@@ -238,7 +238,7 @@ _HOST_WORK_MS = (
 
 def at_host_speed(runtime: RuntimeCosts, slowdown: float) -> RuntimeCosts:
     """``runtime``, calibrated at its host's quiet speed, on a host ``slowdown`` times slower
-    (``ModelProfile.host_slowdown``, Note [host speed] in :mod:`fxpipe.tracer.calibration`):
+    (``ModelProfile.host_slowdown``, Note [host speed] in :mod:`fxpipe.tracer.measure.calibration`):
     its CPU work takes ``slowdown`` times as long, the optimizer streams bytes that much slower.
 
     >>> at_host_speed(RuntimeCosts(step_ms=0.25), 2.0).step_ms

@@ -3,7 +3,7 @@
 
 Note [pricing at a length]: a profile with dynamic dimensions besides the batch (Note [dynamic
 dimensions]) carries, per unit, how its counts follow the sizes (``Unit.scaling``, Note [costs
-at other sizes] in :mod:`fxpipe.tracer.cost_scaling`) and, per tensor, its shape formula (Note
+at other sizes] in :mod:`fxpipe.tracer.measure.cost_scaling`) and, per tensor, its shape formula (Note
 [shape formulas]). :func:`reprice` evaluates them at other sizes: FLOPs and activation bytes are
 the fitted polynomials' values, unit times scale by the analytic estimate's ratio (the roofline
 of the new counts plus the unchanged per-op costs, over the same at the old sizes: exactly the
@@ -203,7 +203,7 @@ def _unit_at(
     unit: Unit, before: dict[str, int], after: dict[str, int], preset: object | None
 ) -> Unit:
     from fxpipe.tracer.profile import evaluate_polynomial as poly
-    from fxpipe.tracer.timing import roofline_ms
+    from fxpipe.tracer.measure.timing import roofline_ms
 
     sc = unit.scaling
     assert sc is not None
@@ -244,7 +244,7 @@ def _unit_at(
 
 def reprice(profile: ModelProfile, sizes: dict[str, int]) -> ModelProfile:
     """``profile`` priced at ``sizes`` (every dynamic symbol; Note [pricing at a length])."""
-    from fxpipe.tracer.calibration import DEVICE_PRESETS
+    from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
     from fxpipe.tracer.profile import PricedAt, UnitEdge
 
     before = _current_sizes(profile)

@@ -38,7 +38,7 @@ from fxpipe.smp.state import (
     tp_size,
 )
 from fxpipe.smp.step import StepOutput, step
-from fxpipe.tracer.pins import partition
+from fxpipe.tracer.construct.pins import partition
 
 __all__ = [
     "PARTIAL_KEY",

@@ -36,7 +36,7 @@ from fxpipe.runtime.pipeline.groups import build_groups
 from fxpipe.runtime.pipeline.p2p import P2P
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.ties import sync_tied_grads
-from fxpipe.tracer.meta import is_meta_model
+from fxpipe.tracer.measure.meta import is_meta_model
 from fxpipe.smp.partitioning import StageBuild, TraceOptions, build_stage, resolve_trace_device
 from fxpipe.smp.chunks import ChunkedDriver
 from fxpipe.smp.driver import StepDriver, StepError
@@ -462,7 +462,7 @@ class DistributedModel(nn.Module):
         Before partitioning a full one goes into the wrapped module and a partial one is
         kept and applied right after partitioning; so is a full one when the module was built
         on the meta device (it has nowhere to hold values: each rank takes its own stage's keys,
-        Note [meta tracing] in ``fxpipe.tracer.meta``). After it, a full one is cut to this
+        Note [meta tracing] in ``fxpipe.tracer.measure.meta``). After it, a full one is cut to this
         rank's keys.
         """
         state = dict(state_dict)

@@ -71,7 +71,9 @@ class TraceOptions:
     trace_device: str = "cpu"
     measure_times: bool = False
     measure_memory: bool = False
-    check: bool = True  # the compiler's safety net (Note [safety net] in fxpipe.codegen.safety)
+    check: bool = (
+        True  # the compiler's safety net (Note [safety net] in fxpipe.codegen.check.safety)
+    )
     # input dimensions besides the batch that follow the data (Note [dynamic dimensions]): one build
     # for every sequence length, e.g. {"input_ids": {1: ("seq", 2, 512)}}
     dynamic_dims: Mapping[str, Mapping[int, Any]] | None = None

@@ -29,8 +29,8 @@ from fxpipe.runtime.pipeline.groups import init_process_group, pick_device, this
 from fxpipe.runtime.pipeline.layout import RankLayout
 from fxpipe.smp.config import Config
 from fxpipe.smp.config_agreement import check_same_config
-from fxpipe.tracer.pins import module_pins
-from fxpipe.tracer.record import BuildRecord, record_constructors
+from fxpipe.tracer.construct.pins import module_pins
+from fxpipe.tracer.construct.record import BuildRecord, record_constructors
 
 __all__ = [
     "init",

@@ -7,19 +7,21 @@ importing torch.
 
 from __future__ import annotations
 
-from fxpipe._lazy import lazy_exports
+from typing import TYPE_CHECKING
+
+from fxpipe._lazy import lazy_exports, type_checking_exports
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
 
-_LAZY = {
-    "trace_model": "api",
-    "trace_model_file": "api",
-    "partition": "pins",
-    "BuildRecord": "record",
-    "build_model_recorded": "record",
-    "print_profile_table": "table",
-    "TracedModel": "traced",
-    "build_on_meta": "meta",
-}
+if TYPE_CHECKING:
+    from fxpipe.tracer.api import trace_model, trace_model_file
+    from fxpipe.tracer.construct.pins import partition
+    from fxpipe.tracer.construct.record import BuildRecord, build_model_recorded
+    from fxpipe.tracer.measure.meta import build_on_meta
+    from fxpipe.tracer.table import print_profile_table
+    from fxpipe.tracer.traced import TracedModel
+
+# the names above, imported on first use (Note [one list of lazy names] in fxpipe._lazy)
+_LAZY = type_checking_exports(__file__)
 
 __all__ = [
     "trace_model",

@@ -1,14 +1,14 @@
 """``trace_model``: model + example inputs -> normalized graph, units and a ``ModelProfile``.
 
-Steps: pick a front end (:mod:`fxpipe.tracer.frontends`), normalize the graph
-(:mod:`fxpipe.tracer.normalize`), check it reproduces the model's output, propagate
-shapes (:mod:`fxpipe.tracer.shapes`), group units (:mod:`fxpipe.tracer.units`) and cost
-them (:mod:`fxpipe.tracer.counting`, :mod:`fxpipe.tracer.timing`). The model's buffers and the RNG state are restored
+Steps: pick a front end (:mod:`fxpipe.tracer.frontend.frontends`), normalize the graph
+(:mod:`fxpipe.tracer.frontend.normalize`), check it reproduces the model's output, propagate
+shapes (:mod:`fxpipe.tracer.measure.shapes`), group units (:mod:`fxpipe.tracer.units`) and cost
+them (:mod:`fxpipe.tracer.measure.counting`, :mod:`fxpipe.tracer.measure.timing`). The model's buffers and the RNG state are restored
 afterwards, so tracing never changes the model (BatchNorm statistics included).
 
 The model is traced in train mode (the profile is of training) and again in eval mode, and the
 two graphs are merged into one that reads ``self.training`` where they differ
-(:mod:`fxpipe.tracer.bothmodes`); every submodule's mode is restored afterwards.
+(:mod:`fxpipe.tracer.train_eval.bothmodes`); every submodule's mode is restored afterwards.
 """
 
 from __future__ import annotations
@@ -32,22 +32,22 @@ from fxpipe.tracer.call import (
     parse_model_inputs,
     tracing_call,
 )
-from fxpipe.tracer.calibration import DEVICE_PRESETS
-from fxpipe.tracer.cost_scaling import unit_scalings
-from fxpipe.tracer.counting import UnitCounts, count_unit, count_units_once
-from fxpipe.tracer.device_memory import measure_memory_bytes
+from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
+from fxpipe.tracer.measure.cost_scaling import unit_scalings
+from fxpipe.tracer.measure.counting import UnitCounts, count_unit, count_units_once
+from fxpipe.tracer.measure.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import phase, progress_iter
-from fxpipe.tracer.timing import analytic_ms, time_units
-from fxpipe.tracer.unit_runner import UnitRunner
-from fxpipe.tracer.bothmodes import merge_eval_mode
-from fxpipe.tracer.mode_probe import (
+from fxpipe.tracer.measure.timing import analytic_ms, time_units
+from fxpipe.tracer.measure.unit_runner import UnitRunner
+from fxpipe.tracer.train_eval.bothmodes import merge_eval_mode
+from fxpipe.tracer.train_eval.mode_probe import (
     graph_takes_mode,
     modes_compute_alike,
 )  # Note [one mode is enough]
 from fxpipe.tracer.dynamic import ranges_of, resolve_dynamic_dims
-from fxpipe.tracer.export_frontend import infer_dynamic_dims
-from fxpipe.tracer.frontends import trace_graph
-from fxpipe.tracer.meta import (
+from fxpipe.tracer.frontend.export_frontend import infer_dynamic_dims
+from fxpipe.tracer.frontend.frontends import trace_graph
+from fxpipe.tracer.measure.meta import (
     META,
     SKIPPED_ON_META,
     build_on_meta,
@@ -57,20 +57,20 @@ from fxpipe.tracer.meta import (
     is_meta_model,
     move_to_meta,
 )
-from fxpipe.tracer.modes import guarded_regions, is_random_op_name, modes_restored
-from fxpipe.tracer.mutation import isolate_mutations
-from fxpipe.tracer.normalize import (
+from fxpipe.tracer.train_eval.modes import guarded_regions, is_random_op_name, modes_restored
+from fxpipe.tracer.frontend.mutation import isolate_mutations
+from fxpipe.tracer.frontend.normalize import (
     annotate_paths,
     drop_extra_placeholders,
     flatten_output,
     group_getitems,
     run_collect,
 )
-from fxpipe.tracer.pins import module_pins, pin_for_path
+from fxpipe.tracer.construct.pins import module_pins, pin_for_path
 from fxpipe.tracer.profile import ModelInfo, ModelProfile, TensorSpec, Unit, UnitEdge
-from fxpipe.tracer.meta_buffers import recompute_meta_buffers
-from fxpipe.tracer.record import BuildRecord, build_model_recorded
-from fxpipe.tracer.shapes import (
+from fxpipe.tracer.construct.meta_buffers import recompute_meta_buffers
+from fxpipe.tracer.construct.record import BuildRecord, build_model_recorded
+from fxpipe.tracer.measure.shapes import (
     BatchDims,
     batch_size_of,
     describe_tensor,
@@ -78,8 +78,8 @@ from fxpipe.tracer.shapes import (
     propagate,
     resolve_batch_dims,
 )
-from fxpipe.tracer.leaves import leaf_regions, resolve_leaves
-from fxpipe.tracer.symbolic import LeafSpec, is_torch_nn_leaf
+from fxpipe.tracer.frontend.leaves import leaf_regions, resolve_leaves
+from fxpipe.tracer.frontend.symbolic import LeafSpec, is_torch_nn_leaf
 from fxpipe.tracer.traced import TracedModel
 from fxpipe.graphmeta import BUFFER_VALUES_KEY, DIM_RANGES_KEY, MUTATIONS_KEY, PATH_KEY, SPEC_KEY
 from fxpipe.tracer.units import UnitGroup, group_units, join_units
@@ -348,24 +348,24 @@ def trace_model(
     ``batch_dims``: each tensor input's batch dimension (in the forward's parameter
     order), ``None`` for an input shared by all
     samples (a ``[T, T]`` mask); by default dim 0 of every non-scalar input, which is
-    wrong for sequence-first inputs (see the Note in :mod:`fxpipe.tracer.shapes`;
+    wrong for sequence-first inputs (see the Note in :mod:`fxpipe.tracer.measure.shapes`;
     :func:`trace_model_file` takes them from the model file instead).
     The model first runs once on the inputs: if it raises, a :class:`ModelFileError`
     names the inputs and the failing call.
     ``frontend``: ``"auto"`` | ``"symbolic"`` | ``"export"``. ``leaves``: module classes,
-    class names or paths to keep whole, on both front ends (:mod:`fxpipe.tracer.leaves`).
+    class names or paths to keep whole, on both front ends (:mod:`fxpipe.tracer.frontend.leaves`).
     ``measure_times``: time each unit on ``trace_device`` instead of the analytic roofline estimate. ``measure_memory``: activation bytes from the CUDA
     allocator instead of autograd's saved tensors. ``build_record``: from
     :func:`build_model_recorded`, for pins and leaf constructor arguments.
     ``trace_device="meta"`` (taken by itself for a model built on the meta device) traces
     with meta tensors and prices units with ``cost_device``'s analytic estimate (default
     ``"cpu"``); checks that need values are skipped and listed in ``profile.skipped_checks``,
-    and the model stays on meta (Note [meta tracing] in :mod:`fxpipe.tracer.meta`).
+    and the model stays on meta (Note [meta tracing] in :mod:`fxpipe.tracer.measure.meta`).
     ``dynamic_dims``: the input dimensions besides the batch that follow the data, by input name
     (``{"input_ids": {1: "seq"}}``; Note [dynamic dimensions] in :mod:`fxpipe.tracer.dynamic`);
     every tensor's shape formula is in its ``TensorSpec.dims`` and the ranges in ``profile.dynamic``.
     ``compile``: price the units as compiled stages run them (``fxpipe run --compile``): measured,
-    each unit under ``torch.compile`` (Note [compiled unit times] in :mod:`fxpipe.tracer.timing`);
+    each unit under ``torch.compile`` (Note [compiled unit times] in :mod:`fxpipe.tracer.measure.timing`);
     analytic, the estimate times ``compile_factor`` (default the cost device's preset's,
     ``calibration.json``). ``profile.compiled`` records it.
 

@@ -15,7 +15,7 @@ symbol unless export found two equal. Export traces with the declared ``Dim`` s,
 specialises a declared dimension (a constant it reads from it, a guard it fails) is refused
 with torch.export's own account of the place and the range that holds. Both front ends then
 run the graph at the traced sizes and at probe sizes (:func:`probe_inputs`) and fit each
-tensor's shape formula (``fxpipe.tracer.shapes``); a symbolic graph that baked a size fails the
+tensor's shape formula (``fxpipe.tracer.measure.shapes``); a symbolic graph that baked a size fails the
 probe run, which names the node.
 """
 

@@ -27,7 +27,7 @@ from fxpipe.errors import ProfileError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json
 from fxpipe.shapeformula import DimRange, evaluate
 from fxpipe.schema import NonNegFloat, NonNegInt, PositiveInt, read_dataclass
-from fxpipe.tracer.calibration import host_slowdown
+from fxpipe.tracer.measure.calibration import host_slowdown
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -166,7 +166,7 @@ def evaluate_polynomial(poly: Polynomial, sizes: dict[str, int]) -> float:
 @dataclass(frozen=True)
 class UnitScaling:
     """How one unit's counts follow the dynamic sizes besides the batch (Note [costs at other sizes]
-    in :mod:`fxpipe.tracer.cost_scaling`): forward and backward FLOPs, the input gradients' share of
+    in :mod:`fxpipe.tracer.measure.cost_scaling`): forward and backward FLOPs, the input gradients' share of
     the backward FLOPs, the bytes the forward reads and writes, and the activation bytes, each a
     polynomial of degree at most 2 in the symbols (at the traced batch); and the fixed per-op
     milliseconds of the analytic estimate, which do not follow the sizes."""
@@ -341,14 +341,14 @@ class ModelProfile:
     ``ties[k][0]``); ``ties`` lists the groups of names that are one tensor.
     ``param_shapes`` gives their shapes under the same names (empty in profiles written
     before it existed), so the cost model can price PowerSGD's matrix view of each gradient.
-    ``meta``: traced with meta tensors (Note [meta tracing] in :mod:`fxpipe.tracer.meta`);
+    ``meta``: traced with meta tensors (Note [meta tracing] in :mod:`fxpipe.tracer.measure.meta`);
     ``skipped_checks`` names the checks that could not run then, with the reason;
     ``recomputed_buffers`` the buffers a model built on meta held no value for and that were
     recomputed on the CPU, one line each (Note [computed buffers on meta] in
-    :mod:`fxpipe.tracer.meta_buffers`).
+    :mod:`fxpipe.tracer.construct.meta_buffers`).
     ``host_call_ms``: the fixed cost of calling a unit, measured beside the unit times (``None``:
     times not measured); ``host_slowdown`` compares it with the calibration host's (Note
-    [host speed] in :mod:`fxpipe.tracer.calibration`). ``dynamic``: the dimensions besides the
+    [host speed] in :mod:`fxpipe.tracer.measure.calibration`). ``dynamic``: the dimensions besides the
     batch that follow the data, with their ranges (Note [dynamic dimensions] in
     :mod:`fxpipe.tracer.dynamic`); the tensors' ``dims`` are formulas in them, and each unit's
     ``scaling`` says how its counts follow them. ``priced_at``: the lengths the costs are for, when
@@ -356,7 +356,7 @@ class ModelProfile:
     :mod:`fxpipe.partitioner.seqlen`; several: the expected step over them, memory at the longest);
     empty: the traced sizes.
     ``compiled``: the units were priced as compiled stages run them (``--compile``; Note
-    [compiled unit times] in :mod:`fxpipe.tracer.timing`), ``compile_factor`` the factor the
+    [compiled unit times] in :mod:`fxpipe.tracer.measure.timing`), ``compile_factor`` the factor the
     analytic estimate was scaled by (``None``: measured, or eager).
     """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fxpipe.optionspec import Options, option
-from fxpipe.tracer.calibration import DEVICE_PRESETS
+from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
 
 __all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES"]
 

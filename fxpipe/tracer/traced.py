@@ -7,7 +7,7 @@ buffer names, ``call_module`` only for leaves, one ``output`` node returning a f
 of tensors, and on every node ``meta[SPEC_KEY]`` (``TensorSpec``/``None``/tuple) and
 ``meta[PATH_KEY]`` (owning module path, ``""`` = top level). Where train and eval mode differ,
 a ``get_attr`` of ``"training"`` and ``meta[GUARD_KEY]`` say how (Note [both modes in one graph]
-in :mod:`fxpipe.tracer.modes`).
+in :mod:`fxpipe.tracer.train_eval.modes`).
 """
 
 from __future__ import annotations

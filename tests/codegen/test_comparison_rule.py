@@ -9,8 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.codegen.equivalence import ATOL, RTOL, ModeComparison, compare_in_mode, compare_tensor
-from fxpipe.codegen.verify import VerifyReport, print_verify_report
+from fxpipe.codegen.check.equivalence import (
+    ATOL,
+    RTOL,
+    ModeComparison,
+    compare_in_mode,
+    compare_tensor,
+)
+from fxpipe.codegen.check.verify import VerifyReport, print_verify_report
 
 
 class _SplitSum(nn.Module):

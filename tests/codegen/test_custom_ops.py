@@ -1,4 +1,4 @@
-"""Stage files import the module that registers each custom operator they call (fxpipe.codegen.custom_ops).
+"""Stage files import the module that registers each custom operator they call (fxpipe.codegen.render.custom_ops).
 
 A fresh worker imports only the stage file: an op registered by some other module's import
 (transformers' ``grouped_mm_fallback``, an op a model file defines) must be registered by the
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.codegen.custom_ops import import_for, registering_module
-from fxpipe.codegen.pyrender import ImportTable
+from fxpipe.codegen.render.custom_ops import import_for, registering_module
+from fxpipe.codegen.render.pyrender import ImportTable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "tracer"))

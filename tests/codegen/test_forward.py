@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxpipe.codegen.forward import render_forward, run_blocks
-from fxpipe.codegen.pyrender import ImportTable
+from fxpipe.codegen.render.forward import render_forward, run_blocks
+from fxpipe.codegen.render.pyrender import ImportTable
 
 
 def _render(g: fx.Graph) -> tuple[str, Any]:

@@ -14,10 +14,11 @@ import torch.fx as fx
 import torch.nn as nn
 from codegen_support import build_sources
 
-from fxpipe.codegen import emit_build, frees, load_pipeline
-from fxpipe.codegen.forward import render_forward
-from fxpipe.codegen.pyrender import ImportTable
-from fxpipe.codegen.statements import assigned_names
+from fxpipe.codegen import emit_build, load_pipeline
+from fxpipe.codegen.render import frees
+from fxpipe.codegen.render.forward import render_forward
+from fxpipe.codegen.render.pyrender import ImportTable
+from fxpipe.codegen.render.statements import assigned_names
 from fxpipe.graphmeta import SPEC_KEY
 from fxpipe.tracer import trace_model
 from fxpipe.tracer.profile import TensorSpec

@@ -1,4 +1,4 @@
-"""Frozen parameters stay frozen in the stages (issue 37, Note [frozen parameters] in fxpipe.codegen.ownership).
+"""Frozen parameters stay frozen in the stages (issue 37, Note [frozen parameters] in fxpipe.codegen.graph.ownership).
 
 A parameter with ``requires_grad=False`` in the model is frozen in the emitted stage, after loading
 and in the pipeline: it gets no gradient (None, as in the model), and the safety net refuses a stage
@@ -14,7 +14,7 @@ import torch
 from codegen_support import build_model_file, build_sources
 
 from fxpipe.codegen import load_pipeline, load_stage, verify_build
-from fxpipe.codegen.equivalence import compare_in_mode, probe_loss
+from fxpipe.codegen.check.equivalence import compare_in_mode, probe_loss
 
 MODELS = Path(__file__).resolve().parent / "frozen_models.py"
 

@@ -1,7 +1,7 @@
 """A traced ``torch.nn`` layer call becomes the layer itself only when it is exactly that layer's forward.
 
 Each layer is exported inside a small model; the stage must build ``torch.nn.<Layer>(...)``
-and call it where the layer's traced body matches (fxpipe.codegen.layers), keep the traced
+and call it where the layer's traced body matches (fxpipe.codegen.render.layers), keep the traced
 body where it does not, and compute what the original computes either way.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from codegen_support import assert_same_outputs_and_grads
 
 from fxpipe.codegen import emit_build, load_pipeline
-from fxpipe.codegen.layers import TORCH_LAYERS
+from fxpipe.codegen.render.layers import TORCH_LAYERS
 from fxpipe.modelfile import ModelSource, load_model_file
 from fxpipe.tracer import trace_model_file
 

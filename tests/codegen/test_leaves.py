@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.codegen.leaf_constructors import leaf_constructor
-from fxpipe.codegen.pyrender import ImportTable, attr_expr, render_literal
+from fxpipe.codegen.render.leaf_constructors import leaf_constructor
+from fxpipe.codegen.render.pyrender import ImportTable, attr_expr, render_literal
 from fxpipe.errors import CodegenError
 
 
@@ -127,8 +127,8 @@ def test_attr_expr_uses_getattr_for_non_identifiers() -> None:
     ],
 )
 def test_the_tracer_knows_what_a_stage_can_write(value: object) -> None:
-    # fxpipe.tracer.rebuild.literal_problem decides at trace time what render_literal can write later
-    from fxpipe.tracer.rebuild import literal_problem
+    # fxpipe.tracer.construct.rebuild.literal_problem decides at trace time what render_literal can write later
+    from fxpipe.tracer.construct.rebuild import literal_problem
 
     try:
         render_literal(value, ImportTable())

@@ -15,7 +15,7 @@ import torch.fx as fx
 from codegen_support import build_sources, reference_with_build_weights
 from torch.utils._pytree import tree_leaves
 
-import fxpipe.codegen.emit as emit
+import fxpipe.codegen.render.emit as emit
 from fxpipe.cli import main
 from fxpipe.codegen import Manifest, load_pipeline, verify_build, write_build_dir
 from fxpipe.errors import EquivalenceError

@@ -1,7 +1,7 @@
 """Builds of models that change tensors in place: the manifest lists each stage's changed inputs, the
 chained stages get copies as the runtime does, and the check refuses a split that reads a stale copy.
 
-Note [in-place ops across stages] in ``fxpipe.tracer.mutation``; the models are ``tests/inplace_models.py``.
+Note [in-place ops across stages] in ``fxpipe.tracer.frontend.mutation``; the models are ``tests/inplace_models.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import fxpipe.tracer.api
 import inplace_models
 from fxpipe.cli import main
 from fxpipe.codegen.manifest import Manifest
-from fxpipe.codegen.verify import verify_build
+from fxpipe.codegen.check.verify import verify_build
 from fxpipe.errors import BuildDirError
 
 MODEL_FILE = Path(inplace_models.__file__)

@@ -17,9 +17,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxpipe.codegen.forward import render_forward
-from fxpipe.codegen.operators import RULES, rewrite_aten, rewrite_call
-from fxpipe.codegen.pyrender import ImportTable
+from fxpipe.codegen.render.forward import render_forward
+from fxpipe.codegen.render.operators import RULES, rewrite_aten, rewrite_call
+from fxpipe.codegen.render.pyrender import ImportTable
 
 aten = torch.ops.aten
 MAX = 9223372036854775807

@@ -18,7 +18,7 @@ from fxpipe.cli import main
 from fxpipe.codegen import load_stage, write_build_dir
 from fxpipe.codegen.checkpoint_weights import SKIPPED_SAFETY_NET, open_checkpoint, write_streamed
 from fxpipe.codegen.pipeline import load_pipeline
-from fxpipe.codegen.verify import verify_build
+from fxpipe.codegen.check.verify import verify_build
 from fxpipe.errors import BuildDirError, WeightsError
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition

@@ -1,4 +1,4 @@
-"""The profile's activation bytes (Note [saved once] in fxpipe.tracer.counting) against a measurement."""
+"""The profile's activation bytes (Note [saved once] in fxpipe.tracer.measure.counting) against a measurement."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A plan says whether it was priced for compiled stages, and `fxpipe run` says when it runs the
-other mode (Note [compiled unit times] in fxpipe.tracer.timing)."""
+other mode (Note [compiled unit times] in fxpipe.tracer.measure.timing)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fxpipe.partitioner import plan_partition, print_plan_report
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.report.html import write_html_report
 from fxpipe.runtime.train.loop import plan_mode_note
-from fxpipe.tracer.calibration import DEVICE_PRESETS
+from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
 
 
 def _plan(**fields):

@@ -347,7 +347,7 @@ def test_host_slowdown_scales_the_runtimes_cpu_work_only() -> None:
 
 
 def test_plan_prices_the_fixed_costs_at_the_traced_hosts_speed() -> None:
-    from fxpipe.tracer.calibration import DEVICE_PRESETS
+    from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
 
     quiet = DEVICE_PRESETS["cpu"].call_ms
     assert quiet is not None

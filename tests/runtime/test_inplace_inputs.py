@@ -3,7 +3,7 @@ trains the model.
 
 Each model of ``tests/inplace_models.py`` is split so that one stage changes in place a tensor it
 receives (an autograd leaf there, and a buffer the runtime owns) while another stage reads that
-tensor before or after the change (Note [in-place ops across stages] in ``fxpipe.tracer.mutation``).
+tensor before or after the change (Note [in-place ops across stages] in ``fxpipe.tracer.frontend.mutation``).
 Before the in-place analysis, ``build_model`` trained to other losses on 3 ranks (the last stage
 read ``skip`` before the ReLU), and in-place calls made through functions failed on the leaf.
 """

@@ -1,4 +1,4 @@
-"""The seed API with frozen parameters (issue 37; Note [frozen parameters] in fxpipe.codegen.ownership).
+"""The seed API with frozen parameters (issue 37; Note [frozen parameters] in fxpipe.codegen.graph.ownership).
 
 GPT-2 (examples/seed_scripts/hf_keywords.py) with its tied token embedding (``wte``, also the
 head, held by both stages), its position table and its first block frozen, wrapped and trained

@@ -11,7 +11,7 @@ import torch.nn as nn
 from fxpipe.errors import ModelFileError, TraceError
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import trace_model, trace_model_file
-from fxpipe.tracer.shapes import double_batch, infer_batch_dims
+from fxpipe.tracer.measure.shapes import double_batch, infer_batch_dims
 
 # sequence-first activations [T, B, C] and a [T, T] mixing mask shared by every sample
 SEQ_FIRST = """

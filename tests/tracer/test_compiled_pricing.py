@@ -9,8 +9,8 @@ import torch.nn as nn
 from fxpipe.calibration_data import values
 from fxpipe.errors import TraceError
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.calibration import DEVICE_PRESETS
-from fxpipe.tracer.counting import unit_structure_key
+from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
+from fxpipe.tracer.measure.counting import unit_structure_key
 from fxpipe.tracer.profile import ModelProfile
 
 
@@ -63,7 +63,7 @@ def test_the_profile_says_it_was_priced_compiled_and_older_profiles_read_as_eage
 
 
 def test_measured_times_compile_each_distinct_unit_once(monkeypatch) -> None:
-    from fxpipe.tracer import timing
+    from fxpipe.tracer.measure import timing
 
     compiled: list[torch.nn.Module] = []
 

@@ -9,8 +9,8 @@ import pytest
 import torch.nn as nn
 
 from fxpipe.tracer import build_model_recorded, partition
-from fxpipe.tracer.construction import observe_construction
-from fxpipe.tracer.pins import pin_of
+from fxpipe.tracer.construct.construction import observe_construction
+from fxpipe.tracer.construct.pins import pin_of
 
 # nn.Module.__init__ as it was before fxpipe observed anything: torch itself may have patched it
 # earlier in the process (torch._dynamo's install_generation_tagging_init, once anything was

@@ -1,4 +1,4 @@
-"""Checks on data in forward (issue 37 items 2 and 4; Note [checks on data] in fxpipe.tracer.data_checks).
+"""Checks on data in forward (issue 37 items 2 and 4; Note [checks on data] in fxpipe.tracer.frontend.data_checks).
 
 A check that only raises (``if labels.max() >= vocab: raise``, transformers' CTC heads) no longer
 stops torch.export: it becomes a runtime assert in the stage that holds the data, which refuses a

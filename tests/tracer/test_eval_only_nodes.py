@@ -1,5 +1,5 @@
 """Shape propagation and unit counting run a merged graph in train mode, as the emitted code does
-(Note [eval-only nodes in shape propagation] in ``fxpipe.tracer.shapes``): a node that runs in eval
+(Note [eval-only nodes in shape propagation] in ``fxpipe.tracer.measure.shapes``): a node that runs in eval
 mode only, reading a ``train_or_eval`` whose train value has another shape (transformers' Mamba),
 is not run on the train value; its spec comes from an eval-mode run, and it costs no FLOPs."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.fx
 
 from fxpipe.graphmeta import GUARD_KEY, SPEC_KEY
-from fxpipe.tracer.modes import TRAINING_ATTR, run_in_mode, train_or_eval
-from fxpipe.tracer.shapes import propagate
-from fxpipe.tracer.unit_runner import UnitRunner
+from fxpipe.tracer.train_eval.modes import TRAINING_ATTR, run_in_mode, train_or_eval
+from fxpipe.tracer.measure.shapes import propagate
+from fxpipe.tracer.measure.unit_runner import UnitRunner
 from fxpipe.tracer.units import UnitGroup
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.calibration import DEVICE_PRESETS, host_slowdown
+from fxpipe.tracer.measure.calibration import DEVICE_PRESETS, host_slowdown
 from fxpipe.tracer.profile import ModelProfile, Unit
 
 
@@ -57,7 +57,7 @@ def test_measured_trace_gauges_the_host_and_an_analytic_one_does_not() -> None:
 
 
 def test_each_unit_takes_off_and_scales_by_the_gauge_sampled_right_before_it(monkeypatch) -> None:
-    from fxpipe.tracer import timing
+    from fxpipe.tracer.measure import timing
 
     quiet = DEVICE_PRESETS["cpu"].call_ms
     assert quiet is not None
@@ -81,7 +81,7 @@ def test_each_unit_takes_off_and_scales_by_the_gauge_sampled_right_before_it(mon
 def test_cold_cache_share_follows_the_host(monkeypatch) -> None:
     # the warm loop's time already carries the host's speed; the cold share added to it is priced
     # from the calibration host's op costs, so it is scaled by the slowdown
-    from fxpipe.tracer import timing
+    from fxpipe.tracer.measure import timing
 
     monkeypatch.setattr(timing, "_measure_warm_ms", lambda *args: (1.0, 2.0))
     monkeypatch.setattr(timing, "count_ops", lambda runner: ({"addmm": 10}, {"mm": 20}))

@@ -9,7 +9,7 @@ from example_models import EXAMPLES
 from fxpipe.errors import TraceError
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.leaves import resolve_leaves
+from fxpipe.tracer.frontend.leaves import resolve_leaves
 
 
 @pytest.fixture(scope="module")

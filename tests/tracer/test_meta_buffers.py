@@ -1,6 +1,6 @@
 """A model that builds itself on the meta device (torchtitan's way: the whole factory under
 ``with torch.device("meta")``) has its computed buffers recomputed on the CPU (Note [computed
-buffers on meta] in ``fxpipe.tracer.meta_buffers``): a tiny Llama's RoPE frequencies and a
+buffers on meta] in ``fxpipe.tracer.construct.meta_buffers``): a tiny Llama's RoPE frequencies and a
 causal mask equal those of the same model built on the CPU, the build writes them, and each
 is named in the profile."""
 

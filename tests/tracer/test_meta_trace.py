@@ -15,7 +15,7 @@ from example_models import EXAMPLES
 from fxpipe.errors import TraceError
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import trace_model, trace_model_file
-from fxpipe.tracer.meta import SKIPPED_ON_META, build_on_meta, is_meta_model
+from fxpipe.tracer.measure.meta import SKIPPED_ON_META, build_on_meta, is_meta_model
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models"
 
@@ -82,8 +82,8 @@ def test_meta_profile_equals_real_on_zoo(name):
 
 def test_attention_kernel_as_the_cpu_picks_it():
     """SDPA decomposes into bmm on meta but runs flash attention on the CPU: counted as on the CPU."""
-    from fxpipe.tracer.counting import OpCounter
-    from fxpipe.tracer.meta import CpuKernelChoice
+    from fxpipe.tracer.measure.counting import OpCounter
+    from fxpipe.tracer.measure.meta import CpuKernelChoice
 
     counts = {}
     for device in ("cpu", "meta"):

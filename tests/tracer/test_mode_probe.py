@@ -7,8 +7,8 @@ import torch.nn as nn
 
 import fxpipe.tracer.api as tracer_api
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.mode_probe import modes_compute_alike
-from fxpipe.tracer.modes import run_in_mode
+from fxpipe.tracer.train_eval.mode_probe import modes_compute_alike
+from fxpipe.tracer.train_eval.modes import run_in_mode
 
 
 class Plain(nn.Module):

@@ -18,8 +18,8 @@ import torch.fx as fx
 from fxpipe.graphmeta import GUARD_KEY
 from fxpipe.modelfile import load_model_file
 from fxpipe.tracer import trace_model_file
-from fxpipe.tracer.merge import merge_modes
-from fxpipe.tracer.modes import (
+from fxpipe.tracer.train_eval.merge import merge_modes
+from fxpipe.tracer.train_eval.modes import (
     guard_of,
     guarded_regions,
     is_training_flag,

@@ -1,6 +1,6 @@
 """In-place calls: found by the tracer, stale reads rewired, and what they change kept on one unit.
 
-Note [in-place ops across stages] in ``fxpipe.tracer.mutation``; the models are ``tests/inplace_models.py``.
+Note [in-place ops across stages] in ``fxpipe.tracer.frontend.mutation``; the models are ``tests/inplace_models.py``.
 """
 
 from __future__ import annotations

@@ -113,9 +113,9 @@ def test_print_profile_table(both_modes):
 # -- the analytic cost terms, on hand-made counts (Note [analytic unit time]) -----------------
 
 from fxpipe.tracer import api as _api  # noqa: E402
-from fxpipe.tracer.calibration import ACCUMULATE_OP, DEVICE_PRESETS, DevicePreset  # noqa: E402
-from fxpipe.tracer.counting import OpCounter, UnitCounts  # noqa: E402
-from fxpipe.tracer.timing import analytic_ms  # noqa: E402
+from fxpipe.tracer.measure.calibration import ACCUMULATE_OP, DEVICE_PRESETS, DevicePreset  # noqa: E402
+from fxpipe.tracer.measure.counting import OpCounter, UnitCounts  # noqa: E402
+from fxpipe.tracer.measure.timing import analytic_ms  # noqa: E402
 
 _PRESET = DevicePreset(
     "test",
@@ -233,7 +233,7 @@ def test_unit_op_counts_and_compiled_unit(monkeypatch):
 
 def test_measured_unit_times_leave_out_the_call_cost(monkeypatch):
     # Note [unit call cost]: the cost of calling a unit at all comes off each unit, a tenth of each stays
-    from fxpipe.tracer import timing
+    from fxpipe.tracer.measure import timing
 
     monkeypatch.setattr(timing, "_measure_warm_ms", lambda *args: (0.05, 0.2))
     no_preset = "mps"  # no cold-cache share to add: the warm loop's figures as they are
@@ -243,7 +243,7 @@ def test_measured_unit_times_leave_out_the_call_cost(monkeypatch):
 
 
 def test_call_cost_is_a_unit_that_does_nearly_nothing():
-    from fxpipe.tracer.timing import call_overhead_ms
+    from fxpipe.tracer.measure.timing import call_overhead_ms
 
     fwd, bwd = call_overhead_ms("cpu")
     assert 0 < fwd < 1 and 0 < bwd < 1  # milliseconds: a call, not work

@@ -1,5 +1,5 @@
 """Rebuilt modules equal the original in their whole configuration (Note [rebuilt modules equal the original]
-in fxpipe.tracer.rebuild), the symbolic leaf policy keeps whole only what can be rebuilt, and ``auto``
+in fxpipe.tracer.construct.rebuild), the symbolic leaf policy keeps whole only what can be rebuilt, and ``auto``
 picks the front end whose graph a stage file can build."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn as nn
 from pipeline_support import MODELS, assert_pipeline_matches, partition_file
 
 from fxpipe.tracer import trace_model
-from fxpipe.tracer.rebuild import (
+from fxpipe.tracer.construct.rebuild import (
     build_on_meta,
     configuration_difference,
     drop_redundant,

@@ -1,5 +1,5 @@
 """What the tracer says about the graph it made: the output check runs both sides from one seed, and
-``torch._assert`` messages keep what the user wrote (fxpipe.tracer.assert_messages)."""
+``torch._assert`` messages keep what the user wrote (fxpipe.tracer.frontend.assert_messages)."""
 
 from __future__ import annotations
 

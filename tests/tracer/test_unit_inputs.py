@@ -1,4 +1,4 @@
-"""Units that change their inputs in place (Note [fresh unit inputs] in fxpipe.tracer.unit_runner).
+"""Units that change their inputs in place (Note [fresh unit inputs] in fxpipe.tracer.measure.unit_runner).
 
 ``nn.ReLU(inplace=True)``, ``out += identity`` and export's ``add_`` used to crash cost counting
 ("a leaf Variable that requires grad is being used in an in-place operation") and, where they
@@ -15,11 +15,11 @@ import torch
 import torch.nn as nn
 from pipeline_support import MODELS, assert_pipeline_matches, partition_file
 
-from fxpipe.tracer.counting import count_unit
-from fxpipe.tracer.shapes import propagate
-from fxpipe.tracer.symbolic import symbolic_trace
-from fxpipe.tracer.timing import measure_ms
-from fxpipe.tracer.unit_runner import UnitRunner
+from fxpipe.tracer.measure.counting import count_unit
+from fxpipe.tracer.measure.shapes import propagate
+from fxpipe.tracer.frontend.symbolic import symbolic_trace
+from fxpipe.tracer.measure.timing import measure_ms
+from fxpipe.tracer.measure.unit_runner import UnitRunner
 from fxpipe.tracer.units import group_units
 
 

@@ -1,6 +1,6 @@
 """Chained stages vs the original model in one mode, with the zoo's own inputs (positional or keyword) and loss.
 
-A thin adaptor over :func:`fxpipe.codegen.equivalence.compare_in_mode` (the comparison ``fxpipe
+A thin adaptor over :func:`fxpipe.codegen.check.equivalence.compare_in_mode` (the comparison ``fxpipe
 verify`` and the safety net use), for the probe and the benchmark: the original model is rebuilt
 with ``build_model()`` and given the build's weights, both it and ``fxpipe.load_pipeline(build_dir)``
 run the model file's inputs function (``source.inputs_fn``: a tuple, or a dict of keyword inputs)
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxpipe.codegen.equivalence import ATOL, RTOL, compare_in_mode
+from fxpipe.codegen.check.equivalence import ATOL, RTOL, compare_in_mode
 
 __all__ = ["Comparison", "reference_model", "compare_pipeline", "RTOL", "ATOL"]
 

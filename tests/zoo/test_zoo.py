@@ -6,7 +6,7 @@ compiler's safety net (both modes, at the traced microbatch) before it writes th
 ``fxpipe verify``'s check (:func:`fxpipe.codegen.verify_build`) rebuilds the model from its file,
 gives it the build's weights and compares it with the chained stages at the build's batch size,
 in train and in eval mode: outputs, every parameter gradient, every buffer, fp32, rtol 1e-4 /
-atol 1e-5. Both are :func:`fxpipe.codegen.equivalence.compare_in_mode`; the zoo adds no
+atol 1e-5. Both are :func:`fxpipe.codegen.check.equivalence.compare_in_mode`; the zoo adds no
 comparison of its own.
 
 The model files of ``outside/`` (other configs of the same families, written as a new user

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fxpipe.codegen import load_pipeline, write_build_dir
-from fxpipe.codegen.equivalence import compare_in_mode
+from fxpipe.codegen.check.equivalence import compare_in_mode
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition
 from fxpipe.tracer import trace_model

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fxpipe.partitioner.cost import default_link, format_size
 from fxpipe.partitioner.plan import PartitionPlan
-from fxpipe.tracer.calibration import DEVICE_PRESETS
+from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
 from fxpipe.partitioner.seqlen import priced_lengths
 from fxpipe.tracer.profile import ModelProfile
 
@@ -153,7 +153,7 @@ def print_measurement(plan: PartitionPlan, run: Measurement, console: Console) -
 def unit_times_note(plan: PartitionPlan) -> str:
     """What the plan's unit times are, eager or compiled, and so which stages the plan is for
     (``fxpipe run`` with or without ``--compile``; Note [compiled unit times] in
-    :mod:`fxpipe.tracer.timing`). ``""`` for a plan that does not record its unit times."""
+    :mod:`fxpipe.tracer.measure.timing`). ``""`` for a plan that does not record its unit times."""
     if not plan.unit_times:
         return ""
     if not plan.compiled:
@@ -329,7 +329,9 @@ def print_plan_report(
     console.print(f"assumed: {link_note(plan, profile.trace_device)}")
     if note := unit_times_note(plan):
         console.print(note)
-    if pred.runtime_costs.host_slowdown != 1.0:  # Note [host speed] in fxpipe.tracer.calibration
+    if (
+        pred.runtime_costs.host_slowdown != 1.0
+    ):  # Note [host speed] in fxpipe.tracer.measure.calibration
         console.print(
             f"the runtime's fixed costs are priced at the traced host's speed: "
             f"{pred.runtime_costs.host_slowdown:.2f}x the time they take on the calibration host"

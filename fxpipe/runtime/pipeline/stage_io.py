@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
-from fxpipe.codegen.outputs import rebuild_output
+from fxpipe.codegen.render.outputs import rebuild_output
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.pipeline.comm import Posted, RankComm
 from fxpipe.runtime.pipeline.p2p import P2P, Message
@@ -67,7 +67,7 @@ def microbatch_size(manifest: Manifest, inputs: Sequence[torch.Tensor]) -> int:
 
 def assemble_output(manifest: Manifest, flat: Sequence[torch.Tensor]) -> Any:
     """The model's output structure from its flattened outputs (what a loss function expects;
-    Note [output structure] in ``fxpipe.codegen.outputs``)."""
+    Note [output structure] in ``fxpipe.codegen.render.outputs``)."""
     return rebuild_output(manifest, list(flat))
 
 
@@ -129,7 +129,7 @@ class StageWorker:
         )
         self.spec = manifest.stage(stage)
         # Inputs the stage changes in place get copies of their own (Note [in-place ops across stages] in
-        # fxpipe.tracer.mutation): a received buffer may be sent on or handed to a stage of this rank, a
+        # fxpipe.tracer.frontend.mutation): a received buffer may be sent on or handed to a stage of this rank, a
         # model input is the caller's, and a received tensor that needs a gradient is an autograd leaf,
         # which an in-place op may not change (in one process it was an intermediate).
         self._mutated = frozenset(self.spec.mutated_inputs)

@@ -3,7 +3,7 @@
 Every copy starts equal (codegen writes the same tensor into each stage's weights) and
 receives the same summed gradient, so any optimizer keeps the copies identical, as the
 single shared parameter of the original model would be. A frozen tied parameter is frozen in
-every stage (Note [frozen parameters] in ``fxpipe.codegen.ownership``): it is skipped everywhere
+every stage (Note [frozen parameters] in ``fxpipe.codegen.graph.ownership``): it is skipped everywhere
 alike, and gets no gradient (a zero one would give it optimizer state and weight decay).
 """
 

@@ -91,7 +91,7 @@ def replica_batch(
 def target_batch_dims(source: ModelSource, batch_size: int) -> tuple[int | None, ...]:
     """The batch dim of each leaf of the model file's targets, from ``example_targets`` at
     ``batch_size`` and twice that (a leaf that does not grow is shared)."""
-    from fxpipe.tracer.shapes import infer_batch_dims
+    from fxpipe.tracer.measure.shapes import infer_batch_dims
 
     first, second = (
         tree_leaves(source.example_targets(batch_size)),

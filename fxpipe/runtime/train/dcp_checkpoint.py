@@ -1,7 +1,7 @@
 """Checkpoints keyed by the original model, written with ``torch.distributed.checkpoint``: any layout reads them.
 
 Note [checkpoints keyed by the model]: a rank's stages hold the original model's tensors under
-their original ``state_dict`` keys (``fxpipe.codegen.ownership``), so a checkpoint can be
+their original ``state_dict`` keys (``fxpipe.codegen.graph.ownership``), so a checkpoint can be
 written in the model's own terms instead of the layout's. Every rank hands DCP one flat state
 dict (``get_state_dict`` over its stages, FSDP's DTensor shards as they are):
 

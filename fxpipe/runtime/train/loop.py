@@ -188,7 +188,7 @@ def _compile_report(runner: PipelineRunner) -> tuple[float, ...]:
 
 def plan_mode_note(plan: PartitionPlan | None, compile: bool) -> str:
     """One line when the run's stages (``--compile`` or not) are not what the build's plan priced
-    (``plan.compiled``; Note [compiled unit times] in ``fxpipe.tracer.timing``); ``""`` when they
+    (``plan.compiled``; Note [compiled unit times] in ``fxpipe.tracer.measure.timing``); ``""`` when they
     are, or there is no plan."""
     if plan is None or plan.compiled == compile:
         return ""

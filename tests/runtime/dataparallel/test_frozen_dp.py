@@ -1,4 +1,4 @@
-"""Frozen parameters under data parallelism (issue 37; Note [frozen parameters] in fxpipe.codegen.ownership).
+"""Frozen parameters under data parallelism (issue 37; Note [frozen parameters] in fxpipe.codegen.graph.ownership).
 
 ``blocks.BlockLM`` on 4 ranks (2 stages x 2 replicas) with one block frozen whole and, in another,
 the Linear frozen beside a trainable LayerNorm (so a block policy puts frozen and trainable

@@ -2,7 +2,7 @@
 Its selective scan runs transformers' reference PyTorch path (no ``mamba_ssm`` kernels on the CPU): a
 Python loop over the sequence, unrolled by the trace. In train mode it also casts ``D`` and the
 ``dt_proj`` bias for the fused kernel it then does not call, so its train and eval graphs differ
-(Note [eval-only nodes in shape propagation] in ``fxpipe.tracer.shapes``). No dropout."""
+(Note [eval-only nodes in shape propagation] in ``fxpipe.tracer.measure.shapes``). No dropout."""
 
 from __future__ import annotations
 
