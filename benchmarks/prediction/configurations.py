@@ -209,12 +209,32 @@ def _levels(attempts: list[list[dict[str, Any]]]) -> HostLevels:
     )
 
 
-def _median_row(runs: list[dict[str, Any]], levels: HostLevels) -> dict[str, Any]:
-    """One row from all its runs: medians of the times, ratios and memory, and the ratios' range;
-    beside them, how many runs were quiet and their median ratio."""
+def median_row(
+    runs: list[dict[str, Any]],
+    levels: HostLevels,
+    scalars: tuple[str, ...],
+    ratio_key: str,
+) -> dict[str, Any]:
+    """One row from all its runs: the medians of ``scalars`` and of the per-rank memory lists, the
+    range of ``ratio_key``; beside them, how many runs were quiet and their median ratio. Shared
+    by the prediction benchmarks, which add their own goals."""
     med = statistics.median
     row = dict(runs[0])
-    for key in (
+    for key in scalars:
+        row[key] = med(r[key] for r in runs)
+    for key in ("measured_peak_tensor_bytes", "predicted_rank_memory_bytes", "tensor_memory_ratio"):
+        row[key] = [med(values) for values in zip(*(r[key] for r in runs))]
+    ratios = [r[ratio_key] for r in runs]
+    row["ratio_range"] = [min(ratios), max(ratios)]
+    row["runs"] = runs
+    quiet = [r[ratio_key] for r in runs if _quiet(r, levels)]
+    row["quiet_runs"] = len(quiet)
+    row["ratio_of_quiet_runs"] = med(quiet) if quiet else None
+    return row
+
+
+def _median_row(runs: list[dict[str, Any]], levels: HostLevels) -> dict[str, Any]:
+    scalars = (
         "measured_step_ms",
         "predicted_step_ms",
         "predicted_on_shared_cores_ms",
@@ -222,19 +242,11 @@ def _median_row(runs: list[dict[str, Any]], levels: HostLevels) -> dict[str, Any
         "ratio_on_shared_cores",
         "unit_ms",
         "load_average_1min",
-    ):
-        row[key] = med(r[key] for r in runs)
-    for key in ("measured_peak_tensor_bytes", "predicted_rank_memory_bytes", "tensor_memory_ratio"):
-        row[key] = [med(values) for values in zip(*(r[key] for r in runs))]
-    ratios = [r["ratio_on_shared_cores"] for r in runs]
-    row["ratio_range"] = [min(ratios), max(ratios)]
+    )
+    row = median_row(runs, levels, scalars, "ratio_on_shared_cores")
     row["within_goal"] = _in_goal(row)
-    row["runs"] = runs
-    quiet = [r["ratio_on_shared_cores"] for r in runs if _quiet(r, levels)]
-    row["quiet_runs"] = len(quiet)
-    row["ratio_of_quiet_runs"] = med(quiet) if quiet else None
     row["message_probe_ms"] = (
-        med(max(r["message_probe_ms"]) for r in runs)
+        statistics.median(max(r["message_probe_ms"]) for r in runs)
         if all(r.get("message_probe_ms") for r in runs)
         else None
     )

@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from configurations import GOAL, MODELS, _levels, _probe_ms, _quiet
+from configurations import GOAL, MODELS, _levels, _probe_ms, median_row
 from message_probe import MessageProbe
 
 MEMORY_GOAL = (0.80, 1.20)
@@ -152,27 +152,17 @@ def _memory_in_goal(row: dict[str, Any]) -> bool:
 
 
 def _median_row(runs: list[dict[str, Any]], levels: Any) -> dict[str, Any]:
-    med = statistics.median
-    row = dict(runs[0])
-    for key in (
+    scalars = (
         "measured_step_ms",
         "predicted_step_ms",
         "ratio",
         "unit_ms",
         "priced_unit_ms",
         "load_average_1min",
-    ):
-        row[key] = med(r[key] for r in runs)
-    for key in ("measured_peak_tensor_bytes", "predicted_rank_memory_bytes", "tensor_memory_ratio"):
-        row[key] = [med(values) for values in zip(*(r[key] for r in runs))]
-    ratios = [r["ratio"] for r in runs]
-    row["ratio_range"] = [min(ratios), max(ratios)]
+    )
+    row = median_row(runs, levels, scalars, "ratio")
     row["within_goal"] = _in_goal(row)
     row["memory_within_goal"] = _memory_in_goal(row)
-    quiet = [r["ratio"] for r in runs if _quiet(r, levels)]
-    row["quiet_runs"] = len(quiet)
-    row["ratio_of_quiet_runs"] = med(quiet) if quiet else None
-    row["runs"] = runs
     return row
 
 
