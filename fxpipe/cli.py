@@ -215,6 +215,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             result.best.config,
             optimizer=options.optimizer,
             time_limit=options.time_limit,
+            cost_fields=result.cost_fields,
         )
         from fxpipe.jsonio import dump_json
 
@@ -293,6 +294,7 @@ def _partition(args: argparse.Namespace) -> int:
             best,
             optimizer=options.optimizer,
             time_limit=options.time_limit,
+            cost_fields=result.cost_fields,
         )
     else:
         batch, micro = _microbatching(args.batch_size, options.microbatches, options.stages)

@@ -24,7 +24,9 @@ linears split column / row as the runtime's plan splits a Llama):
    reduce-scattered per microbatch) and as ``grad-op`` (once per step: what FSDP does under
    torch's pipeline schedules, which keep parameters unsharded between microbatches and
    sync gradients at the last one; grad-op keeps the parameters whole, so its memory is an
-   upper bound).
+   upper bound); each with fxpipe's default fp32 gathers and as torchtitan's job runs (bf16
+   autocast, FSDP gathering bf16 parameters and reducing in fp32: ``cost_fields``). The TP
+   search (1.) is priced as torchtitan's job.
 3. The simulator's interleaved / 1F1B ratio (each sharding and memory where both fit) against the published 128 / 100 = 1.28, and the
    bubbles' textbook ratio (m + p - 1) / (m + (p - 1) / V) for p = 8, m = 32.
 Writes llama405b.json and llama405b.md.
@@ -40,6 +42,10 @@ from pathlib import Path
 from typing import Any
 
 SEQ, BATCH, DEVICES, TP = 8192, 256, 512, 8
+# torchtitan's job: bf16 mixed precision, FSDP gathering bf16 parameters and reducing in fp32
+# (its MixedPrecisionPolicy); fp32 gathers are fxpipe's default for comparison
+BF16 = {"precision": "bf16", "shard_param_dtype": "bfloat16", "shard_reduce_dtype": "float32"}
+FP32: dict[str, str] = {}
 PUBLISHED = {"1f1b": 100.0, "interleaved-1f1b": 128.0}
 
 
@@ -118,14 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         (runtime.tp_pair_fwd_ms, runtime.tp_pair_bwd_ms),
     )
     titan: dict[str, Any] = {}
-    for shard, memory_name, memory in (
-        ("full", "80 GiB", 80 * 2**30),
-        ("full", "96 GB", 96 * 10**9),
-        ("grad-op", "96 GB", 96 * 10**9),
+    for shard, memory_name, memory, job in (
+        ("full", "80 GiB", 80 * 2**30, FP32),
+        ("full", "96 GB", 96 * 10**9, FP32),
+        ("grad-op", "96 GB", 96 * 10**9, FP32),
+        ("full", "96 GB", 96 * 10**9, BF16),
+        ("grad-op", "96 GB", 96 * 10**9, BF16),
     ):
         groups = replace(cluster, devices=DEVICES // TP, node_size=1, device_memory=memory)
+        gathers = "bf16 gathers" if job else "fp32 gathers"
         for schedule in ("1f1b", "interleaved-1f1b"):
-            key = f"{schedule}, shard {shard}, {memory_name}"
+            key = f"{schedule}, shard {shard}, {gathers}, {memory_name}"
             try:
                 found = search_configurations(
                     priced,
@@ -136,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     shard_levels=(shard,),
                     stages=8,
                     top=40,
+                    cost_fields=job,
                 )
             except InfeasibleError as exc:
                 titan[key] = {"does_not_fit": str(exc)}
@@ -151,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             print(key, titan[key], flush=True)
     started = time.perf_counter()
     best, outcomes = search_tensor_parallel(
-        profile, cluster, BATCH, {2: plan, 4: plan, 8: plan}, (1, 2, 4, 8), top=1, optimizer="adam"
+        profile,
+        cluster,
+        BATCH,
+        {2: plan, 4: plan, 8: plan},
+        (1, 2, 4, 8),
+        top=1,
+        optimizer="adam",
+        cost_fields=BF16,
     )
     search_s = time.perf_counter() - started
     degrees = [
@@ -162,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for o in outcomes
     ]
-    one = titan.get("1f1b, shard full, 96 GB")
-    two = titan.get("interleaved-1f1b, shard full, 96 GB")
+    one = titan.get("1f1b, shard full, fp32 gathers, 96 GB")
+    two = titan.get("interleaved-1f1b, shard full, fp32 gathers, 96 GB")
     ratio = (
         one["step_s"] / two["step_s"]
         if one and two and "step_s" in one and "step_s" in two
@@ -172,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     m, pp, v = BATCH // 8, 8, 2
     result = {
         "search_seconds": search_s,
+        "search_job": BF16,
         "degrees": degrees,
         "best_tp": best.degree,
         "torchtitan_layout": titan,
@@ -195,7 +213,8 @@ def _markdown(r: dict[str, Any]) -> str:
         "Analytic profile (126 blocks, 8192-token sequences, 400 TFLOP/s effective per device, "
         "Adam), 512 devices of 80 GiB, 8 per node (NVLink, InfiniBand), global batch 256; "
         "tokens/s/GPU = 256 x 8192 / step / 512. "
-        f"The search over T in 1, 2, 4, 8 took {r['search_seconds']:.0f} s.",
+        f"The search over T in 1, 2, 4, 8 took {r['search_seconds']:.0f} s, priced as torchtitan's "
+        "job: bf16 autocast, FSDP gathering bf16 parameters and reducing in fp32.",
         "",
         "## The search's answer, per tensor-parallel degree",
         "",

@@ -203,6 +203,18 @@ class PlanOptions(Options):
 
         return price_for_options(profile, self.seq_len, self.seq_len_histogram)
 
+    def search_cost_fields(self) -> dict[str, Any]:
+        """The cost-model fields of these options that the cluster search (``--devices``) takes
+        as the job's own, where they differ from the default (Note [what the job prices] in
+        ``fxpipe.partitioner.search.configurations``): the search chooses the sharding level,
+        replicas and links itself."""
+        defaults = {f.name: f.default for f in fields(CostModel)}
+        return {
+            name: getattr(self, name)
+            for name in _PRICED
+            if name not in ("optimizer", "shard") and getattr(self, name) != defaults[name]
+        }
+
     def cost_model(self, trace_device: str) -> CostModel:
         """The cost model these options price with, for a profile traced on ``trace_device``
         (whose kind of device names the link when ``link`` does not)."""

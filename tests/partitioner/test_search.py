@@ -264,3 +264,50 @@ def test_the_search_counts_the_library_workspace() -> None:
         )
     needs = re.search(r"needs at least ([0-9.]+) MiB", str(caught.value))
     assert needs is not None and float(needs.group(1)) * 2**20 > WORKSPACE
+
+
+def test_the_jobs_own_cost_fields_price_every_configuration() -> None:
+    """Note [what the job prices]: bf16 gathers halve a fully sharded level's all-gathers and the
+    gathered copy, so the same configuration is cheaper and never larger than with fp32 gathers;
+    the plan of the chosen one is priced with them too."""
+    profile = _small()
+    cluster = ClusterSpec(devices=8, device_memory=_device(20), node_size=4)
+    kwargs = dict(shard_levels=("full",), schedules=("1f1b",), top=10**6)
+    fp32 = search_configurations(profile, cluster, 16, **kwargs)
+    bf16 = search_configurations(
+        profile, cluster, 16, cost_fields={"shard_param_dtype": "bfloat16"}, **kwargs
+    )
+    assert bf16.cost_fields == {"shard_param_dtype": "bfloat16"} and fp32.cost_fields == {}
+    by_label = {s.config.label: s for s in fp32.ranked}
+    sharded = [s for s in bf16.ranked if s.config.replicas > 1 and s.config.label in by_label]
+    assert sharded
+    for s in sharded:
+        assert s.step_ms < by_label[s.config.label].step_ms
+        assert s.peak_memory_bytes <= by_label[s.config.label].peak_memory_bytes
+    best = next(s for s in bf16.ranked if s.config.replicas > 1)
+    plan = plan_configuration(profile, cluster, best.config, cost_fields=bf16.cost_fields)
+    assert plan.cost.shard_param_dtype == "bfloat16"
+
+
+def test_a_field_the_search_chooses_is_refused_as_a_job_field() -> None:
+    profile, cluster = _small(2), ClusterSpec(devices=2)
+    for name, value in (("shard", "full"), ("dp_replicas", 2), ("no_such_field", 1)):
+        with pytest.raises(ConfigError, match=repr(name)):
+            search_configurations(profile, cluster, 4, cost_fields={name: value})
+
+
+def test_cli_plan_devices_prices_the_flags_it_was_given(tmp_path, capsys) -> None:
+    """``--shard-param-dtype`` and ``--precision`` with ``--devices`` were read and dropped: the
+    search now prices them, says so in its title, and the plan and search.json carry them."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(_small().to_json())
+    out = tmp_path / "plan.json"
+    args = ["plan", str(profile), "--devices", "8", "--device-memory", f"{_device(20)}"]
+    args += ["--node-size", "4", "--global-batch", "16", "--top", "2", "--out", str(out)]
+    assert main(args + ["--shard-param-dtype", "bfloat16", "--precision", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "priced with the job's precision bf16, shard_param_dtype bfloat16" in text
+    search = SearchResult.from_dict(json.loads((tmp_path / "plan.search.json").read_text()))
+    assert search.cost_fields == {"precision": "bf16", "shard_param_dtype": "bfloat16"}
+    plan = json.loads(out.read_text())
+    assert plan["cost"]["precision"] == "bf16" and plan["cost"]["shard_param_dtype"] == "bfloat16"

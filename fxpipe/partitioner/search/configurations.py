@@ -27,6 +27,13 @@ optimizer and fixed costs (``step_overheads``). The simulation of a shape is sha
 the sharding levels that recompute the same stages. ``search_explain`` says why the
 others lose.
 
+Note [what the job prices]: the search chooses the depth, replicas, microbatches, schedule,
+sharding level and recomputation; what the job itself fixes (its precision, the sharded
+levels' gather dtype and reduce timing, the gradient hook; ``PlanOptions.search_cost_fields``)
+is ``cost_fields``, applied to every configuration's cost model and to the plan of the one
+chosen, and recorded in the result (``SearchResult.cost_fields``) and its report. A field the
+search sets itself is refused there, so nothing a user passes is silently priced otherwise.
+
 >>> result = search_configurations(llama3_70b_profile(), ClusterSpec(64, parse_size("80GiB")), 256)  # doctest: +SKIP
 >>> result.best.config.label                                                                        # doctest: +SKIP
 """
@@ -36,11 +43,14 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
 
 from fxpipe.errors import ConfigError, InfeasibleError, PartitionError, ScheduleError
 from fxpipe.partitioner.solve.auto import auto_candidates
 from fxpipe.partitioner.cluster import ClusterSpec
-from fxpipe.partitioner.cost import SHARD_LEVELS
+from fxpipe.partitioner.cost import SHARD_LEVELS, CostModel
 from fxpipe.partitioner.plan import PartitionPlan
 from fxpipe.partitioner.prediction import RuntimeCosts, runtime_costs_for
 from fxpipe.partitioner.search.explain import Explanations
@@ -83,12 +93,15 @@ def search_configurations(
     stages: int | None = None,
     top: int = 5,
     runtime: RuntimeCosts | None = None,
+    cost_fields: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """The ``top`` fastest configurations of ``profile`` on ``cluster`` at ``global_batch``
     samples per step (Note [cluster search]); ``stages`` fixes the pipeline depth (the
-    replicas and the rest are still searched), ``max_stages`` caps it. ``InfeasibleError``
-    when none fits."""
+    replicas and the rest are still searched), ``max_stages`` caps it; ``cost_fields`` are the
+    job's own cost-model fields (Note [what the job prices]). ``InfeasibleError`` when none
+    fits."""
     start = time.perf_counter()
+    job = check_cost_fields(cost_fields)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global batch must be an int >= 1, got {global_batch!r}")
     if top < 1:
@@ -115,7 +128,7 @@ def search_configurations(
         if runtime is not None
         else runtime_costs_for(profile.trace_device, profile.host_slowdown)
     )
-    search = _Search(profile, cluster, global_batch, optimizer, shard_levels, top, rt)
+    search = _Search(profile, cluster, global_batch, optimizer, shard_levels, top, rt, job)
     shapes = enumerate_shapes(len(profile.units), cluster.devices, global_batch, kinds, depths)
     search.run(shapes)
     if not search.best:
@@ -131,7 +144,29 @@ def search_configurations(
         priced=search.pricer.priced,
         simulated=search.pricer.simulated,
         seconds=time.perf_counter() - start,
+        cost_fields=job,
     )
+
+
+# what the search chooses per configuration, or takes from its own arguments and the cluster
+_SEARCHED = frozenset(
+    {"optimizer", "shard", "dp_replicas", "recompute", "node_size"}
+    | {f.name for f in fields(CostModel) if f.name.startswith(("link", "inter_link"))}
+)
+
+
+def check_cost_fields(cost_fields: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``cost_fields`` as a plain dict, checked: cost-model fields the search does not set
+    itself (Note [what the job prices]); ``ConfigError`` otherwise."""
+    job = dict(cost_fields or {})
+    known = {f.name for f in fields(CostModel)}
+    for name in job:
+        if name not in known or name in _SEARCHED:
+            raise ConfigError(
+                f"the cluster search cannot take {name!r} as a fixed cost-model field: it "
+                f"{'chooses it itself' if name in _SEARCHED else 'is not one'}"
+            )
+    return job
 
 
 class _Search:
@@ -146,10 +181,13 @@ class _Search:
         shard_levels: tuple[str, ...],
         top: int,
         runtime: RuntimeCosts,
+        cost_fields: Mapping[str, Any],
     ) -> None:
         self.profile, self.top, self.rt = profile, top, runtime
         self.splits = SplitCache(profile, cluster)
-        self.pricer = Pricer(profile, cluster, global_batch, optimizer, shard_levels, runtime)
+        self.pricer = Pricer(
+            profile, cluster, global_batch, optimizer, shard_levels, runtime, cost_fields
+        )
         self.explain = Explanations(cluster, top)
         self.best: list[ConfigurationScore] = []  # the top k so far
         self.compute_ms = [u.fwd_ms + u.bwd_ms for u in profile.units]
@@ -221,13 +259,19 @@ def plan_configuration(
     *,
     optimizer: str = "adam",
     time_limit: float = 10.0,
+    cost_fields: Mapping[str, Any] | None = None,
 ) -> PartitionPlan:
     """The plan of one searched configuration: ``plan_partition`` at its microbatch size, with its
-    replicas, sharding, recomputed stages and the cluster's links and device memory."""
+    replicas, sharding, recomputed stages, the cluster's links and device memory and the job's
+    ``cost_fields`` (Note [what the job prices])."""
     from fxpipe.partitioner.solve.planner import plan_partition
 
     cost = cluster.cost_model(
-        config.replicas, optimizer=optimizer, shard=config.shard, recompute=config.recompute
+        config.replicas,
+        optimizer=optimizer,
+        shard=config.shard,
+        recompute=config.recompute,
+        **check_cost_fields(cost_fields),
     )
     return plan_partition(
         scale_profile(profile, config.microbatch_size),

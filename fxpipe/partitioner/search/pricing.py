@@ -3,7 +3,8 @@ where memory binds, and the simulated step of what fits (Note [cluster search] i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 from dataclasses import replace
 
 from fxpipe.partitioner.cluster import ClusterSpec
@@ -49,7 +50,9 @@ class Pricer:
         optimizer: str,
         shard_levels: tuple[str, ...],
         runtime: RuntimeCosts,
+        cost_fields: Mapping[str, Any] | None = None,
     ) -> None:
+        self.cost_fields = dict(cost_fields or {})  # the job's own (Note [what the job prices])
         self.profile, self.cluster, self.G, self.optimizer = (
             profile,
             cluster,
@@ -111,7 +114,10 @@ class Pricer:
                     replace(
                         problem,
                         cost=self.cluster.cost_model(
-                            shape.replicas, optimizer=self.optimizer, shard=level
+                            shape.replicas,
+                            optimizer=self.optimizer,
+                            shard=level,
+                            **self.cost_fields,
                         ),
                     ),
                     split.assignment,
@@ -153,7 +159,7 @@ class Pricer:
         S, M = shape.stages, shape.microbatches
         assignment = split.assignment
         limit = self.cluster.device_memory
-        base = self.cluster.cost_model(shape.replicas, optimizer=self.optimizer)
+        base = self.cluster.cost_model(shape.replicas, optimizer=self.optimizer, **self.cost_fields)
         problem = replace(self.problem(shape), microbatches=M, cost=base, memory_limit=limit)
         ev = evaluate(problem, assignment)
         self.priced += 1

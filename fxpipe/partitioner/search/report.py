@@ -10,7 +10,9 @@ from rich.table import Table
 
 from fxpipe.errors import ConfigError
 from fxpipe.partitioner.cluster import ClusterSpec
+from fxpipe.optionspec import from_namespace
 from fxpipe.partitioner.cost import format_size
+from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.schedule import AUTO
 from fxpipe.partitioner.search.configurations import SearchResult, search_configurations
 
@@ -31,6 +33,10 @@ def print_search_report(
         f"{result.global_batch}, {result.optimizer} (searched {result.candidates} shapes, priced "
         f"{result.priced}, simulated {result.simulated} in {result.seconds:.1f} s)"
     )
+    if result.cost_fields:
+        title += "; priced with the job's " + ", ".join(
+            f"{name} {value}" for name, value in sorted(result.cost_fields.items())
+        )
     table = Table(title=title, title_justify="left")
     for col in (
         "#",
@@ -115,6 +121,7 @@ def search_from_args(args: argparse.Namespace, profile: Any, console: Console) -
         schedules=schedules,
         stages=args.stages,
         top=args.top,
+        cost_fields=from_namespace(PlanOptions, args).search_cost_fields(),
     )
     print_search_report(result, console, explain=args.explain)
     note = trace_device_note(profile.trace_device, profile.timing, cluster)

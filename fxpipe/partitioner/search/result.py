@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fxpipe.errors import ConfigError
@@ -80,6 +80,9 @@ class SearchResult:
     priced: NonNegInt
     simulated: NonNegInt
     seconds: NonNegFloat
+    # the job's own cost-model fields every configuration was priced with (Note [what the job
+    # prices] in fxpipe.partitioner.search.configurations)
+    cost_fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def best(self) -> ConfigurationScore:
