@@ -29,7 +29,7 @@ from fxpipe.codegen.checkpoint_weights import (
 )
 from fxpipe.codegen.render.emit import emit_stages
 from fxpipe.codegen.manifest import Manifest, StageManifest, model_file_reference
-from fxpipe.codegen.render.outputs import dump_output_spec
+from fxpipe.codegen.outputs import dump_output_spec
 from fxpipe.codegen.check.safety import check_equivalence
 from fxpipe.codegen.shared import SHARED_SOURCE
 from fxpipe.codegen.graph.split import SplitGraph, split_graph

@@ -234,7 +234,7 @@ class Manifest:
     ``call`` says how a call of the model binds to ``inputs`` (Note [the traced call] in
     ``fxpipe.tracer.call``; ``None``: positionally, in order: see ``call_spec``);
     ``output_modules`` are the modules to import before reading ``output_spec`` (Note
-    [output structure] in ``fxpipe.codegen.render.outputs``).
+    [output structure] in ``fxpipe.codegen.outputs``).
     Its ``stages`` are the build's chunks: with ``--virtual-stages V`` each pipeline rank
     runs V of them (``StageManifest.rank``, placed loop- or V-style; ``stage_ranks``), and
     ``schedule`` names the schedule the build was planned for. ``weights`` says where the stage

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_unflatten
 from fxpipe.codegen.integrity import CheckedBuild, check_build, model_import_needed
 from fxpipe.codegen.load import _set_tensor, _tie_weights, load_checked_stage, read_manifest
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest, StageManifest
-from fxpipe.codegen.render.outputs import load_output_spec
+from fxpipe.codegen.outputs import load_output_spec
 
 __all__ = ["Pipeline", "load_pipeline", "load_checked_pipeline"]
 
@@ -30,7 +30,7 @@ class Pipeline(nn.Module):
     traced call] in ``fxpipe.tracer.call``): tensors may be passed by position or by name,
     and an argument that was a constant of the trace must be left at that value (else a
     ``CallError``). The output has the model's own structure (Note [output structure] in
-    ``fxpipe.codegen.render.outputs``). ``stages`` holds the stage modules; tied parameters are one
+    ``fxpipe.codegen.outputs``). ``stages`` holds the stage modules; tied parameters are one
     Parameter object shared by the stages that use them, so gradients equal the original model's.
     Tensors pass between stages as in a distributed run: each stage holds its own copy of each tensor it
     receives (``_wire``), and the model outputs are the last stage's, as the runtime's loss sees them, so

@@ -1,4 +1,4 @@
-"""The model's output structure in a build (Note [output structure] in fxpipe.codegen.render.outputs): every
+"""The model's output structure in a build (Note [output structure] in fxpipe.codegen.outputs): every
 process that rebuilds it -- load_pipeline, the runtime's last stage -- gets the model's own container,
 even one registered with pytree only when its library is imported (issue 10, item 6)."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from codegen_support import ROOT, build_example, build_model_file
 
-from fxpipe.codegen.render.outputs import dump_output_spec
+from fxpipe.codegen.outputs import dump_output_spec
 
 CONTAINER_IN_MODEL_FILE = """
 import dataclasses

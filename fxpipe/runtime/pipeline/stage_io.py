@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
-from fxpipe.codegen.render.outputs import rebuild_output
+from fxpipe.codegen.outputs import rebuild_output
 from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.pipeline.comm import Posted, RankComm
 from fxpipe.runtime.pipeline.p2p import P2P, Message
@@ -67,7 +67,7 @@ def microbatch_size(manifest: Manifest, inputs: Sequence[torch.Tensor]) -> int:
 
 def assemble_output(manifest: Manifest, flat: Sequence[torch.Tensor]) -> Any:
     """The model's output structure from its flattened outputs (what a loss function expects;
-    Note [output structure] in ``fxpipe.codegen.render.outputs``)."""
+    Note [output structure] in ``fxpipe.codegen.outputs``)."""
     return rebuild_output(manifest, list(flat))
 
 
