@@ -89,7 +89,12 @@ from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel.chunk_ties import TiedCopies, untie_chunks
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import AccumulationWindow
-from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
+from fxpipe.runtime.dataparallel.fsdp_units import (
+    block_units,
+    min_params_units,
+    root_child_units,
+    split_units,
+)
 
 __all__ = [
     "ShardedStage",
@@ -122,9 +127,15 @@ def shard_stage(
     stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
 ) -> list[nn.Module]:
     """``fully_shard`` the units of ``stage`` chosen by ``options.shard_wrap`` and the stage
-    itself (the root unit) over ``mesh``; returns the units, root last."""
+    itself (the root unit) over ``mesh``; returns the units, root last. Under ``full`` a block
+    over a quarter of what sharding saves is split into its children, and the children the
+    stage calls get units of their own (Note [units small enough to save])."""
     if options.shard_wrap == "block":
         units = block_units(stage)
+        replicas = mesh.size()
+        if options.shard == "full" and replicas > 1:
+            saved = sum(p.numel() for p in stage.parameters()) * (1 - 1 / replicas)
+            units = root_child_units(stage, split_units(units, saved / 4), saved / 4)
     elif options.shard_wrap == "params":
         assert options.shard_min_params is not None, "checked by DataParallelOptions"
         units = min_params_units(stage, options.shard_min_params)
