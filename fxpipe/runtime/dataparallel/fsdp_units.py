@@ -197,7 +197,11 @@ def called_children(module: nn.Module) -> set[str]:
         name = attr.attr
         if name in children:
             call = parent.get(attr)
-            if isinstance(call, ast.Call) and call.func is attr and not _inside(attr, parent, loops):
+            if (
+                isinstance(call, ast.Call)
+                and call.func is attr
+                and not _inside(attr, parent, loops)
+            ):
                 calls[name] = calls.get(name, 0) + 1
             else:
                 other.add(name)
