@@ -160,7 +160,7 @@ def called_children(module: nn.Module) -> set[str]:
     """The children that ``module``'s ``forward`` enters only by calling them, once each and outside
     any loop (``self.name(...)``); empty when the source cannot be read or ``forward`` uses
     ``self`` in a way that could reach a child's parameters otherwise (handing ``self`` on,
-    calling its methods, reading attributes that are not plain data). A child read any other
+    calling its methods or ``super()``'s, reading attributes that are not plain data). A child read any other
     way (``self.emb.weight``) is left out (Note [units small enough to save]).
 
     >>> class Net(nn.Module):
@@ -183,6 +183,8 @@ def called_children(module: nn.Module) -> set[str]:
     if not isinstance(func, ast.FunctionDef) or not func.args.args:
         return set()
     me = func.args.args[0].arg
+    if any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(func)):
+        return set()  # the parent class's forward may read the children any way
     parent = {child: node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
     children = dict(module.named_children())
     calls: dict[str, int] = {}

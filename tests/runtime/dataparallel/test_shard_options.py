@@ -197,6 +197,12 @@ def test_a_block_over_the_limit_is_split_into_the_children_its_forward_calls() -
     block = _Wide()
     assert called_children(block) == {"norm", "up", "down"}
     assert called_children(_Opaque()) == set()
+
+    class _Sub(_Wide):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.up(x) + super().forward(x)  # the parent's forward: unread
+
+    assert called_children(_Sub()) == set()
     assert called_children(nn.Sequential(nn.Linear(2, 2))) == set()  # ``self`` iterated
     # over the limit: the called children become units, the block keeps peek and twice
     units = split_units([block], limit=100)
