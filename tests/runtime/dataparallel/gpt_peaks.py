@@ -28,7 +28,7 @@ def build(out_dir: Path) -> Path:
 
 
 def measure_peaks(build_dir: Path, levels: dict[str, DataParallelOptions]) -> dict[str, Any]:
-    """Per level: three steps' losses, then one step's peak tensor bytes. Collective over the
+    """Per level: two steps' losses, then one step's peak tensor bytes. Collective over the
     default group (2 stages x 2 replicas)."""
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
@@ -42,7 +42,7 @@ def measure_peaks(build_dir: Path, levels: dict[str, DataParallelOptions]) -> di
             optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01),
             data_parallel=options,
         )
-        losses = [runner.step(inputs, targets) for _ in range(3)]
+        losses = [runner.step(inputs, targets) for _ in range(2)]
         peak = training_peak_tensor_bytes(runner, inputs, targets, 1)
         out[name] = {"losses": losses, "peak": peak, "stage": sorted(runner.stages)}
         runner.close()
