@@ -18,11 +18,32 @@ A unit must be entered through its own ``forward``: FSDP gathers its parameters 
 forward pre-hook. The block policy only picks modules that their parent calls (stack
 members); a module whose weight the stage reads directly (a tied embedding used as the
 output projection) stays in the root unit.
+
+Note [units small enough to save]: under ZeRO-3 (``shard="full"``) a rank keeps 1/R of its
+stage's P parameters, saving P(1 - 1/R), but a unit is whole while it runs, and on CPU, during
+its copy-out, twice (FSDP2 gathers into one flat buffer and copies each parameter out of it).
+A block that is a large part of its stage spends the saving on itself: ``examples/gpt.py``
+with 2 blocks a stage (a block 45% of the stage's parameters) peaked at 1.02-1.05x the
+unsharded run on 2 replicas. ``split_units`` therefore gives a unit over a limit (the
+sharded stage passes a quarter of what sharding saves, so whole units cost at most half of
+it) units of its children instead, as FairScale's ``auto_wrap`` would, but only children
+that its ``forward`` enters through their own ``forward`` and reads no other way
+(``called_children``: read from its source, so the generated stage classes and plain
+modules split, and code that reaches into a child, loops over it or hands ``self`` away
+does not); the unit keeps whatever its children do not take (nested, as torchtitan nests
+its units). The root unit (the stage) is whole for the stage's whole forward and whole
+backward, so ``root_child_units`` also gives each child the stage calls and that holds
+parameters of its own (an embedding, a final norm, an output head, as torchtitan shards
+them) a unit. Measured on ``examples/gpt.py`` (tests/runtime/dataparallel/test_sharded_peak.py,
+benchmarks/dataparallel/README.md): 0.94x / 0.91x the unsharded peak on the two stages.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -31,6 +52,9 @@ __all__ = [
     "block_units",
     "min_params_units",
     "auto_wrap_units",
+    "called_children",
+    "split_units",
+    "root_child_units",
     "default_auto_wrap_policy",
     "has_forward",
     "STACKS",
@@ -130,3 +154,134 @@ def min_params_units(stage: nn.Module, min_num_params: int) -> list[nn.Module]:
     """
     policy = functools.partial(default_auto_wrap_policy, min_num_params=min_num_params)
     return [m for m in auto_wrap_units(stage, policy) if m is not stage]
+
+
+def called_children(module: nn.Module) -> set[str]:
+    """The children that ``module``'s ``forward`` enters only by calling them, once each and outside
+    any loop (``self.name(...)``); empty when the source cannot be read or ``forward`` uses
+    ``self`` in a way that could reach a child's parameters otherwise (handing ``self`` on,
+    calling its methods or ``super()``'s, reading attributes that are not plain data). A child read any other
+    way (``self.emb.weight``) is left out (Note [units small enough to save]).
+
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.a, self.b, self.scale = nn.Linear(2, 2), nn.Linear(2, 2), 2.0
+    ...     def forward(self, x):
+    ...         return self.a(x) * self.scale + x @ self.b.weight
+    >>> sorted(called_children(Net()))
+    ['a']
+    """
+    forward = type(module).forward
+    if forward is nn.Module.forward:
+        return set()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef) or not func.args.args:
+        return set()
+    me = func.args.args[0].arg
+    if any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(func)):
+        return set()  # the parent class's forward may read the children any way
+    parent = {child: node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
+    children = dict(module.named_children())
+    calls: dict[str, int] = {}
+    other: set[str] = set()
+    loops = (ast.For, ast.AsyncFor, ast.While, ast.comprehension, ast.Lambda)
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Name) and node.id == me) or node is func.args.args[0]:
+            continue
+        attr = parent.get(node)
+        if not isinstance(attr, ast.Attribute) or attr.value is not node:
+            return set()  # ``self`` handed on: anything may read the children
+        name = attr.attr
+        if name in children:
+            call = parent.get(attr)
+            if (
+                isinstance(call, ast.Call)
+                and call.func is attr
+                and not _inside(attr, parent, loops)
+            ):
+                calls[name] = calls.get(name, 0) + 1
+            else:
+                other.add(name)
+        elif not (
+            name in module._parameters
+            or name in module._buffers
+            or isinstance(
+                module.__dict__.get(name, getattr(type(module), name, None)),
+                (int, float, bool, str, type(None), tuple),
+            )
+        ):
+            return set()  # a method or property: code this does not read
+    return {name for name, n in calls.items() if n == 1 and name not in other}
+
+
+def _inside(node: ast.AST, parent: dict[ast.AST, ast.AST], kinds: tuple[type, ...]) -> bool:
+    while node in parent:
+        node = parent[node]
+        if isinstance(node, kinds):
+            return True
+    return False
+
+
+def split_units(units: list[nn.Module], limit: float) -> list[nn.Module]:
+    """``units`` with each one holding more than ``limit`` parameters replaced by units of the
+    children its ``forward`` calls (``called_children``), again split while over the limit,
+    then itself when it still holds parameters they do not (Note [units small enough to save]).
+    Children first and in module order, so the order stays one that backward reverses."""
+    out: list[nn.Module] = []
+    for unit in units:
+        out += _split(unit, limit)
+    return out
+
+
+def _split(unit: nn.Module, limit: float) -> list[nn.Module]:
+    if _param_count(unit) <= limit:
+        return [unit]
+    called = called_children(unit)
+    kids = [
+        child
+        for name, child in unit.named_children()
+        if name in called and _param_count(child) and has_forward(child)
+    ]
+    seen: set[int] = set()
+    for child in kids:  # a parameter shared by two children would be sharded twice
+        ids = {id(p) for p in child.parameters()}
+        if ids & seen:
+            return [unit]
+        seen |= ids
+    inner = [u for child in kids for u in _split(child, limit)]
+    if not inner:
+        return [unit]
+    if any(id(p) not in seen for p in unit.parameters()):
+        inner.append(unit)  # the rest: whole for the unit's whole forward and backward
+    return inner
+
+
+def root_child_units(stage: nn.Module, units: list[nn.Module], limit: float) -> list[nn.Module]:
+    """``units`` (of ``stage``'s blocks) and a unit for each child that ``stage``'s ``forward``
+    calls (``called_children``) and that holds parameters nothing else in the stage shares,
+    split while over ``limit`` (``split_units``), in module order (Note [units small enough
+    to save])."""
+    called = called_children(stage)
+    owners: dict[int, set[str]] = {}
+    for name, p in stage.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(name.split(".")[0])
+    out: list[nn.Module] = []
+    for name, child in stage.named_children():
+        inner = {id(m) for m in child.modules()}
+        mine = [u for u in units if id(u) in inner]
+        if mine:
+            out += mine
+        elif (
+            name in called
+            and _param_count(child)
+            and has_forward(child)
+            and all(owners[id(p)] == {name} for p in child.parameters())
+        ):
+            out += _split(child, limit)
+    out += [u for u in units if u not in out]  # below a child no forward reaches by name
+    return out

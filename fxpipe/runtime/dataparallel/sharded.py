@@ -45,9 +45,13 @@ is then whole only while it runs, plus its flat all-gather output during its cop
 run.json's tracker on 2 stages x 2 replicas, SGD, 1F1B, 4 microbatches
 (tests/runtime/dataparallel/test_sharded_training.py, benchmarks/dataparallel/README.md): a
 stage of 4 equal ``Linear`` units peaks at 0.72x the unsharded run (0.84x before);
-``examples/gpt.py`` (2 blocks a stage, activations half the peak) at 1.02-1.05x
-(1.10-1.12x before), the rest being the copy-out of one block (45% of the stage's
-parameters) while the gradients accumulate whole (``--shard-reduce microbatch``: 0.95-0.97x).
+``examples/gpt.py`` (2 blocks a stage, activations half the peak) at 1.02-1.05x with one
+unit per block (1.10-1.12x before the plan): at the peak, in a block's backward copy-out, that
+block's whole parameters and its flat all-gather buffer (2 x 50,816 bytes, a block being 45%
+of the stage's parameters) outweighed the half of the parameters sharding saves (55,936), the
+gradients accumulating whole as under DDP. Such blocks are now split into the children they
+call (Note [units small enough to save] in ``fsdp_units.py``): 0.94x / 0.90x on the two stages
+(``--shard-reduce microbatch``, the gradients kept sharded: 0.86x / 0.79x).
 
 A rank that runs several chunks (``--virtual-stages``: interleaved-1f1b, zbv) shards each
 chunk as its own FSDP module (its own root, switches and count), as
@@ -89,7 +93,12 @@ from fxpipe.errors import ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel.chunk_ties import TiedCopies, untie_chunks
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import AccumulationWindow
-from fxpipe.runtime.dataparallel.fsdp_units import block_units, min_params_units
+from fxpipe.runtime.dataparallel.fsdp_units import (
+    block_units,
+    min_params_units,
+    root_child_units,
+    split_units,
+)
 
 __all__ = [
     "ShardedStage",
@@ -122,9 +131,15 @@ def shard_stage(
     stage: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
 ) -> list[nn.Module]:
     """``fully_shard`` the units of ``stage`` chosen by ``options.shard_wrap`` and the stage
-    itself (the root unit) over ``mesh``; returns the units, root last."""
+    itself (the root unit) over ``mesh``; returns the units, root last. Under ``full`` a block
+    over a quarter of what sharding saves is split into its children, and the children the
+    stage calls get units of their own (Note [units small enough to save])."""
     if options.shard_wrap == "block":
         units = block_units(stage)
+        replicas = mesh.size()
+        if options.shard == "full" and replicas > 1:
+            saved = sum(p.numel() for p in stage.parameters()) * (1 - 1 / replicas)
+            units = root_child_units(stage, split_units(units, saved / 4), saved / 4)
     elif options.shard_wrap == "params":
         assert options.shard_min_params is not None, "checked by DataParallelOptions"
         units = min_params_units(stage, options.shard_min_params)

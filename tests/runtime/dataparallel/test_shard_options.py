@@ -14,6 +14,7 @@ from fxpipe.errors import ConfigError, InfeasibleError
 from fxpipe.partitioner import CostModel, plan_partition
 from fxpipe.partitioner.cost import DataParallelTraffic
 from fxpipe.runtime.dataparallel import DataParallelOptions, block_units, min_params_units
+from fxpipe.runtime.dataparallel.fsdp_units import called_children, root_child_units, split_units
 from fxpipe.runtime.train.run_options import RunOptions, run_options_from_args
 from fxpipe.smp.config import Config
 
@@ -164,6 +165,71 @@ def test_block_policy_picks_the_members_of_the_outermost_stacks() -> None:
     )  # a stage that is itself a stack
     assert block_units(seq) == [seq[0], seq[2]]
     assert block_units(nn.Linear(3, 3)) == []  # nothing to split: the stage is one unit
+
+
+class _Wide(nn.Module):
+    """A block whose forward calls ``up`` and ``down``, reads ``peek``'s weight, loops ``twice``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.up, self.down = nn.Linear(4, 16), nn.Linear(16, 4)
+        self.peek, self.twice = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scale = 0.5
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        h = self.down(self.up(self.norm(x))) * self.scale + x @ self.peek.weight
+        for _ in range(2):
+            h = self.twice(h)
+        return h
+
+
+class _Opaque(_Wide):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.helper(x)  # a method: nothing says which children it reads
+
+    def helper(self, x):  # type: ignore[no-untyped-def]
+        return self.up.weight.sum() + x
+
+
+def test_a_block_over_the_limit_is_split_into_the_children_its_forward_calls() -> None:
+    # Note [units small enough to save]: only children entered through their own forward, once
+    block = _Wide()
+    assert called_children(block) == {"norm", "up", "down"}
+    assert called_children(_Opaque()) == set()
+
+    class _Sub(_Wide):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.up(x) + super().forward(x)  # the parent's forward: unread
+
+    assert called_children(_Sub()) == set()
+    assert called_children(nn.Sequential(nn.Linear(2, 2))) == set()  # ``self`` iterated
+    # over the limit: the called children become units, the block keeps peek and twice
+    units = split_units([block], limit=100)
+    assert units == [block.norm, block.up, block.down, block]
+    assert split_units([block], limit=10_000) == [block]  # under it: unchanged
+    assert split_units([_Opaque()], limit=1)[0].__class__ is _Opaque  # cannot tell: whole
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Embedding(10, 4)
+            self.wte = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleDict({"0": _Wide(), "1": _Wide()})
+            self.head = nn.Linear(4, 10, bias=False)
+            self.tied = nn.Linear(4, 10, bias=False)
+            self.tied.weight = self.wte.weight  # shared: both stay in the root
+
+        def forward(self, idx):  # type: ignore[no-untyped-def]
+            h = self.wte(idx) + self.pos(idx)
+            for block in self.blocks.values():
+                h = block(h)
+            return self.head(h) + self.tied(h)
+
+    stage = Stage()
+    blocks = block_units(stage)
+    # the root's called children get units (the stage's blocks as they were), the tied pair not
+    assert root_child_units(stage, blocks, limit=10_000) == [stage.pos, *blocks, stage.head]
 
 
 def test_min_params_policy_is_fairscales_auto_wrap() -> None:

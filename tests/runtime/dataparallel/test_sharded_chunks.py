@@ -7,7 +7,7 @@ replica trains on its half of the batch with every chunk sharded (``grad-op``, `
 and must equal one process on the whole batch: loss and every parameter, fp32, 1e-5;
 zb-h1 and zbv split the backward (the reduction waits for the step's last W), dualpipev
 splits one backward of one chunk. One case also resumes from a training checkpoint, and
-``blocks.BlockLM`` (an FSDP unit per block inside each stage) trains under zb-h1 at ``full``;
+``blocks.BlockLM`` (FSDP units nested in each stage) trains under zb-h1 at ``full``;
 ``examples/gpt.py``, built by the whole pipeline, under interleaved-1f1b and zbv.
 """
 
@@ -118,7 +118,7 @@ def _train(*case: Any, resume: bool = False) -> dict[str, Any]:
 
 
 def _blocks_zb_h1(shard: str) -> dict[str, Any]:
-    """``blocks.BlockLM`` under zb-h1: FSDP units nested in the stage (one per block), reduced by hand."""
+    """``blocks.BlockLM`` under zb-h1: FSDP units nested in the stage, reduced by hand."""
     runner = PipelineRunner(
         blocks.manifest(),
         blocks.loss_fn,
@@ -227,7 +227,9 @@ def test_each_chunk_sharded_trains_like_one_process_on_the_whole_batch() -> None
     ]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(want_losses), **TIGHT)
     for rank, res in enumerate(results):
-        assert res["blocks"]["units"] == 3, "two blocks and the stage: nested FSDP units"
+        # nested FSDP units: each block's norm and fc (a block is over a quarter of what sharding
+        # saves: Note [units small enough to save]), stage 0's embedding, and the stage
+        assert res["blocks"]["units"] == (6 if rank % RANKS == 0 else 5), res["blocks"]["units"]
         for key, value in res["blocks"]["state"].items():
             torch.testing.assert_close(
                 value, want_state[key], **TIGHT, msg=f"blocks zb-h1: {key} on rank {rank}"

@@ -6,7 +6,8 @@ rtol 1e-5), keep 1/R of the parameters, gradients and optimizer state per rank a
 level says, hand the collectives the bytes the cost model prices (within 10%), and
 resume from a sharded or a full checkpoint onto the uninterrupted trajectory, bit for bit;
 and, on a model whose parameters dominate (``heavy_params``, SGD), ``full`` must peak well
-below ``none``.
+below ``none``, as on ``examples/gpt.py`` (``gpt_peaks``: activations half the peak, a block
+45% of its stage).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import blocks
+import gpt_peaks
 import heavy_params
 from concat_reference import train_on_concatenated_batches
 from fxpipe.partitioner.cost import CostModel
@@ -136,7 +138,7 @@ def _resume(level: str, sharded: bool, tmp: Path) -> dict[str, Any]:
     return {"want": want, "got": got, "files": sorted(p.name for p in (tmp / level).iterdir())}
 
 
-def _job(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+def _job(rank: int, world: int, tmp: Path, gpt_build: Path) -> dict[str, Any]:
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
     for name, (options, schedule, m) in LEVELS.items():
@@ -153,6 +155,9 @@ def _job(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     out["resume"] = {level: _resume(level, sharded, tmp) for level, sharded in RESUME.items()}
     out["peaks"] = heavy_params.measure_peaks(
         rank, {"none": DataParallelOptions(), "full": DataParallelOptions(shard="full")}
+    )
+    out["gpt_peaks"] = gpt_peaks.measure_peaks(
+        gpt_build, {"none": DataParallelOptions(), "full": DataParallelOptions(shard="full")}
     )
     dist.destroy_process_group()
     return out
@@ -174,7 +179,8 @@ def reference(steps: int, microbatches: int) -> tuple[list[float], dict[str, tor
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("sharded")
-    return [r.value for r in spawn(_job, STAGES * REPLICAS, tmp, timeout=600)]
+    gpt_build = gpt_peaks.build(tmp / "gpt")
+    return [r.value for r in spawn(_job, STAGES * REPLICAS, tmp, gpt_build, timeout=600)]
 
 
 def _replica_mean(results: list[dict], name: str) -> torch.Tensor:
@@ -263,8 +269,11 @@ def test_collectives_per_step_are_what_the_cost_model_prices(results: list[dict]
         "none": {"all_reduce": 1},
         "optimizer": {"all_reduce": 1},
         "grad-op": {"all_gather": 3, "reduce_scatter": 3},  # 3 units, gathered once
-        "full": {"all_gather": 12, "reduce_scatter": 3},  # and per F and B of 2 microbatches
-        "full_gpipe_microbatch": {"all_gather": 12, "reduce_scatter": 6},
+        # full: each block (37% of its stage) split into its norm and fc, stage 0's embedding a
+        # unit of its own (Note [units small enough to save]): 5 units with gradients, gathered
+        # per F and B of 2 microbatches
+        "full": {"all_gather": 20, "reduce_scatter": 5},
+        "full_gpipe_microbatch": {"all_gather": 20, "reduce_scatter": 10},
         "grad-op_stage_unit": {"all_gather": 1, "reduce_scatter": 1},
     }
     for name, (options, _, m) in [*LEVELS.items(), ("mixed", (MIXED, "1f1b", 2))]:
@@ -329,6 +338,26 @@ def test_full_sharding_peaks_at_most_080x_the_unsharded_run_where_parameters_dom
         torch.testing.assert_close(
             torch.tensor(res["peaks"]["full"]["losses"]),
             torch.tensor(res["peaks"]["none"]["losses"]),
+            rtol=1e-5,
+            atol=0,
+        )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_full_sharding_peaks_at_most_095x_the_unsharded_run_on_gpt(results: list[dict]) -> None:
+    # issue 35, 8c: examples/gpt.py, 2 blocks a stage; measured 0.942x / 0.904x (stage 0 / 1) with
+    # the blocks split into the children they call and the stage's own children made units (Note
+    # [units small enough to save]); 1.023x / 1.050x with one unit per block, whose gathered
+    # parameters and flat all-gather buffer outweighed the half of the parameters sharding saves
+    for rank, res in enumerate(results):
+        peaks = res["gpt_peaks"]
+        assert peaks["full"]["stage"] == [rank % STAGES]
+        none, full = peaks["none"]["peak"], peaks["full"]["peak"]
+        assert full <= 0.95 * none, (rank, full, none, full / none)
+        torch.testing.assert_close(
+            torch.tensor(peaks["full"]["losses"]),
+            torch.tensor(peaks["none"]["losses"]),
             rtol=1e-5,
             atol=0,
         )
