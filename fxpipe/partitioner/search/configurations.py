@@ -181,7 +181,7 @@ class _Search:
         shard_levels: tuple[str, ...],
         top: int,
         runtime: RuntimeCosts,
-        cost_fields: Mapping[str, Any],
+        cost_fields: Mapping[str, Any] | None = None,
     ) -> None:
         self.profile, self.top, self.rt = profile, top, runtime
         self.splits = SplitCache(profile, cluster)
