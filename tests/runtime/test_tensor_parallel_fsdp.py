@@ -45,44 +45,67 @@ def _layouts(runner: PipelineRunner) -> set[str]:
     }
 
 
-def _sharded(rank: int, world: int, build: Path, name: str, shard: str) -> dict[str, Any]:
+def _runner(build: Path, name: str, shard: str, **options: Any) -> PipelineRunner:
+    source = load_model_file(MODELS[name])
+    return PipelineRunner(
+        build,
+        source.loss_fn if name != "llama" else None,
+        microbatches=MICROBATCHES,
+        optimizer_factory=options.pop("optimizer_factory", lambda p: torch.optim.SGD(p, lr=LR)),
+        timeout_s=300,
+        tensor_parallel=TP,
+        data_parallel=DataParallelOptions(shard=shard),
+        **options,
+    )
+
+
+def _half(runner: PipelineRunner, name: str) -> tuple[Any, Any]:
+    """This replica's half of a batch of REPLICAS x BATCH."""
+    inputs, targets = _call(name, REPLICAS * BATCH)
+    rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
+    if name == "llama":
+        return {k: v[rows] for k, v in inputs.items()}, None
+    return (inputs[0][rows],), targets[rows]
+
+
+def _sharded(
+    rank: int, world: int, build: Path, name: str, shard: str, max_norm: float | None = None
+) -> dict[str, Any]:
     """pp 1 x tp 2 x dp 2: replica r trains on its half of a batch of REPLICAS x BATCH."""
     from fxpipe.runtime.dataparallel.sharded import ShardedStage
 
     dist.init_process_group("gloo")
-    source = load_model_file(MODELS[name])
-    runner = PipelineRunner(
-        build,
-        source.loss_fn if name != "llama" else None,
-        microbatches=MICROBATCHES,
-        optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
-        timeout_s=300,
-        tensor_parallel=TP,
-        data_parallel=DataParallelOptions(shard=shard),
-    )
+    runner = _runner(build, name, shard, max_grad_norm=max_norm)
     assert runner.layout.replicas == REPLICAS
     assert isinstance(runner.data_parallel, ShardedStage)
-    inputs, targets = _call(name, REPLICAS * BATCH)
-    rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
-    if name == "llama":
-        inputs = {k: v[rows] for k, v in inputs.items()}
-    else:
-        inputs, targets = (inputs[0][rows],), targets[rows]
-    losses = [runner.step(inputs, targets) for _ in range(STEPS)]
+    inputs, targets = _half(runner, name)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(runner.step(inputs, targets))
+        norms.append(runner.last_grad_norm)
     layouts = _layouts(runner)
     state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
     runner.close()
-    return {"losses": losses, "state": state, "replica": runner.replica, "layouts": layouts}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": state,
+        "replica": runner.replica,
+        "layouts": layouts,
+    }
 
 
-def _reference(build: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process on the replicas' batches together, REPLICAS x MICROBATCHES chunks."""
+def _reference(
+    build: Path, name: str, max_norm: float | None = None, steps: int = STEPS, momentum: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """One process on the replicas' batches together, REPLICAS x MICROBATCHES chunks; the
+    gradient norms when clipping to ``max_norm``."""
     source = load_model_file(MODELS[name])
     model = source.build_model()
     missing, _ = model.load_state_dict(load_stage(build, 0).state_dict(), strict=False)
     assert set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     inputs, targets = _call(name, REPLICAS * BATCH)
     n = REPLICAS * MICROBATCHES
     if name == "llama":
@@ -90,8 +113,8 @@ def _reference(build: Path, name: str) -> tuple[list[float], dict[str, torch.Ten
         chunks = [((), {k: v[i] for k, v in parts.items()}, None) for i in range(n)]
     else:
         chunks = [((x,), {}, t) for x, t in zip(inputs[0].chunk(n), targets.chunk(n))]
-    losses = []
-    for _ in range(STEPS):
+    losses, norms = [], []
+    for _ in range(steps):
         opt.zero_grad()
         total = 0.0
         for args, kwargs, tgt in chunks:
@@ -99,12 +122,16 @@ def _reference(build: Path, name: str) -> tuple[list[float], dict[str, torch.Ten
             loss = out.loss if name == "llama" else source.loss_fn(out, tgt)
             (loss / n).backward()
             total += loss.item()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         losses.append(total / n)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def _check(results: list[dict[str, Any]], want_losses: list[float], want_state: dict) -> None:
+def _check(
+    results: list[dict[str, Any]], want_losses: list[float], want_state: dict, *_: Any
+) -> None:
     by_replica = {r["replica"]: r["losses"] for r in results}
     mean = (torch.tensor(by_replica[0]) + torch.tensor(by_replica[1])) / 2
     torch.testing.assert_close(mean, torch.tensor(want_losses), **TIGHT)
@@ -129,3 +156,137 @@ def test_fsdp_over_tp_trains_as_one_process(builds: dict[str, Path], name: str, 
     for r in results:  # split weights on the 2-D mesh: dp shards the tp shard
         assert "('dp', 'tp') (Shard(dim=0), Shard(dim=1))" in r["layouts"], r["layouts"]
     _check(results, *_reference(build, name))
+
+
+MAX_NORM = 0.5
+
+
+@pytest.mark.distributed
+def test_clipping_under_fsdp_over_tp_counts_each_shard_once(builds: dict[str, Path]) -> None:
+    """grad-op, clipped: each gradient is split over dp, tp or both; the norm adds each shard
+    once over the dims it is split on (Note [norm of tensor-parallel gradients])."""
+    build = builds["gpt"]
+    results = [
+        r.value
+        for r in spawn(_sharded, TP * REPLICAS, build, "gpt", "grad-op", MAX_NORM, timeout=900)
+    ]
+    want_losses, want_state, want_norms = _reference(build, "gpt", MAX_NORM)
+    assert min(want_norms) > MAX_NORM  # every step really clips
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(r["norms"]), torch.tensor(want_norms), **TIGHT, msg=f"norms rank {rank}"
+        )
+    _check(results, want_losses, want_state)
+
+
+HALF = 2
+
+
+def _momentum(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _saved(rank: int, world: int, build: Path, ckdir: str) -> list[float]:
+    """pp 1 x tp 2 x dp 2, shard full: HALF steps, then a DCP checkpoint (2-D DTensor shards)."""
+    from fxpipe.runtime.train.dcp_checkpoint import save_dcp_checkpoint
+
+    dist.init_process_group("gloo")
+    runner = _runner(build, "gpt", "full", optimizer_factory=_momentum)
+    inputs, targets = _half(runner, "gpt")
+    losses = [runner.step(inputs, targets) for _ in range(HALF)]
+    save_dcp_checkpoint(ckdir, runner, HALF, HALF * BATCH, {"losses": losses}, {})
+    runner.close()
+    return losses
+
+
+def _resumed(rank: int, world: int, build: Path, ckdir: str) -> dict[str, Any]:
+    """One process (no tp, no replicas) resumes and trains on the replicas' batches together."""
+    from fxpipe.runtime.train.commit import read_record
+    from fxpipe.runtime.train.dcp_checkpoint import check_dcp_keys, load_dcp_checkpoint
+
+    dist.init_process_group("gloo")
+    source = load_model_file(MODELS["gpt"])
+    runner = PipelineRunner(
+        build,
+        source.loss_fn,
+        microbatches=REPLICAS * MICROBATCHES,
+        optimizer_factory=_momentum,
+        timeout_s=300,
+    )
+    record = read_record(Path(ckdir) / "checkpoint.json")
+    assert record is not None
+    check_dcp_keys(runner, ckdir, record)
+    got = load_dcp_checkpoint(runner, ckdir, record)
+    inputs, targets = _call("gpt", REPLICAS * BATCH)
+    losses = [runner.step(inputs, targets) for _ in range(STEPS - HALF)]
+    state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    runner.close()
+    return {"step": got["step"], "losses": losses, "state": state}
+
+
+@pytest.mark.distributed
+def test_checkpoint_of_fsdp_over_tp_resumes_in_one_process(
+    builds: dict[str, Path], tmp_path: Path
+) -> None:
+    """The model-keyed DCP checkpoint holds the 2-D shards (weights and momentum) by original
+    key: one process resumes it on the one-process trajectory."""
+    build, ck = builds["gpt"], str(tmp_path / "ck")
+    want_losses, want_state, _ = _reference(build, "gpt", momentum=0.9)
+    saved = [r.value for r in spawn(_saved, TP * REPLICAS, build, ck, timeout=900)]
+    mean = (torch.tensor(saved[0]) + torch.tensor(saved[-1])) / 2  # ranks 0, 3: replicas 0, 1
+    torch.testing.assert_close(mean, torch.tensor(want_losses[:HALF]), **TIGHT)
+    (resumed,) = [r.value for r in spawn(_resumed, 1, build, ck, timeout=600)]
+    assert resumed["step"] == HALF
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(want_losses[HALF:]), **TIGHT
+    )
+    for key, value in resumed["state"].items():
+        torch.testing.assert_close(value, want_state[key], **TIGHT, msg=key)
+
+
+def test_fsdp_over_tp_on_a_one_rank_mesh_composes(tmp_path: Path) -> None:
+    """The composition in one process (make test's sibling of the 4-process runs): the stage's
+    (dp, tp) mesh sliced from one root, the plan applied on tp, FSDP over dp; the split weights
+    become DTensors on the 2-D mesh and outputs and gradients equal the plain module's."""
+    import copy
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+    from test_tp_plan import Stage  # a tiny attention + SwiGLU + fused-qkv stage
+
+    from fxpipe.codegen.tp_plan import find_stage_plan
+    from fxpipe.runtime import RankLayout
+    from fxpipe.runtime.dataparallel.sharded import ShardedStage
+    from fxpipe.runtime.pipeline.tensor_parallel import (
+        implicit_replication_on,
+        parallelize_stage,
+        stage_mesh,
+    )
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        stage = Stage()
+        plain = copy.deepcopy(stage)
+        mesh = stage_mesh(RankLayout(1, 1, 1), torch.device("cpu"))
+        assert mesh.mesh_dim_names == ("dp", "tp")
+        parallelize_stage(stage, find_stage_plan(stage, 0).for_degree(1), mesh["tp"])
+        ShardedStage(
+            stage, None, DataParallelOptions(shard="full"), torch.device("cpu"), 1, mesh=mesh["dp"]
+        )
+        q = stage.attn.q.weight
+        assert isinstance(q, DTensor) and q.device_mesh.mesh_dim_names == ("dp", "tp")
+        ids = torch.randint(0, 10, (2, 5))
+        mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+        with implicit_replication_on():
+            out = stage(ids, mask)
+            out.square().mean().backward()
+        want = plain(ids, mask)
+        want.square().mean().backward()
+        torch.testing.assert_close(out, want, **TIGHT)
+        for (name, p), w in zip(stage.named_parameters(), plain.parameters()):
+            assert isinstance(p.grad, DTensor), name
+            torch.testing.assert_close(p.grad.full_tensor(), w.grad, **TIGHT, msg=name)
+    finally:
+        dist.destroy_process_group()

@@ -249,9 +249,9 @@ class RunOptions(Options):
             self.tp > 1
         ):  # what tensor parallelism does not combine with yet (docs/tensor-parallel.md)
             for what, given in (
-                (
+                (  # FSDP over the stage's tp shards runs (Note [FSDP over TP]); ZeRO-1 does not
                     f"--shard {self.data_parallel.shard}",
-                    self.data_parallel.shard != "none",
+                    self.data_parallel.shard == "optimizer",
                 ),
                 (
                     f"--comm-hook {self.data_parallel.comm_hook}",
