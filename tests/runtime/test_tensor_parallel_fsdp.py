@@ -1,11 +1,13 @@
-"""FSDP over the replicas of a tensor-parallel stage (``--tp T --shard full``), torchtitan's
-composition: ``parallelize_module`` on the ``tp`` dim of the stage's ``(dp, tp)`` mesh first,
-then ``fully_shard`` over its ``dp`` dim (Note [FSDP over TP]).
+"""FSDP over the replicas of a tensor-parallel stage (``--tp T --shard grad-op|full``),
+torchtitan's composition: ``parallelize_module`` on the ``tp`` dim of the stage's ``(dp, tp)``
+mesh first, then ``fully_shard`` over its ``dp`` dim (Note [FSDP over TP]).
 
-1 stage x tp 2 x dp 2 (4 gloo processes) of the GPT example: its split weights are DTensors
-on the 2-D mesh, sharded over dp and tp; replica r trains on its half of the batch, and the
-losses and every parameter (gathered) after 3 SGD steps equal one process on the whole batch
-(fp32, rtol 1e-5). One process on a 1 x 1 x 1 mesh checks the composition itself cheaply.
+1 stage x tp 2 x dp 2 (4 gloo processes) of the GPT example and a GQA Llama (``labels=``):
+split weights are DTensors on the 2-D mesh, sharded over dp and tp; replica r trains on its
+half of the batch, and the losses and every parameter (gathered) after 3 SGD steps equal one
+process on the whole batch (fp32, rtol 1e-5). Clipping (grad-op), fp16's found-inf and a DCP
+checkpoint resumed in one process, each against one process. One process on a 1 x 1 x 1 mesh
+checks the composition itself cheaply (make test).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fxpipe.codegen import load_stage
+from fxpipe.codegen.manifest import Manifest
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions
@@ -33,7 +36,8 @@ TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tpfsdp")
-    return {name: _build(MODELS[name], root / f"{name}1", 1) for name in ("gpt", "llama")}
+    made = {name: _build(MODELS[name], root / f"{name}1", 1) for name in ("gpt", "llama")}
+    return made | {"gpt2": _build(MODELS["gpt"], root / "gpt2", 2)}
 
 
 def _layouts(runner: PipelineRunner) -> set[str]:
@@ -46,7 +50,7 @@ def _layouts(runner: PipelineRunner) -> set[str]:
 
 
 def _runner(build: Path, name: str, shard: str, **options: Any) -> PipelineRunner:
-    source = load_model_file(MODELS[name])
+    source = load_model_file(MODELS["gpt" if name == "gpt2" else name])
     return PipelineRunner(
         build,
         source.loss_fn if name != "llama" else None,
@@ -61,7 +65,7 @@ def _runner(build: Path, name: str, shard: str, **options: Any) -> PipelineRunne
 
 def _half(runner: PipelineRunner, name: str) -> tuple[Any, Any]:
     """This replica's half of a batch of REPLICAS x BATCH."""
-    inputs, targets = _call(name, REPLICAS * BATCH)
+    inputs, targets = _call("gpt" if name == "gpt2" else name, REPLICAS * BATCH)
     rows = slice(runner.replica * BATCH, (runner.replica + 1) * BATCH)
     if name == "llama":
         return {k: v[rows] for k, v in inputs.items()}, None
@@ -71,7 +75,7 @@ def _half(runner: PipelineRunner, name: str) -> tuple[Any, Any]:
 def _sharded(
     rank: int, world: int, build: Path, name: str, shard: str, max_norm: float | None = None
 ) -> dict[str, Any]:
-    """pp 1 x tp 2 x dp 2: replica r trains on its half of a batch of REPLICAS x BATCH."""
+    """pp x tp 2 x dp 2: replica r trains on its half of a batch of REPLICAS x BATCH."""
     from fxpipe.runtime.dataparallel.sharded import ShardedStage
 
     dist.init_process_group("gloo")
@@ -102,7 +106,10 @@ def _reference(
     gradient norms when clipping to ``max_norm``."""
     source = load_model_file(MODELS[name])
     model = source.build_model()
-    missing, _ = model.load_state_dict(load_stage(build, 0).state_dict(), strict=False)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(Manifest.from_json(build).num_stages):
+        state.update(load_stage(build, i).state_dict())
+    missing, _ = model.load_state_dict(state, strict=False)
     assert set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
@@ -290,3 +297,71 @@ def test_fsdp_over_tp_on_a_one_rank_mesh_composes(tmp_path: Path) -> None:
             torch.testing.assert_close(p.grad.full_tensor(), w.grad, **TIGHT, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+POISONED = 2
+
+
+def _overflow(rank: int, world: int, build: Path) -> list[dict[str, Any]]:
+    """fp16, shard full; at step POISONED only rank 1 (replica 0, tp 1) makes its shard of a
+    split gradient inf, after FSDP's reduce-scatter."""
+    from fxpipe.runtime.pipeline.precision import PipelineScaler
+
+    dist.init_process_group("gloo")
+    runner = _runner(build, "gpt", "full", precision="fp16")
+    runner.scaler = PipelineScaler(runner.device, runner.optimizer)  # 2**16: no natural overflow
+    inputs, targets = _half(runner, "gpt")
+    step = {"k": -1}
+    split = [p for p in runner.stage.parameters() if _is_2d(p)]
+    dp = runner.data_parallel
+    assert dp is not None and split
+    sync = dp.sync_gradients
+
+    def poisoned() -> None:
+        sync()
+        if rank == 1 and step["k"] == POISONED:
+            split[0].grad.to_local().mul_(float("inf"))
+
+    dp.sync_gradients = poisoned  # type: ignore[method-assign]
+    rows = []
+    for k in range(4):
+        step["k"] = k
+        before = runner.state_dict()
+        runner.step(inputs, targets)
+        after = runner.state_dict()
+        rows.append(
+            {
+                "scale": runner.scaler.scale,
+                "skipped": runner.scaler.skipped,
+                "moved": any(not torch.equal(v, after[n]) for n, v in before.items()),
+            }
+        )
+    runner.close()
+    return rows
+
+
+def _is_2d(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "tp")
+
+
+@pytest.mark.distributed
+def test_fp16_inf_in_one_shard_of_fsdp_over_tp_skips_the_step_on_every_rank(
+    builds: dict[str, Path],
+) -> None:
+    for rank, r in enumerate(spawn(_overflow, TP * REPLICAS, builds["gpt"], timeout=900)):
+        rows = r.value
+        assert [x["skipped"] for x in rows] == [k == POISONED for k in range(4)], rank
+        assert [x["moved"] for x in rows] == [k != POISONED for k in range(4)], rank
+        assert [x["scale"] for x in rows] == [2.0**16, 2.0**16, 2.0**15, 2.0**15], rank
+
+
+@pytest.mark.distributed
+def test_pp2_x_tp2_x_dp2_sharded_trains_as_one_process(builds: dict[str, Path]) -> None:
+    """2 stages (the embedding and its tied head on different stages: the tie sums FSDP's 2-D
+    shards) x tp 2 x dp 2, shard full: 8 processes."""
+    build = builds["gpt2"]
+    results = [
+        r.value
+        for r in spawn(_sharded, 2 * TP * REPLICAS, build, "gpt2", "full", timeout=1200, heavy=True)
+    ]
+    _check(results, *_reference(build, "gpt"))
