@@ -26,7 +26,7 @@ from fxpipe.modelfile import load_model_file
 from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions
 from spawn import spawn
-from test_tensor_parallel import BATCH, LR, MICROBATCHES, MODELS, STEPS, TP, _build, _call
+from test_tensor_parallel import BATCH, LR, MICROBATCHES, MODELS, STEPS, TP, _Builds, _call
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 REPLICAS = 2
@@ -34,10 +34,9 @@ TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tpfsdp")
-    made = {name: _build(MODELS[name], root / f"{name}1", 1) for name in ("gpt", "llama")}
-    return made | {"gpt2": _build(MODELS["gpt"], root / "gpt2", 2)}
+def builds(tmp_path_factory: pytest.TempPathFactory) -> _Builds:
+    """Builds made on first use: (model, stages)."""
+    return _Builds(tmp_path_factory.mktemp("tpfsdp"))
 
 
 def _layouts(runner: PipelineRunner) -> set[str]:
@@ -157,8 +156,8 @@ def _check(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, shard", [("gpt", "full"), ("llama", "full")])
-def test_fsdp_over_tp_trains_as_one_process(builds: dict[str, Path], name: str, shard: str) -> None:
-    build = builds[name]
+def test_fsdp_over_tp_trains_as_one_process(builds: _Builds, name: str, shard: str) -> None:
+    build = builds[(name, 1)]
     results = [r.value for r in spawn(_sharded, TP * REPLICAS, build, name, shard, timeout=900)]
     for r in results:  # split weights on the 2-D mesh: dp shards the tp shard
         assert "('dp', 'tp') (Shard(dim=0), Shard(dim=1))" in r["layouts"], r["layouts"]
@@ -169,10 +168,10 @@ MAX_NORM = 0.5
 
 
 @pytest.mark.distributed
-def test_clipping_under_fsdp_over_tp_counts_each_shard_once(builds: dict[str, Path]) -> None:
+def test_clipping_under_fsdp_over_tp_counts_each_shard_once(builds: _Builds) -> None:
     """grad-op, clipped: each gradient is split over dp, tp or both; the norm adds each shard
     once over the dims it is split on (Note [norm of tensor-parallel gradients])."""
-    build = builds["gpt"]
+    build = builds[("gpt", 1)]
     results = [
         r.value
         for r in spawn(_sharded, TP * REPLICAS, build, "gpt", "grad-op", MAX_NORM, timeout=900)
@@ -232,12 +231,10 @@ def _resumed(rank: int, world: int, build: Path, ckdir: str) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_checkpoint_of_fsdp_over_tp_resumes_in_one_process(
-    builds: dict[str, Path], tmp_path: Path
-) -> None:
+def test_checkpoint_of_fsdp_over_tp_resumes_in_one_process(builds: _Builds, tmp_path: Path) -> None:
     """The model-keyed DCP checkpoint holds the 2-D shards (weights and momentum) by original
     key: one process resumes it on the one-process trajectory."""
-    build, ck = builds["gpt"], str(tmp_path / "ck")
+    build, ck = builds[("gpt", 1)], str(tmp_path / "ck")
     want_losses, want_state, _ = _reference(build, "gpt", momentum=0.9)
     saved = [r.value for r in spawn(_saved, TP * REPLICAS, build, ck, timeout=900)]
     mean = (torch.tensor(saved[0]) + torch.tensor(saved[-1])) / 2  # ranks 0, 3: replicas 0, 1
@@ -346,9 +343,9 @@ def _is_2d(p: torch.Tensor) -> bool:
 
 @pytest.mark.distributed
 def test_fp16_inf_in_one_shard_of_fsdp_over_tp_skips_the_step_on_every_rank(
-    builds: dict[str, Path],
+    builds: _Builds,
 ) -> None:
-    for rank, r in enumerate(spawn(_overflow, TP * REPLICAS, builds["gpt"], timeout=900)):
+    for rank, r in enumerate(spawn(_overflow, TP * REPLICAS, builds[("gpt", 1)], timeout=900)):
         rows = r.value
         assert [x["skipped"] for x in rows] == [k == POISONED for k in range(4)], rank
         assert [x["moved"] for x in rows] == [k != POISONED for k in range(4)], rank
@@ -356,12 +353,45 @@ def test_fp16_inf_in_one_shard_of_fsdp_over_tp_skips_the_step_on_every_rank(
 
 
 @pytest.mark.distributed
-def test_pp2_x_tp2_x_dp2_sharded_trains_as_one_process(builds: dict[str, Path]) -> None:
+def test_pp2_x_tp2_x_dp2_sharded_trains_as_one_process(builds: _Builds) -> None:
     """2 stages (the embedding and its tied head on different stages: the tie sums FSDP's 2-D
     shards) x tp 2 x dp 2, shard full: 8 processes."""
-    build = builds["gpt2"]
+    build = builds[("gpt", 2)]
     results = [
         r.value
         for r in spawn(_sharded, 2 * TP * REPLICAS, build, "gpt2", "full", timeout=1200, heavy=True)
     ]
     _check(results, *_reference(build, "gpt"))
+
+
+@pytest.mark.parametrize(
+    "schedule, shard, refused",
+    [
+        ("zb-h1", "full", "runs one stage per rank and an unsplit backward only"),
+        ("1f1b", "optimizer", "not shard='optimizer'"),
+    ],
+)
+def test_runner_refuses_what_fsdp_over_tp_does_not_run(
+    builds: _Builds,
+    monkeypatch: pytest.MonkeyPatch,
+    schedule: str,
+    shard: str,
+    refused: str,
+) -> None:
+    """Before any communication: a split backward (W would differentiate FSDP's whole
+    parameters, tp DTensors) and ZeRO-1 over tp shards."""
+    from fxpipe.errors import ConfigError
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", "29500")  # never reached: refused before any group
+    monkeypatch.setenv("WORLD_SIZE", str(TP * REPLICAS))
+    with pytest.raises(ConfigError, match=refused):
+        PipelineRunner(
+            builds[("gpt", 1)],
+            None,
+            microbatches=MICROBATCHES,
+            schedule=schedule,
+            tensor_parallel=TP,
+            data_parallel=DataParallelOptions(shard=shard),
+        )
