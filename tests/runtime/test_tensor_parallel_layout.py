@@ -33,6 +33,10 @@ def test_tp_ranks_are_neighbours_and_each_tp_index_has_its_pipelines() -> None:
     [
         (dict(data_parallel=DataParallelOptions(shard="optimizer")), "--shard optimizer"),
         (dict(data_parallel=DataParallelOptions(comm_hook="fp16")), "--comm-hook fp16"),
+        (
+            dict(data_parallel=DataParallelOptions(shard="full", shard_param_dtype="bfloat16")),
+            "--shard-param-dtype/--shard-reduce-dtype",
+        ),
     ],
 )
 def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: str) -> None:

@@ -135,6 +135,11 @@ def _tensor_parallel_plan(
             f"FSDP (shard='grad-op' or 'full') with comm_hook='allreduce' only, not "
             f"shard={dp_options.shard!r}, comm_hook={dp_options.comm_hook!r}"
         )
+    if dp_options.shard_param_dtype is not None or dp_options.shard_reduce_dtype is not None:
+        raise ConfigError(
+            f"tp {degree} does not combine with FSDP's shard_param_dtype/shard_reduce_dtype yet: "
+            "leave them out (the stage's own precision still applies)"
+        )
     if (
         layout.replicas > 1
         and dp_options.fsdp

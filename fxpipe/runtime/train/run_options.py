@@ -257,6 +257,11 @@ class RunOptions(Options):
                     f"--comm-hook {self.data_parallel.comm_hook}",
                     self.data_parallel.comm_hook != "allreduce",
                 ),
+                (  # FSDP's mixed precision over tp shards: not tested yet
+                    "--shard-param-dtype/--shard-reduce-dtype",
+                    self.data_parallel.shard_param_dtype is not None
+                    or self.data_parallel.shard_reduce_dtype is not None,
+                ),
             ):
                 if given:
                     raise ConfigError(
