@@ -87,6 +87,10 @@ def _sharded(
         losses.append(runner.step(inputs, targets))
         norms.append(runner.last_grad_norm)
     layouts = _layouts(runner)
+    local_bytes = sum(  # what this rank holds of the stage's parameters, as FSDP sharded them
+        p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.nbytes
+        for p in runner.stage.parameters()
+    )
     state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
     runner.close()
     return {
@@ -95,6 +99,8 @@ def _sharded(
         "state": state,
         "replica": runner.replica,
         "layouts": layouts,
+        "local_bytes": local_bytes,
+        "tp_rank": runner.tp_rank,
     }
 
 
@@ -162,6 +168,28 @@ def test_fsdp_over_tp_trains_as_one_process(builds: _Builds, name: str, shard: s
     for r in results:  # split weights on the 2-D mesh: dp shards the tp shard
         assert "('dp', 'tp') (Shard(dim=0), Shard(dim=1))" in r["layouts"], r["layouts"]
     _check(results, *_reference(build, name))
+    if name == "gpt":  # the cost model prices what the ranks hold
+        _check_priced_memory(build, results)
+
+
+def _check_priced_memory(build: Path, results: list[dict[str, Any]]) -> None:
+    """Note [memory of tensor-parallel shards]: the tp profile's parameter bytes are what the
+    replicas of one tp index hold together, and ``shard="full"`` prices 1/R of it per rank."""
+    from fxpipe.codegen.tp_plan import TensorParallelPlan
+    from fxpipe.partitioner.cost import CostModel
+    from fxpipe.partitioner.tensor_parallel import tensor_parallel_profile
+    from fxpipe.tracer.profile import ModelProfile
+
+    styles = TensorParallelPlan.from_json(build / "tp_plan.json").stages[0].for_degree(TP).styles
+    priced = tensor_parallel_profile(
+        ModelProfile.from_json(build / "profile.json"), styles, TP, 1e9, 1e-5
+    )
+    total = sum(priced.param_sizes.values())
+    for t in range(TP):
+        held = sum(r["local_bytes"] for r in results if r["tp_rank"] == t)
+        assert held == total, (t, held, total)
+    per_rank = CostModel(dp_replicas=REPLICAS, shard="full").stage_state_bytes(total)[0]
+    assert per_rank == total // REPLICAS
 
 
 MAX_NORM = 0.5
