@@ -17,7 +17,19 @@ changes what one rank of a stage does, so it is priced as a transformed profile
   redistribution, the collectives' calls on busy cores (``RuntimeCosts.tp_pair_fwd_ms`` /
   ``tp_pair_bwd_ms``, measured by ``benchmarks/prediction/tp_cost.py``: about 5 ms per pair on
   CPU gloo, 15x the tiny GPT's whole MLP; Note [tensor-parallel runtime cost]);
-- everything else (norms, embeddings, replicated linears) is whole on every rank.
+- everything else (norms, replicated linears) is whole on every rank;
+- memory is the rank's shards (Note [memory of tensor-parallel shards]).
+
+Note [memory of tensor-parallel shards]: a split parameter's bytes and shape are its local
+shard's, as ``parallelize_module`` leaves it: a column-parallel weight and bias and a
+vocabulary-parallel embedding or head (``vocab_embedding`` / ``vocab_head``, priced for memory
+only: their compute and the embedding's all-reduce are not) lose 1/T of dim 0, a row-parallel
+weight 1/T of dim 1, and a row-parallel bias stays whole (``RowwiseParallel`` replicates it).
+``CostModel``'s sharding over the replicas (Note [sharding pricing] in
+``fxpipe.partitioner.cost``) then applies to those shards, FSDP's padding of dim 0 to a
+multiple of R included, as FSDP over TP shards them (Note [FSDP over TP] in
+``fxpipe.runtime.dataparallel.sharded``): per rank ``P_split / (T R) + P_replicated / R`` at
+``full``.
 
 Note [tensor-parallel runtime cost]:
 Priced by link time alone, pp 1 x tp 2 of examples/gpt.py predicted 19 ms a step where it ran
@@ -49,6 +61,8 @@ __all__ = [
 ]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+_PAIRED = ("colwise", "rowwise")  # priced for compute, all-reduces and memory
+_VOCAB = ("vocab_embedding", "vocab_head")  # for memory only
 
 
 def allreduce_ms(nbytes: float, degree: int, bandwidth: float, latency: float) -> float:
@@ -88,9 +102,20 @@ def _output_bytes(unit: Unit) -> int:
 def _check(degree: int, styles: Mapping[str, str]) -> None:
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
         raise ConfigError(f"tensor-parallel degree must be an int >= 1, got {degree!r}")
-    bad = sorted(p for p, s in styles.items() if s not in ("colwise", "rowwise"))
+    bad = sorted(p for p, s in styles.items() if s not in (*_PAIRED, *_VOCAB))
     if bad:
-        raise ConfigError(f"tensor-parallel styles must be colwise or rowwise; {bad[:3]} are not")
+        raise ConfigError(
+            f"tensor-parallel styles must be colwise or rowwise (vocab_embedding or vocab_head "
+            f"for memory); {bad[:3]} are not"
+        )
+
+
+def _local_shape(shape: tuple[int, ...], style: str, degree: int) -> tuple[int, ...]:
+    """The shape of one rank's shard of a split weight (Note [memory of tensor-parallel shards])."""
+    if not shape:
+        return shape
+    dim = 1 if style == "rowwise" and len(shape) > 1 else 0
+    return tuple(n // degree if i == dim else n for i, n in enumerate(shape))
 
 
 def _share_and_pairs(
@@ -121,18 +146,24 @@ def tensor_parallel_profile(
     _check(degree, styles)
     if degree == 1 or not styles:
         return profile
+    every = dict(styles)
+    styles = {p: st for p, st in every.items() if st in _PAIRED}
     groups = _groups(styles)
-    split_params = {
-        name
-        for name in profile.param_sizes
-        if name in styles or name.rpartition(".")[0] in styles  # a split linear's tensors
-    }
+    style_of: dict[str, str] = {}  # split parameter -> its module's style
+    for name in profile.param_sizes:
+        owner = name if name in every else name.rpartition(".")[0]
+        st = every.get(owner)
+        if st is not None and not (st == "rowwise" and name.endswith(".bias")):
+            style_of[name] = st  # a split module's tensors, but a row-parallel bias (replicated)
+    split_params = set(style_of)
     units = []
     for unit in profile.units:
         split_bytes = sum(profile.param_sizes.get(p, 0) for p in unit.params if p in split_params)
         found = _share_and_pairs(unit, styles, groups, split_bytes, degree)
-        if found is None:
-            units.append(unit)
+        if found is None:  # whole work; a vocabulary-parallel module's shard in memory
+            units.append(
+                replace(unit, param_bytes=unit.param_bytes - split_bytes + split_bytes // degree)
+            )
             continue
         share, pairs = found
         comm = pairs * allreduce_ms(_output_bytes(unit), degree, bandwidth, latency)
@@ -147,7 +178,11 @@ def tensor_parallel_profile(
             )
         )
     sizes = {k: (v // degree if k in split_params else v) for k, v in profile.param_sizes.items()}
-    return replace(profile, units=tuple(units), param_sizes=sizes)
+    shapes = {
+        k: _local_shape(v, style_of[k], degree) if k in style_of else v
+        for k, v in profile.param_shapes.items()
+    }
+    return replace(profile, units=tuple(units), param_sizes=sizes, param_shapes=shapes)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fxpipe.errors import ConfigError
@@ -142,3 +144,56 @@ def test_the_search_prices_the_runtimes_pair_cost() -> None:
         profile, cluster, 4, {2: styles}, (1, 2), top=1, runtime=dear
     )
     assert best.degree == 1 and "tp 2: loses" in outcomes[1].note
+
+
+def test_memory_is_the_ranks_shards_and_fsdp_shards_them_again() -> None:
+    """Note [memory of tensor-parallel shards]: a split parameter's bytes and shape are its
+    local shard's (colwise and vocabulary-parallel: dim 0 / T; rowwise: dim 1 / T; a rowwise
+    bias replicated), so FSDP over TP (--tp 2 --shard full, R replicas) is priced on the shards:
+    memory P_split / (T R) + P_replicated / R, and FSDP's padding of the local dim 0."""
+    from fxpipe.partitioner.cost import CostModel
+
+    out = (TensorSpec((2, 16, 32)),)
+    shapes = {
+        "embed.weight": (64, 32),
+        "fc.weight": (10, 32),  # dim 0: 10 whole, 5 a tp shard, padded to 8 over R = 4
+        "fc.bias": (10,),
+        "proj.weight": (32, 10),
+        "proj.bias": (32,),
+        "norm.weight": (32,),
+    }
+    sizes = {k: 4 * math.prod(v) for k, v in shapes.items()}
+    units = tuple(
+        Unit(m, m, outputs=out, fwd_ms=1.0, bwd_ms=1.0, param_bytes=sum(
+            b for k, b in sizes.items() if k.startswith(m + ".")
+        ), params=tuple(k for k in sizes if k.startswith(m + ".")))
+        for m in ("embed", "fc", "proj", "norm")
+    )  # fmt: skip
+    profile = ModelProfile(
+        units=units, edges=(), batch_size=2, param_sizes=sizes, param_shapes=shapes
+    )
+    styles = {"embed": "vocab_embedding", "fc": "colwise", "proj": "rowwise"}
+    tp = tensor_parallel_profile(profile, styles, 2, 1e9, 1e-5)
+    assert tp.param_shapes == {
+        "embed.weight": (32, 32),
+        "fc.weight": (5, 32),
+        "fc.bias": (5,),
+        "proj.weight": (32, 5),
+        "proj.bias": (32,),  # RowwiseParallel replicates the bias
+        "norm.weight": (32,),
+    }
+    assert tp.param_sizes == {k: 4 * math.prod(v) for k, v in tp.param_shapes.items()}
+    by = {u.name: u for u in tp.units}
+    assert by["embed"].param_bytes == 4 * 32 * 32 and by["embed"].fwd_ms == 1.0  # memory only
+    assert by["proj"].param_bytes == 4 * (32 * 5 + 32)
+    assert sum(u.param_bytes for u in tp.units) == sum(tp.param_sizes.values())
+    full = CostModel(dp_replicas=4, shard="full")
+    total = sum(tp.param_sizes.values())
+    assert full.stage_state_bytes(total)[0] == round(total / 4)
+    names = list(tp.param_sizes)
+    traffic = full.shard_traffic(
+        [tp.param_sizes[n] for n in names], [tp.param_shapes[n] for n in names]
+    )
+    padded = {"embed.weight": 32 * 32, "fc.weight": 8 * 32, "fc.bias": 8, "proj.weight": 32 * 5}
+    padded |= {"proj.bias": 32, "norm.weight": 32}  # dim 0 to a multiple of 4, as FSDP2 pads
+    assert traffic.reduce_scatter_bytes == pytest.approx(4 * sum(padded.values()))

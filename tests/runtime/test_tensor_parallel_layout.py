@@ -31,8 +31,12 @@ def test_tp_ranks_are_neighbours_and_each_tp_index_has_its_pipelines() -> None:
 @pytest.mark.parametrize(
     "options, flag",
     [
-        (dict(data_parallel=DataParallelOptions(shard="full")), "--shard full"),
+        (dict(data_parallel=DataParallelOptions(shard="optimizer")), "--shard optimizer"),
         (dict(data_parallel=DataParallelOptions(comm_hook="fp16")), "--comm-hook fp16"),
+        (
+            dict(data_parallel=DataParallelOptions(shard="full", shard_param_dtype="bfloat16")),
+            "--shard-param-dtype/--shard-reduce-dtype",
+        ),
     ],
 )
 def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: str) -> None:
@@ -43,6 +47,18 @@ def test_run_options_refuse_what_tp_does_not_combine_with(options: dict, flag: s
         RunOptions(tp=0)
     with pytest.raises(ConfigError, match="--tp-plan applies with --tp"):
         RunOptions(tp_plan="plan.json")
+
+
+@pytest.mark.parametrize("shard", ["grad-op", "full"])
+def test_tp_combines_with_fsdp_levels(shard: str) -> None:
+    """--shard grad-op and full run FSDP over the stage's tp shards (Note [FSDP over TP];
+    tests/runtime/test_tensor_parallel_fsdp.py), with clipping too."""
+    RunOptions(
+        tp=2,
+        dp=2,
+        data_parallel=DataParallelOptions(shard=shard),
+        training=TrainingOptions(clip_grad_norm=1.0),
+    )
 
 
 def test_tp_combines_with_clipping_fp16_and_checkpoints() -> None:

@@ -69,6 +69,22 @@ summed gradients are reduce-scattered once and the parameters resharded, as
 reshards after each forward, but holds a chunk's parameters from its first backward to
 the step's end; ``shard_reduce="microbatch"`` is refused there (``PipelineRunner``).
 
+Note [FSDP over TP]: with tensor parallelism (``--tp T``) a stage's split parameters are
+DTensors on its tp group. As torchtitan composes FSDP with TP, ``parallelize_module`` runs
+first (on the ``tp`` dim of the stage's ``(dp, tp)`` mesh, ``fxpipe.runtime.pipeline.
+tensor_parallel.stage_mesh``), then ``fully_shard`` over its ``dp`` dim: FSDP2 (torch 2.13,
+``FSDPParam._init_sharding_spec_tp``) shards the tp shard it is given over dp, its sharded
+parameter a DTensor on the 2-D mesh (``Shard(0)`` on dp, or ``_StridedShard`` when tp splits
+dim 0 too, then the tp placement), its all-gather restoring the tp DTensor the emitted code
+and the tp hooks expect; a gradient left ``Partial`` on tp (a vocabulary-parallel embedding's)
+is redistributed to the parameter's layout before the reduce-scatter. Both dims must be
+slices of one root mesh (FSDP concatenates them), so the ``dp`` dim is passed in as ``mesh``
+instead of a mesh made from the data-parallel group. Replicated parameters stay plain and are
+sharded over dp alone. Replicas are synchronised from replica 0 as without TP, each rank
+broadcasting its local tp shard over its dp group (every replica of one tp index holds the
+same shard). A split backward (``W`` differentiating FSDP's whole parameters, which are tp
+DTensors then) and several chunks per rank are not combined with TP (refused by the runner).
+
 Gradients are averaged over the replicas (FSDP divides by R) and over the microbatches
 (the executor scales the loss), so the trajectory is DDP's. Replicas start from replica
 0's weights and buffers (broadcast before sharding, as DDP's constructor does), and
@@ -118,13 +134,19 @@ def mixed_precision(options: DataParallelOptions, root: bool) -> MixedPrecisionP
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output)
 
 
-def broadcast_state(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+def broadcast_state(
+    module: nn.Module, group: dist.ProcessGroup | None, local_shards: bool = False
+) -> None:
     """Give every rank of ``group`` the parameters and buffers of its first rank (collective);
-    parameters already sharded (a unit wrapped before its parent) were synced when they were."""
+    parameters already sharded (a unit wrapped before its parent) were synced when they were.
+    ``local_shards``: DTensors are tensor-parallel shards, equal in layout on every rank of
+    ``group``: each rank's local shard is broadcast too (Note [FSDP over TP])."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             if not isinstance(t, DTensor):
                 dist.broadcast(t.data, group=group, group_src=0)
+            elif local_shards:
+                dist.broadcast(t.to_local().data, group=group, group_src=0)
 
 
 def shard_stage(
@@ -268,7 +290,9 @@ class ShardedStage(AccumulationWindow):
     microbatches). ``chunks`` are the stage's pipeline stages by index when the rank runs
     several (``stage`` then holds them all): each is sharded as its own FSDP module, and
     those in ``split_stages`` (a schedule that splits their backward into ``B`` and ``W``)
-    reduce after the step's last ``W`` instead of inside the last backward. The interface
+    reduce after the step's last ``W`` instead of inside the last backward. ``mesh``: the
+    ``dp`` dim of a tensor-parallel stage's ``(dp, tp)`` mesh (Note [FSDP over TP]); else a
+    mesh is made from ``group``. The interface
     is ``DataParallelStage``'s: ``passes``, ``should_sync``, ``end_pass``; DDP's
     communication hooks and ``join`` have no FSDP counterpart and are refused. Collective
     over ``group`` (the broadcast and sharding).
@@ -283,6 +307,7 @@ class ShardedStage(AccumulationWindow):
         backwards_per_step: int,
         chunks: Mapping[int, nn.Module] | None = None,
         split_stages: Collection[int] = (),
+        mesh: DeviceMesh | None = None,
     ) -> None:
         if not options.fsdp:
             raise ConfigError(
@@ -299,7 +324,7 @@ class ShardedStage(AccumulationWindow):
         self._completed = False  # complete_grads ran in this window
         modules = dict(chunks) if chunks else {0: stage}
         self.tied = TiedCopies(untie_chunks([modules[s] for s in sorted(modules)]))
-        broadcast_state(stage, group)
+        broadcast_state(stage, group, local_shards=mesh is not None)
         self.units: list[nn.Module] = []
         self.chunks: list[_ShardedChunk] = []
         self._weight_params: dict[int, list[torch.Tensor]] = {}
@@ -308,9 +333,10 @@ class ShardedStage(AccumulationWindow):
         ]
         if not trainable:
             return  # nothing to shard or reduce (DataParallelStage has no DDP either)
-        world = group if group is not None else dist.group.WORLD
-        assert world is not None, "the default process group is initialised"
-        mesh = DeviceMesh.from_group(world, device.type)
+        if mesh is None:
+            world = group if group is not None else dist.group.WORLD
+            assert world is not None, "the default process group is initialised"
+            mesh = DeviceMesh.from_group(world, device.type)
         for index in trainable:
             module = modules[index]
             units = shard_stage(module, mesh, options)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import DataParallelStage
@@ -34,6 +35,7 @@ def data_parallel_stage(
     backwards_per_step: int,
     chunks: Mapping[int, nn.Module] | None = None,
     split_stages: Collection[int] = (),
+    mesh: DeviceMesh | None = None,
 ) -> ReplicatedStage:
     """Wrap ``stage`` for its data-parallel ``group`` as ``options.shard`` says (collective over ``group``).
 
@@ -41,9 +43,13 @@ def data_parallel_stage(
     ``chunks``: the pipeline stages ``stage`` holds, by index, when the rank runs several;
     ``split_stages``: those whose backward the schedule splits into ``B`` and ``W``. FSDP
     shards each chunk on its own (Note [sharding in a pipeline]); DDP needs neither.
+    ``mesh``: FSDP's mesh over ``group`` when the stage is tensor-parallel (the ``dp`` dim of its
+    ``(dp, tp)`` mesh, Note [FSDP over TP]).
     """
     if options.fsdp:
-        return ShardedStage(stage, group, options, device, backwards_per_step, chunks, split_stages)
+        return ShardedStage(
+            stage, group, options, device, backwards_per_step, chunks, split_stages, mesh
+        )
     return DataParallelStage(stage, group, options, device)
 
 

@@ -17,6 +17,12 @@ their ``|g|^p`` are first added over the tp group (each shard counted once), the
 pipeline's ranks (of one tp index) add their sums. A replicated parameter (plain, or a DTensor
 with replicated placements, as a row-parallel bias) has the same gradient on every tp rank and
 is counted once, from its own rank's copy. So every rank gets the one-process norm.
+With FSDP over the replicas of a tensor-parallel stage (Note [FSDP over TP] in
+``fxpipe.runtime.dataparallel.sharded``) a gradient is a DTensor on the stage's ``(dp, tp)``
+mesh, or on its ``dp`` dim alone (a parameter tp replicates): the shards' ``|g|^p`` are added
+over each mesh dim the gradient is split on (``dp``, ``tp`` or both, by the dims' names; one
+all-reduce per such set of dims, in the same order on every rank of the stage), and a dim it is
+replicated on counts once.
 """
 
 from __future__ import annotations
@@ -62,6 +68,32 @@ def _is_split(g: torch.Tensor) -> bool:
     return isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
 
 
+def _split_dims(g: DTensor) -> tuple[str, ...]:
+    """The names of the mesh dims ``g`` is sharded over (``Shard``, FSDP's ``_StridedShard``)."""
+    names = g.device_mesh.mesh_dim_names
+    assert names is not None, "the stage's (dp, tp) mesh names its dims"
+    return tuple(names[i] for i, p in enumerate(g.placements) if not p.is_replicate())
+
+
+def _shard_sums(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``sum |g|^p`` (``max``: inf-norm) of split gradients over the ranks holding their shards:
+    grouped by the named mesh dims each is split over, each group reduced over those dims."""
+    by_dims: dict[tuple[str, ...], list[DTensor]] = {}
+    for g in grads:
+        assert isinstance(g, DTensor)
+        by_dims.setdefault(_split_dims(g), []).append(g)
+    inf = norm_type == float("inf")
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = torch.zeros((), device=device)
+    for dims in sorted(by_dims):  # the same order on every rank of the stage
+        group = by_dims[dims]
+        part = _combine([local_tensor(g) for g in group], norm_type, device)
+        for dim in dims:
+            dist.all_reduce(part, op=op, group=group[0].device_mesh.get_group(dim))
+        total = torch.maximum(total, part) if inf else total + part
+    return total
+
+
 def _combine(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """``max |g|`` (inf-norm) or ``sum |g|^p`` over ``grads`` (local tensors)."""
     norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
@@ -95,9 +127,8 @@ def pipeline_grad_norm(
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     local = _combine([local_tensor(g) for g in grads if not _is_split(g)], norm_type, device)
     try:
-        if tp_group is not None:
-            shards = _combine(split, norm_type, device)
-            dist.all_reduce(shards, op=op, group=tp_group)
+        if tp_group is not None:  # each shard once: Note [norm of tensor-parallel gradients]
+            shards = _shard_sums([g for g in grads if _is_split(g)], norm_type, device)
             local = torch.maximum(local, shards) if inf else local + shards
         dist.all_reduce(local, op=op, group=group)
     except RuntimeError as exc:

@@ -73,7 +73,7 @@ from fxpipe.runtime.pipeline.tensor_parallel import (
     full_state_dict,
     implicit_replication_on,
     parallelize_stage,
-    tensor_parallel_mesh,
+    stage_mesh,
     tensor_parallel_replicas,
 )
 from fxpipe.runtime.pipeline.ties import sync_tied_grads
@@ -120,17 +120,34 @@ def _tensor_parallel_plan(
     tp_plan: TensorParallelPlan | str | Path | None,
     layout: RankLayout,
     dp_options: DataParallelOptions,
+    schedule: Schedule,
 ) -> TensorParallelPlan | None:
     """The plan to apply at ``layout.tensor_parallel`` > 1: ``tp_plan`` (a plan or its file),
     else the build's ``tp_plan.json``; refuses what tensor parallelism does not combine with yet."""
     degree = layout.tensor_parallel
     if degree == 1:
         return None
-    if layout.replicas > 1 and (dp_options.shard != "none" or dp_options.comm_hook != "allreduce"):
+    if layout.replicas > 1 and (
+        dp_options.shard == "optimizer" or dp_options.comm_hook != "allreduce"
+    ):
         raise ConfigError(
-            f"tensor parallelism (tp {degree}) with data parallelism runs DDP with shard='none' "
-            f"and comm_hook='allreduce' only, not shard={dp_options.shard!r}, "
-            f"comm_hook={dp_options.comm_hook!r}"
+            f"tensor parallelism (tp {degree}) with data parallelism runs DDP (shard='none') or "
+            f"FSDP (shard='grad-op' or 'full') with comm_hook='allreduce' only, not "
+            f"shard={dp_options.shard!r}, comm_hook={dp_options.comm_hook!r}"
+        )
+    if dp_options.shard_param_dtype is not None or dp_options.shard_reduce_dtype is not None:
+        raise ConfigError(
+            f"tp {degree} does not combine with FSDP's shard_param_dtype/shard_reduce_dtype yet: "
+            "leave them out (the stage's own precision still applies)"
+        )
+    if (
+        layout.replicas > 1
+        and dp_options.fsdp
+        and (schedule.split_backward() or schedule.virtual_stages > 1)
+    ):  # Note [FSDP over TP] in fxpipe.runtime.dataparallel.sharded
+        raise ConfigError(
+            f"tp {degree} with shard={dp_options.shard!r} runs one stage per rank and an unsplit "
+            f"backward only, not schedule {schedule.name!r}: use 1f1b or gpipe, or shard='none'"
         )
     if isinstance(tp_plan, TensorParallelPlan):
         return tp_plan
@@ -302,7 +319,7 @@ class PipelineRunner:
             world, manifest.num_ranks, manifest.virtual_stages, tensor_parallel
         )
         dp_options = data_parallel or DataParallelOptions()
-        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, dp_options)
+        resolved_tp = _tensor_parallel_plan(build, tp_plan, self.layout, dp_options, self.schedule)
         dp_options.check_replicas(self.layout.replicas)  # before any communication
         _check_sharding_fits(dp_options, self.schedule)
         self.manifest = manifest
@@ -323,9 +340,9 @@ class PipelineRunner:
         self.groups = build_groups(self.layout, manifest, rank)
         self.tp_plan = resolved_tp  # every stage's, for the log: fxpipe.codegen.tp_plan
         self.vocab_loss: VocabParallelLoss | None = None  # the loss of sharded logits
-        self.tp_mesh = (
-            tensor_parallel_mesh(self.layout, self.device) if resolved_tp is not None else None
-        )
+        # the stage's (dp, tp) mesh: fxpipe.runtime.pipeline.tensor_parallel.stage_mesh
+        self.stage_mesh = stage_mesh(self.layout, self.device) if resolved_tp is not None else None
+        self.tp_mesh = self.stage_mesh["tp"] if self.stage_mesh is not None else None
         self.stages = load_rank_stages(manifest, self.pipeline_rank, load, self.device)
         if (
             resolved_tp is not None and self.tp_mesh is not None
@@ -371,7 +388,7 @@ class PipelineRunner:
         # data parallelism over the replicas of this rank (DDP or FSDP, by shard level): fxpipe.runtime.dataparallel
         self.data_parallel = (
             tensor_parallel_replicas(self.stage, self.groups.data_parallel, dp_options, self.device)
-            if self.layout.replicas > 1 and self.tp_mesh is not None
+            if self.layout.replicas > 1 and self.tp_mesh is not None and not dp_options.fsdp
             else data_parallel_stage(
                 self.stage,
                 self.groups.data_parallel,
@@ -380,6 +397,7 @@ class PipelineRunner:
                 microbatches,
                 self.stages,
                 {s for s, _ in self.schedule.split_backward()},
+                mesh=self.stage_mesh["dp"] if self.stage_mesh is not None else None,
             )
             if self.layout.replicas > 1
             else None

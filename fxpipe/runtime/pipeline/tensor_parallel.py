@@ -57,6 +57,7 @@ from fxpipe.runtime.pipeline.layout import RankLayout
 
 __all__ = [
     "tensor_parallel_mesh",
+    "stage_mesh",
     "parallelize_stage",
     "register_cpu_attention",
     "implicit_replication_on",
@@ -119,14 +120,22 @@ def register_cpu_attention() -> None:
     _registered = True
 
 
-def tensor_parallel_mesh(layout: RankLayout, device: torch.device) -> DeviceMesh:
-    """The job's ``(dp, pp, tp)`` mesh (collective: every rank calls it), and this rank's tp dim."""
+def stage_mesh(layout: RankLayout, device: torch.device) -> DeviceMesh:
+    """The 2-D ``(dp, tp)`` mesh of this rank's stage, sliced from the job's ``(dp, pp, tp)`` mesh
+    (collective: every rank calls it). Its ``tp`` dim is the stage's tp group, its ``dp`` dim the
+    replicas of this rank's shard; FSDP over ``dp`` composes with DTensors on ``tp`` only when both
+    come from one root mesh (Note [FSDP over TP] in ``fxpipe.runtime.dataparallel.sharded``)."""
     mesh = init_device_mesh(
         device.type,
         (layout.replicas, layout.num_stages, layout.tensor_parallel),
         mesh_dim_names=("dp", "pp", "tp"),
     )
-    return mesh["tp"]
+    return mesh["dp", "tp"]
+
+
+def tensor_parallel_mesh(layout: RankLayout, device: torch.device) -> DeviceMesh:
+    """The job's ``(dp, pp, tp)`` mesh (collective: every rank calls it), and this rank's tp dim."""
+    return stage_mesh(layout, device)["tp"]
 
 
 def _replicated_in(mesh: DeviceMesh) -> Any:

@@ -249,13 +249,18 @@ class RunOptions(Options):
             self.tp > 1
         ):  # what tensor parallelism does not combine with yet (docs/tensor-parallel.md)
             for what, given in (
-                (
+                (  # FSDP over the stage's tp shards runs (Note [FSDP over TP]); ZeRO-1 does not
                     f"--shard {self.data_parallel.shard}",
-                    self.data_parallel.shard != "none",
+                    self.data_parallel.shard == "optimizer",
                 ),
                 (
                     f"--comm-hook {self.data_parallel.comm_hook}",
                     self.data_parallel.comm_hook != "allreduce",
+                ),
+                (  # FSDP's mixed precision over tp shards: not tested yet
+                    "--shard-param-dtype/--shard-reduce-dtype",
+                    self.data_parallel.shard_param_dtype is not None
+                    or self.data_parallel.shard_reduce_dtype is not None,
                 ),
             ):
                 if given:
