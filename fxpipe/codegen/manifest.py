@@ -108,6 +108,28 @@ class BoundaryTensor:
         """Whether a dimension depends on the data (``"?"``): its shape travels with it."""
         return self.dims is not None and UNKNOWN in self.dims
 
+    def fits(
+        self,
+        shape: Sequence[int],
+        microbatch: int,
+        traced_microbatch: int,
+        sizes: Mapping[str, int] | None = None,
+    ) -> bool:
+        """Whether ``shape`` is this tensor's at the step's sizes: every dimension but the data's
+        (``"?"``, which any size fits) from its formula."""
+        if not self.data_dependent:
+            return tuple(shape) == self.shape_at(microbatch, traced_microbatch, sizes)
+        assert self.dims is not None
+        if len(shape) != len(self.dims):
+            return False
+        bound = {BATCH: microbatch, **(sizes or {})}
+        try:
+            return all(
+                f == UNKNOWN or evaluate(f, bound) == size for f, size in zip(self.dims, shape)
+            )
+        except KeyError:
+            return False
+
     def shape_at(
         self, microbatch: int, traced_microbatch: int, sizes: Mapping[str, int] | None = None
     ) -> tuple[int, ...]:
