@@ -403,6 +403,20 @@ class Manifest:
             )
         return self.stages[index]
 
+    def data_dependent(self) -> list[str]:
+        """One line per boundary tensor with a dimension that depends on the data (``"?"``), whose shape
+        the runtime sends ahead of it (Note [data-dependent messages] in ``fxpipe.runtime.pipeline.stage_io``)."""
+        lines = []
+        for stage in self.stages:
+            for o in stage.outputs:
+                if o.data_dependent and o.consumers:
+                    to = ", ".join(str(c) for c in o.consumers)
+                    lines.append(
+                        f"{o.name!r} {o.dtype}[{', '.join(o.dims or ())}] (stage {o.producer} to {to}): "
+                        "its shape depends on the data and is sent ahead of it"
+                    )
+        return lines
+
     def step_sizes(
         self, shapes: Sequence[tuple[int, ...]], where: str = "this step"
     ) -> dict[str, int]:

@@ -49,6 +49,21 @@ def test_the_manifest_names_the_tensor_whose_shape_depends_on_the_data(
     assert "[?, 8]" in (build / "stage_1.py").read_text()
 
 
+def test_fxpipe_report_says_which_shape_is_sent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fxpipe.cli import main
+
+    build = _build(tmp_path / "build", "symbolic")
+    (packed,) = _packed(build)
+    assert main(["report", str(build)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"data-dependent shape: {packed.name!r} float32[?, 8] (stage 0 to 1): its shape depends on "
+        "the data and is sent ahead of it" in out
+    )
+
+
 def _train_job(rank: int, world: int, build: str) -> Any:
     import fxpipe.runtime.train.loop as training
 
