@@ -37,6 +37,7 @@ HEAVY = (
     "tests/runtime/test_compiled.py::test_seed_api_compiled",
     "tests/runtime/test_compiled.py::test_fxpipe_run_compile",
     "tests/runtime/test_compiled_sharded.py",  # compiled under FSDP2 (2 ranks)
+    "tests/runtime/test_compiled_dynamic.py",  # a dynamic build compiled, steps at 3 lengths (#36)
     "tests/reliability/test_job_faults.py",
     "tests/reliability/test_leaks.py",
     "tests/reliability/test_checkpoints.py::test_sigkill_mid_save_in_a_real_job",
