@@ -55,14 +55,19 @@ def data_dependent_dims(
 
     run = runner(gm)
     through = run.run_node
+    found: dict[torch.fx.Node, DataDims] = {}
 
     def run_node(n: torch.fx.Node) -> Any:
         try:
-            return through(n)
+            value = through(n)
         except Exception:  # noqa: BLE001 - its real value's shape stands in (see the docstring)
             if n not in values:
                 raise
             return static(values[n])
+        dims = _unbacked(value)
+        if dims is not None:
+            found[n] = dims
+        return value
 
     run.run_node = run_node  # type: ignore[method-assign]
     try:
@@ -70,11 +75,6 @@ def data_dependent_dims(
             run.run(*static(inputs))
     except Exception:  # noqa: BLE001 - the fitted formulas stand (see the Note)
         return {}
-    found: dict[torch.fx.Node, DataDims] = {}
-    for node, value in run.env.items():
-        dims = _unbacked(value)
-        if dims is not None:
-            found[node] = dims
     return found
 
 
