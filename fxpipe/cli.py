@@ -320,6 +320,8 @@ def _partition(args: argparse.Namespace) -> int:
         console.print(f"[cyan]recomputed[/] {line}")
     for reason in manifest.skipped_checks:
         console.print(f"[yellow]skipped[/] {reason}")
+    for line in manifest.data_dependent():
+        console.print(f"data-dependent shape: {line}", markup=False)
     placed = (
         f"{plan.num_stages} stages"
         if plan.virtual_stages == 1
@@ -354,7 +356,7 @@ def _load_plan_dir(build_dir: str) -> tuple[Any, Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fxpipe.codegen import write_report
+    from fxpipe.codegen import Manifest, write_report
     from fxpipe.partitioner import print_plan_report
 
     _enter("reading the build directory")
@@ -364,6 +366,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     console = _console()
     print_plan_report(plan, profile, console=console)
     _print_tp_plan(Path(args.build_dir), console)
+    if (Path(args.build_dir) / "manifest.json").is_file():
+        for line in Manifest.from_json(Path(args.build_dir)).data_dependent():
+            console.print(f"data-dependent shape: {line}", markup=False)
     if unpaired is not None:
         console.print(unpaired)
     if measured is not None:

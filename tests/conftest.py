@@ -43,6 +43,7 @@ HEAVY = (
     "tests/runtime/test_compiled.py::test_seed_api_compiled",
     "tests/runtime/test_compiled.py::test_fxpipe_run_compile",
     "tests/runtime/test_compiled_sharded.py",  # compiled under FSDP2 (2 ranks)
+    "tests/runtime/test_compiled_dynamic.py",  # a dynamic build compiled, steps at 3 lengths (#36)
     "tests/reliability/test_job_faults.py",
     "tests/reliability/test_leaks.py",
     "tests/reliability/test_checkpoints.py::test_sigkill_mid_save_in_a_real_job",
@@ -64,6 +65,7 @@ HEAVY = (
     "tests/runtime/test_dcp_checkpoint.py::test_a_converted_per_rank_checkpoint_resumes_on_another_layout",
     # fxpipe partition --seq-len (a Llama traced with its costs at three lengths); fxpipe plan's stays
     "tests/partitioner/test_seqlen.py::test_fxpipe_partition_at_a_length_writes_the_priced_plan_and_profile",
+    "tests/partitioner/test_seqlen.py::test_fxpipe_partition_with_devices_at_a_length",
     # the slowest of the rest, each with a faster sibling in make test (keeps it under 10 minutes)
     # (2026-11-28, idle: make test 607 s of tests before these moved, about 83 s of them)
     "tests/reliability/test_job_control.py::test_a_model_file_that_imports_a_module_beside_it_is_told_what_to_do",

@@ -108,6 +108,28 @@ class BoundaryTensor:
         """Whether a dimension depends on the data (``"?"``): its shape travels with it."""
         return self.dims is not None and UNKNOWN in self.dims
 
+    def fits(
+        self,
+        shape: Sequence[int],
+        microbatch: int,
+        traced_microbatch: int,
+        sizes: Mapping[str, int] | None = None,
+    ) -> bool:
+        """Whether ``shape`` is this tensor's at the step's sizes: every dimension but the data's
+        (``"?"``, which any size fits) from its formula."""
+        if not self.data_dependent:
+            return tuple(shape) == self.shape_at(microbatch, traced_microbatch, sizes)
+        assert self.dims is not None
+        if len(shape) != len(self.dims):
+            return False
+        bound = {BATCH: microbatch, **(sizes or {})}
+        try:
+            return all(
+                f == UNKNOWN or evaluate(f, bound) == size for f, size in zip(self.dims, shape)
+            )
+        except KeyError:
+            return False
+
     def shape_at(
         self, microbatch: int, traced_microbatch: int, sizes: Mapping[str, int] | None = None
     ) -> tuple[int, ...]:
@@ -380,6 +402,20 @@ class Manifest:
                 f"stage index {index} is out of range: this build has {self.num_stages} stages (0..{self.num_stages - 1})"
             )
         return self.stages[index]
+
+    def data_dependent(self) -> list[str]:
+        """One line per boundary tensor with a dimension that depends on the data (``"?"``), whose shape
+        the runtime sends ahead of it (Note [data-dependent messages] in ``fxpipe.runtime.pipeline.stage_io``)."""
+        lines = []
+        for stage in self.stages:
+            for o in stage.outputs:
+                if o.data_dependent and o.consumers:
+                    to = ", ".join(str(c) for c in o.consumers)
+                    lines.append(
+                        f"{o.name!r} {o.dtype}[{', '.join(o.dims or ())}] (stage {o.producer} to {to}): "
+                        "its shape depends on the data and is sent ahead of it"
+                    )
+        return lines
 
     def step_sizes(
         self, shapes: Sequence[tuple[int, ...]], where: str = "this step"

@@ -207,3 +207,53 @@ def test_fxpipe_partition_at_a_length_writes_the_priced_plan_and_profile(tmp_pat
     profile = ModelProfile.from_json(out / "profile.json")
     assert profile.priced_at == at_48 and profile.inputs[0].shape[1] == 48
     assert "priced at seq = 48 (the build runs 2..64)" in (out / "report.html").read_text()
+
+
+def _ranked(path: Path) -> list[tuple[dict, float, int]]:
+    found = json.loads(path.read_text())["ranked"]
+    return [(r["config"], r["step_ms"], r["peak_memory_bytes"]) for r in found]
+
+
+def test_the_cluster_search_prices_at_the_length(
+    traced: ModelProfile, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fxpipe plan --devices N --seq-len L`` searches the configurations (stages, replicas,
+    microbatch sizes, sharding) on the profile priced at ``L``: the same ranking, step times and
+    memory as the search on a trace made at ``L``, and not those of the traced length."""
+    at_32, at_512 = tmp_path / "at_32.json", tmp_path / "at_512.json"
+    traced.to_json(at_32)
+    _trace(512).to_json(at_512)
+    search = ["--devices", "4", "--global-batch", "8"]
+    printed = {}
+    for profile, extra, out in [
+        (at_32, ["--seq-len", "512"], "priced"),
+        (at_512, [], "traced"),
+        (at_32, [], "short"),
+    ]:
+        args = ["plan", str(profile), *extra, *search, "--out", str(tmp_path / f"{out}.json")]
+        assert main(args) == 0
+        printed[out] = " ".join(capsys.readouterr().out.split())
+    priced, there = (
+        _ranked(tmp_path / "priced.search.json"),
+        _ranked(tmp_path / "traced.search.json"),
+    )
+    assert [r[0] for r in priced] == [r[0] for r in there]
+    assert all(_close(a[1], b[1]) and a[2] == b[2] for a, b in zip(priced, there))
+    short = _ranked(tmp_path / "short.search.json")
+    assert all(not _close(a[1], b[1]) for a, b in zip(priced, short))
+    plan = PartitionPlan.from_json(tmp_path / "priced.json")
+    assert plan.priced_at == (PricedAt(sizes={"seq": 512}),)
+    assert "configurations priced at seq = 512" in printed["priced"]
+    assert "configurations priced at seq = 32" in printed["short"]
+
+
+def test_fxpipe_partition_with_devices_at_a_length(tmp_path: Path) -> None:
+    """The search's chosen microbatch size is traced again and priced at the length too."""
+    model = Path(__file__).resolve().parents[1] / "runtime" / "varlen_llama.py"  # seq 2..64, at 16
+    out = tmp_path / "build"
+    args = ["partition", str(model), "--devices", "2", "--global-batch", "4", "--seq-len", "48"]
+    assert main([*args, "--no-check", "--out", str(out)]) == 0
+    at_48 = (PricedAt(sizes={"seq": 48}),)
+    assert PartitionPlan.from_json(out / "plan.json").priced_at == at_48
+    profile = ModelProfile.from_json(out / "profile.json")
+    assert profile.priced_at == at_48 and profile.inputs[0].shape[1] == 48

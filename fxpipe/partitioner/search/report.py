@@ -15,6 +15,7 @@ from fxpipe.partitioner.cost import format_size
 from fxpipe.partitioner.plan_options import PlanOptions
 from fxpipe.partitioner.schedule import AUTO
 from fxpipe.partitioner.search.configurations import SearchResult, search_configurations
+from fxpipe.partitioner.seqlen import priced_lengths
 
 __all__ = ["print_search_report", "search_from_args"]
 
@@ -124,6 +125,15 @@ def search_from_args(args: argparse.Namespace, profile: Any, console: Console) -
         cost_fields=from_namespace(PlanOptions, args).search_cost_fields(),
     )
     print_search_report(result, console, explain=args.explain)
+    lengths = priced_lengths(profile)  # Note [pricing at a length]
+    if len(lengths) == 1:
+        console.print(f"configurations priced at {lengths[0].shown()}", markup=False)
+    elif lengths:
+        shown = ", ".join(f"{p.shown()} ({p.weight:.0%})" for p in lengths)
+        console.print(
+            f"configurations priced at the expected step over {shown}, memory at the longest",
+            markup=False,
+        )
     note = trace_device_note(profile.trace_device, profile.timing, cluster)
     if note:
         console.print(f"[yellow]warning: {note}[/]")

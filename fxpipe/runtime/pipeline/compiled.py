@@ -33,11 +33,20 @@ AOTAutograd backward graph into an input-gradient and a weight-gradient graph (t
 functions, two autograd nodes) would give zero-bubble schedules their ``W`` back; see
 docs/compile.md for what was measured and what is left.
 
-Shapes: the batch dim of every stage input is marked dynamic (``maybe_mark_dynamic``) with the
-``"stage"`` scope, so a microbatch of another size does not recompile where the stage's code
-allows it (a static build's code holds its sizes: Dynamo then specializes, and a new size
-compiles once). Regional blocks rely on Dynamo's automatic dynamic shapes (a second size
-compiles once, dynamic).
+Note [compiled dynamic dimensions]: with the ``"stage"`` scope every dimension of a stage input
+that follows the step is marked dynamic (``maybe_mark_dynamic``): the batch, and in a build with
+dynamic dimensions (Note [shape formulas] in ``fxpipe.shapeformula``) each dimension whose formula
+reads a symbol (``seq``, ``mb*seq``) or depends on the data (``"?"``). So a microbatch of another
+size or another length does not recompile where the stage's code allows it (a static build's code
+holds its sizes: Dynamo then specializes, and a new size compiles once). Regional blocks see
+internal tensors whose formulas the manifest does not hold; they rely on Dynamo's automatic
+dynamic shapes (a second size compiles once, dynamic). The warm-up of a build with dynamic
+dimensions therefore runs twice, at the traced sizes and at other sizes in the ranges
+(``_second_sizes``), so that second compile happens before the first step in either scope, and
+training at any length in the ranges compiles nothing more (``compiled_graphs`` counts). A stage's
+inputs are made contiguous before they reach the compiled forward: Dynamo guards on strides, and a
+data function's view (``rows[:, :-1]``, next-token inputs cut from one row) would otherwise compile
+the stage again for its strides, whose formula is not the warm-up's.
 
 The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is pointed at ``cache_dir`` (a folder the user
 named, else the build's ``compile_cache`` unless the environment names one of the user's), so a second run of the same build loads its kernels and graphs
@@ -60,6 +69,7 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fxpipe.codegen.manifest import INPUT, Manifest
+from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
@@ -134,21 +144,26 @@ def _break_text(exc: BaseException) -> str:
 def _compiled(
     fn: Callable[..., Any],
     breaks: list[str],
-    batch_dims: Sequence[int | None] | None,
+    dynamic: Sequence[Sequence[int]] | None,
     **options: Any,
 ) -> Callable[..., Any]:
     """``fn`` under torch.compile: ``fullgraph=True`` first, without it after a graph break
-    (Note [graph breaks are reported, not fatal]); batch dims marked dynamic."""
+    (Note [graph breaks are reported, not fatal]); ``dynamic[i]``: the dims of argument ``i``
+    marked dynamic (Note [compiled dynamic dimensions])."""
     full = torch.compile(fn, fullgraph=True, **options)
     state: dict[str, Callable[..., Any]] = {"fn": full}
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if _get_current_dispatch_mode() is not None:  # Dynamo skips frames under a dispatch
             return fn(*args, **kwargs)  # mode (the peak-memory tracker): run eagerly
-        if batch_dims is not None:
-            for a, d in zip(args, batch_dims):
-                if d is not None and isinstance(a, torch.Tensor) and a.dim() > d:
-                    torch._dynamo.maybe_mark_dynamic(a, d)
+        if (
+            dynamic is not None
+        ):  # a stage's inputs: contiguous, marked (Note [compiled dynamic dimensions])
+            args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+            for a, dims in zip(args, dynamic):
+                for d in dims:
+                    if isinstance(a, torch.Tensor) and a.dim() > d:
+                        torch._dynamo.maybe_mark_dynamic(a, d)
         if state["fn"] is full:
             try:
                 return full(*args, **kwargs)
@@ -184,8 +199,12 @@ def compile_module(
     batch_dims: Sequence[int | None] | None = None,
     stage: int = 0,
     split_backward: bool = True,
+    dynamic_dims: Sequence[Sequence[int]] | None = None,
 ) -> CompiledStage:
     """Compile ``module`` in place (Note [compile scope]); nothing is compiled until it runs.
+
+    With the ``"stage"`` scope, each input's batch dim (``batch_dims``) and its dims in
+    ``dynamic_dims`` (one sequence per input) are marked dynamic (Note [compiled dynamic dimensions]).
 
     ``split_backward``: the stage's backward may run split (``B`` keeps the graph for ``W``), so
     AOTAutograd must not donate the saved tensors' buffers to the backward (it refuses
@@ -205,19 +224,66 @@ def compile_module(
             block = module.get_submodule(path)
             block.forward = _compiled(block.forward, report.graph_breaks, None)
     else:
-        module.forward = _compiled(module.forward, report.graph_breaks, batch_dims)
+        module.forward = _compiled(
+            module.forward, report.graph_breaks, _marked(batch_dims, dynamic_dims)
+        )
     return report
 
 
+def _marked(
+    batch_dims: Sequence[int | None] | None, dynamic_dims: Sequence[Sequence[int]] | None
+) -> list[list[int]] | None:
+    """Per input: its batch dim and its other dynamic dims, together; None when neither is given."""
+    if batch_dims is None and dynamic_dims is None:
+        return None
+    count = len(batch_dims if batch_dims is not None else dynamic_dims or ())
+    batch = batch_dims if batch_dims is not None else [None] * count
+    extra = dynamic_dims if dynamic_dims is not None else [()] * count
+    return [sorted({*extra[i], *(() if batch[i] is None else (batch[i],))}) for i in range(count)]
+
+
+def _followed_dims(manifest: Manifest, stage: int) -> list[list[int]]:
+    """Per input of ``stage``: the dimensions whose formula reads a dynamic symbol or depends on the
+    data (Note [compiled dynamic dimensions])."""
+    return [
+        [d for d, f in enumerate(t.dims or ()) if f == UNKNOWN or symbols_of(f)]
+        for t in manifest.stage(stage).inputs
+    ]
+
+
+def _second_sizes(manifest: Manifest) -> dict[str, int]:
+    """Sizes other than the traced ones inside every dynamic dimension's range, for the second warm-up
+    (one more than traced, or one less at the top of the range; Dynamo specializes 0 and 1)."""
+    sizes = {}
+    for r in manifest.dynamic:
+        up = r.traced + 1
+        other = up if r.holds(up) else r.traced - 1
+        if other >= 2 and r.holds(other):
+            sizes[r.name] = other
+    return sizes
+
+
 def _warm_inputs(
-    manifest: Manifest, stage: int, mb_size: int, device: torch.device
+    manifest: Manifest,
+    stage: int,
+    mb_size: int,
+    device: torch.device,
+    sizes: Mapping[str, int] | None = None,
 ) -> list[torch.Tensor]:
-    """Synthetic inputs of stage ``stage`` at microbatch size ``mb_size``, as ``StageWorker``
-    feeds it (received tensors that need a gradient are leaves that require one)."""
+    """Synthetic inputs of stage ``stage`` at microbatch size ``mb_size`` and the dynamic ``sizes``
+    (default: the traced ones), as ``StageWorker`` feeds it (received tensors that need a gradient
+    are leaves that require one). A dimension that depends on the data takes its traced size."""
     gen = torch.Generator(device="cpu").manual_seed(0)
+    at = {r.name: r.traced for r in manifest.dynamic} | dict(sizes or {})
     args = []
     for t in manifest.stage(stage).inputs:
-        shape = t.shape_at(mb_size, manifest.microbatch_size)
+        if t.data_dependent:
+            bound = {BATCH: mb_size, **at}
+            shape = tuple(
+                n if f == UNKNOWN else evaluate(f, bound) for f, n in zip(t.dims or (), t.shape)
+            )
+        else:
+            shape = t.shape_at(mb_size, manifest.microbatch_size, at)
         dtype = getattr(torch, t.dtype)
         if dtype.is_floating_point:
             x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
@@ -273,12 +339,22 @@ def compile_rank_stages(
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""
     use_cache_dir(cache_dir, explicit=cache_explicit)
     reports = []
+    second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     for s, module in sorted(stages.items()):
         dims = [t.batch_dim for t in manifest.stage(s).inputs]
-        report = compile_module(module, scope, dims, stage=s, split_backward=split_backward)
+        report = compile_module(
+            module,
+            scope,
+            dims,
+            stage=s,
+            split_backward=split_backward,
+            dynamic_dims=_followed_dims(manifest, s),
+        )
         if warm_up:
             start = time.perf_counter()
             _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
+            if second:
+                _warm_up(module, _warm_inputs(manifest, s, mb_size, device, second), s in recompute)
             report.seconds = time.perf_counter() - start
         reports.append(report)
     return reports

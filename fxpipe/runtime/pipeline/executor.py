@@ -16,6 +16,7 @@ checks up front, so any valid action list runs, a user's own included.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class RankExecutor:
             self._steps.append(_Step(a, worker, (a.stage, a.microbatch) in split, receives))
         self.last_step: list[ActionTime] = []
         self._want: dict[
-            tuple[Any, ...], list[tuple[int, ...]]
+            tuple[Any, ...], list[tuple[int, ...] | None]
         ] = {}  # (stage, microbatch size, dynamic sizes) -> output shapes
 
     @property
@@ -162,7 +163,9 @@ class RankExecutor:
                     pending = worker.post_forward(m, mb_size)
                 self.comm.wait(pending.posted)
                 start = time.perf_counter()
-                outputs = worker.forward(m, inputs[m], mb_size, Pending([], pending.buffers))
+                outputs = worker.forward(
+                    m, inputs[m], mb_size, dataclasses.replace(pending, posted=[])
+                )
                 self._check_shapes(worker, outputs, mb_size)
                 if loss_fn is not None and a.stage == self.loss_stage:
                     target = targets[m] if targets is not None else None
@@ -175,7 +178,7 @@ class RankExecutor:
                     pending = self._post(step, mb_size)
                 self.comm.wait(pending.posted)
                 start = time.perf_counter()
-                done = Pending([], pending.buffers)
+                done = dataclasses.replace(pending, posted=[])
                 if m in live:
                     loss = live.pop(m)
                     worker.backward(
@@ -199,13 +202,20 @@ class RankExecutor:
         wants = self._want.get(key)
         if wants is None:
             wants = self._want[key] = [
-                o.shape_at(mb_size, self.manifest.microbatch_size, worker.sizes)
+                None  # its shape is sent ahead of it (Note [data-dependent messages])
+                if o.data_dependent
+                else o.shape_at(mb_size, self.manifest.microbatch_size, worker.sizes)
                 for o in worker.spec.outputs
             ]
         for o, t, want in zip(worker.spec.outputs, outputs, wants):
-            if t.shape != want:
-                at = "".join(f", {k} {v}" for k, v in worker.sizes.items())
-                raise RuntimeSetupError(
-                    f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
-                    f"manifest says {want} at microbatch size {mb_size}{at}; rebuild the directory"
-                )
+            if want is None:
+                if o.fits(t.shape, mb_size, self.manifest.microbatch_size, worker.sizes):
+                    continue
+            elif t.shape == want:
+                continue
+            at = "".join(f", {k} {v}" for k, v in worker.sizes.items())
+            raise RuntimeSetupError(
+                f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
+                f"manifest says {list(o.dims or ()) if want is None else want} at microbatch size "
+                f"{mb_size}{at}; rebuild the directory"
+            )

@@ -39,9 +39,13 @@ class Transfer:
     def grad(self) -> bool:
         return needs_grad(self.spec)
 
-    def tag(self, microbatch: int, num_tensors: int, gradient: bool) -> int:
-        """A message tag unique per (microbatch, tensor, direction) so messages cannot be confused."""
-        return ((microbatch * num_tensors + self.tensor_id) << 1) | int(gradient)
+    def tag(self, microbatch: int, num_tensors: int, gradient: bool, shape: bool = False) -> int:
+        """A message tag unique per (microbatch, tensor, direction) so messages cannot be confused;
+        ``shape``: the tag of the message that carries a data-dependent tensor's shape ahead of it
+        (Note [data-dependent messages] in ``fxpipe.runtime.pipeline.stage_io``)."""
+        return (
+            ((microbatch * num_tensors + self.tensor_id) << 2) | (int(shape) << 1) | int(gradient)
+        )
 
 
 @dataclass(frozen=True)

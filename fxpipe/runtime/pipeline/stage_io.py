@@ -16,6 +16,18 @@ sizes (``sizes``: each boundary tensor's shape formula evaluated, Note [shape fo
 ``fxpipe.shapeformula``) and reused from step to step (``RankComm``), so no shapes are exchanged
 and nothing is allocated per microbatch once warm. Stages on one rank hand tensors over in memory.
 
+Note [data-dependent messages]: a boundary tensor with a dimension that depends on the data
+(formula ``"?"``, Note [data-dependent shapes] in ``fxpipe.tracer.measure.data_shapes``: a packed
+``h[mask]``) has no shape its receiver could compute. Its sender sends the shape first, as a small
+int64 tensor of its own tag (``Transfer.tag(..., shape=True)``), and the tensor after it; the
+receiver posts the shape's receive where it would have posted the tensor's, and once the shape
+arrives receives the tensor into a buffer of that shape (allocated for that microbatch, not
+pooled: the sizes change from one microbatch to the next). Its gradient needs no such message: the
+sender of the activation knows the shape, from the output it sent, and receives the gradient when
+``B`` runs. Messages of such tensors go after the others of their action on both sides, so a
+backend that matches messages in order (NCCL) pairs them the same way. Every other tensor's
+messages are unchanged.
+
 Sends never block: they are waited on only at the end of the step (Note [posting
 messages] in ``fxpipe.runtime.pipeline.comm``). A caller that runs actions back to back
 (``fxpipe.runtime.pipeline.executor``) posts receives early (``post_forward``, ``post_backward``;
@@ -73,10 +85,12 @@ def assemble_output(manifest: Manifest, flat: Sequence[torch.Tensor]) -> Any:
 
 @dataclass
 class Pending:
-    """Receives posted for one action: their handles and buffers (by transfer id)."""
+    """Receives posted for one action: their handles and buffers (by transfer id); ``shapes``: the
+    buffers of the shapes of data-dependent tensors (Note [data-dependent messages])."""
 
     posted: Posted
     buffers: dict[int, torch.Tensor]
+    shapes: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,6 +154,10 @@ class StageWorker:
         self._recvs, self._sends = routes.recvs(stage), routes.sends(stage)
         self._remote_recvs = [t for t in self._recvs if t.src not in local]
         self._remote_grads = [t for t in self._sends if t.grad and t.dst not in local]
+        # tensors whose shape travels ahead of them (Note [data-dependent messages])
+        self._ragged = frozenset(
+            t.tensor_id for t in self._recvs + self._sends if t.spec.data_dependent
+        )
         self._local = local
         self._dtypes = {
             t.tensor_id: wire_dtype(boundary_dtype(t.spec.dtype), autocast)
@@ -186,8 +204,23 @@ class StageWorker:
 
     def _post(self, transfers: list[Transfer], m: int, mb_size: int, gradient: bool) -> Pending:
         T = self.routes.num_tensors
-        msgs, buffers = [], {}
+        msgs, buffers, shapes = [], {}, {}
         for t in transfers:
+            if t.tensor_id in self._ragged:  # Note [data-dependent messages]
+                if not gradient:  # its shape now; its gradient's receive waits for B
+                    shape = shapes[t.tensor_id] = self.comm.buffer(
+                        (t.tensor_id, "shape"), (len(t.spec.shape),), torch.int64
+                    )
+                    msgs.append(
+                        Message(
+                            shape,
+                            t.src,
+                            t.tag(m, T, False, shape=True),
+                            f"shape of {self._what[False][t.tensor_id]}",
+                            m,
+                        )
+                    )
+                continue
             buf = self.comm.buffer(
                 (t.tensor_id, gradient), self._shape(t, mb_size), self._dtypes[t.tensor_id]
             )
@@ -201,7 +234,30 @@ class StageWorker:
                     m,
                 )
             )
-        return Pending(self.comm.post_recvs(msgs), buffers)
+        return Pending(self.comm.post_recvs(msgs), buffers, shapes)
+
+    def _receive_ragged(
+        self,
+        transfers: Sequence[Transfer],
+        m: int,
+        gradient: bool,
+        shapes: dict[int, tuple[int, ...]],
+    ) -> dict[int, torch.Tensor]:
+        """Receive data-dependent tensors (or their gradients) of the shapes ``shapes`` now (Note
+        [data-dependent messages]), into buffers of their own."""
+        T = self.routes.num_tensors
+        msgs, got = [], {}
+        for t in transfers:
+            if t.tensor_id in shapes:
+                buf = got[t.tensor_id] = torch.empty(
+                    shapes[t.tensor_id], dtype=self._dtypes[t.tensor_id], device=self.device
+                )
+                peer = t.dst if gradient else t.src
+                msgs.append(
+                    Message(buf, peer, t.tag(m, T, gradient), self._what[gradient][t.tensor_id], m)
+                )
+        self.comm.wait(self.comm.post_recvs(msgs))
+        return got
 
     def post_forward(self, m: int, mb_size: int) -> Pending:
         """Post the receives of ``F(m)`` (its activations from other ranks)."""
@@ -232,8 +288,18 @@ class StageWorker:
             pending = self.post_forward(m, mb_size)
         state = self._states[m] = _Microbatch(mb_size)
         self.comm.wait(pending.posted)
+        ragged = self._receive_ragged(
+            self._remote_recvs,
+            m,
+            False,
+            {i: tuple(int(n) for n in shape.tolist()) for i, shape in pending.shapes.items()},
+        )
+        for i, shape in pending.shapes.items():
+            self.comm.release((i, "shape"), shape)
         for t in self._recvs:
-            if t.tensor_id in pending.buffers:
+            if t.tensor_id in ragged:
+                buf = ragged[t.tensor_id]
+            elif t.tensor_id in pending.buffers:
                 buf = pending.buffers[t.tensor_id]
                 state.pooled.append(((t.tensor_id, False), buf))
             else:
@@ -261,16 +327,24 @@ class StageWorker:
             )
         mine = dict(zip(self._output_names, state.outputs))
         sends: list[Message] = []
+        last: list[Message] = []  # data-dependent tensors, after their shapes and the rest
         for t in self._sends:
+            value = mine[t.spec.name]
             if t.dst not in self._local:
-                self._check_sent(t, mine[t.spec.name], mb_size)
+                self._check_sent(t, value, mb_size)
+                if t.tensor_id in self._ragged:
+                    shape = torch.tensor(value.shape, dtype=torch.int64, device=self.device)
+                    tag = t.tag(m, self.routes.num_tensors, False, shape=True)
+                    what = f"shape of {self._what[False][t.tensor_id]}"
+                    sends.append(Message(shape, t.dst, tag, what, m))
             self._deliver(
                 t,
                 m,
                 False,
-                mine[t.spec.name].detach().to(self._dtypes[t.tensor_id]).contiguous(),
-                sends,
+                value.detach().to(self._dtypes[t.tensor_id]).contiguous(),
+                last if t.tensor_id in self._ragged else sends,
             )
+        sends += last
         _keep_sent(state, sends)
         self.comm.send(sends)
         return state.outputs
@@ -278,15 +352,21 @@ class StageWorker:
     def _check_sent(self, t: Transfer, value: torch.Tensor, mb_size: int) -> None:
         """Refuse to send a tensor whose shape is not the one its receiver sized its buffer for (Note [shape
         formulas]): a stale build, or a dimension that depends on the data, named before any message."""
-        want = self._shape(t, mb_size)
-        if tuple(value.shape) != want:
-            at = "".join(f", {k} {v}" for k, v in self.sizes.items())
-            raise RuntimeSetupError(
-                f"stage {self.stage} output {t.spec.name!r} has shape {tuple(value.shape)} but its receiver "
-                f"expects {want} (formula {list(t.spec.dims or t.spec.shape)} at microbatch size "
-                f"{mb_size}{at}); its shape depends on the data or the build is stale: keep that tensor "
-                "inside one stage (--split-at) or rebuild the directory"
-            )
+        if t.spec.data_dependent:  # its shape is sent (Note [data-dependent messages])
+            if t.spec.fits(value.shape, mb_size, self.manifest.microbatch_size, self.sizes):
+                return
+            want: Any = tuple(t.spec.dims or ())
+        else:
+            want = self._shape(t, mb_size)
+            if tuple(value.shape) == want:
+                return
+        at = "".join(f", {k} {v}" for k, v in self.sizes.items())
+        raise RuntimeSetupError(
+            f"stage {self.stage} output {t.spec.name!r} has shape {tuple(value.shape)} but its receiver "
+            f"expects {want} (formula {list(t.spec.dims or t.spec.shape)} at microbatch size "
+            f"{mb_size}{at}); its shape depends on the data in a way the trace did not see, or the "
+            "build is stale: keep that tensor inside one stage (--split-at) or rebuild the directory"
+        )
 
     def _fed(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """What the stage module gets for its input ``name``: a copy if the stage changes it in place."""
@@ -330,11 +410,24 @@ class StageWorker:
             pending = self.post_backward(m)
         state = self._states[m]
         self.comm.wait(pending.posted)
+        mine = dict(zip(self._output_names, state.outputs))
+        ragged = self._receive_ragged(
+            self._remote_grads,
+            m,
+            True,
+            {
+                t.tensor_id: tuple(mine[t.spec.name].shape)
+                for t in self._remote_grads
+                if t.tensor_id in self._ragged
+            },
+        )
         grads_in: dict[str, list[torch.Tensor]] = {}
         for t in self._sends:
             if not t.grad:
                 continue
-            if t.tensor_id in pending.buffers:
+            if t.tensor_id in ragged:
+                buf = ragged[t.tensor_id]
+            elif t.tensor_id in pending.buffers:
                 buf = pending.buffers[t.tensor_id]
                 state.pooled.append(((t.tensor_id, True), buf))
             else:
@@ -361,6 +454,7 @@ class StageWorker:
                 t.spec.name: state.received[t.spec.name].grad for t in self._recvs if t.grad
             }
         sends: list[Message] = []
+        last: list[Message] = []  # Note [data-dependent messages]
         for t in self._recvs:
             if t.grad:
                 grad = input_grads.get(t.spec.name)
@@ -369,8 +463,9 @@ class StageWorker:
                     m,
                     True,
                     grad if grad is not None else torch.zeros_like(state.received[t.spec.name]),
-                    sends,
+                    last if t.tensor_id in self._ragged else sends,
                 )
+        sends += last
         _keep_sent(state, sends)
         self.comm.send(sends)
         if not split:

@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.tracer.train_eval.modes import guard_of, is_training_flag, run_in_mode
 from fxpipe.errors import TraceError
 from fxpipe.shapeformula import BATCH, UNKNOWN, DimRange, fit_dim
+from fxpipe.tracer.measure.data_shapes import data_dependent_dims
 from fxpipe.tracer.dynamic import DynamicDims, probe_inputs, probe_size
 from fxpipe.tracer.frontend.mutation import MutationLog
 from fxpipe.tracer.profile import TensorSpec
@@ -303,6 +304,8 @@ def propagate(
         )
         together = _probe_run(gm, all_probed, ", ".join(probes), None)
     probes[BATCH] = (batch_size, 2 * batch_size)
+    # Note [data-dependent shapes]
+    data = data_dependent_dims(gm, inputs, lambda g: _Counting(g, None), counting.env)
     placeholders = iter(dims)
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -319,6 +322,8 @@ def propagate(
                 together.get(node),
                 probes,
             )
+        if node in data:
+            spec = _data_dependent(spec, data[node])
         node.meta[SPEC_KEY] = spec
     return Propagation(
         values=counting.env, flops=counting.flops, mutations=counting.mutations.found
@@ -396,3 +401,18 @@ def _with_formulas(
         )
         formulas.append(fit_dim(int(size), moved, traced, both))
     return dataclasses.replace(spec, dims=tuple(formulas))
+
+
+def _data_dependent(spec: Any, dims: Any) -> Any:
+    """``spec`` with the dimensions ``dims`` that depend on the data set to ``"?"`` (Note [data-dependent
+    shapes] in :mod:`fxpipe.tracer.measure.data_shapes`), whatever formula the runs at other sizes fitted."""
+    if isinstance(spec, tuple) and isinstance(dims, tuple) and len(spec) == len(dims):
+        return tuple(_data_dependent(sp, d) for sp, d in zip(spec, dims))
+    if not isinstance(spec, TensorSpec) or not isinstance(dims, frozenset):
+        return spec
+    known = spec.dims or tuple(
+        BATCH if d == spec.batch_dim else str(size) for d, size in enumerate(spec.shape)
+    )
+    return dataclasses.replace(
+        spec, dims=tuple(UNKNOWN if d in dims else f for d, f in enumerate(known))
+    )
