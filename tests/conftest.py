@@ -117,6 +117,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test has a trace cache of its own (Note [the trace cache] in fxpipe.tracer.trace_cache),
+    never the user's: a test hits it only by tracing the same model twice itself."""
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path_factory.mktemp("fxpipe-cache")))
+
+
 @pytest.fixture
 def load_example() -> Callable[[str], ModelSource]:
     """``load_example("gpt")`` -> the example's ModelSource (also accepts ``"hf_models"``)."""

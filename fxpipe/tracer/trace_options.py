@@ -91,8 +91,38 @@ class ModelTraceOptions(Options):
         help="with --compile and analytic times: a compiled unit's time over its eager time",
     )
 
+    trace_cache: str | None = option(
+        None,
+        metavar="DIR",
+        none_means="$FXPIPE_CACHE_DIR, else $XDG_CACHE_HOME/fxpipe or ~/.cache/fxpipe",
+        help="folder of the trace cache: a model traced before from the same file, inputs and "
+        "options is read from it instead of traced again (another --stages, --schedule, ...)",
+    )
+    no_trace_cache: bool = option(
+        False, help="trace afresh, neither reading nor writing the trace cache"
+    )
+
+    _NOT_TRACE_KWARGS: ClassVar[tuple[str, ...]] = (
+        "model_fn",
+        "inputs_fn",
+        "trace_cache",
+        "no_trace_cache",
+    )
+
     def trace_kwargs(self) -> dict[str, Any]:
-        """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function names)."""
-        return {k: v for k, v in self.to_dict().items() if k not in ("model_fn", "inputs_fn")} | {
+        """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function
+        names and where its trace is cached)."""
+        return {k: v for k, v in self.to_dict().items() if k not in self._NOT_TRACE_KWARGS} | {
             "leaves": self.leaves
         }
+
+    def cache_dir(self) -> str | None:
+        """Where the trace cache lives (Note [the trace cache] in ``fxpipe.tracer.trace_cache``),
+        None without one."""
+        if self.no_trace_cache:
+            return None
+        if self.trace_cache is not None:
+            return self.trace_cache
+        from fxpipe.tracer.trace_cache import default_cache_dir
+
+        return str(default_cache_dir())
