@@ -32,6 +32,7 @@ cached (their buffers are recomputed into the model while tracing). Entries are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -52,24 +53,16 @@ import torch.utils._pytree as pytree
 from fxpipe.modelfile import ModelSource
 from fxpipe.tracer.traced import TracedModel
 
-__all__ = ["TraceCache", "default_cache_dir", "trace_cached", "trace_key"]
+__all__ = ["TraceCache", "trace_cached", "trace_key"]
 
 _FORMAT = 1  # bump when what is stored changes
 _FXPIPE_ROOT = Path(__file__).resolve().parents[1]
 
 
-def default_cache_dir() -> Path:
-    """``$FXPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxpipe``, else ``~/.cache/fxpipe``; traces
-    go in its ``traces`` folder."""
-    if os.environ.get("FXPIPE_CACHE_DIR"):
-        return Path(os.environ["FXPIPE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "fxpipe"
-
-
 # -- the key ---------------------------------------------------------------------------------
 
 
+@functools.cache
 def _fxpipe_source_hash() -> str:
     """One hash of fxpipe's Python source and data files: any change to fxpipe is a new key."""
     h = hashlib.sha256()
@@ -99,6 +92,7 @@ def _local_imports(source: ModelSource) -> dict[str, str]:
     return dict(sorted(hashes.items()))
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -124,9 +118,7 @@ def _hash_value(h: Any, value: Any) -> None:
             h.update(repr(leaf).encode())
 
 
-def trace_key(
-    source: ModelSource, batch_size: int, inputs: Any, options: dict[str, Any]
-) -> str:
+def trace_key(source: ModelSource, batch_size: int, inputs: Any, options: dict[str, Any]) -> str:
     """The cache key of tracing ``source`` at ``batch_size`` with ``options`` (``trace_model_file``'s
     keyword arguments) on ``inputs`` (its ``example_call``): Note [the trace cache]."""
     h = hashlib.sha256()
@@ -190,7 +182,9 @@ def _symbols(node: Any) -> tuple[tuple[Any, Any, Any], ...]:
     out = []
     for sym in sorted(node.expr.free_symbols, key=str):
         vr = env.var_to_range.get(sym)
-        out.append((sym, env.backed_var_to_val.get(sym), None if vr is None else (vr.lower, vr.upper)))
+        out.append(
+            (sym, env.backed_var_to_val.get(sym), None if vr is None else (vr.lower, vr.upper))
+        )
     return tuple(out)
 
 
@@ -250,8 +244,10 @@ def _rebuild_graph(codegen: Any, nodes: list[tuple[Any, ...]]) -> torch.fx.Graph
         if isinstance(a, _Ref):
             return made[a.name]
         if isinstance(a, tuple):
-            return type(a)(*(resolve(x) for x in a)) if hasattr(a, "_fields") else tuple(
-                resolve(x) for x in a
+            return (
+                type(a)(*(resolve(x) for x in a))
+                if hasattr(a, "_fields")
+                else tuple(resolve(x) for x in a)
             )
         if isinstance(a, list):
             return [resolve(x) for x in a]
@@ -289,7 +285,7 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         return self.owned.get(id(obj)) if isinstance(obj, (nn.Module, torch.Tensor)) else None
 
-    def reducer_override(self, obj: Any) -> Any:  # noqa: C901 - one case per kind of object
+    def reducer_override(self, obj: Any) -> Any:  # one case per kind of object
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -298,9 +294,10 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverloadPacket):
             return _op, (obj._qualified_op_name.split("::")[0], obj.__name__, None)
         if isinstance(obj, torch._ops.HigherOrderOperator):
-            if getattr(torch.ops.higher_order, obj.__name__, None) is not obj:
-                raise _NotCacheable(f"operator {obj.__name__}")
-            return _higher_order, (obj.__name__,)
+            name = str(obj.__name__)
+            if getattr(torch.ops.higher_order, name, None) is not obj:
+                raise _NotCacheable(f"operator {name}")
+            return _higher_order, (name,)
         if isinstance(obj, torch.SymInt):
             return _symint, (obj.node.expr, obj.node.hint, _symbols(obj.node))
         if isinstance(obj, torch.SymFloat):
@@ -334,7 +331,9 @@ class _Pickler(pickle.Pickler):
 
 
 def _node_record(node: torch.fx.Node) -> tuple[Any, ...]:
-    ref = lambda n: _Ref(n.name)  # noqa: E731
+    def ref(n: torch.fx.Node) -> Any:
+        return _Ref(n.name)
+
     return (
         node.op,
         node.name,
@@ -395,7 +394,7 @@ def _loads(data: bytes, model: nn.Module) -> TracedModel:
 
 @dataclass(frozen=True)
 class TraceCache:
-    """Traces stored in ``folder`` (``default_cache_dir() / "traces"`` by default), one file a key."""
+    """Traces stored in ``folder`` (``trace_options.default_cache_dir() / "traces"`` by default), one file a key."""
 
     folder: Path
 

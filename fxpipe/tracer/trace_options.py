@@ -11,17 +11,28 @@ builds its parsers from it at start-up.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fxpipe.optionspec import Options, option
 from fxpipe.tracer.calibration import DEVICE_PRESETS
 
-__all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES"]
+__all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES", "default_cache_dir"]
 
 FRONTENDS = ("auto", "symbolic", "export")
 TRACE_DEVICES = ("cpu", "cuda", "meta")
 DYNAMIC_CHOICES = ("model", "auto", "none")
+
+
+def default_cache_dir() -> Path:
+    """``$FXPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxpipe``, else ``~/.cache/fxpipe``; traces
+    go in its ``traces`` folder (Note [the trace cache] in ``fxpipe.tracer.trace_cache``)."""
+    if os.environ.get("FXPIPE_CACHE_DIR"):
+        return Path(os.environ["FXPIPE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fxpipe"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +134,4 @@ class ModelTraceOptions(Options):
             return None
         if self.trace_cache is not None:
             return self.trace_cache
-        from fxpipe.tracer.trace_cache import default_cache_dir
-
         return str(default_cache_dir())
