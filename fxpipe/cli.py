@@ -360,6 +360,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
+    for line in profile.recomputed_buffers:
+        console.print(f"[cyan]recomputed[/] {line}", highlight=False)
     _print_tp_plan(Path(args.build_dir), console)
     if unpaired is not None:
         console.print(unpaired)
