@@ -123,3 +123,28 @@ def test_the_key_follows_a_helper_beside_the_model_file_and_the_options(tmp_path
         assert trace_key(source, 2, inputs, {"frontend": "auto"}) != key
     finally:
         sys.modules.pop("helper_m37", None)
+
+
+def test_the_key_draws_nothing_the_model_build_sees(tmp_path: Path) -> None:
+    """An example_inputs that draws from the global RNG (the contract asks for seeded generators)
+    is called once more for the key: the model built next still gets the weights it gets
+    without a cache, on a miss and on a hit."""
+    from fxpipe.tracer.trace_cache import trace_cached
+
+    model = tmp_path / "unseeded.py"
+    model.write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    return torch.nn.Linear(4, 2)\n"
+        "def example_inputs(batch_size):\n"
+        "    return (torch.randn(batch_size, 4),)\n"
+    )
+    source = load_model_file(model)
+    weights = []
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # none, a miss, a hit
+        torch.manual_seed(0)
+        traced = trace_cached(source, 2, cache, progress=False)
+        weights.append(traced.model.weight.detach().clone())
+    assert list((tmp_path / "cache" / "traces").glob("*.pt"))
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=0)
+    torch.testing.assert_close(weights[2], weights[0], rtol=0, atol=0)
