@@ -211,6 +211,10 @@ def _symfloat(expr: Any, hint: Any, symbols: tuple[tuple[Any, Any, Any], ...]) -
     return _declare(symbols).create_symfloatnode(expr, hint=hint)
 
 
+def _symbool(expr: Any, symbols: tuple[tuple[Any, Any, Any], ...]) -> Any:
+    return _declare(symbols).create_symboolnode(expr)
+
+
 def _fake(
     storage: int,
     nbytes: Any,
@@ -226,6 +230,9 @@ def _fake(
     reads (``fxpipe.codegen.aliases``)."""
     loading = _LOADING[-1]
     with loading.fake_mode:
+        if storage < 0 and not offset:  # a storage of its own (most values): one fake call
+            t = torch.empty_strided(size, stride, dtype=dtype, device=device)
+            return t.requires_grad_(requires_grad) if requires_grad else t
         flat = loading.storages.get(storage)
         if flat is None:
             flat = loading.storages[storage] = torch.empty(
@@ -277,9 +284,12 @@ class _Pickler(pickle.Pickler):
     """Stores a traced model: the model's own objects by name, graphs node by node, fake tensors
     and symbolic sizes by their expressions (Note [the trace cache])."""
 
-    def __init__(self, file: io.BytesIO, owned: dict[int, tuple[str, str]]) -> None:
+    def __init__(
+        self, file: io.BytesIO, owned: dict[int, tuple[str, str]], shared: set[int]
+    ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.owned = owned
+        self.shared = shared  # the fake storages two values or more hold
         self.storages: dict[int, int] = {}  # a fake storage's id -> its number in the file
 
     def persistent_id(self, obj: Any) -> Any:
@@ -302,12 +312,16 @@ class _Pickler(pickle.Pickler):
             return _symint, (obj.node.expr, obj.node.hint, _symbols(obj.node))
         if isinstance(obj, torch.SymFloat):
             return _symfloat, (obj.node.expr, obj.node.hint, _symbols(obj.node))
-        if isinstance(obj, (torch.SymBool, ShapeEnv)) or type(obj).__name__ == "FakeTensorMode":
+        if isinstance(obj, torch.SymBool):
+            return _symbool, (obj.node.expr, _symbols(obj.node))
+        if isinstance(obj, ShapeEnv) or type(obj).__name__ == "FakeTensorMode":
             raise _NotCacheable(type(obj).__name__)
         if isinstance(obj, FakeTensor):
             storage = obj.untyped_storage()
             return _fake, (
-                self.storages.setdefault(storage._cdata, len(self.storages)),
+                self.storages.setdefault(storage._cdata, len(self.storages))
+                if storage._cdata in self.shared
+                else -1,
                 storage.nbytes(),
                 obj.dtype,
                 obj.fake_device,
@@ -371,10 +385,25 @@ def _owned(model: nn.Module) -> dict[int, tuple[str, str]]:
     return owned
 
 
+def _shared_storages(gm: torch.fx.GraphModule) -> set[int]:
+    """The fake storages that more than one traced value holds, in ``gm`` and its subgraphs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen: dict[int, set[int]] = {}
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                for leaf in pytree.tree_leaves(node.meta.get("val")):
+                    if isinstance(leaf, FakeTensor):
+                        seen.setdefault(leaf.untyped_storage()._cdata, set()).add(id(leaf))
+    return {storage for storage, values in seen.items() if len(values) > 1}
+
+
 def _dumps(traced: TracedModel) -> bytes:
     buf = io.BytesIO()
     fields = {k: v for k, v in traced.__dict__.items() if k != "model"}
-    _Pickler(buf, _owned(traced.model)).dump(fields)
+    shared = _shared_storages(traced.graph_module)
+    _Pickler(buf, _owned(traced.model), shared).dump(fields)
     return buf.getvalue()
 
 
