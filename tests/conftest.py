@@ -58,6 +58,9 @@ HEAVY = (
     "tests/runtime/test_dcp_checkpoint.py::test_a_converted_per_rank_checkpoint_resumes_on_another_layout",
     # fxpipe partition --seq-len (a Llama traced with its costs at three lengths); fxpipe plan's stays
     "tests/partitioner/test_seqlen.py::test_fxpipe_partition_at_a_length_writes_the_priced_plan_and_profile",
+    # the trace cache on a transformers Llama (3 partitions); its dict-batch sibling through
+    # export stays in make test
+    "tests/tracer/test_trace_cache.py::test_another_stage_count_reads_the_trace_and_builds_what_a_fresh_trace_builds[llama]",
     # the slowest of the rest, each with a faster sibling in make test (keeps it under 10 minutes)
     # (2026-11-28, idle: make test 607 s of tests before these moved, about 83 s of them)
     "tests/reliability/test_job_control.py::test_a_model_file_that_imports_a_module_beside_it_is_told_what_to_do",

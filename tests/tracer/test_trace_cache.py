@@ -23,6 +23,7 @@ from fxpipe.tracer.trace_cache import trace_key
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "tests" / "zoo" / "models" / "llama.py"
 MLP = ROOT / "examples" / "mlp.py"
+DICT_BATCH = ROOT / "tests" / "zoo" / "models" / "dict_batch.py"
 
 
 def _partition(
@@ -54,17 +55,26 @@ def _json(path: Path, *drop: str) -> object:
     return clean(json.loads(path.read_text()))
 
 
+@pytest.mark.parametrize(
+    "model",
+    [LLAMA, DICT_BATCH],  # a transformers Llama (make test-heavy); a dict batch through export
+    ids=["llama", "dict_batch"],
+)
 def test_another_stage_count_reads_the_trace_and_builds_what_a_fresh_trace_builds(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path
 ) -> None:
-    first = _partition(capsys, LLAMA, tmp_path / "two", 2, "--no-check")
+    """Export's graphs: fake tensors with a symbolic batch, views sharing storages."""
+    export = ("--frontend", "export")
+    first = _partition(capsys, model, tmp_path / "two", 2, "--no-check", *export)
     assert "fxpipe: trace (export" in first and "fxpipe: count" in first
     assert len(list((Path(os.environ["FXPIPE_CACHE_DIR"]) / "traces").glob("*.pt"))) == 1
-    cached = _partition(capsys, LLAMA, tmp_path / "four", 4)
+    cached = _partition(capsys, model, tmp_path / "four", 4, *export)
     assert "fxpipe: trace: cached (export" in cached
     assert "fxpipe: trace (" not in cached and "fxpipe: count" not in cached
     assert "fxpipe: check" in cached  # the stages were run against the model: they verify
-    fresh = _partition(capsys, LLAMA, tmp_path / "fresh", 4, "--no-trace-cache", "--no-check")
+    fresh = _partition(
+        capsys, model, tmp_path / "fresh", 4, "--no-trace-cache", "--no-check", *export
+    )
     assert "fxpipe: trace (export" in fresh
     a, b = tmp_path / "four", tmp_path / "fresh"
     assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
