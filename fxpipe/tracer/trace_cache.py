@@ -41,6 +41,7 @@ import pickle
 import platform
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -414,7 +415,9 @@ def _loads(data: bytes, model: nn.Module) -> TracedModel:
     shape_env = ShapeEnv()
     _LOADING.append(_Loading(shape_env, FakeTensorMode(shape_env=shape_env)))
     try:
-        fields = _Unpickler(io.BytesIO(data), model).load()
+        with warnings.catch_warnings():  # pytree's leaf specs unpickle through a deprecated class
+            warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)
+            fields = _Unpickler(io.BytesIO(data), model).load()
     finally:
         _LOADING.pop()
     fields["graph_module"].shape_env = shape_env
