@@ -26,7 +26,9 @@ The cache fails open: anything that cannot be stored (an object pickle refuses i
 ``meta``) or read back (a torch that changed its internals, a file cut short) means the model is
 traced as if there were no cache, and a failed read removes the entry. Meta-device traces are not
 cached (their buffers are recomputed into the model while tracing). Entries are written whole
-(a temporary file renamed), so concurrent partitions never read half a file.
+(a temporary file renamed, readable by its owner only), so concurrent partitions never read half
+a file. An entry is a pickle, read as torch.compile reads its own cache: the folder must be the
+user's own (``~/.cache/fxpipe`` is), never one that others can write to.
 """
 
 from __future__ import annotations
