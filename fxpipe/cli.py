@@ -79,12 +79,11 @@ def _load_source(args: argparse.Namespace) -> Any:
 
 
 def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
-    from fxpipe.tracer import trace_model_file
+    from fxpipe.tracer.trace_cache import trace_cached
 
     _enter("tracing")
-    return trace_model_file(
-        source, batch_size, **from_namespace(ModelTraceOptions, args).trace_kwargs()
-    )
+    options = from_namespace(ModelTraceOptions, args)
+    return trace_cached(source, batch_size, options.cache_dir(), **options.trace_kwargs())
 
 
 def _plan(options: PlanOptions, profile: Any, stages: int, microbatches: int) -> Any:
@@ -365,6 +364,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     _enter("reporting")
     console = _console()
     print_plan_report(plan, profile, console=console)
+    for line in profile.recomputed_buffers:
+        console.print(f"[cyan]recomputed[/] {line}", highlight=False)
     _print_tp_plan(Path(args.build_dir), console)
     if (Path(args.build_dir) / "manifest.json").is_file():
         for line in Manifest.from_json(Path(args.build_dir)).data_dependent():

@@ -66,6 +66,9 @@ HEAVY = (
     # fxpipe partition --seq-len (a Llama traced with its costs at three lengths); fxpipe plan's stays
     "tests/partitioner/test_seqlen.py::test_fxpipe_partition_at_a_length_writes_the_priced_plan_and_profile",
     "tests/partitioner/test_seqlen.py::test_fxpipe_partition_with_devices_at_a_length",
+    # the trace cache on a transformers Llama (3 partitions); its dict-batch sibling through
+    # export stays in make test
+    "tests/tracer/test_trace_cache.py::test_another_stage_count_reads_the_trace_and_builds_what_a_fresh_trace_builds[llama]",
     # the slowest of the rest, each with a faster sibling in make test (keeps it under 10 minutes)
     # (2026-11-28, idle: make test 607 s of tests before these moved, about 83 s of them)
     "tests/reliability/test_job_control.py::test_a_model_file_that_imports_a_module_beside_it_is_told_what_to_do",
@@ -123,6 +126,13 @@ def _seed() -> None:
     """Every test starts from the same random state."""
     random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test has a trace cache of its own (Note [the trace cache] in fxpipe.tracer.trace_cache),
+    never the user's: a test hits it only by tracing the same model twice itself."""
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path_factory.mktemp("fxpipe-cache")))
 
 
 @pytest.fixture

@@ -139,6 +139,7 @@ def write_build_dir(
                 plan_sha256=file_sha256(staging / "plan.json"),  # checked before it is read
                 static_batch=traced.static_batch,
                 dynamic=traced.profile.dynamic,  # Note [shape formulas]
+                recomputed_buffers=traced.profile.recomputed_buffers,  # Note [computed buffers on meta]
             )
             manifest.to_json(staging / "manifest.json")
             traced.profile.to_json(staging / "profile.json")

@@ -262,7 +262,10 @@ class Manifest:
     ``schedule`` names the schedule the build was planned for. ``weights`` says where the stage
     weights came from: the model (``"model"``), a checkpoint (``"checkpoint"``), or nowhere yet
     (``"init"``: ``load_stage`` initialises what the weights files leave out); ``skipped_checks``
-    names the checks a meta build could not run, with the reason.
+    names the checks a meta build could not run, with the reason; ``recomputed_buffers`` the
+    buffers a model built on the meta device held no value for, recomputed on the CPU and written
+    to the stages, one line each saying how (Note [computed buffers on meta] in
+    ``fxpipe.tracer.construct.meta_buffers``).
     """
 
     model_file: str
@@ -290,6 +293,7 @@ class Manifest:
         "model"  # "model" | "checkpoint" | "init" (Note [stage weights from a checkpoint])
     )
     skipped_checks: tuple[str, ...] = ()
+    recomputed_buffers: tuple[str, ...] = ()
     init_models: tuple[
         InitModel, ...
     ] = ()  # with weights "init": transformers models that initialise their tensors
@@ -323,6 +327,7 @@ class Manifest:
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "dynamic", tuple(self.dynamic))
         object.__setattr__(self, "skipped_checks", tuple(self.skipped_checks))
+        object.__setattr__(self, "recomputed_buffers", tuple(self.recomputed_buffers))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "ties", tuple(self.ties))
         object.__setattr__(self, "output_modules", tuple(self.output_modules))

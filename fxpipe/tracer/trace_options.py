@@ -11,17 +11,28 @@ builds its parsers from it at start-up.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fxpipe.optionspec import Options, option
 from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
 
-__all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES"]
+__all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES", "default_cache_dir"]
 
 FRONTENDS = ("auto", "symbolic", "export")
 TRACE_DEVICES = ("cpu", "cuda", "meta")
 DYNAMIC_CHOICES = ("model", "auto", "none")
+
+
+def default_cache_dir() -> Path:
+    """``$FXPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxpipe``, else ``~/.cache/fxpipe``; traces
+    go in its ``traces`` folder (Note [the trace cache] in ``fxpipe.tracer.trace_cache``)."""
+    if os.environ.get("FXPIPE_CACHE_DIR"):
+        return Path(os.environ["FXPIPE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fxpipe"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +102,36 @@ class ModelTraceOptions(Options):
         help="with --compile and analytic times: a compiled unit's time over its eager time",
     )
 
+    trace_cache: str | None = option(
+        None,
+        metavar="DIR",
+        none_means="$FXPIPE_CACHE_DIR, else $XDG_CACHE_HOME/fxpipe or ~/.cache/fxpipe",
+        help="folder of the trace cache: a model traced before from the same file, inputs and "
+        "options is read from it instead of traced again (another --stages, --schedule, ...)",
+    )
+    no_trace_cache: bool = option(
+        False, help="trace afresh, neither reading nor writing the trace cache"
+    )
+
+    _NOT_TRACE_KWARGS: ClassVar[tuple[str, ...]] = (
+        "model_fn",
+        "inputs_fn",
+        "trace_cache",
+        "no_trace_cache",
+    )
+
     def trace_kwargs(self) -> dict[str, Any]:
-        """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function names)."""
-        return {k: v for k, v in self.to_dict().items() if k not in ("model_fn", "inputs_fn")} | {
+        """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function
+        names and where its trace is cached)."""
+        return {k: v for k, v in self.to_dict().items() if k not in self._NOT_TRACE_KWARGS} | {
             "leaves": self.leaves
         }
+
+    def cache_dir(self) -> str | None:
+        """Where the trace cache lives (Note [the trace cache] in ``fxpipe.tracer.trace_cache``),
+        None without one."""
+        if self.no_trace_cache:
+            return None
+        if self.trace_cache is not None:
+            return self.trace_cache
+        return str(default_cache_dir())

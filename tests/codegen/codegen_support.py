@@ -54,10 +54,12 @@ def build_model_file(
     microbatch: int = 2,
     microbatches: int = 2,
     inputs_fn: str | None = None,
+    frontend: str = "auto",
 ) -> tuple[Manifest, ModelSource]:
-    """Trace the model file ``path`` at ``microbatch``, plan ``stages`` stages and write the build to ``out``."""
+    """Trace the model file ``path`` at ``microbatch`` (with ``frontend``), plan ``stages`` stages and
+    write the build to ``out``."""
     source = load_model_file(path, model_fn=model_fn, inputs_fn=inputs_fn)
-    traced = trace_model_file(source, microbatch, progress=False)
+    traced = trace_model_file(source, microbatch, progress=False, frontend=frontend)
     plan = plan_partition(
         traced.profile, stages, solver=solver, microbatches=microbatches, time_limit=5.0
     )

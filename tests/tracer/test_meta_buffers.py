@@ -94,7 +94,7 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_buffers_built_on_meta_are_recomputed_equal_to_a_cpu_build_and_written(
-    model_file: Path, tmp_path: Path
+    model_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = load_model_file(model_file)
     with warnings.catch_warnings():
@@ -116,6 +116,20 @@ def test_buffers_built_on_meta_are_recomputed_equal_to_a_cpu_build_and_written(
     for key in ("llama.rotary_emb.inv_freq", "mix.mask", "mix.positions"):  # what forward reads
         assert key in written, key
         torch.testing.assert_close(written[key], want[key], rtol=0, atol=0, msg=key)
+    # the build says which buffers were recomputed and how: its manifest and its report
+    from fxpipe.codegen.manifest import Manifest
+
+    assert Manifest.from_json(build / "manifest.json").recomputed_buffers == lines
+    report = (build / "report.html").read_text()
+    assert "Buffers recomputed on the CPU" in report
+    assert all(key in report for key in RECOMPUTED)
+    assert "rebuilt from its constructor&#x27;s arguments" in report
+    from fxpipe.cli import main
+
+    capsys.readouterr()
+    assert main(["report", str(build)]) == 0
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("recomputed")]
+    assert [line.split()[1].rstrip(":") for line in shown] == list(RECOMPUTED)
 
 
 def test_rope_frequencies_come_from_the_config_without_a_build_record() -> None:

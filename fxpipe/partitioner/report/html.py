@@ -270,6 +270,18 @@ def _data_parallel_html(plan: PartitionPlan) -> str:
     )
 
 
+def _recomputed_html(profile: ModelProfile) -> str:
+    """The buffers a model built on the meta device had recomputed on the CPU, and how (Note
+    [computed buffers on meta] in ``fxpipe.tracer.construct.meta_buffers``); nothing for other models."""
+    if not profile.recomputed_buffers:
+        return ""
+    items = "".join(f"<li>{escape(line)}</li>" for line in profile.recomputed_buffers)
+    return (
+        "<h2>Buffers recomputed on the CPU (the model was built on the meta device)</h2>"
+        f"<ul>{items}</ul>"
+    )
+
+
 def render_html_report(
     plan: PartitionPlan, profile: ModelProfile, measured: Measurement | None = None
 ) -> str:
@@ -337,6 +349,7 @@ Traced on {escape(profile.trace_device)} ({escape(profile.timing)} times); assum
 {plan_timeline_html(plan)}
 {_measured_html(plan, measured)}
 {_alternatives_html(plan)}
+{_recomputed_html(profile)}
 <h2>Module tree (open a stage, then a module, for its units)</h2>
 {module_tree_html(plan, groups)}
 <h2>Legend</h2>

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from fxpipe.tracer.frontend.assert_messages import note_assert_site, restore_assert_messages
 from fxpipe.tracer.call import active_call
@@ -220,28 +221,88 @@ class _LeafTracer(torch.fx.Tracer):
             raise _SubmoduleFailure(path, exc) from exc
 
 
-def _concrete_args(model: nn.Module, n_inputs: int) -> tuple[dict[str, Any], frozenset[str]]:
+def _concrete_args(
+    model: nn.Module, n_inputs: int
+) -> tuple[dict[str, Any], frozenset[str], tuple[str | None, ...] | None]:
     """FX's ``concrete_args`` for the call being traced (Note [the traced call] in
-    ``fxpipe.tracer.call``) and the names of the tensor inputs; outside ``trace_model``, the
-    first ``n_inputs`` parameters are the inputs and the others keep their defaults."""
+    ``fxpipe.tracer.call``), the names of the tensor inputs, and, for a call with containers of
+    tensors, the name each of FX's placeholders is to get (``None``: a constant's, dropped);
+    outside ``trace_model``, the first ``n_inputs`` parameters are the inputs and the others keep
+    their defaults."""
     call = active_call(n_inputs)
     if call is not None:
         if not call.symbolic:
-            raise SymbolicTraceFailure(
-                "",
-                TypeError(
-                    "arguments passed through *args or **kwargs, and tensors inside containers, "
-                    "cannot be traced symbolically"
-                ),
-            )
-        return dict(call.concrete), frozenset(call.spec.inputs)
+            trees = _tree_concrete(call)
+            if trees is None:
+                raise SymbolicTraceFailure(
+                    "",
+                    TypeError(
+                        "arguments passed through *args or **kwargs cannot be traced symbolically"
+                    ),
+                )
+            concrete, names = trees
+            return concrete, frozenset(call.spec.inputs), names
+        return dict(call.concrete), frozenset(call.spec.inputs), None
     params = [
         p
         for p in inspect.signature(model.forward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
     extra = {p.name: p.default for p in params[n_inputs:] if p.default is not p.empty}
-    return extra, frozenset(p.name for p in params[:n_inputs])
+    return extra, frozenset(p.name for p in params[:n_inputs]), None
+
+
+def _tree_concrete(call: Any) -> tuple[dict[str, Any], tuple[str | None, ...]] | None:
+    """Note [containers through FX]: FX takes a container argument as ``concrete_args`` whose
+    tensor leaves are ``PH``: one placeholder per leaf, in pytree's order, which is the order
+    of the call's tensor inputs (``bind_example``); a constant leaf gets a placeholder too, used
+    by FX's check of its value only, and dropped with it. The concrete arguments and, per
+    placeholder FX makes, the tensor input it is (``None`` for a constant's); ``None`` when the
+    call passes anything through ``*args`` / ``**kwargs``, which FX cannot trace."""
+    from torch.fx._symbolic_trace import PH
+
+    bound = call.signature.bind(*call.example.args, **call.example.kwargs)
+    trees = {tree.name: tree for tree in call.spec.trees}
+    concrete: dict[str, Any] = {}
+    names: list[str | None] = []
+    for name, p in call.signature.parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            if bound.arguments.get(name):
+                return None
+            continue
+        if name in trees:
+            value = bound.arguments[name]
+            concrete[name] = pytree.tree_map(
+                lambda x: PH if isinstance(x, torch.Tensor) else x, value
+            )
+            names += list(trees[name].inputs)
+        elif name in call.concrete:
+            concrete[name] = call.concrete[name]
+            names.append(None)
+        else:
+            names.append(name)
+    return concrete, tuple(names)
+
+
+def _name_tree_placeholders(graph: torch.fx.Graph, names: tuple[str | None, ...]) -> None:
+    """Give FX's placeholders of container leaves the names of the call's tensor inputs
+    (``batch_1`` -> ``batch_image``) and take back FX's pytree calling convention: the graph
+    takes its tensor inputs flat, as every graph of the normalized form does (Note [containers
+    through FX])."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise SymbolicTraceFailure(
+            "",
+            TypeError(
+                f"FX made {len(placeholders)} inputs for a call of {len(names)} arguments and "
+                "container leaves"
+            ),
+        )
+    for node, name in zip(placeholders, names):
+        if name is not None and node.target != name:
+            node.target = name
+            node._rename(name)
+    graph._codegen = torch.fx.graph.CodeGen()
 
 
 _CHECKS = (torch.fx._symbolic_trace._assert_is_none, torch._assert, operator.eq)
@@ -279,7 +340,7 @@ def symbolic_trace(
     leaf_types = tuple(x for x in leaves if isinstance(x, type))
     leaf_paths = {x for x in leaves if isinstance(x, str)}
     fallbacks: list[FallbackLeaf] = []
-    concrete, inputs = _concrete_args(model, n_inputs)
+    concrete, inputs, tree_names = _concrete_args(model, n_inputs)
     # decided before tracing: while the tracer runs, a module's parameters read as Proxies
     rebuildable = {
         id(m): rebuild_problem(m) is None for m in model.modules() if is_torch_nn_leaf(m)
@@ -306,6 +367,8 @@ def symbolic_trace(
         except Exception as exc:  # noqa: BLE001 - reported to the caller with the cause
             raise SymbolicTraceFailure("", exc) from exc
         restore_assert_messages(graph)
+        if tree_names is not None:
+            _name_tree_placeholders(graph, tree_names)
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
         _drop_concrete_placeholders(gm, inputs)
         return SymbolicResult(gm, tuple(fallbacks))
