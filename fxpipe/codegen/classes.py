@@ -27,6 +27,7 @@ import torch.nn as nn
 from fxpipe.codegen.forward import GeneratedFunction, render_forward, render_function, run_blocks
 from fxpipe.codegen.frees import Bytes
 from fxpipe.codegen.functions import outline_helper_calls
+from fxpipe.codegen.masks import short_form
 from fxpipe.codegen.naming import module_ranges, unique_name
 from fxpipe.codegen.outline import Body, stack_runs
 from fxpipe.codegen.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
@@ -286,16 +287,21 @@ class ClassRegistry:
         positional = [
             f"arg{i}" for i, n in enumerate(function.graph.nodes) if n.op == "placeholder"
         ]
-        key = "def\n" + "\n".join(
-            render_function(
-                function.graph,
-                self.imports,
-                attr,
-                arg_names=positional,
-                workspace=self.function_peak,
-                name="f",
-                method=False,
-            )[0]
+        short = short_form(function.graph)  # Note [short forms of mask helpers]
+        key = "def\n" + (
+            short.key
+            if short is not None
+            else "\n".join(
+                render_function(
+                    function.graph,
+                    self.imports,
+                    attr,
+                    arg_names=positional,
+                    workspace=self.function_peak,
+                    name="f",
+                    method=False,
+                )[0]
+            )
         )
         name = self.by_text.get(key)
         if name is None:
@@ -309,7 +315,9 @@ class ClassRegistry:
                 workspace=self.function_peak,
                 name=name,
                 method=False,
-            )
+            )  # a short form's peak: the traced operators' (they make more temporaries, not fewer)
+            if short is not None:
+                self.functions[name] = short.lines(name)
         function.name = name
         self.users.setdefault(name, set()).add(stage)
         return name
