@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["SizedClass", "sizes_of", "template", "fill", "declare"]
+__all__ = ["SizedClass", "sizes_of", "template", "fill", "slotted", "declare"]
 
 _SLOT = "\x00"
 
