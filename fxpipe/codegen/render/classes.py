@@ -24,19 +24,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.codegen.render.forward import (
-    GeneratedFunction,
-    render_forward,
-    render_function,
-    run_blocks,
-)
+from fxpipe.codegen.render.forward import GeneratedFunction, render_function, run_blocks
 from fxpipe.codegen.render.frees import Bytes
 from fxpipe.codegen.render.functions import outline_helper_calls
+from fxpipe.codegen.render.masks import short_form
 from fxpipe.codegen.render.naming import module_ranges, unique_name
 from fxpipe.codegen.graph.outline import Body, stack_runs
 from fxpipe.codegen.render.pyrender import MODEL_MODULE_PREFIX, ImportTable, is_plain_name
 from fxpipe.codegen.graph.ownership import BUFFER, PARAMETER, TensorEntry
 from fxpipe.codegen.render.statements import name_from_source
+from fxpipe.codegen.render.variants import SizedClass, declare, fill, sizes_of, slotted, template
 
 __all__ = ["ModuleTree", "ClassRegistry", "ClassWriter", "INDENT"]
 
@@ -278,6 +275,7 @@ class ClassRegistry:
         self.functions: dict[
             str, list[str]
         ] = {}  # generated function -> its lines (Note [helper calls])
+        self.sized: dict[type, list[SizedClass]] = {}  # Note [classes that differ in their sizes]
 
     def fresh(self, wanted: str) -> str:
         name = unique_name(wanted, self.taken | set(self.imports.names))
@@ -291,16 +289,21 @@ class ClassRegistry:
         positional = [
             f"arg{i}" for i, n in enumerate(function.graph.nodes) if n.op == "placeholder"
         ]
-        key = "def\n" + "\n".join(
-            render_function(
-                function.graph,
-                self.imports,
-                attr,
-                arg_names=positional,
-                workspace=self.function_peak,
-                name="f",
-                method=False,
-            )[0]
+        short = short_form(function.graph)  # Note [short forms of mask helpers]
+        key = "def\n" + (
+            short.key
+            if short is not None
+            else "\n".join(
+                render_function(
+                    function.graph,
+                    self.imports,
+                    attr,
+                    arg_names=positional,
+                    workspace=self.function_peak,
+                    name="f",
+                    method=False,
+                )[0]
+            )
         )
         name = self.by_text.get(key)
         if name is None:
@@ -314,7 +317,9 @@ class ClassRegistry:
                 workspace=self.function_peak,
                 name=name,
                 method=False,
-            )
+            )  # a short form's peak: the traced operators' (they make more temporaries, not fewer)
+            if short is not None:
+                self.functions[name] = short.lines(name)
         function.name = name
         self.users.setdefault(name, set()).add(stage)
         return name
@@ -332,6 +337,10 @@ class ClassRegistry:
             out.append(name)
             out += [stack for stack, (block, _) in self.stacks.items() if block == name]
         return out
+
+    def sizes_of_class(self, name: str) -> tuple[str, ...]:
+        """The sizes the class ``name`` takes (Note [classes that differ in their sizes]), if any."""
+        return next((c.params for cs in self.sized.values() for c in cs if c.name == name), ())
 
     def used_by(self, stage: int) -> set[str]:
         return {name for name, stages in self.users.items() if stage in stages}
@@ -351,11 +360,13 @@ class ClassRegistry:
                     f'{INDENT}"""{subject} as traced, at {where}."""',
                     "",
                 ]
-                if init:
+                sizes = self.sizes_of_class(name)
+                if init or sizes:
+                    signature, keep = declare(sizes)
                     out += [
-                        f"{INDENT}def __init__(self) -> None:",
+                        f"{INDENT}def __init__(self{', ' if sizes else ''}{signature}) -> None:",
                         f"{INDENT * 2}super().__init__()",
-                        *(INDENT * 2 + ln for ln in init),
+                        *(INDENT * 2 + ln for ln in keep + init),
                         "",
                     ]
                 out += [INDENT + ln for ln in forward] + ["", ""]
@@ -374,6 +385,7 @@ class ClassWriter:
         self.imports = registry.imports
         self.stage = stage
         self.class_of: dict[str, str] = {}
+        self.peak_of: dict[str, Bytes] = {}  # a body of a class that takes sizes -> its own peak
         self.blocks: dict[str, str] = {}  # a container running blocks in order -> the blocks' class
 
     @property
@@ -400,12 +412,16 @@ class ClassWriter:
         init = self.tree.init_lines(body.path, stage=False)
         attr: Callable[[str], str] = lambda target: self.tree.expr(body.path, target)  # noqa: E731
         positional = [f"arg{i}" for i, n in enumerate(body.graph.nodes) if n.op == "placeholder"]
-        key = "\n".join(
-            init
-            + render_forward(
-                body.graph, self.imports, attr, arg_names=positional, workspace=self.workspace
-            )
+        by_position, peak = render_function(
+            body.graph, self.imports, attr, arg_names=positional, workspace=self.workspace
         )
+        key = "\n".join(init + by_position)
+        own = [e.tensor for e in self.tree.tensors if _parent(e.key) == body.path]
+        sizes = sizes_of(self.tree.model, body.path, own) if own else {}
+        if sizes:
+            sized = self._sized(body, init, by_position, key, sizes, peak)
+            if sized is not None:
+                return sized
         registry = self.registry
         name = registry.by_text.get(key)
         if name is None:
@@ -426,6 +442,61 @@ class ClassWriter:
         self.tree.ctors[body.path] = f"{name}()"
         return name
 
+    def _sized(
+        self,
+        body: Body,
+        init: list[str],
+        by_position: list[str],
+        key: str,
+        sizes: dict[str, int],
+        peak: Bytes,
+    ) -> str | None:
+        """The class taking sizes that ``body`` is an instance of (Note [classes that differ in their sizes]): an
+        earlier one whose text with ``sizes`` written in is ``key``, or a new one; None when no number of the
+        body is one of its sizes."""
+        registry = self.registry
+        known = registry.sized.setdefault(body.module_type, [])
+        found = next(
+            (
+                c
+                for c in known
+                if all(p in sizes for p in c.params)
+                and "\n".join(fill(c.key.split("\n"), sizes)) == key
+            ),
+            None,
+        )
+        if found is None:
+            slotted_init = template(init, sizes, init=True)
+            slotted_key = slotted_init + template(by_position, sizes, init=False)
+            used = slotted(slotted_key)
+            params = tuple(p for p in sizes if p in used)
+            if not params:
+                return None
+            assert "\n".join(fill(slotted_key, sizes)) == key
+            attr: Callable[[str], str] = lambda target: self.tree.expr(body.path, target)  # noqa: E731
+            forward = render_function(body.graph, self.imports, attr, workspace=self.workspace)[0]
+            found = SizedClass(
+                registry.fresh(body.module_type.__name__), params, "\n".join(slotted_key)
+            )
+            known.append(found)
+            registry.sources[found.name] = (
+                _describe_class(body.module_type),
+                fill(slotted_init, {p: p for p in params}),
+                fill(template(forward, sizes, init=False), {p: f"self.{p}" for p in params}),
+            )
+            registry.params[found.name] = (
+                forward[0].removeprefix("def forward(self").removesuffix("):").split(", ")[1:]
+            )
+            registry.peaks[found.name] = peak
+            registry.instances[found.name] = []
+        name = found.name
+        registry.instances[name].append(body.path)
+        self._use(name)
+        self.class_of[body.path] = name
+        self.peak_of[body.path] = peak
+        self.tree.ctors[body.path] = f"{name}({', '.join(f'{p}={sizes[p]}' for p in found.params)})"
+        return name
+
     def workspace(self, node: fx.Node) -> Bytes | None:
         """The modelled peak of a call of a generated class (or of a container of them, or of a generated
         function), else None."""
@@ -433,6 +504,8 @@ class ClassWriter:
             return self.registry.function_peak(node)
         if node.op == "call_module":
             target = str(node.target)
+            if target in self.peak_of:
+                return self.peak_of[target]
             name = self.class_of.get(target) or self.blocks.get(target)
         elif node.op == "call_function" and node.target is run_blocks:
             name = self.class_of.get(f"{node.args[0]}.{node.args[1]}")
@@ -475,7 +548,7 @@ class ClassWriter:
             registry.stacks[stack] = (block, registry.params[block])
         self._use(stack)
         self.blocks[container] = block
-        children = {p.rpartition(".")[2]: f"{block}()" for p in paths}
+        children = {p.rpartition(".")[2]: self.tree.ctors[p] for p in paths}
         self.tree.ctors[container] = f"{stack}({numbered_dict(children)})"
         self.tree.dict_paths.add(container)
 

@@ -8,48 +8,20 @@ import torch.nn.functional as F
 
 
 class Conv1D(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0-1.attn.c_attn."""
+    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0-1.attn.c_attn, model.transformer.h.0-1.attn.c_proj, model.transformer.h.0-1.mlp.c_fc, model.transformer.h.0-1.mlp.c_proj."""
 
-    def __init__(self) -> None:
+    def __init__(self, nf: int, nx: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 96))
-        self.bias = torch.nn.Parameter(torch.empty(96))
+        self.nf = nf
+        self.nx = nx
+        self.weight = torch.nn.Parameter(torch.empty(nx, nf))
+        self.bias = torch.nn.Parameter(torch.empty(nf))
 
     def forward(self, x):
         size = x.size(0)
-        view = x.view([-1, 32])
+        view = x.view([-1, self.nx])
         x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 96])
-
-
-class Conv1D_2(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0-1.attn.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 32])
-
-
-class Conv1D_3(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0-1.mlp.c_fc."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(32, 128))
-        self.bias = torch.nn.Parameter(torch.empty(128))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 32])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 128])
+        return x.view([size, 16, self.nf])
 
 
 class NewGELUActivation(torch.nn.Module):
@@ -66,28 +38,13 @@ class NewGELUActivation(torch.nn.Module):
         return mul * add
 
 
-class Conv1D_4(torch.nn.Module):
-    """Conv1D (transformers.pytorch_utils) as traced, at model.transformer.h.0-1.mlp.c_proj."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(128, 32))
-        self.bias = torch.nn.Parameter(torch.empty(32))
-
-    def forward(self, x):
-        size = x.size(0)
-        view = x.view([-1, 128])
-        x = torch.addmm(self.bias, view, self.weight)
-        return x.view([size, 16, 32])
-
-
 class GPT2Attention(torch.nn.Module):
     """GPT2Attention (transformers.models.gpt2.modeling_gpt2) as traced, at model.transformer.h.0-1.attn."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.c_attn = Conv1D()
-        self.c_proj = Conv1D_2()
+        self.c_attn = Conv1D(nf=96, nx=32)
+        self.c_proj = Conv1D(nf=32, nx=32)
 
     def forward(self, hidden_states, causal_mask):
         size = hidden_states.size(0)
@@ -112,8 +69,8 @@ class GPT2MLP(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.c_fc = Conv1D_3()
-        self.c_proj = Conv1D_4()
+        self.c_fc = Conv1D(nf=128, nx=32)
+        self.c_proj = Conv1D(nf=32, nx=128)
         self.act = NewGELUActivation()
 
     def forward(self, hidden_states):

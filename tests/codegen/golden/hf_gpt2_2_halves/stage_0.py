@@ -13,43 +13,14 @@ GPT2Attention = _shared.GPT2Attention
 GPT2MLP = _shared.GPT2MLP
 
 
-def create_causal_mask(position_ids, size):
-    device = position_ids.device
-    expand = position_ids.expand([size, -1])
-    getitem = expand[:]
-    getitem = getitem[:, :1]
-    sub = getitem - 1
-    diff = torch.diff(expand, 1, -1, sub);  sub = None
-    ne = diff != 1;  diff = None
-    cumsum = torch.cumsum(ne, -1);  ne = None
-    expand = position_ids.expand([size, -1])
-    arange = torch.arange(size, device=device)
-    arange_1 = torch.arange(16, device=device)
-    add = arange_1 + 0;  arange_1 = None
-    arange_2 = torch.arange(16, device=device)
-    add_1 = arange_2 + 0;  arange_2 = None
-    getitem = arange[:];  arange = None
-    unsqueeze = getitem.unsqueeze(1)
-    unsqueeze = unsqueeze.unsqueeze(2)
-    unsqueeze = unsqueeze.unsqueeze(3)
-    unsqueeze_1 = add.unsqueeze(0);  add = None
-    unsqueeze_2 = unsqueeze_1.unsqueeze(1);  unsqueeze_1 = None
-    unsqueeze_3 = unsqueeze_2.unsqueeze(3);  unsqueeze_2 = None
-    unsqueeze_4 = add_1.unsqueeze(0);  add_1 = None
-    unsqueeze_5 = unsqueeze_4.unsqueeze(1);  unsqueeze_4 = None
-    unsqueeze_6 = unsqueeze_5.unsqueeze(2);  unsqueeze_5 = None
-    new_ones = unsqueeze_3.new_ones([], dtype=torch.bool)
-    getitem = cumsum[unsqueeze, unsqueeze_3]
-    getitem_1 = cumsum[unsqueeze, unsqueeze_6];  cumsum = None
-    eq = getitem == getitem_1;  getitem = getitem_1 = None
-    to = eq.to(device=device, dtype=torch.bool);  eq = None
-    and_ = new_ones & to;  new_ones = to = None
-    getitem = expand[unsqueeze, unsqueeze_3];  unsqueeze_3 = None
-    getitem_2 = expand[unsqueeze, unsqueeze_6];  unsqueeze = unsqueeze_6 = None
-    le = getitem_2 <= getitem;  getitem_2 = getitem = None
-    to = le.to(device=device, dtype=torch.bool)
-    and_ = and_ & to
-    return and_.expand([size, -1, 16, 16])
+def create_causal_mask(position_ids, batch):
+    """(batch, 1, query, key): True where the key is not after the query in the same packed sequence
+    of position_ids (a new one starts where they do not count up by 1)."""
+    positions = position_ids.expand(batch, -1)
+    starts = torch.diff(positions, prepend=positions[:, :1] - 1) != 1
+    sequence = torch.cumsum(starts, -1)
+    same = sequence[:, None, :, None] == sequence[:, None, None, :]
+    return same & (positions[:, None, None, :] <= positions[:, None, :, None])
 
 
 class Stage0(torch.nn.Module):
