@@ -185,8 +185,8 @@ def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
     torch.manual_seed(0)
     fused = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
     split = copy.deepcopy(fused)
-    for m in (fused, split):
-        compile_module(m, "stage", [0])
+    for m in (fused, split):  # one compiled backward graph (the split graphs: the next test)
+        compile_module(m, "stage", [0], split_graphs=False)
     x = torch.randn(3, 6)
     xf, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     fused(xf).backward(torch.ones(3, 6))
@@ -200,6 +200,45 @@ def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
     torch.testing.assert_close(gx, xf.grad, rtol=0, atol=0)
     for p, q in zip(split.parameters(), fused.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_compiled_split_backward_computes_input_grads_in_b_and_weight_grads_in_w() -> None:
+    """Split graphs (Note [deferring a compiled region's weight gradients]): B runs the region's
+    input half only, W its weight half, once each; gradients equal eager's and those of the same
+    compiled module's fused backward (which runs both halves at once)."""
+    from fxpipe.runtime.pipeline import compiled_split
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6), nn.LayerNorm(6))
+    split = copy.deepcopy(eager)
+    compile_module(split, "stage", [0], split_graphs=True)
+    x, gy = torch.randn(3, 6), torch.randn(3, 6)
+    xe, xs, xf = (x.clone().requires_grad_(True) for _ in range(3))
+    eager(xe).backward(gy)
+    split(xf).backward(gy)  # fused: the first call compiles both halves
+    fused = [p.grad.clone() for p in split.parameters()]
+    for p in split.parameters():
+        p.grad = None
+    stats = compiled_split.stats
+    before = dict(stats)
+    out = split(xs)
+    (gx,), work = backward_inputs([out], [gy], [xs], list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters())
+    assert stats["input_half"] == before["input_half"] + 1
+    assert stats["weight_half"] == before["weight_half"]  # B ran no weight gradient
+    assert stats["deferred"] == before["deferred"] + 1
+    backward_weights(work)
+    assert (
+        stats["weight_half"] == before["weight_half"] + 1
+        and stats["input_half"] == before["input_half"] + 1
+    )
+    assert stats["fallbacks"] == before["fallbacks"]
+    torch.testing.assert_close(gx, xf.grad, rtol=0, atol=0)
+    torch.testing.assert_close(gx, xe.grad, rtol=1e-5, atol=1e-6)
+    for p, f, e in zip(split.parameters(), fused, eager.parameters()):
+        torch.testing.assert_close(p.grad, f, rtol=0, atol=0)
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-5, atol=1e-6)
 
 
 def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:

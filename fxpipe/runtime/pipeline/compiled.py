@@ -61,18 +61,25 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.pipeline.compiled_split import split_backend
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 
 __all__ = [
     "COMPILE_SCOPES",
     "DEFAULT_COMPILE_SCOPE",
+    "SPLIT_GRAPHS",
     "CompiledStage",
     "compile_module",
     "compile_rank_stages",
     "use_cache_dir",
     "compiled_graphs",
 ]
+
+
+# Note [compiled split backward]: under a schedule that splits the backward, each compiled
+# region's backward is two compiled graphs, input half in B and weight half in W
+SPLIT_GRAPHS = True
 
 
 @dataclass
@@ -184,28 +191,33 @@ def compile_module(
     batch_dims: Sequence[int | None] | None = None,
     stage: int = 0,
     split_backward: bool = True,
+    split_graphs: bool | None = None,
 ) -> CompiledStage:
     """Compile ``module`` in place (Note [compile scope]); nothing is compiled until it runs.
 
     ``split_backward``: the stage's backward may run split (``B`` keeps the graph for ``W``), so
     AOTAutograd must not donate the saved tensors' buffers to the backward (it refuses
     ``retain_graph`` then): ``torch._functorch.config.donated_buffer`` is turned off in this
-    process."""
+    process. With it, ``split_graphs`` (default ``SPLIT_GRAPHS``) compiles each region's backward
+    as an input half and a weight half (Note [compiled split backward])."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope must be one of {list(COMPILE_SCOPES)}, got {scope!r}")
     if split_backward:
         import torch._functorch.config
 
         torch._functorch.config.donated_buffer = False
+    options: dict[str, Any] = {}
+    if split_backward and (SPLIT_GRAPHS if split_graphs is None else split_graphs):
+        options["backend"] = split_backend
     report = CompiledStage(stage, scope, ("",))
     regions = _repeated_blocks(module) if scope == "regional" else []
     if regions:
         report.regions = tuple(regions)
         for path in regions:
             block = module.get_submodule(path)
-            block.forward = _compiled(block.forward, report.graph_breaks, None)
+            block.forward = _compiled(block.forward, report.graph_breaks, None, **options)
     else:
-        module.forward = _compiled(module.forward, report.graph_breaks, batch_dims)
+        module.forward = _compiled(module.forward, report.graph_breaks, batch_dims, **options)
     return report
 
 
@@ -268,6 +280,7 @@ def compile_rank_stages(
     warm_up: bool = True,
     split_backward: bool = True,
     cache_explicit: bool = False,
+    split_graphs: bool | None = None,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""
@@ -275,7 +288,9 @@ def compile_rank_stages(
     reports = []
     for s, module in sorted(stages.items()):
         dims = [t.batch_dim for t in manifest.stage(s).inputs]
-        report = compile_module(module, scope, dims, stage=s, split_backward=split_backward)
+        report = compile_module(
+            module, scope, dims, stage=s, split_backward=split_backward, split_graphs=split_graphs
+        )
         if warm_up:
             start = time.perf_counter()
             _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
