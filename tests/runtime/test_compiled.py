@@ -241,15 +241,21 @@ def test_compiled_split_backward_computes_input_grads_in_b_and_weight_grads_in_w
         torch.testing.assert_close(p.grad, e.grad, rtol=1e-5, atol=1e-6)
 
 
-def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:
+def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
+    from fxpipe.runtime.pipeline.compiled_split import stats
+
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     loaded = _Loaded(build)
     out = {}
-    for k, schedule in enumerate(("zbv", "dualpipev")):  # compiled once, by the first runner
-        losses, state, runner = _run(loaded, source, schedule, k == 0, inputs, targets)
+    runs = [(loaded, "zbv", True), (loaded, "dualpipev", False), (_Loaded(h1), "zb-h1", True)]
+    for where, schedule, compile in runs:  # compiled once per build, by its first runner
+        before = dict(stats)
+        losses, state, runner = _run(where, source, schedule, compile, inputs, targets)
         out[schedule] = (losses, state, [c.stage for c in runner.compiled])
+        out[schedule + " halves"] = {k: stats[k] - before[k] for k in stats}
+        out[schedule + " split"] = sorted(runner.schedule.split_backward())
     # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
     losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
     assert runner.data_parallel is not None
@@ -262,18 +268,27 @@ def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:
 def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
     tmp_path: Path,
 ) -> None:
-    """ZBV and DualPipeV (two stages per rank, split backward) on two ranks, compiled; and a
-    one-stage build as two DDP replicas under zb-h1, compiled."""
+    """ZBV, DualPipeV (two stages per rank) and ZB-H1 (one) on two ranks, compiled, their split
+    backward compiled as input and weight halves (B runs no weight half: each stage fed
+    activations defers one per microbatch to W); and a one-stage build as two DDP replicas under
+    zb-h1, compiled."""
     build = make_build("gpt", tmp_path / "v", 2, BATCH, MICRO, schedule="zbv")
     one = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
-    want, want_one = _oracle(build, "gpt"), _oracle(one, "gpt")
-    results = [r.value for r in spawn(_v_job, 2, build, one, timeout=1800)]
+    h1 = make_build("gpt", tmp_path / "h1", 2, BATCH, MICRO)
+    want, want_one, want_h1 = _oracle(build, "gpt"), _oracle(one, "gpt"), _oracle(h1, "gpt")
+    results = [r.value for r in spawn(_v_job, 2, build, one, h1, timeout=2400)]
     assert sorted(results[0]["zbv"][2] + results[1]["zbv"][2]) == [0, 1, 2, 3]
-    for schedule in ("zbv", "dualpipev"):
+    for schedule, oracle in (("zbv", want), ("dualpipev", want), ("zb-h1", want_h1)):
         state: dict[str, torch.Tensor] = {}
         for r in results:
             state.update(r[schedule][1])
-        _check((results[0][schedule][0], state), want, f"{schedule} compiled")
+        _check((results[0][schedule][0], state), oracle, f"{schedule} compiled")
+        # each split (stage, microbatch) of a stage fed activations (not stage 0: token ids)
+        # defers its weight half to W once per step; none falls back to the fused backward
+        fed = [s for s, _ in results[0][schedule + " split"] if s != 0]
+        halves = [r[schedule + " halves"] for r in results]
+        assert fed and sum(h["deferred"] for h in halves) == len(fed) * STEPS, (schedule, halves)
+        assert sum(h["fallbacks"] for h in halves) == 0, (schedule, halves)
     for r in results:
         _check(r["ddp"][:2], want_one, "zb-h1 compiled, 2 DDP replicas")
 
