@@ -241,6 +241,40 @@ def test_compiled_split_backward_computes_input_grads_in_b_and_weight_grads_in_w
         torch.testing.assert_close(p.grad, e.grad, rtol=1e-5, atol=1e-6)
 
 
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.b(torch.tanh(self.a(x.reshape(b * t, 8)))).reshape(b, t, 8)
+
+
+def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_halves() -> None:
+    """A batch dim marked dynamic: the weight half's inputs have sizes such as ``4*s0`` that only
+    the backward's symbolic inputs bind (each half takes them all); two batch sizes, one graph,
+    gradients equal eager's."""
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    m = _Flat()
+    ref = copy.deepcopy(m)
+    compile_module(m, "stage", [0], split_graphs=True)
+    graphs = compiled_graphs()
+    for batch in (2, 3):
+        x, gy = torch.randn(batch, 4, 8), torch.randn(batch, 4, 8)
+        xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        (gx,), work = backward_inputs([m(xs)], [gy], [xs], list(m.parameters()))
+        backward_weights(work)
+        ref(xr).backward(gy)
+        torch.testing.assert_close(gx, xr.grad, rtol=1e-5, atol=1e-6)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+    assert compiled_graphs() == graphs + 1
+
+
 def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
     from fxpipe.runtime.pipeline.compiled_split import stats
 

@@ -21,17 +21,23 @@ user frame) are recorded once, and that forward is compiled again without ``full
 splits it into graphs around the break). ``CompiledStage.graph_breaks`` lists what was found; the
 run log prints it.
 
-Note [compiled split backward]: a compiled region's backward is one autograd node
-(AOTAutograd's ``CompiledFunctionBackward``) that computes the gradients of all its inputs,
-weights included, in one call. The split backward (Note [split backward through the saved
-graph] in ``fxpipe.runtime.pipeline.split_backward``) keeps, in ``B``, the weight gradients
-that node produced and hands them to the parameters in ``W`` (Note [a boundary node that
-computes every gradient at once]): each compiled region's backward runs once per microbatch, as
-in the fused backward; gradients equal the fused backward's exactly. What this does not give is
-a cheap ``B``: ``B`` does the region's whole backward and ``W`` only accumulates. Splitting the
-AOTAutograd backward graph into an input-gradient and a weight-gradient graph (two compiled
-functions, two autograd nodes) would give zero-bubble schedules their ``W`` back; see
-docs/compile.md for what was measured and what is left.
+Note [compiled split backward]: under a schedule that splits the backward (ZB-H1, ZBV,
+DualPipeV), each compiled region's backward is compiled as two graphs (``SPLIT_GRAPHS``, the
+default; ``fxpipe.runtime.pipeline.compiled_split``): AOTAutograd's backward graph is cut into an
+input half (the gradients of the region's non-parameter inputs, plus the intermediate values the
+other half needs) and a weight half (the parameters' gradients from those values and the saved
+activations), each compiled by inductor. ``B`` runs the input half only; the region's weight half
+is left with ``B``'s ``WeightWork`` and runs in ``W`` (Note [deferring a compiled region's weight
+gradients]), so the zero-bubble schedules get their cheap ``B`` back. Measured on gpt_medium's
+loss stage (benchmarks/runtime/bench_split_halves.py, docs/compile.md): ``B`` 0.63x the
+one-graph ``B``, ``F + B + W`` 1.02x (the halves lose some fusion across the cut). A backward
+that is not split (1F1B, the warm-up) runs both halves at once.
+
+``SPLIT_GRAPHS = False`` keeps one backward graph per region, one autograd node
+(``CompiledFunctionBackward``) computing every gradient at once: the split backward then keeps,
+in ``B``, the weight gradients that node produced and hands them to the parameters in ``W``
+(Note [a boundary node that computes every gradient at once] in
+``fxpipe.runtime.pipeline.split_backward``): ``B`` does the whole backward, ``W`` accumulates.
 
 Shapes: the batch dim of every stage input is marked dynamic (``maybe_mark_dynamic``) with the
 ``"stage"`` scope, so a microbatch of another size does not recompile where the stage's code
@@ -78,7 +84,7 @@ __all__ = [
 
 
 # Note [compiled split backward]: under a schedule that splits the backward, each compiled
-# region's backward is two compiled graphs, input half in B and weight half in W
+# region's backward is two compiled graphs, the input half in B and the weight half in W
 SPLIT_GRAPHS = True
 
 

@@ -156,8 +156,11 @@ def split_graph(
         if n in in_w and n not in w_nodes and (n in w_outs or any(u in w_nodes for u in n.users))
     ]
     boundary = [n for n in crossing if n.op != "placeholder" and n in in_i]
-    w_inputs = [n for n in crossing if n.op == "placeholder"]
-    i_inputs = [p for p in placeholders if p in in_i]
+    # the symbolic sizes (saved SymInts) go to both halves: an input's shape may name a symbol
+    # (``4*s0``) that only they bind
+    syms = {p for p in placeholders if not isinstance(p.meta.get("val"), torch.Tensor)}
+    w_inputs = [p for p in placeholders if p in syms or p in set(crossing)]
+    i_inputs = [p for p in placeholders if p in syms or p in in_i]
     dI = _subgraph(gm, in_i, i_inputs, [outs[k] for k in i_pos] + boundary)
     dW = _subgraph(gm, w_nodes, w_inputs + boundary, [outs[k] for k in w_pos])
     plan = _Plan(
