@@ -286,6 +286,7 @@ class SplitBackward:
             finally:
                 for h in handles:
                     h.remove()
+                compiled_split.take()  # disarmed, even when the backward raised
             grads = list(got)
         for node in (*done, *deferred):
             kept.pop(node, None)
