@@ -11,9 +11,10 @@ job; per build, each variant loads its own copy of the rank's stages (``load_sta
 - ``fxpipe eager``: ``PipelineRunner`` as today;
 - ``fxpipe compiled``: ``PipelineRunner(compile="stage")``; on the 1F1B build also
   ``compile="regional"`` (the scope measurement of docs/compile.md); on the ZB-H1 and ZBV builds
-  also ``compile="stage"`` with each region's backward one compiled graph
-  (``compiled.SPLIT_GRAPHS = False``: ``B`` runs the whole backward, ``W`` accumulates) beside
-  the default input and weight halves (Note [compiled split backward]);
+  also ``compile="stage"`` with each region's backward cut into an input and a weight half
+  (``compiled.SPLIT_GRAPHS = True``: ``B`` runs the input half, ``W`` the weight half) beside the
+  default one backward graph (``B`` runs it whole, ``W`` accumulates: Note [compiled split
+  backward]);
 - ``peer eager``: the peer's schedule over ``PipelineStage`` wrappers of the same modules
   (``bench_schedules._peer``; the peer refuses torch.compile with its zero-bubble schedules).
 
@@ -84,23 +85,23 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
         variants: dict = {}
         runners = {}
         scopes: list = [False, "stage"] + (["regional"] if name == "1f1b" else [])
-        if name in ("zb-h1", "zbv"):  # Note [compiled split backward]: the one-graph backward
-            scopes.append("stage, one backward graph")
+        if name in ("zb-h1", "zbv"):  # Note [compiled split backward]: the backward in halves
+            scopes.append("stage, backward halves")
         for scope in scopes:
-            label = "fxpipe eager" if not scope else f"fxpipe compiled ({scope})"
-            one_graph = scope == "stage, one backward graph"
-            compiled.SPLIT_GRAPHS = not one_graph  # read when the runner compiles its stages
+            label = f"fxpipe compiled ({scope})" if scope else "fxpipe eager"
+            halves = scope == "stage, backward halves"
+            compiled.SPLIT_GRAPHS = halves  # read when the runner compiles its stages
             start = time.perf_counter()
             fx = PipelineRunner(
                 build,
                 source.loss_fn,
                 microbatches=M,
                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
-                compile="stage" if one_graph else scope,
+                compile="stage" if halves else scope,
                 compile_cache=root / f"cache-{name}-{len(runners)}",
                 timeout_s=1800,
             )
-            compiled.SPLIT_GRAPHS = True
+            compiled.SPLIT_GRAPHS = False
             runners[label] = fx
             variants[label] = {
                 "compile_s": {c.stage: c.seconds for c in fx.compiled},

@@ -276,8 +276,10 @@ def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_ha
 
 
 def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
+    from fxpipe.runtime.pipeline import compiled
     from fxpipe.runtime.pipeline.compiled_split import stats
 
+    compiled.SPLIT_GRAPHS = True  # the backward in halves (the DDP run below: one graph)
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
@@ -291,6 +293,7 @@ def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str,
         out[schedule + " halves"] = {k: stats[k] - before[k] for k in stats}
         out[schedule + " split"] = sorted(runner.schedule.split_backward())
     # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
+    compiled.SPLIT_GRAPHS = False
     losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
     assert runner.data_parallel is not None
     out["ddp"] = (losses, state, [c.stage for c in runner.compiled])
@@ -303,9 +306,9 @@ def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
     tmp_path: Path,
 ) -> None:
     """ZBV, DualPipeV (two stages per rank) and ZB-H1 (one) on two ranks, compiled, their split
-    backward compiled as input and weight halves (B runs no weight half: each stage fed
-    activations defers one per microbatch to W); and a one-stage build as two DDP replicas under
-    zb-h1, compiled."""
+    backward compiled as input and weight halves (``SPLIT_GRAPHS``: B runs no weight half, each
+    stage fed activations defers one per split microbatch to W); and a one-stage build as two DDP
+    replicas under zb-h1, compiled with one backward graph."""
     build = make_build("gpt", tmp_path / "v", 2, BATCH, MICRO, schedule="zbv")
     one = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
     h1 = make_build("gpt", tmp_path / "h1", 2, BATCH, MICRO)

@@ -21,23 +21,24 @@ user frame) are recorded once, and that forward is compiled again without ``full
 splits it into graphs around the break). ``CompiledStage.graph_breaks`` lists what was found; the
 run log prints it.
 
-Note [compiled split backward]: under a schedule that splits the backward (ZB-H1, ZBV,
-DualPipeV), each compiled region's backward is compiled as two graphs (``SPLIT_GRAPHS``, the
-default; ``fxpipe.runtime.pipeline.compiled_split``): AOTAutograd's backward graph is cut into an
-input half (the gradients of the region's non-parameter inputs, plus the intermediate values the
-other half needs) and a weight half (the parameters' gradients from those values and the saved
-activations), each compiled by inductor. ``B`` runs the input half only; the region's weight half
-is left with ``B``'s ``WeightWork`` and runs in ``W`` (Note [deferring a compiled region's weight
-gradients]), so the zero-bubble schedules get their cheap ``B`` back. Measured on gpt_medium's
-loss stage (benchmarks/runtime/bench_split_halves.py, docs/compile.md): ``B`` 0.63x the
-one-graph ``B``, ``F + B + W`` 1.02x (the halves lose some fusion across the cut). A backward
-that is not split (1F1B, the warm-up) runs both halves at once.
-
-``SPLIT_GRAPHS = False`` keeps one backward graph per region, one autograd node
-(``CompiledFunctionBackward``) computing every gradient at once: the split backward then keeps,
+Note [compiled split backward]: a compiled region's backward is, by default, AOTAutograd's one
+backward graph, one autograd node (``CompiledFunctionBackward``) computing every gradient at
+once: under a schedule that splits the backward (ZB-H1, ZBV, DualPipeV) the split backward keeps,
 in ``B``, the weight gradients that node produced and hands them to the parameters in ``W``
 (Note [a boundary node that computes every gradient at once] in
 ``fxpipe.runtime.pipeline.split_backward``): ``B`` does the whole backward, ``W`` accumulates.
+
+``SPLIT_GRAPHS = True`` (or ``compile_module(..., split_graphs=True)``) cuts each region's
+backward graph into an input half (the gradients of the region's non-parameter inputs, plus the
+intermediate values the other half needs) and a weight half (the parameters' gradients from those
+values and the saved activations), each compiled by inductor
+(``fxpipe.runtime.pipeline.compiled_split``). ``B`` then runs the input half only and ``W`` the
+weight half (Note [deferring a compiled region's weight gradients]); a backward that is not split
+(1F1B, the warm-up) runs both at once. Gradients equal the one-graph backward's. Measured
+(docs/compile.md): on gpt_medium's loss stage ``B`` costs 0.63x the one-graph ``B`` and the
+stage's ``F + B + W`` 1.02x; in the 2-rank pipeline the step was 1.00x the one-graph step under
+ZB-H1 and 1.11x under ZBV (one run each, alternating, loaded host). Not faster, so not the
+default; it is there for deeper pipelines, whose bubbles a cheap ``B`` and a real ``W`` fill.
 
 Shapes: the batch dim of every stage input is marked dynamic (``maybe_mark_dynamic``) with the
 ``"stage"`` scope, so a microbatch of another size does not recompile where the stage's code
@@ -83,9 +84,10 @@ __all__ = [
 ]
 
 
-# Note [compiled split backward]: under a schedule that splits the backward, each compiled
-# region's backward is two compiled graphs, the input half in B and the weight half in W
-SPLIT_GRAPHS = True
+# Note [compiled split backward]: True cuts each compiled region's backward into an input half
+# (run in B) and a weight half (run in W) under a schedule that splits the backward; measured
+# not faster at 2 ranks, so off by default
+SPLIT_GRAPHS = False
 
 
 @dataclass
