@@ -33,8 +33,14 @@ AOTAutograd's descriptor (``GradAOTOutput(grad_of=PlainAOTInput(idx))``), ``idx`
 flat input; ``split_backend`` sees those inputs (the real ``nn.Parameter`` objects Dynamo lifted)
 and marks an output a weight gradient when its input is a parameter. The node's edge for an
 output is its input's position among the tensor inputs (``Deferred.slots``); the post-hook
-checks each such edge is absent from the input path and that the node produced nothing there,
-else it runs the weight half at once (the fused behaviour; ``fallbacks`` counts it).
+checks each such edge is off the input path and that the node produced nothing there, else it
+runs the weight half at once and returns the full gradients (the fused behaviour; ``fallbacks``
+counts it). The backward's symbolic inputs (saved SymInts) go to both halves: an input's shape
+may name a symbol (``4*s0``) only they bind.
+
+Used where ``fxpipe.runtime.pipeline.compiled.SPLIT_GRAPHS`` (or ``compile_module(...,
+split_graphs=True)``) asks for it under a split schedule: Note [compiled split backward] there
+says what it measured.
 
 AOTAutograd's cache (``enable_autograd_cache``) is off for these compiles: its entry would hold
 the compiled backward, which is not one of inductor's serialisable graphs here. Inductor's FX
