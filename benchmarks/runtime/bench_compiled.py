@@ -10,7 +10,11 @@ job; per build, each variant loads its own copy of the rank's stages (``load_sta
 
 - ``fxpipe eager``: ``PipelineRunner`` as today;
 - ``fxpipe compiled``: ``PipelineRunner(compile="stage")``; on the 1F1B build also
-  ``compile="regional"`` (the scope measurement of docs/compile.md);
+  ``compile="regional"`` (the scope measurement of docs/compile.md); on the ZB-H1 and ZBV builds
+  also ``compile="stage"`` with each region's backward cut into an input and a weight half
+  (``compiled.SPLIT_GRAPHS = True``: ``B`` runs the input half, ``W`` the weight half) beside the
+  default one backward graph (``B`` runs it whole, ``W`` accumulates: Note [compiled split
+  backward]);
 - ``peer eager``: the peer's schedule over ``PipelineStage`` wrappers of the same modules
   (``bench_schedules._peer``; the peer refuses torch.compile with its zero-bubble schedules).
 
@@ -68,6 +72,7 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
 
     from fxpipe.modelfile import load_model_file
     from fxpipe.runtime import PipelineRunner
+    from fxpipe.runtime.pipeline import compiled
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -75,23 +80,28 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
     source = load_model_file(MODEL)
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     out: dict = {}
-    for name in SCHEDULES:
+    for name in os.environ.get("FXPIPE_BENCH_SCHEDULES", ",".join(SCHEDULES)).split(","):
         build = root / name
         variants: dict = {}
         runners = {}
-        scopes = [False, "stage"] + (["regional"] if name == "1f1b" else [])
+        scopes: list = [False, "stage"] + (["regional"] if name == "1f1b" else [])
+        if name in ("zb-h1", "zbv"):  # Note [compiled split backward]: the backward in halves
+            scopes.append("stage, backward halves")
         for scope in scopes:
-            label = "fxpipe eager" if not scope else f"fxpipe compiled ({scope})"
+            label = f"fxpipe compiled ({scope})" if scope else "fxpipe eager"
+            halves = scope == "stage, backward halves"
+            compiled.SPLIT_GRAPHS = halves  # read when the runner compiles its stages
             start = time.perf_counter()
             fx = PipelineRunner(
                 build,
                 source.loss_fn,
                 microbatches=M,
                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
-                compile=scope,
-                compile_cache=root / f"cache-{name}-{scope}",
+                compile="stage" if halves else scope,
+                compile_cache=root / f"cache-{name}-{len(runners)}",
                 timeout_s=1800,
             )
+            compiled.SPLIT_GRAPHS = False
             runners[label] = fx
             variants[label] = {
                 "compile_s": {c.stage: c.seconds for c in fx.compiled},
@@ -128,7 +138,7 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
 
 def _rows(raw: dict) -> list[dict]:
     rows = []
-    for name in SCHEDULES:
+    for name in raw:
         per_rank = raw[name]
         eager = max(statistics.median(r["fxpipe eager"]["times"]) for r in per_rank) * 1e3
         peer = max(statistics.median(r["peer eager"]["times"]) for r in per_rank) * 1e3
@@ -197,8 +207,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--out", type=Path, default=HERE)
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="a quick check: fewer")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["FXPIPE_BENCH_SCHEDULES"] = args.schedules
     from fxpipe.runtime.launch.launcher import free_port
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -185,8 +185,8 @@ def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
     torch.manual_seed(0)
     fused = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
     split = copy.deepcopy(fused)
-    for m in (fused, split):
-        compile_module(m, "stage", [0])
+    for m in (fused, split):  # one compiled backward graph (the split graphs: the next test)
+        compile_module(m, "stage", [0], split_graphs=False)
     x = torch.randn(3, 6)
     xf, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     fused(xf).backward(torch.ones(3, 6))
@@ -202,16 +202,98 @@ def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
-def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:
+def test_compiled_split_backward_computes_input_grads_in_b_and_weight_grads_in_w() -> None:
+    """Split graphs (Note [deferring a compiled region's weight gradients]): B runs the region's
+    input half only, W its weight half, once each; gradients equal eager's and those of the same
+    compiled module's fused backward (which runs both halves at once)."""
+    from fxpipe.runtime.pipeline import compiled_split
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6), nn.LayerNorm(6))
+    split = copy.deepcopy(eager)
+    compile_module(split, "stage", [0], split_graphs=True)
+    x, gy = torch.randn(3, 6), torch.randn(3, 6)
+    xe, xs, xf = (x.clone().requires_grad_(True) for _ in range(3))
+    eager(xe).backward(gy)
+    split(xf).backward(gy)  # fused: the first call compiles both halves
+    fused = [p.grad.clone() for p in split.parameters()]
+    for p in split.parameters():
+        p.grad = None
+    stats = compiled_split.stats
+    before = dict(stats)
+    out = split(xs)
+    (gx,), work = backward_inputs([out], [gy], [xs], list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters())
+    assert stats["input_half"] == before["input_half"] + 1
+    assert stats["weight_half"] == before["weight_half"]  # B ran no weight gradient
+    assert stats["deferred"] == before["deferred"] + 1
+    backward_weights(work)
+    assert (
+        stats["weight_half"] == before["weight_half"] + 1
+        and stats["input_half"] == before["input_half"] + 1
+    )
+    assert stats["fallbacks"] == before["fallbacks"]
+    torch.testing.assert_close(gx, xf.grad, rtol=0, atol=0)
+    torch.testing.assert_close(gx, xe.grad, rtol=1e-5, atol=1e-6)
+    for p, f, e in zip(split.parameters(), fused, eager.parameters()):
+        torch.testing.assert_close(p.grad, f, rtol=0, atol=0)
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.b(torch.tanh(self.a(x.reshape(b * t, 8)))).reshape(b, t, 8)
+
+
+def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_halves() -> None:
+    """A batch dim marked dynamic: the weight half's inputs have sizes such as ``4*s0`` that only
+    the backward's symbolic inputs bind (each half takes them all); two batch sizes, one graph,
+    gradients equal eager's."""
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    m = _Flat()
+    ref = copy.deepcopy(m)
+    compile_module(m, "stage", [0], split_graphs=True)
+    graphs = compiled_graphs()
+    for batch in (2, 3):
+        x, gy = torch.randn(batch, 4, 8), torch.randn(batch, 4, 8)
+        xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        (gx,), work = backward_inputs([m(xs)], [gy], [xs], list(m.parameters()))
+        backward_weights(work)
+        ref(xr).backward(gy)
+        torch.testing.assert_close(gx, xr.grad, rtol=1e-5, atol=1e-6)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+    assert compiled_graphs() == graphs + 1
+
+
+def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
+    from fxpipe.runtime.pipeline import compiled
+    from fxpipe.runtime.pipeline.compiled_split import stats
+
+    compiled.SPLIT_GRAPHS = True  # the backward in halves (the DDP run below: one graph)
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     loaded = _Loaded(build)
     out = {}
-    for k, schedule in enumerate(("zbv", "dualpipev")):  # compiled once, by the first runner
-        losses, state, runner = _run(loaded, source, schedule, k == 0, inputs, targets)
+    runs = [(loaded, "zbv", True), (loaded, "dualpipev", False), (_Loaded(h1), "zb-h1", True)]
+    for where, schedule, compile in runs:  # compiled once per build, by its first runner
+        before = dict(stats)
+        losses, state, runner = _run(where, source, schedule, compile, inputs, targets)
         out[schedule] = (losses, state, [c.stage for c in runner.compiled])
+        out[schedule + " halves"] = {k: stats[k] - before[k] for k in stats}
+        out[schedule + " split"] = sorted(runner.schedule.split_backward())
     # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
+    compiled.SPLIT_GRAPHS = False
     losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
     assert runner.data_parallel is not None
     out["ddp"] = (losses, state, [c.stage for c in runner.compiled])
@@ -223,18 +305,27 @@ def _v_job(rank: int, world: int, build: Path, one: Path) -> dict[str, Any]:
 def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
     tmp_path: Path,
 ) -> None:
-    """ZBV and DualPipeV (two stages per rank, split backward) on two ranks, compiled; and a
-    one-stage build as two DDP replicas under zb-h1, compiled."""
+    """ZBV, DualPipeV (two stages per rank) and ZB-H1 (one) on two ranks, compiled, their split
+    backward compiled as input and weight halves (``SPLIT_GRAPHS``: B runs no weight half, each
+    stage fed activations defers one per split microbatch to W); and a one-stage build as two DDP
+    replicas under zb-h1, compiled with one backward graph."""
     build = make_build("gpt", tmp_path / "v", 2, BATCH, MICRO, schedule="zbv")
     one = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
-    want, want_one = _oracle(build, "gpt"), _oracle(one, "gpt")
-    results = [r.value for r in spawn(_v_job, 2, build, one, timeout=1800)]
+    h1 = make_build("gpt", tmp_path / "h1", 2, BATCH, MICRO)
+    want, want_one, want_h1 = _oracle(build, "gpt"), _oracle(one, "gpt"), _oracle(h1, "gpt")
+    results = [r.value for r in spawn(_v_job, 2, build, one, h1, timeout=2400)]
     assert sorted(results[0]["zbv"][2] + results[1]["zbv"][2]) == [0, 1, 2, 3]
-    for schedule in ("zbv", "dualpipev"):
+    for schedule, oracle in (("zbv", want), ("dualpipev", want), ("zb-h1", want_h1)):
         state: dict[str, torch.Tensor] = {}
         for r in results:
             state.update(r[schedule][1])
-        _check((results[0][schedule][0], state), want, f"{schedule} compiled")
+        _check((results[0][schedule][0], state), oracle, f"{schedule} compiled")
+        # each split (stage, microbatch) of a stage fed activations (not stage 0: token ids)
+        # defers its weight half to W once per step; none falls back to the fused backward
+        fed = [s for s, _ in results[0][schedule + " split"] if s != 0]
+        halves = [r[schedule + " halves"] for r in results]
+        assert fed and sum(h["deferred"] for h in halves) == len(fed) * STEPS, (schedule, halves)
+        assert sum(h["fallbacks"] for h in halves) == 0, (schedule, halves)
     for r in results:
         _check(r["ddp"][:2], want_one, "zb-h1 compiled, 2 DDP replicas")
 

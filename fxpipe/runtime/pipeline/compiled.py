@@ -21,17 +21,24 @@ user frame) are recorded once, and that forward is compiled again without ``full
 splits it into graphs around the break). ``CompiledStage.graph_breaks`` lists what was found; the
 run log prints it.
 
-Note [compiled split backward]: a compiled region's backward is one autograd node
-(AOTAutograd's ``CompiledFunctionBackward``) that computes the gradients of all its inputs,
-weights included, in one call. The split backward (Note [split backward through the saved
-graph] in ``fxpipe.runtime.pipeline.split_backward``) keeps, in ``B``, the weight gradients
-that node produced and hands them to the parameters in ``W`` (Note [a boundary node that
-computes every gradient at once]): each compiled region's backward runs once per microbatch, as
-in the fused backward; gradients equal the fused backward's exactly. What this does not give is
-a cheap ``B``: ``B`` does the region's whole backward and ``W`` only accumulates. Splitting the
-AOTAutograd backward graph into an input-gradient and a weight-gradient graph (two compiled
-functions, two autograd nodes) would give zero-bubble schedules their ``W`` back; see
-docs/compile.md for what was measured and what is left.
+Note [compiled split backward]: a compiled region's backward is, by default, AOTAutograd's one
+backward graph, one autograd node (``CompiledFunctionBackward``) computing every gradient at
+once: under a schedule that splits the backward (ZB-H1, ZBV, DualPipeV) the split backward keeps,
+in ``B``, the weight gradients that node produced and hands them to the parameters in ``W``
+(Note [a boundary node that computes every gradient at once] in
+``fxpipe.runtime.pipeline.split_backward``): ``B`` does the whole backward, ``W`` accumulates.
+
+``SPLIT_GRAPHS = True`` (or ``compile_module(..., split_graphs=True)``) cuts each region's
+backward graph into an input half (the gradients of the region's non-parameter inputs, plus the
+intermediate values the other half needs) and a weight half (the parameters' gradients from those
+values and the saved activations), each compiled by inductor
+(``fxpipe.runtime.pipeline.compiled_split``). ``B`` then runs the input half only and ``W`` the
+weight half (Note [deferring a compiled region's weight gradients]); a backward that is not split
+(1F1B, the warm-up) runs both at once. Gradients equal the one-graph backward's. Measured
+(docs/compile.md): on gpt_medium's loss stage ``B`` costs 0.63x the one-graph ``B`` and the
+stage's ``F + B + W`` 1.02x; in the 2-rank pipeline the step was 1.00x the one-graph step under
+ZB-H1 and 1.11x under ZBV (one run each, alternating, loaded host). Not faster, so not the
+default; it is there for deeper pipelines, whose bubbles a cheap ``B`` and a real ``W`` fill.
 
 Note [compiled dynamic dimensions]: with the ``"stage"`` scope every dimension of a stage input
 that follows the step is marked dynamic (``maybe_mark_dynamic``): the batch, and in a build with
@@ -71,18 +78,26 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.pipeline.compiled_split import split_backend
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 
 __all__ = [
     "COMPILE_SCOPES",
     "DEFAULT_COMPILE_SCOPE",
+    "SPLIT_GRAPHS",
     "CompiledStage",
     "compile_module",
     "compile_rank_stages",
     "use_cache_dir",
     "compiled_graphs",
 ]
+
+
+# Note [compiled split backward]: True cuts each compiled region's backward into an input half
+# (run in B) and a weight half (run in W) under a schedule that splits the backward; measured
+# not faster at 2 ranks, so off by default
+SPLIT_GRAPHS = False
 
 
 @dataclass
@@ -200,6 +215,7 @@ def compile_module(
     stage: int = 0,
     split_backward: bool = True,
     dynamic_dims: Sequence[Sequence[int]] | None = None,
+    split_graphs: bool | None = None,
 ) -> CompiledStage:
     """Compile ``module`` in place (Note [compile scope]); nothing is compiled until it runs.
 
@@ -209,23 +225,27 @@ def compile_module(
     ``split_backward``: the stage's backward may run split (``B`` keeps the graph for ``W``), so
     AOTAutograd must not donate the saved tensors' buffers to the backward (it refuses
     ``retain_graph`` then): ``torch._functorch.config.donated_buffer`` is turned off in this
-    process."""
+    process. With it, ``split_graphs`` (default ``SPLIT_GRAPHS``) compiles each region's backward
+    as an input half and a weight half (Note [compiled split backward])."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope must be one of {list(COMPILE_SCOPES)}, got {scope!r}")
     if split_backward:
         import torch._functorch.config
 
         torch._functorch.config.donated_buffer = False
+    options: dict[str, Any] = {}
+    if split_backward and (SPLIT_GRAPHS if split_graphs is None else split_graphs):
+        options["backend"] = split_backend
     report = CompiledStage(stage, scope, ("",))
     regions = _repeated_blocks(module) if scope == "regional" else []
     if regions:
         report.regions = tuple(regions)
         for path in regions:
             block = module.get_submodule(path)
-            block.forward = _compiled(block.forward, report.graph_breaks, None)
+            block.forward = _compiled(block.forward, report.graph_breaks, None, **options)
     else:
         module.forward = _compiled(
-            module.forward, report.graph_breaks, _marked(batch_dims, dynamic_dims)
+            module.forward, report.graph_breaks, _marked(batch_dims, dynamic_dims), **options
         )
     return report
 
@@ -334,6 +354,7 @@ def compile_rank_stages(
     warm_up: bool = True,
     split_backward: bool = True,
     cache_explicit: bool = False,
+    split_graphs: bool | None = None,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""
@@ -349,6 +370,7 @@ def compile_rank_stages(
             stage=s,
             split_backward=split_backward,
             dynamic_dims=_followed_dims(manifest, s),
+            split_graphs=split_graphs,
         )
         if warm_up:
             start = time.perf_counter()

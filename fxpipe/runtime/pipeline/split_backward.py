@@ -39,8 +39,12 @@ node produced for its edges off the input path; where those gradients came back 
 gradients: the parameters' ``AccumulateGrad``, or the eager ops between the region and a
 parameter) instead of from the node, and the node never runs again. For eager nodes nothing
 comes back on those edges, and ``W`` is as above. The cost of a compiled stage's split is then
-one backward in all (no recomputation), most of it in ``B`` (Note [compiled split backward] in
-``fxpipe.runtime.pipeline.compiled``).
+one backward in all (no recomputation), most of it in ``B``. A compiled region whose backward is
+two graphs (Note [compiled split backward] in ``fxpipe.runtime.pipeline.compiled``, opt-in)
+can choose: ``B``'s pre-hook on each boundary node arms ``compiled_split``, the region's node runs
+only its input half and leaves its weight half, which the post-hook takes
+(``WeightWork.deferred``) and ``W`` runs before it hands the gradients to the node's edges
+towards the parameters, as for the kept gradients above.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from fxpipe.runtime.pipeline import compiled_split
 
 __all__ = ["SplitBackward", "WeightWork", "backward_inputs", "backward_weights"]
 
@@ -75,6 +81,19 @@ class WeightWork:
     # boundary nodes that already computed their weight-branch gradients in B (Note [a boundary
     # node that computes every gradient at once]): the off-path edges and their gradients
     done: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = field(default_factory=dict)
+    # compiled regions whose weight half has not run yet (Note [deferring a compiled region's
+    # weight gradients] in fxpipe.runtime.pipeline.compiled_split): the half and its edges
+    deferred: dict[Node, tuple[compiled_split.Deferred, list[GradientEdge]]] = field(
+        default_factory=dict
+    )
+
+    def run_deferred(self, node: Node) -> None:
+        """Run ``node``'s weight half now: its gradients join ``done``."""
+        half, edges = self.deferred.pop(node)
+        got = self.done.setdefault(node, [])
+        for edge, g in zip(edges, half.run()):
+            if g is not None:
+                got.append((edge, g))
 
 
 def _node(t: torch.Tensor) -> Node:
@@ -208,10 +227,12 @@ class SplitBackward:
         groups = _groups(starts, whole)
         kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         done: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = {}
+        deferred: dict[Node, tuple[compiled_split.Deferred, list[GradientEdge]]] = {}
 
         def keeper(node: Node):  # noqa: ANN202 - a hook factory
             def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
                 kept[node] = tuple(grad_outputs)
+                compiled_split.arm()  # a compiled region's node leaves its weight half
 
             return hook
 
@@ -222,7 +243,22 @@ class SplitBackward:
                 if child is not None and not leads[child] and reach[child]
             ]
 
-            def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: object) -> None:
+            def hook(
+                grad_inputs: tuple[torch.Tensor | None, ...], _: object
+            ) -> tuple[torch.Tensor | None, ...] | None:
+                half = compiled_split.take()
+                replaced = None
+                if half is not None:
+                    edges = _weight_edges(node, grad_inputs, half.slots, leads)
+                    if edges is not None:
+                        deferred[node] = (half, edges)
+                    else:  # not the node's edges as expected: the weight half runs now
+                        compiled_split.stats["fallbacks"] += 1
+                        full = list(grad_inputs)
+                        for s, g in zip(half.slots, half.run()):
+                            if s < len(full):
+                                full[s] = g
+                        grad_inputs = replaced = tuple(full)
                 got: list[tuple[GradientEdge, torch.Tensor]] = []
                 for slot, child, nr in off:
                     g = grad_inputs[slot]
@@ -230,6 +266,7 @@ class SplitBackward:
                         got.append((GradientEdge(child, nr), g))
                 if got:
                     done[node] = got
+                return replaced
 
             return hook
 
@@ -249,10 +286,13 @@ class SplitBackward:
             finally:
                 for h in handles:
                     h.remove()
+                compiled_split.take()  # disarmed, even when the backward raised
             grads = list(got)
-        for node in done:
+        for node in (*done, *deferred):
             kept.pop(node, None)
-        return grads, WeightWork(list(roots), list(root_grads), self.params, kept, groups, done)
+        work = WeightWork(list(roots), list(root_grads), self.params, kept, groups, done)
+        work.deferred = deferred
+        return grads, work
 
     @staticmethod
     def weights(work: WeightWork) -> None:
@@ -262,6 +302,8 @@ class SplitBackward:
             outputs: list[torch.Tensor | GradientEdge] = []
             grads: list[torch.Tensor] = []
             for node in group.starts:
+                if node in work.deferred:
+                    work.run_deferred(node)
                 for edge, taken in work.done.get(node, ()):
                     outputs.append(edge)
                     grads.append(taken)
@@ -294,8 +336,29 @@ class SplitBackward:
                     h.remove()
         work.kept.clear()
         work.done.clear()
+        work.deferred.clear()
         work.roots.clear()
         work.root_grads.clear()
+
+
+def _weight_edges(
+    node: Node,
+    grad_inputs: tuple[torch.Tensor | None, ...],
+    slots: Sequence[int],
+    leads: dict[Node, bool],
+) -> list[GradientEdge] | None:
+    """The edges of ``node`` that a deferred weight half's gradients go to (``slots``), if each
+    is there, off the input path, and got nothing from the node in ``B``; else None."""
+    nexts = node.next_functions
+    edges = []
+    for s in slots:
+        if s >= len(nexts) or grad_inputs[s] is not None:
+            return None
+        child, nr = nexts[s]
+        if child is None or leads.get(child, True):
+            return None
+        edges.append(GradientEdge(child, nr))
+    return edges
 
 
 def _nothing(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
