@@ -39,7 +39,13 @@ def load_rank_stages(
 
 
 def share_tied_parameters(modules: Mapping[int, nn.Module], manifest: Manifest) -> None:
-    """Make the stages in ``modules`` that hold the same tied parameter hold one ``nn.Parameter``."""
+    """Make the stages in ``modules`` that hold the same tied parameter hold one ``nn.Parameter``.
+
+    Note [ties under tensor parallelism]: ``parallelize_module`` gives each stage its own DTensor
+    of a parameter it splits, so a parameter two chunks of one rank shared before is two after;
+    the runtime calls this again once the stages are split. The tensor-parallel plan splits a tie
+    on every stage alike or on none (Note [vocabulary-parallel] in ``fxpipe.codegen.tp_plan``), so
+    the copies have the same placements and values, and one of them serves every chunk."""
     for tie in manifest.ties:
         here = [(s, k) for s, k in zip(tie.stages, tie.keys) if s in modules]
         if len(here) < 2:
@@ -59,6 +65,13 @@ def share_tied_parameters(modules: Mapping[int, nn.Module], manifest: Manifest) 
                 raise BuildDirError(
                     f"tied parameter {key!r} has shape {tuple(mine.shape)} on stage {s} but "
                     f"{tuple(shared.shape)} on stage {first_stage}; rebuild the directory"
+                )
+            placements = [getattr(p, "placements", None) for p in (mine, shared)]
+            if placements[0] != placements[1]:
+                raise BuildDirError(
+                    f"tied parameter {key!r} is split as {placements[0]} on stage {s} but "
+                    f"{placements[1]} on stage {first_stage}; a tensor-parallel plan must split "
+                    "a tie on every stage alike (edit tp_plan.json or rebuild)"
                 )
             owner._parameters[name] = shared
 

@@ -65,7 +65,12 @@ from fxpipe.runtime.pipeline.precision import (
     autocast_loss,
     autocast_stages,
 )
-from fxpipe.runtime.pipeline.rank_stages import load_rank_stages, rank_module, rank_state_dict
+from fxpipe.runtime.pipeline.rank_stages import (
+    load_rank_stages,
+    rank_module,
+    rank_state_dict,
+    share_tied_parameters,
+)
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.schedule import ActionKind, Schedule, make_schedule
 from fxpipe.runtime.pipeline.loss_parallel import VocabParallelLoss, loss_parallel
@@ -351,6 +356,10 @@ class PipelineRunner:
                 parallelize_stage(
                     module, resolved_tp.stage(index).for_degree(tensor_parallel), self.tp_mesh
                 )
+            # each stage's parallelize_module made its own DTensor of a parameter the rank's
+            # chunks shared (ZBV's first and last stage on one rank): share them again, or the
+            # tie gets only one chunk's gradient (Note [ties under tensor parallelism])
+            share_tied_parameters(self.stages, manifest)
             self._tp_context.enter_context(implicit_replication_on())
             loss_stage = self.routes.loss_stage
             if (
