@@ -33,6 +33,7 @@ HEAVY = (
     "tests/runtime/test_tensor_parallel_schedules.py::test_pp2_x_tp2_trains_like_one_process[zb-h1]",
     "tests/runtime/test_tensor_parallel_schedules.py::test_pp2_x_tp2_trains_like_one_process[inter",
     "tests/runtime/test_tensor_parallel_schedules.py::test_pp2_x_tp2_trains_like_one_process[1f1b",
+    "tests/runtime/test_varlen_training.py::test_tensor_parallel_stages_train_on_varying_lengths",
     "tests/smp/test_api_tensor_parallel.py::test_two_partitions_x_tp2_train_as_one_process",
     "tests/smp/test_api_tensor_parallel.py::test_one_partition_x_tp2_x_two_replicas_train_as_one_process",
     "tests/runtime/test_tensor_parallel_vocab.py",  # 4 ranks each: Mixtral (156 s), a gathered loss

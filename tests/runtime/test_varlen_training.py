@@ -103,3 +103,26 @@ def test_a_length_outside_the_range_is_refused_before_any_message(tmp_path: Path
     with pytest.raises(FxpipeError, match=r"seq = 30 is outside the range 2\.\.24"):
         manifest.step_sizes([(4, 30)])
     assert manifest.step_sizes([(4, 7)]) == {"seq": 7}
+
+
+def _train_job_tp(rank: int, world: int, build: str, steps: int) -> Any:
+    import fxpipe.runtime.train.loop as training
+
+    options = RunOptions(steps=steps, lr=LR, timeout_s=120, schedule="1f1b", tp=2)
+    return training.train(Path(build), options, Path(build) / f"run_{rank}.json")
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_stages_train_on_varying_lengths_like_one_process(tmp_path: Path) -> None:
+    """2 stages x tp 2 (4 processes) of the transformers Llama: heads split, lengths free (#40
+    with #36): lengths 8, 16, 5, 12 equal one process."""
+    from fxpipe.codegen.tp_plan import read_tp_plan
+
+    build = _build(tmp_path / "build", "1f1b", LLAMA)
+    plan = read_tp_plan(build)
+    assert all(plan.stage(s).for_degree(2).styles for s in (0, 1))  # both stages split
+    records = [r.value for r in spawn(_train_job_tp, 4, str(build), 4, timeout=400)]
+    want, _ = _reference(build, LLAMA, 4)
+    torch.testing.assert_close(
+        torch.tensor(records[0].losses), torch.tensor(want), rtol=1e-5, atol=1e-6
+    )
