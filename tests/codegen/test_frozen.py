@@ -24,18 +24,9 @@ def _frozen(model: torch.nn.Module) -> set[str]:
 
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
-def test_frozen_parameters_stay_frozen_in_every_stage(
-    tmp_path: Path, frontend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import fxpipe.tracer as tracer
-
-    trace = tracer.trace_model_file
-    monkeypatch.setattr(
-        "codegen_support.trace_model_file",
-        lambda source, mb, **kw: trace(source, mb, frontend=frontend, **kw),
-    )
+def test_frozen_parameters_stay_frozen_in_every_stage(tmp_path: Path, frontend: str) -> None:
     out = tmp_path / "build"
-    manifest, source = build_model_file(out, MODELS, 3)  # the safety net passes
+    manifest, source = build_model_file(out, MODELS, 3, frontend=frontend)  # the safety net passes
     model = source.build_model()
     want = _frozen(model)
     assert len(want) == 10
