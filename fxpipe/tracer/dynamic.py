@@ -17,6 +17,15 @@ with torch.export's own account of the place and the range that holds. Both fron
 run the graph at the traced sizes and at probe sizes (:func:`probe_inputs`) and fit each
 tensor's shape formula (``fxpipe.tracer.measure.shapes``); a symbolic graph that baked a size fails the
 probe run, which names the node.
+
+Note [guards export cannot prove]: a guard that holds over the whole declared range but that
+``torch.export``'s symbolic reasoning cannot prove (transformers' ViT with
+``interpolate_pos_encoding=True`` leaves ``(side // 8) % (side // 8)**2 != 0``) is not a
+specialisation. On such a refusal only (``unproven_guard``: "Not all values ... satisfy the
+generated guard"), the export runs again with ``prefer_deferred_runtime_asserts_over_guards``: the
+guard becomes a run-time assert in the graph, so a stage checks it on every call, and the trace
+says which guard (``deferred_guard_note``). A dimension the model really fixes (two sizes that
+must be equal, a size it reads as a constant) is still refused with its one line.
 """
 
 from __future__ import annotations
@@ -181,6 +190,25 @@ def probe_inputs(
 
 _VIOLATION = re.compile(r"^\s*- (.*)$", re.M)
 _FIXES = re.compile(r"Suggested fixes:\n((?:[ \t]+\S.*\n?)+)")
+
+
+_UNPROVEN = re.compile(r"satisfy the generated guard ([^\n]*?)(?:\.|$)", re.M)
+
+
+def unproven_guard(exc: BaseException) -> bool:
+    """Whether ``torch.export`` stopped at a guard it could not prove over a declared range, not
+    at a dimension the model fixes (Note [guards export cannot prove])."""
+    return _UNPROVEN.search(str(exc)) is not None
+
+
+def deferred_guard_note(exc: BaseException) -> str:
+    """One line for the trace's log: which guard became a run-time assert."""
+    match = _UNPROVEN.search(str(exc))
+    guard = " ".join(match.group(1).split()) if match else "a guard"
+    return (
+        f"torch.export could not prove {guard} over the declared range of a dynamic dimension; "
+        "traced again with it kept as a run-time assert in the stages"
+    )
 
 
 def specialised_error(exc: BaseException, dynamic: DynamicDims) -> SpecialisedError | None:

@@ -10,6 +10,7 @@ mutations (BatchNorm running statistics) become explicit ``aten.copy_`` nodes.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +24,13 @@ from fxpipe.graphmeta import CONSTANTS_KEY, DIM_RANGES_KEY, LIFTED_CONSTANT_PREF
 from fxpipe.model_inputs import parse_model_inputs
 from fxpipe.tracer.call import active_call, bind_example
 from fxpipe.tracer.frontend.data_checks import export_with_checks
-from fxpipe.tracer.dynamic import DynamicDims, export_dims, specialised_error
+from fxpipe.tracer.dynamic import (
+    DynamicDims,
+    deferred_guard_note,
+    export_dims,
+    specialised_error,
+    unproven_guard,
+)
 from fxpipe.tracer.frontend.fake_kernels import register_fake_kernels
 from fxpipe.tracer.frontend.host_random import numpy_draws, refuse_numpy_draws
 
@@ -77,9 +84,15 @@ def export_graph(
         ep = _export(model, args, kwargs, dynamic, bound)
     except Exception as exc:
         specialised = specialised_error(exc, dynamic_dims)
-        if specialised is not None:
+        if specialised is None:
+            raise
+        if not unproven_guard(exc):
             raise specialised from exc
-        raise
+        try:  # Note [guards export cannot prove]
+            ep = _export(model, args, kwargs, dynamic, bound, deferred=True)
+        except Exception:
+            raise specialised from exc
+        warnings.warn(f"fxpipe: {deferred_guard_note(exc)}", stacklevel=2)
     sig = ep.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs}
     graph = torch.fx.Graph()
@@ -142,16 +155,25 @@ def _export(
     kwargs: dict[str, Any],
     dynamic: Any,
     bound: dict[str, Any],
+    deferred: bool = False,
 ) -> Any:
     """``torch.export`` (non-strict), with ``bound`` given to ``forward`` through a ``functools.partial``
-    for the duration (see ``BoundCall.export_arguments``)."""
+    for the duration (see ``BoundCall.export_arguments``); ``deferred``: guards become run-time
+    asserts in the graph (Note [guards export cannot prove])."""
     register_fake_kernels()
     draws: list[tuple[str, int]] = []
 
     def run() -> Any:
         try:
             with numpy_draws(draws):  # Note [numpy random numbers]
-                ep = export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+                ep = export(
+                    model,
+                    args,
+                    kwargs,
+                    dynamic_shapes=dynamic,
+                    strict=False,
+                    prefer_deferred_runtime_asserts_over_guards=deferred,
+                )
         except Exception as exc:  # a numpy draw is the cause to report (it may fix the batch too)
             if draws:
                 refuse_numpy_draws(type(model).__name__, draws)
