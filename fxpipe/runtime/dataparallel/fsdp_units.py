@@ -34,8 +34,8 @@ does not); the unit keeps whatever its children do not take (nested, as torchtit
 its units). The root unit (the stage) is whole for the stage's whole forward and whole
 backward, so ``root_child_units`` also gives each child the stage calls and that holds
 parameters of its own (an embedding, a final norm, an output head, as torchtitan shards
-them) a unit. Measured on ``examples/gpt.py`` (tests/runtime/dataparallel/test_sharded_peak.py,
-benchmarks/dataparallel/README.md): 0.94x / 0.91x the unsharded peak on the two stages.
+them) a unit. ``tests/runtime/dataparallel/test_sharded_training.py`` holds ``examples/gpt.py``'s
+two stages under 0.95x the unsharded peak (figures: benchmarks/dataparallel/README.md).
 """
 
 from __future__ import annotations
