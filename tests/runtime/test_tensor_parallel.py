@@ -100,7 +100,9 @@ def _train(rank: int, world: int, build: Path, name: str) -> tuple[list[float], 
     return losses, state, split, (sorted(logits), vocab)
 
 
-def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
+def _reference(name: str, build: Path, stages: int, bf16: bool = False) -> tuple[list[float], dict]:
+    """One process on the build's weights, the same microbatches and steps; ``bf16``: the
+    forward and loss under CPU bf16 autocast, as ``precision="bf16"`` runs a stage."""
     source = load_model_file(MODELS[name])
     model = source.build_model()
     state: dict[str, torch.Tensor] = {}
@@ -124,8 +126,10 @@ def _reference(name: str, build: Path, stages: int) -> tuple[list[float], dict]:
         opt.zero_grad()
         total = 0.0
         for args, kwargs, tgt in chunks:
-            out = model(*args, **kwargs)
-            loss = source.loss_fn(out, tgt) if name != "llama" else out.loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(*args, **kwargs)
+                loss = source.loss_fn(out, tgt) if name != "llama" else out.loss
+            loss = loss.float()
             (loss / MICROBATCHES).backward()
             total += loss.item()
         opt.step()

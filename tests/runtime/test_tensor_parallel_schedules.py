@@ -18,19 +18,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from builds import EXAMPLES
-from fxpipe.codegen import load_stage, write_build_dir
+from spawn import spawn
+from test_tensor_parallel import BATCH, LR, MICROBATCHES, STEPS, TP, _reference
+
+from fxpipe.codegen import write_build_dir
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.modelfile import load_model_file
 from fxpipe.partitioner import plan_partition
 from fxpipe.runtime import PipelineRunner
 from fxpipe.tracer import trace_model_file
-from spawn import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 GPT = EXAMPLES / "gpt.py"
-BATCH, MICROBATCHES, STEPS, LR, TP = 4, 2, 3, 0.1, 2
 # name: (schedule, the build's (planned for that schedule's placement), recompute, compile)
 CASES = {
     "gpipe": ("gpipe", "1f1b", False, False),
@@ -85,30 +85,6 @@ def _train(rank: int, world: int, build: Path, case: str, cache: str) -> tuple[l
     return losses, state
 
 
-def _reference(build: Path, bf16: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
-    source = load_model_file(GPT)
-    model = source.build_model()
-    state: dict[str, torch.Tensor] = {}
-    for i in range(Manifest.from_json(build).num_stages):
-        state.update(load_stage(build, i).state_dict())
-    model.load_state_dict(state, strict=False)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for x, t in zip(inputs[0].chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = source.loss_fn(model(x), t).float()
-            (loss / MICROBATCHES).backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total / MICROBATCHES)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
@@ -118,7 +94,9 @@ def test_pp2_x_tp2_trains_like_one_process(
     _, placement, _, compiled = CASES[case]
     build = builds[placement]
     results = [r.value for r in spawn(_train, 2 * TP, build, case, str(tmp_path), timeout=600)]
-    want_losses, want_state = _reference(build, bf16=case == BF16)
+    want_losses, want_state = _reference(
+        "gpt", build, Manifest.from_json(build).num_stages, bf16=case == BF16
+    )
     tol: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-5} if compiled else {"rtol": 1e-5, "atol": 1e-6}
     if case == BF16:  # bf16 rounds where the split sums: the tp shards' partial products
         tol = {"rtol": 2e-2, "atol": 1e-2}
