@@ -37,6 +37,7 @@ from fxpipe.tracer.measure.cost_scaling import unit_scalings
 from fxpipe.tracer.measure.counting import UnitCounts, count_unit, count_units_once
 from fxpipe.tracer.measure.device_memory import measure_memory_bytes
 from fxpipe.tracer.progress import phase, progress_iter
+from fxpipe.tracer.seeding import seeded
 from fxpipe.tracer.measure.timing import analytic_ms, time_units
 from fxpipe.tracer.measure.unit_runner import UnitRunner
 from fxpipe.tracer.train_eval.bothmodes import merge_eval_mode
@@ -93,7 +94,7 @@ _SYMINT_SPEC = TensorSpec(shape=(), dtype="symint", batch_dim=None, requires_gra
 def _preserved_state(model: nn.Module) -> Iterator[None]:
     """Restore the model's buffers and the RNG state after the block."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
-    with torch.random.fork_rng(devices=[]):
+    with seeded(None):
         try:
             yield
         finally:
@@ -602,8 +603,7 @@ def _seeded(device: str, seed: int = 0) -> Iterator[None]:
     """Run the block from a fixed RNG state and restore the state afterwards: the model's own run and the
     traced graph's run draw the same dropout masks, so :func:`_check_matches` compares like with like."""
     cuda = [torch.cuda.current_device()] if device == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(seed)
+    with seeded(seed, cuda):  # Note [one random state for both sides]
         yield
 
 

@@ -54,6 +54,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.modelfile import ModelSource
+from fxpipe.tracer.seeding import seeded
 from fxpipe.tracer.traced import TracedModel
 
 __all__ = ["TraceCache", "trace_cached", "trace_key"]
@@ -470,24 +471,6 @@ class TraceCache:
         return None
 
 
-@contextlib.contextmanager
-def _random_state_kept() -> Iterator[None]:
-    """Restore torch's, Python's and numpy's global random state after the block: an
-    ``example_inputs`` that draws from them (against the model-file contract) is called once more
-    for the key, and the model built next must get the weights it gets without a cache."""
-    import random
-
-    numpy = sys.modules.get("numpy")
-    saved = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            random.setstate(saved[0])
-            if numpy is not None:
-                numpy.random.set_state(saved[1])
-
-
 def trace_cached(
     source: ModelSource, batch_size: int, cache_dir: str | Path | None, **options: Any
 ) -> TracedModel:
@@ -501,7 +484,7 @@ def trace_cached(
 
     if cache_dir is None or options.get("trace_device") == META:
         return trace_model_file(source, batch_size, **options)
-    with _random_state_kept():  # the key's inputs draw nothing the model's build would see
+    with seeded(None):  # the key's inputs draw nothing the model's build would see
         key = trace_key(source, batch_size, source.example_call(batch_size), options)
     cache = TraceCache(Path(cache_dir) / "traces")
     if cache.path(key).is_file():

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from fxpipe.tracer.seeding import seeded
 from fxpipe.tracer.train_eval.modes import modes_restored
 
 __all__ = [
@@ -213,8 +214,7 @@ def _run(
     devices: list[torch.device],
 ) -> _Run:
     params, buffers = _named_tensors(parts)
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        torch.manual_seed(seed)
+    with seeded(seed, devices), torch.enable_grad():  # Note [one random state for both sides]
         output = run(model)
         value = loss(output)
         unique = list({id(p): p for p in params.values() if p.requires_grad}.values())

@@ -36,6 +36,7 @@ from fxpipe.codegen.pipeline import load_pipeline
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.errors import EquivalenceError
 from fxpipe.tracer.train_eval.modes import modes_restored, run_in_mode
+from fxpipe.tracer.seeding import seeded
 from fxpipe.tracer.traced import TracedModel
 
 __all__ = ["check_equivalence"]
@@ -136,9 +137,8 @@ def _values(
     """The traced graph's value at every node and every stage's outputs, in one mode, from the check's seed
     (with autograd on, as in the comparison: without it, eval-mode attention layers take a fused fast path)."""
     model, inputs = traced.model, traced.example_inputs
-    with state_kept(model), torch.random.fork_rng(devices=[]), torch.enable_grad():
+    with state_kept(model), seeded(_SEED), torch.enable_grad():
         model.train(training)
-        torch.manual_seed(_SEED)
         env = run_in_mode(traced.graph_module, inputs, training)
     captured: list[Sequence[Any]] = []
     hooks = [
@@ -146,9 +146,8 @@ def _values(
         for stage in pipeline.stages  # type: ignore[union-attr]
     ]
     try:
-        with modes_restored(pipeline), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with modes_restored(pipeline), seeded(_SEED), torch.enable_grad():
             pipeline.train(training)
-            torch.manual_seed(_SEED)
             _example_call(traced)(pipeline)
     finally:
         for hook in hooks:
@@ -160,9 +159,8 @@ def _graph_matches_model(
     traced: TracedModel, graph_values: Mapping[str, Any], training: bool
 ) -> bool:
     model = traced.model
-    with state_kept(model), torch.random.fork_rng(devices=[]), torch.enable_grad():
+    with state_kept(model), seeded(_SEED), torch.enable_grad():
         model.train(training)
-        torch.manual_seed(_SEED)
         want = tree_leaves(_example_call(traced)(model))
     out = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
     got = [graph_values.get(n.name) for n in out.args[0]]

@@ -252,6 +252,12 @@ class _Outliner:
                 scope
             )  # a value of one mode leaves the call: it stays flat where its guard is written
             return
+        input_guards = {guard_of(a) for a in inputs} - {None}
+        if input_guards and (len(guards) > 1 or input_guards != guards):
+            # a value of one mode enters a call made in both (SpecAugment's masked features into
+            # Wav2Vec2's positional convolution): the other mode has no such value to pass
+            self.drop(scope)
+            return
         torch_input = torch_layer_input(
             members, module, path, {a for a in attrs_inside if not is_training_flag(a)}
         )

@@ -72,15 +72,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.compiled_split import split_backend
+from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
+from fxpipe.tracer.seeding import seeded
 
 __all__ = [
     "COMPILE_SCOPES",
@@ -316,20 +317,19 @@ def _warm_inputs(
 
 
 def _warm_up(module: nn.Module, args: list[torch.Tensor], recompute: bool) -> None:
-    """One forward and backward of ``module`` whose effects are undone: gradients, buffers, RNG."""
+    """One forward and backward of ``module`` whose effects are undone: gradients, buffers, and
+    torch's, numpy's and Python's random state (the job's first step draws what it would draw
+    without the warm-up)."""
     buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
     grads = {p: p.grad for p in module.parameters()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
     try:
-        if recompute:
-            out = torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
-        else:
-            out = module(*args)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+        with seeded(None, cuda):
+            out = checkpointed(module, *args) if recompute else module(*args)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
     finally:
         with torch.no_grad():
             for k, b in module.named_buffers():
@@ -337,9 +337,6 @@ def _warm_up(module: nn.Module, args: list[torch.Tensor], recompute: bool) -> No
                     b.copy_(buffers[k])
         for p, g in grads.items():
             p.grad = g
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def compile_rank_stages(

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 
 from fxpipe.codegen.manifest import INPUT, BoundaryTensor, Manifest
 from fxpipe.codegen.outputs import rebuild_output
@@ -51,6 +50,7 @@ from fxpipe.errors import RuntimeSetupError
 from fxpipe.runtime.pipeline.comm import Posted, RankComm
 from fxpipe.runtime.pipeline.p2p import P2P, Message
 from fxpipe.runtime.pipeline.precision import wire_dtype
+from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import Routes, Transfer
 from fxpipe.runtime.pipeline.split_backward import SplitBackward, WeightWork
 
@@ -315,7 +315,7 @@ class StageWorker:
             for i in self.spec.inputs
         ]
         if self.recompute and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+            out = checkpointed(self.module, *args)  # Note [numpy under recomputation]
         else:
             out = self.module(*args)
         state.outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)

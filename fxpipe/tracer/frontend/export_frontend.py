@@ -32,6 +32,7 @@ from fxpipe.tracer.dynamic import (
     unproven_guard,
 )
 from fxpipe.tracer.frontend.fake_kernels import register_fake_kernels
+from fxpipe.tracer.frontend.host_masks import host_masks_lifted
 from fxpipe.tracer.frontend.host_random import numpy_draws, refuse_numpy_draws
 
 __all__ = ["export_graph", "non_persistent_buffers", "infer_dynamic_dims"]
@@ -165,7 +166,8 @@ def _export(
 
     def run() -> Any:
         try:
-            with numpy_draws(draws):  # Note [numpy random numbers]
+            # Note [numpy random numbers], Note [masks drawn on the host]
+            with numpy_draws(draws), host_masks_lifted():
                 ep = export(
                     model,
                     args,

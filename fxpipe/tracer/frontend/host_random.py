@@ -3,9 +3,11 @@
 Note [numpy random numbers]: ``torch.export`` records torch operations; a value computed with
 numpy in forward is a constant of the graph. When that value is random (Wav2Vec2's SpecAugment
 draws its time masks with ``np.random`` in train mode), the stages would apply the trace's one
-draw on every step while the model draws a new one each call: a different model. fxpipe's check
-would refuse the build later, for outputs that differ; :func:`numpy_draws` finds the cause while
-tracing, and :func:`refuse_numpy_draws` names the line and the remedy instead.
+draw on every step while the model draws a new one each call: a different model. SpecAugment's
+mask function is replaced by an operator that calls it at run time (Note [masks drawn on the
+host]); any other draw is refused: fxpipe's check would refuse the build later, for outputs that
+differ, so :func:`numpy_draws` finds the cause while tracing, and :func:`refuse_numpy_draws`
+names the line and the remedy instead.
 """
 
 from __future__ import annotations
@@ -66,6 +68,6 @@ def refuse_numpy_draws(model_name: str, found: list[tuple[str, int]]) -> None:
     raise TraceError(
         f"{model_name} draws random numbers with numpy in forward at {Path(filename).name}:{line} "
         f"(`{code}`): a trace keeps one draw as a constant, so the stages would repeat it every "
-        "step; draw them with torch (torch.rand, torch.randint) or turn that feature off in train "
-        "mode (Wav2Vec2/HuBERT SpecAugment: mask_time_prob=0, mask_feature_prob=0)"
+        "step; draw them with torch (torch.rand, torch.randint), or turn that feature off in train "
+        "mode"
     )

@@ -2,8 +2,8 @@
 
 Note [a batch the model fixes]: ``torch.export`` keeps the batch dimension symbolic, and stops with
 ``Constraints violated (batch)!`` when the model's code turns it into a constant: CLIP's contrastive
-loss builds its targets with ``torch.arange(len(logits))`` (a B x B matrix), Wav2Vec2's SpecAugment
-draws its masks in numpy from ``batch_size`` as a Python int. torch's message does not say where.
+loss builds its targets with ``torch.arange(len(logits))`` (a B x B matrix). torch's message does
+not say where.
 :func:`recording` watches torch's ``ShapeEnv`` replace an input's size by a constant and keeps the
 line of the model's code that did it; :func:`fixed_batch` then names it. Such a model cannot have a
 dynamic batch, so the tracer traces it again with every size static, at the microbatch size it

@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxpipe.tracer.seeding import seeded
+
 __all__ = ["graph_takes_mode", "modes_compute_alike", "record_calls"]
 
 Call = tuple[str, tuple[Any, ...]]
@@ -126,12 +128,10 @@ def modes_compute_alike(
         return False  # known to differ: no need to run anything
     try:
         model.train()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
+        with seeded(0):
             train = record_calls(model, inputs, run)
         model.eval()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
+        with seeded(0):
             evaluated = record_calls(model, inputs, run, expected=train)
     except Exception:  # _Differs, or anything the probe cannot record: trace both modes
         return False
