@@ -83,7 +83,13 @@ def _trace(args: argparse.Namespace, source: Any, batch_size: int) -> Any:
 
     _enter("tracing")
     options = from_namespace(ModelTraceOptions, args)
-    return trace_cached(source, batch_size, options.cache_dir(), **options.trace_kwargs())
+    return trace_cached(
+        source,
+        batch_size,
+        options.cache_dir(),
+        budget=options.cache_budget(),
+        **options.trace_kwargs(),
+    )
 
 
 def _plan(options: PlanOptions, profile: Any, stages: int, microbatches: int) -> Any:

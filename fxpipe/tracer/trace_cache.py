@@ -28,7 +28,17 @@ traced as if there were no cache, and a failed read removes the entry. Meta-devi
 cached (their buffers are recomputed into the model while tracing). Entries are written whole
 (a temporary file renamed, readable by its owner only), so concurrent partitions never read half
 a file. An entry is a pickle, read as torch.compile reads its own cache: the folder must be the
-user's own (``~/.cache/fxpipe`` is), never one that others can write to.
+user's own (``~/.cache/fxpipe`` is), never one that others can write to. The folder is kept
+within a size budget, least recently used entries removed first (Note [the trace cache's budget]
+in ``fxpipe.tracer.trace_cache_prune``).
+
+A hit tells the user what the first trace told them: fxpipe's own warnings shown while tracing
+(``fxpipe: symbolic tracing failed inside 'blocks.0.attn' ...; keeping it whole``, a batch traced
+static, data checks kept as runtime asserts) are stored in the entry as they were shown (text,
+category, file and line) and shown again, once each, through the same ``warnings`` machinery on
+every hit, so filters and ``-W error`` treat them alike. Other libraries' warnings are not
+stored: the model's build, which a hit runs again, and the check, which runs the model, raise
+them again themselves.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.fx
@@ -55,11 +65,13 @@ import torch.utils._pytree as pytree
 
 from fxpipe.modelfile import ModelSource
 from fxpipe.tracer.seeding import seeded
+from fxpipe.tracer.trace_cache_prune import TEMP_PREFIX, prune
+from fxpipe.tracer.trace_options import DEFAULT_TRACE_CACHE_GIB
 from fxpipe.tracer.traced import TracedModel
 
 __all__ = ["TraceCache", "trace_cached", "trace_key"]
 
-_FORMAT = 1  # bump when what is stored changes
+_FORMAT = 2  # bump when what is stored changes (2: the warnings shown while tracing)
 _FXPIPE_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -403,15 +415,15 @@ def _shared_storages(gm: torch.fx.GraphModule) -> set[int]:
     return {storage for storage, values in seen.items() if len(values) > 1}
 
 
-def _dumps(traced: TracedModel) -> bytes:
+def _dumps(traced: TracedModel, shown: list[ShownWarning]) -> bytes:
     buf = io.BytesIO()
     fields = {k: v for k, v in traced.__dict__.items() if k != "model"}
     shared = _shared_storages(traced.graph_module)
-    _Pickler(buf, _owned(traced.model), shared).dump(fields)
+    _Pickler(buf, _owned(traced.model), shared).dump((fields, [tuple(w) for w in shown]))
     return buf.getvalue()
 
 
-def _loads(data: bytes, model: nn.Module) -> TracedModel:
+def _loads(data: bytes, model: nn.Module) -> tuple[TracedModel, list[ShownWarning]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -420,11 +432,58 @@ def _loads(data: bytes, model: nn.Module) -> TracedModel:
     try:
         with warnings.catch_warnings():  # pytree's leaf specs unpickle through a deprecated class
             warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)
-            fields = _Unpickler(io.BytesIO(data), model).load()
+            fields, shown = _Unpickler(io.BytesIO(data), model).load()
     finally:
         _LOADING.pop()
     fields["graph_module"].shape_env = shape_env
-    return TracedModel(model=model, **fields)
+    return TracedModel(model=model, **fields), [ShownWarning(*w) for w in shown]
+
+
+# -- the warnings of a trace -------------------------------------------------------------------
+
+
+class ShownWarning(NamedTuple):
+    """A warning as ``warnings`` showed it: what a hit shows again (Note [the trace cache])."""
+
+    message: str
+    category: type[Warning]
+    filename: str
+    lineno: int
+
+
+@contextlib.contextmanager
+def _shown_warnings() -> Iterator[list[ShownWarning]]:
+    """Show the warnings of the block as always, and list fxpipe's own among them: those the
+    filters let through (a warning ignored is not listed; one that ``-W error`` raises ends the
+    trace anyway). Only ``warnings.showwarning`` is wrapped, so filters the block adds (an import
+    of transformers) stay, as they do without a cache."""
+    shown: list[ShownWarning] = []
+    previous = warnings.showwarning
+
+    def showwarning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if str(message).startswith("fxpipe:") and isinstance(category, type):
+            shown.append(ShownWarning(str(message), category, filename, lineno))
+        previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    try:
+        yield shown
+    finally:
+        if warnings.showwarning is showwarning:  # else the block installed its own: leave it
+            warnings.showwarning = previous
+
+
+def _show_again(shown: list[ShownWarning]) -> None:
+    """Show ``shown`` as the trace that stored them showed them, through the user's filters."""
+    for w in shown:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 @dataclass(frozen=True)
@@ -436,31 +495,37 @@ class TraceCache:
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.pt"
 
-    def load(self, key: str, model: nn.Module) -> TracedModel | None:
-        """The trace stored under ``key`` bound to ``model`` (built afresh), or None: not stored,
-        or unreadable (the entry is then removed)."""
+    def load(self, key: str, model: nn.Module) -> tuple[TracedModel, list[ShownWarning]] | None:
+        """The trace stored under ``key`` bound to ``model`` (built afresh) and the warnings its
+        trace showed, or None: not stored (or removed meanwhile), or unreadable (the entry is then
+        removed). A hit marks the entry as just used (Note [the trace cache's budget])."""
         path = self.path(key)
         try:
             data = path.read_bytes()
         except OSError:
             return None
         try:
-            return _loads(data, model)
+            loaded = _loads(data, model)
         except Exception:  # noqa: BLE001 - a stale or broken entry is a miss, never an error
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
+        with contextlib.suppress(OSError):  # pruned meanwhile: what was read is whole
+            os.utime(path)
+        return loaded
 
-    def store(self, key: str, traced: TracedModel) -> str | None:
-        """Store ``traced`` under ``key``; None when stored, else why not (the trace is kept
-        uncached: Note [the trace cache])."""
+    def store(
+        self, key: str, traced: TracedModel, shown: list[ShownWarning] | None = None
+    ) -> str | None:
+        """Store ``traced`` under ``key``, with the warnings its trace ``shown``; None when
+        stored, else why not (the trace is kept uncached: Note [the trace cache])."""
         try:
-            data = _dumps(traced)
+            data = _dumps(traced, shown or [])
         except Exception as exc:  # noqa: BLE001 - whatever pickle refuses leaves the trace uncached
             return f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=TEMP_PREFIX, suffix=".pt")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.path(key))
@@ -472,11 +537,17 @@ class TraceCache:
 
 
 def trace_cached(
-    source: ModelSource, batch_size: int, cache_dir: str | Path | None, **options: Any
+    source: ModelSource,
+    batch_size: int,
+    cache_dir: str | Path | None,
+    *,
+    budget: int = int(DEFAULT_TRACE_CACHE_GIB * 2**30),
+    **options: Any,
 ) -> TracedModel:
     """``trace_model_file(source, batch_size, **options)``, read from the cache in ``cache_dir``
     when the same trace is stored there, and stored after tracing when it is not (Note [the
-    trace cache]); ``cache_dir=None`` traces without the cache."""
+    trace cache]), the cache then pruned to ``budget`` bytes (Note [the trace cache's budget]);
+    ``cache_dir=None`` traces without the cache."""
     from fxpipe.tracer.api import trace_model_file
     from fxpipe.tracer.measure.meta import META
     from fxpipe.tracer.progress import note, phase
@@ -491,14 +562,21 @@ def trace_cached(
         with phase("build the model"):
             model, _ = build_model_recorded(source.build_model)
         with phase("trace: cached") as reading:
-            traced = cache.load(key, model)
-            if traced is not None:
+            loaded = cache.load(key, model)
+            if loaded is not None:
+                traced, shown = loaded
                 reading.detail = f"{traced.frontend}, {len(traced.profile.units)} units"
-        if traced is not None:
+                _show_again(shown)
+        if loaded is not None:
             return traced
         note("trace: the cached trace could not be read; tracing again")
-    traced = trace_model_file(source, batch_size, **options)
-    why = cache.store(key, traced)
+    with _shown_warnings() as shown:
+        traced = trace_model_file(source, batch_size, **options)
+    why = cache.store(key, traced, shown)
     if why is not None:
         note(f"trace: not cached ({why})")
+        return traced
+    removed = prune(cache.folder, budget, keep=cache.path(key).name).line(budget)
+    if removed is not None:
+        note(removed)
     return traced

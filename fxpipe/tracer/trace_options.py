@@ -11,19 +11,27 @@ builds its parsers from it at start-up.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from fxpipe.optionspec import Options, option
+from fxpipe.optionspec import Options, check_options, option
 from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
 
-__all__ = ["ModelTraceOptions", "FRONTENDS", "TRACE_DEVICES", "default_cache_dir"]
+__all__ = [
+    "ModelTraceOptions",
+    "FRONTENDS",
+    "TRACE_DEVICES",
+    "DEFAULT_TRACE_CACHE_GIB",
+    "default_cache_dir",
+]
 
 FRONTENDS = ("auto", "symbolic", "export")
 TRACE_DEVICES = ("cpu", "cuda", "meta")
 DYNAMIC_CHOICES = ("model", "auto", "none")
+DEFAULT_TRACE_CACHE_GIB = 2.0  # the trace cache's size budget (Note [the trace cache's budget])
 
 
 def default_cache_dir() -> Path:
@@ -33,6 +41,12 @@ def default_cache_dir() -> Path:
         return Path(os.environ["FXPIPE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "fxpipe"
+
+
+def _check_cache_gib(gib: float) -> str | None:
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
+        return f"--trace-cache-gib {gib!r} is not a positive number of GiB; use e.g. --trace-cache-gib 2"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,13 +126,24 @@ class ModelTraceOptions(Options):
     no_trace_cache: bool = option(
         False, help="trace afresh, neither reading nor writing the trace cache"
     )
+    trace_cache_gib: float = option(
+        DEFAULT_TRACE_CACHE_GIB,
+        metavar="GIB",
+        check=_check_cache_gib,
+        help="size budget of the trace cache in GiB: after a trace is stored, the least recently "
+        "used traces are removed until the cache fits",
+    )
 
     _NOT_TRACE_KWARGS: ClassVar[tuple[str, ...]] = (
         "model_fn",
         "inputs_fn",
         "trace_cache",
         "no_trace_cache",
+        "trace_cache_gib",
     )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def trace_kwargs(self) -> dict[str, Any]:
         """``fxpipe.tracer.trace_model_file``'s keyword arguments (all but the model file's function
@@ -135,3 +160,8 @@ class ModelTraceOptions(Options):
         if self.trace_cache is not None:
             return self.trace_cache
         return str(default_cache_dir())
+
+    def cache_budget(self) -> int:
+        """The trace cache's size budget in bytes (Note [the trace cache's budget] in
+        ``fxpipe.tracer.trace_cache_prune``)."""
+        return int(self.trace_cache_gib * 2**30)

@@ -158,3 +158,143 @@ def test_the_key_draws_nothing_the_model_build_sees(tmp_path: Path) -> None:
     assert list((tmp_path / "cache" / "traces").glob("*.pt"))
     torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=0)
     torch.testing.assert_close(weights[2], weights[0], rtol=0, atol=0)
+
+
+def _linear_model(tmp_path: Path) -> Path:
+    model = tmp_path / "linear.py"
+    model.write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n"
+        "def example_inputs(batch_size):\n"
+        "    return (torch.ones(batch_size, 4),)\n"
+    )
+    return model
+
+
+def test_a_budget_evicts_the_least_recently_used_trace_and_keeps_the_one_just_hit(
+    tmp_path: Path,
+) -> None:
+    """Note [the trace cache's budget]: a hit marks its entry as used; a write over the budget
+    removes the entries used longest ago, says so in one progress line, and keeps the rest."""
+    import io
+
+    from fxpipe.tracer.progress import reporting
+    from fxpipe.tracer.trace_cache import trace_cached
+
+    source = load_model_file(_linear_model(tmp_path))
+    cache = tmp_path / "cache"
+    traces = cache / "traces"
+
+    def trace(batch_size: int, budget: int = 2**30) -> str:
+        lines = io.StringIO()
+        with reporting(lines, terminal=False):
+            trace_cached(source, batch_size, cache, budget=budget, progress=False)
+        return lines.getvalue()
+
+    trace(2)
+    (a,) = traces.glob("*.pt")
+    trace(3)
+    (b,) = set(traces.glob("*.pt")) - {a}
+    old = a.stat().st_mtime - 1000
+    os.utime(a, (old, old))  # a was written first, b next ...
+    os.utime(b, (old + 10, old + 10))
+    assert "trace: cached" in trace(2)  # ... and a was read since: a is the recently used one
+    assert a.stat().st_mtime > old + 10
+    size_a, size_b = a.stat().st_size, b.stat().st_size
+    out = trace(4, budget=size_a + size_b + size_b // 2)  # room for two entries of three
+    (c,) = set(traces.glob("*.pt")) - {a, b}
+    assert a.exists() and c.exists() and not b.exists()
+    assert "fxpipe: trace cache: removed 1 least recently used trace (" in out
+    assert out.count("trace cache:") == 1
+    assert "trace cache:" not in trace(4)  # a hit writes nothing and removes nothing
+
+
+def test_trace_cache_gib_is_the_budget_of_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fxpipe.errors import ConfigError
+    from fxpipe.tracer.trace_options import ModelTraceOptions
+
+    assert ModelTraceOptions().cache_budget() == 2 * 2**30
+    with pytest.raises(ConfigError, match="--trace-cache-gib 0 is not a positive number"):
+        ModelTraceOptions(trace_cache_gib=0)
+    model, cache = _linear_model(tmp_path), tmp_path / "cache"
+    for batch_size in (2, 3):
+        capsys.readouterr()
+        argv = ["trace", str(model), "--batch-size", str(batch_size), "--trace-cache", str(cache)]
+        argv += ["--trace-cache-gib", "1e-9", "--out", str(tmp_path / f"p{batch_size}.json")]
+        assert main(argv) == 0
+    assert "fxpipe: trace cache: removed 1 least recently used trace" in capsys.readouterr().out
+    assert len(list((cache / "traces").glob("*.pt"))) == 1  # the one just written is kept
+
+
+def test_pruning_tolerates_files_vanishing_and_removes_a_killed_writers_temporary_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another partition may prune the same folder at the same time: an entry removed under
+    this one is no error; a ``.tmp-`` file an hour old was left by a killed writer, a fresh one is
+    a live writer's."""
+    import time
+
+    from fxpipe.tracer import trace_cache_prune
+    from fxpipe.tracer.trace_cache_prune import STALE_TEMP_SECONDS, prune
+
+    now = time.time()
+    for i, name in enumerate(["old.pt", "older.pt", "new.pt", ".tmp-dead.pt", ".tmp-live.pt"]):
+        (tmp_path / name).write_bytes(b"x" * 100)
+    for name, age in [("older.pt", 300), ("old.pt", 200), ("new.pt", 0)]:
+        os.utime(tmp_path / name, (now - age, now - age))
+    dead = now - STALE_TEMP_SECONDS - 60
+    os.utime(tmp_path / ".tmp-dead.pt", (dead, dead))
+    real_unlink, real_scandir = os.unlink, os.scandir
+
+    def raced(path: str | os.PathLike[str]) -> None:
+        if str(path).endswith("older.pt"):
+            real_unlink(path)  # another process removed it first
+        real_unlink(path)
+
+    monkeypatch.setattr(trace_cache_prune.os, "unlink", raced)
+    pruned = prune(tmp_path, budget=100, keep="new.pt", now=now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-live.pt", "new.pt"]
+    assert (pruned.evicted, pruned.kept, pruned.stale) == (1, 100, 1)  # older.pt was not ours
+    line = pruned.line(100)
+    assert line is not None and "removed 1 least recently used trace" in line
+    assert "1 temporary file" in line
+
+    def listed_then_gone(folder: Path) -> list[os.DirEntry[str]]:
+        entries = list(real_scandir(folder))
+        real_unlink(folder / "new.pt")  # between the listing and its stat
+        return entries
+
+    monkeypatch.setattr(trace_cache_prune.os, "scandir", listed_then_gone)
+    assert prune(tmp_path, budget=0, now=now).evicted == 0
+    assert prune(tmp_path / "absent", budget=0) == trace_cache_prune.Pruned()
+
+
+def test_a_cached_trace_shows_the_warnings_the_first_trace_showed(tmp_path: Path) -> None:
+    """The GPT example's attention is kept whole with a warning at the user's line; a hit shows
+    the same warning (text, category, file and line) once, as the first trace did."""
+    from example_models import EXAMPLES
+
+    from fxpipe.tracer.trace_cache import trace_cached
+
+    source = load_model_file(EXAMPLES["gpt"])
+    shown = []
+    for _ in range(2):  # a miss, then a hit
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trace_cached(source, 2, tmp_path / "cache", frontend="symbolic", progress=False)
+        shown.append(
+            [
+                (str(w.message), w.category, w.filename, w.lineno)
+                for w in caught
+                if str(w.message).startswith("fxpipe:")
+            ]
+        )
+    assert len(list((tmp_path / "cache" / "traces").glob("*.pt"))) == 1
+    first, cached = shown
+    assert any("symbolic tracing failed inside" in text for text, *_ in first)
+    assert cached == first
+    assert first[0][2] == str(EXAMPLES["gpt"])  # the user's line, not fxpipe's
