@@ -12,7 +12,7 @@ job; per build, each variant loads its own copy of the rank's stages (``load_sta
 - ``fxpipe compiled``: ``PipelineRunner(compile="stage")``; on the 1F1B build also
   ``compile="regional"`` (the scope measurement of docs/compile.md); on the ZB-H1 and ZBV builds
   also ``compile="stage"`` with each region's backward cut into an input and a weight half
-  (``compiled.SPLIT_GRAPHS = True``: ``B`` runs the input half, ``W`` the weight half) beside the
+  (``compile_backward="halves"``: ``B`` runs the input half, ``W`` the weight half) beside the
   default one backward graph (``B`` runs it whole, ``W`` accumulates: Note [compiled split
   backward]);
 - ``peer eager``: the peer's schedule over ``PipelineStage`` wrappers of the same modules
@@ -72,7 +72,6 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
 
     from fxpipe.modelfile import load_model_file
     from fxpipe.runtime import PipelineRunner
-    from fxpipe.runtime.pipeline import compiled
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -90,7 +89,6 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
         for scope in scopes:
             label = f"fxpipe compiled ({scope})" if scope else "fxpipe eager"
             halves = scope == "stage, backward halves"
-            compiled.SPLIT_GRAPHS = halves  # read when the runner compiles its stages
             start = time.perf_counter()
             fx = PipelineRunner(
                 build,
@@ -98,10 +96,10 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
                 microbatches=M,
                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=LR),
                 compile="stage" if halves else scope,
+                compile_backward="halves" if halves else "graph",
                 compile_cache=root / f"cache-{name}-{len(runners)}",
                 timeout_s=1800,
             )
-            compiled.SPLIT_GRAPHS = False
             runners[label] = fx
             variants[label] = {
                 "compile_s": {c.stage: c.seconds for c in fx.compiled},

@@ -276,10 +276,8 @@ def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_ha
 
 
 def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
-    from fxpipe.runtime.pipeline import compiled
     from fxpipe.runtime.pipeline.compiled_split import stats
 
-    compiled.SPLIT_GRAPHS = True  # the backward in halves (the DDP run below: one graph)
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
@@ -288,12 +286,15 @@ def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str,
     runs = [(loaded, "zbv", True), (loaded, "dualpipev", False), (_Loaded(h1), "zb-h1", True)]
     for where, schedule, compile in runs:  # compiled once per build, by its first runner
         before = dict(stats)
-        losses, state, runner = _run(where, source, schedule, compile, inputs, targets)
+        # the backward in halves (the DDP run below: one graph)
+        losses, state, runner = _run(
+            where, source, schedule, compile, inputs, targets, compile_backward="halves"
+        )
         out[schedule] = (losses, state, [c.stage for c in runner.compiled])
+        out[schedule + " backward"] = {c.backward for c in runner.compiled}
         out[schedule + " halves"] = {k: stats[k] - before[k] for k in stats}
         out[schedule + " split"] = sorted(runner.schedule.split_backward())
     # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
-    compiled.SPLIT_GRAPHS = False
     losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
     assert runner.data_parallel is not None
     out["ddp"] = (losses, state, [c.stage for c in runner.compiled])
@@ -306,7 +307,7 @@ def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
     tmp_path: Path,
 ) -> None:
     """ZBV, DualPipeV (two stages per rank) and ZB-H1 (one) on two ranks, compiled, their split
-    backward compiled as input and weight halves (``SPLIT_GRAPHS``: B runs no weight half, each
+    backward compiled as input and weight halves (``compile_backward="halves"``: B runs no weight half, each
     stage fed activations defers one per split microbatch to W); and a one-stage build as two DDP
     replicas under zb-h1, compiled with one backward graph."""
     build = make_build("gpt", tmp_path / "v", 2, BATCH, MICRO, schedule="zbv")
@@ -326,6 +327,7 @@ def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
         halves = [r[schedule + " halves"] for r in results]
         assert fed and sum(h["deferred"] for h in halves) == len(fed) * STEPS, (schedule, halves)
         assert sum(h["fallbacks"] for h in halves) == 0, (schedule, halves)
+        assert all(r[schedule + " backward"] <= {"halves"} for r in results), schedule
     for r in results:
         _check(r["ddp"][:2], want_one, "zb-h1 compiled, 2 DDP replicas")
 
@@ -426,9 +428,32 @@ def test_fxpipe_run_compile_reports_compile_seconds_and_fills_the_builds_cache(
     build = make_build("gpt", tmp_path / "b", 2, BATCH, MICRO)
     want = _oracle(build, "gpt")
     options = RunOptions(
-        steps=STEPS, microbatches=MICRO, lr=LR, timeout_s=1800, schedule="zb-h1", compile=True
+        steps=STEPS,
+        microbatches=MICRO,
+        lr=LR,
+        timeout_s=1800,
+        schedule="zb-h1",
+        compile=True,
+        compile_backward="halves",  # --compile-backward reaches the runner
     )
     result = run_build(build, options, quiet=True)
     assert len(result.compile_seconds) == 2 and min(result.compile_seconds) > 0
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want[0]), **CLOSE)
     assert any((build / "compile_cache").rglob("*"))
+
+
+def test_compile_backward_names_a_form_of_the_backward() -> None:
+    """``--compile-backward`` and ``PipelineRunner(compile_backward=...)`` take ``graph`` or
+    ``halves``; anything else is refused in one line naming both."""
+    from fxpipe.errors import ConfigError
+    from fxpipe.runtime.pipeline.runner import _split_graphs
+    from fxpipe.runtime.train.run_options import RunOptions
+
+    assert RunOptions().compile_backward == "graph"
+    assert _split_graphs("halves") and not _split_graphs("graph")
+    with pytest.raises(
+        ConfigError, match=r"--compile-backward must be one of \['graph', 'halves'\]"
+    ):
+        RunOptions(compile_backward="split")
+    with pytest.raises(ConfigError, match=r"compile_backward must be one of"):
+        _split_graphs("half")

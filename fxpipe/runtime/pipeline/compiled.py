@@ -28,7 +28,8 @@ in ``B``, the weight gradients that node produced and hands them to the paramete
 (Note [a boundary node that computes every gradient at once] in
 ``fxpipe.runtime.pipeline.split_backward``): ``B`` does the whole backward, ``W`` accumulates.
 
-``SPLIT_GRAPHS = True`` (or ``compile_module(..., split_graphs=True)``) cuts each region's
+``--compile-backward halves`` (``PipelineRunner(compile_backward="halves")``,
+``compile_module(..., split_graphs=True)``) cuts each region's
 backward graph into an input half (the gradients of the region's non-parameter inputs, plus the
 intermediate values the other half needs) and a weight half (the parameters' gradients from those
 values and the saved activations), each compiled by inductor
@@ -86,19 +87,12 @@ from fxpipe.tracer.seeding import seeded
 __all__ = [
     "COMPILE_SCOPES",
     "DEFAULT_COMPILE_SCOPE",
-    "SPLIT_GRAPHS",
     "CompiledStage",
     "compile_module",
     "compile_rank_stages",
     "use_cache_dir",
     "compiled_graphs",
 ]
-
-
-# Note [compiled split backward]: True cuts each compiled region's backward into an input half
-# (run in B) and a weight half (run in W) under a schedule that splits the backward; measured
-# not faster at 2 ranks, so off by default
-SPLIT_GRAPHS = False
 
 
 @dataclass
@@ -111,10 +105,13 @@ class CompiledStage:
     regions: tuple[str, ...]
     seconds: float = 0.0
     graph_breaks: list[str] = field(default_factory=list)
+    backward: str = "graph"  # or "halves": Note [compiled split backward]
 
     def line(self) -> str:
         """One log line."""
         where = "whole stage" if self.regions == ("",) else f"{len(self.regions)} blocks"
+        if self.backward == "halves":
+            where += ", backward in input and weight halves"
         breaks = (
             f"; {len(self.graph_breaks)} graph break(s): " + " | ".join(self.graph_breaks)
             if self.graph_breaks
@@ -216,7 +213,7 @@ def compile_module(
     stage: int = 0,
     split_backward: bool = True,
     dynamic_dims: Sequence[Sequence[int]] | None = None,
-    split_graphs: bool | None = None,
+    split_graphs: bool = False,
 ) -> CompiledStage:
     """Compile ``module`` in place (Note [compile scope]); nothing is compiled until it runs.
 
@@ -226,8 +223,8 @@ def compile_module(
     ``split_backward``: the stage's backward may run split (``B`` keeps the graph for ``W``), so
     AOTAutograd must not donate the saved tensors' buffers to the backward (it refuses
     ``retain_graph`` then): ``torch._functorch.config.donated_buffer`` is turned off in this
-    process. With it, ``split_graphs`` (default ``SPLIT_GRAPHS``) compiles each region's backward
-    as an input half and a weight half (Note [compiled split backward])."""
+    process. With it, ``split_graphs`` compiles each region's backward as an input half and a
+    weight half (``--compile-backward halves``: Note [compiled split backward])."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope must be one of {list(COMPILE_SCOPES)}, got {scope!r}")
     if split_backward:
@@ -235,9 +232,11 @@ def compile_module(
 
         torch._functorch.config.donated_buffer = False
     options: dict[str, Any] = {}
-    if split_backward and (SPLIT_GRAPHS if split_graphs is None else split_graphs):
+    if split_backward and split_graphs:
         options["backend"] = split_backend
-    report = CompiledStage(stage, scope, ("",))
+    report = CompiledStage(
+        stage, scope, ("",), backward="halves" if "backend" in options else "graph"
+    )
     regions = _repeated_blocks(module) if scope == "regional" else []
     if regions:
         report.regions = tuple(regions)
@@ -351,7 +350,7 @@ def compile_rank_stages(
     warm_up: bool = True,
     split_backward: bool = True,
     cache_explicit: bool = False,
-    split_graphs: bool | None = None,
+    split_graphs: bool = False,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""

@@ -38,8 +38,8 @@ runs the weight half at once and returns the full gradients (the fused behaviour
 counts it). The backward's symbolic inputs (saved SymInts) go to both halves: an input's shape
 may name a symbol (``4*s0``) only they bind.
 
-Used where ``fxpipe.runtime.pipeline.compiled.SPLIT_GRAPHS`` (or ``compile_module(...,
-split_graphs=True)``) asks for it under a split schedule: Note [compiled split backward] there
+Used where ``--compile-backward halves`` (``PipelineRunner(compile_backward="halves")``,
+``compile_module(..., split_graphs=True)``) asks for it under a split schedule: Note [compiled split backward] there
 says what it measured.
 
 AOTAutograd's cache (``enable_autograd_cache``) is off for these compiles: its entry would hold

@@ -57,7 +57,12 @@ from fxpipe.runtime.pipeline.layout import RankLayout
 from fxpipe.runtime.pipeline.loss import model_loss
 from fxpipe.runtime.pipeline.microbatch import check_divisible, split_inputs, split_targets
 from fxpipe.runtime.train.optim import SchedulerFactory
-from fxpipe.runtime.train.run_options import DEFAULT_SCHEDULE, DEFAULT_TIMEOUT_S
+from fxpipe.runtime.train.run_options import (
+    COMPILE_BACKWARDS,
+    DEFAULT_COMPILE_BACKWARD,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT_S,
+)
 from fxpipe.runtime.pipeline.p2p import P2P, peer_error
 from fxpipe.runtime.pipeline.precision import (
     PipelineScaler,
@@ -193,6 +198,15 @@ def _compile_scope(compile: bool | str) -> str:
     return str(compile)
 
 
+def _split_graphs(compile_backward: str) -> bool:
+    """Whether ``PipelineRunner(compile_backward=...)`` cuts each compiled backward in halves."""
+    if compile_backward not in COMPILE_BACKWARDS:
+        raise ConfigError(
+            f"compile_backward must be one of {list(COMPILE_BACKWARDS)}, got {compile_backward!r}"
+        )
+    return compile_backward == "halves"
+
+
 def _to_device(tree: Any, device: torch.device) -> Any:
     """``tree`` with its tensors on ``device`` (the loss runs where the last stage's outputs are)."""
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
@@ -305,6 +319,7 @@ class PipelineRunner:
         precision: str = "fp32",
         check_batches: bool = True,
         compile: bool | str = False,
+        compile_backward: str = DEFAULT_COMPILE_BACKWARD,
         compile_cache: str | Path | None = None,
         compile_microbatch_size: int | None = None,
         tensor_parallel: int = 1,
@@ -385,6 +400,7 @@ class PipelineRunner:
                 scope=_compile_scope(compile),
                 recompute=recomputed,
                 split_backward=bool(self.schedule.split_backward()),
+                split_graphs=_split_graphs(compile_backward),
                 cache_explicit=compile_cache is not None,
                 cache_dir=compile_cache
                 if compile_cache is not None or isinstance(build, Manifest)

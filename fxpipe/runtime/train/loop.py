@@ -288,6 +288,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         precision=options.precision,
         check_batches=False,  # checked below, with the data function named (batch_check)
         compile=options.compile_scope if options.compile else False,
+        compile_backward=options.compile_backward,
         compile_cache=options.compile_cache,
         compile_microbatch_size=batch // microbatches,
         tensor_parallel=options.tp,

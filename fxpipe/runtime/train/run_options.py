@@ -68,6 +68,10 @@ DEFAULT_SCHEDULE = "1f1b"  # what a build that names no schedule runs (one stage
 DEFAULT_TIMEOUT_S = 300.0
 COMPILE_SCOPES = ("stage", "regional")  # fxpipe.runtime.pipeline.compiled, Note [compile scope]
 DEFAULT_COMPILE_SCOPE = "stage"  # measured: docs/compile.md
+# Note [compiled split backward] in fxpipe.runtime.pipeline.compiled: a region's backward under a
+# schedule that splits it, as one compiled graph or cut into an input and a weight half
+COMPILE_BACKWARDS = ("graph", "halves")
+DEFAULT_COMPILE_BACKWARD = "graph"  # the halves measured 0.95-1.11x its step: docs/compile.md
 MAX_TIMEOUT_S = 1e8  # far below what a process group's timeout (int64 nanoseconds, a C int elsewhere) overflows at
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -134,6 +138,14 @@ class RunOptions(Options):
         choices=COMPILE_SCOPES,
         metavar="SCOPE",
         help="with --compile: each stage whole, or each repeated block: %(choices)s",
+    )
+    compile_backward: str = option(
+        DEFAULT_COMPILE_BACKWARD,
+        choices=COMPILE_BACKWARDS,
+        metavar="FORM",
+        help="with --compile under zb-h1, zbv or dualpipev: each compiled backward as one graph "
+        "(B computes every gradient, W hands the weight gradients over) or cut in an input half "
+        "run in B and a weight half run in W: %(choices)s",
     )
     compile_cache: str | None = option(
         None,
@@ -209,6 +221,11 @@ class RunOptions(Options):
         if self.compile_scope not in COMPILE_SCOPES:
             raise ConfigError(
                 f"--compile-scope must be one of {list(COMPILE_SCOPES)}, got {self.compile_scope!r}"
+            )
+        if self.compile_backward not in COMPILE_BACKWARDS:
+            raise ConfigError(
+                f"--compile-backward must be one of {list(COMPILE_BACKWARDS)}, "
+                f"got {self.compile_backward!r}"
             )
         if not _is_number(self.timeout_s) or self.timeout_s <= 0:
             raise ConfigError(
