@@ -130,6 +130,29 @@ class BoundaryTensor:
         except KeyError:
             return False
 
+    def expected_shape(
+        self, microbatch: int, traced_microbatch: int, sizes: Mapping[str, int] | None = None
+    ) -> tuple[int, ...] | None:
+        """The shape this tensor must have at the step's sizes (``shape_at``), or None when a
+        dimension depends on the data: then only ``fits`` can tell. What ``has_shape`` takes as
+        ``want``; a caller computes it once per step's sizes and keeps it."""
+        return None if self.data_dependent else self.shape_at(microbatch, traced_microbatch, sizes)
+
+    def has_shape(
+        self,
+        shape: Sequence[int],
+        want: tuple[int, ...] | None,
+        microbatch: int,
+        traced_microbatch: int,
+        sizes: Mapping[str, int] | None = None,
+    ) -> bool:
+        """Whether a tensor of ``shape`` is this one at the step's sizes, ``want`` being
+        ``expected_shape`` at those sizes: equal to it, or, data-dependent (``want`` None), one
+        that ``fits``. The runtime's one check of a stage's outputs (``StageWorker.forward``)."""
+        if want is not None:
+            return shape == want  # a torch.Size equals the tuple of its sizes
+        return self.fits(shape, microbatch, traced_microbatch, sizes)
+
     def shape_at(
         self, microbatch: int, traced_microbatch: int, sizes: Mapping[str, int] | None = None
     ) -> tuple[int, ...]:

@@ -111,9 +111,6 @@ class RankExecutor:
             receives = worker.receives(a.kind.value)
             self._steps.append(_Step(a, worker, (a.stage, a.microbatch) in split, receives))
         self.last_step: list[ActionTime] = []
-        self._want: dict[
-            tuple[Any, ...], list[tuple[int, ...] | None]
-        ] = {}  # (stage, microbatch size, dynamic sizes) -> output shapes
 
     @property
     def holds_loss(self) -> bool:
@@ -163,10 +160,8 @@ class RankExecutor:
                     pending = worker.post_forward(m, mb_size)
                 self.comm.wait(pending.posted)
                 start = time.perf_counter()
-                outputs = worker.forward(
-                    m, inputs[m], mb_size, dataclasses.replace(pending, posted=[])
-                )
-                self._check_shapes(worker, outputs, mb_size)
+                # the outputs' shapes are checked there, before any is sent
+                worker.forward(m, inputs[m], mb_size, dataclasses.replace(pending, posted=[]))
                 if loss_fn is not None and a.stage == self.loss_stage:
                     target = targets[m] if targets is not None else None
                     live[m] = loss_fn(
@@ -193,29 +188,3 @@ class RankExecutor:
         self.comm.finish()
         self.last_step = timeline
         return losses if self.holds_loss else []
-
-    def _check_shapes(
-        self, worker: StageWorker, outputs: Sequence[torch.Tensor], mb_size: int
-    ) -> None:
-        """Refuse stage outputs whose shapes differ from the manifest's (a stale build directory)."""
-        key = (worker.stage, mb_size, *sorted(worker.sizes.items()))
-        wants = self._want.get(key)
-        if wants is None:
-            wants = self._want[key] = [
-                None  # its shape is sent ahead of it (Note [data-dependent messages])
-                if o.data_dependent
-                else o.shape_at(mb_size, self.manifest.microbatch_size, worker.sizes)
-                for o in worker.spec.outputs
-            ]
-        for o, t, want in zip(worker.spec.outputs, outputs, wants):
-            if want is None:
-                if o.fits(t.shape, mb_size, self.manifest.microbatch_size, worker.sizes):
-                    continue
-            elif t.shape == want:
-                continue
-            at = "".join(f", {k} {v}" for k, v in worker.sizes.items())
-            raise RuntimeSetupError(
-                f"stage {worker.stage} output {o.name!r} has shape {tuple(t.shape)} but the "
-                f"manifest says {list(o.dims or ()) if want is None else want} at microbatch size "
-                f"{mb_size}{at}; rebuild the directory"
-            )

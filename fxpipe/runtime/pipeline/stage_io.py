@@ -165,6 +165,10 @@ class StageWorker:
         }
         self._output_names = [o.name for o in self.spec.outputs]
         self._shapes: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        # each output's expected shape per (microbatch size, step sizes): None where it depends on the data
+        self._wants: dict[tuple[Any, ...], list[tuple[int, ...] | None]] = {}
+        # outputs a stage of another rank receives: a wrong shape is named from the receiver's side
+        self._sent_away = frozenset(t.spec.name for t in self._sends if t.dst not in local)
         # the step's dynamic sizes besides the batch (Note [shape formulas]): set by whoever runs the step
         self.sizes: dict[str, int] = {}
         self._what = {
@@ -325,18 +329,17 @@ class StageWorker:
                 f"{len(self._output_names)} outputs; the stage file and manifest disagree, "
                 "rebuild the directory"
             )
+        self._check_outputs(state.outputs, mb_size)
         mine = dict(zip(self._output_names, state.outputs))
         sends: list[Message] = []
         last: list[Message] = []  # data-dependent tensors, after their shapes and the rest
         for t in self._sends:
             value = mine[t.spec.name]
-            if t.dst not in self._local:
-                self._check_sent(t, value, mb_size)
-                if t.tensor_id in self._ragged:
-                    shape = torch.tensor(value.shape, dtype=torch.int64, device=self.device)
-                    tag = t.tag(m, self.routes.num_tensors, False, shape=True)
-                    what = f"shape of {self._what[False][t.tensor_id]}"
-                    sends.append(Message(shape, t.dst, tag, what, m))
+            if t.dst not in self._local and t.tensor_id in self._ragged:
+                shape = torch.tensor(value.shape, dtype=torch.int64, device=self.device)
+                tag = t.tag(m, self.routes.num_tensors, False, shape=True)
+                what = f"shape of {self._what[False][t.tensor_id]}"
+                sends.append(Message(shape, t.dst, tag, what, m))
             self._deliver(
                 t,
                 m,
@@ -349,23 +352,41 @@ class StageWorker:
         self.comm.send(sends)
         return state.outputs
 
-    def _check_sent(self, t: Transfer, value: torch.Tensor, mb_size: int) -> None:
-        """Refuse to send a tensor whose shape is not the one its receiver sized its buffer for (Note [shape
-        formulas]): a stale build, or a dimension that depends on the data, named before any message."""
-        if t.spec.data_dependent:  # its shape is sent (Note [data-dependent messages])
-            if t.spec.fits(value.shape, mb_size, self.manifest.microbatch_size, self.sizes):
-                return
-            want: Any = tuple(t.spec.dims or ())
-        else:
-            want = self._shape(t, mb_size)
-            if tuple(value.shape) == want:
-                return
+    def _check_outputs(self, outputs: Sequence[torch.Tensor], mb_size: int) -> None:
+        """Refuse stage outputs whose shapes are not the manifest's at this microbatch size and the
+        step's sizes (Note [shape formulas]), before any of them is sent or handed on: a stale build,
+        or a dimension that depends on the data in a way the trace did not see. One check per output
+        per microbatch (``BoundaryTensor.has_shape``), whatever receives it."""
+        key = (mb_size, *sorted(self.sizes.items()))
+        wants = self._wants.get(key)
+        if wants is None:
+            wants = self._wants[key] = [
+                o.expected_shape(mb_size, self.manifest.microbatch_size, self.sizes)
+                for o in self.spec.outputs
+            ]
+        traced = self.manifest.microbatch_size
+        for o, value, want in zip(self.spec.outputs, outputs, wants):
+            if not o.has_shape(value.shape, want, mb_size, traced, self.sizes):
+                raise RuntimeSetupError(self._wrong_shape(o, tuple(value.shape), want, mb_size))
+
+    def _wrong_shape(
+        self, o: BoundaryTensor, shape: tuple[int, ...], want: tuple[int, ...] | None, mb_size: int
+    ) -> str:
+        """The one-line refusal of output ``o`` of shape ``shape``: from its receiver's side when a
+        stage of another rank receives it, else from the manifest's."""
         at = "".join(f", {k} {v}" for k, v in self.sizes.items())
-        raise RuntimeSetupError(
-            f"stage {self.stage} output {t.spec.name!r} has shape {tuple(value.shape)} but its receiver "
-            f"expects {want} (formula {list(t.spec.dims or t.spec.shape)} at microbatch size "
-            f"{mb_size}{at}); its shape depends on the data in a way the trace did not see, or the "
-            "build is stale: keep that tensor inside one stage (--split-at) or rebuild the directory"
+        if o.name in self._sent_away:
+            return (
+                f"stage {self.stage} output {o.name!r} has shape {shape} but its receiver expects "
+                f"{tuple(o.dims or ()) if want is None else want} (formula {list(o.dims or o.shape)} "
+                f"at microbatch size {mb_size}{at}); its shape depends on the data in a way the "
+                "trace did not see, or the build is stale: keep that tensor inside one stage "
+                "(--split-at) or rebuild the directory"
+            )
+        return (
+            f"stage {self.stage} output {o.name!r} has shape {shape} but the manifest says "
+            f"{list(o.dims or ()) if want is None else want} at microbatch size {mb_size}{at}; "
+            "rebuild the directory"
         )
 
     def _fed(self, name: str, value: torch.Tensor) -> torch.Tensor:
