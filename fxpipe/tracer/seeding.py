@@ -21,12 +21,15 @@ __all__ = ["seeded"]
 
 
 @contextlib.contextmanager
-def seeded(seed: int | None, devices: Sequence[int | str | torch.device] = ()) -> Iterator[None]:
-    """Run the block with torch's (on the CPU and ``devices``), numpy's and Python's global
-    generators seeded with ``seed`` (left as they are with None), and restore all three after it."""
+def seeded(
+    seed: int | None, devices: Sequence[int | str | torch.device] | None = ()
+) -> Iterator[None]:
+    """Run the block with torch's (on the CPU and ``devices``; None: every CUDA device, as
+    ``torch.random.fork_rng``), numpy's and Python's global generators seeded with ``seed`` (left
+    as they are with None), and restore all three after it."""
     numpy = sys.modules.get("numpy")  # a model that draws with numpy has imported it
     saved = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    with torch.random.fork_rng(devices=list(devices)):
+    with torch.random.fork_rng(devices=None if devices is None else list(devices)):
         try:
             if seed is not None:
                 torch.manual_seed(seed)

@@ -128,10 +128,10 @@ def modes_compute_alike(
         return False  # known to differ: no need to run anything
     try:
         model.train()
-        with seeded(0):
+        with seeded(0, devices=None):
             train = record_calls(model, inputs, run)
         model.eval()
-        with seeded(0):
+        with seeded(0, devices=None):
             evaluated = record_calls(model, inputs, run, expected=train)
     except Exception:  # _Differs, or anything the probe cannot record: trace both modes
         return False
