@@ -184,3 +184,84 @@ def test_recomputation_draws_what_the_forward_drew_and_leaves_numpy_as_a_plain_f
     checkpointed(module, x.requires_grad_(False)).sum().backward()
     torch.testing.assert_close(module.linear.weight.grad, want, rtol=0, atol=0)
     assert np.array_equal(np.random.get_state()[1], after_plain)
+
+
+MODEL_FILE_COPY = """
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+def _compute_mask_indices(shape, mask_prob, mask_length, attention_mask=None, min_masks=0):
+    return np.random.rand(*shape) < mask_prob  # the model file's own copy, as some speech repos have
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            mask = _compute_mask_indices((h.shape[0], h.shape[1]), 0.5, 1)
+            h = h.masked_fill(torch.tensor(mask, dtype=torch.bool)[..., None], 0.0)
+        return self.b(h)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Masked().train()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 6, 8),)
+"""
+
+_FRESH_WORKER = """
+import sys, numpy as np, torch
+from fxpipe.codegen.load import load_stage
+stage = load_stage(sys.argv[1], 0).train()
+runs = []
+for seed in (5, 5, 6):
+    np.random.seed(seed)
+    with torch.no_grad():
+        runs.append([t for t in stage(torch.ones(2, 6, 8)) if t.is_floating_point()])
+torch.save(runs, sys.argv[2])
+"""
+
+
+def test_a_model_files_own_mask_function_is_found_by_a_fresh_worker(tmp_path: Path) -> None:
+    """A model file's copy of ``_compute_mask_indices`` lives in a module named after the file's
+    path (``fxpipe_model_<stem>_<digest>``): a worker that loads only the stage finds it (before:
+    ``ModuleNotFoundError`` at the first train-mode forward, after the build's check passed in the
+    process that traced), and draws from numpy's state (the build's check compared those draws
+    with the model's)."""
+    import subprocess
+
+    from fxpipe.codegen import write_build_dir
+    from fxpipe.modelfile import load_model_file
+    from fxpipe.partitioner import CostModel, plan_partition
+    from fxpipe.tracer import trace_model_file
+
+    (tmp_path / "masked.py").write_text(MODEL_FILE_COPY)
+    source = load_model_file(tmp_path / "masked.py")
+    traced = trace_model_file(source, 2, progress=False)
+    plan = plan_partition(traced.profile, 2, microbatches=2, time_limit=2.0, cost=CostModel())
+    build = tmp_path / "build"
+    write_build_dir(traced, plan, build, source, batch_size=4, microbatches=2)
+    text = (build / "stage_0.py").read_text()
+    assert "host_mask_indices" in text and "fxpipe_model_" not in text  # no path-derived name
+
+    out = tmp_path / "runs.pt"
+    subprocess.run(
+        [sys.executable, "-c", _FRESH_WORKER, str(build), str(out)],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    same, again, other = torch.load(out)
+    assert same and len(same) == len(again) == len(other)
+    for a, b in zip(same, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(not torch.equal(a, c) for a, c in zip(same, other))

@@ -78,6 +78,12 @@ def run_blocks(container: Any, start: int, stop: int, x: Any, *args: Any) -> Any
     return x
 
 
+def _names_a_host_function(fn: Any) -> bool:
+    """Whether ``fn`` is an operator whose first argument names the Python function it calls
+    (``fxpipe::host_mask_indices``: Note [masks drawn on the host])."""
+    return isinstance(fn, torch._ops.OpOverload) and fn.name() == "fxpipe::host_mask_indices"
+
+
 class GeneratedFunction:
     """The target of a call of a generated module-level function (Note [helper calls] in
     :mod:`fxpipe.codegen.render.functions`): ``graph`` is its body, ``name`` what the build calls it (set when it
@@ -314,6 +320,11 @@ class _Renderer:
             return f"{self.operand(args[0])}.{args[1]}"
         if fn is train_or_eval and len(args) == 3 and not kwargs:
             return f"{self.operand(args[1])} if {self.value(args[0])} else {self.operand(args[2])}"
+        if _names_a_host_function(fn) and args and isinstance(args[0], str):
+            # the mask function of a model file: named as the stage's own import of that file
+            rest = self.call_args(args[1:], kwargs)
+            call_args = self.imports.model_function_name(args[0]) + (", " + rest if rest else "")
+            return f"{self.function(fn)}({call_args})"
         return f"{self.functions.get(node) or self.function(fn)}({self.call_args(args, kwargs)})"
 
     # -- statements -----------------------------------------------------------------

@@ -115,6 +115,19 @@ class ImportTable:
             self.modules.add(module)
         return text
 
+    def model_function_name(self, qualname: str) -> str:
+        """An expression for the string ``qualname`` (``"module.name"``) that holds where the stage
+        runs: a function of the model file is named by the module the stage file imports it as
+        (its name derives from the file's path, which differs on another node or checkout), so the
+        stage imports the model file, as it does for the file's operators; any other module's
+        name is a plain string (Note [masks drawn on the host] in
+        ``fxpipe.tracer.frontend.host_masks``)."""
+        module, _, name = qualname.rpartition(".")
+        if not module.startswith(MODEL_MODULE_PREFIX):
+            return repr(qualname)
+        self._use_model_file(module, qualname)
+        return f"{MODEL_ALIAS}.__name__ + {'.' + name!r}"
+
     def _use_model_file(self, module: str, what: str) -> None:
         path = getattr(sys.modules.get(module), "__file__", None)
         if path is None:
