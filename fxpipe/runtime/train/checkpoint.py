@@ -48,6 +48,7 @@ from fxpipe.runtime.dataparallel.state_dict import (
     load_stage_state_dict,
     shard_optimizer_state,
 )
+from fxpipe.runtime.train.numpy_rng import numpy_rng_state, set_numpy_rng_state
 from fxpipe.runtime.train.commit import (
     CommitRecord,
     Part,
@@ -295,6 +296,9 @@ def training_state(
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if runner.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(runner.device)
+    numpy_state = numpy_rng_state()  # Note [numpy's stream in a checkpoint]
+    if numpy_state is not None:
+        rng["numpy"] = numpy_state
     return {
         "step": step,
         "data_position": data_position,
@@ -352,6 +356,8 @@ def restore_training_state(runner: PipelineRunner, state: dict[str, Any]) -> Non
     random.setstate(state["rng"]["python"])
     if "cuda" in state["rng"] and runner.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], runner.device)
+    if "numpy" in state["rng"]:  # a checkpoint written before it has none
+        set_numpy_rng_state(state["rng"]["numpy"])
 
 
 # hyperparameters that tell torch.optim's SGD from Adam(W): a state of one has none of the other's

@@ -161,6 +161,8 @@ def convert_checkpoint(old: str | Path, new: str | Path, build: str | Path | Non
         flat[f"rng.{r}.python"] = json.dumps(part["rng"]["python"])
         if "cuda" in part["rng"]:
             flat[f"rng.{r}.cuda"] = part["rng"]["cuda"]
+        if "numpy" in part["rng"]:  # already JSON text (Note [numpy's stream in a checkpoint])
+            flat[f"rng.{r}.numpy"] = part["rng"]["numpy"]
         stages = list(part["stages"])
         if len(stages) == 1:  # which schedule ordered several stages' draws is not recorded
             device = "cuda" if "cuda" in part["rng"] else "cpu"

@@ -10,7 +10,8 @@ dict (``get_state_dict`` over its stages, FSDP's DTensor shards as they are):
   ``exp_avg_sq``, ``step``; SGD's ``momentum_buffer``); under ZeRO each rank its own shard;
 - ``optim.param_groups``, ``scheduler``, ``scaler``, ``train`` (step, samples consumed, the
   record so far): plain data as JSON strings, the same on every rank;
-- ``rng.<rank>.torch`` / ``rng.<rank>.python`` (``.cuda``): each rank's own streams.
+- ``rng.<rank>.torch`` / ``rng.<rank>.python`` (``.cuda``, ``.numpy``): each rank's own streams
+  (Note [numpy's stream in a checkpoint] in ``fxpipe.runtime.train.numpy_rng``).
 
 Note [RNG streams by stage]: torch's and Python's generators (and CUDA's) are per process, so
 they are stored per saving rank, with ``meta["rng"]`` saying what each rank's streams drew for
@@ -71,6 +72,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from fxpipe.errors import CheckpointError
+from fxpipe.runtime.train.numpy_rng import numpy_rng_state, set_numpy_rng_state
 from fxpipe.runtime.train.commit import CommitRecord, Part, new_token, read_record, write_record
 from fxpipe.userfiles import open_regular
 
@@ -354,6 +356,9 @@ def _plain(
     }
     if runner.device.type == "cuda":
         out[f"rng.{runner.rank}.cuda"] = torch.cuda.get_rng_state(runner.device)
+    numpy_state = numpy_rng_state()  # Note [numpy's stream in a checkpoint]
+    if numpy_state is not None:
+        out[f"rng.{runner.rank}.numpy"] = numpy_state
     if runner.scheduler is not None:
         out["scheduler"] = json.dumps(runner.scheduler.state_dict())
     if runner.scaler is not None:
@@ -645,6 +650,8 @@ def load_dcp_checkpoint(
         random.setstate((version, tuple(internal), gauss))
         if f"rng.{source}.cuda" in flat and runner.device.type == "cuda":
             torch.cuda.set_rng_state(flat[f"rng.{source}.cuda"], runner.device)
+        if f"rng.{source}.numpy" in flat:  # a checkpoint written before it has none
+            set_numpy_rng_state(flat[f"rng.{source}.numpy"])
     lost = _gather(
         None if rng else describe_rng_key(runner_rng_key(runner)), "restoring the RNG streams"
     )
