@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,22 +21,30 @@ import torch.utils.checkpoint
 __all__ = ["checkpointed"]
 
 
+class _NumpyReplayed:
+    """Each time it is entered, numpy's state as the forward saw it (``before``); on exit, the
+    state as it was on entry. Entered once per recomputation: a graph kept for a second backward
+    (``retain_graph``) is recomputed again, so it must be re-enterable, as torch's own
+    ``nullcontext`` is (a generator-based context manager is not)."""
+
+    def __init__(self, numpy: Any) -> None:
+        self._numpy = numpy
+        self._before = numpy.random.get_state()
+        self._after: list[Any] = []
+
+    def __enter__(self) -> None:
+        self._after.append(self._numpy.random.get_state())
+        self._numpy.random.set_state(self._before)
+
+    def __exit__(self, *exc: object) -> None:
+        self._numpy.random.set_state(self._after.pop())
+
+
 def _numpy_replayed() -> tuple[contextlib.AbstractContextManager[None], Any]:
     numpy = sys.modules.get("numpy")
     if numpy is None:  # nothing has imported numpy: nothing can draw from it
         return contextlib.nullcontext(), contextlib.nullcontext()
-    before = numpy.random.get_state()
-
-    @contextlib.contextmanager
-    def recomputing() -> Iterator[None]:
-        after = numpy.random.get_state()
-        numpy.random.set_state(before)
-        try:
-            yield
-        finally:
-            numpy.random.set_state(after)
-
-    return contextlib.nullcontext(), recomputing()
+    return contextlib.nullcontext(), _NumpyReplayed(numpy)
 
 
 def checkpointed(module: Callable[..., Any], *args: Any) -> Any:
