@@ -281,3 +281,34 @@ def test_a_graph_kept_for_a_second_backward_is_recomputed_with_the_forwards_draw
     torch.autograd.grad(out, x, retain_graph=True)  # the input's gradient, as B computes it
     torch.autograd.backward(out, inputs=[module.linear.weight])  # the weight's, as W does
     torch.testing.assert_close(module.linear.weight.grad, want, rtol=0, atol=0)
+
+
+def test_a_model_file_that_imports_transformers_mask_function_draws_at_run_time(
+    tmp_path: Path,
+) -> None:
+    """A model file that reuses transformers' SpecAugment (``from ...modeling_wav2vec2 import
+    _compute_mask_indices``) builds: the operator names the module that defines the function
+    (before: refused, "draws random numbers with numpy in forward at modeling_wav2vec2.py"), the
+    build's check compares the masks in train mode, and the model file's name is the function
+    again after the trace."""
+    from transformers.models.wav2vec2 import modeling_wav2vec2
+
+    from fxpipe.codegen import write_build_dir
+    from fxpipe.modelfile import import_model_module, load_model_file
+    from fxpipe.partitioner import CostModel, plan_partition
+    from fxpipe.tracer import trace_model_file
+
+    text = MODEL_FILE_COPY.split("def _compute_mask_indices", 1)[0] + (
+        "from transformers.models.wav2vec2.modeling_wav2vec2 import _compute_mask_indices\n\n\n"
+        "class Masked" + MODEL_FILE_COPY.split("class Masked", 1)[1]
+    )
+    (tmp_path / "imported.py").write_text(text)
+    source = load_model_file(tmp_path / "imported.py")
+    traced = trace_model_file(source, 2, progress=False)
+    plan = plan_partition(traced.profile, 2, microbatches=2, time_limit=2.0, cost=CostModel())
+    build = tmp_path / "build"
+    write_build_dir(traced, plan, build, source, batch_size=4, microbatches=2)
+    sources = "".join(p.read_text() for p in sorted(build.glob("stage_*.py")))
+    assert "'transformers.models.wav2vec2.modeling_wav2vec2._compute_mask_indices'" in sources
+    module = import_model_module(tmp_path / "imported.py")
+    assert module._compute_mask_indices is modeling_wav2vec2._compute_mask_indices

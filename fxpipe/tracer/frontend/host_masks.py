@@ -19,8 +19,10 @@ recomputation] in :mod:`fxpipe.runtime.pipeline.stage_io`), and the operator is 
 ``nondeterministic_seeded``, so a compiler neither merges two calls nor recomputes one.
 
 Only functions named ``_compute_mask_indices`` with exactly those parameters are lifted, in
-modules already imported (the model's own module, or a model file's copy); any other numpy draw
-is refused, naming its line (:mod:`fxpipe.tracer.frontend.host_random`).
+modules already imported (the model's own module, or a model file's copy), and wherever a module
+imported one under that name (a model file's ``from transformers... import
+_compute_mask_indices``: its operator names the module that defines it); any other numpy draw is
+refused, naming its line (:mod:`fxpipe.tracer.frontend.host_random`).
 """
 
 from __future__ import annotations
@@ -113,13 +115,32 @@ def _mask_functions() -> dict[str, tuple[Any, Callable[..., Any]]]:
     return found
 
 
+def _bindings(
+    found: dict[str, tuple[Any, Callable[..., Any]]],
+) -> list[tuple[Any, str, Callable[..., Any]]]:
+    """``(module, "defining_module.name", function)`` for every imported module whose
+    ``_compute_mask_indices`` is one of ``found``: the defining module, and any that imported it
+    (a model file's ``from transformers.models.wav2vec2.modeling_wav2vec2 import
+    _compute_mask_indices``), each to call the operator naming the module that defines it."""
+    by_id = {id(fn): qualname for qualname, (_, fn) in found.items()}
+    out = []
+    for module in list(sys.modules.values()):
+        fn = getattr(module, "__dict__", {}).get(_NAME)
+        if fn is not None and id(fn) in by_id:
+            out.append((module, by_id[id(fn)], fn))
+    return out
+
+
 @contextlib.contextmanager
 def host_masks_lifted() -> Iterator[None]:
     """Within the block, every imported SpecAugment mask function is the operator
-    ``fxpipe::host_mask_indices`` calling it (Note [masks drawn on the host])."""
+    ``fxpipe::host_mask_indices`` calling it, in its own module and in those that imported it
+    (Note [masks drawn on the host])."""
     found = _mask_functions()
-    for qualname, (module, fn) in found.items():
+    bindings = _bindings(found)
+    for qualname, (_, fn) in found.items():
         _ORIGINALS[qualname] = fn
+    for module, qualname, _ in bindings:
         setattr(module, _NAME, _lifted(qualname))
     try:
         with warnings.catch_warnings():
@@ -127,6 +148,7 @@ def host_masks_lifted() -> Iterator[None]:
             warnings.filterwarnings("ignore", message="To copy construct from a tensor")
             yield
     finally:
-        for qualname, (module, fn) in found.items():
+        for module, _, fn in bindings:
             setattr(module, _NAME, fn)
+        for qualname in found:
             _ORIGINALS.pop(qualname, None)
