@@ -312,3 +312,14 @@ def test_a_model_file_that_imports_transformers_mask_function_draws_at_run_time(
     assert "'transformers.models.wav2vec2.modeling_wav2vec2._compute_mask_indices'" in sources
     module = import_model_module(tmp_path / "imported.py")
     assert module._compute_mask_indices is modeling_wav2vec2._compute_mask_indices
+
+
+def test_a_mask_function_the_worker_cannot_import_is_named_in_one_line() -> None:
+    """A stage whose mask function is gone where it runs (another transformers, a model file not
+    there) is refused naming the function and the remedy, not with a bare ImportError."""
+    from fxpipe.errors import BuildDirError
+    from fxpipe.tracer.frontend.host_masks import host_mask_indices
+
+    for missing in ("fxpipe_no_such_module._compute_mask_indices", "numpy._compute_mask_indices"):
+        with pytest.raises(BuildDirError, match=r"draws SpecAugment's masks with .*packages"):
+            host_mask_indices(missing, [2, 6], 0.5, 1, None, 0)

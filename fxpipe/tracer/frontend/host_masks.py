@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from fxpipe.errors import BuildDirError
+
 __all__ = ["host_mask_indices", "host_masks_lifted"]
 
 _NAME = "_compute_mask_indices"
@@ -59,12 +61,22 @@ def host_mask_indices(
     host, as a boolean tensor of ``shape`` on the CPU (Note [masks drawn on the host])."""
     import numpy as np
 
-    fn = _ORIGINALS.get(function)
-    if fn is None:
-        module, _, name = function.rpartition(".")
-        fn = getattr(importlib.import_module(module), name)
+    fn = _ORIGINALS.get(function) or _imported(function)
     mask = fn(tuple(shape), mask_prob, mask_length, attention_mask, min_masks)
     return torch.from_numpy(np.ascontiguousarray(mask, dtype=np.bool_))
+
+
+def _imported(function: str) -> Callable[..., Any]:
+    """The function ``function`` (``module.name``) names, imported where the stage runs."""
+    module, _, name = function.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise BuildDirError(
+            f"the stage draws SpecAugment's masks with {function}, which this process cannot "
+            f"import ({type(exc).__name__}: {exc}); run with the packages the build was "
+            "partitioned with, or partition it again"
+        ) from None
 
 
 @host_mask_indices.register_fake
