@@ -442,6 +442,25 @@ def test_fxpipe_run_compile_reports_compile_seconds_and_fills_the_builds_cache(
     assert any((build / "compile_cache").rglob("*"))
 
 
+def test_the_runner_refuses_a_compile_option_before_any_communication(
+    tmp_path: Path, one_rank: None
+) -> None:
+    """``PipelineRunner(compile_backward=...)`` is refused whether or not it compiles (before: a
+    misspelt form passed unnoticed without ``compile``), and, like ``compile=``, before the
+    process group starts."""
+    from fxpipe.errors import ConfigError
+
+    build = make_build("mlp", tmp_path / "b", 1, 4, 2)
+    for kwargs, line in (
+        ({"compile_backward": "half"}, "compile_backward must be one of"),
+        ({"compile": True, "compile_backward": "half"}, "compile_backward must be one of"),
+        ({"compile": "everything"}, "compile must be True, False or a scope"),
+    ):
+        with pytest.raises(ConfigError, match=line):
+            PipelineRunner(build, None, microbatches=2, **kwargs)  # type: ignore[arg-type]
+        assert not dist.is_initialized()
+
+
 def test_compile_backward_names_a_form_of_the_backward() -> None:
     """``--compile-backward`` and ``PipelineRunner(compile_backward=...)`` take ``graph`` or
     ``halves``; anything else is refused in one line naming both."""

@@ -349,6 +349,8 @@ class PipelineRunner:
         self.tp_rank = self.layout.tp_of(rank)
         self.loss_fn = loss_fn if loss_fn is not None else model_loss
         autocast = autocast_dtype(precision)  # checked before any communication
+        scope = _compile_scope(compile) if compile else None  # so are these two
+        split_graphs = _split_graphs(compile_backward)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
         self.timeout_s = timeout_s
@@ -391,16 +393,16 @@ class PipelineRunner:
         for module in self.stages.values():
             module.train()
         self.compiled: list[CompiledStage] = []
-        if compile:  # after autocast (compiled under it), before DDP/FSDP wrap the stages
+        if scope is not None:  # after autocast (compiled under it), before DDP/FSDP wrap the stages
             self.compiled = compile_rank_stages(
                 manifest,
                 self.stages,
                 self.device,
                 compile_microbatch_size or manifest.microbatch_size,
-                scope=_compile_scope(compile),
+                scope=scope,
                 recompute=recomputed,
                 split_backward=bool(self.schedule.split_backward()),
-                split_graphs=_split_graphs(compile_backward),
+                split_graphs=split_graphs,
                 cache_explicit=compile_cache is not None,
                 cache_dir=compile_cache
                 if compile_cache is not None or isinstance(build, Manifest)
