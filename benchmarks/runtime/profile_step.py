@@ -238,7 +238,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--cprofile", type=int, default=0, help="steps to run under cProfile after")
     p.add_argument("--eager", action="store_true", help="stages not compiled")
-    p.add_argument("--build", type=Path, default=None, help="build here, or reuse the build here")
+    p.add_argument(
+        "--build",
+        type=Path,
+        default=None,
+        metavar="ROOT",
+        help="a folder whose ROOT/<schedule>/ build is profiled (written there when missing)",
+    )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "fxpipe-profile")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
