@@ -18,6 +18,7 @@ from fxpipe.errors import ConfigError, ScheduleError
 from fxpipe.optionspec import seed_keys
 from fxpipe.partitioner.schedule import SCHEDULE_NAMES, schedule_kind
 from fxpipe.runtime.dataparallel import DataParallelOptions
+from fxpipe.runtime.train.run_options import COMPILE_BACKWARDS, DEFAULT_COMPILE_BACKWARD
 
 __all__ = ["Config", "PIPELINES"]
 
@@ -61,7 +62,9 @@ class Config:
     file, a directory of safetensors shards, or a ``torch.save``d state dict), read one tensor
     at a time: with a model built on meta, no rank ever holds more than its stage. ``compile``:
     run this rank's stages under ``torch.compile``, compiled right after partitioning
-    (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``). ``tensor_parallel_degree``: T ranks
+    (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``); ``compile_backward``: under a
+    zero-bubble pipeline, each compiled backward as one graph (``"graph"``) or cut in an input
+    and a weight half (``"halves"``), as ``fxpipe run --compile-backward``. ``tensor_parallel_degree``: T ranks
     per stage that split its linears, as ``fxpipe run --tp T`` (the seed library's later key;
     world = partitions x T x replicas, tp innermost; docs/tensor-parallel.md).
     """
@@ -77,6 +80,7 @@ class Config:
     plan: str | None = None
     weights: str | None = None
     compile: bool = False
+    compile_backward: str = DEFAULT_COMPILE_BACKWARD
     tensor_parallel_degree: int = 1
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
 
@@ -116,6 +120,11 @@ class Config:
                 raise ConfigError(
                     f"config {key!r} must be True or False, got {getattr(self, key)!r}"
                 )
+        if self.compile_backward not in COMPILE_BACKWARDS:
+            raise ConfigError(
+                f"config 'compile_backward' must be one of {list(COMPILE_BACKWARDS)}, got "
+                f"{self.compile_backward!r}; e.g. {{'compile': True, 'compile_backward': 'halves'}}"
+            )
         if not _is_int(self.default_partition) or not 0 <= self.default_partition < self.partitions:
             raise ConfigError(
                 f"config 'default_partition' must be a partition index in 0..{self.partitions - 1}, "

@@ -340,6 +340,7 @@ def build_stage(
             device,
             max(batch_size // config.microbatches, 1),
             split_backward=schedule_kind(config.schedule).split_backward,
+            split_graphs=config.compile_backward == "halves",
             cache_dir=build_dir / COMPILE_CACHE if build_dir is not None else None,
         )
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)

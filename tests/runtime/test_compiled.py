@@ -395,7 +395,13 @@ def _seed_job(rank: int, world: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
     from seedscripts import load_script
 
-    config = {"partitions": 2, "microbatches": 2, "pipeline": "zb-h1", "compile": True}
+    config = {
+        "partitions": 2,
+        "microbatches": 2,
+        "pipeline": "zb-h1",
+        "compile": True,
+        "compile_backward": "halves",  # each compiled backward in an input and a weight half
+    }
     return load_script("hf_keywords").main(config)
 
 

@@ -41,6 +41,10 @@ from fxpipe.tracer import trace_model
             "'optimize' must be 'speed' or 'memory', got 'fast'",
         ),
         ({"partitions": 2, "ddp": "yes"}, "'ddp' must be True or False"),
+        (
+            {"partitions": 2, "compile": True, "compile_backward": "split"},
+            "'compile_backward' must be one of ['graph', 'halves'], got 'split'",
+        ),
         ({"partitions": 2, "plan": "/nonexistent/build"}, "has no manifest.json"),
         ({"partitions": 2, "comm_hook": "int8"}, "unknown comm_hook 'int8'"),
         ({"partitions": 2, "powersgd_rank": 0}, "powersgd_rank must be an int >= 1, got 0"),
@@ -65,6 +69,7 @@ def test_config_defaults_and_world_check() -> None:
         "speed",
     )
     assert Config.from_dict({"partitions": 2}).schedule == "1f1b"
+    assert Config.from_dict({"partitions": 2}).compile_backward == "graph"
     assert Config.from_dict({"partitions": 2, "pipeline": "zb-h1"}).schedule == "zb-h1"
     assert cfg.check_world(2) == 1
     with pytest.raises(ConfigError, match="'partitions' 2 does not divide the world size 3"):
