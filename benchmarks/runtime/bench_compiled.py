@@ -209,29 +209,14 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["FXPIPE_BENCH_SCHEDULES"] = args.schedules
-    from fxpipe.runtime.launch.launcher import free_port
+    from launch_ranks import torchrun
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _build(root)
         raw = root / "raw.json"
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                str(RANKS),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{free_port()}",
-                __file__,
-                "--worker",
-                str(root),
-                str(args.steps),
-                str(raw),
-            ],
+            torchrun(__file__, RANKS, str(root), str(args.steps), str(raw)),
             check=True,
         )
         data = json.loads(raw.read_text())

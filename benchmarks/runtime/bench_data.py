@@ -62,6 +62,9 @@ def _worker(build_dir: Path, steps: int) -> None:
         source.loss_fn,
         microbatches=MICROBATCHES,
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01),
+        # as fxpipe run's loop: a rank that needs no inputs is given None for them, which the
+        # runner's own batch check would call a different batch (the loop checks the stream)
+        check_batches=False,
     )
     train_fn = find_batches(source, None, TRAIN_FN)
     assert train_fn is not None, f"{MODEL} has no {TRAIN_FN}"
@@ -92,28 +95,13 @@ def main() -> None:
         return _build(args.build)
     if args.worker is not None:
         return _worker(args.worker, args.steps)
-    from fxpipe.runtime.launch.launcher import free_port
+    from launch_ranks import torchrun
 
     with tempfile.TemporaryDirectory(prefix="fxpipe-data-bench-") as tmp:
         build_dir = Path(tmp) / "charlm"
         subprocess.run([sys.executable, __file__, "--build", str(build_dir)], check=True)
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{free_port()}",
-                __file__,
-                "--worker",
-                str(build_dir),
-                "--steps",
-                str(args.steps),
-            ],
+            torchrun(__file__, 2, str(build_dir), "--steps", str(args.steps)),
             check=True,
             stderr=subprocess.DEVNULL,
         )

@@ -176,7 +176,9 @@ def _single(build_dir: Path, steps: int, microbatches: int, batch: int) -> None:
 def _bench(
     name: str, model_file: Path, batch: int, microbatches: int, steps: int, tmp: Path
 ) -> dict:
-    from fxpipe.runtime.launch.launcher import free_port, run_build
+    from launch_ranks import torchrun
+
+    from fxpipe.runtime.launch.launcher import run_build
     from fxpipe.runtime.train.run_options import RunOptions
 
     build_dir = tmp / name.split()[0]
@@ -186,23 +188,7 @@ def _bench(
         check=True,
     )
     subprocess.run(
-        [
-            py,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}",
-            __file__,
-            "--worker",
-            str(build_dir),
-            str(steps),
-            str(microbatches),
-            str(batch),
-        ],
+        torchrun(__file__, 2, str(build_dir), str(steps), str(microbatches), str(batch), python=py),
         check=True,
         stderr=subprocess.DEVNULL,
     )

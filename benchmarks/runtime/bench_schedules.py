@@ -330,26 +330,10 @@ def _markdown(rows: list[dict], model: str, steps: int) -> str:
 
 
 def _time(root: Path, steps: int, model_file: Path, raw_out: Path) -> None:
-    from fxpipe.runtime.launch.launcher import free_port
+    from launch_ranks import torchrun
 
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(RANKS),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}",
-            __file__,
-            "--worker",
-            str(root),
-            str(steps),
-            str(model_file),
-            str(raw_out),
-        ],
+        torchrun(__file__, RANKS, str(root), str(steps), str(model_file), str(raw_out)),
         check=True,
     )
 

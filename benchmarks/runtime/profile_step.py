@@ -248,32 +248,23 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "fxpipe-profile")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from fxpipe.runtime.launch.launcher import free_port
+    from launch_ranks import torchrun
 
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.build or Path(tempfile.mkdtemp())
     if not (root / args.schedule).exists():
         _build(root, args.schedule)
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(RANKS),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}",
+        torchrun(
             __file__,
-            "--worker",
+            RANKS,
             str(root),
             args.schedule,
             str(args.steps),
             str(args.cprofile),
             "1" if args.eager else "0",
             str(args.out),
-        ],
+        ),
         check=True,
     )
     for r in range(RANKS):
