@@ -111,36 +111,32 @@ def _lifted(qualname: str) -> Callable[..., torch.Tensor]:
     return draw
 
 
-def _mask_functions() -> dict[str, tuple[Any, Callable[..., Any]]]:
-    """``"module.name" -> (module, function)`` for every imported SpecAugment mask function."""
-    found = {}
+def _mask_functions() -> tuple[
+    dict[str, Callable[..., Any]], list[tuple[Any, str, Callable[..., Any]]]
+]:
+    """One pass over the imported modules: ``{"module.name": function}`` for every SpecAugment
+    mask function, keyed by the module that defines it, and ``(module, "defining_module.name",
+    function)`` for every module that holds one, the defining module and any that imported it
+    (a model file's ``from transformers.models.wav2vec2.modeling_wav2vec2 import
+    _compute_mask_indices``), each to call the operator naming the module that defines it."""
+    held = []
     for module_name, module in list(sys.modules.items()):
         fn = getattr(module, "__dict__", {}).get(_NAME)
-        if not callable(fn) or getattr(fn, "__module__", None) != module_name:
-            continue
+        if callable(fn):
+            held.append((module_name, module, fn))
+    found: dict[str, Callable[..., Any]] = {}
+    for module_name, _, fn in held:
+        if getattr(fn, "__module__", None) != module_name:
+            continue  # imported from elsewhere: found where it is defined
         try:
             names = tuple(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             continue
         if names == _PARAMETERS:
-            found[f"{module_name}.{_NAME}"] = (module, fn)
-    return found
-
-
-def _bindings(
-    found: dict[str, tuple[Any, Callable[..., Any]]],
-) -> list[tuple[Any, str, Callable[..., Any]]]:
-    """``(module, "defining_module.name", function)`` for every imported module whose
-    ``_compute_mask_indices`` is one of ``found``: the defining module, and any that imported it
-    (a model file's ``from transformers.models.wav2vec2.modeling_wav2vec2 import
-    _compute_mask_indices``), each to call the operator naming the module that defines it."""
-    by_id = {id(fn): qualname for qualname, (_, fn) in found.items()}
-    out = []
-    for module in list(sys.modules.values()):
-        fn = getattr(module, "__dict__", {}).get(_NAME)
-        if fn is not None and id(fn) in by_id:
-            out.append((module, by_id[id(fn)], fn))
-    return out
+            found[f"{module_name}.{_NAME}"] = fn
+    by_id = {id(fn): qualname for qualname, fn in found.items()}
+    bindings = [(module, by_id[id(fn)], fn) for _, module, fn in held if id(fn) in by_id]
+    return found, bindings
 
 
 @contextlib.contextmanager
@@ -148,10 +144,8 @@ def host_masks_lifted() -> Iterator[None]:
     """Within the block, every imported SpecAugment mask function is the operator
     ``fxpipe::host_mask_indices`` calling it, in its own module and in those that imported it
     (Note [masks drawn on the host])."""
-    found = _mask_functions()
-    bindings = _bindings(found)
-    for qualname, (_, fn) in found.items():
-        _ORIGINALS[qualname] = fn
+    found, bindings = _mask_functions()
+    _ORIGINALS.update(found)
     for module, qualname, _ in bindings:
         setattr(module, _NAME, _lifted(qualname))
     try:
