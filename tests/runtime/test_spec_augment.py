@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from builds import make_build
 from fxpipe.runtime.pipeline.recompute import checkpointed
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models"
@@ -93,22 +94,10 @@ def _train_job(rank: int, world: int, build: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fxpipe.codegen import write_build_dir
-    from fxpipe.modelfile import load_model_file
-    from fxpipe.partitioner import CostModel, plan_partition
-    from fxpipe.tracer import trace_model_file
-
     root = tmp_path_factory.mktemp("spec_augment")
     (root / "speech.py").write_text(MODEL_FILE)
-    source = load_model_file(root / "speech.py")
-    traced = trace_model_file(source, BATCH // MICROBATCHES, progress=False)
-    plan = plan_partition(
-        traced.profile, 2, microbatches=MICROBATCHES, time_limit=2.0, cost=CostModel()
-    )
-    out = root / "build"
     # the build's check compares the stages with the model in train mode: masks drawn alike
-    write_build_dir(traced, plan, out, source, batch_size=BATCH, microbatches=MICROBATCHES)
-    return out
+    return make_build(root / "speech.py", root / "build", 2, BATCH, MICROBATCHES)
 
 
 def test_the_masks_are_drawn_by_the_stage_at_every_call(build: Path) -> None:
@@ -239,17 +228,8 @@ def test_a_model_files_own_mask_function_is_found_by_a_fresh_worker(tmp_path: Pa
     with the model's)."""
     import subprocess
 
-    from fxpipe.codegen import write_build_dir
-    from fxpipe.modelfile import load_model_file
-    from fxpipe.partitioner import CostModel, plan_partition
-    from fxpipe.tracer import trace_model_file
-
     (tmp_path / "masked.py").write_text(MODEL_FILE_COPY)
-    source = load_model_file(tmp_path / "masked.py")
-    traced = trace_model_file(source, 2, progress=False)
-    plan = plan_partition(traced.profile, 2, microbatches=2, time_limit=2.0, cost=CostModel())
-    build = tmp_path / "build"
-    write_build_dir(traced, plan, build, source, batch_size=4, microbatches=2)
+    build = make_build(tmp_path / "masked.py", tmp_path / "build", 2, 4, 2)
     text = (build / "stage_0.py").read_text()
     assert "host_mask_indices" in text and "fxpipe_model_" not in text  # no path-derived name
 
@@ -293,21 +273,14 @@ def test_a_model_file_that_imports_transformers_mask_function_draws_at_run_time(
     again after the trace."""
     from transformers.models.wav2vec2 import modeling_wav2vec2
 
-    from fxpipe.codegen import write_build_dir
-    from fxpipe.modelfile import import_model_module, load_model_file
-    from fxpipe.partitioner import CostModel, plan_partition
-    from fxpipe.tracer import trace_model_file
+    from fxpipe.modelfile import import_model_module
 
     text = MODEL_FILE_COPY.split("def _compute_mask_indices", 1)[0] + (
         "from transformers.models.wav2vec2.modeling_wav2vec2 import _compute_mask_indices\n\n\n"
         "class Masked" + MODEL_FILE_COPY.split("class Masked", 1)[1]
     )
     (tmp_path / "imported.py").write_text(text)
-    source = load_model_file(tmp_path / "imported.py")
-    traced = trace_model_file(source, 2, progress=False)
-    plan = plan_partition(traced.profile, 2, microbatches=2, time_limit=2.0, cost=CostModel())
-    build = tmp_path / "build"
-    write_build_dir(traced, plan, build, source, batch_size=4, microbatches=2)
+    build = make_build(tmp_path / "imported.py", tmp_path / "build", 2, 4, 2)
     sources = "".join(p.read_text() for p in sorted(build.glob("stage_*.py")))
     assert "'transformers.models.wav2vec2.modeling_wav2vec2._compute_mask_indices'" in sources
     module = import_model_module(tmp_path / "imported.py")
