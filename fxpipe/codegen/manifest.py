@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from fxpipe.errors import BuildDirError, ConfigError
 from fxpipe.jsonio import check_schema_version, dump_json, load_json

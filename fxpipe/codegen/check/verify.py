@@ -29,7 +29,7 @@ from fxpipe.codegen.check.equivalence import (
 from fxpipe.codegen.integrity import CheckedBuild, check_build
 from fxpipe.codegen.load import read_manifest
 from fxpipe.codegen.pipeline import load_checked_pipeline
-from fxpipe.errors import BuildDirError, ModelFileError
+from fxpipe.errors import BuildDirError
 from fxpipe.modelfile import ModelSource
 
 __all__ = ["VerifyReport", "TensorError", "verify_build", "print_verify_report"]

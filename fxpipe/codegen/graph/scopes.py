@@ -17,7 +17,6 @@ from typing import Iterable
 
 import torch.fx as fx
 
-from fxpipe.graphmeta import ORIGIN_KEY
 
 __all__ = ["Scope", "scope_stack", "is_indexer", "scope_members"]
 

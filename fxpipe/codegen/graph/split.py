@@ -260,15 +260,7 @@ class _Splitter:
                     return self._size_node(s, a, self.value(s, found[0]), found[1])
             elif _spec(t).batch_dim != d:
                 return int(_spec(t).shape[d])  # a non-batch dimension never changes (no formulas)
-            candidates = sorted(
-                (
-                    n
-                    for n in list(self.env[s]) + self.placeholders
-                    if n.op != "get_attr" and _is_tensor(n)
-                ),
-                key=self.order.__getitem__,
-            )
-            for c in candidates:
+            for c in self._tensors_of(s):
                 bd = _spec(c).batch_dim
                 if bd is not None and _same_symbol(t, d, c, bd):
                     return self._size_node(s, a, self.value(s, c), bd)
@@ -281,9 +273,10 @@ class _Splitter:
         self.int_imports[s][a] = ph
         return g.create_node("call_method", "item", (ph,), name=a.name)
 
-    def _with_symbol(self, s: int, symbol: str) -> tuple[fx.Node, int] | None:
-        """A tensor stage ``s`` has (or a model input) with a dimension that is exactly ``symbol``."""
-        candidates = sorted(
+    def _tensors_of(self, s: int) -> list[fx.Node]:
+        """The tensors stage ``s`` has and the model's inputs (free: every rank reads the batch), in
+        program order: where a size it needs may be read from."""
+        return sorted(
             (
                 n
                 for n in list(self.env[s]) + self.placeholders
@@ -291,7 +284,10 @@ class _Splitter:
             ),
             key=self.order.__getitem__,
         )
-        for c in candidates:
+
+    def _with_symbol(self, s: int, symbol: str) -> tuple[fx.Node, int] | None:
+        """A tensor stage ``s`` has (or a model input) with a dimension that is exactly ``symbol``."""
+        for c in self._tensors_of(s):
             dims = _spec(c).dims
             if dims is not None and symbol in dims:
                 return c, dims.index(symbol)
