@@ -125,8 +125,16 @@ def _overflow(rank: int, world: int, build: Path) -> list[dict[str, Any]]:
     assert any(not all(pl.is_replicate() for pl in p.placements) for p in split)
     if rank == 1:
         split[0].register_hook(lambda g: g * float("inf") if step["k"] == POISONED else g)
+    return scaled_steps(runner, inputs, targets, step)
+
+
+def scaled_steps(
+    runner: Any, inputs: Any, targets: Any, step: dict[str, int], steps: int = 4
+) -> list[dict[str, Any]]:
+    """``steps`` fp16 steps (``step["k"]`` says which is running, for a poisoning hook), each's
+    loss scale, skipped count and whether any parameter moved; the runner closed after."""
     rows = []
-    for k in range(4):
+    for k in range(steps):
         step["k"] = k
         before = runner.state_dict()
         runner.step(inputs, targets)

@@ -27,6 +27,7 @@ from fxpipe.runtime import PipelineRunner
 from fxpipe.runtime.dataparallel import DataParallelOptions
 from spawn import spawn
 from test_tensor_parallel import BATCH, LR, MICROBATCHES, MODELS, STEPS, TP, _Builds, _call
+from test_tensor_parallel_compose import scaled_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 REPLICAS = 2
@@ -348,21 +349,7 @@ def _overflow(rank: int, world: int, build: Path) -> list[dict[str, Any]]:
             split[0].grad.to_local().mul_(float("inf"))
 
     dp.sync_gradients = poisoned  # type: ignore[method-assign]
-    rows = []
-    for k in range(4):
-        step["k"] = k
-        before = runner.state_dict()
-        runner.step(inputs, targets)
-        after = runner.state_dict()
-        rows.append(
-            {
-                "scale": runner.scaler.scale,
-                "skipped": runner.scaler.skipped,
-                "moved": any(not torch.equal(v, after[n]) for n, v in before.items()),
-            }
-        )
-    runner.close()
-    return rows
+    return scaled_steps(runner, inputs, targets, step)
 
 
 def _is_2d(p: torch.Tensor) -> bool:
