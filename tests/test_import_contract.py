@@ -4,7 +4,7 @@ back through others, and a worker loads the runtime, not the compiler.
 Note [layers]: fxpipe's packages form one order, lowest first::
 
     errors, schema, jsonio, graphmeta, model_inputs, modelfile, calibration_data, optionspec, unexpected, userfiles,
-    _lazy (the base)
+    sizes, _lazy (the base)
     < tracer < partitioner < codegen < runtime < {smp, sharding} < cli
 
 A module may import its own layer and any below it, never one above; ``smp`` and ``sharding`` are
@@ -36,6 +36,7 @@ BASE = {
     "calibration_data",
     "optionspec",
     "userfiles",
+    "sizes",
     "shapeformula",
     "_lazy",
 }

@@ -78,6 +78,7 @@ from fxpipe.calibration_data import names, values
 from fxpipe.errors import ConfigError, PartitionError
 from fxpipe.optionspec import check_options, option
 from fxpipe.schema import read_dataclass
+from fxpipe.sizes import format_size  # re-exported: the partitioner's reports import it from here
 
 __all__ = [
     "CostModel",
@@ -197,16 +198,6 @@ def parse_size(text: str | int | float) -> int:
     if size <= 0:
         raise ConfigError(f"size {text!r} must be positive")
     return int(round(size))
-
-
-def format_size(nbytes: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``: binary units, three significant digits."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def ring_hops(kind: str, replicas: int) -> int:

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fxpipe.sizes import format_size
+
 __all__ = ["Pruned", "prune", "TEMP_PREFIX", "STALE_TEMP_SECONDS"]
 
 TEMP_PREFIX = ".tmp-"  # a trace being written; renamed to ``<key>.pt`` when whole
@@ -52,22 +54,13 @@ class Pruned:
         if self.evicted:
             traces = "trace" if self.evicted == 1 else "traces"
             parts.append(
-                f"removed {self.evicted} least recently used {traces} ({_size(self.freed)}) "
-                f"to stay within {_size(budget)}"
+                f"removed {self.evicted} least recently used {traces} ({format_size(self.freed)}) "
+                f"to stay within {format_size(budget)}"
             )
         if self.stale:
             files = "file" if self.stale == 1 else "files"
             parts.append(f"removed {self.stale} temporary {files} left by an interrupted write")
         return "trace cache: " + "; ".join(parts) if parts else None
-
-
-def _size(nbytes: float) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:.3g} TiB"
 
 
 def _remove(path: str) -> bool | None:
