@@ -138,6 +138,7 @@ def _plan_on_rank0(
         measure_times=options.measure_times,
         measure_memory=options.measure_memory,
         dynamic_dims=options.dynamic_dims,
+        compile=config.compile,  # priced as the stages will run (Note [compiled unit times])
         progress=False,
     )
     traced.profile = apply_partition_policy(traced.profile, config)

@@ -260,3 +260,26 @@ def test_an_uneven_batch_names_the_config_key_not_a_cli_flag(
         train(torch.zeros(4, 2))
     assert "set 'microbatches' in fxpipe.init's config to one of [1, 2, 4]" in str(info.value)
     assert "--microbatches" not in str(info.value)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_config_plans_with_compiled_prices(compiled: bool) -> None:
+    """``"compile": True`` prices the units as compiled stages run them, as ``fxpipe trace
+    --compile`` does: the plan rank 0 makes records the compiled-kernel factor it applied."""
+    from fxpipe.partitioner import PartitionPlan
+    from fxpipe.smp.partitioning import TraceOptions, _plan_on_rank0
+    from fxpipe.tracer.measure.calibration import DEVICE_PRESETS
+
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    files = _plan_on_rank0(
+        model,
+        (torch.randn(4, 8),),
+        Config(partitions=2, microbatches=2, compile=compiled),
+        TraceOptions(),
+        8,  # the batch: two microbatches of the traced 4
+        None,
+        None,
+    )
+    plan = PartitionPlan.from_json(files[0]["plan.json"].decode())
+    want = DEVICE_PRESETS["cpu"].compile_factor if compiled else None
+    assert plan.compile_factor == want
