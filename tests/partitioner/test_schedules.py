@@ -15,6 +15,7 @@ from fxpipe.partitioner.schedule import (
     in_flight_per_stage,
     make_schedule,
     placement_of,
+    placements_of,
     runnable_schedules,
     simulate_step,
     schedule_kind,
@@ -79,6 +80,8 @@ def test_placement() -> None:
     assert stage_ranks(3, 2, "v") == (0, 1, 2, 2, 1, 0)
     assert stage_ranks(2, 3, "v") == (0, 1, 1, 0, 0, 1)
     assert placement_of((0, 1, 1, 0)) == (2, 2, "v") and placement_of((0, 1)) == (2, 1, "loop")
+    assert placements_of((0, 0)) == (1, 2, ("loop", "v"))  # one rank: both placements
+    assert placements_of((0, 1, 0, 1)) == (2, 2, ("loop",))
     assert runnable_schedules(1, "loop") == ("gpipe", "1f1b", "zb-h1")
     assert runnable_schedules(2, "v") == ("zbv", "dualpipev") and runnable_schedules(3, "loop") == (
         "interleaved-1f1b",

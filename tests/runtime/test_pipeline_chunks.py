@@ -25,6 +25,10 @@ STEPS, LR, BATCH = 2, 0.5, 8
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 # (schedule, virtual stages, placement, microbatches); M = S and M = 2S
 CASES = {
+    1: [  # one rank: the loop and the V are one placement (a pipelined build on one GPU)
+        ("zbv", 2, "v", 2),
+        ("interleaved-1f1b", 2, "v", 4),
+    ],
     2: [
         ("1f1b", 1, "loop", 4),
         ("zb-h1", 1, "loop", 4),
@@ -117,6 +121,12 @@ def test_schedules_train_like_one_process_on_2_ranks() -> None:
 
 
 @pytest.mark.distributed
+def test_two_chunks_on_one_rank_train_like_one_process() -> None:
+    results = [r.value for r in spawn(_job, 1, timeout=120)]
+    _check(results, 1, CASES[1])
+
+
+@pytest.mark.distributed
 def test_schedules_train_like_one_process_on_4_ranks() -> None:
     results = [r.value for r in spawn(_job, 4, timeout=300)]
     _check(results, 4, CASES[4])
@@ -175,3 +185,9 @@ def test_a_build_runs_only_the_schedules_its_placement_fits() -> None:
     assert resolve_schedule(None, loop_build, 2).name == "interleaved-1f1b"
     with pytest.raises(RuntimeSetupError, match="places the stages on ranks"):
         resolve_schedule(Schedule("wrong", 4, 1, ((), ()), (0, 1, 1, 0)), loop_build, 1)
+    # on one rank the loop and the V are one placement: a build planned for ZBV runs every
+    # two-chunk schedule (a one-GPU run of a pipelined build)
+    one_rank = chunked.manifest(1, 2, "v", schedule="zbv")
+    for name in ("zbv", "dualpipev", "interleaved-1f1b"):
+        assert resolve_schedule(name, one_rank, 2).name == name
+    assert resolve_schedule(None, one_rank, 2).name == "zbv"

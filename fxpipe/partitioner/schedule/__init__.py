@@ -15,7 +15,12 @@ from __future__ import annotations
 from fxpipe.partitioner.schedule.actions import Action, ActionKind, Schedule
 from fxpipe.partitioner.schedule.occupancy import in_flight_per_stage
 from fxpipe.partitioner.schedule.one_chunk import stage_order
-from fxpipe.partitioner.schedule.placement import PLACEMENTS, placement_of, stage_ranks
+from fxpipe.partitioner.schedule.placement import (
+    PLACEMENTS,
+    placement_of,
+    placements_of,
+    stage_ranks,
+)
 from fxpipe.partitioner.schedule.registry import (
     AUTO,
     SCHEDULE_NAMES,
@@ -56,6 +61,7 @@ __all__ = [
     "runnable_schedules",
     "stage_ranks",
     "placement_of",
+    "placements_of",
     "Link",
     "chain_links",
     "ScheduleOp",

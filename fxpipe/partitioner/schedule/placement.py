@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fxpipe.errors import PartitionError
 
-__all__ = ["PLACEMENTS", "stage_ranks", "placement_of"]
+__all__ = ["PLACEMENTS", "placement_of", "placements_of", "stage_ranks"]
 
 PLACEMENTS = ("loop", "v")
 
@@ -36,13 +36,24 @@ def stage_ranks(num_ranks: int, virtual_stages: int, placement: str = "loop") ->
 def placement_of(ranks: tuple[int, ...] | list[int]) -> tuple[int, int, str]:
     """(ranks, chunks per rank, placement) of a stage -> rank map; ``PartitionError`` when it is
     neither a loop nor a V placement of equally many chunks per rank."""
+    num_ranks, v, styles = placements_of(ranks)
+    return num_ranks, v, styles[0]
+
+
+def placements_of(ranks: tuple[int, ...] | list[int]) -> tuple[int, int, tuple[str, ...]]:
+    """(ranks, chunks per rank, every placement that gives this stage -> rank map): on one rank,
+    or with one chunk per rank, the loop and the V are the same map, and either's schedules run it.
+
+    >>> placements_of((0, 1, 1, 0)), placements_of((0, 0))
+    ((2, 2, ('v',)), (1, 2, ('loop', 'v')))
+    """
     num_ranks = 1 + max(ranks, default=0)
     chunks = len(ranks)
     if chunks % num_ranks == 0:
         v = chunks // num_ranks
-        for style in PLACEMENTS:
-            if tuple(ranks) == stage_ranks(num_ranks, v, style):
-                return num_ranks, v, style
+        styles = tuple(s for s in PLACEMENTS if tuple(ranks) == stage_ranks(num_ranks, v, s))
+        if styles:
+            return num_ranks, v, styles
     raise PartitionError(
         f"stage ranks {list(ranks)} are neither a loop nor a V placement of the same number "
         "of stages on every rank; rebuild with `fxpipe partition --virtual-stages V`"

@@ -41,7 +41,7 @@ from fxpipe.codegen.tp_plan import TensorParallelPlan, read_tp_plan
 from fxpipe.errors import BatchMismatchError, ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
 from fxpipe.partitioner.schedule import runnable_schedules
-from fxpipe.partitioner.schedule.placement import placement_of
+from fxpipe.partitioner.schedule.placement import placements_of
 from fxpipe.runtime.pipeline.batch_agreement import compare_batch, runner_message
 from fxpipe.runtime.pipeline.clipping import clip_grads_, counted_parameters, pipeline_grad_norm
 from fxpipe.runtime.pipeline.comm import pairs_sends
@@ -232,7 +232,8 @@ def resolve_schedule(
     """The schedule to run: ``schedule`` (a name or a ``Schedule``), else the build's own, and it
     must place the stages on the ranks as the build does (``virtual_stages``, if given, must be
     the build's: a build's chunks are fixed when it is partitioned)."""
-    ranks, v, placement = placement_of(manifest.stage_ranks)
+    ranks, v, placements = placements_of(manifest.stage_ranks)
+    fits = tuple(dict.fromkeys(s for p in placements for s in runnable_schedules(v, p)))
     if virtual_stages is not None and virtual_stages != v:
         raise ConfigError(
             f"--virtual-stages {virtual_stages} does not match the build, which has {v} stages per "
@@ -240,15 +241,12 @@ def resolve_schedule(
             f"with `fxpipe partition --virtual-stages {virtual_stages}`"
         )
     if schedule is None:
-        schedule = manifest.schedule or (
-            DEFAULT_SCHEDULE if v == 1 else runnable_schedules(v, placement)[0]
-        )
+        schedule = manifest.schedule or (DEFAULT_SCHEDULE if v == 1 else fits[0])
     if not isinstance(schedule, Schedule):
-        fits = runnable_schedules(v, placement)
         if schedule not in fits:
             raise ConfigError(
                 f"schedule {schedule!r} cannot run this build: it has {manifest.num_stages} stages, "
-                f"{v} per rank placed {placement!r}, which runs {list(fits)}; use one of them or "
+                f"{v} per rank placed {placements[0]!r}, which runs {list(fits)}; use one of them or "
                 f"rebuild with `fxpipe partition --schedule {schedule}`"
             )
         schedule = make_schedule(schedule, ranks, microbatches, v)
