@@ -1,8 +1,10 @@
 """Compiled stages: fxpipe compiled vs fxpipe eager vs torch.distributed.pipelining eager, same chunks.
 
-    .venv/bin/python benchmarks/runtime/bench_compiled.py [--steps 15] [--out benchmarks/runtime]
+    .venv/bin/python benchmarks/runtime/bench_compiled.py [--model gpt_medium|llama_medium]
+        [--steps 15] [--out benchmarks/runtime] [--device cuda]
 
-Design, fixed before the first run: gpt_medium (benchmarks/runtime/gpt_medium.py), batch 16 in
+Design, fixed before the first run: gpt_medium (benchmarks/runtime/gpt_medium.py; or
+llama_medium.py, a transformers Llama of its size and sequence), batch 16 in
 M = 4 microbatches, 2 ranks, gloo on 127.0.0.1, CPU, one thread per rank. One trace (analytic
 unit times), one plan per schedule (1F1B, interleaved 1F1B, ZB-H1, ZBV; V = 2 for the last two
 placements): the same build (the same chunks) serves every variant of its schedule. One torchrun
@@ -23,7 +25,14 @@ stage are the warm-up's, ``CompiledStage.seconds``). Then 3 untimed steps of eve
 ``--steps`` rounds; in each round every variant runs one step, in a fixed order, each step between
 two barriers. Reported per variant: the median over rounds of the slowest rank's step; for fxpipe
 variants the per-step compute of B and W actions (the sum over the rank's actions, median over
-rounds, the slower rank). Writes compiled.json and compiled.md.
+rounds, the slower rank). Writes compiled.json and compiled.md, one table per model: a run of
+one model keeps the other's latest table.
+
+``--device cuda`` (one GPU): the same variants on one rank (NCCL, world size 1), each schedule
+planned for one rank (1F1B and ZB-H1: one stage; interleaved 1F1B and ZBV: two stages on the
+rank), each step between two ``torch.cuda.synchronize``; inputs and weights on the GPU, the
+thread count left as it is. Writes compiled_cuda.json and compiled_cuda.md (``--device cpu
+--ranks 1`` runs the same rows on the CPU: the script's own check, compiled_cpu.*).
 """
 
 from __future__ import annotations
@@ -45,21 +54,21 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import bench_schedules as bs  # noqa: E402
 
-MODEL = HERE / "gpt_medium.py"
+MODELS = {"gpt_medium": HERE / "gpt_medium.py", "llama_medium": HERE / "llama_medium.py"}
 RANKS, BATCH, M, LR = 2, 16, 4, 0.01
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 
 
-def _build(root: Path) -> None:
+def _build(root: Path, model: Path, ranks: int) -> None:
     from fxpipe.codegen import write_build_dir
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import plan_partition
     from fxpipe.tracer import trace_model_file
 
-    source = load_model_file(MODEL)
+    source = load_model_file(model)
     traced = trace_model_file(source, BATCH // M, progress=False)
     for name in SCHEDULES:
-        plan = plan_partition(traced.profile, RANKS, microbatches=M, schedule=name)
+        plan = plan_partition(traced.profile, ranks, microbatches=M, schedule=name)
         write_build_dir(traced, plan, root / name, source, batch_size=BATCH, microbatches=M)
 
 
@@ -67,17 +76,22 @@ def _work(fx, kind: str) -> float:
     return sum(a.end - a.start for a in fx.executor.last_step if a.action.kind.value == kind)
 
 
-def _worker(root: Path, steps: int, raw_out: Path) -> None:
+def _worker(root: Path, steps: int, raw_out: Path, model: Path, device: str) -> None:
     import torch.distributed as dist
 
     from fxpipe.modelfile import load_model_file
     from fxpipe.runtime import PipelineRunner
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rank = dist.get_rank()
-    source = load_model_file(MODEL)
-    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    source = load_model_file(model)
+    inputs = tuple(x.to(device) for x in source.example_inputs(BATCH))
+    targets = source.example_targets(BATCH).to(device)
     out: dict = {}
     for name in os.environ.get("FXPIPE_BENCH_SCHEDULES", ",".join(SCHEDULES)).split(","):
         build = root / name
@@ -99,6 +113,7 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
                 compile_backward="halves" if halves else "graph",
                 compile_cache=root / f"cache-{name}-{len(runners)}",
                 timeout_s=1800,
+                device=device,
             )
             runners[label] = fx
             variants[label] = {
@@ -109,7 +124,7 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
         steps_fn = {
             label: (lambda fx=fx: fx.step(inputs, targets)) for label, fx in runners.items()
         }
-        steps_fn["peer eager"] = bs._peer(build, name, M, source, rank)
+        steps_fn["peer eager"] = bs._peer(build, name, M, source, rank, device)
         variants["peer eager"] = {}
         for v in variants.values():
             v.update(times=[], B=[], W=[])
@@ -118,9 +133,11 @@ def _worker(root: Path, steps: int, raw_out: Path) -> None:
                 fn()
         for _ in range(steps):
             for label, fn in steps_fn.items():
+                sync()
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 dist.barrier()
                 variants[label]["times"].append(time.perf_counter() - t0)
                 if label in runners:
@@ -173,20 +190,41 @@ def _rows(raw: dict) -> list[dict]:
     return rows
 
 
-def _markdown(rows: list[dict], steps: int) -> str:
+def _markdown(runs: dict[str, dict], device: str = "cpu") -> str:
+    first = next(iter(runs.values()))
+    ranks = first.get("ranks", RANKS)
+    where = f"{ranks} rank{'s' if ranks > 1 else ''}, {first.get('device_name', 'CPU')}"
+    how = (
+        "gloo on 127.0.0.1, one thread per rank"
+        if device == "cpu"
+        else "NCCL, each step between two torch.cuda.synchronize"
+    )
     lines = [
-        f"# Compiled stages (gpt_medium, batch {BATCH} = {M} x {BATCH // M}, {RANKS} ranks, CPU)",
+        f"# Compiled stages (batch {BATCH} = {M} x {BATCH // M}, {where})",
         "",
-        f"gloo on 127.0.0.1, one thread per rank, SGD; median over {steps} rounds of the slowest "
+        f"{how}, SGD; median over the rounds of the slowest "
         "rank's step, the variants alternating within each round, each step between barriers; the "
         "same build (chunks) for every variant of a schedule. B / W: a rank's compute in its B and "
         "in its W actions per step, each column the larger over the two ranks on its own (a first "
         "stage fed token ids has no input gradient: all its backward is W). Compile: cold (a fresh "
         "inductor cache), seconds per stage.",
-        "",
-        "| schedule | variant | step ms | / fxpipe eager | / peer eager | B ms | W ms | compile s per stage |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    for model, run in runs.items():
+        lines += [
+            "",
+            f"## {model} ({run['steps']} rounds, {run.get('date', 'date not recorded')}, torch "
+            f"{run['torch']})",
+            "",
+            "| schedule | variant | step ms | / fxpipe eager | / peer eager | B ms | W ms | "
+            "compile s per stage |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += _table(run["rows"])
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = []
     for r in rows:
         comp = ", ".join(f"{s}: {v:.0f}" for s, v in sorted(r["compile_s"].items())) or ""
         b = f"{r['B_ms']:.1f}" if r["B_ms"] is not None else ""
@@ -195,15 +233,28 @@ def _markdown(rows: list[dict], steps: int) -> str:
             f"| {r['schedule']} | {r['variant']} | {r['step_ms']:.1f} | {r['over_eager']:.2f} | "
             f"{r['over_peer']:.2f} | {b} | {w} | {comp} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _latest_runs(path: Path) -> dict[str, dict]:
+    """The models' latest runs in ``compiled.json`` (a file of one run, before there were two
+    models, is gpt_medium's)."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data["runs"] if "runs" in data else {data["model"]: data}
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+        root, steps, raw, model, device = sys.argv[2:7]
+        _worker(Path(root), int(steps), Path(raw), Path(model), device)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=tuple(MODELS), default="gpt_medium")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--ranks", type=int, default=None, help="default: 2 on the CPU, 1 on a GPU")
     p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="a quick check: fewer")
     args = p.parse_args()
@@ -213,26 +264,36 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        _build(root)
+        model = MODELS[args.model]
+        ranks = args.ranks or (RANKS if args.device == "cpu" else 1)
+        _build(root, model, ranks)
         raw = root / "raw.json"
         subprocess.run(
-            torchrun(__file__, RANKS, str(root), str(args.steps), str(raw)),
+            torchrun(
+                __file__, ranks, str(root), str(args.steps), str(raw), str(model), args.device
+            ),
             check=True,
         )
         data = json.loads(raw.read_text())
-    rows = _rows(data)
     result = {
-        "model": "gpt_medium",
+        "model": args.model,
         "batch": BATCH,
         "microbatches": M,
         "steps": args.steps,
+        "ranks": ranks,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
+        "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
-        "rows": rows,
+        "rows": _rows(data),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compiled.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "compiled.md").write_text(_markdown(rows, args.steps))
-    print(_markdown(rows, args.steps))
+    stem = "compiled" if args.device == "cpu" and ranks == RANKS else f"compiled_{args.device}"
+    runs = _latest_runs(args.out / f"{stem}.json")
+    runs[args.model] = result
+    runs = {name: runs[name] for name in MODELS if name in runs}
+    (args.out / f"{stem}.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(_markdown(runs, args.device))
+    print(_markdown({args.model: result}, args.device))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def _carried(manifest, index: int) -> list[str]:
     return [n for n in dict.fromkeys(made) if n in later]
 
 
-def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
+def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int, device: str = "cpu"):
     """The peer's schedule over PipelineStages wrapping this rank's load_stage modules; a step function."""
     import torch.distributed as dist
     import torch.distributed.pipelining as pp
@@ -132,12 +132,12 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
 
     manifest = Manifest.from_json(build_dir)
     mine = [s for s, r in enumerate(manifest.stage_ranks) if r == rank]
-    modules = {s: load_stage(build_dir, s) for s in mine}
+    modules = {s: load_stage(build_dir, s, device=device) for s in mine}
     last = manifest.num_stages - 1
     split = name in ("zb-h1", "zbv", "dualpipev")
     stages = [
         pp.PipelineStage(
-            _PeerStage(modules[s], manifest, s, split), s, manifest.num_stages, torch.device("cpu")
+            _PeerStage(modules[s], manifest, s, split), s, manifest.num_stages, torch.device(device)
         )
         for s in mine
     ]
@@ -157,7 +157,8 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
         spans = len({manifest.stage_ranks[s] for s in t.stages}) > 1
         shape = next((shapes[(s, k)] for s, k in zip(t.stages, t.keys) if (s, k) in shapes), None)
         ties.append((copies, spans, shape))
-    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    inputs = tuple(x.to(device) for x in source.example_inputs(BATCH))
+    targets = source.example_targets(BATCH).to(device)
 
     def step() -> None:
         opt.zero_grad()
@@ -166,7 +167,11 @@ def _peer(build_dir: Path, name: str, microbatches: int, source, rank: int):
         args = inputs if 0 in mine else ()
         sched.step(*args, **kwargs)
         for copies, spans, shape in ties:  # every copy gets the sum of all copies' gradients
-            total = sum(p.grad for p in copies).clone() if copies else torch.zeros(shape or ())
+            total = (
+                sum(p.grad for p in copies).clone()
+                if copies
+                else torch.zeros(shape or (), device=device)
+            )
             if spans:
                 dist.all_reduce(total)
             for p in copies:

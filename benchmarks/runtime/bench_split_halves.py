@@ -1,9 +1,12 @@
 """One compiled stage's split backward: one backward graph vs input and weight halves, alternating.
 
     .venv/bin/python benchmarks/runtime/bench_split_halves.py [--rounds 15] [--model gpt_medium]
+        [--device cpu|cuda]
 
 Design, fixed before the first run: the model's 2-stage ZB-H1 build (analytic CPU trace), the
-stage fed activations (stage 1, the loss stage) loaded three times, one thread, CPU: ``eager``;
+stage fed activations (stage 1, the loss stage) loaded three times, one thread, on the CPU (or one
+GPU, ``--device cuda``: the issue's F, I and W microbenchmark; each action timed between two
+``torch.cuda.synchronize``): ``eager``;
 ``compile_module(..., split_graphs=False)`` (each region's backward one compiled graph: ``B``
 runs it whole and keeps the weight gradients, ``W`` accumulates them); ``split_graphs=True``
 (``B`` runs the input half, ``W`` the weight half: Note [compiled split backward]). One round:
@@ -39,14 +42,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--model", default="gpt_medium", choices=sorted(MODELS))
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     from fxpipe.codegen import load_stage, write_build_dir
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import plan_partition
     from fxpipe.runtime.pipeline.compiled import compile_module, use_cache_dir
-    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
     from fxpipe.tracer import trace_model_file
 
     path, batch, m = MODELS[args.model]
@@ -56,10 +61,10 @@ def main() -> None:
     plan = plan_partition(traced.profile, 2, microbatches=m, schedule="zb-h1")
     write_build_dir(traced, plan, tmp / "b", source, batch_size=batch, microbatches=m)
     use_cache_dir(tmp / "cache", explicit=True)  # a cold compile
-    first = load_stage(tmp / "b", 0)
-    stage = load_stage(tmp / "b", 1)
-    chunks = [c for c in zip(*(t.chunk(m) for t in source.example_inputs(batch)))]
-    targets = source.example_targets(batch).chunk(m)
+    first = load_stage(tmp / "b", 0, device=device)
+    stage = load_stage(tmp / "b", 1, device=device)
+    chunks = [c for c in zip(*(t.to(device).chunk(m) for t in source.example_inputs(batch)))]
+    targets = source.example_targets(batch).to(device).chunk(m)
     with torch.no_grad():
         acts = [first(*c) for c in chunks]
     acts = [a if isinstance(a, tuple) else (a,) for a in acts]
@@ -70,7 +75,7 @@ def main() -> None:
         compile_module(mod, "stage", [0] * len(acts[0]), stage=1, split_graphs=split)
         start = time.perf_counter()
         for _ in range(2):  # compile (fused backward, then the split path once)
-            _round(mod, acts, targets, source.loss_fn, backward_inputs, backward_weights)
+            _round(mod, acts, targets, source.loss_fn, sync)
         compile_s[label] = time.perf_counter() - start
         variants[label] = mod
     times: dict[str, dict[str, list[float]]] = {
@@ -78,13 +83,14 @@ def main() -> None:
     }
     for r in range(3 + args.rounds):
         for label, mod in variants.items():
-            f, b, w = _round(mod, acts, targets, source.loss_fn, backward_inputs, backward_weights)
+            f, b, w = _round(mod, acts, targets, source.loss_fn, sync)
             if r >= 3:
                 for k, v in (("F", f), ("B", b), ("W", w), ("all", f + b + w)):
                     times[label][k].append(v)
     med = {k: {x: statistics.median(v) * 1e3 for x, v in t.items()} for k, t in times.items()}
     base = med["compiled, one backward graph"]
-    print(f"{args.model}, stage 1 of a 2-stage zb-h1 build, {m} microbatches, 1 thread, CPU")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU, 1 thread"
+    print(f"{args.model}, stage 1 of a 2-stage zb-h1 build, {m} microbatches, {where}")
     print(f"median over {args.rounds} rounds, variants alternating; ms per round (M microbatches)")
     print("| variant | F | B | W | F+B+W | / one graph (F+B+W) | B / one graph |")
     print("|---|---|---|---|---|---|---|")
@@ -95,25 +101,32 @@ def main() -> None:
         )
     print("compile + first rounds, s:", {k: round(v, 1) for k, v in compile_s.items()})
     if args.out is not None:
-        args.out.write_text(json.dumps({"median_ms": med, "compile_s": compile_s}, indent=1))
+        result = {"device": where, "median_ms": med, "compile_s": compile_s}
+        args.out.write_text(json.dumps(result, indent=1))
 
 
-def _round(mod, acts, targets, loss_fn, backward_inputs, backward_weights):  # noqa: ANN001, ANN202
+def _round(mod, acts, targets, loss_fn, sync):  # noqa: ANN001, ANN202
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
     params = [p for p in mod.parameters() if p.requires_grad]
     f = b = w = 0.0
     pending = []
     for a, t in zip(acts, targets):
         x = [v.detach().requires_grad_(v.is_floating_point()) for v in a]
+        sync()
         t0 = time.perf_counter()
         out = mod(*x)
         loss = loss_fn(out[0] if isinstance(out, tuple) else out, t)
+        sync()
         f += time.perf_counter() - t0
         pending.append((loss, [v for v in x if v.requires_grad]))
     for loss, x in pending:
         t0 = time.perf_counter()
         _, work = backward_inputs([loss], [torch.ones_like(loss)], x, params)
+        sync()
         t1 = time.perf_counter()
         backward_weights(work)
+        sync()
         t2 = time.perf_counter()
         b += t1 - t0
         w += t2 - t1

@@ -9,7 +9,11 @@ the device, one microbatch of the model's batch / microbatches. Variants: eager 
 ``torch.compile(stage)`` (default mode, dynamic=False), each in fp32 and under bf16 autocast. Each
 variant: the first call timed alone (for compiled variants: the compile), 3 warm-up calls, then
 ``--iters`` timed calls; the median is reported. Forward-only calls run under ``torch.no_grad``;
-forward + backward calls back-propagate the sum of the outputs. Writes compile_probe.json / .md.
+forward + backward calls back-propagate the sum of the outputs. Writes
+compile_probe_<model>_<device>.json / .md.
+``--gemm-share``: also profile 10 fp32 forward + backward calls of each variant (torch.profiler)
+and split their time into matrix products (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``: kernels
+torch.compile leaves to the same library calls) and everything else, the part compiling can shrink.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ MODELS = {  # name: (model file, batch size, microbatches)
     "gpt": (ROOT / "examples" / "gpt.py", 8, 4),
     "gpt_medium": (ROOT / "benchmarks" / "runtime" / "gpt_medium.py", 16, 4),
     "gpt_wide": (ROOT / "benchmarks" / "prediction" / "gpt_wide.py", 16, 4),
+    "llama_medium": (ROOT / "benchmarks" / "runtime" / "llama_medium.py", 16, 4),
 }
 
 
@@ -121,6 +126,38 @@ def _variants(stage: Any, inputs: tuple[Any, ...], device: str, iters: int) -> l
     return rows
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _gemm_share(stage: Any, inputs: tuple[Any, ...], calls: int = 10) -> list[dict[str, Any]]:
+    """Per variant (fp32 forward + backward): ms per call in matrix products and in the rest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    compiled = torch.compile(stage)
+    rows = []
+    for label, module in (("eager", stage), ("compiled", compiled)):
+
+        def forward_backward(module: Any = module) -> None:
+            out = module(*inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            sum(o.sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
+            stage.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            forward_backward()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                forward_backward()
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events) / 1e3 / calls
+        gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / calls
+        rows.append(
+            {"variant": label, "total_ms": total, "gemm_ms": gemm, "other_ms": total - gemm}
+        )
+    return rows
+
+
 def _markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# One stage, eager vs torch.compile ({result['device_name']}, torch {result['torch']})",
@@ -140,6 +177,19 @@ def _markdown(result: dict[str, Any]) -> str:
             f"| {r['forward_first_ms']:.0f} | {r['forward_backward_first_ms']:.0f} "
             f"| {r['forward_backward_ms'] / eager[r['precision']]:.2f} |"
         )
+    if result.get("gemm_share"):
+        lines += [
+            "",
+            "fp32 forward + backward under torch.profiler (10 calls; ms per call, profiler included):",
+            "",
+            "| variant | total ms | matrix products ms | rest ms | products / total |",
+            "|---|---|---|---|---|",
+        ]
+        for r in result["gemm_share"]:
+            lines.append(
+                f"| {r['variant']} | {r['total_ms']:.2f} | {r['gemm_ms']:.2f} | {r['other_ms']:.2f} "
+                f"| {r['gemm_ms'] / r['total_ms']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt_wide", choices=tuple(MODELS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    p.add_argument("--gemm-share", action="store_true", help="split fp32 fwd+bwd time by op kind")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
@@ -157,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stage, inputs = _stage_and_inputs(args.model, args.device, Path(tmp))
         rows = _variants(stage, inputs, args.device, args.iters)
+        gemm = _gemm_share(stage, inputs) if args.gemm_share else []
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {
         "model": args.model,
@@ -165,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "iters": args.iters,
         "rows": rows,
+        "gemm_share": gemm,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile_probe.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "compile_probe.md").write_text(_markdown(result))
+    stem = f"compile_probe_{args.model}_{args.device}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(_markdown(result))
     print(_markdown(result))
     return 0
 
