@@ -64,7 +64,7 @@ class Config:
     run this rank's stages under ``torch.compile``, compiled right after partitioning
     (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``); ``compile_backward``: under a
     zero-bubble pipeline, each compiled backward as one graph (``"graph"``) or cut in an input
-    and a weight half (``"halves"``), as ``fxpipe run --compile-backward``. ``tensor_parallel_degree``: T ranks
+    and a weight half (``"halves"``, the default), as ``fxpipe run --compile-backward``. ``tensor_parallel_degree``: T ranks
     per stage that split its linears, as ``fxpipe run --tp T`` (the seed library's later key;
     world = partitions x T x replicas, tp innermost; docs/tensor-parallel.md).
     """

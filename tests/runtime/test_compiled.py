@@ -286,16 +286,16 @@ def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str,
     runs = [(loaded, "zbv", True), (loaded, "dualpipev", False), (_Loaded(h1), "zb-h1", True)]
     for where, schedule, compile in runs:  # compiled once per build, by its first runner
         before = dict(stats)
-        # the backward in halves (the DDP run below: one graph)
-        losses, state, runner = _run(
-            where, source, schedule, compile, inputs, targets, compile_backward="halves"
-        )
+        # the backward in halves, the default (the DDP run below: one graph)
+        losses, state, runner = _run(where, source, schedule, compile, inputs, targets)
         out[schedule] = (losses, state, [c.stage for c in runner.compiled])
         out[schedule + " backward"] = {c.backward for c in runner.compiled}
         out[schedule + " halves"] = {k: stats[k] - before[k] for k in stats}
         out[schedule + " split"] = sorted(runner.schedule.split_backward())
     # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
-    losses, state, runner = _run(_Loaded(one), source, "zb-h1", True, inputs, targets)
+    losses, state, runner = _run(
+        _Loaded(one), source, "zb-h1", True, inputs, targets, compile_backward="graph"
+    )
     assert runner.data_parallel is not None
     out["ddp"] = (losses, state, [c.stage for c in runner.compiled])
     dist.destroy_process_group()
@@ -474,7 +474,7 @@ def test_compile_backward_names_a_form_of_the_backward() -> None:
     from fxpipe.runtime.pipeline.runner import _split_graphs
     from fxpipe.runtime.train.run_options import RunOptions
 
-    assert RunOptions().compile_backward == "graph"
+    assert RunOptions().compile_backward == "halves"
     assert _split_graphs("halves") and not _split_graphs("graph")
     with pytest.raises(
         ConfigError, match=r"--compile-backward must be one of \['graph', 'halves'\]"

@@ -69,7 +69,7 @@ def test_config_defaults_and_world_check() -> None:
         "speed",
     )
     assert Config.from_dict({"partitions": 2}).schedule == "1f1b"
-    assert Config.from_dict({"partitions": 2}).compile_backward == "graph"
+    assert Config.from_dict({"partitions": 2}).compile_backward == "halves"
     assert Config.from_dict({"partitions": 2, "pipeline": "zb-h1"}).schedule == "zb-h1"
     assert cfg.check_world(2) == 1
     with pytest.raises(ConfigError, match="'partitions' 2 does not divide the world size 3"):

@@ -71,7 +71,7 @@ DEFAULT_COMPILE_SCOPE = "stage"  # measured: docs/compile.md
 # Note [compiled split backward] in fxpipe.runtime.pipeline.compiled: a region's backward under a
 # schedule that splits it, as one compiled graph or cut into an input and a weight half
 COMPILE_BACKWARDS = ("graph", "halves")
-DEFAULT_COMPILE_BACKWARD = "graph"  # the halves measured 0.95-1.11x its step: docs/compile.md
+DEFAULT_COMPILE_BACKWARD = "halves"  # measured 0.93-0.98x the one-graph step: docs/compile.md
 MAX_TIMEOUT_S = 1e8  # far below what a process group's timeout (int64 nanoseconds, a C int elsewhere) overflows at
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
