@@ -153,6 +153,36 @@ def test_gpt_compiled_every_one_rank_schedule_trains_like_one_process(
     _check(tuple(got), want_two, "interleaved-1f1b compiled")  # type: ignore[arg-type]
 
 
+def test_the_backward_in_halves_on_one_rank_and_under_bf16(one_rank: None, tmp_path: Path) -> None:
+    """The default compiled backward (input and weight halves) under zbv with both chunks on one
+    rank (stage 1 is fed activations, so its B and W split) trains like one process, and under
+    bf16 autocast like eager bf16; each split microbatch defers its weight half to W, none falls
+    back to the fused backward. (A split schedule refuses recomputed stages, compiled or not.)"""
+    from fxpipe.runtime.pipeline.compiled_split import stats
+
+    source = load_model_file(EXAMPLES / "gpt.py")
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    build = make_build("gpt", tmp_path / "v", 1, BATCH, MICRO, schedule="zbv")
+    assert Manifest.from_json(build).stage_ranks == (0, 0)
+    want = _oracle(build, "gpt")
+
+    def deferred(*args: Any, **options: Any) -> tuple[Any, dict[str, int]]:
+        before = dict(stats)
+        got = _run(*args, **options)
+        return got, {k: stats[k] - before[k] for k in stats}
+
+    (*got, runner), halves = deferred(_Loaded(build), source, "zbv", True, inputs, targets)
+    assert {c.backward for c in runner.compiled} == {"halves"}
+    _check(tuple(got), want, "zbv compiled in halves, one rank")  # type: ignore[arg-type]
+    assert halves["deferred"] == MICRO * STEPS and halves["fallbacks"] == 0, halves
+    eager = _run(_Loaded(build), source, "zbv", False, inputs, targets, precision="bf16")
+    comp, halves = deferred(_Loaded(build), source, "zbv", True, inputs, targets, precision="bf16")
+    assert halves["deferred"] == MICRO * STEPS and halves["fallbacks"] == 0, halves
+    torch.testing.assert_close(torch.tensor(comp[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
+    for k, v in comp[1].items():
+        torch.testing.assert_close(v, eager[1][k], rtol=2e-2, atol=2e-2, msg=f"bf16 {k}")
+
+
 class _Breaks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
