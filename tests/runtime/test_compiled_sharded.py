@@ -22,34 +22,62 @@ from builds import EXAMPLES, make_build
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from spawn import spawn
-from test_compiled import BATCH, MICRO, _check, _Loaded, _oracle, _run
+from test_compiled import BATCH, MICRO, STEPS, _check, _Loaded, _oracle, _run
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 
 
-def _job(rank: int, world: int, build: Path) -> tuple[list[float], dict[str, Any], int, bool]:
+def _job(rank: int, world: int, build: Path, schedule: str = "1f1b") -> dict[str, Any]:
+    from fxpipe.runtime.pipeline.compiled_split import stats
+
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    before = dict(stats)
     losses, state, runner = _run(
         _Loaded(build),
         source,
-        "1f1b",
+        schedule,
         True,
         inputs,
         targets,
         data_parallel=DataParallelOptions(shard="full"),
     )
-    sharded = type(runner.stages[0]).__name__.startswith("FSDP")
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    out = {
+        "losses": losses,
+        "state": {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()},
+        "sharded": type(runner.stages[0]).__name__.startswith("FSDP"),
+        "regions": [c.regions for c in runner.compiled],
+        "breaks": [b for c in runner.compiled for b in c.graph_breaks],
+        "halves": {k: stats[k] - before[k] for k in stats},
+    }
     dist.destroy_process_group()
-    return losses, state, len(runner.compiled), sharded
+    return out
 
 
 @pytest.mark.distributed
 def test_gpt_compiled_and_fully_sharded_trains_like_one_process(tmp_path: Path) -> None:
+    """Compiled inside the FSDP units (each unit's own forward, FSDP's hooks outside): no graph
+    break, and the step equals one eager process."""
     build = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
     want = _oracle(build, "gpt")
-    for losses, state, compiled, sharded in (r.value for r in spawn(_job, 2, build, timeout=1800)):
-        assert compiled == 1 and sharded
-        _check((losses, state), want, "compiled, --shard full")
+    for got in (r.value for r in spawn(_job, 2, build, timeout=1800)):
+        assert got["sharded"] and len(got["regions"]) == 1
+        assert got["regions"][0] and "" not in got["regions"][0], got["regions"]
+        assert not got["breaks"], got["breaks"]
+        _check((got["losses"], got["state"]), want, "compiled, --shard full")
+
+
+@pytest.mark.distributed
+def test_the_backward_in_halves_under_fsdp_trains_like_one_process(tmp_path: Path) -> None:
+    """zbv with both chunks on one pipeline rank, two fully sharded replicas, compiled with the
+    backward in input and weight halves (the default): the weight halves run in W, where FSDP2's
+    gradient reduction follows the step's last W, and the step equals one eager process."""
+    build = make_build("gpt", tmp_path / "v", 1, BATCH, MICRO, schedule="zbv")
+    want = _oracle(build, "gpt")
+    for got in (r.value for r in spawn(_job, 2, build, "zbv", timeout=1800)):
+        assert got["sharded"] and len(got["regions"]) == 2 and not got["breaks"], got["breaks"]
+        # stage 1 (fed activations): B leaves each microbatch's weight half for W
+        assert got["halves"]["deferred"] == MICRO * STEPS, got["halves"]
+        assert got["halves"]["fallbacks"] == 0, got["halves"]
+        _check((got["losses"], got["state"]), want, "zbv compiled in halves, --shard full")

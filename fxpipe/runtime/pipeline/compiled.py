@@ -13,7 +13,12 @@ the stage (a transformer's blocks: torchtitan's per-block compile), leaving the 
 them eager, and falls back to the whole stage when nothing repeats. Same-class blocks share one
 compiled graph (Dynamo treats their parameters as inputs), so regional compile time grows with
 the number of distinct block classes, not blocks. Which one is the default was measured
-(docs/compile.md, benchmarks/runtime/compiled.md).
+(docs/compile.md, benchmarks/runtime/compiled.md). Under FSDP (``--shard``) either scope compiles
+inside the FSDP units instead, as torchtitan does (``regions``: the units with no unit inside,
+``fxpipe.runtime.dataparallel.sharded.compile_regions``): FSDP gathers a unit's parameters in
+hooks around the unit's own forward, which Dynamo does not trace (a whole stage compiled around
+them broke its graph at every unit), so each unit's forward is compiled and the hooks and the
+glue between the units stay eager.
 
 Note [graph breaks are reported, not fatal]: each compiled forward first runs with
 ``fullgraph=True``; if Dynamo cannot capture it in one graph, the break's reason and place (the
@@ -21,15 +26,17 @@ user frame) are recorded once, and that forward is compiled again without ``full
 splits it into graphs around the break). ``CompiledStage.graph_breaks`` lists what was found; the
 run log prints it.
 
-Note [compiled split backward]: a compiled region's backward is, by default, AOTAutograd's one
-backward graph, one autograd node (``CompiledFunctionBackward``) computing every gradient at
-once: under a schedule that splits the backward (ZB-H1, ZBV, DualPipeV) the split backward keeps,
-in ``B``, the weight gradients that node produced and hands them to the parameters in ``W``
-(Note [a boundary node that computes every gradient at once] in
-``fxpipe.runtime.pipeline.split_backward``): ``B`` does the whole backward, ``W`` accumulates.
+Note [compiled split backward]: a compiled region's backward is AOTAutograd's one backward graph,
+one autograd node (``CompiledFunctionBackward``) computing every gradient at once. Under a
+schedule that splits the backward (ZB-H1, ZBV, DualPipeV) it runs in one of two forms.
 
-``--compile-backward halves`` (``PipelineRunner(compile_backward="halves")``,
-``compile_module(..., split_graphs=True)``) cuts each region's
+``--compile-backward graph``: the split backward keeps, in ``B``, the weight gradients that node
+produced and hands them to the parameters in ``W`` (Note [a boundary node that computes every
+gradient at once] in ``fxpipe.runtime.pipeline.split_backward``): ``B`` does the whole backward,
+``W`` accumulates.
+
+``--compile-backward halves``, the default (``PipelineRunner(compile_backward="halves")``,
+``compile_module(..., split_graphs=True)``), cuts each region's
 backward graph into an input half (the gradients of the region's non-parameter inputs, plus the
 intermediate values the other half needs) and a weight half (the parameters' gradients from those
 values and the saved activations), each compiled by inductor
@@ -37,9 +44,10 @@ values and the saved activations), each compiled by inductor
 weight half (Note [deferring a compiled region's weight gradients]); a backward that is not split
 (1F1B, the warm-up) runs both at once. Gradients equal the one-graph backward's. Measured
 (docs/compile.md): on gpt_medium's loss stage ``B`` costs 0.63x the one-graph ``B`` and the
-stage's ``F + B + W`` 1.02x; in the 2-rank pipeline the step was 1.00x the one-graph step under
-ZB-H1 and 1.11x under ZBV (one run each, alternating, loaded host). Not faster, so not the
-default; it is there for deeper pipelines, whose bubbles a cheap ``B`` and a real ``W`` fill.
+stage's ``F + B + W`` 1.02x; in the 2-rank pipelines of the compiled benchmark (gpt_medium and a
+transformers Llama, ZB-H1 and ZBV, quiet host) the step was 0.93-0.98x the one-graph step, ``B``
+0.64-0.71x: ``B`` is on the schedule's critical path and ``W`` fills its bubbles, so the halves
+are the default.
 
 Note [compiled dynamic dimensions]: with the ``"stage"`` scope every dimension of a stage input
 that follows the step is marked dynamic (``maybe_mark_dynamic``): the batch, and in a build with
@@ -106,10 +114,11 @@ class CompiledStage:
     seconds: float = 0.0
     graph_breaks: list[str] = field(default_factory=list)
     backward: str = "graph"  # or "halves": Note [compiled split backward]
+    unit: str = "blocks"  # what the regions are: repeated "blocks", or "FSDP units"
 
     def line(self) -> str:
         """One log line."""
-        where = "whole stage" if self.regions == ("",) else f"{len(self.regions)} blocks"
+        where = "whole stage" if self.regions == ("",) else f"{len(self.regions)} {self.unit}"
         if self.backward == "halves":
             where += ", backward in input and weight halves"
         breaks = (
@@ -214,8 +223,11 @@ def compile_module(
     split_backward: bool = True,
     dynamic_dims: Sequence[Sequence[int]] | None = None,
     split_graphs: bool = False,
+    regions: Sequence[str] | None = None,
 ) -> CompiledStage:
     """Compile ``module`` in place (Note [compile scope]); nothing is compiled until it runs.
+    ``regions``: compile these submodules' forwards rather than what ``scope`` picks (the FSDP
+    units a sharded stage will have).
 
     With the ``"stage"`` scope, each input's batch dim (``batch_dims``) and its dims in
     ``dynamic_dims`` (one sequence per input) are marked dynamic (Note [compiled dynamic dimensions]).
@@ -237,7 +249,10 @@ def compile_module(
     report = CompiledStage(
         stage, scope, ("",), backward="halves" if "backend" in options else "graph"
     )
-    regions = _repeated_blocks(module) if scope == "regional" else []
+    if regions is None:
+        regions = _repeated_blocks(module) if scope == "regional" else []
+    else:
+        _allow_graphs_per_class(module, regions)
     if regions:
         report.regions = tuple(regions)
         for path in regions:
@@ -248,6 +263,17 @@ def compile_module(
             module.forward, report.graph_breaks, _marked(batch_dims, dynamic_dims), **options
         )
     return report
+
+
+def _allow_graphs_per_class(module: nn.Module, regions: Sequence[str]) -> None:
+    """Dynamo keeps a code object's graphs in one cache, at most ``recompile_limit`` of them: the
+    regions of one class (FSDP units: the ``nn.Linear`` children of a split block, of several
+    shapes) share their ``forward``'s code and may each need a graph, in train and eval mode."""
+    import torch._dynamo.config
+
+    per_class = Counter(type(module.get_submodule(p)) for p in regions)
+    need = 2 * max(per_class.values(), default=0) + 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
 
 
 def _marked(
@@ -351,9 +377,11 @@ def compile_rank_stages(
     split_backward: bool = True,
     cache_explicit: bool = False,
     split_graphs: bool = False,
+    regions: Mapping[int, Sequence[str]] | None = None,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
-    backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage."""
+    backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage. ``regions``: per
+    stage, the FSDP units to compile inside (Note [compile scope])."""
     use_cache_dir(cache_dir, explicit=cache_explicit)
     reports = []
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
@@ -367,7 +395,10 @@ def compile_rank_stages(
             split_backward=split_backward,
             dynamic_dims=_followed_dims(manifest, s),
             split_graphs=split_graphs,
+            regions=regions.get(s) if regions else None,
         )
+        if regions and regions.get(s):
+            report.unit = "FSDP units"
         if warm_up:
             start = time.perf_counter()
             _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)

@@ -392,6 +392,14 @@ class PipelineRunner:
             module.train()
         self.compiled: list[CompiledStage] = []
         if scope is not None:  # after autocast (compiled under it), before DDP/FSDP wrap the stages
+            regions = None
+            if dp_options.fsdp and self.layout.replicas > 1:  # inside the FSDP units
+                from fxpipe.runtime.dataparallel.sharded import compile_regions
+
+                regions = {
+                    s: compile_regions(m, dp_options, self.layout.replicas)
+                    for s, m in self.stages.items()
+                }
             self.compiled = compile_rank_stages(
                 manifest,
                 self.stages,
@@ -405,6 +413,7 @@ class PipelineRunner:
                 cache_dir=compile_cache
                 if compile_cache is not None or isinstance(build, Manifest)
                 else Path(build) / COMPILE_CACHE,
+                regions=regions,  # Note [compile scope]
             )
         self.stage = rank_module(
             self.stages
