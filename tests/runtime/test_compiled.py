@@ -363,6 +363,48 @@ def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
         _check(r["ddp"][:2], want_one, "zb-h1 compiled, 2 DDP replicas")
 
 
+def _ddp_job(rank: int, world: int, build: Path) -> dict[str, Any]:
+    from fxpipe.runtime.dataparallel import DataParallelOptions
+    from fxpipe.runtime.pipeline.compiled_split import stats
+
+    dist.init_process_group("gloo")
+    source = load_model_file(EXAMPLES / "gpt.py")
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    out = {}
+    for form in ("halves", "graph"):
+        before = dict(stats)
+        losses, state, runner = _run(
+            _Loaded(build),
+            source,
+            "zbv",
+            True,
+            inputs,
+            targets,
+            data_parallel=DataParallelOptions(),
+            compile_backward=form,
+        )
+        assert runner.data_parallel is not None
+        out[form] = (losses, state, {k: stats[k] - before[k] for k in stats})
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.distributed
+def test_both_forms_of_the_compiled_backward_under_ddp_train_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """zbv with both chunks on one pipeline rank, two DDP replicas, compiled: with the backward in
+    halves (each weight half deferred to W, where DDP's gradient hooks fire) and as one graph
+    (nothing deferred), the step equals one eager process."""
+    build = make_build("gpt", tmp_path / "v", 1, BATCH, MICRO, schedule="zbv")
+    want = _oracle(build, "gpt")
+    for result in (r.value for r in spawn(_ddp_job, 2, build, timeout=1800)):
+        for form, deferred in (("halves", MICRO * STEPS), ("graph", 0)):
+            losses, state, halves = result[form]
+            assert halves["deferred"] == deferred and halves["fallbacks"] == 0, (form, halves)
+            _check((losses, state), want, f"zbv compiled ({form}), 2 DDP replicas")
+
+
 def _partition(target: str, out: Path, *options: str, batch: int = BATCH) -> Path:
     from fxpipe.cli import main
 
