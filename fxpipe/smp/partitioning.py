@@ -335,6 +335,15 @@ def build_stage(
         except WeightsError as exc:
             raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
     if config.compile:  # Note [compile scope] in fxpipe.runtime.pipeline.compiled
+        replicas = world // (config.partitions * config.tensor_parallel_degree)
+        regions = None
+        if config.data_parallel.fsdp and replicas > 1:  # inside the FSDP units
+            from fxpipe.runtime.dataparallel.sharded import compile_regions
+
+            regions = {
+                s: compile_regions(chunk, config.data_parallel, replicas)
+                for s, chunk in chunks.items()
+            }
         compile_rank_stages(
             manifest,
             chunks,
@@ -343,6 +352,7 @@ def build_stage(
             split_backward=schedule_kind(config.schedule).split_backward,
             split_graphs=config.compile_backward == "halves",
             cache_dir=build_dir / COMPILE_CACHE if build_dir is not None else None,
+            regions=regions,
         )
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)

@@ -526,6 +526,45 @@ def test_seed_api_compiled_zero_bubble_trains_like_one_process() -> None:
             torch.testing.assert_close(value, state[key], **CLOSE, msg=key)
 
 
+def _seed_sharded_job(rank: int, world: int) -> dict[str, Any]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    from seedscripts import load_script
+
+    from torch._dynamo.utils import counters
+
+    from fxpipe.smp.state import current
+
+    config = {"partitions": 1, "microbatches": 2, "ddp": True, "shard": "full", "compile": True}
+    out = load_script("hf_keywords").main(config)
+    out["state_dict"] = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in out["state_dict"].items()
+    }
+    model = current().model
+    out["fsdp"] = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    out["breaks"] = sum(counters["graph_break"].values())  # none: compiled inside the units
+    return out
+
+
+@pytest.mark.distributed
+def test_seed_api_compiled_and_fully_sharded_trains_like_one_process() -> None:
+    """``{"compile": True, "shard": "full"}``: two fully sharded replicas of one partition, each
+    stage compiled inside its FSDP units, train like one process."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    from test_api_keywords import _one_process
+
+    results = [r.value for r in spawn(_seed_sharded_job, 2, timeout=1800)]
+    losses, state = _one_process()
+    for got in results:
+        assert got["fsdp"] and got["breaks"] == 0, got["breaks"]
+        torch.testing.assert_close(got["losses"], losses, **CLOSE)
+        for key, value in got["state_dict"].items():
+            torch.testing.assert_close(value, state[key], **CLOSE, msg=key)
+
+
 @pytest.mark.distributed
 def test_fxpipe_run_compile_reports_compile_seconds_and_fills_the_builds_cache(
     tmp_path: Path,
