@@ -30,17 +30,17 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded, its output into the on
 
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'; } >>"$LOG" 2>&1
 # the CUDA tests (they skip on a machine without CUDA)
-step cuda-tests 120 python3 -m pytest -q -x -p no:cacheprovider \
+step cuda-tests 100 python3 -m pytest -q -x -p no:cacheprovider \
   tests/codegen/test_devices.py tests/codegen/test_operators.py tests/test_import_contract.py
 # one stage eager vs compiled, fp32 and bf16, and how much of it is matrix products
-step compile-probe 90 python3 benchmarks/runtime/compile_probe.py --device cuda --model gpt_wide \
+step compile-probe 80 python3 benchmarks/runtime/compile_probe.py --device cuda --model gpt_wide \
   --gemm-share --out "$OUT"
 # one stage's F, I (B) and W: eager, compiled with one backward graph, compiled in halves
 step split-halves 60 python3 benchmarks/runtime/bench_split_halves.py --device cuda \
   --model gpt_medium --out "$OUT/split_halves_cuda.json"
 # the compiled-stages table's one-rank rows: fxpipe eager / compiled / peer per schedule
-step compiled 150 python3 benchmarks/runtime/bench_compiled.py --device cuda --model gpt_medium \
-  --steps 10 --out "$OUT"
+step compiled 200 python3 benchmarks/runtime/bench_compiled.py --device cuda --model gpt_medium \
+  --schedules 1f1b,zbv --steps 10 --out "$OUT"
 # the planner's CUDA predictions against one GPU (step time, peak memory)
-step one-gpu 100 python3 benchmarks/prediction/one_gpu.py --steps 10 --out "$OUT"
+step one-gpu 90 python3 benchmarks/prediction/one_gpu.py --steps 10 --out "$OUT"
 ls -l "$OUT" >>"$LOG"

@@ -14,9 +14,9 @@ job; per build, each variant loads its own copy of the rank's stages (``load_sta
 - ``fxpipe compiled``: ``PipelineRunner(compile="stage")``; on the 1F1B build also
   ``compile="regional"`` (the scope measurement of docs/compile.md); on the ZB-H1 and ZBV builds
   also ``compile="stage"`` with each region's backward cut into an input and a weight half
-  (``compile_backward="halves"``: ``B`` runs the input half, ``W`` the weight half) beside the
-  default one backward graph (``B`` runs it whole, ``W`` accumulates: Note [compiled split
-  backward]);
+  (``compile_backward="halves"``, the default since this benchmark chose it: ``B`` runs the
+  input half, ``W`` the weight half) beside one backward graph (``compile_backward="graph"``:
+  ``B`` runs it whole, ``W`` accumulates: Note [compiled split backward]);
 - ``peer eager``: the peer's schedule over ``PipelineStage`` wrappers of the same modules
   (``bench_schedules._peer``; the peer refuses torch.compile with its zero-bubble schedules).
 
@@ -140,7 +140,7 @@ def _worker(root: Path, steps: int, raw_out: Path, model: Path, device: str) -> 
                 sync()
                 dist.barrier()
                 variants[label]["times"].append(time.perf_counter() - t0)
-                if label in runners:
+                if label in runners and device == "cpu":  # on a GPU the actions' spans are launches
                     variants[label]["B"].append(_work(runners[label], "B"))
                     variants[label]["W"].append(_work(runners[label], "W"))
         gathered: list = [None] * dist.get_world_size()

@@ -129,10 +129,16 @@ def _variants(stage: Any, inputs: tuple[Any, ...], device: str, iters: int) -> l
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
-def _gemm_share(stage: Any, inputs: tuple[Any, ...], calls: int = 10) -> list[dict[str, Any]]:
-    """Per variant (fp32 forward + backward): ms per call in matrix products and in the rest."""
+def _gemm_share(
+    stage: Any, inputs: tuple[Any, ...], device: str, calls: int = 10
+) -> list[dict[str, Any]]:
+    """Per variant (fp32 forward + backward): ms per call in matrix products and in the rest; on
+    CUDA the GPU's time (each product op's kernels against every kernel), not the launches'."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     compiled = torch.compile(stage)
     rows = []
@@ -146,12 +152,18 @@ def _gemm_share(stage: Any, inputs: tuple[Any, ...], calls: int = 10) -> list[di
 
         for _ in range(3):
             forward_backward()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             for _ in range(calls):
                 forward_backward()
+            if cuda:
+                torch.cuda.synchronize()
         events = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in events) / 1e3 / calls
-        gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / calls
+        if cuda:  # an op's device time is its kernels'; self device time counts each kernel once
+            total = sum(e.self_device_time_total for e in events) / 1e3 / calls
+            gemm = sum(e.device_time_total for e in events if e.key in GEMM_OPS) / 1e3 / calls
+        else:
+            total = sum(e.self_cpu_time_total for e in events) / 1e3 / calls
+            gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / calls
         rows.append(
             {"variant": label, "total_ms": total, "gemm_ms": gemm, "other_ms": total - gemm}
         )
@@ -180,7 +192,8 @@ def _markdown(result: dict[str, Any]) -> str:
     if result.get("gemm_share"):
         lines += [
             "",
-            "fp32 forward + backward under torch.profiler (10 calls; ms per call, profiler included):",
+            "fp32 forward + backward under torch.profiler (10 calls; ms per call, profiler included; "
+            "on CUDA the kernels' time):",
             "",
             "| variant | total ms | matrix products ms | rest ms | products / total |",
             "|---|---|---|---|---|",
@@ -208,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stage, inputs = _stage_and_inputs(args.model, args.device, Path(tmp))
         rows = _variants(stage, inputs, args.device, args.iters)
-        gemm = _gemm_share(stage, inputs) if args.gemm_share else []
+        gemm = _gemm_share(stage, inputs, args.device) if args.gemm_share else []
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {
         "model": args.model,

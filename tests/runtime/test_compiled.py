@@ -184,6 +184,36 @@ def test_the_backward_in_halves_on_one_rank_and_under_bf16(one_rank: None, tmp_p
         torch.testing.assert_close(v, eager[1][k], rtol=2e-2, atol=2e-2, msg=f"bf16 {k}")
 
 
+class _OwnLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_regions_of_one_class_share_dynamos_graph_cache_and_its_limit_is_not_fatal() -> None:
+    """Regions of one class (FSDP units: ``nn.Linear`` children of several shapes) share their
+    ``forward``'s graph cache in the whole process: the limit is raised for all of the rank's
+    regions, and a region that still meets it is reported and runs, not a crash."""
+    import torch._dynamo.config
+
+    from fxpipe.runtime.pipeline.compiled import allow_graphs_per_class
+
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        allow_graphs_per_class([nn.Linear(1, 1) for _ in range(20)] + [nn.LayerNorm(1)])
+        assert torch._dynamo.config.recompile_limit >= 4 * 20 + 8
+        allow_graphs_per_class([nn.Linear(1, 1)])  # never lowered by a smaller stage
+        assert torch._dynamo.config.recompile_limit >= 4 * 20 + 8
+        m = nn.Sequential(_OwnLinear(3, 5), _OwnLinear(5, 7))  # a code object of this test's own:
+        ref = copy.deepcopy(m)  # past its limit Dynamo runs that code eagerly for good
+        report = compile_module(m, "stage", regions=["0", "1"])
+        torch._dynamo.config.recompile_limit = 1  # the second Linear's graph is one too many
+        x = torch.randn(2, 3)
+        torch.testing.assert_close(m(x), ref(x))
+        assert report.graph_breaks and "1" in report.regions
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+
+
 class _Breaks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -567,10 +597,11 @@ def test_seed_api_compiled_and_fully_sharded_trains_like_one_process() -> None:
 
 @pytest.mark.distributed
 def test_fxpipe_run_compile_reports_compile_seconds_and_fills_the_builds_cache(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``fxpipe run --compile`` (run_build): trains like one process, run.json has each stage's
-    compile seconds, and inductor's cache is in the build directory."""
+    compile seconds, inductor's cache is in the build directory, and ``--compile-backward graph``
+    (not the default) reaches the runner: the log's compile lines name no halves."""
     from fxpipe.runtime.launch.launcher import run_build
     from fxpipe.runtime.train.run_options import RunOptions
 
@@ -583,9 +614,11 @@ def test_fxpipe_run_compile_reports_compile_seconds_and_fills_the_builds_cache(
         timeout_s=1800,
         schedule="zb-h1",
         compile=True,
-        compile_backward="halves",  # --compile-backward reaches the runner
+        compile_backward="graph",
     )
-    result = run_build(build, options, quiet=True)
+    result = run_build(build, options)
+    log = [ln for ln in capsys.readouterr().out.splitlines() if " compiled (" in ln]
+    assert len(log) == 2 and not any("halves" in ln for ln in log), log
     assert len(result.compile_seconds) == 2 and min(result.compile_seconds) > 0
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want[0]), **CLOSE)
     assert any((build / "compile_cache").rglob("*"))

@@ -189,7 +189,10 @@ def _compiled(
         if state["fn"] is full:
             try:
                 return full(*args, **kwargs)
-            except torch._dynamo.exc.Unsupported as exc:  # Dynamo fails before running anything
+            except (  # Dynamo fails before running anything
+                torch._dynamo.exc.Unsupported,
+                torch._dynamo.exc.FailOnRecompileLimitHit,  # the frame then runs eagerly
+            ) as exc:
                 breaks.append(_break_text(exc))
                 state["fn"] = torch.compile(fn, fullgraph=False, **options)
         return state["fn"](*args, **kwargs)
@@ -252,7 +255,7 @@ def compile_module(
     if regions is None:
         regions = _repeated_blocks(module) if scope == "regional" else []
     else:
-        _allow_graphs_per_class(module, regions)
+        allow_graphs_per_class([module.get_submodule(p) for p in regions])
     if regions:
         report.regions = tuple(regions)
         for path in regions:
@@ -265,14 +268,15 @@ def compile_module(
     return report
 
 
-def _allow_graphs_per_class(module: nn.Module, regions: Sequence[str]) -> None:
-    """Dynamo keeps a code object's graphs in one cache, at most ``recompile_limit`` of them: the
-    regions of one class (FSDP units: the ``nn.Linear`` children of a split block, of several
-    shapes) share their ``forward``'s code and may each need a graph, in train and eval mode."""
+def allow_graphs_per_class(regions: Sequence[nn.Module]) -> None:
+    """Dynamo keeps a code object's graphs in one cache for the whole process, at most
+    ``recompile_limit`` of them: the regions of one class (FSDP units: the ``nn.Linear`` children
+    of a split block, of several shapes) share their ``forward``'s code and may each need a graph,
+    in train and eval mode. ``regions``: every region the process compiles (all its stages')."""
     import torch._dynamo.config
 
-    per_class = Counter(type(module.get_submodule(p)) for p in regions)
-    need = 2 * max(per_class.values(), default=0) + 8
+    per_class = Counter(type(m) for m in regions)
+    need = 4 * max(per_class.values(), default=0) + 8  # train, eval; static, then dynamic
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
 
 
@@ -383,6 +387,10 @@ def compile_rank_stages(
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage. ``regions``: per
     stage, the FSDP units to compile inside (Note [compile scope])."""
     use_cache_dir(cache_dir, explicit=cache_explicit)
+    if regions:  # the rank's regions of a class share one graph cache, across its stages
+        allow_graphs_per_class(
+            [stages[s].get_submodule(p) for s, paths in regions.items() for p in paths]
+        )
     reports = []
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     for s, module in sorted(stages.items()):
@@ -395,7 +403,7 @@ def compile_rank_stages(
             split_backward=split_backward,
             dynamic_dims=_followed_dims(manifest, s),
             split_graphs=split_graphs,
-            regions=regions.get(s) if regions else None,
+            regions=regions.get(s) or None if regions else None,  # none: scope decides
         )
         if regions and regions.get(s):
             report.unit = "FSDP units"

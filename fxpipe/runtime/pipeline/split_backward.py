@@ -40,7 +40,7 @@ gradients: the parameters' ``AccumulateGrad``, or the eager ops between the regi
 parameter) instead of from the node, and the node never runs again. For eager nodes nothing
 comes back on those edges, and ``W`` is as above. The cost of a compiled stage's split is then
 one backward in all (no recomputation), most of it in ``B``. A compiled region whose backward is
-two graphs (Note [compiled split backward] in ``fxpipe.runtime.pipeline.compiled``, opt-in)
+two graphs (Note [compiled split backward] in ``fxpipe.runtime.pipeline.compiled``, the default)
 can choose: ``B``'s pre-hook on each boundary node arms ``compiled_split``, the region's node runs
 only its input half and leaves its weight half, which the post-hook takes
 (``WeightWork.deferred``) and ``W`` runs before it hands the gradients to the node's edges
