@@ -47,6 +47,7 @@ from fxpipe.errors import ConfigError, FxpipeError, WeightsError
 from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
 from fxpipe.runtime.pipeline.rank_stages import share_tied_parameters
 from fxpipe.partitioner.schedule import schedule_kind
+from fxpipe.runtime.dataparallel.fsdp_units import compile_regions
 from fxpipe.runtime.pipeline.compiled import compile_rank_stages
 from fxpipe.runtime.pipeline.runner import COMPILE_CACHE, resolve_schedule
 from fxpipe.smp.chunks import RankChunks
@@ -336,14 +337,6 @@ def build_stage(
             raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
     if config.compile:  # Note [compile scope] in fxpipe.runtime.pipeline.compiled
         replicas = world // (config.partitions * config.tensor_parallel_degree)
-        regions = None
-        if config.data_parallel.fsdp and replicas > 1:  # inside the FSDP units
-            from fxpipe.runtime.dataparallel.sharded import compile_regions
-
-            regions = {
-                s: compile_regions(chunk, config.data_parallel, replicas)
-                for s, chunk in chunks.items()
-            }
         compile_rank_stages(
             manifest,
             chunks,
@@ -352,7 +345,7 @@ def build_stage(
             split_backward=schedule_kind(config.schedule).split_backward,
             split_graphs=config.compile_backward == "halves",
             cache_dir=build_dir / COMPILE_CACHE if build_dir is not None else None,
-            regions=regions,
+            regions=compile_regions(chunks, config.data_parallel, replicas),  # sharded: FSDP units
         )
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)

@@ -44,11 +44,17 @@ import ast
 import functools
 import inspect
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+if TYPE_CHECKING:
+    from fxpipe.runtime.dataparallel.options import DataParallelOptions
+
 __all__ = [
+    "stage_units",
+    "compile_regions",
     "block_units",
     "min_params_units",
     "auto_wrap_units",
@@ -285,3 +291,37 @@ def root_child_units(stage: nn.Module, units: list[nn.Module], limit: float) -> 
             out += _split(child, limit)
     out += [u for u in units if u not in out]  # below a child no forward reaches by name
     return out
+
+
+def stage_units(stage: nn.Module, options: DataParallelOptions, replicas: int) -> list[nn.Module]:
+    """The FSDP units of ``stage`` below its root, chosen by ``options.shard_wrap``. Under
+    ``full`` a block over a quarter of what sharding saves is split into its children, and the
+    children the stage calls get units of their own (Note [units small enough to save])."""
+    if options.shard_wrap == "block":
+        units = block_units(stage)
+        if options.shard == "full" and replicas > 1:
+            saved = sum(p.numel() for p in stage.parameters()) * (1 - 1 / replicas)
+            units = root_child_units(stage, split_units(units, saved / 4), saved / 4)
+        return units
+    if options.shard_wrap == "params":
+        assert options.shard_min_params is not None, "checked by DataParallelOptions"
+        return min_params_units(stage, options.shard_min_params)
+    return []
+
+
+def compile_regions(
+    stages: Mapping[int, nn.Module], options: DataParallelOptions, replicas: int
+) -> dict[int, list[str]] | None:
+    """Per stage, the paths of the units ``stage_units`` gives it that hold no other unit: what a
+    compiled stage compiles when it is sharded (Note [compile scope] in
+    ``fxpipe.runtime.pipeline.compiled``; empty when the stage is its only unit); ``None`` when
+    the stages are not sharded (no FSDP, or one replica)."""
+    if not (options.fsdp and replicas > 1):
+        return None
+    regions = {}
+    for s, stage in stages.items():
+        units = stage_units(stage, options, replicas)
+        ids = {id(u) for u in units}
+        leaves = {id(u) for u in units if not any(id(m) in ids for m in list(u.modules())[1:])}
+        regions[s] = [path for path, m in stage.named_modules() if id(m) in leaves]
+    return regions

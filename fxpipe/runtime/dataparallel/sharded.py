@@ -110,17 +110,12 @@ from fxpipe.runtime.dataparallel.chunk_ties import TiedCopies, untie_chunks
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from fxpipe.runtime.dataparallel.replica import AccumulationWindow
 from fxpipe.runtime.dataparallel.fsdp_units import (
-    block_units,
-    min_params_units,
-    root_child_units,
-    split_units,
+    stage_units,
 )
 
 __all__ = [
     "ShardedStage",
-    "compile_regions",
     "shard_stage",
-    "stage_units",
     "mixed_precision",
     "broadcast_state",
     "unsharded_parameters",
@@ -149,32 +144,6 @@ def broadcast_state(
                 dist.broadcast(t.data, group=group, group_src=0)
             elif local_shards:
                 dist.broadcast(t.to_local().data, group=group, group_src=0)
-
-
-def stage_units(stage: nn.Module, options: DataParallelOptions, replicas: int) -> list[nn.Module]:
-    """The FSDP units of ``stage`` below its root, chosen by ``options.shard_wrap``. Under
-    ``full`` a block over a quarter of what sharding saves is split into its children, and the
-    children the stage calls get units of their own (Note [units small enough to save])."""
-    if options.shard_wrap == "block":
-        units = block_units(stage)
-        if options.shard == "full" and replicas > 1:
-            saved = sum(p.numel() for p in stage.parameters()) * (1 - 1 / replicas)
-            units = root_child_units(stage, split_units(units, saved / 4), saved / 4)
-        return units
-    if options.shard_wrap == "params":
-        assert options.shard_min_params is not None, "checked by DataParallelOptions"
-        return min_params_units(stage, options.shard_min_params)
-    return []
-
-
-def compile_regions(stage: nn.Module, options: DataParallelOptions, replicas: int) -> list[str]:
-    """The paths of the units ``stage_units`` gives ``stage`` that hold no other unit: what a
-    compiled stage compiles when it is sharded (Note [compile scope] in
-    ``fxpipe.runtime.pipeline.compiled``); empty when the stage is its only unit."""
-    units = stage_units(stage, options, replicas)
-    ids = {id(u) for u in units}
-    leaves = {id(u) for u in units if not any(id(m) in ids for m in list(u.modules())[1:])}
-    return [path for path, m in stage.named_modules() if id(m) in leaves]
 
 
 def shard_stage(

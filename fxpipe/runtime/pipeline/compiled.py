@@ -15,7 +15,7 @@ compiled graph (Dynamo treats their parameters as inputs), so regional compile t
 the number of distinct block classes, not blocks. Which one is the default was measured
 (docs/compile.md, benchmarks/runtime/compiled.md). Under FSDP (``--shard``) either scope compiles
 inside the FSDP units instead, as torchtitan does (``regions``: the units with no unit inside,
-``fxpipe.runtime.dataparallel.sharded.compile_regions``): FSDP gathers a unit's parameters in
+``fxpipe.runtime.dataparallel.fsdp_units.compile_regions``): FSDP gathers a unit's parameters in
 hooks around the unit's own forward, which Dynamo does not trace (a whole stage compiled around
 them broke its graph at every unit), so each unit's forward is compiled and the hooks and the
 glue between the units stay eager.
@@ -394,6 +394,7 @@ def compile_rank_stages(
     reports = []
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     for s, module in sorted(stages.items()):
+        units = (regions or {}).get(s)
         dims = [t.batch_dim for t in manifest.stage(s).inputs]
         report = compile_module(
             module,
@@ -403,9 +404,9 @@ def compile_rank_stages(
             split_backward=split_backward,
             dynamic_dims=_followed_dims(manifest, s),
             split_graphs=split_graphs,
-            regions=regions.get(s) or None if regions else None,  # none: scope decides
+            regions=units or None,  # none: the scope decides
         )
-        if regions and regions.get(s):
+        if units:
             report.unit = "FSDP units"
         if warm_up:
             start = time.perf_counter()

@@ -40,6 +40,7 @@ from fxpipe.codegen.manifest import Manifest
 from fxpipe.codegen.tp_plan import TensorParallelPlan, read_tp_plan
 from fxpipe.errors import BatchMismatchError, ConfigError, RuntimeSetupError
 from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
+from fxpipe.runtime.dataparallel.fsdp_units import compile_regions
 from fxpipe.partitioner.schedule import runnable_schedules
 from fxpipe.partitioner.schedule.placement import placements_of
 from fxpipe.runtime.pipeline.batch_agreement import compare_batch, runner_message
@@ -392,14 +393,6 @@ class PipelineRunner:
             module.train()
         self.compiled: list[CompiledStage] = []
         if scope is not None:  # after autocast (compiled under it), before DDP/FSDP wrap the stages
-            regions = None
-            if dp_options.fsdp and self.layout.replicas > 1:  # inside the FSDP units
-                from fxpipe.runtime.dataparallel.sharded import compile_regions
-
-                regions = {
-                    s: compile_regions(m, dp_options, self.layout.replicas)
-                    for s, m in self.stages.items()
-                }
             self.compiled = compile_rank_stages(
                 manifest,
                 self.stages,
@@ -413,7 +406,8 @@ class PipelineRunner:
                 cache_dir=compile_cache
                 if compile_cache is not None or isinstance(build, Manifest)
                 else Path(build) / COMPILE_CACHE,
-                regions=regions,  # Note [compile scope]
+                # inside the FSDP units when sharded: Note [compile scope]
+                regions=compile_regions(self.stages, dp_options, self.layout.replicas),
             )
         self.stage = rank_module(
             self.stages
