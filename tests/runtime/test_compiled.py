@@ -103,6 +103,23 @@ def _run(
     return losses, state, runner
 
 
+def _counted_run(*args: Any, **options: Any) -> tuple[Any, dict[str, int]]:
+    """``_run``, and what the compiled backward's halves counted during it
+    (``compiled_split.stats``: halves run, weight halves deferred to ``W``, fallbacks)."""
+    from fxpipe.runtime.pipeline.compiled_split import stats
+
+    before = dict(stats)
+    got = _run(*args, **options)
+    return got, {k: stats[k] - before[k] for k in stats}
+
+
+def _smp_tests_importable() -> None:
+    """Make tests/smp's helpers (``seedscripts``, ``test_api_keywords``) importable."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+
+
 def _oracle(build: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     source = load_model_file(EXAMPLES / f"{name}.py")
     manifest = Manifest.from_json(build)
@@ -159,25 +176,19 @@ def test_the_backward_in_halves_on_one_rank_and_under_bf16(one_rank: None, tmp_p
     rank (stage 1 is fed activations, so its B and W split) trains like one process, and under
     bf16 autocast like eager bf16; each split microbatch defers its weight half to W, none falls
     back to the fused backward. (A split schedule refuses recomputed stages, compiled or not.)"""
-    from fxpipe.runtime.pipeline.compiled_split import stats
-
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     build = make_build("gpt", tmp_path / "v", 1, BATCH, MICRO, schedule="zbv")
     assert Manifest.from_json(build).stage_ranks == (0, 0)
     want = _oracle(build, "gpt")
-
-    def deferred(*args: Any, **options: Any) -> tuple[Any, dict[str, int]]:
-        before = dict(stats)
-        got = _run(*args, **options)
-        return got, {k: stats[k] - before[k] for k in stats}
-
-    (*got, runner), halves = deferred(_Loaded(build), source, "zbv", True, inputs, targets)
+    (*got, runner), halves = _counted_run(_Loaded(build), source, "zbv", True, inputs, targets)
     assert {c.backward for c in runner.compiled} == {"halves"}
     _check(tuple(got), want, "zbv compiled in halves, one rank")  # type: ignore[arg-type]
     assert halves["deferred"] == MICRO * STEPS and halves["fallbacks"] == 0, halves
     eager = _run(_Loaded(build), source, "zbv", False, inputs, targets, precision="bf16")
-    comp, halves = deferred(_Loaded(build), source, "zbv", True, inputs, targets, precision="bf16")
+    comp, halves = _counted_run(
+        _Loaded(build), source, "zbv", True, inputs, targets, precision="bf16"
+    )
     assert halves["deferred"] == MICRO * STEPS and halves["fallbacks"] == 0, halves
     torch.testing.assert_close(torch.tensor(comp[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
     for k, v in comp[1].items():
@@ -337,8 +348,6 @@ def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_ha
 
 
 def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
-    from fxpipe.runtime.pipeline.compiled_split import stats
-
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
@@ -346,12 +355,13 @@ def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str,
     out = {}
     runs = [(loaded, "zbv", True), (loaded, "dualpipev", False), (_Loaded(h1), "zb-h1", True)]
     for where, schedule, compile in runs:  # compiled once per build, by its first runner
-        before = dict(stats)
         # the backward in halves, the default (the DDP run below: one graph)
-        losses, state, runner = _run(where, source, schedule, compile, inputs, targets)
+        (losses, state, runner), halves = _counted_run(
+            where, source, schedule, compile, inputs, targets
+        )
         out[schedule] = (losses, state, [c.stage for c in runner.compiled])
         out[schedule + " backward"] = {c.backward for c in runner.compiled}
-        out[schedule + " halves"] = {k: stats[k] - before[k] for k in stats}
+        out[schedule + " halves"] = halves
         out[schedule + " split"] = sorted(runner.schedule.split_backward())
     # one stage, two data-parallel replicas (DDP) fed the same batch: the one-process step
     losses, state, runner = _run(
@@ -395,15 +405,13 @@ def test_gpt_compiled_v_schedules_and_ddp_on_two_ranks_train_like_one_process(
 
 def _ddp_job(rank: int, world: int, build: Path) -> dict[str, Any]:
     from fxpipe.runtime.dataparallel import DataParallelOptions
-    from fxpipe.runtime.pipeline.compiled_split import stats
 
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
     out = {}
     for form in ("halves", "graph"):
-        before = dict(stats)
-        losses, state, runner = _run(
+        (losses, state, runner), halves = _counted_run(
             _Loaded(build),
             source,
             "zbv",
@@ -414,7 +422,7 @@ def _ddp_job(rank: int, world: int, build: Path) -> dict[str, Any]:
             compile_backward=form,
         )
         assert runner.data_parallel is not None
-        out[form] = (losses, state, {k: stats[k] - before[k] for k in stats})
+        out[form] = (losses, state, halves)
     dist.destroy_process_group()
     return out
 
@@ -524,9 +532,7 @@ def test_zoo_cnns_with_in_place_ops_and_batch_norm_compiled_train_like_one_proce
 
 
 def _seed_job(rank: int, world: int) -> dict[str, Any]:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    _smp_tests_importable()
     from seedscripts import load_script
 
     config = {
@@ -543,9 +549,7 @@ def _seed_job(rank: int, world: int) -> dict[str, Any]:
 def test_seed_api_compiled_zero_bubble_trains_like_one_process() -> None:
     """``fxpipe.init({..., "compile": True})``: a Hugging Face loop (keyword call, ``labels=``,
     ``model.backward(out.loss)``) on 2 ranks under zb-h1, stages compiled."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    _smp_tests_importable()
     from test_api_keywords import _one_process
 
     results = [r.value for r in spawn(_seed_job, 2, timeout=1800)]
@@ -557,9 +561,7 @@ def test_seed_api_compiled_zero_bubble_trains_like_one_process() -> None:
 
 
 def _seed_sharded_job(rank: int, world: int) -> dict[str, Any]:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    _smp_tests_importable()
     from seedscripts import load_script
 
     from torch._dynamo.utils import counters
@@ -581,9 +583,7 @@ def _seed_sharded_job(rank: int, world: int) -> dict[str, Any]:
 def test_seed_api_compiled_and_fully_sharded_trains_like_one_process() -> None:
     """``{"compile": True, "shard": "full"}``: two fully sharded replicas of one partition, each
     stage compiled inside its FSDP units, train like one process."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smp"))
+    _smp_tests_importable()
     from test_api_keywords import _one_process
 
     results = [r.value for r in spawn(_seed_sharded_job, 2, timeout=1800)]

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -22,19 +21,16 @@ from builds import EXAMPLES, make_build
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from spawn import spawn
-from test_compiled import BATCH, MICRO, STEPS, _check, _Loaded, _oracle, _run
+from test_compiled import BATCH, MICRO, STEPS, _check, _counted_run, _Loaded, _oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 
 
 def _job(rank: int, world: int, build: Path, schedule: str = "1f1b") -> dict[str, Any]:
-    from fxpipe.runtime.pipeline.compiled_split import stats
-
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
     inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
-    before = dict(stats)
-    losses, state, runner = _run(
+    (losses, state, runner), halves = _counted_run(
         _Loaded(build),
         source,
         schedule,
@@ -49,7 +45,7 @@ def _job(rank: int, world: int, build: Path, schedule: str = "1f1b") -> dict[str
         "sharded": type(runner.stages[0]).__name__.startswith("FSDP"),
         "regions": [c.regions for c in runner.compiled],
         "breaks": [b for c in runner.compiled for b in c.graph_breaks],
-        "halves": {k: stats[k] - before[k] for k in stats},
+        "halves": halves,
     }
     dist.destroy_process_group()
     return out
