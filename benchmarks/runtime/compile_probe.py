@@ -19,6 +19,7 @@ torch.compile leaves to the same library calls) and everything else, the part co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -87,11 +88,24 @@ def _stage_and_inputs(name: str, device: str, builds: Path) -> tuple[Any, tuple[
     return stage, inputs
 
 
-def _variants(stage: Any, inputs: tuple[Any, ...], device: str, iters: int) -> list[dict[str, Any]]:
+def _forward_backward(module: Any, stage: Any, inputs: tuple[Any, ...], autocast: Any) -> None:
+    """One forward (under ``autocast()``) and a backward of the sum of the outputs; ``stage``'s
+    gradients dropped."""
+    import torch
+
+    with autocast():
+        out = module(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
+    stage.zero_grad(set_to_none=True)
+
+
+def _variants(
+    stage: Any, compiled: Any, inputs: tuple[Any, ...], device: str, iters: int
+) -> list[dict[str, Any]]:
     import torch
 
     rows = []
-    compiled = torch.compile(stage)
     for precision in ("fp32", "bf16"):
         for label, module in (("eager", stage), ("compiled", compiled)):
 
@@ -103,13 +117,7 @@ def _variants(stage: Any, inputs: tuple[Any, ...], device: str, iters: int) -> l
                     module(*inputs)
 
             def forward_backward() -> None:
-                with autocast():
-                    out = module(*inputs)
-                outs = out if isinstance(out, tuple) else (out,)
-                sum(
-                    o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad
-                ).backward()
-                stage.zero_grad(set_to_none=True)
+                _forward_backward(module, stage, inputs, autocast)
 
             f_first, f_ms = _timed(forward, device, iters)
             fb_first, fb_ms = _timed(forward_backward, device, iters)
@@ -130,7 +138,7 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
 def _gemm_share(
-    stage: Any, inputs: tuple[Any, ...], device: str, calls: int = 10
+    stage: Any, compiled: Any, inputs: tuple[Any, ...], device: str, calls: int = 10
 ) -> list[dict[str, Any]]:
     """Per variant (fp32 forward + backward): ms per call in matrix products and in the rest; on
     CUDA the GPU's time (each product op's kernels against every kernel), not the launches'."""
@@ -140,21 +148,13 @@ def _gemm_share(
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
-    compiled = torch.compile(stage)
     rows = []
     for label, module in (("eager", stage), ("compiled", compiled)):
-
-        def forward_backward(module: Any = module) -> None:
-            out = module(*inputs)
-            outs = out if isinstance(out, tuple) else (out,)
-            sum(o.sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
-            stage.zero_grad(set_to_none=True)
-
         for _ in range(3):
-            forward_backward()
+            _forward_backward(module, stage, inputs, contextlib.nullcontext)
         with profile(activities=activities) as prof:
             for _ in range(calls):
-                forward_backward()
+                _forward_backward(module, stage, inputs, contextlib.nullcontext)
             if cuda:
                 torch.cuda.synchronize()
         events = prof.key_averages()
@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     with tempfile.TemporaryDirectory() as tmp:
         stage, inputs = _stage_and_inputs(args.model, args.device, Path(tmp))
-        rows = _variants(stage, inputs, args.device, args.iters)
-        gemm = _gemm_share(stage, inputs, args.device) if args.gemm_share else []
+        compiled = torch.compile(stage)  # one compile serves both measurements
+        rows = _variants(stage, compiled, inputs, args.device, args.iters)
+        gemm = _gemm_share(stage, compiled, inputs, args.device) if args.gemm_share else []
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {
         "model": args.model,
