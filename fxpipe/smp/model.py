@@ -237,6 +237,8 @@ class DistributedModel(nn.Module):
         self.replicas.attach(
             self.module, st.dp_group, st.device, st.tp_mesh is not None
         )  # replicas start from replica 0's weights
+        if build.warm_up is not None:  # compiled and sharded: warmed up through FSDP
+            self.replicas.warm_up(build.warm_up)
         for wrapped in st.optimizers:
             wrapped.localize(self)
         self.replicas.start_join(self._joinables())

@@ -26,6 +26,7 @@ against the whole (meta) model; so no rank holds more than its stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import linecache
 import os
 import shutil
@@ -33,7 +34,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ from fxpipe.partitioner import CostModel, PartitionPlan, plan_partition
 from fxpipe.runtime.pipeline.rank_stages import share_tied_parameters
 from fxpipe.partitioner.schedule import schedule_kind
 from fxpipe.runtime.dataparallel.fsdp_units import compile_regions
-from fxpipe.runtime.pipeline.compiled import compile_rank_stages
+from fxpipe.runtime.pipeline.compiled import compile_rank_stages, warm_up_rank_stages
 from fxpipe.runtime.pipeline.runner import COMPILE_CACHE, resolve_schedule
 from fxpipe.smp.chunks import RankChunks
 from fxpipe.smp.config import Config
@@ -92,6 +93,9 @@ class StageBuild:
     stage: nn.Module
     build_dir: Path | None
     chunks: dict[int, nn.Module] = dataclasses.field(default_factory=dict)
+    # compiled and sharded: the compile's warm-up, to run once the stage is wrapped in FSDP
+    # (Note [compiling under FSDP] in fxpipe.runtime.pipeline.compiled)
+    warm_up: Callable[[], None] | None = None
 
 
 def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfile:
@@ -335,21 +339,29 @@ def build_stage(
             load_into_stage(chunks.values(), module, config.weights)
         except WeightsError as exc:
             raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
+    warm_up = None
     if config.compile:  # Note [compile scope] in fxpipe.runtime.pipeline.compiled
         replicas = world // (config.partitions * config.tensor_parallel_degree)
-        compile_rank_stages(
+        regions = compile_regions(chunks, config.data_parallel, replicas)  # sharded: FSDP units
+        mb_size = max(batch_size // config.microbatches, 1)
+        reports = compile_rank_stages(
             manifest,
             chunks,
             device,
-            max(batch_size // config.microbatches, 1),
+            mb_size,
             split_backward=schedule_kind(config.schedule).split_backward,
             split_graphs=config.compile_backward == "halves",
             cache_dir=build_dir / COMPILE_CACHE if build_dir is not None else None,
-            regions=compile_regions(chunks, config.data_parallel, replicas),  # sharded: FSDP units
+            regions=regions,
+            warm_up=regions is None,
         )
+        if regions is not None:  # after the wrap: Note [compiling under FSDP]
+            warm_up = functools.partial(
+                warm_up_rank_stages, manifest, chunks, device, mb_size, reports
+            )
     stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
     stage.train(module.training)
-    return StageBuild(manifest, plan, stage, build_dir, chunks)
+    return StageBuild(manifest, plan, stage, build_dir, chunks, warm_up)
 
 
 def _rank_stage_indices(manifest: Manifest, mp_rank: int) -> list[int]:

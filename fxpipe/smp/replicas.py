@@ -26,7 +26,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.dataparallel import DataParallelOptions, ReplicatedStage, data_parallel_stage
+from fxpipe.runtime.dataparallel import (
+    DataParallelOptions,
+    ReplicatedStage,
+    ShardedStage,
+    data_parallel_stage,
+)
 from fxpipe.runtime.dataparallel.hooks import CommHook
 from fxpipe.runtime.pipeline.tensor_parallel import tensor_parallel_replicas
 
@@ -67,6 +72,16 @@ class Replicas:
         if self._hook_state is not None:
             self.stage.load_hook_state_dict(self._hook_state)
         self._hook = self._hook_state = None
+
+    def warm_up(self, run: Callable[[], None]) -> None:
+        """Run a compiled stage's warm-up through the wrapped stage's FSDP (collective; Note
+        [compiling under FSDP] in ``fxpipe.runtime.pipeline.compiled``)."""
+        with (
+            self.stage.warming_up()
+            if isinstance(self.stage, ShardedStage)
+            else contextlib.nullcontext()
+        ):
+            run()
 
     def start_join(self, joinables: Sequence[Any]) -> None:
         """Enter DDP's ``join`` now if ``join()`` was entered before partitioning (with the sharded optimizers)."""

@@ -82,8 +82,11 @@ def _run(
     targets: Any = None,
     own_loss: bool = False,
     lr: float = LR,
+    counts: dict[str, int] | None = None,
     **options: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], PipelineRunner]:
+    """Train ``STEPS`` steps; ``counts["graphs in steps"]``: the graphs Dynamo compiled during
+    them (the warm-up before the first step should have compiled every one)."""
     runner = PipelineRunner(
         loaded.manifest,
         None if own_loss or not source.has_loss_fn else source.loss_fn,
@@ -96,7 +99,10 @@ def _run(
         compile=compile,
     )
     try:  # the process group stays up when the caller made it (a spawned job)
+        graphs = compiled_graphs()
         losses = [runner.step(inputs, targets) for _ in range(STEPS)]
+        if counts is not None:
+            counts["graphs in steps"] = compiled_graphs() - graphs
         state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
     finally:
         runner.close()
@@ -105,12 +111,14 @@ def _run(
 
 def _counted_run(*args: Any, **options: Any) -> tuple[Any, dict[str, int]]:
     """``_run``, and what the compiled backward's halves counted during it
-    (``compiled_split.stats``: halves run, weight halves deferred to ``W``, fallbacks)."""
+    (``compiled_split.stats``: halves run, weight halves deferred to ``W``, fallbacks), with the
+    graphs compiled during the steps (``"graphs in steps"``)."""
     from fxpipe.runtime.pipeline.compiled_split import stats
 
     before = dict(stats)
-    got = _run(*args, **options)
-    return got, {k: stats[k] - before[k] for k in stats}
+    counts: dict[str, int] = {}
+    got = _run(*args, counts=counts, **options)
+    return got, {k: stats[k] - before[k] for k in stats} | counts
 
 
 def _smp_tests_importable() -> None:
@@ -568,8 +576,19 @@ def _seed_sharded_job(rank: int, world: int) -> dict[str, Any]:
 
     from fxpipe.smp.state import current
 
+    import fxpipe.smp.partitioning as partitioning
+
+    warmed: list[int] = []  # graphs once the warm-up (after the FSDP wrap) is done
+    warm_up = partitioning.warm_up_rank_stages
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        warm_up(*args, **kwargs)
+        warmed.append(compiled_graphs())
+
+    partitioning.warm_up_rank_stages = counted  # type: ignore[assignment]
     config = {"partitions": 1, "microbatches": 2, "ddp": True, "shard": "full", "compile": True}
     out = load_script("hf_keywords").main(config)
+    out["graphs in steps"] = compiled_graphs() - warmed[0] if len(warmed) == 1 else warmed
     out["state_dict"] = {
         k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in out["state_dict"].items()
     }
@@ -582,7 +601,8 @@ def _seed_sharded_job(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_seed_api_compiled_and_fully_sharded_trains_like_one_process() -> None:
     """``{"compile": True, "shard": "full"}``: two fully sharded replicas of one partition, each
-    stage compiled inside its FSDP units, train like one process."""
+    stage compiled inside its FSDP units and warmed up after the wrap (the steps compile nothing
+    more), train like one process."""
     _smp_tests_importable()
     from test_api_keywords import _one_process
 
@@ -590,6 +610,7 @@ def test_seed_api_compiled_and_fully_sharded_trains_like_one_process() -> None:
     losses, state = _one_process()
     for got in results:
         assert got["fsdp"] and got["breaks"] == 0, got["breaks"]
+        assert got["graphs in steps"] == 0, got["graphs in steps"]  # Note [compiling under FSDP]
         torch.testing.assert_close(got["losses"], losses, **CLOSE)
         for key, value in got["state_dict"].items():
             torch.testing.assert_close(value, state[key], **CLOSE, msg=key)

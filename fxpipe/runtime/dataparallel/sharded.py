@@ -332,6 +332,23 @@ class ShardedStage(AccumulationWindow):
             if chunk.split:
                 self._weight_params[index] = chunk.weight_params
 
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Around a compiled stage's warm-up after the wrap (Note [compiling under FSDP] in
+        ``fxpipe.runtime.pipeline.compiled``; collective over the group: every replica warms up
+        alike): each backward of it is a window's last, so FSDP reduces and reshards as after
+        a step; then the gradients are dropped and every chunk starts its first window."""
+        for chunk in self.chunks:
+            chunk._last()
+        try:
+            yield
+        finally:
+            for chunk in self.chunks:
+                chunk.backwards = 0
+                chunk.accumulate()
+            for p in self.stage.parameters():
+                p.grad = None
+
     @property
     def weight_params(self) -> dict[int, list[torch.Tensor]]:
         """The parameters a split backward's ``W`` differentiates, by stage: FSDP's whole ones."""

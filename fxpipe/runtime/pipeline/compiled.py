@@ -20,6 +20,15 @@ hooks around the unit's own forward, which Dynamo does not trace (a whole stage 
 them broke its graph at every unit), so each unit's forward is compiled and the hooks and the
 glue between the units stay eager.
 
+Note [compiling under FSDP]: ``fully_shard`` changes each unit's class in place (``Linear``
+becomes ``FSDPLinear``), and Dynamo guards a compiled forward on its module's type: graphs
+compiled before the wrap are not reused after it (every region compiled a second time, inside
+the first step). A sharded rank therefore compiles before the wrap (``compile_rank_stages(...,
+warm_up=False)``, so the regions are the units' children) and warms up after it
+(``warm_up_rank_stages`` inside ``ShardedStage.warming_up``): the warm-up's forward and backward
+go through FSDP's all-gathers and reduce-scatters, as every replica of the stage runs the same
+warm-up, and are then undone like any warm-up, FSDP's per-step switches and counts reset.
+
 Note [graph breaks are reported, not fatal]: each compiled forward first runs with
 ``fullgraph=True``; if Dynamo cannot capture it in one graph, the break's reason and place (the
 user frame) are recorded once, and that forward is compiled again without ``fullgraph`` (Dynamo
@@ -98,6 +107,7 @@ __all__ = [
     "CompiledStage",
     "compile_module",
     "compile_rank_stages",
+    "warm_up_rank_stages",
     "use_cache_dir",
     "compiled_graphs",
 ]
@@ -385,14 +395,15 @@ def compile_rank_stages(
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage. ``regions``: per
-    stage, the FSDP units to compile inside (Note [compile scope])."""
+    stage, the FSDP units to compile inside (Note [compile scope]); a sharded rank passes
+    ``warm_up=False`` and calls ``warm_up_rank_stages`` after the wrap (Note [compiling under
+    FSDP])."""
     use_cache_dir(cache_dir, explicit=cache_explicit)
     if regions:  # the rank's regions of a class share one graph cache, across its stages
         allow_graphs_per_class(
             [stages[s].get_submodule(p) for s, paths in regions.items() for p in paths]
         )
     reports = []
-    second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     for s, module in sorted(stages.items()):
         units = (regions or {}).get(s)
         dims = [t.batch_dim for t in manifest.stage(s).inputs]
@@ -408,11 +419,29 @@ def compile_rank_stages(
         )
         if units:
             report.unit = "FSDP units"
-        if warm_up:
-            start = time.perf_counter()
-            _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
-            if second:
-                _warm_up(module, _warm_inputs(manifest, s, mb_size, device, second), s in recompute)
-            report.seconds = time.perf_counter() - start
         reports.append(report)
+    if warm_up:
+        warm_up_rank_stages(manifest, stages, device, mb_size, reports, recompute)
     return reports
+
+
+def warm_up_rank_stages(
+    manifest: Manifest,
+    stages: Mapping[int, nn.Module],
+    device: torch.device,
+    mb_size: int,
+    reports: Sequence[CompiledStage],
+    recompute: Sequence[int] = (),
+) -> None:
+    """Compile this rank's compiled ``stages`` now, forward and backward, at microbatch size
+    ``mb_size`` (and at the second sizes of a build with dynamic dimensions); each report gets
+    its stage's seconds. Sharded stages are warmed up after the wrap, through FSDP
+    (Note [compiling under FSDP])."""
+    second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
+    for report in reports:
+        s, module = report.stage, stages[report.stage]
+        start = time.perf_counter()
+        _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
+        if second:
+            _warm_up(module, _warm_inputs(manifest, s, mb_size, device, second), s in recompute)
+        report.seconds = time.perf_counter() - start

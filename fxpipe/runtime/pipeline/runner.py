@@ -39,7 +39,12 @@ from torch.utils._pytree import tree_map
 from fxpipe.codegen.manifest import Manifest
 from fxpipe.codegen.tp_plan import TensorParallelPlan, read_tp_plan
 from fxpipe.errors import BatchMismatchError, ConfigError, RuntimeSetupError
-from fxpipe.runtime.dataparallel import DataParallelOptions, data_parallel_stage, stage_optimizer
+from fxpipe.runtime.dataparallel import (
+    DataParallelOptions,
+    ShardedStage,
+    data_parallel_stage,
+    stage_optimizer,
+)
 from fxpipe.runtime.dataparallel.fsdp_units import compile_regions
 from fxpipe.partitioner.schedule import runnable_schedules
 from fxpipe.partitioner.schedule.placement import placements_of
@@ -51,6 +56,7 @@ from fxpipe.runtime.pipeline.compiled import (
     DEFAULT_COMPILE_SCOPE,
     CompiledStage,
     compile_rank_stages,
+    warm_up_rank_stages,
 )
 from fxpipe.runtime.pipeline.executor import LossFn, RankExecutor
 from fxpipe.runtime.pipeline.groups import build_groups, init_process_group, pick_device, this_rank
@@ -392,12 +398,16 @@ class PipelineRunner:
         for module in self.stages.values():
             module.train()
         self.compiled: list[CompiledStage] = []
+        warm_mb = compile_microbatch_size or manifest.microbatch_size
+        regions = None  # sharded: the FSDP units compiled inside, warmed up after the wrap
         if scope is not None:  # after autocast (compiled under it), before DDP/FSDP wrap the stages
+            # Note [compile scope], Note [compiling under FSDP]
+            regions = compile_regions(self.stages, dp_options, self.layout.replicas)
             self.compiled = compile_rank_stages(
                 manifest,
                 self.stages,
                 self.device,
-                compile_microbatch_size or manifest.microbatch_size,
+                warm_mb,
                 scope=scope,
                 recompute=recomputed,
                 split_backward=bool(self.schedule.split_backward()),
@@ -406,8 +416,8 @@ class PipelineRunner:
                 cache_dir=compile_cache
                 if compile_cache is not None or isinstance(build, Manifest)
                 else Path(build) / COMPILE_CACHE,
-                # inside the FSDP units when sharded: Note [compile scope]
-                regions=compile_regions(self.stages, dp_options, self.layout.replicas),
+                regions=regions,
+                warm_up=regions is None,
             )
         self.stage = rank_module(
             self.stages
@@ -430,6 +440,12 @@ class PipelineRunner:
             if self.layout.replicas > 1
             else None
         )
+        if regions is not None:  # Note [compiling under FSDP]
+            assert isinstance(self.data_parallel, ShardedStage), "compile_regions: sharded"
+            with self.data_parallel.warming_up():
+                warm_up_rank_stages(
+                    manifest, self.stages, self.device, warm_mb, self.compiled, recomputed
+                )
         self.optimizer = stage_optimizer(
             self.stage, optimizer_factory or _default_optimizer, self.data_parallel
         )
