@@ -256,6 +256,45 @@ def test_a_graph_break_is_reported_with_its_place_not_fatal() -> None:
     assert len(report.graph_breaks) == 1  # once per stage
 
 
+def _tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x * 2) + 1
+
+
+def test_a_backend_failure_is_reported_with_the_operator_and_the_place_not_fatal() -> None:
+    """A backend that cannot compile an operator: the fake-tensor kind Dynamo turns into a graph
+    break is reported with the operator (Dynamo's explanation) and the user's line, the region
+    compiled around it; any other failure is reported with the backend's error and the region
+    runs eagerly, instead of ending the run (hubert_ctc's CTC loss meets the first kind)."""
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    from fxpipe.runtime.pipeline.compiled import _compiled
+
+    def refusing(error: Exception) -> Any:
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            if any(n.target in (torch.tanh, torch.ops.aten.tanh.default) for n in gm.graph.nodes):
+                raise error
+            return gm
+
+        return backend
+
+    x = torch.randn(3)
+    for error, want in (
+        (UnsupportedOperatorException(torch.ops.aten.tanh.default), "failed with aten.tanh"),
+        (
+            NotImplementedError("no tanh here"),
+            "(NotImplementedError: no tanh here); it runs eagerly",
+        ),
+    ):
+        torch._dynamo.reset()
+        breaks: list[str] = []
+        fn = _compiled(_tanh, breaks, None, backend=refusing(error))
+        torch.testing.assert_close(fn(x), _tanh(x))
+        torch.testing.assert_close(fn(x), _tanh(x))
+        assert len(breaks) == 1 and want in breaks[0], breaks
+        if isinstance(error, UnsupportedOperatorException):
+            assert "test_compiled.py" in breaks[0], breaks  # the place: _tanh's line
+
+
 def test_split_backward_of_a_compiled_stage_runs_its_backward_once() -> None:
     """B keeps the weight gradients the compiled region computed; W hands them over without
     running the region's backward again (Note [a boundary node that computes every gradient at

@@ -32,8 +32,13 @@ warm-up, and are then undone like any warm-up, FSDP's per-step switches and coun
 Note [graph breaks are reported, not fatal]: each compiled forward first runs with
 ``fullgraph=True``; if Dynamo cannot capture it in one graph, the break's reason and place (the
 user frame) are recorded once, and that forward is compiled again without ``fullgraph`` (Dynamo
-splits it into graphs around the break). ``CompiledStage.graph_breaks`` lists what was found; the
-run log prints it.
+splits it into graphs around the break). A backend that cannot compile an operator is one more
+break where Dynamo makes it one (the reason then names the operator: inductor cannot compile
+``aten._ctc_loss_backward.Tensor``, so the zoo's wav2vec2 and HuBERT keep their CTC loss eager,
+the rest of the stage compiled); any other failure of the backend on the
+one graph is reported with its error and that forward runs eagerly, rather than ending the run
+(with one graph, nothing ran before the failure). ``CompiledStage.graph_breaks`` lists what was
+found; the run log prints it.
 
 Note [compiled split backward]: a compiled region's backward is AOTAutograd's one backward graph,
 one autograd node (``CompiledFunctionBackward``) computing every gradient at once. Under a
@@ -81,6 +86,7 @@ instead of compiling them.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -164,13 +170,32 @@ def compiled_graphs() -> int:
 
 
 def _break_text(exc: BaseException) -> str:
-    """``reason (file:line in fn)`` of a ``fullgraph=True`` failure."""
-    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    """``reason (file:line in fn)`` of a ``fullgraph=True`` failure. A failure of the backend
+    (inductor cannot compile an operator) has no user stack: its reason takes Dynamo's explanation
+    (which names the operator) and its place the user frame its message quotes."""
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    reason = lines[0] if lines else type(exc).__name__
+    why = next((ln for ln in lines if ln.startswith("Explanation:")), "")
+    if why and not getattr(exc, "real_stack", None):
+        reason += ": " + why.removeprefix("Explanation:").strip()
     stack = getattr(exc, "real_stack", None) or []
     if stack:
         f = stack[-1]
         return f"{reason} (at {Path(f.filename).name}:{f.lineno} in {f.name})"
+    quoted = re.search(r'File "([^"]+)", line (\d+), in (\S+)', text)
+    if quoted:
+        return f"{reason} (at {Path(quoted[1]).name}:{quoted[2]} in {quoted[3]})"
     return reason
+
+
+def _failure_text(exc: torch._dynamo.exc.BackendCompilerFailed) -> str:
+    """What a backend's failure to compile a region reports: the backend's error, and that the
+    region runs eagerly."""
+    inner = exc.inner_exception
+    first = next((ln.strip() for ln in str(inner).splitlines() if ln.strip()), "")
+    error = f"{type(inner).__name__}: {first}" if first else type(inner).__name__
+    return f"the backend failed to compile it ({error}); it runs eagerly"
 
 
 def _compiled(
@@ -197,14 +222,17 @@ def _compiled(
                     if isinstance(a, torch.Tensor) and a.dim() > d:
                         torch._dynamo.maybe_mark_dynamic(a, d)
         if state["fn"] is full:
-            try:
+            try:  # one graph: any failure comes before anything ran
                 return full(*args, **kwargs)
-            except (  # Dynamo fails before running anything
+            except (
                 torch._dynamo.exc.Unsupported,
                 torch._dynamo.exc.FailOnRecompileLimitHit,  # the frame then runs eagerly
             ) as exc:
                 breaks.append(_break_text(exc))
                 state["fn"] = torch.compile(fn, fullgraph=False, **options)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:  # would fail again: eager
+                breaks.append(_failure_text(exc))
+                state["fn"] = fn
         return state["fn"](*args, **kwargs)
 
     run.__wrapped__ = fn  # type: ignore[attr-defined]
