@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from builds import EXAMPLES, make_build, original_model
 from fxpipe.codegen import load_stage
@@ -358,6 +359,92 @@ def test_compiled_split_backward_computes_input_grads_in_b_and_weight_grads_in_w
     for p, f, e in zip(split.parameters(), fused, eager.parameters()):
         torch.testing.assert_close(p.grad, f, rtol=0, atol=0)
         torch.testing.assert_close(p.grad, e.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Depthwise(nn.Module):
+    """Mamba's mixer in small: a projection, then a depthwise causal convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.conv = nn.Linear(8, 8), nn.Conv1d(8, 8, 3, groups=8, padding=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).transpose(1, 2)
+        return F.silu(self.conv(h)[..., : x.shape[1]]).transpose(1, 2)
+
+
+def _split_against_eager(halves_ran: Any) -> None:
+    """A ``_Depthwise`` compiled in halves, its backward split into ``B`` then ``W``, against the
+    same module eager: gradients equal; ``halves_ran(split_module)`` runs between ``B`` and ``W``
+    (assertions on what ``B`` did)."""
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    eager = _Depthwise()
+    split = copy.deepcopy(eager)
+    compile_module(split, "stage", [0], split_graphs=True)
+    x = torch.randn(2, 5, 8)
+    xe, xs = (x.clone().requires_grad_(True) for _ in range(2))
+    ye = eager(xe)
+    gy = torch.randn_like(ye)
+    ye.backward(gy)
+    (gx,), work = backward_inputs([split(xs)], [gy], [xs], list(split.parameters()))
+    halves_ran(split)
+    backward_weights(work)
+    torch.testing.assert_close(gx, xe.grad, rtol=1e-5, atol=1e-6)
+    for p, e in zip(split.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_halves_of_a_convolution_whose_backward_gives_both_gradients_at_once() -> None:
+    """A convolution's backward is one node giving the input's and the weight's gradients: the
+    input half computes it and hands the weight half the weight's item (a graph returns tensors,
+    not tuples; inductor refused the tuple). Deferred as usual, gradients equal eager's."""
+    from fxpipe.runtime.pipeline import compiled_split
+
+    before = dict(compiled_split.stats)
+
+    def weights_deferred(split: nn.Module) -> None:
+        assert all(p.grad is None for p in split.parameters())
+        assert compiled_split.stats["deferred"] == before["deferred"] + 1
+
+    _split_against_eager(weights_deferred)
+
+
+def test_halves_that_do_not_compile_leave_the_one_graph_backward(monkeypatch: Any) -> None:
+    """Where inductor cannot compile the halves (Note [halves that do not compile]), the region's
+    backward is compiled as one graph, the reason kept for the run log, and gradients are right."""
+    import torch._inductor.compile_fx as compile_fx
+
+    from fxpipe.runtime.pipeline import compiled_split
+    from fxpipe.runtime.pipeline.compiled import CompiledStage
+
+    halves: list[torch.fx.GraphModule] = []
+    split_graph, compile_inner = compiled_split.split_graph, compile_fx.compile_fx_inner
+
+    def recorded(*args: Any) -> Any:
+        cut = split_graph(*args)
+        halves.extend(cut[:2] if cut else ())
+        return cut
+
+    def refusing(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        if any(gm is h for h in halves):
+            raise RuntimeError("this half is refused")
+        return compile_inner(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_split, "split_graph", recorded)
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", refusing)
+    torch._dynamo.reset()
+    failed = len(compiled_split.split_failures)
+
+    def one_graph(split: nn.Module) -> None:
+        assert halves and compiled_split.split_failures[failed:] == [
+            "RuntimeError: this half is refused"
+        ]
+
+    _split_against_eager(one_graph)
+    report = CompiledStage(0, "stage", ("",), backward="halves", one_graph=["RuntimeError: x"])
+    assert "but one graph where they failed to compile: RuntimeError: x" in report.line()
 
 
 class _Flat(nn.Module):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -68,8 +68,14 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
 
 
-def compare_pipeline(build_dir: str | Path, source: Any, training: bool) -> Comparison:
-    """Compare ``load_pipeline(build_dir)`` with the original model in train (``training``) or eval mode."""
+def compare_pipeline(
+    build_dir: str | Path,
+    source: Any,
+    training: bool,
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> Comparison:
+    """Compare ``load_pipeline(build_dir)`` with the original model in train (``training``) or eval mode;
+    ``prepare(stage)`` runs on each loaded stage first (``torch.compile`` it, say)."""
     import fxpipe
 
     build_dir = Path(build_dir)
@@ -79,6 +85,8 @@ def compare_pipeline(build_dir: str | Path, source: Any, training: bool) -> Comp
         batch = int(manifest["microbatch_size"])
     reference = reference_model(build_dir, source)
     pipeline = fxpipe.load_pipeline(build_dir)
+    for stage in pipeline.stages if prepare is not None else ():
+        prepare(stage)
     inputs = getattr(source.module, source.inputs_fn)(batch)
     if isinstance(inputs, dict) and ("labels" in inputs or inputs.get("return_loss") is True):
 

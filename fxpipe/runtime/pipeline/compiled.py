@@ -101,7 +101,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.pipeline.compiled_split import split_backend
+from fxpipe.runtime.pipeline.compiled_split import split_backend, split_failures
 from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
@@ -130,6 +130,9 @@ class CompiledStage:
     seconds: float = 0.0
     graph_breaks: list[str] = field(default_factory=list)
     backward: str = "graph"  # or "halves": Note [compiled split backward]
+    # halves that did not compile: those regions' backward is one graph (Note [halves that do
+    # not compile] in compiled_split)
+    one_graph: list[str] = field(default_factory=list)
     unit: str = "blocks"  # what the regions are: repeated "blocks", or "FSDP units"
 
     def line(self) -> str:
@@ -137,6 +140,8 @@ class CompiledStage:
         where = "whole stage" if self.regions == ("",) else f"{len(self.regions)} {self.unit}"
         if self.backward == "halves":
             where += ", backward in input and weight halves"
+        if self.one_graph:
+            where += " but one graph where they failed to compile: " + " | ".join(self.one_graph)
         breaks = (
             f"; {len(self.graph_breaks)} graph break(s): " + " | ".join(self.graph_breaks)
             if self.graph_breaks
@@ -468,8 +473,9 @@ def warm_up_rank_stages(
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     for report in reports:
         s, module = report.stage, stages[report.stage]
-        start = time.perf_counter()
+        start, failed = time.perf_counter(), len(split_failures)
         _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
         if second:
             _warm_up(module, _warm_inputs(manifest, s, mb_size, device, second), s in recompute)
         report.seconds = time.perf_counter() - start
+        report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward

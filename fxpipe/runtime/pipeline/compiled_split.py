@@ -50,14 +50,23 @@ graph cache still caches both halves (and the forward) by their code.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["Deferred", "SplitCode", "arm", "split_backend", "split_graph", "stats", "take"]
+__all__ = [
+    "Deferred",
+    "SplitCode",
+    "arm",
+    "split_backend",
+    "split_failures",
+    "split_graph",
+    "stats",
+    "take",
+]
 
 
 @dataclass
@@ -81,7 +90,17 @@ class _State:
 
 
 _STATE = _State()
-stats = {"input_half": 0, "weight_half": 0, "deferred": 0, "fallbacks": 0}
+stats = {"input_half": 0, "weight_half": 0, "deferred": 0, "fallbacks": 0, "restrided": 0}
+# Note [the boundary's strides]: the weight half is compiled for the boundary tensors' strides in
+# the backward graph, but inductor, compiling the input half, may lay an output out otherwise (a
+# permuted channels-last product of the zoo's ConvNeXt came out with its last two strides
+# swapped, failing the weight half's stride check); such a tensor is copied into the strides the
+# weight half expects (nothing is copied where they agree).
+# Note [halves that do not compile]: the halves are graphs inductor was not written for; where it
+# cannot compile them, that region's backward is compiled as AOTAutograd's one graph instead (its
+# B then computes the weight gradients too, as ``--compile-backward graph`` does), the reason kept
+# here for the run log (``CompiledStage.one_graph``), rather than the run ending in the warm-up.
+split_failures: list[str] = []
 
 
 def arm() -> None:
@@ -106,6 +125,9 @@ class _Plan:
     input_outputs: list[int]  # backward-graph output positions the input half computes
     weight_outputs: list[int]  # ... the weight half computes
     n_boundary: int
+    # (position among the boundary, strides) of each boundary tensor whose strides are known
+    # numbers: the weight half is compiled for them (Note [the boundary's strides])
+    boundary_strides: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 def _ancestors(outputs: Sequence[fx.Node]) -> set[fx.Node]:
@@ -156,6 +178,18 @@ def split_graph(
     in_w = _ancestors([outs[k] for k in w_pos])
     w_nodes = {n for n in in_w - in_i if n.op != "placeholder"}
     w_outs = {outs[k] for k in w_pos}
+    # a node of several outputs the input half computes (a convolution's backward gives the input's
+    # and the weight's gradients at once) crosses as the items the weight half reads: a graph's
+    # outputs are tensors, not tuples (the zoo's Mamba, whose depthwise convolution does this)
+    items = {
+        u
+        for n in in_i
+        if isinstance(n.meta.get("val"), (tuple, list))
+        for u in n.users
+        if u in w_nodes
+    }
+    w_nodes -= items
+    in_i |= items
     crossing = [  # what the weight half takes from the backward's inputs and from the input half
         n
         for n in gm.graph.nodes
@@ -169,6 +203,11 @@ def split_graph(
     i_inputs = [p for p in placeholders if p in syms or p in in_i]
     dI = _subgraph(gm, in_i, i_inputs, [outs[k] for k in i_pos] + boundary)
     dW = _subgraph(gm, w_nodes, w_inputs + boundary, [outs[k] for k in w_pos])
+    strides = [
+        (j, tuple(v.stride()))
+        for j, v in enumerate(n.meta.get("val") for n in boundary)
+        if isinstance(v, torch.Tensor) and all(isinstance(x, int) for x in v.stride())
+    ]
     plan = _Plan(
         len(outs),
         [pos[p] for p in i_inputs],
@@ -176,6 +215,7 @@ def split_graph(
         i_pos,
         w_pos,
         len(boundary),
+        strides,
     )
     return dI, dW, plan
 
@@ -211,7 +251,15 @@ class SplitCode:
         out: list[Any] = [None] * plan.n_outputs
         for k, g in zip(plan.input_outputs, got[:n_i]):
             out[k] = g
-        w_args.extend(got[n_i:])
+        boundary = got[n_i:]
+        for j, want in plan.boundary_strides:  # Note [the boundary's strides]
+            x = boundary[j]
+            if x.stride() != want:
+                boundary[j] = torch.empty_strided(
+                    x.shape, want, dtype=x.dtype, device=x.device
+                ).copy_(x)
+                stats["restrided"] += 1
+        w_args.extend(boundary)
         if _STATE.armed:
             _STATE.armed = False
             _STATE.taken = Deferred(self._weights, w_args, self.slots)
@@ -262,12 +310,22 @@ def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         dI, dW, plan = cut
         for half in (dI, dW):
             half.graph.find_nodes(op="output")[0].meta["user_visible_output_idxs"] = []
-        kwargs = {**kwargs, "static_input_idxs": []}
+        halves_kwargs = {**kwargs, "static_input_idxs": []}
         i_in = [bw_inputs[i] for i in plan.input_half_args]
         w_in = [bw_inputs[i] for i in plan.weight_half_args]
         w_in += [n.meta.get("val") for n in dW.graph.find_nodes(op="placeholder")[len(w_in) :]]
-        input_half = compile_fx_inner(dI, i_in, **kwargs)
-        weight_half = compile_fx_inner(dW, w_in, **kwargs)
+        try:
+            input_half = compile_fx_inner(dI, i_in, **halves_kwargs)
+            weight_half = compile_fx_inner(dW, w_in, **halves_kwargs)
+        except Exception as exc:  # Note [the boundary's strides]: the weight half is compiled for the boundary tensors' strides in
+            # the backward graph, but inductor, compiling the input half, may lay an output out otherwise (a
+            # permuted channels-last product of the zoo's ConvNeXt came out with its last two strides
+            # swapped, failing the weight half's stride check); such a tensor is copied into the strides the
+            # weight half expects (nothing is copied where they agree).
+            # Note [halves that do not compile]
+            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+            split_failures.append(f"{type(exc).__name__}: {first[:200]}")
+            return compile_fx_inner(bw, bw_inputs, **kwargs)
         return SplitCode(input_half, weight_half, plan, [weights[k] for k in plan.weight_outputs])
 
     with functorch_config.patch(enable_autograd_cache=False):
