@@ -457,6 +457,39 @@ class _Flat(nn.Module):
         return self.b(torch.tanh(self.a(x.reshape(b * t, 8)))).reshape(b, t, 8)
 
 
+def test_the_warm_up_compiles_the_training_graphs_whatever_the_callers_mode() -> None:
+    """A warm-up run in eval mode under no_grad (the seed API's first call may be one) still
+    compiles what training runs, forward and backward, and leaves the mode as it found it."""
+    from fxpipe.runtime.pipeline.compiled import _warm_up
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    compile_module(m, "stage", [0])
+    m.eval()
+    with torch.no_grad():
+        _warm_up(m, [torch.randn(3, 4)], False)
+    assert not m.training and not m[1].training
+    graphs = compiled_graphs()
+    m.train()
+    m(torch.randn(3, 4)).sum().backward()
+    assert compiled_graphs() == graphs
+
+
+def test_a_module_compiled_again_compiles_its_own_code() -> None:
+    """``compile_module`` on a module compiled before (a second runner over the same stage
+    modules) compiles the module's own forward in the new scope, not the first compile's
+    wrappers (Dynamo refused to trace their ``maybe_mark_dynamic``)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(_Flat(), _Flat())  # two blocks of one class: "regional" compiles each
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 3, 8)
+    for scope in ("stage", "stage", "regional", "stage"):
+        report = compile_module(m, scope, [0])
+        torch.testing.assert_close(m(x), ref(x))
+        assert report.regions == (("0", "1") if scope == "regional" else ("",))
+        assert not report.graph_breaks, (scope, report.graph_breaks)
+
+
 def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_halves() -> None:
     """A batch dim marked dynamic: the weight half's inputs have sizes such as ``4*s0`` that only
     the backward's symbolic inputs bind (each half takes them all); two batch sizes, one graph,

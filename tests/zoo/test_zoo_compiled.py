@@ -60,6 +60,7 @@ def test_zoo_model_compiled_in_halves_matches_the_original(tmp_path: Path, model
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import CostModel, plan_partition
     from fxpipe.runtime.pipeline.compiled import CompiledStage, compile_module
+    from fxpipe.runtime.pipeline.compiled_split import split_failures, stats
     from fxpipe.tracer import trace_model_file
 
     source = load_model_file(model.spec)
@@ -74,9 +75,12 @@ def test_zoo_model_compiled_in_halves_matches_the_original(tmp_path: Path, model
         reports.append(compile_module(stage, "stage", split_backward=True, split_graphs=True))
 
     torch._dynamo.reset()
+    failed, halves = len(split_failures), stats["input_half"]
     with torch._inductor.config.patch(fallback_random=True):
         result = compare_pipeline(tmp_path / "b", source, True, prepare=compiled)
     assert result.ok, result
+    # the halves compiled and ran (a failure would fall back to one graph, with equal gradients)
+    assert split_failures[failed:] == [] and stats["input_half"] > halves
     breaks = [b for r in reports for b in r.graph_breaks]
     if model.name in BREAKS:
         assert len(breaks) == 1 and BREAKS[model.name] in breaks[0], breaks

@@ -37,8 +37,10 @@ break where Dynamo makes it one (the reason then names the operator: inductor ca
 ``aten._ctc_loss_backward.Tensor``, so the zoo's wav2vec2 and HuBERT keep their CTC loss eager,
 the rest of the stage compiled); any other failure of the backend on the
 one graph is reported with its error and that forward runs eagerly, rather than ending the run
-(with one graph, nothing ran before the failure). ``CompiledStage.graph_breaks`` lists what was
-found; the run log prints it.
+(with one graph, nothing ran before the failure: at its first call its backward is compiled
+with its forward, ``force_non_lazy_backward_lowering``, where AOTAutograd would compile it at the
+first backward). A failure when the one graph compiles again later (eval mode, a new size) is
+raised, not hidden. ``CompiledStage.graph_breaks`` lists what was found; the run log prints it.
 
 Note [compiled split backward]: a compiled region's backward is AOTAutograd's one backward graph,
 one autograd node (``CompiledFunctionBackward``) computing every gradient at once. Under a
@@ -188,9 +190,10 @@ def _break_text(exc: BaseException) -> str:
     if stack:
         f = stack[-1]
         return f"{reason} (at {Path(f.filename).name}:{f.lineno} in {f.name})"
-    quoted = re.search(r'File "([^"]+)", line (\d+), in (\S+)', text)
-    if quoted:
-        return f"{reason} (at {Path(quoted[1]).name}:{quoted[2]} in {quoted[3]})"
+    quoted = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
+    if quoted:  # the innermost frame, as for ``real_stack``
+        file, line, fn = quoted[-1]
+        return f"{reason} (at {Path(file).name}:{line} in {fn})"
     return reason
 
 
@@ -214,6 +217,7 @@ def _compiled(
     marked dynamic (Note [compiled dynamic dimensions])."""
     full = torch.compile(fn, fullgraph=True, **options)
     state: dict[str, Callable[..., Any]] = {"fn": full}
+    ran: list[bool] = []  # the one graph ran once: compiled, and its backward with it
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if _get_current_dispatch_mode() is not None:  # Dynamo skips frames under a dispatch
@@ -227,21 +231,43 @@ def _compiled(
                     if isinstance(a, torch.Tensor) and a.dim() > d:
                         torch._dynamo.maybe_mark_dynamic(a, d)
         if state["fn"] is full:
-            try:  # one graph: any failure comes before anything ran
-                return full(*args, **kwargs)
+            first = not ran
+            try:  # one graph; at the first call its backward is compiled with it, so any
+                # failure comes before anything ran (AOTAutograd would compile it at the first
+                # backward, after the forward ran)
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=first):
+                    out = full(*args, **kwargs)
+                ran.append(True)
+                return out
             except (
                 torch._dynamo.exc.Unsupported,
                 torch._dynamo.exc.FailOnRecompileLimitHit,  # the frame then runs eagerly
             ) as exc:
                 breaks.append(_break_text(exc))
                 state["fn"] = torch.compile(fn, fullgraph=False, **options)
-            except torch._dynamo.exc.BackendCompilerFailed as exc:  # would fail again: eager
-                breaks.append(_failure_text(exc))
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                if not first:  # a recompile (eval mode, a new size): the graphs that compiled
+                    raise  # stay; the failure is not hidden behind a silent eager fallback
+                breaks.append(_failure_text(exc))  # it would fail again: eager
                 state["fn"] = fn
         return state["fn"](*args, **kwargs)
 
     run.__wrapped__ = fn  # type: ignore[attr-defined]
+    run.fxpipe_compiled = True  # type: ignore[attr-defined]
     return run
+
+
+def _uncompiled(module: nn.Module) -> None:
+    """Give ``module`` and its submodules back the forwards they had before ``compile_module``:
+    a stage compiled again (a second runner over the same stage modules) compiles its own code,
+    not the wrappers (Dynamo refuses to trace their ``maybe_mark_dynamic``)."""
+    for m in module.modules():
+        forward = m.forward
+        if not getattr(forward, "fxpipe_compiled", False):
+            continue
+        while getattr(forward, "fxpipe_compiled", False):
+            forward = forward.__wrapped__  # type: ignore[attr-defined]
+        m.forward = forward
 
 
 def _repeated_blocks(module: nn.Module) -> list[str]:
@@ -295,6 +321,7 @@ def compile_module(
     report = CompiledStage(
         stage, scope, ("",), backward="halves" if "backend" in options else "graph"
     )
+    _uncompiled(module)
     if regions is None:
         regions = _repeated_blocks(module) if scope == "regional" else []
     else:
@@ -389,14 +416,17 @@ def _warm_inputs(
 
 
 def _warm_up(module: nn.Module, args: list[torch.Tensor], recompute: bool) -> None:
-    """One forward and backward of ``module`` whose effects are undone: gradients, buffers, and
+    """One forward and backward of ``module`` in train mode (the graphs training runs, whatever
+    mode the caller left it in) whose effects are undone: gradients, buffers, the mode, and
     torch's, numpy's and Python's random state (the job's first step draws what it would draw
     without the warm-up)."""
     buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
     grads = {p: p.grad for p in module.parameters()}
+    modes = {m: m.training for m in module.modules()}
     cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    module.train()
     try:
-        with seeded(None, cuda):
+        with seeded(None, cuda), torch.enable_grad():
             out = checkpointed(module, *args) if recompute else module(*args)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -409,6 +439,8 @@ def _warm_up(module: nn.Module, args: list[torch.Tensor], recompute: bool) -> No
                     b.copy_(buffers[k])
         for p, g in grads.items():
             p.grad = g
+        for m, training in modes.items():
+            m.training = training
 
 
 def compile_rank_stages(

@@ -95,7 +95,9 @@ stats = {"input_half": 0, "weight_half": 0, "deferred": 0, "fallbacks": 0, "rest
 # the backward graph, but inductor, compiling the input half, may lay an output out otherwise (a
 # permuted channels-last product of the zoo's ConvNeXt came out with its last two strides
 # swapped, failing the weight half's stride check); such a tensor is copied into the strides the
-# weight half expects (nothing is copied where they agree).
+# weight half expects (nothing is copied where they agree, a dimension of size 1 aside). Only
+# strides that are numbers > 0 are checked: a boundary tensor whose strides name a dynamic size,
+# or an expanded one (stride 0), still meets the weight half's own check, unhandled.
 # Note [halves that do not compile]: the halves are graphs inductor was not written for; where it
 # cannot compile them, that region's backward is compiled as AOTAutograd's one graph instead (its
 # B then computes the weight gradients too, as ``--compile-backward graph`` does), the reason kept
@@ -203,10 +205,10 @@ def split_graph(
     i_inputs = [p for p in placeholders if p in syms or p in in_i]
     dI = _subgraph(gm, in_i, i_inputs, [outs[k] for k in i_pos] + boundary)
     dW = _subgraph(gm, w_nodes, w_inputs + boundary, [outs[k] for k in w_pos])
-    strides = [
+    strides = [  # Note [the boundary's strides]
         (j, tuple(v.stride()))
         for j, v in enumerate(n.meta.get("val") for n in boundary)
-        if isinstance(v, torch.Tensor) and all(isinstance(x, int) for x in v.stride())
+        if isinstance(v, torch.Tensor) and all(isinstance(x, int) and x > 0 for x in v.stride())
     ]
     plan = _Plan(
         len(outs),
@@ -254,7 +256,7 @@ class SplitCode:
         boundary = got[n_i:]
         for j, want in plan.boundary_strides:  # Note [the boundary's strides]
             x = boundary[j]
-            if x.stride() != want:
+            if any(n > 1 and s != w for n, s, w in zip(x.shape, x.stride(), want)):
                 boundary[j] = torch.empty_strided(
                     x.shape, want, dtype=x.dtype, device=x.device
                 ).copy_(x)
@@ -317,12 +319,7 @@ def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         try:
             input_half = compile_fx_inner(dI, i_in, **halves_kwargs)
             weight_half = compile_fx_inner(dW, w_in, **halves_kwargs)
-        except Exception as exc:  # Note [the boundary's strides]: the weight half is compiled for the boundary tensors' strides in
-            # the backward graph, but inductor, compiling the input half, may lay an output out otherwise (a
-            # permuted channels-last product of the zoo's ConvNeXt came out with its last two strides
-            # swapped, failing the weight half's stride check); such a tensor is copied into the strides the
-            # weight half expects (nothing is copied where they agree).
-            # Note [halves that do not compile]
+        except Exception as exc:  # Note [halves that do not compile]
             first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
             split_failures.append(f"{type(exc).__name__}: {first[:200]}")
             return compile_fx_inner(bw, bw_inputs, **kwargs)
