@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._functorch.config
 import torch.nn as nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -312,8 +313,6 @@ def compile_module(
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope must be one of {list(COMPILE_SCOPES)}, got {scope!r}")
     if split_backward:
-        import torch._functorch.config
-
         torch._functorch.config.donated_buffer = False
     options: dict[str, Any] = {}
     if split_backward and split_graphs:
