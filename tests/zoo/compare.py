@@ -22,7 +22,15 @@ import torch.nn as nn
 
 from fxpipe.codegen.check.equivalence import ATOL, RTOL, compare_in_mode
 
-__all__ = ["Comparison", "reference_model", "compare_pipeline", "RTOL", "ATOL"]
+__all__ = [
+    "Comparison",
+    "CompiledComparison",
+    "reference_model",
+    "compare_pipeline",
+    "compare_compiled",
+    "RTOL",
+    "ATOL",
+]
 
 
 @dataclass(frozen=True)
@@ -116,4 +124,39 @@ def compare_pipeline(
         grads=len(result.grads),
         buffers=len(result.buffers),
         failing=len(result.failing),
+    )
+
+
+@dataclass(frozen=True)
+class CompiledComparison:
+    """``compare_compiled``'s result: the comparison, the graph breaks the stages reported, whether
+    the backward's halves ran, and the halves that failed to compile (their regions one graph)."""
+
+    comparison: Comparison
+    breaks: list[str]
+    halves_ran: bool
+    split_failures: list[str]
+
+
+def compare_compiled(build_dir: str | Path, source: Any) -> CompiledComparison:
+    """``compare_pipeline`` in train mode with every stage compiled as a zero-bubble run compiles it
+    (``compile_module``, the backward cut into an input and a weight half), dropout drawing eager's
+    random numbers (``torch._inductor.config.fallback_random``), Dynamo's caches reset first."""
+    from fxpipe.runtime.pipeline.compiled import CompiledStage, compile_module
+    from fxpipe.runtime.pipeline.compiled_split import split_failures, stats
+
+    reports: list[CompiledStage] = []
+
+    def compiled(stage: nn.Module) -> None:
+        reports.append(compile_module(stage, "stage", split_backward=True, split_graphs=True))
+
+    torch._dynamo.reset()
+    failed, halves = len(split_failures), stats["input_half"]
+    with torch._inductor.config.patch(fallback_random=True):
+        result = compare_pipeline(build_dir, source, True, prepare=compiled)
+    return CompiledComparison(
+        result,
+        [b for r in reports for b in r.graph_breaks],
+        stats["input_half"] > halves,
+        split_failures[failed:],
     )

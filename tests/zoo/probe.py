@@ -10,6 +10,10 @@ For every zoo model (``tests/zoo/registry.py``), each step recorded as ok / erro
 * ``train@S`` / ``eval@S``: the chained stages (``fxpipe.load_pipeline``) against ``build_model()``
   given the build's weights, both in train mode, then both in ``.eval()``: outputs, parameter
   gradients and buffers, fp32, rtol 1e-4 / atol 1e-5 (``tests/zoo/compare.py``);
+* ``compiled@S`` (``--compile``, the first S): ``train@S`` with every stage compiled as a
+  zero-bubble run compiles it, the backward cut into an input and a weight half, dropout drawing
+  eager's numbers (``compare.compare_compiled``); graph breaks and halves that fell back to one
+  graph are in the row's JSON;
 * ``kwargs`` / ``labels``: the same trace + partition@2 + train compare with the model file's
   ``example_kwargs`` (a dict: the Hugging Face keyword call) and ``example_kwargs_labels``
   (``labels=`` too; the loss is the model's own ``output.loss``), the contract issue 10 asks for.
@@ -256,15 +260,30 @@ def _run_build(build: Path, steps: int = 2, timeout: float = 180.0) -> Step:
     return Step("error", seconds, info)
 
 
+def _compiled_step(build: Path, source: Any) -> Step:
+    """``compiled@S``: the chained stages, each compiled with its backward in halves, against the
+    original in train mode (``compare.compare_compiled``); the graph breaks and any halves that
+    fell back to one graph go in the step's info."""
+    from compare import compare_compiled
+
+    step, got = run_step(lambda: compare_compiled(build, source))
+    if got is not None:
+        step.info.update(got.comparison.to_dict())
+        step.info.update(breaks=got.breaks, halves_ran=got.halves_ran, one_graph=got.split_failures)
+        step.status = "ok" if got.comparison.ok else "mismatch"
+    return step
+
+
 def probe_model(
     model: ZooModel,
     workdir: Path,
     stages: tuple[int, ...] = STAGES,
     train_run: bool = False,
     keywords: bool = True,
+    compiled: bool = False,
 ) -> dict[str, Any]:
-    """Every step of one model (see the module docstring; the keyword calls only with ``keywords``);
-    the row of the table as a dict."""
+    """Every step of one model (see the module docstring; the keyword calls only with ``keywords``,
+    ``compiled@S`` only with ``compiled``); the row of the table as a dict."""
     import torch
 
     from compare import compare_pipeline
@@ -297,6 +316,8 @@ def probe_model(
         if steps.get(f"partition@{s}", Step()).status == "ok":
             steps[f"train@{s}"] = _checked(lambda: compare_pipeline(build, source, True))
             steps[f"eval@{s}"] = _checked(lambda: compare_pipeline(build, source, False))
+    if compiled and steps.get(f"partition@{stages[0]}", Step()).status == "ok":
+        steps[f"compiled@{stages[0]}"] = _compiled_step(workdir / f"s{stages[0]}", source)
     if train_run and steps.get(f"partition@{stages[0]}", Step()).status == "ok":
         steps["run"] = _run_build(workdir / f"s{stages[0]}")
     if keywords and model.has_kwargs:
@@ -308,23 +329,31 @@ def probe_model(
 
 
 def probe_isolated(
-    model: ZooModel, timeout: float, stages: tuple[int, ...], train_run: bool
+    model: ZooModel,
+    timeout: float,
+    stages: tuple[int, ...],
+    train_run: bool,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """``probe_model`` in a child process: a hang or a crash of the interpreter is one row."""
     with tempfile.TemporaryDirectory(prefix="zoo-probe-") as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            model.name,
-            "--json",
-            str(out),
-            "--quiet",
-            "--frontend",
-            FRONTEND,
-            "--stages",
-            ",".join(map(str, stages)),
-        ] + (["--run"] if train_run else [])
+        cmd = (
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                model.name,
+                "--json",
+                str(out),
+                "--quiet",
+                "--frontend",
+                FRONTEND,
+                "--stages",
+                ",".join(map(str, stages)),
+            ]
+            + (["--run"] if train_run else [])
+            + (["--compile"] if compiled else [])
+        )
         start = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -363,6 +392,7 @@ COLUMNS = [
     "eval@4",
     "kwargs",
     "labels",
+    "compiled@2",
     "run",
 ]
 
@@ -457,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also train the 2-stage build with `fxpipe run --steps 2` (torchrun; ~20 s a model)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also compare the 2-stage build with each stage compiled, backward in halves (issue 39)",
+    )
     parser.add_argument("--keep", help="keep the build directories under this folder")
     parser.add_argument(
         "--frontend",
@@ -480,11 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for model in models:
         if args.isolate:
-            row = probe_isolated(model, args.timeout, stages, args.run)
+            row = probe_isolated(model, args.timeout, stages, args.run, args.compile)
         else:
             with tempfile.TemporaryDirectory(prefix=f"zoo-{model.name}-") as tmp:
                 workdir = Path(args.keep) / model.name if args.keep else Path(tmp)
-                row = probe_model(model, workdir, stages, args.run)
+                row = probe_model(model, workdir, stages, args.run, compiled=args.compile)
         rows.append(row)
         if not args.quiet:
             print(table_lines([row])[-1], flush=True)

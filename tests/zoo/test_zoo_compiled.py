@@ -24,14 +24,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn as nn
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from compare import compare_pipeline  # noqa: E402
+from compare import compare_compiled  # noqa: E402
 from registry import ZooModel, select  # noqa: E402
 
 FULL = os.environ.get("FXPIPE_ZOO") == "full"
@@ -59,8 +57,6 @@ def test_zoo_model_compiled_in_halves_matches_the_original(tmp_path: Path, model
     from fxpipe.codegen import write_build_dir
     from fxpipe.modelfile import load_model_file
     from fxpipe.partitioner import CostModel, plan_partition
-    from fxpipe.runtime.pipeline.compiled import CompiledStage, compile_module
-    from fxpipe.runtime.pipeline.compiled_split import split_failures, stats
     from fxpipe.tracer import trace_model_file
 
     source = load_model_file(model.spec)
@@ -69,20 +65,11 @@ def test_zoo_model_compiled_in_halves_matches_the_original(tmp_path: Path, model
         traced.profile, 2, microbatches=2, time_limit=2.0, cost=CostModel.preset("loopback")
     )
     write_build_dir(traced, plan, tmp_path / "b", source, batch_size=4, microbatches=2)
-    reports: list[CompiledStage] = []
-
-    def compiled(stage: nn.Module) -> None:
-        reports.append(compile_module(stage, "stage", split_backward=True, split_graphs=True))
-
-    torch._dynamo.reset()
-    failed, halves = len(split_failures), stats["input_half"]
-    with torch._inductor.config.patch(fallback_random=True):
-        result = compare_pipeline(tmp_path / "b", source, True, prepare=compiled)
-    assert result.ok, result
+    got = compare_compiled(tmp_path / "b", source)
+    assert got.comparison.ok, got.comparison
     # the halves compiled and ran (a failure would fall back to one graph, with equal gradients)
-    assert split_failures[failed:] == [] and stats["input_half"] > halves
-    breaks = [b for r in reports for b in r.graph_breaks]
+    assert got.halves_ran and not got.split_failures, got.split_failures
     if model.name in BREAKS:
-        assert len(breaks) == 1 and BREAKS[model.name] in breaks[0], breaks
+        assert len(got.breaks) == 1 and BREAKS[model.name] in got.breaks[0], got.breaks
     else:
-        assert not breaks, breaks
+        assert not got.breaks, got.breaks
