@@ -344,8 +344,7 @@ class ShardedStage(AccumulationWindow):
             yield
         finally:
             for chunk in self.chunks:
-                chunk.backwards = 0
-                chunk.accumulate()
+                chunk.finish()
             for p in self.stage.parameters():
                 p.grad = None
 

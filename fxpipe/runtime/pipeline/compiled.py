@@ -104,7 +104,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.pipeline.compiled_split import split_backend, split_failures
+from fxpipe.runtime.pipeline.compiled_split import first_line, split_backend, split_failures
 from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
@@ -185,9 +185,9 @@ def _break_text(exc: BaseException) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     reason = lines[0] if lines else type(exc).__name__
     why = next((ln for ln in lines if ln.startswith("Explanation:")), "")
-    if why and not getattr(exc, "real_stack", None):
-        reason += ": " + why.removeprefix("Explanation:").strip()
     stack = getattr(exc, "real_stack", None) or []
+    if why and not stack:
+        reason += ": " + why.removeprefix("Explanation:").strip()
     if stack:
         f = stack[-1]
         return f"{reason} (at {Path(f.filename).name}:{f.lineno} in {f.name})"
@@ -202,7 +202,7 @@ def _failure_text(exc: torch._dynamo.exc.BackendCompilerFailed) -> str:
     """What a backend's failure to compile a region reports: the backend's error, and that the
     region runs eagerly."""
     inner = exc.inner_exception
-    first = next((ln.strip() for ln in str(inner).splitlines() if ln.strip()), "")
+    first = first_line(inner)
     error = f"{type(inner).__name__}: {first}" if first else type(inner).__name__
     return f"the backend failed to compile it ({error}); it runs eagerly"
 
@@ -217,10 +217,11 @@ def _compiled(
     (Note [graph breaks are reported, not fatal]); ``dynamic[i]``: the dims of argument ``i``
     marked dynamic (Note [compiled dynamic dimensions])."""
     full = torch.compile(fn, fullgraph=True, **options)
-    state: dict[str, Callable[..., Any]] = {"fn": full}
-    ran: list[bool] = []  # the one graph ran once: compiled, and its backward with it
+    current: Callable[..., Any] = full
+    ran = False  # the one graph ran once: compiled, and its backward with it
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal current, ran
         if _get_current_dispatch_mode() is not None:  # Dynamo skips frames under a dispatch
             return fn(*args, **kwargs)  # mode (the peak-memory tracker): run eagerly
         if (
@@ -231,27 +232,27 @@ def _compiled(
                 for d in dims:
                     if isinstance(a, torch.Tensor) and a.dim() > d:
                         torch._dynamo.maybe_mark_dynamic(a, d)
-        if state["fn"] is full:
+        if current is full:
             first = not ran
             try:  # one graph; at the first call its backward is compiled with it, so any
                 # failure comes before anything ran (AOTAutograd would compile it at the first
                 # backward, after the forward ran)
                 with torch._functorch.config.patch(force_non_lazy_backward_lowering=first):
                     out = full(*args, **kwargs)
-                ran.append(True)
+                ran = True
                 return out
             except (
                 torch._dynamo.exc.Unsupported,
                 torch._dynamo.exc.FailOnRecompileLimitHit,  # the frame then runs eagerly
             ) as exc:
                 breaks.append(_break_text(exc))
-                state["fn"] = torch.compile(fn, fullgraph=False, **options)
+                current = torch.compile(fn, fullgraph=False, **options)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
                 if not first:  # a recompile (eval mode, a new size): the graphs that compiled
                     raise  # stay; the failure is not hidden behind a silent eager fallback
                 breaks.append(_failure_text(exc))  # it would fail again: eager
-                state["fn"] = fn
-        return state["fn"](*args, **kwargs)
+                current = fn
+        return current(*args, **kwargs)
 
     run.__wrapped__ = fn  # type: ignore[attr-defined]
     run.fxpipe_compiled = True  # type: ignore[attr-defined]
@@ -262,13 +263,9 @@ def _uncompiled(module: nn.Module) -> None:
     """Give ``module`` and its submodules back the forwards they had before ``compile_module``:
     a stage compiled again (a second runner over the same stage modules) compiles its own code,
     not the wrappers (Dynamo refuses to trace their ``maybe_mark_dynamic``)."""
-    for m in module.modules():
-        forward = m.forward
-        if not getattr(forward, "fxpipe_compiled", False):
-            continue
-        while getattr(forward, "fxpipe_compiled", False):
-            forward = forward.__wrapped__  # type: ignore[attr-defined]
-        m.forward = forward
+    for m in module.modules():  # one level: compile_module unwraps before it wraps
+        if getattr(m.forward, "fxpipe_compiled", False):
+            m.forward = m.forward.__wrapped__  # type: ignore[attr-defined]
 
 
 def _repeated_blocks(module: nn.Module) -> list[str]:

@@ -61,6 +61,7 @@ __all__ = [
     "Deferred",
     "SplitCode",
     "arm",
+    "first_line",
     "split_backend",
     "split_failures",
     "split_graph",
@@ -103,6 +104,11 @@ stats = {"input_half": 0, "weight_half": 0, "deferred": 0, "fallbacks": 0, "rest
 # B then computes the weight gradients too, as ``--compile-backward graph`` does), the reason kept
 # here for the run log (``CompiledStage.one_graph``), rather than the run ending in the warm-up.
 split_failures: list[str] = []
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-blank line of ``error``'s message (a compiler's errors run to pages)."""
+    return next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
 
 
 def arm() -> None:
@@ -320,8 +326,7 @@ def split_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
             input_half = compile_fx_inner(dI, i_in, **halves_kwargs)
             weight_half = compile_fx_inner(dW, w_in, **halves_kwargs)
         except Exception as exc:  # Note [halves that do not compile]
-            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-            split_failures.append(f"{type(exc).__name__}: {first[:200]}")
+            split_failures.append(f"{type(exc).__name__}: {first_line(exc)[:200]}")
             return compile_fx_inner(bw, bw_inputs, **kwargs)
         return SplitCode(input_half, weight_half, plan, [weights[k] for k in plan.weight_outputs])
 
