@@ -266,11 +266,15 @@ def _compiled_step(build: Path, source: Any) -> Step:
     fell back to one graph go in the step's info."""
     from compare import compare_compiled
 
-    step, got = run_step(lambda: compare_compiled(build, source))
-    if got is not None:
-        step.info.update(got.comparison.to_dict())
-        step.info.update(breaks=got.breaks, halves_ran=got.halves_ran, one_graph=got.split_failures)
-        step.status = "ok" if got.comparison.ok else "mismatch"
+    extra: dict[str, Any] = {}
+
+    def go() -> Any:
+        got = compare_compiled(build, source)
+        extra.update(breaks=got.breaks, halves_ran=got.halves_ran, one_graph=got.split_failures)
+        return got.comparison
+
+    step = _checked(go)
+    step.info.update(extra)
     return step
 
 
