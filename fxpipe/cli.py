@@ -437,9 +437,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from fxpipe.tracer.progress import phase
 
     _enter("verifying")
-    with phase("check"):
-        report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
+    if not args.compile:
+        with phase("check"):
+            report = verify_build(args.build_dir, rtol=args.rtol, atol=args.atol)
+        print_verify_report(report, console=_console(), all_rows=args.all)
+        return 0 if report.ok else 1
+    from fxpipe.runtime.pipeline.compiled_verify import verify_compiled
+
+    with phase("compile and check"):
+        report, compiled = verify_compiled(
+            args.build_dir, args.compile_scope, args.compile_backward, args.rtol, args.atol
+        )
+    for stage in compiled:
+        print(f"fxpipe verify: {stage.line(timed=False)}")
     print_verify_report(report, console=_console(), all_rows=args.all)
+    if not report.ok:
+        print(
+            f"fxpipe verify: the compiled stages differ from the model; if `fxpipe verify "
+            f"{args.build_dir}` (eager) agrees, the compiler computes something else for this "
+            "model: train it without --compile (docs/compile.md)"
+        )
     return 0 if report.ok else 1
 
 
@@ -630,6 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--all",
         action="store_true",
         help="list every output, gradient and buffer (default: the worst)",
+    )
+    from fxpipe.runtime.train.run_options import RunOptions
+
+    add_arguments(  # the stages as `fxpipe run --compile` runs them (compiled_verify)
+        p,
+        RunOptions,
+        title="compiled stages",
+        only=("compile", "compile_scope", "compile_backward"),
     )
     p.set_defaults(func=cmd_verify)
 

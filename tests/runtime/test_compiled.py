@@ -473,6 +473,17 @@ def test_the_warm_up_compiles_the_training_graphs_whatever_the_callers_mode() ->
     m.train()
     m(torch.randn(3, 4)).sum().backward()
     assert compiled_graphs() == graphs
+    # the eval warm-up (Note [compiled eval graphs]) compiles what eval_step runs, in train mode
+    # as the caller left it, its running statistics untouched
+    stats = m[1].running_mean.clone()
+    _warm_up(m, [torch.randn(3, 4)], False, training=False)
+    assert m.training and torch.equal(m[1].running_mean, stats) and compiled_graphs() > graphs
+    graphs = compiled_graphs()
+    m.eval()
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(m(x), m[1](m[0](x)))  # eval: the running statistics
+    assert compiled_graphs() == graphs
 
 
 def test_a_module_compiled_again_compiles_its_own_code() -> None:
@@ -490,28 +501,91 @@ def test_a_module_compiled_again_compiles_its_own_code() -> None:
         assert not report.graph_breaks, (scope, report.graph_breaks)
 
 
+def _split_like_eager(m: nn.Module, ref: nn.Module, batch: int, length: int) -> None:
+    """``m``'s backward split in ``B`` (input gradients) and ``W`` (weights) on a
+    ``(batch, length, 8)`` input gives the gradients of ``ref``'s plain backward."""
+    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
+
+    x, gy = torch.randn(batch, length, 8), torch.randn(batch, length, 8)
+    xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (gx,), work = backward_inputs([m(xs)], [gy], [xs], list(m.parameters()))
+    backward_weights(work)
+    ref(xr).backward(gy)
+    torch.testing.assert_close(gx, xr.grad, rtol=1e-5, atol=1e-6)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        p.grad = q.grad = None
+
+
 def test_compiled_split_backward_with_a_dynamic_batch_binds_its_sizes_in_both_halves() -> None:
     """A batch dim marked dynamic: the weight half's inputs have sizes such as ``4*s0`` that only
     the backward's symbolic inputs bind (each half takes them all); two batch sizes, one graph,
     gradients equal eager's."""
-    from fxpipe.runtime.pipeline.split_backward import backward_inputs, backward_weights
-
     torch.manual_seed(0)
     m = _Flat()
     ref = copy.deepcopy(m)
     compile_module(m, "stage", [0], split_graphs=True)
     graphs = compiled_graphs()
     for batch in (2, 3):
-        x, gy = torch.randn(batch, 4, 8), torch.randn(batch, 4, 8)
-        xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        (gx,), work = backward_inputs([m(xs)], [gy], [xs], list(m.parameters()))
-        backward_weights(work)
-        ref(xr).backward(gy)
-        torch.testing.assert_close(gx, xr.grad, rtol=1e-5, atol=1e-6)
-        for p, q in zip(m.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-            p.grad = q.grad = None
+        _split_like_eager(m, ref, batch, 4)
     assert compiled_graphs() == graphs + 1
+
+
+class _Scaled(nn.Module):
+    """A per-channel scale on a transposed activation: with a dynamic length ``s0`` the weight
+    half takes ``(3, 16, s0)`` gradients whose strides name it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.scale = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)).transpose(1, 2) * self.scale[:, None]
+        return self.b(torch.relu(h).transpose(1, 2))
+
+
+def test_a_boundary_tensor_with_symbolic_strides_reaches_the_weight_half_in_its_dense_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Note [the boundary's strides] with a dynamic size: the halves of ``_Scaled`` compiled with
+    a dynamic length record the dim order of the boundary tensors whose strides name it, and train
+    like eager at two lengths, nothing copied; a tensor the input half lays out otherwise reaches
+    the weight half copied into the dense strides of that order at the run's sizes, one that
+    agrees as it is."""
+    from fxpipe.runtime.pipeline import compiled_split
+    from fxpipe.runtime.pipeline.compiled_split import SplitCode, _Plan, dense_strides, stats
+
+    plans: list[_Plan] = []
+    init = SplitCode.__init__
+
+    def kept(self: SplitCode, *args: Any) -> None:
+        init(self, *args)
+        plans.append(self.plan)
+
+    monkeypatch.setattr(compiled_split.SplitCode, "__init__", kept)
+    torch.manual_seed(0)
+    m = _Scaled()
+    ref = copy.deepcopy(m)
+    compile_module(m, "stage", [0], dynamic_dims=[[1]], split_graphs=True)
+    before = stats["restrided"]
+    for t in (5, 7):
+        _split_like_eager(m, ref, 3, t)
+    assert len(plans) == 1 and plans[0].boundary_orders, plans
+    assert stats["restrided"] == before
+    assert dense_strides((2, 3, 4), (0, 2, 1)) == (12, 1, 3)
+
+    seen: list[torch.Tensor] = []
+    plan = _Plan(1, [0], [], [0], [], 2, [], [(0, (0, 1)), (1, (1, 0))])
+    x = torch.randn(5, 3)
+    code = SplitCode(
+        lambda a: [a[0], x.t().contiguous().t(), x.t()], lambda a: seen.extend(a) or [], plan, []
+    )
+    before = stats["restrided"]
+    code([torch.zeros(1)])
+    assert stats["restrided"] == before + 1
+    assert seen[0].stride() == (3, 1) and torch.equal(seen[0], x)  # copied: row-major order
+    assert seen[1].stride() == (1, 3) and seen[1].data_ptr() == x.data_ptr()  # as it is
 
 
 def _v_job(rank: int, world: int, build: Path, one: Path, h1: Path) -> dict[str, Any]:
@@ -696,6 +770,62 @@ def test_zoo_cnns_with_in_place_ops_and_batch_norm_compiled_train_like_one_proce
         _check(got[:2], want, f"{path.stem} zbv compiled")
         got = _run(loaded, source, "interleaved-1f1b", False, inputs, targets, lr=lr)
         _check(got[:2], want, f"{path.stem} interleaved-1f1b compiled")
+
+
+def _eval_loss(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> float:
+    """The original model's eval-mode loss under no_grad, the mean over microbatches (as
+    ``eval_step`` gives it)."""
+    model.eval()
+    with torch.no_grad():
+        chunks = zip(zip(*(x.chunk(MICRO) for x in inputs)), targets.chunk(MICRO))
+        return sum(loss_fn(model(*mb), t).item() for mb, t in chunks) / MICRO
+
+
+def test_a_run_that_evaluates_compiles_the_eval_graphs_before_the_first_step(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """``compile_eval=True`` (``fxpipe run --eval-every``): the warm-up compiles the eval-mode,
+    no_grad forward too (Note [compiled eval graphs]), so evaluations and the steps between them
+    compile nothing; the eval losses equal the original model's in eval mode (BatchNorm on its
+    running statistics, which the eval warm-up leaves as they were) before and after a step, and
+    the steps equal one eager process. The example ResNet, two chunks on one rank under zbv (the
+    backward in halves)."""
+    source = load_model_file(EXAMPLES / "resnet.py")
+    batch, lr = 16, 0.01  # BatchNorm at 8 a microbatch (test_zoo_cnns_...: conditioning)
+    inputs, targets = source.example_inputs(batch), source.example_targets(batch)
+    build = make_build("resnet", tmp_path / "r", 1, batch, MICRO, schedule="zbv")
+    model = original_model(build, source, 2)
+    want_losses, want_state = reference_train(model, inputs, targets, source.loss_fn, 2, MICRO, lr)
+    after_one = copy.deepcopy(model)
+    after_one.load_state_dict(
+        reference_train(model, inputs, targets, source.loss_fn, 1, MICRO, lr)[1]
+    )
+    runner = PipelineRunner(
+        Manifest.from_json(build),
+        source.loss_fn,
+        stage_loader=_Loaded(build),
+        schedule="zbv",
+        microbatches=MICRO,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=lr),
+        timeout_s=120,
+        compile=True,
+        compile_eval=True,
+    )
+    try:
+        assert all(c.eval_seconds and 0 < c.eval_seconds < c.seconds for c in runner.compiled)
+        assert "s of it the eval graphs" in runner.compiled[0].line()
+        graphs = compiled_graphs()
+        got = [runner.eval_step(inputs, targets), runner.step(inputs, targets)]
+        got += [runner.eval_step(inputs, targets), runner.step(inputs, targets)]
+        assert compiled_graphs() == graphs
+        state = {k: v.detach().clone() for k, v in runner.state_dict().items()}
+    finally:
+        runner.close()
+    evals = [_eval_loss(m, inputs, targets, source.loss_fn) for m in (model, after_one)]
+    torch.testing.assert_close(torch.tensor(got[0::2]), torch.tensor(evals), **CLOSE)
+    torch.testing.assert_close(torch.tensor(got[1::2]), torch.tensor(want_losses), **CLOSE)
+    for k, v in state.items():
+        torch.testing.assert_close(v, want_state[k], **CLOSE, msg=k)
 
 
 def _seed_job(rank: int, world: int) -> dict[str, Any]:

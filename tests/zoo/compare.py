@@ -27,6 +27,7 @@ __all__ = [
     "CompiledComparison",
     "reference_model",
     "compare_pipeline",
+    "compare_modes",
     "compare_compiled",
     "RTOL",
     "ATOL",
@@ -84,6 +85,17 @@ def compare_pipeline(
 ) -> Comparison:
     """Compare ``load_pipeline(build_dir)`` with the original model in train (``training``) or eval mode;
     ``prepare(stage)`` runs on each loaded stage first (``torch.compile`` it, say)."""
+    return compare_modes(build_dir, source, (training,), prepare)[0]
+
+
+def compare_modes(
+    build_dir: str | Path,
+    source: Any,
+    modes: tuple[bool, ...],
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> list[Comparison]:
+    """``compare_pipeline`` in each mode of ``modes`` (``True``: train), one after the other on the
+    same loaded (and prepared) stages."""
     import fxpipe
 
     build_dir = Path(build_dir)
@@ -106,25 +118,30 @@ def compare_pipeline(
         def loss(output: Any) -> torch.Tensor:
             return source.loss_fn(output, targets)
 
-    result = compare_in_mode(
-        reference,
-        pipeline,
-        list(pipeline.stages),
-        lambda m: _call(m, inputs),
-        training=training,
-        loss=loss,
-    )
-    worst = result.worst
-    return Comparison(
-        training=training,
-        ok=result.ok,
-        max_abs=max((e.max_abs for e in result.rows), default=0.0),
-        worst=worst.name if worst else "",
-        outputs=len(result.outputs),
-        grads=len(result.grads),
-        buffers=len(result.buffers),
-        failing=len(result.failing),
-    )
+    results = [
+        compare_in_mode(
+            reference,
+            pipeline,
+            list(pipeline.stages),
+            lambda m: _call(m, inputs),
+            training=training,
+            loss=loss,
+        )
+        for training in modes
+    ]
+    return [
+        Comparison(
+            training=training,
+            ok=result.ok,
+            max_abs=max((e.max_abs for e in result.rows), default=0.0),
+            worst=result.worst.name if result.worst else "",
+            outputs=len(result.outputs),
+            grads=len(result.grads),
+            buffers=len(result.buffers),
+            failing=len(result.failing),
+        )
+        for training, result in zip(modes, results)
+    ]
 
 
 @dataclass(frozen=True)
@@ -136,12 +153,14 @@ class CompiledComparison:
     breaks: list[str]
     halves_ran: bool
     split_failures: list[str]
+    eval: Comparison | None = None  # then in eval mode, on the same compiled stages
 
 
-def compare_compiled(build_dir: str | Path, source: Any) -> CompiledComparison:
-    """``compare_pipeline`` in train mode with every stage compiled as a zero-bubble run compiles it
-    (``compile_module``, the backward cut into an input and a weight half), dropout drawing eager's
-    random numbers (``torch._inductor.config.fallback_random``), Dynamo's caches reset first."""
+def compare_compiled(build_dir: str | Path, source: Any, eval: bool = False) -> CompiledComparison:
+    """``compare_pipeline`` in train mode (then, with ``eval``, in eval mode on the same stages) with
+    every stage compiled as a zero-bubble run compiles it (``compile_module``, the backward cut
+    into an input and a weight half), dropout drawing eager's random numbers
+    (``torch._inductor.config.fallback_random``), Dynamo's caches reset first."""
     from fxpipe.runtime.pipeline.compiled import CompiledStage, compile_module
     from fxpipe.runtime.pipeline.compiled_split import split_failures, stats
 
@@ -153,10 +172,11 @@ def compare_compiled(build_dir: str | Path, source: Any) -> CompiledComparison:
     torch._dynamo.reset()
     failed, halves = len(split_failures), stats["input_half"]
     with torch._inductor.config.patch(fallback_random=True):
-        result = compare_pipeline(build_dir, source, True, prepare=compiled)
+        results = compare_modes(build_dir, source, (True, False) if eval else (True,), compiled)
     return CompiledComparison(
-        result,
+        results[0],
         [b for r in reports for b in r.graph_breaks],
         stats["input_half"] > halves,
         split_failures[failed:],
+        results[1] if eval else None,
     )

@@ -28,6 +28,7 @@ from fxpipe.codegen.check.equivalence import (
 )
 from fxpipe.codegen.integrity import CheckedBuild, check_build
 from fxpipe.codegen.load import read_manifest
+from fxpipe.codegen.manifest import Manifest
 from fxpipe.codegen.pipeline import load_checked_pipeline
 from fxpipe.errors import BuildDirError
 from fxpipe.modelfile import ModelSource
@@ -127,8 +128,15 @@ def _loss(source: Any, batch_size: int) -> tuple[Callable[[Any], torch.Tensor | 
     return loss, f"{source.loss_fn_name}()"
 
 
-def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) -> VerifyReport:
+def verify_build(
+    build_dir: str | Path,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+    prepare: Callable[[Manifest, list[nn.Module]], None] | None = None,
+) -> VerifyReport:
     """Compare the chained stages of ``build_dir`` with the original model; see the module docstring.
+    ``prepare(manifest, stages)`` runs on the loaded stages first (``fxpipe verify --compile``
+    compiles them: ``fxpipe.runtime.pipeline.compiled_verify``).
 
     Example::
 
@@ -139,6 +147,8 @@ def verify_build(build_dir: str | Path, rtol: float = 1e-4, atol: float = 1e-5) 
     manifest = build.manifest
     reference = _load_reference(build, source)
     pipeline = load_checked_pipeline(build)
+    if prepare is not None:
+        prepare(manifest, list(pipeline.stages))
     # a static build (Note [a batch the model fixes]) takes one microbatch at a time
     batch = manifest.microbatch_size if manifest.static_batch else manifest.batch_size
     call = source.example_call(batch)

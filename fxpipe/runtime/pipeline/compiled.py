@@ -80,6 +80,14 @@ inputs are made contiguous before they reach the compiled forward: Dynamo guards
 data function's view (``rows[:, :-1]``, next-token inputs cut from one row) would otherwise compile
 the stage again for its strides, whose formula is not the warm-up's.
 
+Note [compiled eval graphs]: Dynamo guards a compiled forward on the module's mode and on grad
+mode, so ``eval_step`` (eval mode, ``no_grad``) runs graphs of its own, which would compile at the
+first evaluation, in the middle of the run (the GPT example's two stages: 13 s with a cold cache,
+unreported), where a backend failure would end a run that had trained for hours. A run that
+evaluates (``fxpipe run --eval-every``, ``PipelineRunner(compile_eval=True)``) compiles them in
+the warm-up too, after the training graphs and at the same sizes, with the inputs a receiving
+stage gets; the run log gives their share of the stage's seconds.
+
 The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is pointed at ``cache_dir`` (a folder the user
 named, else the build's ``compile_cache`` unless the environment names one of the user's), so a second run of the same build loads its kernels and graphs
 instead of compiling them.
@@ -137,9 +145,10 @@ class CompiledStage:
     # not compile] in compiled_split)
     one_graph: list[str] = field(default_factory=list)
     unit: str = "blocks"  # what the regions are: repeated "blocks", or "FSDP units"
+    eval_seconds: float | None = None  # of ``seconds``, the eval graphs' (None: not compiled)
 
-    def line(self) -> str:
-        """One log line."""
+    def line(self, timed: bool = True) -> str:
+        """One log line (``timed``: with the warm-up's seconds)."""
         where = "whole stage" if self.regions == ("",) else f"{len(self.regions)} {self.unit}"
         if self.backward == "halves":
             where += ", backward in input and weight halves"
@@ -150,9 +159,10 @@ class CompiledStage:
             if self.graph_breaks
             else "; one graph per region"
         )
-        return (
-            f"stage {self.stage} compiled ({self.scope}: {where}) in {self.seconds:.1f} s{breaks}"
-        )
+        took = f" in {self.seconds:.1f} s" if timed else ""
+        if timed and self.eval_seconds is not None:
+            took += f" ({self.eval_seconds:.1f} s of it the eval graphs)"
+        return f"stage {self.stage} compiled ({self.scope}: {where}){took}{breaks}"
 
 
 def use_cache_dir(path: str | Path | None, explicit: bool = False) -> str:
@@ -411,19 +421,22 @@ def _warm_inputs(
     return args
 
 
-def _warm_up(module: nn.Module, args: list[torch.Tensor], recompute: bool) -> None:
+def _warm_up(
+    module: nn.Module, args: list[torch.Tensor], recompute: bool, training: bool = True
+) -> None:
     """One forward and backward of ``module`` in train mode (the graphs training runs, whatever
-    mode the caller left it in) whose effects are undone: gradients, buffers, the mode, and
-    torch's, numpy's and Python's random state (the job's first step draws what it would draw
-    without the warm-up)."""
+    mode the caller left it in), or (not ``training``) one forward in eval mode under
+    ``no_grad`` (the graphs ``eval_step`` runs), whose effects are undone: gradients, buffers,
+    the mode, and torch's, numpy's and Python's random state (the job's first step draws what it
+    would draw without the warm-up)."""
     buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
     grads = {p: p.grad for p in module.parameters()}
     modes = {m: m.training for m in module.modules()}
     cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
-    module.train()
+    module.train(training)
     try:
-        with seeded(None, cuda), torch.enable_grad():
-            out = checkpointed(module, *args) if recompute else module(*args)
+        with seeded(None, cuda), torch.set_grad_enabled(training):
+            out = checkpointed(module, *args) if recompute and training else module(*args)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
             if roots:
@@ -453,9 +466,11 @@ def compile_rank_stages(
     cache_explicit: bool = False,
     split_graphs: bool = False,
     regions: Mapping[int, Sequence[str]] | None = None,
+    eval_graphs: bool = False,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
-    backward, at microbatch size ``mb_size``; one ``CompiledStage`` per stage. ``regions``: per
+    backward, at microbatch size ``mb_size``, and with ``eval_graphs`` the eval forward too
+    (Note [compiled eval graphs]); one ``CompiledStage`` per stage. ``regions``: per
     stage, the FSDP units to compile inside (Note [compile scope]); a sharded rank passes
     ``warm_up=False`` and calls ``warm_up_rank_stages`` after the wrap (Note [compiling under
     FSDP])."""
@@ -482,7 +497,7 @@ def compile_rank_stages(
             report.unit = "FSDP units"
         reports.append(report)
     if warm_up:
-        warm_up_rank_stages(manifest, stages, device, mb_size, reports, recompute)
+        warm_up_rank_stages(manifest, stages, device, mb_size, reports, recompute, eval_graphs)
     return reports
 
 
@@ -493,17 +508,24 @@ def warm_up_rank_stages(
     mb_size: int,
     reports: Sequence[CompiledStage],
     recompute: Sequence[int] = (),
+    eval_graphs: bool = False,
 ) -> None:
     """Compile this rank's compiled ``stages`` now, forward and backward, at microbatch size
-    ``mb_size`` (and at the second sizes of a build with dynamic dimensions); each report gets
-    its stage's seconds. Sharded stages are warmed up after the wrap, through FSDP
+    ``mb_size`` (and at the second sizes of a build with dynamic dimensions), and with
+    ``eval_graphs`` the forward ``eval_step`` runs too (Note [compiled eval graphs]); each report
+    gets its stage's seconds. Sharded stages are warmed up after the wrap, through FSDP
     (Note [compiling under FSDP])."""
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
+    sizes = [None, second] if second else [None]
     for report in reports:
         s, module = report.stage, stages[report.stage]
         start, failed = time.perf_counter(), len(split_failures)
-        _warm_up(module, _warm_inputs(manifest, s, mb_size, device), s in recompute)
-        if second:
-            _warm_up(module, _warm_inputs(manifest, s, mb_size, device, second), s in recompute)
-        report.seconds = time.perf_counter() - start
+        for at in sizes:
+            _warm_up(module, _warm_inputs(manifest, s, mb_size, device, at), s in recompute)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
+        if eval_graphs:  # Note [compiled eval graphs]
+            trained = time.perf_counter()
+            for at in sizes:
+                _warm_up(module, _warm_inputs(manifest, s, mb_size, device, at), False, False)
+            report.eval_seconds = time.perf_counter() - trained
+        report.seconds = time.perf_counter() - start

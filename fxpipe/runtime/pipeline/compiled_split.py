@@ -96,9 +96,12 @@ stats = {"input_half": 0, "weight_half": 0, "deferred": 0, "fallbacks": 0, "rest
 # the backward graph, but inductor, compiling the input half, may lay an output out otherwise (a
 # permuted channels-last product of the zoo's ConvNeXt came out with its last two strides
 # swapped, failing the weight half's stride check); such a tensor is copied into the strides the
-# weight half expects (nothing is copied where they agree, a dimension of size 1 aside). Only
-# strides that are numbers > 0 are checked: a boundary tensor whose strides name a dynamic size,
-# or an expanded one (stride 0), still meets the weight half's own check, unhandled.
+# weight half expects (nothing is copied where they agree, a dimension of size 1 aside). Strides
+# that name a dynamic size (``(s0*32, 32, 1)``) are known only at run time; where the graph's
+# layout is dense (its example sizes and strides, Dynamo's hints, say so), the weight half expects
+# the dense strides of that dimension order at the run's sizes, and a tensor laid out otherwise is
+# copied into them. A layout that is not dense (an expanded tensor: stride 0, a slice of a larger
+# one) is not checked: the weight half's own check still stops such a run, with inductor's error.
 # Note [halves that do not compile]: the halves are graphs inductor was not written for; where it
 # cannot compile them, that region's backward is compiled as AOTAutograd's one graph instead (its
 # B then computes the weight gradients too, as ``--compile-backward graph`` does), the reason kept
@@ -136,6 +139,8 @@ class _Plan:
     # (position among the boundary, strides) of each boundary tensor whose strides are known
     # numbers: the weight half is compiled for them (Note [the boundary's strides])
     boundary_strides: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # (position, dims outermost first) of each dense one whose strides name a dynamic size
+    boundary_orders: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 def _ancestors(outputs: Sequence[fx.Node]) -> set[fx.Node]:
@@ -211,11 +216,14 @@ def split_graph(
     i_inputs = [p for p in placeholders if p in syms or p in in_i]
     dI = _subgraph(gm, in_i, i_inputs, [outs[k] for k in i_pos] + boundary)
     dW = _subgraph(gm, w_nodes, w_inputs + boundary, [outs[k] for k in w_pos])
-    strides = [  # Note [the boundary's strides]
-        (j, tuple(v.stride()))
-        for j, v in enumerate(n.meta.get("val") for n in boundary)
-        if isinstance(v, torch.Tensor) and all(isinstance(x, int) and x > 0 for x in v.stride())
-    ]
+    strides, orders = [], []  # Note [the boundary's strides]
+    for j, v in enumerate(n.meta.get("val") for n in boundary):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if all(isinstance(x, int) and x > 0 for x in v.stride()):
+            strides.append((j, tuple(v.stride())))
+        elif (order := _dense_order(v)) is not None:
+            orders.append((j, order))
     plan = _Plan(
         len(outs),
         [pos[p] for p in i_inputs],
@@ -224,8 +232,42 @@ def split_graph(
         w_pos,
         len(boundary),
         strides,
+        orders,
     )
     return dI, dW, plan
+
+
+def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dims, outermost first, are ``order``."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d], step = step, step * shape[d]
+    return tuple(strides)
+
+
+def _dense_order(value: torch.Tensor) -> tuple[int, ...] | None:
+    """The dims of a graph's tensor with symbolic strides, outermost first, if its example sizes
+    and strides (the symbols' hints) are those of a dense layout; None if not, or unknown."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    try:
+        shape = [optimization_hint(n) for n in value.shape]
+        stride = [optimization_hint(n) for n in value.stride()]
+    except Exception:  # a size with no hint (data-dependent): unknown
+        return None
+    order = tuple(sorted(range(len(shape)), key=lambda d: -stride[d]))
+    dense = dense_strides(shape, order)
+    if any(n > 1 and s != w for n, s, w in zip(shape, stride, dense)):
+        return None
+    return order
+
+
+def _restrided(x: torch.Tensor, want: Sequence[int]) -> torch.Tensor:
+    """``x``, or a copy of it in strides ``want`` where its own differ (a size-1 dim aside)."""
+    if not any(n > 1 and s != w for n, s, w in zip(x.shape, x.stride(), want)):
+        return x
+    stats["restrided"] += 1
+    return torch.empty_strided(x.shape, tuple(want), dtype=x.dtype, device=x.device).copy_(x)
 
 
 class SplitCode:
@@ -261,12 +303,9 @@ class SplitCode:
             out[k] = g
         boundary = got[n_i:]
         for j, want in plan.boundary_strides:  # Note [the boundary's strides]
-            x = boundary[j]
-            if any(n > 1 and s != w for n, s, w in zip(x.shape, x.stride(), want)):
-                boundary[j] = torch.empty_strided(
-                    x.shape, want, dtype=x.dtype, device=x.device
-                ).copy_(x)
-                stats["restrided"] += 1
+            boundary[j] = _restrided(boundary[j], want)
+        for j, order in plan.boundary_orders:
+            boundary[j] = _restrided(boundary[j], dense_strides(boundary[j].shape, order))
         w_args.extend(boundary)
         if _STATE.armed:
             _STATE.armed = False

@@ -300,7 +300,8 @@ class PipelineRunner:
     ``torch.compile``, compiled before the first step at ``compile_microbatch_size`` (default
     the build's microbatch) with inductor's cache in ``compile_cache`` (default
     ``BUILD/compile_cache``); ``compiled`` reports each stage's compile
-    (``fxpipe.runtime.pipeline.compiled``).
+    (``fxpipe.runtime.pipeline.compiled``). ``compile_eval=True`` compiles ``eval_step``'s graphs
+    then too, for a job that will evaluate (Note [compiled eval graphs]).
     """
 
     def __init__(
@@ -327,6 +328,7 @@ class PipelineRunner:
         compile_backward: str = DEFAULT_COMPILE_BACKWARD,
         compile_cache: str | Path | None = None,
         compile_microbatch_size: int | None = None,
+        compile_eval: bool = False,
         tensor_parallel: int = 1,
         tp_plan: TensorParallelPlan | str | Path | None = None,
     ) -> None:
@@ -418,6 +420,7 @@ class PipelineRunner:
                 else Path(build) / COMPILE_CACHE,
                 regions=regions,
                 warm_up=regions is None,
+                eval_graphs=compile_eval,
             )
         self.stage = rank_module(
             self.stages
@@ -444,7 +447,13 @@ class PipelineRunner:
             assert isinstance(self.data_parallel, ShardedStage), "compile_regions: sharded"
             with self.data_parallel.warming_up():
                 warm_up_rank_stages(
-                    manifest, self.stages, self.device, warm_mb, self.compiled, recomputed
+                    manifest,
+                    self.stages,
+                    self.device,
+                    warm_mb,
+                    self.compiled,
+                    recomputed,
+                    compile_eval,
                 )
         self.optimizer = stage_optimizer(
             self.stage, optimizer_factory or _default_optimizer, self.data_parallel

@@ -1,0 +1,66 @@
+"""``fxpipe verify --compile``: the build's stages, compiled as ``fxpipe run --compile`` compiles
+them, against the original model in one process.
+
+A compiler can compute something other than the code it compiles. Inductor's CPU backend in torch
+2.13 gives the zoo's Falcon (multi-query attention: the key and value picked out of the fused
+projection with a list index, ``qkv[..., [-2], :]``, then ``scaled_dot_product_attention``)
+gradients 2% off in its attention's projection, where the eager stages equal an fp64 run to
+1e-8; the same model under plain ``torch.compile``, with no pipeline, is off alike, and without
+vectorized kernels (``cpp.simdlen=0``) it is right; with AVX2 kernels the gradients are NaN
+(docs/compile.md: which kernels inductor emits depends on the CPU). So before a long compiled
+run, ``fxpipe verify BUILD --compile`` checks what the compiled stages compute, by the rule the
+eager check uses (Note [one comparison rule] in ``fxpipe.codegen.check.equivalence``), in train
+and eval mode.
+
+Dropout draws inductor's own random numbers in a compiled graph, which no eager run can match; the
+stages are therefore compiled here with ``torch._inductor.config.fallback_random`` (inductor calls
+eager's random operators), so a model with dropout compares in train mode too. The rest of each
+graph is compiled as a run compiles it: the scope, the backward in halves or as one graph, the
+dynamic dimensions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch._inductor.config
+import torch.nn as nn
+
+from fxpipe.codegen.check.verify import VerifyReport, verify_build
+from fxpipe.codegen.manifest import Manifest
+from fxpipe.runtime.pipeline.compiled import CompiledStage, compile_rank_stages
+
+__all__ = ["verify_compiled"]
+
+
+def verify_compiled(
+    build_dir: str | Path,
+    scope: str,
+    compile_backward: str,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> tuple[VerifyReport, list[CompiledStage]]:
+    """``verify_build`` with every stage compiled in ``scope``, its backward in halves or as one
+    graph (``compile_backward``), dropout drawing eager's numbers; the report and what compiling
+    each stage found (graph breaks, halves that fell back)."""
+    compiled: list[CompiledStage] = []
+
+    def prepare(manifest: Manifest, stages: list[nn.Module]) -> None:
+        device = next((p.device for m in stages for p in m.parameters()), torch.device("cpu"))
+        compiled.extend(
+            compile_rank_stages(
+                manifest,
+                dict(enumerate(stages)),
+                device,
+                manifest.microbatch_size,
+                scope=scope,
+                warm_up=False,  # the comparison's own forward and backward compile them
+                split_graphs=compile_backward == "halves",
+            )
+        )
+
+    torch._dynamo.reset()  # graphs compiled before in this process were not compiled for this
+    with torch._inductor.config.patch(fallback_random=True):
+        report = verify_build(build_dir, rtol=rtol, atol=atol, prepare=prepare)
+    return report, compiled
