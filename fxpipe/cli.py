@@ -436,6 +436,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise ConfigError(f"{option} must be a finite number >= 0, got {value}")
     from fxpipe.tracer.progress import phase
 
+    if args.schedule is not None and not args.compile:
+        from fxpipe.errors import ConfigError
+
+        raise ConfigError("--schedule chooses how --compile compiles the stages; add --compile")
     _enter("verifying")
     if not args.compile:
         with phase("check"):
@@ -446,7 +450,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     with phase("compile and check"):
         report, compiled = verify_compiled(
-            args.build_dir, args.compile_scope, args.compile_backward, args.rtol, args.atol
+            args.build_dir,
+            args.compile_scope,
+            args.compile_backward,
+            args.rtol,
+            args.atol,
+            args.schedule,
         )
     for stage in compiled:
         print(f"fxpipe verify: {stage.line(timed=False)}")
@@ -654,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         RunOptions,
         title="compiled stages",
-        only=("compile", "compile_scope", "compile_backward"),
+        only=("compile", "compile_scope", "compile_backward", "schedule"),
     )
     p.set_defaults(func=cmd_verify)
 

@@ -199,6 +199,8 @@ def test_the_backward_in_halves_on_one_rank_and_under_bf16(one_rank: None, tmp_p
         _Loaded(build), source, "zbv", True, inputs, targets, precision="bf16"
     )
     assert halves["deferred"] == MICRO * STEPS and halves["fallbacks"] == 0, halves
+    # the warm-up fed stage 1 bf16, as it receives under bf16 autocast: no graph in the steps
+    assert halves["graphs in steps"] == 0, halves
     torch.testing.assert_close(torch.tensor(comp[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
     for k, v in comp[1].items():
         torch.testing.assert_close(v, eager[1][k], rtol=2e-2, atol=2e-2, msg=f"bf16 {k}")
@@ -549,21 +551,33 @@ def test_a_boundary_tensor_with_symbolic_strides_reaches_the_weight_half_in_its_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Note [the boundary's strides] with a dynamic size: the halves of ``_Scaled`` compiled with
-    a dynamic length record the dim order of the boundary tensors whose strides name it, and train
-    like eager at two lengths, nothing copied; a tensor the input half lays out otherwise reaches
-    the weight half copied into the dense strides of that order at the run's sizes, one that
-    agrees as it is."""
+    a dynamic length record the dim order of the boundary tensors whose strides name it. The
+    input half is made to lay those tensors out otherwise (the innermost two dims swapped, as
+    inductor did to the zoo's ConvNeXt), which the weight half's own stride check refuses; they
+    reach it copied into the dense strides of the recorded order at the run's sizes, and the
+    gradients equal eager's at two lengths. A tensor that agrees passes as it is."""
     from fxpipe.runtime.pipeline import compiled_split
     from fxpipe.runtime.pipeline.compiled_split import SplitCode, _Plan, dense_strides, stats
 
     plans: list[_Plan] = []
     init = SplitCode.__init__
 
-    def kept(self: SplitCode, *args: Any) -> None:
+    def relaid(self: SplitCode, *args: Any) -> None:
         init(self, *args)
         plans.append(self.plan)
+        half, n_i = self.input_half, len(self.plan.input_outputs)
 
-    monkeypatch.setattr(compiled_split.SplitCode, "__init__", kept)
+        def input_half(a: list[Any]) -> list[Any]:
+            got = list(half(a))
+            for j, order in self.plan.boundary_orders:
+                other = (*order[:-2], order[-1], order[-2])
+                y = got[n_i + j].permute(other).contiguous()
+                got[n_i + j] = y.permute(sorted(range(y.dim()), key=other.index))
+            return got
+
+        self.input_half = input_half
+
+    monkeypatch.setattr(compiled_split.SplitCode, "__init__", relaid)
     torch.manual_seed(0)
     m = _Scaled()
     ref = copy.deepcopy(m)
@@ -572,9 +586,10 @@ def test_a_boundary_tensor_with_symbolic_strides_reaches_the_weight_half_in_its_
     for t in (5, 7):
         _split_like_eager(m, ref, 3, t)
     assert len(plans) == 1 and plans[0].boundary_orders, plans
-    assert stats["restrided"] == before
+    assert stats["restrided"] == before + 2 * len(plans[0].boundary_orders)
     assert dense_strides((2, 3, 4), (0, 2, 1)) == (12, 1, 3)
 
+    monkeypatch.undo()  # the halves as they are, given by hand
     seen: list[torch.Tensor] = []
     plan = _Plan(1, [0], [], [0], [], 2, [], [(0, (0, 1)), (1, (1, 0))])
     x = torch.randn(5, 3)
@@ -772,6 +787,23 @@ def test_zoo_cnns_with_in_place_ops_and_batch_norm_compiled_train_like_one_proce
         _check(got[:2], want, f"{path.stem} interleaved-1f1b compiled")
 
 
+def _runner(
+    build: Path | _Loaded, source: Any, schedule: str, lr: float = LR, **options: Any
+) -> PipelineRunner:
+    """A runner of ``build`` (its stages loaded by a ``_Loaded``) under SGD at ``lr``."""
+    loaded = build if isinstance(build, _Loaded) else _Loaded(build)
+    return PipelineRunner(
+        loaded.manifest,
+        source.loss_fn,
+        stage_loader=loaded,
+        schedule=schedule,
+        microbatches=MICRO,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=lr),
+        timeout_s=120,
+        **options,
+    )
+
+
 def _eval_loss(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> float:
     """The original model's eval-mode loss under no_grad, the mean over microbatches (as
     ``eval_step`` gives it)."""
@@ -800,17 +832,7 @@ def test_a_run_that_evaluates_compiles_the_eval_graphs_before_the_first_step(
     after_one.load_state_dict(
         reference_train(model, inputs, targets, source.loss_fn, 1, MICRO, lr)[1]
     )
-    runner = PipelineRunner(
-        Manifest.from_json(build),
-        source.loss_fn,
-        stage_loader=_Loaded(build),
-        schedule="zbv",
-        microbatches=MICRO,
-        optimizer_factory=lambda p: torch.optim.SGD(p, lr=lr),
-        timeout_s=120,
-        compile=True,
-        compile_eval=True,
-    )
+    runner = _runner(build, source, "zbv", lr, compile=True, compile_eval=True)
     try:
         assert all(c.eval_seconds and 0 < c.eval_seconds < c.seconds for c in runner.compiled)
         assert "s of it the eval graphs" in runner.compiled[0].line()
@@ -826,6 +848,40 @@ def test_a_run_that_evaluates_compiles_the_eval_graphs_before_the_first_step(
     torch.testing.assert_close(torch.tensor(got[1::2]), torch.tensor(want_losses), **CLOSE)
     for k, v in state.items():
         torch.testing.assert_close(v, want_state[k], **CLOSE, msg=k)
+
+
+def test_the_warm_ups_feed_a_stage_as_the_runtime_does_under_bf16_and_in_place_inputs(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """Dynamo compiles again for an input of another dtype or grad requirement, so both warm-ups
+    feed a stage as ``StageWorker`` does (Note [compiled eval graphs]): received tensors in bf16
+    under bf16 autocast, and an input the stage changes in place copied under the warm-up's grad
+    mode (the training warm-up changed the leaf itself and failed; the eval one fed a tensor that
+    requires grad, so the first evaluation compiled again). The in-place model cut where its
+    second stage changes what it receives (``--split-at act``), two chunks on one rank, zbv:
+    evaluations and steps compile nothing and equal the eager runner's."""
+    import inplace_models
+
+    factory = "build_functional"
+    target = f"{inplace_models.__file__}:{factory}"
+    build = _partition(target, tmp_path / "f", "--split-at", "act", "--schedule", "zbv")
+    assert Manifest.from_json(build).stage(1).mutated_inputs
+    source = load_model_file(inplace_models.__file__, model_fn=factory)
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    got = {}
+    for compile in (False, True):
+        runner = _runner(
+            build, source, "zbv", precision="bf16", compile=compile, compile_eval=compile
+        )
+        try:
+            graphs = compiled_graphs()
+            got[compile] = [f(inputs, targets) for f in (runner.eval_step, runner.step) * 2]
+            assert compiled_graphs() == graphs
+        finally:
+            runner.close()
+    torch.testing.assert_close(
+        torch.tensor(got[True]), torch.tensor(got[False]), rtol=2e-2, atol=2e-2
+    )
 
 
 def _seed_job(rank: int, world: int) -> dict[str, Any]:

@@ -81,3 +81,52 @@ def test_the_backward_in_halves_under_fsdp_trains_like_one_process(tmp_path: Pat
         assert got["halves"]["fallbacks"] == 0, got["halves"]
         assert got["halves"]["graphs in steps"] == 0, got["halves"]
         _check((got["losses"], got["state"]), want, "zbv compiled in halves, --shard full")
+
+
+def _eval_job(rank: int, world: int, build: Path) -> dict[str, Any]:
+    from fxpipe.runtime.pipeline.compiled import compiled_graphs
+    from test_compiled import _runner
+
+    dist.init_process_group("gloo")
+    source = load_model_file(EXAMPLES / "gpt.py")
+    inputs, targets = source.example_inputs(BATCH), source.example_targets(BATCH)
+    runner = _runner(
+        build,
+        source,
+        "1f1b",
+        compile=True,
+        compile_eval=True,
+        data_parallel=DataParallelOptions(shard="grad-op"),
+    )
+    graphs = compiled_graphs()
+    evals, losses = [], []
+    for _ in range(STEPS):
+        evals.append(runner.eval_step(inputs, targets))
+        losses.append(runner.step(inputs, targets))
+    out = {
+        "evals": evals,
+        "losses": losses,
+        "graphs": compiled_graphs() - graphs,
+        "state": {
+            k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+            for k, v in runner.state_dict().items()
+        },
+    }
+    runner.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.distributed
+def test_eval_graphs_warmed_up_under_fsdp_grad_op_leave_a_model_that_trains(tmp_path: Path) -> None:
+    """``compile_eval`` under ``--shard grad-op``: the eval warm-up's forward (no_grad, no backward
+    to reshard after it) left the units whole, and the optimizer, made next over those tensors,
+    changed nothing (every loss equal); the warm-up now reshards. Evaluations before each step
+    and the steps compile nothing and equal one eager process (the GPT example has no dropout:
+    an evaluation's loss is the next step's)."""
+    build = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
+    want = _oracle(build, "gpt")
+    for got in (r.value for r in spawn(_eval_job, 2, build, timeout=1800)):
+        assert got["graphs"] == 0
+        _check((got["losses"], got["state"]), want, "compiled eval graphs, --shard grad-op")
+        _check((got["evals"], got["state"]), want, "the evaluations")

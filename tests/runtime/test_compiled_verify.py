@@ -98,8 +98,9 @@ def test_verify_compile_says_what_the_compiler_computes(
     capsys.readouterr()
     assert main(["verify", str(build)]) == 0  # the eager stages equal the model
     capsys.readouterr()
-    code = main(["verify", str(build), "--compile"])
+    code = main(["verify", str(build), "--compile", "--schedule", "zb-h1"])
     out = capsys.readouterr().out
+    # compiled as a zb-h1 run compiles it: the backward in halves
     assert re.search(r"stage 1 compiled \(stage: whole stage, backward in input and weight", out)
     assert code == (0 if right else 1), out
     assert ("OK: the stages equal the model" in out) == right, out
@@ -122,8 +123,9 @@ def test_verify_compile_of_the_gpt_example_with_dropout_is_ok(
         "    return model\n"
     )
     build = _partition(dropout, tmp_path / "g")
-    code = main(["verify", str(build), "--compile", "--compile-backward", "graph"])
+    code = main(["verify", str(build), "--compile"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "train mode OK" in out and "eval mode OK" in out
-    assert "backward in input and weight" not in out  # --compile-backward graph
+    assert "backward in input and weight" not in out  # the build's 1f1b: one backward graph
+    assert main(["verify", str(build), "--schedule", "zb-h1"]) == 2  # --schedule needs --compile

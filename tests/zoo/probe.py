@@ -10,10 +10,10 @@ For every zoo model (``tests/zoo/registry.py``), each step recorded as ok / erro
 * ``train@S`` / ``eval@S``: the chained stages (``fxpipe.load_pipeline``) against ``build_model()``
   given the build's weights, both in train mode, then both in ``.eval()``: outputs, parameter
   gradients and buffers, fp32, rtol 1e-4 / atol 1e-5 (``tests/zoo/compare.py``);
-* ``compiled@S`` (``--compile``, the first S): ``train@S`` with every stage compiled as a
-  zero-bubble run compiles it, the backward cut into an input and a weight half, dropout drawing
-  eager's numbers (``compare.compare_compiled``); graph breaks and halves that fell back to one
-  graph are in the row's JSON;
+* ``compiled@S`` (``--compile``, the first S): ``train@S`` then ``eval@S`` with every stage
+  compiled as a zero-bubble run compiles it, the backward cut into an input and a weight half,
+  dropout drawing eager's numbers (``compare.compare_compiled``); graph breaks and halves that
+  fell back to one graph are in the row's JSON;
 * ``kwargs`` / ``labels``: the same trace + partition@2 + train compare with the model file's
   ``example_kwargs`` (a dict: the Hugging Face keyword call) and ``example_kwargs_labels``
   (``labels=`` too; the loss is the model's own ``output.loss``), the contract issue 10 asks for.
@@ -262,16 +262,18 @@ def _run_build(build: Path, steps: int = 2, timeout: float = 180.0) -> Step:
 
 def _compiled_step(build: Path, source: Any) -> Step:
     """``compiled@S``: the chained stages, each compiled with its backward in halves, against the
-    original in train mode (``compare.compare_compiled``); the graph breaks and any halves that
-    fell back to one graph go in the step's info."""
+    original in train mode, then in eval mode on the same stages (``compare.compare_compiled``;
+    the step's numbers are the first mode that fails, else train's); the graph breaks and any
+    halves that fell back to one graph go in the step's info."""
     from compare import compare_compiled
 
     extra: dict[str, Any] = {}
 
     def go() -> Any:
-        got = compare_compiled(build, source)
+        got = compare_compiled(build, source, eval=True)
         extra.update(breaks=got.breaks, halves_ran=got.halves_ran, one_graph=got.split_failures)
-        return got.comparison
+        failed_in_eval = got.comparison.ok and got.eval is not None and not got.eval.ok
+        return got.eval if failed_in_eval else got.comparison
 
     step = _checked(go)
     step.info.update(extra)

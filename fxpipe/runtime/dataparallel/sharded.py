@@ -337,7 +337,10 @@ class ShardedStage(AccumulationWindow):
         """Around a compiled stage's warm-up after the wrap (Note [compiling under FSDP] in
         ``fxpipe.runtime.pipeline.compiled``; collective over the group: every replica warms up
         alike): each backward of it is a window's last, so FSDP reduces and reshards as after
-        a step; then the gradients are dropped and every chunk starts its first window."""
+        a step; then the gradients are dropped and every chunk starts its first window. Every
+        unit is resharded at the end: an eval warm-up's forward (no_grad, no backward to reshard
+        after it) leaves ``grad-op``'s units whole, and the optimizer, made next, must see the
+        shards."""
         for chunk in self.chunks:
             chunk._last()
         try:
@@ -345,6 +348,9 @@ class ShardedStage(AccumulationWindow):
         finally:
             for chunk in self.chunks:
                 chunk.finish()
+            for unit in self.units:
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
             for p in self.stage.parameters():
                 p.grad = None
 

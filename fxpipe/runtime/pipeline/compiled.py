@@ -85,8 +85,11 @@ mode, so ``eval_step`` (eval mode, ``no_grad``) runs graphs of its own, which wo
 first evaluation, in the middle of the run (the GPT example's two stages: 13 s with a cold cache,
 unreported), where a backend failure would end a run that had trained for hours. A run that
 evaluates (``fxpipe run --eval-every``, ``PipelineRunner(compile_eval=True)``) compiles them in
-the warm-up too, after the training graphs and at the same sizes, with the inputs a receiving
-stage gets; the run log gives their share of the stage's seconds.
+the warm-up too, after the training graphs and at the same sizes; the run log gives their share
+of the stage's seconds. Either warm-up feeds a stage as ``StageWorker`` does, or Dynamo would
+compile again at the first step or evaluation: received tensors in the dtype they travel in
+(bf16 under bf16 autocast, ``wire_dtype``), and an input the stage changes in place copied
+first, under the warm-up's grad mode (a copy made under ``no_grad`` requires no gradient).
 
 The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is pointed at ``cache_dir`` (a folder the user
 named, else the build's ``compile_cache`` unless the environment names one of the user's), so a second run of the same build loads its kernels and graphs
@@ -95,6 +98,7 @@ instead of compiling them.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -113,6 +117,7 @@ from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.pipeline.compiled_split import first_line, split_backend, split_failures
+from fxpipe.runtime.pipeline.precision import wire_dtype
 from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
@@ -395,10 +400,13 @@ def _warm_inputs(
     mb_size: int,
     device: torch.device,
     sizes: Mapping[str, int] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Synthetic inputs of stage ``stage`` at microbatch size ``mb_size`` and the dynamic ``sizes``
-    (default: the traced ones), as ``StageWorker`` feeds it (received tensors that need a gradient
-    are leaves that require one). A dimension that depends on the data takes its traced size."""
+    (default: the traced ones), as ``StageWorker`` feeds it: received tensors in the dtype they
+    travel in under ``autocast`` (``wire_dtype``), those that need a gradient leaves that require
+    one (``_warm_up`` copies those the stage changes in place). A dimension that depends on the
+    data takes its traced size."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     at = {r.name: r.traced for r in manifest.dynamic} | dict(sizes or {})
     args = []
@@ -411,6 +419,8 @@ def _warm_inputs(
         else:
             shape = t.shape_at(mb_size, manifest.microbatch_size, at)
         dtype = getattr(torch, t.dtype)
+        if t.producer != INPUT:
+            dtype = wire_dtype(dtype, autocast)
         if dtype.is_floating_point:
             x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
         else:
@@ -422,13 +432,18 @@ def _warm_inputs(
 
 
 def _warm_up(
-    module: nn.Module, args: list[torch.Tensor], recompute: bool, training: bool = True
+    module: nn.Module,
+    args: list[torch.Tensor],
+    recompute: bool,
+    training: bool = True,
+    mutated: Sequence[int] = (),
 ) -> None:
     """One forward and backward of ``module`` in train mode (the graphs training runs, whatever
     mode the caller left it in), or (not ``training``) one forward in eval mode under
     ``no_grad`` (the graphs ``eval_step`` runs), whose effects are undone: gradients, buffers,
     the mode, and torch's, numpy's and Python's random state (the job's first step draws what it
-    would draw without the warm-up)."""
+    would draw without the warm-up). The inputs at ``mutated``, which the stage changes in place,
+    are copied first under that grad mode, as ``StageWorker`` feeds them."""
     buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
     grads = {p: p.grad for p in module.parameters()}
     modes = {m: m.training for m in module.modules()}
@@ -436,6 +451,7 @@ def _warm_up(
     module.train(training)
     try:
         with seeded(None, cuda), torch.set_grad_enabled(training):
+            args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
             out = checkpointed(module, *args) if recompute and training else module(*args)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -467,6 +483,7 @@ def compile_rank_stages(
     split_graphs: bool = False,
     regions: Mapping[int, Sequence[str]] | None = None,
     eval_graphs: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``, and with ``eval_graphs`` the eval forward too
@@ -497,7 +514,9 @@ def compile_rank_stages(
             report.unit = "FSDP units"
         reports.append(report)
     if warm_up:
-        warm_up_rank_stages(manifest, stages, device, mb_size, reports, recompute, eval_graphs)
+        warm_up_rank_stages(
+            manifest, stages, device, mb_size, reports, recompute, eval_graphs, autocast
+        )
     return reports
 
 
@@ -509,23 +528,28 @@ def warm_up_rank_stages(
     reports: Sequence[CompiledStage],
     recompute: Sequence[int] = (),
     eval_graphs: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> None:
     """Compile this rank's compiled ``stages`` now, forward and backward, at microbatch size
     ``mb_size`` (and at the second sizes of a build with dynamic dimensions), and with
-    ``eval_graphs`` the forward ``eval_step`` runs too (Note [compiled eval graphs]); each report
+    ``eval_graphs`` the forward ``eval_step`` runs too (Note [compiled eval graphs]), fed as
+    ``StageWorker`` feeds them (received tensors in their ``autocast`` wire dtype); each report
     gets its stage's seconds. Sharded stages are warmed up after the wrap, through FSDP
     (Note [compiling under FSDP])."""
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     sizes = [None, second] if second else [None]
     for report in reports:
         s, module = report.stage, stages[report.stage]
+        spec = manifest.stage(s)
+        mutated = [i for i, t in enumerate(spec.inputs) if t.name in spec.mutated_inputs]
+        inputs = functools.partial(_warm_inputs, manifest, s, mb_size, device, autocast=autocast)
         start, failed = time.perf_counter(), len(split_failures)
         for at in sizes:
-            _warm_up(module, _warm_inputs(manifest, s, mb_size, device, at), s in recompute)
+            _warm_up(module, inputs(at), s in recompute, mutated=mutated)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
         if eval_graphs:  # Note [compiled eval graphs]
             trained = time.perf_counter()
             for at in sizes:
-                _warm_up(module, _warm_inputs(manifest, s, mb_size, device, at), False, False)
+                _warm_up(module, inputs(at), False, training=False, mutated=mutated)
             report.eval_seconds = time.perf_counter() - trained
         report.seconds = time.perf_counter() - start

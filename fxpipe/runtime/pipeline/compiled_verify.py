@@ -14,9 +14,14 @@ and eval mode.
 
 Dropout draws inductor's own random numbers in a compiled graph, which no eager run can match; the
 stages are therefore compiled here with ``torch._inductor.config.fallback_random`` (inductor calls
-eager's random operators), so a model with dropout compares in train mode too. The rest of each
-graph is compiled as a run compiles it: the scope, the backward in halves or as one graph, the
-dynamic dimensions.
+eager's random operators), so a model with dropout compares in train mode too. The rest is
+compiled as a run of the build's schedule (or ``schedule``) compiles it: the scope, the backward
+in halves where that schedule splits it (else one graph), the dynamic dimensions marked. The
+comparison runs at the build's example sizes only: in a build with dynamic dimensions the graphs
+a run compiles for other lengths are not compared. Dynamo's caches are emptied before and after
+(graphs compiled under ``fallback_random`` must not serve later work in the process; graphs
+compiled before in it compile again at their next call), and the AOTAutograd setting compiling
+changes is put back.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import torch._inductor.config
 import torch.nn as nn
 
 from fxpipe.codegen.check.verify import VerifyReport, verify_build
 from fxpipe.codegen.manifest import Manifest
+from fxpipe.partitioner.schedule import schedule_kind
 from fxpipe.runtime.pipeline.compiled import CompiledStage, compile_rank_stages
+from fxpipe.runtime.train.run_options import DEFAULT_SCHEDULE
 
 __all__ = ["verify_compiled"]
 
@@ -40,14 +48,17 @@ def verify_compiled(
     compile_backward: str,
     rtol: float = 1e-4,
     atol: float = 1e-5,
+    schedule: str | None = None,
 ) -> tuple[VerifyReport, list[CompiledStage]]:
-    """``verify_build`` with every stage compiled in ``scope``, its backward in halves or as one
-    graph (``compile_backward``), dropout drawing eager's numbers; the report and what compiling
-    each stage found (graph breaks, halves that fell back)."""
+    """``verify_build`` with every stage compiled in ``scope`` as a run of ``schedule`` (default:
+    the build's) compiles it, its backward in halves or as one graph (``compile_backward``) where
+    that schedule splits it, dropout drawing eager's numbers; the report and what compiling each
+    stage found (graph breaks, halves that fell back)."""
     compiled: list[CompiledStage] = []
 
     def prepare(manifest: Manifest, stages: list[nn.Module]) -> None:
         device = next((p.device for m in stages for p in m.parameters()), torch.device("cpu"))
+        split = schedule_kind(schedule or manifest.schedule or DEFAULT_SCHEDULE).split_backward
         compiled.extend(
             compile_rank_stages(
                 manifest,
@@ -56,11 +67,17 @@ def verify_compiled(
                 manifest.microbatch_size,
                 scope=scope,
                 warm_up=False,  # the comparison's own forward and backward compile them
+                split_backward=split,
                 split_graphs=compile_backward == "halves",
             )
         )
 
-    torch._dynamo.reset()  # graphs compiled before in this process were not compiled for this
-    with torch._inductor.config.patch(fallback_random=True):
-        report = verify_build(build_dir, rtol=rtol, atol=atol, prepare=prepare)
+    donated = torch._functorch.config.donated_buffer  # compiling a split backward turns it off
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fallback_random=True):
+            report = verify_build(build_dir, rtol=rtol, atol=atol, prepare=prepare)
+    finally:
+        torch._dynamo.reset()
+        torch._functorch.config.donated_buffer = donated
     return report, compiled

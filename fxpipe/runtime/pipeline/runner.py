@@ -421,6 +421,7 @@ class PipelineRunner:
                 regions=regions,
                 warm_up=regions is None,
                 eval_graphs=compile_eval,
+                autocast=autocast,
             )
         self.stage = rank_module(
             self.stages
@@ -454,6 +455,7 @@ class PipelineRunner:
                     self.compiled,
                     recomputed,
                     compile_eval,
+                    autocast,
                 )
         self.optimizer = stage_optimizer(
             self.stage, optimizer_factory or _default_optimizer, self.data_parallel
