@@ -55,6 +55,7 @@ HEAVY = (
     "tests/runtime/test_compiled.py::test_halves_that_do_not_compile",
     "tests/runtime/test_compiled.py::test_a_run_that_evaluates",  # 4 stage compiles
     "tests/runtime/test_compiled.py::test_the_warm_ups_feed",  # 4 stage compiles
+    "tests/runtime/test_compiled.py::test_a_compiled_stage_that_computes",  # 3 runners
     "tests/runtime/test_compiled_verify.py::test_verify_compile_of_the_gpt",  # 4 compiles
     "tests/runtime/test_compiled_sharded.py",  # compiled under FSDP2 (2 ranks)
     "tests/runtime/test_compiled_dynamic.py",  # a dynamic build compiled, steps at 3 lengths (#36)

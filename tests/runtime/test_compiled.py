@@ -884,6 +884,83 @@ def test_the_warm_ups_feed_a_stage_as_the_runtime_does_under_bf16_and_in_place_i
     )
 
 
+class _Off(nn.Module):
+    """A linear layer (and dropout) whose compiled code computes 1% more than its eager code
+    (``is_compiling()``: a stand-in for a compiler defect), unless ``right``."""
+
+    def __init__(self, p: float = 0.0, right: bool = False) -> None:
+        super().__init__()
+        self.a, self.d, self.right = nn.Linear(8, 8), nn.Dropout(p), right
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.d(self.a(x))
+        return y * 1.01 if torch.compiler.is_compiling() and not self.right else y
+
+
+def test_the_check_against_eager_finds_a_stage_computing_something_else() -> None:
+    """Note [checking a compiled stage at the warm-up], its comparison: the compiled stage that
+    computes 1% more fails on every tensor (output, input and parameter gradients), the right
+    one passes, one with dropout is reported random (unchecked); the state is left as it was.
+    (Dynamo's ``eager`` backend: the check is the backend's business, and inductor is slow here.)"""
+    from fxpipe.runtime.pipeline.compiled import _warm_up
+    from fxpipe.runtime.pipeline.compiled_check import check_against_eager
+
+    torch.manual_seed(0)
+    got = {}
+    for name, m in (("off", _Off()), ("right", _Off(right=True)), ("dropout", _Off(0.5))):
+        m.forward = torch.compile(m.forward, backend="eager")  # type: ignore[method-assign]
+        x = torch.randn(4, 8, requires_grad=True)
+        _warm_up(m, [x], False)
+        state, rng = copy.deepcopy(m.state_dict()), torch.get_rng_state()
+        got[name] = check_against_eager(m, [x])
+        assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())
+        assert torch.equal(torch.get_rng_state(), rng) and m.a.weight.grad is None
+    assert not got["off"].ok and got["off"].failing == got["off"].compared == 4
+    assert got["right"].ok and not got["right"].random and got["right"].compared == 4
+    assert got["dropout"].random and got["dropout"].ok
+
+
+class _Miscompiled(_Loaded):
+    """Stages whose compiled forward computes 1% more than their code: the compiler traces the
+    ``is_compiling()`` branch, the eager run does not (a stand-in for a compiler defect)."""
+
+    def __call__(self, index: int, device: torch.device) -> nn.Module:
+        module = super().__call__(index, device)
+        forward = module.forward
+
+        def off(*args: Any) -> Any:
+            out = forward(*args)
+            if not torch.compiler.is_compiling():
+                return out
+            return tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01
+
+        module.forward = off  # type: ignore[method-assign]
+        return module
+
+
+def test_a_compiled_stage_that_computes_something_else_stops_the_run_before_the_first_step(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """Note [checking a compiled stage at the warm-up]: a stage whose compiled forward and backward
+    differ from its eager code on the warm-up's inputs stops the runner with the stage and the
+    tensor named; ``compile_check=False`` (``--compile-unchecked``) lets it run; a stage that
+    compiles right reports that it equals its eager code."""
+    from fxpipe.runtime.pipeline.compiled_check import CompiledMismatchError
+
+    source = load_model_file(EXAMPLES / "mlp.py")
+    build = make_build("mlp", tmp_path / "m", 1, BATCH, MICRO)
+    with pytest.raises(CompiledMismatchError, match=r"stage 0 compiled computes something else"):
+        _runner(_Miscompiled(build), source, "1f1b", compile=True)
+    runner = _runner(_Miscompiled(build), source, "1f1b", compile=True, compile_check=False)
+    runner.close()
+    assert runner.compiled[0].check is None
+    runner = _runner(build, source, "1f1b", compile=True)
+    runner.close()
+    check = runner.compiled[0].check
+    assert check is not None and check.ok and not check.random and check.compared > 2
+    assert runner.compiled[0].line().endswith("; equals its eager code")
+
+
 def _seed_job(rank: int, world: int) -> dict[str, Any]:
     _smp_tests_importable()
     from seedscripts import load_script

@@ -16,8 +16,8 @@ loss left eager), Mixtral (top-2 routing), T5 (an encoder-decoder), Whisper (a f
 table), ResNet-18 (in-place ReLU, ``out += identity``, BatchNorm), GPT-2 (dropout, a tied head),
 a dict batch. Every other zoo model passed the same check by hand on 2026-11-28 (the one-graph and
 the halves backward), and in train and eval mode on the same compiled stages the next day, except
-Falcon there: inductor's vectorized CPU kernels on that host compute its multi-query attention's
-backward wrongly, plain ``torch.compile`` of the model alike (docs/compile.md; ``fxpipe verify
+Falcon there: inductor's vectorized CPU kernels on that host, with two threads, compute its
+multi-query attention's backward wrongly, plain ``torch.compile`` of the model alike (docs/compile.md; ``fxpipe verify
 --compile`` finds it, tests/runtime/test_compiled_verify.py). They run with the full zoo
 (``FXPIPE_ZOO=full``, ``make zoo``).
 """

@@ -116,12 +116,17 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from fxpipe.codegen.manifest import INPUT, Manifest
 from fxpipe.shapeformula import BATCH, UNKNOWN, evaluate, symbols_of
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.pipeline.compiled_check import (
+    CompiledMismatchError,
+    EagerCheck,
+    check_against_eager,
+    state_undone,
+)
 from fxpipe.runtime.pipeline.compiled_split import first_line, split_backend, split_failures
 from fxpipe.runtime.pipeline.precision import wire_dtype
 from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
-from fxpipe.tracer.seeding import seeded
 
 __all__ = [
     "COMPILE_SCOPES",
@@ -151,6 +156,7 @@ class CompiledStage:
     one_graph: list[str] = field(default_factory=list)
     unit: str = "blocks"  # what the regions are: repeated "blocks", or "FSDP units"
     eval_seconds: float | None = None  # of ``seconds``, the eval graphs' (None: not compiled)
+    check: EagerCheck | None = None  # against its eager code (None: not checked)
 
     def line(self, timed: bool = True) -> str:
         """One log line (``timed``: with the warm-up's seconds)."""
@@ -167,7 +173,29 @@ class CompiledStage:
         took = f" in {self.seconds:.1f} s" if timed else ""
         if timed and self.eval_seconds is not None:
             took += f" ({self.eval_seconds:.1f} s of it the eval graphs)"
-        return f"stage {self.stage} compiled ({self.scope}: {where}){took}{breaks}"
+        checked = ""
+        if self.check is not None:  # Note [checking a compiled stage at the warm-up]
+            checked = (
+                "; not checked against its eager code: it draws random numbers "
+                "(fxpipe verify --compile checks it)"
+                if self.check.random
+                else "; equals its eager code"
+            )
+        return f"stage {self.stage} compiled ({self.scope}: {where}){took}{breaks}{checked}"
+
+
+def _mismatch_text(report: CompiledStage) -> str:
+    """The error of a stage whose compiled forward and backward differ from its eager code."""
+    check = report.check
+    assert check is not None and check.worst is not None
+    worst = check.worst
+    return (
+        f"stage {report.stage} compiled computes something else than its code: {worst.name} is "
+        f"{worst.max_abs:.3g} off its eager value (allowed {worst.allowed:.3g}; {check.failing} "
+        f"of {check.compared} tensors off) on the warm-up's inputs. The compiler (inductor) "
+        "miscomputes this model here: train it without --compile, or pass --compile-unchecked "
+        "to train on these numbers anyway (docs/compile.md)"
+    )
 
 
 def use_cache_dir(path: str | Path | None, explicit: bool = False) -> str:
@@ -444,28 +472,13 @@ def _warm_up(
     the mode, and torch's, numpy's and Python's random state (the job's first step draws what it
     would draw without the warm-up). The inputs at ``mutated``, which the stage changes in place,
     are copied first under that grad mode, as ``StageWorker`` feeds them."""
-    buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
-    grads = {p: p.grad for p in module.parameters()}
-    modes = {m: m.training for m in module.modules()}
-    cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
-    module.train(training)
-    try:
-        with seeded(None, cuda), torch.set_grad_enabled(training):
-            args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
-            out = checkpointed(module, *args) if recompute and training else module(*args)
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-    finally:
-        with torch.no_grad():
-            for k, b in module.named_buffers():
-                if k in buffers:
-                    b.copy_(buffers[k])
-        for p, g in grads.items():
-            p.grad = g
-        for m, training in modes.items():
-            m.training = training
+    with state_undone(module, training), torch.set_grad_enabled(training):
+        args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
+        out = checkpointed(module, *args) if recompute and training else module(*args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
 
 
 def compile_rank_stages(
@@ -484,6 +497,7 @@ def compile_rank_stages(
     regions: Mapping[int, Sequence[str]] | None = None,
     eval_graphs: bool = False,
     autocast: torch.dtype | None = None,
+    check: bool = True,
 ) -> list[CompiledStage]:
     """Compile this rank's ``stages`` in place and (``warm_up``) compile them now, forward and
     backward, at microbatch size ``mb_size``, and with ``eval_graphs`` the eval forward too
@@ -515,7 +529,7 @@ def compile_rank_stages(
         reports.append(report)
     if warm_up:
         warm_up_rank_stages(
-            manifest, stages, device, mb_size, reports, recompute, eval_graphs, autocast
+            manifest, stages, device, mb_size, reports, recompute, eval_graphs, autocast, check
         )
     return reports
 
@@ -529,13 +543,15 @@ def warm_up_rank_stages(
     recompute: Sequence[int] = (),
     eval_graphs: bool = False,
     autocast: torch.dtype | None = None,
+    check: bool = True,
 ) -> None:
     """Compile this rank's compiled ``stages`` now, forward and backward, at microbatch size
     ``mb_size`` (and at the second sizes of a build with dynamic dimensions), and with
     ``eval_graphs`` the forward ``eval_step`` runs too (Note [compiled eval graphs]), fed as
     ``StageWorker`` feeds them (received tensors in their ``autocast`` wire dtype); each report
-    gets its stage's seconds. Sharded stages are warmed up after the wrap, through FSDP
-    (Note [compiling under FSDP])."""
+    gets its stage's seconds. With ``check`` each stage is then compared with its eager code
+    (``CompiledMismatchError`` if it differs: Note [checking a compiled stage at the warm-up]).
+    Sharded stages are warmed up after the wrap, through FSDP (Note [compiling under FSDP])."""
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     sizes = [None, second] if second else [None]
     for report in reports:
@@ -547,6 +563,12 @@ def warm_up_rank_stages(
         for at in sizes:
             _warm_up(module, inputs(at), s in recompute, mutated=mutated)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
+        if check and report.unit != "FSDP units":  # Note [checking a compiled stage at the warm-up]
+            report.check = check_against_eager(
+                module, inputs(None), s in recompute, mutated, autocast
+            )
+            if not report.check.ok:
+                raise CompiledMismatchError(_mismatch_text(report))
         if eval_graphs:  # Note [compiled eval graphs]
             trained = time.perf_counter()
             for at in sizes:

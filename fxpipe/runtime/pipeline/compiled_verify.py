@@ -6,8 +6,11 @@ A compiler can compute something other than the code it compiles. Inductor's CPU
 projection with a list index, ``qkv[..., [-2], :]``, then ``scaled_dot_product_attention``)
 gradients 2% off in its attention's projection, where the eager stages equal an fp64 run to
 1e-8; the same model under plain ``torch.compile``, with no pipeline, is off alike, and without
-vectorized kernels (``cpp.simdlen=0``) it is right; with AVX2 kernels the gradients are NaN
-(docs/compile.md: which kernels inductor emits depends on the CPU). So before a long compiled
+vectorized kernels (``cpp.simdlen=0``) or with one thread it is right; with AVX2 kernels the
+gradients are NaN (docs/compile.md: which kernels inductor emits depends on the CPU and the
+threads). A run checks each stage against its eager code at its warm-up (Note [checking a
+compiled stage at the warm-up] in ``compiled_check``), but not a stage with dropout, as Falcon's
+are. So before a long compiled
 run, ``fxpipe verify BUILD --compile`` checks what the compiled stages compute, by the rule the
 eager check uses (Note [one comparison rule] in ``fxpipe.codegen.check.equivalence``), in train
 and eval mode.

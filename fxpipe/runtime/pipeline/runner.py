@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -270,6 +271,29 @@ def resolve_schedule(
     return schedule
 
 
+_P = ParamSpec("_P")
+
+
+def _releasing_the_group_on_failure(
+    init: Callable[Concatenate[PipelineRunner, _P], None],
+) -> Callable[Concatenate[PipelineRunner, _P], None]:
+    """``PipelineRunner.__init__`` that destroys the process group it created when it fails
+    after creating it (a compiled stage refused at its warm-up, say), so the caller's process can
+    start another runner."""
+
+    @functools.wraps(init)
+    def run(self: PipelineRunner, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "_owns_group", False) and dist.is_initialized():
+                dist.destroy_process_group()
+                self._owns_group = False
+            raise
+
+    return run
+
+
 class PipelineRunner:
     """Trains this rank's stage of a build directory in a pipeline with the other ranks.
 
@@ -301,9 +325,12 @@ class PipelineRunner:
     the build's microbatch) with inductor's cache in ``compile_cache`` (default
     ``BUILD/compile_cache``); ``compiled`` reports each stage's compile
     (``fxpipe.runtime.pipeline.compiled``). ``compile_eval=True`` compiles ``eval_step``'s graphs
-    then too, for a job that will evaluate (Note [compiled eval graphs]).
+    then too, for a job that will evaluate (Note [compiled eval graphs]); each compiled stage is
+    compared with its eager code at the warm-up unless ``compile_check=False`` (Note [checking a
+    compiled stage at the warm-up]).
     """
 
+    @_releasing_the_group_on_failure
     def __init__(
         self,
         build: str | Path | Manifest,
@@ -329,6 +356,7 @@ class PipelineRunner:
         compile_cache: str | Path | None = None,
         compile_microbatch_size: int | None = None,
         compile_eval: bool = False,
+        compile_check: bool = True,
         tensor_parallel: int = 1,
         tp_plan: TensorParallelPlan | str | Path | None = None,
     ) -> None:
@@ -422,6 +450,7 @@ class PipelineRunner:
                 warm_up=regions is None,
                 eval_graphs=compile_eval,
                 autocast=autocast,
+                check=compile_check,
             )
         self.stage = rank_module(
             self.stages
@@ -456,6 +485,7 @@ class PipelineRunner:
                     recomputed,
                     compile_eval,
                     autocast,
+                    compile_check,
                 )
         self.optimizer = stage_optimizer(
             self.stage, optimizer_factory or _default_optimizer, self.data_parallel

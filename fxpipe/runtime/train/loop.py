@@ -292,6 +292,7 @@ def train(build_dir: Path, options: RunOptions, out: Path | None = None) -> RunR
         compile_cache=options.compile_cache,
         compile_microbatch_size=batch // microbatches,
         compile_eval=t.eval_every is not None,  # Note [compiled eval graphs]
+        compile_check=not options.compile_unchecked,
         tensor_parallel=options.tp,
         tp_plan=options.tp_plan,
     ) as runner:

@@ -153,6 +153,11 @@ class RunOptions(Options):
         none_means="BUILD/compile_cache, or TORCHINDUCTOR_CACHE_DIR when set",
         help="with --compile: inductor's cache folder (a second run loads what the first compiled)",
     )
+    compile_unchecked: bool = option(
+        False,
+        help="with --compile: skip the warm-up's check of each compiled stage against its eager "
+        "code (a stage that differs otherwise stops the run before the first step)",
+    )
     timeout_s: float = option(
         DEFAULT_TIMEOUT_S,
         flag="--timeout",

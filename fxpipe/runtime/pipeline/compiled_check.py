@@ -1,0 +1,164 @@
+"""A compiled stage checked against its own code run eagerly, at the warm-up, before the first step.
+
+Note [checking a compiled stage at the warm-up]: a compiler can compute something other than the
+code it compiles (inductor's vectorized CPU kernels and the zoo Falcon's attention backward:
+docs/compile.md), and a run that trains on such numbers is the worst outcome a compiled run can
+have: it trains, on wrong gradients. ``fxpipe verify --compile`` compares the whole model by hand;
+this check runs in every compiled run. After a stage's warm-up compiled it, the stage's forward
+and backward run once more on the warm-up's inputs, compiled and eagerly (the compiled regions
+under ``torch.compiler.set_stance("force_eager")``), from the same seed, and the outputs, the
+gradients of the received tensors and of the parameters are compared by the rule the safety net
+uses (Note [one comparison rule] in ``fxpipe.codegen.check.equivalence``), with tolerances wide
+enough for kernels that only round otherwise (fp32: rtol 1e-3, atol 1e-5; under bf16 or fp16
+autocast 5e-2 and 1e-3; and no tensor held closer than rtol x 1% of the stage's largest value,
+for sums that cancel to about 0, whose noise is the size of their terms):
+a 2% error in fp32 or a NaN fails the start with the stage and the tensor named, silent noise
+does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
+cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
+as the warm-up's are (gradients, buffers, modes, random state). Not checked: stages compiled
+inside FSDP units (their forward gathers and reduces across the replicas), a dynamic build's
+second sizes, the eval graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fxpipe.codegen.check.equivalence import TensorError, compare_tensor, rows_by_error
+from fxpipe.errors import RuntimeSetupError
+from fxpipe.runtime.pipeline.recompute import checkpointed
+from fxpipe.tracer.seeding import seeded
+
+__all__ = [
+    "CHECK_TOLERANCES",
+    "CompiledMismatchError",
+    "EagerCheck",
+    "check_against_eager",
+    "state_undone",
+]
+
+# (rtol, atol) per autocast dtype (None: fp32): under bf16 a gradient that cancels to about 0
+# eagerly is a few 1e-5 compiled (the GPT example's tied embedding)
+CHECK_TOLERANCES = {None: (1e-3, 1e-5), torch.bfloat16: (5e-2, 1e-3), torch.float16: (5e-2, 1e-3)}
+_FLOOR = 1e-2  # of the stage's largest compared value, times rtol: the least error allowed
+
+
+class CompiledMismatchError(RuntimeSetupError):
+    """A compiled stage computes something other than its code (Note [checking a compiled stage
+    at the warm-up])."""
+
+
+@dataclass(frozen=True)
+class EagerCheck:
+    """The compiled stage against its eager code: ``worst`` the tensor furthest off (None when
+    ``random``: the stage draws random numbers, unchecked), ``failing`` how many are off."""
+
+    random: bool
+    worst: TensorError | None = None
+    failing: int = 0
+    compared: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.failing == 0
+
+
+@contextlib.contextmanager
+def state_undone(module: nn.Module, training: bool) -> Iterator[None]:
+    """Run the block with ``module`` in train (``training``) or eval mode, then put back its
+    gradients, buffers, modes, and torch's, numpy's and Python's random state."""
+    buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+    grads = {p: p.grad for p in module.parameters()}
+    modes = {m: m.training for m in module.modules()}
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    module.train(training)
+    try:
+        with seeded(None, cuda):
+            yield
+    finally:
+        with torch.no_grad():
+            for k, b in module.named_buffers():
+                if k in buffers:
+                    b.copy_(buffers[k])
+        for p, g in grads.items():
+            p.grad = g
+        for m, was in modes.items():
+            m.training = was
+
+
+def _forward_backward(
+    module: nn.Module,
+    args: Sequence[torch.Tensor],
+    recompute: bool,
+    mutated: Sequence[int],
+    seed: int,
+) -> list[tuple[str, torch.Tensor | None]]:
+    """Outputs, received tensors' gradients and parameters' gradients of one forward and backward
+    from ``seed``, the output gradients drawn from a generator of their own (not ones: a
+    LayerNorm's input gradient for a constant output gradient cancels to about 0, noise)."""
+    for p in module.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    leaves = [a.detach().requires_grad_(a.requires_grad) for a in args]
+    with torch.enable_grad():
+        fed = [a.clone() if i in mutated else a for i, a in enumerate(leaves)]
+        out = checkpointed(module, *fed) if recompute else module(*fed)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))]
+        roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(o.shape, generator=gen).to(o) for o in roots]
+        if roots:
+            torch.autograd.backward(roots, grads)
+    got: list[tuple[str, torch.Tensor | None]] = [
+        (f"output[{i}]", o.detach() if isinstance(o, torch.Tensor) else None)
+        for i, o in enumerate(outs)
+    ]
+    got += [(f"grad of input[{i}]", a.grad) for i, a in enumerate(leaves) if a.requires_grad]
+    got += [(f"grad {k}", p.grad) for k, p in module.named_parameters() if p.requires_grad]
+    return got
+
+
+def _largest(t: torch.Tensor) -> float:
+    """The largest finite magnitude in a floating tensor (0 for others)."""
+    if not t.is_floating_point() or not t.numel():
+        return 0.0
+    return float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+
+
+def _same(
+    a: list[tuple[str, torch.Tensor | None]], b: list[tuple[str, torch.Tensor | None]]
+) -> bool:
+    return all(
+        (x is None and y is None)
+        or (x is not None and y is not None and torch.equal(x.nan_to_num(), y.nan_to_num()))
+        for (_, x), (_, y) in zip(a, b)
+    )
+
+
+def check_against_eager(
+    module: nn.Module,
+    args: Sequence[torch.Tensor],
+    recompute: bool = False,
+    mutated: Sequence[int] = (),
+    autocast: torch.dtype | None = None,
+) -> EagerCheck:
+    """``module`` (compiled, warmed up on ``args``) against its eager code on ``args``
+    (Note [checking a compiled stage at the warm-up]); its effects undone."""
+    rtol, atol = CHECK_TOLERANCES.get(autocast, CHECK_TOLERANCES[torch.bfloat16])
+    with state_undone(module, True):
+        with torch.compiler.set_stance("force_eager"):
+            want = _forward_backward(module, args, recompute, mutated, 0)
+            if not _same(want, _forward_backward(module, args, recompute, mutated, 1)):
+                return EagerCheck(random=True)
+        got = _forward_backward(module, args, recompute, mutated, 0)
+    # a tensor far smaller than the stage's others (a sum that cancels) is held to their scale
+    scale = max((_largest(w) for _, w in want if w is not None), default=0.0)
+    floor = atol + rtol * _FLOOR * scale
+    rows = [compare_tensor(name, g, w, rtol, floor) for (name, g), (_, w) in zip(got, want)]
+    ranked = rows_by_error(rows)
+    return EagerCheck(False, ranked[0] if ranked else None, sum(not r.ok for r in rows), len(rows))
