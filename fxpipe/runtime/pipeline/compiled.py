@@ -120,6 +120,7 @@ from fxpipe.runtime.pipeline.compiled_check import (
     CompiledMismatchError,
     EagerCheck,
     check_against_eager,
+    checkable,
     state_undone,
 )
 from fxpipe.runtime.pipeline.compiled_split import first_line, split_backend, split_failures
@@ -563,7 +564,8 @@ def warm_up_rank_stages(
         for at in sizes:
             _warm_up(module, inputs(at), s in recompute, mutated=mutated)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
-        if check and report.unit != "FSDP units":  # Note [checking a compiled stage at the warm-up]
+        # Note [checking a compiled stage at the warm-up]
+        if check and report.unit != "FSDP units" and checkable(module):
             report.check = check_against_eager(
                 module, inputs(None), s in recompute, mutated, autocast
             )

@@ -16,8 +16,9 @@ a 2% error in fp32 or a NaN fails the start with the stage and the tensor named,
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
 as the warm-up's are (gradients, buffers, modes, random state). Not checked: stages compiled
-inside FSDP units (their forward gathers and reduces across the replicas), a dynamic build's
-second sizes, the eval graphs.
+inside FSDP units (their forward gathers and reduces across the replicas), tensor-parallel stages
+(DTensor parameters: their forward and backward are collectives over the shards), a dynamic
+build's second sizes, the eval graphs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "CompiledMismatchError",
     "EagerCheck",
     "check_against_eager",
+    "checkable",
     "state_undone",
 ]
 
@@ -138,6 +140,14 @@ def _same(
         or (x is not None and y is not None and torch.equal(x.nan_to_num(), y.nan_to_num()))
         for (_, x), (_, y) in zip(a, b)
     )
+
+
+def checkable(module: nn.Module) -> bool:
+    """Whether ``module`` can be checked on this rank alone: no DTensor parameter (tensor
+    parallelism: every shard's forward and backward are collectives)."""
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def check_against_eager(
