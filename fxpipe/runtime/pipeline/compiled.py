@@ -121,11 +121,11 @@ from fxpipe.runtime.pipeline.compiled_check import (
     EagerCheck,
     check_against_eager,
     checkable,
+    run_stage,
     state_undone,
 )
 from fxpipe.runtime.pipeline.compiled_split import first_line, split_backend, split_failures
 from fxpipe.runtime.pipeline.precision import wire_dtype
-from fxpipe.runtime.pipeline.recompute import checkpointed
 from fxpipe.runtime.pipeline.routes import needs_grad
 from fxpipe.runtime.train.run_options import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 
@@ -474,12 +474,7 @@ def _warm_up(
     would draw without the warm-up). The inputs at ``mutated``, which the stage changes in place,
     are copied first under that grad mode, as ``StageWorker`` feeds them."""
     with state_undone(module, training), torch.set_grad_enabled(training):
-        args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
-        out = checkpointed(module, *args) if recompute and training else module(*args)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+        run_stage(module, args, recompute, mutated, torch.ones_like)
 
 
 def compile_rank_stages(

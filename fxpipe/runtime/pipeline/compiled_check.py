@@ -24,8 +24,9 @@ build's second sizes, the eval graphs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -41,6 +42,7 @@ __all__ = [
     "EagerCheck",
     "check_against_eager",
     "checkable",
+    "run_stage",
     "state_undone",
 ]
 
@@ -93,6 +95,25 @@ def state_undone(module: nn.Module, training: bool) -> Iterator[None]:
             m.training = was
 
 
+def run_stage(
+    module: nn.Module,
+    args: Sequence[torch.Tensor],
+    recompute: bool,
+    mutated: Sequence[int],
+    output_grad: Callable[[torch.Tensor], torch.Tensor],
+) -> list[Any]:
+    """``module``'s forward on ``args`` as ``StageWorker`` runs it (the inputs at ``mutated``
+    copied first, under ``torch.utils.checkpoint`` if ``recompute`` and grad is on), then, for the
+    outputs that need one, the backward from ``output_grad(output)``; the outputs."""
+    fed = [a.clone() if i in mutated else a for i, a in enumerate(args)]
+    out = checkpointed(module, *fed) if recompute and torch.is_grad_enabled() else module(*fed)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [output_grad(o) for o in roots])
+    return outs
+
+
 def _forward_backward(
     module: nn.Module,
     args: Sequence[torch.Tensor],
@@ -107,15 +128,11 @@ def _forward_backward(
         p.grad = None
     torch.manual_seed(seed)
     leaves = [a.detach().requires_grad_(a.requires_grad) for a in args]
+    gen = torch.Generator().manual_seed(0)
     with torch.enable_grad():
-        fed = [a.clone() if i in mutated else a for i, a in enumerate(leaves)]
-        out = checkpointed(module, *fed) if recompute else module(*fed)
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))]
-        roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        gen = torch.Generator().manual_seed(0)
-        grads = [torch.randn(o.shape, generator=gen).to(o) for o in roots]
-        if roots:
-            torch.autograd.backward(roots, grads)
+        outs = run_stage(
+            module, leaves, recompute, mutated, lambda o: torch.randn(o.shape, generator=gen).to(o)
+        )
     got: list[tuple[str, torch.Tensor | None]] = [
         (f"output[{i}]", o.detach() if isinstance(o, torch.Tensor) else None)
         for i, o in enumerate(outs)
