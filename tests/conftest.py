@@ -36,6 +36,7 @@ HEAVY = (
     "tests/runtime/test_varlen_training.py::test_tensor_parallel_stages_train_on_varying_lengths",
     "tests/smp/test_api_tensor_parallel.py::test_two_partitions_x_tp2_train_as_one_process",
     "tests/smp/test_api_tensor_parallel.py::test_one_partition_x_tp2_x_two_replicas_train_as_one_process",
+    "tests/smp/test_api_tensor_parallel.py::test_compiled_tp2_stages_train_as_one_process",
     "tests/runtime/test_tensor_parallel_vocab.py",  # 4 ranks each: Mixtral (156 s), a gathered loss
     # FSDP over TP (pp1 x tp2 x dp2, 4 ranks, 45-190 s each); the one-rank composition stays
     "tests/runtime/test_tensor_parallel_fsdp.py::test_fsdp_over_tp_trains_as_one_process",
@@ -56,6 +57,7 @@ HEAVY = (
     "tests/runtime/test_compiled.py::test_a_run_that_evaluates",  # 4 stage compiles
     "tests/runtime/test_compiled.py::test_the_warm_ups_feed",  # 4 stage compiles
     "tests/runtime/test_compiled.py::test_a_compiled_stage_that_computes",  # 3 runners
+    "tests/runtime/test_compiled.py::test_seed_api_stops_a_miscompiled",  # 2 jobs compile
     "tests/runtime/test_compiled_verify.py",  # 3 builds compiled, 2 partitions
     "tests/runtime/test_compiled_sharded.py",  # compiled under FSDP2 (2 ranks)
     "tests/runtime/test_compiled_dynamic.py",  # a dynamic build compiled, steps at 3 lengths (#36)

@@ -64,7 +64,10 @@ class Config:
     run this rank's stages under ``torch.compile``, compiled right after partitioning
     (docs/compile.md; ``fxpipe.runtime.pipeline.compiled``); ``compile_backward``: under a
     zero-bubble pipeline, each compiled backward as one graph (``"graph"``) or cut in an input
-    and a weight half (``"halves"``, the default), as ``fxpipe run --compile-backward``. ``tensor_parallel_degree``: T ranks
+    and a weight half (``"halves"``, the default), as ``fxpipe run --compile-backward``;
+    ``compile_unchecked``: run compiled stages that differ from their eager code at the warm-up's
+    check (Note [checking a compiled stage at the warm-up]), as ``fxpipe run --compile-unchecked``.
+    ``tensor_parallel_degree``: T ranks
     per stage that split its linears, as ``fxpipe run --tp T`` (the seed library's later key;
     world = partitions x T x replicas, tp innermost; docs/tensor-parallel.md).
     """
@@ -81,6 +84,7 @@ class Config:
     weights: str | None = None
     compile: bool = False
     compile_backward: str = DEFAULT_COMPILE_BACKWARD
+    compile_unchecked: bool = False
     tensor_parallel_degree: int = 1
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
 
@@ -115,7 +119,7 @@ class Config:
             raise ConfigError(
                 f"config 'virtual_stages': {str(exc).replace('--virtual-stages', 'virtual_stages')}"
             ) from None
-        for key in ("auto_partition", "ddp", "compile"):
+        for key in ("auto_partition", "ddp", "compile", "compile_unchecked"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"config {key!r} must be True or False, got {getattr(self, key)!r}"
@@ -157,11 +161,6 @@ class Config:
                 f"config 'tensor_parallel_degree' {self.tensor_parallel_degree} runs one stage per "
                 f"process, but pipeline {self.pipeline!r} runs {self.chunks_per_rank}; use "
                 "'interleaved' or 'simple'"
-            )
-        if self.tensor_parallel_degree > 1 and self.compile:
-            raise ConfigError(
-                f"config 'tensor_parallel_degree' {self.tensor_parallel_degree} does not combine "
-                "with 'compile': True yet; drop one of them"
             )
         if self.optimize not in ("speed", "memory"):
             raise ConfigError(

@@ -37,7 +37,13 @@ from fxpipe.runtime.pipeline.p2p import P2P
 from fxpipe.runtime.pipeline.routes import routes_from_manifest
 from fxpipe.runtime.pipeline.ties import sync_tied_grads
 from fxpipe.tracer.measure.meta import is_meta_model
-from fxpipe.smp.partitioning import StageBuild, TraceOptions, build_stage, resolve_trace_device
+from fxpipe.smp.partitioning import (
+    StageBuild,
+    TraceOptions,
+    build_stage,
+    compile_stages,
+    resolve_trace_device,
+)
 from fxpipe.smp.chunks import ChunkedDriver
 from fxpipe.smp.driver import StepDriver, StepError
 from fxpipe.smp.replicas import Replicas
@@ -220,6 +226,13 @@ class DistributedModel(nn.Module):
                 st.tp_context,
                 build.build_dir,
             )
+        warm_up = (  # after the split: a stage compiles as it runs (DTensor parameters)
+            compile_stages(
+                build, st.config, world=st.world_size, device=st.device, batch_size=batch
+            )
+            if st.config.compile
+            else None
+        )
         self.module = build.stage
         self._build = build
         self._routes = routes_from_manifest(build.manifest)
@@ -237,8 +250,8 @@ class DistributedModel(nn.Module):
         self.replicas.attach(
             self.module, st.dp_group, st.device, st.tp_mesh is not None
         )  # replicas start from replica 0's weights
-        if build.warm_up is not None:  # compiled and sharded: warmed up through FSDP
-            self.replicas.warm_up(build.warm_up)
+        if warm_up is not None:  # compiled and sharded: warmed up through FSDP
+            self.replicas.warm_up(warm_up)
         for wrapped in st.optimizers:
             wrapped.localize(self)
         self.replicas.start_join(self._joinables())

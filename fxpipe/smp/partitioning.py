@@ -25,6 +25,7 @@ against the whole (meta) model; so no rank holds more than its stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import linecache
@@ -34,7 +35,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from fxpipe.runtime.pipeline.rank_stages import share_tied_parameters
 from fxpipe.partitioner.schedule import schedule_kind
 from fxpipe.runtime.dataparallel.fsdp_units import compile_regions
 from fxpipe.runtime.pipeline.compiled import compile_rank_stages, warm_up_rank_stages
+from fxpipe.runtime.pipeline.compiled_check import CompiledMismatchError
 from fxpipe.runtime.pipeline.runner import COMPILE_CACHE, resolve_schedule
 from fxpipe.smp.chunks import RankChunks
 from fxpipe.smp.config import Config
@@ -60,6 +62,7 @@ __all__ = [
     "TraceOptions",
     "StageBuild",
     "build_stage",
+    "compile_stages",
     "apply_partition_policy",
     "copy_module_values",
     "resolve_trace_device",
@@ -93,9 +96,6 @@ class StageBuild:
     stage: nn.Module
     build_dir: Path | None
     chunks: dict[int, nn.Module] = dataclasses.field(default_factory=dict)
-    # compiled and sharded: the compile's warm-up, to run once the stage is wrapped in FSDP
-    # (Note [compiling under FSDP] in fxpipe.runtime.pipeline.compiled)
-    warm_up: Callable[[], None] | None = None
 
 
 def apply_partition_policy(profile: ModelProfile, config: Config) -> ModelProfile:
@@ -339,11 +339,24 @@ def build_stage(
             load_into_stage(chunks.values(), module, config.weights)
         except WeightsError as exc:
             raise WeightsError(str(exc).replace("--weights", "config 'weights'", 1)) from None
-    warm_up = None
-    if config.compile:  # Note [compile scope] in fxpipe.runtime.pipeline.compiled
-        replicas = world // (config.partitions * config.tensor_parallel_degree)
-        regions = compile_regions(chunks, config.data_parallel, replicas)  # sharded: FSDP units
-        mb_size = max(batch_size // config.microbatches, 1)
+    stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
+    stage.train(module.training)
+    return StageBuild(manifest, plan, stage, build_dir, chunks)
+
+
+def compile_stages(
+    build: StageBuild, config: Config, *, world: int, device: torch.device, batch_size: int
+) -> Callable[[], None] | None:
+    """``config['compile']``: compile this rank's stages of ``build`` and warm them up (Note
+    [compile scope] in ``fxpipe.runtime.pipeline.compiled``), after ``tensor_parallel_degree``
+    split them (a stage compiles as it will run: DTensor parameters); sharded stages compile
+    inside their FSDP units and the warm-up returned runs once the wrap is done (Note [compiling
+    under FSDP]). Errors name the config's keys."""
+    chunks, manifest, check = build.chunks, build.manifest, not config.compile_unchecked
+    replicas = world // (config.partitions * config.tensor_parallel_degree)
+    regions = compile_regions(chunks, config.data_parallel, replicas)  # sharded: FSDP units
+    mb_size = max(batch_size // config.microbatches, 1)
+    with _seed_spelling():
         reports = compile_rank_stages(
             manifest,
             chunks,
@@ -351,17 +364,34 @@ def build_stage(
             mb_size,
             split_backward=schedule_kind(config.schedule).split_backward,
             split_graphs=config.compile_backward == "halves",
-            cache_dir=build_dir / COMPILE_CACHE if build_dir is not None else None,
+            cache_dir=build.build_dir / COMPILE_CACHE if build.build_dir is not None else None,
             regions=regions,
             warm_up=regions is None,
+            check=check,
         )
-        if regions is not None:  # after the wrap: Note [compiling under FSDP]
-            warm_up = functools.partial(
-                warm_up_rank_stages, manifest, chunks, device, mb_size, reports
-            )
-    stage = next(iter(chunks.values())) if len(chunks) == 1 else RankChunks(chunks)
-    stage.train(module.training)
-    return StageBuild(manifest, plan, stage, build_dir, chunks, warm_up)
+    if regions is None:
+        return None
+    return functools.partial(
+        _warm_up_sharded, manifest, chunks, device, mb_size, reports, check=check
+    )
+
+
+@contextlib.contextmanager
+def _seed_spelling() -> Iterator[None]:
+    """A compiled stage's check failure (Note [checking a compiled stage at the warm-up]) with its
+    remedies in the config's keys instead of ``fxpipe run``'s flags."""
+    try:
+        yield
+    except CompiledMismatchError as exc:
+        text = str(exc).replace("without --compile", "without config 'compile'")
+        text = text.replace("pass --compile-unchecked", "set config 'compile_unchecked': True")
+        raise CompiledMismatchError(text) from None
+
+
+def _warm_up_sharded(*args: Any, **kwargs: Any) -> None:
+    """``warm_up_rank_stages`` after the FSDP wrap, its errors in the config's keys."""
+    with _seed_spelling():
+        warm_up_rank_stages(*args, **kwargs)
 
 
 def _rank_stage_indices(manifest: Manifest, mp_rank: int) -> list[int]:

@@ -884,6 +884,22 @@ def test_the_warm_ups_feed_a_stage_as_the_runtime_does_under_bf16_and_in_place_i
     )
 
 
+def _miscompiled(module: nn.Module, when: Any = lambda module, args: True) -> nn.Module:
+    """``module`` whose compiled forward gives 1% more than its code ``when(module, args)``: the
+    compiler traces the ``is_compiling()`` branch, the eager run does not (a stand-in for a
+    compiler defect)."""
+    forward = module.forward
+
+    def off(*args: Any) -> Any:
+        out = forward(*args)
+        if not (torch.compiler.is_compiling() and when(module, args)):
+            return out
+        return tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01
+
+    module.forward = off  # type: ignore[method-assign]
+    return module
+
+
 class _Off(nn.Module):
     """A linear layer (and dropout) whose compiled code computes 1% more than its eager code
     (``is_compiling()``: a stand-in for a compiler defect), unless ``right``."""
@@ -920,22 +936,92 @@ def test_the_check_against_eager_finds_a_stage_computing_something_else() -> Non
     assert got["dropout"].random and got["dropout"].ok
 
 
+def test_the_check_in_eval_mode_compares_the_forward_a_stage_with_dropout_included() -> None:
+    """The check of the eval graphs (``training=False``): the forward in eval mode under
+    ``no_grad``, outputs only; the stage that computes 1% more fails, and the one with dropout,
+    which the training check cannot compare, is compared (dropout draws nothing in eval mode)."""
+    from fxpipe.runtime.pipeline.compiled import _warm_up
+    from fxpipe.runtime.pipeline.compiled_check import check_against_eager
+
+    got = {}
+    for name, m in (("off", _Off()), ("dropout", _Off(0.5, right=True))):
+        m.forward = torch.compile(m.forward, backend="eager")  # type: ignore[method-assign]
+        x = torch.randn(4, 8, requires_grad=True)
+        _warm_up(m, [x], False, training=False)
+        before = compiled_graphs()
+        got[name] = check_against_eager(m, [x], training=False)
+        assert compiled_graphs() == before  # the eval graph the warm-up compiled, no other
+        assert m.training and m.a.weight.grad is None
+    assert not got["off"].ok and got["off"].compared == 1  # the output: no gradient in eval
+    assert got["dropout"].ok and not got["dropout"].random and got["dropout"].compared == 1
+
+
+def test_the_warm_up_checks_a_dynamic_build_at_its_second_sizes_and_its_eval_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dynamic build's stage compiled right at its traced length and wrong at others (its
+    compiled code branches on the length: Dynamo specializes and compiles the second length
+    apart, a stand-in for a defect at one size) stops the warm-up at the second size, the size
+    named; a stage wrong in eval mode only stops it when the eval graphs are compiled."""
+    import functools
+
+    from fxpipe.runtime.pipeline.compiled import compile_rank_stages
+    from fxpipe.runtime.pipeline.compiled_check import CompiledMismatchError
+
+    model = Path(__file__).with_name("varlen_lm.py")
+    build = make_build(model, tmp_path / "build", 1, 4, 2)
+    manifest = Manifest.from_json(build)
+    traced = manifest.dynamic[0].traced
+    # the eager backend: what is checked is the compiled code, not inductor's kernels (slow here)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+
+    def stage(off: Any) -> dict[int, nn.Module]:
+        return {0: _miscompiled(load_stage(build, 0), off)}
+
+    def compile(stages: dict[int, nn.Module], eval_graphs: bool = False) -> Any:
+        torch._dynamo.reset()
+        return compile_rank_stages(
+            manifest, stages, torch.device("cpu"), 2, split_backward=False, eval_graphs=eval_graphs
+        )
+
+    at_other_lengths = stage(lambda m, xs: xs[0].shape[1] != traced)
+    with pytest.raises(CompiledMismatchError, match=rf"warm-up's inputs, seq = {traced + 1}\."):
+        compile(at_other_lengths)
+    in_eval = stage(lambda m, xs: not m.training)
+    (report,) = compile(in_eval)
+    assert report.check is not None and report.check.ok and report.eval_check is None
+    assert not report.graph_breaks  # the stand-in compiled as one graph: the check saw it
+    with pytest.raises(CompiledMismatchError, match="something else than its code in eval mode"):
+        compile(stage(lambda m, xs: not m.training), eval_graphs=True)
+    (report,) = compile(stage(lambda m, xs: False), eval_graphs=True)
+    assert report.line().endswith("; equals its eager code (train and eval)")
+
+
+def test_the_log_line_says_what_the_check_compared() -> None:
+    """A stage with dropout: its training graphs are not checked, its eval graphs are when the
+    warm-up compiles them; a stage without: checked in train mode, and in eval mode too."""
+    from fxpipe.runtime.pipeline.compiled import CompiledStage
+    from fxpipe.runtime.pipeline.compiled_check import EagerCheck
+
+    random, equal = EagerCheck(random=True), EagerCheck(random=False, compared=3)
+    line = CompiledStage(0, "stage", ("",), check=random).line(timed=False)
+    assert line.endswith(
+        "; its training graphs are not checked against its eager code: they draw "
+        "random numbers (fxpipe verify --compile checks them)"
+    ), line
+    line = CompiledStage(0, "stage", ("",), check=random, eval_check=equal).line(timed=False)
+    assert "; its eval graphs equal its eager code; its training graphs are not checked" in line
+    line = CompiledStage(0, "stage", ("",), check=equal, eval_check=equal).line(timed=False)
+    assert line.endswith("; equals its eager code (train and eval)"), line
+    assert CompiledStage(0, "stage", ("",)).line(timed=False).endswith("; one graph per region")
+
+
 class _Miscompiled(_Loaded):
     """Stages whose compiled forward computes 1% more than their code: the compiler traces the
     ``is_compiling()`` branch, the eager run does not (a stand-in for a compiler defect)."""
 
     def __call__(self, index: int, device: torch.device) -> nn.Module:
-        module = super().__call__(index, device)
-        forward = module.forward
-
-        def off(*args: Any) -> Any:
-            out = forward(*args)
-            if not torch.compiler.is_compiling():
-                return out
-            return tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01
-
-        module.forward = off  # type: ignore[method-assign]
-        return module
+        return _miscompiled(super().__call__(index, device))
 
 
 def test_a_compiled_stage_that_computes_something_else_stops_the_run_before_the_first_step(
@@ -1018,6 +1104,48 @@ def _seed_sharded_job(rank: int, world: int) -> dict[str, Any]:
     out["fsdp"] = any(type(m).__name__.startswith("FSDP") for m in model.modules())
     out["breaks"] = sum(counters["graph_break"].values())  # none: compiled inside the units
     return out
+
+
+def _seed_miscompiled_job(rank: int, world: int, unchecked: bool) -> str:
+    """The seed API on one rank, its stage loaded as ``_Miscompiled`` loads one: the first step's
+    outcome (``"trained"`` or the error's text)."""
+    import fxpipe.smp as api
+    import fxpipe.smp.partitioning as partitioning
+    from fxpipe.runtime.pipeline.compiled_check import CompiledMismatchError
+
+    load = partitioning.load_checked_stage
+
+    def miscompiled(*args: Any, **kwargs: Any) -> nn.Module:
+        return _miscompiled(load(*args, **kwargs))
+
+    partitioning.load_checked_stage = miscompiled  # type: ignore[assignment]
+    api.init({"partitions": 1, "microbatches": 2, "compile": True, "compile_unchecked": unchecked})
+    model = api.DistributedModel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    optimizer = api.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @api.step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    try:
+        train(torch.randn(4, 8))
+    except CompiledMismatchError as exc:
+        return str(exc)
+    optimizer.step()
+    return "trained"
+
+
+@pytest.mark.distributed
+def test_seed_api_stops_a_miscompiled_stage_unless_compile_unchecked() -> None:
+    """The seed config's ``compile_unchecked`` (as ``--compile-unchecked``): by default a stage
+    whose compiled code computes something else stops the first step, naming the stage; with the
+    key the step runs (Note [checking a compiled stage at the warm-up])."""
+    checked = spawn(_seed_miscompiled_job, 1, False, timeout=600)[0].value
+    assert "stage 0 compiled computes something else" in checked, checked
+    assert "set config 'compile_unchecked': True" in checked and "--compile" not in checked
+    assert spawn(_seed_miscompiled_job, 1, True, timeout=600)[0].value == "trained"
 
 
 @pytest.mark.distributed

@@ -116,7 +116,9 @@ def reference(replicas: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _job(rank: int, world: int, partitions: int, ckdir: str | None = None) -> dict[str, Any]:
+def _job(
+    rank: int, world: int, partitions: int, ckdir: str | None = None, compile: bool = False
+) -> dict[str, Any]:
     import fxpipe.smp as smp
 
     dist.init_process_group("gloo")
@@ -127,6 +129,7 @@ def _job(rank: int, world: int, partitions: int, ckdir: str | None = None) -> di
             "tensor_parallel_degree": TP,
             "pipeline": "interleaved",
             "ddp": True,
+            "compile": compile,
         }
     )
     model = smp.DistributedModel(build(), trace_device="cpu")
@@ -148,7 +151,10 @@ def _job(rank: int, world: int, partitions: int, ckdir: str | None = None) -> di
     split = sum(1 for p in model.local_parameters() if isinstance(p, DTensor))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ranks = (smp.mp_rank(), smp.tp_rank(), smp.tp_size(), smp.dp_rank())
+    from fxpipe.runtime.pipeline.compiled import compiled_graphs
+
     out = {"losses": losses, "state": state, "split": split, "ranks": ranks}
+    out["graphs"] = compiled_graphs()
     if ckdir is not None:  # a partial checkpoint: one part per stage, loaded into every tp rank
         path = f"{ckdir}/model.pt"
         smp.save(model.local_state_dict(), path, partial=True)
@@ -163,7 +169,9 @@ def _job(rank: int, world: int, partitions: int, ckdir: str | None = None) -> di
     return out
 
 
-def _check(results: list[dict[str, Any]], partitions: int, replicas: int) -> None:
+def _check(
+    results: list[dict[str, Any]], partitions: int, replicas: int, close: Any = TIGHT
+) -> None:
     want_losses, want_state = reference(replicas)
     assert want_losses[-1] < want_losses[0]
     by_replica: dict[int, list[float]] = {}
@@ -173,9 +181,9 @@ def _check(results: list[dict[str, Any]], partitions: int, replicas: int) -> Non
         assert res["split"] > 0, f"rank {rank} holds no split parameter"
         by_replica[res["ranks"][3]] = res["losses"]
         assert list(res["state"]) == list(want_state)
-        torch.testing.assert_close(res["state"], want_state, **TIGHT, msg=f"rank {rank}")
+        torch.testing.assert_close(res["state"], want_state, **close, msg=f"rank {rank}")
     mean = torch.tensor([by_replica[r] for r in range(replicas)]).mean(0)
-    torch.testing.assert_close(mean, torch.tensor(want_losses), **TIGHT)
+    torch.testing.assert_close(mean, torch.tensor(want_losses), **close)
 
 
 @pytest.mark.distributed
@@ -195,6 +203,16 @@ def test_one_partition_x_tp2_x_two_replicas_train_as_one_process() -> None:
     """DDP over the replicas of each tp shard (Note [TP under DDP]); each replica its own batch."""
     results = [r.value for r in spawn(_job, TP * 2, 1, timeout=600)]
     _check(results, 1, 2)
+
+
+@pytest.mark.distributed
+def test_compiled_tp2_stages_train_as_one_process() -> None:
+    """``compile: True`` with ``tensor_parallel_degree``: each rank's stage is compiled after the
+    split, as it runs (DTensor parameters), as ``fxpipe run --tp --compile`` compiles it; one
+    partition x tp 2 trains as one eager process (rtol 1e-4: compiled kernels round otherwise)."""
+    results = [r.value for r in spawn(_job, TP, 1, None, True, timeout=900)]
+    assert all(res["graphs"] > 0 for res in results)
+    _check(results, 1, 1, {"rtol": 1e-4, "atol": 1e-5})
 
 
 def test_a_degree_that_cannot_work_is_one_line() -> None:

@@ -45,6 +45,10 @@ from fxpipe.tracer import trace_model
             {"partitions": 2, "compile": True, "compile_backward": "split"},
             "'compile_backward' must be one of ['graph', 'halves'], got 'split'",
         ),
+        (
+            {"partitions": 2, "compile": True, "compile_unchecked": "yes"},
+            "'compile_unchecked' must be True or False, got 'yes'",
+        ),
         ({"partitions": 2, "plan": "/nonexistent/build"}, "has no manifest.json"),
         ({"partitions": 2, "comm_hook": "int8"}, "unknown comm_hook 'int8'"),
         ({"partitions": 2, "powersgd_rank": 0}, "powersgd_rank must be an int >= 1, got 0"),

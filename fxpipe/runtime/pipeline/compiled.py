@@ -158,6 +158,7 @@ class CompiledStage:
     unit: str = "blocks"  # what the regions are: repeated "blocks", or "FSDP units"
     eval_seconds: float | None = None  # of ``seconds``, the eval graphs' (None: not compiled)
     check: EagerCheck | None = None  # against its eager code (None: not checked)
+    eval_check: EagerCheck | None = None  # its eval graphs' (None: not compiled or not checked)
 
     def line(self, timed: bool = True) -> str:
         """One log line (``timed``: with the warm-up's seconds)."""
@@ -174,26 +175,35 @@ class CompiledStage:
         took = f" in {self.seconds:.1f} s" if timed else ""
         if timed and self.eval_seconds is not None:
             took += f" ({self.eval_seconds:.1f} s of it the eval graphs)"
-        checked = ""
-        if self.check is not None:  # Note [checking a compiled stage at the warm-up]
+        checked = ""  # Note [checking a compiled stage at the warm-up]
+        evaluated = self.eval_check is not None and not self.eval_check.random
+        if self.check is not None and not self.check.random:
+            checked = "; equals its eager code" + (" (train and eval)" if evaluated else "")
+        elif self.check is not None:
             checked = (
-                "; not checked against its eager code: it draws random numbers "
-                "(fxpipe verify --compile checks it)"
-                if self.check.random
-                else "; equals its eager code"
+                "; its training graphs are not checked against its eager code: they draw random "
+                "numbers (fxpipe verify --compile checks them)"
             )
+            if evaluated:
+                checked = "; its eval graphs equal its eager code" + checked
         return f"stage {self.stage} compiled ({self.scope}: {where}){took}{breaks}{checked}"
 
 
-def _mismatch_text(report: CompiledStage) -> str:
-    """The error of a stage whose compiled forward and backward differ from its eager code."""
-    check = report.check
+def _mismatch_text(
+    report: CompiledStage, sizes: Mapping[str, int] | None = None, training: bool = True
+) -> str:
+    """The error of a stage whose compiled forward and backward (not ``training``: eval forward)
+    differ from its eager code on the warm-up's inputs (at a dynamic build's ``sizes``; none: the
+    traced ones)."""
+    check = report.check if training else report.eval_check
     assert check is not None and check.worst is not None
     worst = check.worst
+    at = "".join(f", {name} = {n}" for name, n in (sizes or {}).items())
+    mode = "" if training else " in eval mode"
     return (
-        f"stage {report.stage} compiled computes something else than its code: {worst.name} is "
+        f"stage {report.stage} compiled computes something else than its code{mode}: {worst.name} is "
         f"{worst.max_abs:.3g} off its eager value (allowed {worst.allowed:.3g}; {check.failing} "
-        f"of {check.compared} tensors off) on the warm-up's inputs. The compiler (inductor) "
+        f"of {check.compared} tensors off) on the warm-up's inputs{at}. The compiler (inductor) "
         "miscomputes this model here: train it without --compile, or pass --compile-unchecked "
         "to train on these numbers anyway (docs/compile.md)"
     )
@@ -561,14 +571,24 @@ def warm_up_rank_stages(
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
         # Note [checking a compiled stage at the warm-up]
         if check and report.unit != "FSDP units" and checkable(module):
-            report.check = check_against_eager(
-                module, inputs(None), s in recompute, mutated, autocast
-            )
-            if not report.check.ok:
-                raise CompiledMismatchError(_mismatch_text(report))
+            for at in sizes:  # a dynamic build's graphs at its second sizes too
+                report.check = check_against_eager(
+                    module, inputs(at), s in recompute, mutated, autocast
+                )
+                if not report.check.ok:
+                    raise CompiledMismatchError(_mismatch_text(report, at))
+                if report.check.random:
+                    break
         if eval_graphs:  # Note [compiled eval graphs]
             trained = time.perf_counter()
             for at in sizes:
                 _warm_up(module, inputs(at), False, training=False, mutated=mutated)
             report.eval_seconds = time.perf_counter() - trained
+            if report.check is not None:  # checked in train mode: in eval mode too
+                for at in sizes:
+                    report.eval_check = check_against_eager(
+                        module, inputs(at), False, mutated, autocast, training=False
+                    )
+                    if not report.eval_check.ok:
+                        raise CompiledMismatchError(_mismatch_text(report, at, training=False))
         report.seconds = time.perf_counter() - start

@@ -16,14 +16,17 @@ a 2% error in fp32 or a NaN fails the start with the stage and the tensor named,
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
 as the warm-up's are (gradients, buffers, modes, random state). Not checked: stages compiled
-inside FSDP units (their forward gathers and reduces across the replicas), tensor-parallel stages
-(DTensor parameters: their forward and backward are collectives over the shards), a dynamic
-build's second sizes, the eval graphs.
+inside FSDP units (their forward gathers and reduces across the replicas) and tensor-parallel
+stages (DTensor parameters: their forward and backward are collectives over the shards). A build
+with dynamic dimensions is checked at both of the warm-up's sizes; where the warm-up compiles the
+eval graphs (Note [compiled eval graphs] in ``fxpipe.runtime.pipeline.compiled``), their forward
+is checked too, in eval mode, where dropout draws nothing: a stage with dropout is checked there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,16 +123,18 @@ def _forward_backward(
     recompute: bool,
     mutated: Sequence[int],
     seed: int,
+    training: bool = True,
 ) -> list[tuple[str, torch.Tensor | None]]:
     """Outputs, received tensors' gradients and parameters' gradients of one forward and backward
     from ``seed``, the output gradients drawn from a generator of their own (not ones: a
-    LayerNorm's input gradient for a constant output gradient cancels to about 0, noise)."""
+    LayerNorm's input gradient for a constant output gradient cancels to about 0, noise); not
+    ``training``: the outputs of one forward under ``no_grad``, as ``eval_step`` runs it."""
     for p in module.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    leaves = [a.detach().requires_grad_(a.requires_grad) for a in args]
+    leaves = [a.detach().requires_grad_(a.requires_grad) for a in args]  # as the warm-up's
     gen = torch.Generator().manual_seed(0)
-    with torch.enable_grad():
+    with torch.set_grad_enabled(training):
         outs = run_stage(
             module, leaves, recompute, mutated, lambda o: torch.randn(o.shape, generator=gen).to(o)
         )
@@ -137,6 +142,8 @@ def _forward_backward(
         (f"output[{i}]", o.detach() if isinstance(o, torch.Tensor) else None)
         for i, o in enumerate(outs)
     ]
+    if not training:
+        return got
     got += [(f"grad of input[{i}]", a.grad) for i, a in enumerate(leaves) if a.requires_grad]
     got += [(f"grad {k}", p.grad) for k, p in module.named_parameters() if p.requires_grad]
     return got
@@ -173,16 +180,21 @@ def check_against_eager(
     recompute: bool = False,
     mutated: Sequence[int] = (),
     autocast: torch.dtype | None = None,
+    training: bool = True,
 ) -> EagerCheck:
     """``module`` (compiled, warmed up on ``args``) against its eager code on ``args``
-    (Note [checking a compiled stage at the warm-up]); its effects undone."""
+    (Note [checking a compiled stage at the warm-up]); its effects undone. Not ``training``: its
+    eval graphs, the forward in eval mode under ``no_grad``."""
     rtol, atol = CHECK_TOLERANCES.get(autocast, CHECK_TOLERANCES[torch.bfloat16])
-    with state_undone(module, True):
+    run = functools.partial(
+        _forward_backward, module, args, recompute and training, mutated, training=training
+    )
+    with state_undone(module, training):
         with torch.compiler.set_stance("force_eager"):
-            want = _forward_backward(module, args, recompute, mutated, 0)
-            if not _same(want, _forward_backward(module, args, recompute, mutated, 1)):
+            want = run(0)
+            if not _same(want, run(1)):
                 return EagerCheck(random=True)
-        got = _forward_backward(module, args, recompute, mutated, 0)
+        got = run(0)
     # a tensor far smaller than the stage's others (a sum that cancels) is held to their scale
     scale = max((_largest(w) for _, w in want if w is not None), default=0.0)
     floor = atol + rtol * _FLOOR * scale
