@@ -23,6 +23,7 @@ HEAVY = (
     # make test's 10 minutes (2026-11-28: 631 s): slow members of new families whose siblings stay
     "tests/runtime/test_tensor_parallel.py::test_pp_x_tp_trains_like_one_process[2-llama]",
     "tests/runtime/test_dcp_checkpoint.py::test_one_rank_resumes_as_two_ranks_of_zbv_chunks",
+    "tests/runtime/test_dcp_checkpoint.py::test_compiled_zb_h1_stages_resume",  # 6 compiles
     "tests/runtime/test_same_batch.py::test_pipeline_runner_stops_ranks_given_different_targets",
     "tests/codegen/test_tp_plan.py::test_partition_writes_the_plan_and_report_shows_it",
     # tensor parallelism composed (issue 40): 4 and 8 gloo processes each, 1-4 min on 2 loaded
