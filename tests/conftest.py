@@ -59,6 +59,7 @@ HEAVY = (
     "tests/runtime/test_compiled.py::test_the_warm_ups_feed",  # 4 stage compiles
     "tests/runtime/test_compiled.py::test_a_compiled_stage_that_computes",  # 3 runners
     "tests/runtime/test_compiled.py::test_seed_api_stops_a_miscompiled",  # 2 jobs compile
+    "tests/runtime/test_compiled.py::test_seed_api_compile_eval",  # 2 jobs compile
     "tests/runtime/test_compiled_verify.py",  # 3 builds compiled, 2 partitions
     "tests/runtime/test_compiled_sharded.py",  # compiled under FSDP2 (2 ranks)
     "tests/runtime/test_compiled_dynamic.py",  # a dynamic build compiled, steps at 3 lengths (#36)

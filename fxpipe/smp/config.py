@@ -66,7 +66,10 @@ class Config:
     zero-bubble pipeline, each compiled backward as one graph (``"graph"``) or cut in an input
     and a weight half (``"halves"``, the default), as ``fxpipe run --compile-backward``;
     ``compile_unchecked``: run compiled stages that differ from their eager code at the warm-up's
-    check (Note [checking a compiled stage at the warm-up]), as ``fxpipe run --compile-unchecked``.
+    check (Note [checking a compiled stage at the warm-up]), as ``fxpipe run --compile-unchecked``;
+    ``compile_eval``: compile (and check) the graphs an evaluation runs (eval mode, ``no_grad``)
+    at the first step too, as ``fxpipe run --eval-every`` does, instead of at the first evaluation
+    (Note [compiled eval graphs]).
     ``tensor_parallel_degree``: T ranks
     per stage that split its linears, as ``fxpipe run --tp T`` (the seed library's later key;
     world = partitions x T x replicas, tp innermost; docs/tensor-parallel.md).
@@ -85,6 +88,7 @@ class Config:
     compile: bool = False
     compile_backward: str = DEFAULT_COMPILE_BACKWARD
     compile_unchecked: bool = False
+    compile_eval: bool = False
     tensor_parallel_degree: int = 1
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
 
@@ -119,7 +123,7 @@ class Config:
             raise ConfigError(
                 f"config 'virtual_stages': {str(exc).replace('--virtual-stages', 'virtual_stages')}"
             ) from None
-        for key in ("auto_partition", "ddp", "compile", "compile_unchecked"):
+        for key in ("auto_partition", "ddp", "compile", "compile_unchecked", "compile_eval"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"config {key!r} must be True or False, got {getattr(self, key)!r}"

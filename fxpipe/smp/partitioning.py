@@ -349,7 +349,8 @@ def compile_stages(
 ) -> Callable[[], None] | None:
     """``config['compile']``: compile this rank's stages of ``build`` and warm them up (Note
     [compile scope] in ``fxpipe.runtime.pipeline.compiled``), after ``tensor_parallel_degree``
-    split them (a stage compiles as it will run: DTensor parameters); sharded stages compile
+    split them (a stage compiles as it will run: DTensor parameters), with ``compile_eval`` the
+    eval graphs too (Note [compiled eval graphs]); sharded stages compile
     inside their FSDP units and the warm-up returned runs once the wrap is done (Note [compiling
     under FSDP]). Errors name the config's keys."""
     chunks, manifest, check = build.chunks, build.manifest, not config.compile_unchecked
@@ -367,12 +368,20 @@ def compile_stages(
             cache_dir=build.build_dir / COMPILE_CACHE if build.build_dir is not None else None,
             regions=regions,
             warm_up=regions is None,
+            eval_graphs=config.compile_eval,
             check=check,
         )
     if regions is None:
         return None
     return functools.partial(
-        _warm_up_sharded, manifest, chunks, device, mb_size, reports, check=check
+        _warm_up_sharded,
+        manifest,
+        chunks,
+        device,
+        mb_size,
+        reports,
+        eval_graphs=config.compile_eval,
+        check=check,
     )
 
 

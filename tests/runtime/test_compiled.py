@@ -1148,6 +1148,53 @@ def test_seed_api_stops_a_miscompiled_stage_unless_compile_unchecked() -> None:
     assert spawn(_seed_miscompiled_job, 1, True, timeout=600)[0].value == "trained"
 
 
+def _seed_eval_job(rank: int, world: int, compile_eval: bool) -> dict[str, Any]:
+    """One training step and two evaluations (``model.eval()``, ``no_grad``) of a model with
+    dropout through the seed API, compiled: graphs compiled after the first step, eval losses,
+    and the eager model's."""
+    import fxpipe.smp as api
+    from fxpipe.smp.state import current
+
+    api.init({"partitions": 1, "microbatches": 2, "compile": True, "compile_eval": compile_eval})
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 1))
+    model = api.DistributedModel(net)
+
+    @api.step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    @api.step
+    def evaluate(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    train(x)
+    graphs = compiled_graphs()
+    model.eval()
+    with torch.no_grad():
+        losses = [evaluate(x).reduce_mean().item() for _ in range(2)]
+    stage = current().model.module
+    stage.eval()
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        out = stage(x)
+    eager = (out[0] if isinstance(out, tuple) else out).pow(2).mean().item()
+    return {"graphs in evaluations": compiled_graphs() - graphs, "losses": losses, "eager": eager}
+
+
+@pytest.mark.distributed
+def test_seed_api_compile_eval_compiles_the_eval_graphs_at_the_first_step() -> None:
+    """``compile_eval: True``: the evaluations after the first step compile nothing (without it,
+    the first compiles the eval graphs), and their loss equals the stage's eager eval loss."""
+    ready = spawn(_seed_eval_job, 1, True, timeout=600)[0].value
+    assert ready["graphs in evaluations"] == 0, ready
+    torch.testing.assert_close(ready["losses"], [ready["eager"]] * 2, rtol=1e-5, atol=1e-6)
+    lazy = spawn(_seed_eval_job, 1, False, timeout=600)[0].value
+    assert lazy["graphs in evaluations"] > 0, lazy
+
+
 @pytest.mark.distributed
 def test_seed_api_compiled_and_fully_sharded_trains_like_one_process() -> None:
     """``{"compile": True, "shard": "full"}``: two fully sharded replicas of one partition, each
