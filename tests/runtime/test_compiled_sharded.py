@@ -16,13 +16,23 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from builds import EXAMPLES, make_build
 from fxpipe.modelfile import load_model_file
 from fxpipe.runtime.dataparallel.options import DataParallelOptions
 from spawn import spawn
-from test_compiled import BATCH, MICRO, STEPS, _check, _counted_run, _Loaded, _oracle
+from test_compiled import (
+    BATCH,
+    MICRO,
+    STEPS,
+    _check,
+    _counted_run,
+    _Loaded,
+    _miscompiled,
+    _oracle,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:fxpipe. symbolic tracing failed")
 
@@ -130,3 +140,48 @@ def test_eval_graphs_warmed_up_under_fsdp_grad_op_leave_a_model_that_trains(tmp_
         assert got["graphs"] == 0
         _check((got["losses"], got["state"]), want, "compiled eval graphs, --shard grad-op")
         _check((got["evals"], got["state"]), want, "the evaluations")
+
+
+class _MiscompiledLinears(_Loaded):
+    """Stages whose every linear layer's compiled forward computes 1% more than its code (the
+    regions compiled under FSDP are the units, inside the stage: ``_Miscompiled`` there)."""
+
+    def __call__(self, index: int, device: Any) -> nn.Module:
+        module = super().__call__(index, device)
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                _miscompiled(m)
+        return module
+
+
+def _check_job(rank: int, world: int, build: Path) -> dict[str, Any]:
+    from fxpipe.runtime.pipeline.compiled_check import CompiledMismatchError
+    from test_compiled import _runner
+
+    dist.init_process_group("gloo")
+    source = load_model_file(EXAMPLES / "gpt.py")
+    sharded = {"compile": True, "data_parallel": DataParallelOptions(shard="full")}
+    out: dict[str, Any] = {}
+    try:
+        _runner(_MiscompiledLinears(build), source, "1f1b", **sharded).close()
+        out["miscompiled"] = "ran"
+    except CompiledMismatchError as exc:
+        out["miscompiled"] = str(exc)
+    runner = _runner(build, source, "1f1b", **sharded)
+    runner.close()
+    out["unit"], out["line"] = runner.compiled[0].unit, runner.compiled[0].line()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.distributed
+def test_a_stage_compiled_inside_fsdp_units_is_checked_on_every_replica(tmp_path: Path) -> None:
+    """Note [checking sharded stages]: compiled inside its FSDP units and warmed up through FSDP,
+    a stage whose compiled code computes 1% more stops both replicas before the first step, with
+    the same message (their verdicts exchanged); the right one equals its eager code."""
+    build = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
+    results = [r.value for r in spawn(_check_job, 2, build, timeout=1800)]
+    assert results[0]["miscompiled"] == results[1]["miscompiled"], results
+    for got in results:
+        assert "stage 0 compiled computes something else" in got["miscompiled"], got
+        assert got["unit"] == "FSDP units" and got["line"].endswith("; equals its eager code")

@@ -570,7 +570,7 @@ def warm_up_rank_stages(
             _warm_up(module, inputs(at), s in recompute, mutated=mutated)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
         # Note [checking a compiled stage at the warm-up]
-        if check and report.unit != "FSDP units" and checkable(module):
+        if check and checkable(module):  # under FSDP too: Note [checking sharded stages]
             for at in sizes:  # a dynamic build's graphs at its second sizes too
                 report.check = check_against_eager(
                     module, inputs(at), s in recompute, mutated, autocast

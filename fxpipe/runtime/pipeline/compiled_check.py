@@ -15,12 +15,22 @@ for sums that cancel to about 0, whose noise is the size of their terms):
 a 2% error in fp32 or a NaN fails the start with the stage and the tensor named, silent noise
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
-as the warm-up's are (gradients, buffers, modes, random state). Not checked: stages compiled
-inside FSDP units (their forward gathers and reduces across the replicas) and tensor-parallel
+as the warm-up's are (gradients, buffers, modes, random state). Not checked: tensor-parallel
 stages (DTensor parameters: their forward and backward are collectives over the shards). A build
 with dynamic dimensions is checked at both of the warm-up's sizes; where the warm-up compiles the
 eval graphs (Note [compiled eval graphs] in ``fxpipe.runtime.pipeline.compiled``), their forward
 is checked too, in eval mode, where dropout draws nothing: a stage with dropout is checked there.
+
+Note [checking sharded stages]: a stage compiled inside FSDP units (``--shard``) is warmed up
+through FSDP after the wrap, every replica alike (Note [compiling under FSDP] in
+``fxpipe.runtime.pipeline.compiled``), and so is its check: each forward and backward gathers the
+parameters and reduce-scatters the gradients, and each replica compares its own shard of every
+parameter's gradient (outputs and received tensors' gradients are whole on every replica). The
+replicas then exchange their verdicts (``all_gather_object`` over the group the parameters are
+sharded over), so every one reports the same worst tensor and stops, or runs, together: a replica
+that raised alone would leave the others waiting in their first step. Whether the stage draws
+random numbers is agreed the same way before the compiled run, whose collectives every replica
+must join.
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fxpipe.codegen.check.equivalence import TensorError, compare_tensor, rows_by_error
 from fxpipe.errors import RuntimeSetupError
@@ -145,8 +157,13 @@ def _forward_backward(
     if not training:
         return got
     got += [(f"grad of input[{i}]", a.grad) for i, a in enumerate(leaves) if a.requires_grad]
-    got += [(f"grad {k}", p.grad) for k, p in module.named_parameters() if p.requires_grad]
+    got += [(f"grad {k}", _local(p.grad)) for k, p in module.named_parameters() if p.requires_grad]
     return got
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of an FSDP parameter's gradient (the tensor itself if not sharded)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _largest(t: torch.Tensor) -> float:
@@ -167,11 +184,37 @@ def _same(
 
 
 def checkable(module: nn.Module) -> bool:
-    """Whether ``module`` can be checked on this rank alone: no DTensor parameter (tensor
-    parallelism: every shard's forward and backward are collectives)."""
-    from torch.distributed.tensor import DTensor
+    """Whether ``module`` can be checked: no parameter split by tensor parallelism (a DTensor on
+    a mesh with a ``"tp"`` dimension: every shard's forward and backward are collectives over
+    the shards, and its outputs may be DTensors). FSDP's parameters are DTensors too, on a mesh
+    of the replicas: those are checked (Note [checking sharded stages])."""
+    return not any(
+        isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+        for p in module.parameters()
+    )
 
-    return not any(isinstance(p, DTensor) for p in module.parameters())
+
+def _replicas(module: nn.Module) -> dist.ProcessGroup | None:
+    """The group ``module``'s parameters are sharded over by FSDP (None: not sharded)."""
+    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+    return mesh.get_group() if mesh is not None else None
+
+
+def _gathered(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """``value`` of every rank of ``group`` (``[value]`` without one)."""
+    if group is None:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _worst_of(checks: list[EagerCheck]) -> EagerCheck:
+    """Replicas' checks of their own gradient shards as one: the tensor furthest off its
+    allowance on any of them, and the most tensors off on one."""
+    rows = [c.worst for c in checks if c.worst is not None]
+    worst = max(rows, key=lambda r: r.max_abs / max(r.allowed, 1e-30), default=None)
+    return EagerCheck(False, worst, max(c.failing for c in checks), checks[0].compared)
 
 
 def check_against_eager(
@@ -189,10 +232,11 @@ def check_against_eager(
     run = functools.partial(
         _forward_backward, module, args, recompute and training, mutated, training=training
     )
+    group = _replicas(module)  # Note [checking sharded stages]
     with state_undone(module, training):
         with torch.compiler.set_stance("force_eager"):
             want = run(0)
-            if not _same(want, run(1)):
+            if any(_gathered(not _same(want, run(1)), group)):
                 return EagerCheck(random=True)
         got = run(0)
     # a tensor far smaller than the stage's others (a sum that cancels) is held to their scale
@@ -200,4 +244,5 @@ def check_against_eager(
     floor = atol + rtol * _FLOOR * scale
     rows = [compare_tensor(name, g, w, rtol, floor) for (name, g), (_, w) in zip(got, want)]
     ranked = rows_by_error(rows)
-    return EagerCheck(False, ranked[0] if ranked else None, sum(not r.ok for r in rows), len(rows))
+    check = EagerCheck(False, ranked[0] if ranked else None, sum(not r.ok for r in rows), len(rows))
+    return _worst_of(_gathered(check, group)) if group is not None else check
