@@ -41,6 +41,7 @@ HEAVY = (
     "tests/runtime/test_tensor_parallel_vocab.py",  # 4 ranks each: Mixtral (156 s), a gathered loss
     # FSDP over TP (pp1 x tp2 x dp2, 4 ranks, 45-190 s each); the one-rank composition stays
     "tests/runtime/test_tensor_parallel_fsdp.py::test_fsdp_over_tp_trains_as_one_process",
+    "tests/runtime/test_tensor_parallel_fsdp.py::test_fsdp_over_tp_compiled",
     "tests/runtime/test_tensor_parallel_fsdp.py::test_clipping_under_fsdp_over_tp_counts_each_shard_once",
     "tests/runtime/test_tensor_parallel_fsdp.py::test_checkpoint_of_fsdp_over_tp_resumes_in_one_process",
     "tests/runtime/test_tensor_parallel_fsdp.py::test_fp16_inf_in_one_shard_of_fsdp_over_tp_skips",

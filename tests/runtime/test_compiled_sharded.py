@@ -6,7 +6,9 @@ same order (compile before the data-parallel wrap). A one-stage GPT build runs a
 parameters of the compiled blocks for every microbatch), compiled; the oracle is the
 original model in one eager process (losses and parameters within rtol 1e-4 after 3 steps, as
 for every compiled test: the compiled kernels round differently). The warm-up runs after the
-wrap, through FSDP, so the steps compile nothing (Note [compiling under FSDP]).
+wrap, through FSDP, so the steps compile nothing (Note [compiling under FSDP]). The warm-up's
+check of such a stage, and of one split by tensor parallelism, runs through their collectives
+(Note [checking sharded stages]).
 """
 
 from __future__ import annotations
@@ -154,34 +156,48 @@ class _MiscompiledLinears(_Loaded):
         return module
 
 
-def _check_job(rank: int, world: int, build: Path) -> dict[str, Any]:
+def _check_job(rank: int, world: int, build: Path, split: bool) -> dict[str, Any]:
+    """Two runners of ``build``'s one stage on ``world`` ranks, compiled, sharded by FSDP or
+    (``split``) split by tensor parallelism: the first miscompiled (its error or ``"ran"``)."""
     from fxpipe.runtime.pipeline.compiled_check import CompiledMismatchError
-    from test_compiled import _runner
+    from test_compiled import _Miscompiled, _runner
 
     dist.init_process_group("gloo")
     source = load_model_file(EXAMPLES / "gpt.py")
-    sharded = {"compile": True, "data_parallel": DataParallelOptions(shard="full")}
+    if split:  # the whole stage compiled, around the split linears
+        options = {"compile": "stage", "tensor_parallel": world, "tp_plan": build / "tp_plan.json"}
+        miscompiled: _Loaded = _Miscompiled(build)
+    else:  # the FSDP units compiled, inside the stage
+        options = {"compile": True, "data_parallel": DataParallelOptions(shard="full")}
+        miscompiled = _MiscompiledLinears(build)
     out: dict[str, Any] = {}
     try:
-        _runner(_MiscompiledLinears(build), source, "1f1b", **sharded).close()
+        _runner(miscompiled, source, "1f1b", **options).close()
         out["miscompiled"] = "ran"
     except CompiledMismatchError as exc:
         out["miscompiled"] = str(exc)
-    runner = _runner(build, source, "1f1b", **sharded)
+    runner = _runner(build, source, "1f1b", **options)
     runner.close()
     out["unit"], out["line"] = runner.compiled[0].unit, runner.compiled[0].line()
+    out["dtensors"] = any(isinstance(p, DTensor) for p in runner.stages[0].parameters())
     dist.destroy_process_group()
     return out
 
 
 @pytest.mark.distributed
-def test_a_stage_compiled_inside_fsdp_units_is_checked_on_every_replica(tmp_path: Path) -> None:
-    """Note [checking sharded stages]: compiled inside its FSDP units and warmed up through FSDP,
-    a stage whose compiled code computes 1% more stops both replicas before the first step, with
-    the same message (their verdicts exchanged); the right one equals its eager code."""
+@pytest.mark.parametrize("split", [False, True], ids=["fsdp", "tp"])
+def test_a_sharded_or_split_compiled_stage_is_checked_on_every_rank(
+    tmp_path: Path, split: bool
+) -> None:
+    """Note [checking sharded stages]: compiled inside its FSDP units (two replicas) or around its
+    split linears (tp 2), a stage whose compiled code computes 1% more stops both ranks before
+    the first step with one message (their verdicts exchanged: without, each names its own
+    shard's worst tensor); the right one equals its eager code."""
     build = make_build("gpt", tmp_path / "one", 1, BATCH, MICRO)
-    results = [r.value for r in spawn(_check_job, 2, build, timeout=1800)]
+    results = [r.value for r in spawn(_check_job, 2, build, split, timeout=1800)]
     assert results[0]["miscompiled"] == results[1]["miscompiled"], results
     for got in results:
+        assert got["dtensors"], got
         assert "stage 0 compiled computes something else" in got["miscompiled"], got
-        assert got["unit"] == "FSDP units" and got["line"].endswith("; equals its eager code")
+        assert got["line"].endswith("; equals its eager code"), got["line"]
+        assert split or got["unit"] == "FSDP units"

@@ -120,7 +120,6 @@ from fxpipe.runtime.pipeline.compiled_check import (
     CompiledMismatchError,
     EagerCheck,
     check_against_eager,
-    checkable,
     run_stage,
     state_undone,
 )
@@ -570,7 +569,7 @@ def warm_up_rank_stages(
             _warm_up(module, inputs(at), s in recompute, mutated=mutated)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
         # Note [checking a compiled stage at the warm-up]
-        if check and checkable(module):  # under FSDP too: Note [checking sharded stages]
+        if check:  # sharded or split stages too: Note [checking sharded stages]
             for at in sizes:  # a dynamic build's graphs at its second sizes too
                 report.check = check_against_eager(
                     module, inputs(at), s in recompute, mutated, autocast

@@ -15,22 +15,25 @@ for sums that cancel to about 0, whose noise is the size of their terms):
 a 2% error in fp32 or a NaN fails the start with the stage and the tensor named, silent noise
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
-as the warm-up's are (gradients, buffers, modes, random state). Not checked: tensor-parallel
-stages (DTensor parameters: their forward and backward are collectives over the shards). A build
+as the warm-up's are (gradients, buffers, modes, random state). A build
 with dynamic dimensions is checked at both of the warm-up's sizes; where the warm-up compiles the
 eval graphs (Note [compiled eval graphs] in ``fxpipe.runtime.pipeline.compiled``), their forward
 is checked too, in eval mode, where dropout draws nothing: a stage with dropout is checked there.
+Stages sharded by FSDP or split by tensor parallelism are checked through their collectives
+(Note [checking sharded stages]).
 
-Note [checking sharded stages]: a stage compiled inside FSDP units (``--shard``) is warmed up
-through FSDP after the wrap, every replica alike (Note [compiling under FSDP] in
-``fxpipe.runtime.pipeline.compiled``), and so is its check: each forward and backward gathers the
-parameters and reduce-scatters the gradients, and each replica compares its own shard of every
-parameter's gradient (outputs and received tensors' gradients are whole on every replica). The
-replicas then exchange their verdicts (``all_gather_object`` over the group the parameters are
-sharded over), so every one reports the same worst tensor and stops, or runs, together: a replica
-that raised alone would leave the others waiting in their first step. Whether the stage draws
-random numbers is agreed the same way before the compiled run, whose collectives every replica
-must join.
+Note [checking sharded stages]: the parameters of a stage compiled inside FSDP units
+(``--shard``) or split by tensor parallelism (``--tp``) are DTensors, and its forward and
+backward are collectives: FSDP's are warmed up after the wrap, every replica alike (Note
+[compiling under FSDP] in ``fxpipe.runtime.pipeline.compiled``), tensor parallelism's after the
+split, every shard alike, and so is the check. Each rank compares its own part of every
+DTensor (a gradient's shard, a head's logits split over the vocabulary, whose random output
+gradient is laid out as they are, each rank taking its part of one whole); then the ranks that
+share the parameters (the mesh of their DTensors, one ``all_gather_object`` per mesh dimension)
+exchange their verdicts, so every one reports the same worst tensor and stops, or runs,
+together: a rank that raised alone would leave the others waiting in their first step. Whether
+the stage draws random numbers is agreed the same way before the compiled run, whose
+collectives every rank must join.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from fxpipe.codegen.check.equivalence import TensorError, compare_tensor, rows_by_error
 from fxpipe.errors import RuntimeSetupError
@@ -56,7 +60,6 @@ __all__ = [
     "CompiledMismatchError",
     "EagerCheck",
     "check_against_eager",
-    "checkable",
     "run_stage",
     "state_undone",
 ]
@@ -147,11 +150,9 @@ def _forward_backward(
     leaves = [a.detach().requires_grad_(a.requires_grad) for a in args]  # as the warm-up's
     gen = torch.Generator().manual_seed(0)
     with torch.set_grad_enabled(training):
-        outs = run_stage(
-            module, leaves, recompute, mutated, lambda o: torch.randn(o.shape, generator=gen).to(o)
-        )
+        outs = run_stage(module, leaves, recompute, mutated, lambda o: _random_like(o, gen))
     got: list[tuple[str, torch.Tensor | None]] = [
-        (f"output[{i}]", o.detach() if isinstance(o, torch.Tensor) else None)
+        (f"output[{i}]", _local(o.detach()) if isinstance(o, torch.Tensor) else None)
         for i, o in enumerate(outs)
     ]
     if not training:
@@ -161,9 +162,21 @@ def _forward_backward(
     return got
 
 
-def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's shard of an FSDP parameter's gradient (the tensor itself if not sharded)."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+def _random_like(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random gradient for ``out`` from ``gen``; for a DTensor output (a tensor-parallel head's
+    logits split over the vocabulary) a DTensor laid out as it is, each rank taking its part of
+    the same whole (``gen`` draws alike on every rank)."""
+    whole = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+    if not isinstance(out, DTensor):
+        return whole
+    placements = [Replicate() if p.is_partial() else p for p in out.placements]
+    return distribute_tensor(whole, out.device_mesh, placements, src_data_rank=None)
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor (an FSDP or tensor-parallel parameter's gradient, a split
+    output); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _largest(t: torch.Tensor) -> float:
@@ -183,30 +196,23 @@ def _same(
     )
 
 
-def checkable(module: nn.Module) -> bool:
-    """Whether ``module`` can be checked: no parameter split by tensor parallelism (a DTensor on
-    a mesh with a ``"tp"`` dimension: every shard's forward and backward are collectives over
-    the shards, and its outputs may be DTensors). FSDP's parameters are DTensors too, on a mesh
-    of the replicas: those are checked (Note [checking sharded stages])."""
-    return not any(
-        isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
-        for p in module.parameters()
-    )
+def _sharing(module: nn.Module) -> DeviceMesh | None:
+    """The mesh of the ranks that share ``module``'s parameters as DTensors (FSDP's replicas,
+    tensor parallelism's shards, or both: the mesh of most dimensions); None: plain tensors."""
+    meshes = [p.device_mesh for p in module.parameters() if isinstance(p, DTensor)]
+    return max(meshes, key=lambda m: m.ndim, default=None)
 
 
-def _replicas(module: nn.Module) -> dist.ProcessGroup | None:
-    """The group ``module``'s parameters are sharded over by FSDP (None: not sharded)."""
-    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
-    return mesh.get_group() if mesh is not None else None
-
-
-def _gathered(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """``value`` of every rank of ``group`` (``[value]`` without one)."""
-    if group is None:
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values
+def _agreed(value: Any, mesh: DeviceMesh | None, merge: Callable[[list[Any]], Any]) -> Any:
+    """``merge`` of ``value`` over every rank of ``mesh``, the same on all of them (one
+    ``all_gather_object`` per mesh dimension; ``value`` itself without a mesh)."""
+    for dim in range(mesh.ndim if mesh is not None else 0):
+        assert mesh is not None
+        group = mesh.get_group(dim)
+        values: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(values, value, group=group)
+        value = merge(values)
+    return value
 
 
 def _worst_of(checks: list[EagerCheck]) -> EagerCheck:
@@ -232,11 +238,11 @@ def check_against_eager(
     run = functools.partial(
         _forward_backward, module, args, recompute and training, mutated, training=training
     )
-    group = _replicas(module)  # Note [checking sharded stages]
+    mesh = _sharing(module)  # Note [checking sharded stages]
     with state_undone(module, training):
         with torch.compiler.set_stance("force_eager"):
             want = run(0)
-            if any(_gathered(not _same(want, run(1)), group)):
+            if _agreed(not _same(want, run(1)), mesh, any):
                 return EagerCheck(random=True)
         got = run(0)
     # a tensor far smaller than the stage's others (a sum that cancels) is held to their scale
@@ -245,4 +251,4 @@ def check_against_eager(
     rows = [compare_tensor(name, g, w, rtol, floor) for (name, g), (_, w) in zip(got, want)]
     ranked = rows_by_error(rows)
     check = EagerCheck(False, ranked[0] if ranked else None, sum(not r.ok for r in rows), len(rows))
-    return _worst_of(_gathered(check, group)) if group is not None else check
+    return _agreed(check, mesh, _worst_of)
