@@ -394,6 +394,7 @@ def _seed_spelling() -> Iterator[None]:
     except CompiledMismatchError as exc:
         text = str(exc).replace("without --compile", "without config 'compile'")
         text = text.replace("pass --compile-unchecked", "set config 'compile_unchecked': True")
+        text = text.replace("evaluate without --eval-every", "without config 'compile_eval'")
         raise CompiledMismatchError(text) from None
 
 

@@ -836,6 +836,8 @@ def test_a_run_that_evaluates_compiles_the_eval_graphs_before_the_first_step(
     try:
         assert all(c.eval_seconds and 0 < c.eval_seconds < c.seconds for c in runner.compiled)
         assert "s of it the eval graphs" in runner.compiled[0].line()
+        # checked through the runner, inductor's kernels, in both modes
+        assert all(c.line().endswith("(train and eval)") for c in runner.compiled)
         graphs = compiled_graphs()
         got = [runner.eval_step(inputs, targets), runner.step(inputs, targets)]
         got += [runner.eval_step(inputs, targets), runner.step(inputs, targets)]
@@ -991,7 +993,8 @@ def test_the_warm_up_checks_a_dynamic_build_at_its_second_sizes_and_its_eval_gra
     (report,) = compile(in_eval)
     assert report.check is not None and report.check.ok and report.eval_check is None
     assert not report.graph_breaks  # the stand-in compiled as one graph: the check saw it
-    with pytest.raises(CompiledMismatchError, match="something else than its code in eval mode"):
+    wrong_in_eval = rf"code in eval mode: .* inputs, seq = {traced}\. .* without --compile \(or eva"
+    with pytest.raises(CompiledMismatchError, match=wrong_in_eval):
         compile(stage(lambda m, xs: not m.training), eval_graphs=True)
     (report,) = compile(stage(lambda m, xs: False), eval_graphs=True)
     assert report.line().endswith("; equals its eager code (train and eval)")
@@ -1013,6 +1016,8 @@ def test_the_log_line_says_what_the_check_compared() -> None:
     assert "; its eval graphs equal its eager code; its training graphs are not checked" in line
     line = CompiledStage(0, "stage", ("",), check=equal, eval_check=equal).line(timed=False)
     assert line.endswith("; equals its eager code (train and eval)"), line
+    line = CompiledStage(0, "stage", ("",), check=equal, eval_check=random).line(timed=False)
+    assert line.endswith("in training; its eval graphs draw random numbers: not checked"), line
     assert CompiledStage(0, "stage", ("",)).line(timed=False).endswith("; one graph per region")
 
 

@@ -178,6 +178,8 @@ class CompiledStage:
         evaluated = self.eval_check is not None and not self.eval_check.random
         if self.check is not None and not self.check.random:
             checked = "; equals its eager code" + (" (train and eval)" if evaluated else "")
+            if self.eval_check is not None and self.eval_check.random:
+                checked += " in training; its eval graphs draw random numbers: not checked"
         elif self.check is not None:
             checked = (
                 "; its training graphs are not checked against its eager code: they draw random "
@@ -198,13 +200,15 @@ def _mismatch_text(
     assert check is not None and check.worst is not None
     worst = check.worst
     at = "".join(f", {name} = {n}" for name, n in (sizes or {}).items())
-    mode = "" if training else " in eval mode"
+    mode, instead = (
+        ("", "") if training else (" in eval mode", " (or evaluate without --eval-every)")
+    )
     return (
         f"stage {report.stage} compiled computes something else than its code{mode}: {worst.name} is "
         f"{worst.max_abs:.3g} off its eager value (allowed {worst.allowed:.3g}; {check.failing} "
         f"of {check.compared} tensors off) on the warm-up's inputs{at}. The compiler (inductor) "
-        "miscomputes this model here: train it without --compile, or pass --compile-unchecked "
-        "to train on these numbers anyway (docs/compile.md)"
+        f"miscomputes this model here: train it without --compile{instead}, or pass "
+        "--compile-unchecked to train on these numbers anyway (docs/compile.md)"
     )
 
 
@@ -559,6 +563,7 @@ def warm_up_rank_stages(
     Sharded stages are warmed up after the wrap, through FSDP (Note [compiling under FSDP])."""
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     sizes = [None, second] if second else [None]
+    traced = {r.name: r.traced for r in manifest.dynamic}  # named in a dynamic build's errors
     for report in reports:
         s, module = report.stage, stages[report.stage]
         spec = manifest.stage(s)
@@ -575,7 +580,7 @@ def warm_up_rank_stages(
                     module, inputs(at), s in recompute, mutated, autocast
                 )
                 if not report.check.ok:
-                    raise CompiledMismatchError(_mismatch_text(report, at))
+                    raise CompiledMismatchError(_mismatch_text(report, at or traced))
                 if report.check.random:
                     break
         if eval_graphs:  # Note [compiled eval graphs]
@@ -589,5 +594,7 @@ def warm_up_rank_stages(
                         module, inputs(at), False, mutated, autocast, training=False
                     )
                     if not report.eval_check.ok:
-                        raise CompiledMismatchError(_mismatch_text(report, at, training=False))
+                        raise CompiledMismatchError(
+                            _mismatch_text(report, at or traced, training=False)
+                        )
         report.seconds = time.perf_counter() - start
