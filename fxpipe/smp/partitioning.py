@@ -382,6 +382,7 @@ def compile_stages(
         reports,
         eval_graphs=config.compile_eval,
         check=check,
+        param_dtype=config.data_parallel.shard_param_dtype,
     )
 
 

@@ -938,6 +938,30 @@ def test_the_check_against_eager_finds_a_stage_computing_something_else() -> Non
     assert got["dropout"].random and got["dropout"].ok
 
 
+def test_the_check_holds_a_stage_computing_in_bf16_to_bf16s_tolerance() -> None:
+    """A stage that computes in bf16 without autocast (FSDP's ``param_dtype``, casts of its own:
+    its outputs and gradients come in bf16) is held to the bf16 tolerance, where compiled kernels
+    round otherwise by a few ulps (here 0.4%, two bf16 ulps): no false alarm; the same 0.4% in
+    fp32 fails (1e-3)."""
+    from fxpipe.runtime.pipeline.compiled import _warm_up
+    from fxpipe.runtime.pipeline.compiled_check import check_against_eager
+
+    got = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        m = _Off(right=True).to(dtype)
+        forward = m.forward
+
+        def rounded_otherwise(x: torch.Tensor, forward: Any = forward) -> torch.Tensor:
+            return forward(x) * (1.004 if torch.compiler.is_compiling() else 1.0)
+
+        m.forward = torch.compile(rounded_otherwise, backend="eager")  # type: ignore[method-assign]
+        x = torch.randn(4, 8, dtype=dtype, requires_grad=True)
+        _warm_up(m, [x], False)
+        got[dtype] = check_against_eager(m, [x])
+    assert got[torch.bfloat16].ok, got[torch.bfloat16]
+    assert not got[torch.float32].ok, got[torch.float32]
+
+
 def test_the_check_in_eval_mode_compares_the_forward_a_stage_with_dropout_included() -> None:
     """The check of the eval graphs (``training=False``): the forward in eval mode under
     ``no_grad``, outputs only; the stage that computes 1% more fails, and the one with dropout,

@@ -553,14 +553,18 @@ def warm_up_rank_stages(
     eval_graphs: bool = False,
     autocast: torch.dtype | None = None,
     check: bool = True,
+    param_dtype: str | None = None,
 ) -> None:
     """Compile this rank's compiled ``stages`` now, forward and backward, at microbatch size
     ``mb_size`` (and at the second sizes of a build with dynamic dimensions), and with
     ``eval_graphs`` the forward ``eval_step`` runs too (Note [compiled eval graphs]), fed as
     ``StageWorker`` feeds them (received tensors in their ``autocast`` wire dtype); each report
     gets its stage's seconds. With ``check`` each stage is then compared with its eager code
-    (``CompiledMismatchError`` if it differs: Note [checking a compiled stage at the warm-up]).
-    Sharded stages are warmed up after the wrap, through FSDP (Note [compiling under FSDP])."""
+    (``CompiledMismatchError`` if it differs: Note [checking a compiled stage at the warm-up]),
+    held to the tolerance of the precision it computes in (``autocast``'s, or FSDP's
+    ``param_dtype``, a ``DataParallelOptions.shard_param_dtype`` name). Sharded stages are warmed
+    up after the wrap, through FSDP (Note [compiling under FSDP])."""
+    half = autocast or (getattr(torch, param_dtype) if param_dtype else None)
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     sizes = [None, second] if second else [None]
     traced = {r.name: r.traced for r in manifest.dynamic}  # named in a dynamic build's errors
@@ -577,7 +581,7 @@ def warm_up_rank_stages(
         if check:  # sharded or split stages too: Note [checking sharded stages]
             for at in sizes:  # a dynamic build's graphs at its second sizes too
                 report.check = check_against_eager(
-                    module, inputs(at), s in recompute, mutated, autocast
+                    module, inputs(at), s in recompute, mutated, half
                 )
                 if not report.check.ok:
                     raise CompiledMismatchError(_mismatch_text(report, at or traced))
@@ -591,7 +595,7 @@ def warm_up_rank_stages(
             if report.check is not None:  # checked in train mode: in eval mode too
                 for at in sizes:
                     report.eval_check = check_against_eager(
-                        module, inputs(at), False, mutated, autocast, training=False
+                        module, inputs(at), False, mutated, half, training=False
                     )
                     if not report.eval_check.ok:
                         raise CompiledMismatchError(

@@ -9,9 +9,10 @@ and backward run once more on the warm-up's inputs, compiled and eagerly (the co
 under ``torch.compiler.set_stance("force_eager")``), from the same seed, and the outputs, the
 gradients of the received tensors and of the parameters are compared by the rule the safety net
 uses (Note [one comparison rule] in ``fxpipe.codegen.check.equivalence``), with tolerances wide
-enough for kernels that only round otherwise (fp32: rtol 1e-3, atol 1e-5; under bf16 or fp16
-autocast 5e-2 and 1e-3; and no tensor held closer than rtol x 1% of the stage's largest value,
-for sums that cancel to about 0, whose noise is the size of their terms):
+enough for kernels that only round otherwise (fp32: rtol 1e-3, atol 1e-5; a stage computing in
+bf16 or fp16, under autocast or FSDP's ``param_dtype``, 5e-2 and 1e-3; and no tensor held
+closer than rtol x 1% of the stage's largest value, for sums that cancel to about 0, whose noise
+is the size of their terms):
 a 2% error in fp32 or a NaN fails the start with the stage and the tensor named, silent noise
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
@@ -64,8 +65,8 @@ __all__ = [
     "state_undone",
 ]
 
-# (rtol, atol) per autocast dtype (None: fp32): under bf16 a gradient that cancels to about 0
-# eagerly is a few 1e-5 compiled (the GPT example's tied embedding)
+# (rtol, atol) per half-precision dtype the stage computes in (None: fp32): under bf16 a gradient
+# that cancels to about 0 eagerly is a few 1e-5 compiled (the GPT example's tied embedding)
 CHECK_TOLERANCES = {None: (1e-3, 1e-5), torch.bfloat16: (5e-2, 1e-3), torch.float16: (5e-2, 1e-3)}
 _FLOOR = 1e-2  # of the stage's largest compared value, times rtol: the least error allowed
 
@@ -179,6 +180,13 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _half_precision(got: list[tuple[str, torch.Tensor | None]]) -> torch.dtype | None:
+    """bf16 or fp16 when a stage's outputs or gradients come in it (the stage computes in half
+    precision, whether under autocast, FSDP's ``param_dtype`` or casts of its own); else None."""
+    dtypes = {t.dtype for _, t in got if t is not None}
+    return next((d for d in (torch.bfloat16, torch.float16) if d in dtypes), None)
+
+
 def _largest(t: torch.Tensor) -> float:
     """The largest finite magnitude in a floating tensor (0 for others)."""
     if not t.is_floating_point() or not t.numel():
@@ -228,13 +236,15 @@ def check_against_eager(
     args: Sequence[torch.Tensor],
     recompute: bool = False,
     mutated: Sequence[int] = (),
-    autocast: torch.dtype | None = None,
+    half: torch.dtype | None = None,
     training: bool = True,
 ) -> EagerCheck:
     """``module`` (compiled, warmed up on ``args``) against its eager code on ``args``
-    (Note [checking a compiled stage at the warm-up]); its effects undone. Not ``training``: its
-    eval graphs, the forward in eval mode under ``no_grad``."""
-    rtol, atol = CHECK_TOLERANCES.get(autocast, CHECK_TOLERANCES[torch.bfloat16])
+    (Note [checking a compiled stage at the warm-up]); its effects undone. ``half``: the half
+    precision the stage computes in (autocast's, FSDP's ``param_dtype``: its outputs and
+    gradients may still come in fp32), held to that precision's tolerance; without it, a stage
+    whose outputs or gradients come in bf16 or fp16 is. Not ``training``: its eval graphs, the
+    forward in eval mode under ``no_grad``."""
     run = functools.partial(
         _forward_backward, module, args, recompute and training, mutated, training=training
     )
@@ -245,6 +255,8 @@ def check_against_eager(
             if _agreed(not _same(want, run(1)), mesh, any):
                 return EagerCheck(random=True)
         got = run(0)
+    # a stage that computes in half precision (autocast, FSDP's param_dtype, casts of its own)
+    rtol, atol = CHECK_TOLERANCES.get(half or _half_precision(want), CHECK_TOLERANCES[None])
     # a tensor far smaller than the stage's others (a sum that cancels) is held to their scale
     scale = max((_largest(w) for _, w in want if w is not None), default=0.0)
     floor = atol + rtol * _FLOOR * scale
