@@ -382,7 +382,10 @@ def compile_stages(
         reports,
         eval_graphs=config.compile_eval,
         check=check,
-        param_dtype=config.data_parallel.shard_param_dtype,
+        fsdp_dtypes=(
+            config.data_parallel.shard_param_dtype,
+            config.data_parallel.shard_reduce_dtype,
+        ),
     )
 
 

@@ -553,7 +553,7 @@ def warm_up_rank_stages(
     eval_graphs: bool = False,
     autocast: torch.dtype | None = None,
     check: bool = True,
-    param_dtype: str | None = None,
+    fsdp_dtypes: Sequence[str | None] = (),
 ) -> None:
     """Compile this rank's compiled ``stages`` now, forward and backward, at microbatch size
     ``mb_size`` (and at the second sizes of a build with dynamic dimensions), and with
@@ -561,10 +561,13 @@ def warm_up_rank_stages(
     ``StageWorker`` feeds them (received tensors in their ``autocast`` wire dtype); each report
     gets its stage's seconds. With ``check`` each stage is then compared with its eager code
     (``CompiledMismatchError`` if it differs: Note [checking a compiled stage at the warm-up]),
-    held to the tolerance of the precision it computes in (``autocast``'s, or FSDP's
-    ``param_dtype``, a ``DataParallelOptions.shard_param_dtype`` name). Sharded stages are warmed
-    up after the wrap, through FSDP (Note [compiling under FSDP])."""
-    half = autocast or (getattr(torch, param_dtype) if param_dtype else None)
+    held to the tolerance of the precision it computes in: ``autocast``'s, or a half precision
+    among ``fsdp_dtypes``, the names of FSDP's ``param_dtype`` and ``reduce_dtype``
+    (``DataParallelOptions.shard_param_dtype``, ``shard_reduce_dtype``): gradients reduced in bf16
+    are no closer than bf16. Sharded stages are warmed up after the wrap, through FSDP (Note
+    [compiling under FSDP])."""
+    halves = [getattr(torch, d) for d in fsdp_dtypes if d in ("bfloat16", "float16")]
+    half = autocast or next(iter(halves), None)
     second = _second_sizes(manifest)  # Note [compiled dynamic dimensions]
     sizes = [None, second] if second else [None]
     traced = {r.name: r.traced for r in manifest.dynamic}  # named in a dynamic build's errors

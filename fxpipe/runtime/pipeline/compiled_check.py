@@ -10,9 +10,9 @@ under ``torch.compiler.set_stance("force_eager")``), from the same seed, and the
 gradients of the received tensors and of the parameters are compared by the rule the safety net
 uses (Note [one comparison rule] in ``fxpipe.codegen.check.equivalence``), with tolerances wide
 enough for kernels that only round otherwise (fp32: rtol 1e-3, atol 1e-5; a stage computing in
-bf16 or fp16, under autocast or FSDP's ``param_dtype``, 5e-2 and 1e-3; and no tensor held
-closer than rtol x 1% of the stage's largest value, for sums that cancel to about 0, whose noise
-is the size of their terms):
+bf16 or fp16, under autocast or FSDP's ``param_dtype``, or reducing its gradients in it, 5e-2
+and 1e-3; and no tensor held closer than rtol x 1% of the stage's largest value, for sums that
+cancel to about 0, whose noise is the size of their terms):
 a 2% error in fp32 or a NaN fails the start with the stage and the tensor named, silent noise
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone

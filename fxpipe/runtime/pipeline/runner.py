@@ -486,7 +486,7 @@ class PipelineRunner:
                     compile_eval,
                     autocast,
                     compile_check,
-                    dp_options.shard_param_dtype,
+                    (dp_options.shard_param_dtype, dp_options.shard_reduce_dtype),
                 )
         self.optimizer = stage_optimizer(
             self.stage, optimizer_factory or _default_optimizer, self.data_parallel
