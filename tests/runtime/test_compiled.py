@@ -962,6 +962,29 @@ def test_the_check_holds_a_stage_computing_in_bf16_to_bf16s_tolerance() -> None:
     assert not got[torch.float32].ok, got[torch.float32]
 
 
+def test_the_check_counts_tf32_products_on_cuda_as_reduced_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA, fp32 matmuls in TF32 (``set_float32_matmul_precision("high")``) or convolutions
+    (cuDNN's TF32, on by default) round at 10 bits, in other kernels eager and compiled: the
+    check's tolerance is fp16's there, fp32's otherwise (and on the CPU, always)."""
+    from fxpipe.runtime.pipeline.compiled_check import _tf32
+
+    class OnCuda:  # what the check reads of a tensor (this machine has no GPU)
+        is_cuda = True
+
+    linear, conv = nn.Linear(2, 2), nn.Sequential(nn.Conv2d(1, 1, 1))
+    cuda, cpu = [("output[0]", OnCuda())], [("output[0]", torch.zeros(1))]
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert _tf32(linear, cuda) is None and _tf32(conv, cuda) == torch.float16
+    assert _tf32(conv, cpu) is None
+    was, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+    try:  # (not an attribute monkeypatch can restore)
+        assert _tf32(linear, cuda) == torch.float16 and _tf32(linear, cpu) is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
 def test_the_check_in_eval_mode_compares_the_forward_a_stage_with_dropout_included() -> None:
     """The check of the eval graphs (``training=False``): the forward in eval mode under
     ``no_grad``, outputs only; the stage that computes 1% more fails, and the one with dropout,

@@ -10,9 +10,10 @@ under ``torch.compiler.set_stance("force_eager")``), from the same seed, and the
 gradients of the received tensors and of the parameters are compared by the rule the safety net
 uses (Note [one comparison rule] in ``fxpipe.codegen.check.equivalence``), with tolerances wide
 enough for kernels that only round otherwise (fp32: rtol 1e-3, atol 1e-5; a stage computing in
-bf16 or fp16, under autocast or FSDP's ``param_dtype``, or reducing its gradients in it, 5e-2
-and 1e-3; and no tensor held closer than rtol x 1% of the stage's largest value, for sums that
-cancel to about 0, whose noise is the size of their terms):
+bf16 or fp16, under autocast or FSDP's ``param_dtype``, or reducing its gradients in it, and a
+CUDA stage whose fp32 products run in TF32, 5e-2 and 1e-3; and no tensor held closer than rtol
+x 1% of the stage's largest value, for sums that cancel to about 0, whose noise is the size of
+their terms):
 a 2% error in fp32 or a NaN fails the start with the stage and the tensor named, silent noise
 does not. A stage that draws random numbers (dropout: two eager runs from other seeds differ)
 cannot be compared so (inductor draws its own) and is reported unchecked. The effects are undone
@@ -187,6 +188,17 @@ def _half_precision(got: list[tuple[str, torch.Tensor | None]]) -> torch.dtype |
     return next((d for d in (torch.bfloat16, torch.float16) if d in dtypes), None)
 
 
+def _tf32(module: nn.Module, got: list[tuple[str, torch.Tensor | None]]) -> torch.dtype | None:
+    """fp16 (TF32's 10-bit mantissa) when a CUDA stage's fp32 products run in TF32: matmuls
+    under ``torch.set_float32_matmul_precision("high")``, or convolutions (cuDNN's TF32 is on by
+    default); eager and compiled pick other kernels, each rounding in TF32. Else None."""
+    if not any(t is not None and t.is_cuda for _, t in got):
+        return None
+    convolves = any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or (convolves and torch.backends.cudnn.allow_tf32)
+    return torch.float16 if tf32 else None
+
+
 def _largest(t: torch.Tensor) -> float:
     """The largest finite magnitude in a floating tensor (0 for others)."""
     if not t.is_floating_point() or not t.numel():
@@ -256,7 +268,8 @@ def check_against_eager(
                 return EagerCheck(random=True)
         got = run(0)
     # a stage that computes in half precision (autocast, FSDP's param_dtype, casts of its own)
-    rtol, atol = CHECK_TOLERANCES.get(half or _half_precision(want), CHECK_TOLERANCES[None])
+    reduced = half or _half_precision(want) or _tf32(module, want)
+    rtol, atol = CHECK_TOLERANCES.get(reduced, CHECK_TOLERANCES[None])
     # a tensor far smaller than the stage's others (a sum that cancels) is held to their scale
     scale = max((_largest(w) for _, w in want if w is not None), default=0.0)
     floor = atol + rtol * _FLOOR * scale
