@@ -191,11 +191,15 @@ class CompiledStage:
 
 
 def _mismatch_text(
-    report: CompiledStage, sizes: Mapping[str, int] | None = None, training: bool = True
+    report: CompiledStage,
+    sizes: Mapping[str, int] | None = None,
+    training: bool = True,
+    batchnorm: bool = False,
 ) -> str:
     """The error of a stage whose compiled forward and backward (not ``training``: eval forward)
     differ from its eager code on the warm-up's inputs (at a dynamic build's ``sizes``; none: the
-    traced ones)."""
+    traced ones). ``batchnorm``: the stage normalizes batches in training, which the error names
+    as a likely cause (docs/compile.md: the zoo ResNet at microbatch 2)."""
     check = report.check if training else report.eval_check
     assert check is not None and check.worst is not None
     worst = check.worst
@@ -203,13 +207,25 @@ def _mismatch_text(
     mode, instead = (
         ("", "") if training else (" in eval mode", " (or evaluate without --eval-every)")
     )
+    cause = (
+        " It normalizes with BatchNorm in training: over few values per channel, as a small "
+        "microbatch gives, compiled kernels can be far from eager's; a larger microbatch may pass."
+        if batchnorm and training
+        else ""
+    )
     return (
         f"stage {report.stage} compiled computes something else than its code{mode}: {worst.name} is "
         f"{worst.max_abs:.3g} off its eager value (allowed {worst.allowed:.3g}; {check.failing} "
         f"of {check.compared} tensors off) on the warm-up's inputs{at}. The compiler (inductor) "
         f"miscomputes this model here: train it without --compile{instead}, or pass "
-        "--compile-unchecked to train on these numbers anyway (docs/compile.md)"
+        f"--compile-unchecked to train on these numbers anyway (docs/compile.md).{cause}"
     )
+
+
+def _normalizes(module: nn.Module) -> bool:
+    """Whether ``module`` holds a BatchNorm (in training it normalizes with its batch's
+    statistics)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
 def use_cache_dir(path: str | Path | None, explicit: bool = False) -> str:
@@ -587,7 +603,9 @@ def warm_up_rank_stages(
                     module, inputs(at), s in recompute, mutated, half
                 )
                 if not report.check.ok:
-                    raise CompiledMismatchError(_mismatch_text(report, at or traced))
+                    raise CompiledMismatchError(
+                        _mismatch_text(report, at or traced, batchnorm=_normalizes(module))
+                    )
                 if report.check.random:
                     break
         if eval_graphs:  # Note [compiled eval graphs]
