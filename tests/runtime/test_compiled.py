@@ -1073,19 +1073,18 @@ def test_a_mismatch_in_a_stage_with_batchnorm_names_the_likely_cause() -> None:
     refused rightly, and its user is told why and what may pass; a stage without BatchNorm, or a
     mismatch in eval mode (running statistics), is not."""
     from fxpipe.codegen.check.equivalence import TensorError
-    from fxpipe.runtime.pipeline.compiled import CompiledStage, _mismatch_text, _normalizes
+    from fxpipe.runtime.pipeline.compiled import _mismatch_text, _normalizes
     from fxpipe.runtime.pipeline.compiled_check import EagerCheck
 
     off = EagerCheck(False, TensorError("grad bn.bias", 0.04, 0.1, False, 0.009), 1, 3)
-    report = CompiledStage(1, "stage", ("",), check=off, eval_check=off)
     cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
     assert _normalizes(cnn) and not _normalizes(nn.Linear(2, 2))
     hint = "It normalizes with BatchNorm in training"
-    text = _mismatch_text(report, batchnorm=_normalizes(cnn))
+    text = _mismatch_text(1, off, batchnorm=_normalizes(cnn))
     assert text.startswith("stage 1 compiled computes something else") and hint in text
     assert "a larger microbatch may pass" in text
-    assert hint not in _mismatch_text(report) and hint not in _mismatch_text(
-        report, training=False, batchnorm=True
+    assert hint not in _mismatch_text(1, off) and hint not in _mismatch_text(
+        1, off, training=False, batchnorm=True
     )
 
 

@@ -191,17 +191,17 @@ class CompiledStage:
 
 
 def _mismatch_text(
-    report: CompiledStage,
+    stage: int,
+    check: EagerCheck,
     sizes: Mapping[str, int] | None = None,
     training: bool = True,
     batchnorm: bool = False,
 ) -> str:
-    """The error of a stage whose compiled forward and backward (not ``training``: eval forward)
-    differ from its eager code on the warm-up's inputs (at a dynamic build's ``sizes``; none: the
-    traced ones). ``batchnorm``: the stage normalizes batches in training, which the error names
-    as a likely cause (docs/compile.md: the zoo ResNet at microbatch 2)."""
-    check = report.check if training else report.eval_check
-    assert check is not None and check.worst is not None
+    """The error of ``stage`` whose compiled forward and backward (not ``training``: eval forward)
+    differ from its eager code (``check``) on the warm-up's inputs (at a dynamic build's
+    ``sizes``; none: the traced ones). ``batchnorm``: the stage normalizes batches in training,
+    which the error names as a likely cause (docs/compile.md: the zoo ResNet at microbatch 2)."""
+    assert check.worst is not None
     worst = check.worst
     at = "".join(f", {name} = {n}" for name, n in (sizes or {}).items())
     mode, instead = (
@@ -214,7 +214,7 @@ def _mismatch_text(
         else ""
     )
     return (
-        f"stage {report.stage} compiled computes something else than its code{mode}: {worst.name} is "
+        f"stage {stage} compiled computes something else than its code{mode}: {worst.name} is "
         f"{worst.max_abs:.3g} off its eager value (allowed {worst.allowed:.3g}; {check.failing} "
         f"of {check.compared} tensors off) on the warm-up's inputs{at}. The compiler (inductor) "
         f"miscomputes this model here: train it without --compile{instead}, or pass "
@@ -596,30 +596,45 @@ def warm_up_rank_stages(
         for at in sizes:
             _warm_up(module, inputs(at), s in recompute, mutated=mutated)
         report.one_graph += split_failures[failed:]  # compiled at the warm-up's backward
-        # Note [checking a compiled stage at the warm-up]
-        if check:  # sharded or split stages too: Note [checking sharded stages]
-            for at in sizes:  # a dynamic build's graphs at its second sizes too
-                report.check = check_against_eager(
-                    module, inputs(at), s in recompute, mutated, half
-                )
-                if not report.check.ok:
-                    raise CompiledMismatchError(
-                        _mismatch_text(report, at or traced, batchnorm=_normalizes(module))
-                    )
-                if report.check.random:
-                    break
+        # Note [checking a compiled stage at the warm-up]; sharded or split stages too: Note
+        # [checking sharded stages]; a dynamic build's graphs at its second sizes too
+        checked = functools.partial(
+            _checked, s, module, inputs, sizes, traced, s in recompute, mutated, half
+        )
+        if check:
+            report.check = checked(training=True)
         if eval_graphs:  # Note [compiled eval graphs]
             trained = time.perf_counter()
             for at in sizes:
                 _warm_up(module, inputs(at), False, training=False, mutated=mutated)
             report.eval_seconds = time.perf_counter() - trained
-            if report.check is not None:  # checked in train mode: in eval mode too
-                for at in sizes:
-                    report.eval_check = check_against_eager(
-                        module, inputs(at), False, mutated, half, training=False
-                    )
-                    if not report.eval_check.ok:
-                        raise CompiledMismatchError(
-                            _mismatch_text(report, at or traced, training=False)
-                        )
+            if check:
+                report.eval_check = checked(training=False)
         report.seconds = time.perf_counter() - start
+
+
+def _checked(
+    stage: int,
+    module: nn.Module,
+    inputs: Callable[[Mapping[str, int] | None], list[torch.Tensor]],
+    sizes: Sequence[Mapping[str, int] | None],
+    traced: Mapping[str, int],
+    recompute: bool,
+    mutated: Sequence[int],
+    half: torch.dtype | None,
+    training: bool,
+) -> EagerCheck:
+    """``check_against_eager`` of ``stage`` (train or eval graphs) on the warm-up's inputs at each
+    of ``sizes`` (a dynamic build's errors name them: ``traced`` for the traced ones), until one
+    draws random numbers; ``CompiledMismatchError`` at the first that differs."""
+    for at in sizes:
+        check = check_against_eager(
+            module, inputs(at), recompute and training, mutated, half, training=training
+        )
+        if not check.ok:
+            batchnorm = training and _normalizes(module)
+            text = _mismatch_text(stage, check, at or traced, training, batchnorm)
+            raise CompiledMismatchError(text)
+        if check.random:
+            break
+    return check

@@ -226,8 +226,9 @@ def _sharing(module: nn.Module) -> DeviceMesh | None:
 def _agreed(value: Any, mesh: DeviceMesh | None, merge: Callable[[list[Any]], Any]) -> Any:
     """``merge`` of ``value`` over every rank of ``mesh``, the same on all of them (one
     ``all_gather_object`` per mesh dimension; ``value`` itself without a mesh)."""
-    for dim in range(mesh.ndim if mesh is not None else 0):
-        assert mesh is not None
+    if mesh is None:
+        return value
+    for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         values: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(values, value, group=group)
@@ -236,8 +237,8 @@ def _agreed(value: Any, mesh: DeviceMesh | None, merge: Callable[[list[Any]], An
 
 
 def _worst_of(checks: list[EagerCheck]) -> EagerCheck:
-    """Replicas' checks of their own gradient shards as one: the tensor furthest off its
-    allowance on any of them, and the most tensors off on one."""
+    """The checks of ranks that each compared their own shards, as one: the tensor furthest off
+    its allowance on any of them, and the most tensors off on one."""
     rows = [c.worst for c in checks if c.worst is not None]
     worst = max(rows, key=lambda r: r.max_abs / max(r.allowed, 1e-30), default=None)
     return EagerCheck(False, worst, max(c.failing for c in checks), checks[0].compared)
